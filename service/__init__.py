@@ -1,0 +1,1 @@
+"""graphcache: a graph-caching LLM inference microservice."""
