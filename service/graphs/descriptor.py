@@ -1,0 +1,101 @@
+"""Batch descriptors: the minimal description of a padded batch, the key of a captured graph.
+
+A capture fixes every tensor shape, so a step can replay a capture only if its batch is
+padded up to exactly the shapes captured. Two numbers fix those shapes: tokens in the
+step (the width of every activation) and requests (rows of logits). `uniform_decode`
+separates pure-decode batches (one token per request: T == R) from mixed prefill/decode
+ones, because attention metadata is laid out differently for the two.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["BatchDescriptor", "CaptureSizes", "descriptor_for"]
+
+
+@dataclass(frozen=True, order=True)
+class BatchDescriptor:
+    num_tokens: int  # padded token count (graph shape)
+    num_reqs: int  # padded request count = rows of logits
+    uniform_decode: bool = False  # every request feeds exactly one token
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1 or self.num_reqs < 1:
+            raise ValueError(f"descriptor needs positive sizes, got {self.num_tokens}:{self.num_reqs}")
+        if self.num_reqs > self.num_tokens:
+            raise ValueError(f"descriptor {self.num_tokens}:{self.num_reqs} has more requests than tokens; "
+                             "every request feeds at least one token")
+        if self.uniform_decode and self.num_reqs != self.num_tokens:
+            raise ValueError(f"a decode descriptor feeds one token per request: tokens ({self.num_tokens}) "
+                             f"must equal requests ({self.num_reqs})")
+
+    def __str__(self) -> str:
+        base = f"{self.num_tokens}:{self.num_reqs}"
+        return base + ":decode" if self.uniform_decode else base
+
+    @classmethod
+    def parse(cls, text: str) -> BatchDescriptor:
+        """Inverse of str(): "T:R" (mixed) or "T:R:decode"."""
+        parts = text.strip().split(":")
+        try:
+            if len(parts) == 2:
+                return cls(int(parts[0]), int(parts[1]), False)
+            if len(parts) == 3 and parts[2] == "decode":
+                return cls(int(parts[0]), int(parts[1]), True)
+        except ValueError as e:
+            raise ValueError(f"bad batch descriptor {text!r}: {e}") from None
+        raise ValueError(f'bad batch descriptor {text!r}: write "TOKENS:REQS" or "TOKENS:REQS:decode", '
+                         'e.g. "64:8" or "8:8:decode"')
+
+
+class CaptureSizes:
+    """The sorted sizes a batch may be padded to; larger batches run eagerly."""
+
+    def __init__(self, sizes: Iterable[int]) -> None:
+        self.sizes: tuple[int, ...] = tuple(sorted(set(sizes)))
+        if not self.sizes or self.sizes[0] < 1:
+            raise ValueError(f"capture sizes must be a non-empty list of positive integers, got {list(sizes)}")
+
+    @property
+    def max(self) -> int:
+        return self.sizes[-1]
+
+    def pad(self, n: int) -> int | None:
+        """The smallest capture size >= n, or None when n exceeds the largest one."""
+        i = bisect.bisect_left(self.sizes, n)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def __iter__(self):
+        return iter(self.sizes)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __repr__(self) -> str:
+        return f"CaptureSizes({list(self.sizes)})"
+
+
+def descriptor_for(num_tokens: int, num_reqs: int, uniform_decode: bool,
+                   sizes: CaptureSizes) -> BatchDescriptor | None:
+    """The padded descriptor a batch replays under, or None when it is too big (run it eagerly).
+
+    decode: T = R = pad(num_reqs). mixed: T = pad(num_tokens), R = pad(num_reqs) (R <= T holds
+    because num_reqs <= num_tokens and pad is monotonic).
+    """
+    if num_reqs < 1 or num_tokens < num_reqs:
+        raise ValueError(f"batch of {num_tokens} tokens and {num_reqs} requests is impossible")
+    if uniform_decode:
+        if num_tokens != num_reqs:
+            raise ValueError(f"a uniform-decode batch feeds one token per request, got {num_tokens} tokens "
+                             f"for {num_reqs} requests")
+        padded = sizes.pad(num_reqs)
+        return None if padded is None else BatchDescriptor(padded, padded, True)
+    padded_tokens = sizes.pad(num_tokens)
+    if padded_tokens is None:
+        return None
+    padded_reqs = sizes.pad(num_reqs)
+    assert padded_reqs is not None and padded_reqs <= padded_tokens
+    return BatchDescriptor(padded_tokens, padded_reqs, False)
