@@ -168,6 +168,7 @@ class Engine:
         self._num_steps = 0
         self._steps_by_mode: dict[str, int] = {}
         self._consecutive_failures = 0
+        self._outbox: list[tuple[_Handle, RequestOutput]] = []   # engine thread: outputs of this iteration
         self.warmup_report: Any = None
         # Test hook: called with each StepBatch on the engine thread before execute; raise to fail the step.
         self.step_failpoint: Callable[[Any], None] | None = None
@@ -420,6 +421,7 @@ class Engine:
             if sched.has_work():
                 self._step()
             self._refresh_stats()
+            self._flush_outputs()
 
     def _process_inbox(self, block: bool) -> None:
         try:
@@ -563,8 +565,15 @@ class Engine:
             if self.metrics is not None:
                 self.metrics.requests_finished.labels(seq.finish_reason).inc()
                 self.metrics.e2e.observe(time.monotonic() - seq.arrival_time)
-        with contextlib.suppress(RuntimeError):   # the consumer's loop is closed
-            handle.loop.call_soon_threadsafe(handle.outputs.put_nowait, out)
+        self._outbox.append((handle, out))
+
+    def _flush_outputs(self) -> None:
+        """Deliver queued outputs. Runs after stats/gauges are updated, so a consumer that sees
+        its final output also sees its blocks freed in stats()."""
+        outbox, self._outbox = self._outbox, []
+        for handle, out in outbox:
+            with contextlib.suppress(RuntimeError):   # the consumer's loop is closed
+                handle.loop.call_soon_threadsafe(handle.outputs.put_nowait, out)
 
     def _update_gauges(self) -> None:
         sched = self._scheduler
@@ -576,15 +585,14 @@ class Engine:
             self.metrics.kv_usage.set(sched.block_manager.usage)
 
     def _refresh_stats(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._stats_refreshed < 0.25:
-            return
-        self._stats_refreshed = now
+        """Engine counters every call (cheap); cache stats at most every 0.25 s (may walk entries)."""
         sched = self._scheduler
         bm = sched.block_manager
-        cache_stats = None
+        now = time.monotonic()
+        cache_stats = self._stats.get("cache")
         cache = getattr(self._runner, "cache", None)
-        if cache is not None:
+        if cache is not None and (force or now - self._stats_refreshed >= 0.25):
+            self._stats_refreshed = now
             try:
                 cache_stats = _jsonable(cache.stats())
             except Exception as exc:  # stats must never take the engine down
@@ -633,3 +641,5 @@ class Engine:
                 self._emit(cmd.handle.seq)
         if self._scheduler is not None:
             self._update_gauges()
+            self._refresh_stats(force=True)
+        self._flush_outputs()

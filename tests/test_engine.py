@@ -1,0 +1,354 @@
+"""Engine: the engine thread + asyncio API, with a fake runner (always) and the real one (tiny model, CPU).
+
+The fake runner keeps a token-level "KV cache" addressed by the block tables the engine sends and
+derives each next token from what it reads back, so wrong slices, positions or block tables change
+the output. The real-runner tests need service.engine.runner and service.model.tiny.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from service.config import Settings
+from service.engine.engine import (
+    Engine,
+    EngineDead,
+    EngineDraining,
+    EngineNotReady,
+    QueueFull,
+    SamplingParams,
+)
+from service.metrics import Metrics
+
+VOCAB = 64
+
+
+class FakeDetokenizer:
+    def step(self, token_id: int) -> str:
+        return f"<{token_id}>"
+
+
+class FakeTokenizer:
+    eos_token_ids = [VOCAB - 1]
+
+    def detokenizer(self):
+        return FakeDetokenizer()
+
+
+class FakeCache:
+    def __init__(self, owner: list):
+        self.owner = owner   # [thread]: admin calls must run on the engine thread
+
+    def _check(self):
+        assert threading.current_thread() is self.owner[0], "cache touched off the engine thread"
+
+    def warmup(self, descs, *, pin=True):
+        self._check()
+        return {"captured": [str(d) for d in descs]}
+
+    def clear(self):
+        self._check()
+        return {"evicted": 0}
+
+    def info(self):
+        self._check()
+        return {"entries": []}
+
+    def stats(self):
+        return {"hits": 0}
+
+
+class FakeRunner:
+    def __init__(self, settings: Settings, metrics=None, *, num_kv_blocks=64, block_size=4, max_model_len=128,
+                 step_delay=0.0):
+        self.owner = [threading.current_thread()]
+        self.tokenizer = FakeTokenizer()
+        self.model_config = None
+        self.num_kv_blocks, self.block_size, self.max_model_len = num_kv_blocks, block_size, max_model_len
+        self.cache = FakeCache(self.owner)
+        self.last_mode = "eager"
+        self.step_delay = step_delay
+        self.slots: dict[int, int] = {}
+        self.batches = []
+
+    def warmup(self):
+        return {"captured": 0}
+
+    def execute(self, batch):
+        assert threading.current_thread() is self.owner[0]
+        self.batches.append(batch)
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        bs = self.block_size
+        rows = []
+        for s in batch.seqs:
+            for i, tok in enumerate(s.token_ids):
+                pos = s.start_pos + i
+                self.slots[s.block_table[pos // bs] * bs + pos % bs] = tok
+            if s.need_logits:
+                end = s.start_pos + len(s.token_ids)
+                history = [self.slots[s.block_table[p // bs] * bs + p % bs] for p in range(end)]
+                nxt = (sum((p + 1) * t for p, t in enumerate(history)) * 31 + end) % (VOCAB - 1)
+                row = torch.zeros(VOCAB)
+                row[nxt] = 10.0
+                rows.append(row)
+        return torch.stack(rows) if rows else torch.zeros(0, VOCAB)
+
+
+def fake_factory(**kw):
+    return lambda settings, metrics: FakeRunner(settings, metrics, **kw)
+
+
+def start_engine(factory, **settings_kw) -> Engine:
+    settings = Settings(**{"max_num_seqs": 8, "max_num_batched_tokens": 32, **settings_kw})
+    engine = Engine(settings, Metrics(), runner_factory=factory)
+    engine.start()
+    assert engine.wait_ready(120), engine.error
+    return engine
+
+
+async def collect(engine, rid, prompt, params):
+    text, ids, last = "", [], None
+    async for out in engine.generate(rid, prompt, params):
+        text += out.text
+        ids += out.token_ids
+        last = out
+    return ids, text, last
+
+
+def prompts(n, vocab=VOCAB - 1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+# --- real runner (tiny model on CPU) -------------------------------------------------------------
+
+def real_factory():
+    runner_mod = pytest.importorskip("service.engine.runner")
+    pytest.importorskip("service.model.tiny")
+    return runner_mod.ModelRunner
+
+
+@pytest.fixture(scope="module")
+def real_engine(tmp_path_factory):
+    factory = real_factory()
+    engine = start_engine(lambda s, m: factory(s, m), cache_dir=tmp_path_factory.mktemp("gc"), device="cpu",
+                          max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256, warmup_decode_sizes=[])
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(params=["fake", "real"])
+def engine(request, tmp_path):
+    if request.param == "real":
+        yield request.getfixturevalue("real_engine")
+        return
+    e = start_engine(fake_factory())
+    yield e
+    e.shutdown()
+
+
+# --- tests -------------------------------------------------------------------------------------
+
+async def test_batching_does_not_change_greedy_outputs(engine):
+    vocab = engine.runner.model_config.vocab_size if engine.runner.model_config else VOCAB - 1
+    ps = prompts(16, vocab=vocab)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = [(await collect(engine, f"alone-{i}", p, params))[0] for i, p in enumerate(ps)]
+    together = await asyncio.gather(*(collect(engine, f"batch-{i}", p, params) for i, p in enumerate(ps)))
+    assert [t[0] for t in together] == alone
+    assert all(t[2].finish_reason == "length" and t[2].completion_tokens == 12 for t in together)
+    stats = engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+async def test_output_fields_and_stop_string():
+    e = start_engine(fake_factory())
+    try:
+        ids, text, last = await collect(e, "a", [1, 2, 3], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        assert text == "".join(f"<{t}>" for t in ids) and last.finished
+        assert (last.prompt_tokens, last.completion_tokens) == (3, 6)
+        stop = f"<{ids[2]}>"
+        ids2, text2, last2 = await collect(e, "b", [1, 2, 3], SamplingParams(max_tokens=6, temperature=0, stop=[stop],
+                                                                              ignore_eos=True))
+        assert last2.finish_reason == "stop" and text2 == text[:text.index(stop)]
+    finally:
+        e.shutdown()
+
+
+async def test_consumer_leaving_aborts_and_frees_blocks():
+    e = start_engine(fake_factory(step_delay=0.01))
+    try:
+        it = e.generate("leaver", list(range(1, 20)), SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+        async for _ in it:
+            break
+        await it.aclose()            # what a disconnect does to the response's generator
+        for _ in range(200):
+            if e.stats()["kv_blocks_free"] == e.stats()["kv_blocks_total"] and not e.stats()["running"]:
+                break
+            await asyncio.sleep(0.01)
+        assert e.stats()["kv_blocks_free"] == e.stats()["kv_blocks_total"]
+        assert e.metrics.requests_finished.labels("abort")._value.get() == 1
+        # explicit abort by id
+        task = asyncio.create_task(collect(e, "x", [1, 2], SamplingParams(max_tokens=100, ignore_eos=True)))
+        await asyncio.sleep(0.05)
+        e.abort("x")
+        _, _, last = await asyncio.wait_for(task, 5)
+        assert last.finish_reason == "abort"
+    finally:
+        e.shutdown()
+
+
+async def test_queue_full_and_not_ready_and_validation():
+    e = Engine(Settings(max_num_seqs=1, max_num_batched_tokens=16, max_queue=2), Metrics(),
+               runner_factory=fake_factory(step_delay=0.02))
+    with pytest.raises(EngineNotReady):
+        e.generate("early", [1], SamplingParams())
+    e.start()
+    assert e.wait_ready(10)
+    try:
+        params = SamplingParams(max_tokens=20, ignore_eos=True)
+        streams = [e.generate("r0", [1, 2], params)]
+        await asyncio.sleep(0.1)       # r0 running; the next two wait
+        streams += [e.generate(f"r{i}", [1, 2], params) for i in (1, 2)]
+        with pytest.raises(QueueFull):
+            e.generate("r3", [1, 2], params)
+        with pytest.raises(ValueError, match="maximum context length 128"):
+            e.generate("long", [1] * 120, SamplingParams(max_tokens=20))
+        with pytest.raises(ValueError, match="already in flight"):
+            e.generate("r1", [1], params)
+        with pytest.raises(ValueError, match="temperature"):
+            e.generate("bad", [1], SamplingParams(temperature=-1))
+        for s in streams:
+            async for out in s:
+                last = out
+            assert last.finish_reason == "length"
+    finally:
+        e.shutdown()
+
+
+async def test_drain_finishes_short_and_fails_long_requests_cleanly():
+    e = start_engine(fake_factory(step_delay=0.01))
+    try:
+        short = asyncio.create_task(collect(e, "short", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True)))
+        long = asyncio.create_task(collect(e, "long", [1, 2], SamplingParams(max_tokens=120, ignore_eos=True)))
+        await asyncio.sleep(0.02)
+        report = await e.drain(timeout=0.3)
+        assert report["aborted"] == 1
+        with pytest.raises(EngineDraining):
+            e.generate("late", [1], SamplingParams())
+        assert (await short)[2].finish_reason == "length"
+        last = (await asyncio.wait_for(long, 5))[2]
+        assert last.finish_reason == "error" and "drain" in last.error
+    finally:
+        e.shutdown()
+    assert not e._thread.is_alive()
+
+
+async def test_step_exception_fails_only_that_steps_requests():
+    e = start_engine(fake_factory(step_delay=0.005))
+    try:
+        params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+        calls = []
+
+        def fail_once(batch):
+            calls.append(batch)
+            if len(calls) == 1:
+                raise RuntimeError("injected step failure")
+
+        e.step_failpoint = fail_once
+        _, _, victim = await collect(e, "victim", [1, 2, 3], params)
+        assert victim.finish_reason == "error" and victim.error
+        e.step_failpoint = None
+        _, _, ok = await collect(e, "after", [1, 2, 3], params)
+        assert ok.finish_reason == "length" and e.alive and e.ready
+        assert e.stats()["kv_blocks_free"] == e.stats()["kv_blocks_total"]
+        assert e.metrics.requests_finished.labels("error")._value.get() == 1
+    finally:
+        e.shutdown()
+
+
+async def test_repeated_step_failures_kill_the_engine_and_fail_everyone():
+    e = start_engine(fake_factory(step_delay=0.005), max_num_seqs=1)
+    try:
+        def always(batch):
+            raise RuntimeError("device broken")
+
+        e.step_failpoint = always
+        results = await asyncio.wait_for(asyncio.gather(
+            *(collect(e, f"r{i}", [1, 2], SamplingParams(max_tokens=4)) for i in range(6))), 10)
+        assert all(r[2].finish_reason == "error" for r in results)
+        for _ in range(100):
+            if not e.alive:
+                break
+            await asyncio.sleep(0.01)
+        assert not e.alive and "device broken" in e.error
+        with pytest.raises(EngineDead):
+            e.generate("after", [1], SamplingParams())
+        with pytest.raises(EngineDead):
+            await e.cache_info()
+    finally:
+        e.shutdown()
+
+
+async def test_load_failure_marks_dead():
+    def broken(settings, metrics):
+        raise FileNotFoundError("no config.json in /nowhere")
+
+    e = Engine(Settings(), Metrics(), runner_factory=broken)
+    e.start()
+    assert not e.wait_ready(10)
+    assert not e.alive and "config.json" in e.error
+    with pytest.raises(EngineDead):
+        e.generate("r", [1], SamplingParams())
+    e.shutdown()
+
+
+async def test_admin_commands_run_on_the_engine_thread():
+    e = start_engine(fake_factory())
+    try:
+        assert await e.cache_info() == {"entries": []}
+        assert await e.clear_graphs() == {"evicted": 0}
+        assert (await e.warmup(["8:8:decode", "16:2"]))["captured"] == ["8:8:decode", "16:2"]
+    finally:
+        e.shutdown()
+
+
+async def test_preemption_under_kv_exhaustion_finishes_everyone():
+    e = start_engine(fake_factory(num_kv_blocks=12, block_size=4, max_model_len=64))
+    try:
+        params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+        ps = prompts(8)
+        ps = [p[:20] for p in ps]
+        alone = [(await collect(e, f"a{i}", p, params))[0] for i, p in enumerate(ps)]
+        together = await asyncio.wait_for(asyncio.gather(
+            *(collect(e, f"b{i}", p, params) for i, p in enumerate(ps))), 30)
+        assert [t[0] for t in together] == alone
+        assert e.stats()["preemptions"] > 0
+        assert e.metrics.preemptions._value.get() > 0
+        assert e.stats()["kv_blocks_free"] == e.stats()["kv_blocks_total"]
+    finally:
+        e.shutdown()
+
+
+async def test_metrics_recorded():
+    e = start_engine(fake_factory())
+    try:
+        await collect(e, "m", [1, 2, 3, 4], SamplingParams(max_tokens=5, ignore_eos=True))
+        m = e.metrics
+        assert m.ready._value.get() == 1
+        assert m.prompt_tokens._value.get() == 4 and m.generation_tokens._value.get() == 5
+        assert m.requests_finished.labels("length")._value.get() == 1
+        assert m.steps.labels("eager")._value.get() >= 5
+        samples = {s.name: s.value for metric in m.registry.collect() for s in metric.samples}
+        assert samples["graphcache_time_to_first_token_seconds_count"] == 1
+        assert samples["graphcache_time_per_output_token_seconds_count"] == 4
+        assert samples["graphcache_e2e_request_latency_seconds_count"] == 1
+    finally:
+        e.shutdown()
