@@ -24,20 +24,21 @@ from service.engine.engine import (
     SamplingParams,
 )
 from service.metrics import Metrics
+from service.model.tokenizer import IncrementalDetokenizer
 
 VOCAB = 64
 
 
-class FakeDetokenizer:
-    def step(self, token_id: int) -> str:
-        return f"<{token_id}>"
-
-
 class FakeTokenizer:
+    """Token id -> "<id>"; drives the real IncrementalDetokenizer."""
+
     eos_token_ids = [VOCAB - 1]
 
-    def detokenizer(self):
-        return FakeDetokenizer()
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{i}>" for i in ids)
+
+    def detokenizer(self, prompt_ids=None, stop=None):
+        return IncrementalDetokenizer(self, prompt_ids, stop)
 
 
 class FakeCache:

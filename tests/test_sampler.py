@@ -4,6 +4,7 @@ import torch
 
 from service.engine.sampler import Sampler, check_stop, probs_from_logits, sendable_text
 from service.engine.sequence import SamplingParams, Sequence
+from service.model.tokenizer import IncrementalDetokenizer
 
 
 def seq(rid="r", **params) -> Sequence:
@@ -72,18 +73,19 @@ def test_max_tokens_and_max_model_len():
     assert check_stop(s, 6, eos_token_ids=set(), max_model_len=5) == "length"
 
 
-class CharDetokenizer:
-    """Token id -> one character (stands in for the tokenizer's IncrementalDetokenizer)."""
+class CharTokenizer:
+    """Token id -> one letter; drives the real IncrementalDetokenizer."""
 
-    def step(self, token_id: int) -> str:
-        return chr(ord("a") + token_id)
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i) for i in ids)
 
 
 def feed(s: Sequence, tokens: list[int]) -> tuple[str, str | None]:
+    s.detokenizer = IncrementalDetokenizer(CharTokenizer(), s.prompt_token_ids, s.params.stop)
     streamed, reason = "", None
     for t in tokens:
         s.output_token_ids.append(t)
-        reason = check_stop(s, t, eos_token_ids=set(), max_model_len=1000)
+        reason = check_stop(s, t, eos_token_ids={25}, max_model_len=1000)
         streamed += sendable_text(s, reason is not None)
         if reason:
             break
@@ -92,20 +94,23 @@ def feed(s: Sequence, tokens: list[int]) -> tuple[str, str | None]:
 
 def test_stop_string_is_cut_from_output_and_never_streamed():
     s = seq(stop=["cde"], max_tokens=50)
-    s.detokenizer = CharDetokenizer()
     streamed, reason = feed(s, [0, 1, 2, 3, 4, 5])      # a b c d e f
     assert reason == "stop" and streamed == "ab" and s.output_text == "ab"
 
 
 def test_stop_string_prefix_held_back_then_released():
     s = seq(stop=["xyz"], max_tokens=6)
-    s.detokenizer = CharDetokenizer()
     streamed, reason = feed(s, [0, 23, 24, 1, 2, 3])   # a x y b c d: "xy" looked like a stop, was not
     assert reason == "length" and streamed == "axybcd"
 
 
 def test_stop_string_across_tokens_and_first_of_many():
-    s = seq(stop=["zz", "bc"], max_tokens=50)
-    s.detokenizer = CharDetokenizer()
-    streamed, reason = feed(s, [0, 1, 2, 25, 25])
+    s = seq(stop=["ww", "bc"], max_tokens=50)
+    streamed, reason = feed(s, [0, 1, 2, 22, 22])
     assert reason == "stop" and streamed == "a"
+
+
+def test_eos_flushes_held_text_and_adds_none():
+    s = seq(stop=["xyz"], max_tokens=50)
+    streamed, reason = feed(s, [0, 23, 25])            # a x <eos>
+    assert reason == "stop" and streamed == "ax"

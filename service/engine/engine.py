@@ -442,7 +442,7 @@ class Engine:
             if cmd.handle.request_id not in self._requests:
                 return   # failed while queued (drain/abort-all raced the add)
             if self.tokenizer is not None:
-                seq.detokenizer = self.tokenizer.detokenizer()
+                seq.detokenizer = self.tokenizer.detokenizer(seq.prompt_token_ids, seq.params.stop)
             sched.add(seq)
         elif isinstance(cmd, _Abort):
             handle = self._requests.get(cmd.request_id)

@@ -8,7 +8,8 @@ share one batched draw.
 
 Stop rules (checked after each new token, in this order): stop token ids and EOS (unless
 ignore_eos) -> "stop"; stop strings on the incrementally detokenized text -> "stop", with the stop
-string and anything after it cut from the output (OpenAI semantics); max_tokens or max_model_len
+string and anything after it cut from the output (OpenAI semantics; the detokenizer does the cut
+and holds back a tail that could still become a stop string); max_tokens or max_model_len
 -> "length".
 """
 
@@ -87,11 +88,9 @@ def probs_from_logits(logits: torch.Tensor, *, temperature: torch.Tensor, top_k:
 
 
 # --- stop rules ------------------------------------------------------------------------------
-
-def detokenize_step(detokenizer, token_id: int) -> str:
-    """Feed one token to the tokenizer's IncrementalDetokenizer; return the newly final text."""
-    return detokenizer.step(token_id)
-
+# Text comes from the tokenizer's IncrementalDetokenizer (service/model/tokenizer.py): add(ids)
+# returns only text that is safe to emit (no split UTF-8 character, no tail that may still grow
+# into a stop string), cuts a stop string and what follows, and sets `.stopped`; finish() flushes.
 
 def check_stop(seq: Sequence, token_id: int, *, eos_token_ids: set[int] | frozenset[int],
                max_model_len: int) -> str | None:
@@ -100,25 +99,19 @@ def check_stop(seq: Sequence, token_id: int, *, eos_token_ids: set[int] | frozen
     if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
         return "stop"   # the stop token stays in token ids but adds no text (like OpenAI/vLLM)
     if seq.detokenizer is not None:
-        seq.output_text += detokenize_step(seq.detokenizer, token_id)
-        if params.stop:
-            # Only the tail can contain a new match: search from before the newest text.
-            longest = max(len(s) for s in params.stop)
-            search_from = max(0, seq.num_text_sent - longest)
-            hits = [i for i in (seq.output_text.find(s, search_from) for s in params.stop) if i >= 0]
-            if hits:
-                seq.output_text = seq.output_text[:min(hits)]
-                return "stop"
+        seq.output_text += seq.detokenizer.add([token_id])
+        if seq.detokenizer.stopped is not None:
+            return "stop"
     if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
         return "length"
     return None
 
 
 def sendable_text(seq: Sequence, finished: bool) -> str:
-    """Text not yet streamed, holding back a tail that could still grow into a stop string."""
-    end = len(seq.output_text)
-    if not finished and seq.params.stop:
-        end = max(seq.num_text_sent, end - (max(len(s) for s in seq.params.stop) - 1))
-    delta = seq.output_text[seq.num_text_sent:end]
-    seq.num_text_sent = end
+    """Text not yet streamed; on finish, first flush what the detokenizer held back."""
+    if finished and seq.detokenizer is not None:
+        seq.output_text += seq.detokenizer.finish()
+        seq.detokenizer = None   # flushed once; nothing more will come
+    delta = seq.output_text[seq.num_text_sent:]
+    seq.num_text_sent = len(seq.output_text)
     return delta

@@ -75,9 +75,10 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None            # why, when finish_reason == "error"
     num_preemptions: int = 0
-    # Detokenizer state: the tokenizer's IncrementalDetokenizer plus the text produced so far.
+    # Detokenizer state: the tokenizer's IncrementalDetokenizer (None once flushed at finish) and the
+    # text it released so far (stop strings already cut).
     detokenizer: Any = None
-    output_text: str = ""               # stop-string-truncated text generated so far
+    output_text: str = ""
     num_text_sent: int = 0              # chars of output_text already streamed to the client
     num_tokens_sent: int = 0            # output tokens already streamed to the client
     generator: Any = None               # torch.Generator for seeded sampling (created lazily by the sampler)
