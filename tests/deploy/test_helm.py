@@ -1,0 +1,411 @@
+"""The Helm chart, rendered and linted by Helm's own Go SDK (helm-python-sdk), offline.
+
+Three value sets: the defaults, a production-like set (PVC model, existing Secret, MIG GPU, ServiceMonitor,
+KEDA) and a third (hostPath model, HPA, generated token from a value, no GPU). Assertions read the
+rendered manifests with PyYAML. The env the chart sets is fed back through service.config.Settings, so
+a value that the server would misread (a list not in JSON, a number in exponent form) fails here.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from service.config import Settings
+
+from .conftest import CHART
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk not installed: pip install -e '.[test]'")
+
+# Settings the chart sets itself from other sections; every other Settings field is a `config` key.
+CHART_MANAGED = {"model", "served_model_name", "cache_dir", "host", "port", "admin_token"}
+
+CUSTOM = {
+    "replicaCount": 3,
+    "image": {"repository": "registry.example.com/ml/graphcache", "tag": "1.2.3"},
+    "gpu": {"resourceName": "nvidia.com/mig-3g.71gb", "count": 2},
+    "model": {
+        "source": "pvc",
+        "path": "Qwen2.5-0.5B-Instruct",
+        "servedModelName": "qwen",
+        "pvc": {"create": True, "storageClassName": "fast", "accessModes": ["ReadOnlyMany"], "size": "20Gi"},
+    },
+    "adminToken": {"existingSecret": "gc-admin", "existingSecretKey": "token"},
+    "config": {
+        "max_num_seqs": 128,
+        "capture_sizes": [1, 2, 4, 8, 16],
+        "cache_max_bytes": 8589934592,
+        "admission": "after_n",
+        "enforce_eager": False,
+        "warmup_descriptors": ["64:8", "8:8:decode"],
+        "kv_cache_memory_fraction": 0.8,
+        "log_level": "debug",
+        "cors_origins": [],
+    },
+    "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}, "interval": "5s"},
+    "keda": {"enabled": True, "threshold": 8},
+    "podDisruptionBudget": {"minAvailable": 1},
+    "extraEnv": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
+    "extraArgs": ["--log-level", "debug"],
+    "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"},
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    "runtimeClassName": "nvidia",
+}
+
+THIRD = {
+    "model": {"source": "hostPath", "hostPath": {"path": "/data/llm"}, "path": "llama-3.2-1b"},
+    "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6, "targetRequestsWaiting": "2"},
+    "adminToken": {"value": "s3cret-token"},
+    "gpu": {"enabled": False},
+    "metrics": {"podAnnotations": False},
+    "podDisruptionBudget": {"enabled": False},
+    "lifecycle": {"preStopSleepSeconds": 0},
+    "config": {"device": "cpu", "warmup_decode_sizes": []},
+}
+
+
+@pytest.fixture(scope="module")
+def chart():
+    with helm.Chart.load(CHART) as c:
+        yield c
+
+
+def render(chart, values=None, name="rel", namespace="ml") -> dict[tuple[str, str], dict]:
+    """Rendered objects keyed by (kind, name); NOTES.txt under ("NOTES", "")."""
+    out: dict[tuple[str, str], dict] = {}
+    for path, text in chart.render(values, name=name, namespace=namespace, is_install=True).items():
+        if path.endswith("NOTES.txt"):
+            out[("NOTES", "")] = {"text": text}
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                key = (doc["kind"], doc["metadata"]["name"])
+                assert key not in out, f"duplicate object {key}"
+                out[key] = doc
+    return out
+
+
+def container(objs) -> dict:
+    dep = objs[("Deployment", "rel-graphcache")]
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def env_of(c) -> dict[str, dict]:
+    names = [e["name"] for e in c["env"]]
+    assert len(names) == len(set(names)), f"duplicate env names: {names}"
+    return {e["name"]: e for e in c["env"]}
+
+
+def kinds(objs) -> set[str]:
+    return {k for k, _ in objs}
+
+
+# --- lint -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("values", [None, CUSTOM, THIRD], ids=["defaults", "custom", "third"])
+def test_helm_lint_strict(values):
+    report = helm.lint(CHART, values, strict=True, namespace="ml", kube_version="v1.30.0")
+    assert report["errors"] == [], report
+    # Severity 2 = warning, 3 = error; only "icon is recommended" (info) is allowed.
+    assert [m for m in report["messages"] if m["severity"] >= 2] == [], report["messages"]
+
+
+def test_chart_metadata(chart):
+    meta = chart.metadata
+    assert meta["apiVersion"] == "v2" and meta["name"] == "graphcache" and meta["type"] == "application"
+    pyproject = (CHART.parents[1] / "pyproject.toml").read_text()
+    assert f'version = "{meta["appVersion"]}"' in pyproject, "appVersion should follow the package version"
+    assert chart.schema is not None
+
+
+# --- defaults ---------------------------------------------------------------------------------------
+
+def test_defaults_render_expected_objects(chart):
+    objs = render(chart)
+    assert kinds(objs) == {"NOTES", "Deployment", "Service", "ServiceAccount", "Secret", "PodDisruptionBudget",
+                           "Pod"}, "ServiceMonitor/HPA/ScaledObject/PVC must be off by default"
+    assert objs[("Deployment", "rel-graphcache")]["spec"]["replicas"] == 1
+
+
+def test_defaults_gpu_resources(chart):
+    res = container(render(chart))["resources"]
+    assert res["limits"]["nvidia.com/gpu"] == 1
+    assert res["requests"]["nvidia.com/gpu"] == 1
+    assert res["limits"]["memory"] == "16Gi" and res["requests"]["cpu"] == "2"
+
+
+def test_defaults_probes(chart):
+    c = container(render(chart))
+    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert c["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 300, \
+        "startup must allow minutes (image pull done, but model load and warmup are slow)"
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+
+
+def test_defaults_env_and_generated_secret(chart):
+    objs = render(chart)
+    env = env_of(container(objs))
+    assert env["GRAPHCACHE_HOST"]["value"] == "0.0.0.0"
+    assert env["GRAPHCACHE_PORT"]["value"] == "8000"
+    assert env["GRAPHCACHE_CACHE_DIR"]["value"] == "/var/cache/graphcache"
+    assert "GRAPHCACHE_MODEL" not in env, "model.source=none serves the embedded tiny model"
+    ref = env["GRAPHCACHE_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]
+    secret = objs[("Secret", ref["name"])]
+    token = base64.b64decode(secret["data"][ref["key"]]).decode()
+    assert re.fullmatch(r"[A-Za-z0-9]{32}", token)
+    # null config values stay out of the env: the server's defaults apply.
+    assert not [n for n in env if n.startswith("GRAPHCACHE_") and n.lower()[11:] in Settings.model_fields
+                and n.lower()[11:] not in CHART_MANAGED]
+
+
+def test_defaults_security_and_scratch_volumes(chart):
+    objs = render(chart)
+    spec = objs[("Deployment", "rel-graphcache")]["spec"]["template"]["spec"]
+    c = container(objs)
+    assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] == 10001
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    assert {"/var/cache/graphcache", "/tmp", "/dev/shm"} <= mounts
+    assert spec["automountServiceAccountToken"] is False
+
+
+def test_defaults_service_pdb_and_pod_annotations(chart):
+    objs = render(chart)
+    dep = objs[("Deployment", "rel-graphcache")]
+    sel = dep["spec"]["selector"]["matchLabels"]
+    svc = objs[("Service", "rel-graphcache")]
+    assert svc["spec"]["selector"] == sel
+    assert svc["spec"]["ports"][0]["targetPort"] == "http"
+    pdb = objs[("PodDisruptionBudget", "rel-graphcache")]
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": sel}}
+    ann = dep["spec"]["template"]["metadata"]["annotations"]
+    assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/path"] == "/metrics"
+    assert dep["spec"]["template"]["metadata"]["labels"].items() >= sel.items()
+
+
+def test_helm_test_pod_hits_health_through_service(chart):
+    objs = render(chart)
+    pod = objs[("Pod", "rel-graphcache-test-health")]
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    cmd = " ".join(pod["spec"]["containers"][0]["command"])
+    assert "http://rel-graphcache:8000/health" in cmd
+    sel = objs[("Service", "rel-graphcache")]["spec"]["selector"]
+    assert not pod["metadata"]["labels"].items() >= sel.items(), "the Service must not route to the test pod"
+
+
+def test_notes_render(chart):
+    text = render(chart)[("NOTES", "")]["text"]
+    assert "rel-graphcache" in text and "/v1/models" in text and "helm test rel -n ml" in text
+
+
+def test_image_defaults_to_app_version(chart):
+    c = container(render(chart))
+    assert c["image"] == f"graphcache:{chart.metadata['appVersion']}"
+
+
+# --- custom values ----------------------------------------------------------------------------------
+
+def test_custom_gpu_type_and_count(chart):
+    res = container(render(chart, CUSTOM))["resources"]
+    assert res["limits"]["nvidia.com/mig-3g.71gb"] == 2 and res["requests"]["nvidia.com/mig-3g.71gb"] == 2
+    assert "nvidia.com/gpu" not in res["limits"]
+
+
+def test_custom_env_from_values(chart):
+    c = container(render(chart, CUSTOM))
+    env = env_of(c)
+    assert c["image"] == "registry.example.com/ml/graphcache:1.2.3"
+    assert c["args"] == ["--log-level", "debug"]
+    assert env["GRAPHCACHE_MODEL"]["value"] == "/models/Qwen2.5-0.5B-Instruct"
+    assert env["GRAPHCACHE_SERVED_MODEL_NAME"]["value"] == "qwen"
+    assert env["GRAPHCACHE_MAX_NUM_SEQS"]["value"] == "128"
+    assert env["GRAPHCACHE_CAPTURE_SIZES"]["value"] == "[1,2,4,8,16]"
+    assert env["GRAPHCACHE_CACHE_MAX_BYTES"]["value"] == "8589934592", "no exponent form for big integers"
+    assert env["GRAPHCACHE_ADMISSION"]["value"] == "after_n"
+    assert env["GRAPHCACHE_ENFORCE_EAGER"]["value"] == "false"
+    assert env["GRAPHCACHE_CORS_ORIGINS"]["value"] == "[]"
+    assert env["HF_HUB_OFFLINE"]["value"] == "1"
+
+
+def test_custom_env_parses_as_server_settings(chart, monkeypatch):
+    """The env the chart renders is what the server reads: feed it through Settings."""
+    env = env_of(container(render(chart, CUSTOM)))
+    for key in list(os.environ):
+        if key.startswith("GRAPHCACHE_"):
+            monkeypatch.delenv(key)
+    for name, e in env.items():
+        if name.startswith("GRAPHCACHE_") and "value" in e:
+            monkeypatch.setenv(name, e["value"])
+    s = Settings()
+    assert s.model == Path("/models/Qwen2.5-0.5B-Instruct") and s.served_model_name == "qwen"
+    assert s.host == "0.0.0.0" and s.port == 8000
+    assert s.max_num_seqs == 128 and s.capture_sizes == [1, 2, 4, 8, 16]
+    assert s.cache_max_bytes == 8 << 30 and s.admission == "after_n" and s.enforce_eager is False
+    assert s.warmup_descriptors == ["64:8", "8:8:decode"] and s.kv_cache_memory_fraction == 0.8
+    assert s.cors_origins == [] and s.log_level == "debug"
+
+
+def test_custom_existing_secret_is_used_not_created(chart):
+    objs = render(chart, CUSTOM)
+    ref = env_of(container(objs))["GRAPHCACHE_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "gc-admin", "key": "token"}
+    assert "Secret" not in kinds(objs)
+
+
+def test_custom_model_pvc(chart):
+    objs = render(chart, CUSTOM)
+    spec = objs[("Deployment", "rel-graphcache")]["spec"]["template"]["spec"]
+    vol = next(v for v in spec["volumes"] if v["name"] == "models")
+    pvc = objs[("PersistentVolumeClaim", "rel-graphcache-models")]
+    assert vol["persistentVolumeClaim"] == {"claimName": "rel-graphcache-models", "readOnly": True}
+    assert pvc["spec"]["storageClassName"] == "fast" and pvc["spec"]["accessModes"] == ["ReadOnlyMany"]
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "20Gi"
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    mount = next(m for m in container(objs)["volumeMounts"] if m["name"] == "models")
+    assert mount == {"name": "models", "mountPath": "/models", "readOnly": True}
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert spec["runtimeClassName"] == "nvidia" and spec["tolerations"][0]["key"] == "nvidia.com/gpu"
+
+
+def test_existing_claim_creates_no_pvc(chart):
+    values = {"model": {"source": "pvc", "pvc": {"existingClaim": "models-ro", "create": True}}}
+    objs = render(chart, values)
+    assert "PersistentVolumeClaim" not in kinds(objs)
+    spec = objs[("Deployment", "rel-graphcache")]["spec"]["template"]["spec"]
+    vol = next(v for v in spec["volumes"] if v["name"] == "models")
+    assert vol["persistentVolumeClaim"]["claimName"] == "models-ro"
+    assert env_of(container(objs))["GRAPHCACHE_MODEL"]["value"] == "/models"
+
+
+def test_custom_servicemonitor_and_keda(chart):
+    objs = render(chart, CUSTOM)
+    sm = objs[("ServiceMonitor", "rel-graphcache")]
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert sm["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "5s", "scrapeTimeout": "10s"}]
+    assert sm["spec"]["selector"]["matchLabels"] == objs[("Service", "rel-graphcache")]["spec"]["selector"]
+    so = objs[("ScaledObject", "rel-graphcache")]
+    trig = so["spec"]["triggers"][0]
+    assert trig["type"] == "prometheus" and "graphcache_num_requests_waiting" in trig["metadata"]["query"]
+    assert 'namespace="ml"' in trig["metadata"]["query"] and trig["metadata"]["threshold"] == "8"
+    assert so["spec"]["scaleTargetRef"]["name"] == "rel-graphcache"
+    assert "replicas" not in objs[("Deployment", "rel-graphcache")]["spec"], "the autoscaler owns replicas"
+    assert "HorizontalPodAutoscaler" not in kinds(objs)
+    pdb = objs[("PodDisruptionBudget", "rel-graphcache")]
+    assert pdb["spec"]["minAvailable"] == 1 and "maxUnavailable" not in pdb["spec"]
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_servicemonitor_toggled_by_flag(chart, flag):
+    assert ("ServiceMonitor" in kinds(render(chart, {"serviceMonitor": {"enabled": flag}}))) is flag
+
+
+# --- third set --------------------------------------------------------------------------------------
+
+def test_third_hostpath_hpa_token_value_no_gpu(chart):
+    objs = render(chart, THIRD)
+    dep = objs[("Deployment", "rel-graphcache")]
+    spec = dep["spec"]["template"]["spec"]
+    c = container(objs)
+    vol = next(v for v in spec["volumes"] if v["name"] == "models")
+    assert vol["hostPath"] == {"path": "/data/llm", "type": "Directory"}
+    assert env_of(c)["GRAPHCACHE_MODEL"]["value"] == "/models/llama-3.2-1b"
+    assert env_of(c)["GRAPHCACHE_WARMUP_DECODE_SIZES"]["value"] == "[]"
+    assert not any("nvidia.com" in k for k in c["resources"].get("limits", {}))
+    assert "lifecycle" not in c, "preStopSleepSeconds=0 turns the preStop hook off"
+    assert "prometheus.io/scrape" not in (dep["spec"]["template"]["metadata"].get("annotations") or {})
+    hpa = objs[("HorizontalPodAutoscaler", "rel-graphcache")]
+    assert hpa["spec"]["minReplicas"] == 2 and hpa["spec"]["maxReplicas"] == 6
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["pods"]["metric"]["name"] == "graphcache_num_requests_waiting"
+    assert metric["pods"]["target"] == {"type": "AverageValue", "averageValue": "2"}
+    assert "replicas" not in dep["spec"] and "ScaledObject" not in kinds(objs)
+    assert "PodDisruptionBudget" not in kinds(objs)
+    secret = objs[("Secret", "rel-graphcache-admin")]
+    assert base64.b64decode(secret["data"]["admin-token"]).decode() == "s3cret-token"
+
+
+def test_admin_token_off_sets_no_env_and_no_secret(chart):
+    objs = render(chart, {"adminToken": {"enabled": False}})
+    assert "Secret" not in kinds(objs) and "GRAPHCACHE_ADMIN_TOKEN" not in env_of(container(objs))
+
+
+# --- guards -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [
+    {"gpu": {"count": 0}},
+    {"config": {"admission": "sometimes"}},
+    {"config": {"host": "127.0.0.1"}},          # chart-managed, not a config key
+    {"config": {"capture_sizes": "1,2,4"}},     # lists are lists, rendered as JSON
+    {"config": {"kv_cache_memory_fraction": 1.5}},
+    {"model": {"source": "s3"}},
+    {"probes": {"readiness": {"path": "ready"}}},
+    {"serviceMonitor": {"interval": "fast"}},
+    {"unknownTopLevel": 1},
+], ids=lambda v: str(v)[:40])
+def test_schema_rejects(chart, bad):
+    with pytest.raises(helm.HelmValuesError):
+        chart.validate_schema(bad)
+    with pytest.raises(helm.HelmValuesError):
+        chart.render(bad, name="rel", namespace="ml")
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"autoscaling": {"enabled": True}, "keda": {"enabled": True}}, "exclusive"),
+    ({"model": {"source": "pvc"}}, "existingClaim"),
+])
+def test_render_fails_with_a_fix(chart, values, message):
+    with pytest.raises(helm.HelmError, match=message):
+        chart.render(values, name="rel", namespace="ml")
+
+
+# --- values.yaml documents every setting ------------------------------------------------------------
+
+def test_config_keys_are_exactly_the_server_settings():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert set(values["config"]) == set(Settings.model_fields) - CHART_MANAGED
+    assert all(v is None for v in values["config"].values()), "config defaults defer to the server's"
+
+
+def _chart_owned_keys(schema: dict, prefix: tuple = ()) -> set[tuple[str, ...]]:
+    """Key paths the chart defines (schema objects with `properties`); Kubernetes passthrough objects
+    (securityContext, resources' contents, behavior, ...) are documented by Kubernetes."""
+    out = set()
+    for key, sub in schema.get("properties", {}).items():
+        out.add((*prefix, key))
+        if isinstance(sub, dict) and "properties" in sub:
+            out |= _chart_owned_keys(sub, (*prefix, key))
+    return out
+
+
+def test_values_documented():
+    """Every key the chart defines in values.yaml has a comment: on the line above or at its end."""
+    import json
+
+    owned = _chart_owned_keys(json.loads((CHART / "values.schema.json").read_text()))
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    stack: list[tuple[int, str]] = []
+    undocumented = []
+    for i, line in enumerate(lines):
+        m = re.match(r"^( *)([A-Za-z_][\w.-]*):(.*)$", line)
+        if not m:
+            continue
+        indent, key, rest = len(m.group(1)), m.group(2), m.group(3)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        stack.append((indent, key))
+        path = tuple(k for _, k in stack)
+        if path not in owned:
+            continue
+        above = lines[i - 1].strip() if i else ""
+        if not (above.startswith("#") or "#" in rest):
+            undocumented.append(".".join(path))
+    assert undocumented == [], "undocumented values: " + ", ".join(undocumented)
+    assert len(owned) > 100
