@@ -1,0 +1,46 @@
+"""Batch descriptors: string round trip, validation, padding to capture sizes."""
+
+import pytest
+
+from service.config import default_capture_sizes
+from service.graphs.descriptor import BatchDescriptor, CaptureSizes, descriptor_for
+
+
+def test_str_parse_round_trip():
+    for d in (BatchDescriptor(64, 8), BatchDescriptor(8, 8, True), BatchDescriptor(1, 1)):
+        assert BatchDescriptor.parse(str(d)) == d
+    assert str(BatchDescriptor(8, 8, True)) == "8:8:decode"
+    assert str(BatchDescriptor(64, 8)) == "64:8"
+
+
+@pytest.mark.parametrize("bad", ["", "8", "8:x", "8:8:prefill", "0:0", "4:8", "8:4:decode", "a:b:c:d"])
+def test_parse_rejects_bad_text(bad):
+    with pytest.raises(ValueError):
+        BatchDescriptor.parse(bad)
+
+
+def test_frozen_hashable_ordered():
+    a, b = BatchDescriptor(8, 8, True), BatchDescriptor(16, 4)
+    assert {a: 1}[BatchDescriptor(8, 8, True)] == 1
+    assert a < b
+    with pytest.raises(AttributeError):
+        a.num_tokens = 3  # type: ignore[misc]
+
+
+def test_pad_and_max():
+    sizes = CaptureSizes(default_capture_sizes(64))
+    assert sizes.max == 64
+    assert [sizes.pad(n) for n in (1, 2, 3, 5, 8, 9, 64)] == [1, 2, 4, 8, 8, 16, 64]
+    assert sizes.pad(65) is None
+    with pytest.raises(ValueError):
+        CaptureSizes([])
+
+
+def test_descriptor_for_decode_and_mixed():
+    sizes = CaptureSizes([1, 2, 4, 8, 16, 32])
+    assert descriptor_for(3, 3, True, sizes) == BatchDescriptor(4, 4, True)
+    assert descriptor_for(20, 3, False, sizes) == BatchDescriptor(32, 4, False)
+    assert descriptor_for(33, 3, False, sizes) is None  # too many tokens: eager
+    assert descriptor_for(40, 40, True, sizes) is None
+    with pytest.raises(ValueError):
+        descriptor_for(3, 4, False, sizes)
