@@ -495,6 +495,7 @@ class Engine:
         try:
             if self.step_failpoint is not None:
                 self.step_failpoint(batch)
+            cache_steps = self._cache_step_count()
             logits = self._runner.execute(batch)
             tokens = self._sampler.sample(logits[:len(sample_seqs)], sample_seqs)
         except Exception as exc:
@@ -507,7 +508,8 @@ class Engine:
         self._steps_by_mode[mode] = self._steps_by_mode.get(mode, 0) + 1
         m = self.metrics
         if m is not None:
-            m.steps.labels(mode).inc()
+            if self._cache_step_count() == cache_steps:
+                m.steps.labels(mode).inc()   # the cache counts steps it ran; count those that bypassed it
             m.step_seconds.labels(mode).observe(elapsed)
             m.batch_size.observe(len(plan.scheduled))
         sched.on_step_done(plan)
@@ -574,6 +576,13 @@ class Engine:
         for handle, out in outbox:
             with contextlib.suppress(RuntimeError):   # the consumer's loop is closed
                 handle.loop.call_soon_threadsafe(handle.outputs.put_nowait, out)
+
+    def _cache_step_count(self) -> int | None:
+        cache = getattr(self._runner, "cache", None)
+        if cache is None or self.metrics is None:
+            return None
+        st = cache.stats()
+        return getattr(st, "steps_replay", 0) + getattr(st, "steps_eager", 0)
 
     def _update_gauges(self) -> None:
         sched = self._scheduler
