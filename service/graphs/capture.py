@@ -154,6 +154,7 @@ class _Capture:
                 # routing this stream's allocations into the dead pool. Undo it if still set.
                 with contextlib.suppress(Exception):
                     torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), self.pool)
+        _release_cublas_workspaces()
         for seg in self.segments:
             if isinstance(seg, torch.cuda.CUDAGraph):
                 try:
@@ -161,6 +162,13 @@ class _Capture:
                 except Exception as e:
                     log.warning("resetting a partial graph failed: %s", e)
         self.segments.clear()
+
+
+def _release_cublas_workspaces() -> None:
+    # The cached cuBLAS workspace of the last capture lives in its pool and is a live block
+    # there; free it so a dropped pool can be released. Safe for live captures: each took a
+    # private workspace (see capture()), whose block stays reserved in its own pool.
+    torch._C._cuda_clearCublasWorkspaces()
 
 
 def _replay_call(seg: Any) -> Callable[[], None]:
@@ -191,6 +199,8 @@ class BreakableGraph:
 
     def close(self) -> None:
         """Drop the graphs so their pool can be released (then empty_cache returns it)."""
+        if self.backend == "cuda":
+            _release_cublas_workspaces()
         for seg in self.segments:
             if isinstance(seg, torch.cuda.CUDAGraph):
                 seg.reset()
@@ -225,7 +235,7 @@ def capture(step: Callable[[], None], *, backend: Backend, pool: Any = None,
     # CUDAGraph.reset() frees the workspace of its capture stream. A workspace shared by
     # several captures would dangle once any one of them is evicted, so drop the cached
     # ones: this capture allocates its own workspace inside its own pool, and dies with it.
-    torch._C._cuda_clearCublasWorkspaces()
+    _release_cublas_workspaces()
     torch.cuda.empty_cache()
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()
     stream = stream if stream is not None else torch.cuda.Stream()

@@ -1,0 +1,271 @@
+"""Breakable capture and the graph cache on a real GPU (run on the lent H200: pytest -m cuda).
+
+Every replay test: capture, then for two or more different random inputs poison the outputs
+with NaN, replay, and compare with an eager run of the same step (never test on zeros).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from service.graphs.cache import GraphCache
+from service.graphs.capture import CaptureError, EagerStep, capture, eager_break, is_capturing
+from service.graphs.descriptor import BatchDescriptor as D
+from service.graphs.pool import pool_bytes
+
+pytestmark = pytest.mark.cuda
+MiB = 1 << 20
+
+
+class HostState:
+    """Per-call host state an eager op reads at replay time (like attention metadata)."""
+
+    scale = 1.0
+
+
+@eager_break
+def attention_like(x: torch.Tensor, out: torch.Tensor, state: HostState) -> None:
+    # x, out: [T, H]; reads host state each call, so it cannot live inside a graph.
+    torch.mul(torch.softmax(x, dim=-1), state.scale, out=out)
+
+
+class Workload:
+    """4 layers of linear + gelu, each followed by the eager break; static buffers only."""
+
+    def __init__(self, layers: int = 4, hidden: int = 1024, max_tokens: int = 512) -> None:
+        g = torch.Generator("cuda").manual_seed(0)
+        self.w = [torch.randn(hidden, hidden, device="cuda", generator=g) / hidden**0.5 for _ in range(layers)]
+        self.x = torch.randn(max_tokens, hidden, device="cuda")  # [T_max, H] static input
+        self.attn = torch.empty(max_tokens, hidden, device="cuda")
+        self.out = torch.empty(max_tokens, hidden, device="cuda")
+        self.state = HostState()
+        self.layers = layers
+
+    def step(self, tokens: int = 512) -> None:
+        h = self.x[:tokens]
+        for w in self.w:
+            h = torch.nn.functional.gelu(h @ w)
+            attention_like(h, self.attn[:tokens], self.state)
+            h = h + self.attn[:tokens]
+        self.out[:tokens].copy_(h)
+
+    def check_replay(self, replay, tokens: int = 512, trials: int = 2) -> None:
+        for trial in range(trials):
+            self.x.copy_(torch.randn_like(self.x))
+            self.state.scale = 0.5 + trial
+            self.out.fill_(float("nan"))
+            replay()
+            torch.cuda.synchronize()
+            got = self.out[:tokens].clone()
+            self.out.fill_(float("nan"))
+            self.step(tokens)  # eager reference: eager_break calls through outside a capture
+            torch.cuda.synchronize()
+            assert not got.isnan().any()
+            torch.testing.assert_close(got, self.out[:tokens], rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _quiet_reserved() -> int:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
+def test_replay_equals_eager_and_segment_counts():
+    w = Workload()
+    w.step()  # warm lazy init outside the capture
+    g = capture(w.step, backend="cuda")
+    assert g.num_breaks == w.layers
+    assert len(g.segments) == 2 * g.num_breaks + 1 and g.num_graphs == g.num_breaks + 1
+    w.check_replay(g.replay, trials=3)
+
+
+def test_eager_break_passes_through_a_plain_full_graph():
+    w = Workload()
+    w.step()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    full = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(full, stream=s):
+        w.step()  # not our capture: the op is captured into the graph (host state frozen)
+    assert not is_capturing()
+
+
+def test_tensor_return_raises_and_leaves_no_capture():
+    @eager_break
+    def bad(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    x = torch.randn(4, device="cuda")
+    with pytest.raises(CaptureError, match="caller-provided output buffer"):
+        capture(lambda: bad(x + 1), backend="cuda")
+    assert not is_capturing() and not torch.cuda.is_current_stream_capturing()
+    w = Workload()
+    w.step()
+    w.check_replay(capture(w.step, backend="cuda").replay)
+
+
+def test_capture_raising_midway_leaves_next_capture_working():
+    w = Workload()
+    w.step()
+
+    def broken():
+        w.step(256)
+        raise ValueError("midway")
+
+    with pytest.raises(ValueError, match="midway"):
+        capture(broken, backend="cuda")
+    assert not is_capturing() and not torch.cuda.is_current_stream_capturing()
+    g = capture(w.step, backend="cuda")
+    w.check_replay(g.replay)
+
+
+def test_capture_pool_bytes_match_allocator_and_reserved_delta():
+    w = Workload()
+    w.step()
+    before = _quiet_reserved()
+    pool = torch.cuda.graph_pool_handle()
+    g = capture(w.step, backend="cuda", pool=pool)
+    gc.collect()
+    torch.cuda.empty_cache()
+    measured = pool_bytes(pool)
+    snapshot = sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+                   if tuple(s["segment_pool_id"]) == tuple(pool))
+    assert measured == snapshot > 0
+    assert abs((torch.cuda.memory_reserved() - before) - measured) <= 2 * MiB
+    g.replay()
+
+
+def test_non_owning_eager_args_do_not_pin_memory():
+    w = Workload()
+    w.step()
+    pool = torch.cuda.graph_pool_handle()
+    g = capture(w.step, backend="cuda", pool=pool)
+    steps = [s for s in g.segments if isinstance(s, EagerStep)]  # outlive the graph on purpose
+    assert steps and pool_bytes(pool) > 0
+    g.close()
+    del g
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    assert pool_bytes(pool) == 0, "recorded eager args kept graph-pool memory alive"
+    assert len(steps) == w.layers
+
+
+def _cache(w: Workload, **kw) -> GraphCache:
+    kw = {"max_entries": 16, "max_bytes": 64 << 30, **kw}
+    return GraphCache(lambda d: w.step(d.num_tokens), backend="cuda", **kw)
+
+
+def test_cache_replays_correctly_and_reports_allocator_bytes():
+    w = Workload()
+    cache = _cache(w)
+    before = _quiet_reserved()
+    d = D(512, 512, True)
+    assert cache.run(d) == "replay"
+    entry = cache._entries[d]
+    assert entry.bytes == pool_bytes(entry.pool) > 0
+    assert cache.stats().pool_bytes == entry.bytes
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert abs((torch.cuda.memory_reserved() - before) - entry.bytes) <= 2 * MiB
+    w.check_replay(lambda: cache.run(d))
+    assert cache.stats().hits == 2
+
+
+def test_eviction_drops_reserved_memory():
+    w = Workload()
+    cache = _cache(w)
+    descs = [D(512, 512, True), D(256, 256, True), D(128, 128, True)]
+    for d in descs:
+        cache.run(d)
+    w.check_replay(lambda: cache.run(descs[1]), tokens=256)
+    gc.collect()
+    torch.cuda.empty_cache()
+    held = cache._entries[descs[0]].bytes
+    reserved = torch.cuda.memory_reserved()
+    assert cache.evict(descs[0])
+    assert torch.cuda.memory_reserved() <= reserved - held, "evicting a per-entry pool freed nothing"
+    w.check_replay(lambda: cache.run(descs[1]), tokens=256)  # survivors unharmed (cuBLAS workspace)
+    rep = cache.clear()
+    assert rep.entries == 2 and rep.bytes_freed >= rep.pool_bytes > 0
+
+
+def test_budget_eviction_keeps_memory_under_budget_and_survivors_correct():
+    w = Workload()
+    probe = _cache(w)
+    probe.run(D(512, 512, True))
+    one = probe.stats().pool_bytes
+    probe.clear()
+    cache = _cache(w, max_bytes=int(one * 2.5))
+    for t in (512, 384, 256, 128, 64):
+        cache.run(D(t, t, True))
+        assert cache.stats().pool_bytes <= cache.max_bytes
+    assert cache.stats().evictions["bytes"] >= 1
+    last = D(64, 64, True)
+    w.check_replay(lambda: cache.run(last), tokens=64)
+
+
+def test_capture_error_in_cache_then_next_capture_works():
+    w = Workload()
+    cache = _cache(w)
+
+    def step(d: D) -> None:
+        w.step(d.num_tokens)
+        if is_capturing() and d.num_tokens == 256:
+            raise RuntimeError("injected capture failure")
+
+    cache.step_fn = step
+    assert cache.run(D(256, 256, True)) == "eager"
+    assert cache.stats().failures["error"] == 1
+    d = D(512, 512, True)
+    assert cache.run(d) == "replay"
+    w.check_replay(lambda: cache.run(d))
+
+
+def test_oom_during_capture_is_survived_counted_and_remembered():
+    w = Workload()
+    cache = _cache(w)
+
+    def step(d: D) -> None:
+        if is_capturing() and d.num_tokens == 256:
+            torch.empty(1 << 46, dtype=torch.uint8, device="cuda")  # 64 TiB: only while capturing
+        w.step(d.num_tokens)
+
+    cache.step_fn = step
+    oom = D(256, 256, True)
+    assert cache.run(oom) == "eager"
+    assert cache.stats().failures["oom"] == 1
+    assert not torch.cuda.is_current_stream_capturing()
+    assert cache.run(oom) == "eager" and cache.stats().captures == 0  # remembered, not retried
+    assert [n["reason"] for n in cache.info()["negative"]] == ["oom"]
+    d = D(512, 512, True)
+    assert cache.run(d) == "replay"
+    w.check_replay(lambda: cache.run(d))
+    cache.clear()
+    assert cache.info()["negative"] == []
+
+
+def test_debug_mode_checks_addresses_on_cuda():
+    w = Workload()
+    cache = _cache(w, debug=True, input_tensors=lambda d: [w.x])
+    d = D(128, 128, True)
+    cache.run(d)
+    cache.run(d)
+    w.x = torch.randn_like(w.x)  # rebinding a static buffer
+    with pytest.raises(RuntimeError, match="addresses"):
+        cache.run(d)
