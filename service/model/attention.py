@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from service.graphs.capture import eager_break
+from service.graphs.capture import eager_break, is_capturing
 
 __all__ = ["AttentionMetadata", "get_attention_metadata", "paged_attention", "set_attention_metadata"]
 
@@ -71,6 +71,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                     k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> None:
     """q [T, H, D], k/v [T, K, D] (T padded), out [T, H, D] written in place.
     k_cache/v_cache [num_blocks, block_size, K, D]. Returns None: this is an eager break."""
+    if q.is_cuda and is_capturing():
+        # Under CUDA capture the graph segments have not run, so q/k/v hold garbage: writing them
+        # would only dirty KV slots. The cache replays right after capturing; that run is real.
+        return
     md = get_attention_metadata()
     n = md.num_real_tokens
     if n:

@@ -1,0 +1,286 @@
+"""The model runner: static buffers, batch descriptor, pad, then replay or run eagerly.
+
+Every step: lay the batch out flat (decode requests first, the attention op expects that), copy
+ids / positions / slots / block tables into static buffers allocated once at the largest size,
+set the attention metadata, then let the GraphCache replay (or capture) the graph of the padded
+descriptor. Batches bigger than the largest capture size, and every step with enforce_eager, run
+the model eagerly on their real sizes. Logits come back from a static buffer, rows in the order
+of the batch's need_logits sequences, valid until the next execute().
+
+Step metrics (mode, seconds, batch size) are recorded by the engine; the runner only reports the
+mode of the last step in `last_mode`. Graph-cache metrics are recorded by the GraphCache.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from service.config import Settings
+from service.graphs.cache import GraphCache, WarmupReport
+from service.graphs.descriptor import BatchDescriptor, CaptureSizes, descriptor_for
+from service.metrics import Metrics
+from service.model.attention import AttentionMetadata, set_attention_metadata
+from service.model.loader import ModelLoadError, load_model, resolve_dtype
+from service.model.tiny import default_model_dir
+from service.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+CPU_KV_CACHE_MAX_BYTES = 1 << 30  # default CPU KV cache stops here: CPU RAM is shared with everything
+
+
+@dataclass
+class StepSeq:
+    token_ids: list[int]       # tokens fed this step (a prompt chunk, or the one last sampled token)
+    start_pos: int             # position of token_ids[0] = tokens already in the KV cache
+    block_table: list[int]     # KV blocks covering at least start_pos + len(token_ids) tokens
+    need_logits: bool          # sample after this step (False for a non-final prefill chunk)
+
+
+@dataclass
+class StepBatch:
+    seqs: list[StepSeq]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def uniform_decode(self) -> bool:
+        return all(len(s.token_ids) == 1 for s in self.seqs)
+
+
+def _resolve_device(setting: str) -> torch.device:
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda but torch sees no CUDA GPU; use device=auto or cpu, or install a "
+                           "CUDA build of torch")
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(setting)
+
+
+class _Staged:
+    """A static device buffer plus a host mirror (pinned on CUDA, so the copy is asynchronous)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        self.dev = torch.zeros(shape, dtype=dtype, device=device)
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
+        self.np = self.host.numpy()  # numpy view: filling from Python lists is much cheaper than torch
+
+    def upload(self, n: int) -> None:
+        self.dev[:n].copy_(self.host[:n], non_blocking=True)
+
+
+class ModelRunner:
+    def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
+        self.settings = s = settings
+        self.device = _resolve_device(s.device)
+        self.dtype = resolve_dtype("bfloat16" if s.dtype == "auto" and self.device.type == "cuda"
+                                   else "float32" if s.dtype == "auto" else s.dtype)
+        path = s.model if s.model is not None else default_model_dir(s.cache_dir, seed=s.seed)
+        self.model_path = path
+        self.tokenizer = Tokenizer(path)
+        from service.model.loader import read_config
+        config = read_config(path)
+        self.max_model_len = self._max_model_len(config)
+        self.model, self.model_config = load_model(path, self.dtype, self.device, max_positions=self.max_model_len)
+        self.block_size = s.block_size
+        self.reserved_blocks = 0  # pad tokens never write the cache, so no block is set aside for them
+        self.sizes = CaptureSizes(s.resolved_capture_sizes())
+        self._warmup_descs = self._warmup_descriptors()
+        self._alloc_buffers()
+        self.num_kv_blocks = self._num_kv_blocks()
+        self._alloc_kv_cache()
+        self.backend = "cuda" if self.device.type == "cuda" and not s.enforce_eager else "eager"
+        self.cache = GraphCache(self._step_fn, backend=self.backend, max_entries=s.cache_max_entries,
+                                max_bytes=s.cache_max_bytes, admission=s.admission,
+                                admission_min_misses=s.admission_min_misses, debug=s.graph_debug,
+                                metrics=metrics, input_tensors=self._input_tensors)
+        self.last_mode: str | None = None
+        self._in_execute = False
+        self._null_metadata = AttentionMetadata.empty(self.device)
+        self._uploaded = torch.cuda.Event() if self.device.type == "cuda" else None
+        log.info("model %s (%s) on %s %s: max_model_len %d, %d KV blocks x %d tokens, backend %s", path,
+                 self.model_config.architecture, self.device, str(self.dtype).removeprefix("torch."),
+                 self.max_model_len, self.num_kv_blocks, self.block_size, self.backend)
+
+    # --- sizing -------------------------------------------------------------------------
+    def _max_model_len(self, config) -> int:
+        limit = config.max_position_embeddings
+        if config.sliding_window:  # we attend over the full context: stay inside the window
+            limit = min(limit, config.sliding_window)
+        wanted = self.settings.max_model_len
+        if wanted is not None and wanted > limit:
+            raise ModelLoadError(f"max_model_len {wanted} exceeds the model's limit {limit} "
+                                 "(max_position_embeddings / sliding_window); lower max_model_len")
+        return wanted or limit
+
+    def _warmup_descriptors(self) -> list[BatchDescriptor]:
+        s = self.settings
+        decode = s.warmup_decode_sizes
+        if decode is None:
+            decode = [n for n in self.sizes if n <= s.max_num_seqs]
+        descs = [BatchDescriptor(n, n, True) for n in decode]
+        descs += [BatchDescriptor.parse(d) for d in s.warmup_descriptors]
+        return descs
+
+    def _alloc_buffers(self) -> None:
+        s, dev = self.settings, self.device
+        max_reqs = self.sizes.pad(s.max_num_seqs) or s.max_num_seqs
+        self.max_tokens = max([s.max_num_batched_tokens, self.sizes.max] + [d.num_tokens for d in self._warmup_descs])
+        self.max_reqs = min(self.max_tokens, max([max_reqs] + [d.num_reqs for d in self._warmup_descs]))
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        i64 = torch.int64
+        self.input_ids = _Staged((self.max_tokens,), i64, dev)         # [T_max]
+        self.positions = _Staged((self.max_tokens,), i64, dev)         # [T_max]
+        self.slot_mapping = _Staged((self.max_tokens,), i64, dev)      # [T_max]
+        self.logits_indices = _Staged((self.max_reqs,), i64, dev)      # [R_max] token row of each logits row
+        self.seq_lens = _Staged((self.max_reqs,), i64, dev)            # [R_max]
+        self.block_tables = _Staged((self.max_reqs, self.max_blocks_per_seq), i64, dev)  # [R_max, B]
+        # [R_max, V] in the model dtype: the LM head writes straight into it.
+        self.out_logits = torch.zeros(self.max_reqs, self.model_config.vocab_size, dtype=self.dtype, device=dev)
+
+    def _kv_block_bytes(self) -> int:
+        c = self.model_config
+        return c.num_layers * 2 * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+
+    def _num_kv_blocks(self) -> int:
+        s = self.settings
+        per_block = self._kv_block_bytes()
+        if s.num_kv_blocks is not None:
+            return s.num_kv_blocks
+        one_seq = self.max_blocks_per_seq
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            blocks = int(free * s.kv_cache_memory_fraction) // per_block
+        else:
+            blocks = min(s.max_num_seqs * one_seq, CPU_KV_CACHE_MAX_BYTES // per_block)
+        if blocks < one_seq:
+            raise RuntimeError(f"KV cache of {blocks} blocks cannot hold one sequence of max_model_len "
+                               f"{self.max_model_len} ({one_seq} blocks); lower max_model_len or raise "
+                               "kv_cache_memory_fraction / num_kv_blocks")
+        return blocks
+
+    def _alloc_kv_cache(self) -> None:
+        c = self.model_config
+        # Zero-filled, not empty: masked positions get softmax weight 0, and 0 * NaN would still be NaN.
+        self.kv_cache = torch.zeros(c.num_layers, 2, self.num_kv_blocks, self.block_size, c.num_kv_heads,
+                                    c.head_dim, dtype=self.dtype, device=self.device)
+        self.model.bind_kv_cache([self.kv_cache[i, 0] for i in range(c.num_layers)],
+                                 [self.kv_cache[i, 1] for i in range(c.num_layers)])
+
+    # --- the step function the cache captures ---------------------------------------------
+    def _run_model(self, num_tokens: int, num_reqs: int) -> None:
+        self.model(self.input_ids.dev[:num_tokens], self.positions.dev[:num_tokens],
+                   self.logits_indices.dev[:num_reqs], self.out_logits[:num_reqs])
+
+    def _step_fn(self, desc: BatchDescriptor) -> None:
+        if desc.num_tokens > self.max_tokens or desc.num_reqs > self.max_reqs:
+            raise ValueError(f"descriptor {desc} exceeds the static buffers ({self.max_tokens} tokens, "
+                             f"{self.max_reqs} requests); raise max_num_batched_tokens / max_num_seqs")
+        if not self._in_execute:
+            # A warmup capture (also the admin endpoint's) outside any step: attend to nothing and
+            # write no KV slot. Stale buffer contents are valid ids/positions, and logits_indices
+            # is zeroed after every step, so every index is in range for any descriptor.
+            set_attention_metadata(self._null_metadata)
+        self._run_model(desc.num_tokens, desc.num_reqs)
+
+    def _input_tensors(self, desc: BatchDescriptor) -> list[torch.Tensor]:
+        t, r = desc.num_tokens, desc.num_reqs
+        return [self.input_ids.dev[:t], self.positions.dev[:t], self.logits_indices.dev[:r], self.out_logits[:r],
+                self.slot_mapping.dev, self.seq_lens.dev, self.block_tables.dev, self.kv_cache]
+
+    # --- one step ------------------------------------------------------------------------
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """fp32 logits [number of need_logits seqs, V], in batch order; valid until the next call."""
+        seqs = batch.seqs
+        num_reqs, num_tokens = len(seqs), batch.num_tokens
+        if num_reqs == 0:
+            raise ValueError("empty batch")
+        if num_tokens > self.max_tokens or num_reqs > self.max_reqs:
+            raise ValueError(f"batch of {num_tokens} tokens / {num_reqs} requests exceeds the runner's buffers "
+                             f"({self.max_tokens} / {self.max_reqs}); keep max_num_batched_tokens and "
+                             "max_num_seqs in the scheduler equal to the settings")
+        uniform = batch.uniform_decode
+        desc = None if self.settings.enforce_eager else descriptor_for(num_tokens, num_reqs, uniform, self.sizes)
+        pad_tokens = desc.num_tokens if desc else num_tokens
+        pad_reqs = desc.num_reqs if desc else num_reqs
+        md, num_logits = self._prepare(seqs, num_tokens, pad_tokens, pad_reqs)
+        set_attention_metadata(md)
+        self._in_execute = True
+        try:
+            if desc is None:
+                self._run_model(num_tokens, num_reqs)
+                self.last_mode = "eager"
+            else:
+                self.last_mode = self.cache.run(desc, real_tokens=num_tokens)
+        finally:
+            self._in_execute = False
+            set_attention_metadata(None)
+        logits = self.out_logits[:num_logits].float()
+        # Keep every logits index in range for any later (smaller) warmup capture.
+        self.logits_indices.dev.zero_()
+        return logits
+
+    def _prepare(self, seqs: list[StepSeq], num_tokens: int, pad_tokens: int, pad_reqs: int):
+        """Fill host mirrors and upload. Layout: decode requests first (attention op contract);
+        logits rows: the need_logits seqs in batch order, then the others."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the previous step's async copies have read the host mirrors
+        bs = self.block_size
+        order = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
+        num_decodes = len(order)
+        order += [i for i, s in enumerate(seqs) if len(s.token_ids) != 1]
+        ids, pos, slots = [], [], []
+        query_start, seq_lens = [0], []
+        last_token = [0] * len(seqs)
+        bt = self.block_tables.np
+        bt[:len(seqs)] = 0
+        for row, i in enumerate(order):
+            s = seqs[i]
+            n, end = len(s.token_ids), s.start_pos + len(s.token_ids)
+            if n == 0:
+                raise ValueError(f"sequence {i} of the batch feeds no tokens")
+            if end > self.max_model_len or len(s.block_table) * bs < end:
+                raise ValueError(f"sequence {i} reaches position {end} with {len(s.block_table)} blocks of {bs}; "
+                                 f"it needs ceil({end}/{bs}) blocks and at most max_model_len {self.max_model_len}")
+            table = s.block_table
+            ids += s.token_ids
+            pos += range(s.start_pos, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(s.start_pos, end)]
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(end)
+            last_token[i] = query_start[-1] - 1
+            bt[row, :len(table)] = table
+        pad = pad_tokens - num_tokens
+        # Pads: token 0 at position 0 (valid embedding and rotary rows); they write no KV slot.
+        self.input_ids.np[:pad_tokens] = ids + [0] * pad
+        self.positions.np[:pad_tokens] = pos + [0] * pad
+        self.slot_mapping.np[:num_tokens] = slots
+        need = [i for i, s in enumerate(seqs) if s.need_logits]
+        rows = need + [i for i, s in enumerate(seqs) if not s.need_logits]
+        self.logits_indices.np[:pad_reqs] = [last_token[i] for i in rows] + [0] * (pad_reqs - len(rows))
+        self.seq_lens.np[:len(seqs)] = seq_lens
+        for buf, n in ((self.input_ids, pad_tokens), (self.positions, pad_tokens), (self.slot_mapping, num_tokens),
+                       (self.logits_indices, pad_reqs), (self.seq_lens, len(seqs)), (self.block_tables, len(seqs))):
+            buf.upload(n)
+        if self._uploaded is not None:
+            self._uploaded.record()
+        md = AttentionMetadata(
+            slot_mapping=self.slot_mapping.dev[:num_tokens], seq_lens=self.seq_lens.dev[:len(seqs)],
+            block_tables=self.block_tables.dev[:len(seqs)], num_real_tokens=num_tokens, num_reqs=len(seqs),
+            num_decodes=num_decodes, query_start_loc=query_start, seq_lens_host=seq_lens,
+            max_decode_seq_len=max(seq_lens[:num_decodes], default=0))
+        return md, len(need)
+
+    # --- warmup ----------------------------------------------------------------------------
+    def warmup(self) -> WarmupReport:
+        """Capture the settings' warmup descriptors (pinned). enforce_eager: nothing to capture."""
+        if self.settings.enforce_eager:
+            return WarmupReport()
+        too_big = [str(d) for d in self._warmup_descs if d.num_tokens > self.max_tokens or d.num_reqs > self.max_reqs]
+        if too_big:
+            raise ValueError(f"warmup descriptors {too_big} exceed the static buffers")
+        return self.cache.warmup(self._warmup_descs, pin=True)
