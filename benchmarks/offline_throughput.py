@@ -163,7 +163,7 @@ def bench_hf(args, prompts, outputs) -> dict:
     if device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
-    del model
+    model = None  # drop the weights before the next mode (the closure holds the same cell)
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()

@@ -353,3 +353,22 @@ async def test_metrics_recorded():
         assert samples["graphcache_e2e_request_latency_seconds_count"] == 1
     finally:
         e.shutdown()
+
+
+async def test_real_runner_preemption_keeps_greedy_outputs(tmp_path):
+    factory = real_factory()
+    e = start_engine(lambda s, m: factory(s, m), cache_dir=tmp_path, device="cpu", max_num_seqs=8,
+                     max_num_batched_tokens=64, max_model_len=128, num_kv_blocks=10, block_size=8,
+                     warmup_decode_sizes=[])
+    try:
+        vocab = e.runner.model_config.vocab_size
+        ps = [p[:24] for p in prompts(8, vocab=vocab, seed=3)]
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        alone = [(await collect(e, f"a{i}", p, params))[0] for i, p in enumerate(ps)]
+        together = await asyncio.wait_for(asyncio.gather(
+            *(collect(e, f"b{i}", p, params) for i, p in enumerate(ps))), 120)
+        assert e.stats()["preemptions"] > 0, "the test should exhaust the KV cache"
+        assert [t[0] for t in together] == alone
+        assert e.stats()["kv_blocks_free"] == e.stats()["kv_blocks_total"]
+    finally:
+        e.shutdown()

@@ -170,6 +170,7 @@ class Engine:
         self._consecutive_failures = 0
         self._outbox: list[tuple[_Handle, RequestOutput]] = []   # engine thread: outputs of this iteration
         self.warmup_report: Any = None
+        self.warmup_seconds = 0.0
         # Test hook: called with each StepBatch on the engine thread before execute; raise to fail the step.
         self.step_failpoint: Callable[[Any], None] | None = None
 
@@ -403,8 +404,9 @@ class Engine:
         self._runner = runner
         t0 = time.perf_counter()
         self.warmup_report = runner.warmup()
+        self.warmup_seconds = time.perf_counter() - t0
         log.info("engine ready: %d KV blocks x %d tokens, max_model_len %d, warmup %.2fs", bm.num_usable,
-                 bm.block_size, runner.max_model_len, time.perf_counter() - t0)
+                 bm.block_size, runner.max_model_len, self.warmup_seconds)
         self._refresh_stats(force=True)
         with self._lock:
             self._ready = True
@@ -611,7 +613,7 @@ class Engine:
             "kv_usage": bm.usage, "kv_blocks_total": bm.num_usable, "kv_blocks_free": bm.num_free,
             "block_size": bm.block_size, "max_model_len": sched.max_model_len, "steps": self._num_steps,
             "steps_by_mode": dict(self._steps_by_mode), "preemptions": sched.num_preemptions,
-            "cache": cache_stats,
+            "warmup_seconds": self.warmup_seconds, "cache": cache_stats,
         }
 
     # --- endings ---------------------------------------------------------------------------
