@@ -21,29 +21,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from service.engine.block_manager import BlockManager
+from service.engine.runner import StepBatch, StepSeq
 from service.engine.sequence import Sequence, SequenceStatus
-
-try:
-    from service.engine.runner import StepBatch, StepSeq
-except ImportError:  # pragma: no cover - only while runner.py is being written
-    @dataclass
-    class StepSeq:  # type: ignore[no-redef]
-        token_ids: list[int]
-        start_pos: int
-        block_table: list[int]
-        need_logits: bool
-
-    @dataclass
-    class StepBatch:  # type: ignore[no-redef]
-        seqs: list[StepSeq]
-
-        @property
-        def num_tokens(self) -> int:
-            return sum(len(s.token_ids) for s in self.seqs)
-
-        @property
-        def uniform_decode(self) -> bool:
-            return all(len(s.token_ids) == 1 for s in self.seqs)
 
 
 @dataclass
