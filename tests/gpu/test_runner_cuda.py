@@ -1,0 +1,119 @@
+"""ModelRunner on a real GPU (bf16): logits through graph replay equal logits of an enforce_eager
+runner, step by step, over mixed prefill/decode batches and decode batches of several sizes, for
+two different prompt sets. Run on the lent H200: pytest -m cuda tests/gpu/test_runner_cuda.py
+
+Tolerance (bf16, padded vs unpadded GEMM shapes may pick different kernels): torch.testing
+assert_close(atol=0.1, rtol=0.05) on logits of magnitude ~1-5, and equal argmax wherever the
+eager top-2 gap exceeds 0.1 (a near-tie may flip under bf16 rounding).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers_model import Blocks, cpu_settings, prompt_ids, tiny_checkpoint
+
+from service.engine.runner import ModelRunner, StepBatch, StepSeq
+from service.graphs.descriptor import BatchDescriptor
+
+pytestmark = pytest.mark.cuda
+ATOL, RTOL, GAP = 0.1, 0.05, 0.1
+
+
+def _settings(path, **kw):
+    return cpu_settings(path, device="cuda", dtype="bfloat16", block_size=16, num_kv_blocks=512,
+                        max_num_seqs=32, max_num_batched_tokens=256, max_model_len=512,
+                        capture_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256], max_capture_size=256, **kw)
+
+
+@pytest.fixture(scope="module")
+def path():
+    # Qwen2 flavour: qkv bias and GQA both on the captured path.
+    return tiny_checkpoint("qwen2", hidden=256, layers=4, heads=8, kv_heads=2, intermediate=512)
+
+
+def _compare(graph_logits, eager_logits, what):
+    torch.testing.assert_close(graph_logits, eager_logits, atol=ATOL, rtol=RTOL, msg=lambda m: f"{what}: {m}")
+    top2 = eager_logits.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > GAP
+    assert torch.equal(graph_logits.argmax(-1)[clear], eager_logits.argmax(-1)[clear]), what
+
+
+def _drive(graph: ModelRunner, eager: ModelRunner, seed: int, num_seqs: int = 20):
+    """Prefill num_seqs prompts in mixed batches (with decodes of the earlier ones), then decode in
+    shrinking batches. Both runners get identical inputs (greedy tokens from the eager run)."""
+    lens = [5 + (seed * 7 + 11 * i) % 50 for i in range(num_seqs)]
+    prompts = [prompt_ids(n, seed=100 * seed + i) for i, n in enumerate(lens)]
+    blocks = Blocks(16)
+    tables = [blocks.table(n + 40) for n in lens]
+    tokens = [list(p) for p in prompts]   # running token lists
+    done = [0] * num_seqs                 # tokens in the KV cache
+    modes, steps = [], 0
+
+    def step(active: list[int]):
+        nonlocal steps
+        seqs = [StepSeq(tokens[i][done[i]:], done[i], tables[i], True) for i in active]
+        graph.out_logits.fill_(float("nan"))  # a replay that skipped the LM head would show
+        g = graph.execute(StepBatch(seqs)).clone()
+        e = eager.execute(StepBatch([StepSeq(list(s.token_ids), s.start_pos, s.block_table, True) for s in seqs]))
+        _compare(g, e, f"step {steps} ({len(active)} seqs, {sum(len(s.token_ids) for s in seqs)} tokens)")
+        modes.append(graph.last_mode)
+        steps += 1
+        for row, i in enumerate(active):
+            done[i] = len(tokens[i])
+            tokens[i].append(int(e[row].argmax()))
+
+    # Mixed steps: each adds a few prefills next to decodes of the sequences already started.
+    started: list[int] = []
+    waiting = list(range(num_seqs))
+    while waiting:
+        new, budget = [], 200 - len(started)
+        while waiting and len(prompts[waiting[0]]) <= budget:
+            budget -= len(prompts[waiting[0]])
+            new.append(waiting.pop(0))
+        step(started + new)
+        started += new
+    for size in (num_seqs, num_seqs, 8, 8, 3, 3, 1):   # decode batches: 32/8/4/1 descriptors
+        step(list(range(size)))
+    return modes
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_replay_logits_equal_eager_logits(path, seed):
+    graph = ModelRunner(_settings(path))
+    eager = ModelRunner(_settings(path, enforce_eager=True))
+    assert graph.backend == "cuda" and eager.backend == "eager" and graph.dtype == torch.bfloat16
+    modes = _drive(graph, eager, seed)
+    assert set(modes) == {"replay"}, modes          # every step fits a capture size
+    descs = {e.descriptor for e in graph.cache.entries()}
+    decode_descs = {d for d in descs if d.endswith(":decode")}
+    assert len(descs) >= 3 and {"32:32:decode", "8:8:decode", "4:4:decode"} <= decode_descs, descs
+    stats = graph.cache.stats()
+    assert stats.hits >= 3, stats                  # repeated decode sizes replay cached graphs
+
+
+def test_warmed_up_runner_matches_eager_and_hits(path):
+    graph = ModelRunner(_settings(path, warmup_decode_sizes=[1, 4, 8, 32], warmup_descriptors=["256:32", "128:8"]))
+    kv_before = graph.kv_cache.clone()
+    report = graph.warmup()
+    assert not report.failed and len(report.captured) == 6, report
+    assert torch.equal(graph.kv_cache, kv_before)  # warmup captures write no KV slot
+    eager = ModelRunner(_settings(path, enforce_eager=True))
+    misses = graph.cache.stats().misses
+    _drive(graph, eager, seed=3, num_seqs=12)
+    assert graph.cache.stats().hits > 0 and BatchDescriptor(8, 8, True) in graph.cache
+    assert graph.cache.stats().misses >= misses
+
+
+def test_admin_warmup_between_steps_keeps_logits(path):
+    """A capture requested between steps (admin warmup) must not touch the running sequences' KV."""
+    graph = ModelRunner(_settings(path))
+    eager = ModelRunner(_settings(path, enforce_eager=True))
+    ids = prompt_ids(30, seed=9)
+    table = Blocks(16).table(40)
+    for r in (graph, eager):
+        r.execute(StepBatch([StepSeq(ids[:29], 0, table, True)]))
+    graph.cache.warmup([BatchDescriptor(64, 4), BatchDescriptor(2, 2, True)])
+    g = graph.execute(StepBatch([StepSeq([ids[29]], 29, table, True)])).clone()
+    e = eager.execute(StepBatch([StepSeq([ids[29]], 29, table, True)]))
+    _compare(g, e, "decode after admin warmup")
