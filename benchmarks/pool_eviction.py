@@ -1,0 +1,158 @@
+"""Does evicting a capture give memory back? Shared graph pool vs one pool per entry.
+
+    python benchmarks/pool_eviction.py --out pool_eviction.json
+
+For each mode, capture N descriptors (largest first) of a breakable workload, then
+measure torch.cuda.memory_reserved() (after empty_cache) relative to the start:
+after capturing all, after evicting the largest one, after evicting all. Also the
+capture time per entry. Modes:
+  shared     every capture on one graph_pool_handle() (what vLLM/SGLang do)
+  per_entry  a fresh pool per capture (what GraphCache does)
+  cache      GraphCache itself (per-entry pools, budgets off): also checks that the
+             bytes it reports equal the allocator's
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from service.graphs.cache import GraphCache  # noqa: E402
+from service.graphs.capture import capture, eager_break  # noqa: E402
+from service.graphs.descriptor import BatchDescriptor  # noqa: E402
+from service.graphs.pool import pool_bytes  # noqa: E402
+
+MiB = 1 << 20
+
+
+@eager_break
+def mix(x: torch.Tensor, out: torch.Tensor) -> None:
+    # x, out [T, H]: the "attention" stand-in, written into a static buffer
+    out.copy_(torch.softmax(x, dim=-1))
+
+
+class Workload:
+    """L layers: linear -> gelu -> eager break -> residual; static buffers of the largest size."""
+
+    def __init__(self, layers: int, hidden: int, max_tokens: int) -> None:
+        kw = dict(device="cuda", dtype=torch.bfloat16)
+        self.w = [torch.randn(hidden, hidden, **kw) / hidden**0.5 for _ in range(layers)]
+        self.x = torch.randn(max_tokens, hidden, **kw)  # [T_max, H]
+        self.mixed = torch.empty(max_tokens, hidden, **kw)
+        self.out = torch.empty(max_tokens, hidden, **kw)
+
+    def step(self, tokens: int) -> None:
+        h = self.x[:tokens]
+        for w in self.w:
+            h = F.gelu(h @ w)
+            mix(h, self.mixed[:tokens])
+            h = h + self.mixed[:tokens]
+        self.out[:tokens].copy_(h)
+
+
+def reserved() -> int:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
+def run_capture_mode(work: Workload, sizes: list[int], shared: bool) -> dict:
+    base = reserved()
+    stream = torch.cuda.Stream()
+    shared_pool = torch.cuda.graph_pool_handle() if shared else None
+    graphs, pools, times = {}, {}, []
+    for t in sizes:  # largest first
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            work.step(t)  # warm outside the capture, as GraphCache does
+        torch.cuda.current_stream().wait_stream(stream)
+        pool = shared_pool if shared else torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graphs[t] = capture(lambda t=t: work.step(t), backend="cuda", pool=pool, stream=stream)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+        pools[t] = pool
+        graphs[t].replay()
+    after_capture = reserved() - base
+    pool_total = pool_bytes(shared_pool) if shared else sum(pool_bytes(p) for p in pools.values())
+    graphs.pop(sizes[0]).close()  # evict the largest
+    after_one = reserved() - base
+    for g in graphs.values():
+        g.close()
+    graphs.clear()
+    after_all = reserved() - base
+    return {"after_capture_mib": after_capture / MiB, "pool_mib": pool_total / MiB,
+            "after_evict_largest_mib": after_one / MiB, "after_evict_all_mib": after_all / MiB,
+            "freed_by_evict_largest_mib": (after_capture - after_one) / MiB,
+            "capture_ms_median": statistics.median(times), "capture_ms_total": sum(times)}
+
+
+def run_cache_mode(work: Workload, sizes: list[int]) -> dict:
+    base = reserved()
+    cache = GraphCache(lambda d: work.step(d.num_tokens), backend="cuda", max_entries=len(sizes) + 1,
+                       max_bytes=1 << 45)
+    descs = [BatchDescriptor(t, t, True) for t in sizes]
+    cache.warmup(descs, pin=False)
+    after_capture = reserved() - base
+    reported = cache.stats().pool_bytes
+    measured = sum(pool_bytes(cache._entries[d].pool) for d in descs)
+    times = [e.capture_seconds * 1e3 for e in cache.entries()]
+    cache.evict(descs[0])
+    after_one = reserved() - base
+    rep = cache.clear()
+    after_all = reserved() - base
+    return {"after_capture_mib": after_capture / MiB, "pool_mib": reported / MiB,
+            "reported_equals_allocator": reported == measured,
+            "after_evict_largest_mib": after_one / MiB, "after_evict_all_mib": after_all / MiB,
+            "freed_by_evict_largest_mib": (after_capture - after_one) / MiB,
+            "clear_bytes_freed_mib": rep.bytes_freed / MiB,
+            "capture_ms_total": cache.stats().capture_seconds * 1e3, "capture_ms_median": statistics.median(times)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--sizes", default="2048,1536,1024,768,512,256,128,64", help="token counts, largest first")
+    ap.add_argument("--out", type=Path, default=Path("pool_eviction.json"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("pool_eviction needs a CUDA GPU")
+    sizes = sorted((int(s) for s in args.sizes.split(",")), reverse=True)
+    work = Workload(args.layers, args.hidden, sizes[0])
+    work.step(sizes[0])
+    result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
+              "layers": args.layers, "hidden": args.hidden, "sizes": sizes, "modes": {}}
+    result["modes"]["shared"] = run_capture_mode(work, sizes, shared=True)
+    result["modes"]["per_entry"] = run_capture_mode(work, sizes, shared=False)
+    result["modes"]["cache"] = run_cache_mode(work, sizes)
+    print(f"{len(sizes)} captures, {args.layers} layers, hidden {args.hidden}, bf16; MiB reserved above start "
+          f"(after empty_cache)")
+    print("| mode | after capture | pool bytes | after evicting largest | freed by that | after evicting all "
+          "| capture ms median | capture ms total |")
+    print("|---|---|---|---|---|---|---|---|")
+    for mode, r in result["modes"].items():
+        print(f"| {mode} | {r['after_capture_mib']:.1f} | {r['pool_mib']:.1f} | {r['after_evict_largest_mib']:.1f} "
+              f"| {r['freed_by_evict_largest_mib']:.1f} | {r['after_evict_all_mib']:.1f} "
+              f"| {r['capture_ms_median']:.1f} | {r['capture_ms_total']:.0f} |")
+    print(f"cache: reported pool bytes == allocator: {result['modes']['cache']['reported_equals_allocator']}")
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
