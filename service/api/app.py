@@ -1,0 +1,157 @@
+"""The FastAPI app: factory, lifespan, middleware, health probes.
+
+`create_app(settings)` builds an Engine (unless one is given) and starts it in the
+lifespan without waiting: the engine loads and warms up on its own thread while the port
+is already bound, so /health answers at once and /ready says 503 until the model is
+served. On shutdown: stop taking requests, let in-flight ones drain within
+drain_timeout_s, then stop the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.api import admin, openai
+from service.api import metrics as metrics_api
+from service.api.errors import install_error_handlers
+from service.api.logging import RequestContextMiddleware
+from service.config import Settings
+from service.metrics import Metrics
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("graphcache.api")
+
+
+class BodySizeLimitMiddleware:
+    """413 for bodies over `max_bytes`, whether announced by Content-Length or streamed chunked.
+
+    Raising Starlette's HTTPException from receive() makes FastAPI pass it through its body
+    parser to the error handlers, so the 413 has the OpenAI error shape.
+    """
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = next((v for k, v in scope.get("headers", []) if k == b"content-length"), None)
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            body = json.dumps({"error": {"message": self._message(), "type": "invalid_request_error",
+                                         "param": None, "code": "request_too_large"}}).encode()
+            await send({"type": "http.response.start", "status": 413, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise StarletteHTTPException(413, self._message())
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _message(self) -> str:
+        return (f"The request body is larger than {self.max_bytes} bytes; send less or raise "
+                "GRAPHCACHE_MAX_BODY_BYTES (--max-body-bytes).")
+
+
+def _count_rejections(metrics: Metrics):
+    """Error-handler hook: refused generation requests, by a bounded reason."""
+
+    def note(request: Request, status: int) -> None:
+        if not request.url.path.startswith("/v1/") or request.method != "POST":
+            return
+        # Refusals by the engine (queue full, its own checks) are counted there; these never reached it.
+        if status in (400, 413):
+            metrics.requests_rejected.labels("invalid").inc()
+        elif status == 503 and request.app.state.draining:
+            metrics.requests_rejected.labels("draining").inc()
+
+    return note
+
+
+def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) -> FastAPI:
+    metrics = metrics if metrics is not None else (getattr(engine, "metrics", None) or Metrics())
+    if engine is None:
+        from service.engine.engine import Engine  # torch import: only when the server really runs
+
+        engine = Engine(settings, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()  # returns at once; loading and warmup run on the engine thread
+        log.info("serving on %s:%s; engine loading (GET /ready turns 200 when it is done)",
+                 settings.host, settings.port)
+        try:
+            yield
+        finally:
+            app.state.draining = True
+            engine.stop_accepting()
+            # uvicorn has already waited (drain_timeout_s) for open requests; this catches stragglers.
+            await engine.drain(settings.drain_timeout_s)
+            await asyncio.to_thread(engine.shutdown)
+            log.info("engine stopped")
+
+    app = FastAPI(title="graphcache", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible LLM server with a managed CUDA-graph cache.")
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.draining = False
+    app.state.started = int(time.time())
+
+    install_error_handlers(app, on_client_error=_count_rejections(metrics))
+    app.include_router(openai.router)
+    app.include_router(admin.router)
+    app.include_router(metrics_api.router)
+
+    @app.get("/health", tags=["probes"])
+    async def health() -> JSONResponse:
+        """Liveness: 200 unless the engine thread died (then 503 with its error)."""
+        if not engine.alive:
+            return JSONResponse({"status": "dead", "error": engine.error or "the engine thread stopped"},
+                                status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready", tags=["probes"])
+    async def ready() -> JSONResponse:
+        """Readiness: 200 once the model is loaded and warmup is done; 503 while loading or draining."""
+        if app.state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not engine.alive:
+            return JSONResponse({"status": "dead", "error": engine.error or "the engine thread stopped"},
+                                status_code=503)
+        if not engine.ready:
+            body = {"status": "loading"}
+            progress = getattr(engine, "progress", None)
+            if progress is not None:
+                body["progress"] = progress
+            return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+        return JSONResponse({"status": "ready", "model": engine.model_name})
+
+    # Outermost first: request ids wrap everything (so the 413 and 500 carry one), CORS only on request.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-ID"])
+    app.add_middleware(RequestContextMiddleware)
+    return app
