@@ -194,8 +194,12 @@ class BreakableGraph:
         return [s.name for s in self.segments if isinstance(s, EagerStep)]
 
     def replay(self) -> None:
-        for call in self._calls:
-            call()
+        # Eager steps run outside the forward that created their tensors; if that forward ran
+        # under inference_mode, an in-place write to its (inference) tensors is only legal
+        # inside inference_mode. Replays never need autograd, so always replay inside it.
+        with torch.inference_mode():
+            for call in self._calls:
+                call()
 
     def close(self) -> None:
         """Drop the graphs so their pool can be released (then empty_cache returns it)."""
