@@ -253,7 +253,8 @@ async def test_drain_finishes_short_and_fails_long_requests_cleanly():
 
 
 async def test_step_exception_fails_only_that_steps_requests():
-    e = start_engine(fake_factory(step_delay=0.005))
+    # max_num_seqs=1: "victim" runs alone in the failing step while "bystander" waits its turn.
+    e = start_engine(fake_factory(step_delay=0.005), max_num_seqs=1)
     try:
         params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
         calls = []
@@ -264,15 +265,28 @@ async def test_step_exception_fails_only_that_steps_requests():
                 raise RuntimeError("injected step failure")
 
         e.step_failpoint = fail_once
-        _, _, victim = await collect(e, "victim", [1, 2, 3], params)
-        assert victim.finish_reason == "error" and victim.error
-        e.step_failpoint = None
+        victim = asyncio.create_task(collect(e, "victim", [1, 2, 3], params))
+        await asyncio.sleep(0)   # victim is submitted first
+        bystander = asyncio.create_task(collect(e, "bystander", [4, 5, 6], params))
+        (_, _, v), (ids, _, b) = await asyncio.wait_for(asyncio.gather(victim, bystander), 10)
+        assert v.finish_reason == "error" and v.error
+        assert b.finish_reason == "length" and len(ids) == 5
         _, _, ok = await collect(e, "after", [1, 2, 3], params)
         assert ok.finish_reason == "length" and e.alive and e.ready
         assert e.stats()["kv_blocks_free"] == e.stats()["kv_blocks_total"]
         assert e.metrics.requests_finished.labels("error")._value.get() == 1
     finally:
         e.shutdown()
+
+
+async def test_after_shutdown_nothing_hangs():
+    e = start_engine(fake_factory())
+    e.shutdown()
+    assert not e.ready and e.runner is None and e.tokenizer is not None and e.max_model_len == 128
+    with pytest.raises(EngineDead):
+        await asyncio.wait_for(e.cache_info(), 2)
+    with pytest.raises(EngineDraining):
+        e.generate("late", [1], SamplingParams())
 
 
 async def test_repeated_step_failures_kill_the_engine_and_fail_everyone():

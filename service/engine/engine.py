@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import logging
 import queue
 import threading
@@ -24,6 +25,8 @@ from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from service.config import Settings
 from service.engine.block_manager import BlockManager
@@ -153,12 +156,15 @@ class Engine:
         self._num_running = 0
         self._ready = False
         self._dead = False
+        self._stopped = False                  # the engine thread has exited (shutdown or death)
         self._accepting = True
         self._stop_requested = False
         self._error: str | None = None
         self._ready_event = threading.Event()  # set when ready or dead: wait_ready() returns
         # Set by the engine thread at load:
         self._runner: Any = None
+        self._tokenizer: Any = None            # kept after shutdown releases the runner
+        self._max_model_len_loaded: int | None = None
         self._scheduler: Scheduler | None = None
         self._sampler: Sampler | None = None
         self._eos_token_ids: frozenset[int] = frozenset()
@@ -189,7 +195,7 @@ class Engine:
 
     @property
     def tokenizer(self):
-        return self._runner.tokenizer if self._runner is not None else None
+        return self._runner.tokenizer if self._runner is not None else self._tokenizer
 
     @property
     def runner(self):
@@ -208,7 +214,7 @@ class Engine:
     def max_model_len(self) -> int | None:
         if self._runner is not None:
             return self._runner.max_model_len
-        return self.settings.max_model_len
+        return self._max_model_len_loaded or self.settings.max_model_len
 
     def stats(self) -> dict[str, Any]:
         """JSON-able snapshot, refreshed by the engine thread after each step (never blocks)."""
@@ -341,13 +347,16 @@ class Engine:
 
     # --- admin (run on the engine thread between steps) ------------------------------------
     async def _call(self, fn: Callable[[], Any]) -> Any:
-        if self._dead:
-            raise EngineDead(f"the engine stopped after an unrecoverable error: {self._error}")
-        if not self._ready:
-            raise EngineNotReady("the model is still loading or warming up")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._inbox.put(_Call(fn, fut, loop))
+        with self._lock:   # the exiting engine thread fails what is queued under this lock: none is lost
+            if self._dead:
+                raise EngineDead(f"the engine stopped after an unrecoverable error: {self._error}")
+            if self._stopped:
+                raise EngineDead("the engine was shut down")
+            if not self._ready:
+                raise EngineNotReady("the model is still loading or warming up")
+            self._inbox.put(_Call(fn, fut, loop))
         return await fut
 
     async def warmup(self, descriptors: list) -> dict:
@@ -373,18 +382,33 @@ class Engine:
     # =========================================================================================
     def _thread_main(self) -> None:
         try:
-            self._load()
-        except BaseException as exc:  # noqa: BLE001 - any load failure must be reported, not hang /ready
-            log.exception("engine failed to load the model")
-            self._die(f"model load failed: {type(exc).__name__}: {exc}")
+            try:
+                self._load()
+            except BaseException as exc:  # noqa: BLE001 - any load failure must be reported, not hang /ready
+                log.exception("engine failed to load the model")
+                self._die(f"model load failed: {type(exc).__name__}: {exc}")
+                return
+            try:
+                self._serve()
+            except BaseException as exc:  # noqa: BLE001
+                log.exception("engine thread crashed")
+                self._die(f"{type(exc).__name__}: {exc}")
+                return
+            self._close("the engine was shut down before the request finished")
+        finally:
+            self._release_device()
+
+    def _release_device(self) -> None:
+        """Drop the runner (weights, KV cache, graph pools) on the thread that owns them, so a
+        process can start another engine (benchmarks, tests) without holding two KV caches."""
+        runner, self._runner = self._runner, None
+        if runner is None:
             return
-        try:
-            self._serve()
-        except BaseException as exc:  # noqa: BLE001
-            log.exception("engine thread crashed")
-            self._die(f"{type(exc).__name__}: {exc}")
-            return
-        self._close("the engine was shut down before the request finished")
+        self._tokenizer, self._max_model_len_loaded = runner.tokenizer, runner.max_model_len
+        del runner
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def _load(self) -> None:
         s = self.settings
@@ -631,6 +655,8 @@ class Engine:
         """Fail every request and admin call still pending (engine thread, at exit)."""
         with self._lock:
             self._accepting = False
+            self._stopped = True
+            self._ready = False
             handles = list(self._requests.values())
         for handle in handles:
             seq = handle.seq
