@@ -7,19 +7,24 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
+    SUDO=""
     if [ "$(id -u)" -ne 0 ]; then
-        echo "ci-deploy-deps: promtool/prometheus missing and not root; run: sudo $0" >&2
-        exit 1
+        if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+            SUDO="sudo -n"
+        else
+            echo "ci-deploy-deps: promtool/prometheus missing and not root; run: sudo $0" >&2
+            exit 1
+        fi
     fi
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
     # --no-install-recommends keeps node-exporter and the web console libs out; policy-rc.d stops the
     # package's postinst from starting a Prometheus service on the CI machine.
     if [ ! -e /usr/sbin/policy-rc.d ]; then
-        printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
-        trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+        printf '#!/bin/sh\nexit 101\n' | $SUDO tee /usr/sbin/policy-rc.d >/dev/null
+        $SUDO chmod +x /usr/sbin/policy-rc.d
+        trap '$SUDO rm -f /usr/sbin/policy-rc.d' EXIT
     fi
-    apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 fi
 promtool --version 2>&1 | head -1
 

@@ -7,9 +7,14 @@ command itself is run against a live server in test_live_stack.py.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
+import sys
 import tomllib
+
+import pytest
 
 from .conftest import ROOT, require_tool
 
@@ -97,3 +102,36 @@ def test_no_model_copied_and_small_context():
     assert {"!pyproject.toml", "!README.md", "!service/"} <= set(ignore)
     for src in ("pyproject.toml", "README.md", "service"):
         assert any(src in c.split()[:-1] for c in copies), f"{src} must be copied to install the package"
+
+
+@pytest.mark.slow
+def test_image_install_route(tmp_path):
+    """What the image build does, minus Docker: copy only what .dockerignore lets into the context,
+    `pip install .` it (not editable), and run the installed `graphcache` away from the repo with an
+    unwritable home. Catches package data or modules missing from the wheel."""
+    ignore = [x for x in (ROOT / ".dockerignore").read_text().splitlines() if x and not x.startswith("#")]
+    ctx = tmp_path / "context"
+    ctx.mkdir()
+    for entry in (x[1:].rstrip("/") for x in ignore if x.startswith("!")):
+        src = ROOT / entry
+        if src.is_dir():
+            shutil.copytree(src, ctx / entry, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(src, ctx / entry)
+    site = tmp_path / "site"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                          "--no-cache-dir", "--target", str(site), str(ctx)],
+                         capture_output=True, text=True, timeout=300)
+    assert pip.returncode == 0, pip.stdout + pip.stderr
+    (dist,) = site.glob("graphcache-*.dist-info")
+    assert "graphcache = service.cli:main" in (dist / "entry_points.txt").read_text()
+    out = tmp_path / "tiny"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GRAPHCACHE_", "PYTHON"))}
+    env.update(PYTHONPATH=str(site), HOME="/nonexistent", XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    code = ("import sys, service; print(service.__file__); from service.cli import main; "
+            f"sys.argv = ['graphcache', 'make-tiny-model', {str(out)!r}]; main()")
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.startswith(str(site)), f"imported the repo, not the installed copy: {run.stdout}"
+    assert {"config.json", "tokenizer.json"} <= {p.name for p in out.iterdir()}
