@@ -180,7 +180,11 @@ class SSEResponse(Response):
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncIterator[str]) -> None:
-        super().__init__(content=None, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        # Not Response.__init__: it would declare Content-Length: 0 for the empty initial body.
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                            (b"x-accel-buffering", b"no")]
         self.events = events
 
     async def __call__(self, scope, receive, send) -> None:
