@@ -228,3 +228,18 @@ def test_grafana_provisioning_points_at_the_dashboard():
     compose = yaml.load((DEPLOY / "compose.yaml").read_text(), Loader=_ComposeLoader)
     mounts = compose["services"]["grafana"]["volumes"]
     assert f"./grafana/dashboard.json:{path}/graphcache.json:ro" in mounts
+
+
+def test_deploy_doc_scrape_job_is_valid(tmp_path):
+    """The kubernetes_sd scrape job in docs/DEPLOY.md parses. Debian's promtool is built without
+    Kubernetes service discovery, so the SD block is swapped for a static target; the relabelings stay."""
+    doc = (DEPLOY.parent / "docs" / "DEPLOY.md").read_text()
+    (block,) = re.findall(r"```yaml\n(.*?)```", doc, re.S)
+    jobs = yaml.safe_load(block)
+    assert jobs[0]["kubernetes_sd_configs"] == [{"role": "pod"}]
+    jobs[0]["static_configs"] = [{"targets": ["10.0.0.1:8000"]}]
+    del jobs[0]["kubernetes_sd_configs"]
+    f = tmp_path / "k8s.yml"
+    f.write_text(yaml.safe_dump({"scrape_configs": jobs}))
+    proc = promtool("check", "config", str(f))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
