@@ -275,3 +275,70 @@ def assert_no_leak(text: str) -> None:
 
 def completion_body(prompt: str = "hello", max_tokens: int = 8, **extra: Any) -> dict:
     return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, **extra}
+
+
+# --- an in-process server: the engine object is reachable (failpoints), HTTP is still real ----------
+
+class InProcessServer:
+    """create_app + uvicorn on a thread, on a free loopback port.
+
+    For faults only reachable through Python objects (the graph cache's failpoint, the engine's step
+    failpoint): the test holds `engine` and `metrics` while clients talk real HTTP to `base_url`.
+    """
+
+    def __init__(self, cache_dir: Path, **settings: Any) -> None:
+        from service.config import Settings
+        from service.metrics import Metrics
+
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.settings = Settings(cache_dir=cache_dir, host="127.0.0.1", port=self.port, admin_token=ADMIN_TOKEN,
+                                 **settings)
+        self.metrics = Metrics()
+        self.app = None
+        self._server = None
+        self._thread = None
+
+    @property
+    def engine(self):
+        return self.app.state.engine
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+    def sample(self, name: str, **labels: str) -> float:
+        value = self.metrics.registry.get_sample_value(name, labels or None)
+        return 0.0 if value is None else value
+
+    def start(self, ready_timeout_s: float = 120.0) -> InProcessServer:
+        import threading
+
+        import uvicorn
+
+        from service.api.app import create_app
+
+        self.app = create_app(self.settings, metrics=self.metrics)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_config=None, access_log=False,
+                                lifespan="on", timeout_graceful_shutdown=self.settings.drain_timeout_s)
+        self._server = uvicorn.Server(config)
+        # Not the main thread: uvicorn installs no signal handlers, pytest keeps its own.
+        self._thread = threading.Thread(target=self._server.run, name="uvicorn-test", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + ready_timeout_s
+        while time.monotonic() < deadline:
+            if not self._thread.is_alive():
+                raise RuntimeError("in-process server stopped before it was ready")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.base_url + "/ready", timeout=2.0).status_code == 200:
+                    return self
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"in-process server not ready within {ready_timeout_s}s")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            assert not self._thread.is_alive(), "in-process server did not stop"
