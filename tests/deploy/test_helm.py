@@ -293,7 +293,8 @@ def test_custom_servicemonitor_and_keda(chart):
     assert sm["spec"]["selector"]["matchLabels"] == objs[("Service", "rel-graphcache")]["spec"]["selector"]
     so = objs[("ScaledObject", "rel-graphcache")]
     trig = so["spec"]["triggers"][0]
-    assert trig["type"] == "prometheus" and "graphcache_num_requests_waiting" in trig["metadata"]["query"]
+    assert trig["type"] == "prometheus"
+    assert trig["metadata"]["query"].startswith("sum(graphcache_num_requests_waiting{"), "a total; KEDA divides"
     assert 'namespace="ml"' in trig["metadata"]["query"] and trig["metadata"]["threshold"] == "8"
     assert so["spec"]["scaleTargetRef"]["name"] == "rel-graphcache"
     assert "replicas" not in objs[("Deployment", "rel-graphcache")]["spec"], "the autoscaler owns replicas"
