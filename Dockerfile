@@ -20,6 +20,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HOME=/home/graphcache \
     XDG_CACHE_HOME=/var/cache/graphcache/xdg \
+    TRITON_CACHE_DIR=/var/cache/graphcache/triton \
     GRAPHCACHE_HOST=0.0.0.0 \
     GRAPHCACHE_PORT=8000 \
     GRAPHCACHE_CACHE_DIR=/var/cache/graphcache \
