@@ -363,7 +363,7 @@ async def test_metrics_recorded():
         assert m.steps.labels("eager")._value.get() >= 5
         samples = {s.name: s.value for metric in m.registry.collect() for s in metric.samples}
         assert samples["graphcache_time_to_first_token_seconds_count"] == 1
-        assert samples["graphcache_time_per_output_token_seconds_count"] == 4
+        assert samples["graphcache_time_per_output_token_seconds_count"] == 1   # one mean per request
         assert samples["graphcache_e2e_request_latency_seconds_count"] == 1
     finally:
         e.shutdown()

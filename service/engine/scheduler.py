@@ -50,8 +50,10 @@ class SchedulerOutput:
         seqs = []
         for s in self.scheduled:
             start = s.seq.num_computed_tokens
+            # The block table is passed, not copied: the runner reads it during execute(), before
+            # the engine changes any table again.
             seqs.append(StepSeq(token_ids=s.seq.token_slice(start, start + s.num_tokens), start_pos=start,
-                                block_table=list(s.seq.block_table), need_logits=s.need_logits))
+                                block_table=s.seq.block_table, need_logits=s.need_logits))
         return StepBatch(seqs=seqs)
 
 
@@ -129,27 +131,33 @@ class Scheduler:
         scheduled_ids: set[int] = set()
 
         # 1. Running: decodes first, then in-progress prefill chunks; each in admission order.
-        order = sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1)
-        for seq in order:
+        decodes, prefills = [], []
+        for s in self.running:
+            (decodes if s.num_computed_tokens == s.num_tokens - 1 else prefills).append(s)
+        bm = self.block_manager
+        capacity_per_block = bm.block_size
+        for seq in decodes + prefills:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:   # preempted earlier in this loop
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
+            total = seq.num_tokens
+            n = min(total - seq.num_computed_tokens, budget)
             target = seq.num_computed_tokens + n
-            while not self.block_manager.can_allocate(seq, target):
-                victim = next((s for s in reversed(self.running) if id(s) not in scheduled_ids), None)
-                if victim is seq and len(self.running) == 1:
-                    # Alone in the cache and still no room: it never fits. Fail, don't spin.
-                    self._fail_too_big(seq, target, out)
-                    break
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            self.block_manager.allocate(seq, target)
-            out.scheduled.append(ScheduledSeq(seq, n, need_logits=target == seq.num_tokens))
+            if target > len(seq.block_table) * capacity_per_block:   # most decodes skip this: room left
+                while not bm.can_allocate(seq, target):
+                    victim = next((s for s in reversed(self.running) if id(s) not in scheduled_ids), None)
+                    if victim is seq and len(self.running) == 1:
+                        # Alone in the cache and still no room: it never fits. Fail, don't spin.
+                        self._fail_too_big(seq, target, out)
+                        break
+                    self._preempt(victim, out)
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue
+                bm.allocate(seq, target)
+            out.scheduled.append(ScheduledSeq(seq, n, need_logits=target == total))
             scheduled_ids.add(id(seq))
             budget -= n
 
