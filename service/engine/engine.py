@@ -518,7 +518,10 @@ class Engine:
         if plan.preempted and self.metrics is not None:
             self.metrics.preemptions.inc(len(plan.preempted))
         if plan.empty:
+            # Work exists but nothing fit this step (should not happen: blocks only come back when
+            # requests finish). Do not spin a core on it; the next inbox command or step retries.
             self._update_gauges()
+            time.sleep(0.001)
             return
         batch = plan.to_batch()
         sample_seqs = [s.seq for s in plan.scheduled if s.need_logits]
