@@ -214,9 +214,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     # Build on the meta device, then allocate uninitialized storage: no wasted random init of
     # billions of weights that are overwritten right after.
     with torch.device("meta"):
-        model = LlamaModel(config, max_positions=max_positions)
-    model.to_empty(device=device)
-    model.to(dtype)
+        model = LlamaModel(config, max_positions=max_positions).to(dtype)
+    model.to_empty(device=device)  # allocated once, already in the target dtype
     params = dict(model.named_parameters())
     targets = _hf_targets(config)
     loaded: set[str] = set()
