@@ -166,6 +166,13 @@ def make_tiny_model(dir: str | Path, *, arch: str = "llama", seed: int = 0, hidd
     return out
 
 
+def make_default_model(dir: str | Path, *, arch: str = "llama", seed: int = 0) -> Path:
+    """The embedded default's shape (DEFAULT_SHAPE) written to `dir`: what `make-tiny-model` should write."""
+    s = DEFAULT_SHAPE
+    return make_tiny_model(dir, arch=arch, seed=seed, hidden=s["hidden"], layers=s["layers"], heads=s["heads"],
+                           kv_heads=s["kv_heads"], intermediate=s["intermediate"], max_positions=s["max_positions"])
+
+
 def default_model_dir(cache_dir: str | Path, seed: int = 0) -> Path:
     """The embedded model under cache_dir, created on first use. Atomic: built in a temp dir and
     renamed, so concurrent servers (or a crash halfway) never see a half-written checkpoint."""
@@ -176,9 +183,7 @@ def default_model_dir(cache_dir: str | Path, seed: int = 0) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=cache_dir))
     try:
-        s = DEFAULT_SHAPE
-        make_tiny_model(tmp, arch="llama", seed=seed, hidden=s["hidden"], layers=s["layers"], heads=s["heads"],
-                        kv_heads=s["kv_heads"], intermediate=s["intermediate"], max_positions=s["max_positions"])
+        make_default_model(tmp, seed=seed)
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race: theirs is complete, use it
