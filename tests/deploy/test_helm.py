@@ -48,6 +48,7 @@ CUSTOM = {
         "cors_origins": [],
     },
     "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}, "interval": "5s"},
+    "prometheusRule": {"enabled": True},
     "keda": {"enabled": True, "threshold": 8},
     "podDisruptionBudget": {"minAvailable": 1},
     "extraEnv": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
@@ -410,3 +411,25 @@ def test_values_documented():
             undocumented.append(".".join(path))
     assert undocumented == [], "undocumented values: " + ", ".join(undocumented)
     assert len(owned) > 100
+
+
+# --- PrometheusRule ---------------------------------------------------------------------------------
+
+def test_chart_alerts_copy_matches_deploy():
+    """The chart ships deploy/prometheus/alerts.yml as files/alerts.yml (Helm reads files only inside the
+    chart); after editing the rules, copy them: cp deploy/prometheus/alerts.yml helm/graphcache/files/."""
+    deploy_rules = (CHART.parents[1] / "deploy" / "prometheus" / "alerts.yml").read_text()
+    assert (CHART / "files" / "alerts.yml").read_text() == deploy_rules
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_prometheusrule_toggled_by_flag(chart, flag):
+    objs = render(chart, {"prometheusRule": {"enabled": flag, "labels": {"release": "kps"}}})
+    assert ("PrometheusRule" in kinds(objs)) is flag
+    if flag:
+        rule = objs[("PrometheusRule", "rel-graphcache")]
+        assert rule["metadata"]["labels"]["release"] == "kps"
+        deploy_rules = yaml.safe_load((CHART.parents[1] / "deploy" / "prometheus" / "alerts.yml").read_text())
+        assert rule["spec"]["groups"] == deploy_rules["groups"]
+        descriptions = [r["annotations"]["description"] for g in rule["spec"]["groups"] for r in g["rules"]]
+        assert any("{{ $labels.instance }}" in d for d in descriptions), "alert templates left for Prometheus"
