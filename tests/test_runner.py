@@ -135,3 +135,24 @@ def test_bad_block_table_is_rejected_with_a_fix(path):
     runner = ModelRunner(cpu_settings(path))
     with pytest.raises(ValueError, match="needs ceil"):
         runner.execute(StepBatch([StepSeq(prompt_ids(9), 0, [0, 1], True)]))
+
+
+def test_graph_debug_addresses_stay_fixed_across_steps(path):
+    runner = ModelRunner(cpu_settings(path, graph_debug=True))
+    blocks = Blocks(runner.block_size)
+    tables = [blocks.table(12) for _ in range(3)]
+    runner.execute(StepBatch([StepSeq(prompt_ids(5, seed=i), 0, tables[i], True) for i in range(3)]))
+    for pos in (5, 6, 7):   # same 4:4:decode descriptor: captured once, then replayed with checks
+        runner.execute(StepBatch([StepSeq([9], pos, tables[i], True) for i in range(3)]))
+        assert runner.last_mode == "replay"
+    assert runner.cache.stats().hits == 2
+
+
+def test_default_model_dir_is_created_once(tmp_path):
+    from service.model.tiny import default_model_dir
+
+    first = default_model_dir(tmp_path)
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert default_model_dir(tmp_path) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tiny-")]  # no temp dirs left
