@@ -2,9 +2,9 @@
 runner, step by step, over mixed prefill/decode batches and decode batches of several sizes, for
 two different prompt sets. Run on the lent H200: pytest -m cuda tests/gpu/test_runner_cuda.py
 
-Tolerance (bf16, padded vs unpadded GEMM shapes may pick different kernels): torch.testing
-assert_close(atol=0.1, rtol=0.05) on logits of magnitude ~1-5, and equal argmax wherever the
-eager top-2 gap exceeds 0.1 (a near-tie may flip under bf16 rounding).
+Tolerance (bf16; padded and unpadded GEMM shapes may pick different kernels): per step, max
+|graph - eager| <= 3% of max |eager logit| (logits ~1-5 here), and equal argmax wherever the
+eager top-2 gap exceeds that tolerance (a near-tie may flip under bf16 rounding).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from service.engine.runner import ModelRunner, StepBatch, StepSeq
 from service.graphs.descriptor import BatchDescriptor
 
 pytestmark = pytest.mark.cuda
-ATOL, RTOL, GAP = 0.1, 0.05, 0.1
+REL_TOL = 0.03
 
 
 def _settings(path, **kw):
@@ -28,14 +28,18 @@ def _settings(path, **kw):
 
 @pytest.fixture(scope="module")
 def path():
-    # Qwen2 flavour: qkv bias and GQA both on the captured path.
-    return tiny_checkpoint("qwen2", hidden=256, layers=4, heads=8, kv_heads=2, intermediate=512)
+    # Qwen2 flavour: qkv bias and GQA both on the captured path; untied head keeps logits ~1-5.
+    return tiny_checkpoint("qwen2", hidden=256, layers=4, heads=8, kv_heads=2, intermediate=512,
+                           tie_word_embeddings=False)
 
 
 def _compare(graph_logits, eager_logits, what):
-    torch.testing.assert_close(graph_logits, eager_logits, atol=ATOL, rtol=RTOL, msg=lambda m: f"{what}: {m}")
+    assert torch.isfinite(graph_logits).all(), f"{what}: non-finite logits from replay"
+    tol = REL_TOL * eager_logits.abs().max().item()
+    err = (graph_logits - eager_logits).abs().max().item()
+    assert err <= tol, f"{what}: max |graph - eager| = {err:.4f} > {tol:.4f}"
     top2 = eager_logits.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > GAP
+    clear = (top2[:, 0] - top2[:, 1]) > tol
     assert torch.equal(graph_logits.argmax(-1)[clear], eager_logits.argmax(-1)[clear]), what
 
 
