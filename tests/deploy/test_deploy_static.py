@@ -198,6 +198,8 @@ def test_compose_stack():
     assert gc["build"] == {"context": "..", "dockerfile": "Dockerfile"}
     assert (DEPLOY / gc["build"]["context"] / gc["build"]["dockerfile"]).is_file()
     assert "8000:8000" in gc["ports"] and any(v.endswith(":/models:ro") for v in gc["volumes"])
+    # GRAPHCACHE_MODEL="" parses as Path("."), not "unset": pass it through only when the shell sets it.
+    assert gc["environment"]["GRAPHCACHE_MODEL"] is None
     assert gc["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     for name in ("prometheus", "grafana"):
         image = services[name]["image"]
