@@ -386,3 +386,18 @@ async def test_real_runner_preemption_keeps_greedy_outputs(tmp_path):
         assert e.stats()["kv_blocks_free"] == e.stats()["kv_blocks_total"]
     finally:
         e.shutdown()
+
+
+async def test_gauges_follow_an_abort_that_leaves_the_engine_idle():
+    e = start_engine(fake_factory(step_delay=0.01))
+    try:
+        task = asyncio.create_task(collect(e, "x", [1, 2, 3], SamplingParams(max_tokens=100, ignore_eos=True)))
+        await asyncio.sleep(0.1)
+        assert e.metrics.requests_running._value.get() == 1 and e.metrics.kv_usage._value.get() > 0
+        e.abort("x")
+        await asyncio.wait_for(task, 5)
+        await asyncio.sleep(0.05)
+        assert e.metrics.requests_running._value.get() == 0
+        assert e.metrics.kv_usage._value.get() == 0
+    finally:
+        e.shutdown()

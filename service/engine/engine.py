@@ -451,6 +451,8 @@ class Engine:
                 break
             if sched.has_work():
                 self._step()
+            # Also after commands alone: an abort that empties the engine must show in the gauges.
+            self._update_gauges()
             self._refresh_stats()
             self._flush_outputs()
 
