@@ -23,7 +23,7 @@ from service.graphs.cache import GraphCache, WarmupReport
 from service.graphs.descriptor import BatchDescriptor, CaptureSizes, descriptor_for
 from service.metrics import Metrics
 from service.model.attention import AttentionMetadata, set_attention_metadata
-from service.model.loader import ModelLoadError, load_model, resolve_dtype
+from service.model.loader import ModelLoadError, load_model, read_config, resolve_dtype
 from service.model.tiny import default_model_dir
 from service.model.tokenizer import Tokenizer
 
@@ -82,9 +82,7 @@ class ModelRunner:
         path = s.model if s.model is not None else default_model_dir(s.cache_dir, seed=s.seed)
         self.model_path = path
         self.tokenizer = Tokenizer(path)
-        from service.model.loader import read_config
-        config = read_config(path)
-        self.max_model_len = self._max_model_len(config)
+        self.max_model_len = self._max_model_len(read_config(path))
         self.model, self.model_config = load_model(path, self.dtype, self.device, max_positions=self.max_model_len)
         self.block_size = s.block_size
         self.reserved_blocks = 0  # pad tokens never write the cache, so no block is set aside for them
