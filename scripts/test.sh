@@ -7,5 +7,6 @@ cd "$(dirname "$0")/.."
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test]"
+./scripts/ci-deploy-deps.sh  # promtool/prometheus (Debian) for the deploy tests
 .venv/bin/ruff check service tests benchmarks scripts
 exec .venv/bin/python -m pytest -q "$@"

@@ -73,6 +73,12 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body; bigger gets 413.")
     cors_origins: list[str] = Field(default_factory=list, description="CORS allowed origins; empty = CORS off.")
 
+    @field_validator("model", "admin_token", "served_model_name", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, v: object) -> object:
+        # GRAPHCACHE_MODEL="" (a blank Helm or compose value) means "not set", never Path(".").
+        return None if isinstance(v, str) and not v.strip() else v
+
     @field_validator("capture_sizes")
     @classmethod
     def _sorted_unique(cls, v: list[int] | None) -> list[int] | None:
