@@ -43,16 +43,31 @@ CTX, SLOTS, EPS = 512, 1024, 1e-6
 MiB = 1 << 20
 
 
-def attention_impl(q, k, v, k_cache, v_cache, slot, mask, out) -> None:
-    """q [B, KV, G, D] (GQA folded into the query length), k/v [B, KV, 1, D],
-    caches [B, KV, S, D], slot [1] long, mask [1, 1, 1, S] additive, out [B, KV, G, D]."""
+def write_kv(k, v, k_cache, v_cache, slot) -> None:
+    """k/v [B, KV, 1, D] into caches [B, KV, S, D] at slot [1] (a static device index)."""
     k_cache.index_copy_(2, slot, k)
     v_cache.index_copy_(2, slot, v)
+
+
+def attend(q, k_cache, v_cache, mask, out) -> None:
+    """q [B, KV, G, D] (GQA folded into the query length), mask [1, 1, 1, S] additive, out [B, KV, G, D]."""
     out.copy_(F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask))
 
 
-attention_ours = eager_break(attention_impl)
-attention_meta = bcg.no_graph(attention_impl) if bcg is not None else None
+def write_and_attend(q, k, v, k_cache, v_cache, slot, mask, out) -> None:
+    write_kv(k, v, k_cache, v_cache, slot)
+    attend(q, k_cache, v_cache, mask, out)
+
+
+# Where the break sits. The KV write indexes by a static device tensor (the slot), so it is
+# capturable: only attention itself needs host-side lengths. "split" keeps the write in the
+# graph segment (our model does this); "fused" puts it in the break, as vLLM/SGLang's
+# attention ops do, costing two more eager kernels per layer.
+ATTN = {
+    "split": (write_kv, eager_break(attend)),
+    "fused": (None, eager_break(write_and_attend)),
+    "meta": (write_kv, bcg.no_graph(attend) if bcg is not None else None),
+}
 
 
 class Stack:
@@ -98,7 +113,7 @@ class Stack:
         x1, x2 = x.chunk(2, dim=-1)
         return x * self.cos + torch.cat((-x2, x1), dim=-1) * self.sin
 
-    def step(self, attn) -> None:
+    def step(self, attn: str) -> None:
         c, B = self.c, self.B
         H, D, NH, KV = c["hidden"], c["head_dim"], c["heads"], c["kv_heads"]
         h = F.embedding(self.ids, self.embed)  # [B, H]
@@ -106,12 +121,29 @@ class Stack:
             x = F.rms_norm(h, (H,), L["ln1"], EPS)
             q, k, v = (x @ L["wqkv"]).split([NH * D, KV * D, KV * D], dim=-1)
             q, k = self.rope(q.view(B, NH, D)), self.rope(k.view(B, KV, D))
-            attn(q.view(B, KV, NH // KV, D), k.view(B, KV, 1, D), v.view(B, KV, 1, D),
-                 L["k"], L["v"], self.slot, self.mask, self.attn_out)
+            q, k, v = q.view(B, KV, NH // KV, D), k.view(B, KV, 1, D), v.view(B, KV, 1, D)
+            write, brk = ATTN[attn]
+            if write is None:
+                brk(q, k, v, L["k"], L["v"], self.slot, self.mask, self.attn_out)
+            else:
+                write(k, v, L["k"], L["v"], self.slot)
+                brk(q, L["k"], L["v"], self.mask, self.attn_out)
             h = h + self.attn_out.view(B, NH * D) @ L["wo"]
             gate, up = (F.rms_norm(h, (H,), L["ln2"], EPS) @ L["wgu"]).chunk(2, dim=-1)
             h = h + (F.silu(gate) * up) @ L["wdown"]
         torch.matmul(F.rms_norm(h, (H,), self.norm, EPS), self.embed.t(), out=self.logits)
+
+
+def host_ms(fn, iters: int) -> float:
+    """Median host time to enqueue one step, GPU kept busy so launches never wait on it."""
+    times = []
+    for _ in range(iters):
+        torch.cuda._sleep(20_000_000)  # ~10 ms of GPU spin: the queue never drains while we enqueue
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def median_ms(fn, iters: int, warmup: int) -> float:
@@ -151,7 +183,7 @@ def _free() -> None:
 def bench_batch(model: Stack, B: int, iters: int, warmup: int) -> dict:
     model.buffers(B)
     row: dict = {"batch": B}
-    step_eager = lambda: model.step(attention_ours)  # noqa: E731 (outside capture: calls through)
+    step_eager = lambda: model.step("split")  # noqa: E731 (outside capture: calls through)
     row["eager_ms"] = median_ms(step_eager, iters, warmup)
     model.logits.fill_(float("nan"))
     step_eager()
@@ -176,16 +208,19 @@ def bench_batch(model: Stack, B: int, iters: int, warmup: int) -> dict:
     del full
     _free()
 
-    # ours
-    pool = torch.cuda.graph_pool_handle()
-    g, row["ours_capture_ms"] = _timed_capture(lambda: capture(step_eager, backend="cuda", pool=pool))
-    assert g.num_breaks == len(model.layers) and len(g.segments) == 2 * g.num_breaks + 1
-    row["ours_pool_mib"] = pool_bytes(pool) / MiB
-    row["ours_ms"] = median_ms(g.replay, iters, warmup)
-    row["ours_maxdiff"] = max_diff(model, g.replay, ref)
-    g.close()
-    del g
-    _free()
+    # ours: the break holds attention only ("split"), or the KV write too ("fused")
+    for name, attn in (("ours", "split"), ("ours_fused", "fused")):
+        pool = torch.cuda.graph_pool_handle()
+        g, row[f"{name}_capture_ms"] = _timed_capture(
+            lambda attn=attn, pool=pool: capture(lambda: model.step(attn), backend="cuda", pool=pool))
+        assert g.num_breaks == len(model.layers) and len(g.segments) == 2 * g.num_breaks + 1
+        row[f"{name}_pool_mib"] = pool_bytes(pool) / MiB
+        row[f"{name}_ms"] = median_ms(g.replay, iters, warmup)
+        row[f"{name}_host_ms"] = host_ms(g.replay, min(iters, 20))
+        row[f"{name}_maxdiff"] = max_diff(model, g.replay, ref)
+        g.close()
+        del g
+        _free()
 
     # meta-pytorch breakable-cuda-graphs 0.1.0
     if bcg is None:
@@ -195,7 +230,7 @@ def bench_batch(model: Stack, B: int, iters: int, warmup: int) -> dict:
 
         def cap_meta():
             with bcg.breakable_graph(bg):
-                model.step(attention_meta)
+                model.step("meta")
 
         _, row["meta_capture_ms"] = _timed_capture(cap_meta)
         row["meta_pool_mib"] = pool_bytes(bg.pool()) / MiB
@@ -213,20 +248,23 @@ def fmt(x, spec=".2f") -> str:
 
 
 def print_table(shape: str, rows: list[dict]) -> None:
-    print(f"\n## {shape}  (ms: median decode step; capture ms; pool MiB; max |logits - eager|)")
-    print("| batch | eager | full | ours | meta | ours/full | meta/full | capture full/ours/meta ms "
-          "| pool full/ours/meta MiB | maxdiff full/ours/meta |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"\n## {shape}  (ms: median decode step, CUDA events; host = CPU time to enqueue one replay; "
+          "capture ms; pool MiB; max |logits - eager|)")
+    print("| batch | eager | full | ours | ours/full | ours host | fused | fused/full | meta | meta/full "
+          "| capture full/ours/meta ms | pool full/ours/meta MiB | maxdiff full/ours/fused/meta |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         def over(k, r=r):
             return None if r.get(k) is None else r[k] / r["full_ms"]
 
         print(f"| {r['batch']} | {fmt(r['eager_ms'])} | {fmt(r['full_ms'])} | {fmt(r['ours_ms'])} | "
-              f"{fmt(r['meta_ms'])} | {fmt(over('ours_ms'), '.3f')} | {fmt(over('meta_ms'), '.3f')} | "
+              f"{fmt(over('ours_ms'), '.3f')} | {fmt(r['ours_host_ms'])} | {fmt(r['ours_fused_ms'])} | "
+              f"{fmt(over('ours_fused_ms'), '.3f')} | {fmt(r['meta_ms'])} | {fmt(over('meta_ms'), '.3f')} | "
               f"{fmt(r['full_capture_ms'], '.0f')}/{fmt(r['ours_capture_ms'], '.0f')}/"
               f"{fmt(r['meta_capture_ms'], '.0f')} | {fmt(r['full_pool_mib'], '.1f')}/"
               f"{fmt(r['ours_pool_mib'], '.1f')}/{fmt(r['meta_pool_mib'], '.1f')} | "
-              f"{fmt(r['full_maxdiff'], '.3g')}/{fmt(r['ours_maxdiff'], '.3g')}/{fmt(r['meta_maxdiff'], '.3g')} |")
+              f"{fmt(r['full_maxdiff'], '.3g')}/{fmt(r['ours_maxdiff'], '.3g')}/"
+              f"{fmt(r['ours_fused_maxdiff'], '.3g')}/{fmt(r['meta_maxdiff'], '.3g')} |")
 
 
 def main() -> None:

@@ -4,7 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test]"
 ./scripts/ci-deploy-deps.sh  # promtool/prometheus (Debian) for the deploy tests

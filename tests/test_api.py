@@ -86,6 +86,11 @@ def assert_error(resp: httpx.Response, status: int, *, param: str | None = "any"
     return err
 
 
+async def post_json(client: httpx.AsyncClient, path: str, body) -> httpx.Response:
+    """json.dumps escapes lone surrogates as \\ud800 (valid JSON) where httpx's json= cannot encode them."""
+    return await client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+
+
 def sse_events(text: str) -> list:
     """`data: <json>\\n\\n` frames -> parsed objects; the final `[DONE]` stays a string."""
     assert text.endswith("data: [DONE]\n\n"), text[-200:]
@@ -228,6 +233,8 @@ BAD_COMPLETIONS = [
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": ["one", "two"]}, "prompt"),
+    ({"prompt": "\ud800 lone surrogate"}, "prompt"),
+    ({"prompt": "x", "stop": "\udfff"}, "stop"),
     ({"prompt": 5}, None),
     ({"prompt": [1.5, 2]}, None),
     ({"prompt": [10**9]}, None),
@@ -238,7 +245,7 @@ BAD_COMPLETIONS = [
 
 @pytest.mark.parametrize(("body", "param"), BAD_COMPLETIONS, ids=[json.dumps(b)[:60] for b, _ in BAD_COMPLETIONS])
 async def test_completion_rejects_bad_input(client, body, param):
-    err = assert_error(await client.post("/v1/completions", json=body), 400)
+    err = assert_error(await post_json(client, "/v1/completions", body), 400)
     assert err["type"] == "invalid_request_error"
     if param is not None:
         assert err["param"] is not None and err["param"].startswith(param), err
@@ -253,12 +260,13 @@ BAD_CHATS = [
     {"messages": [{"role": "user", "content": "x"}], "n": 3},
     {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
     {"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"},
+    {"messages": [{"role": "user", "content": "\ud800"}]},
 ]
 
 
 @pytest.mark.parametrize("body", BAD_CHATS, ids=[json.dumps(b)[:60] for b in BAD_CHATS])
 async def test_chat_rejects_bad_input(client, body):
-    assert_error(await client.post("/v1/chat/completions", json=body), 400)
+    assert_error(await post_json(client, "/v1/chat/completions", body), 400)
 
 
 async def test_unknown_fields_are_ignored(client):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 __all__ = [
     "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "StreamOptions", "WarmupRequest",
@@ -20,6 +20,18 @@ __all__ = [
 SInt = Annotated[int, Strict()]
 SFloat = Annotated[float, Strict()]  # strict float still takes JSON integers (1 -> 1.0)
 SBool = Annotated[bool, Strict()]
+
+
+def _encodable(text: str) -> str:
+    # JSON may carry lone surrogates ("\ud800"); the tokenizer cannot encode them.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text contains invalid Unicode (a lone surrogate); send valid UTF-8") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
 
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
@@ -42,7 +54,7 @@ class _SamplingFields(_Body):
     top_p: SFloat = Field(1.0, gt=0.0, le=1.0)
     top_k: SInt = Field(-1, ge=-1, description="Extension: keep the k most likely tokens; -1 or 0 = off.")
     seed: SInt | None = Field(None, ge=0, le=MAX_SEED)
-    stop: str | list[str] | None = Field(None, description=f"Up to {MAX_STOP} stop strings.")
+    stop: Text | list[Text] | None = Field(None, description=f"Up to {MAX_STOP} stop strings.")
     stop_token_ids: list[SInt] | None = Field(None, max_length=64, description="Extension: stop on these ids.")
     ignore_eos: SBool = Field(False, description="Extension: keep generating past end-of-sequence tokens.")
     n: SInt = Field(1, description="Only 1 is supported.")
@@ -89,7 +101,7 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[SInt] | list[str] | list[list[SInt]] = Field(
+    prompt: Text | list[SInt] | list[Text] | list[list[SInt]] = Field(
         ..., description="A string or a list of token ids. Batches (lists of prompts) of more than one are refused.")
     max_tokens: SInt | None = Field(16, ge=1, description="Tokens to generate; prompt + max_tokens <= max_model_len.")
     echo: SBool = False
@@ -123,12 +135,12 @@ class CompletionRequest(_SamplingFields):
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
