@@ -10,6 +10,7 @@ Precedence: flag > env > default. Lists are comma-separated on the command line
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
 import sys
@@ -28,6 +29,9 @@ log = logging.getLogger("graphcache.cli")
 
 ENV_PREFIX = "GRAPHCACHE_"
 SECRET_FIELDS = {"admin_token"}
+# Past drain_timeout_s the engine fails what is left and handlers answer; uvicorn cuts connections
+# only if that has not happened this much later (engine grace 5 s + slack).
+DRAIN_BACKSTOP_S = 10.0
 
 
 # --------------------------------------------------------------------------- flags from Settings
@@ -134,13 +138,21 @@ def _serve(settings: Settings) -> int:
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
-            # From the signal on, requests arriving on open keep-alive connections get 503 while the
-            # ones in flight finish (uvicorn waits up to timeout_graceful_shutdown for them).
+            # From the signal on, requests arriving on open keep-alive connections get 503.
             app.state.draining = True
             super().handle_exit(sig, frame)
 
+        async def shutdown(self, sockets=None) -> None:
+            # The engine drains while uvicorn waits for open connections: requests still running at
+            # drain_timeout_s are ended by the engine with an error their handlers send cleanly
+            # (an error body, or an SSE error event and [DONE]), so the connections close by
+            # themselves; uvicorn's own timeout (which would cut them) is only a backstop.
+            drain = asyncio.create_task(app.state.drain())
+            await super().shutdown(sockets)
+            await drain
+
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=settings.drain_timeout_s,
+                            lifespan="on", timeout_graceful_shutdown=settings.drain_timeout_s + DRAIN_BACKSTOP_S,
                             log_level=settings.log_level.lower())
     server = DrainingServer(config)
     # uvicorn re-raises the signal that stopped it once it is done; a graceful stop exits 0.

@@ -347,7 +347,7 @@ async def test_draining_is_503(client, app):
         app.state.draining = False
 
 
-async def _drive_until_first_chunk_then_disconnect(app, body: dict) -> list[dict]:
+async def _drive_then_disconnect(app, body: dict, after: str) -> list[dict]:
     """Speak ASGI directly: httpx's ASGITransport cannot disconnect in the middle of a stream."""
     payload = json.dumps(body).encode()
     sent: list[dict] = []
@@ -359,12 +359,16 @@ async def _drive_until_first_chunk_then_disconnect(app, body: dict) -> list[dict
         if not request_done:
             request_done = True
             return {"type": "http.request", "body": payload, "more_body": False}
-        await got_chunk.wait()
+        if after == "in_flight":  # leave once the engine works on it, before any answer byte
+            while not app.state.engine.stats()["in_flight"]:
+                await asyncio.sleep(0.005)
+        else:
+            await got_chunk.wait()
         return {"type": "http.disconnect"}
 
     async def send(message):
         sent.append(message)
-        if message["type"] == "http.response.body" and message.get("body"):
+        if message["type"] == after and (after == "http.response.start" or message.get("body")):
             got_chunk.set()
 
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
@@ -376,12 +380,17 @@ async def _drive_until_first_chunk_then_disconnect(app, body: dict) -> list[dict
     return sent
 
 
-async def test_client_disconnect_mid_stream_aborts(client, app):
+@pytest.mark.parametrize(("stream", "leave_after"), [
+    (True, "http.response.start"),   # right after the headers: the SSE generator never ran
+    (True, "http.response.body"),    # after the first chunk
+    (False, "in_flight"),            # while the engine generates, before any answer byte
+])
+async def test_client_disconnect_aborts_and_frees_blocks(client, app, stream, leave_after):
     engine = app.state.engine
     before = scrape((await client.get("/metrics")).text)["graphcache_requests_finished_total{reason=abort}"]
-    body = {"prompt": "tell me a long story", "max_tokens": 100, "ignore_eos": True, "stream": True}
-    sent = await _drive_until_first_chunk_then_disconnect(app, body)
-    assert sent[0]["status"] == 200
+    body = {"prompt": "tell me a long story", "max_tokens": 100, "ignore_eos": True, "stream": stream}
+    sent = await _drive_then_disconnect(app, body, leave_after)
+    assert sent[0]["status"] == (200 if stream else 499)
     for _ in range(200):  # the abort travels through the engine inbox; blocks are freed between steps
         if not engine.stats()["in_flight"]:
             break

@@ -104,12 +104,20 @@ def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) 
         try:
             yield
         finally:
-            app.state.draining = True
-            engine.stop_accepting()
-            # uvicorn has already waited (drain_timeout_s) for open requests; this catches stragglers.
-            await engine.drain(settings.drain_timeout_s)
+            # `graphcache serve` drained already (on SIGTERM, while uvicorn waited for open
+            # connections); an embedding app that did not gets the same drain here.
+            await drain()
             await asyncio.to_thread(engine.shutdown)
             log.info("engine stopped")
+
+    async def drain() -> None:
+        """Refuse new requests (503), give in-flight ones drain_timeout_s, then end the rest with a
+        clean error (the engine finishes them with finish_reason "error"; handlers answer)."""
+        app.state.draining = True
+        engine.stop_accepting()
+        report = await engine.drain(settings.drain_timeout_s)
+        if report.get("in_flight"):
+            log.info("drained: %s", report)
 
     app = FastAPI(title="graphcache", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible LLM server with a managed CUDA-graph cache.")
@@ -117,6 +125,7 @@ def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) 
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.draining = False
+    app.state.drain = drain
     app.state.started = int(time.time())
 
     install_error_handlers(app, on_client_error=_count_rejections(metrics))

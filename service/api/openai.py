@@ -174,18 +174,20 @@ class SSEResponse(Response):
 
     Starlette's StreamingResponse notices a disconnect only on the next send under ASGI
     spec 2.4; racing a receive() listener aborts a request at once, even while it waits
-    for its first or next token. Closing the generator runs its `finally` (the abort).
+    for its next token. `on_close` (the abort) runs however the stream ends, also when the
+    client left before the generator started (closing an unstarted generator runs nothing).
     """
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str]) -> None:
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
         # Not Response.__init__: it would declare Content-Length: 0 for the empty initial body.
         self.status_code = 200
         self.background = None
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                             (b"x-accel-buffering", b"no")]
         self.events = events
+        self.on_close = on_close  # runs even if the client left before `events` ever started
 
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
@@ -201,6 +203,7 @@ class SSEResponse(Response):
             pass
         finally:
             await self.events.aclose()
+            self.on_close()
 
 
 def _sse(obj: Any) -> str:
@@ -260,7 +263,7 @@ async def _serve(request: Request, run: _Run, stream: bool, include_usage: bool,
             run.abort()
         yield "data: [DONE]\n\n"
 
-    return SSEResponse(events())
+    return SSEResponse(events(), on_close=run.abort)
 
 
 # --------------------------------------------------------------------------- endpoints
