@@ -93,16 +93,18 @@ def test_announced_oversized_body_is_refused_before_it_is_sent(server):
 # --- encoding and syntax ---------------------------------------------------------------------------
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("content", [
-    b'{"prompt": "\xff\xfe\xfd", "max_tokens": 4}',          # invalid UTF-8 inside a string
-    b'\xff{"prompt": "hi", "max_tokens": 4}',                 # invalid UTF-8 before the object
-    b'{"prompt": "\\ud800", "max_tokens": 4, "ignore_eos": true}',  # lone surrogate escape
-], ids=["bad-utf8-string", "bad-utf8-prefix", "lone-surrogate"])
-def test_invalid_utf8_is_400(client, content):
-    response = post_raw(client, "/v1/completions", content)
-    if b"ud800" in content and response.status_code == 200:
-        return  # a lone surrogate escape is valid JSON; serving it (replaced) is fine, a 5xx is not
-    assert_clean_error(response, 400)
+@pytest.mark.parametrize(("path", "content"), [
+    ("/v1/completions", b'{"prompt": "\xff\xfe\xfd", "max_tokens": 4}'),         # invalid UTF-8 in a string
+    ("/v1/completions", b'\xff{"prompt": "hi", "max_tokens": 4}'),                  # invalid UTF-8 before it
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\xc3\x28"}]}'),
+    # Valid JSON, but a lone surrogate is no Unicode text: the tokenizer cannot take it.
+    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 4}'),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 4, "stop": ["\\udfff"]}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud83d"}], "max_tokens": 4}'),
+], ids=["bad-utf8-string", "bad-utf8-prefix", "bad-utf8-chat", "lone-surrogate-prompt", "lone-surrogate-stop",
+        "lone-surrogate-chat"])
+def test_invalid_utf8_and_lone_surrogates_are_400(client, path, content):
+    assert_clean_error(post_raw(client, path, content), 400)
 
 
 @pytest.mark.timeout(60)
