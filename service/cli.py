@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Write a tiny Hugging Face-style model directory (config.json, "
                                       "model.safetensors, tokenizer.json) for tests and demos.")
     tiny.add_argument("dir", type=Path, help="Directory to write (created if missing).")
-    tiny.add_argument("--arch", default="llama", help="Architecture of the tiny model, e.g. llama or qwen2 "
+    tiny.add_argument("--arch", default="llama", help="Architecture of the tiny model: llama, mistral, qwen2 or qwen3 "
                                                       "(as service.model.tiny supports). [default: llama]")
     tiny.add_argument("--seed", type=int, default=0, help="Seed of the random weights. [default: 0]")
     return parser
