@@ -169,6 +169,17 @@ async def test_batching_does_not_change_greedy_outputs(engine):
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
+async def test_non_streaming_request_gets_one_output_with_everything():
+    e = start_engine(fake_factory())
+    try:
+        params = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
+        ids, text, _ = await collect(e, "s", [1, 2, 3], params)
+        outs = [o async for o in e.generate("ns", [1, 2, 3], params, stream=False)]
+        assert len(outs) == 1 and outs[0].finished and outs[0].token_ids == ids and outs[0].text == text
+    finally:
+        e.shutdown()
+
+
 async def test_output_fields_and_stop_string():
     e = start_engine(fake_factory())
     try:

@@ -83,6 +83,7 @@ class _Handle:
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
     seq: Sequence
+    stream: bool = True    # False: only the final output (carrying everything) is delivered
 
 
 @dataclass
@@ -304,9 +305,11 @@ class Engine:
                              f"server has ({bm.max_tokens_capacity()} tokens); lower max_tokens")
 
     def generate(self, request_id: str, prompt_token_ids: SequenceT[int],
-                 params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+                 params: SamplingParams | None = None, *, stream: bool = True) -> AsyncIterator[RequestOutput]:
         """Submit a request; iterate the result for its output deltas. Must be called on an event loop.
 
+        stream=False delivers a single final output holding all text and token ids (non-streaming
+        clients, offline benchmarks): one event-loop wakeup per request instead of one per token.
         Raises at once (not on first iteration): ValueError (invalid), QueueFull, EngineNotReady,
         EngineDraining, EngineDead. Leaving the iteration early (client disconnect) aborts the
         request and frees its KV blocks.
@@ -320,7 +323,7 @@ class Engine:
             raise
         loop = asyncio.get_running_loop()
         seq = Sequence(request_id, list(prompt_token_ids), params)
-        handle = _Handle(request_id, loop, asyncio.Queue(), seq)
+        handle = _Handle(request_id, loop, asyncio.Queue(), seq, stream)
         with self._lock:
             self._check_serving()   # again under the lock: death fails everything in _requests
             if request_id in self._requests:
@@ -588,6 +591,8 @@ class Engine:
         if handle is None or handle.seq is not seq:
             return
         finished = seq.is_finished
+        if not finished and not handle.stream:
+            return   # everything accumulates into the final output
         new_ids = seq.output_token_ids[seq.num_tokens_sent:]
         seq.num_tokens_sent = seq.num_output_tokens
         text = sendable_text(seq, finished)
