@@ -448,3 +448,13 @@ async def test_cors_off_by_default_and_on_when_configured(client, cache_dir):
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c2:
         r = await c2.options("/v1/completions", headers=preflight)
         assert r.headers["access-control-allow-origin"] == "https://example.com"
+
+
+async def test_chat_default_max_tokens_fits_a_small_kv_cache(cache_dir):
+    """No max_tokens in chat = the rest of the window, capped to what the KV cache can hold."""
+    settings = settings_for(cache_dir, num_kv_blocks=8, block_size=16, max_num_seqs=1, warmup_decode_sizes=[])
+    async with running(settings) as (client, _):
+        r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                            "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["total_tokens"] <= 8 * 16

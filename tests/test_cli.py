@@ -88,3 +88,24 @@ def test_module_entry_point_runs():
     out = subprocess.run([sys.executable, "-m", "service.cli", "--help"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and "graphcache" in out.stdout
+
+
+def test_json_logs_carry_the_request_id(capsys):
+    import json as _json
+    import logging
+
+    from service.api.logging import _request_id, setup_logging
+
+    setup_logging("json", "info")
+    try:
+        token = _request_id.set("rid-42")
+        logging.getLogger("graphcache.test").info("hello %s", "world", extra={"status": 200})
+        _request_id.reset(token)
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        record = _json.loads(line)
+        assert record["msg"] == "hello world" and record["request_id"] == "rid-42" and record["status"] == 200
+        assert record["level"] == "info" and record["logger"] == "graphcache.test"
+    finally:
+        for handler in list(logging.getLogger().handlers):
+            if getattr(handler, "_graphcache", False):
+                logging.getLogger().removeHandler(handler)

@@ -70,7 +70,12 @@ def _max_tokens(engine, prompt_len: int, requested: int | None, param: str) -> i
                             f"{prompt_len} tokens; shorten the prompt.", param="prompt",
                        code="context_length_exceeded")
     if requested is None:
-        return limit - prompt_len
+        # The rest of the window, but no more than the whole KV cache holds (else the engine would
+        # refuse a request that never asked for that much).
+        stats = engine.stats()
+        kv_tokens = int(stats.get("kv_blocks_total") or 0) * int(stats.get("block_size") or 0)
+        room = limit - prompt_len
+        return max(1, min(room, kv_tokens - prompt_len)) if kv_tokens else room
     if prompt_len + requested > limit:
         raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt has {prompt_len} "
                             f"and {param}={requested} asks for more. Lower {param} to at most "
