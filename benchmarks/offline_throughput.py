@@ -69,7 +69,7 @@ def engine_settings(args, enforce_eager: bool) -> Settings:
                     max_capture_size=args.max_capture_size)
 
 
-async def _run_engine(engine: Engine, prompts, outputs, temperature: float) -> tuple[float, int]:
+async def _run_engine(engine: Engine, prompts, outputs, temperature: float) -> tuple[float, int, dict]:
     warm = engine.generate("warm", prompts[0][:16], SamplingParams(max_tokens=8, ignore_eos=True))
     async for _ in warm:
         pass
@@ -87,7 +87,8 @@ async def _run_engine(engine: Engine, prompts, outputs, temperature: float) -> t
 
     t0 = time.perf_counter()
     counts = await asyncio.gather(*(one(i) for i in range(len(prompts))))
-    return time.perf_counter() - t0, sum(counts)
+    elapsed = time.perf_counter() - t0
+    return elapsed, sum(counts), await engine.cache_info()   # fresh, from the engine thread
 
 
 def bench_engine(args, mode: str, prompts, outputs) -> dict:
@@ -100,7 +101,7 @@ def bench_engine(args, mode: str, prompts, outputs) -> dict:
     ready_s = time.perf_counter() - t0
     report = engine.warmup_report
     try:
-        elapsed, tokens = asyncio.run(_run_engine(engine, prompts, outputs, args.temperature))
+        elapsed, tokens, cache_info = asyncio.run(_run_engine(engine, prompts, outputs, args.temperature))
         stats = engine.stats()
     finally:
         engine.shutdown()
@@ -108,12 +109,16 @@ def bench_engine(args, mode: str, prompts, outputs) -> dict:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    cache = stats.get("cache") or {}
+    cache = cache_info.get("stats", {})
     return {"mode": mode, "seconds": elapsed, "output_tokens": tokens, "tokens_per_s": tokens / elapsed,
             "load_and_warmup_s": ready_s, "warmup_s": getattr(report, "seconds", 0.0),
             "graphs_warmed": len(getattr(report, "captured", []) or []),
-            "graph_pool_bytes": cache.get("pool_bytes", 0), "steps_by_mode": stats.get("steps_by_mode"),
-            "preemptions": stats.get("preemptions"), "cache": cache}
+            "warmup_pool_bytes": getattr(report, "pool_bytes", 0),
+            "graph_pool_bytes": cache_info.get("totals", {}).get("pool_bytes", 0),
+            "graph_entries": cache_info.get("totals", {}).get("entries", 0),
+            "steps_by_mode": stats.get("steps_by_mode"), "preemptions": stats.get("preemptions"),
+            "hit_ratio": cache.get("hits", 0) / max(cache.get("hits", 0) + cache.get("misses", 0), 1),
+            "cache_stats": cache}
 
 
 def bench_hf(args, prompts, outputs) -> dict:
