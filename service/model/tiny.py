@@ -133,19 +133,22 @@ def make_tiny_model(dir: str | Path, *, arch: str = "llama", seed: int = 0, hidd
                     heads: int = 4, kv_heads: int = 2, intermediate: int | None = None,
                     head_dim: int | None = None, vocab_size: int = 1024, max_positions: int = 2048,
                     rope_theta: float = 10000.0, rope_scaling: dict | None = None,
-                    tie_word_embeddings: bool | None = None, shards: int = 1) -> Path:
+                    tie_word_embeddings: bool | None = None, shards: int = 1,
+                    model_vocab_size: int | None = None) -> Path:
     """Write a random-weight HF checkpoint of `arch` into `dir` and return its path.
 
     vocab_size is the BPE target; the model's vocab is the trained size rounded up to 64 (like
     real checkpoints, the embedding may be larger than the tokenizer). tie_word_embeddings
-    defaults to True for Qwen (as in small Qwen releases), False otherwise."""
+    defaults to True for Qwen (as in small Qwen releases), False otherwise. model_vocab_size
+    widens the embedding and LM head to a real model's size (e.g. 151936 for Qwen2.5) so
+    benchmarks pay for the real output layer; ids past the tokenizer decode to nothing."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
     out = Path(dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(vocab_size)
     tok.save(str(out / "tokenizer.json"))
-    vocab = -(-tok.get_vocab_size() // 64) * 64
+    vocab = max(-(-tok.get_vocab_size() // 64) * 64, model_vocab_size or 0)
     head_dim = head_dim or hidden // heads
     inter = intermediate or 3 * hidden
     tie = arch.startswith("qwen") if tie_word_embeddings is None else tie_word_embeddings
