@@ -282,6 +282,10 @@ async def test_malformed_bodies_are_400(client, raw):
 
 
 async def test_body_size_limit_413(client, app):
+    def rejected() -> float:
+        return app.state.metrics.registry.get_sample_value("graphcache_requests_rejected_total", {"reason": "invalid"})
+
+    before = rejected()
     big = {"prompt": "x" * (app.state.settings.max_body_bytes + 10)}
     assert_error(await client.post("/v1/completions", json=big), 413, code="request_too_large")
 
@@ -291,6 +295,7 @@ async def test_body_size_limit_413(client, app):
 
     r = await client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
     assert_error(r, 413)
+    assert rejected() == before + 2
 
 
 async def test_404_and_405_have_openai_shape(client):

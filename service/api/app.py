@@ -39,9 +39,10 @@ class BodySizeLimitMiddleware:
     parser to the error handlers, so the 413 has the OpenAI error shape.
     """
 
-    def __init__(self, app, max_bytes: int) -> None:
+    def __init__(self, app, max_bytes: int, on_reject=None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.on_reject = on_reject  # (path) -> None: counts refusals answered here, before any handler
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -49,6 +50,8 @@ class BodySizeLimitMiddleware:
             return
         length = next((v for k, v in scope.get("headers", []) if k == b"content-length"), None)
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            if self.on_reject is not None:
+                self.on_reject(scope["path"])
             body = json.dumps({"error": {"message": self._message(), "type": "invalid_request_error",
                                          "param": None, "code": "request_too_large"}}).encode()
             await send({"type": "http.response.start", "status": 413, "headers": [
@@ -158,7 +161,11 @@ def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) 
         return JSONResponse({"status": "ready", "model": engine.model_name})
 
     # Outermost first: request ids wrap everything (so the 413 and 500 carry one), CORS only on request.
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
+    def count_oversized(path: str) -> None:
+        if path.startswith("/v1/"):
+            metrics.requests_rejected.labels("invalid").inc()
+
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes, on_reject=count_oversized)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type", "X-Request-ID"])
