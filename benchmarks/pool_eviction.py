@@ -7,9 +7,13 @@ measure torch.cuda.memory_reserved() (after empty_cache) relative to the start:
 after capturing all, after evicting the largest one, after evicting all. Also the
 capture time per entry. Modes:
   shared     every capture on one graph_pool_handle() (what vLLM/SGLang do)
-  per_entry  a fresh pool per capture (what GraphCache does)
-  cache      GraphCache itself (per-entry pools, budgets off): also checks that the
-             bytes it reports equal the allocator's
+  per_entry  a fresh pool per capture (what GraphCache does for lazily admitted entries)
+  cache      GraphCache, warmup(pin=False): private pools, budgets off; also checks that
+             the bytes it reports equal the allocator's
+  pinned     GraphCache, warmup(pin=True): the N sizes share the one pinned pool (expect
+             ~ the shared figure); then lazily admitted sizes in between (private pools),
+             the largest of them evicted for real ("after/freed by evicting largest" refer
+             to it), pinned replays checked against eager, and clear() ("after evicting all")
 """
 
 from __future__ import annotations
@@ -122,6 +126,59 @@ def run_cache_mode(work: Workload, sizes: list[int]) -> dict:
             "capture_ms_total": cache.stats().capture_seconds * 1e3, "capture_ms_median": statistics.median(times)}
 
 
+def _pinned_replays_match(cache: GraphCache, work: Workload, descs: list[BatchDescriptor]) -> tuple[bool, float]:
+    """Every pinned graph vs eager, 2 inputs, outputs poisoned with NaN first; (all match, worst rel err)."""
+    ok, worst = True, 0.0
+    for _ in range(2):
+        work.x.copy_(torch.randn_like(work.x))
+        for d in descs:
+            t = d.num_tokens
+            work.out.fill_(float("nan"))
+            cache.run(d)
+            got = work.out[:t].float().clone()
+            work.out.fill_(float("nan"))
+            work.step(t)
+            ref = work.out[:t].float()
+            err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+            worst = max(worst, err)
+            ok = ok and not got.isnan().any().item() and err <= 2e-2  # bf16, scale-relative
+    return ok, worst
+
+
+def run_pinned_mode(work: Workload, sizes: list[int]) -> dict:
+    base = reserved()
+    lazy_sizes = [(a + b) // 2 for a, b in zip(sizes, sizes[1:], strict=False)][:4]  # largest first
+    descs = [BatchDescriptor(t, t, True) for t in sizes]
+    lazy = [BatchDescriptor(t, t, True) for t in lazy_sizes]
+    cache = GraphCache(lambda d: work.step(d.num_tokens), backend="cuda", max_entries=len(descs) + len(lazy),
+                       max_bytes=1 << 45)
+    cache.warmup(descs)  # pin=True: one shared pinned pool
+    after_capture = reserved() - base
+    pinned = cache.stats().pinned_pool_bytes
+    pinned_equals_allocator = pinned == pool_bytes(cache._pinned_pool) == cache.stats().pool_bytes
+    times = [e.capture_seconds * 1e3 for e in cache.entries()]
+    growth = {e.descriptor: e.bytes / MiB for e in cache.entries()}
+    for d in lazy:
+        cache.run(d)  # lazily admitted: one private pool each
+    after_lazy = reserved() - base
+    lazy_bytes = [cache._entries[d].bytes for d in lazy]
+    lazy_equals_allocator = all(cache._entries[d].bytes == pool_bytes(cache._entries[d].pool) for d in lazy)
+    cache.evict(lazy[0])  # the largest lazily admitted entry
+    after_one = reserved() - base
+    match, worst = _pinned_replays_match(cache, work, descs)
+    rep = cache.clear()
+    after_all = reserved() - base
+    return {"after_capture_mib": after_capture / MiB, "pool_mib": pinned / MiB,
+            "pinned_pool_growth_mib": growth, "reported_equals_allocator": pinned_equals_allocator and
+            lazy_equals_allocator, "lazy_sizes": lazy_sizes, "lazy_mib": [b / MiB for b in lazy_bytes],
+            "after_lazy_mib": after_lazy / MiB, "after_evict_largest_mib": after_one / MiB,
+            "freed_by_evict_largest_mib": (after_lazy - after_one) / MiB,
+            "evicted_lazy_entry_mib": lazy_bytes[0] / MiB, "after_evict_all_mib": after_all / MiB,
+            "clear_bytes_freed_mib": rep.bytes_freed / MiB, "pinned_replays_match_eager": match,
+            "pinned_replay_worst_rel_err": worst,
+            "capture_ms_total": sum(times), "capture_ms_median": statistics.median(times)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8)
@@ -140,6 +197,7 @@ def main() -> None:
     result["modes"]["shared"] = run_capture_mode(work, sizes, shared=True)
     result["modes"]["per_entry"] = run_capture_mode(work, sizes, shared=False)
     result["modes"]["cache"] = run_cache_mode(work, sizes)
+    result["modes"]["pinned"] = run_pinned_mode(work, sizes)
     print(f"{len(sizes)} captures, {args.layers} layers, hidden {args.hidden}, bf16; MiB reserved above start "
           f"(after empty_cache)")
     print("| mode | after capture | pool bytes | after evicting largest | freed by that | after evicting all "
@@ -150,6 +208,13 @@ def main() -> None:
               f"| {r['freed_by_evict_largest_mib']:.1f} | {r['after_evict_all_mib']:.1f} "
               f"| {r['capture_ms_median']:.1f} | {r['capture_ms_total']:.0f} |")
     print(f"cache: reported pool bytes == allocator: {result['modes']['cache']['reported_equals_allocator']}")
+    p = result["modes"]["pinned"]
+    print(f"pinned: pinned pool {p['pool_mib']:.1f} MiB (shared mode: {result['modes']['shared']['pool_mib']:.1f}); "
+          f"+ lazily admitted {p['lazy_sizes']}: {', '.join(f'{m:.1f}' for m in p['lazy_mib'])} MiB; evicting "
+          f"the largest ({p['evicted_lazy_entry_mib']:.1f} MiB) freed {p['freed_by_evict_largest_mib']:.1f} MiB; "
+          f"clear freed {p['clear_bytes_freed_mib']:.1f} MiB; reported == allocator: {p['reported_equals_allocator']}; "
+          f"pinned replays == eager after that: {p['pinned_replays_match_eager']} "
+          f"(worst rel err {p['pinned_replay_worst_rel_err']:.1e})")
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
 

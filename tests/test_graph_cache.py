@@ -1,5 +1,6 @@
 """GraphCache behaviour on the eager backend: admission, LRU, budgets, pinning, negative cache,
-clear, stats, padding, owner thread, failpoint, debug addresses, metrics."""
+clear, stats, padding, owner thread, failpoint, debug addresses, metrics, and the byte
+accounting of the shared pinned pool vs private pools (through the `measure_bytes` hook)."""
 
 import threading
 
@@ -33,11 +34,25 @@ class Runner:
         return (self.x * 2).cumsum(0) + 1
 
 
+class FakePools:
+    """`measure_bytes` hook modelling the allocator: a capture of `d` into a pool reserves up
+    to sizes[d] there, reusing what the pool already holds (so a shared pool holds the largest
+    capture, a private pool exactly its one capture); a pool never shrinks while it lives."""
+
+    def __init__(self, sizes):
+        self.sizes, self.held = sizes, {}
+
+    def __call__(self, desc, pool):
+        self.held[pool] = max(self.held.get(pool, 0), self.sizes.get(desc, 0))
+        return self.held[pool]
+
+
 def make(runner=None, sizes=None, **kw):
     runner = runner or Runner()
-    sizes = sizes or {}
+    pools = FakePools(sizes or {})
     kw = {"max_entries": 8, "max_bytes": 1 << 30, **kw}
-    cache = GraphCache(runner.step, backend="eager", measure_bytes=lambda d, pool: sizes.get(d, 0), **kw)
+    cache = GraphCache(runner.step, backend="eager", measure_bytes=pools, **kw)
+    cache.fake_pools = pools
     return cache, runner
 
 
@@ -211,7 +226,9 @@ def test_entries_and_info_json():
     assert (e.descriptor, e.bytes, e.hits, e.pinned) == ("1:1:decode", 42, 1, True)
     assert e.capture_seconds >= 0 and e.last_use > 1e9
     info = json.loads(json.dumps(cache.info()))
-    assert info["backend"] == "eager" and info["totals"] == {"entries": 1, "pool_bytes": 42}
+    assert info["backend"] == "eager"
+    assert info["totals"] == {"entries": 1, "pool_bytes": 42, "pinned_pool_bytes": 42}
+    assert info["entries"][0]["pool"] == "pinned"
     assert info["budgets"]["max_entries"] == 8
 
 
@@ -238,3 +255,132 @@ def test_zero_entries_means_no_capture():
     cache, _ = make(max_entries=0)
     assert cache.run(D(1, 1, True)) == "eager"
     assert cache.stats().failures["budget"] == 1
+
+
+# --- pinned pool vs private pools: byte accounting ---
+
+a8, b4, c2, x6, y1 = D(8, 8, True), D(4, 4, True), D(2, 2, True), D(6, 6, True), D(1, 1, True)
+
+
+def pools_of(cache):
+    return {e.descriptor: (e.pool, e.bytes) for e in cache.entries()}
+
+
+def test_pinned_entries_share_one_pool_and_count_its_growth():
+    cache, _ = make(sizes={a8: 100, b4: 60, c2: 130, x6: 50})
+    rep = cache.warmup([c2, a8, b4])  # captured largest first: a8, b4, c2
+    assert rep.captured == ["8:8:decode", "4:4:decode", "2:2:decode"]
+    # one shared pool: a8 reserves 100, b4 fits in it (growth 0), c2 needs 30 more
+    assert pools_of(cache) == {"8:8:decode": ("pinned", 100), "4:4:decode": ("pinned", 0),
+                               "2:2:decode": ("pinned", 30)}
+    assert len({cache._entries[d].pool for d in (a8, b4, c2)}) == 1
+    s = cache.stats()
+    assert s.pinned_pool_bytes == 130 == s.pool_bytes == rep.pool_bytes
+    assert cache.run(x6) == "replay"  # lazily admitted: its own pool, its full size
+    assert pools_of(cache)["6:6:decode"] == ("private", 50)
+    assert cache._entries[x6].pool != cache._entries[a8].pool
+    assert cache.stats().pool_bytes == 130 + 50 and cache.stats().pinned_pool_bytes == 130
+    assert cache.info()["totals"] == {"entries": 4, "pool_bytes": 180, "pinned_pool_bytes": 130}
+
+
+def test_unpinned_warmup_and_already_cached_entries_keep_private_pools():
+    cache, _ = make(sizes={a8: 100, b4: 60})
+    cache.warmup([a8], pin=False)
+    cache.run(b4)
+    cache.warmup([a8, b4])  # already held: pinned now, but they stay in their private pools
+    assert pools_of(cache) == {"8:8:decode": ("private", 100), "4:4:decode": ("private", 60)}
+    assert all(e.pinned for e in cache.entries())
+    assert cache.stats().pool_bytes == 160 and cache.stats().pinned_pool_bytes == 0
+
+
+def test_budget_counts_pinned_growth_not_full_size_and_evicts_private_for_real():
+    cache, _ = make(max_bytes=200, sizes={a8: 100, b4: 90, x6: 60, y1: 60, c2: 40})
+    cache.warmup([a8, b4])  # b4's hint is a8's 100, but it fits in the pinned pool: no growth
+    assert cache.stats().pool_bytes == 100 and not cache.info()["negative"]
+    cache.run(x6)  # private 60: 160
+    cache.run(y1)  # hint 60 (no smaller capture known: the smallest) -> 220 > 200: evict x6 first
+    assert pools_of(cache) == {"8:8:decode": ("pinned", 100), "4:4:decode": ("pinned", 0),
+                               "1:1:decode": ("private", 60)}
+    assert cache.stats().evictions["bytes"] == 1 and cache.stats().pool_bytes == 160
+    # a pinned capture that fits in the pool needs no room; one that grows it makes room first
+    cache.warmup([c2])
+    assert pools_of(cache)["2:2:decode"] == ("pinned", 0) and cache.stats().evictions["bytes"] == 1
+
+
+def test_pinned_capture_whose_growth_cannot_fit_is_refused_only_when_that_frees_it():
+    # First pinned capture over budget: the pool holds only it, so refusing frees it all.
+    cache, _ = make(max_bytes=50, sizes={a8: 100})
+    rep = cache.warmup([a8])
+    assert rep.failed == {"8:8:decode": "budget"} and cache._pinned_pool is None
+    assert cache.stats().pool_bytes == 0 and cache.stats().pinned_pool_bytes == 0
+    # Later pinned capture that grows the pool past the budget (hint short): its memory is
+    # reserved in the shared pool either way, so it is kept and the bytes are counted.
+    cache, _ = make(max_bytes=120, sizes={a8: 100, b4: 150})
+    cache.warmup([a8])
+    rep = cache.warmup([b4])
+    assert rep.captured == ["4:4:decode"] and pools_of(cache)["4:4:decode"] == ("pinned", 50)
+    assert cache.stats().pool_bytes == 150
+    assert cache.run(y1) == "eager"  # no room for lazy captures until the budget allows
+    assert cache.stats().failures["budget"] == 1
+
+
+def _fail_on(desc, exc):
+    def failpoint(d):
+        if desc is None or d == desc:
+            raise exc
+
+    return failpoint
+
+
+def test_failed_pinned_capture_keeps_accounting_and_pool():
+    cache, _ = make(sizes={a8: 100, b4: 60, c2: 40})
+    cache.failpoint = _fail_on(b4, RuntimeError("injected"))
+    rep = cache.warmup([a8, b4, c2])
+    assert rep.failed == {"4:4:decode": "error"} and rep.captured == ["8:8:decode", "2:2:decode"]
+    assert cache.stats().pinned_pool_bytes == 100 and cache.stats().failures["error"] == 1
+    assert len({cache._entries[d].pool for d in (a8, c2)}) == 1
+    # failing the first pinned capture leaves no pool behind
+    cache, _ = make(sizes={a8: 100})
+    cache.failpoint = _fail_on(None, torch.OutOfMemoryError("injected"))
+    assert cache.warmup([a8]).failed == {"8:8:decode": "oom"}
+    assert cache._pinned_pool is None and cache.stats().pool_bytes == 0
+
+
+def test_manual_eviction_of_pinned_entries_frees_the_pool_with_the_last():
+    cache, _ = make(sizes={a8: 100, b4: 60, x6: 50})
+    cache.warmup([a8, b4])
+    cache.run(x6)
+    first_pool = cache._pinned_pool
+    assert cache.evict(a8)  # the pool still serves b4: nothing returns, the bytes stay counted
+    assert cache.stats().pinned_pool_bytes == 100 and cache.stats().pool_bytes == 150
+    assert cache.evict(x6)  # private: its bytes go at once
+    assert cache.stats().pool_bytes == 100
+    assert cache.evict(b4)  # the last pinned graph: the pool goes
+    assert cache._pinned_pool is None and cache.stats().pool_bytes == 0
+    cache.warmup([b4])  # a new pool (a dropped handle is never captured into again)
+    assert cache._pinned_pool != first_pool and pools_of(cache) == {"4:4:decode": ("pinned", 60)}
+
+
+def test_clear_drops_pinned_pool_and_private_pools():
+    cache, _ = make(sizes={a8: 100, b4: 60, c2: 130, x6: 50})
+    cache.warmup([a8, b4, c2])
+    cache.run(x6)
+    old = cache._pinned_pool
+    rep = cache.clear()
+    assert (rep.entries, rep.pool_bytes) == (4, 180)
+    assert cache._pinned_pool is None and len(cache) == 0
+    s = cache.stats()
+    assert (s.pool_bytes, s.pinned_pool_bytes, s.evictions["clear"]) == (0, 0, 4)
+    cache.warmup([b4, a8])
+    assert cache._pinned_pool != old
+    assert pools_of(cache) == {"8:8:decode": ("pinned", 100), "4:4:decode": ("pinned", 0)}
+
+
+def test_pool_bytes_gauge_counts_pinned_pool_once():
+    m = Metrics()
+    cache, _ = make(metrics=m, sizes={a8: 100, b4: 60, x6: 50})
+    cache.warmup([a8, b4])
+    cache.run(x6)
+    assert m.registry.get_sample_value("graphcache_graph_pool_bytes") == 150
+    cache.clear()
+    assert m.registry.get_sample_value("graphcache_graph_pool_bytes") == 0

@@ -3,12 +3,18 @@
 `run(desc)` replays the capture for `desc` when there is one; on a miss it admits and
 captures (then replays), or serves the step eagerly. Every decision is counted.
 
-Memory: each entry gets its own private graph pool (see docs/graph-pools.md). Evicting
-from a shared pool frees nothing until every graph on it is gone; with a pool per entry,
-dropping the entry and emptying the cache returns its bytes to the driver. Budgets are
-enforced before a capture (room is made first, from a size hint measured on earlier
-captures), so memory never exceeds the budget by a whole graph. Bytes are the allocator's
-(segments of the entry's pool), never an estimate.
+Memory (see docs/graph-pools.md): two kinds of graph pool.
+- Pinned entries (warmup, `pin=True`) are captured into ONE shared "pinned pool". They are
+  never evicted by the budgets, so sharing costs no evictability: the pool holds about the
+  largest capture plus one cuBLAS workspace instead of the sum, and goes back to the driver
+  when its last graph is dropped (clear(), or manual eviction of every pinned entry).
+- Lazily admitted entries (`run`, `warmup(pin=False)`) get one private pool each: evicting
+  one drops its graphs, and `empty_cache` returns exactly its bytes.
+Bytes are the allocator's, never an estimate: total = pinned pool + sum of private pools.
+A pinned entry's `bytes` is the growth of the pinned pool during its capture (0 when the
+pool already had room); `pool` in `entries()` says which kind. Budgets are enforced before
+a capture (room is made first, from a size hint measured on earlier captures), so memory
+never exceeds the budget by a whole graph.
 
 Threading: one owner thread (the engine thread) drives the cache and all GPU work: `run`,
 `warmup`, `clear`, `evict` raise RuntimeError from any other thread. A capture in progress
@@ -50,6 +56,9 @@ class EntryInfo:
     pinned: bool
     graphs: int
     breaks: int
+    # "pinned": in the shared pinned pool, `bytes` = that pool's growth during this capture
+    # (may be 0; the pool is freed only with the last pinned entry). "private": its own pool.
+    pool: Literal["pinned", "private"] = "private"
 
 
 @dataclass
@@ -65,6 +74,7 @@ class CacheStats:
     padded_tokens: int = 0
     steps_replay: int = 0
     steps_eager: int = 0
+    pinned_pool_bytes: int = 0  # part of pool_bytes: the shared pinned pool, allocator-measured
 
 
 @dataclass
@@ -91,6 +101,7 @@ class _Entry:
     bytes: int
     capture_seconds: float
     pinned: bool = False
+    shared: bool = False  # captured into the shared pinned pool (bytes: its growth then)
     hits: int = 0
     last_use: float = field(default_factory=time.time)
     addresses: list[int] | None = None  # debug mode: input data_ptrs at capture
@@ -117,7 +128,12 @@ class GraphCache:
         self._entries: OrderedDict[BatchDescriptor, _Entry] = OrderedDict()  # LRU first
         self._negative: dict[BatchDescriptor, tuple[str, str]] = {}  # desc -> (reason, detail)
         self._miss_counts: Counter[BatchDescriptor] = Counter()
-        self._size_hints: dict[BatchDescriptor, int] = {}  # measured bytes of past captures
+        self._size_hints: dict[BatchDescriptor, int] = {}  # measured bytes of past captures (own pool)
+        # The shared pool of pinned captures: created on the first, dropped with the last entry
+        # in it (never reused after: see pool.py). Bytes: allocator-measured after each capture
+        # into it; it only grows while any graph on it lives, so between captures it is exact.
+        self._pinned_pool: Any = None
+        self._pinned_bytes = 0
         self._stats = CacheStats()
         self._stream: Any = None  # the capture stream, created on first capture
         self._owner: int | None = None
@@ -186,12 +202,19 @@ class GraphCache:
 
     # --- capture under budgets ---
     def _capture_entry(self, desc: BatchDescriptor, *, pinned: bool) -> _Entry | None:
-        """Make room, capture, measure, admit or refuse. None: serve eagerly (reason counted)."""
-        if not self._make_room(desc):
+        """Make room, capture, measure, admit or refuse. None: serve eagerly (reason counted).
+
+        Pinned captures go into the shared pinned pool, the others into a fresh private pool.
+        """
+        shared = pinned
+        if not self._make_room(desc, shared=shared):
             self._refuse(desc, "budget", f"no room: {len(self._entries)} entries / {self._total_bytes()} bytes "
                          f"held, pinned entries cannot be evicted")
             return None
-        pool = new_pool(self.backend)
+        if shared and self._pinned_pool is None:
+            self._pinned_pool, self._pinned_bytes = new_pool(self.backend), 0
+        pool = self._pinned_pool if shared else new_pool(self.backend)
+        before = self._pinned_bytes if shared else 0
         try:
             if self.failpoint is not None:
                 self.failpoint(desc)
@@ -199,21 +222,44 @@ class GraphCache:
         except Exception as e:
             reason = "oom" if isinstance(e, torch.OutOfMemoryError) else "error"
             self._refuse(desc, reason, f"{type(e).__name__}: {e}")
+            if shared:
+                self._settle_pinned_pool(desc)
             if self.backend == "cuda":
                 torch.cuda.empty_cache()  # give back what the failed capture's pool reserved
             return None
-        size = int(self.measure_bytes(desc, pool))
-        self._size_hints[desc] = size
-        entry = _Entry(desc, graph, pool, size, seconds, pinned=pinned)
+        measured = int(self.measure_bytes(desc, pool))
+        if shared:
+            # The pool's memory is already reserved and stays until its last graph goes: count
+            # it now, whatever happens to this entry. Growth, not the pool, is this entry's size.
+            self._pinned_bytes = measured
+            size = max(0, measured - before)
+            if before == 0:
+                self._size_hints[desc] = measured  # a capture into an empty pool: its full size
+        else:
+            size = measured
+            self._size_hints[desc] = size
+        entry = _Entry(desc, graph, pool, size, seconds, pinned=pinned, shared=shared)
         if self.debug and self.input_tensors is not None:
             entry.addresses = [t.data_ptr() for t in self.input_tensors(desc)]
         # The hint may have been short: evict more, and refuse the entry if it still does not fit.
-        while self._total_bytes() + size > self.max_bytes and self._evict_lru("bytes"):
+        pending = 0 if shared else size  # a pinned capture's growth is already in _total_bytes()
+        while self._total_bytes() + pending > self.max_bytes and self._evict_lru("bytes"):
             pass
-        if self._total_bytes() + size > self.max_bytes:
-            graph.close()
-            self._refuse(desc, "budget", f"capture of {size} bytes exceeds the {self.max_bytes}-byte budget")
-            return None
+        if self._total_bytes() + pending > self.max_bytes:
+            if not shared or not self._has_shared():
+                # Private pool, or the pinned pool holds only this graph: dropping it frees it all.
+                graph.close()
+                if shared:
+                    self._pinned_pool, self._pinned_bytes = None, 0
+                self._refuse(desc, "budget", f"capture of {size} bytes exceeds the {self.max_bytes}-byte budget")
+                self._free_memory()
+                return None
+            # The pinned pool grew past the budget (fragmentation beyond the hint). Refusing
+            # would not return a byte (the pool is freed only with its last graph), so keep
+            # the graph; the over-budget bytes are counted, and lazy captures wait for room.
+            log.warning("pinned capture %s grew the pinned pool by %d bytes to %d bytes held, over the "
+                        "%d-byte budget; kept (its memory returns only on clear())", desc, size,
+                        self._total_bytes(), self.max_bytes)
         self._entries[desc] = entry
         self._stats.captures += 1
         self._stats.capture_seconds += seconds
@@ -221,14 +267,26 @@ class GraphCache:
             self.metrics.graph_captures.inc()
             self.metrics.graph_capture_seconds.observe(seconds)
         self._update_gauges()
-        log.debug("captured %s: %d graphs, %d breaks, %d bytes, %.1f ms", desc, graph.num_graphs,
-                  graph.num_breaks, size, seconds * 1e3)
+        log.debug("captured %s: %d graphs, %d breaks, %d bytes (%s pool), %.1f ms", desc, graph.num_graphs,
+                  graph.num_breaks, size, "pinned" if shared else "private", seconds * 1e3)
         if self.backend == "cuda":
             # Capture runs the eager ops over not-yet-computed inputs (the graphs did not run),
             # so they wrote garbage (e.g. KV slots of this step); one replay makes it right.
             # (The eager backend's capture already ran the step for real.)
             graph.replay()
         return entry
+
+    def _settle_pinned_pool(self, desc: BatchDescriptor) -> None:
+        """After a failed capture into the pinned pool: drop it if no graph uses it, else re-measure
+        it (what the failed capture reserved there stays until the pool goes)."""
+        if not self._has_shared():
+            self._pinned_pool, self._pinned_bytes = None, 0  # its partial graphs were reset
+        else:
+            self._pinned_bytes = int(self.measure_bytes(desc, self._pinned_pool))
+            self._update_gauges()
+
+    def _has_shared(self) -> bool:
+        return any(e.shared for e in list(self._entries.values()))
 
     def _capture(self, desc: BatchDescriptor, pool: Any) -> tuple[BreakableGraph, float]:
         if self.backend == "eager":
@@ -247,14 +305,20 @@ class GraphCache:
         graph = capture(lambda: self.step_fn(desc), backend="cuda", pool=pool, stream=stream)
         return graph, time.perf_counter() - t0
 
-    def _make_room(self, desc: BatchDescriptor) -> bool:
+    def _make_room(self, desc: BatchDescriptor, *, shared: bool = False) -> bool:
         if self.max_entries <= 0:
             return False
         while len(self._entries) >= self.max_entries:
             if not self._evict_lru("entries"):
                 return False
-        hint = self._size_hint(desc)
-        while self._total_bytes() + hint > self.max_bytes:
+        need = self._size_hint(desc)
+        if shared:
+            # A capture into the pinned pool reuses all of it (between replays every block there
+            # is free scratch, the cuBLAS workspace included: capture() releases it first), so
+            # its growth is about what exceeds the pool: 0..hint. Fragmentation beyond that is
+            # caught after the capture.
+            need = max(0, need - self._pinned_bytes)
+        while self._total_bytes() + need > self.max_bytes:
             if not self._evict_lru("bytes"):
                 return False
         return True
@@ -279,11 +343,16 @@ class GraphCache:
     def _drop(self, desc: BatchDescriptor, reason: str) -> None:
         entry = self._entries.pop(desc)
         entry.graph.close()  # frees the graphs; the pool goes back on the next empty_cache
+        if entry.shared and not self._has_shared():
+            # That was the pinned pool's last graph: the pool is freeable now (its bytes return
+            # on the next empty_cache) and its handle must not be captured into again.
+            self._pinned_pool, self._pinned_bytes = None, 0
         self._stats.evictions[reason] += 1
         if self.metrics is not None:
             self.metrics.graph_evictions.labels(reason).inc()
         self._update_gauges()
-        log.info("evicted graph %s (%s, %d bytes)", desc, reason, entry.bytes)
+        log.info("evicted graph %s (%s, %d bytes, %s pool)", desc, reason, entry.bytes,
+                 "pinned" if entry.shared else "private")
 
     def _refuse(self, desc: BatchDescriptor, reason: str, detail: str) -> None:
         self._negative[desc] = (reason, detail)
@@ -318,7 +387,11 @@ class GraphCache:
         return report
 
     def evict(self, desc: BatchDescriptor) -> bool:
-        """Drop one entry (pinned or not) and return its memory. False if it was not cached."""
+        """Drop one entry (pinned or not) and return its memory. False if it was not cached.
+
+        A private entry's pool is returned at once. An entry in the pinned pool leaves its
+        blocks there (reused by later pinned captures); the pinned pool returns to the
+        driver when its last entry is evicted, or on clear()."""
         self._check_owner()
         if desc not in self._entries:
             return False
@@ -327,7 +400,7 @@ class GraphCache:
         return True
 
     def clear(self) -> ClearReport:
-        """Drop every entry and the negative cache, and return the memory to the driver."""
+        """Drop every entry (the pinned pool too) and the negative cache; return the memory to the driver."""
         self._check_owner()
         if self.backend == "cuda":
             torch.cuda.synchronize()  # no replay may still be running on memory we free
@@ -336,6 +409,7 @@ class GraphCache:
             self._drop(desc, "clear")
         self._negative.clear()
         self._miss_counts.clear()
+        self._pinned_pool, self._pinned_bytes = None, 0  # already so: its last entry was dropped
         self._free_memory()
         return ClearReport(entries=n, pool_bytes=held, bytes_freed=max(0, before - reserved_bytes()))
 
@@ -349,12 +423,14 @@ class GraphCache:
     def entries(self) -> list[EntryInfo]:
         """Entries in eviction order: least recently used first."""
         return [EntryInfo(str(e.desc), e.bytes, e.capture_seconds, e.hits, e.last_use, e.pinned,
-                          e.graph.num_graphs, e.graph.num_breaks) for e in list(self._entries.values())]
+                          e.graph.num_graphs, e.graph.num_breaks, "pinned" if e.shared else "private")
+                for e in list(self._entries.values())]
 
     def stats(self) -> CacheStats:
         s = self._stats
         return CacheStats(s.hits, s.misses, s.captures, s.capture_seconds, dict(s.evictions), dict(s.failures),
-                          self._total_bytes(), len(self._entries), s.padded_tokens, s.steps_replay, s.steps_eager)
+                          self._total_bytes(), len(self._entries), s.padded_tokens, s.steps_replay, s.steps_eager,
+                          self._pinned_bytes)
 
     def info(self) -> dict:
         """Everything above as JSON-able data (admin endpoint)."""
@@ -363,7 +439,8 @@ class GraphCache:
             "admission": self.admission,
             "warmed_up": self.warmed_up,
             "budgets": {"max_entries": self.max_entries, "max_bytes": self.max_bytes},
-            "totals": {"entries": len(self._entries), "pool_bytes": self._total_bytes()},
+            "totals": {"entries": len(self._entries), "pool_bytes": self._total_bytes(),
+                       "pinned_pool_bytes": self._pinned_bytes},
             "entries": [asdict(e) for e in self.entries()],
             "negative": [{"descriptor": str(d), "reason": r, "detail": t}
                          for d, (r, t) in list(self._negative.items())],
@@ -378,7 +455,8 @@ class GraphCache:
 
     # --- helpers ---
     def _total_bytes(self) -> int:
-        return sum(e.bytes for e in list(self._entries.values()))
+        """Allocator-measured: the pinned pool plus every private pool."""
+        return self._pinned_bytes + sum(e.bytes for e in list(self._entries.values()) if not e.shared)
 
     def _update_gauges(self) -> None:
         if self.metrics is not None:

@@ -5,21 +5,42 @@ A pool is the allocator's private memory pool a capture allocates into; its id i
 `total_size` of the allocator segments whose `segment_pool_id` equals that handle: what
 the allocator reserved from the driver for it (cudaMalloc'd bytes), whether blocks in it
 are in use or cached. vLLM's estimate (one graph's size times the count) overshoots 3x.
+
+Lifetime (what makes sharing and eviction safe, see ../../docs/graph-pools.md): every
+graph captured into a pool holds a use count on it; the allocator returns a pool's
+segments to the driver (on `empty_cache`) only once the count is 0, i.e. after the last
+graph on it was reset. While any graph lives the pool only grows; it never shrinks.
+A handle whose pool fell to 0 must not be captured into again (the allocator asserts
+that an existing pool still has users), so a dropped pool's handle is never reused.
+
+On the eager backend a pool is an `EagerPool`: identity only (tests' `measure_bytes`
+hooks tell pools apart by it), no memory.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["new_pool", "pool_bytes", "pools_bytes", "reserved_bytes"]
+__all__ = ["EagerPool", "new_pool", "pool_bytes", "pools_bytes", "reserved_bytes"]
+
+_eager_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class EagerPool:
+    """Stand-in pool of the eager backend: a distinct identity, no memory."""
+
+    id: int
 
 
 def new_pool(backend: str) -> Any:
-    """A fresh private pool handle on cuda; None on the eager backend (nothing to pool)."""
-    return torch.cuda.graph_pool_handle() if backend == "cuda" else None
+    """A fresh private pool handle on cuda; a fresh `EagerPool` on the eager backend."""
+    return torch.cuda.graph_pool_handle() if backend == "cuda" else EagerPool(next(_eager_ids))
 
 
 def _segments() -> list[dict]:
@@ -28,8 +49,8 @@ def _segments() -> list[dict]:
 
 
 def pools_bytes(pools: Iterable[Any]) -> dict[tuple[int, int], int]:
-    """Reserved bytes per pool handle, from one allocator snapshot (pools with none: 0)."""
-    wanted = {tuple(p): 0 for p in pools if p is not None}
+    """Reserved bytes per CUDA pool handle, from one allocator snapshot (pools with none: 0)."""
+    wanted = {tuple(p): 0 for p in pools if p is not None and not isinstance(p, EagerPool)}
     if not wanted or not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return wanted
     for seg in _segments():
@@ -40,8 +61,8 @@ def pools_bytes(pools: Iterable[Any]) -> dict[tuple[int, int], int]:
 
 
 def pool_bytes(pool: Any) -> int:
-    """Bytes the allocator holds for one pool; 0 on the eager backend (pool None)."""
-    if pool is None:
+    """Bytes the allocator holds for one pool; 0 on the eager backend (None or EagerPool)."""
+    if pool is None or isinstance(pool, EagerPool):
         return 0
     return pools_bytes([pool])[tuple(pool)]
 

@@ -269,3 +269,111 @@ def test_debug_mode_checks_addresses_on_cuda():
     w.x = torch.randn_like(w.x)  # rebinding a static buffer
     with pytest.raises(RuntimeError, match="addresses"):
         cache.run(d)
+
+
+# --- the shared pinned pool (warmup) vs private pools (lazy admission) ---
+
+PINNED = [D(512, 512, True), D(384, 384, True), D(256, 256, True), D(128, 128, True), D(64, 64, True)]
+
+
+def test_pinned_warmup_uses_far_less_memory_than_private_entries():
+    w = Workload()
+    w.step()
+    start = _quiet_reserved()
+    private = _cache(w)
+    private.warmup(PINNED, pin=False)  # one pool per entry: each holds its own cuBLAS workspace
+    assert {e.pool for e in private.entries()} == {"private"}
+    private_bytes = private.stats().pool_bytes
+    assert private_bytes == sum(pool_bytes(e.pool) for e in private._entries.values())
+    private.clear()
+    assert _quiet_reserved() <= start + 2 * MiB
+
+    cache = _cache(w)
+    rep = cache.warmup(PINNED)  # pinned: one shared pool
+    assert len(rep.captured) == len(PINNED) and {e.pool for e in cache.entries()} == {"pinned"}
+    pool = cache._pinned_pool
+    assert all(cache._entries[d].pool == pool for d in PINNED)
+    s = cache.stats()
+    assert s.pool_bytes == s.pinned_pool_bytes == pool_bytes(pool) > 0
+    assert sum(e.bytes for e in cache.entries()) == s.pinned_pool_bytes  # growth per capture adds up
+    largest = cache._entries[PINNED[0]].bytes
+    assert s.pinned_pool_bytes <= largest + 8 * MiB, "the pinned pool should hold ~ the largest capture"
+    assert s.pinned_pool_bytes * 2 <= private_bytes, (s.pinned_pool_bytes, private_bytes)
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert abs((torch.cuda.memory_reserved() - start) - s.pinned_pool_bytes) <= 2 * MiB
+    for d in PINNED:
+        w.check_replay(lambda d=d: cache.run(d), tokens=d.num_tokens)
+
+
+def test_pinned_graphs_replay_correctly_after_private_captures_and_evictions():
+    w = Workload()
+    cache = _cache(w, max_entries=5)
+    cache.warmup(PINNED[::2])  # 512, 256, 64 pinned
+    pinned_bytes = cache.stats().pinned_pool_bytes
+
+    def check_pinned():
+        for d in PINNED[::2]:
+            w.check_replay(lambda d=d: cache.run(d), tokens=d.num_tokens)
+
+    check_pinned()
+    lazy = [D(448, 448, True), D(320, 320, True), D(192, 192, True), D(96, 96, True)]
+    cache.run(lazy[0])
+    cache.run(lazy[1])  # 3 pinned + 2 private: the entry budget is full
+    check_pinned()
+    cache.run(lazy[2])  # evicts lazy[0] (LRU among unpinned): its pool is released
+    assert lazy[0] not in cache and cache.stats().evictions["entries"] == 1
+    check_pinned()
+    held = cache._entries[lazy[1]].bytes
+    gc.collect()
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved()
+    assert cache.evict(lazy[1])
+    assert torch.cuda.memory_reserved() <= reserved - held, "evicting a private entry freed nothing"
+    check_pinned()
+    cache.run(lazy[3])  # a capture after the evictions (may land in memory they freed)
+    check_pinned()
+    w.check_replay(lambda: cache.run(lazy[2]), tokens=192)
+    w.check_replay(lambda: cache.run(lazy[3]), tokens=96)
+    assert all(d in cache for d in PINNED[::2])
+    assert cache.stats().pinned_pool_bytes == pinned_bytes  # lazy captures never touch it
+    assert {cache._entries[d].pool for d in lazy[2:]}.isdisjoint({cache._pinned_pool})
+
+
+def test_clear_returns_reserved_memory_to_start_level():
+    w = Workload()
+    w.step()
+    start = _quiet_reserved()
+    cache = _cache(w)
+    cache.warmup(PINNED[:3])
+    cache.run(D(96, 96, True))
+    cache.run(D(200, 200, True))
+    pool = cache._pinned_pool
+    held = cache.stats().pool_bytes
+    assert held == pool_bytes(pool) + sum(pool_bytes(e.pool) for e in cache._entries.values() if e.pool != pool)
+    rep = cache.clear()
+    assert rep.entries == 5 and rep.pool_bytes == held and rep.bytes_freed >= held > 0
+    assert pool_bytes(pool) == 0 and cache.stats().pool_bytes == 0
+    assert _quiet_reserved() <= start + 2 * MiB
+    cache.warmup(PINNED[:2])  # a fresh pinned pool after clear works
+    assert cache._pinned_pool != pool
+    w.check_replay(lambda: cache.run(PINNED[1]), tokens=PINNED[1].num_tokens)
+    cache.clear()
+    assert _quiet_reserved() <= start + 2 * MiB
+
+
+def test_evicting_every_pinned_entry_releases_the_pinned_pool():
+    w = Workload()
+    w.step()
+    start = _quiet_reserved()
+    cache = _cache(w)
+    cache.warmup(PINNED[:3])
+    pool = cache._pinned_pool
+    held = cache.stats().pinned_pool_bytes
+    assert cache.evict(PINNED[0])  # the largest: its blocks stay in the shared pool
+    assert pool_bytes(pool) == held == cache.stats().pool_bytes
+    for d in PINNED[1:3]:
+        w.check_replay(lambda d=d: cache.run(d), tokens=d.num_tokens)
+    assert cache.evict(PINNED[1]) and cache.evict(PINNED[2])  # the last one frees the pool
+    assert pool_bytes(pool) == 0 and cache.stats().pool_bytes == 0 and cache._pinned_pool is None
+    assert _quiet_reserved() <= start + 2 * MiB
