@@ -313,7 +313,8 @@ def test_pinned_graphs_replay_correctly_after_private_captures_and_evictions():
     pinned_bytes = cache.stats().pinned_pool_bytes
 
     def check_pinned():
-        for d in PINNED[::2]:
+        # capture order, then reversed: each replay follows another graph's use of the shared scratch
+        for d in PINNED[::2] + PINNED[::2][::-1]:
             w.check_replay(lambda d=d: cache.run(d), tokens=d.num_tokens)
 
     check_pinned()
