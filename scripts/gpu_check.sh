@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device-box run: installs the carried wheels, then runs the GPU phases named in $PHASES
+# (default: tests pool capture), each bounded by its own timeout, logging everything under $OUT.
+# Usage (device tool, carry .whl): PHASES="tests capture" bash scripts/gpu_check.sh
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  >"$OUT/pip.log" 2>&1 || { echo "wheel install failed"; tail "$OUT/pip.log"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD
+phase() {  # name, timeout seconds, command...
+  local name=$1 t=$2; shift 2
+  echo "=== $name ($(date -u +%H:%M:%S))"
+  timeout "$t" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
+  echo "--- $name rc=$rc"; tail -n "${TAIL:-25}" "$OUT/$name.log"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
+for p in ${PHASES:-tests pool capture}; do
+  case $p in
+    tests)   phase tests 300 python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu -x -rs ${PYTEST_ARGS:-} ;;
+    pool)    phase pool 150 python3 benchmarks/pool_eviction.py --out "$OUT/pool_eviction.json" ;;
+    capture) phase capture 300 python3 benchmarks/capture_bench.py --out "$OUT/capture_bench.json" ;;
+    offline) phase offline 540 python3 benchmarks/offline_throughput.py --make-qwen05b /tmp/qwen05b \
+               --modes "${OFFLINE_MODES:-graph,eager,hf}" --out "$OUT/offline.json" ;;
+    *) echo "unknown phase $p" ;;
+  esac
+done
