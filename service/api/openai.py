@@ -122,8 +122,11 @@ async def _unless_disconnected(receive, aw: Awaitable) -> Any:
 class _Run:
     """One request inside the engine: its outputs, and an abort unless it finished."""
 
-    def __init__(self, engine, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, engine, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 stream: bool) -> None:
         self.engine = engine
+        # stream=False: the engine wakes this request once, at its end, not once per token.
+        self.stream = stream
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
@@ -134,7 +137,8 @@ class _Run:
         """The next output; engine refusals become the API errors that say what to do."""
         try:
             if self._it is None:
-                self._it = self.engine.generate(self.request_id, self.prompt_ids, self.params).__aiter__()
+                self._it = self.engine.generate(self.request_id, self.prompt_ids, self.params,
+                                                stream=self.stream).__aiter__()
             out = await self._it.__anext__()
         except (QueueFull, EngineNotReady, EngineDead, StopAsyncIteration, ValueError) as e:
             self.finished = True  # not (or no longer) in the engine: nothing to abort
@@ -291,7 +295,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         prompt_ids = list(body.prompt)  # the engine checks they are in the vocabulary (400 if not)
     max_tokens = _max_tokens(engine, len(prompt_ids), body.max_tokens, "max_tokens")
     rid = f"cmpl-{uuid.uuid4().hex}"
-    run = _Run(engine, rid, prompt_ids, _sampling(engine, body, max_tokens))
+    run = _Run(engine, rid, prompt_ids, _sampling(engine, body, max_tokens), body.stream)
     created = int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     usage_none = {"usage": None} if body.include_usage else {}
@@ -324,7 +328,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = _max_tokens(engine, len(prompt_ids), body.max_new_tokens, param)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    run = _Run(engine, rid, prompt_ids, _sampling(engine, body, max_tokens))
+    run = _Run(engine, rid, prompt_ids, _sampling(engine, body, max_tokens), body.stream)
     base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
     usage_none = {"usage": None} if body.include_usage else {}
 
