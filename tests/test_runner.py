@@ -156,3 +156,154 @@ def test_default_model_dir_is_created_once(tmp_path):
     assert default_model_dir(tmp_path) == first
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tiny-")]  # no temp dirs left
+
+
+# --- KV write in the graph segment: padded tokens and warmups never write a real slot ------------------
+
+def test_padded_tokens_write_only_the_scratch_slot(path):
+    runner = ModelRunner(cpu_settings(path))
+    scratch_block = runner.num_kv_blocks                       # one block past the usable ones
+    assert runner.scratch_slot == scratch_block * runner.block_size
+    storage = runner.kv_storage                                # [layers, 2, blocks + 1, bs, K, D]
+    assert storage.shape[2] == runner.num_kv_blocks + 1
+    before = storage.clone()
+    runner.execute(StepBatch([StepSeq(prompt_ids(5), 0, [7, 8], True)]))   # 5 tokens padded to 8
+    assert runner.last_mode == "replay"
+    changed = (storage != before).flatten(3).any(-1)                      # [layers, 2, blocks + 1]
+    assert sorted(set(changed.nonzero()[:, 2].tolist())) == [7, 8, scratch_block]
+    # Only the 3 pads wrote the scratch block, and only its first slot.
+    scratch_changed = (storage[:, :, scratch_block] != before[:, :, scratch_block]).flatten(3).any(-1)  # [l, 2, bs]
+    assert scratch_changed[:, :, 0].all() and not scratch_changed[:, :, 1:].any()
+    # Between steps every slot_mapping entry points at the scratch slot (stale buffers are harmless).
+    assert (runner.slot_mapping.dev == runner.scratch_slot).all()
+
+
+def test_warmup_and_capture_between_steps_leave_kv_untouched(path):
+    runner = ModelRunner(cpu_settings(path))
+    blocks = Blocks(runner.block_size)
+    tables = [blocks.table(12) for _ in range(3)]
+    runner.execute(StepBatch([StepSeq(prompt_ids(9, seed=i), 0, tables[i], True) for i in range(3)]))
+    runner.execute(StepBatch([StepSeq([11], 9, tables[i], True) for i in range(3)]))
+    before = runner.kv_cache.clone()
+    # Descriptors both already cached by the two steps (4:4:decode, 32:4) and new, decode and mixed.
+    descs = [BatchDescriptor(4, 4, True), BatchDescriptor(32, 4), BatchDescriptor(8, 8, True), BatchDescriptor(16, 2)]
+    report = runner.cache.warmup(descs)
+    assert sorted(report.captured) == ["16:2", "8:8:decode"]
+    assert torch.equal(runner.kv_cache, before)
+
+
+# --- the per-layer break stays lean: few torch calls, independent of the batch -------------------------
+
+def _aten_ops_per_break(runner, batch: StepBatch) -> list[int]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import service.model.llama as llama
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    per_call, original = [], llama.paged_attention
+
+    def counted(*args, **kwargs):
+        Count.n = 0
+        with Count():
+            original(*args, **kwargs)
+        per_call.append(Count.n)
+
+    llama.paged_attention = counted
+    try:
+        runner.execute(batch)
+    finally:
+        llama.paged_attention = original
+    return per_call
+
+
+@pytest.mark.parametrize("num_decodes", [1, 3, 8])
+def test_decode_break_has_a_fixed_small_op_count(path, num_decodes):
+    """Host cost proxy: aten ops dispatched by one layer's break for a decode batch (was ~28 before the
+    KV write moved into the graph and masks/slots moved into the per-step plan)."""
+    runner = ModelRunner(cpu_settings(path))
+    blocks = Blocks(runner.block_size)
+    tables = [blocks.table(8 + i) for i in range(num_decodes)]
+    for i, t in enumerate(tables):
+        runner.execute(StepBatch([StepSeq(prompt_ids(7 + i, seed=i), 0, t, True)]))
+    counts = _aten_ops_per_break(runner, StepBatch([StepSeq([5], 7 + i, t, True) for i, t in enumerate(tables)]))
+    assert len(counts) == runner.model_config.num_layers
+    assert max(counts) <= 10, counts     # gather, view, transpose, unbind, 2 q/out slices, q view, sdpa, copy
+
+
+# --- the CUDA FlashAttention varlen plan, checked on the CPU with a reference kernel ---------------------
+
+def _reference_flash_inplace(out, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *,
+                             scale=None, window_size_left=None, window_size_right=None, **unused):
+    """CPU stand-in for aten._flash_attention_forward_no_dropout_inplace: varlen, and causal aligned to
+    the bottom right (query j of n sees keys 0..L - n + j), as FlashAttention 2 does."""
+    assert dropout_p == 0.0 and is_causal and not return_debug_mask and (window_size_left, window_size_right) == (-1, 0)
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and len(cu_q) == len(cu_k) and not unused
+    assert out.shape == q.shape and k.is_contiguous() and v.is_contiguous()
+    for i in range(len(cu_q) - 1):
+        qs, qe, ks, ke = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        n, length = qe - qs, ke - ks
+        assert 0 < n <= length and n <= max_q and length <= max_k
+        visible = torch.arange(length)[None, :] <= torch.arange(length - n, length)[:, None]   # [n, L]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[qs:qe].transpose(0, 1), k[ks:ke].transpose(0, 1), v[ks:ke].transpose(0, 1), attn_mask=visible,
+            scale=scale, enable_gqa=True)
+        out[qs:qe] = o.transpose(0, 1)
+    return torch.empty(0)
+
+
+@pytest.fixture
+def flash_runner(path, monkeypatch):
+    import service.engine.runner as runner_mod
+    import service.model.attention as attention
+
+    monkeypatch.setattr(attention, "_FLASH_INPLACE", _reference_flash_inplace)   # only flash runners call it
+
+    def make(**kw):
+        with monkeypatch.context() as m:   # the kernel is chosen at construction: other runners stay sdpa
+            m.setattr(runner_mod, "select_attention_kernel", lambda *args: "flash")
+            return ModelRunner(cpu_settings(path, **kw))
+    return make
+
+
+def test_flash_plan_mixed_chunked_and_padded_batch_matches_sdpa(path, flash_runner):
+    sdpa = ModelRunner(cpu_settings(path))
+    assert sdpa.attention_kernel == "sdpa"
+    seqs, expected = _histories(sdpa)
+    flash = flash_runner()
+    assert flash.attention_kernel == "flash"
+    # Rebuild the same cache contents in the flash runner (same tables, same prefill history).
+    blocks = Blocks(flash.block_size)
+    flash_seqs = []
+    for s in seqs:
+        table = blocks.table(s.start_pos + len(s.token_ids))
+        assert table == s.block_table
+        if s.start_pos:
+            ids = prompt_ids(s.start_pos + 1, seed=10 + len(flash_seqs))
+            run_alone(flash, ids[:-1], table, chunk=3)               # chunked: context + causal chunks
+        flash_seqs.append(StepSeq(s.token_ids, s.start_pos, table, True))
+    order = [3, 0, 1, 4, 2]
+    logits = flash.execute(StepBatch([flash_seqs[i] for i in order]))
+    assert flash.last_mode == "replay"
+    for row, i in enumerate(order):
+        assert (logits[row] - expected[i]).abs().max().item() < ATOL
+
+
+def test_flash_plan_decode_steps_match_sdpa(path, flash_runner):
+    """Prefill 20 tokens, then decode 10 one at a time: every step equals the SDPA path's."""
+    ids = prompt_ids(30, seed=4)
+    sdpa = ModelRunner(cpu_settings(path))
+    ref = run_alone(sdpa, ids[:20], Blocks(sdpa.block_size).table(30))
+    table = Blocks(sdpa.block_size).table(30)
+    # clone(): execute's logits are a view of a static buffer, valid until the next step
+    ref += [sdpa.execute(StepBatch([StepSeq([ids[p]], p, table, True)]))[0].clone() for p in range(20, 30)]
+    flash = flash_runner()
+    got = [flash.execute(StepBatch([StepSeq(ids[:20], 0, table, True)]))[0].clone()]
+    got += [flash.execute(StepBatch([StepSeq([ids[p]], p, table, True)]))[0].clone() for p in range(20, 30)]
+    for g, r in zip(got, ref, strict=True):
+        assert (g - r).abs().max().item() < ATOL

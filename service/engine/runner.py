@@ -2,9 +2,12 @@
 
 Every step: lay the batch out flat (decode requests first, the attention op expects that), copy
 ids / positions / slots / block tables into static buffers allocated once at the largest size,
-set the attention metadata, then let the GraphCache replay (or capture) the graph of the padded
-descriptor. Batches bigger than the largest capture size, and every step with enforce_eager, run
-the model eagerly on their real sizes. Logits come back from a static buffer, rows in the order
+plan the attention metadata once for all layers, then let the GraphCache replay (or capture) the
+graph of the padded descriptor. The KV write happens inside the graph, indexed by the static
+slot_mapping: padded tokens map to a scratch slot in one extra KV block past the usable ones, and
+between steps every entry maps there, so a warmup/capture outside a step writes no real slot.
+Batches bigger than the largest capture size, and every step with enforce_eager, run the model
+eagerly on their real sizes. Logits come back from a static buffer, rows in the order
 of the batch's need_logits sequences, valid until the next execute().
 
 Step metrics (mode, seconds, batch size) are recorded by the engine; the runner only reports the
@@ -16,13 +19,19 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from service.config import Settings
 from service.graphs.cache import GraphCache, WarmupReport
 from service.graphs.descriptor import BatchDescriptor, CaptureSizes, descriptor_for
 from service.metrics import Metrics
-from service.model.attention import AttentionMetadata, set_attention_metadata
+from service.model.attention import (
+    AttentionMetadata,
+    AttentionPlanner,
+    select_attention_kernel,
+    set_attention_metadata,
+)
 from service.model.loader import ModelLoadError, load_model, read_config, resolve_dtype
 from service.model.tiny import default_model_dir
 from service.model.tokenizer import Tokenizer
@@ -85,12 +94,20 @@ class ModelRunner:
         self.max_model_len = self._max_model_len(read_config(path))
         self.model, self.model_config = load_model(path, self.dtype, self.device, max_positions=self.max_model_len)
         self.block_size = s.block_size
-        self.reserved_blocks = 0  # pad tokens never write the cache, so no block is set aside for them
+        # The pads' scratch block is allocated past the usable blocks (see _alloc_kv_cache), so the
+        # block manager hands out all of 0..num_kv_blocks-1 and needs no reserved block.
+        self.reserved_blocks = 0
         self.sizes = CaptureSizes(s.resolved_capture_sizes())
         self._warmup_descs = self._warmup_descriptors()
         self._alloc_buffers()
         self.num_kv_blocks = self._num_kv_blocks()
         self._alloc_kv_cache()
+        c = self.model_config
+        self.attention_kernel = select_attention_kernel(self.device, self.dtype, c.head_dim)
+        self._planner = AttentionPlanner(kernel=self.attention_kernel, block_size=self.block_size,
+                                         max_blocks_per_seq=self.max_blocks_per_seq, num_heads=c.num_heads,
+                                         num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype,
+                                         device=self.device)
         self.backend = "cuda" if self.device.type == "cuda" and not s.enforce_eager else "eager"
         self.cache = GraphCache(self._step_fn, backend=self.backend, max_entries=s.cache_max_entries,
                                 max_bytes=s.cache_max_bytes, admission=s.admission,
@@ -98,7 +115,7 @@ class ModelRunner:
                                 metrics=metrics, input_tensors=self._input_tensors)
         self.last_mode: str | None = None
         self._in_execute = False
-        self._null_metadata = AttentionMetadata.empty(self.device)
+        self._null_metadata = AttentionMetadata.empty()
         self._uploaded = torch.cuda.Event() if self.device.type == "cuda" else None
         log.info("model %s (%s) on %s %s: max_model_len %d, %d KV blocks x %d tokens, backend %s", path,
                  self.model_config.architecture, self.device, str(self.dtype).removeprefix("torch."),
@@ -137,6 +154,9 @@ class ModelRunner:
         self.logits_indices = _Staged((self.max_reqs,), i64, dev)      # [R_max] token row of each logits row
         self.seq_lens = _Staged((self.max_reqs,), i64, dev)            # [R_max]
         self.block_tables = _Staged((self.max_reqs, self.max_blocks_per_seq), i64, dev)  # [R_max, B]
+        # [2 * (R_max + 1)] int32: cumulative query lengths, then cumulative context lengths (flash
+        # kernel); one buffer so it is one upload, each half contiguous as the kernel wants.
+        self.cu_seqlens = _Staged((2 * (self.max_reqs + 1),), torch.int32, dev)
         # [R_max, V] in the model dtype: the LM head writes straight into it.
         self.out_logits = torch.zeros(self.max_reqs, self.model_config.vocab_size, dtype=self.dtype, device=dev)
 
@@ -164,14 +184,23 @@ class ModelRunner:
     def _alloc_kv_cache(self) -> None:
         c = self.model_config
         # Zero-filled, not empty: masked positions get softmax weight 0, and 0 * NaN would still be NaN.
-        self.kv_cache = torch.zeros(c.num_layers, 2, self.num_kv_blocks, self.block_size, c.num_kv_heads,
-                                    c.head_dim, dtype=self.dtype, device=self.device)
-        self.model.bind_kv_cache([self.kv_cache[i, 0] for i in range(c.num_layers)],
-                                 [self.kv_cache[i, 1] for i in range(c.num_layers)])
+        # One block more than the block manager knows of: block num_kv_blocks is the scratch block
+        # that padded tokens write (their K/V may be garbage; nothing ever reads it).
+        self.kv_storage = torch.zeros(c.num_layers, 2, self.num_kv_blocks + 1, self.block_size, c.num_kv_heads,
+                                      c.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_cache = self.kv_storage[:, :, :self.num_kv_blocks]  # [layers, 2, blocks, bs, K, D]: usable blocks
+        self.scratch_slot = self.num_kv_blocks * self.block_size
+        self.model.bind_kv_cache([self.kv_storage[i] for i in range(c.num_layers)])
+        self._reset_slot_mapping()
+
+    def _reset_slot_mapping(self) -> None:
+        # Outside a step every token maps to the scratch slot: a warmup capture (or the replay that
+        # follows it) runs the graph's KV write over stale buffers and must not touch a real slot.
+        self.slot_mapping.dev.fill_(self.scratch_slot)
 
     # --- the step function the cache captures ---------------------------------------------
     def _run_model(self, num_tokens: int, num_reqs: int) -> None:
-        self.model(self.input_ids.dev[:num_tokens], self.positions.dev[:num_tokens],
+        self.model(self.input_ids.dev[:num_tokens], self.positions.dev[:num_tokens], self.slot_mapping.dev[:num_tokens],
                    self.logits_indices.dev[:num_reqs], self.out_logits[:num_reqs])
 
     def _step_fn(self, desc: BatchDescriptor) -> None:
@@ -179,16 +208,17 @@ class ModelRunner:
             raise ValueError(f"descriptor {desc} exceeds the static buffers ({self.max_tokens} tokens, "
                              f"{self.max_reqs} requests); raise max_num_batched_tokens / max_num_seqs")
         if not self._in_execute:
-            # A warmup capture (also the admin endpoint's) outside any step: attend to nothing and
-            # write no KV slot. Stale buffer contents are valid ids/positions, and logits_indices
-            # is zeroed after every step, so every index is in range for any descriptor.
+            # A warmup capture (also the admin endpoint's) outside any step: attend to nothing; the
+            # KV write goes to the scratch slot (slot_mapping is reset after every step). Stale buffer
+            # contents are valid ids/positions, and logits_indices is zeroed after every step, so
+            # every index is in range for any descriptor.
             set_attention_metadata(self._null_metadata)
         self._run_model(desc.num_tokens, desc.num_reqs)
 
     def _input_tensors(self, desc: BatchDescriptor) -> list[torch.Tensor]:
         t, r = desc.num_tokens, desc.num_reqs
         return [self.input_ids.dev[:t], self.positions.dev[:t], self.logits_indices.dev[:r], self.out_logits[:r],
-                self.slot_mapping.dev, self.seq_lens.dev, self.block_tables.dev, self.kv_cache]
+                self.slot_mapping.dev[:t], self.seq_lens.dev, self.block_tables.dev, self.kv_cache]
 
     # --- one step ------------------------------------------------------------------------
     def execute(self, batch: StepBatch) -> torch.Tensor:
@@ -217,6 +247,7 @@ class ModelRunner:
         finally:
             self._in_execute = False
             set_attention_metadata(None)
+            self._reset_slot_mapping()
         logits = self.out_logits[:num_logits].float()
         # Keep every logits index in range for any later (smaller) warmup capture.
         self.logits_indices.dev.zero_()
@@ -253,24 +284,30 @@ class ModelRunner:
             last_token[i] = query_start[-1] - 1
             bt[row, :len(table)] = table
         pad = pad_tokens - num_tokens
-        # Pads: token 0 at position 0 (valid embedding and rotary rows); they write no KV slot.
+        # Pads: token 0 at position 0 (valid embedding and rotary rows); their K/V go to the scratch slot.
         self.input_ids.np[:pad_tokens] = ids + [0] * pad
         self.positions.np[:pad_tokens] = pos + [0] * pad
-        self.slot_mapping.np[:num_tokens] = slots
+        self.slot_mapping.np[:pad_tokens] = slots + [self.scratch_slot] * pad
         need = [i for i, s in enumerate(seqs) if s.need_logits]
         rows = need + [i for i, s in enumerate(seqs) if not s.need_logits]
         self.logits_indices.np[:pad_reqs] = [last_token[i] for i in rows] + [0] * (pad_reqs - len(rows))
-        self.seq_lens.np[:len(seqs)] = seq_lens
-        for buf, n in ((self.input_ids, pad_tokens), (self.positions, pad_tokens), (self.slot_mapping, num_tokens),
-                       (self.logits_indices, pad_reqs), (self.seq_lens, len(seqs)), (self.block_tables, len(seqs))):
+        num_reqs = len(seqs)
+        self.seq_lens.np[:num_reqs] = seq_lens
+        uploads = [(self.input_ids, pad_tokens), (self.positions, pad_tokens), (self.slot_mapping, pad_tokens),
+                   (self.logits_indices, pad_reqs), (self.seq_lens, num_reqs), (self.block_tables, num_reqs)]
+        if self.attention_kernel == "flash":
+            cu = self.cu_seqlens.np
+            cu[:num_reqs + 1] = query_start
+            cu[num_reqs + 1] = 0
+            np.cumsum(seq_lens, out=cu[num_reqs + 2:2 * num_reqs + 2])
+            uploads.append((self.cu_seqlens, 2 * num_reqs + 2))
+        for buf, n in uploads:
             buf.upload(n)
         if self._uploaded is not None:
             self._uploaded.record()
-        md = AttentionMetadata(
-            slot_mapping=self.slot_mapping.dev[:num_tokens], seq_lens=self.seq_lens.dev[:len(seqs)],
-            block_tables=self.block_tables.dev[:len(seqs)], num_real_tokens=num_tokens, num_reqs=len(seqs),
-            num_decodes=num_decodes, query_start_loc=query_start, seq_lens_host=seq_lens,
-            max_decode_seq_len=max(seq_lens[:num_decodes], default=0))
+        md = self._planner.plan(num_real_tokens=num_tokens, num_decodes=num_decodes, query_start_loc=query_start,
+                                seq_lens=seq_lens, seq_lens_dev=self.seq_lens.dev[:num_reqs],
+                                block_tables=self.block_tables.dev[:num_reqs], cu_seqlens=self.cu_seqlens.dev)
         return md, len(need)
 
     # --- warmup ----------------------------------------------------------------------------

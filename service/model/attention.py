@@ -1,23 +1,37 @@
-"""Paged KV write + attention: the eager break of every decoder layer.
+"""Paged attention: the eager break of every decoder layer, and its per-step plan.
 
-The runner sets an `AttentionMetadata` for each step (set_attention_metadata) before it runs or
-replays the model. `paged_attention` reads it at call time, not at capture time, so one capture
-of a padded shape serves any real batch that fits: only the first `num_real_tokens` tokens are
-written to the cache and attended; padded rows of `out` are zeroed.
+Split of work (why): every graph-mode step replays this break once per layer, and at small batches
+the step is host-bound, so each torch call made here costs ~10 us x layers x steps. Hence:
+- the KV write is NOT here: llama.Attention writes this step's k/v into the cache inside the graph
+  segment (index_copy_ by the runner's static `slot_mapping`; padded rows go to a scratch slot no
+  sequence owns), so it costs nothing on the host at replay;
+- everything shared by all layers (flat slot indices of each request's context, masks, cumulative
+  lengths) is built ONCE per step by `AttentionPlanner.plan` (the runner calls it) and read here;
+- the break itself is a handful of torch calls: gather the context slots, one attention kernel,
+  (SDPA path) one copy into `out`. No host syncs, no per-layer mask building, no zeroing.
+
+Two kernels, one plan each:
+- "flash" (CUDA, fp16/bf16): FlashAttention varlen over ALL requests of the step at once, decode and
+  prefill alike (causal, bottom-right aligned), writing straight into `out`: per layer one gather
+  + one kernel. Only the real context is gathered (sum of seq_lens, no padding to the longest).
+- "sdpa" (CPU, fp32, or a torch without the varlen op): torch SDPA. Decodes batched as one call over
+  [num_decodes, L] gathered slots with an additive mask; prefills one call each.
 
 Token layout of a step (the runner orders it this way): the `num_decodes` requests that feed one
 token each come first (token i belongs to request i), then the multi-token (prefill or chunk)
-requests, each a contiguous run [query_start_loc[i], query_start_loc[i + 1]).
+requests, each a contiguous run [query_start_loc[i], query_start_loc[i + 1]). Rows past the real
+tokens are padding: the break leaves their `out` rows untouched. That is safe: padded rows only
+ever meet their own row (norms, rotary and matmuls are row-wise), they write K/V only to the
+scratch slot, the scratch slot is never gathered, and no logits row reads them.
 
-KV cache per layer: [num_blocks, block_size, K, D]; slot s = block * block_size + offset. The
-runner zero-fills it: masked positions get softmax weight 0, and 0 * NaN garbage would be NaN.
-
-Pure torch SDPA, the same on CPU and CUDA. `_decode_attention` / `_prefill_attention` are the
-seams where a paged GPU kernel (flash-attn with block tables) can replace the gather + SDPA.
+KV cache per layer: [2, num_slots, K, D] (k, v), slot = block * block_size + offset. It is
+zero-filled and only real tokens write real slots, so every gathered slot holds finite values:
+masked positions get softmax weight 0, and 0 * NaN would still be NaN.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -25,30 +39,68 @@ import torch.nn.functional as F
 
 from service.graphs.capture import eager_break, is_capturing
 
-__all__ = ["AttentionMetadata", "get_attention_metadata", "paged_attention", "set_attention_metadata"]
+__all__ = ["AttentionMetadata", "AttentionPlanner", "get_attention_metadata", "paged_attention",
+           "select_attention_kernel", "set_attention_metadata"]
+
+# The mem-efficient SDPA kernel wants the mask's key dim a multiple of 16; otherwise it pads the
+# mask with extra ops on every call. The decode context length is rounded up to this.
+_MASK_ALIGN = 16
+_FLASH_INPLACE = getattr(torch.ops.aten, "_flash_attention_forward_no_dropout_inplace", None)
+
+
+def select_attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """"flash" where the FlashAttention varlen kernel applies, else "sdpa".
+    GRAPHCACHE_ATTENTION=sdpa|flash overrides (A/B runs; flash where it cannot run raises)."""
+    forced = os.environ.get("GRAPHCACHE_ATTENTION", "").strip().lower()
+    usable = (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
+              and head_dim <= 256 and _FLASH_INPLACE is not None)
+    if forced == "sdpa":
+        return "sdpa"
+    if forced == "flash":
+        if not usable:
+            raise RuntimeError("GRAPHCACHE_ATTENTION=flash needs CUDA, fp16/bf16, head_dim % 8 == 0 and <= 256, "
+                               "and a torch with aten._flash_attention_forward_no_dropout_inplace")
+        return "flash"
+    if forced not in ("", "auto"):
+        raise ValueError(f"GRAPHCACHE_ATTENTION={forced!r}: use auto, sdpa or flash")
+    return "flash" if usable else "sdpa"
+
+
+@dataclass
+class PrefillPlan:
+    """One multi-token request on the SDPA path."""
+    start: int                           # its token rows are [start, end) of the step
+    end: int
+    context_slots: torch.Tensor | None   # [L] int64 slots of its whole context; None: no cached context,
+                                         # it attends to this step's own k/v rows (plain causal)
+    mask: torch.Tensor | None            # [n, L] additive (0 / -inf), causal in absolute positions
 
 
 @dataclass
 class AttentionMetadata:
-    # device tensors (views of the runner's static buffers)
-    slot_mapping: torch.Tensor       # [num_real_tokens] int64: cache slot of each real token
-    seq_lens: torch.Tensor           # [num_reqs] int32/64: context length incl. this step's tokens
-    block_tables: torch.Tensor       # [num_reqs, max_blocks] int32/64: KV block ids (unused entries 0)
-    # host ints (no device syncs inside the op)
     num_real_tokens: int
-    num_reqs: int
-    num_decodes: int                 # requests 0..num_decodes-1 feed exactly one token
-    query_start_loc: list[int]       # [num_reqs + 1] token offsets of each request
-    seq_lens_host: list[int]         # [num_reqs]
-    max_decode_seq_len: int = 0      # longest context among the decode requests
-    # per-step memo of masks shared by all layers (built by the first layer that needs them)
-    _memo: dict = field(default_factory=dict, repr=False)
+    kernel: str = "sdpa"
+    # SDPA path: decodes batched (rows 0..num_decodes-1), prefills one call each
+    num_decodes: int = 0
+    decode_len: int = 0                          # L: longest decode context, rounded up to _MASK_ALIGN
+    decode_slots: torch.Tensor | None = None     # [num_decodes * L] int64 flat slots (row-major [nd, L])
+    decode_mask: torch.Tensor | None = None      # [num_decodes, 1, 1, L] additive (0 / -inf), model dtype
+    # shapes the decode call views its tensors as (host tuples: no shape reads in the break)
+    decode_kv_shape: tuple[int, ...] = ()        # (2, nd, L, K, D): the gathered slots, split per request
+    decode_q_shape: tuple[int, ...] = ()         # (nd, K, G, D): query heads grouped by their KV head
+    decode_out_shape: tuple[int, ...] = ()       # (nd, H, D)
+    prefills: list[PrefillPlan] = field(default_factory=list)
+    # flash path: every request in one varlen call
+    cu_seqlens_q: torch.Tensor | None = None     # [R + 1] int32 token offsets (= query_start_loc)
+    cu_seqlens_k: torch.Tensor | None = None     # [R + 1] int32 offsets into the gathered context
+    context_slots: torch.Tensor | None = None    # [sum(seq_lens)] int64 slots of every request's context
+    max_q: int = 0
+    max_k: int = 0
 
     @classmethod
-    def empty(cls, device: torch.device | str) -> AttentionMetadata:
-        """No real tokens: the op writes nothing to the cache (used for warmup captures)."""
-        z = torch.zeros(0, dtype=torch.int64, device=device)
-        return cls(z, z, z.view(0, 1), 0, 0, 0, [0], [])
+    def empty(cls) -> AttentionMetadata:
+        """No real tokens: the op does nothing (used for warmup captures)."""
+        return cls(num_real_tokens=0)
 
 
 _current: AttentionMetadata | None = None
@@ -66,72 +118,125 @@ def get_attention_metadata() -> AttentionMetadata:
     return _current
 
 
+class AttentionPlanner:
+    """Builds a step's AttentionMetadata on the device, once for all layers (no host syncs: every
+    size comes from host ints, every index from device tensors the runner uploaded)."""
+
+    def __init__(self, *, kernel: str, block_size: int, max_blocks_per_seq: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.kernel, self.block_size, self.dtype, self.device = kernel, block_size, dtype, device
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.max_blocks_per_seq = max_blocks_per_seq
+        max_len = max_blocks_per_seq * block_size + _MASK_ALIGN   # decode L may round past the table
+        pos = torch.arange(max_len, device=device)
+        # Static per-position lookups, so building a step's slots is a gather, not arange/div/mod.
+        self._pos = pos                                                            # [P] int64
+        self._pos_block = (pos // block_size).clamp_(max=max_blocks_per_seq - 1)  # [P] table column
+        self._pos_offset = pos % block_size                                        # [P] offset in block
+
+    def plan(self, *, num_real_tokens: int, num_decodes: int, query_start_loc: list[int], seq_lens: list[int],
+             seq_lens_dev: torch.Tensor, block_tables: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+             ) -> AttentionMetadata:
+        """seq_lens_dev [R] int64, block_tables [R, B] int64 (uploaded); cu_seqlens [2 * (R + 1)] int32
+        = (query_start_loc, cumsum of seq_lens with a leading 0), uploaded, needed by "flash"."""
+        if self.kernel == "flash":
+            return self._plan_flash(num_real_tokens, query_start_loc, seq_lens, seq_lens_dev, block_tables, cu_seqlens)
+        return self._plan_sdpa(num_real_tokens, num_decodes, query_start_loc, seq_lens, seq_lens_dev, block_tables)
+
+    def _slots(self, tables: torch.Tensor, length: int) -> torch.Tensor:
+        """tables [N, B] -> [N, length] int64 slot of each position 0..length-1."""
+        blocks = tables.index_select(1, self._pos_block[:length])             # [N, L]
+        return blocks * self.block_size + self._pos_offset[:length]
+
+    def _plan_sdpa(self, num_real_tokens, num_decodes, query_start_loc, seq_lens, seq_lens_dev, block_tables):
+        md = AttentionMetadata(num_real_tokens=num_real_tokens, kernel="sdpa", num_decodes=num_decodes)
+        if num_decodes:
+            longest = max(seq_lens[:num_decodes])
+            length = -(-longest // _MASK_ALIGN) * _MASK_ALIGN
+            # Positions past a request's length read whatever its table row points at (unused
+            # entries are block 0): finite data, masked out.
+            md.decode_len = length
+            heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+            md.decode_kv_shape = (2, num_decodes, length, kv_heads, dim)
+            md.decode_q_shape = (num_decodes, kv_heads, heads // kv_heads, dim)
+            md.decode_out_shape = (num_decodes, heads, dim)
+            md.decode_slots = self._slots(block_tables[:num_decodes], length).view(-1)        # [nd * L]
+            beyond = self._pos[:length] >= seq_lens_dev[:num_decodes, None]                     # [nd, L]
+            md.decode_mask = torch.zeros(beyond.shape, dtype=self.dtype, device=self.device).masked_fill_(
+                beyond, float("-inf")).view(num_decodes, 1, 1, length)                          # [nd, 1, 1, L]
+        for i in range(num_decodes, len(seq_lens)):
+            start, end = query_start_loc[i], query_start_loc[i + 1]
+            n, length = end - start, seq_lens[i]
+            if n == length:   # no cached context: its own k/v rows, plain causal
+                md.prefills.append(PrefillPlan(start, end, None, None))
+                continue
+            slots = self._slots(block_tables[i:i + 1], length)[0]                             # [L]
+            # query j sits at absolute position length - n + j and sees keys 0..length - n + j
+            future = self._pos[:length][None, :] > self._pos[length - n:length][:, None]        # [n, L]
+            mask = torch.zeros(future.shape, dtype=self.dtype, device=self.device).masked_fill_(future, float("-inf"))
+            md.prefills.append(PrefillPlan(start, end, slots, mask))
+        return md
+
+    def _plan_flash(self, num_real_tokens, query_start_loc, seq_lens, seq_lens_dev, block_tables, cu_seqlens):
+        num_reqs, total_k = len(seq_lens), sum(seq_lens)
+        cu_q, cu_k = cu_seqlens[:num_reqs + 1], cu_seqlens[num_reqs + 1:2 * num_reqs + 2]
+        # Request of every context position, then the position inside it; output_size keeps
+        # repeat_interleave free of a device->host sync.
+        req = torch.repeat_interleave(seq_lens_dev, output_size=total_k)                        # [total_k]
+        pos = torch.arange(total_k, device=self.device) - cu_k[:-1].index_select(0, req)       # [total_k]
+        cols = self._pos_block.index_select(0, pos)                                             # [total_k]
+        blocks = block_tables.flatten().index_select(0, req * block_tables.shape[1] + cols)
+        slots = blocks * self.block_size + self._pos_offset.index_select(0, pos)                 # [total_k]
+        max_q = max(end - start for start, end in zip(query_start_loc, query_start_loc[1:], strict=False))
+        return AttentionMetadata(num_real_tokens=num_real_tokens, kernel="flash", cu_seqlens_q=cu_q,
+                                 cu_seqlens_k=cu_k, context_slots=slots, max_q=max_q, max_k=max(seq_lens))
+
+
 @eager_break
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> None:
-    """q [T, H, D], k/v [T, K, D] (T padded), out [T, H, D] written in place.
-    k_cache/v_cache [num_blocks, block_size, K, D]. Returns None: this is an eager break."""
-    if q.is_cuda and is_capturing():
-        # Under CUDA capture the graph segments have not run, so q/k/v hold garbage: writing them
-        # would only dirty KV slots. The cache replays right after capturing; that run is real.
+                    kv_cache: torch.Tensor, scale: float) -> None:
+    """q [T, H, D]; k, v [T, K, D] this step's keys/values (T padded; already written to the cache
+    by the graph segment); out [T, H, D] written in place (real rows only); kv_cache [2, S, K, D]
+    the layer's cache as flat slots. Returns None: this is an eager break."""
+    if is_capturing() and q.is_cuda:   # thread-local flag first: no tensor attribute read per replay
+        # Under CUDA capture the graph segments have not run, so q/k/v hold garbage; the cache
+        # replays right after capturing, and that run is real.
         return
     md = get_attention_metadata()
-    n = md.num_real_tokens
-    if n:
-        num_kv, dim = k_cache.shape[2], k_cache.shape[3]
-        # Only real tokens write: padded tokens never touch a real KV block.
-        k_cache.view(-1, num_kv, dim).index_copy_(0, md.slot_mapping[:n], k[:n])
-        v_cache.view(-1, num_kv, dim).index_copy_(0, md.slot_mapping[:n], v[:n])
-        if md.num_decodes:
-            _decode_attention(q, out, k_cache, v_cache, scale, md)
-        for i in range(md.num_decodes, md.num_reqs):
-            _prefill_attention(i, q, out, k_cache, v_cache, scale, md)
-    if n < out.shape[0]:
-        out[n:].zero_()  # padded rows: finite values, so nothing downstream sees NaN garbage
+    if not md.num_real_tokens:
+        return
+    if md.kernel == "flash":
+        # All requests at once. Rows past cu_seqlens_q[-1] (padding) are neither read nor written.
+        kc, vc = kv_cache.index_select(1, md.context_slots).unbind(0)                       # [total_k, K, D] each
+        _FLASH_INPLACE(out, q, kc, vc, md.cu_seqlens_q, md.cu_seqlens_k, md.max_q, md.max_k, 0.0, True, False,
+                       scale=scale, window_size_left=-1, window_size_right=0)
+        return
+    if md.num_decodes:
+        _decode_attention(q, out, kv_cache, scale, md)
+    for p in md.prefills:
+        _prefill_attention(p, q, k, v, out, kv_cache, scale)
 
 
-def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
-    """block_ids [..., nb] -> [..., L, K, D]: the first `length` slots of those blocks."""
-    bs = cache.shape[1]
-    nb = -(-length // bs)
-    g = cache[block_ids[..., :nb]]                                  # [..., nb, bs, K, D]
-    return g.flatten(-4, -3)[..., :length, :, :]                    # [..., L, K, D]
+def _decode_attention(q, out, kv_cache, scale, md: AttentionMetadata) -> None:
+    """One query per request, all decodes in one SDPA call over their gathered contexts."""
+    nd = md.num_decodes
+    kc, vc = (kv_cache.index_select(1, md.decode_slots)                                  # [2, nd * L, K, D]
+              .view(md.decode_kv_shape).transpose(2, 3).unbind(0))                        # [nd, K, L, D] each
+    # GQA without copying K/V per head: the G query heads sharing a KV head become that head's
+    # query rows (head h = kv_head * G + g, as HF's repeat_kv lays them out).
+    qg = q[:nd].view(md.decode_q_shape)                                                  # [nd, K, G, D]
+    o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=md.decode_mask, scale=scale)  # [nd, K, G, D]
+    out[:nd].copy_(o.view(md.decode_out_shape))                                          # [nd, H, D]
 
 
-def _decode_attention(q, out, k_cache, v_cache, scale, md: AttentionMetadata) -> None:
-    """One query per request: batch them, gather each request's blocks, mask beyond its length."""
-    nd, length = md.num_decodes, md.max_decode_seq_len
-    num_heads, dim = q.shape[1], q.shape[2]
-    num_kv = k_cache.shape[2]
-    group = num_heads // num_kv
-    kc = _gather_context(k_cache, md.block_tables[:nd], length).transpose(1, 2)   # [nd, K, L, D]
-    vc = _gather_context(v_cache, md.block_tables[:nd], length).transpose(1, 2)   # [nd, K, L, D]
-    mask = md._memo.get("decode_mask")
-    if mask is None:
-        pos = torch.arange(length, device=q.device)
-        mask = (pos[None, :] < md.seq_lens[:nd, None]).view(nd, 1, 1, length)  # [nd, 1, 1, L]
-        md._memo["decode_mask"] = mask
-    # GQA without copying K/V per head: the `group` query heads sharing a KV head become that
-    # head's `group` query rows (head h = kv_head * group + g, as HF's repeat_kv lays them out).
-    qg = q[:nd].view(nd, num_kv, group, dim)                                       # [nd, K, G, D]
-    o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=scale)   # [nd, K, G, D]
-    out[:nd].copy_(o.reshape(nd, num_heads, dim))
-
-
-def _prefill_attention(i: int, q, out, k_cache, v_cache, scale, md: AttentionMetadata) -> None:
-    """Request i's new tokens attend causally to its cached context plus themselves."""
-    start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
-    n, length = end - start, md.seq_lens_host[i]
-    kc = _gather_context(k_cache, md.block_tables[i], length).transpose(0, 1)     # [K, L, D]
-    vc = _gather_context(v_cache, md.block_tables[i], length).transpose(0, 1)     # [K, L, D]
-    qi = q[start:end].transpose(0, 1)                                              # [H, n, D]
-    if n == length:  # no cached context: plain causal, eligible for flash kernels
-        o = F.scaled_dot_product_attention(qi[None], kc[None], vc[None], is_causal=True, scale=scale,
-                                           enable_gqa=True)[0]
-    else:  # query j sits at absolute position length - n + j and sees keys 0..length - n + j
-        key_pos = torch.arange(length, device=q.device)
-        query_pos = torch.arange(length - n, length, device=q.device)
-        mask = key_pos[None, :] <= query_pos[:, None]                              # [n, L]
-        o = F.scaled_dot_product_attention(qi[None], kc[None], vc[None], attn_mask=mask, scale=scale,
-                                           enable_gqa=True)[0]
-    out[start:end].copy_(o.transpose(0, 1))                                        # [n, H, D]
+def _prefill_attention(p: PrefillPlan, q, k, v, out, kv_cache, scale) -> None:
+    """Request p's new tokens attend causally to its cached context plus themselves."""
+    qi = q[p.start:p.end].transpose(0, 1)[None]                                          # [1, H, n, D]
+    if p.context_slots is None:   # no cached context: this step's own rows; eligible for flash kernels
+        ki = k[p.start:p.end].transpose(0, 1)[None]                                      # [1, K, n, D]
+        vi = v[p.start:p.end].transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        kc, vc = kv_cache.index_select(1, p.context_slots).transpose(1, 2)[:, None].unbind(0)  # [1, K, L, D] each
+        o = F.scaled_dot_product_attention(qi, kc, vc, attn_mask=p.mask, scale=scale, enable_gqa=True)
+    out[p.start:p.end].copy_(o[0].transpose(0, 1))                                       # [n, H, D]

@@ -3,8 +3,10 @@
 No batch dimension: all sequences' tokens of a step are concatenated, T tokens in all, and the
 paged attention op (attention.py) splits them per request from the per-step metadata. Every
 tensor argument of forward() is a static buffer of the runner, so the whole forward can be
-captured as a breakable CUDA graph with attention as the eager break. Math follows Hugging Face
-transformers' modeling code so logits match it (the CPU tests check that).
+captured as a breakable CUDA graph with attention as the eager break. The KV-cache write is part of
+the graph segment (index_copy_ by the static slot_mapping), not of the break: at replay it costs
+no host time. Math follows Hugging Face transformers' modeling code so logits match it (the CPU
+tests check that).
 """
 
 from __future__ import annotations
@@ -101,10 +103,14 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary = rotary
-        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, K, D], bound by the runner
-        self.v_cache: torch.Tensor | None = None
+        # Bound by the runner (bind_kv_cache): [2, num_slots, K, D] = k, v caches as flat slots,
+        # plus the k and v halves as views made once here, not per step.
+        self.kv_cache: torch.Tensor | None = None
+        self.k_slots: torch.Tensor | None = None   # [num_slots, K, D]
+        self.v_slots: torch.Tensor | None = None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # positions [T], slot_mapping [T] (cache slot of each token; padded tokens: a scratch slot), x [T, hidden]
         t = x.shape[0]
         qkv = self.qkv_proj(x)                                           # [T, (H + 2K) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -114,12 +120,18 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        if self.k_cache is None:
+        if self.kv_cache is None:
             raise RuntimeError("KV cache not bound: call LlamaModel.bind_kv_cache() (the runner does)")
+        # KV write here, in the graph segment, over all T (padded) rows: capturable because
+        # slot_mapping is a static buffer, and free on the host at replay. Padded rows all land on
+        # the runner's scratch slot, which no sequence owns and attention never reads.
+        self.k_slots.index_copy_(0, slot_mapping, k)
+        self.v_slots.index_copy_(0, slot_mapping, v)
         # Allocated inside the graph segment, so its address is fixed for every replay; the eager
-        # break writes into it and returns nothing.
+        # break writes its real rows and returns nothing. Padded rows stay uninitialized: they are
+        # row-independent all the way to the (unread) padded logits, see attention.py.
         out = torch.empty_like(q)                                        # [T, H, D]
-        paged_attention(q, k, v, out, self.k_cache, self.v_cache, self.scale)
+        paged_attention(q, k, v, out, self.kv_cache, self.scale)
         return self.o_proj(out.view(t, self.q_size))                     # [T, hidden]
 
 
@@ -143,8 +155,8 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.attn(positions, self.input_norm(h))
+    def forward(self, positions: torch.Tensor, slot_mapping: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(positions, slot_mapping, self.input_norm(h))
         return h + self.mlp(self.post_attn_norm(h))
 
 
@@ -164,19 +176,24 @@ class LlamaModel(nn.Module):
     def init_rotary(self, device: torch.device | str) -> None:
         self.rotary.build(torch.device(device), self.embed_tokens.weight.dtype)
 
-    def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
-        """Per layer [num_blocks, block_size, K, D] caches; owned by the runner, outside graph pools."""
-        for layer, k, v in zip(self.layers, k_caches, v_caches, strict=True):
-            layer.attn.k_cache, layer.attn.v_cache = k, v
+    def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
+        """Per layer a contiguous [2, num_blocks, block_size, K, D] cache (k, v); owned by the runner,
+        outside graph pools."""
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            if not kv.is_contiguous():
+                raise ValueError("each layer's KV cache must be contiguous (viewed as flat slots)")
+            attn = layer.attn
+            attn.kv_cache = kv.view(2, -1, kv.shape[-2], kv.shape[-1])   # [2, num_slots, K, D]
+            attn.k_slots, attn.v_slots = attn.kv_cache.unbind(0)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
-                out_logits: torch.Tensor) -> None:
-        # input_ids [T] int64, positions [T] int64, logits_indices [R] int64 (token row per logits row),
-        # out_logits [R, V] model dtype, written in place.
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                logits_indices: torch.Tensor, out_logits: torch.Tensor) -> None:
+        # input_ids [T] int64, positions [T] int64, slot_mapping [T] int64 (KV slot per token),
+        # logits_indices [R] int64 (token row per logits row), out_logits [R, V] model dtype, written in place.
         h = self.embed_tokens(input_ids)                                 # [T, hidden]
         for layer in self.layers:
-            h = layer(positions, h)
+            h = layer(positions, slot_mapping, h)
         # Only the R rows that need logits go through the final norm and the [hidden, V] head.
         h = self.norm(h.index_select(0, logits_indices))                 # [R, hidden]
         torch.mm(h, self.lm_head.weight.t(), out=out_logits)             # [R, V], no [R, V] temporary
