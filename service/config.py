@@ -63,12 +63,12 @@ class Settings(BaseSettings):
 
     # --- HTTP ---
     host: str = Field("127.0.0.1", description="Bind address; 0.0.0.0 in containers.")
-    port: int = Field(8000, ge=0, le=65535)
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 = any free port).")
     admin_token: str | None = Field(None, description="Bearer token for /admin/*. Unset: admin is off, "
                                     "unless admin_allow_loopback lets loopback clients in.")
     admin_allow_loopback: bool = Field(False, description="Without a token, allow /admin/* from 127.0.0.1/::1.")
-    log_format: Literal["text", "json"] = "text"
-    log_level: str = "info"
+    log_format: Literal["text", "json"] = Field("text", description="text for people, json for log pipelines.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Root log level.")
     drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM, how long in-flight requests may finish.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body; bigger gets 413.")
     cors_origins: list[str] = Field(default_factory=list, description="CORS allowed origins; empty = CORS off.")
