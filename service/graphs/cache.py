@@ -37,7 +37,7 @@ import torch
 
 from service.graphs.capture import BreakableGraph, capture
 from service.graphs.descriptor import BatchDescriptor
-from service.graphs.pool import new_pool, pool_bytes, reserved_bytes
+from service.graphs.pool import all_graph_pools_bytes, new_pool, pool_bytes, reserved_bytes
 from service.metrics import EVICTION_REASONS, FAILURE_REASONS, Metrics
 
 __all__ = ["CacheStats", "ClearReport", "EntryInfo", "GraphCache", "WarmupReport"]
@@ -442,6 +442,8 @@ class GraphCache:
             "totals": {"entries": len(self._entries), "pool_bytes": self._total_bytes(),
                        "pinned_pool_bytes": self._pinned_bytes},
             "entries": [asdict(e) for e in self.entries()],
+            # the allocator's own figure for all graph pools, to check the gauge against
+            "allocator_pool_bytes": all_graph_pools_bytes() if self.backend == "cuda" else 0,
             "negative": [{"descriptor": str(d), "reason": r, "detail": t}
                          for d, (r, t) in list(self._negative.items())],
             "stats": asdict(self.stats()),

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["EagerPool", "new_pool", "pool_bytes", "pools_bytes", "reserved_bytes"]
+__all__ = ["EagerPool", "all_graph_pools_bytes", "new_pool", "pool_bytes", "pools_bytes", "reserved_bytes"]
 
 _eager_ids = itertools.count(1)
 
@@ -65,6 +65,17 @@ def pool_bytes(pool: Any) -> int:
     if pool is None or isinstance(pool, EagerPool):
         return 0
     return pools_bytes([pool])[tuple(pool)]
+
+
+def all_graph_pools_bytes() -> int:
+    """Bytes in every private (graph) pool of the process, straight from the allocator.
+
+    Independent of the cache's bookkeeping (which measures the pools it knows): operators
+    and tests compare the two, and they differ only if something else captured graphs."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0
+    return sum(int(seg["total_size"]) for seg in _segments()
+               if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0))
 
 
 def reserved_bytes() -> int:
