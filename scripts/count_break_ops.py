@@ -8,11 +8,11 @@ backend, tiny model) and counts, per paged_attention call,
     property reads like .shape count too: each is a trip through the torch Python layer);
   - aten ops: what reaches the C++ dispatcher (views included; on CUDA the non-view ones launch).
 
---kernel flash plans the step for the CUDA FlashAttention varlen path and stands in a no-op for
+--kernel flash / flash_paged plan the step for the CUDA FlashAttention varlen paths and stands in a no-op for
 the kernel (one aten call here; on the GPU it is one launch), so its host cost can be counted too.
 
 Usage: .venv/bin/python scripts/count_break_ops.py [--decodes 8] [--ctx 40] [--prefills 0]
-       [--kernel sdpa|flash]
+       [--kernel sdpa|flash|flash_paged]
 """
 
 from __future__ import annotations
@@ -60,10 +60,10 @@ def _flash_stand_in(out, *args, **kwargs):
 
 
 def count(decodes: int, ctx: int, prefills: int, verbose: bool, kernel: str = "sdpa") -> dict[str, float]:
-    if kernel == "flash":
+    if kernel != "sdpa":
         import service.engine.runner as runner_mod
         import service.model.attention as attention
-        runner_mod.select_attention_kernel = lambda *a: "flash"
+        runner_mod.select_attention_kernel = lambda *a: kernel
         attention._FLASH_INPLACE = _flash_stand_in
     runner = ModelRunner(cpu_settings(tiny_checkpoint("qwen2"), max_num_seqs=64, max_num_batched_tokens=2048,
                                       num_kv_blocks=2048, max_model_len=512))
@@ -101,7 +101,7 @@ def main() -> None:
     p.add_argument("--decodes", type=int, default=8)
     p.add_argument("--ctx", type=int, default=40)
     p.add_argument("--prefills", type=int, default=0)
-    p.add_argument("--kernel", choices=["sdpa", "flash"], default="sdpa")
+    p.add_argument("--kernel", choices=["sdpa", "flash", "flash_paged"], default="sdpa")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args()
     r = count(a.decodes, a.ctx, a.prefills, a.verbose, a.kernel)

@@ -173,3 +173,18 @@ def test_error_unsupported_rope_type():
     hf["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
     with pytest.raises(ModelLoadError, match="yarn.*supported: default, linear, llama3"):
         ModelConfig.from_hf(hf)
+
+
+def test_bind_kv_cache_views_each_layer_as_slots_and_pages():
+    """The graph's KV write and the paged kernels index the same memory through views made once."""
+    path = tiny_checkpoint("llama")
+    model, cfg = load_model(path, torch.float32, "cpu")
+    storage = torch.zeros(cfg.num_layers, 2, 5, 4, cfg.num_kv_heads, cfg.head_dim)
+    model.bind_kv_cache([storage[i] for i in range(cfg.num_layers)])
+    attn = model.layers[1].attn
+    assert attn.kv_cache.shape == (2, 20, cfg.num_kv_heads, cfg.head_dim)
+    attn.v_slots[4 * 3 + 2] = 1.0                           # slot of block 3, offset 2
+    assert storage[1, 1, 3, 2].eq(1).all() and attn.v_blocks[3, 2].eq(1).all()
+    assert storage.sum() == attn.v_slots[14].numel()     # nothing else was touched
+    with pytest.raises(ValueError, match="contiguous"):
+        model.bind_kv_cache([storage[i].transpose(1, 2) for i in range(cfg.num_layers)])

@@ -239,26 +239,37 @@ def test_decode_break_has_a_fixed_small_op_count(path, num_decodes):
 # --- the CUDA FlashAttention varlen plan, checked on the CPU with a reference kernel ---------------------
 
 def _reference_flash_inplace(out, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *,
-                             scale=None, window_size_left=None, window_size_right=None, **unused):
-    """CPU stand-in for aten._flash_attention_forward_no_dropout_inplace: varlen, and causal aligned to
-    the bottom right (query j of n sees keys 0..L - n + j), as FlashAttention 2 does."""
+                             scale=None, window_size_left=None, window_size_right=None, seqused_k=None,
+                             block_table=None, **unused):
+    """CPU stand-in for aten._flash_attention_forward_no_dropout_inplace: varlen, causal aligned to the
+    bottom right (query j of n sees keys 0..L - n + j) as FlashAttention 2 does; with block_table,
+    k/v are pages [num_blocks, block_size, K, D] and request i reads seqused_k[i] tokens of its pages."""
     assert dropout_p == 0.0 and is_causal and not return_debug_mask and (window_size_left, window_size_right) == (-1, 0)
     assert cu_q.dtype == cu_k.dtype == torch.int32 and len(cu_q) == len(cu_k) and not unused
-    assert out.shape == q.shape and k.is_contiguous() and v.is_contiguous()
+    assert out.shape == q.shape and k.stride(-1) == v.stride(-1) == 1
+    paged = block_table is not None
+    if paged:
+        assert block_table.dtype == seqused_k.dtype == torch.int32 and k.dim() == 4
     for i in range(len(cu_q) - 1):
         qs, qe, ks, ke = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
         n, length = qe - qs, ke - ks
         assert 0 < n <= length and n <= max_q and length <= max_k
+        if paged:
+            assert int(seqused_k[i]) == length
+            pages = block_table[i].long()
+            ki, vi = k[pages].flatten(0, 1)[:length], v[pages].flatten(0, 1)[:length]     # [L, K, D]
+        else:
+            ki, vi = k[ks:ke], v[ks:ke]
         visible = torch.arange(length)[None, :] <= torch.arange(length - n, length)[:, None]   # [n, L]
         o = torch.nn.functional.scaled_dot_product_attention(
-            q[qs:qe].transpose(0, 1), k[ks:ke].transpose(0, 1), v[ks:ke].transpose(0, 1), attn_mask=visible,
-            scale=scale, enable_gqa=True)
+            q[qs:qe].transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1), attn_mask=visible, scale=scale,
+            enable_gqa=True)
         out[qs:qe] = o.transpose(0, 1)
     return torch.empty(0)
 
 
-@pytest.fixture
-def flash_runner(path, monkeypatch):
+@pytest.fixture(params=["flash", "flash_paged"])
+def flash_runner(path, monkeypatch, request):
     import service.engine.runner as runner_mod
     import service.model.attention as attention
 
@@ -266,7 +277,7 @@ def flash_runner(path, monkeypatch):
 
     def make(**kw):
         with monkeypatch.context() as m:   # the kernel is chosen at construction: other runners stay sdpa
-            m.setattr(runner_mod, "select_attention_kernel", lambda *args: "flash")
+            m.setattr(runner_mod, "select_attention_kernel", lambda *args: request.param)
             return ModelRunner(cpu_settings(path, **kw))
     return make
 
@@ -276,7 +287,7 @@ def test_flash_plan_mixed_chunked_and_padded_batch_matches_sdpa(path, flash_runn
     assert sdpa.attention_kernel == "sdpa"
     seqs, expected = _histories(sdpa)
     flash = flash_runner()
-    assert flash.attention_kernel == "flash"
+    assert flash.attention_kernel.startswith("flash")
     # Rebuild the same cache contents in the flash runner (same tables, same prefill history).
     blocks = Blocks(flash.block_size)
     flash_seqs = []
@@ -307,3 +318,26 @@ def test_flash_plan_decode_steps_match_sdpa(path, flash_runner):
     got += [flash.execute(StepBatch([StepSeq([ids[p]], p, table, True)]))[0].clone() for p in range(20, 30)]
     for g, r in zip(got, ref, strict=True):
         assert (g - r).abs().max().item() < ATOL
+
+
+def test_attention_kernel_selection(monkeypatch):
+    from service.model.attention import select_attention_kernel
+
+    cuda, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
+    monkeypatch.delenv("GRAPHCACHE_ATTENTION", raising=False)
+    assert select_attention_kernel(cpu, torch.float32, 64, 16) == "sdpa"
+    assert select_attention_kernel(cuda, torch.float32, 64, 16) == "sdpa"        # flash is fp16/bf16 only
+    assert select_attention_kernel(cuda, bf16, 64, 16) == "flash"                 # pages too small: gather
+    assert select_attention_kernel(cuda, bf16, 64, 256) == "flash_paged"
+    monkeypatch.setenv("GRAPHCACHE_ATTENTION", "sdpa")
+    assert select_attention_kernel(cuda, bf16, 64, 256) == "sdpa"
+    monkeypatch.setenv("GRAPHCACHE_ATTENTION", "flash")
+    assert select_attention_kernel(cuda, bf16, 64, 256) == "flash"
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        select_attention_kernel(cpu, torch.float32, 64, 16)
+    monkeypatch.setenv("GRAPHCACHE_ATTENTION", "flash_paged")
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        select_attention_kernel(cuda, bf16, 64, 16)
+    monkeypatch.setenv("GRAPHCACHE_ATTENTION", "fast")
+    with pytest.raises(ValueError, match="use auto"):
+        select_attention_kernel(cuda, bf16, 64, 16)

@@ -103,7 +103,7 @@ class ModelRunner:
         self.num_kv_blocks = self._num_kv_blocks()
         self._alloc_kv_cache()
         c = self.model_config
-        self.attention_kernel = select_attention_kernel(self.device, self.dtype, c.head_dim)
+        self.attention_kernel = select_attention_kernel(self.device, self.dtype, c.head_dim, self.block_size)
         self._planner = AttentionPlanner(kernel=self.attention_kernel, block_size=self.block_size,
                                          max_blocks_per_seq=self.max_blocks_per_seq, num_heads=c.num_heads,
                                          num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype,
@@ -295,7 +295,7 @@ class ModelRunner:
         self.seq_lens.np[:num_reqs] = seq_lens
         uploads = [(self.input_ids, pad_tokens), (self.positions, pad_tokens), (self.slot_mapping, pad_tokens),
                    (self.logits_indices, pad_reqs), (self.seq_lens, num_reqs), (self.block_tables, num_reqs)]
-        if self.attention_kernel == "flash":
+        if self.attention_kernel != "sdpa":   # the flash kernels take cumulative lengths
             cu = self.cu_seqlens.np
             cu[:num_reqs + 1] = query_start
             cu[num_reqs + 1] = 0

@@ -10,10 +10,13 @@ the step is host-bound, so each torch call made here costs ~10 us x layers x ste
 - the break itself is a handful of torch calls: gather the context slots, one attention kernel,
   (SDPA path) one copy into `out`. No host syncs, no per-layer mask building, no zeroing.
 
-Two kernels, one plan each:
-- "flash" (CUDA, fp16/bf16): FlashAttention varlen over ALL requests of the step at once, decode and
-  prefill alike (causal, bottom-right aligned), writing straight into `out`: per layer one gather
-  + one kernel. Only the real context is gathered (sum of seq_lens, no padding to the longest).
+Three kernels, one plan each:
+- "flash_paged" (CUDA, fp16/bf16, block_size a multiple of 256, FlashAttention's paged-KV page
+  size): FlashAttention varlen over ALL requests of the step at once, decode and prefill alike
+  (causal, bottom-right aligned), reading the paged cache through the block tables and writing
+  straight into `out`: per layer ONE kernel, nothing gathered.
+- "flash" (same, any block_size): the same call over a gathered copy of every request's context:
+  per layer one gather + one kernel. Only the real context is gathered (sum of seq_lens).
 - "sdpa" (CPU, fp32, or a torch without the varlen op): torch SDPA. Decodes batched as one call over
   [num_decodes, L] gathered slots with an additive mask; prefills one call each.
 
@@ -48,22 +51,26 @@ _MASK_ALIGN = 16
 _FLASH_INPLACE = getattr(torch.ops.aten, "_flash_attention_forward_no_dropout_inplace", None)
 
 
-def select_attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
-    """"flash" where the FlashAttention varlen kernel applies, else "sdpa".
-    GRAPHCACHE_ATTENTION=sdpa|flash overrides (A/B runs; flash where it cannot run raises)."""
-    forced = os.environ.get("GRAPHCACHE_ATTENTION", "").strip().lower()
-    usable = (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
-              and head_dim <= 256 and _FLASH_INPLACE is not None)
-    if forced == "sdpa":
-        return "sdpa"
-    if forced == "flash":
-        if not usable:
-            raise RuntimeError("GRAPHCACHE_ATTENTION=flash needs CUDA, fp16/bf16, head_dim % 8 == 0 and <= 256, "
-                               "and a torch with aten._flash_attention_forward_no_dropout_inplace")
-        return "flash"
-    if forced not in ("", "auto"):
-        raise ValueError(f"GRAPHCACHE_ATTENTION={forced!r}: use auto, sdpa or flash")
-    return "flash" if usable else "sdpa"
+FLASH_PAGE_MULTIPLE = 256   # FlashAttention 2 takes a paged KV cache only in pages of a multiple of 256
+
+
+def select_attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int) -> str:
+    """"flash_paged" / "flash" where the FlashAttention varlen kernel applies, else "sdpa".
+    GRAPHCACHE_ATTENTION=auto|sdpa|flash|flash_paged overrides (A/B runs); a forced kernel that
+    cannot run here raises."""
+    forced = os.environ.get("GRAPHCACHE_ATTENTION", "").strip().lower() or "auto"
+    flash_ok = (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
+                and head_dim <= 256 and _FLASH_INPLACE is not None)
+    paged_ok = flash_ok and block_size % FLASH_PAGE_MULTIPLE == 0
+    if forced == "auto":
+        return "flash_paged" if paged_ok else "flash" if flash_ok else "sdpa"
+    if forced not in ("sdpa", "flash", "flash_paged"):
+        raise ValueError(f"GRAPHCACHE_ATTENTION={forced!r}: use auto, sdpa, flash or flash_paged")
+    if (forced == "flash" and not flash_ok) or (forced == "flash_paged" and not paged_ok):
+        pages = f", and block_size a multiple of {FLASH_PAGE_MULTIPLE}" if forced == "flash_paged" else ""
+        raise RuntimeError(f"GRAPHCACHE_ATTENTION={forced} needs CUDA, fp16/bf16, head_dim % 8 == 0 and <= 256, "
+                           f"a torch with aten._flash_attention_forward_no_dropout_inplace{pages}")
+    return forced
 
 
 @dataclass
@@ -90,10 +97,12 @@ class AttentionMetadata:
     decode_q_shape: tuple[int, ...] = ()         # (nd, K, G, D): query heads grouped by their KV head
     decode_out_shape: tuple[int, ...] = ()       # (nd, H, D)
     prefills: list[PrefillPlan] = field(default_factory=list)
-    # flash path: every request in one varlen call
+    # flash paths: every request in one varlen call
     cu_seqlens_q: torch.Tensor | None = None     # [R + 1] int32 token offsets (= query_start_loc)
     cu_seqlens_k: torch.Tensor | None = None     # [R + 1] int32 offsets into the gathered context
-    context_slots: torch.Tensor | None = None    # [sum(seq_lens)] int64 slots of every request's context
+    context_slots: torch.Tensor | None = None    # "flash": [sum(seq_lens)] int64 slots of every request's context
+    block_table: torch.Tensor | None = None      # "flash_paged": [R, B] int32 block ids
+    seqused_k: torch.Tensor | None = None        # "flash_paged": [R] int32 context lengths
     max_q: int = 0
     max_k: int = 0
 
@@ -138,7 +147,10 @@ class AttentionPlanner:
              seq_lens_dev: torch.Tensor, block_tables: torch.Tensor, cu_seqlens: torch.Tensor | None = None
              ) -> AttentionMetadata:
         """seq_lens_dev [R] int64, block_tables [R, B] int64 (uploaded); cu_seqlens [2 * (R + 1)] int32
-        = (query_start_loc, cumsum of seq_lens with a leading 0), uploaded, needed by "flash"."""
+        = (query_start_loc, cumsum of seq_lens with a leading 0), uploaded, needed by the flash kernels."""
+        if self.kernel == "flash_paged":
+            return self._plan_flash_paged(num_real_tokens, query_start_loc, seq_lens, seq_lens_dev, block_tables,
+                                          cu_seqlens)
         if self.kernel == "flash":
             return self._plan_flash(num_real_tokens, query_start_loc, seq_lens, seq_lens_dev, block_tables, cu_seqlens)
         return self._plan_sdpa(num_real_tokens, num_decodes, query_start_loc, seq_lens, seq_lens_dev, block_tables)
@@ -191,19 +203,36 @@ class AttentionPlanner:
         return AttentionMetadata(num_real_tokens=num_real_tokens, kernel="flash", cu_seqlens_q=cu_q,
                                  cu_seqlens_k=cu_k, context_slots=slots, max_q=max_q, max_k=max(seq_lens))
 
+    def _plan_flash_paged(self, num_real_tokens, query_start_loc, seq_lens, seq_lens_dev, block_tables, cu_seqlens):
+        num_reqs = len(seq_lens)
+        max_q = max(end - start for start, end in zip(query_start_loc, query_start_loc[1:], strict=False))
+        return AttentionMetadata(num_real_tokens=num_real_tokens, kernel="flash_paged",
+                                 cu_seqlens_q=cu_seqlens[:num_reqs + 1],
+                                 cu_seqlens_k=cu_seqlens[num_reqs + 1:2 * num_reqs + 2],
+                                 block_table=block_tables.to(torch.int32), seqused_k=seq_lens_dev.to(torch.int32),
+                                 max_q=max_q, max_k=max(seq_lens))
+
 
 @eager_break
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    kv_cache: torch.Tensor, scale: float) -> None:
+                    kv_cache: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, scale: float) -> None:
     """q [T, H, D]; k, v [T, K, D] this step's keys/values (T padded; already written to the cache
     by the graph segment); out [T, H, D] written in place (real rows only); kv_cache [2, S, K, D]
-    the layer's cache as flat slots. Returns None: this is an eager break."""
+    the layer's cache as flat slots; k_blocks, v_blocks [num_blocks, block_size, K, D] the same
+    memory as pages (views made once by the model: no view ops here). Returns None: an eager break."""
     if is_capturing() and q.is_cuda:   # thread-local flag first: no tensor attribute read per replay
         # Under CUDA capture the graph segments have not run, so q/k/v hold garbage; the cache
         # replays right after capturing, and that run is real.
         return
     md = get_attention_metadata()
     if not md.num_real_tokens:
+        return
+    if md.kernel == "flash_paged":
+        # All requests at once, straight from the pages. Rows past cu_seqlens_q[-1] (padding) are
+        # neither read nor written.
+        _FLASH_INPLACE(out, q, k_blocks, v_blocks, md.cu_seqlens_q, md.cu_seqlens_k, md.max_q, md.max_k, 0.0,
+                       True, False, scale=scale, window_size_left=-1, window_size_right=0, seqused_k=md.seqused_k,
+                       block_table=md.block_table)
         return
     if md.kernel == "flash":
         # All requests at once. Rows past cu_seqlens_q[-1] (padding) are neither read nor written.

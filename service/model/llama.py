@@ -108,6 +108,8 @@ class Attention(nn.Module):
         self.kv_cache: torch.Tensor | None = None
         self.k_slots: torch.Tensor | None = None   # [num_slots, K, D]
         self.v_slots: torch.Tensor | None = None
+        self.k_blocks: torch.Tensor | None = None  # [num_blocks, block_size, K, D] (paged kernels)
+        self.v_blocks: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # positions [T], slot_mapping [T] (cache slot of each token; padded tokens: a scratch slot), x [T, hidden]
@@ -131,7 +133,7 @@ class Attention(nn.Module):
         # break writes its real rows and returns nothing. Padded rows stay uninitialized: they are
         # row-independent all the way to the (unread) padded logits, see attention.py.
         out = torch.empty_like(q)                                        # [T, H, D]
-        paged_attention(q, k, v, out, self.kv_cache, self.scale)
+        paged_attention(q, k, v, out, self.kv_cache, self.k_blocks, self.v_blocks, self.scale)
         return self.o_proj(out.view(t, self.q_size))                     # [T, hidden]
 
 
@@ -185,6 +187,7 @@ class LlamaModel(nn.Module):
             attn = layer.attn
             attn.kv_cache = kv.view(2, -1, kv.shape[-2], kv.shape[-1])   # [2, num_slots, K, D]
             attn.k_slots, attn.v_slots = attn.kv_cache.unbind(0)
+            attn.k_blocks, attn.v_blocks = kv.unbind(0)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
