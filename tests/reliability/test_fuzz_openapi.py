@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import os
 
+import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
@@ -59,6 +61,18 @@ OPERATIONS = _operations()
 CASES = [(m, p, GenerationMode.POSITIVE) for m, p, _ in OPERATIONS] + \
         [(m, p, GenerationMode.NEGATIVE) for m, p, takes_input in OPERATIONS if takes_input]
 
+# Known bugs the fuzzer finds, as (method, path, mode) -> reason. Their cases run last: the bug can kill
+# the engine, which must not fail the other operations' cases.
+KNOWN_BUGS = {
+    ("POST", "/v1/completions", GenerationMode.POSITIVE): (
+        "BUG (engine floor, sampler): schemathesis finds top_p=5e-324 (valid: > 0) -> 500; see "
+        "test_bad_input.py::test_tiny_top_p_neither_fails_its_batch_nor_kills_the_engine. Remove when fixed."),
+}
+CASES.sort(key=lambda case: case in KNOWN_BUGS)
+PARAMS = [pytest.param(*case, id=f"{case[0]} {case[1]} {case[2].value}",
+                       marks=[pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[case])] if case in KNOWN_BUGS else [])
+          for case in CASES]
+
 
 def clean_error_body(ctx, response, case) -> None:
     """4xx/5xx: {"error": {message, type, param, code}} and nothing internal in it."""
@@ -79,10 +93,66 @@ def test_the_schema_covers_the_api():
             "/admin/cache", "/health", "/ready"} <= paths, paths
 
 
+# --- valid input, fuzzed: the generation path itself (sampler, stop strings, detokenizer) ------------
+
+def valid_completion_bodies():
+    """Every field within its documented range, so each example must be served (200), however odd."""
+    # Cs: lone surrogates are invalid (their own test). At most 8 characters: even at 4 bytes each, byte-level
+    # tokens + BOS + max_tokens stay within the server's max_model_len of 64.
+    text = st.text(st.characters(exclude_categories=["Cs"]), min_size=1, max_size=8)
+    return st.fixed_dictionaries(
+        {"prompt": st.one_of(text, st.lists(st.integers(0, 1023), min_size=1, max_size=20)),
+         "max_tokens": st.integers(1, 24)},
+        optional={
+            "temperature": st.one_of(st.just(0.0), st.floats(0.0, 2.0)),
+            "top_p": st.floats(0.0, 1.0, exclude_min=True),
+            "top_k": st.one_of(st.just(-1), st.integers(0, 5000)),
+            "seed": st.integers(0, 2**63 - 1),
+            "stop": st.one_of(st.none(), text, st.lists(text, max_size=4)),
+            "ignore_eos": st.booleans(),
+            "stream": st.booleans(),
+            "user": text,
+        },
+    )
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("method", "path", "mode"), CASES, ids=[f"{m} {p} {g.value}" for m, p, g in CASES])
-def test_fuzzed_requests_never_5xx_and_errors_are_clean(api_schema, method, path, mode):
+def test_valid_sampling_parameters_always_complete(server):
+    errors_before = server.metrics().value("graphcache_requests_finished_total", reason="error")
+    with httpx.Client(base_url=server.base_url, timeout=60.0) as client:
+
+        @given(body=valid_completion_bodies())
+        @settings(max_examples=MAX_EXAMPLES * 2, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        def fuzz(body):
+            if body.get("stream"):
+                body["stream_options"] = {"include_usage": True}
+            response = client.post("/v1/completions", json=body)
+            assert response.status_code == 200, (body, response.text[:300])
+            if body.get("stream"):
+                events = [line[5:].strip() for line in response.text.splitlines() if line.startswith("data:")]
+                assert events[-1] == "[DONE]", (body, response.text[-300:])
+                chunks = [json.loads(e) for e in events[:-1]]
+                assert not any("error" in c for c in chunks), (body, chunks)
+                usage = next(c["usage"] for c in chunks if c.get("usage"))
+                finish = [ch["finish_reason"] for c in chunks for ch in c.get("choices", []) if ch.get("finish_reason")]
+            else:
+                payload = response.json()
+                usage, finish = payload["usage"], [payload["choices"][0]["finish_reason"]]
+            assert finish in (["length"], ["stop"]), (body, finish)
+            assert 0 <= usage["completion_tokens"] <= body["max_tokens"], (body, usage)
+            if finish == ["length"]:
+                assert usage["completion_tokens"] == body["max_tokens"], (body, usage)
+
+        fuzz()
+    assert server.wait_idle().value("graphcache_requests_finished_total", reason="error") == errors_before
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("method", "path", "mode"), PARAMS)
+def test_fuzzed_requests_never_5xx_and_errors_are_clean(api_schema, server, method, path, mode):
     operation = api_schema[path][method]
+    served_model = httpx.get(server.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
     # Derandomized: CI sees the same examples every run (a failure is reproducible, never flaky);
     # set RELIABILITY_FUZZ_EXAMPLES high and run locally for a deeper search.
@@ -90,6 +160,10 @@ def test_fuzzed_requests_never_5xx_and_errors_are_clean(api_schema, method, path
     @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     def fuzz(case):
+        if mode == GenerationMode.POSITIVE and isinstance(case.body, dict) and "model" in case.body:
+            # The schema cannot say which model id exists; a random one is a 400 that would hide
+            # every other field of the example from the generation path.
+            case.body["model"] = served_model
         # With the admin token, so admin bodies are fuzzed past the gate (the gate has its own tests).
         response = case.call(headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
         case.validate_response(response, checks=[not_a_server_error, clean_error_body])
