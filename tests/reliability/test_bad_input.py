@@ -46,6 +46,18 @@ def test_prompt_over_max_model_len_is_400(client):
 
 
 @pytest.mark.timeout(60)
+def test_prompt_plus_max_tokens_exactly_at_max_model_len_is_served(client):
+    """The boundary itself is valid: the last position of the context is used, not refused or overrun."""
+    prompt = list(range(1, 101))
+    response = client.post("/v1/completions", json=completion_body(prompt, MAX_MODEL_LEN - len(prompt)))
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"] == {"prompt_tokens": 100, "completion_tokens": MAX_MODEL_LEN - 100,
+                                        "total_tokens": MAX_MODEL_LEN}
+    one_over = client.post("/v1/completions", json=completion_body(prompt, MAX_MODEL_LEN - len(prompt) + 1))
+    assert_clean_error(one_over, 400)
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("max_tokens", [MAX_MODEL_LEN, 10**9, 2**63, 2**70, 0, -1])
 def test_out_of_range_max_tokens_is_400(client, max_tokens):
     assert_clean_error(client.post("/v1/completions", json=completion_body(max_tokens=max_tokens)), 400)
