@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import httpx
 import pytest
@@ -166,3 +167,57 @@ def test_one_failed_step_fails_its_requests_cleanly_and_the_engine_lives(inproc)
     assert inproc.engine.alive
     assert inproc.sample("graphcache_requests_finished_total", reason="error") - before == 1
     assert httpx.get(inproc.base_url + "/health", timeout=10).status_code == 200
+
+
+# --- last in this module: it kills the module's engine on purpose ------------------------------------
+
+# Bodies seen while the engine died, for the leak check that follows (a known failure, kept apart so
+# the death behaviour itself stays a passing test).
+DEATH_BODIES: dict[str, str] = {}
+
+
+class DeviceLost:
+    """Step failpoint of a lost GPU: 'CUDA error' makes the engine give up at the first failure. The
+    pause lets every request of the burst arrive first, so some are still waiting when it dies."""
+
+    def __call__(self, batch) -> None:
+        time.sleep(0.3)
+        raise RuntimeError('CUDA error: device lost in File "/work/main/service/engine/runner.py", line 1')
+
+
+@pytest.mark.timeout(120)
+async def test_engine_death_fails_everything_cleanly_and_liveness_says_so(inproc):
+    """A lost device: every request in flight or waiting ends with an error response (none hangs), the
+    engine is declared dead, /health turns 503 (so Kubernetes restarts the pod), new requests get a
+    clean 503, and /metrics keeps answering so the death is visible."""
+    inproc.engine.step_failpoint = DeviceLost()
+    async with httpx.AsyncClient(base_url=inproc.base_url, timeout=30.0) as client:
+        responses = await asyncio.wait_for(asyncio.gather(*(
+            client.post("/v1/completions", json=completion_body(f"doomed {i}", 8)) for i in range(8))), timeout=60)
+        for i, response in enumerate(responses):
+            assert_clean_error(response, (500, 503), check_leaks=False)
+            DEATH_BODIES[f"in-flight request {i}"] = response.text
+        assert not inproc.engine.alive
+
+        after = await client.post("/v1/completions", json=completion_body(max_tokens=4))
+        error = assert_clean_error(after, 503)
+        assert error["code"] == "engine_dead"
+        health, ready, metrics = (await client.get("/health"), await client.get("/ready"),
+                                  await client.get("/metrics"))
+    assert health.status_code == 503 and ready.status_code == 503
+    DEATH_BODIES["/health"], DEATH_BODIES["/ready"] = health.text, ready.text
+    assert metrics.status_code == 200 and "graphcache_ready 0.0" in metrics.text
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG (engine floor, service/engine/engine.py _die/_close; API floor, openai.py _Run.next and app.py "
+    "probes): when the engine dies, requests still waiting get finish_reason error with the raw exception "
+    "text ('the engine stopped after an unrecoverable error: RuntimeError: ...'), which openai.py puts in "
+    "the 500 body, and unauthenticated /health and /ready return the same text: exception messages can "
+    "carry internal paths and device details. Send a fixed message, log the detail (or show it on "
+    "/admin/* only). Remove this marker when fixed."))
+@pytest.mark.timeout(30)
+def test_dead_engine_bodies_do_not_leak_internals(inproc):
+    assert DEATH_BODIES, "runs after the engine-death test"
+    for where, text in DEATH_BODIES.items():
+        assert "/work/" not in text and 'File "' not in text, f"{where}: {text[:300]}"
