@@ -19,10 +19,14 @@ python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_devic
 for p in ${PHASES:-tests pool capture}; do
   case $p in
     tests)   phase tests 300 python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu -x -rs ${PYTEST_ARGS:-} ;;
+    tests_sdpa)  GRAPHCACHE_ATTENTION=sdpa phase tests_sdpa 240 python3 -m pytest -q -m cuda -p no:cacheprovider \
+                   tests/gpu/test_runner_cuda.py tests/gpu/test_engine_cuda.py -rs ;;
+    tests_paged) GRAPHCACHE_BLOCK_SIZE=256 phase tests_paged 240 python3 -m pytest -q -m cuda -p no:cacheprovider \
+                   tests/gpu/test_runner_cuda.py tests/gpu/test_engine_cuda.py -rs ;;
     pool)    phase pool 150 python3 benchmarks/pool_eviction.py --out "$OUT/pool_eviction.json" ;;
     capture) phase capture 300 python3 benchmarks/capture_bench.py --out "$OUT/capture_bench.json" ;;
     offline) phase offline 540 python3 benchmarks/offline_throughput.py --make-qwen05b /tmp/qwen05b \
-               --modes "${OFFLINE_MODES:-graph,eager,hf}" --out "$OUT/offline.json" ;;
+               --modes "${OFFLINE_MODES:-graph,eager,hf}" --out "$OUT/offline${OFFLINE_TAG:-}.json" ;;
     server)  phase server 420 python3 benchmarks/server_check.py --make-qwen05b /tmp/qwen05b \
                --out "$OUT/server_check.json" --log "$OUT/server.log" ;;
     *) echo "unknown phase $p" ;;
