@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.api.app import create_app
 from service.config import Settings
-from service.engine.engine import Engine, SamplingParams
+from service.engine.engine import DEAD_MESSAGE, Engine, SamplingParams
 from service.metrics import Metrics
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -432,16 +432,44 @@ async def test_loading_then_ready(cache_dir):
 
 
 async def test_dead_engine(cache_dir):
+    """Probes and request errors say the engine died, never why (the exception text can carry
+    paths and device details): that goes to the log and to the authenticated /admin/* only."""
     def broken_runner(settings, metrics):
-        raise RuntimeError("weights are corrupt")
+        raise RuntimeError('weights are corrupt in File "/work/secret/model.py"')
 
-    settings = settings_for(cache_dir)
+    settings = settings_for(cache_dir, admin_token="t0ken")
     async with running(settings, make_engine(settings, runner_factory=broken_runner), wait=False) as (client, app):
         await asyncio.to_thread(app.state.engine.wait_ready, 30)
-        r = await client.get("/health")
-        assert r.status_code == 503 and "weights are corrupt" in r.json()["error"]
-        assert (await client.get("/ready")).status_code == 503
-        assert_error(await client.post("/v1/completions", json={"prompt": "x"}), 503, code="engine_dead")
+        assert "weights are corrupt" in app.state.engine.error
+        for probe in ("/health", "/ready"):
+            r = await client.get(probe)
+            assert r.status_code == 503 and r.json() == {"status": "dead", "error": DEAD_MESSAGE}, probe
+        r = await client.post("/v1/completions", json={"prompt": "x"})
+        assert_error(r, 503, code="engine_dead")
+        assert "corrupt" not in r.text and "/work/" not in r.text
+        r = await client.get("/admin/cache", headers={"Authorization": "Bearer t0ken"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert "weights are corrupt" in r.json()["error"]["message"]   # the operator may see the cause
+
+
+async def test_engine_death_mid_request_sends_a_fixed_message(cache_dir):
+    """Requests in flight when the engine dies get a 500 with the fixed message, not the exception."""
+    settings = settings_for(cache_dir)
+    engine = make_engine(settings)
+
+    def device_lost(batch):
+        raise RuntimeError('CUDA error: device lost in File "/work/main/service/engine/runner.py", line 1')
+
+    async with running(settings, engine) as (client, app):
+        engine.step_failpoint = device_lost
+        r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
+        err = assert_error(r, 500, code="engine_error")
+        assert "/work/" not in r.text and 'File "' not in r.text and "CUDA" not in r.text
+        assert err["type"] == "server_error"
+        assert not engine.alive and "device lost" in engine.error
+        for probe in ("/health", "/ready"):
+            r = await client.get(probe)
+            assert r.status_code == 503 and "CUDA" not in r.text and "/work/" not in r.text
 
 
 async def test_cors_off_by_default_and_on_when_configured(client, cache_dir):

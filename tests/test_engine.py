@@ -16,6 +16,8 @@ import torch
 
 from service.config import Settings
 from service.engine.engine import (
+    DEAD_MESSAGE,
+    MAX_CONSECUTIVE_STEP_FAILURES,
     Engine,
     EngineDead,
     EngineDraining,
@@ -290,6 +292,81 @@ async def test_step_exception_fails_only_that_steps_requests():
         e.shutdown()
 
 
+async def test_edge_sampling_values_are_served_next_to_others():
+    """top_p / temperature that underflow float32 (valid: > 0) and a top_k past int64 used to make
+    the batched sampler raise, failing every request in the step (and, three in a row, the engine)."""
+    e = start_engine(fake_factory(step_delay=0.002))
+    try:
+        normal = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        edge = [SamplingParams(max_tokens=4, top_p=1e-300, ignore_eos=True),
+                SamplingParams(max_tokens=4, top_p=5e-324, seed=3, ignore_eos=True),
+                SamplingParams(max_tokens=4, temperature=1e-300, ignore_eos=True),
+                SamplingParams(max_tokens=4, top_k=10**30, ignore_eos=True)]
+        jobs = [collect(e, f"normal{i}", [1, 2, 3 + i], normal) for i in range(3)]
+        jobs += [collect(e, f"edge{j}.{i}", [4, 5, 6], p) for i in range(3) for j, p in enumerate(edge)]
+        results = await asyncio.wait_for(asyncio.gather(*jobs), 20)
+        assert all(r[2].finish_reason == "length" for r in results), [r[2] for r in results]
+        assert e.alive and e.ready and e.metrics.requests_finished.labels("error")._value.get() == 0
+    finally:
+        e.shutdown()
+
+
+class RowFailingSampler:
+    """Wraps the real sampler; raises whenever request `bad` is among the rows (a sampler bug that
+    one request's parameters trigger)."""
+
+    def __init__(self, inner, bad: str):
+        self.inner, self.bad, self.calls = inner, bad, 0
+
+    def sample(self, logits, seqs):
+        self.calls += 1
+        if any(s.request_id == self.bad for s in seqs):
+            raise RuntimeError("multinomial: invalid probability distribution")
+        return self.inner.sample(logits, seqs)
+
+
+async def test_a_request_whose_sampling_fails_ends_alone_and_never_kills_the_engine():
+    e = start_engine(fake_factory(step_delay=0.002))
+    try:
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        for round_ in range(MAX_CONSECUTIVE_STEP_FAILURES + 2):   # more than the death threshold
+            bad = f"bad{round_}"
+            e._sampler = RowFailingSampler(e._sampler if round_ == 0 else e._sampler.inner, bad)
+            results = await asyncio.wait_for(asyncio.gather(
+                collect(e, f"ok{round_}.a", [1, 2, 3], params), collect(e, bad, [4, 5, 6], params),
+                collect(e, f"ok{round_}.b", [7, 8, 9], params)), 10)
+            (ids_a, _, a), (_, _, b), (ids_c, _, c) = results
+            assert b.finish_reason == "error" and "sampling" in b.error and "multinomial" not in b.error
+            assert a.finish_reason == c.finish_reason == "length" and len(ids_a) == len(ids_c) == 8
+            # Alone in its batch too (each request is its own step here once the others finish).
+            _, _, alone = await asyncio.wait_for(collect(e, bad, [4, 5, 6], params), 10)
+            assert alone.finish_reason == "error"
+            assert e.alive and e.ready
+        assert e._consecutive_failures == 0
+        assert e.stats()["kv_blocks_free"] == e.stats()["kv_blocks_total"]
+    finally:
+        e.shutdown()
+
+
+async def test_device_fault_while_sampling_still_counts():
+    e = start_engine(fake_factory())
+    try:
+        class Broken:
+            def sample(self, logits, seqs):
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        e._sampler = Broken()
+        _, _, last = await asyncio.wait_for(collect(e, "r", [1, 2], SamplingParams(max_tokens=4)), 10)
+        assert last.finish_reason == "error"
+        for _ in range(100):
+            if not e.alive:
+                break
+            await asyncio.sleep(0.01)
+        assert not e.alive and "illegal memory access" in e.error
+    finally:
+        e.shutdown()
+
+
 async def test_after_shutdown_nothing_hangs():
     e = start_engine(fake_factory())
     e.shutdown()
@@ -310,11 +387,17 @@ async def test_repeated_step_failures_kill_the_engine_and_fail_everyone():
         results = await asyncio.wait_for(asyncio.gather(
             *(collect(e, f"r{i}", [1, 2], SamplingParams(max_tokens=4)) for i in range(6))), 10)
         assert all(r[2].finish_reason == "error" for r in results)
+        # The cause is for the log and e.error (admin) only: what requests are told leaks nothing.
+        assert not any("device broken" in r[2].error for r in results)
+        assert any(r[2].error == DEAD_MESSAGE for r in results)   # those still waiting when it died
         for _ in range(100):
             if not e.alive:
                 break
             await asyncio.sleep(0.01)
         assert not e.alive and "device broken" in e.error
+        with pytest.raises(EngineDead) as info:
+            e.generate("late", [1], SamplingParams())
+        assert str(info.value) == DEAD_MESSAGE
         with pytest.raises(EngineDead):
             e.generate("after", [1], SamplingParams())
         with pytest.raises(EngineDead):

@@ -25,6 +25,7 @@ from service.api import metrics as metrics_api
 from service.api.errors import install_error_handlers
 from service.api.logging import RequestContextMiddleware
 from service.config import Settings
+from service.engine.engine import DEAD_MESSAGE  # probes are unauthenticated: never the exception text
 from service.metrics import Metrics
 
 __all__ = ["create_app"]
@@ -138,10 +139,10 @@ def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) 
 
     @app.get("/health", tags=["probes"])
     async def health() -> JSONResponse:
-        """Liveness: 200 unless the engine thread died (then 503 with its error)."""
+        """Liveness: 200 unless the engine thread died (then 503). Unauthenticated, so the body says
+        only that it died; the cause is in the server log and on /admin/*."""
         if not engine.alive:
-            return JSONResponse({"status": "dead", "error": engine.error or "the engine thread stopped"},
-                                status_code=503)
+            return JSONResponse({"status": "dead", "error": DEAD_MESSAGE}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/ready", tags=["probes"])
@@ -150,8 +151,7 @@ def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) 
         if app.state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         if not engine.alive:
-            return JSONResponse({"status": "dead", "error": engine.error or "the engine thread stopped"},
-                                status_code=503)
+            return JSONResponse({"status": "dead", "error": DEAD_MESSAGE}, status_code=503)
         if not engine.ready:
             body = {"status": "loading"}
             progress = getattr(engine, "progress", None)

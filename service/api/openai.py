@@ -47,7 +47,7 @@ def _engine(request: Request):
         raise APIError(503, "The server is shutting down and takes no new requests; retry on another replica.",
                        code="draining", headers={"Retry-After": RETRY_AFTER_S})
     if not engine.alive:
-        raise APIError(503, "The engine is dead; restart the server (GET /health has the error).",
+        raise APIError(503, "The engine is dead; restart the server (the server log has the error).",
                        code="engine_dead")
     if not engine.ready:
         raise APIError(503, "The model is still loading; retry when GET /ready answers 200.",
@@ -173,7 +173,7 @@ def _api_error_for(e: Exception) -> APIError:
         return APIError(503, "The model is still loading; retry when GET /ready answers 200.",
                         code="not_ready", headers={"Retry-After": RETRY_AFTER_S}, counted=True)
     if isinstance(e, EngineDead):
-        return APIError(503, "The engine is dead; restart the server (GET /health has the error).",
+        return APIError(503, "The engine is dead; restart the server (the server log has the error).",
                         code="engine_dead", counted=True)
     return APIError(500, "The engine ended the request without a final output.", counted=True)
 

@@ -44,6 +44,11 @@ log = logging.getLogger("graphcache.engine")
 # its requests fail, the rest keep going; a run of them means the device or model is broken).
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
+# What clients (request errors, unauthenticated probes) are told when the engine dies. The cause
+# (an exception text that can carry internal paths and device details) goes to the log and to
+# `Engine.error`, which only authenticated /admin/* shows.
+DEAD_MESSAGE = "the engine stopped after an unrecoverable error; see the server log"
+
 
 class QueueFull(Exception):
     """The waiting queue is at max_queue: retry later (HTTP 429)."""
@@ -58,7 +63,7 @@ class EngineDraining(EngineNotReady):
 
 
 class EngineDead(Exception):
-    """The engine thread hit an unrecoverable error; `Engine.error` says which."""
+    """The engine thread hit an unrecoverable error; `Engine.error` says which (its message does not)."""
 
 
 @dataclass
@@ -197,6 +202,7 @@ class Engine:
 
     @property
     def error(self) -> str | None:
+        """Why the engine died, in detail (exception text): for the log and /admin/* only."""
         return self._error
 
     @property
@@ -275,7 +281,7 @@ class Engine:
     # --- requests ----------------------------------------------------------------------------
     def _check_serving(self) -> None:
         if self._dead:
-            raise EngineDead(f"the engine stopped after an unrecoverable error: {self._error}")
+            raise EngineDead(DEAD_MESSAGE)
         if not self._accepting:
             self._count_rejected("draining")
             raise EngineDraining("the server is shutting down and takes no new requests")
@@ -359,7 +365,7 @@ class Engine:
         fut = loop.create_future()
         with self._lock:   # the exiting engine thread fails what is queued under this lock: none is lost
             if self._dead:
-                raise EngineDead(f"the engine stopped after an unrecoverable error: {self._error}")
+                raise EngineDead(DEAD_MESSAGE)
             if self._stopped:
                 raise EngineDead("the engine was shut down")
             if not self._ready:
@@ -536,7 +542,7 @@ class Engine:
                 self.step_failpoint(batch)
             cache_steps = self._cache_step_count()
             logits = self._runner.execute(batch)
-            tokens = self._sampler.sample(logits[:len(sample_seqs)], sample_seqs)
+            tokens = self._sample(logits[:len(sample_seqs)], sample_seqs)
         except Exception as exc:
             self._step_failed(plan, exc)
             return
@@ -554,8 +560,13 @@ class Engine:
         sched.on_step_done(plan)
         now = time.monotonic()
         if m is not None and sample_seqs:
-            m.generation_tokens.inc(len(sample_seqs))
+            m.generation_tokens.inc(sum(t is not None for t in tokens))
         for seq, token in zip(sample_seqs, tokens, strict=True):
+            if token is None:   # its own sampling failed (logged): only this request ends
+                sched.finish(seq, "error", "sampling the next token for this request failed on the server; "
+                                           "retry the request, or with other sampling parameters")
+                self._emit(seq)
+                continue
             seq.output_token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -568,6 +579,38 @@ class Engine:
                 sched.finish(seq, reason)
             self._emit(seq)
         self._update_gauges()
+
+    def _sample(self, logits: Any, seqs: list[Sequence]) -> list[int | None]:
+        """Sample the batch. The sampler does not raise for validated parameters; if it raises
+        anyway, each row is sampled alone, so a request whose row fails ends by itself (None in
+        its place) and neither fails the requests batched with it nor counts toward engine death
+        (MAX_CONSECUTIVE_STEP_FAILURES). A device fault is not any one request's: it raises."""
+        try:
+            return self._sampler.sample(logits, seqs)
+        except Exception as exc:
+            if _is_unrecoverable(exc):
+                raise
+            if len(seqs) == 1:
+                self._sampling_failed(seqs[0], exc)
+                return [None]
+            log.warning("batched sampling failed (%s: %s); sampling the %d rows one by one",
+                        type(exc).__name__, exc, len(seqs))
+        tokens: list[int | None] = []
+        for i, seq in enumerate(seqs):
+            try:
+                tokens.extend(self._sampler.sample(logits[i:i + 1], [seq]))
+            except Exception as exc:
+                if _is_unrecoverable(exc):
+                    raise
+                self._sampling_failed(seq, exc)
+                tokens.append(None)
+        return tokens
+
+    @staticmethod
+    def _sampling_failed(seq: Sequence, exc: Exception) -> None:
+        p = seq.params
+        log.error("sampling failed for request %s (temperature=%r top_p=%r top_k=%r seed=%r): %s: %s",
+                  seq.request_id, p.temperature, p.top_p, p.top_k, p.seed, type(exc).__name__, exc, exc_info=exc)
 
     def _step_failed(self, plan: SchedulerOutput, exc: Exception) -> None:
         self._consecutive_failures += 1
@@ -666,6 +709,9 @@ class Engine:
 
     # --- endings ---------------------------------------------------------------------------
     def _die(self, message: str) -> None:
+        """Mark the engine dead. `message` (exception text) is logged and kept in `error` for
+        /admin/*; the requests it fails and the probes get DEAD_MESSAGE, which leaks nothing."""
+        log.error("engine is dead: %s", message)
         with self._lock:
             self._dead = True
             self._ready = False
@@ -673,7 +719,7 @@ class Engine:
         if self.metrics is not None:
             self.metrics.ready.set(0)
         self._ready_event.set()
-        self._close(f"the engine stopped after an unrecoverable error: {message}")
+        self._close(DEAD_MESSAGE)
 
     def _close(self, message: str) -> None:
         """Fail every request and admin call still pending (engine thread, at exit)."""

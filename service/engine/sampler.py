@@ -11,6 +11,12 @@ ignore_eos) -> "stop"; stop strings on the incrementally detokenized text -> "st
 string and anything after it cut from the output (OpenAI semantics; the detokenizer does the cut
 and holds back a tail that could still become a stop string); max_tokens or max_model_len
 -> "length".
+
+No validated parameters make sampling raise or produce NaN: the top token always survives the
+top-k and top-p filters (top_p 1e-300 is 0.0 in float32), a temperature too small to divide by
+(below MIN_TEMPERATURE, e.g. 1e-300) is greedy, logits are shifted by their row max before the
+division so nothing overflows, and a row whose logits hold no usable distribution (all -inf,
+NaN, +inf) takes its argmax instead of a draw.
 """
 
 from __future__ import annotations
@@ -18,6 +24,15 @@ from __future__ import annotations
 import torch
 
 from service.engine.sequence import Sequence
+
+# Temperatures below this are greedy: logits / 1e-300 overflows, and sampling at such a
+# temperature is argmax anyway. (Also catches NaN, which validation's `< 0` check lets through.)
+MIN_TEMPERATURE = 1e-5
+_SEED_MASK = (1 << 64) - 1   # torch.Generator.manual_seed takes 64 bits
+
+
+def _is_greedy(temperature: float) -> bool:
+    return not temperature >= MIN_TEMPERATURE
 
 
 class Sampler:
@@ -42,13 +57,16 @@ class Sampler:
             return []
         logits = logits.float()
         tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        random_rows = [i for i, s in enumerate(seqs) if not _is_greedy(s.params.temperature)]
         if random_rows:
             idx = torch.tensor(random_rows, device=logits.device)
+            vocab = logits.shape[-1]
             probs = probs_from_logits(
                 logits.index_select(0, idx),
                 temperature=torch.tensor([seqs[i].params.temperature for i in random_rows], device=logits.device),
-                top_k=torch.tensor([seqs[i].params.top_k for i in random_rows], device=logits.device),
+                # Clamped here: a top_k past int64 (the API bounds it below only) must not overflow the tensor.
+                top_k=torch.tensor([min(max(seqs[i].params.top_k, 0), vocab) for i in random_rows],
+                                   device=logits.device),
                 top_p=torch.tensor([seqs[i].params.top_p for i in random_rows], device=logits.device),
             )
             seeded = [j for j, i in enumerate(random_rows) if seqs[i].params.seed is not None]
@@ -61,7 +79,7 @@ class Sampler:
             for j in seeded:
                 seq = seqs[random_rows[j]]
                 if seq.generator is None or seq.generator.device != logits.device:
-                    seq.generator = torch.Generator(device=logits.device).manual_seed(seq.params.seed)
+                    seq.generator = torch.Generator(device=logits.device).manual_seed(seq.params.seed & _SEED_MASK)
                 drawn[j] = torch.multinomial(probs[j], 1, generator=seq.generator)[0]
             tokens[idx] = drawn
         return tokens.tolist()
@@ -71,20 +89,37 @@ def probs_from_logits(logits: torch.Tensor, *, temperature: torch.Tensor, top_k:
                       top_p: torch.Tensor) -> torch.Tensor:
     """Softmax(logits / T) restricted to the top-k and then the top-p nucleus, per row.
 
-    top_k 0 = off; top_p 1 = off. The most likely token always survives both filters.
+    top_k 0 = off; top_p >= 1 = off. The most likely token always survives both filters, whatever
+    top_p is (0.0 included: a tiny top_p underflows in float32). Every row is a distribution (no
+    NaN, sums to 1): a row with no finite logit, or one that overflows, is one-hot on its argmax.
     """
-    logits = logits / temperature.clamp_min(1e-5).unsqueeze(1)
+    logits = logits.float()
+    logits = logits.masked_fill(logits.isnan(), float("-inf"))
+    top = logits.argmax(dim=-1, keepdim=True)
+    # Shift before dividing: every value is <= 0, so a small T can push logits to -inf but never
+    # to +inf (softmax is shift-invariant, so the distribution is unchanged).
+    row_max = logits.max(dim=-1, keepdim=True).values
+    temperature = temperature.float().nan_to_num(nan=1.0).clamp_min(MIN_TEMPERATURE).unsqueeze(1)
+    logits = (logits - row_max) / temperature
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    k = torch.where(top_k > 0, top_k.clamp_max(vocab), torch.full_like(top_k, vocab)).unsqueeze(1)
+    top_k = top_k.clamp(0, vocab)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
     sorted_probs = sorted_logits.softmax(dim=-1)
-    # Drop a token when the mass strictly before it already reaches top_p.
+    # Drop a token when the mass strictly before it already reaches top_p; never the first one.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    top_p = top_p.float().unsqueeze(1)
+    drop = (mass_before >= top_p) & (top_p < 1) & (ranks > 0)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     filtered = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
-    return filtered.softmax(dim=-1)
+    probs = filtered.softmax(dim=-1)
+    # Rows that are still no distribution (all -inf or +inf logits): their argmax, like greedy.
+    # In place, without a sync or another [rows, V] tensor.
+    bad = ~(probs.isfinite().all(dim=-1, keepdim=True) & (probs.sum(dim=-1, keepdim=True) > 0))
+    probs.masked_fill_(bad, 0.0)
+    return probs.scatter_(1, top, torch.where(bad, 1.0, probs.gather(1, top)))
 
 
 # --- stop rules ------------------------------------------------------------------------------

@@ -274,13 +274,6 @@ def test_server_still_serves_after_all_that(server, client):
 TINY_TOP_P = [1e-300, 5e-324, 1e-46]  # all > 0 as JSON doubles, all 0.0 once cast to float32
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (engine floor, service/engine/sampler.py + engine.py): top_p=1e-300 passes validation (> 0) but is "
-    "0.0 in float32; the top-p mask then drops every token (mass_before >= 0), softmax is NaN and "
-    "torch.multinomial raises, failing the whole step: every co-batched request gets a 500, and 3 such "
-    "requests in a row mark the engine dead (an unauthenticated DoS). Fix: always keep the top token in "
-    "the top-p/top-k masks (or clamp top_p to float32 tiny), and do not count request-caused sampling "
-    "errors toward MAX_CONSECUTIVE_STEP_FAILURES. Remove this marker when fixed (strict: XPASS fails)."))
 @pytest.mark.timeout(90)
 async def test_tiny_top_p_neither_fails_its_batch_nor_kills_the_engine(server):
     """top_p is validated as > 0, but 1e-300 becomes 0.0 in a float32 tensor: if the sampler then masks

@@ -209,13 +209,6 @@ async def test_engine_death_fails_everything_cleanly_and_liveness_says_so(inproc
     assert metrics.status_code == 200 and "graphcache_ready 0.0" in metrics.text
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (engine floor, service/engine/engine.py _die/_close; API floor, openai.py _Run.next and app.py "
-    "probes): when the engine dies, requests still waiting get finish_reason error with the raw exception "
-    "text ('the engine stopped after an unrecoverable error: RuntimeError: ...'), which openai.py puts in "
-    "the 500 body, and unauthenticated /health and /ready return the same text: exception messages can "
-    "carry internal paths and device details. Send a fixed message, log the detail (or show it on "
-    "/admin/* only). Remove this marker when fixed."))
 @pytest.mark.timeout(30)
 def test_dead_engine_bodies_do_not_leak_internals(inproc):
     assert DEATH_BODIES, "runs after the engine-death test"
