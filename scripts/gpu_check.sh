@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
 for p in ${PHASES:-tests pool capture}; do
   case $p in
-    tests)   phase tests 300 python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu -x -rs ${PYTEST_ARGS:-} ;;
+    tests)   phase tests 300 python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu -rs ${PYTEST_ARGS:-} ;;
     tests_sdpa)  GRAPHCACHE_ATTENTION=sdpa phase tests_sdpa 240 python3 -m pytest -q -m cuda -p no:cacheprovider \
                    tests/gpu/test_runner_cuda.py tests/gpu/test_engine_cuda.py -rs ;;
     tests_paged) GRAPHCACHE_BLOCK_SIZE=256 phase tests_paged 240 python3 -m pytest -q -m cuda -p no:cacheprovider \

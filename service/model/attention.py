@@ -95,7 +95,6 @@ class AttentionMetadata:
     # shapes the decode call views its tensors as (host tuples: no shape reads in the break)
     decode_kv_shape: tuple[int, ...] = ()        # (2, nd, L, K, D): the gathered slots, split per request
     decode_q_shape: tuple[int, ...] = ()         # (nd, K, G, D): query heads grouped by their KV head
-    decode_out_shape: tuple[int, ...] = ()       # (nd, H, D)
     prefills: list[PrefillPlan] = field(default_factory=list)
     # flash paths: every request in one varlen call
     cu_seqlens_q: torch.Tensor | None = None     # [R + 1] int32 token offsets (= query_start_loc)
@@ -171,7 +170,6 @@ class AttentionPlanner:
             heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
             md.decode_kv_shape = (2, num_decodes, length, kv_heads, dim)
             md.decode_q_shape = (num_decodes, kv_heads, heads // kv_heads, dim)
-            md.decode_out_shape = (num_decodes, heads, dim)
             md.decode_slots = self._slots(block_tables[:num_decodes], length).view(-1)        # [nd * L]
             beyond = self._pos[:length] >= seq_lens_dev[:num_decodes, None]                     # [nd, L]
             md.decode_mask = torch.zeros(beyond.shape, dtype=self.dtype, device=self.device).masked_fill_(
@@ -255,7 +253,8 @@ def _decode_attention(q, out, kv_cache, scale, md: AttentionMetadata) -> None:
     # query rows (head h = kv_head * G + g, as HF's repeat_kv lays them out).
     qg = q[:nd].view(md.decode_q_shape)                                                  # [nd, K, G, D]
     o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=md.decode_mask, scale=scale)  # [nd, K, G, D]
-    out[:nd].copy_(o.view(md.decode_out_shape))                                          # [nd, H, D]
+    # o may be strided ([nd, G, K, D] memory on CUDA kernels): copy through out's own view
+    out[:nd].view(md.decode_q_shape).copy_(o)                                            # [nd, K, G, D]
 
 
 def _prefill_attention(p: PrefillPlan, q, k, v, out, kv_cache, scale) -> None:
