@@ -8,7 +8,7 @@ grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/excl
 py=${PYTHON:-.venv/bin/python}
 ver() { "$py" -m pip show "$1" 2>/dev/null | sed -n 's/^Version: //p'; }
 pkgs=(fastapi starlette uvicorn pydantic pydantic_core pydantic-settings annotated-types typing-inspection
-      python-dotenv pytest-asyncio breakable-cuda-graphs)
+      python-dotenv pytest-asyncio breakable-cuda-graphs opentelemetry-api)
 rm -rf .whl && mkdir -p .whl
 for p in "${pkgs[@]}"; do
   v=$(ver "$p"); [ -n "$v" ] || { echo "not in local venv: $p" >&2; exit 1; }
