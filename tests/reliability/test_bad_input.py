@@ -279,7 +279,8 @@ async def test_tiny_top_p_neither_fails_its_batch_nor_kills_the_engine(server):
     """top_p is validated as > 0, but 1e-300 becomes 0.0 in a float32 tensor: if the sampler then masks
     every token, softmax is NaN and the whole step fails -- taking every request batched with it,
     and after three such steps in a row the engine declares itself dead. One unauthenticated client
-    must not be able to do either. Accepting (keep only the top token) or refusing (400) is fine."""
+    must not be able to do either. Accepting (keep only the top token) or refusing (400) is fine.
+    Found by this suite (it killed the engine); fixed in cc43034."""
     async with httpx.AsyncClient(base_url=server.base_url, timeout=60.0) as client:
         async def bystander() -> httpx.Response:
             return await client.post("/v1/completions", json=completion_body("innocent", 48))

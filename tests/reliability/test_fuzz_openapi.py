@@ -63,11 +63,7 @@ CASES = [(m, p, GenerationMode.POSITIVE) for m, p, _ in OPERATIONS] + \
 
 # Known bugs the fuzzer finds, as (method, path, mode) -> reason. Their cases run last: the bug can kill
 # the engine, which must not fail the other operations' cases.
-KNOWN_BUGS = {
-    ("POST", "/v1/completions", GenerationMode.POSITIVE): (
-        "BUG (engine floor, sampler): schemathesis finds top_p=5e-324 (valid: > 0) -> 500; see "
-        "test_bad_input.py::test_tiny_top_p_neither_fails_its_batch_nor_kills_the_engine. Remove when fixed."),
-}
+KNOWN_BUGS: dict[tuple[str, str, GenerationMode], str] = {}  # none now (top_p=5e-324 -> 500: fixed in cc43034)
 CASES.sort(key=lambda case: case in KNOWN_BUGS)
 PARAMS = [pytest.param(*case, id=f"{case[0]} {case[1]} {case[2].value}",
                        marks=[pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[case])] if case in KNOWN_BUGS else [])
