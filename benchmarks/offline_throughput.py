@@ -179,7 +179,7 @@ def bench_hf(args, prompts, outputs) -> dict:
             "load_and_warmup_s": 0.0, "warmup_s": 0.0, "graph_pool_bytes": 0}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, help="Hugging Face model directory")
     ap.add_argument("--make-qwen05b", type=Path, metavar="DIR",
@@ -201,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--hf-cache", default="static", choices=["static", "dynamic"])
     ap.add_argument("--out", type=Path, help="write results as JSON here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
 
     if args.make_qwen05b:

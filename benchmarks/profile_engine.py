@@ -1,0 +1,60 @@
+"""Where the engine thread spends its time: cProfile of the offline workload (graph or eager mode).
+
+    python benchmarks/profile_engine.py --make-qwen05b /tmp/qwen05b --num-seqs 128 --out profile.txt
+
+Runs benchmarks/offline_throughput.py's workload through the real Engine with the engine thread
+under cProfile (the thread that owns the GPU: model steps, scheduling, sampling, detokenizing),
+and prints the top functions by cumulative and by own time. CUDA work is asynchronous, so time
+shows up where the host waits for the device (e.g. the .cpu()/.tolist() of sampled tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import benchmarks.offline_throughput as ot  # noqa: E402
+from service.engine.engine import Engine  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", default="graph", choices=["graph", "eager"])
+    ap.add_argument("--top", type=int, default=35)
+    ap.add_argument("--out", type=Path, default=Path("profile.txt"))
+    known, rest = ap.parse_known_args()
+    args = ot.build_parser().parse_args(rest)
+    args.model = model = args.model or ot.make_qwen05b(args.make_qwen05b)
+    prof = cProfile.Profile()
+    original = Engine._thread_main
+
+    def profiled(self: Engine) -> None:
+        prof.enable()
+        try:
+            original(self)
+        finally:
+            prof.disable()
+
+    Engine._thread_main = profiled
+    config = json.loads((model / "config.json").read_text())
+    prompts, outputs = ot.workload(args.num_seqs, config["vocab_size"], (args.min_input, args.max_input),
+                                   (args.min_output, args.max_output), args.seed)
+    row = ot.bench_engine(args, known.mode, prompts, outputs)
+    print(f"{known.mode}: {row['output_tokens']} tokens in {row['seconds']:.1f}s = {row['tokens_per_s']:.0f} tok/s, "
+          f"steps {row['steps_by_mode']}")
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("cumulative").print_stats(known.top)
+    stats.sort_stats("tottime").print_stats(known.top)
+    known.out.write_text(buf.getvalue())
+    print(buf.getvalue()[-12000:])
+
+
+if __name__ == "__main__":
+    main()
