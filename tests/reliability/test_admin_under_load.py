@@ -100,3 +100,23 @@ def test_admin_cache_and_metrics_agree_after_the_storm(server):
     entries = info.get("entries")
     assert isinstance(entries, list)
     assert metrics.value("graphcache_graph_cache_entries") == len(entries)
+
+
+@pytest.mark.timeout(180)
+async def test_cache_thrash_under_load_matches_eager(server_factory, eager_reference):
+    """A cache of 2 entries for a load that needs a dozen shapes: every few steps a capture evicts
+    another (LRU), entries are replaced while traffic replays them. Outputs must not notice."""
+    thrash = server_factory(name="cache-thrash", max_num_seqs=8, cache_max_entries=2, warmup_decode_sizes=[],
+                            admission="always")
+    before = thrash.metrics()
+    report = await load.run_load(load.LoadConfig(
+        url=thrash.base_url, concurrency=8, duration_s=6.0, max_tokens=MAX_TOKENS, request_timeout_s=60.0))
+    assert report.num_errors == 0, report.error_summary()
+    mismatches = [(r.api, r.stream, r.prompt_index, r.text, eager_reference[(r.api, r.prompt_index)])
+                  for r in report.completed if r.text != eager_reference[(r.api, r.prompt_index)]]
+    assert not mismatches, f"{len(mismatches)} of {len(report.completed)} differ from eager: {mismatches[:3]}"
+    after = thrash.wait_idle()
+    evicted = (after.value("graphcache_graph_evictions_total", reason="entries")
+               - before.value("graphcache_graph_evictions_total", reason="entries"))
+    assert evicted >= 5, f"only {evicted} evictions: the cache did not thrash"
+    assert after.value("graphcache_graph_cache_entries") <= 2

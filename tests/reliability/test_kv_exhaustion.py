@@ -4,6 +4,8 @@ its exact token count, and the blocks all come back."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
@@ -51,3 +53,34 @@ def test_a_request_that_can_never_fit_is_400_not_a_hang(server):
     with httpx.Client(base_url=server.base_url, timeout=30.0) as client:
         response = client.post("/v1/completions", json=completion_body(max_tokens=too_many))
     assert_clean_error(response, 400)
+
+
+async def stream_and_leave(base_url: str, events_before_leaving: int) -> None:
+    body = completion_body("leaving under pressure", 200, stream=True)
+    async with httpx.AsyncClient(base_url=base_url, timeout=60.0) as client, \
+            client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        seen = 0
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                seen += 1
+                if seen >= events_before_leaving:
+                    return
+
+
+@pytest.mark.timeout(150)
+async def test_disconnects_while_preempting_leak_no_blocks(server):
+    """Clients hanging up while the scheduler preempts and recomputes: an aborted sequence may be
+    running, preempted or waiting; in every state its blocks must come back."""
+    before = server.metrics()
+    leavers = [stream_and_leave(server.base_url, 1 + (i % 5) * 8) for i in range(10)]
+    stayers = load.run_load(load.LoadConfig(url=server.base_url, concurrency=6, num_requests=18, duration_s=None,
+                                            max_tokens=MAX_TOKENS, request_timeout_s=90.0))
+    *_, report = await asyncio.wait_for(asyncio.gather(*leavers, stayers), timeout=120)
+    assert report.num_errors == 0, report.error_summary()
+    after = server.wait_idle(timeout_s=30)
+    assert after.value("graphcache_kv_cache_usage_ratio") == 0
+    aborted = (after.value("graphcache_requests_finished_total", reason="abort")
+               - before.value("graphcache_requests_finished_total", reason="abort"))
+    assert aborted == 10
+    assert after.value("graphcache_num_preemptions_total") > before.value("graphcache_num_preemptions_total")

@@ -5,6 +5,7 @@ exactly, and the server takes new work again once the queue drains."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -76,3 +77,48 @@ def test_server_takes_work_again_after_the_queue_drains(server):
         for _ in range(3):
             response = client.post("/v1/completions", json=completion_body(max_tokens=8))
             assert response.status_code == 200, response.text
+
+
+async def open_and_hold(port: int, body: dict) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw request left open: it waits in the queue; closing the writer hangs up on it."""
+    payload = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    await writer.drain()
+    return reader, writer
+
+
+@pytest.mark.timeout(90)
+async def test_clients_leaving_the_queue_free_their_slots(server):
+    """Two queued requests whose clients hang up must leave the queue at once: otherwise dead
+    requests hold the slots and everyone else gets 429 until they would have run."""
+    server.wait_idle(timeout_s=30)
+    before = server.metrics()
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=60.0) as client:
+        running = asyncio.create_task(one(client, stream=True))  # holds the only running slot for a while
+        deadline = time.monotonic() + 20
+        while server.metrics().value("graphcache_num_requests_running") < 1:
+            assert time.monotonic() < deadline, "the first request never started"
+            await asyncio.sleep(0.05)
+        held = [await open_and_hold(server.port, completion_body("queued", 8)) for _ in range(MAX_QUEUE)]
+        while server.metrics().value("graphcache_num_requests_waiting") < MAX_QUEUE:
+            assert time.monotonic() < deadline, "the held requests never queued"
+            await asyncio.sleep(0.05)
+        full = await client.post("/v1/completions", json=completion_body(max_tokens=8))
+        assert full.status_code == 429, "the queue should be full now"
+
+        for _, writer in held:
+            writer.close()
+        while server.metrics().value("graphcache_num_requests_waiting") > 0:
+            assert time.monotonic() < deadline, "hung-up requests still hold their queue slots"
+            await asyncio.sleep(0.05)
+        newcomers = await asyncio.gather(*(client.post("/v1/completions", json=completion_body(max_tokens=8))
+                                           for _ in range(MAX_QUEUE)))
+        assert [r.status_code for r in newcomers] == [200] * MAX_QUEUE, [r.text[:200] for r in newcomers]
+        status, _, _, _ = await running
+        assert status == 200
+    after = server.wait_idle(timeout_s=30)
+    aborted = (after.value("graphcache_requests_finished_total", reason="abort")
+               - before.value("graphcache_requests_finished_total", reason="abort"))
+    assert aborted == MAX_QUEUE
