@@ -372,8 +372,9 @@ def _fmt_ms(value: float | None) -> str:
 def format_summary(summary: dict[str, Any]) -> str:
     ttft, tpot, e2e = summary["ttft_s"], summary["tpot_s"], summary["e2e_latency_s"]
     return "\n".join([
-        f"requests    {summary['requests']} ({summary['completed']} ok, {summary['errors']} errors "
-        f"{summary['errors_by_kind'] or ''}) in {summary['wall_s']:.1f} s",
+        f"requests    {summary['requests']} ({summary['completed']} ok, {summary['errors']} errors"
+        f"{' ' + json.dumps(summary['errors_by_kind']) if summary['errors_by_kind'] else ''}) "
+        f"in {summary['wall_s']:.1f} s",
         f"throughput  {summary['throughput_req_s']:.2f} req/s, {summary['output_tok_s']:.1f} output tok/s",
         f"TTFT        p50 {_fmt_ms(ttft['p50'])}  p99 {_fmt_ms(ttft['p99'])}  "
         f"({summary['streaming_requests']} streaming requests)",
