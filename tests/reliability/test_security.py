@@ -5,9 +5,11 @@ and the admin token never echoed into logs or metrics."""
 from __future__ import annotations
 
 import ast
+import asyncio
 import inspect
 import os
 import textwrap
+import time
 
 import httpx
 import pytest
@@ -211,3 +213,38 @@ def test_defaults_bind_loopback_only_and_keep_admin_off(monkeypatch):
     assert settings.host == "127.0.0.1"
     assert settings.admin_token is None and settings.admin_allow_loopback is False
     assert settings.cors_origins == []
+
+
+# --- connection-level abuse ------------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+async def test_half_sent_requests_do_not_starve_other_clients(server):
+    """Slowloris-style: 200 connections that send headers but never their body. The event loop must
+    still serve everyone else promptly (the proxy should cut such clients; the server must not stall)."""
+    writers = []
+    try:
+        for _ in range(200):
+            _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+            await writer.drain()
+            writers.append(writer)
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=10.0) as client:
+            t0 = time.monotonic()
+            response = await client.post("/v1/completions", json=completion_body(max_tokens=4))
+            elapsed = time.monotonic() - t0
+        assert response.status_code == 200, response.text
+        assert elapsed < 5.0, f"a normal request took {elapsed:.1f}s next to 200 half-sent ones"
+    finally:
+        for writer in writers:
+            writer.close()
+
+
+@pytest.mark.timeout(30)
+def test_client_request_ids_are_echoed_only_when_safe(client):
+    """X-Request-ID goes into every log line: a long or odd one is replaced, not trusted."""
+    assert client.get("/v1/models", headers={"X-Request-ID": "trace-42.a_b:c"}).headers["x-request-id"] == \
+        "trace-42.a_b:c"
+    for hostile in ("a" * 300, 'x" level=error msg="forged', "id with spaces", "é-unicode"):
+        echoed = client.get("/v1/models", headers={"X-Request-ID": hostile.encode()}).headers["x-request-id"]
+        assert echoed != hostile and len(echoed) <= 128, echoed
