@@ -268,16 +268,27 @@ def _reference_flash_inplace(out, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, 
     return torch.empty(0)
 
 
-@pytest.fixture(params=["flash", "flash_paged"])
+def _reference_flash(q, k, v, cu_q, *args, **kwargs):
+    """CPU stand-in for the out-of-place aten._flash_attention_forward (torch 2.11): q holds only real rows."""
+    out = torch.full_like(q, float("nan"))
+    _reference_flash_inplace(out, q, k, v, cu_q, *args, **kwargs)
+    return out, torch.empty(0), torch.empty(0), torch.empty(0), torch.empty(0)
+
+
+@pytest.fixture(params=[("flash", True), ("flash_paged", True), ("flash", False), ("flash_paged", False)],
+                ids=["flash", "flash_paged", "flash-outofplace", "flash_paged-outofplace"])
 def flash_runner(path, monkeypatch, request):
     import service.engine.runner as runner_mod
     import service.model.attention as attention
 
-    monkeypatch.setattr(attention, "_FLASH_INPLACE", _reference_flash_inplace)   # only flash runners call it
+    kernel, inplace = request.param
+    # only flash runners call these; out of place is what torch 2.11 (the H200 box) offers
+    monkeypatch.setattr(attention, "_FLASH_INPLACE", _reference_flash_inplace if inplace else None)
+    monkeypatch.setattr(attention, "_FLASH", _reference_flash)
 
     def make(**kw):
         with monkeypatch.context() as m:   # the kernel is chosen at construction: other runners stay sdpa
-            m.setattr(runner_mod, "select_attention_kernel", lambda *args: request.param)
+            m.setattr(runner_mod, "select_attention_kernel", lambda *args: kernel)
             return ModelRunner(cpu_settings(path, **kw))
     return make
 

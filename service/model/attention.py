@@ -49,6 +49,25 @@ __all__ = ["AttentionMetadata", "AttentionPlanner", "get_attention_metadata", "p
 # mask with extra ops on every call. The decode context length is rounded up to this.
 _MASK_ALIGN = 16
 _FLASH_INPLACE = getattr(torch.ops.aten, "_flash_attention_forward_no_dropout_inplace", None)
+# Older torch (2.11 on the H200 box) has only the out-of-place op; it may lack block tables too.
+_FLASH = getattr(torch.ops.aten, "_flash_attention_forward", None)
+_FLASH_PAGES = any("block_table" in str(op._schema) for op in
+                   ([_FLASH_INPLACE.default] if _FLASH_INPLACE is not None else [])
+                   + ([_FLASH.default] if _FLASH is not None else []))
+
+
+def _flash_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_tokens: int,
+                cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, scale: float,
+                **paged) -> None:
+    """FlashAttention varlen (causal, bottom-right aligned) of the first num_tokens rows into out.
+    In place where torch has the in-place op; else one extra copy of the [num_tokens, H, D] result."""
+    if _FLASH_INPLACE is not None:
+        _FLASH_INPLACE(out, q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale,
+                       window_size_left=-1, window_size_right=0, **paged)
+        return
+    o = _FLASH(q[:num_tokens], k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale,
+               window_size_left=-1, window_size_right=0, **paged)[0]
+    out[:num_tokens].copy_(o)
 
 
 FLASH_PAGE_MULTIPLE = 256   # FlashAttention 2 takes a paged KV cache only in pages of a multiple of 256
@@ -60,8 +79,8 @@ def select_attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: 
     cannot run here raises."""
     forced = os.environ.get("GRAPHCACHE_ATTENTION", "").strip().lower() or "auto"
     flash_ok = (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
-                and head_dim <= 256 and _FLASH_INPLACE is not None)
-    paged_ok = flash_ok and block_size % FLASH_PAGE_MULTIPLE == 0
+                and head_dim <= 256 and (_FLASH_INPLACE is not None or _FLASH is not None))
+    paged_ok = flash_ok and _FLASH_PAGES and block_size % FLASH_PAGE_MULTIPLE == 0
     if forced == "auto":
         return "flash_paged" if paged_ok else "flash" if flash_ok else "sdpa"
     if forced not in ("sdpa", "flash", "flash_paged"):
@@ -69,7 +88,7 @@ def select_attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: 
     if (forced == "flash" and not flash_ok) or (forced == "flash_paged" and not paged_ok):
         pages = f", and block_size a multiple of {FLASH_PAGE_MULTIPLE}" if forced == "flash_paged" else ""
         raise RuntimeError(f"GRAPHCACHE_ATTENTION={forced} needs CUDA, fp16/bf16, head_dim % 8 == 0 and <= 256, "
-                           f"a torch with aten._flash_attention_forward_no_dropout_inplace{pages}")
+                           f"a torch with aten._flash_attention_forward (with block_table for paged){pages}")
     return forced
 
 
@@ -228,15 +247,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     if md.kernel == "flash_paged":
         # All requests at once, straight from the pages. Rows past cu_seqlens_q[-1] (padding) are
         # neither read nor written.
-        _FLASH_INPLACE(out, q, k_blocks, v_blocks, md.cu_seqlens_q, md.cu_seqlens_k, md.max_q, md.max_k, 0.0,
-                       True, False, scale=scale, window_size_left=-1, window_size_right=0, seqused_k=md.seqused_k,
-                       block_table=md.block_table)
+        _flash_into(out, q, k_blocks, v_blocks, md.num_real_tokens, md.cu_seqlens_q, md.cu_seqlens_k, md.max_q,
+                    md.max_k, scale, seqused_k=md.seqused_k, block_table=md.block_table)
         return
     if md.kernel == "flash":
         # All requests at once. Rows past cu_seqlens_q[-1] (padding) are neither read nor written.
         kc, vc = kv_cache.index_select(1, md.context_slots).unbind(0)                       # [total_k, K, D] each
-        _FLASH_INPLACE(out, q, kc, vc, md.cu_seqlens_q, md.cu_seqlens_k, md.max_q, md.max_k, 0.0, True, False,
-                       scale=scale, window_size_left=-1, window_size_right=0)
+        _flash_into(out, q, kc, vc, md.num_real_tokens, md.cu_seqlens_q, md.cu_seqlens_k, md.max_q, md.max_k,
+                    scale)
         return
     if md.num_decodes:
         _decode_attention(q, out, kv_cache, scale, md)
