@@ -27,6 +27,8 @@ for p in ${PHASES:-tests pool capture}; do
     capture) phase capture 300 python3 benchmarks/capture_bench.py --out "$OUT/capture_bench.json" ;;
     offline) phase offline 540 python3 benchmarks/offline_throughput.py --make-qwen05b /tmp/qwen05b \
                --modes "${OFFLINE_MODES:-graph,eager,hf}" --out "$OUT/offline${OFFLINE_TAG:-}.json" ;;
+    offline256) GRAPHCACHE_BLOCK_SIZE=256 phase offline256 300 python3 benchmarks/offline_throughput.py \
+               --make-qwen05b /tmp/qwen05b --modes graph --out "$OUT/offline_block256.json" ;;
     profile) phase profile 300 python3 benchmarks/profile_engine.py --make-qwen05b /tmp/qwen05b \
                --mode "${PROFILE_MODE:-graph}" --top 40 --out "$OUT/profile.txt" ;;
     server)  phase server 420 python3 benchmarks/server_check.py --make-qwen05b /tmp/qwen05b \
