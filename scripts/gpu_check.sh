@@ -26,7 +26,7 @@ for p in ${PHASES:-tests pool capture}; do
     pool)    phase pool 150 python3 benchmarks/pool_eviction.py --out "$OUT/pool_eviction.json" ;;
     capture) phase capture 300 python3 benchmarks/capture_bench.py --out "$OUT/capture_bench.json" ;;
     offline) phase offline 540 python3 benchmarks/offline_throughput.py --make-qwen05b /tmp/qwen05b \
-               --modes "${OFFLINE_MODES:-graph,eager,hf}" --out "$OUT/offline${OFFLINE_TAG:-}.json" ;;
+               --modes "${OFFLINE_MODES:-graph,eager,hf}" --out "$OUT/offline${OFFLINE_TAG:-}.json" ${OFFLINE_ARGS:-} ;;
     offline256) GRAPHCACHE_BLOCK_SIZE=256 phase offline256 300 python3 benchmarks/offline_throughput.py \
                --make-qwen05b /tmp/qwen05b --modes graph --out "$OUT/offline_block256.json" ;;
     profile) phase profile 300 python3 benchmarks/profile_engine.py --make-qwen05b /tmp/qwen05b \

@@ -182,6 +182,20 @@ async def test_non_streaming_request_gets_one_output_with_everything():
         e.shutdown()
 
 
+async def test_non_streaming_text_detokenized_at_finish_equals_streamed_text(real_engine):
+    """Non-streaming requests without stop strings detokenize once at the end (defer_text): the
+    text must be exactly what streaming produced token by token, with and without EOS stops."""
+    vocab = real_engine.runner.model_config.vocab_size
+    for i, p in enumerate(prompts(4, vocab=vocab, seed=3)):
+        for params in (SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+                       SamplingParams(max_tokens=24, temperature=0.9, seed=i),
+                       SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[]),):
+            ids, text, last = await collect(real_engine, f"s-{i}", p, params)
+            outs = [o async for o in real_engine.generate(f"ns-{i}", p, params, stream=False)]
+            assert len(outs) == 1 and outs[0].token_ids == ids
+            assert outs[0].text == text and outs[0].finish_reason == last.finish_reason
+
+
 async def test_output_fields_and_stop_string():
     e = start_engine(fake_factory())
     try:

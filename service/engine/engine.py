@@ -485,6 +485,7 @@ class Engine:
                 return   # failed while queued (drain/abort-all raced the add)
             if self.tokenizer is not None:
                 seq.detokenizer = self.tokenizer.detokenizer(seq.prompt_token_ids, seq.params.stop)
+                seq.defer_text = not cmd.handle.stream and not seq.params.stop
             sched.add(seq)
         elif isinstance(cmd, _Abort):
             handle = self._requests.get(cmd.request_id)

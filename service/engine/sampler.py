@@ -133,7 +133,7 @@ def check_stop(seq: Sequence, token_id: int, *, eos_token_ids: set[int] | frozen
     params = seq.params
     if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
         return "stop"   # the stop token stays in token ids but adds no text (like OpenAI/vLLM)
-    if seq.detokenizer is not None:
+    if seq.detokenizer is not None and not seq.defer_text:
         seq.output_text += seq.detokenizer.add([token_id])
         if seq.detokenizer.stopped is not None:
             return "stop"
@@ -145,6 +145,10 @@ def check_stop(seq: Sequence, token_id: int, *, eos_token_ids: set[int] | frozen
 def sendable_text(seq: Sequence, finished: bool) -> str:
     """Text not yet streamed; on finish, first flush what the detokenizer held back."""
     if finished and seq.detokenizer is not None:
+        if seq.defer_text:   # one pass over the whole output; a final stop token adds no text
+            ids = seq.output_token_ids
+            ids = ids[:-1] if seq.finish_reason == "stop" and ids else ids
+            seq.output_text += seq.detokenizer.add(list(ids))
         seq.output_text += seq.detokenizer.finish()
         seq.detokenizer = None   # flushed once; nothing more will come
     delta = seq.output_text[seq.num_text_sent:]

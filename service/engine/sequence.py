@@ -78,6 +78,9 @@ class Sequence:
     # Detokenizer state: the tokenizer's IncrementalDetokenizer (None once flushed at finish) and the
     # text it released so far (stop strings already cut).
     detokenizer: Any = None
+    # Non-streaming and no stop strings: nobody reads text before the end, so the detokenizer
+    # runs once over all output ids at finish instead of twice per token on the engine thread.
+    defer_text: bool = False
     output_text: str = ""
     num_text_sent: int = 0              # chars of output_text already streamed to the client
     num_tokens_sent: int = 0            # output tokens already streamed to the client
