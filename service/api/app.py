@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.api import admin, openai
 from service.api import metrics as metrics_api
-from service.api.errors import install_error_handlers
+from service.api.errors import error_body, install_error_handlers
 from service.api.logging import RequestContextMiddleware
 from service.config import Settings
 from service.engine.engine import DEAD_MESSAGE  # probes are unauthenticated: never the exception text
@@ -53,8 +53,8 @@ class BodySizeLimitMiddleware:
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
             if self.on_reject is not None:
                 self.on_reject(scope["path"])
-            body = json.dumps({"error": {"message": self._message(), "type": "invalid_request_error",
-                                         "param": None, "code": "request_too_large"}}).encode()
+            body = json.dumps(error_body(self._message(), "invalid_request_error",
+                                         code="request_too_large")).encode()
             await send({"type": "http.response.start", "status": 413, "headers": [
                 (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                 (b"connection", b"close")]})

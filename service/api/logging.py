@@ -16,6 +16,8 @@ import sys
 import time
 import uuid
 
+from service.api.errors import error_body
+
 __all__ = ["RequestContextMiddleware", "current_request_id", "setup_logging"]
 
 _request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("graphcache_request_id", default=None)
@@ -120,9 +122,8 @@ class RequestContextMiddleware:
             if status:
                 raise  # the response already started; the server closes the connection
             status = 500
-            body = json.dumps({"error": {
-                "message": "Internal server error; the server log has the details (see X-Request-ID).",
-                "type": "server_error", "param": None, "code": None}}).encode()
+            body = json.dumps(error_body("Internal server error; the server log has the details (see "
+                                         "X-Request-ID).", "server_error")).encode()
             await send({"type": "http.response.start", "status": 500, "headers": [
                 (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                 (b"x-request-id", rid.encode())]})
