@@ -43,15 +43,13 @@ def _engine(request: Request):
     """The engine, if it may take a request now; else the 503 that says why."""
     state = request.app.state
     engine = state.engine
+    # The refusals the engine itself would give, but not yet counted: the error handler counts them.
     if state.draining:
-        raise APIError(503, "The server is shutting down and takes no new requests; retry on another replica.",
-                       code="draining", headers={"Retry-After": RETRY_AFTER_S})
+        raise _api_error_for(EngineDraining(), counted=False)
     if not engine.alive:
-        raise APIError(503, "The engine is dead; restart the server (the server log has the error).",
-                       code="engine_dead")
+        raise _api_error_for(EngineDead(), counted=False)
     if not engine.ready:
-        raise APIError(503, "The model is still loading; retry when GET /ready answers 200.",
-                       code="not_ready", headers={"Retry-After": RETRY_AFTER_S})
+        raise _api_error_for(EngineNotReady(), counted=False)
     return engine
 
 
@@ -159,23 +157,23 @@ class _Run:
             self.engine.abort(self.request_id)
 
 
-def _api_error_for(e: Exception) -> APIError:
-    """The engine's refusals; it counts them in requests_rejected itself (counted=True)."""
+def _api_error_for(e: Exception, counted: bool = True) -> APIError:
+    """The engine's refusals; raised by the engine, it counts them in requests_rejected itself (counted=True)."""
     if isinstance(e, ValueError):  # the engine's own validation: the message names the fix
-        return APIError(400, str(e), code="invalid_request", counted=True)
+        return APIError(400, str(e), code="invalid_request", counted=counted)
     if isinstance(e, QueueFull):
         return APIError(429, "The server's waiting queue is full; retry after the Retry-After seconds.",
-                        code="queue_full", headers={"Retry-After": RETRY_AFTER_S}, counted=True)
+                        code="queue_full", headers={"Retry-After": RETRY_AFTER_S}, counted=counted)
     if isinstance(e, EngineDraining):
         return APIError(503, "The server is shutting down and takes no new requests; retry on another replica.",
-                        code="draining", headers={"Retry-After": RETRY_AFTER_S}, counted=True)
+                        code="draining", headers={"Retry-After": RETRY_AFTER_S}, counted=counted)
     if isinstance(e, EngineNotReady):
         return APIError(503, "The model is still loading; retry when GET /ready answers 200.",
-                        code="not_ready", headers={"Retry-After": RETRY_AFTER_S}, counted=True)
+                        code="not_ready", headers={"Retry-After": RETRY_AFTER_S}, counted=counted)
     if isinstance(e, EngineDead):
         return APIError(503, "The engine is dead; restart the server (the server log has the error).",
-                        code="engine_dead", counted=True)
-    return APIError(500, "The engine ended the request without a final output.", counted=True)
+                        code="engine_dead", counted=counted)
+    return APIError(500, "The engine ended the request without a final output.", counted=counted)
 
 
 class SSEResponse(Response):
