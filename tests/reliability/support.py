@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -236,16 +235,6 @@ class Metrics:
         if default is not None:
             return default
         raise KeyError(f"no sample {name}{labels or ''} in /metrics")
-
-
-@contextlib.contextmanager
-def running_server(cache_dir: Path, log_dir: Path, name: str = "server", **settings: Any) -> Iterator[ServerProcess]:
-    server = ServerProcess(cache_dir, log_dir, name=name, **settings)
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
 
 
 # --- error bodies ---------------------------------------------------------------------------------------
