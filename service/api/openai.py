@@ -81,11 +81,10 @@ def _max_tokens(engine, prompt_len: int, requested: int | None, param: str) -> i
     return requested
 
 
-def _sampling(engine, body, max_tokens: int) -> SamplingParams:
-    stop_ids = body.stop_token_ids or []
+def _sampling(body, max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                           top_k=max(body.top_k, 0), seed=body.seed, stop=list(body.stop or []),
-                          stop_token_ids=list(stop_ids), ignore_eos=body.ignore_eos)
+                          stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos)
 
 
 # --------------------------------------------------------------------------- running a request
@@ -293,7 +292,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         prompt_ids = list(body.prompt)  # the engine checks they are in the vocabulary (400 if not)
     max_tokens = _max_tokens(engine, len(prompt_ids), body.max_tokens, "max_tokens")
     rid = f"cmpl-{uuid.uuid4().hex}"
-    run = _Run(engine, rid, prompt_ids, _sampling(engine, body, max_tokens), body.stream)
+    run = _Run(engine, rid, prompt_ids, _sampling(body, max_tokens), body.stream)
     created = int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     usage_none = {"usage": None} if body.include_usage else {}
@@ -326,7 +325,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = _max_tokens(engine, len(prompt_ids), body.max_new_tokens, param)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    run = _Run(engine, rid, prompt_ids, _sampling(engine, body, max_tokens), body.stream)
+    run = _Run(engine, rid, prompt_ids, _sampling(body, max_tokens), body.stream)
     base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
     usage_none = {"usage": None} if body.include_usage else {}
 
