@@ -118,8 +118,7 @@ def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) 
         """Refuse new requests (503), give in-flight ones drain_timeout_s, then end the rest with a
         clean error (the engine finishes them with finish_reason "error"; handlers answer)."""
         app.state.draining = True
-        engine.stop_accepting()
-        report = await engine.drain(settings.drain_timeout_s)
+        report = await engine.drain(settings.drain_timeout_s)  # stops the engine accepting first
         if report.get("in_flight"):
             log.info("drained: %s", report)
 
