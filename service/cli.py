@@ -166,10 +166,10 @@ def _serve(settings: Settings) -> int:
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
-    from service.model.tiny import make_tiny_model
+    from service.model.tiny import make_default_model
 
-    try:
-        path = make_tiny_model(args.dir, arch=args.arch, seed=args.seed)
+    try:  # the embedded default's shape, so `serve --model DIR` behaves like the default model
+        path = make_default_model(args.dir, arch=args.arch, seed=args.seed)
     except ValueError as e:  # e.g. an unknown arch: the message lists the known ones
         print(f"graphcache make-tiny-model: {e}", file=sys.stderr)
         return 2

@@ -80,6 +80,9 @@ def test_env_lists_are_json(monkeypatch):
 def test_make_tiny_model(tmp_path, capsys):
     assert main(["make-tiny-model", str(tmp_path / "m")]) == 0
     assert (tmp_path / "m" / "config.json").is_file() and (tmp_path / "m" / "tokenizer.json").is_file()
+    from service.model.tiny import DEFAULT_SHAPE  # the same shape as the embedded default model
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"]) == (DEFAULT_SHAPE["hidden"], DEFAULT_SHAPE["layers"])
     assert main(["make-tiny-model", str(tmp_path / "n"), "--arch", "nonsense"]) == 2
     assert "nonsense" in capsys.readouterr().err
 
