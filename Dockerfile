@@ -41,7 +41,7 @@ WORKDIR /opt/graphcache
 COPY pyproject.toml README.md ./
 COPY service ./service
 RUN python -m pip install --no-cache-dir . \
-    && python -c "import torch, service.config; print('torch', torch.__version__, 'cuda', torch.version.cuda)" \
+    && python -c "import torch, graphcache.config; print('torch', torch.__version__, 'cuda', torch.version.cuda)" \
     && graphcache --help >/dev/null
 
 # Numeric, so Kubernetes can check runAsNonRoot without reading /etc/passwd.

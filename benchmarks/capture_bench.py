@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from service.graphs.capture import capture, eager_break  # noqa: E402
-from service.graphs.pool import pool_bytes  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the graphcache package
+from graphcache.graphs.capture import capture, eager_break  # noqa: E402
+from graphcache.graphs.pool import pool_bytes  # noqa: E402
 
 try:
     import breakable_cuda_graphs as bcg

@@ -27,12 +27,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the graphcache package
 
 import torch  # noqa: E402
-
-from service.config import Settings  # noqa: E402
-from service.engine.engine import Engine, SamplingParams  # noqa: E402
-from service.metrics import Metrics  # noqa: E402
+from graphcache.config import Settings  # noqa: E402
+from graphcache.engine.engine import Engine, SamplingParams  # noqa: E402
+from graphcache.metrics import Metrics  # noqa: E402
 
 # Qwen2.5-0.5B's shape (config.json of Qwen/Qwen2.5-0.5B).
 QWEN05B = dict(arch="qwen2", hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, head_dim=64,
@@ -41,7 +41,7 @@ QWEN05B_VOCAB = 151936
 
 
 def make_qwen05b(out: Path) -> Path:
-    from service.model.tiny import make_tiny_model
+    from graphcache.model.tiny import make_tiny_model
 
     kwargs = dict(QWEN05B)
     params = inspect.signature(make_tiny_model).parameters

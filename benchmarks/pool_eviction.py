@@ -31,10 +31,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from service.graphs.cache import GraphCache  # noqa: E402
-from service.graphs.capture import capture, eager_break  # noqa: E402
-from service.graphs.descriptor import BatchDescriptor  # noqa: E402
-from service.graphs.pool import pool_bytes  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the graphcache package
+from graphcache.graphs.cache import GraphCache  # noqa: E402
+from graphcache.graphs.capture import capture, eager_break  # noqa: E402
+from graphcache.graphs.descriptor import BatchDescriptor  # noqa: E402
+from graphcache.graphs.pool import pool_bytes  # noqa: E402
 
 MiB = 1 << 20
 

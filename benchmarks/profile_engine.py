@@ -19,8 +19,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the graphcache package
+from graphcache.engine.engine import Engine  # noqa: E402
+
 import benchmarks.offline_throughput as ot  # noqa: E402
-from service.engine.engine import Engine  # noqa: E402
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the graphcache package
 from benchmarks.load import LoadConfig, format_summary, run_load  # noqa: E402
 
 TOKEN = "server-check-token"
@@ -85,7 +86,7 @@ def main() -> int:
         env["GRAPHCACHE_MODEL"] = str(model)
     log = args.log.open("w")
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], env=env, stdout=log,
+    proc = subprocess.Popen([sys.executable, "-m", "graphcache.cli", "serve"], env=env, stdout=log,
                             stderr=subprocess.STDOUT)
     result: dict = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d", time.gmtime())}
     try:

@@ -27,12 +27,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the graphcache package
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+import graphcache.model.llama as llama  # noqa: E402
+from graphcache.engine.batch import StepBatch, StepSeq
+from graphcache.engine.runner import ModelRunner  # noqa: E402
 from helpers_model import Blocks, cpu_settings, prompt_ids, tiny_checkpoint  # noqa: E402
-
-import service.model.llama as llama  # noqa: E402
-from service.engine.runner import ModelRunner, StepBatch, StepSeq  # noqa: E402
 
 
 class _CountFunctions(TorchFunctionMode):
@@ -61,13 +62,13 @@ def _flash_stand_in(out, *args, **kwargs):
 
 def count(decodes: int, ctx: int, prefills: int, verbose: bool, kernel: str = "sdpa") -> dict[str, float]:
     if kernel != "sdpa":
-        import service.engine.runner as runner_mod
-        import service.model.attention as attention
+        import graphcache.engine.runner as runner_mod
+        import graphcache.model.attention as attention
         runner_mod.select_attention_kernel = lambda *a: kernel
         attention._FLASH_INPLACE = _flash_stand_in
     runner = ModelRunner(cpu_settings(tiny_checkpoint("qwen2"), max_num_seqs=64, max_num_batched_tokens=2048,
                                       num_kv_blocks=2048, max_model_len=512))
-    blocks = Blocks(runner.block_size, first=getattr(runner, "reserved_blocks", 0))
+    blocks = Blocks(runner.block_size)
     tables = [blocks.table(ctx + 1) for _ in range(decodes)]
     for i, table in enumerate(tables):  # fill each context first (uncounted)
         runner.execute(StepBatch([StepSeq(prompt_ids(ctx, seed=i), 0, table, True)]))

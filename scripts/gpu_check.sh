@@ -7,7 +7,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   >"$OUT/pip.log" 2>&1 || { echo "wheel install failed"; tail "$OUT/pip.log"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD
+export PYTHONPATH=/tmp/site:$PWD:$PWD/service
 phase() {  # name, timeout seconds, command...
   local name=$1 t=$2; shift 2
   echo "=== $name ($(date -u +%H:%M:%S))"
@@ -19,7 +19,7 @@ python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_devic
 for p in ${PHASES:-tests pool capture}; do
   case $p in
     tests)   phase tests 300 python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu -rs ${PYTEST_ARGS:-} ;;
-    tests_sdpa)  GRAPHCACHE_ATTENTION=sdpa phase tests_sdpa 240 python3 -m pytest -q -m cuda -p no:cacheprovider \
+    tests_sdpa)  GRAPHCACHE_ATTENTION_BACKEND=sdpa phase tests_sdpa 240 python3 -m pytest -q -m cuda -p no:cacheprovider \
                    tests/gpu/test_runner_cuda.py tests/gpu/test_engine_cuda.py -rs ;;
     tests_paged) GRAPHCACHE_BLOCK_SIZE=256 phase tests_paged 240 python3 -m pytest -q -m cuda -p no:cacheprovider \
                    tests/gpu/test_runner_cuda.py tests/gpu/test_engine_cuda.py -rs ;;

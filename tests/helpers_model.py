@@ -12,9 +12,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-
-from service.config import Settings
-from service.model.tiny import make_tiny_model
+from graphcache.config import Settings
+from graphcache.model.tiny import make_tiny_model
 
 _ROOT: Path | None = None
 _MADE: dict[str, Path] = {}
@@ -72,12 +71,12 @@ def prompt_ids(n: int, seed: int = 0, vocab: int = 500) -> list[int]:
 def run_alone(runner, ids: list[int], table: list[int], chunk: int | None = None) -> list[torch.Tensor]:
     """Feed ids through the runner as one sequence: prefill (optionally in chunks), return the
     logits row of every step ([V] fp32 each)."""
-    from service.engine.runner import StepBatch, StepSeq
+    from graphcache.engine.batch import StepBatch, StepSeq
 
     out, pos, chunk = [], 0, chunk or len(ids)
     while pos < len(ids):
         part = ids[pos:pos + chunk]
-        logits = runner.execute(StepBatch([StepSeq(part, pos, table, need_logits=True)]))
+        logits = runner.execute(StepBatch([StepSeq(part, pos, table, need_logits=True)])).logits
         out.append(logits[0].clone())
         pos += len(part)
     return out

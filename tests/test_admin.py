@@ -9,12 +9,11 @@ import contextlib
 import httpx
 import pytest
 import pytest_asyncio
+from graphcache.api.app import create_app
+from graphcache.config import Settings
+from graphcache.engine.engine import Engine
+from graphcache.metrics import Metrics
 from prometheus_client.parser import text_string_to_metric_families
-
-from service.api.app import create_app
-from service.config import Settings
-from service.engine.engine import Engine
-from service.metrics import Metrics
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

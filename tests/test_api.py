@@ -15,12 +15,12 @@ import threading
 import httpx
 import pytest
 import pytest_asyncio
+import torch
+from graphcache.api.app import create_app
+from graphcache.config import Settings
+from graphcache.engine.engine import DEAD_MESSAGE, Engine, EngineState, SamplingParams
+from graphcache.metrics import Metrics
 from prometheus_client.parser import text_string_to_metric_families
-
-from service.api.app import create_app
-from service.config import Settings
-from service.engine.engine import DEAD_MESSAGE, Engine, SamplingParams
-from service.metrics import Metrics
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -342,14 +342,15 @@ async def test_queue_full_is_429_with_retry_after(cache_dir):
 
 
 async def test_draining_is_503(client, app):
-    app.state.draining = True
+    engine = app.state.engine
+    engine._set_state(EngineState.DRAINING)   # what SIGTERM's drain does first; undone below for the next tests
     try:
         r = await client.post("/v1/completions", json={"prompt": "x"})
         assert_error(r, 503, code="draining")
         assert (await client.get("/ready")).status_code == 503
         assert (await client.get("/health")).status_code == 200
     finally:
-        app.state.draining = False
+        engine._set_state(EngineState.READY)
 
 
 async def _drive_then_disconnect(app, body: dict, after: str) -> list[dict]:
@@ -411,7 +412,7 @@ async def test_client_disconnect_aborts_and_frees_blocks(client, app, stream, le
 
 async def test_loading_then_ready(cache_dir):
     """Probes while the engine loads: /health 200, /ready 503, generation 503 not_ready."""
-    from service.engine.runner import ModelRunner
+    from graphcache.engine.runner import ModelRunner
 
     release = threading.Event()
 
@@ -458,7 +459,7 @@ async def test_engine_death_mid_request_sends_a_fixed_message(cache_dir):
     engine = make_engine(settings)
 
     def device_lost(batch):
-        raise RuntimeError('CUDA error: device lost in File "/work/main/service/engine/runner.py", line 1')
+        raise torch.AcceleratorError('CUDA error: device lost in File "/work/main/service/engine/runner.py", line 1')
 
     async with running(settings, engine) as (client, app):
         engine.step_failpoint = device_lost

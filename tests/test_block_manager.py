@@ -1,9 +1,8 @@
 """KV block manager: allocation grows with the sequence, frees return every block, nothing leaks."""
 
 import pytest
-
-from service.engine.block_manager import BlockManager
-from service.engine.sequence import SamplingParams, Sequence
+from graphcache.engine.block_manager import BlockManager
+from graphcache.engine.sequence import SamplingParams, Sequence
 
 
 def seq(rid: str, n: int = 1) -> Sequence:
@@ -17,16 +16,15 @@ def test_allocate_append_free_no_leaks():
     assert len(a.block_table) == 2 and bm.num_free == 8
     bm.allocate(a, 8)                  # still fits in 2 blocks
     assert len(a.block_table) == 2
-    a.num_computed_tokens = 8
-    assert bm.can_append(a)
-    bm.append(a)                       # token 9 -> third block
+    assert bm.can_allocate(a, 9)
+    bm.allocate(a, 9)                  # token 9 -> third block
     assert len(a.block_table) == 3
     bm.allocate(b, 16)
     assert bm.num_used == 7 and bm.usage == pytest.approx(0.7)
     assert set(a.block_table).isdisjoint(b.block_table)
     assert bm.free(a) == 3 and a.block_table == []
     bm.free(b)
-    assert bm.num_free == bm.num_usable == 10 and bm.owners() == {}
+    assert bm.num_free == bm.num_usable == 10
 
 
 def test_can_allocate_refuses_and_allocate_raises_when_full():
@@ -37,15 +35,6 @@ def test_can_allocate_refuses_and_allocate_raises_when_full():
     with pytest.raises(RuntimeError, match="out of KV blocks"):
         bm.allocate(b, 3)
     assert b.block_table == [] and bm.num_free == 1   # a failed allocation takes nothing
-
-
-def test_first_usable_block_is_never_handed_out():
-    bm = BlockManager(num_blocks=5, block_size=1, first_usable_block=1)
-    a = seq("a")
-    bm.allocate(a, 4)
-    assert 0 not in a.block_table and bm.num_free == 0 and bm.usage == 1.0
-    bm.free(a)
-    assert bm.num_free == 4
 
 
 def test_double_free_is_caught():
@@ -61,4 +50,4 @@ def test_double_free_is_caught():
 
 def test_needs_one_usable_block():
     with pytest.raises(ValueError, match="num_kv_blocks"):
-        BlockManager(num_blocks=1, block_size=4, first_usable_block=1)
+        BlockManager(num_blocks=0, block_size=4)

@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-
-from service.graphs.capture import CaptureError, capture, eager_break, is_capturing
+from graphcache.graphs.capture import CaptureError, capture, eager_break, is_capturing
 
 
 @eager_break

@@ -8,9 +8,8 @@ import subprocess
 import sys
 
 import pytest
-
-from service.cli import build_parser, main, settings_from_args
-from service.config import Settings
+from graphcache.cli import build_parser, main, settings_from_args
+from graphcache.config import Settings
 
 
 def parse(*argv: str) -> Settings:
@@ -80,7 +79,7 @@ def test_env_lists_are_json(monkeypatch):
 def test_make_tiny_model(tmp_path, capsys):
     assert main(["make-tiny-model", str(tmp_path / "m")]) == 0
     assert (tmp_path / "m" / "config.json").is_file() and (tmp_path / "m" / "tokenizer.json").is_file()
-    from service.model.tiny import DEFAULT_SHAPE  # the same shape as the embedded default model
+    from graphcache.model.tiny import DEFAULT_SHAPE  # the same shape as the embedded default model
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert (config["hidden_size"], config["num_hidden_layers"]) == (DEFAULT_SHAPE["hidden"], DEFAULT_SHAPE["layers"])
     assert main(["make-tiny-model", str(tmp_path / "n"), "--arch", "nonsense"]) == 2
@@ -88,7 +87,7 @@ def test_make_tiny_model(tmp_path, capsys):
 
 
 def test_module_entry_point_runs():
-    out = subprocess.run([sys.executable, "-m", "service.cli", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "graphcache.cli", "--help"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and "graphcache" in out.stdout
 
@@ -97,7 +96,7 @@ def test_json_logs_carry_the_request_id(capsys):
     import json as _json
     import logging
 
-    from service.api.logging import _request_id, setup_logging
+    from graphcache.api.request_log import _request_id, setup_logging
 
     setup_logging("json", "info")
     try:

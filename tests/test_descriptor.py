@@ -1,9 +1,8 @@
 """Batch descriptors: string round trip, validation, padding to capture sizes."""
 
 import pytest
-
-from service.config import default_capture_sizes
-from service.graphs.descriptor import BatchDescriptor, CaptureSizes, descriptor_for
+from graphcache.config import default_capture_sizes
+from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes, descriptor_for
 
 
 def test_str_parse_round_trip():

@@ -2,7 +2,7 @@
 
 The fake runner keeps a token-level "KV cache" addressed by the block tables the engine sends and
 derives each next token from what it reads back, so wrong slices, positions or block tables change
-the output. The real-runner tests need service.engine.runner and service.model.tiny.
+the output. The real-runner tests need graphcache.engine.runner and graphcache.model.tiny.
 """
 
 from __future__ import annotations
@@ -13,20 +13,21 @@ import time
 
 import pytest
 import torch
-
-from service.config import Settings
-from service.engine.engine import (
+from graphcache.config import Settings
+from graphcache.engine.batch import StepResult
+from graphcache.engine.engine import (
     DEAD_MESSAGE,
     MAX_CONSECUTIVE_STEP_FAILURES,
     Engine,
     EngineDead,
     EngineDraining,
     EngineNotReady,
+    InvalidRequest,
     QueueFull,
     SamplingParams,
 )
-from service.metrics import Metrics
-from service.model.tokenizer import IncrementalDetokenizer
+from graphcache.metrics import Metrics
+from graphcache.model.tokenizer import IncrementalDetokenizer
 
 VOCAB = 64
 
@@ -72,15 +73,19 @@ class FakeRunner:
         self.owner = [threading.current_thread()]
         self.tokenizer = FakeTokenizer()
         self.model_config = None
+        self.vocab_size = None
+        self.eos_token_ids = frozenset(FakeTokenizer.eos_token_ids)
         self.num_kv_blocks, self.block_size, self.max_model_len = num_kv_blocks, block_size, max_model_len
         self.cache = FakeCache(self.owner)
-        self.last_mode = "eager"
         self.step_delay = step_delay
         self.slots: dict[int, int] = {}
         self.batches = []
 
-    def warmup(self):
+    def warmup(self, progress=None):
         return {"captured": 0}
+
+    def capture(self, descriptors, *, pin=True, progress=None):
+        return self.cache.warmup(descriptors, pin=pin)
 
     def execute(self, batch):
         assert threading.current_thread() is self.owner[0]
@@ -100,7 +105,7 @@ class FakeRunner:
                 row = torch.zeros(VOCAB)
                 row[nxt] = 10.0
                 rows.append(row)
-        return torch.stack(rows) if rows else torch.zeros(0, VOCAB)
+        return StepResult(torch.stack(rows) if rows else torch.zeros(0, VOCAB), "eager")
 
 
 def fake_factory(**kw):
@@ -133,8 +138,8 @@ def prompts(n, vocab=VOCAB - 1, seed=0):
 # --- real runner (tiny model on CPU) -------------------------------------------------------------
 
 def real_factory():
-    runner_mod = pytest.importorskip("service.engine.runner")
-    pytest.importorskip("service.model.tiny")
+    runner_mod = pytest.importorskip("graphcache.engine.runner")
+    pytest.importorskip("graphcache.model.tiny")
     return runner_mod.ModelRunner
 
 
@@ -247,11 +252,11 @@ async def test_queue_full_and_not_ready_and_validation():
         streams += [e.generate(f"r{i}", [1, 2], params) for i in (1, 2)]
         with pytest.raises(QueueFull):
             e.generate("r3", [1, 2], params)
-        with pytest.raises(ValueError, match="maximum context length 128"):
+        with pytest.raises(InvalidRequest, match="maximum context length is 128"):
             e.generate("long", [1] * 120, SamplingParams(max_tokens=20))
-        with pytest.raises(ValueError, match="already in flight"):
+        with pytest.raises(InvalidRequest, match="already in flight"):
             e.generate("r1", [1], params)
-        with pytest.raises(ValueError, match="temperature"):
+        with pytest.raises(InvalidRequest, match="temperature"):
             e.generate("bad", [1], SamplingParams(temperature=-1))
         for s in streams:
             async for out in s:
@@ -345,7 +350,7 @@ async def test_a_request_whose_sampling_fails_ends_alone_and_never_kills_the_eng
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
         for round_ in range(MAX_CONSECUTIVE_STEP_FAILURES + 2):   # more than the death threshold
             bad = f"bad{round_}"
-            e._sampler = RowFailingSampler(e._sampler if round_ == 0 else e._sampler.inner, bad)
+            e.core.sampler = RowFailingSampler(e.core.sampler if round_ == 0 else e.core.sampler.inner, bad)
             results = await asyncio.wait_for(asyncio.gather(
                 collect(e, f"ok{round_}.a", [1, 2, 3], params), collect(e, bad, [4, 5, 6], params),
                 collect(e, f"ok{round_}.b", [7, 8, 9], params)), 10)
@@ -356,7 +361,7 @@ async def test_a_request_whose_sampling_fails_ends_alone_and_never_kills_the_eng
             _, _, alone = await asyncio.wait_for(collect(e, bad, [4, 5, 6], params), 10)
             assert alone.finish_reason == "error"
             assert e.alive and e.ready
-        assert e._consecutive_failures == 0
+        assert e.core.consecutive_failures == 0
         assert e.stats()["kv_blocks_free"] == e.stats()["kv_blocks_total"]
     finally:
         e.shutdown()
@@ -367,9 +372,9 @@ async def test_device_fault_while_sampling_still_counts():
     try:
         class Broken:
             def sample(self, logits, seqs):
-                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+                raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
 
-        e._sampler = Broken()
+        e.core.sampler = Broken()
         _, _, last = await asyncio.wait_for(collect(e, "r", [1, 2], SamplingParams(max_tokens=4)), 10)
         assert last.finish_reason == "error"
         for _ in range(100):

@@ -11,11 +11,11 @@ import json
 
 import pytest
 import torch
+from graphcache.engine.batch import StepBatch, StepSeq
+from graphcache.engine.runner import ModelRunner
+from graphcache.model.loader import ModelConfig, ModelLoadError, load_model, read_config
+from graphcache.model.tiny import make_tiny_model
 from helpers_model import Blocks, cpu_settings, hf_logits, prompt_ids, run_alone, tiny_checkpoint
-
-from service.engine.runner import ModelRunner, StepBatch, StepSeq
-from service.model.loader import ModelConfig, ModelLoadError, load_model, read_config
-from service.model.tiny import make_tiny_model
 
 ATOL = 1e-4
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -52,10 +52,10 @@ def test_decode_steps_match_hf(case):
     path, ids, ref = case
     runner = ModelRunner(cpu_settings(path))
     table = Blocks(runner.block_size).table(len(ids))
-    logits = runner.execute(StepBatch([StepSeq(ids[:17], 0, table, True)]))[0]
+    logits = runner.execute(StepBatch([StepSeq(ids[:17], 0, table, True)])).logits[0]
     diffs = [(logits - ref[16]).abs().max().item()]
     for pos in range(17, len(ids)):
-        logits = runner.execute(StepBatch([StepSeq([ids[pos]], pos, table, True)]))[0]
+        logits = runner.execute(StepBatch([StepSeq([ids[pos]], pos, table, True)])).logits[0]
         diffs.append((logits - ref[pos]).abs().max().item())
     assert max(diffs) < ATOL, diffs
 
@@ -75,7 +75,7 @@ def test_llama3_rope_scaling_is_applied():
     path = tiny_checkpoint("llama", rope_theta=500000.0, rope_scaling=LLAMA3_ROPE, max_positions=256)
     cfg = read_config(path)
     assert cfg.rope_scaling["rope_type"] == "llama3" and cfg.rope_theta == 500000.0
-    from service.model.llama import rope_inv_freq
+    from graphcache.model.llama import rope_inv_freq
     plain = ModelConfig(**{**cfg.__dict__, "rope_scaling": None})
     assert not torch.equal(rope_inv_freq(cfg), rope_inv_freq(plain))  # the scaled case differs
 

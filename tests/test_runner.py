@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from graphcache.config import Settings
+from graphcache.engine.batch import StepBatch, StepSeq
+from graphcache.engine.runner import ModelRunner
+from graphcache.graphs.descriptor import BatchDescriptor
 from helpers_model import Blocks, cpu_settings, prompt_ids, run_alone, tiny_checkpoint
-
-from service.engine.runner import ModelRunner, StepBatch, StepSeq
-from service.graphs.descriptor import BatchDescriptor
 
 ATOL = 1e-4
 
@@ -43,9 +44,10 @@ def test_mixed_batch_equals_each_sequence_alone(path):
     # Interleave decodes and prefills: the runner reorders internally, rows come back in batch order.
     order = [3, 0, 1, 4, 2]
     batch = StepBatch([seqs[i] for i in order])
-    logits = runner.execute(batch)
+    result = runner.execute(batch)
+    logits = result.logits
     assert logits.shape == (5, runner.model_config.vocab_size) and logits.dtype == torch.float32
-    assert runner.last_mode == "replay"  # 2*13+... tokens padded to a capture size, eager backend
+    assert result.mode == "replay"  # 2*13+... tokens padded to a capture size, eager backend
     for row, i in enumerate(order):
         assert (logits[row] - expected[i]).abs().max().item() < ATOL
 
@@ -53,7 +55,7 @@ def test_mixed_batch_equals_each_sequence_alone(path):
 def test_decode_batch_uses_padded_decode_descriptor(path):
     runner = ModelRunner(cpu_settings(path))
     seqs, expected = _histories(runner, n_decodes=3, prefill_lens=())
-    logits = runner.execute(StepBatch(seqs))   # 3 decodes -> 4:4:decode with one pad request
+    logits = runner.execute(StepBatch(seqs)).logits   # 3 decodes -> 4:4:decode with one pad request
     assert BatchDescriptor(4, 4, True) in runner.cache
     for row in range(3):
         assert (logits[row] - expected[row]).abs().max().item() < ATOL
@@ -64,7 +66,7 @@ def test_need_logits_rows_come_first_in_batch_order(path):
     seqs, expected = _histories(runner)
     seqs[0].need_logits = False     # e.g. a non-final prefill chunk
     seqs[3].need_logits = False
-    logits = runner.execute(StepBatch(seqs))
+    logits = runner.execute(StepBatch(seqs)).logits
     assert logits.shape[0] == 3
     for row, i in enumerate([1, 2, 4]):
         assert (logits[row] - expected[i]).abs().max().item() < ATOL
@@ -85,8 +87,9 @@ def test_oversized_batch_runs_eagerly_with_same_logits(path):
     runner = ModelRunner(cpu_settings(path, capture_sizes=[1, 2, 4, 8], max_capture_size=8))
     ids = prompt_ids(30, seed=3)
     table = Blocks(runner.block_size).table(30)
-    logits = runner.execute(StepBatch([StepSeq(ids, 0, table, True)]))
-    assert runner.last_mode == "eager"
+    result = runner.execute(StepBatch([StepSeq(ids, 0, table, True)]))
+    logits = result.logits
+    assert result.mode == "eager"
     small = ModelRunner(cpu_settings(path))
     ref = run_alone(small, ids, Blocks(small.block_size).table(30))[-1]
     assert (logits[0] - ref).abs().max().item() < ATOL
@@ -97,8 +100,8 @@ def test_enforce_eager_never_captures(path):
     report = runner.warmup()
     assert report.captured == [] and len(runner.cache) == 0
     ids = prompt_ids(6)
-    runner.execute(StepBatch([StepSeq(ids, 0, Blocks(4).table(6), True)]))
-    assert runner.last_mode == "eager" and len(runner.cache) == 0
+    result = runner.execute(StepBatch([StepSeq(ids, 0, Blocks(4).table(6), True)]))
+    assert result.mode == "eager" and len(runner.cache) == 0
 
 
 def test_warmup_captures_decode_sizes_and_writes_no_kv(path):
@@ -111,8 +114,8 @@ def test_warmup_captures_decode_sizes_and_writes_no_kv(path):
     ids = prompt_ids(12, seed=5)
     table = Blocks(runner.block_size).table(12)
     first = run_alone(runner, ids[:11], table)[-1]
-    runner.cache.warmup([BatchDescriptor(32, 4)])
-    step = runner.execute(StepBatch([StepSeq([ids[11]], 11, table, True)]))[0]
+    runner.capture([BatchDescriptor(32, 4)])
+    step = runner.execute(StepBatch([StepSeq([ids[11]], 11, table, True)])).logits[0]
     fresh = ModelRunner(cpu_settings(path))
     ref = run_alone(fresh, ids, Blocks(fresh.block_size).table(12), chunk=11)
     assert (first - ref[0]).abs().max().item() < ATOL
@@ -120,14 +123,14 @@ def test_warmup_captures_decode_sizes_and_writes_no_kv(path):
 
 
 def test_default_tiny_model_when_no_model_set(tmp_path):
-    from service.config import Settings
+    from graphcache.config import Settings
 
     runner = ModelRunner(Settings(cache_dir=tmp_path, device="cpu", max_num_seqs=4, max_num_batched_tokens=64,
                                   warmup_decode_sizes=[]))
     assert runner.model_config.architecture == "llama" and runner.dtype == torch.float32
     assert runner.max_model_len == 2048 and runner.num_kv_blocks == 4 * 2048 // 16
     ids = runner.tokenizer.encode("Hello there")
-    logits = runner.execute(StepBatch([StepSeq(ids, 0, list(range(1)), True)]))
+    logits = runner.execute(StepBatch([StepSeq(ids, 0, list(range(1)), True)])).logits
     assert torch.isfinite(logits).all()
 
 
@@ -143,13 +146,13 @@ def test_graph_debug_addresses_stay_fixed_across_steps(path):
     tables = [blocks.table(12) for _ in range(3)]
     runner.execute(StepBatch([StepSeq(prompt_ids(5, seed=i), 0, tables[i], True) for i in range(3)]))
     for pos in (5, 6, 7):   # same 4:4:decode descriptor: captured once, then replayed with checks
-        runner.execute(StepBatch([StepSeq([9], pos, tables[i], True) for i in range(3)]))
-        assert runner.last_mode == "replay"
+        result = runner.execute(StepBatch([StepSeq([9], pos, tables[i], True) for i in range(3)]))
+        assert result.mode == "replay"
     assert runner.cache.stats().hits == 2
 
 
 def test_default_model_dir_is_created_once(tmp_path):
-    from service.model.tiny import default_model_dir
+    from graphcache.model.tiny import default_model_dir
 
     first = default_model_dir(tmp_path)
     stamp = (first / "model.safetensors").stat().st_mtime_ns
@@ -167,15 +170,13 @@ def test_padded_tokens_write_only_the_scratch_slot(path):
     storage = runner.kv_storage                                # [layers, 2, blocks + 1, bs, K, D]
     assert storage.shape[2] == runner.num_kv_blocks + 1
     before = storage.clone()
-    runner.execute(StepBatch([StepSeq(prompt_ids(5), 0, [7, 8], True)]))   # 5 tokens padded to 8
-    assert runner.last_mode == "replay"
+    result = runner.execute(StepBatch([StepSeq(prompt_ids(5), 0, [7, 8], True)]))   # 5 tokens padded to 8
+    assert result.mode == "replay"
     changed = (storage != before).flatten(3).any(-1)                      # [layers, 2, blocks + 1]
     assert sorted(set(changed.nonzero()[:, 2].tolist())) == [7, 8, scratch_block]
     # Only the 3 pads wrote the scratch block, and only its first slot.
     scratch_changed = (storage[:, :, scratch_block] != before[:, :, scratch_block]).flatten(3).any(-1)  # [l, 2, bs]
     assert scratch_changed[:, :, 0].all() and not scratch_changed[:, :, 1:].any()
-    # Between steps every slot_mapping entry points at the scratch slot (stale buffers are harmless).
-    assert (runner.slot_mapping.dev == runner.scratch_slot).all()
 
 
 def test_warmup_and_capture_between_steps_leave_kv_untouched(path):
@@ -187,7 +188,7 @@ def test_warmup_and_capture_between_steps_leave_kv_untouched(path):
     before = runner.kv_cache.clone()
     # Descriptors both already cached by the two steps (4:4:decode, 32:4) and new, decode and mixed.
     descs = [BatchDescriptor(4, 4, True), BatchDescriptor(32, 4), BatchDescriptor(8, 8, True), BatchDescriptor(16, 2)]
-    report = runner.cache.warmup(descs)
+    report = runner.capture(descs)   # the runner's one way to capture outside a step
     assert sorted(report.captured) == ["16:2", "8:8:decode"]
     assert torch.equal(runner.kv_cache, before)
 
@@ -195,9 +196,8 @@ def test_warmup_and_capture_between_steps_leave_kv_untouched(path):
 # --- the per-layer break stays lean: few torch calls, independent of the batch -------------------------
 
 def _aten_ops_per_break(runner, batch: StepBatch) -> list[int]:
+    import graphcache.model.llama as llama
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    import service.model.llama as llama
 
     class Count(TorchDispatchMode):
         n = 0
@@ -278,8 +278,8 @@ def _reference_flash(q, k, v, cu_q, *args, **kwargs):
 @pytest.fixture(params=[("flash", True), ("flash_paged", True), ("flash", False), ("flash_paged", False)],
                 ids=["flash", "flash_paged", "flash-outofplace", "flash_paged-outofplace"])
 def flash_runner(path, monkeypatch, request):
-    import service.engine.runner as runner_mod
-    import service.model.attention as attention
+    import graphcache.engine.runner as runner_mod
+    import graphcache.model.attention as attention
 
     kernel, inplace = request.param
     # only flash runners call these; out of place is what torch 2.11 (the H200 box) offers
@@ -310,8 +310,9 @@ def test_flash_plan_mixed_chunked_and_padded_batch_matches_sdpa(path, flash_runn
             run_alone(flash, ids[:-1], table, chunk=3)               # chunked: context + causal chunks
         flash_seqs.append(StepSeq(s.token_ids, s.start_pos, table, True))
     order = [3, 0, 1, 4, 2]
-    logits = flash.execute(StepBatch([flash_seqs[i] for i in order]))
-    assert flash.last_mode == "replay"
+    result = flash.execute(StepBatch([flash_seqs[i] for i in order]))
+    logits = result.logits
+    assert result.mode == "replay"
     for row, i in enumerate(order):
         assert (logits[row] - expected[i]).abs().max().item() < ATOL
 
@@ -323,32 +324,30 @@ def test_flash_plan_decode_steps_match_sdpa(path, flash_runner):
     ref = run_alone(sdpa, ids[:20], Blocks(sdpa.block_size).table(30))
     table = Blocks(sdpa.block_size).table(30)
     # clone(): execute's logits are a view of a static buffer, valid until the next step
-    ref += [sdpa.execute(StepBatch([StepSeq([ids[p]], p, table, True)]))[0].clone() for p in range(20, 30)]
+    ref += [sdpa.execute(StepBatch([StepSeq([ids[p]], p, table, True)])).logits[0].clone() for p in range(20, 30)]
     flash = flash_runner()
-    got = [flash.execute(StepBatch([StepSeq(ids[:20], 0, table, True)]))[0].clone()]
-    got += [flash.execute(StepBatch([StepSeq([ids[p]], p, table, True)]))[0].clone() for p in range(20, 30)]
+    got = [flash.execute(StepBatch([StepSeq(ids[:20], 0, table, True)])).logits[0].clone()]
+    got += [flash.execute(StepBatch([StepSeq([ids[p]], p, table, True)])).logits[0].clone() for p in range(20, 30)]
     for g, r in zip(got, ref, strict=True):
         assert (g - r).abs().max().item() < ATOL
 
 
 def test_attention_kernel_selection(monkeypatch):
-    from service.model.attention import select_attention_kernel
+    from graphcache.model.attention import select_attention_kernel
 
     cuda, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
-    monkeypatch.delenv("GRAPHCACHE_ATTENTION", raising=False)
     assert select_attention_kernel(cpu, torch.float32, 64, 16) == "sdpa"
     assert select_attention_kernel(cuda, torch.float32, 64, 16) == "sdpa"        # flash is fp16/bf16 only
     assert select_attention_kernel(cuda, bf16, 64, 16) == "flash"                 # pages too small: gather
     assert select_attention_kernel(cuda, bf16, 64, 256) == "flash_paged"
-    monkeypatch.setenv("GRAPHCACHE_ATTENTION", "sdpa")
-    assert select_attention_kernel(cuda, bf16, 64, 256) == "sdpa"
-    monkeypatch.setenv("GRAPHCACHE_ATTENTION", "flash")
-    assert select_attention_kernel(cuda, bf16, 64, 256) == "flash"
+    assert select_attention_kernel(cuda, bf16, 64, 256, "sdpa") == "sdpa"
+    assert select_attention_kernel(cuda, bf16, 64, 256, "flash") == "flash"
     with pytest.raises(RuntimeError, match="needs CUDA"):
-        select_attention_kernel(cpu, torch.float32, 64, 16)
-    monkeypatch.setenv("GRAPHCACHE_ATTENTION", "flash_paged")
+        select_attention_kernel(cpu, torch.float32, 64, 16, "flash")
     with pytest.raises(RuntimeError, match="multiple of 256"):
-        select_attention_kernel(cuda, bf16, 64, 16)
-    monkeypatch.setenv("GRAPHCACHE_ATTENTION", "fast")
-    with pytest.raises(ValueError, match="use auto"):
-        select_attention_kernel(cuda, bf16, 64, 16)
+        select_attention_kernel(cuda, bf16, 64, 16, "flash_paged")
+    with pytest.raises(ValueError, match="use one of"):
+        select_attention_kernel(cuda, bf16, 64, 16, "fast")
+    # The setting is a Settings field (GRAPHCACHE_ATTENTION_BACKEND), validated at start.
+    monkeypatch.setenv("GRAPHCACHE_ATTENTION_BACKEND", "sdpa")
+    assert Settings().attention_backend == "sdpa"

@@ -1,10 +1,10 @@
 """Sampler and stop rules: greedy, top-k/top-p filtering, seeded reproducibility, stop ids, stop strings."""
 
 import torch
-
-from service.engine.sampler import Sampler, check_stop, probs_from_logits, sendable_text
-from service.engine.sequence import SamplingParams, Sequence
-from service.model.tokenizer import IncrementalDetokenizer
+from graphcache.engine.sampler import Sampler, probs_from_logits
+from graphcache.engine.sequence import SamplingParams, Sequence
+from graphcache.engine.stopping import check_stop, sendable_text
+from graphcache.model.tokenizer import IncrementalDetokenizer
 
 
 def seq(rid="r", **params) -> Sequence:

@@ -5,9 +5,9 @@ block table and, when logits are due, reads the whole sequence back from the slo
 scheduler or block manager ever fed a wrong slice, position or table, the readback differs.
 """
 
-from service.engine.block_manager import BlockManager
-from service.engine.scheduler import Scheduler
-from service.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from graphcache.engine.block_manager import BlockManager
+from graphcache.engine.scheduler import Scheduler
+from graphcache.engine.sequence import SamplingParams, Sequence, SequenceStatus
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_step=32, max_model_len=256):
@@ -38,18 +38,15 @@ class FakeKV:
         return batch
 
 
-def step(sched, kv, finished_when_len=None):
-    """Schedule, 'run', append a token to each sampled sequence, finish at max_tokens."""
+def step(sched, kv):
+    """Schedule, 'run', then let the scheduler's own postprocess append a token to each sampled
+    sequence and finish it at max_tokens (the same bookkeeping the engine core uses)."""
     plan = sched.schedule()
     assert plan.num_tokens <= sched.max_num_batched_tokens
     assert len(plan.scheduled) <= sched.max_num_seqs
     kv.run(plan)
-    sched.on_step_done(plan)
-    for s in plan.scheduled:
-        if s.need_logits:
-            s.seq.output_token_ids.append(s.seq.num_tokens % 50 + 1)
-            if s.seq.num_output_tokens >= s.seq.params.max_tokens:
-                sched.finish(s.seq, "length")
+    tokens = [s.seq.num_tokens % 50 + 1 for s in plan.scheduled if s.need_logits]
+    sched.postprocess(plan, tokens, now=0.0)
     return plan
 
 
@@ -173,11 +170,11 @@ def test_abort_frees_blocks_at_once():
     sched.add(b)
     step(sched, kv)
     assert sched.block_manager.num_used > 0
-    assert sched.abort("a") is a and a.finish_reason == "abort" and a.block_table == []
-    assert sched.abort("nope") is None
-    sched.abort("b")
+    sched.finish(a, "abort")
+    assert a.finish_reason == "abort" and a.block_table == []
+    sched.finish(b, "abort")
     assert sched.block_manager.num_used == 0 and not sched.has_work()
     c = seq("c", 3)
     sched.add(c)
-    sched.abort("c")                         # aborting while still waiting works too
+    sched.finish(c, "abort")                 # aborting while still waiting works too
     assert c.finish_reason == "abort" and not sched.waiting

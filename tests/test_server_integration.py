@@ -50,7 +50,7 @@ def server(tmp_path_factory):
     env = {**os.environ, "GRAPHCACHE_CACHE_DIR": str(tmp / "cache"), "GRAPHCACHE_ADMIN_TOKEN": TOKEN,
            "GRAPHCACHE_LOG_FORMAT": "json"}
     log_path = tmp / "server.log"
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--device", "cpu",
+    cmd = [sys.executable, "-m", "graphcache.cli", "serve", "--port", str(port), "--device", "cpu",
            "--max-num-seqs", "4", "--max-num-batched-tokens", "128", "--capture-sizes", "1,2,4,8,16,32",
            "--warmup-decode-sizes", "1,2", "--drain-timeout-s", "20"]
     with open(log_path, "wb") as log:

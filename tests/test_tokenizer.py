@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from graphcache.model.tiny import BOS, CHAT_TEMPLATE, make_tiny_model, train_tokenizer
+from graphcache.model.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
 from helpers_model import tiny_checkpoint
-
-from service.model.tiny import BOS, CHAT_TEMPLATE, make_tiny_model, train_tokenizer
-from service.model.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
 
 TEXTS = [
     "Hello world! The lighthouse keeper writes it down.",

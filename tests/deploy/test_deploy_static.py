@@ -13,9 +13,8 @@ import subprocess
 
 import pytest
 import yaml
+from graphcache.metrics import Metrics
 from prometheus_client import generate_latest
-
-from service.metrics import Metrics
 
 from .conftest import DEPLOY, require_tool
 from .promql import exposed_sample_names, metric_names

@@ -82,7 +82,7 @@ def test_env_port_stop_signal_entrypoint():
     assert only("STOPSIGNAL") == "SIGTERM"
     assert json.loads(only("ENTRYPOINT")) == ["graphcache", "serve"]
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["graphcache"] == "service.cli:main"
+    assert scripts["graphcache"] == "graphcache.cli:main"
 
 
 def test_healthcheck_needs_no_curl():
@@ -124,11 +124,11 @@ def test_image_install_route(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert pip.returncode == 0, pip.stdout + pip.stderr
     (dist,) = site.glob("graphcache-*.dist-info")
-    assert "graphcache = service.cli:main" in (dist / "entry_points.txt").read_text()
+    assert "graphcache = graphcache.cli:main" in (dist / "entry_points.txt").read_text()
     out = tmp_path / "tiny"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GRAPHCACHE_", "PYTHON"))}
     env.update(PYTHONPATH=str(site), HOME="/nonexistent", XDG_CACHE_HOME=str(tmp_path / "xdg"))
-    code = ("import sys, service; print(service.__file__); from service.cli import main; "
+    code = ("import sys, graphcache; print(graphcache.__file__); from graphcache.cli import main; "
             f"sys.argv = ['graphcache', 'make-tiny-model', {str(out)!r}]; main()")
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=300)

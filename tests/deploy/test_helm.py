@@ -2,7 +2,7 @@
 
 Three value sets: the defaults, a production-like set (PVC model, existing Secret, MIG GPU, ServiceMonitor,
 KEDA) and a third (hostPath model, HPA, generated token from a value, no GPU). Assertions read the
-rendered manifests with PyYAML. The env the chart sets is fed back through service.config.Settings, so
+rendered manifests with PyYAML. The env the chart sets is fed back through graphcache.config.Settings, so
 a value that the server would misread (a list not in JSON, a number in exponent form) fails here.
 """
 
@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from service.config import Settings
+from graphcache.config import Settings
 
 from .conftest import CHART
 

@@ -113,7 +113,7 @@ def stack(tmp_path_factory):
                GRAPHCACHE_LOG_LEVEL="warning")
     log = tmp / "server.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1",
+        proc = subprocess.Popen([sys.executable, "-m", "graphcache.cli", "serve", "--host", "127.0.0.1",
                                  "--port", str(port)], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -10,11 +10,10 @@ import gc
 
 import pytest
 import torch
-
-from service.graphs.cache import GraphCache
-from service.graphs.capture import CaptureError, EagerStep, capture, eager_break, is_capturing
-from service.graphs.descriptor import BatchDescriptor as D
-from service.graphs.pool import pool_bytes
+from graphcache.graphs.cache import GraphCache
+from graphcache.graphs.capture import CaptureError, EagerStep, capture, eager_break, is_capturing
+from graphcache.graphs.descriptor import BatchDescriptor as D
+from graphcache.graphs.pool import pool_bytes
 
 pytestmark = pytest.mark.cuda
 MiB = 1 << 20

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from graphcache.engine.batch import StepBatch, StepSeq
+from graphcache.engine.runner import ModelRunner
+from graphcache.graphs.descriptor import BatchDescriptor
 from helpers_model import Blocks, cpu_settings, prompt_ids, tiny_checkpoint
-
-from service.engine.runner import ModelRunner, StepBatch, StepSeq
-from service.graphs.descriptor import BatchDescriptor
 
 pytestmark = pytest.mark.cuda
 REL_TOL = 0.03
@@ -58,10 +58,11 @@ def _drive(graph: ModelRunner, eager: ModelRunner, seed: int, num_seqs: int = 20
         nonlocal steps
         seqs = [StepSeq(tokens[i][done[i]:], done[i], tables[i], True) for i in active]
         graph.out_logits.fill_(float("nan"))  # a replay that skipped the LM head would show
-        g = graph.execute(StepBatch(seqs)).clone()
-        e = eager.execute(StepBatch([StepSeq(list(s.token_ids), s.start_pos, s.block_table, True) for s in seqs]))
+        result = graph.execute(StepBatch(seqs))
+        g = result.logits.clone()
+        e = eager.execute(StepBatch([StepSeq(list(s.token_ids), s.start_pos, s.block_table, True) for s in seqs])).logits
         _compare(g, e, f"step {steps} ({len(active)} seqs, {sum(len(s.token_ids) for s in seqs)} tokens)")
-        modes.append(graph.last_mode)
+        modes.append(result.mode)
         steps += 1
         for row, i in enumerate(active):
             done[i] = len(tokens[i])
@@ -117,7 +118,7 @@ def test_admin_warmup_between_steps_keeps_logits(path):
     table = Blocks(16).table(40)
     for r in (graph, eager):
         r.execute(StepBatch([StepSeq(ids[:29], 0, table, True)]))
-    graph.cache.warmup([BatchDescriptor(64, 4), BatchDescriptor(2, 2, True)])
-    g = graph.execute(StepBatch([StepSeq([ids[29]], 29, table, True)])).clone()
-    e = eager.execute(StepBatch([StepSeq([ids[29]], 29, table, True)]))
+    graph.capture([BatchDescriptor(64, 4), BatchDescriptor(2, 2, True)])
+    g = graph.execute(StepBatch([StepSeq([ids[29]], 29, table, True)])).logits.clone()
+    e = eager.execute(StepBatch([StepSeq([ids[29]], 29, table, True)])).logits
     _compare(g, e, "decode after admin warmup")

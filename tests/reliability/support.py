@@ -88,7 +88,7 @@ def settings_env(settings: dict[str, Any]) -> dict[str, str]:
 
 
 class ServerProcess:
-    """`python -m service.cli serve --port N` with settings passed as GRAPHCACHE_* env."""
+    """`python -m graphcache.cli serve --port N` with settings passed as GRAPHCACHE_* env."""
 
     def __init__(self, cache_dir: Path, log_dir: Path, name: str = "server", **settings: Any) -> None:
         self.port = free_port()
@@ -114,7 +114,7 @@ class ServerProcess:
         env.setdefault("OMP_NUM_THREADS", "1")
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(
-            [PYTHON, "-m", "service.cli", "serve", "--port", str(self.port)],
+            [PYTHON, "-m", "graphcache.cli", "serve", "--port", str(self.port)],
             cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             preexec_fn=_die_with_parent,
         )
@@ -279,8 +279,8 @@ class InProcessServer:
     """
 
     def __init__(self, cache_dir: Path, **settings: Any) -> None:
-        from service.config import Settings
-        from service.metrics import Metrics
+        from graphcache.config import Settings
+        from graphcache.metrics import Metrics
 
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -307,8 +307,7 @@ class InProcessServer:
         import threading
 
         import uvicorn
-
-        from service.api.app import create_app
+        from graphcache.api.app import create_app
 
         self.app = create_app(self.settings, metrics=self.metrics)
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_config=None, access_log=False,

@@ -16,8 +16,8 @@ import time
 
 import httpx
 import pytest
-
-from service.graphs.descriptor import BatchDescriptor
+import torch
+from graphcache.graphs.descriptor import BatchDescriptor
 
 from .support import InProcessServer, assert_clean_error, completion_body, load
 
@@ -177,12 +177,12 @@ DEATH_BODIES: dict[str, str] = {}
 
 
 class DeviceLost:
-    """Step failpoint of a lost GPU: 'CUDA error' makes the engine give up at the first failure. The
+    """Step failpoint of a lost GPU: a CUDA error (torch.AcceleratorError) makes the engine give up at the first failure. The
     pause lets every request of the burst arrive first, so some are still waiting when it dies."""
 
     def __call__(self, batch) -> None:
         time.sleep(0.3)
-        raise RuntimeError('CUDA error: device lost in File "/work/main/service/engine/runner.py", line 1')
+        raise torch.AcceleratorError('CUDA error: device lost in File "/work/main/service/engine/runner.py", line 1')
 
 
 @pytest.mark.timeout(120)

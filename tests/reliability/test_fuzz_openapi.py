@@ -14,14 +14,13 @@ import os
 import httpx
 import pytest
 import schemathesis
+from graphcache.api.app import create_app
+from graphcache.config import Settings
+from graphcache.metrics import Metrics
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
-
-from service.api.app import create_app
-from service.config import Settings
-from service.metrics import Metrics
 
 from .support import ADMIN_TOKEN, LEAK_MARKERS
 

@@ -13,11 +13,10 @@ import time
 
 import httpx
 import pytest
-
-from service.api import admin
-from service.api.app import create_app
-from service.config import Settings
-from service.metrics import Metrics
+from graphcache.api import admin
+from graphcache.api.app import create_app
+from graphcache.config import Settings
+from graphcache.metrics import Metrics
 
 from .support import ADMIN_TOKEN, assert_clean_error, assert_no_leak, completion_body
 

@@ -112,10 +112,14 @@ async def test_sigterm_past_the_drain_timeout_ends_requests_cleanly(server_facto
     drain_timeout = 1.0
     server = server_factory(drain_timeout_s=drain_timeout, max_num_seqs=2)
     started = [asyncio.Event() for _ in range(2)]
-    # Two run (they signal started), four wait in the queue: none can finish 1800 tokens in 1 s.
+    # Two run (they signal started), then four wait in the queue: none can finish 1800 tokens in 1 s.
+    # The two are sent first and awaited before the rest, so they are the ones admitted (sent all at
+    # once, arrival order decides, and a stream queued behind 1800-token requests never starts in time).
     tasks = [asyncio.create_task(run_request(server.base_url, stream=i % 2 == 0, max_tokens=1800,
-                                             started=started[i] if i < 2 else None)) for i in range(6)]
+                                             started=started[i])) for i in range(2)]
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=30)
+    tasks += [asyncio.create_task(run_request(server.base_url, stream=i % 2 == 0, max_tokens=1800))
+              for i in range(2, 6)]
     await asyncio.sleep(0.3)
 
     t0 = time.monotonic()

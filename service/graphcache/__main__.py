@@ -1,0 +1,6 @@
+"""`python -m graphcache` = the `graphcache` command."""
+
+from graphcache.cli import main
+
+if __name__ == "__main__":
+    main()

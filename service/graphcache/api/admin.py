@@ -1,0 +1,105 @@
+"""Admin endpoints over the graph cache: inspect, warm up, clear.
+
+All three are commands on the engine's inbox, run on the engine thread between steps, so
+requests in flight keep going. Auth (the README states the choice):
+  * admin_token set: `Authorization: Bearer <token>` required; 401 without it, 403 when
+    wrong; compared with hmac.compare_digest (constant time).
+  * no token: admin is off (403 naming GRAPHCACHE_ADMIN_TOKEN), unless
+    admin_allow_loopback lets clients on 127.0.0.1/::1 in. Behind a proxy on the same host
+    every client looks local: set a token there instead.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+
+from fastapi import APIRouter, Depends, Request
+
+from graphcache.api.errors import APIError, api_error_for
+from graphcache.api.protocol import WarmupRequest
+from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes
+
+__all__ = ["router"]
+
+
+def _is_loopback(host: str | None) -> bool:
+    try:
+        return host is not None and ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def require_admin(request: Request) -> None:
+    settings = request.app.state.settings
+    token = settings.admin_token
+    if not token:
+        if settings.admin_allow_loopback and _is_loopback(request.client.host if request.client else None):
+            return
+        raise APIError(403, "Admin endpoints are off: set GRAPHCACHE_ADMIN_TOKEN (--admin-token) and send "
+                            "'Authorization: Bearer <token>', or set GRAPHCACHE_ADMIN_ALLOW_LOOPBACK=true for "
+                            "local clients.", code="admin_disabled")
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        raise APIError(401, "Admin endpoints need 'Authorization: Bearer <token>' (GRAPHCACHE_ADMIN_TOKEN).",
+                       code="missing_token", headers={"WWW-Authenticate": "Bearer"})
+    if not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise APIError(403, "The admin token is wrong.", code="invalid_token")
+
+
+router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], tags=["admin"])
+
+
+def _ready_engine(request: Request):
+    engine = request.app.state.engine
+    refused = engine.refusal(admin=True)
+    if refused is None:
+        return engine
+    if not engine.alive:   # authenticated: the cause may be shown
+        raise APIError(503, f"The engine is dead: {engine.error or 'unknown error'}; restart the server.",
+                       code="engine_dead")
+    raise api_error_for(refused)
+
+
+def _descriptors(body: WarmupRequest, settings) -> list[BatchDescriptor]:
+    """Only shapes the runner can pad a batch to: anything else would never be replayed
+    (and a huge one could exhaust memory on the engine thread)."""
+    sizes = CaptureSizes(settings.resolved_capture_sizes())
+    max_reqs = sizes.pad(settings.max_num_seqs) or sizes.max
+    allowed = f"capture sizes {list(sizes)} (requests up to {max_reqs})"
+    out: list[BatchDescriptor] = []
+    for i, s in enumerate(body.sizes):
+        if s not in sizes.sizes or s > max_reqs:
+            raise APIError(400, f"sizes[{i}]={s} is not a decode batch size the server pads to; use {allowed}.",
+                           param=f"sizes[{i}]")
+        out.append(BatchDescriptor(s, s, True))
+    for i, text in enumerate(body.descriptors):
+        try:
+            d = BatchDescriptor.parse(text[:64])
+        except ValueError as e:
+            raise APIError(400, str(e), param=f"descriptors[{i}]") from None
+        if d.num_tokens not in sizes.sizes or d.num_reqs not in sizes.sizes or d.num_reqs > max_reqs:
+            raise APIError(400, f"descriptors[{i}]={d} has sizes the server never pads to; tokens and "
+                                f"requests must each be one of the {allowed}.", param=f"descriptors[{i}]")
+        out.append(d)
+    return sorted(set(out), reverse=True)
+
+
+@router.get("/cache")
+async def cache(request: Request) -> dict:
+    """Entries (descriptor, bytes, capture seconds, hits, last use, pinned), totals and budgets."""
+    return await _ready_engine(request).cache_info()
+
+
+@router.post("/warmup")
+async def warmup(body: WarmupRequest, request: Request) -> dict:
+    """Capture the given shapes now; returns what was captured, time, bytes and failures."""
+    descs = _descriptors(body, request.app.state.settings)
+    return await _ready_engine(request).warmup(descs)
+
+
+@router.post("/clear")
+async def clear(request: Request) -> dict:
+    """Drop every captured graph (pinned ones too) and give their pool memory back."""
+    return await _ready_engine(request).clear_graphs()

@@ -1,0 +1,151 @@
+"""The FastAPI app: factory, lifespan, middleware, health probes.
+
+`create_app(settings)` builds an Engine (unless one is given) and starts it in the
+lifespan without waiting: the engine loads and warms up on its own thread while the port
+is already bound, so /health answers at once and /ready says 503 until the model is
+served. On shutdown: stop taking requests, let in-flight ones drain within
+drain_timeout_s, then stop the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from graphcache.api import admin, exposition, openai
+from graphcache.api.errors import count_rejection, error_body, install_error_handlers
+from graphcache.api.request_log import RequestContextMiddleware
+from graphcache.config import Settings
+from graphcache.engine.engine import DEAD_MESSAGE, Engine, EngineState  # probes: never the exception text
+from graphcache.metrics import Metrics
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("graphcache.api")
+
+
+class BodySizeLimitMiddleware:
+    """413 for bodies over `max_bytes`, whether announced by Content-Length or streamed chunked.
+
+    Raising Starlette's HTTPException from receive() makes FastAPI pass it through its body
+    parser to the error handlers, so the 413 has the OpenAI error shape.
+    """
+
+    def __init__(self, app, max_bytes: int, on_reject=None) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.on_reject = on_reject  # (path, method) -> None: counts refusals answered here, before any handler
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = next((v for k, v in scope.get("headers", []) if k == b"content-length"), None)
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            if self.on_reject is not None:
+                self.on_reject(scope["path"], scope.get("method", ""))
+            body = json.dumps(error_body(self._message(), "invalid_request_error",
+                                         code="request_too_large")).encode()
+            await send({"type": "http.response.start", "status": 413, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise StarletteHTTPException(413, self._message())
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _message(self) -> str:
+        return (f"The request body is larger than {self.max_bytes} bytes; send less or raise "
+                "GRAPHCACHE_MAX_BODY_BYTES (--max-body-bytes).")
+
+
+def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) -> FastAPI:
+    metrics = metrics if metrics is not None else (getattr(engine, "metrics", None) or Metrics())
+    if engine is None:
+        engine = Engine(settings, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()  # returns at once; loading and warmup run on the engine thread
+        log.info("serving on %s:%s; engine loading (GET /ready turns 200 when it is done)",
+                 settings.host, settings.port)
+        try:
+            yield
+        finally:
+            # `graphcache serve` drained already (on SIGTERM, while uvicorn waited for open
+            # connections); an embedding app that did not gets the same drain here.
+            await drain()
+            await asyncio.to_thread(engine.shutdown)
+            log.info("engine stopped")
+
+    async def drain() -> None:
+        """Refuse new requests (503), give in-flight ones drain_timeout_s, then end the rest with a
+        clean error (the engine finishes them with finish_reason "error"; handlers answer)."""
+        report = await engine.drain(settings.drain_timeout_s)  # stops the engine accepting first
+        if report.get("in_flight"):
+            log.info("drained: %s", report)
+
+    app = FastAPI(title="graphcache", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible LLM server with a managed CUDA-graph cache.")
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.drain = drain
+    app.state.started = int(time.time())
+
+    install_error_handlers(app, metrics)
+    app.include_router(openai.router)
+    app.include_router(admin.router)
+    app.include_router(exposition.router)
+
+    @app.get("/health", tags=["probes"])
+    async def health() -> JSONResponse:
+        """Liveness: 200 unless the engine thread died (then 503). Unauthenticated, so the body says
+        only that it died; the cause is in the server log and on /admin/*."""
+        if not engine.alive:
+            return JSONResponse({"status": "dead", "error": DEAD_MESSAGE}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready", tags=["probes"])
+    async def ready() -> JSONResponse:
+        """Readiness: 200 once the model is loaded and warmup is done; 503 while loading or draining."""
+        state = engine.state
+        if state is EngineState.READY:
+            return JSONResponse({"status": "ready", "model": engine.model_name})
+        if state is EngineState.DEAD:
+            return JSONResponse({"status": "dead", "error": DEAD_MESSAGE}, status_code=503)
+        if state is EngineState.LOADING:
+            body = {"status": "loading"}
+            if engine.progress is not None:
+                body["progress"] = engine.progress
+            return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+        return JSONResponse({"status": "draining"}, status_code=503)   # draining, or stopped
+
+    # Outermost first: request ids wrap everything (so the 413 and 500 carry one), CORS only on request.
+    def count_oversized(path: str, method: str) -> None:
+        count_rejection(metrics, path, method, 413)
+
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes, on_reject=count_oversized)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-ID"])
+    app.add_middleware(RequestContextMiddleware)
+    return app

@@ -1,0 +1,199 @@
+"""The `graphcache` command: serve, make-tiny-model.
+
+`graphcache serve` flags are generated from the Settings model, one per field, with the
+field's description as help, so flags, env vars (GRAPHCACHE_*) and defaults never drift.
+Precedence: flag > env > default. Lists are comma-separated on the command line
+(`--capture-sizes 1,2,4,8`, `--warmup-decode-sizes ""` for none) and JSON in env
+(`GRAPHCACHE_CAPTURE_SIZES='[1,2,4,8]'`), as pydantic-settings reads them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from graphcache.config import Settings
+
+__all__ = ["build_parser", "main", "settings_from_args"]
+
+log = logging.getLogger("graphcache.cli")
+
+ENV_PREFIX = "GRAPHCACHE_"
+SECRET_FIELDS = {"admin_token"}
+# Past drain_timeout_s the engine fails what is left and handlers answer; uvicorn cuts connections
+# only if that has not happened this much later (engine grace 5 s + slack).
+DRAIN_BACKSTOP_S = 10.0
+
+
+# --------------------------------------------------------------------------- flags from Settings
+
+def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:
+    """`int | None` -> (int, True); anything else -> (annotation, False)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return annotation, False
+
+
+def _list_parser(item_type: type, flag: str):
+    def parse(text: str) -> list:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        try:
+            return [item_type(t) for t in items]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{flag} takes comma-separated {item_type.__name__} values, e.g. 1,2,4") from None
+    return parse
+
+
+def _add_setting_flag(group: argparse._ArgumentGroup, name: str, field) -> None:
+    flag = "--" + name.replace("_", "-")
+    annotation, optional = _unwrap_optional(field.annotation)
+    default = field.get_default(call_default_factory=True)
+    shown = "***" if name in SECRET_FIELDS and default else default
+    if isinstance(shown, list):
+        shown = ",".join(map(str, shown)) or '""'
+    help_text = (field.description or name.replace("_", " ").capitalize()).replace("%", "%%")
+    help_text += f" [env {ENV_PREFIX}{name.upper()}; default: {'unset' if shown is None else shown}]"
+    kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
+
+    origin = typing.get_origin(annotation)
+    if annotation is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif origin is Literal:
+        kwargs["choices"] = list(typing.get_args(annotation))
+    elif origin is list:
+        (item_type,) = typing.get_args(annotation)
+        kwargs["type"] = _list_parser(item_type, flag)
+        kwargs["metavar"] = "A,B,..."
+    elif annotation in (int, float, str):
+        kwargs["type"] = annotation
+    elif annotation is Path:
+        kwargs["type"] = Path
+        kwargs["metavar"] = "PATH"
+    else:  # a new field type: fail loudly in tests rather than silently dropping the flag
+        raise TypeError(f"cli.py cannot make a flag for Settings.{name} ({field.annotation}); teach "
+                        "_add_setting_flag this type")
+    group.add_argument(flag, **kwargs)
+
+
+def _settings_epilog() -> str:
+    lines = ["settings (each is a `serve` flag and a GRAPHCACHE_* env var; flags override env):"]
+    for name, field in Settings.model_fields.items():
+        lines.append(f"  {ENV_PREFIX + name.upper():<40} {field.description or ''}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="graphcache", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="graphcache: an OpenAI-compatible LLM server with a managed CUDA-graph cache.",
+        epilog=_settings_epilog())
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="Run the HTTP server (OpenAI API, /admin, /metrics, /health, /ready).",
+                           description="Run the HTTP server. The port is bound at once; GET /ready turns 200 "
+                                       "when the model is loaded and the warmup captures are done.")
+    group = serve.add_argument_group("settings")
+    for name, field in Settings.model_fields.items():
+        _add_setting_flag(group, name, field)
+
+    tiny = sub.add_parser("make-tiny-model", help="Write the embedded tiny model (random weights) to DIR.",
+                          description="Write a tiny Hugging Face-style model directory (config.json, "
+                                      "model.safetensors, tokenizer.json) for tests and demos.")
+    tiny.add_argument("dir", type=Path, help="Directory to write (created if missing).")
+    tiny.add_argument("--arch", default="llama", help="Architecture of the tiny model: llama, mistral, qwen2 or qwen3 "
+                                                      "(as graphcache.model.tiny supports). [default: llama]")
+    tiny.add_argument("--seed", type=int, default=0, help="Seed of the random weights. [default: 0]")
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Flags given on the command line override env, which overrides defaults."""
+    overrides = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+    return Settings(**overrides)
+
+
+# --------------------------------------------------------------------------- commands
+
+def _serve(settings: Settings) -> int:
+    import uvicorn
+
+    from graphcache.api.app import create_app
+    from graphcache.api.request_log import setup_logging
+
+    setup_logging(settings.log_format, settings.log_level)
+    app = create_app(settings)
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # From the signal on, requests arriving on open keep-alive connections get 503.
+            app.state.engine.stop_accepting()
+            super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets=None) -> None:
+            # The engine drains while uvicorn waits for open connections: requests still running at
+            # drain_timeout_s are ended by the engine with an error their handlers send cleanly
+            # (an error body, or an SSE error event and [DONE]), so the connections close by
+            # themselves; uvicorn's own timeout (which would cut them) is only a backstop.
+            drain = asyncio.create_task(app.state.drain())
+            await super().shutdown(sockets)
+            await drain
+
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
+                            lifespan="on", timeout_graceful_shutdown=settings.drain_timeout_s + DRAIN_BACKSTOP_S,
+                            log_level=settings.log_level.lower())
+    server = DrainingServer(config)
+    # uvicorn re-raises the signal that stopped it once it is done; a graceful stop exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: sys.exit(0))
+    server.run()
+    if not server.started:
+        log.error("the server did not start (is %s:%s free?)", settings.host, settings.port)
+        return 1
+    return 0
+
+
+def _make_tiny_model(args: argparse.Namespace) -> int:
+    from graphcache.model.tiny import make_default_model
+
+    try:  # the embedded default's shape, so `serve --model DIR` behaves like the default model
+        path = make_default_model(args.dir, arch=args.arch, seed=args.seed)
+    except ValueError as e:  # e.g. an unknown arch: the message lists the known ones
+        print(f"graphcache make-tiny-model: {e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        try:
+            settings = settings_from_args(args)
+        except ValidationError as e:
+            for err in e.errors():
+                where = ".".join(map(str, err["loc"])) or "settings"
+                print(f"graphcache serve: invalid setting {where}: {err['msg']}", file=sys.stderr)
+            return 2
+        return _serve(settings)
+    if args.command == "make-tiny-model":
+        return _make_tiny_model(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

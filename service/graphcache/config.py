@@ -1,0 +1,101 @@
+"""Settings shared by every floor: env `GRAPHCACHE_*`, CLI flags and defaults in one place.
+
+Every field here is also a `graphcache serve --flag` (see cli.py) and a Helm value.
+Defaults run the embedded tiny model on whatever device is there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_capture_sizes(max_size: int) -> list[int]:
+    """vLLM's default shape: 1, 2, 4, then every 8 up to 256, then every 16 up to max_size."""
+    sizes = [1, 2, 4, *range(8, 257, 8), *range(272, max_size + 1, 16)]
+    return [s for s in sizes if s <= max_size]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GRAPHCACHE_", extra="ignore")
+
+    # --- model ---
+    model: Path | None = Field(
+        None, description="Hugging Face model directory (config.json, *.safetensors, tokenizer.json). "
+        "Unset: the embedded tiny model, created on first use under cache_dir.")
+    served_model_name: str | None = Field(None, description="Model id in the API; default: the directory name.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="auto = bfloat16 on CUDA, float32 on CPU.")
+    device: Literal["auto", "cuda", "cpu"] = Field("auto", description="auto = cuda when available.")
+    cache_dir: Path = Field(Path.home() / ".cache" / "graphcache", description="Where the tiny model is written.")
+    seed: int = Field(0, description="Seed for random weights of the tiny model and the default sampler.")
+
+    # --- engine ---
+    max_num_seqs: int = Field(64, ge=1, le=4096, description="Requests running at once (decode batch size).")
+    max_num_batched_tokens: int = Field(1024, ge=16, description="Tokens in one step (prefill chunks + decodes).")
+    max_model_len: int | None = Field(None, ge=16, description="Prompt + output tokens; default: the model's.")
+    block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
+    num_kv_blocks: int | None = Field(None, ge=2, description="KV blocks; default: from kv_cache_memory_fraction "
+                                      "on CUDA, enough for max_num_seqs full sequences on CPU.")
+    kv_cache_memory_fraction: float = Field(0.5, gt=0, lt=1, description="Share of free GPU memory for the KV cache.")
+    max_queue: int = Field(1024, ge=1, description="Waiting requests before new ones get 429.")
+    enforce_eager: bool = Field(False, description="Never capture; every step runs eagerly.")
+    attention_backend: Literal["auto", "sdpa", "flash", "flash_paged"] = Field(
+        "auto", description="Attention kernel: auto picks the fastest that runs here; the others force one "
+        "(A/B runs) and fail at start if it cannot run.")
+
+    # --- graph cache ---
+    capture_sizes: list[int] | None = Field(None, description="Padded batch sizes (tokens) that may be captured; "
+                                            "default: 1,2,4,8..256 by 8, then by 16 up to max_capture_size.")
+    max_capture_size: int = Field(256, ge=1, description="Largest capture size; bigger batches run eagerly.")
+    warmup_decode_sizes: list[int] | None = Field(
+        None, description="Uniform-decode sizes captured at start (pinned). Default: capture sizes <= max_num_seqs. "
+        "[] = none.")
+    warmup_descriptors: list[str] = Field(
+        default_factory=list, description='Extra descriptors to capture at start, "TOKENS:REQS" (mixed) '
+        'or "TOKENS:REQS:decode".')
+    cache_max_entries: int = Field(128, ge=0, description="Captured graphs kept; LRU beyond.")
+    cache_max_bytes: int = Field(4 << 30, ge=0, description="Graph-pool bytes kept (allocator-measured); LRU beyond.")
+    admission: Literal["always", "after_n", "never"] = Field(
+        "always", description="On a miss while serving: capture at once, after N misses, or never (warmup only).")
+    admission_min_misses: int = Field(2, ge=1, description="N for admission=after_n.")
+    graph_debug: bool = Field(False, description="Assert input addresses at replay equal those at capture.")
+
+    # --- HTTP ---
+    host: str = Field("127.0.0.1", description="Bind address; 0.0.0.0 in containers.")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 = any free port).")
+    admin_token: str | None = Field(None, description="Bearer token for /admin/*. Unset: admin is off, "
+                                    "unless admin_allow_loopback lets loopback clients in.")
+    admin_allow_loopback: bool = Field(False, description="Without a token, allow /admin/* from 127.0.0.1/::1.")
+    log_format: Literal["text", "json"] = Field("text", description="text for people, json for log pipelines.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Root log level.")
+    drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM, how long in-flight requests may finish.")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body; bigger gets 413.")
+    cors_origins: list[str] = Field(default_factory=list, description="CORS allowed origins; empty = CORS off.")
+
+    @field_validator("model", "admin_token", "served_model_name", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, v: object) -> object:
+        # GRAPHCACHE_MODEL="" (a blank Helm or compose value) means "not set", never Path(".").
+        return None if isinstance(v, str) and not v.strip() else v
+
+    @field_validator("capture_sizes")
+    @classmethod
+    def _sorted_unique(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return v
+        if any(s < 1 for s in v):
+            raise ValueError("capture_sizes must be positive integers")
+        return sorted(set(v))
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token per sequence)")
+        return self
+
+    def resolved_capture_sizes(self) -> list[int]:
+        return self.capture_sizes if self.capture_sizes is not None else default_capture_sizes(self.max_capture_size)

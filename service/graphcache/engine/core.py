@@ -1,0 +1,257 @@
+"""EngineCore: one engine step, with no threads and no asyncio.
+
+`step()` = schedule -> execute (runner: replay or eager) -> sample -> `Scheduler.postprocess`
+(append tokens, check stops, finish and free) -> the RequestOutput deltas to stream. The Engine
+(engine.py) calls it in a loop on its thread and delivers the outputs; tests call it directly.
+nano-vllm's `LLMEngine.step` and vLLM v1's `EngineCore.step` are the models.
+
+Failure isolation: an exception in a step ends only that step's requests (finish_reason "error",
+a message safe for clients); a request whose own sampling fails ends alone. A device fault, or
+MAX_CONSECUTIVE_STEP_FAILURES failed steps in a row, raises `EngineFailure`: the caller must stop
+using this core (the Engine marks itself dead).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from graphcache.config import Settings
+from graphcache.engine.batch import Runner, StepBatch
+from graphcache.engine.block_manager import BlockManager
+from graphcache.engine.errors import InvalidRequest
+from graphcache.engine.sampler import Sampler
+from graphcache.engine.scheduler import Scheduler, SchedulerOutput
+from graphcache.engine.sequence import RequestOutput, Sequence
+from graphcache.engine.stopping import sendable_text
+from graphcache.metrics import Metrics
+
+__all__ = ["MAX_CONSECUTIVE_STEP_FAILURES", "EngineCore", "EngineFailure", "is_device_failure"]
+
+log = logging.getLogger("graphcache.engine")
+
+# Consecutive failed steps before the core gives up (one bad step is survivable: its requests fail,
+# the rest keep going; a run of them means the device or the model is broken).
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+STEP_FAILED_MESSAGE = "the model step for this request failed on the server; retry the request"
+
+
+class EngineFailure(RuntimeError):
+    """The core cannot go on (device fault, or repeated step failures); the cause is chained.
+    `outputs`: the final outputs of the failed step's requests, still to be delivered."""
+
+    def __init__(self, message: str, outputs: list[RequestOutput]) -> None:
+        super().__init__(message)
+        self.outputs = outputs
+
+
+def is_device_failure(exc: BaseException) -> bool:
+    """A fault of the device itself (lost GPU, illegal address): the CUDA context is poisoned and
+    every later step would fail too. Decided by type: torch raises AcceleratorError for CUDA errors."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    return accelerator_error is not None and isinstance(exc, accelerator_error)
+
+
+class EngineCore:
+    def __init__(self, runner: Runner, settings: Settings, metrics: Metrics | None = None) -> None:
+        self.runner = runner
+        self.settings = settings
+        self.metrics = metrics
+        self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=settings.max_num_seqs,
+                                   max_num_batched_tokens=settings.max_num_batched_tokens,
+                                   max_model_len=runner.max_model_len, eos_token_ids=runner.eos_token_ids)
+        self.sampler = Sampler(default_seed=settings.seed)
+        self.requests: dict[str, Sequence] = {}   # unfinished requests, by id
+        self.num_steps = 0
+        self.steps_by_mode: dict[str, int] = {}
+        self.consecutive_failures = 0
+        # Test hook: called with each StepBatch before execute; raise to fail the step.
+        self.step_failpoint: Callable[[StepBatch], None] | None = None
+
+    # --- requests ------------------------------------------------------------------------
+    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, param: str = "max_tokens") -> int:
+        """The tokens a request may generate: its own max_tokens checked against the context window,
+        or (None) the rest of the window, capped by what the whole KV cache can hold."""
+        limit, n = self.runner.max_model_len, num_prompt_tokens
+        if n == 0:
+            raise InvalidRequest("the prompt is empty; send at least one token", param="prompt")
+        if n >= limit:
+            raise InvalidRequest(f"This model's maximum context length is {limit} tokens, but the prompt has "
+                                 f"{n} tokens; shorten the prompt.", param="prompt", code="context_length_exceeded")
+        if max_tokens is None:
+            return max(1, min(limit, self.block_manager.max_tokens_capacity()) - n)
+        if n + max_tokens > limit:
+            raise InvalidRequest(f"This model's maximum context length is {limit} tokens; the prompt has {n} "
+                                 f"and {param}={max_tokens} asks for more. Lower {param} to at most {limit - n}.",
+                                 param=param, code="context_length_exceeded")
+        return max_tokens
+
+    def check(self, seq: Sequence, param: str = "max_tokens") -> None:
+        """Raise InvalidRequest naming the fix when `seq` can never be served; resolves max_tokens."""
+        seq.params.validate()
+        seq.params.max_tokens = self.resolve_max_tokens(seq.num_prompt_tokens, seq.params.max_tokens, param)
+        vocab = self.runner.vocab_size
+        if vocab is not None and any(not 0 <= t < vocab for t in seq.prompt_token_ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        total = seq.num_prompt_tokens + seq.params.max_tokens
+        if self.block_manager.blocks_for(total) > self.block_manager.num_usable:
+            raise InvalidRequest(f"prompt + {param} = {total} tokens needs more KV cache than the server has "
+                                 f"({self.block_manager.max_tokens_capacity()} tokens); lower {param}",
+                                 param=param)
+
+    def add_request(self, seq: Sequence) -> None:
+        """Queue a checked sequence (see check()). Its detokenizer is made here."""
+        if seq.request_id in self.requests:
+            raise InvalidRequest(f"request id {seq.request_id!r} is already in flight; use a unique id")
+        tokenizer = self.runner.tokenizer
+        if tokenizer is not None:
+            seq.detokenizer = tokenizer.detokenizer(seq.prompt_token_ids, seq.params.stop)
+            # Non-streaming and no stop strings: nobody reads text before the end.
+            seq.defer_text = not seq.stream and not seq.params.stop
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> RequestOutput | None:
+        """End a request wherever it is (its blocks are freed at once); its final output, or None if unknown."""
+        seq = self.requests.get(request_id)
+        if seq is None or seq.is_finished:
+            return None
+        self.scheduler.finish(seq, reason, error)
+        return self._output(seq)
+
+    def abort_all(self, reason: str, error: str | None = None) -> list[RequestOutput]:
+        return [out for rid in list(self.requests) if (out := self.abort(rid, reason, error)) is not None]
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- one step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; the outputs of every request it advanced or ended. Raises EngineFailure."""
+        plan = self.scheduler.schedule()
+        outputs = [self._output(seq) for seq in plan.failed]
+        for seq in plan.failed:
+            log.warning("request %s cannot fit: %s", seq.request_id, seq.error)
+        if plan.preempted and self.metrics is not None:
+            self.metrics.preemptions.inc(len(plan.preempted))
+        if plan.empty:
+            return [o for o in outputs if o is not None]
+        batch = plan.to_batch()
+        sample_seqs = [s.seq for s in plan.scheduled if s.need_logits]
+        t0 = time.perf_counter()
+        try:
+            if self.step_failpoint is not None:
+                self.step_failpoint(batch)
+            result = self.runner.execute(batch)
+            tokens = self._sample(result.logits[:len(sample_seqs)], sample_seqs)
+        except Exception as exc:
+            early = [o for o in outputs if o is not None]
+            try:
+                return early + self._step_failed(plan, exc)
+            except EngineFailure as failure:
+                failure.outputs[:0] = early
+                raise
+        elapsed = time.perf_counter() - t0
+        self.consecutive_failures = 0
+        self.num_steps += 1
+        self.steps_by_mode[result.mode] = self.steps_by_mode.get(result.mode, 0) + 1
+        now = time.monotonic()
+        changed = self.scheduler.postprocess(plan, tokens, now)
+        m = self.metrics
+        if m is not None:
+            m.steps.labels(result.mode).inc()
+            m.step_seconds.labels(result.mode).observe(elapsed)
+            m.batch_size.observe(len(plan.scheduled))
+            m.generation_tokens.inc(sum(t is not None for t in tokens))
+            for seq in changed:
+                if seq.num_output_tokens == 1 and seq.first_token_time == now:
+                    m.ttft.observe(now - seq.arrival_time)
+                    m.prompt_tokens.inc(seq.num_prompt_tokens)
+        outputs += [self._output(seq) for seq in changed]
+        return [o for o in outputs if o is not None]
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
+        """Sample the batch. The sampler does not raise for validated parameters; if it raises
+        anyway, each row is sampled alone, so a request whose row fails ends by itself (None in its
+        place) and neither fails the requests batched with it nor counts toward engine failure.
+        A device fault is not any one request's: it raises."""
+        try:
+            return self.sampler.sample(logits, seqs)
+        except Exception as exc:
+            if is_device_failure(exc):
+                raise
+            if len(seqs) == 1:
+                self._sampling_failed(seqs[0], exc)
+                return [None]
+            log.warning("batched sampling failed (%s: %s); sampling the %d rows one by one",
+                        type(exc).__name__, exc, len(seqs))
+        tokens: list[int | None] = []
+        for i, seq in enumerate(seqs):
+            try:
+                tokens.extend(self.sampler.sample(logits[i:i + 1], [seq]))
+            except Exception as exc:
+                if is_device_failure(exc):
+                    raise
+                self._sampling_failed(seq, exc)
+                tokens.append(None)
+        return tokens
+
+    @staticmethod
+    def _sampling_failed(seq: Sequence, exc: Exception) -> None:
+        p = seq.params
+        log.error("sampling failed for request %s (temperature=%r top_p=%r top_k=%r seed=%r): %s: %s",
+                  seq.request_id, p.temperature, p.top_p, p.top_k, p.seed, type(exc).__name__, exc, exc_info=exc)
+
+    def _step_failed(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        self.consecutive_failures += 1
+        ids = [s.seq.request_id for s in plan.scheduled]
+        log.error("step failed (%d in a row) for requests %s: %s: %s", self.consecutive_failures, ids,
+                  type(exc).__name__, exc, exc_info=exc)
+        outputs = []
+        for s in plan.scheduled:
+            if not s.seq.is_finished:
+                self.scheduler.finish(s.seq, "error", STEP_FAILED_MESSAGE)
+                outputs.append(self._output(s.seq))
+        if is_device_failure(exc) or self.consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise EngineFailure(f"{self.consecutive_failures} failed steps in a row, last: "
+                                f"{type(exc).__name__}: {exc}", [o for o in outputs if o is not None]) from exc
+        return [o for o in outputs if o is not None]
+
+    # --- outputs ---------------------------------------------------------------------------
+    def _output(self, seq: Sequence) -> RequestOutput | None:
+        """What `seq` has not streamed yet (None: nothing to send now); on finish, retire it."""
+        finished = seq.is_finished
+        if finished:
+            self.requests.pop(seq.request_id, None)
+            self._record_finish(seq)
+        elif not seq.stream:
+            return None   # everything accumulates into the final output
+        new_ids = seq.output_token_ids[seq.num_tokens_sent:]
+        seq.num_tokens_sent = seq.num_output_tokens
+        text = sendable_text(seq, finished)
+        if not finished and not new_ids and not text:
+            return None
+        return RequestOutput(seq.request_id, text, new_ids, finished, seq.finish_reason, seq.num_prompt_tokens,
+                             seq.num_output_tokens, seq.error)
+
+    def _record_finish(self, seq: Sequence) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        m.requests_finished.labels(seq.finish_reason).inc()
+        m.e2e.observe(time.monotonic() - seq.arrival_time)
+        if seq.num_output_tokens > 1 and seq.first_token_time is not None:
+            # Mean time between output tokens of this request (per request, not per token: a
+            # histogram observation per token costs ~1 ms a step at batch 256).
+            m.tpot.observe((seq.last_token_time - seq.first_token_time) / (seq.num_output_tokens - 1))
+
+    # --- state for gauges and stats --------------------------------------------------------
+    def update_gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.requests_running.set(len(self.scheduler.running))
+            self.metrics.requests_waiting.set(len(self.scheduler.waiting))
+            self.metrics.kv_usage.set(self.block_manager.usage)

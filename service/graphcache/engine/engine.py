@@ -1,0 +1,534 @@
+"""The Engine: the thread that owns the GPU, and the asyncio API the HTTP floor talks to.
+
+The engine thread builds the runner (model load, KV cache, warmup) and an EngineCore, then loops:
+take commands from the inbox, run `core.step()`, deliver the outputs. Nothing else touches the
+device. The asyncio side puts commands in a thread-safe inbox (queue.Queue) and gets results back
+through `loop.call_soon_threadsafe` into a per-request asyncio.Queue (streams) or a future (admin
+calls). Commands run between steps, so admin work never races a replay.
+
+State is one `EngineState`; `refusal()` answers "may a request enter now?" for every caller.
+No request is ever left hanging: every path that ends a request (finish, abort, step failure,
+engine death, shutdown, drain timeout) pushes a final RequestOutput with finished=True.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import enum
+import gc
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from collections.abc import Sequence as SequenceT
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from graphcache.config import Settings
+from graphcache.engine.batch import Runner
+from graphcache.engine.core import MAX_CONSECUTIVE_STEP_FAILURES, EngineCore, EngineFailure
+from graphcache.engine.errors import (
+    DEAD_MESSAGE,
+    EngineDead,
+    EngineDraining,
+    EngineNotReady,
+    InvalidRequest,
+    QueueFull,
+)
+from graphcache.engine.runner import ModelRunner
+from graphcache.engine.sequence import RequestOutput, SamplingParams, Sequence
+from graphcache.graphs.descriptor import BatchDescriptor
+from graphcache.metrics import Metrics
+
+__all__ = ["DEAD_MESSAGE", "MAX_CONSECUTIVE_STEP_FAILURES", "Engine", "EngineDead", "EngineDraining",
+           "EngineNotReady", "EngineState", "InvalidRequest", "QueueFull", "RequestOutput", "SamplingParams"]
+
+log = logging.getLogger("graphcache.engine")
+
+
+class EngineState(enum.Enum):
+    LOADING = "loading"     # the thread is loading the model and warming up
+    READY = "ready"         # serving
+    DRAINING = "draining"   # serving what is in flight, refusing new requests (SIGTERM)
+    STOPPED = "stopped"     # the thread exited after shutdown()
+    DEAD = "dead"           # the thread exited on an unrecoverable error
+
+
+@dataclass
+class _Handle:
+    """A request as the asyncio side sees it: where its outputs go."""
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+    seq: Sequence
+
+
+@dataclass
+class _Add:
+    handle: _Handle
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _AbortAll:
+    reason: str
+    error: str
+
+
+@dataclass
+class _Call:
+    fn: Callable[[], Any]
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+class _Stop:
+    pass
+
+
+def jsonable(obj: Any) -> Any:
+    """Cache reports (dataclasses holding descriptors, dicts, lists) -> plain JSON types."""
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    if isinstance(obj, BatchDescriptor):
+        return str(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [jsonable(v) for v in obj]
+    return str(obj)
+
+
+class Engine:
+    def __init__(self, settings: Settings, metrics: Metrics | None = None, *,
+                 runner_factory: Callable[[Settings, Metrics | None], Runner] | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self._runner_factory = runner_factory or ModelRunner   # tests pass a fake
+        self._inbox: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()           # guards _state, _requests, _num_running
+        self._state = EngineState.LOADING
+        self._requests: dict[str, _Handle] = {}
+        self._num_running = 0
+        self._error: str | None = None
+        self._ready_event = threading.Event()   # set when ready or dead: wait_ready() returns
+        self._core: EngineCore | None = None    # engine thread: set at load, dropped at exit
+        self._tokenizer: Any = None             # kept after the runner is released
+        self._max_model_len: int | None = None
+        self._outbox: list[tuple[_Handle, RequestOutput]] = []
+        self._stats: dict[str, Any] = {}
+        self._stats_refreshed = 0.0
+        self.progress: dict[str, Any] | None = None   # while loading: the phase, and warmup n/total
+        self.warmup_report: Any = None
+        self.warmup_seconds = 0.0
+        # Test hook, passed to the core: called with each StepBatch before execute; raise to fail it.
+        self.step_failpoint: Callable[[Any], None] | None = None
+
+    # --- state -----------------------------------------------------------------------------
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    @property
+    def ready(self) -> bool:
+        return self._state is EngineState.READY
+
+    @property
+    def alive(self) -> bool:
+        return self._state is not EngineState.DEAD
+
+    @property
+    def error(self) -> str | None:
+        """Why the engine died, in detail (exception text): for the log and /admin/* only."""
+        return self._error
+
+    def refusal(self, *, admin: bool = False) -> Exception | None:
+        """Why a request (or, admin=True, an admin command) may not enter now; None if it may."""
+        state = self._state
+        if state is EngineState.DEAD:
+            return EngineDead(DEAD_MESSAGE)
+        if state is EngineState.STOPPED:
+            return EngineDead("the engine was shut down") if admin else EngineDraining("the server is shut down")
+        if state is EngineState.DRAINING and not admin:
+            return EngineDraining("the server is shutting down and takes no new requests")
+        if state is EngineState.LOADING:
+            return EngineNotReady("the model is still loading or warming up; retry when /ready returns 200")
+        return None
+
+    def _set_state(self, state: EngineState) -> None:
+        with self._lock:
+            if self._state in (EngineState.DEAD, EngineState.STOPPED):
+                return   # final
+            self._state = state
+        if self.metrics is not None:
+            self.metrics.ready.set(1 if state is EngineState.READY else 0)
+
+    @property
+    def runner(self) -> Runner | None:
+        """The runner (engine-thread object: read-only use from other threads)."""
+        return self._core.runner if self._core is not None else None
+
+    @property
+    def core(self) -> EngineCore | None:
+        return self._core
+
+    @property
+    def tokenizer(self):
+        return self._core.runner.tokenizer if self._core is not None else self._tokenizer
+
+    @property
+    def model_name(self) -> str:
+        if self.settings.served_model_name:
+            return self.settings.served_model_name
+        if self.settings.model is not None:
+            return Path(self.settings.model).name
+        return "graphcache-tiny"
+
+    @property
+    def max_model_len(self) -> int | None:
+        core = self._core
+        return core.runner.max_model_len if core is not None else self._max_model_len or self.settings.max_model_len
+
+    def stats(self) -> dict[str, Any]:
+        """JSON-able snapshot, refreshed by the engine thread after each step (never blocks)."""
+        snap = dict(self._stats)
+        snap.update(model=self.model_name, ready=self.ready, alive=self.alive, state=self._state.value,
+                    error=self._error, in_flight=len(self._requests))
+        return snap
+
+    # --- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Spawn the engine thread (load, warmup, serve) and return at once."""
+        if self._thread is not None:
+            raise RuntimeError("Engine.start() called twice")
+        self._thread = threading.Thread(target=self._thread_main, name="graphcache-engine", daemon=True)
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until ready (True) or dead/timeout (False). For CLIs, tests and benchmarks."""
+        self._ready_event.wait(timeout)
+        return self.ready
+
+    def stop_accepting(self) -> None:
+        if self._state in (EngineState.LOADING, EngineState.READY):
+            self._set_state(EngineState.DRAINING)
+
+    async def drain(self, timeout: float) -> dict[str, int]:
+        """Stop accepting, let in-flight requests finish for `timeout` s, then fail the rest cleanly."""
+        self.stop_accepting()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        in_flight = len(self._requests)
+        while self._requests and loop.time() < deadline and self.alive:
+            await asyncio.sleep(0.02)
+        left = len(self._requests)
+        if left and self.alive:
+            log.warning("drain timeout (%.1fs): failing %d unfinished requests", timeout, left)
+            self._inbox.put(_AbortAll("error", f"the server is shutting down; the request did not finish "
+                                               f"within the {timeout:g}s drain timeout"))
+            grace = loop.time() + 5.0
+            while self._requests and loop.time() < grace and self.alive:
+                await asyncio.sleep(0.02)
+        return {"in_flight": in_flight, "finished": in_flight - left, "aborted": left}
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread and join it. Unfinished requests get finish_reason error."""
+        self.stop_accepting()
+        self._inbox.put(_Stop())
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("engine thread did not stop within %.0fs", timeout)
+
+    # --- requests ----------------------------------------------------------------------------
+    def generate(self, request_id: str, prompt_token_ids: SequenceT[int], params: SamplingParams | None = None,
+                 *, stream: bool = True, max_tokens_param: str = "max_tokens") -> AsyncIterator[RequestOutput]:
+        """Submit a request; iterate the result for its output deltas. Must be called on an event loop.
+
+        stream=False delivers a single final output holding all text and token ids (one event-loop
+        wakeup per request instead of one per token). Raises at once (not on first iteration):
+        InvalidRequest, QueueFull, EngineNotReady, EngineDraining, EngineDead. Leaving the iteration
+        early (client disconnect) aborts the request and frees its KV blocks.
+        """
+        core = self._core
+        refused = self.refusal()
+        if refused is not None or core is None:
+            raise refused or EngineDead(DEAD_MESSAGE)
+        seq = Sequence(request_id, list(prompt_token_ids), params if params is not None else SamplingParams(),
+                       stream=stream)
+        core.check(seq, max_tokens_param)   # read-only: the core's limits never change after load
+        handle = _Handle(request_id, asyncio.get_running_loop(), asyncio.Queue(), seq)
+        with self._lock:
+            refused = self.refusal()   # again under the lock: death fails everything in _requests
+            if refused is not None:
+                raise refused
+            if request_id in self._requests:
+                raise InvalidRequest(f"request id {request_id!r} is already in flight; use a unique id")
+            if len(self._requests) - self._num_running >= self.settings.max_queue:
+                raise QueueFull(f"{self.settings.max_queue} requests are already waiting; retry later")
+            self._requests[request_id] = handle
+        self._inbox.put(_Add(handle))
+        return self._stream(handle)
+
+    async def _stream(self, handle: _Handle) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                out: RequestOutput = await handle.outputs.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:   # the consumer left (disconnect, cancel, break): free its blocks now
+                self.abort(handle.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request by id (no-op if unknown or finished). Its blocks are freed between steps."""
+        if self.alive:
+            self._inbox.put(_Abort(request_id))
+
+    # --- admin (run on the engine thread between steps) ------------------------------------
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._lock:   # the exiting engine thread fails what is queued under this lock: none is lost
+            refused = self.refusal(admin=True)
+            if refused is not None:
+                raise refused
+            self._inbox.put(_Call(fn, fut, loop))
+        return await fut
+
+    async def warmup(self, descriptors: list[BatchDescriptor]) -> dict:
+        """Capture (and pin) these descriptors."""
+        return await self._call(lambda: self._admin_result(self._core.runner.capture(descriptors, pin=True)))
+
+    async def clear_graphs(self) -> dict:
+        return await self._call(lambda: self._admin_result(self._core.runner.cache.clear()))
+
+    async def cache_info(self) -> dict:
+        return await self._call(lambda: jsonable(self._core.runner.cache.info()))
+
+    def _admin_result(self, report: Any) -> dict:
+        self._refresh_stats(force=True)
+        out = jsonable(report)
+        return out if isinstance(out, dict) else {"result": out}
+
+    # === the engine thread =================================================================
+    def _thread_main(self) -> None:
+        try:
+            try:
+                self._load()
+            except BaseException as exc:  # noqa: BLE001 - any load failure must be reported, not hang /ready
+                log.exception("engine failed to load the model")
+                self._die(f"model load failed: {type(exc).__name__}: {exc}")
+                return
+            try:
+                self._serve()
+            except BaseException as exc:  # noqa: BLE001
+                if not isinstance(exc, EngineFailure):
+                    log.exception("engine thread crashed")
+                self._die(f"{type(exc).__name__}: {exc}")
+                return
+            self._close(EngineState.STOPPED, "the engine was shut down before the request finished")
+        finally:
+            self._release_device()
+
+    def _load(self) -> None:
+        self.progress = {"phase": "loading model"}
+        runner = self._runner_factory(self.settings, self.metrics)
+        core = EngineCore(runner, self.settings, self.metrics)
+        core.step_failpoint = self.step_failpoint
+        self._core, self._tokenizer, self._max_model_len = core, runner.tokenizer, runner.max_model_len
+
+        def warmup_progress(done: int, total: int, desc: str) -> None:
+            self.progress = {"phase": "warmup", "done": done, "total": total, "descriptor": desc}
+
+        self.progress = {"phase": "warmup", "done": 0, "total": None}
+        t0 = time.perf_counter()
+        self.warmup_report = runner.warmup(progress=warmup_progress)
+        self.warmup_seconds = time.perf_counter() - t0
+        bm = core.block_manager
+        log.info("engine ready: %d KV blocks x %d tokens, max_model_len %d, warmup %.2fs", bm.num_usable,
+                 bm.block_size, runner.max_model_len, self.warmup_seconds)
+        self._refresh_stats(force=True)
+        self.progress = None
+        self._set_state(EngineState.READY)
+        self._ready_event.set()
+
+    def _serve(self) -> None:
+        core = self._core
+        while True:
+            if not self._process_inbox(block=not core.has_work()):
+                return
+            core.step_failpoint = self.step_failpoint
+            if core.has_work():
+                try:
+                    self._route(core.step())
+                except EngineFailure as failure:
+                    self._route(failure.outputs)   # the failed step's requests end with their error first
+                    raise
+            # Also after commands alone: an abort that empties the engine must show in the gauges.
+            self._update_gauges()
+            self._refresh_stats()
+            self._flush_outputs()
+
+    def _process_inbox(self, block: bool) -> bool:
+        """Run queued commands; False once a stop was asked for."""
+        try:
+            cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(cmd, _Stop):
+                return False
+            self._handle_command(cmd)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _handle_command(self, cmd: Any) -> None:
+        core = self._core
+        if isinstance(cmd, _Add):
+            if cmd.handle.request_id in self._requests:   # else it failed while queued (drain/abort-all)
+                core.add_request(cmd.handle.seq)
+        elif isinstance(cmd, _Abort):
+            self._route([core.abort(cmd.request_id)])
+        elif isinstance(cmd, _AbortAll):
+            self._route(core.abort_all(cmd.reason, cmd.error))
+        elif isinstance(cmd, _Call):
+            try:
+                result = cmd.fn()
+            except Exception as exc:  # admin errors go back to the caller, the engine keeps serving
+                log.exception("admin command failed")
+                self._resolve(cmd, exc=exc)
+            else:
+                self._resolve(cmd, result=result)
+
+    @staticmethod
+    def _resolve(cmd: _Call, result: Any = None, exc: BaseException | None = None) -> None:
+        def settle() -> None:
+            if cmd.future.done():
+                return   # the awaiting task was cancelled
+            if exc is not None:
+                cmd.future.set_exception(exc)
+            else:
+                cmd.future.set_result(result)
+        with contextlib.suppress(RuntimeError):   # the loop is closed: nobody is waiting
+            cmd.loop.call_soon_threadsafe(settle)
+
+    # --- outputs ---------------------------------------------------------------------------
+    def _route(self, outputs: list[RequestOutput | None]) -> None:
+        """Queue each output for its request's consumer; a final one retires the request."""
+        for out in outputs:
+            if out is None:
+                continue
+            with self._lock:
+                handle = self._requests.get(out.request_id)
+                if handle is not None and out.finished:
+                    del self._requests[out.request_id]
+            if handle is not None:
+                self._outbox.append((handle, out))
+
+    def _flush_outputs(self) -> None:
+        """Deliver queued outputs. Runs after stats/gauges are updated, so a consumer that sees its
+        final output also sees its blocks freed in stats(). One wakeup per event loop per step, not
+        one per request: at batch 256 per-request wakeups cost milliseconds a step."""
+        if not self._outbox:
+            return
+        outbox, self._outbox = self._outbox, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for handle, out in outbox:
+            by_loop.setdefault(handle.loop, []).append((handle.outputs, out))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):   # the consumer's loop is closed
+                loop.call_soon_threadsafe(_deliver, items)
+
+    def _update_gauges(self) -> None:
+        core = self._core
+        with self._lock:
+            self._num_running = len(core.scheduler.running)
+        core.update_gauges()
+
+    def _refresh_stats(self, force: bool = False) -> None:
+        """Engine counters every call (cheap); cache stats at most every 0.25 s (may walk entries)."""
+        core = self._core
+        bm, now = core.block_manager, time.monotonic()
+        cache_stats = self._stats.get("cache")
+        if force or now - self._stats_refreshed >= 0.25:
+            self._stats_refreshed = now
+            try:
+                cache_stats = jsonable(core.runner.cache.stats())
+            except Exception as exc:  # stats must never take the engine down
+                cache_stats = {"error": str(exc)}
+        self._stats = {
+            "running": len(core.scheduler.running), "waiting": len(core.scheduler.waiting),
+            "kv_usage": bm.usage, "kv_blocks_total": bm.num_usable, "kv_blocks_free": bm.num_free,
+            "block_size": bm.block_size, "max_model_len": core.scheduler.max_model_len, "steps": core.num_steps,
+            "steps_by_mode": dict(core.steps_by_mode), "preemptions": core.scheduler.num_preemptions,
+            "warmup_seconds": self.warmup_seconds, "cache": cache_stats,
+        }
+
+    # --- endings ---------------------------------------------------------------------------
+    def _die(self, message: str) -> None:
+        """Mark the engine dead. `message` (exception text) is logged and kept in `error` for
+        /admin/*; the requests it fails and the probes get DEAD_MESSAGE, which leaks nothing."""
+        log.error("engine is dead: %s", message)
+        self._error = message
+        self._close(EngineState.DEAD, DEAD_MESSAGE)
+        self._ready_event.set()
+
+    def _close(self, final: EngineState, message: str) -> None:
+        """Enter the final state and fail every request and admin call still pending (engine thread)."""
+        self._set_state(final)
+        with self._lock:
+            handles = list(self._requests.values())
+        core = self._core
+        if core is not None:
+            self._route(core.abort_all("error", message))
+        for handle in handles:   # queued but never added to the core
+            if not handle.seq.is_finished:
+                handle.seq.finish("error", message)
+                self._route([RequestOutput(handle.request_id, "", [], True, "error", handle.seq.num_prompt_tokens,
+                                           0, message)])
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Call):
+                self._resolve(cmd, exc=EngineDead(message))
+        if core is not None:
+            self._update_gauges()
+            self._refresh_stats(force=True)
+        self._flush_outputs()
+
+    def _release_device(self) -> None:
+        """Drop the core and runner (weights, KV cache, graph pools) on the thread that owns them, so
+        a process can start another engine (benchmarks, tests) without holding two KV caches."""
+        core, self._core = self._core, None
+        if core is None:
+            return
+        del core
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:   # runs on the consumers' event loop
+        q.put_nowait(out)

@@ -1,0 +1,291 @@
+"""The model runner: static buffers, batch descriptor, pad, then replay or run eagerly.
+
+Every step: lay the batch out flat (decode requests first, the attention op expects that), copy
+ids / positions / slots / block tables into static buffers allocated once at the largest size,
+plan the attention metadata once for all layers, then let the GraphCache replay (or capture) the
+graph of the padded descriptor. The KV write happens inside the graph, indexed by the static
+slot_mapping: padded tokens map to a scratch slot in one extra KV block past the usable ones, and
+between steps every entry maps there, so a warmup/capture outside a step writes no real slot.
+Batches bigger than the largest capture size, and every step with enforce_eager, run the model
+eagerly on their real sizes. Logits come back from a static buffer, rows in the order
+of the batch's need_logits sequences, valid until the next execute().
+
+Captures outside a step (warmup, admin) go through `capture()`, which points every token at the
+scratch slot and runs under an empty attention context itself, so they write no real KV slot.
+Each step's attention metadata reaches the attention op through the forward context
+(model/forward_context.py), set around the step. The runner returns the step's mode in its
+StepResult; step metrics are the engine's, graph-cache metrics the GraphCache's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from graphcache.config import Settings
+from graphcache.engine.batch import StepBatch, StepResult, StepSeq
+from graphcache.graphs.cache import GraphCache, WarmupReport
+from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes, descriptor_for
+from graphcache.metrics import Metrics
+from graphcache.model.attention import AttentionMetadata, AttentionPlanner, select_attention_kernel
+from graphcache.model.config import ModelLoadError, read_config, resolve_dtype
+from graphcache.model.forward_context import forward_context
+from graphcache.model.loader import load_model
+from graphcache.model.tiny import default_model_dir
+from graphcache.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+CPU_KV_CACHE_MAX_BYTES = 1 << 30  # default CPU KV cache stops here: CPU RAM is shared with everything
+
+
+def _resolve_device(setting: str) -> torch.device:
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda but torch sees no CUDA GPU; use device=auto or cpu, or install a "
+                           "CUDA build of torch")
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(setting)
+
+
+class StagingBuffer:
+    """A static device buffer plus a host mirror (pinned on CUDA, so the copy is asynchronous)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        self.dev = torch.zeros(shape, dtype=dtype, device=device)
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
+        self.np = self.host.numpy()  # numpy view: filling from Python lists is much cheaper than torch
+
+    def upload(self, n: int) -> None:
+        self.dev[:n].copy_(self.host[:n], non_blocking=True)
+
+
+class ModelRunner:
+    def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
+        self.settings = s = settings
+        self.device = _resolve_device(s.device)
+        self.dtype = resolve_dtype("bfloat16" if s.dtype == "auto" and self.device.type == "cuda"
+                                   else "float32" if s.dtype == "auto" else s.dtype)
+        path = s.model if s.model is not None else default_model_dir(s.cache_dir, seed=s.seed)
+        self.model_path = path
+        self.tokenizer = Tokenizer(path)
+        self.max_model_len = self._max_model_len(read_config(path))
+        self.model, self.model_config = load_model(path, self.dtype, self.device, max_positions=self.max_model_len)
+        self.block_size = s.block_size
+        self.vocab_size = self.model_config.vocab_size
+        eos = self.tokenizer.eos_token_ids or self.model_config.eos_token_ids
+        self.eos_token_ids = frozenset(eos or ())
+        self.sizes = CaptureSizes(s.resolved_capture_sizes())
+        self._warmup_descs = self._warmup_descriptors()
+        self._alloc_buffers()
+        self.num_kv_blocks = self._num_kv_blocks()
+        self._alloc_kv_cache()
+        c = self.model_config
+        self.attention_kernel = select_attention_kernel(self.device, self.dtype, c.head_dim, self.block_size,
+                                                        s.attention_backend)
+        self._planner = AttentionPlanner(kernel=self.attention_kernel, block_size=self.block_size,
+                                         max_blocks_per_seq=self.max_blocks_per_seq, num_heads=c.num_heads,
+                                         num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype,
+                                         device=self.device)
+        self.backend = "cuda" if self.device.type == "cuda" and not s.enforce_eager else "eager"
+        self.cache = GraphCache(self._step_fn, backend=self.backend, max_entries=s.cache_max_entries,
+                                max_bytes=s.cache_max_bytes, admission=s.admission,
+                                admission_min_misses=s.admission_min_misses, debug=s.graph_debug,
+                                metrics=metrics, input_tensors=self._input_tensors)
+        self._uploaded = torch.cuda.Event() if self.device.type == "cuda" else None
+        log.info("model %s (%s) on %s %s: max_model_len %d, %d KV blocks x %d tokens, backend %s", path,
+                 self.model_config.architecture, self.device, str(self.dtype).removeprefix("torch."),
+                 self.max_model_len, self.num_kv_blocks, self.block_size, self.backend)
+
+    # --- sizing -------------------------------------------------------------------------
+    def _max_model_len(self, config) -> int:
+        limit = config.max_position_embeddings
+        if config.sliding_window:  # we attend over the full context: stay inside the window
+            limit = min(limit, config.sliding_window)
+        wanted = self.settings.max_model_len
+        if wanted is not None and wanted > limit:
+            raise ModelLoadError(f"max_model_len {wanted} exceeds the model's limit {limit} "
+                                 "(max_position_embeddings / sliding_window); lower max_model_len")
+        return wanted or limit
+
+    def _warmup_descriptors(self) -> list[BatchDescriptor]:
+        s = self.settings
+        decode = s.warmup_decode_sizes
+        if decode is None:
+            decode = [n for n in self.sizes if n <= s.max_num_seqs]
+        descs = [BatchDescriptor(n, n, True) for n in decode]
+        descs += [BatchDescriptor.parse(d) for d in s.warmup_descriptors]
+        return descs
+
+    def _alloc_buffers(self) -> None:
+        s, dev = self.settings, self.device
+        max_reqs = self.sizes.pad(s.max_num_seqs) or s.max_num_seqs
+        self.max_tokens = max([s.max_num_batched_tokens, self.sizes.max] + [d.num_tokens for d in self._warmup_descs])
+        self.max_reqs = min(self.max_tokens, max([max_reqs] + [d.num_reqs for d in self._warmup_descs]))
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        i64 = torch.int64
+        self.input_ids = StagingBuffer((self.max_tokens,), i64, dev)         # [T_max]
+        self.positions = StagingBuffer((self.max_tokens,), i64, dev)         # [T_max]
+        self.slot_mapping = StagingBuffer((self.max_tokens,), i64, dev)      # [T_max]
+        self.logits_indices = StagingBuffer((self.max_reqs,), i64, dev)      # [R_max] token row of each logits row
+        self.seq_lens = StagingBuffer((self.max_reqs,), i64, dev)            # [R_max]
+        self.block_tables = StagingBuffer((self.max_reqs, self.max_blocks_per_seq), i64, dev)  # [R_max, B]
+        # [2 * (R_max + 1)] int32: cumulative query lengths, then cumulative context lengths (flash
+        # kernel); one buffer so it is one upload, each half contiguous as the kernel wants.
+        self.cu_seqlens = StagingBuffer((2 * (self.max_reqs + 1),), torch.int32, dev)
+        # [R_max, V] in the model dtype: the LM head writes straight into it.
+        self.out_logits = torch.zeros(self.max_reqs, self.model_config.vocab_size, dtype=self.dtype, device=dev)
+
+    def _kv_block_bytes(self) -> int:
+        c = self.model_config
+        return c.num_layers * 2 * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+
+    def _num_kv_blocks(self) -> int:
+        s = self.settings
+        per_block = self._kv_block_bytes()
+        if s.num_kv_blocks is not None:
+            return s.num_kv_blocks
+        one_seq = self.max_blocks_per_seq
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            blocks = int(free * s.kv_cache_memory_fraction) // per_block
+        else:
+            blocks = min(s.max_num_seqs * one_seq, CPU_KV_CACHE_MAX_BYTES // per_block)
+        if blocks < one_seq:
+            raise RuntimeError(f"KV cache of {blocks} blocks cannot hold one sequence of max_model_len "
+                               f"{self.max_model_len} ({one_seq} blocks); lower max_model_len or raise "
+                               "kv_cache_memory_fraction / num_kv_blocks")
+        return blocks
+
+    def _alloc_kv_cache(self) -> None:
+        c = self.model_config
+        # Zero-filled, not empty: masked positions get softmax weight 0, and 0 * NaN would still be NaN.
+        # One block more than the block manager knows of: block num_kv_blocks is the scratch block
+        # that padded tokens write (their K/V may be garbage; nothing ever reads it).
+        self.kv_storage = torch.zeros(c.num_layers, 2, self.num_kv_blocks + 1, self.block_size, c.num_kv_heads,
+                                      c.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_cache = self.kv_storage[:, :, :self.num_kv_blocks]  # [layers, 2, blocks, bs, K, D]: usable blocks
+        self.scratch_slot = self.num_kv_blocks * self.block_size
+        self.model.bind_kv_cache([self.kv_storage[i] for i in range(c.num_layers)])
+
+    # --- the step function the cache captures ---------------------------------------------
+    def _run_model(self, num_tokens: int, num_reqs: int) -> None:
+        self.model(self.input_ids.dev[:num_tokens], self.positions.dev[:num_tokens], self.slot_mapping.dev[:num_tokens],
+                   self.logits_indices.dev[:num_reqs], self.out_logits[:num_reqs])
+
+    def _step_fn(self, desc: BatchDescriptor) -> None:
+        if desc.num_tokens > self.max_tokens or desc.num_reqs > self.max_reqs:
+            raise ValueError(f"descriptor {desc} exceeds the static buffers ({self.max_tokens} tokens, "
+                             f"{self.max_reqs} requests); raise max_num_batched_tokens / max_num_seqs")
+        self._run_model(desc.num_tokens, desc.num_reqs)
+
+    def _input_tensors(self, desc: BatchDescriptor) -> list[torch.Tensor]:
+        t, r = desc.num_tokens, desc.num_reqs
+        return [self.input_ids.dev[:t], self.positions.dev[:t], self.logits_indices.dev[:r], self.out_logits[:r],
+                self.slot_mapping.dev[:t], self.seq_lens.dev, self.block_tables.dev, self.kv_cache]
+
+    # --- one step ------------------------------------------------------------------------
+    def execute(self, batch: StepBatch) -> StepResult:
+        """Run one step: fp32 logits [number of need_logits seqs, V] in batch order (valid until the
+        next call), and how it ran."""
+        seqs = batch.seqs
+        num_reqs, num_tokens = len(seqs), batch.num_tokens
+        if num_reqs == 0:
+            raise ValueError("empty batch")
+        if num_tokens > self.max_tokens or num_reqs > self.max_reqs:
+            raise ValueError(f"batch of {num_tokens} tokens / {num_reqs} requests exceeds the runner's buffers "
+                             f"({self.max_tokens} / {self.max_reqs}); keep max_num_batched_tokens and "
+                             "max_num_seqs in the scheduler equal to the settings")
+        uniform = batch.uniform_decode
+        desc = None if self.settings.enforce_eager else descriptor_for(num_tokens, num_reqs, uniform, self.sizes)
+        pad_tokens = desc.num_tokens if desc else num_tokens
+        pad_reqs = desc.num_reqs if desc else num_reqs
+        md, num_logits = self._prepare(seqs, num_tokens, pad_tokens, pad_reqs)
+        with forward_context(md):
+            if desc is None:
+                self._run_model(num_tokens, num_reqs)
+                mode = "eager"
+            else:
+                mode = self.cache.run(desc, real_tokens=num_tokens)
+        return StepResult(self.out_logits[:num_logits].float(), mode)
+
+    def _prepare(self, seqs: list[StepSeq], num_tokens: int, pad_tokens: int, pad_reqs: int):
+        """Fill host mirrors and upload. Layout: decode requests first (attention op contract);
+        logits rows: the need_logits seqs in batch order, then the others."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the previous step's async copies have read the host mirrors
+        bs = self.block_size
+        order = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
+        num_decodes = len(order)
+        order += [i for i, s in enumerate(seqs) if len(s.token_ids) != 1]
+        ids, pos, slots = [], [], []
+        query_start, seq_lens = [0], []
+        last_token = [0] * len(seqs)
+        bt = self.block_tables.np
+        bt[:len(seqs)] = 0
+        for row, i in enumerate(order):
+            s = seqs[i]
+            n, end = len(s.token_ids), s.start_pos + len(s.token_ids)
+            if n == 0:
+                raise ValueError(f"sequence {i} of the batch feeds no tokens")
+            if end > self.max_model_len or len(s.block_table) * bs < end:
+                raise ValueError(f"sequence {i} reaches position {end} with {len(s.block_table)} blocks of {bs}; "
+                                 f"it needs ceil({end}/{bs}) blocks and at most max_model_len {self.max_model_len}")
+            table = s.block_table
+            ids += s.token_ids
+            pos += range(s.start_pos, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(s.start_pos, end)]
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(end)
+            last_token[i] = query_start[-1] - 1
+            bt[row, :len(table)] = table
+        pad = pad_tokens - num_tokens
+        # Pads: token 0 at position 0 (valid embedding and rotary rows); their K/V go to the scratch slot.
+        self.input_ids.np[:pad_tokens] = ids + [0] * pad
+        self.positions.np[:pad_tokens] = pos + [0] * pad
+        self.slot_mapping.np[:pad_tokens] = slots + [self.scratch_slot] * pad
+        need = [i for i, s in enumerate(seqs) if s.need_logits]
+        rows = need + [i for i, s in enumerate(seqs) if not s.need_logits]
+        self.logits_indices.np[:pad_reqs] = [last_token[i] for i in rows] + [0] * (pad_reqs - len(rows))
+        num_reqs = len(seqs)
+        self.seq_lens.np[:num_reqs] = seq_lens
+        uploads = [(self.input_ids, pad_tokens), (self.positions, pad_tokens), (self.slot_mapping, pad_tokens),
+                   (self.logits_indices, pad_reqs), (self.seq_lens, num_reqs), (self.block_tables, num_reqs)]
+        if self.attention_kernel != "sdpa":   # the flash kernels take cumulative lengths
+            cu = self.cu_seqlens.np
+            cu[:num_reqs + 1] = query_start
+            cu[num_reqs + 1] = 0
+            np.cumsum(seq_lens, out=cu[num_reqs + 2:2 * num_reqs + 2])
+            uploads.append((self.cu_seqlens, 2 * num_reqs + 2))
+        for buf, n in uploads:
+            buf.upload(n)
+        if self._uploaded is not None:
+            self._uploaded.record()
+        md = self._planner.plan(num_real_tokens=num_tokens, num_decodes=num_decodes, query_start_loc=query_start,
+                                seq_lens=seq_lens, seq_lens_dev=self.seq_lens.dev[:num_reqs],
+                                block_tables=self.block_tables.dev[:num_reqs], cu_seqlens=self.cu_seqlens.dev)
+        return md, len(need)
+
+    # --- captures outside a step (warmup, admin) --------------------------------------------
+    def capture(self, descriptors: list[BatchDescriptor], *, pin: bool = True,
+                progress: Callable[[int, int, str], None] | None = None) -> WarmupReport:
+        """Capture `descriptors` now, outside any step (pinned by default). The captured run and the
+        replay after it attend to nothing and write K/V only to the scratch slot: every token is
+        pointed there and every logits row at token 0 first, so stale buffers from the last step
+        can reach no real slot and no index is out of range for any descriptor."""
+        too_big = [str(d) for d in descriptors if d.num_tokens > self.max_tokens or d.num_reqs > self.max_reqs]
+        if too_big:
+            raise ValueError(f"descriptors {too_big} exceed the static buffers ({self.max_tokens} tokens, "
+                             f"{self.max_reqs} requests); raise max_num_batched_tokens / max_num_seqs")
+        self.slot_mapping.dev.fill_(self.scratch_slot)
+        self.logits_indices.dev.zero_()
+        with forward_context(AttentionMetadata.empty()):
+            return self.cache.warmup(descriptors, pin=pin, progress=progress)
+
+    def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> WarmupReport:
+        """Capture the settings' warmup descriptors (pinned). enforce_eager: nothing to capture."""
+        if self.settings.enforce_eager:
+            return WarmupReport()
+        return self.capture(self._warmup_descs, pin=True, progress=progress)

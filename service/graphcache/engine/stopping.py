@@ -1,0 +1,46 @@
+"""The stop rules that end a sequence, and the text it may stream so far. Pure Python: the
+scheduler's postprocess runs them after every step.
+
+Stop rules (checked after each new token, in this order): stop token ids and EOS (unless
+ignore_eos) -> "stop"; stop strings on the incrementally detokenized text -> "stop", with the stop
+string and anything after it cut from the output (OpenAI semantics; the detokenizer does the cut
+and holds back a tail that could still become a stop string); max_tokens or max_model_len
+-> "length".
+
+Text comes from the tokenizer's IncrementalDetokenizer (model/tokenizer.py): add(ids) returns only
+text that is safe to emit (no split UTF-8 character, no tail that may still grow into a stop
+string), cuts a stop string and what follows, and sets `.stopped`; finish() flushes.
+"""
+
+from __future__ import annotations
+
+from graphcache.engine.sequence import Sequence
+
+
+def check_stop(seq: Sequence, token_id: int, *, eos_token_ids: set[int] | frozenset[int],
+               max_model_len: int) -> str | None:
+    """Update `seq`'s text with its newest token (already appended) and return a finish reason or None."""
+    params = seq.params
+    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
+        return "stop"   # the stop token stays in token ids but adds no text (like OpenAI/vLLM)
+    if seq.detokenizer is not None and not seq.defer_text:
+        seq.output_text += seq.detokenizer.add([token_id])
+        if seq.detokenizer.stopped is not None:
+            return "stop"
+    if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
+        return "length"
+    return None
+
+
+def sendable_text(seq: Sequence, finished: bool) -> str:
+    """Text not yet streamed; on finish, first flush what the detokenizer held back."""
+    if finished and seq.detokenizer is not None:
+        if seq.defer_text:   # one pass over the whole output; a final stop token adds no text
+            ids = seq.output_token_ids
+            ids = ids[:-1] if seq.finish_reason == "stop" and ids else ids
+            seq.output_text += seq.detokenizer.add(list(ids))
+        seq.output_text += seq.detokenizer.finish()
+        seq.detokenizer = None   # flushed once; nothing more will come
+    delta = seq.output_text[seq.num_text_sent:]
+    seq.num_text_sent = len(seq.output_text)
+    return delta

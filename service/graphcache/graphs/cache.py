@@ -1,0 +1,454 @@
+"""GraphCache: one breakable capture per batch descriptor, under an entry and a byte budget.
+
+`run(desc)` replays the capture for `desc` when there is one; on a miss it admits and
+captures (then replays), or serves the step eagerly. Every decision is counted.
+
+Memory (see docs/graph-pools.md): two kinds of graph pool.
+- Pinned entries (warmup, `pin=True`) are captured into ONE shared "pinned pool". They are
+  never evicted by the budgets, so sharing costs no evictability: the pool holds about the
+  largest capture plus one cuBLAS workspace instead of the sum, and goes back to the driver
+  when its last graph is dropped (clear(), or manual eviction of every pinned entry).
+- Lazily admitted entries (`run`, `warmup(pin=False)`) get one private pool each: evicting
+  one drops its graphs, and `empty_cache` returns exactly its bytes.
+Bytes are the allocator's, never an estimate: total = pinned pool + sum of private pools.
+A pinned entry's `bytes` is the growth of the pinned pool during its capture (0 when the
+pool already had room); `pool` in `entries()` says which kind. Budgets are enforced before
+a capture (room is made first, from a size hint measured on earlier captures), so memory
+never exceeds the budget by a whole graph.
+
+Threading: one owner thread (the engine thread) drives the cache and all GPU work: `run`,
+`warmup`, `clear`, `evict` raise RuntimeError from any other thread. A capture in progress
+fails if another thread issues unsafe CUDA calls, and capture/replay state is not locked.
+`entries`, `stats` and `info` only read stored numbers and may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from graphcache.graphs.capture import BreakableGraph, capture
+from graphcache.graphs.descriptor import BatchDescriptor
+from graphcache.graphs.pool import all_graph_pools_bytes, new_pool, pool_bytes, reserved_bytes
+from graphcache.metrics import EVICTION_REASONS, FAILURE_REASONS, Metrics
+
+__all__ = ["CacheStats", "ClearReport", "EntryInfo", "GraphCache", "WarmupReport"]
+
+log = logging.getLogger(__name__)
+Mode = Literal["replay", "eager"]
+
+
+@dataclass
+class EntryInfo:
+    descriptor: str
+    bytes: int  # allocator-measured graph-pool bytes
+    capture_seconds: float
+    hits: int
+    last_use: float  # unix time
+    pinned: bool
+    graphs: int
+    breaks: int
+    # "pinned": in the shared pinned pool, `bytes` = that pool's growth during this capture
+    # (may be 0; the pool is freed only with the last pinned entry). "private": its own pool.
+    pool: Literal["pinned", "private"] = "private"
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    captures: int = 0
+    capture_seconds: float = 0.0
+    evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(EVICTION_REASONS, 0))
+    failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_REASONS, 0))
+    pool_bytes: int = 0
+    entries: int = 0
+    padded_tokens: int = 0
+    pinned_pool_bytes: int = 0  # part of pool_bytes: the shared pinned pool, allocator-measured
+
+
+@dataclass
+class WarmupReport:
+    captured: list[str] = field(default_factory=list)
+    cached: list[str] = field(default_factory=list)  # already held (now pinned when pin=True)
+    failed: dict[str, str] = field(default_factory=dict)  # descriptor -> reason
+    seconds: float = 0.0
+    pool_bytes: int = 0
+
+
+@dataclass
+class ClearReport:
+    entries: int
+    pool_bytes: int  # what the entries held, allocator-measured at capture
+    bytes_freed: int  # allocator reserved bytes before minus after
+
+
+@dataclass
+class _Entry:
+    desc: BatchDescriptor
+    graph: BreakableGraph
+    pool: Any
+    bytes: int
+    capture_seconds: float
+    pinned: bool = False
+    shared: bool = False  # captured into the shared pinned pool (bytes: its growth then)
+    hits: int = 0
+    last_use: float = field(default_factory=time.time)
+    addresses: list[int] | None = None  # debug mode: input data_ptrs at capture
+
+
+class GraphCache:
+    def __init__(self, step_fn: Callable[[BatchDescriptor], None], *, backend: Literal["cuda", "eager"],
+                 max_entries: int, max_bytes: int, admission: str = "always", admission_min_misses: int = 2,
+                 debug: bool = False, metrics: Metrics | None = None,
+                 input_tensors: Callable[[BatchDescriptor], list[torch.Tensor]] | None = None,
+                 measure_bytes: Callable[[BatchDescriptor, Any], int] | None = None) -> None:
+        if admission not in ("always", "after_n", "never"):
+            raise ValueError(f"admission must be 'always', 'after_n' or 'never', got {admission!r}")
+        if backend not in ("cuda", "eager"):
+            raise ValueError(f"backend must be 'cuda' or 'eager', got {backend!r}")
+        self.step_fn, self.backend = step_fn, backend
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self.admission, self.admission_min_misses = admission, admission_min_misses
+        self.debug, self.metrics, self.input_tensors = debug, metrics, input_tensors
+        # Overridable so CPU tests can give entries a size; default: the pool's allocator bytes.
+        self.measure_bytes = measure_bytes or (lambda desc, pool: pool_bytes(pool))
+        self.failpoint: Callable[[BatchDescriptor], None] | None = None  # tests inject capture failures
+        self.warmed_up = False
+        self._entries: OrderedDict[BatchDescriptor, _Entry] = OrderedDict()  # LRU first
+        self._negative: dict[BatchDescriptor, tuple[str, str]] = {}  # desc -> (reason, detail)
+        self._miss_counts: Counter[BatchDescriptor] = Counter()
+        self._size_hints: dict[BatchDescriptor, int] = {}  # measured bytes of past captures (own pool)
+        # The shared pool of pinned captures: created on the first, dropped with the last entry
+        # in it (never reused after: see pool.py). Bytes: allocator-measured after each capture
+        # into it; it only grows while any graph on it lives, so between captures it is exact.
+        self._pinned_pool: Any = None
+        self._pinned_bytes = 0
+        self._stats = CacheStats()
+        self._stream: Any = None  # the capture stream, created on first capture
+        self._owner: int | None = None
+        if metrics is not None:
+            metrics.graph_backend.labels(backend).set(1)
+            metrics.graph_max_entries.set(max_entries)
+            metrics.graph_pool_budget_bytes.set(max_bytes)
+            self._update_gauges()
+
+    # --- serving ---
+    def run(self, desc: BatchDescriptor, real_tokens: int | None = None) -> Mode:
+        """Run one step for `desc` over the static buffers: replay, capture then replay, or eager."""
+        self._check_owner()
+        if real_tokens is not None:
+            padded = desc.num_tokens - real_tokens
+            if padded < 0:
+                raise ValueError(f"{real_tokens} real tokens do not fit descriptor {desc}")
+            self._stats.padded_tokens += padded
+            if self.metrics is not None and padded:
+                self.metrics.padded_tokens.inc(padded)
+        entry = self._entries.get(desc)
+        if entry is not None:
+            entry.hits += 1
+            self._stats.hits += 1
+            if self.metrics is not None:
+                self.metrics.graph_hits.inc()
+            self._entries.move_to_end(desc)
+            self._replay(entry)
+            return "replay"
+        self._stats.misses += 1
+        if self.metrics is not None:
+            self.metrics.graph_misses.inc()
+        if self._admit(desc) and self._capture_entry(desc, pinned=False) is not None:
+            return "replay"  # the capture ran the step (see _capture_entry)
+        self.step_fn(desc)
+        return "eager"
+
+    def _admit(self, desc: BatchDescriptor) -> bool:
+        if desc in self._negative or self.admission == "never":
+            return False
+        if self.admission == "after_n":
+            self._miss_counts[desc] += 1
+            return self._miss_counts[desc] >= self.admission_min_misses
+        return True
+
+    def _replay(self, entry: _Entry) -> None:
+        if entry.addresses is not None and self.input_tensors is not None:
+            now = [t.data_ptr() for t in self.input_tensors(entry.desc)]
+            if now != entry.addresses:
+                raise RuntimeError(
+                    f"graph debug: input addresses of {entry.desc} moved since capture ({entry.addresses} -> "
+                    f"{now}); the graph would read stale memory. Fix: allocate static buffers once and write "
+                    "into them in place (copy_), never rebind them.")
+        entry.last_use = time.time()
+        entry.graph.replay()
+
+    # --- capture under budgets ---
+    def _capture_entry(self, desc: BatchDescriptor, *, pinned: bool) -> _Entry | None:
+        """Make room, capture, measure, admit or refuse. None: serve eagerly (reason counted).
+
+        Pinned captures go into the shared pinned pool, the others into a fresh private pool.
+        """
+        shared = pinned
+        if not self._make_room(desc, shared=shared):
+            self._refuse(desc, "budget", f"no room: {len(self._entries)} entries / {self._total_bytes()} bytes "
+                         f"held, pinned entries cannot be evicted")
+            return None
+        if shared and self._pinned_pool is None:
+            self._pinned_pool, self._pinned_bytes = new_pool(self.backend), 0
+        pool = self._pinned_pool if shared else new_pool(self.backend)
+        before = self._pinned_bytes if shared else 0
+        try:
+            if self.failpoint is not None:
+                self.failpoint(desc)
+            graph, seconds = self._capture(desc, pool)
+        except Exception as e:
+            reason = "oom" if isinstance(e, torch.OutOfMemoryError) else "error"
+            self._refuse(desc, reason, f"{type(e).__name__}: {e}")
+            if shared:
+                self._settle_pinned_pool(desc)
+            if self.backend == "cuda":
+                torch.cuda.empty_cache()  # give back what the failed capture's pool reserved
+            return None
+        measured = int(self.measure_bytes(desc, pool))
+        if shared:
+            # The pool's memory is already reserved and stays until its last graph goes: count
+            # it now, whatever happens to this entry. Growth, not the pool, is this entry's size.
+            self._pinned_bytes = measured
+            size = max(0, measured - before)
+            if before == 0:
+                self._size_hints[desc] = measured  # a capture into an empty pool: its full size
+        else:
+            size = measured
+            self._size_hints[desc] = size
+        entry = _Entry(desc, graph, pool, size, seconds, pinned=pinned, shared=shared)
+        if self.debug and self.input_tensors is not None:
+            entry.addresses = [t.data_ptr() for t in self.input_tensors(desc)]
+        # The hint may have been short: evict more, and refuse the entry if it still does not fit.
+        pending = 0 if shared else size  # a pinned capture's growth is already in _total_bytes()
+        while self._total_bytes() + pending > self.max_bytes and self._evict_lru("bytes"):
+            pass
+        if self._total_bytes() + pending > self.max_bytes:
+            if not shared or not self._has_shared():
+                # Private pool, or the pinned pool holds only this graph: dropping it frees it all.
+                graph.close()
+                if shared:
+                    self._pinned_pool, self._pinned_bytes = None, 0
+                self._refuse(desc, "budget", f"capture of {size} bytes exceeds the {self.max_bytes}-byte budget")
+                self._free_memory()
+                return None
+            # The pinned pool grew past the budget (fragmentation beyond the hint). Refusing
+            # would not return a byte (the pool is freed only with its last graph), so keep
+            # the graph; the over-budget bytes are counted, and lazy captures wait for room.
+            log.warning("pinned capture %s grew the pinned pool by %d bytes to %d bytes held, over the "
+                        "%d-byte budget; kept (its memory returns only on clear())", desc, size,
+                        self._total_bytes(), self.max_bytes)
+        self._entries[desc] = entry
+        self._stats.captures += 1
+        self._stats.capture_seconds += seconds
+        if self.metrics is not None:
+            self.metrics.graph_captures.inc()
+            self.metrics.graph_capture_seconds.observe(seconds)
+        self._update_gauges()
+        log.debug("captured %s: %d graphs, %d breaks, %d bytes (%s pool), %.1f ms", desc, graph.num_graphs,
+                  graph.num_breaks, size, "pinned" if shared else "private", seconds * 1e3)
+        if self.backend == "cuda":
+            # Capture runs the eager ops over not-yet-computed inputs (the graphs did not run),
+            # so they wrote garbage (e.g. KV slots of this step); one replay makes it right.
+            # (The eager backend's capture already ran the step for real.)
+            graph.replay()
+        return entry
+
+    def _settle_pinned_pool(self, desc: BatchDescriptor) -> None:
+        """After a failed capture into the pinned pool: drop it if no graph uses it, else re-measure
+        it (what the failed capture reserved there stays until the pool goes)."""
+        if not self._has_shared():
+            self._pinned_pool, self._pinned_bytes = None, 0  # its partial graphs were reset
+        else:
+            self._pinned_bytes = int(self.measure_bytes(desc, self._pinned_pool))
+            self._update_gauges()
+
+    def _has_shared(self) -> bool:
+        return any(e.shared for e in list(self._entries.values()))
+
+    def _capture(self, desc: BatchDescriptor, pool: Any) -> tuple[BreakableGraph, float]:
+        if self.backend == "cuda" and self._stream is None:
+            self._stream = torch.cuda.Stream()
+        t0 = time.perf_counter()
+        graph = capture(lambda: self.step_fn(desc), backend=self.backend, pool=pool, stream=self._stream,
+                        warmup=True)
+        return graph, time.perf_counter() - t0
+
+    def _make_room(self, desc: BatchDescriptor, *, shared: bool = False) -> bool:
+        if self.max_entries <= 0:
+            return False
+        while len(self._entries) >= self.max_entries:
+            if not self._evict_lru("entries"):
+                return False
+        need = self._size_hint(desc)
+        if shared:
+            # A capture into the pinned pool reuses all of it (between replays every block there
+            # is free scratch, the cuBLAS workspace included: capture() releases it first), so
+            # its growth is about what exceeds the pool: 0..hint. Fragmentation beyond that is
+            # caught after the capture.
+            need = max(0, need - self._pinned_bytes)
+        while self._total_bytes() + need > self.max_bytes:
+            if not self._evict_lru("bytes"):
+                return False
+        return True
+
+    def _size_hint(self, desc: BatchDescriptor) -> int:
+        """Expected bytes of a capture of `desc`: its own past size, else the largest past
+        capture of a batch no bigger (graph memory grows with batch size), else the smallest."""
+        if desc in self._size_hints:
+            return self._size_hints[desc]
+        smaller = [b for d, b in self._size_hints.items() if d.num_tokens <= desc.num_tokens]
+        if smaller:
+            return max(smaller)
+        return min(self._size_hints.values(), default=0)
+
+    def _evict_lru(self, reason: str) -> bool:
+        victim = next((d for d, e in self._entries.items() if not e.pinned), None)
+        if victim is None:
+            return False
+        self._drop(victim, reason)
+        return True
+
+    def _drop(self, desc: BatchDescriptor, reason: str) -> None:
+        entry = self._entries.pop(desc)
+        entry.graph.close()  # frees the graphs; the pool goes back on the next empty_cache
+        if entry.shared and not self._has_shared():
+            # That was the pinned pool's last graph: the pool is freeable now (its bytes return
+            # on the next empty_cache) and its handle must not be captured into again.
+            self._pinned_pool, self._pinned_bytes = None, 0
+        self._stats.evictions[reason] += 1
+        if self.metrics is not None:
+            self.metrics.graph_evictions.labels(reason).inc()
+        self._update_gauges()
+        log.info("evicted graph %s (%s, %d bytes, %s pool)", desc, reason, entry.bytes,
+                 "pinned" if entry.shared else "private")
+
+    def _refuse(self, desc: BatchDescriptor, reason: str, detail: str) -> None:
+        self._negative[desc] = (reason, detail)
+        self._stats.failures[reason] += 1
+        if self.metrics is not None:
+            self.metrics.graph_capture_failures.labels(reason).inc()
+        log.warning("graph %s not cached (%s): %s; serving it eagerly until clear()", desc, reason, detail)
+
+    # --- admin ---
+    def warmup(self, descs: list[BatchDescriptor], *, pin: bool = True,
+               progress: Callable[[int, int, str], None] | None = None) -> WarmupReport:
+        """Capture `descs` largest first (the largest sets the pool high-water mark), pinned."""
+        self._check_owner()
+        report, t0 = WarmupReport(), time.perf_counter()
+        todo = sorted(set(descs), key=lambda d: (d.num_tokens, d.num_reqs, d.uniform_decode), reverse=True)
+        for i, desc in enumerate(todo):
+            entry = self._entries.get(desc)
+            if entry is not None:
+                entry.pinned = entry.pinned or pin
+                report.cached.append(str(desc))
+            else:
+                self._negative.pop(desc, None)  # an explicit warmup retries past failures
+                if self._capture_entry(desc, pinned=pin) is not None:
+                    report.captured.append(str(desc))
+                else:
+                    report.failed[str(desc)] = self._negative[desc][0]
+            if progress is not None:
+                progress(i + 1, len(todo), str(desc))
+        report.seconds = time.perf_counter() - t0
+        report.pool_bytes = self._total_bytes()
+        self.warmed_up = True
+        return report
+
+    def evict(self, desc: BatchDescriptor) -> bool:
+        """Drop one entry (pinned or not) and return its memory. False if it was not cached.
+
+        A private entry's pool is returned at once. An entry in the pinned pool leaves its
+        blocks there (reused by later pinned captures); the pinned pool returns to the
+        driver when its last entry is evicted, or on clear()."""
+        self._check_owner()
+        if desc not in self._entries:
+            return False
+        self._drop(desc, "manual")
+        self._free_memory()
+        return True
+
+    def clear(self) -> ClearReport:
+        """Drop every entry (the pinned pool too) and the negative cache; return the memory to the driver."""
+        self._check_owner()
+        if self.backend == "cuda":
+            torch.cuda.synchronize()  # no replay may still be running on memory we free
+        before, held, n = reserved_bytes(), self._total_bytes(), len(self._entries)
+        for desc in list(self._entries):
+            self._drop(desc, "clear")
+        self._negative.clear()
+        self._miss_counts.clear()
+        self._pinned_pool, self._pinned_bytes = None, 0  # already so: its last entry was dropped
+        self._free_memory()
+        return ClearReport(entries=n, pool_bytes=held, bytes_freed=max(0, before - reserved_bytes()))
+
+    def _free_memory(self) -> None:
+        if self.backend == "cuda":
+            gc.collect()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    # --- inspection (any thread) ---
+    def entries(self) -> list[EntryInfo]:
+        """Entries in eviction order: least recently used first."""
+        return [EntryInfo(str(e.desc), e.bytes, e.capture_seconds, e.hits, e.last_use, e.pinned,
+                          e.graph.num_graphs, e.graph.num_breaks, "pinned" if e.shared else "private")
+                for e in list(self._entries.values())]
+
+    def stats(self) -> CacheStats:
+        s = self._stats
+        return CacheStats(s.hits, s.misses, s.captures, s.capture_seconds, dict(s.evictions), dict(s.failures),
+                          self._total_bytes(), len(self._entries), s.padded_tokens, self._pinned_bytes)
+
+    def info(self) -> dict:
+        """Everything above as JSON-able data (admin endpoint)."""
+        return {
+            "backend": self.backend,
+            "admission": self.admission,
+            "warmed_up": self.warmed_up,
+            "budgets": {"max_entries": self.max_entries, "max_bytes": self.max_bytes},
+            "totals": {"entries": len(self._entries), "pool_bytes": self._total_bytes(),
+                       "pinned_pool_bytes": self._pinned_bytes},
+            "entries": [asdict(e) for e in self.entries()],
+            # the allocator's own figure for all graph pools, to check the gauge against
+            "allocator_pool_bytes": all_graph_pools_bytes() if self.backend == "cuda" else 0,
+            "negative": [{"descriptor": str(d), "reason": r, "detail": t}
+                         for d, (r, t) in list(self._negative.items())],
+            "stats": asdict(self.stats()),
+        }
+
+    def __contains__(self, desc: BatchDescriptor) -> bool:
+        return desc in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # --- helpers ---
+    def _total_bytes(self) -> int:
+        """Allocator-measured: the pinned pool plus every private pool."""
+        return self._pinned_bytes + sum(e.bytes for e in list(self._entries.values()) if not e.shared)
+
+    def _update_gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.graph_entries.set(len(self._entries))
+            self.metrics.graph_pool_bytes.set(self._total_bytes())
+
+    def _check_owner(self) -> None:
+        me = threading.get_ident()
+        if self._owner is None:
+            self._owner = me
+        elif self._owner != me:
+            raise RuntimeError(
+                f"GraphCache is driven from thread {threading.current_thread().name!r} but is owned by thread id "
+                f"{self._owner}: all capture, replay and GPU work must come from one thread (a capture fails if "
+                "another thread issues CUDA calls). Fix: send the request to the engine thread's queue.")

@@ -1,0 +1,279 @@
+"""Breakable capture: record a step as CUDA graph segments split by eager breaks.
+
+An op decorated with `eager_break` cannot live in a graph (attention over per-request
+lengths read from host state). Inside `capture()` a call to it ends the current graph
+segment, runs the op eagerly, records it with non-owning views of its tensor arguments,
+and begins the next segment. `BreakableGraph.replay()` then runs graph, op, graph, ...
+in order on the current stream.
+
+Contracts (see ../../docs/ARCHITECTURE.md):
+- eager ops write into buffers they are given: returning a tensor during capture raises,
+  because a fresh tensor would sit at a new address on every replay;
+- one active capture per thread; a nested capture raises;
+- if the step raises, the stream leaves capture mode, partial graphs are dropped, and the
+  next capture and replay work.
+
+Backend "eager" (no CUDA) keeps the same API and contract checks; its replay calls the
+step eagerly over the same static buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+import torch.utils._pytree as pytree
+
+__all__ = ["BreakableGraph", "CaptureError", "EagerStep", "capture", "eager_break", "is_capturing"]
+
+log = logging.getLogger(__name__)
+Backend = Literal["cuda", "eager"]
+
+
+class CaptureError(RuntimeError):
+    """A step broke the capture contract; the message names the fix."""
+
+
+class _ThreadState(threading.local):
+    active: _Capture | None = None  # the capture running on this thread
+
+
+_state = _ThreadState()
+
+
+def is_capturing() -> bool:
+    """True while this thread is inside `capture()`."""
+    return _state.active is not None
+
+
+def eager_break(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark `fn` as an eager break. Outside a capture it just calls through."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        active = _state.active
+        if active is None:
+            return fn(*args, **kwargs)
+        return active.run_break(fn, args, kwargs)
+
+    return wrapper
+
+
+class EagerStep:
+    """One eager op recorded for replay: fn with non-owning views of its CUDA tensor args."""
+
+    __slots__ = ("fn", "args", "kwargs", "name")
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.name = getattr(fn, "__qualname__", repr(fn))
+
+    def replay(self) -> None:
+        self.fn(*self.args, **self.kwargs)
+
+    def __repr__(self) -> str:
+        return f"EagerStep({self.name})"
+
+
+def _non_owning(x: Any) -> Any:
+    """A view of a CUDA tensor's memory that does not keep its storage alive.
+
+    A recorded eager step must not pin memory: evicting an entry has to return its pool,
+    and a stored owning reference to an activation would keep that block allocated.
+    The memory stays valid as long as the graphs of the same capture (and thus its pool)
+    live, which is exactly as long as this step can be replayed. Same construction as
+    torch._inductor.cudagraph_trees.
+    """
+    if not (isinstance(x, torch.Tensor) and x.is_cuda):
+        return x
+    storage = x.untyped_storage()
+    alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), x.device, storage.nbytes())
+    metadata = {"data_ptr": storage.data_ptr(), "nbytes": storage.nbytes(), "device": x.device,
+                "size": x.shape, "stride": x.stride(), "storage_offset": x.storage_offset(), "dtype": x.dtype}
+    return torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata(metadata, alias)
+
+
+def _check_no_tensor(fn: Callable[..., Any], result: Any, backend: Backend) -> None:
+    # On the eager backend any tensor counts: it stands in for a device tensor, so the
+    # CPU tests catch the same contract violation the GPU would.
+    for leaf in pytree.tree_leaves(result):
+        if isinstance(leaf, torch.Tensor) and (backend == "eager" or leaf.is_cuda):
+            raise CaptureError(
+                f"eager-break op {getattr(fn, '__qualname__', fn)!r} returned a tensor during capture; its address "
+                "would change on every replay. Fix: write into a caller-provided output buffer and return None.")
+
+
+class _Capture:
+    """State of the capture running on one thread: finished segments and the open graph."""
+
+    def __init__(self, backend: Backend, pool: Any = None, error_mode: str = "thread_local") -> None:
+        self.backend, self.pool, self.error_mode = backend, pool, error_mode
+        self.segments: list[Any] = []  # torch.cuda.CUDAGraph | EagerStep, in replay order
+        self.open_graph: torch.cuda.CUDAGraph | None = None
+
+    def begin_segment(self) -> None:
+        g = torch.cuda.CUDAGraph()
+        self.segments.append(g)  # appended first so abort() resets it whatever happens next
+        g.capture_begin(pool=self.pool, capture_error_mode=self.error_mode)
+        self.open_graph = g
+
+    def end_segment(self) -> None:
+        assert self.open_graph is not None
+        self.open_graph.capture_end()  # if this raises, open_graph stays set for abort()
+        self.open_graph = None
+
+    def run_break(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if self.backend == "eager":
+            result = fn(*args, **kwargs)
+            _check_no_tensor(fn, result, "eager")
+            self.segments.append(EagerStep(fn, (), {}))  # replay re-runs the step, not the op
+            return result
+        self.end_segment()
+        result = fn(*args, **kwargs)  # inputs sit at static addresses in this capture's pool
+        _check_no_tensor(fn, result, "cuda")
+        args, kwargs = pytree.tree_map(_non_owning, (args, kwargs))
+        self.segments.append(EagerStep(fn, args, kwargs))
+        self.begin_segment()
+        return result
+
+    def abort(self) -> None:
+        """Leave capture mode and drop every partial graph; never raises."""
+        g, self.open_graph = self.open_graph, None
+        if g is not None:
+            try:
+                g.capture_end()
+            except Exception as e:  # e.g. capture invalidated by an OOM or a sync inside it
+                log.warning("ending an aborted capture failed (%s); discarding it", e)
+                # A failed capture_end may skip the allocator's endAllocateToPool, leaving it
+                # routing this stream's allocations into the dead pool. Undo it if still set.
+                with contextlib.suppress(Exception):
+                    torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), self.pool)
+        _release_cublas_workspaces()
+        for seg in self.segments:
+            if isinstance(seg, torch.cuda.CUDAGraph):
+                try:
+                    seg.reset()
+                except Exception as e:
+                    log.warning("resetting a partial graph failed: %s", e)
+        self.segments.clear()
+
+
+def _release_cublas_workspaces() -> None:
+    # The cached cuBLAS workspace of the last capture lives in its pool and is a live block
+    # there; free it so a dropped pool can be released. Safe for live captures: each took a
+    # private workspace (see capture()), whose block stays reserved in its own pool.
+    torch._C._cuda_clearCublasWorkspaces()
+
+
+def _replay_call(seg: Any) -> Callable[[], None]:
+    if isinstance(seg, EagerStep):
+        return functools.partial(seg.fn, *seg.args, **seg.kwargs)
+    # Bind the C++ replay directly: skips a Python frame per segment on the hot path.
+    return functools.partial(torch._C._CUDAGraph.replay, seg)
+
+
+class BreakableGraph:
+    """A finished capture: segments replayed in order (cuda) or the step re-run (eager)."""
+
+    def __init__(self, backend: Backend, segments: list[Any], *, step: Callable[[], None] | None = None,
+                 pool: Any = None) -> None:
+        self.backend, self.pool, self._step = backend, pool, step
+        self.segments = segments
+        self.num_breaks = sum(isinstance(s, EagerStep) for s in segments)
+        self.num_graphs = len(segments) - self.num_breaks
+        self._calls = [_replay_call(s) for s in segments] if backend == "cuda" else [step]
+
+    @property
+    def break_names(self) -> list[str]:
+        return [s.name for s in self.segments if isinstance(s, EagerStep)]
+
+    def replay(self) -> None:
+        # Eager steps run outside the forward that created their tensors; if that forward ran
+        # under inference_mode, an in-place write to its (inference) tensors is only legal
+        # inside inference_mode. Replays never need autograd, so always replay inside it.
+        with torch.inference_mode():
+            for call in self._calls:
+                call()
+
+    def close(self) -> None:
+        """Drop the graphs so their pool can be released (then empty_cache returns it)."""
+        if self.backend == "cuda":
+            _release_cublas_workspaces()
+        for seg in self.segments:
+            if isinstance(seg, torch.cuda.CUDAGraph):
+                seg.reset()
+        self.segments, self._calls, self._step = [], [], None
+
+    def __repr__(self) -> str:
+        return f"BreakableGraph(backend={self.backend}, graphs={self.num_graphs}, breaks={self.num_breaks})"
+
+
+def capture(step: Callable[[], None], *, backend: Backend, pool: Any = None,
+            stream: torch.cuda.Stream | None = None, capture_error_mode: str = "thread_local",
+            warmup: bool = False) -> BreakableGraph:
+    """Capture `step` (reads and writes static buffers only, returns None) as a BreakableGraph.
+
+    cuda: every segment on `pool` (default: a fresh private one) and on `stream` (default: a
+    new side stream; capture cannot run on the legacy default stream). capture_error_mode
+    "thread_local" so a stray CUDA call from another thread cannot invalidate the capture.
+    warmup: run `step` once eagerly on the capture stream first, so lazy initialisation (cuBLAS
+    handles, kernels' first-call setup, Triton compiles) never happens inside the capture.
+    """
+    if _state.active is not None:
+        raise CaptureError("capture() called inside another capture on this thread; nested captures are "
+                           "not supported. Fix: capture each step separately, one after another.")
+    if backend == "eager":
+        return _capture_eager(step)
+    if backend != "cuda":
+        raise ValueError(f"unknown capture backend {backend!r}; use 'cuda' or 'eager'")
+    if torch.cuda.is_current_stream_capturing():
+        raise CaptureError("capture() called while the current stream is already capturing "
+                           "(inside torch.cuda.graph?). Fix: call it outside any other graph capture.")
+    stream = stream if stream is not None else torch.cuda.Stream()
+    if warmup:
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+    # Once per capture, never per segment: per-segment gc/empty_cache made vLLM's capture crawl.
+    gc.collect()
+    torch.cuda.synchronize()
+    # cuBLAS keeps one workspace per stream and bakes its address into captured GEMMs, and
+    # CUDAGraph.reset() frees the workspace of its capture stream. A workspace shared by
+    # several captures would dangle once any one of them is evicted, so drop the cached
+    # ones: this capture allocates its own workspace inside its own pool, and dies with it.
+    _release_cublas_workspaces()
+    torch.cuda.empty_cache()
+    pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+    stream.wait_stream(torch.cuda.current_stream())  # buffers written on the caller's stream first
+    active = _Capture("cuda", pool, capture_error_mode)
+    _state.active = active
+    try:
+        with torch.cuda.stream(stream):
+            try:
+                active.begin_segment()
+                step()
+                active.end_segment()
+            except BaseException:
+                active.abort()  # must run on the capture stream: capture_end checks it
+                raise
+    finally:
+        _state.active = None
+    torch.cuda.current_stream().wait_stream(stream)
+    return BreakableGraph("cuda", active.segments, pool=pool)
+
+
+def _capture_eager(step: Callable[[], None]) -> BreakableGraph:
+    active = _Capture("eager")
+    _state.active = active
+    try:
+        step()  # breaks are counted and the contract checked, exactly as under CUDA
+    finally:
+        _state.active = None
+    return BreakableGraph("eager", active.segments, step=step)

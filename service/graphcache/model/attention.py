@@ -1,0 +1,276 @@
+"""Paged attention: the eager break of every decoder layer, and its per-step plan.
+
+Split of work (why): every graph-mode step replays this break once per layer, and at small batches
+the step is host-bound, so each torch call made here costs ~10 us x layers x steps. Hence:
+- the KV write is NOT here: llama.Attention writes this step's k/v into the cache inside the graph
+  segment (index_copy_ by the runner's static `slot_mapping`; padded rows go to a scratch slot no
+  sequence owns), so it costs nothing on the host at replay;
+- everything shared by all layers (flat slot indices of each request's context, masks, cumulative
+  lengths) is built ONCE per step by `AttentionPlanner.plan` (the runner calls it) and read here;
+- the break itself is a handful of torch calls: gather the context slots, one attention kernel,
+  (SDPA path) one copy into `out`. No host syncs, no per-layer mask building, no zeroing.
+
+Three kernels, one plan each:
+- "flash_paged" (CUDA, fp16/bf16, block_size a multiple of 256, FlashAttention's paged-KV page
+  size): FlashAttention varlen over ALL requests of the step at once, decode and prefill alike
+  (causal, bottom-right aligned), reading the paged cache through the block tables and writing
+  straight into `out`: per layer ONE kernel, nothing gathered.
+- "flash" (same, any block_size): the same call over a gathered copy of every request's context:
+  per layer one gather + one kernel. Only the real context is gathered (sum of seq_lens).
+- "sdpa" (CPU, fp32, or a torch without the varlen op): torch SDPA. Decodes batched as one call over
+  [num_decodes, L] gathered slots with an additive mask; prefills one call each.
+
+Token layout of a step (the runner orders it this way): the `num_decodes` requests that feed one
+token each come first (token i belongs to request i), then the multi-token (prefill or chunk)
+requests, each a contiguous run [query_start_loc[i], query_start_loc[i + 1]). Rows past the real
+tokens are padding: the break leaves their `out` rows untouched. That is safe: padded rows only
+ever meet their own row (norms, rotary and matmuls are row-wise), they write K/V only to the
+scratch slot, the scratch slot is never gathered, and no logits row reads them.
+
+KV cache per layer: [2, num_slots, K, D] (k, v), slot = block * block_size + offset. It is
+zero-filled and only real tokens write real slots, so every gathered slot holds finite values:
+masked positions get softmax weight 0, and 0 * NaN would still be NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from graphcache.graphs.capture import eager_break, is_capturing
+from graphcache.model.forward_context import current_attention_metadata
+
+__all__ = ["ATTENTION_BACKENDS", "AttentionMetadata", "AttentionPlanner", "paged_attention",
+           "select_attention_kernel"]
+
+# The mem-efficient SDPA kernel wants the mask's key dim a multiple of 16; otherwise it pads the
+# mask with extra ops on every call. The decode context length is rounded up to this.
+_MASK_ALIGN = 16
+_FLASH_INPLACE = getattr(torch.ops.aten, "_flash_attention_forward_no_dropout_inplace", None)
+# Older torch (2.11 on the H200 box) has only the out-of-place op; it may lack block tables too.
+_FLASH = getattr(torch.ops.aten, "_flash_attention_forward", None)
+_FLASH_PAGES = any("block_table" in str(op._schema) for op in
+                   ([_FLASH_INPLACE.default] if _FLASH_INPLACE is not None else [])
+                   + ([_FLASH.default] if _FLASH is not None else []))
+
+
+def _flash_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_tokens: int,
+                cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, scale: float,
+                **paged) -> None:
+    """FlashAttention varlen (causal, bottom-right aligned) of the first num_tokens rows into out.
+    In place where torch has the in-place op; else one extra copy of the [num_tokens, H, D] result."""
+    if _FLASH_INPLACE is not None:
+        _FLASH_INPLACE(out, q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale,
+                       window_size_left=-1, window_size_right=0, **paged)
+        return
+    o = _FLASH(q[:num_tokens], k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale,
+               window_size_left=-1, window_size_right=0, **paged)[0]
+    out[:num_tokens].copy_(o)
+
+
+FLASH_PAGE_MULTIPLE = 256   # FlashAttention 2 takes a paged KV cache only in pages of a multiple of 256
+
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "flash_paged")
+
+
+def select_attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int,
+                            backend: str = "auto") -> str:
+    """"flash_paged" / "flash" where the FlashAttention varlen kernel applies, else "sdpa".
+    `backend` (Settings.attention_backend) other than "auto" forces a kernel (A/B runs); a forced
+    kernel that cannot run here raises."""
+    flash_ok = (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
+                and head_dim <= 256 and (_FLASH_INPLACE is not None or _FLASH is not None))
+    paged_ok = flash_ok and _FLASH_PAGES and block_size % FLASH_PAGE_MULTIPLE == 0
+    if backend == "auto":
+        return "flash_paged" if paged_ok else "flash" if flash_ok else "sdpa"
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={backend!r}: use one of {', '.join(ATTENTION_BACKENDS)}")
+    if (backend == "flash" and not flash_ok) or (backend == "flash_paged" and not paged_ok):
+        pages = f", and block_size a multiple of {FLASH_PAGE_MULTIPLE}" if backend == "flash_paged" else ""
+        raise RuntimeError(f"attention_backend={backend} needs CUDA, fp16/bf16, head_dim % 8 == 0 and <= 256, "
+                           f"a torch with aten._flash_attention_forward (with block_table for paged){pages}")
+    return backend
+
+
+@dataclass
+class PrefillPlan:
+    """One multi-token request on the SDPA path."""
+    start: int                           # its token rows are [start, end) of the step
+    end: int
+    context_slots: torch.Tensor | None   # [L] int64 slots of its whole context; None: no cached context,
+                                         # it attends to this step's own k/v rows (plain causal)
+    mask: torch.Tensor | None            # [n, L] additive (0 / -inf), causal in absolute positions
+
+
+@dataclass
+class AttentionMetadata:
+    num_real_tokens: int
+    kernel: str = "sdpa"
+    # SDPA path: decodes batched (rows 0..num_decodes-1), prefills one call each
+    num_decodes: int = 0
+    decode_len: int = 0                          # L: longest decode context, rounded up to _MASK_ALIGN
+    decode_slots: torch.Tensor | None = None     # [num_decodes * L] int64 flat slots (row-major [nd, L])
+    decode_mask: torch.Tensor | None = None      # [num_decodes, 1, 1, L] additive (0 / -inf), model dtype
+    # shapes the decode call views its tensors as (host tuples: no shape reads in the break)
+    decode_kv_shape: tuple[int, ...] = ()        # (2, nd, L, K, D): the gathered slots, split per request
+    decode_q_shape: tuple[int, ...] = ()         # (nd, K, G, D): query heads grouped by their KV head
+    prefills: list[PrefillPlan] = field(default_factory=list)
+    # flash paths: every request in one varlen call
+    cu_seqlens_q: torch.Tensor | None = None     # [R + 1] int32 token offsets (= query_start_loc)
+    cu_seqlens_k: torch.Tensor | None = None     # [R + 1] int32 offsets into the gathered context
+    context_slots: torch.Tensor | None = None    # "flash": [sum(seq_lens)] int64 slots of every request's context
+    block_table: torch.Tensor | None = None      # "flash_paged": [R, B] int32 block ids
+    seqused_k: torch.Tensor | None = None        # "flash_paged": [R] int32 context lengths
+    max_q: int = 0
+    max_k: int = 0
+
+    @classmethod
+    def empty(cls) -> AttentionMetadata:
+        """No real tokens: the op does nothing (used for warmup captures)."""
+        return cls(num_real_tokens=0)
+
+
+class AttentionPlanner:
+    """Builds a step's AttentionMetadata on the device, once for all layers (no host syncs: every
+    size comes from host ints, every index from device tensors the runner uploaded)."""
+
+    def __init__(self, *, kernel: str, block_size: int, max_blocks_per_seq: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.kernel, self.block_size, self.dtype, self.device = kernel, block_size, dtype, device
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.max_blocks_per_seq = max_blocks_per_seq
+        max_len = max_blocks_per_seq * block_size + _MASK_ALIGN   # decode L may round past the table
+        pos = torch.arange(max_len, device=device)
+        # Static per-position lookups, so building a step's slots is a gather, not arange/div/mod.
+        self._pos = pos                                                            # [P] int64
+        self._pos_block = (pos // block_size).clamp_(max=max_blocks_per_seq - 1)  # [P] table column
+        self._pos_offset = pos % block_size                                        # [P] offset in block
+
+    def plan(self, *, num_real_tokens: int, num_decodes: int, query_start_loc: list[int], seq_lens: list[int],
+             seq_lens_dev: torch.Tensor, block_tables: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+             ) -> AttentionMetadata:
+        """seq_lens_dev [R] int64, block_tables [R, B] int64 (uploaded); cu_seqlens [2 * (R + 1)] int32
+        = (query_start_loc, cumsum of seq_lens with a leading 0), uploaded, needed by the flash kernels."""
+        if self.kernel == "flash_paged":
+            return self._plan_flash_paged(num_real_tokens, query_start_loc, seq_lens, seq_lens_dev, block_tables,
+                                          cu_seqlens)
+        if self.kernel == "flash":
+            return self._plan_flash(num_real_tokens, query_start_loc, seq_lens, seq_lens_dev, block_tables, cu_seqlens)
+        return self._plan_sdpa(num_real_tokens, num_decodes, query_start_loc, seq_lens, seq_lens_dev, block_tables)
+
+    def _slots(self, tables: torch.Tensor, length: int) -> torch.Tensor:
+        """tables [N, B] -> [N, length] int64 slot of each position 0..length-1."""
+        blocks = tables.index_select(1, self._pos_block[:length])             # [N, L]
+        return blocks * self.block_size + self._pos_offset[:length]
+
+    def _plan_sdpa(self, num_real_tokens, num_decodes, query_start_loc, seq_lens, seq_lens_dev, block_tables):
+        md = AttentionMetadata(num_real_tokens=num_real_tokens, kernel="sdpa", num_decodes=num_decodes)
+        if num_decodes:
+            longest = max(seq_lens[:num_decodes])
+            length = -(-longest // _MASK_ALIGN) * _MASK_ALIGN
+            # Positions past a request's length read whatever its table row points at (unused
+            # entries are block 0): finite data, masked out.
+            md.decode_len = length
+            heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+            md.decode_kv_shape = (2, num_decodes, length, kv_heads, dim)
+            md.decode_q_shape = (num_decodes, kv_heads, heads // kv_heads, dim)
+            md.decode_slots = self._slots(block_tables[:num_decodes], length).view(-1)        # [nd * L]
+            beyond = self._pos[:length] >= seq_lens_dev[:num_decodes, None]                     # [nd, L]
+            md.decode_mask = torch.zeros(beyond.shape, dtype=self.dtype, device=self.device).masked_fill_(
+                beyond, float("-inf")).view(num_decodes, 1, 1, length)                          # [nd, 1, 1, L]
+        for i in range(num_decodes, len(seq_lens)):
+            start, end = query_start_loc[i], query_start_loc[i + 1]
+            n, length = end - start, seq_lens[i]
+            if n == length:   # no cached context: its own k/v rows, plain causal
+                md.prefills.append(PrefillPlan(start, end, None, None))
+                continue
+            slots = self._slots(block_tables[i:i + 1], length)[0]                             # [L]
+            # query j sits at absolute position length - n + j and sees keys 0..length - n + j
+            future = self._pos[:length][None, :] > self._pos[length - n:length][:, None]        # [n, L]
+            mask = torch.zeros(future.shape, dtype=self.dtype, device=self.device).masked_fill_(future, float("-inf"))
+            md.prefills.append(PrefillPlan(start, end, slots, mask))
+        return md
+
+    def _plan_flash(self, num_real_tokens, query_start_loc, seq_lens, seq_lens_dev, block_tables, cu_seqlens):
+        num_reqs, total_k = len(seq_lens), sum(seq_lens)
+        cu_q, cu_k = cu_seqlens[:num_reqs + 1], cu_seqlens[num_reqs + 1:2 * num_reqs + 2]
+        # Request of every context position, then the position inside it; output_size keeps
+        # repeat_interleave free of a device->host sync.
+        req = torch.repeat_interleave(seq_lens_dev, output_size=total_k)                        # [total_k]
+        pos = torch.arange(total_k, device=self.device) - cu_k[:-1].index_select(0, req)       # [total_k]
+        cols = self._pos_block.index_select(0, pos)                                             # [total_k]
+        blocks = block_tables.flatten().index_select(0, req * block_tables.shape[1] + cols)
+        slots = blocks * self.block_size + self._pos_offset.index_select(0, pos)                 # [total_k]
+        max_q = max(end - start for start, end in zip(query_start_loc, query_start_loc[1:], strict=False))
+        return AttentionMetadata(num_real_tokens=num_real_tokens, kernel="flash", cu_seqlens_q=cu_q,
+                                 cu_seqlens_k=cu_k, context_slots=slots, max_q=max_q, max_k=max(seq_lens))
+
+    def _plan_flash_paged(self, num_real_tokens, query_start_loc, seq_lens, seq_lens_dev, block_tables, cu_seqlens):
+        num_reqs = len(seq_lens)
+        max_q = max(end - start for start, end in zip(query_start_loc, query_start_loc[1:], strict=False))
+        return AttentionMetadata(num_real_tokens=num_real_tokens, kernel="flash_paged",
+                                 cu_seqlens_q=cu_seqlens[:num_reqs + 1],
+                                 cu_seqlens_k=cu_seqlens[num_reqs + 1:2 * num_reqs + 2],
+                                 block_table=block_tables.to(torch.int32), seqused_k=seq_lens_dev.to(torch.int32),
+                                 max_q=max_q, max_k=max(seq_lens))
+
+
+@eager_break
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    kv_cache: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, scale: float) -> None:
+    """q [T, H, D]; k, v [T, K, D] this step's keys/values (T padded; already written to the cache
+    by the graph segment); out [T, H, D] written in place (real rows only); kv_cache [2, S, K, D]
+    the layer's cache as flat slots; k_blocks, v_blocks [num_blocks, block_size, K, D] the same
+    memory as pages (views made once by the model: no view ops here). Returns None: an eager break."""
+    if is_capturing() and q.is_cuda:   # thread-local flag first: no tensor attribute read per replay
+        # Under CUDA capture the graph segments have not run, so q/k/v hold garbage; the cache
+        # replays right after capturing, and that run is real.
+        return
+    md = current_attention_metadata()
+    if not md.num_real_tokens:
+        return
+    if md.kernel == "flash_paged":
+        # All requests at once, straight from the pages. Rows past cu_seqlens_q[-1] (padding) are
+        # neither read nor written.
+        _flash_into(out, q, k_blocks, v_blocks, md.num_real_tokens, md.cu_seqlens_q, md.cu_seqlens_k, md.max_q,
+                    md.max_k, scale, seqused_k=md.seqused_k, block_table=md.block_table)
+        return
+    if md.kernel == "flash":
+        # All requests at once. Rows past cu_seqlens_q[-1] (padding) are neither read nor written.
+        kc, vc = kv_cache.index_select(1, md.context_slots).unbind(0)                       # [total_k, K, D] each
+        _flash_into(out, q, kc, vc, md.num_real_tokens, md.cu_seqlens_q, md.cu_seqlens_k, md.max_q, md.max_k,
+                    scale)
+        return
+    if md.num_decodes:
+        _decode_attention(q, out, kv_cache, scale, md)
+    for p in md.prefills:
+        _prefill_attention(p, q, k, v, out, kv_cache, scale)
+
+
+def _decode_attention(q, out, kv_cache, scale, md: AttentionMetadata) -> None:
+    """One query per request, all decodes in one SDPA call over their gathered contexts."""
+    nd = md.num_decodes
+    kc, vc = (kv_cache.index_select(1, md.decode_slots)                                  # [2, nd * L, K, D]
+              .view(md.decode_kv_shape).transpose(2, 3).unbind(0))                        # [nd, K, L, D] each
+    # GQA without copying K/V per head: the G query heads sharing a KV head become that head's
+    # query rows (head h = kv_head * G + g, as HF's repeat_kv lays them out).
+    qg = q[:nd].view(md.decode_q_shape)                                                  # [nd, K, G, D]
+    o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=md.decode_mask, scale=scale)  # [nd, K, G, D]
+    # o may be strided ([nd, G, K, D] memory on CUDA kernels): copy through out's own view
+    out[:nd].view(md.decode_q_shape).copy_(o)                                            # [nd, K, G, D]
+
+
+def _prefill_attention(p: PrefillPlan, q, k, v, out, kv_cache, scale) -> None:
+    """Request p's new tokens attend causally to its cached context plus themselves."""
+    qi = q[p.start:p.end].transpose(0, 1)[None]                                          # [1, H, n, D]
+    if p.context_slots is None:   # no cached context: this step's own rows; eligible for flash kernels
+        ki = k[p.start:p.end].transpose(0, 1)[None]                                      # [1, K, n, D]
+        vi = v[p.start:p.end].transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        kc, vc = kv_cache.index_select(1, p.context_slots).transpose(1, 2)[:, None].unbind(0)  # [1, K, L, D] each
+        o = F.scaled_dot_product_attention(qi, kc, vc, attn_mask=p.mask, scale=scale, enable_gqa=True)
+    out[p.start:p.end].copy_(o[0].transpose(0, 1))                                       # [n, H, D]

@@ -1,0 +1,145 @@
+"""The model's configuration: config.json (+ generation_config.json) -> ModelConfig.
+
+Pure data about the checkpoint, read before any weight is touched; the loader (weights) and the
+decoder (llama.py) both build on it, and neither imports the other for it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# HF `architectures[0]` -> our name. All four share one decoder; they differ in biases and norms.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class ModelLoadError(ValueError):
+    """The model directory cannot be loaded; the message says what is wrong and how to fix it."""
+
+
+@dataclass
+class ModelConfig:
+    architecture: str                  # "llama" | "mistral" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # normalized: has "rope_type"; None = plain rotary
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool                     # Qwen2 always; Llama when attention_bias
+    qk_norm: bool                      # Qwen3: RMSNorm over head_dim on q and k before rotary
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    o_bias: bool = False               # Llama attention_bias also biases o_proj
+    sliding_window: int | None = None  # we attend fully: the runner caps max_model_len to this
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        archs = hf.get("architectures") or []
+        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelLoadError(
+                f"unsupported architecture {archs or hf.get('model_type')!r}; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"unsupported hidden_act {hf['hidden_act']!r}; only 'silu' is supported")
+        if hf.get("mlp_bias"):
+            raise ModelLoadError("mlp_bias=true is not supported (no released Llama-family model uses it)")
+        heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        theta, scaling = _rope_params(hf)
+        attention_bias = bool(hf.get("attention_bias", False))
+        window = hf.get("sliding_window")
+        if arch == "qwen2" or arch == "qwen3":
+            # Qwen configs carry a sliding_window value but only use it when use_sliding_window is true.
+            window = window if hf.get("use_sliding_window") else None
+        eos = hf.get("eos_token_id")
+        return cls(
+            architecture=arch,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hidden // heads),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2" or attention_bias,
+            qk_norm=arch == "qwen3",
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+            bos_token_id=hf.get("bos_token_id"),
+            o_bias=arch in ("llama", "qwen3") and attention_bias,
+            sliding_window=int(window) if window else None,
+        )
+
+
+def _rope_params(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from either the classic `rope_theta` + `rope_scaling` keys or the
+    transformers-5 `rope_parameters` dict (which holds rope_theta inside)."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        scaling: dict[str, Any] | None = dict(params)
+    else:
+        theta = float(hf.get("rope_theta", 10000.0))
+        scaling = dict(hf["rope_scaling"]) if hf.get("rope_scaling") else None
+    if scaling is None:
+        return theta, None
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(f"unsupported rope scaling type {rope_type!r}; supported: "
+                             f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        return theta, None
+    scaling["rope_type"] = rope_type
+    scaling.pop("type", None)
+    scaling.pop("rope_theta", None)
+    return theta, scaling
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {dtype!r}; use one of bfloat16, float16, float32")
+    return DTYPES[dtype]
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory {str(path)!r} does not exist; pass a Hugging Face model "
+                             "directory (config.json, *.safetensors, tokenizer.json), or leave model unset "
+                             "to use the embedded tiny model")
+    if not cfg_file.is_file():
+        raise ModelLoadError(f"{cfg_file} is missing; a Hugging Face model directory needs config.json")
+    config = ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():  # generation_config's eos list (e.g. Llama 3 <|eot_id|>) wins over config.json's
+        eos = json.loads(gen_file.read_text()).get("eos_token_id")
+        if eos is not None:
+            config.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
+    return config

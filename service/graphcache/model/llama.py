@@ -1,0 +1,202 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a flat token layout.
+
+No batch dimension: all sequences' tokens of a step are concatenated, T tokens in all, and the
+paged attention op (attention.py) splits them per request from the per-step metadata. Every
+tensor argument of forward() is a static buffer of the runner, so the whole forward can be
+captured as a breakable CUDA graph with attention as the eager break. The KV-cache write is part of
+the graph segment (index_copy_ by the static slot_mapping), not of the break: at replay it costs
+no host time. Math follows Hugging Face transformers' modeling code so logits match it (the CPU
+tests check that).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graphcache.model.attention import paged_attention
+from graphcache.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
+        # Like HF: normalize in fp32, cast back, then scale (order matters for bf16 parity).
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """[head_dim // 2] fp32 inverse frequencies, with linear or llama3 scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, a smooth blend in between.
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class Rotary(nn.Module):
+    """Precomputed cos/sin for every position up to max_positions (a gather per step, no trig)."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.max_positions = max_positions
+        # Filled by build(); non-persistent: derived from the config, never in a checkpoint.
+        self.register_buffer("cos", torch.empty(max_positions, config.head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, config.head_dim), persistent=False)
+
+    def build(self, device: torch.device, dtype: torch.dtype) -> None:
+        inv_freq = rope_inv_freq(self.config)
+        t = torch.arange(self.max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)                      # [P, D/2], fp32 like HF
+        emb = torch.cat([freqs, freqs], dim=-1)               # [P, D] (rotate-half layout)
+        self.cos = emb.cos().to(device=device, dtype=dtype)   # cast like HF casts cos to x.dtype
+        self.sin = emb.sin().to(device=device, dtype=dtype)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # positions [T]; q [T, H, D]; k [T, K, D]
+        cos = self.cos[positions].unsqueeze(1)                # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: Rotary) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        # One matmul for q, k and v: rows [q | k | v] (the loader fills the slices).
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.qk_norm = config.qk_norm
+        if config.qk_norm:  # Qwen3: per-head RMSNorm over head_dim, before rotary
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary = rotary
+        # Bound by the runner (bind_kv_cache): [2, num_slots, K, D] = k, v caches as flat slots,
+        # plus the k and v halves as views made once here, not per step.
+        self.kv_cache: torch.Tensor | None = None
+        self.k_slots: torch.Tensor | None = None   # [num_slots, K, D]
+        self.v_slots: torch.Tensor | None = None
+        self.k_blocks: torch.Tensor | None = None  # [num_blocks, block_size, K, D] (paged kernels)
+        self.v_blocks: torch.Tensor | None = None
+
+    def forward(self, positions: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # positions [T], slot_mapping [T] (cache slot of each token; padded tokens: a scratch slot), x [T, hidden]
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)                                           # [T, (H + 2K) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)                     # [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)                  # [T, K, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)                  # [T, K, D]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        if self.kv_cache is None:
+            raise RuntimeError("KV cache not bound: call LlamaModel.bind_kv_cache() (the runner does)")
+        # KV write here, in the graph segment, over all T (padded) rows: capturable because
+        # slot_mapping is a static buffer, and free on the host at replay. Padded rows all land on
+        # the runner's scratch slot, which no sequence owns and attention never reads.
+        self.k_slots.index_copy_(0, slot_mapping, k)
+        self.v_slots.index_copy_(0, slot_mapping, v)
+        # Allocated inside the graph segment, so its address is fixed for every replay; the eager
+        # break writes its real rows and returns nothing. Padded rows stay uninitialized: they are
+        # row-independent all the way to the (unread) padded logits, see attention.py.
+        out = torch.empty_like(q)                                        # [T, H, D]
+        paged_attention(q, k, v, out, self.kv_cache, self.k_blocks, self.v_blocks, self.scale)
+        return self.o_proj(out.view(t, self.q_size))                     # [T, hidden]
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.inter = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)  # rows [gate | up]
+        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)       # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: Rotary) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config, rotary)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, positions: torch.Tensor, slot_mapping: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(positions, slot_mapping, self.input_norm(h))
+        return h + self.mlp(self.post_attn_norm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, *, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.rotary = Rotary(config, max_positions or config.max_position_embeddings)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def tie_weights(self) -> None:
+        self.lm_head.weight = self.embed_tokens.weight
+
+    def init_rotary(self, device: torch.device | str) -> None:
+        self.rotary.build(torch.device(device), self.embed_tokens.weight.dtype)
+
+    def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
+        """Per layer a contiguous [2, num_blocks, block_size, K, D] cache (k, v); owned by the runner,
+        outside graph pools."""
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            if not kv.is_contiguous():
+                raise ValueError("each layer's KV cache must be contiguous (viewed as flat slots)")
+            attn = layer.attn
+            attn.kv_cache = kv.view(2, -1, kv.shape[-2], kv.shape[-1])   # [2, num_slots, K, D]
+            attn.k_slots, attn.v_slots = attn.kv_cache.unbind(0)
+            attn.k_blocks, attn.v_blocks = kv.unbind(0)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                logits_indices: torch.Tensor, out_logits: torch.Tensor) -> None:
+        # input_ids [T] int64, positions [T] int64, slot_mapping [T] int64 (KV slot per token),
+        # logits_indices [R] int64 (token row per logits row), out_logits [R, V] model dtype, written in place.
+        h = self.embed_tokens(input_ids)                                 # [T, hidden]
+        for layer in self.layers:
+            h = layer(positions, slot_mapping, h)
+        # Only the R rows that need logits go through the final norm and the [hidden, V] head.
+        h = self.norm(h.index_select(0, logits_indices))                 # [R, hidden]
+        torch.mm(h, self.lm_head.weight.t(), out=out_logits)             # [R, V], no [R, V] temporary

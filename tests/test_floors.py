@@ -1,0 +1,61 @@
+"""The package's floors: cli > api > engine > model > graphs > config/metrics. Each module imports
+only graphcache modules of lower floors (or of its own package); no function-level import dodges a
+cycle; and the CPU-only scheduler floor pulls in no torch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import graphcache
+
+PACKAGE = Path(graphcache.__file__).parent
+FLOORS = {"__main__": 6, "cli": 5, "api": 4, "engine": 3, "model": 2, "graphs": 1, "config": 0, "metrics": 0}
+
+
+def _floor(module: str) -> tuple[str, int]:
+    """graphcache.engine.core -> ("engine", 3)."""
+    top = module.split(".")[1] if "." in module else "__init__"
+    return top, FLOORS.get(top, -1)
+
+
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """(imported graphcache module, at module level?) for every import in the file."""
+    tree = ast.parse(path.read_text())
+    top_level = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("graphcache"):
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name.startswith("graphcache")]
+        found += [(n, id(node) in top_level) for n in names]
+    return found
+
+
+def test_no_module_imports_upward_and_no_import_dodges_a_cycle():
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        module = ".".join(rel.parts)
+        own, floor = _floor(module)
+        if own == "__init__":
+            continue
+        for imported, at_top in _imports(path):
+            their, their_floor = _floor(imported)
+            if their != own and their_floor >= floor:
+                bad.append(f"{module} imports {imported} (floor {their} is not below {own})")
+            if not at_top and (their == own or their_floor >= floor):
+                bad.append(f"{module} imports {imported} inside a function (dodging a cycle)")
+    assert not bad, "\n".join(bad)
+
+
+def test_scheduler_floor_imports_no_torch():
+    code = ("import sys, graphcache.engine.scheduler, graphcache.engine.block_manager, graphcache.engine.batch; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False", "importing the scheduler pulled in torch"
