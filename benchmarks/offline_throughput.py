@@ -85,10 +85,17 @@ async def _run_engine(engine: Engine, prompts, outputs, temperature: float) -> t
                 raise RuntimeError(f"request {i} finished with {out.finish_reason}: {out.error}")
         return n
 
+    core = engine.core
+    phases0, steps0 = dict(core.phase_seconds), core.num_steps
     t0 = time.perf_counter()
     counts = await asyncio.gather(*(one(i) for i in range(len(prompts))))
     elapsed = time.perf_counter() - t0
-    return elapsed, sum(counts), await engine.cache_info()   # fresh, from the engine thread
+    steps = max(core.num_steps - steps0, 1)
+    # Host ms per step by phase (sample includes waiting for the GPU); the rest of the wall time is
+    # the engine loop itself (inbox, gauges, stats, delivery) and idle time between requests.
+    phases = {k: (v - phases0[k]) * 1e3 / steps for k, v in core.phase_seconds.items()}
+    timing = {"steps": steps, "ms_per_step": elapsed * 1e3 / steps, "phase_ms_per_step": phases}
+    return elapsed, sum(counts), await engine.cache_info(), timing   # cache info fresh, from the engine thread
 
 
 def bench_engine(args, mode: str, prompts, outputs) -> dict:
@@ -101,7 +108,7 @@ def bench_engine(args, mode: str, prompts, outputs) -> dict:
     ready_s = time.perf_counter() - t0
     report = engine.warmup_report
     try:
-        elapsed, tokens, cache_info = asyncio.run(_run_engine(engine, prompts, outputs, args.temperature))
+        elapsed, tokens, cache_info, timing = asyncio.run(_run_engine(engine, prompts, outputs, args.temperature))
         stats = engine.stats()
     finally:
         engine.shutdown()
@@ -117,6 +124,7 @@ def bench_engine(args, mode: str, prompts, outputs) -> dict:
             "graph_pool_bytes": cache_info.get("totals", {}).get("pool_bytes", 0),
             "graph_entries": cache_info.get("totals", {}).get("entries", 0),
             "steps_by_mode": stats.get("steps_by_mode"), "preemptions": stats.get("preemptions"),
+            **timing,
             "hit_ratio": cache.get("hits", 0) / max(cache.get("hits", 0) + cache.get("misses", 0), 1),
             "cache_stats": cache}
 
@@ -237,6 +245,17 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         print(f"{r['mode']:<8}{r['tokens_per_s']:>14.0f}{r['seconds']:>10.1f}{r['output_tokens']:>10}"
               f"{r['warmup_s']:>10.2f}{r['graph_pool_bytes'] / 2**20:>10.1f}")
+    engine_rows = [r for r in results if "phase_ms_per_step" in r]
+    if engine_rows:
+        print("\nper step (host ms; sample includes waiting for the GPU):")
+        print(f"{'mode':<8}{'steps':>7}{'wall':>8}{'schedule':>10}{'execute':>9}{'sample':>8}{'postproc':>10}"
+              f"{'other':>7}")
+        for r in engine_rows:
+            ph = r["phase_ms_per_step"]
+            steps = r["steps"]
+            other = r["ms_per_step"] - sum(ph.values())
+            print(f"{r['mode']:<8}{steps:>7}{r['ms_per_step']:>8.2f}{ph['schedule']:>10.2f}{ph['execute']:>9.2f}"
+                  f"{ph['sample']:>8.2f}{ph['postprocess']:>10.2f}{other:>7.2f}")
     by = {r["mode"]: r for r in results}
     if "graph" in by:
         for base in ("eager", "hf"):

@@ -18,7 +18,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
 for p in ${PHASES:-tests pool capture}; do
   case $p in
-    tests)   phase tests 300 python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu -rs ${PYTEST_ARGS:-} ;;
+    tests)   phase tests 360 python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu tests/test_decode_attention.py \
+               -rs ${PYTEST_ARGS:-} ;;
+    kernels) phase kernels 200 python3 benchmarks/decode_attention_bench.py ;;
+    decode_step) phase decode_step 400 python3 benchmarks/decode_step.py --make-qwen05b /tmp/qwen05b \
+               --modes "${DECODE_MODES:-full,breakable,varlen,eager}" --out "$OUT/decode_step.json" ;;
+    offline_old) (cd .old && phase offline_old 400 python3 benchmarks/offline_throughput.py \
+               --model /tmp/qwen05b --modes "${OFFLINE_MODES:-graph}" --out "$OUT/offline_old.json") ;;
     tests_sdpa)  GRAPHCACHE_ATTENTION_BACKEND=sdpa phase tests_sdpa 240 python3 -m pytest -q -m cuda -p no:cacheprovider \
                    tests/gpu/test_runner_cuda.py tests/gpu/test_engine_cuda.py -rs ;;
     tests_paged) GRAPHCACHE_BLOCK_SIZE=256 phase tests_paged 240 python3 -m pytest -q -m cuda -p no:cacheprovider \

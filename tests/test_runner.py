@@ -225,8 +225,9 @@ def _aten_ops_per_break(runner, batch: StepBatch) -> list[int]:
 @pytest.mark.parametrize("num_decodes", [1, 3, 8])
 def test_decode_break_has_a_fixed_small_op_count(path, num_decodes):
     """Host cost proxy: aten ops dispatched by one layer's break for a decode batch (was ~28 before the
-    KV write moved into the graph and masks/slots moved into the per-step plan)."""
-    runner = ModelRunner(cpu_settings(path))
+    KV write moved into the graph and masks/slots moved into the per-step plan). Decode through the
+    general kernel's break (varlen): the decode kernels of full mode have no break at all."""
+    runner = ModelRunner(cpu_settings(path, decode_attention_backend="varlen"))
     blocks = Blocks(runner.block_size)
     tables = [blocks.table(8 + i) for i in range(num_decodes)]
     for i, t in enumerate(tables):

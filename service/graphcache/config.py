@@ -46,6 +46,12 @@ class Settings(BaseSettings):
     attention_backend: Literal["auto", "sdpa", "flash", "flash_paged"] = Field(
         "auto", description="Attention kernel: auto picks the fastest that runs here; the others force one "
         "(A/B runs) and fail at start if it cannot run.")
+    decode_attention_backend: Literal["auto", "triton", "torch", "varlen"] = Field(
+        "auto", description="Kernel of uniform-decode steps: auto = triton on CUDA (paged split-KV), torch on CPU; "
+        "varlen = the general attention kernel, as for mixed batches.")
+    decode_capture_mode: Literal["full", "breakable"] = Field(
+        "full", description="Uniform-decode captures: full = one CUDA graph with attention inside (needs a "
+        "triton/torch decode kernel); breakable = attention as an eager break. Mixed batches are always breakable.")
 
     # --- graph cache ---
     capture_sizes: list[int] | None = Field(None, description="Padded batch sizes (tokens) that may be captured; "

@@ -22,6 +22,7 @@ EVICTION_REASONS = ("entries", "bytes", "clear", "manual")
 FAILURE_REASONS = ("error", "oom", "budget")
 STEP_MODES = ("replay", "eager")
 FINISH_REASONS = ("stop", "length", "abort", "error")
+CAPTURE_MODES = ("full", "breakable")
 
 
 class Metrics:
@@ -35,6 +36,10 @@ class Metrics:
         self.graph_backend = Gauge(p + "graph_backend_info", "Capture backend in use (1 for the active one)",
                                    ["backend"], registry=r)
         self.graph_entries = Gauge(p + "graph_cache_entries", "Captured graphs held in the cache", registry=r)
+        self.graph_entries_by_mode = Gauge(p + "graph_cache_entries_by_mode",
+                                           "Captured graphs held, by capture mode (full: one graph with attention "
+                                           "inside; breakable: graph segments around eager attention)",
+                                           ["mode"], registry=r)
         self.graph_max_entries = Gauge(p + "graph_cache_max_entries", "Entry budget of the graph cache", registry=r)
         self.graph_pool_bytes = Gauge(p + "graph_pool_bytes", "Graph-pool bytes held, measured from the allocator",
                                       registry=r)
@@ -50,6 +55,8 @@ class Metrics:
                                               ["reason"], registry=r)
         self.padded_tokens = Counter(p + "padded_tokens", "Padding tokens added to reach a capture size", registry=r)
         self.steps = Counter(p + "steps", "Model steps, by execution mode", ["mode"], registry=r)
+        for mode in CAPTURE_MODES:
+            self.graph_entries_by_mode.labels(mode)
         for reason in EVICTION_REASONS:
             self.graph_evictions.labels(reason)
         for reason in FAILURE_REASONS:

@@ -34,6 +34,7 @@ def path():
 
 
 def _compare(graph_logits, eager_logits, what):
+    graph_logits, eager_logits = graph_logits.float(), eager_logits.float()
     assert torch.isfinite(graph_logits).all(), f"{what}: non-finite logits from replay"
     tol = REL_TOL * eager_logits.abs().max().item()
     err = (graph_logits - eager_logits).abs().max().item()
@@ -83,14 +84,20 @@ def _drive(graph: ModelRunner, eager: ModelRunner, seed: int, num_seqs: int = 20
     return modes
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_replay_logits_equal_eager_logits(path, seed):
-    graph = ModelRunner(_settings(path))
-    eager = ModelRunner(_settings(path, enforce_eager=True))
+@pytest.mark.parametrize("seed,mode", [(1, "full"), (2, "full"), (1, "breakable")])
+def test_replay_logits_equal_eager_logits(path, seed, mode):
+    """Graph replay (decode: the Triton kernel, in the graph or as the break) against an eager runner
+    whose decode steps use the independent FlashAttention varlen kernel."""
+    graph = ModelRunner(_settings(path, decode_capture_mode=mode))
+    eager = ModelRunner(_settings(path, enforce_eager=True, decode_attention_backend="varlen"))
     assert graph.backend == "cuda" and eager.backend == "eager" and graph.dtype == torch.bfloat16
+    assert graph.decode_kernel == "triton"
     modes = _drive(graph, eager, seed)
     assert set(modes) == {"replay"}, modes          # every step fits a capture size
-    descs = {e.descriptor for e in graph.cache.entries()}
+    entries = graph.cache.entries()
+    assert {e.mode for e in entries if e.descriptor.endswith(":decode")} == {mode}
+    assert {e.mode for e in entries if not e.descriptor.endswith(":decode")} <= {"breakable"}
+    descs = {e.descriptor for e in entries}
     decode_descs = {d for d in descs if d.endswith(":decode")}
     assert len(descs) >= 3 and {"32:32:decode", "8:8:decode", "4:4:decode"} <= decode_descs, descs
     stats = graph.cache.stats()

@@ -69,6 +69,9 @@ class EngineCore:
         self.num_steps = 0
         self.steps_by_mode: dict[str, int] = {}
         self.consecutive_failures = 0
+        # Host seconds spent per phase of step() (schedule, execute = prepare + launch/replay, sample =
+        # sampling + waiting for the GPU, postprocess = append/stops/outputs): benchmarks read them.
+        self.phase_seconds = dict.fromkeys(("schedule", "execute", "sample", "postprocess"), 0.0)
         # Test hook: called with each StepBatch before execute; raise to fail the step.
         self.step_failpoint: Callable[[StepBatch], None] | None = None
 
@@ -132,6 +135,7 @@ class EngineCore:
     # --- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; the outputs of every request it advanced or ended. Raises EngineFailure."""
+        t_start = time.perf_counter()
         plan = self.scheduler.schedule()
         outputs = [self._output(seq) for seq in plan.failed]
         for seq in plan.failed:
@@ -147,6 +151,7 @@ class EngineCore:
             if self.step_failpoint is not None:
                 self.step_failpoint(batch)
             result = self.runner.execute(batch)
+            t_executed = time.perf_counter()
             tokens = self._sample(result.logits[:len(sample_seqs)], sample_seqs)
         except Exception as exc:
             early = [o for o in outputs if o is not None]
@@ -155,7 +160,8 @@ class EngineCore:
             except EngineFailure as failure:
                 failure.outputs[:0] = early
                 raise
-        elapsed = time.perf_counter() - t0
+        t_sampled = time.perf_counter()
+        elapsed = t_sampled - t0
         self.consecutive_failures = 0
         self.num_steps += 1
         self.steps_by_mode[result.mode] = self.steps_by_mode.get(result.mode, 0) + 1
@@ -172,6 +178,11 @@ class EngineCore:
                     m.ttft.observe(now - seq.arrival_time)
                     m.prompt_tokens.inc(seq.num_prompt_tokens)
         outputs += [self._output(seq) for seq in changed]
+        phases = self.phase_seconds
+        phases["schedule"] += t0 - t_start
+        phases["execute"] += t_executed - t0
+        phases["sample"] += t_sampled - t_executed
+        phases["postprocess"] += time.perf_counter() - t_sampled
         return [o for o in outputs if o is not None]
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:

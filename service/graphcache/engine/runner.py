@@ -30,8 +30,15 @@ from graphcache.engine.batch import StepBatch, StepResult, StepSeq
 from graphcache.graphs.cache import GraphCache, WarmupReport
 from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes, descriptor_for
 from graphcache.metrics import Metrics
-from graphcache.model.attention import AttentionMetadata, AttentionPlanner, select_attention_kernel
+from graphcache.model.attention import (
+    AttentionMetadata,
+    AttentionPlanner,
+    DecodeMetadata,
+    select_attention_kernel,
+    select_decode_kernel,
+)
 from graphcache.model.config import ModelLoadError, read_config, resolve_dtype
+from graphcache.model.decode_attention import choose_num_splits, decode_workspace
 from graphcache.model.forward_context import forward_context
 from graphcache.model.loader import load_model
 from graphcache.model.tiny import default_model_dir
@@ -89,6 +96,9 @@ class ModelRunner:
                                          max_blocks_per_seq=self.max_blocks_per_seq, num_heads=c.num_heads,
                                          num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype,
                                          device=self.device)
+        self.decode_kernel = select_decode_kernel(self.device, self.dtype, c.head_dim, self.block_size,
+                                                  s.decode_attention_backend)
+        self._alloc_decode()
         self.backend = "cuda" if self.device.type == "cuda" and not s.enforce_eager else "eager"
         self.cache = GraphCache(self._step_fn, backend=self.backend, max_entries=s.cache_max_entries,
                                 max_bytes=s.cache_max_bytes, admission=s.admission,
@@ -138,6 +148,41 @@ class ModelRunner:
         # [R_max, V] in the model dtype: the LM head writes straight into it.
         self.out_logits = torch.zeros(self.max_reqs, self.model_config.vocab_size, dtype=self.dtype, device=dev)
 
+    def _alloc_decode(self) -> None:
+        """Static state of the decode kernels: the split workspace (triton) or a positions table
+        (torch), and one DecodeMetadata per padded batch size, made on first use."""
+        c = self.model_config
+        self._decode_md: dict[int, DecodeMetadata] = {}
+        self._decode_workspace = None
+        self._decode_positions = None
+        self._decode_in_graph = self.settings.decode_capture_mode == "full"
+        if self.decode_kernel == "triton":
+            splits = max(choose_num_splits(r, c.num_kv_heads, self.max_model_len) for r in [1, *self.sizes])
+            self._decode_workspace = decode_workspace(self.max_reqs, c.num_heads, c.head_dim, splits, self.device)
+        elif self.decode_kernel == "torch":
+            self._decode_positions = torch.arange(self.max_blocks_per_seq * self.block_size, device=self.device)
+        # Host-side row cache of the uniform-decode fast path: which block table (the sequence's own
+        # list, and its length) each row of block_tables.np holds, so a step rewrites only rows that
+        # changed. Reset by every mixed step (it lays rows out its own way).
+        self._table_rows: list = [None] * self.max_reqs
+        self._table_lens: list[int] = [0] * self.max_reqs
+
+    def decode_metadata(self, num_reqs: int) -> DecodeMetadata:
+        """The decode attention metadata of a (padded) batch of num_reqs: static views only."""
+        md = self._decode_md.get(num_reqs)
+        if md is None:
+            splits = 1
+            if self.decode_kernel == "triton":
+                splits = choose_num_splits(num_reqs, self.model_config.num_kv_heads, self.max_model_len)
+            md = DecodeMetadata(self.decode_kernel, self._decode_in_graph, self.block_tables.dev[:num_reqs],
+                                self.seq_lens.dev[:num_reqs], splits, self._decode_workspace,
+                                self._decode_positions)
+            self._decode_md[num_reqs] = md
+        return md
+
+    def _decode_path(self, uniform_decode: bool) -> bool:
+        return uniform_decode and self.decode_kernel != "varlen"
+
     def _kv_block_bytes(self) -> int:
         c = self.model_config
         return c.num_layers * 2 * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
@@ -179,6 +224,12 @@ class ModelRunner:
         if desc.num_tokens > self.max_tokens or desc.num_reqs > self.max_reqs:
             raise ValueError(f"descriptor {desc} exceeds the static buffers ({self.max_tokens} tokens, "
                              f"{self.max_reqs} requests); raise max_num_batched_tokens / max_num_seqs")
+        if self._decode_path(desc.uniform_decode):
+            # The decode metadata depends on the descriptor alone, so a capture outside a step (under
+            # the empty context) records the same kernels a step would: full mode puts them in the graph.
+            with forward_context(self.decode_metadata(desc.num_reqs)):
+                self._run_model(desc.num_tokens, desc.num_reqs)
+            return
         self._run_model(desc.num_tokens, desc.num_reqs)
 
     def _input_tensors(self, desc: BatchDescriptor) -> list[torch.Tensor]:
@@ -188,8 +239,8 @@ class ModelRunner:
 
     # --- one step ------------------------------------------------------------------------
     def execute(self, batch: StepBatch) -> StepResult:
-        """Run one step: fp32 logits [number of need_logits seqs, V] in batch order (valid until the
-        next call), and how it ran."""
+        """Run one step: logits [number of need_logits seqs, V] in the model dtype, batch order (a
+        view of a static buffer, valid until the next call), and how it ran."""
         seqs = batch.seqs
         num_reqs, num_tokens = len(seqs), batch.num_tokens
         if num_reqs == 0:
@@ -202,20 +253,24 @@ class ModelRunner:
         desc = None if self.settings.enforce_eager else descriptor_for(num_tokens, num_reqs, uniform, self.sizes)
         pad_tokens = desc.num_tokens if desc else num_tokens
         pad_reqs = desc.num_reqs if desc else num_reqs
-        md, num_logits = self._prepare(seqs, num_tokens, pad_tokens, pad_reqs)
+        if self._decode_path(uniform):
+            md, num_logits = self._prepare_decode(seqs, pad_reqs)
+        else:
+            md, num_logits = self._prepare(seqs, num_tokens, pad_tokens, pad_reqs)
         with forward_context(md):
             if desc is None:
                 self._run_model(num_tokens, num_reqs)
                 mode = "eager"
             else:
                 mode = self.cache.run(desc, real_tokens=num_tokens)
-        return StepResult(self.out_logits[:num_logits].float(), mode)
+        return StepResult(self.out_logits[:num_logits], mode)
 
     def _prepare(self, seqs: list[StepSeq], num_tokens: int, pad_tokens: int, pad_reqs: int):
         """Fill host mirrors and upload. Layout: decode requests first (attention op contract);
         logits rows: the need_logits seqs in batch order, then the others."""
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the previous step's async copies have read the host mirrors
+        self._table_rows[:] = [None] * len(self._table_rows)   # rows laid out anew: the decode cache is stale
         bs = self.block_size
         order = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
         num_decodes = len(order)
@@ -268,6 +323,42 @@ class ModelRunner:
                                 block_tables=self.block_tables.dev[:num_reqs], cu_seqlens=self.cu_seqlens.dev)
         return md, len(need)
 
+    def _prepare_decode(self, seqs: list[StepSeq], pad_reqs: int) -> tuple[DecodeMetadata, int]:
+        """Uniform decode: one token per sequence, row i = sequence i = logits row i. Host work is a
+        few list comprehensions and numpy ops; a block-table row is rewritten only when its table
+        changed since the last decode step (a new sequence in the row, or a new block)."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the previous step's async copies have read the host mirrors
+        n, bs = len(seqs), self.block_size
+        bt, rows, lens = self.block_tables.np, self._table_rows, self._table_lens
+        for row, s in enumerate(seqs):
+            table = s.block_table
+            if rows[row] is not table or lens[row] != len(table):
+                bt[row, :len(table)] = table
+                rows[row], lens[row] = table, len(table)
+        pos = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=n)            # [n]
+        short = np.flatnonzero((pos >= np.asarray(lens[:n]) * bs) | (pos >= self.max_model_len))
+        if short.size:
+            i = int(short[0])
+            raise ValueError(f"sequence {i} reaches position {pos[i] + 1} with {lens[i]} blocks of {bs}; it needs "
+                             f"ceil({pos[i] + 1}/{bs}) blocks and at most max_model_len {self.max_model_len}")
+        self.input_ids.np[:n] = [s.token_ids[0] for s in seqs]
+        self.positions.np[:n] = pos
+        self.slot_mapping.np[:n] = bt[np.arange(n), pos // bs] * bs + pos % bs
+        self.seq_lens.np[:n] = pos + 1
+        self.logits_indices.np[:pad_reqs] = np.arange(pad_reqs)
+        # Pads: token 0 at position 0 writing the scratch slot, length 0 (attention writes zeros).
+        self.input_ids.np[n:pad_reqs] = 0
+        self.positions.np[n:pad_reqs] = 0
+        self.slot_mapping.np[n:pad_reqs] = self.scratch_slot
+        self.seq_lens.np[n:pad_reqs] = 0
+        for buf in (self.input_ids, self.positions, self.slot_mapping, self.logits_indices, self.seq_lens,
+                    self.block_tables):
+            buf.upload(pad_reqs)
+        if self._uploaded is not None:
+            self._uploaded.record()
+        return self.decode_metadata(pad_reqs), n
+
     # --- captures outside a step (warmup, admin) --------------------------------------------
     def capture(self, descriptors: list[BatchDescriptor], *, pin: bool = True,
                 progress: Callable[[int, int, str], None] | None = None) -> WarmupReport:
@@ -281,6 +372,7 @@ class ModelRunner:
                              f"{self.max_reqs} requests); raise max_num_batched_tokens / max_num_seqs")
         self.slot_mapping.dev.fill_(self.scratch_slot)
         self.logits_indices.dev.zero_()
+        self.seq_lens.dev.zero_()   # decode kernels in the graph attend to nothing
         with forward_context(AttentionMetadata.empty()):
             return self.cache.warmup(descriptors, pin=pin, progress=progress)
 

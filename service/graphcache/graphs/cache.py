@@ -38,7 +38,7 @@ import torch
 from graphcache.graphs.capture import BreakableGraph, capture
 from graphcache.graphs.descriptor import BatchDescriptor
 from graphcache.graphs.pool import all_graph_pools_bytes, new_pool, pool_bytes, reserved_bytes
-from graphcache.metrics import EVICTION_REASONS, FAILURE_REASONS, Metrics
+from graphcache.metrics import CAPTURE_MODES, EVICTION_REASONS, FAILURE_REASONS, Metrics
 
 __all__ = ["CacheStats", "ClearReport", "EntryInfo", "GraphCache", "WarmupReport"]
 
@@ -59,6 +59,9 @@ class EntryInfo:
     # "pinned": in the shared pinned pool, `bytes` = that pool's growth during this capture
     # (may be 0; the pool is freed only with the last pinned entry). "private": its own pool.
     pool: Literal["pinned", "private"] = "private"
+    # "full": one graph, nothing eager (uniform decode with its attention inside); "breakable":
+    # graph segments around eager breaks.
+    mode: Literal["full", "breakable"] = "breakable"
 
 
 @dataclass
@@ -103,6 +106,10 @@ class _Entry:
     hits: int = 0
     last_use: float = field(default_factory=time.time)
     addresses: list[int] | None = None  # debug mode: input data_ptrs at capture
+
+
+def _capture_mode(graph: BreakableGraph) -> Literal["full", "breakable"]:
+    return "full" if graph.num_breaks == 0 else "breakable"
 
 
 class GraphCache:
@@ -402,7 +409,8 @@ class GraphCache:
     def entries(self) -> list[EntryInfo]:
         """Entries in eviction order: least recently used first."""
         return [EntryInfo(str(e.desc), e.bytes, e.capture_seconds, e.hits, e.last_use, e.pinned,
-                          e.graph.num_graphs, e.graph.num_breaks, "pinned" if e.shared else "private")
+                          e.graph.num_graphs, e.graph.num_breaks, "pinned" if e.shared else "private",
+                          _capture_mode(e.graph))
                 for e in list(self._entries.values())]
 
     def stats(self) -> CacheStats:
@@ -442,6 +450,9 @@ class GraphCache:
         if self.metrics is not None:
             self.metrics.graph_entries.set(len(self._entries))
             self.metrics.graph_pool_bytes.set(self._total_bytes())
+            modes = Counter(_capture_mode(e.graph) for e in list(self._entries.values()))
+            for mode in CAPTURE_MODES:
+                self.metrics.graph_entries_by_mode.labels(mode).set(modes[mode])
 
     def _check_owner(self) -> None:
         me = threading.get_ident()

@@ -40,10 +40,11 @@ import torch
 import torch.nn.functional as F
 
 from graphcache.graphs.capture import eager_break, is_capturing
+from graphcache.model.decode_attention import HAVE_TRITON, paged_decode_attention
 from graphcache.model.forward_context import current_attention_metadata
 
-__all__ = ["ATTENTION_BACKENDS", "AttentionMetadata", "AttentionPlanner", "paged_attention",
-           "select_attention_kernel"]
+__all__ = ["ATTENTION_BACKENDS", "AttentionMetadata", "AttentionPlanner", "DecodeMetadata", "decode_attention",
+           "paged_attention", "select_attention_kernel", "select_decode_kernel"]
 
 # The mem-efficient SDPA kernel wants the mask's key dim a multiple of 16; otherwise it pads the
 # mask with extra ops on every call. The decode context length is rounded up to this.
@@ -93,6 +94,65 @@ def select_attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: 
         raise RuntimeError(f"attention_backend={backend} needs CUDA, fp16/bf16, head_dim % 8 == 0 and <= 256, "
                            f"a torch with aten._flash_attention_forward (with block_table for paged){pages}")
     return backend
+
+
+def select_decode_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int,
+                         backend: str = "auto") -> str:
+    """The kernel of uniform-decode steps: "triton" (model/decode_attention.py: paged, split-KV,
+    query heads packed per KV head; CUDA, fp16/bf16), "torch" (static-shape masked attention over the
+    whole block table: capturable but O(max_model_len), the CPU path), or "varlen" (no decode path:
+    decode steps use the general kernel as an eager break, as mixed batches do)."""
+    pow2 = block_size & (block_size - 1) == 0
+    triton_ok = (device.type == "cuda" and HAVE_TRITON and dtype in (torch.float16, torch.bfloat16) and pow2
+                 and head_dim % 8 == 0 and head_dim <= 256)
+    if backend == "auto":
+        return "triton" if triton_ok else "torch" if device.type == "cpu" else "varlen"
+    if backend == "triton" and not triton_ok:
+        raise RuntimeError("decode_attention_backend=triton needs CUDA, triton, fp16/bf16, a power-of-two "
+                           "block_size and head_dim % 8 == 0 (<= 256); use auto")
+    if backend not in ("triton", "torch", "varlen"):
+        raise ValueError(f"decode_attention_backend={backend!r}: use auto, triton, torch or varlen")
+    return backend
+
+
+@dataclass(frozen=True)
+class DecodeMetadata:
+    """Attention of a uniform-decode step, read entirely from static device buffers (no host
+    values): the same object serves every step of one padded batch size, and the kernel can be
+    captured inside the graph (in_graph=True: "full" capture mode) or run as the eager break."""
+    kernel: str                  # "triton" | "torch"
+    in_graph: bool               # True: the model calls decode_attention inside the graph segment
+    block_tables: torch.Tensor   # [R, B] int64 static view; rows of padded requests are never read
+    seq_lens: torch.Tensor       # [R] int64 static view: context length incl. this token; 0 = padded row
+    num_splits: int = 1          # triton split-KV factor, fixed per R (the grid must not change)
+    workspace: torch.Tensor | None = None   # triton split partials, fp32, allocated once
+    positions: torch.Tensor | None = None   # torch kernel: [B * block_size] int64 arange
+
+
+def decode_attention(q: torch.Tensor, out: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                     md: DecodeMetadata, scale: float) -> None:
+    """q, out [R, H, D] (one token per request; R = the padded batch); k_blocks, v_blocks
+    [num_blocks, block_size, K, D]. Writes every row of out (padded rows: zeros)."""
+    num_reqs = md.seq_lens.shape[0]
+    if md.kernel == "triton":
+        paged_decode_attention(q[:num_reqs], k_blocks, v_blocks, md.block_tables, md.seq_lens, out[:num_reqs],
+                               scale, md.workspace, md.num_splits)
+        return
+    # torch: every request attends over its whole block table ([R, B * bs] keys), masked past its
+    # length. Static shapes, so it captures; the cost grows with max_model_len, not the context.
+    heads, dim = q.shape[1], q.shape[2]
+    kv_heads = k_blocks.shape[2]
+    length = md.block_tables.shape[1] * k_blocks.shape[1]
+    flat = md.block_tables.reshape(-1)
+    k = k_blocks.index_select(0, flat).view(num_reqs, length, kv_heads, dim).transpose(1, 2)   # [R, K, L, D]
+    v = v_blocks.index_select(0, flat).view(num_reqs, length, kv_heads, dim).transpose(1, 2)
+    seq_lens = md.seq_lens.clamp_min(1)                   # padded rows attend to slot 0, then are zeroed
+    beyond = md.positions[:length] >= seq_lens[:, None]                                          # [R, L]
+    mask = torch.zeros(beyond.shape, dtype=q.dtype, device=q.device).masked_fill_(beyond, float("-inf"))
+    qg = q[:num_reqs].view(num_reqs, kv_heads, heads // kv_heads, dim)                          # [R, K, G, D]
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=scale)  # [R, K, G, D]
+    real = (md.seq_lens > 0).to(q.dtype).view(num_reqs, 1, 1, 1)
+    out[:num_reqs].view(num_reqs, kv_heads, heads // kv_heads, dim).copy_(o * real)
 
 
 @dataclass
@@ -230,6 +290,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         # replays right after capturing, and that run is real.
         return
     md = current_attention_metadata()
+    if isinstance(md, DecodeMetadata):   # decode kernels in breakable mode: read at replay like the rest
+        decode_attention(q, out, k_blocks, v_blocks, md, scale)
+        return
     if not md.num_real_tokens:
         return
     if md.kernel == "flash_paged":

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphcache.model.attention import paged_attention
+from graphcache.model.attention import DecodeMetadata, decode_attention, paged_attention
 from graphcache.model.config import ModelConfig
+from graphcache.model.forward_context import current_attention_metadata
 
 
 class RMSNorm(nn.Module):
@@ -133,7 +134,13 @@ class Attention(nn.Module):
         # break writes its real rows and returns nothing. Padded rows stay uninitialized: they are
         # row-independent all the way to the (unread) padded logits, see attention.py.
         out = torch.empty_like(q)                                        # [T, H, D]
-        paged_attention(q, k, v, out, self.kv_cache, self.k_blocks, self.v_blocks, self.scale)
+        md = current_attention_metadata()
+        if isinstance(md, DecodeMetadata) and md.in_graph:
+            # Uniform decode, full capture mode: the kernel reads lengths and block tables from
+            # static device buffers, so it is recorded inside the graph like everything else.
+            decode_attention(q, out, self.k_blocks, self.v_blocks, md, self.scale)
+        else:
+            paged_attention(q, k, v, out, self.kv_cache, self.k_blocks, self.v_blocks, self.scale)
         return self.o_proj(out.view(t, self.q_size))                     # [T, hidden]
 
 
