@@ -86,6 +86,22 @@ def time_steps(runner: ModelRunner, decode: list[StepSeq], steps: int) -> tuple[
     return statistics.median(walls), statistics.median(gpus)
 
 
+def replay_ms(runner: ModelRunner, batch: int, steps: int) -> float:
+    """GPU time of the cached capture's replay alone (no input upload, no sampling): what the cache adds
+    over a plain graph of the same step."""
+    desc = BatchDescriptor(runner.sizes.pad(batch), runner.sizes.pad(batch), True)
+    graph = runner.cache._entries[desc].graph
+    times = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
 def plain_graph_ms(runner: ModelRunner, batch: int, steps: int) -> float:
     """One torch.cuda.graph around the runner's model forward for a decode batch of `batch`:
     the bare replay a full capture must match."""
@@ -144,6 +160,8 @@ def main() -> int:
             wall, gpu = time_steps(runner, decode, args.steps)
             row = {"mode": mode, "batch": b, "wall_ms": wall, "gpu_ms": gpu, "wall_over_gpu": wall / gpu,
                    "attention": runner.decode_kernel if mode != "varlen" else runner.attention_kernel}
+            if mode in ("full", "breakable"):
+                row["replay_ms"] = replay_ms(runner, b, args.steps)
             if mode == "full":
                 row["plain_graph_ms"] = plain_graph_ms(runner, b, args.steps)
             rows.append(row)
@@ -154,11 +172,14 @@ def main() -> int:
         torch.cuda.empty_cache()
     for mode, table in tables.items():
         print(f"\n=== kernel table, {mode}, batch {args.profile}, ctx {args.ctx} (5 steps)\n{table}")
-    print(f"\n{'mode':<10} {'batch':>5} {'wall ms':>8} {'gpu ms':>8} {'wall/gpu':>8} {'plain ms':>8} attention")
+    print(f"\n{'mode':<10} {'batch':>5} {'wall ms':>8} {'gpu ms':>8} {'wall/gpu':>8} {'replay':>8} {'plain':>8} "
+          f"{'rep/plain':>9} attention")
     for r in rows:
+        replay = f"{r['replay_ms']:8.3f}" if "replay_ms" in r else f"{'':>8}"
         plain = f"{r['plain_graph_ms']:8.3f}" if "plain_graph_ms" in r else f"{'':>8}"
+        ratio = f"{r['replay_ms'] / r['plain_graph_ms']:9.3f}" if "plain_graph_ms" in r else f"{'':>9}"
         print(f"{r['mode']:<10} {r['batch']:>5} {r['wall_ms']:8.3f} {r['gpu_ms']:8.3f} {r['wall_over_gpu']:8.2f} "
-              f"{plain} {r['attention']}")
+              f"{replay} {plain} {ratio} {r['attention']}")
     if args.out:
         args.out.write_text(json.dumps({"rows": rows, "tables": tables}, indent=1))
     return 0

@@ -95,7 +95,10 @@ class FakeRunner:
         bs = self.block_size
         rows = []
         for s in batch.seqs:
-            for i, tok in enumerate(s.token_ids):
+            ids = list(s.token_ids)
+            if s.prev_row is not None:   # async scheduling: the in-flight step's token, as the GPU would
+                ids[-1] = int(batch.prev_tokens[s.prev_row])
+            for i, tok in enumerate(ids):
                 pos = s.start_pos + i
                 self.slots[s.block_table[pos // bs] * bs + pos % bs] = tok
             if s.need_logits:
@@ -337,11 +340,11 @@ class RowFailingSampler:
     def __init__(self, inner, bad: str):
         self.inner, self.bad, self.calls = inner, bad, 0
 
-    def sample(self, logits, seqs):
+    def sample_device(self, logits, seqs):
         self.calls += 1
         if any(s.request_id == self.bad for s in seqs):
             raise RuntimeError("multinomial: invalid probability distribution")
-        return self.inner.sample(logits, seqs)
+        return self.inner.sample_device(logits, seqs)
 
 
 async def test_a_request_whose_sampling_fails_ends_alone_and_never_kills_the_engine():
@@ -371,7 +374,7 @@ async def test_device_fault_while_sampling_still_counts():
     e = start_engine(fake_factory())
     try:
         class Broken:
-            def sample(self, logits, seqs):
+            def sample_device(self, logits, seqs):
                 raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
 
         e.core.sampler = Broken()

@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     attention_backend: Literal["auto", "sdpa", "flash", "flash_paged"] = Field(
         "auto", description="Attention kernel: auto picks the fastest that runs here; the others force one "
         "(A/B runs) and fail at start if it cannot run.")
+    async_scheduling: Literal["auto", "on", "off"] = Field(
+        "auto", description="Schedule and prepare step n+1 while the GPU runs step n (auto = on with CUDA). "
+        "Greedy outputs are the same either way; a request that stops at step n wastes one step of work.")
     decode_attention_backend: Literal["auto", "triton", "torch", "varlen"] = Field(
         "auto", description="Kernel of uniform-decode steps: auto = triton on CUDA (paged split-KV), torch on CPU; "
         "varlen = the general attention kernel, as for mixed batches.")

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 StepMode = Literal["replay", "eager"]
+# Input of a decode whose token is still being sampled by the step in flight (async scheduling):
+# the runner fills it on the device from that step's sampled ids (StepBatch.prev_tokens).
+PLACEHOLDER_TOKEN = -1
 
 
 @dataclass
@@ -19,11 +22,13 @@ class StepSeq:
     start_pos: int             # position of token_ids[0] = tokens already in the KV cache
     block_table: list[int]     # KV blocks covering at least start_pos + len(token_ids) tokens
     need_logits: bool          # sample after this step (False for a non-final prefill chunk)
+    prev_row: int | None = None   # placeholder input: row of StepBatch.prev_tokens holding it
 
 
 @dataclass
 class StepBatch:
     seqs: list[StepSeq]
+    prev_tokens: Any = None    # [rows] int64 device ids sampled by the step in flight (placeholder inputs)
 
     @property
     def num_tokens(self) -> int:
@@ -49,6 +54,7 @@ class Runner(Protocol):
     max_model_len: int
     vocab_size: int | None          # token ids of a prompt must be below it (None: not checked)
     eos_token_ids: frozenset[int]
+    device_type: str                # "cuda" or "cpu": async scheduling is on by default on CUDA
     cache: Any                      # the GraphCache (admin: capture, clear, info, stats)
 
     def execute(self, batch: StepBatch) -> StepResult: ...

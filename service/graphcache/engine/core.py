@@ -16,11 +16,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from graphcache.config import Settings
-from graphcache.engine.batch import Runner, StepBatch
+from graphcache.engine.batch import PLACEHOLDER_TOKEN, Runner, StepBatch
 from graphcache.engine.block_manager import BlockManager
 from graphcache.engine.errors import InvalidRequest
 from graphcache.engine.sampler import Sampler
@@ -55,6 +56,20 @@ def is_device_failure(exc: BaseException) -> bool:
     return accelerator_error is not None and isinstance(exc, accelerator_error)
 
 
+@dataclass
+class _InFlight:
+    """A launched step whose sampled tokens are not on the host yet."""
+    plan: SchedulerOutput
+    sample_seqs: list[Sequence]
+    tokens: torch.Tensor               # [n] int64 sampled ids, on the device (feeds placeholders)
+    host: torch.Tensor                 # [n] the same on the host (pinned; valid once `ready` is done)
+    ready: torch.cuda.Event | None     # recorded after the copy (CUDA); None on the CPU
+    failed: list[int]                  # rows whose sampling failed: their requests end with an error
+    rows: dict[int, int]               # id(sequence) -> its row in tokens
+    mode: str
+    launched_at: float
+
+
 class EngineCore:
     def __init__(self, runner: Runner, settings: Settings, metrics: Metrics | None = None) -> None:
         self.runner = runner
@@ -69,6 +84,9 @@ class EngineCore:
         self.num_steps = 0
         self.steps_by_mode: dict[str, int] = {}
         self.consecutive_failures = 0
+        mode = settings.async_scheduling
+        self.async_scheduling = mode == "on" or (mode == "auto" and getattr(runner, "device_type", "cpu") == "cuda")
+        self._pending: _InFlight | None = None
         # Host seconds spent per phase of step() (schedule, execute = prepare + launch/replay, sample =
         # sampling + waiting for the GPU, postprocess = append/stops/outputs): benchmarks read them.
         self.phase_seconds = dict.fromkeys(("schedule", "execute", "sample", "postprocess"), 0.0)
@@ -129,12 +147,15 @@ class EngineCore:
     def abort_all(self, reason: str, error: str | None = None) -> list[RequestOutput]:
         return [out for rid in list(self.requests) if (out := self.abort(rid, reason, error)) is not None]
 
-    def has_work(self) -> bool:
-        return self.scheduler.has_work()
-
     # --- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step; the outputs of every request it advanced or ended. Raises EngineFailure."""
+        """Run one step; the outputs of every request it advanced or ended. Raises EngineFailure.
+
+        Async scheduling: the step is launched (inputs uploaded, graph replayed, tokens sampled on
+        the device, their copy to the host queued), then the step launched before it is completed
+        (wait for its tokens, postprocess): the host schedules and prepares step n+1 while the GPU
+        runs step n. A decode fed step n's token gets it on the device (a placeholder input). A
+        sequence that step n finished drops what step n+1 computed for it."""
         t_start = time.perf_counter()
         plan = self.scheduler.schedule()
         outputs = [self._output(seq) for seq in plan.failed]
@@ -142,74 +163,113 @@ class EngineCore:
             log.warning("request %s cannot fit: %s", seq.request_id, seq.error)
         if plan.preempted and self.metrics is not None:
             self.metrics.preemptions.inc(len(plan.preempted))
-        if plan.empty:
-            return [o for o in outputs if o is not None]
+        t_scheduled = time.perf_counter()
+        self.phase_seconds["schedule"] += t_scheduled - t_start
+        launched = None
+        if not plan.empty:
+            try:
+                launched = self._launch(plan)
+            except Exception as exc:
+                early = outputs + self._complete_pending()   # the step in flight still ends properly
+                try:
+                    return [o for o in early if o is not None] + self._step_failed(plan, exc)
+                except EngineFailure as failure:
+                    failure.outputs[:0] = [o for o in early if o is not None]
+                    raise
+            self.phase_seconds["execute"] += time.perf_counter() - t_scheduled
+        outputs += self._complete_pending()
+        self._pending = launched
+        if not self.async_scheduling:
+            outputs += self._complete_pending()
+        return [o for o in outputs if o is not None]
+
+    def has_work(self) -> bool:
+        return self._pending is not None or self.scheduler.has_work()
+
+    def _launch(self, plan: SchedulerOutput) -> _InFlight:
+        """Execute the plan's step and sample it on the device; nothing waits for the GPU."""
         batch = plan.to_batch()
+        pending = self._pending
+        if pending is not None:   # placeholders: the decodes fed the in-flight step's token
+            for s, step_seq in zip(plan.scheduled, batch.seqs, strict=True):
+                if step_seq.token_ids[-1] == PLACEHOLDER_TOKEN:
+                    step_seq.prev_row = pending.rows[id(s.seq)]
+            batch.prev_tokens = pending.tokens
+        if self.step_failpoint is not None:
+            self.step_failpoint(batch)
+        t0 = time.perf_counter()
+        result = self.runner.execute(batch)
         sample_seqs = [s.seq for s in plan.scheduled if s.need_logits]
+        tokens, failed = self._sample(result.logits[:len(sample_seqs)], sample_seqs)
+        host, ready = tokens, None
+        if tokens.is_cuda:   # one small asynchronous copy; completion waits on its event
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        rows = {id(seq): i for i, seq in enumerate(sample_seqs)}
+        return _InFlight(plan, sample_seqs, tokens, host, ready, failed, rows, result.mode, t0)
+
+    def _complete_pending(self) -> list[RequestOutput]:
+        """Wait for the step in flight (if any), append its tokens, check stops: its outputs."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return []
         t0 = time.perf_counter()
         try:
-            if self.step_failpoint is not None:
-                self.step_failpoint(batch)
-            result = self.runner.execute(batch)
-            t_executed = time.perf_counter()
-            tokens = self._sample(result.logits[:len(sample_seqs)], sample_seqs)
+            if p.ready is not None:
+                p.ready.synchronize()
+            tokens: list[int | None] = p.host.tolist()
         except Exception as exc:
-            early = [o for o in outputs if o is not None]
-            try:
-                return early + self._step_failed(plan, exc)
-            except EngineFailure as failure:
-                failure.outputs[:0] = early
-                raise
-        t_sampled = time.perf_counter()
-        elapsed = t_sampled - t0
+            return self._step_failed(p.plan, exc)
+        for i in p.failed:
+            tokens[i] = None
+        t_done = time.perf_counter()
         self.consecutive_failures = 0
         self.num_steps += 1
-        self.steps_by_mode[result.mode] = self.steps_by_mode.get(result.mode, 0) + 1
+        self.steps_by_mode[p.mode] = self.steps_by_mode.get(p.mode, 0) + 1
         now = time.monotonic()
-        changed = self.scheduler.postprocess(plan, tokens, now)
+        changed = self.scheduler.postprocess(p.plan, tokens, now)
         m = self.metrics
         if m is not None:
-            m.steps.labels(result.mode).inc()
-            m.step_seconds.labels(result.mode).observe(elapsed)
-            m.batch_size.observe(len(plan.scheduled))
+            m.steps.labels(p.mode).inc()
+            m.step_seconds.labels(p.mode).observe(t_done - p.launched_at)
+            m.batch_size.observe(len(p.plan.scheduled))
             m.generation_tokens.inc(sum(t is not None for t in tokens))
             for seq in changed:
                 if seq.num_output_tokens == 1 and seq.first_token_time == now:
                     m.ttft.observe(now - seq.arrival_time)
                     m.prompt_tokens.inc(seq.num_prompt_tokens)
-        outputs += [self._output(seq) for seq in changed]
-        phases = self.phase_seconds
-        phases["schedule"] += t0 - t_start
-        phases["execute"] += t_executed - t0
-        phases["sample"] += t_sampled - t_executed
-        phases["postprocess"] += time.perf_counter() - t_sampled
-        return [o for o in outputs if o is not None]
+        outputs = [self._output(seq) for seq in changed]
+        self.phase_seconds["sample"] += t_done - t0
+        self.phase_seconds["postprocess"] += time.perf_counter() - t_done
+        return outputs
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
-        """Sample the batch. The sampler does not raise for validated parameters; if it raises
-        anyway, each row is sampled alone, so a request whose row fails ends by itself (None in its
-        place) and neither fails the requests batched with it nor counts toward engine failure.
-        A device fault is not any one request's: it raises."""
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]]:
+        """Sample the batch on the device: ([n] int64 ids, rows whose sampling failed). The sampler
+        does not raise for validated parameters; if it raises anyway, each row is sampled alone, so a
+        request whose row fails ends by itself (its id is a stand-in 0, dropped at completion) and
+        neither fails the requests batched with it nor counts toward engine failure. A device fault
+        is not any one request's: it raises."""
         try:
-            return self.sampler.sample(logits, seqs)
+            return self.sampler.sample_device(logits, seqs), []
         except Exception as exc:
             if is_device_failure(exc):
                 raise
-            if len(seqs) == 1:
-                self._sampling_failed(seqs[0], exc)
-                return [None]
-            log.warning("batched sampling failed (%s: %s); sampling the %d rows one by one",
-                        type(exc).__name__, exc, len(seqs))
-        tokens: list[int | None] = []
+            if len(seqs) > 1:
+                log.warning("batched sampling failed (%s: %s); sampling the %d rows one by one",
+                            type(exc).__name__, exc, len(seqs))
+        rows, failed = [], []
         for i, seq in enumerate(seqs):
             try:
-                tokens.extend(self.sampler.sample(logits[i:i + 1], [seq]))
+                rows.append(self.sampler.sample_device(logits[i:i + 1], [seq]))
             except Exception as exc:
                 if is_device_failure(exc):
                     raise
                 self._sampling_failed(seq, exc)
-                tokens.append(None)
-        return tokens
+                failed.append(i)
+                rows.append(torch.zeros(1, dtype=torch.int64, device=logits.device))
+        return torch.cat(rows), failed
 
     @staticmethod
     def _sampling_failed(seq: Sequence, exc: Exception) -> None:

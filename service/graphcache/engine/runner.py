@@ -73,6 +73,7 @@ class ModelRunner:
     def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
         self.settings = s = settings
         self.device = _resolve_device(s.device)
+        self.device_type = self.device.type
         self.dtype = resolve_dtype("bfloat16" if s.dtype == "auto" and self.device.type == "cuda"
                                    else "float32" if s.dtype == "auto" else s.dtype)
         path = s.model if s.model is not None else default_model_dir(s.cache_dir, seed=s.seed)
@@ -145,6 +146,10 @@ class ModelRunner:
         # [2 * (R_max + 1)] int32: cumulative query lengths, then cumulative context lengths (flash
         # kernel); one buffer so it is one upload, each half contiguous as the kernel wants.
         self.cu_seqlens = StagingBuffer((2 * (self.max_reqs + 1),), torch.int32, dev)
+        # Placeholder inputs (async scheduling): token rows to fill, and the previous step's row each
+        # takes its sampled id from.
+        self.fill_rows = StagingBuffer((self.max_reqs,), i64, dev)     # [R_max]
+        self.fill_src = StagingBuffer((self.max_reqs,), i64, dev)      # [R_max]
         # [R_max, V] in the model dtype: the LM head writes straight into it.
         self.out_logits = torch.zeros(self.max_reqs, self.model_config.vocab_size, dtype=self.dtype, device=dev)
 
@@ -254,9 +259,9 @@ class ModelRunner:
         pad_tokens = desc.num_tokens if desc else num_tokens
         pad_reqs = desc.num_reqs if desc else num_reqs
         if self._decode_path(uniform):
-            md, num_logits = self._prepare_decode(seqs, pad_reqs)
+            md, num_logits = self._prepare_decode(seqs, pad_reqs, batch.prev_tokens)
         else:
-            md, num_logits = self._prepare(seqs, num_tokens, pad_tokens, pad_reqs)
+            md, num_logits = self._prepare(seqs, num_tokens, pad_tokens, pad_reqs, batch.prev_tokens)
         with forward_context(md):
             if desc is None:
                 self._run_model(num_tokens, num_reqs)
@@ -265,7 +270,7 @@ class ModelRunner:
                 mode = self.cache.run(desc, real_tokens=num_tokens)
         return StepResult(self.out_logits[:num_logits], mode)
 
-    def _prepare(self, seqs: list[StepSeq], num_tokens: int, pad_tokens: int, pad_reqs: int):
+    def _prepare(self, seqs: list[StepSeq], num_tokens: int, pad_tokens: int, pad_reqs: int, prev_tokens=None):
         """Fill host mirrors and upload. Layout: decode requests first (attention op contract);
         logits rows: the need_logits seqs in batch order, then the others."""
         if self._uploaded is not None:
@@ -276,6 +281,7 @@ class ModelRunner:
         num_decodes = len(order)
         order += [i for i, s in enumerate(seqs) if len(s.token_ids) != 1]
         ids, pos, slots = [], [], []
+        fills: list[tuple[int, int]] = []   # (token row, previous step's row) of placeholder inputs
         query_start, seq_lens = [0], []
         last_token = [0] * len(seqs)
         bt = self.block_tables.np
@@ -289,6 +295,8 @@ class ModelRunner:
                 raise ValueError(f"sequence {i} reaches position {end} with {len(s.block_table)} blocks of {bs}; "
                                  f"it needs ceil({end}/{bs}) blocks and at most max_model_len {self.max_model_len}")
             table = s.block_table
+            if s.prev_row is not None:
+                fills.append((len(ids), s.prev_row))
             ids += s.token_ids
             pos += range(s.start_pos, end)
             slots += [table[p // bs] * bs + p % bs for p in range(s.start_pos, end)]
@@ -316,6 +324,7 @@ class ModelRunner:
             uploads.append((self.cu_seqlens, 2 * num_reqs + 2))
         for buf, n in uploads:
             buf.upload(n)
+        self._fill_placeholders(fills, prev_tokens)
         if self._uploaded is not None:
             self._uploaded.record()
         md = self._planner.plan(num_real_tokens=num_tokens, num_decodes=num_decodes, query_start_loc=query_start,
@@ -323,7 +332,7 @@ class ModelRunner:
                                 block_tables=self.block_tables.dev[:num_reqs], cu_seqlens=self.cu_seqlens.dev)
         return md, len(need)
 
-    def _prepare_decode(self, seqs: list[StepSeq], pad_reqs: int) -> tuple[DecodeMetadata, int]:
+    def _prepare_decode(self, seqs: list[StepSeq], pad_reqs: int, prev_tokens=None) -> tuple[DecodeMetadata, int]:
         """Uniform decode: one token per sequence, row i = sequence i = logits row i. Host work is a
         few list comprehensions and numpy ops; a block-table row is rewritten only when its table
         changed since the last decode step (a new sequence in the row, or a new block)."""
@@ -355,9 +364,24 @@ class ModelRunner:
         for buf in (self.input_ids, self.positions, self.slot_mapping, self.logits_indices, self.seq_lens,
                     self.block_tables):
             buf.upload(pad_reqs)
+        self._fill_placeholders([(i, s.prev_row) for i, s in enumerate(seqs) if s.prev_row is not None], prev_tokens)
         if self._uploaded is not None:
             self._uploaded.record()
         return self.decode_metadata(pad_reqs), n
+
+    def _fill_placeholders(self, fills: list[tuple[int, int]], prev_tokens) -> None:
+        """Async scheduling: a decode fed the token the previous step is still sampling gets it on the
+        device, input_ids[row] = prev_tokens[prev_row], after the upload (stream order), no sync."""
+        if not fills:
+            return
+        if prev_tokens is None:
+            raise ValueError("placeholder inputs need StepBatch.prev_tokens (the previous step's sampled ids)")
+        k = len(fills)
+        self.fill_rows.np[:k] = [row for row, _ in fills]
+        self.fill_src.np[:k] = [src for _, src in fills]
+        self.fill_rows.upload(k)
+        self.fill_src.upload(k)
+        self.input_ids.dev.index_copy_(0, self.fill_rows.dev[:k], prev_tokens.index_select(0, self.fill_src.dev[:k]))
 
     # --- captures outside a step (warmup, admin) --------------------------------------------
     def capture(self, descriptors: list[BatchDescriptor], *, pin: bool = True,

@@ -43,31 +43,34 @@ class Sampler:
             g = self._shared[device] = torch.Generator(device=device).manual_seed(self._default_seed)
         return g
 
-    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """One token per row of `logits` [len(seqs), V] (row i belongs to seqs[i])."""
+        """One token per row of `logits` [len(seqs), V] (row i belongs to seqs[i]), on the host."""
+        return self.sample_device(logits, seqs).tolist()
+
+    @torch.inference_mode()
+    def sample_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Like sample(), as a [len(seqs)] int64 tensor on the logits' device, without waiting for
+        the GPU: host values reach the device through pinned, asynchronous copies."""
         assert logits.shape[0] == len(seqs), (logits.shape, len(seqs))
-        if not seqs:
-            return []
         # argmax in the model dtype: the same token as over a float copy, without writing [R, V] fp32
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(seqs) if not _is_greedy(s.params.temperature)]
         if random_rows:
-            idx = torch.tensor(random_rows, device=logits.device)
+            dev = logits.device
+            idx = _to_device(random_rows, torch.int64, dev)
             vocab = logits.shape[-1]
             probs = probs_from_logits(
                 logits.index_select(0, idx),
-                temperature=torch.tensor([seqs[i].params.temperature for i in random_rows], device=logits.device),
+                temperature=_to_device([seqs[i].params.temperature for i in random_rows], torch.float32, dev),
                 # Clamped here: a top_k past int64 (the API bounds it below only) must not overflow the tensor.
-                top_k=torch.tensor([min(max(seqs[i].params.top_k, 0), vocab) for i in random_rows],
-                                   device=logits.device),
-                top_p=torch.tensor([seqs[i].params.top_p for i in random_rows], device=logits.device),
+                top_k=_to_device([min(max(seqs[i].params.top_k, 0), vocab) for i in random_rows], torch.int64, dev),
+                top_p=_to_device([seqs[i].params.top_p for i in random_rows], torch.float32, dev),
             )
             seeded = [j for j, i in enumerate(random_rows) if seqs[i].params.seed is not None]
             unseeded = [j for j, i in enumerate(random_rows) if seqs[i].params.seed is None]
             drawn = torch.empty(len(random_rows), dtype=torch.long, device=logits.device)
             if unseeded:
-                u = torch.tensor(unseeded, device=logits.device)
+                u = _to_device(unseeded, torch.int64, logits.device)
                 drawn[u] = torch.multinomial(probs.index_select(0, u), 1,
                                              generator=self._shared_generator(logits.device)).squeeze(1)
             for j in seeded:
@@ -76,7 +79,16 @@ class Sampler:
                     seq.generator = torch.Generator(device=logits.device).manual_seed(seq.params.seed & _SEED_MASK)
                 drawn[j] = torch.multinomial(probs[j], 1, generator=seq.generator)[0]
             tokens[idx] = drawn
-        return tokens.tolist()
+        return tokens
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on `device`. On CUDA through pinned memory and non_blocking: a plain
+    torch.tensor(..., device=cuda) copies from pageable memory, which waits for the whole stream."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def probs_from_logits(logits: torch.Tensor, *, temperature: torch.Tensor, top_k: torch.Tensor,

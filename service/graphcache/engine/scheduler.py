@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from graphcache.engine.batch import StepBatch, StepSeq
+from graphcache.engine.batch import PLACEHOLDER_TOKEN, StepBatch, StepSeq
 from graphcache.engine.block_manager import BlockManager
 from graphcache.engine.sequence import Sequence, SequenceStatus
 from graphcache.engine.stopping import check_stop
@@ -31,6 +31,7 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int        # tokens fed this step
     need_logits: bool      # the slice reaches the end of the sequence: sample after this step
+    start: int = 0         # position of the first fed token (num_computed_tokens when scheduled)
 
 
 @dataclass
@@ -50,11 +51,15 @@ class SchedulerOutput:
     def to_batch(self) -> StepBatch:
         seqs = []
         for s in self.scheduled:
-            start = s.seq.num_computed_tokens
+            ids = s.seq.token_slice(s.start, s.start + s.num_tokens)
+            # A decode whose input is the token still being sampled by the step in flight (async
+            # scheduling): a placeholder; the runner takes it from that step's device output.
+            if len(ids) < s.num_tokens:
+                ids = ids + [PLACEHOLDER_TOKEN] * (s.num_tokens - len(ids))
             # The block table is passed, not copied: the runner reads it during execute(), before
             # the engine changes any table again.
-            seqs.append(StepSeq(token_ids=s.seq.token_slice(start, start + s.num_tokens), start_pos=start,
-                                block_table=s.seq.block_table, need_logits=s.need_logits))
+            seqs.append(StepSeq(token_ids=ids, start_pos=s.start, block_table=s.seq.block_table,
+                                need_logits=s.need_logits))
         return StepBatch(seqs=seqs)
 
 
@@ -117,10 +122,13 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled_ids: set[int] = set()
 
-        # 1. Running: decodes first, then in-progress prefill chunks; each in admission order.
+        # 1. Running: decodes first, then in-progress prefill chunks; each in admission order. A token
+        # still being sampled (num_inflight, async scheduling) counts as known: its sequence decodes it.
         decodes, prefills = [], []
         for s in self.running:
-            (decodes if s.num_computed_tokens == s.num_tokens - 1 else prefills).append(s)
+            if s.num_inflight and self._finishes_by_length(s):
+                continue   # the token in flight ends it: scheduling it again would compute past its end
+            (decodes if s.num_computed_tokens == s.num_tokens + s.num_inflight - 1 else prefills).append(s)
         bm = self.block_manager
         capacity_per_block = bm.block_size
         for seq in decodes + prefills:
@@ -128,7 +136,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:   # preempted earlier in this loop
                 continue
-            total = seq.num_tokens
+            total = seq.num_tokens + seq.num_inflight
             n = min(total - seq.num_computed_tokens, budget)
             target = seq.num_computed_tokens + n
             if target > len(seq.block_table) * capacity_per_block:   # most decodes skip this: room left
@@ -144,13 +152,15 @@ class Scheduler:
                 if seq.status is not SequenceStatus.RUNNING:
                     continue
                 bm.allocate(seq, target)
-            out.scheduled.append(ScheduledSeq(seq, n, need_logits=target == total))
+            self._commit(out, seq, n, target, need_logits=target == total)
             scheduled_ids.add(id(seq))
             budget -= n
 
         # 2. Waiting: admit FCFS into what is left, unless this step had to preempt.
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_inflight:
+                break  # preempted with a token in flight: it re-prefills once that token has landed
             if self._never_fits(seq, seq.num_tokens):
                 self._fail_too_big(seq, seq.num_tokens, out)
                 continue
@@ -162,24 +172,37 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self.block_manager.allocate(seq, target)
-            out.scheduled.append(ScheduledSeq(seq, n, need_logits=target == seq.num_tokens))
+            self._commit(out, seq, n, target, need_logits=target == seq.num_tokens)
             scheduled_ids.add(id(seq))
             budget -= n
         return out
 
+    @staticmethod
+    def _commit(out: SchedulerOutput, seq: Sequence, n: int, target: int, need_logits: bool) -> None:
+        """Schedule n tokens of seq: their K/V count as computed from now on (the step that writes
+        them runs before any later step reads them), and a token to sample is now in flight."""
+        out.scheduled.append(ScheduledSeq(seq, n, need_logits, start=seq.num_computed_tokens))
+        seq.num_computed_tokens = target
+        if need_logits:
+            seq.num_inflight += 1
+
+    def _finishes_by_length(self, seq: Sequence) -> bool:
+        limit = seq.params.max_tokens
+        return ((limit is not None and seq.num_output_tokens + seq.num_inflight >= limit)
+                or seq.num_tokens + seq.num_inflight >= self.max_model_len)
+
     def postprocess(self, out: SchedulerOutput, tokens: list[int | None], now: float) -> list[Sequence]:
-        """The step ran: its fed tokens now have K/V in the cache. Append the token sampled for each
-        need_logits sequence (`tokens` in that order; None: its sampling failed, it ends with an
-        error), check the stop rules, finish and free. Returns the sequences that got a token or
-        finished, in batch order: the ones with something to stream."""
-        for s in out.scheduled:
-            if s.seq.status is SequenceStatus.RUNNING:
-                s.seq.num_computed_tokens += s.num_tokens
+        """The step ran. Append the token sampled for each need_logits sequence (`tokens` in that
+        order; None: its sampling failed, it ends with an error), check the stop rules, finish and
+        free. Returns the sequences that got a token or finished, in batch order: the ones with
+        something to stream. A sequence that finished meanwhile (abort, or a stop found in the step
+        before, with async scheduling) drops its token: nothing is emitted past a finish."""
         sampled = [s.seq for s in out.scheduled if s.need_logits]
         assert len(tokens) == len(sampled), (len(tokens), len(sampled))
         changed = []
         for seq, token in zip(sampled, tokens, strict=True):
-            if seq.is_finished:   # aborted while the step ran
+            seq.num_inflight -= 1
+            if seq.is_finished:
                 continue
             changed.append(seq)
             if token is None:

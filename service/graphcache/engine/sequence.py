@@ -91,6 +91,7 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None            # why, when finish_reason == "error"
     num_preemptions: int = 0
+    num_inflight: int = 0               # sampled tokens of scheduled steps not appended yet (async scheduling)
     stream: bool = True                 # False: only the final output (carrying everything) is delivered
     # Detokenizer state: the tokenizer's IncrementalDetokenizer (None once flushed at finish) and the
     # text it released so far (stop strings already cut).
