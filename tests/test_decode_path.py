@@ -124,7 +124,7 @@ def test_decode_kernel_selection():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert select_decode_kernel(cpu, torch.float32, 64, 16) == "torch"
     assert select_decode_kernel(cpu, torch.float32, 64, 16, "varlen") == "varlen"
-    assert select_decode_kernel(cuda, torch.float32, 64, 16) == "varlen"     # triton path is fp16/bf16
+    assert select_decode_kernel(cuda, torch.bfloat16, 64, 24) == "varlen"    # pages not a power of two
     with pytest.raises(RuntimeError, match="needs CUDA"):
         select_decode_kernel(cpu, torch.float32, 64, 16, "triton")
     with pytest.raises(ValueError, match="use auto"):

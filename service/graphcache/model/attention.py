@@ -99,16 +99,16 @@ def select_attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: 
 def select_decode_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int,
                          backend: str = "auto") -> str:
     """The kernel of uniform-decode steps: "triton" (model/decode_attention.py: paged, split-KV,
-    query heads packed per KV head; CUDA, fp16/bf16), "torch" (static-shape masked attention over the
+    query heads packed per KV head; CUDA), "torch" (static-shape masked attention over the
     whole block table: capturable but O(max_model_len), the CPU path), or "varlen" (no decode path:
     decode steps use the general kernel as an eager break, as mixed batches do)."""
     pow2 = block_size & (block_size - 1) == 0
-    triton_ok = (device.type == "cuda" and HAVE_TRITON and dtype in (torch.float16, torch.bfloat16) and pow2
-                 and head_dim % 8 == 0 and head_dim <= 256)
+    triton_ok = (device.type == "cuda" and HAVE_TRITON and dtype in (torch.float16, torch.bfloat16, torch.float32)
+                 and pow2 and head_dim % 8 == 0 and head_dim <= 256)
     if backend == "auto":
         return "triton" if triton_ok else "torch" if device.type == "cpu" else "varlen"
     if backend == "triton" and not triton_ok:
-        raise RuntimeError("decode_attention_backend=triton needs CUDA, triton, fp16/bf16, a power-of-two "
+        raise RuntimeError("decode_attention_backend=triton needs CUDA, triton, a power-of-two "
                            "block_size and head_dim % 8 == 0 (<= 256); use auto")
     if backend not in ("triton", "torch", "varlen"):
         raise ValueError(f"decode_attention_backend={backend!r}: use auto, triton, torch or varlen")
