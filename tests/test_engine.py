@@ -517,3 +517,20 @@ async def test_gauges_follow_an_abort_that_leaves_the_engine_idle():
         assert e.metrics.kv_usage._value.get() == 0
     finally:
         e.shutdown()
+
+
+async def test_a_slow_stream_consumer_gets_merged_deltas_with_nothing_lost():
+    e = start_engine(fake_factory(step_delay=0.002))
+    try:
+        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        fast_ids, fast_text, _ = await collect(e, "fast", [1, 2, 3], params)
+        outs = []
+        async for out in e.generate("slow", [1, 2, 3], params):
+            outs.append(out)
+            await asyncio.sleep(0.02)   # the engine runs ~10 steps meanwhile
+        assert len(outs) < 40, "deltas were not merged"
+        assert sum((o.token_ids for o in outs), []) == fast_ids
+        assert "".join(o.text for o in outs) == fast_text
+        assert outs[-1].finished and outs[-1].completion_tokens == 40
+    finally:
+        e.shutdown()

@@ -1,0 +1,155 @@
+"""Served throughput: the offline benchmark's workload sent to `graphcache serve` over HTTP.
+
+Starts `python -m graphcache serve` on a Qwen2.5-0.5B-shaped random checkpoint (the engine exactly as
+a user runs it), waits for /ready, then:
+  burst   the 256 requests of benchmarks/offline_throughput.py (token-id prompts 100-1024, outputs
+          100-1024, ignore_eos, greedy) all at once, streaming; output tok/s = completion tokens of
+          every request / wall time from the first send to the last [DONE];
+  clients --clients closed-loop streaming clients for --duration s, each request 256 prompt tokens
+          and 128 output tokens.
+Per run: output tok/s, TTFT and TPOT p50/p99 (TPOT = (last token time - first token time) /
+(tokens - 1) per request), errors (a request that did not end with exactly its max_tokens counts).
+The client parses only what it needs (usage and the delta's token count come from the last chunk),
+in its own process, so it is not what limits the server.
+
+  python benchmarks/served_throughput.py --make-qwen05b /tmp/qwen05b --out served.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "service"))  # the graphcache package
+
+from benchmarks.offline_throughput import make_qwen05b, workload  # noqa: E402
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = last = None
+    usage = None
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"ok": False, "error": f"HTTP {r.status_code}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            now = time.perf_counter()
+            if line == "data: [DONE]":
+                break
+            if first is None:
+                first = now
+            last = now
+            if '"usage": {' in line:
+                usage = json.loads(line[6:])["usage"]
+    ok = usage is not None and usage["completion_tokens"] == max_tokens
+    tokens = usage["completion_tokens"] if usage else 0
+    return {"ok": ok, "tokens": tokens, "ttft": (first or t0) - t0,
+            "tpot": ((last - first) / (tokens - 1)) if first and last and tokens > 1 else None,
+            "error": None if ok else f"usage {usage}"}
+
+
+def summary(name: str, results: list[dict], seconds: float) -> dict:
+    good = [r for r in results if r["ok"]]
+    tokens = sum(r["tokens"] for r in good)
+    ttft = [r["ttft"] * 1e3 for r in good]
+    tpot = [r["tpot"] * 1e3 for r in good if r["tpot"] is not None]
+    return {"run": name, "requests": len(results), "errors": len(results) - len(good), "seconds": seconds,
+            "output_tokens": tokens, "tokens_per_s": tokens / seconds,
+            "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p99": pct(ttft, 0.99),
+            "tpot_ms_p50": pct(tpot, 0.5), "tpot_ms_p99": pct(tpot, 0.99),
+            "first_errors": [r["error"] for r in results if not r["ok"]][:3]}
+
+
+async def burst(url: str, prompts, outputs) -> dict:
+    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(client, p, n) for p, n in zip(prompts, outputs, strict=True)))
+        return summary(f"burst {len(prompts)} streaming", list(results), time.perf_counter() - t0)
+
+
+async def clients(url: str, n: int, duration: float, vocab: int) -> dict:
+    prompts, _ = workload(n * 4, vocab, (256, 256), (128, 128), seed=1)
+    results: list[dict] = []
+    deadline = time.perf_counter() + duration
+    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        async def loop(i: int) -> None:
+            k = 0
+            while time.perf_counter() < deadline:
+                results.append(await one(client, prompts[(i + k * n) % len(prompts)], 128))
+                k += 1
+        t0 = time.perf_counter()
+        await asyncio.gather(*(loop(i) for i in range(n)))
+        return summary(f"{n} streaming clients", results, time.perf_counter() - t0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path)
+    ap.add_argument("--make-qwen05b", type=Path, metavar="DIR")
+    ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--duration", type=float, default=30.0)
+    ap.add_argument("--log", type=Path, default=Path("served_server.log"))
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    model = args.model or make_qwen05b(args.make_qwen05b)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    # The offline benchmark's engine settings; GRAPHCACHE_* in the environment override them.
+    env = {"GRAPHCACHE_MODEL": str(model), "GRAPHCACHE_MAX_NUM_SEQS": "256", "GRAPHCACHE_MAX_NUM_BATCHED_TOKENS": "8192",
+           "GRAPHCACHE_MAX_MODEL_LEN": "4096", "GRAPHCACHE_LOG_LEVEL": "warning", **os.environ}
+    with args.log.open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "graphcache", "serve", "--port", str(args.port)], env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{args.port}"
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            try:
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: see {args.log}")
+            time.sleep(1)
+        prompts, outputs = workload(args.num_seqs, vocab, (100, 1024), (100, 1024), seed=0)
+        asyncio.run(burst(url, prompts[:4], [8] * 4))   # warm: first requests, HTTP stack
+        rows = [asyncio.run(burst(url, prompts, outputs)), asyncio.run(clients(url, args.clients, args.duration, vocab))]
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    print(f"\n{'run':<24}{'tok/s':>9}{'reqs':>6}{'err':>5}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}")
+    for r in rows:
+        print(f"{r['run']:<24}{r['tokens_per_s']:>9.0f}{r['requests']:>6}{r['errors']:>5}{r['ttft_ms_p50']:>10.0f}"
+              f"{r['ttft_ms_p99']:>8.0f}{r['tpot_ms_p50']:>10.2f}{r['tpot_ms_p99']:>8.2f}")
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+    return 0 if all(r["errors"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
