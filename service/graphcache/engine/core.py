@@ -129,7 +129,9 @@ class EngineCore:
         if seq.request_id in self.requests:
             raise InvalidRequest(f"request id {seq.request_id!r} is already in flight; use a unique id")
         tokenizer = self.runner.tokenizer
-        if tokenizer is not None:
+        # A stream without stop strings needs no text here: its consumer detokenizes (Engine._stream,
+        # off the step loop, several tokens per call when it falls behind); its outputs carry ids only.
+        if tokenizer is not None and not (seq.stream and not seq.params.stop):
             seq.detokenizer = tokenizer.detokenizer(seq.prompt_token_ids, seq.params.stop)
             # Non-streaming and no stop strings: nobody reads text before the end.
             seq.defer_text = not seq.stream and not seq.params.stop

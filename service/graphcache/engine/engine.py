@@ -291,6 +291,12 @@ class Engine:
 
     async def _stream(self, handle: _Handle) -> AsyncIterator[RequestOutput]:
         finished = False
+        seq = handle.seq
+        # Streams without stop strings are detokenized here, on the consumer's side (EngineCore leaves
+        # their text empty): the step loop never pays for it, and a merged delta is decoded in one call.
+        detok = None
+        if seq.stream and not seq.params.stop and self.tokenizer is not None:
+            detok = self.tokenizer.detokenizer(seq.prompt_token_ids)
         try:
             while True:
                 out: RequestOutput = await handle.outputs.get()
@@ -298,6 +304,8 @@ class Engine:
                 # sends fewer, larger chunks instead of falling behind the engine one token at a time.
                 while not out.finished and not handle.outputs.empty():
                     out = _merge(out, handle.outputs.get_nowait())
+                if detok is not None:
+                    out = _with_text(out, detok)
                 finished = out.finished
                 yield out
                 if finished:
@@ -537,6 +545,18 @@ class Engine:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _with_text(out: RequestOutput, detok: Any) -> RequestOutput:
+    """`out` with the text of its token ids. A final "stop" without stop strings came from a stop
+    token or EOS, which adds no text (as the engine-side path does it)."""
+    ids = out.token_ids
+    if out.finished and out.finish_reason == "stop" and ids:
+        ids = ids[:-1]
+    text = detok.add(list(ids)) if ids else ""
+    if out.finished:
+        text += detok.finish()
+    return dataclasses.replace(out, text=out.text + text)
 
 
 def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
