@@ -8,7 +8,7 @@ grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/excl
 py=${PYTHON:-.venv/bin/python}
 ver() { "$py" -m pip show "$1" 2>/dev/null | sed -n 's/^Version: //p'; }
 pkgs=(fastapi starlette uvicorn pydantic pydantic_core pydantic-settings annotated-types typing-inspection
-      python-dotenv pytest-asyncio opentelemetry-api)
+      python-dotenv pytest-asyncio opentelemetry-api httptools)
 # Not in the test venv: the comparison library capture_bench.py times against.
 extra=(breakable-cuda-graphs==0.1.0)
 rm -rf .whl && mkdir -p .whl

@@ -534,3 +534,20 @@ async def test_a_slow_stream_consumer_gets_merged_deltas_with_nothing_lost():
         assert outs[-1].finished and outs[-1].completion_tokens == 40
     finally:
         e.shutdown()
+
+
+@pytest.mark.parametrize("interval_ms,max_outputs", [(0, 41), (60, 12)])
+async def test_stream_interval_batches_deliveries_but_not_the_first_and_last(interval_ms, max_outputs):
+    e = start_engine(fake_factory(step_delay=0.003), stream_interval_ms=interval_ms)
+    try:
+        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        t0 = time.monotonic()
+        outs, first_at = [], None
+        async for out in e.generate("s", [1, 2, 3], params):
+            first_at = first_at or time.monotonic() - t0
+            outs.append(out)
+        assert len(outs) <= max_outputs and sum(len(o.token_ids) for o in outs) == 40
+        assert len(outs[0].token_ids) <= 2, "the first token waited for the interval"
+        assert outs[-1].finished
+    finally:
+        e.shutdown()

@@ -20,7 +20,8 @@ def default_capture_sizes(max_size: int) -> list[int]:
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="GRAPHCACHE_", extra="ignore")
+    # hide_input_in_errors: a refused admin_token must not be printed by a ValidationError's str().
+    model_config = SettingsConfigDict(env_prefix="GRAPHCACHE_", extra="ignore", hide_input_in_errors=True)
 
     # --- model ---
     model: Path | None = Field(
@@ -46,6 +47,9 @@ class Settings(BaseSettings):
     attention_backend: Literal["auto", "sdpa", "flash", "flash_paged"] = Field(
         "auto", description="Attention kernel: auto picks the fastest that runs here; the others force one "
         "(A/B runs) and fail at start if it cannot run.")
+    stream_interval_ms: float = Field(
+        20.0, ge=0, description="Streams get new tokens at most this often (first and last tokens at once); "
+        "0 = every step. Fewer, larger chunks keep the event loop ahead of a large batch.")
     async_scheduling: Literal["auto", "on", "off"] = Field(
         "auto", description="Schedule and prepare step n+1 while the GPU runs step n (auto = on with CUDA). "
         "Greedy outputs are the same either way; a request that stops at step n wastes one step of work.")
@@ -76,7 +80,8 @@ class Settings(BaseSettings):
     # --- HTTP ---
     host: str = Field("127.0.0.1", description="Bind address; 0.0.0.0 in containers.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 = any free port).")
-    admin_token: str | None = Field(None, description="Bearer token for /admin/*. Unset: admin is off, "
+    admin_token: str | None = Field(None, description="Bearer token for /admin/* (printable ASCII, e.g. from "
+                                    "`openssl rand -hex 32`). Unset: admin is off, "
                                     "unless admin_allow_loopback lets loopback clients in.")
     admin_allow_loopback: bool = Field(False, description="Without a token, allow /admin/* from 127.0.0.1/::1.")
     log_format: Literal["text", "json"] = Field("text", description="text for people, json for log pipelines.")
@@ -90,6 +95,18 @@ class Settings(BaseSettings):
     def _empty_is_unset(cls, v: object) -> object:
         # GRAPHCACHE_MODEL="" (a blank Helm or compose value) means "not set", never Path(".").
         return None if isinstance(v, str) and not v.strip() else v
+
+    @field_validator("admin_token")
+    @classmethod
+    def _ascii_token(cls, v: str | None) -> str | None:
+        # HTTP header values are Latin-1 on the wire; curl and most clients send a non-ASCII token as
+        # UTF-8 bytes, so such a token would match only clients that happen to encode it as the server
+        # decodes it. Refused at start instead, without echoing the secret.
+        if v is not None and not (v.isascii() and v.isprintable() and v == v.strip()):
+            raise ValueError("admin_token must be printable ASCII without leading or trailing spaces (HTTP "
+                             "header values are Latin-1 on the wire, and clients send other characters "
+                             "differently): use ASCII characters, e.g. a hex token from `openssl rand -hex 32`")
+        return v
 
     @field_validator("capture_sizes")
     @classmethod
