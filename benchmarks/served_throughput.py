@@ -9,8 +9,9 @@ a user runs it), waits for /ready, then:
           and 128 output tokens.
 Per run: output tok/s, TTFT and TPOT p50/p99 (TPOT = (last token time - first token time) /
 (tokens - 1) per request), errors (a request that did not end with exactly its max_tokens counts).
-The client parses only what it needs (usage and the delta's token count come from the last chunk),
-in its own process, so it is not what limits the server.
+The client parses only what it needs (usage and the delta's token count come from the last chunk)
+and runs in --client-procs processes (a single Python client cannot parse 256 busy streams), all
+sending from one agreed start time, so it is not what limits the server.
 
   python benchmarks/served_throughput.py --make-qwen05b /tmp/qwen05b --out served.json
 """
@@ -81,12 +82,31 @@ def summary(name: str, results: list[dict], seconds: float) -> dict:
             "first_errors": [r["error"] for r in results if not r["ok"]][:3]}
 
 
-async def burst(url: str, prompts, outputs) -> dict:
+async def _burst_part(url: str, prompts, outputs, start_at: float) -> list[dict]:
     limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        t0 = time.perf_counter()
+        await asyncio.sleep(max(0.0, start_at - time.time()))
         results = await asyncio.gather(*(one(client, p, n) for p, n in zip(prompts, outputs, strict=True)))
-        return summary(f"burst {len(prompts)} streaming", list(results), time.perf_counter() - t0)
+        for r in results:
+            r["end"] = time.time()
+        return list(results)
+
+
+def _burst_worker(job: tuple) -> list[dict]:
+    url, prompts, outputs, start_at = job
+    return asyncio.run(_burst_part(url, prompts, outputs, start_at))
+
+
+def burst(url: str, prompts, outputs, procs: int) -> dict:
+    """All requests at once, split over `procs` client processes that start sending together."""
+    import multiprocessing
+
+    start_at = time.time() + 3.0   # time for the workers to start
+    jobs = [(url, prompts[i::procs], outputs[i::procs], start_at) for i in range(procs)]
+    with multiprocessing.get_context("spawn").Pool(procs) as pool:
+        results = [r for part in pool.map(_burst_worker, jobs) for r in part]
+    seconds = max(r.get("end", start_at) for r in results) - start_at
+    return summary(f"burst {len(prompts)} streaming", results, seconds)
 
 
 async def clients(url: str, n: int, duration: float, vocab: int) -> dict:
@@ -112,6 +132,7 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--client-procs", type=int, default=8, help="client processes for the burst")
     ap.add_argument("--duration", type=float, default=30.0)
     ap.add_argument("--log", type=Path, default=Path("served_server.log"))
     ap.add_argument("--out", type=Path)
@@ -137,8 +158,9 @@ def main() -> int:
                 raise RuntimeError(f"server exited: see {args.log}")
             time.sleep(1)
         prompts, outputs = workload(args.num_seqs, vocab, (100, 1024), (100, 1024), seed=0)
-        asyncio.run(burst(url, prompts[:4], [8] * 4))   # warm: first requests, HTTP stack
-        rows = [asyncio.run(burst(url, prompts, outputs)), asyncio.run(clients(url, args.clients, args.duration, vocab))]
+        burst(url, prompts[:4], [8] * 4, 2)   # warm: first requests, HTTP stack
+        rows = [burst(url, prompts, outputs, args.client_procs),
+                asyncio.run(clients(url, args.clients, args.duration, vocab))]
     finally:
         proc.terminate()
         proc.wait(60)
