@@ -49,6 +49,7 @@ async def one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> 
     t0 = time.perf_counter()
     first = last = None
     usage = None
+    chunks = 0
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             return {"ok": False, "error": f"HTTP {r.status_code}"}
@@ -61,11 +62,13 @@ async def one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> 
             if first is None:
                 first = now
             last = now
+            chunks += 1
             if '"usage": {' in line:
                 usage = json.loads(line[6:])["usage"]
     ok = usage is not None and usage["completion_tokens"] == max_tokens
     tokens = usage["completion_tokens"] if usage else 0
-    return {"ok": ok, "tokens": tokens, "ttft": (first or t0) - t0,
+    return {"ok": ok, "tokens": tokens, "ttft": (first or t0) - t0, "chunks": chunks,
+            "span": (last - first) if first and last else 0.0,
             "tpot": ((last - first) / (tokens - 1)) if first and last and tokens > 1 else None,
             "error": None if ok else f"usage {usage}"}
 
@@ -79,6 +82,8 @@ def summary(name: str, results: list[dict], seconds: float) -> dict:
             "output_tokens": tokens, "tokens_per_s": tokens / seconds,
             "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p99": pct(ttft, 0.99),
             "tpot_ms_p50": pct(tpot, 0.5), "tpot_ms_p99": pct(tpot, 0.99),
+            "chunks_p50": pct([r["chunks"] for r in good], 0.5),
+            "first_to_last_s_p50": pct([r["span"] for r in good], 0.5),
             "first_errors": [r["error"] for r in results if not r["ok"]][:3]}
 
 
@@ -164,10 +169,12 @@ def main() -> int:
     finally:
         proc.terminate()
         proc.wait(60)
-    print(f"\n{'run':<24}{'tok/s':>9}{'reqs':>6}{'err':>5}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}")
+    print(f"\n{'run':<24}{'tok/s':>9}{'reqs':>6}{'err':>5}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}"
+          f"{'chunks p50':>11}{'span p50 s':>11}")
     for r in rows:
         print(f"{r['run']:<24}{r['tokens_per_s']:>9.0f}{r['requests']:>6}{r['errors']:>5}{r['ttft_ms_p50']:>10.0f}"
-              f"{r['ttft_ms_p99']:>8.0f}{r['tpot_ms_p50']:>10.2f}{r['tpot_ms_p99']:>8.2f}")
+              f"{r['ttft_ms_p99']:>8.0f}{r['tpot_ms_p50']:>10.2f}{r['tpot_ms_p99']:>8.2f}{r['chunks_p50']:>11}"
+              f"{r['first_to_last_s_p50']:>11.2f}")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
     return 0 if all(r["errors"] == 0 for r in rows) else 1
