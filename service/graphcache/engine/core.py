@@ -81,6 +81,7 @@ class EngineCore:
                                    max_model_len=runner.max_model_len, eos_token_ids=runner.eos_token_ids)
         self.sampler = Sampler(default_seed=settings.seed)
         self.requests: dict[str, Sequence] = {}   # unfinished requests, by id
+        self._unsent: dict[str, Sequence] = {}    # streams with tokens not in an output yet
         self.num_steps = 0
         self.steps_by_mode: dict[str, int] = {}
         self.consecutive_failures = 0
@@ -296,13 +297,29 @@ class EngineCore:
 
     # --- outputs ---------------------------------------------------------------------------
     def _output(self, seq: Sequence) -> RequestOutput | None:
-        """What `seq` has not streamed yet (None: nothing to send now); on finish, retire it."""
+        """What `seq` has not streamed yet (None: nothing to send now); on finish, retire it.
+        A stream's first output is made at once (time to first token); later ones wait in
+        `_unsent` for stream_outputs(), so the step loop does not build one per token."""
         finished = seq.is_finished
         if finished:
             self.requests.pop(seq.request_id, None)
+            self._unsent.pop(seq.request_id, None)
             self._record_finish(seq)
         elif not seq.stream:
             return None   # everything accumulates into the final output
+        elif seq.num_tokens_sent:
+            self._unsent[seq.request_id] = seq
+            return None
+        return self._delta(seq, finished)
+
+    def stream_outputs(self) -> list[RequestOutput]:
+        """The outputs of every stream that got tokens since its last output (the Engine calls this
+        at most every stream_interval_ms; a final output always carries what was not sent)."""
+        unsent, self._unsent = self._unsent, {}
+        return [out for seq in unsent.values() if (out := self._delta(seq, False)) is not None]
+
+    @staticmethod
+    def _delta(seq: Sequence, finished: bool) -> RequestOutput | None:
         new_ids = seq.output_token_ids[seq.num_tokens_sent:]
         seq.num_tokens_sent = seq.num_output_tokens
         text = sendable_text(seq, finished)

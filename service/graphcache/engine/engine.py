@@ -69,7 +69,6 @@ class _Handle:
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
     seq: Sequence
-    delivered_any: bool = False   # engine thread: an output has been handed to the consumer
 
 
 @dataclass
@@ -131,10 +130,8 @@ class Engine:
         self._core: EngineCore | None = None    # engine thread: set at load, dropped at exit
         self._tokenizer: Any = None             # kept after the runner is released
         self._max_model_len: int | None = None
-        # Outputs routed but not yet delivered, one merged output per request (see _flush_outputs).
-        self._outbox: dict[str, tuple[_Handle, RequestOutput]] = {}
-        self._urgent = False            # the outbox holds a first or a final output: deliver this step
-        self._last_flush = 0.0
+        self._outbox: list[tuple[_Handle, RequestOutput]] = []   # routed, not yet delivered
+        self._last_stream_flush = 0.0
         self._stats: dict[str, Any] = {}
         self._stats_refreshed = 0.0
         self.progress: dict[str, Any] | None = None   # while loading: the phase, and warmup n/total
@@ -403,6 +400,7 @@ class Engine:
                 except EngineFailure as failure:
                     self._route(failure.outputs)   # the failed step's requests end with their error first
                     raise
+            self._stream_due()
             # Also after commands alone: an abort that empties the engine must show in the gauges.
             self._update_gauges()
             self._refresh_stats()
@@ -455,8 +453,7 @@ class Engine:
 
     # --- outputs ---------------------------------------------------------------------------
     def _route(self, outputs: list[RequestOutput | None]) -> None:
-        """Queue each output for its request's consumer (merged with what is still queued for it);
-        a final one retires the request."""
+        """Queue each output for its request's consumer; a final one retires the request."""
         for out in outputs:
             if out is None:
                 continue
@@ -464,30 +461,27 @@ class Engine:
                 handle = self._requests.get(out.request_id)
                 if handle is not None and out.finished:
                     del self._requests[out.request_id]
-            if handle is None:
-                continue
-            queued = self._outbox.get(out.request_id)
-            if queued is not None:
-                out = _merge(queued[1], out)
-            elif not handle.delivered_any:
-                self._urgent = True        # a first token: time to first token must not wait
-            self._urgent = self._urgent or out.finished
-            self._outbox[out.request_id] = (handle, out)
+            if handle is not None:
+                self._outbox.append((handle, out))
 
-    def _flush_outputs(self, force: bool = False) -> None:
-        """Deliver queued outputs: at once when one is a request's first or final output, else at
-        most every stream_interval_ms. Each request gets one merged output per delivery and each event
-        loop one wakeup: at batch 256 a per-token, per-request delivery costs the event loop more than
-        the GPU step takes, and it shares the interpreter with this thread."""
+    def _stream_due(self) -> None:
+        """Every stream_interval_ms, route what streams got since their last output. A step emits only
+        first and final outputs itself: at batch 256, an output per token and request costs the step
+        loop more than the GPU step takes, and the event loop that shares the interpreter as much."""
+        now = time.monotonic()
+        if now - self._last_stream_flush >= self.settings.stream_interval_ms / 1e3:
+            self._last_stream_flush = now
+            self._route(self._core.stream_outputs())
+
+    def _flush_outputs(self) -> None:
+        """Deliver queued outputs. Runs after stats/gauges are updated, so a consumer that sees its
+        final output also sees its blocks freed in stats(). One wakeup per event loop per step, not
+        one per request."""
         if not self._outbox:
             return
-        now = time.monotonic()
-        if not (force or self._urgent or now - self._last_flush >= self.settings.stream_interval_ms / 1e3):
-            return
-        outbox, self._outbox, self._urgent, self._last_flush = self._outbox, {}, False, now
+        outbox, self._outbox = self._outbox, []
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
-        for handle, out in outbox.values():
-            handle.delivered_any = True
+        for handle, out in outbox:
             by_loop.setdefault(handle.loop, []).append((handle.outputs, out))
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):   # the consumer's loop is closed
@@ -550,7 +544,7 @@ class Engine:
         if core is not None:
             self._update_gauges()
             self._refresh_stats(force=True)
-        self._flush_outputs(force=True)
+        self._flush_outputs()
 
     def _release_device(self) -> None:
         """Drop the core and runner (weights, KV cache, graph pools) on the thread that owns them, so
