@@ -4,6 +4,7 @@ drift), flag > env > default, list and bool syntax, and make-tiny-model."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -111,3 +112,26 @@ def test_json_logs_carry_the_request_id(capsys):
         for handler in list(logging.getLogger().handlers):
             if getattr(handler, "_graphcache", False):
                 logging.getLogger().removeHandler(handler)
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_serve_refuses_a_non_ascii_admin_token_with_the_fix(how, monkeypatch, capsys):
+    """HTTP header values are Latin-1 on the wire, curl sends UTF-8: such a token could never be
+    matched reliably, so serve refuses it before binding anything, and names the fix."""
+    argv = ["serve"]
+    if how == "flag":
+        argv += ["--admin-token", "pässword-sekrit"]
+    else:
+        monkeypatch.setenv("GRAPHCACHE_ADMIN_TOKEN", "pässword-sekrit")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "admin_token" in err and "use ASCII characters, e.g. a hex token from `openssl rand -hex 32`" in err
+    assert "sekrit" not in err   # the secret is not printed back
+
+
+def test_serve_with_a_non_ascii_admin_token_exits_non_zero():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRAPHCACHE_")}
+    out = subprocess.run([sys.executable, "-m", "graphcache.cli", "serve", "--port", "0"], capture_output=True,
+                         text=True, timeout=120, env={**env, "GRAPHCACHE_ADMIN_TOKEN": "pässword"})
+    assert out.returncode != 0
+    assert "openssl rand -hex 32" in out.stderr and "pässword" not in out.stderr, out.stderr

@@ -139,3 +139,16 @@ def test_stop_string_absent_flushes_everything(tok):
     detok = tok.detokenizer(stop=["zzz-long-stop"])
     out = "".join(detok.add([i]) for i in tok.encode(text, add_special_tokens=False)) + detok.finish()
     assert out == text and detok.stopped is None
+
+
+def test_ids_that_decode_to_nothing_still_move_the_detokenizer_window():
+    """Special tokens (skipped) or ids past the vocabulary add no text; the decode window must still
+    advance, or every later add re-decodes the whole tail (O(n^2) per stream)."""
+    tok = Tokenizer(tiny_checkpoint("qwen2"))
+    special = tok.eos_token_ids[0]
+    detok = tok.detokenizer([5, 6, 7])
+    for _ in range(200):
+        assert detok.add([special]) == ""
+        assert len(detok.ids) - detok._prefix <= 2
+    text = detok.add(tok.encode(" hello", add_special_tokens=False)) + detok.finish()
+    assert text.strip() == "hello"

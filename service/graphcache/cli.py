@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import types
@@ -138,6 +139,10 @@ def _serve(settings: Settings) -> int:
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
+            if self.should_exit:
+                # A second SIGINT/SIGTERM while draining (Ctrl-C twice, `kill` twice): whoever sent it
+                # wants out now, in-flight requests or not. No drain, no engine join: exit at once.
+                _exit_now(sig)
             # From the signal on, requests arriving on open keep-alive connections get 503.
             app.state.engine.stop_accepting()
             super().handle_exit(sig, frame)
@@ -165,6 +170,20 @@ def _serve(settings: Settings) -> int:
     return 0
 
 
+def _exit_now(sig: int) -> None:
+    """The second stop signal: one log line, then exit 128 + signal number (as a shell reports a
+    process killed by it), skipping the drain, the engine join and interpreter teardown."""
+    try:
+        name = signal.Signals(sig).name
+    except ValueError:
+        name = f"signal {sig}"
+    log.warning("second %s during shutdown: exiting now; requests still in flight are cut", name)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stderr.flush()
+    os._exit(128 + sig)
+
+
 def _make_tiny_model(args: argparse.Namespace) -> int:
     from graphcache.model.tiny import make_default_model
 
@@ -186,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValidationError as e:
             for err in e.errors():
                 where = ".".join(map(str, err["loc"])) or "settings"
-                print(f"graphcache serve: invalid setting {where}: {err['msg']}", file=sys.stderr)
+                message = err["msg"].removeprefix("Value error, ")   # never err["input"]: it may be a secret
+                print(f"graphcache serve: invalid setting {where}: {message}", file=sys.stderr)
             return 2
         return _serve(settings)
     if args.command == "make-tiny-model":

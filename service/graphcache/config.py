@@ -44,6 +44,9 @@ class Settings(BaseSettings):
     kv_cache_memory_fraction: float = Field(0.5, gt=0, lt=1, description="Share of free GPU memory for the KV cache.")
     max_queue: int = Field(1024, ge=1, description="Waiting requests before new ones get 429.")
     enforce_eager: bool = Field(False, description="Never capture; every step runs eagerly.")
+    allow_special_tokens_in_chat: bool = Field(
+        False, description="Encode special-token strings inside chat message content as control tokens. Off: "
+        "content is always plain text, so a user cannot open a fake system turn (set only for trusted clients).")
     attention_backend: Literal["auto", "sdpa", "flash", "flash_paged"] = Field(
         "auto", description="Attention kernel: auto picks the fastest that runs here; the others force one "
         "(A/B runs) and fail at start if it cannot run.")

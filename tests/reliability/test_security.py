@@ -17,6 +17,7 @@ from graphcache.api import admin
 from graphcache.api.app import create_app
 from graphcache.config import Settings
 from graphcache.metrics import Metrics
+from helpers_api import EngineNotNeeded
 
 from .support import ADMIN_TOKEN, assert_clean_error, assert_no_leak, completion_body
 
@@ -93,21 +94,10 @@ def test_admin_token_never_leaks_into_logs_metrics_or_errors(server, client):
 
 # --- admin with no token configured (in-process; the gate answers before the engine is needed) ---
 
-class _EngineThatMustNotBeUsed:
-    """Stands in for the engine where the request must be refused before reaching it."""
-
-    alive = ready = True
-    model_name = "test"
-    max_model_len = 64
-    metrics = None
-
-    def __getattr__(self, name):
-        raise AssertionError(f"the engine was reached ({name}) for a request that should be refused")
-
 
 @pytest.mark.timeout(30)
 async def test_admin_is_off_without_a_configured_token():
-    app = create_app(Settings(admin_token=None), engine=_EngineThatMustNotBeUsed(), metrics=Metrics())
+    app = create_app(Settings(admin_token=None), engine=EngineNotNeeded(), metrics=Metrics())
     # ASGITransport's client address is 127.0.0.1: even a loopback caller is refused by default.
     transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 4242))
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
@@ -247,3 +237,36 @@ def test_client_request_ids_are_echoed_only_when_safe(client):
     for hostile in ("a" * 300, 'x" level=error msg="forged', "id with spaces", "é-unicode"):
         echoed = client.get("/v1/models", headers={"X-Request-ID": hostile.encode()}).headers["x-request-id"]
         assert echoed != hostile and len(echoed) <= 128, echoed
+
+
+# --- log injection and echoed input ------------------------------------------------------------------
+
+@pytest.mark.timeout(120)
+def test_a_newline_in_the_path_cannot_forge_a_log_line(server_factory):
+    """`%0A` in the URL path is a newline once uvicorn decodes the path: the text log must still
+    hold exactly one access line for the request, the newline escaped in it."""
+    server = server_factory(name="log-injection", log_level="info", log_format="text")
+    forged = '2030-01-01 00:00:00,000 INFO graphcache.access [x]: 10.0.0.9 "POST /admin/clear" 200 0.1ms'
+    path = "/v1/whatever-INJECT%0A" + forged.replace(" ", "%20").replace('"', "%22") + "%0D%0A%1B[2J"
+    response = httpx.get(server.base_url + path + "?q=%0Aforged-query", headers={"X-Request-ID": "inject-1"},
+                         timeout=30.0)
+    error = assert_clean_error(response, 404)
+    assert "INJECT" not in response.text and "forged" not in response.text, error
+    deadline = time.monotonic() + 10          # the access line is written as the response completes
+    lines: list[str] = []
+    while time.monotonic() < deadline and not lines:
+        text = server.log_path.read_text(errors="replace")
+        lines = [line for line in text.splitlines() if "[inject-1]" in line]
+        time.sleep(0.1)
+    assert len(lines) == 1, server.log_tail()
+    assert "/v1/whatever-INJECT\\n2030-01-01" in lines[0] and "\\r\\n\\x1b[2J" in lines[0], lines[0]
+    assert not any(line.startswith("2030-01-01") for line in text.splitlines()), server.log_tail()
+
+
+@pytest.mark.timeout(60)
+def test_admin_warmup_does_not_echo_a_bad_descriptor(server, client):
+    for descriptor in ("INJECT-descriptor", "7:INJECT", "1:1:INJECT", "123456789:1"):
+        response = client.post("/admin/warmup", json={"descriptors": [descriptor]}, headers=server.admin_headers)
+        error = assert_clean_error(response, 400)
+        assert error["param"] == "descriptors[0]"
+        assert "INJECT" not in response.text and "123456789" not in response.text, response.text

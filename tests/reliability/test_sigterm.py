@@ -1,11 +1,14 @@
 """SIGTERM while requests run (what Kubernetes sends on a rollout): requests in flight either finish
 or get a clean error (a JSON error, or an SSE error event followed by [DONE]) within the drain
-timeout; new requests are refused; the process exits 0. Each test owns its server: it kills it."""
+timeout; new requests are refused; the process exits 0 without an ERROR or a traceback in its log.
+A second signal during the drain exits at once. Each test owns its server: it kills it."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
+import signal
 import time
 
 import httpx
@@ -32,15 +35,17 @@ async def run_request(base_url: str, stream: bool, max_tokens: int, started: asy
                     outcome["kind"] = "finished" if ok else "short"
                     outcome["detail"] = json.dumps(usage)
                 else:
-                    assert_clean_error(response)
+                    outcome["code"] = assert_clean_error(response)["code"]
                     outcome["kind"], outcome["detail"] = "clean_error", response.text[:300]
+                    outcome["retry_after"] = response.headers.get("retry-after")
                 return outcome
             async with client.stream("POST", "/v1/completions", json=body) as response:
                 outcome["status"] = response.status_code
                 if response.status_code != 200:
                     await response.aread()
-                    assert_clean_error(response)
+                    outcome["code"] = assert_clean_error(response)["code"]
                     outcome["kind"], outcome["detail"] = "clean_error", response.text[:300]
+                    outcome["retry_after"] = response.headers.get("retry-after")
                     return outcome
                 events = []
                 async for line in response.aiter_lines():
@@ -55,6 +60,7 @@ async def run_request(base_url: str, stream: bool, max_tokens: int, started: asy
                 if any("error" in p for p in payloads):
                     error = next(p for p in payloads if "error" in p)
                     assert set(error) == {"error"} and {"message", "type"} <= set(error["error"]), error
+                    outcome["code"] = error["error"].get("code")
                     outcome["kind"], outcome["detail"] = "clean_error", json.dumps(error)[:300]
                     return outcome
                 usage = next((p["usage"] for p in payloads if p.get("usage")), None)
@@ -81,6 +87,13 @@ async def new_request_after_sigterm(base_url: str) -> str:
     return f"unexpected {response.status_code}: {response.text[:200]}"
 
 
+def assert_clean_exit_log(server) -> None:
+    """A graceful stop is not an error: no ERROR record and no traceback in the server's log."""
+    text = server.log_path.read_text(errors="replace")
+    assert "Traceback" not in text, f"traceback on a clean exit:\n{server.log_tail()}"
+    assert not re.search(r"^\S+ \S+ (ERROR|CRITICAL) ", text, re.MULTILINE), f"ERROR on a clean exit:\n{text[-3000:]}"
+
+
 @pytest.mark.timeout(120)
 async def test_sigterm_drains_in_flight_requests_and_exits_zero(server_factory):
     drain_timeout = 10.0
@@ -103,6 +116,7 @@ async def test_sigterm_drains_in_flight_requests_and_exits_zero(server_factory):
     assert [o["kind"] for o in outcomes] == ["finished"] * 6, outcomes
     assert code == 0, f"exit code {code}:\n{server.log_tail()}"
     assert elapsed < drain_timeout + 10, f"took {elapsed:.1f}s to drain and exit"
+    assert_clean_exit_log(server)
 
 
 @pytest.mark.timeout(120)
@@ -134,6 +148,16 @@ async def test_sigterm_past_the_drain_timeout_ends_requests_cleanly(server_facto
     # Everyone has an answer within the drain timeout plus the engine's grace (5 s) and slack.
     assert answered < drain_timeout + 10, f"answers took {answered:.1f}s"
     assert code == 0, f"exit code {code}:\n{server.log_tail()}"
+    # Cut by the drain timeout: 503 `shutting_down` with Retry-After (or, for a stream, an error event
+    # with that code), not a 500 `engine_error`: the client should retry elsewhere. (A request the
+    # signal caught before it reached the engine is refused at the door: `draining`.)
+    errors = [o for o in outcomes if o["kind"] == "clean_error"]
+    codes = [o["code"] for o in errors]
+    assert "shutting_down" in codes and set(codes) <= {"shutting_down", "draining"}, errors
+    for o in errors:
+        if o["status"] != 200:
+            assert o["status"] == 503 and int(o["retry_after"]) >= 1, o
+    assert_clean_exit_log(server)
 
 
 @pytest.mark.timeout(60)
@@ -144,3 +168,31 @@ def test_sigterm_on_an_idle_server_exits_zero_at_once(server_factory):
     code = server.wait_exit(15)
     assert code == 0, f"exit code {code}:\n{server.log_tail()}"
     assert time.monotonic() - t0 < 5.0
+    assert_clean_exit_log(server)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT])
+async def test_a_second_signal_during_the_drain_exits_at_once(server_factory, second):
+    """Ctrl-C twice (or `kill` twice): the second signal does not wait for the drain (60 s here) but
+    exits at once, non-zero (128 + the signal, as a shell reports a kill), with one log line."""
+    drain_timeout = 60.0
+    server = server_factory(drain_timeout_s=drain_timeout, max_num_seqs=2)
+    started = asyncio.Event()
+    task = asyncio.create_task(run_request(server.base_url, stream=True, max_tokens=1800, started=started))
+    try:
+        await asyncio.wait_for(started.wait(), timeout=30)
+        server.terminate()                     # the first: the drain begins (it would last 60 s)
+        await asyncio.sleep(1.0)
+        assert server.running, f"exited on the first signal:\n{server.log_tail()}"
+        t0 = time.monotonic()
+        server.proc.send_signal(second)
+        code = await asyncio.to_thread(server.wait_exit, 20)
+        elapsed = time.monotonic() - t0
+    finally:
+        task.cancel()
+    assert code == 128 + second, f"exit code {code}:\n{server.log_tail()}"
+    assert elapsed < 10, f"took {elapsed:.1f}s to exit after the second signal"
+    lines = [line for line in server.log_path.read_text(errors="replace").splitlines()
+             if f"second {signal.Signals(second).name}" in line]
+    assert len(lines) == 1, server.log_tail()

@@ -3,7 +3,9 @@
 All three are commands on the engine's inbox, run on the engine thread between steps, so
 requests in flight keep going. Auth (the README states the choice):
   * admin_token set: `Authorization: Bearer <token>` required; 401 without it, 403 when
-    wrong; compared with hmac.compare_digest (constant time).
+    wrong; the header's bytes as received compared with hmac.compare_digest (constant time).
+    The token must be ASCII (config.py refuses others at start): header values are Latin-1
+    on the wire, while clients such as curl send what the shell gives them (UTF-8).
   * no token: admin is off (403 naming GRAPHCACHE_ADMIN_TOKEN), unless
     admin_allow_loopback lets clients on 127.0.0.1/::1 in. Behind a proxy on the same host
     every client looks local: set a token there instead.
@@ -39,12 +41,16 @@ def require_admin(request: Request) -> None:
         raise APIError(403, "Admin endpoints are off: set GRAPHCACHE_ADMIN_TOKEN (--admin-token) and send "
                             "'Authorization: Bearer <token>', or set GRAPHCACHE_ADMIN_ALLOW_LOOPBACK=true for "
                             "local clients.", code="admin_disabled")
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not given.strip():
+    # Bytes as received: Starlette decodes header values as Latin-1, so encoding back gives the wire
+    # bytes exactly. The configured token is ASCII (Settings refuses others), so a client's UTF-8 and
+    # Latin-1 spellings of a non-ASCII token are both simply wrong, never one accepted and one not.
+    header = request.headers.get("authorization", "").encode("latin-1")
+    scheme, _, given = header.partition(b" ")
+    given = given.strip()
+    if scheme.lower() != b"bearer" or not given:
         raise APIError(401, "Admin endpoints need 'Authorization: Bearer <token>' (GRAPHCACHE_ADMIN_TOKEN).",
                        code="missing_token", headers={"WWW-Authenticate": "Bearer"})
-    if not hmac.compare_digest(given.strip().encode(), token.encode()):
+    if not hmac.compare_digest(given, token.encode("utf-8")):
         raise APIError(403, "The admin token is wrong.", code="invalid_token")
 
 
@@ -68,19 +74,22 @@ def _descriptors(body: WarmupRequest, settings) -> list[BatchDescriptor]:
     sizes = CaptureSizes(settings.resolved_capture_sizes())
     max_reqs = sizes.pad(settings.max_num_seqs) or sizes.max
     allowed = f"capture sizes {list(sizes)} (requests up to {max_reqs})"
+    # Messages name the item by its index, never by its value: what the caller sent is not echoed.
     out: list[BatchDescriptor] = []
     for i, s in enumerate(body.sizes):
         if s not in sizes.sizes or s > max_reqs:
-            raise APIError(400, f"sizes[{i}]={s} is not a decode batch size the server pads to; use {allowed}.",
+            raise APIError(400, f"sizes[{i}] is not a decode batch size the server pads to; use {allowed}.",
                            param=f"sizes[{i}]")
         out.append(BatchDescriptor(s, s, True))
     for i, text in enumerate(body.descriptors):
         try:
             d = BatchDescriptor.parse(text[:64])
-        except ValueError as e:
-            raise APIError(400, str(e), param=f"descriptors[{i}]") from None
+        except ValueError:   # its message quotes the text
+            raise APIError(400, f'descriptors[{i}] is not a batch descriptor; write "TOKENS:REQS" or '
+                                f'"TOKENS:REQS:decode", e.g. "64:8" or "8:8:decode".',
+                           param=f"descriptors[{i}]") from None
         if d.num_tokens not in sizes.sizes or d.num_reqs not in sizes.sizes or d.num_reqs > max_reqs:
-            raise APIError(400, f"descriptors[{i}]={d} has sizes the server never pads to; tokens and "
+            raise APIError(400, f"descriptors[{i}] has sizes the server never pads to; tokens and "
                                 f"requests must each be one of the {allowed}.", param=f"descriptors[{i}]")
         out.append(d)
     return sorted(set(out), reverse=True)

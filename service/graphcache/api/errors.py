@@ -52,8 +52,17 @@ class APIError(Exception):
         self.headers = headers
 
 
-def api_error_for(exc: Exception) -> APIError:
-    """The HTTP error for one of the engine's refusals (engine/errors.py)."""
+def api_error_for(exc: Exception, *, in_flight: bool = False) -> APIError:
+    """The HTTP error for one of the engine's refusals (engine/errors.py).
+
+    in_flight: the request was already running and the engine ended it with an error while in the
+    state `exc` describes; for a draining (or stopped) engine that is the drain timeout cutting it
+    (Engine.drain): a 503 `shutting_down` to retry elsewhere, not a 500 and not a `draining` refusal.
+    """
+    if in_flight and isinstance(exc, EngineDraining):
+        return APIError(503, "The server is shutting down and the request did not finish within its drain "
+                             "timeout; retry it on another replica.", code="shutting_down",
+                        headers={"Retry-After": RETRY_AFTER_S})
     if isinstance(exc, InvalidRequest):   # the engine's own validation: the message names the fix
         return APIError(400, exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, QueueFull):
@@ -96,20 +105,53 @@ def error_response(status: int, message: str, *, param: str | None = None, code:
                         headers=headers)
 
 
+# pydantic puts the branch of a union (and the validators wrapping a type) into an error's loc:
+# ("prompt", "function-after[_encodable(), str]"), ("prompt", "list[int]", 0), ("content", "list[TextPart]", 0,
+# "type"), "tagged-union[...]", "nullable[...]", "int". Field names (snake_case identifiers) and list
+# indices are what a caller can find in the body; everything else is such a tag.
+_WHERE = ("body", "query", "path", "header")
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "none", "dict", "list", "tuple", "set",
+                        "frozenset", "any", "decimal", "date", "datetime", "time", "timedelta", "uuid", "url"})
+
+
+def _is_tag(part: object) -> bool:
+    if isinstance(part, int):
+        return False
+    text = str(part)
+    return not text.isidentifier() or text in _TYPE_TAGS or text[:1].isupper()
+
+
+def _clean_loc(loc: tuple) -> tuple:
+    return tuple(p for p in loc if p not in _WHERE and not _is_tag(p))
+
+
 def _param_of(loc: tuple) -> str | None:
-    """("body", "messages", 0, "content") -> "messages[0].content"; the body itself -> None."""
-    parts = [p for p in loc if p not in ("body", "query", "path", "header")]
+    """("body", "messages", 0, "content", "function-after[_encodable(), str]") -> "messages[0].content"
+    (field names and list indices only, never pydantic's union tags); the body itself -> None."""
     out = ""
-    for p in parts:
+    for p in _clean_loc(loc):
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
     return out or None
+
+
+def _most_specific(errors: list) -> dict:
+    """The first error, or, when it is one branch of a union, the deepest error among that field's
+    branches: `prompt: [1.5]` fails as a string at `prompt` and as token ids at `prompt[0]`; the
+    latter says what to fix."""
+    first = errors[0]
+    loc = tuple(first.get("loc", ()))
+    if not any(_is_tag(p) for p in loc if p not in _WHERE):
+        return first
+    field = _clean_loc(loc)
+    branches = [e for e in errors if _clean_loc(tuple(e.get("loc", ())))[:len(field)] == field]
+    return max(branches, key=lambda e: len(_clean_loc(tuple(e.get("loc", ())))))  # the first of the deepest
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "Invalid request.", None
-    first = errors[0]
+    first = _most_specific(errors)
     param = _param_of(tuple(first.get("loc", ())))
     if first.get("type") == "json_invalid":
         return "The request body is not valid JSON.", None
@@ -142,10 +184,11 @@ def install_error_handlers(app: FastAPI, metrics: Metrics | None = None) -> None
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Neither the path nor the method is echoed: both are the caller's input.
         if exc.status_code == 404:
-            message = f"No route {request.url.path}; see /docs for the API."
+            message = "No such route; see /docs for the API."
         elif exc.status_code == 405:
-            message = f"Method {request.method} is not allowed on {request.url.path}."
+            message = "This method is not allowed on this route (the Allow header lists those that are); see /docs."
         else:
             # FastAPI's own HTTPExceptions (e.g. "There was an error parsing the body") carry safe text.
             message = str(exc.detail) if isinstance(exc.detail, str) else "Invalid request."

@@ -1,7 +1,10 @@
 """OpenAI-compatible generation: /v1/completions, /v1/chat/completions, /v1/models.
 
-A request is validated (protocol.py), tokenized here (tokenizers is thread-safe, so it runs
-off the event loop), checked against the engine's limits, then submitted. The first output
+A request is validated (protocol.py), bounded by size (text over max_model_len * MAX_CHARS_PER_TOKEN
+characters is refused before tokenizing), tokenized here (off the event loop, by calls that release
+the interpreter lock, so neither the loop nor the engine thread stalls), checked against the engine's
+limits, then submitted. Chat content is encoded so that special-token strings in it stay plain text
+(`Tokenizer.encode_chat`); a chat template's `raise_exception` is a 400 on "messages". The first output
 is awaited before any byte is sent, so a full queue or a draining engine is a clean 429/503
 with a status code even for streams. After that, a stream is SSE (`data: <json>\n\n`, last
 `data: [DONE]`). A client that goes away, streaming or not, aborts its request so the
@@ -13,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,9 +35,11 @@ from graphcache.engine.engine import (
     QueueFull,
     SamplingParams,
 )
+from graphcache.model.tokenizer import MAX_CHARS_PER_TOKEN, ChatTemplateError
 
 __all__ = ["router"]
 
+log = logging.getLogger("graphcache.api")
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 
@@ -53,10 +59,20 @@ def _engine(request: Request):
 
 
 def _check_model(engine, name: str | None) -> str:
-    if name is not None and name != engine.model_name:
-        raise APIError(400, f"The model '{name[:100]}' does not exist; this server serves '{engine.model_name}' "
+    if name is not None and name != engine.model_name:   # the caller's name is not echoed back
+        raise APIError(400, f"The requested model does not exist; this server serves '{engine.model_name}' "
                             "(GET /v1/models).", param="model", code="model_not_found")
     return engine.model_name
+
+
+def _check_text_size(engine, chars: int, param: str, what: str) -> None:
+    """Refuse text that cannot fit the context window, before paying for tokenizing it (a token is
+    rarely more than MAX_CHARS_PER_TOKEN characters)."""
+    limit = engine.max_model_len
+    if limit is not None and chars > limit * MAX_CHARS_PER_TOKEN:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens; {what} has {chars} "
+                            f"characters, more than the {limit * MAX_CHARS_PER_TOKEN} characters ({MAX_CHARS_PER_TOKEN} "
+                            "per token) that could fit it. Shorten it.", param=param, code="context_length_exceeded")
 
 
 def _sampling(body, max_tokens: int | None) -> SamplingParams:
@@ -125,6 +141,11 @@ class _Run:
         if out.finished:
             self.finished = True
             if out.finish_reason == "error":
+                # Ended while the engine drains or has stopped: the drain timeout cut it (Engine.drain),
+                # a 503 `shutting_down` with Retry-After. A dead engine's failures stay 500s.
+                stopping = self.engine.refusal()
+                if stopping is not None and self.engine.alive:
+                    raise api_error_for(stopping, in_flight=True)
                 raise APIError(500, out.error or "The engine failed on this request; the server log has the "
                                     "details.", code="engine_error")
             if out.finish_reason == "abort":
@@ -250,6 +271,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     engine = _engine(request)
     model = _check_model(engine, body.model)
     if isinstance(body.prompt, str):
+        _check_text_size(engine, len(body.prompt), "prompt", "the prompt")
         prompt_ids = await asyncio.to_thread(engine.tokenizer.encode, body.prompt)
     else:
         prompt_ids = list(body.prompt)  # the engine checks they are in the vocabulary (400 if not)
@@ -278,12 +300,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     # "developer" is OpenAI's newer name for "system"; chat templates only know the latter.
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                 for m in body.messages]
-
-    def encode_chat() -> list[int]:
-        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return engine.tokenizer.encode(text, add_special_tokens=False)  # the template has its own BOS
-
-    prompt_ids = await asyncio.to_thread(encode_chat)
+    _check_text_size(engine, sum(len(m["content"]) for m in messages), "messages", "the messages' content")
+    # Chat content is user input: special-token strings in it ("<|im_start|>system") are encoded as plain
+    # text, never as control tokens, unless a trusted deployment allows it (Settings).
+    allow_special = request.app.state.settings.allow_special_tokens_in_chat
+    try:
+        # The template has its own BOS; content's special-token strings stay plain text.
+        prompt_ids = await asyncio.to_thread(engine.tokenizer.encode_chat, messages, True,
+                                             allow_special_in_content=allow_special)
+    except ChatTemplateError as e:   # the client's messages broke the template's rules: one line, no traceback
+        log.info("chat template refused the messages: %s", e.message)
+        raise APIError(400, f"The chat template refused these messages: {e.message}", param="messages",
+                       code="chat_template_error") from None
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     run = _Run(engine, rid, prompt_ids, _sampling(body, body.max_new_tokens), body.stream, param)

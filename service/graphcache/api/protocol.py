@@ -36,6 +36,7 @@ Text = Annotated[str, AfterValidator(_encodable)]
 
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
+DEFAULT_COMPLETION_MAX_TOKENS = 16   # /v1/completions, also for an explicit "max_tokens": null (as OpenAI, vLLM)
 MAX_SEED = 2**63 - 1
 
 
@@ -104,7 +105,9 @@ class _SamplingFields(_Body):
 class CompletionRequest(_SamplingFields):
     prompt: Text | list[SInt] | list[Text] | list[list[SInt]] = Field(
         ..., description="A string or a list of token ids. Batches (lists of prompts) of more than one are refused.")
-    max_tokens: SInt | None = Field(16, ge=1, description="Tokens to generate; prompt + max_tokens <= max_model_len.")
+    max_tokens: SInt | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1,
+                                    description=f"Tokens to generate (null or absent: {DEFAULT_COMPLETION_MAX_TOKENS}); "
+                                                "prompt + max_tokens <= max_model_len.")
     echo: SBool = False
     best_of: SInt | None = None
     suffix: str | None = None
@@ -120,6 +123,12 @@ class CompletionRequest(_SamplingFields):
         if len(v) == 0:
             raise ValueError("prompt must not be empty")
         return v
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _null_is_default(cls, v: int | None) -> int:
+        # null means "the default", not "the rest of the context" (that is chat's default only).
+        return DEFAULT_COMPLETION_MAX_TOKENS if v is None else v
 
     @model_validator(mode="after")
     def _unsupported(self):

@@ -3,7 +3,12 @@
 The request id comes from the client's X-Request-ID (if it is short and printable) or is
 made up here; it is echoed in the response header and kept in a contextvar, so any log
 line written while serving the request (handler, error handler) carries it. One access
-line per request: method, path, status, latency.
+line per request: client, method, path and query, status, latency.
+
+Log injection: the path (percent-decoded, so `%0A` is a newline), the query and whatever else a
+client controls reach log messages. JSON logs escape them by construction (json.dumps); the text
+format escapes every control character of a message with `escape_controls`, so one record is
+always one line (a traceback, appended after the message, keeps its own lines).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import uuid
 
 from graphcache.api.errors import error_body
 
-__all__ = ["RequestContextMiddleware", "current_request_id", "setup_logging"]
+__all__ = ["RequestContextMiddleware", "current_request_id", "escape_controls", "setup_logging"]
 
 _request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("graphcache_request_id", default=None)
 # A client-chosen id goes into logs: keep it short and free of newlines/quotes (log injection).
@@ -29,6 +34,24 @@ access_log = logging.getLogger("graphcache.access")
 
 def current_request_id() -> str | None:
     return _request_id.get()
+
+
+# C0 controls (CR, LF, TAB, ESC, ...), DEL, C1 controls (NEL \x85, CSI \x9b, ...) and the Unicode line and
+# paragraph separators: anything a terminal or a line-splitting log reader could take as a line break
+# or an escape sequence.
+_CONTROLS = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escaped(match: re.Match) -> str:
+    char = match.group()
+    return _NAMED.get(char) or (f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}")
+
+
+def escape_controls(text: str) -> str:
+    """`text` with every control character written as an escape (`\\n`, `\\r`, `\\t`, `\\x1b`, `\\u2028`):
+    what a client sent can never start a new log line or drive the terminal that shows the log."""
+    return _CONTROLS.sub(_escaped, text)
 
 
 class _RequestIdFilter(logging.Filter):
@@ -66,8 +89,14 @@ class TextFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         rid = getattr(record, "request_id", None)
-        record.rid = f" [{rid}]" if rid else ""
+        record.rid = f" [{escape_controls(str(rid))}]" if rid else ""
         return super().format(record)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        # The whole message, so every field in it (path, query, method, a client's text quoted by any
+        # logger, uvicorn's included) is covered, whoever wrote the log call.
+        record.message = escape_controls(record.message)
+        return super().formatMessage(record)
 
 
 def setup_logging(log_format: str = "text", level: str = "info") -> None:
@@ -130,10 +159,14 @@ class RequestContextMiddleware:
             await send({"type": "http.response.body", "body": body})
         finally:
             client = scope.get("client") or ("-", 0)
+            query = scope.get("query_string", b"").decode("latin-1")  # raw, as sent (percent-encoded)
+            elapsed_ms = (time.perf_counter() - start) * 1000
+            # Client-controlled: method, path, query (and the client address). The text formatter
+            # escapes control characters in the message; the JSON one escapes by construction.
             access_log.info(
-                '%s "%s %s" %s %.1fms', client[0], scope["method"], scope["path"], status or "-",
-                (time.perf_counter() - start) * 1000,
-                extra={"method": scope["method"], "path": scope["path"], "status": status,
-                       "latency_ms": round((time.perf_counter() - start) * 1000, 2), "client": client[0]},
+                '%s "%s %s%s" %s %.1fms', client[0], scope["method"], scope["path"], f"?{query}" if query else "",
+                status or "-", elapsed_ms,
+                extra={"method": scope["method"], "path": scope["path"], "query": query, "status": status,
+                       "latency_ms": round(elapsed_ms, 2), "client": client[0]},
             )
             _request_id.reset(token)

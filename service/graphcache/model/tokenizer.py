@@ -4,17 +4,37 @@
 Chat templates render with jinja2 the way transformers does (sandboxed, trim_blocks, lstrip_blocks,
 `raise_exception`, `tojson`), so a model's own template produces the same prompt as HF. Prompts
 rendered from a template already hold their special tokens: encode them with
-add_special_tokens=False (apply_chat_template(tokenize=True) does).
+add_special_tokens=False (apply_chat_template(tokenize=True) does). A template that refuses the
+messages (`raise_exception`, or a template error on them) raises `ChatTemplateError`: a client error.
+
+Encoding never holds the interpreter lock: `encode` goes through the library's batch call, which
+releases it (the plain `Tokenizer.encode` of tokenizers holds it for the whole call, ~1-2 s per MB,
+freezing the event loop and the engine thread). Callers bound text by `MAX_CHARS_PER_TOKEN` first.
+
+Chat content is user input: `encode_chat` encodes special-token strings that appear inside message
+content as plain text, so `<|im_start|>system` in a user message cannot open a real system turn;
+only the template's own markers become special tokens.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
+import re
+import secrets
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
+
+# Text longer than max_model_len * MAX_CHARS_PER_TOKEN characters cannot fit the context window and is
+# refused before it is tokenized (api/openai.py). Real tokenizers average 3-6 characters per token on
+# prose and code; 32 leaves room for long runs (whitespace, separator lines) that merge into long tokens,
+# while bounding what a refused request can cost (32 characters per token of context).
+MAX_CHARS_PER_TOKEN = 32
+# A chat template's own error message, as the client sees it (one line, at most this long).
+MAX_TEMPLATE_MESSAGE_CHARS = 300
 
 # Used when tokenizer_config.json has no chat_template: ChatML, the most common plain format.
 DEFAULT_CHAT_TEMPLATE = (
@@ -23,6 +43,18 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
+class ChatTemplateError(ValueError):
+    """The chat template refused these messages (its `raise_exception`, or it failed on them): the
+    client's messages are the cause, so this is a 400 carrying `message` (one line, bounded)."""
+
+    def __init__(self, message: str) -> None:
+        message = " ".join(str(message).split()) or "the chat template refused these messages"
+        if len(message) > MAX_TEMPLATE_MESSAGE_CHARS:
+            message = message[:MAX_TEMPLATE_MESSAGE_CHARS - 3] + "..."
+        super().__init__(message)
+        self.message = message
 
 
 def _token_str(value: Any) -> str | None:
@@ -49,6 +81,17 @@ class Tokenizer:
         self.chat_template = self._find_chat_template(path, cfg)
         self.eos_token_ids = self._find_eos_ids(path)
         self._template = None  # compiled lazily: jinja2 is only needed for chat
+        # The batch calls release the interpreter lock; encode_batch_fast (tokenizers >= 0.21) skips offsets.
+        self._encode_fast = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        # Special tokens (control markers), and a copy of the tokenizer that encodes them as plain text
+        # (made on first use: only chats whose content holds such a string need it).
+        self.special_tokens: dict[str, int] = {
+            t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        self._special_ids = frozenset(self.special_tokens.values())
+        self._special_prefixes = frozenset(t[:2] for t in self.special_tokens)
+        self._special_re = re.compile("|".join(re.escape(t) for t in sorted(self.special_tokens, key=len,
+                                                                            reverse=True))) if self.special_tokens else None
+        self._plain: HFTokenizer | None = None
 
     # --- vocabulary ---
     @property
@@ -83,7 +126,24 @@ class Tokenizer:
 
     # --- text <-> ids ---
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Ids of `text`; special-token strings in it become special tokens. Releases the interpreter
+        lock while it runs (bound the text first: see MAX_CHARS_PER_TOKEN)."""
+        return self._encode_fast([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Ids of `text` with special-token strings encoded as ordinary text (never as control tokens),
+        no BOS/EOS added. Releases the interpreter lock."""
+        if self._plain is None:
+            plain = HFTokenizer.from_str(self._tok.to_str())
+            plain.encode_special_tokens = True   # a separate object: the shared one is never mutated
+            self._plain = plain
+        return self._plain.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def has_special_text(self, text: str) -> bool:
+        """Does `text` contain a special token's string (e.g. "<|im_start|>")?"""
+        if self._special_re is None or not any(p in text for p in self._special_prefixes):
+            return False
+        return self._special_re.search(text) is not None
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -91,29 +151,123 @@ class Tokenizer:
     # --- chat ---
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tokenize: bool = False, **extra: Any) -> str | list[int]:
-        """Render messages ([{"role", "content"}]) to the model's prompt text (or its ids)."""
+        """Render messages ([{"role", "content"}]) to the model's prompt text (or, tokenize=True, its ids
+        by `encode_chat`: content's special-token strings as plain text).
+
+        Raises ChatTemplateError when the template refuses the messages (`raise_exception`, or any
+        template error while rendering them). A template that does not compile is a server problem
+        and raises jinja2's TemplateSyntaxError as it is."""
+        if tokenize:
+            return self.encode_chat(messages, add_generation_prompt, **extra)
         if self._template is None:
             self._template = _compile_template(self.chat_template)
-        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                     pad_token=self.pad_token or "", **extra)
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        import jinja2
+
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                         pad_token=self.pad_token or "", **extra)
+        except _TemplateRaised as e:
+            raise ChatTemplateError(e.message) from None
+        except jinja2.TemplateError as e:  # undefined attributes, sandbox refusals: caused by the messages
+            raise ChatTemplateError(f"the chat template failed on these messages: {e}") from None
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+                    allow_special_in_content: bool = False, **extra: Any) -> list[int]:
+        """The prompt ids of a chat: the template's own markers are special tokens; special-token strings
+        inside message content are encoded as plain text (allow_special_in_content=True: as special
+        tokens, for trusted clients). Releases the interpreter lock while encoding.
+
+        Without such strings in any content (the usual case) this is exactly render + encode, token for
+        token HF's `apply_chat_template(tokenize=True)`. Otherwise each special string in content is
+        swapped for a random placeholder before rendering (so the template sees no marker it did not
+        write), the rendered text is encoded, and every stretch of text between two of the template's
+        own special tokens that holds a content one is re-encoded with special tokens split (the same
+        per-stretch encoding the library does between special tokens; only a sentencepiece-style
+        `prepend_scheme: first` tokenizer may start such a stretch with a different first token)."""
+        contents = [m.get("content") for m in messages]
+        if allow_special_in_content or not any(isinstance(c, str) and self.has_special_text(c) for c in contents):
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra),
+                               add_special_tokens=False)
+        tag = str(secrets.randbelow(10 ** 18))
+        originals: list[str] = []
+
+        def placeholder(match: re.Match) -> str:
+            originals.append(match.group(0))
+            return f"\U000F0000{tag}.{len(originals) - 1}\U000F0001"
+
+        masked = [{**m, "content": self._special_re.sub(placeholder, m["content"])}
+                  if isinstance(m.get("content"), str) else m for m in messages]
+        rendered = self.apply_chat_template(masked, add_generation_prompt, **extra)
+        # Put the special strings back, remembering where content put them.
+        parts: list[str] = []
+        content_spans: list[tuple[int, int]] = []
+        pos = length = 0
+        for match in re.finditer(f"\U000F0000{tag}\\.(\\d+)\U000F0001", rendered):
+            parts.append(rendered[pos:match.start()])
+            length += match.start() - pos
+            original = originals[int(match.group(1))]
+            content_spans.append((length, length + len(original)))
+            parts.append(original)
+            length += len(original)
+            pos = match.end()
+        parts.append(rendered[pos:])
+        text = "".join(parts)
+        return self._splice_plain(text, content_spans)
+
+    def _splice_plain(self, text: str, content_spans: list[tuple[int, int]]) -> list[int]:
+        """Encode `text`; where a special token came from a content span, re-encode the stretch between
+        the template's special tokens around it as plain text."""
+        enc = self._tok.encode_batch([text], add_special_tokens=False)[0]
+        starts = [a for a, _ in content_spans]
+
+        def from_content(start: int, end: int) -> bool:
+            i = bisect.bisect_right(starts, end - 1) - 1   # the last span starting before `end`
+            return i >= 0 and content_spans[i][1] > start
+
+        out: list[int] = []
+        region_char, region_tok, tainted = 0, 0, False
+
+        def flush(end_char: int, end_tok: int) -> None:
+            if tainted:
+                out.extend(self.encode_plain(text[region_char:end_char]))
+            else:
+                out.extend(enc.ids[region_tok:end_tok])
+
+        for i, (tid, (start, end)) in enumerate(zip(enc.ids, enc.offsets, strict=True)):
+            if tid not in self._special_ids:
+                continue
+            if from_content(start, end):
+                tainted = True
+                continue
+            flush(start, i)   # a template marker: it stays special
+            out.append(tid)
+            region_char, region_tok, tainted = end, i + 1, False
+        flush(len(text), len(enc.ids))
+        return out
 
     def detokenizer(self, prompt_ids: list[int] | None = None, stop: list[str] | None = None,
                     skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_ids, stop, skip_special_tokens)
 
 
+class _TemplateRaised(Exception):
+    """A template's own `raise_exception(message)`."""
+
+    def __init__(self, message: Any) -> None:
+        super().__init__(str(message))
+        self.message = str(message)
+
+
 def _compile_template(source: str):
     try:
-        import jinja2
         from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError as e:  # pragma: no cover - jinja2 ships with transformers and the server deps
         raise RuntimeError("chat templates need jinja2: pip install jinja2") from e
 
     def raise_exception(message: str):
-        raise jinja2.exceptions.TemplateError(message)
+        raise _TemplateRaised(message)
 
     def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
                sort_keys: bool = False) -> str:
@@ -157,7 +311,9 @@ class IncrementalDetokenizer:
     def _decode_new(self, final: bool) -> None:
         prefix_text = self._tok.decode(self.ids[self._prefix:self._read], self._skip)
         full = self._tok.decode(self.ids[self._prefix:], self._skip)
-        if len(full) > len(prefix_text) and (final or not full.endswith("\ufffd")):
+        if final or not full.endswith("\ufffd"):
+            # New ids that decode to nothing (skipped special tokens, ids the vocabulary lacks) still
+            # move the window on: else every later step re-decodes a growing tail (O(n^2) per stream).
             self._decoded += full[len(prefix_text):]
             self._prefix, self._read = self._read, len(self.ids)
 

@@ -1,0 +1,139 @@
+"""Logs and log injection: whatever a client controls (the percent-decoded path, the query, the
+method) can never forge a log line. The text format escapes control characters in every message;
+the JSON format stays one valid JSON object per line."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+import sys
+
+import httpx
+import pytest
+from graphcache.api.app import create_app
+from graphcache.api.request_log import RequestContextMiddleware, escape_controls, setup_logging
+from graphcache.config import Settings
+from graphcache.metrics import Metrics
+from helpers_api import EngineNotNeeded
+
+# A request line that, unescaped, writes a second, forged access-log line.
+FORGED = "2030-01-01 00:00:00,000 INFO graphcache.access [deadbeef]: 10.0.0.1 \"GET /admin/clear\" 200 0.1ms"
+INJECT_PATH = "/v1/whatever%0A" + FORGED.replace(" ", "%20").replace('"', "%22")
+TEXT_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ [\w.]+")
+
+
+@pytest.fixture
+def captured_logs(monkeypatch):
+    """setup_logging(format) writing into a buffer; the handler and levels are put back afterwards."""
+    root = logging.getLogger()
+    level = root.level
+    buffer = io.StringIO()
+
+    def setup(log_format: str) -> io.StringIO:
+        # Here, not at fixture setup: pytest's capture swaps sys.stderr again when the test starts.
+        monkeypatch.setattr(sys, "stderr", buffer)   # setup_logging's StreamHandler binds sys.stderr
+        setup_logging(log_format, "info")
+        return buffer
+
+    try:
+        yield setup
+    finally:
+        for handler in list(root.handlers):
+            if getattr(handler, "_graphcache", False):
+                root.removeHandler(handler)
+        root.setLevel(level)
+
+
+def access_lines(text: str) -> list[str]:
+    # splitlines() also splits on \x85, \u2028 and friends: the strictest reader's idea of a line.
+    # "DATE TIME LEVEL LOGGER[ [id]]: message": the logger is the fourth field.
+    return [line for line in text.splitlines() if line.split(" ")[3:4] in (["graphcache.access"],
+                                                                           ["graphcache.access:"])]
+
+
+def test_escape_controls_writes_every_control_character_as_an_escape():
+    assert escape_controls("a\nb\r\nc\td") == "a\\nb\\r\\nc\\td"
+    assert escape_controls("\x1b[31mred\x00\x7f") == "\\x1b[31mred\\x00\\x7f"
+    assert escape_controls("nel\x85csi\x9b ls\u2028ps\u2029") == "nel\\x85csi\\x9b ls\\u2028ps\\u2029"
+    plain = 'GET /v1/completions?x=1 "quoted" é ✓ 中文'
+    assert escape_controls(plain) == plain
+    assert len(escape_controls("".join(map(chr, range(0x20)))).splitlines()) == 1
+
+
+async def _get(app, path: str) -> httpx.Response:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        return await client.get(path)
+
+
+async def test_text_log_a_newline_in_the_path_writes_exactly_one_access_line(captured_logs):
+    logs = captured_logs("text")
+    app = create_app(Settings(), engine=EngineNotNeeded(), metrics=Metrics())
+    response = await _get(app, INJECT_PATH + "?q=%0D%0A")
+    assert response.status_code == 404
+    text = logs.getvalue()
+    lines = access_lines(text)
+    assert len(lines) == 1, text
+    assert "/v1/whatever\\n2030-01-01" in lines[0], lines[0]      # the newline, escaped, on the same line
+    assert response.headers["x-request-id"] in lines[0]
+    assert all(TEXT_LINE.match(line) for line in text.splitlines()), text   # no line starts with forged text
+    assert not any(line.startswith(FORGED[:20]) for line in text.splitlines())
+
+
+async def test_json_log_stays_one_valid_object_per_line(captured_logs):
+    logs = captured_logs("json")
+    app = create_app(Settings(), engine=EngineNotNeeded(), metrics=Metrics())
+    response = await _get(app, INJECT_PATH + "?q=%0D%0A")
+    assert response.status_code == 404
+    records = [json.loads(line) for line in logs.getvalue().splitlines()]   # each line is JSON on its own
+    access = [r for r in records if r["logger"] == "graphcache.access"]
+    assert len(access) == 1, records
+    assert access[0]["path"] == "/v1/whatever\n" + FORGED       # the value itself, escaped by json.dumps
+    assert access[0]["query"] == "q=%0D%0A" and access[0]["status"] == 404
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+async def test_control_characters_in_query_method_and_path_never_break_a_line(captured_logs, log_format):
+    """Raw control bytes in the query (HTTP parsers refuse them, an ASGI server in front may not), C1
+    controls and ANSI escapes: still one line per record, in both formats."""
+    logs = captured_logs(log_format)
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET\r\nX",
+             "scheme": "http", "path": "/p\x85\u2028\x1b[2J\rforged", "raw_path": b"/p",
+             "query_string": b"a=\r\n\x85\x1b[31mb", "root_path": "", "headers": [],
+             "client": ("127.0.0.1", 5000), "server": ("test", 80)}
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        pass
+
+    await RequestContextMiddleware(app)(scope, receive, send)
+    lines = logs.getvalue().splitlines()
+    assert len(lines) == 1, lines
+    if log_format == "json":
+        record = json.loads(lines[0])
+        assert record["query"] == "a=\r\n\x85\x1b[31mb" and record["method"] == "GET\r\nX"
+    else:
+        assert '"GET\\r\\nX /p\\x85\\u2028\\x1b[2J\\rforged?a=\\r\\n\\x85\\x1b[31mb" 204' in lines[0], lines[0]
+
+
+def test_text_format_escapes_any_logger_message_but_keeps_tracebacks(captured_logs):
+    logs = captured_logs("text")
+    log = logging.getLogger("graphcache.test")
+    log.warning("model %s not found", "x\nFAKE ERROR line")
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        log.exception("failed on %s", "/p\r\n")
+    text = logs.getvalue()
+    assert "model x\\nFAKE ERROR line not found" in text
+    assert "failed on /p\\r\\n" in text
+    assert "Traceback (most recent call last)" in text and "ValueError: boom" in text
+    assert not any(line.startswith("FAKE") for line in text.splitlines())
