@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import enum
 import gc
 import logging
@@ -25,7 +24,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as SequenceT
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +39,18 @@ from graphcache.engine.errors import (
     EngineNotReady,
     InvalidRequest,
     QueueFull,
+)
+from graphcache.engine.messages import (
+    Abort,
+    AbortAll,
+    Add,
+    Call,
+    Handle,
+    Stop,
+    deliver,
+    jsonable,
+    merge,
+    with_text,
 )
 from graphcache.engine.runner import ModelRunner
 from graphcache.engine.sequence import RequestOutput, SamplingParams, Sequence
@@ -62,57 +72,6 @@ class EngineState(enum.Enum):
     DEAD = "dead"           # the thread exited on an unrecoverable error
 
 
-@dataclass
-class _Handle:
-    """A request as the asyncio side sees it: where its outputs go."""
-    request_id: str
-    loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue
-    seq: Sequence
-
-
-@dataclass
-class _Add:
-    handle: _Handle
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-@dataclass
-class _AbortAll:
-    reason: str
-    error: str
-
-
-@dataclass
-class _Call:
-    fn: Callable[[], Any]
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-
-
-class _Stop:
-    pass
-
-
-def jsonable(obj: Any) -> Any:
-    """Cache reports (dataclasses holding descriptors, dicts, lists) -> plain JSON types."""
-    if obj is None or isinstance(obj, bool | int | float | str):
-        return obj
-    if isinstance(obj, BatchDescriptor):
-        return str(obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [jsonable(v) for v in obj]
-    return str(obj)
-
-
 class Engine:
     def __init__(self, settings: Settings, metrics: Metrics | None = None, *,
                  runner_factory: Callable[[Settings, Metrics | None], Runner] | None = None) -> None:
@@ -123,14 +82,14 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()           # guards _state, _requests, _num_running
         self._state = EngineState.LOADING
-        self._requests: dict[str, _Handle] = {}
+        self._requests: dict[str, Handle] = {}
         self._num_running = 0
         self._error: str | None = None
         self._ready_event = threading.Event()   # set when ready or dead: wait_ready() returns
         self._core: EngineCore | None = None    # engine thread: set at load, dropped at exit
         self._tokenizer: Any = None             # kept after the runner is released
         self._max_model_len: int | None = None
-        self._outbox: list[tuple[_Handle, RequestOutput]] = []   # routed, not yet delivered
+        self._outbox: list[tuple[Handle, RequestOutput]] = []   # routed, not yet delivered
         self._last_stream_flush = 0.0
         self._stats: dict[str, Any] = {}
         self._stats_refreshed = 0.0
@@ -244,7 +203,7 @@ class Engine:
         left = len(self._requests)
         if left and self.alive:
             log.warning("drain timeout (%.1fs): failing %d unfinished requests", timeout, left)
-            self._inbox.put(_AbortAll("error", f"the server is shutting down; the request did not finish "
+            self._inbox.put(AbortAll("error", f"the server is shutting down; the request did not finish "
                                                f"within the {timeout:g}s drain timeout"))
             grace = loop.time() + 5.0
             while self._requests and loop.time() < grace and self.alive:
@@ -254,7 +213,7 @@ class Engine:
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine thread and join it. Unfinished requests get finish_reason error."""
         self.stop_accepting()
-        self._inbox.put(_Stop())
+        self._inbox.put(Stop())
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -277,7 +236,7 @@ class Engine:
         seq = Sequence(request_id, list(prompt_token_ids), params if params is not None else SamplingParams(),
                        stream=stream)
         core.check(seq, max_tokens_param)   # read-only: the core's limits never change after load
-        handle = _Handle(request_id, asyncio.get_running_loop(), asyncio.Queue(), seq)
+        handle = Handle(request_id, asyncio.get_running_loop(), asyncio.Queue(), seq)
         with self._lock:
             refused = self.refusal()   # again under the lock: death fails everything in _requests
             if refused is not None:
@@ -287,10 +246,10 @@ class Engine:
             if len(self._requests) - self._num_running >= self.settings.max_queue:
                 raise QueueFull(f"{self.settings.max_queue} requests are already waiting; retry later")
             self._requests[request_id] = handle
-        self._inbox.put(_Add(handle))
+        self._inbox.put(Add(handle))
         return self._stream(handle)
 
-    async def _stream(self, handle: _Handle) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, handle: Handle) -> AsyncIterator[RequestOutput]:
         finished = False
         seq = handle.seq
         # Streams without stop strings are detokenized here, on the consumer's side (EngineCore leaves
@@ -304,9 +263,9 @@ class Engine:
                 # Deltas that queued up while the consumer was busy go out as one: under load a stream
                 # sends fewer, larger chunks instead of falling behind the engine one token at a time.
                 while not out.finished and not handle.outputs.empty():
-                    out = _merge(out, handle.outputs.get_nowait())
+                    out = merge(out, handle.outputs.get_nowait())
                 if detok is not None:
-                    out = _with_text(out, detok)
+                    out = with_text(out, detok)
                 finished = out.finished
                 yield out
                 if finished:
@@ -318,7 +277,7 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Abort a request by id (no-op if unknown or finished). Its blocks are freed between steps."""
         if self.alive:
-            self._inbox.put(_Abort(request_id))
+            self._inbox.put(Abort(request_id))
 
     # --- admin (run on the engine thread between steps) ------------------------------------
     async def _call(self, fn: Callable[[], Any]) -> Any:
@@ -328,7 +287,7 @@ class Engine:
             refused = self.refusal(admin=True)
             if refused is not None:
                 raise refused
-            self._inbox.put(_Call(fn, fut, loop))
+            self._inbox.put(Call(fn, fut, loop))
         return await fut
 
     async def warmup(self, descriptors: list[BatchDescriptor]) -> dict:
@@ -413,7 +372,7 @@ class Engine:
         except queue.Empty:
             return True
         while True:
-            if isinstance(cmd, _Stop):
+            if isinstance(cmd, Stop):
                 return False
             self._handle_command(cmd)
             try:
@@ -423,14 +382,14 @@ class Engine:
 
     def _handle_command(self, cmd: Any) -> None:
         core = self._core
-        if isinstance(cmd, _Add):
+        if isinstance(cmd, Add):
             if cmd.handle.request_id in self._requests:   # else it failed while queued (drain/abort-all)
                 core.add_request(cmd.handle.seq)
-        elif isinstance(cmd, _Abort):
+        elif isinstance(cmd, Abort):
             self._route([core.abort(cmd.request_id)])
-        elif isinstance(cmd, _AbortAll):
+        elif isinstance(cmd, AbortAll):
             self._route(core.abort_all(cmd.reason, cmd.error))
-        elif isinstance(cmd, _Call):
+        elif isinstance(cmd, Call):
             try:
                 result = cmd.fn()
             except Exception as exc:  # admin errors go back to the caller, the engine keeps serving
@@ -440,7 +399,7 @@ class Engine:
                 self._resolve(cmd, result=result)
 
     @staticmethod
-    def _resolve(cmd: _Call, result: Any = None, exc: BaseException | None = None) -> None:
+    def _resolve(cmd: Call, result: Any = None, exc: BaseException | None = None) -> None:
         def settle() -> None:
             if cmd.future.done():
                 return   # the awaiting task was cancelled
@@ -485,7 +444,7 @@ class Engine:
             by_loop.setdefault(handle.loop, []).append((handle.outputs, out))
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):   # the consumer's loop is closed
-                loop.call_soon_threadsafe(_deliver, items)
+                loop.call_soon_threadsafe(deliver, items)
 
     def _update_gauges(self) -> None:
         core = self._core
@@ -539,7 +498,7 @@ class Engine:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(cmd, _Call):
+            if isinstance(cmd, Call):
                 self._resolve(cmd, exc=EngineDead(message))
         if core is not None:
             self._update_gauges()
@@ -556,25 +515,3 @@ class Engine:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-
-def _with_text(out: RequestOutput, detok: Any) -> RequestOutput:
-    """`out` with the text of its token ids. A final "stop" without stop strings came from a stop
-    token or EOS, which adds no text (as the engine-side path does it)."""
-    ids = out.token_ids
-    if out.finished and out.finish_reason == "stop" and ids:
-        ids = ids[:-1]
-    text = detok.add(list(ids)) if ids else ""
-    if out.finished:
-        text += detok.finish()
-    return dataclasses.replace(out, text=out.text + text)
-
-
-def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
-    """Two consecutive deltas of one request as one."""
-    return dataclasses.replace(then, text=first.text + then.text, token_ids=first.token_ids + then.token_ids)
-
-
-def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for q, out in items:   # runs on the consumers' event loop
-        q.put_nowait(out)

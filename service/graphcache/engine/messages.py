@@ -1,0 +1,93 @@
+"""What crosses between the asyncio side of the Engine and its engine thread.
+
+Inbox commands (asyncio side -> engine thread, through a queue.Queue): Add, Abort, AbortAll, Call,
+Stop. Outputs (engine thread -> a request's consumer, through `loop.call_soon_threadsafe(deliver, ...)`
+into the request's asyncio.Queue), and what the consumer does with them: merge deltas that queued up,
+and detokenize streams the engine left without text. `jsonable` turns admin reports into JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from graphcache.engine.sequence import RequestOutput, Sequence
+from graphcache.graphs.descriptor import BatchDescriptor
+
+__all__ = ["Abort", "AbortAll", "Add", "Call", "Handle", "Stop", "deliver", "jsonable", "merge", "with_text"]
+
+
+@dataclass
+class Handle:
+    """A request as the asyncio side sees it: where its outputs go."""
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+    seq: Sequence
+
+
+@dataclass
+class Add:
+    handle: Handle
+
+
+@dataclass
+class Abort:
+    request_id: str
+
+
+@dataclass
+class AbortAll:
+    reason: str
+    error: str
+
+
+@dataclass
+class Call:
+    fn: Callable[[], Any]
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+class Stop:
+    pass
+
+
+def jsonable(obj: Any) -> Any:
+    """Cache reports (dataclasses holding descriptors, dicts, lists) -> plain JSON types."""
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    if isinstance(obj, BatchDescriptor):
+        return str(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [jsonable(v) for v in obj]
+    return str(obj)
+
+
+def with_text(out: RequestOutput, detok: Any) -> RequestOutput:
+    """`out` with the text of its token ids. A final "stop" without stop strings came from a stop
+    token or EOS, which adds no text (as the engine-side path does it)."""
+    ids = out.token_ids
+    if out.finished and out.finish_reason == "stop" and ids:
+        ids = ids[:-1]
+    text = detok.add(list(ids)) if ids else ""
+    if out.finished:
+        text += detok.finish()
+    return dataclasses.replace(out, text=out.text + text)
+
+
+def merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive deltas of one request as one."""
+    return dataclasses.replace(then, text=first.text + then.text, token_ids=first.token_ids + then.token_ids)
+
+
+def deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:   # runs on the consumers' event loop
+        q.put_nowait(out)
