@@ -384,7 +384,13 @@ class Engine:
         core = self._core
         if isinstance(cmd, Add):
             if cmd.handle.request_id in self._requests:   # else it failed while queued (drain/abort-all)
-                core.add_request(cmd.handle.seq)
+                try:
+                    core.add_request(cmd.handle.seq)
+                except InvalidRequest as exc:   # the core still holds that id: end this request, not the engine
+                    seq = cmd.handle.seq
+                    seq.finish("error", exc.message)
+                    self._route([RequestOutput(seq.request_id, "", [], True, "error", seq.num_prompt_tokens, 0,
+                                               exc.message)])
         elif isinstance(cmd, Abort):
             self._route([core.abort(cmd.request_id)])
         elif isinstance(cmd, AbortAll):
