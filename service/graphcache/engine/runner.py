@@ -103,8 +103,8 @@ class ModelRunner:
         self.backend = "cuda" if self.device.type == "cuda" and not s.enforce_eager else "eager"
         self.cache = GraphCache(self._step_fn, backend=self.backend, max_entries=s.cache_max_entries,
                                 max_bytes=s.cache_max_bytes, admission=s.admission,
-                                admission_min_misses=s.admission_min_misses, debug=s.graph_debug,
-                                metrics=metrics, input_tensors=self._input_tensors)
+                                admission_min_misses=s.admission_min_misses, eviction_policy=s.eviction_policy,
+                                debug=s.graph_debug, metrics=metrics, input_tensors=self._input_tensors)
         self._uploaded = torch.cuda.Event() if self.device.type == "cuda" else None
         log.info("model %s (%s) on %s %s: max_model_len %d, %d KV blocks x %d tokens, backend %s", path,
                  self.model_config.architecture, self.device, str(self.dtype).removeprefix("torch."),

@@ -16,6 +16,18 @@ pool already had room); `pool` in `entries()` says which kind. Budgets are enfor
 a capture (room is made first, from a size hint measured on earlier captures), so memory
 never exceeds the budget by a whole graph.
 
+Eviction (budgets only ever evict unpinned entries), by `eviction_policy`:
+- "lru" (default): the least recently used entry.
+- "gdsf" (GreedyDual-Size-Frequency): the entry with the lowest priority
+  H = L + frequency * cost / size, where cost = the entry's measured capture seconds (what a
+  re-capture would cost; floored at MIN_COST_SECONDS), size = its bytes in MiB (floored at
+  MIN_SIZE_BYTES = 1 MiB, so small or zero-byte entries, e.g. on the CPU, are not favoured without
+  bound and nothing divides by zero), frequency = hits + 1 since admission. L, the inflation value,
+  starts at 0 and is raised to the H of each entry a budget evicts (not by evict(); clear() resets
+  it); new and hit entries start from the current L, so an entry popular long ago ages out once L
+  passes its H. Ties: least recently used. H is recomputed on every hit. docs/graph-pools.md
+  compares the two on a modelled trace (benchmarks/eviction_policy.py).
+
 Threading: one owner thread (the engine thread) drives the cache and all GPU work: `run`,
 `warmup`, `clear`, `evict` raise RuntimeError from any other thread. A capture in progress
 fails if another thread issues unsafe CUDA calls, and capture/replay state is not locked.
@@ -40,10 +52,17 @@ from graphcache.graphs.descriptor import BatchDescriptor
 from graphcache.graphs.pool import all_graph_pools_bytes, new_pool, pool_bytes, reserved_bytes
 from graphcache.metrics import CAPTURE_MODES, EVICTION_REASONS, FAILURE_REASONS, Metrics
 
-__all__ = ["CacheStats", "ClearReport", "EntryInfo", "GraphCache", "WarmupReport"]
+__all__ = ["EVICTION_POLICIES", "CacheStats", "ClearReport", "EntryInfo", "GraphCache", "WarmupReport"]
 
 log = logging.getLogger(__name__)
 Mode = Literal["replay", "eager"]
+EvictionPolicy = Literal["lru", "gdsf"]
+EVICTION_POLICIES: tuple[str, ...] = ("lru", "gdsf")
+# GDSF floors: a capture never costs less than this (the eager backend's captures take
+# microseconds), and an entry never weighs less than 1 MiB (pinned-pool growths and CPU entries may
+# be 0 bytes; real private pools are >= ~2 MiB, so the floor only matters off the GPU).
+MIN_COST_SECONDS = 1e-6
+MIN_SIZE_BYTES = 1 << 20
 
 
 @dataclass
@@ -62,6 +81,9 @@ class EntryInfo:
     # "full": one graph, nothing eager (uniform decode with its attention inside); "breakable":
     # graph segments around eager breaks.
     mode: Literal["full", "breakable"] = "breakable"
+    # eviction_policy="gdsf": H = L + (hits + 1) * capture_seconds / MiB; the unpinned entry with the
+    # lowest is evicted first. None under "lru" and for pinned entries (budgets never evict them).
+    priority: float | None = None
 
 
 @dataclass
@@ -106,6 +128,7 @@ class _Entry:
     hits: int = 0
     last_use: float = field(default_factory=time.time)
     addresses: list[int] | None = None  # debug mode: input data_ptrs at capture
+    priority: float = 0.0  # GDSF's H (see the module docstring); unused under LRU
 
 
 def _capture_mode(graph: BreakableGraph) -> Literal["full", "breakable"]:
@@ -117,11 +140,20 @@ class GraphCache:
                  max_entries: int, max_bytes: int, admission: str = "always", admission_min_misses: int = 2,
                  debug: bool = False, metrics: Metrics | None = None,
                  input_tensors: Callable[[BatchDescriptor], list[torch.Tensor]] | None = None,
-                 measure_bytes: Callable[[BatchDescriptor, Any], int] | None = None) -> None:
+                 measure_bytes: Callable[[BatchDescriptor, Any], int] | None = None,
+                 eviction_policy: EvictionPolicy = "lru",
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         if admission not in ("always", "after_n", "never"):
             raise ValueError(f"admission must be 'always', 'after_n' or 'never', got {admission!r}")
         if backend not in ("cuda", "eager"):
             raise ValueError(f"backend must be 'cuda' or 'eager', got {backend!r}")
+        if eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy must be 'lru' or 'gdsf', got {eviction_policy!r}")
+        self.eviction_policy = eviction_policy
+        # Times captures (capture_seconds, GDSF's cost). Injectable so CPU tests and the eviction
+        # benchmark can give captures a deterministic, modelled cost.
+        self.clock = clock
+        self._inflation = 0.0  # GDSF's L: the H of the last entry a budget evicted (grows until clear())
         self.step_fn, self.backend = step_fn, backend
         self.max_entries, self.max_bytes = max_entries, max_bytes
         self.admission, self.admission_min_misses = admission, admission_min_misses
@@ -162,6 +194,8 @@ class GraphCache:
         entry = self._entries.get(desc)
         if entry is not None:
             entry.hits += 1
+            if self.eviction_policy == "gdsf":
+                entry.priority = self._gdsf_priority(entry)  # O(1); the eviction scan is O(entries)
             self._stats.hits += 1
             if self.metrics is not None:
                 self.metrics.graph_hits.inc()
@@ -238,7 +272,7 @@ class GraphCache:
             entry.addresses = [t.data_ptr() for t in self.input_tensors(desc)]
         # The hint may have been short: evict more, and refuse the entry if it still does not fit.
         pending = 0 if shared else size  # a pinned capture's growth is already in _total_bytes()
-        while self._total_bytes() + pending > self.max_bytes and self._evict_lru("bytes"):
+        while self._total_bytes() + pending > self.max_bytes and self._evict_one("bytes"):
             pass
         if self._total_bytes() + pending > self.max_bytes:
             if not shared or not self._has_shared():
@@ -255,6 +289,7 @@ class GraphCache:
             log.warning("pinned capture %s grew the pinned pool by %d bytes to %d bytes held, over the "
                         "%d-byte budget; kept (its memory returns only on clear())", desc, size,
                         self._total_bytes(), self.max_bytes)
+        entry.priority = self._gdsf_priority(entry)  # after the evictions above: from the current L
         self._entries[desc] = entry
         self._stats.captures += 1
         self._stats.capture_seconds += seconds
@@ -286,16 +321,16 @@ class GraphCache:
     def _capture(self, desc: BatchDescriptor, pool: Any) -> tuple[BreakableGraph, float]:
         if self.backend == "cuda" and self._stream is None:
             self._stream = torch.cuda.Stream()
-        t0 = time.perf_counter()
+        t0 = self.clock()
         graph = capture(lambda: self.step_fn(desc), backend=self.backend, pool=pool, stream=self._stream,
                         warmup=True)
-        return graph, time.perf_counter() - t0
+        return graph, self.clock() - t0
 
     def _make_room(self, desc: BatchDescriptor, *, shared: bool = False) -> bool:
         if self.max_entries <= 0:
             return False
         while len(self._entries) >= self.max_entries:
-            if not self._evict_lru("entries"):
+            if not self._evict_one("entries"):
                 return False
         need = self._size_hint(desc)
         if shared:
@@ -305,7 +340,7 @@ class GraphCache:
             # caught after the capture.
             need = max(0, need - self._pinned_bytes)
         while self._total_bytes() + need > self.max_bytes:
-            if not self._evict_lru("bytes"):
+            if not self._evict_one("bytes"):
                 return False
         return True
 
@@ -319,12 +354,29 @@ class GraphCache:
             return max(smaller)
         return min(self._size_hints.values(), default=0)
 
-    def _evict_lru(self, reason: str) -> bool:
-        victim = next((d for d, e in self._entries.items() if not e.pinned), None)
+    def _evict_one(self, reason: str) -> bool:
+        """Evict one unpinned entry for a budget, chosen by the eviction policy. False: none left."""
+        if self.eviction_policy == "lru":
+            victim = next((e for e in self._entries.values() if not e.pinned), None)
+        else:
+            # A linear scan for the lowest H: entries number a few hundred at most (one per capture
+            # size / descriptor), and an eviction precedes a capture of ~50-200 ms, so O(entries)
+            # is nothing next to it and needs no heap to keep in step with hits. min() keeps the
+            # first of equal keys, and the dict is in LRU order: ties go to the least recently used.
+            victim = min((e for e in self._entries.values() if not e.pinned), key=lambda e: e.priority,
+                         default=None)
         if victim is None:
             return False
-        self._drop(victim, reason)
+        if self.eviction_policy == "gdsf":
+            self._inflation = max(self._inflation, victim.priority)  # age everything that stays
+        self._drop(victim.desc, reason)
         return True
+
+    def _gdsf_priority(self, entry: _Entry) -> float:
+        """GDSF's H = L + frequency * cost / size (seconds of capture per MiB held, per use)."""
+        cost = max(entry.capture_seconds, MIN_COST_SECONDS)
+        size_mib = max(entry.bytes, MIN_SIZE_BYTES) / (1 << 20)
+        return self._inflation + (entry.hits + 1) * cost / size_mib
 
     def _drop(self, desc: BatchDescriptor, reason: str) -> None:
         entry = self._entries.pop(desc)
@@ -396,6 +448,7 @@ class GraphCache:
         self._negative.clear()
         self._miss_counts.clear()
         self._pinned_pool, self._pinned_bytes = None, 0  # already so: its last entry was dropped
+        self._inflation = 0.0  # nothing left to age against: GDSF starts over
         self._free_memory()
         return ClearReport(entries=n, pool_bytes=held, bytes_freed=max(0, before - reserved_bytes()))
 
@@ -407,10 +460,12 @@ class GraphCache:
 
     # --- inspection (any thread) ---
     def entries(self) -> list[EntryInfo]:
-        """Entries in eviction order: least recently used first."""
+        """Entries least recently used first (LRU's eviction order; under GDSF the budgets evict
+        the unpinned entry with the lowest `priority` first, ties least recently used)."""
+        gdsf = self.eviction_policy == "gdsf"
         return [EntryInfo(str(e.desc), e.bytes, e.capture_seconds, e.hits, e.last_use, e.pinned,
                           e.graph.num_graphs, e.graph.num_breaks, "pinned" if e.shared else "private",
-                          _capture_mode(e.graph))
+                          _capture_mode(e.graph), e.priority if gdsf and not e.pinned else None)
                 for e in list(self._entries.values())]
 
     def stats(self) -> CacheStats:
@@ -423,6 +478,8 @@ class GraphCache:
         return {
             "backend": self.backend,
             "admission": self.admission,
+            # gdsf_inflation: GDSF's L (the H of the last entry a budget evicted); 0 under lru
+            "eviction": {"policy": self.eviction_policy, "gdsf_inflation": self._inflation},
             "warmed_up": self.warmed_up,
             "budgets": {"max_entries": self.max_entries, "max_bytes": self.max_bytes},
             "totals": {"entries": len(self._entries), "pool_bytes": self._total_bytes(),
