@@ -1,4 +1,4 @@
-"""The `graphcache` command: serve, make-tiny-model.
+"""The `graphcache` command: serve, make-tiny-model; `graphcache --version` prints the version.
 
 `graphcache serve` flags are generated from the Settings model, one per field, with the
 field's description as help, so flags, env vars (GRAPHCACHE_*) and defaults never drift.
@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from graphcache import __version__
 from graphcache.config import Settings
 
 __all__ = ["build_parser", "main", "settings_from_args"]
@@ -29,7 +30,7 @@ __all__ = ["build_parser", "main", "settings_from_args"]
 log = logging.getLogger("graphcache.cli")
 
 ENV_PREFIX = "GRAPHCACHE_"
-SECRET_FIELDS = {"admin_token"}
+SECRET_FIELDS = {"admin_token", "api_key"}
 # Past drain_timeout_s the engine fails what is left and handlers answer; uvicorn cuts connections
 # only if that has not happened this much later (engine grace 5 s + slack).
 DRAIN_BACKSTOP_S = 10.0
@@ -101,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="graphcache", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="graphcache: an OpenAI-compatible LLM server with a managed CUDA-graph cache.",
         epilog=_settings_epilog())
+    parser.add_argument("--version", action="version", version=__version__,
+                        help="Print the version (of the installed package) and exit.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="Run the HTTP server (OpenAI API, /admin, /metrics, /health, /ready).",

@@ -7,10 +7,10 @@ Defaults run the embedded tiny model on whatever device is there.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 def default_capture_sizes(max_size: int) -> list[int]:
@@ -73,11 +73,14 @@ class Settings(BaseSettings):
     warmup_descriptors: list[str] = Field(
         default_factory=list, description='Extra descriptors to capture at start, "TOKENS:REQS" (mixed) '
         'or "TOKENS:REQS:decode".')
-    cache_max_entries: int = Field(128, ge=0, description="Captured graphs kept; LRU beyond.")
-    cache_max_bytes: int = Field(4 << 30, ge=0, description="Graph-pool bytes kept (allocator-measured); LRU beyond.")
+    cache_max_entries: int = Field(128, ge=0, description="Captured graphs kept; evicted beyond (eviction_policy).")
+    cache_max_bytes: int = Field(4 << 30, ge=0, description="Graph-pool bytes kept (allocator-measured); evicted beyond (eviction_policy).")
     admission: Literal["always", "after_n", "never"] = Field(
         "always", description="On a miss while serving: capture at once, after N misses, or never (warmup only).")
     admission_min_misses: int = Field(2, ge=1, description="N for admission=after_n.")
+    eviction_policy: Literal["lru", "gdsf"] = Field(
+        "lru", description="Which unpinned graph the budgets evict: lru = least recently used; gdsf = lowest "
+        "(hits + 1) x capture seconds / MiB, aged (docs/graph-pools.md).")
     graph_debug: bool = Field(False, description="Assert input addresses at replay equal those at capture.")
 
     # --- HTTP ---
@@ -86,6 +89,31 @@ class Settings(BaseSettings):
     admin_token: str | None = Field(None, description="Bearer token for /admin/* (printable ASCII, e.g. from "
                                     "`openssl rand -hex 32`). Unset: admin is off, "
                                     "unless admin_allow_loopback lets loopback clients in.")
+    api_key: Annotated[list[str] | None, NoDecode] = Field(
+        None, description="API keys for /v1/*, /tokenize and /detokenize (clients send 'Authorization: Bearer "
+        "<key>'): one, or several comma-separated; printable ASCII, e.g. from `openssl rand -hex 32`. "
+        "Unset: that API is open. /health, /ready, /ping, /version and /metrics are always open.")
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _api_keys(cls, v: object) -> list[str] | None:
+        # GRAPHCACHE_API_KEY=k1,k2 or --api-key k1,k2: one key or several, comma-separated. NoDecode: env
+        # text is never read as JSON, so any ASCII key (even "null" or "1.5") is taken as written.
+        if isinstance(v, str):
+            v = v.split(",")
+        if v is None:
+            return None
+        if not isinstance(v, list | tuple) or not all(isinstance(k, str) for k in v):
+            raise ValueError("api_key must be one key or several comma-separated keys of printable ASCII text")
+        keys = [k.strip() for k in v if k.strip()]
+        for key in keys:
+            try:
+                cls._ascii_token(key)   # the admin token's rule: printable ASCII, no surrounding spaces
+            except ValueError:
+                raise ValueError("api_key must be printable ASCII (HTTP header values are Latin-1 on the wire, "
+                                 "and clients send other characters differently): use ASCII characters, e.g. "
+                                 "a hex key from `openssl rand -hex 32`") from None
+        return keys or None
     admin_allow_loopback: bool = Field(False, description="Without a token, allow /admin/* from 127.0.0.1/::1.")
     log_format: Literal["text", "json"] = Field("text", description="text for people, json for log pipelines.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Root log level.")

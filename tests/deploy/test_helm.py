@@ -22,7 +22,7 @@ from .conftest import CHART
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk not installed: pip install -e '.[test]'")
 
 # Settings the chart sets itself from other sections; every other Settings field is a `config` key.
-CHART_MANAGED = {"model", "served_model_name", "cache_dir", "host", "port", "admin_token"}
+CHART_MANAGED = {"model", "served_model_name", "cache_dir", "host", "port", "admin_token", "api_key"}
 
 CUSTOM = {
     "replicaCount": 3,
@@ -432,3 +432,27 @@ def test_prometheusrule_toggled_by_flag(chart, flag):
         assert rule["spec"]["groups"] == deploy_rules["groups"]
         descriptions = [r["annotations"]["description"] for g in rule["spec"]["groups"] for r in g["rules"]]
         assert any("{{ $labels.instance }}" in d for d in descriptions), "alert templates left for Prometheus"
+
+
+# --- API key ----------------------------------------------------------------------------------------
+
+def test_api_key_from_existing_secret(chart, monkeypatch):
+    """apiKey.existingSecret sets GRAPHCACHE_API_KEY from that Secret (no Secret created, no plain value);
+    without it there is no such env var; config.api_key takes no plain key."""
+    assert "GRAPHCACHE_API_KEY" not in env_of(container(render(chart)))
+    objs = render(chart, {"apiKey": {"existingSecret": "gc-api-keys", "secretKey": "keys"}})
+    env = env_of(container(objs))
+    assert env["GRAPHCACHE_API_KEY"] == {"name": "GRAPHCACHE_API_KEY",
+                                         "valueFrom": {"secretKeyRef": {"name": "gc-api-keys", "key": "keys"}}}
+    assert ("Secret", "gc-api-keys") not in objs
+    report = helm.lint(CHART, {"apiKey": {"existingSecret": "gc-api-keys"}}, strict=True, namespace="ml",
+                       kube_version="v1.30.0")
+    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == [], report
+    ref = env_of(container(render(chart, {"apiKey": {"existingSecret": "gc-api-keys"}})))["GRAPHCACHE_API_KEY"]
+    assert ref["valueFrom"]["secretKeyRef"] == {"name": "gc-api-keys", "key": "api-key"}
+    for bad in ({"config": {"api_key": "plain-text-key"}}, {"apiKey": {"secretKey": ""}}, {"apiKey": {"value": "k"}}):
+        with pytest.raises(helm.HelmValuesError):
+            chart.validate_schema(bad)
+    # What the Secret holds is what the server reads: one key, or several comma-separated.
+    monkeypatch.setenv("GRAPHCACHE_API_KEY", "key-a,key-b")
+    assert Settings().api_key == ["key-a", "key-b"]

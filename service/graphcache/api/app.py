@@ -20,7 +20,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from graphcache.api import admin, exposition, openai
+from graphcache import __version__
+from graphcache.api import admin, exposition, openai, tools
 from graphcache.api.errors import count_rejection, error_body, install_error_handlers
 from graphcache.api.request_log import RequestContextMiddleware
 from graphcache.config import Settings
@@ -103,7 +104,7 @@ def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) 
         if report.get("in_flight"):
             log.info("drained: %s", report)
 
-    app = FastAPI(title="graphcache", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="graphcache", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible LLM server with a managed CUDA-graph cache.")
     app.state.settings = settings
     app.state.engine = engine
@@ -112,7 +113,9 @@ def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) 
     app.state.started = int(time.time())
 
     install_error_handlers(app, metrics)
-    app.include_router(openai.router)
+    app.include_router(openai.router)      # /v1/*: behind the API key when one is set (auth.py)
+    app.include_router(tools.guarded)      # /tokenize, /detokenize, /v1/models/{id}: behind it too
+    app.include_router(tools.router)       # /version, /ping: open, like the probes
     app.include_router(admin.router)
     app.include_router(exposition.router)
 

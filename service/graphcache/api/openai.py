@@ -22,12 +22,13 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
+from graphcache.api.auth import require_api_key
 from graphcache.api.errors import APIError, api_error_for, error_body
-from graphcache.api.protocol import ChatCompletionRequest, CompletionRequest
+from graphcache.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from graphcache.engine.engine import (
     EngineDead,
     EngineNotReady,
@@ -37,10 +38,10 @@ from graphcache.engine.engine import (
 )
 from graphcache.model.tokenizer import MAX_CHARS_PER_TOKEN, ChatTemplateError
 
-__all__ = ["router"]
+__all__ = ["encode_chat", "encode_prompt", "model_card", "router"]
 
 log = logging.getLogger("graphcache.api")
-router = APIRouter(prefix="/v1", tags=["openai"])
+router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])
 
 
 class ClientGone(Exception):
@@ -73,6 +74,38 @@ def _check_text_size(engine, chars: int, param: str, what: str) -> None:
         raise APIError(400, f"This model's maximum context length is {limit} tokens; {what} has {chars} "
                             f"characters, more than the {limit * MAX_CHARS_PER_TOKEN} characters ({MAX_CHARS_PER_TOKEN} "
                             "per token) that could fit it. Shorten it.", param=param, code="context_length_exceeded")
+
+
+async def encode_prompt(engine, text: str, add_special_tokens: bool = True) -> list[int]:
+    """A prompt string's ids, bounded by size first, tokenized off the event loop."""
+    _check_text_size(engine, len(text), "prompt", "the prompt")
+    return await asyncio.to_thread(engine.tokenizer.encode, text, add_special_tokens)
+
+
+async def encode_chat(request: Request, engine, messages: list[ChatMessage],
+                      add_generation_prompt: bool = True) -> list[int]:
+    """A chat's prompt ids through the model's template, bounded by size first, off the event loop."""
+    # "developer" is OpenAI's newer name for "system"; chat templates only know the latter.
+    chat = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    _check_text_size(engine, sum(len(m["content"]) for m in chat), "messages", "the messages' content")
+    # Chat content is user input: special-token strings in it ("<|im_start|>system") are encoded as plain
+    # text, never as control tokens, unless a trusted deployment allows it (Settings).
+    allow_special = request.app.state.settings.allow_special_tokens_in_chat
+    try:
+        # The template has its own BOS; content's special-token strings stay plain text.
+        return await asyncio.to_thread(engine.tokenizer.encode_chat, chat, add_generation_prompt,
+                                       allow_special_in_content=allow_special)
+    except ChatTemplateError as e:   # the client's messages broke the template's rules: one line, no traceback
+        log.info("chat template refused the messages: %s", e.message)
+        raise APIError(400, f"The chat template refused these messages: {e.message}", param="messages",
+                       code="chat_template_error") from None
+
+
+def model_card(request: Request) -> dict:
+    """The served model as OpenAI's model object (an entry of GET /v1/models)."""
+    engine = request.app.state.engine
+    return {"id": engine.model_name, "object": "model", "created": request.app.state.started,
+            "owned_by": "graphcache", "max_model_len": engine.max_model_len if engine.ready else None}
 
 
 def _sampling(body, max_tokens: int | None) -> SamplingParams:
@@ -260,10 +293,7 @@ async def _serve(request: Request, run: _Run, stream: bool, include_usage: bool,
 
 @router.get("/models")
 async def models(request: Request) -> dict:
-    engine = request.app.state.engine
-    return {"object": "list", "data": [{
-        "id": engine.model_name, "object": "model", "created": request.app.state.started,
-        "owned_by": "graphcache", "max_model_len": engine.max_model_len if engine.ready else None}]}
+    return {"object": "list", "data": [model_card(request)]}
 
 
 @router.post("/completions")
@@ -271,8 +301,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     engine = _engine(request)
     model = _check_model(engine, body.model)
     if isinstance(body.prompt, str):
-        _check_text_size(engine, len(body.prompt), "prompt", "the prompt")
-        prompt_ids = await asyncio.to_thread(engine.tokenizer.encode, body.prompt)
+        prompt_ids = await encode_prompt(engine, body.prompt)
     else:
         prompt_ids = list(body.prompt)  # the engine checks they are in the vocabulary (400 if not)
     rid = f"cmpl-{uuid.uuid4().hex}"
@@ -297,21 +326,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     engine = _engine(request)
     model = _check_model(engine, body.model)
-    # "developer" is OpenAI's newer name for "system"; chat templates only know the latter.
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in body.messages]
-    _check_text_size(engine, sum(len(m["content"]) for m in messages), "messages", "the messages' content")
-    # Chat content is user input: special-token strings in it ("<|im_start|>system") are encoded as plain
-    # text, never as control tokens, unless a trusted deployment allows it (Settings).
-    allow_special = request.app.state.settings.allow_special_tokens_in_chat
-    try:
-        # The template has its own BOS; content's special-token strings stay plain text.
-        prompt_ids = await asyncio.to_thread(engine.tokenizer.encode_chat, messages, True,
-                                             allow_special_in_content=allow_special)
-    except ChatTemplateError as e:   # the client's messages broke the template's rules: one line, no traceback
-        log.info("chat template refused the messages: %s", e.message)
-        raise APIError(400, f"The chat template refused these messages: {e.message}", param="messages",
-                       code="chat_template_error") from None
+    prompt_ids = await encode_chat(request, engine, body.messages)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     run = _Run(engine, rid, prompt_ids, _sampling(body, body.max_new_tokens), body.stream, param)

@@ -15,7 +15,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 __all__ = [
-    "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "StreamOptions", "WarmupRequest",
+    "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "DetokenizeRequest", "StreamOptions",
+    "TokenizeRequest", "WarmupRequest",
 ]
 
 SInt = Annotated[int, Strict()]
@@ -196,3 +197,40 @@ class WarmupRequest(_Body):
         if not self.sizes and not self.descriptors:
             raise ValueError('give "sizes" and/or "descriptors", e.g. {"sizes": [1, 2, 4]}')
         return self
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize, vLLM's two forms: `prompt` (+ add_special_tokens) or chat `messages` (+
+    add_generation_prompt), tokenized exactly as /v1/completions and /v1/chat/completions would."""
+
+    model: str | None = Field(None, max_length=512, description="Model id from GET /v1/models.")
+    prompt: Text | None = Field(None, description="Text to tokenize (the completions form).")
+    add_special_tokens: SBool | None = Field(
+        None, description="Prompt form: add the model's BOS/EOS as /v1/completions does (default true).")
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=1024,
+                                               description="A chat to render with the model's template and tokenize.")
+    add_generation_prompt: SBool = Field(True, description="Chat form: end with the assistant turn's opening.")
+    continue_final_message: SBool = False
+    return_token_strs: SBool = False
+    tools: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_form(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError('give either "prompt" (text) or "messages" (a chat), not both')
+        if self.messages is not None and self.add_special_tokens:
+            raise ValueError("add_special_tokens applies to prompt only: a chat template writes its own special tokens")
+        if self.continue_final_message:
+            raise ValueError("continue_final_message is not supported; leave it false")
+        if self.return_token_strs:
+            raise ValueError("return_token_strs is not supported; detokenize ids with POST /detokenize")
+        if self.tools:
+            raise ValueError("tools are not supported")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize: token ids back to text (special tokens included, as vLLM does)."""
+
+    model: str | None = Field(None, max_length=512, description="Model id from GET /v1/models.")
+    tokens: list[SInt] = Field(..., description="Token ids, each in the model's vocabulary; at most max_model_len.")
