@@ -118,7 +118,6 @@ async def test_warmup_then_clear_agree_with_metrics(client):
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({}, None),
     ({"sizes": [3]}, "sizes[0]"),            # not a capture size: never replayed
     ({"sizes": [16]}, "sizes[0]"),           # more requests than max_num_seqs pads to
     ({"sizes": ["2"]}, "sizes[0]"),

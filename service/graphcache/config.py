@@ -73,6 +73,10 @@ class Settings(BaseSettings):
     warmup_descriptors: list[str] = Field(
         default_factory=list, description='Extra descriptors to capture at start, "TOKENS:REQS" (mixed) '
         'or "TOKENS:REQS:decode".')
+    warmup_profile: Path | None = Field(
+        None, description="A profile exported by GET /admin/cache/profile (JSON file): warm exactly its "
+        "descriptors at start, largest first, within the budgets (instead of warmup_decode_sizes and "
+        "warmup_descriptors). An entry the server cannot capture is a startup error.")
     cache_max_entries: int = Field(128, ge=0, description="Captured graphs kept; evicted beyond (eviction_policy).")
     cache_max_bytes: int = Field(4 << 30, ge=0, description="Graph-pool bytes kept (allocator-measured); evicted beyond (eviction_policy).")
     admission: Literal["always", "after_n", "never"] = Field(

@@ -456,3 +456,36 @@ def test_api_key_from_existing_secret(chart, monkeypatch):
     # What the Secret holds is what the server reads: one key, or several comma-separated.
     monkeypatch.setenv("GRAPHCACHE_API_KEY", "key-a,key-b")
     assert Settings().api_key == ["key-a", "key-b"]
+
+
+# --- warmup profile ---------------------------------------------------------------------------------
+
+def test_warmup_profile_from_configmap(chart, monkeypatch):
+    """warmupProfile.configMap mounts that ConfigMap's key read-only and points GRAPHCACHE_WARMUP_PROFILE
+    at the file; without it there is neither; config.warmup_profile and the ConfigMap are exclusive."""
+    c = container(render(chart))
+    assert "GRAPHCACHE_WARMUP_PROFILE" not in env_of(c)
+    assert "warmup-profile" not in {m["name"] for m in c["volumeMounts"]}
+    objs = render(chart, {"warmupProfile": {"configMap": "gc-profile"}})
+    pod = objs[("Deployment", "rel-graphcache")]["spec"]["template"]["spec"]
+    c = container(objs)
+    assert env_of(c)["GRAPHCACHE_WARMUP_PROFILE"]["value"] == "/etc/graphcache/warmup/profile.json"
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "warmup-profile")
+    assert mount == {"name": "warmup-profile", "mountPath": "/etc/graphcache/warmup", "readOnly": True}
+    volume = next(v for v in pod["volumes"] if v["name"] == "warmup-profile")
+    assert volume["configMap"] == {"name": "gc-profile", "items": [{"key": "profile.json", "path": "profile.json"}]}
+    objs = render(chart, {"warmupProfile": {"configMap": "p", "key": "hot.json", "mountPath": "/profiles/"}})
+    assert env_of(container(objs))["GRAPHCACHE_WARMUP_PROFILE"]["value"] == "/profiles/hot.json"
+    report = helm.lint(CHART, {"warmupProfile": {"configMap": "gc-profile"}}, strict=True, namespace="ml",
+                       kube_version="v1.30.0")
+    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == [], report
+    with pytest.raises(helm.HelmError, match="exclusive"):
+        chart.render({"warmupProfile": {"configMap": "p"}, "config": {"warmup_profile": "/x.json"}},
+                     name="rel", namespace="ml")
+    for bad in ({"warmupProfile": {"key": ""}}, {"warmupProfile": {"mountPath": "relative"}},
+                {"warmupProfile": {"configMap": "p", "value": "{}"}}):
+        with pytest.raises(helm.HelmValuesError):
+            chart.validate_schema(bad)
+    # The env the chart sets is what the server reads.
+    monkeypatch.setenv("GRAPHCACHE_WARMUP_PROFILE", "/etc/graphcache/warmup/profile.json")
+    assert str(Settings().warmup_profile) == "/etc/graphcache/warmup/profile.json"

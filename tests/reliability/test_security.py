@@ -156,7 +156,8 @@ def test_error_bodies_of_every_kind_leak_nothing(server, client):
                     headers={"Content-Type": "application/json"}),
         client.post("/admin/warmup", json={"sizes": [10**9]}, headers=server.admin_headers),
         client.post("/admin/warmup", json={"descriptors": ["not-a-descriptor"]}, headers=server.admin_headers),
-        client.post("/admin/warmup", json={}, headers=server.admin_headers),
+        client.post("/admin/warmup", json={"profile": {"version": 1, "descriptors": "x"}},
+                    headers=server.admin_headers),   # ({} re-runs the configured warmup: a 200)
         client.get("/admin/cache"),
         client.get("/admin/cache", headers={"Authorization": "Bearer wrong"}),
     ]

@@ -1,6 +1,6 @@
-"""Admin endpoints over the graph cache: inspect, warm up, clear.
+"""Admin endpoints over the graph cache: inspect, export the traffic profile, warm up, clear.
 
-All three are commands on the engine's inbox, run on the engine thread between steps, so
+All are commands on the engine's inbox, run on the engine thread between steps, so
 requests in flight keep going. Auth (the README states the choice):
   * admin_token set: `Authorization: Bearer <token>` required; 401 without it, 403 when
     wrong; the header's bytes as received compared with hmac.compare_digest (constant time).
@@ -16,10 +16,11 @@ from __future__ import annotations
 import hmac
 import ipaddress
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 
 from graphcache.api.errors import APIError, api_error_for
 from graphcache.api.protocol import WarmupRequest
+from graphcache.graphs.cache import parse_profile
 from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes
 
 __all__ = ["router"]
@@ -76,6 +77,17 @@ def _descriptors(body: WarmupRequest, settings) -> list[BatchDescriptor]:
     allowed = f"capture sizes {list(sizes)} (requests up to {max_reqs})"
     # Messages name the item by its index, never by its value: what the caller sent is not echoed.
     out: list[BatchDescriptor] = []
+    if body.profile is not None:
+        try:
+            descs = parse_profile(body.profile)
+        except ValueError as e:   # names the part (descriptors[i]...), never echoes the value
+            raise APIError(400, f"profile: {e}.", param="profile") from None
+        for i, d in enumerate(descs):
+            if d.num_tokens not in sizes.sizes or d.num_reqs not in sizes.sizes or d.num_reqs > max_reqs:
+                raise APIError(400, f"profile descriptors[{i}] has sizes the server never pads to; tokens and "
+                                    f"requests must each be one of the {allowed}.",
+                               param=f"profile.descriptors[{i}]")
+        return sorted(set(descs), reverse=True)
     for i, s in enumerate(body.sizes):
         if s not in sizes.sizes or s > max_reqs:
             raise APIError(400, f"sizes[{i}] is not a decode batch size the server pads to; use {allowed}.",
@@ -101,9 +113,22 @@ async def cache(request: Request) -> dict:
     return await _ready_engine(request).cache_info()
 
 
+@router.get("/cache/profile")
+async def cache_profile(request: Request, min_uses: int = Query(1, ge=0)) -> dict:
+    """The hot set learned from traffic: {"version": 1, "descriptors": [{descriptor, mode, uses, bytes,
+    capture_ms}]}, most used first; save it and start with GRAPHCACHE_WARMUP_PROFILE=<file>, or POST it
+    to /admin/warmup as {"profile": ...}."""
+    engine = _ready_engine(request)
+    # On the engine thread, through the engine's admin-call plumbing (as /admin/cache).
+    return await engine.cache_profile(min_uses)
+
+
 @router.post("/warmup")
-async def warmup(body: WarmupRequest, request: Request) -> dict:
-    """Capture the given shapes now; returns what was captured, time, bytes and failures."""
+async def warmup(request: Request, body: WarmupRequest | None = None) -> dict:
+    """Capture the given shapes (sizes/descriptors, or a profile) now; no body or {}: the configured
+    warmup again (e.g. after a clear). Returns what was captured, time, bytes and failures."""
+    if body is None or body.configured:
+        return await _ready_engine(request).warmup(None)
     descs = _descriptors(body, request.app.state.settings)
     return await _ready_engine(request).warmup(descs)
 

@@ -185,18 +185,27 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class WarmupRequest(_Body):
-    """POST /admin/warmup: uniform-decode sizes and/or descriptors "T:R" / "T:R:decode"."""
+    """POST /admin/warmup: uniform-decode sizes and/or descriptors "T:R" / "T:R:decode", or a profile
+    (GET /admin/cache/profile's output), or nothing (no body, {}): the configured warmup again."""
 
     sizes: list[SInt] = Field(default_factory=list, max_length=512,
                               description="Uniform-decode batch sizes to capture (each a capture size).")
     descriptors: list[str] = Field(default_factory=list, max_length=512,
                                    description='Descriptors to capture: "TOKENS:REQS" or "TOKENS:REQS:decode".')
+    profile: dict[str, Any] | None = Field(
+        None, description='A profile as GET /admin/cache/profile exports it: {"version": 1, "descriptors": '
+        '[{"descriptor": "T:R[:decode]", ...}]}; its descriptors are captured.')
 
     @model_validator(mode="after")
-    def _something(self):
-        if not self.sizes and not self.descriptors:
-            raise ValueError('give "sizes" and/or "descriptors", e.g. {"sizes": [1, 2, 4]}')
+    def _one_form(self):
+        if self.profile is not None and (self.sizes or self.descriptors):
+            raise ValueError('give "profile", or "sizes" and/or "descriptors", not both')
         return self
+
+    @property
+    def configured(self) -> bool:
+        """Nothing given: re-run the configured warmup (settings or GRAPHCACHE_WARMUP_PROFILE)."""
+        return self.profile is None and not self.sizes and not self.descriptors
 
 
 class TokenizeRequest(_Body):

@@ -290,12 +290,19 @@ class Engine:
             self._inbox.put(Call(fn, fut, loop))
         return await fut
 
-    async def warmup(self, descriptors: list[BatchDescriptor]) -> dict:
-        """Capture (and pin) these descriptors."""
+    async def warmup(self, descriptors: list[BatchDescriptor] | None = None) -> dict:
+        """Capture (and pin) these descriptors; None: the configured warmup again (settings' decode sizes
+        and descriptors, or GRAPHCACHE_WARMUP_PROFILE), e.g. after a clear."""
+        if descriptors is None:
+            return await self._call(lambda: self._admin_result(self._core.runner.warmup()))
         return await self._call(lambda: self._admin_result(self._core.runner.capture(descriptors, pin=True)))
 
     async def clear_graphs(self) -> dict:
         return await self._call(lambda: self._admin_result(self._core.runner.cache.clear()))
+
+    async def cache_profile(self, min_uses: int = 1) -> dict:
+        """The hot set of descriptors (GraphCache.profile): what a restart can warm up."""
+        return await self._call(lambda: jsonable(self._core.runner.cache.profile(min_uses)))
 
     async def cache_info(self) -> dict:
         return await self._call(lambda: jsonable(self._core.runner.cache.info()))
@@ -327,6 +334,7 @@ class Engine:
 
     def _load(self) -> None:
         self.progress = {"phase": "loading model"}
+        log.info("loading model %s", self.settings.model or "(the embedded tiny model)")
         runner = self._runner_factory(self.settings, self.metrics)
         core = EngineCore(runner, self.settings, self.metrics)
         core.step_failpoint = self.step_failpoint
@@ -334,6 +342,7 @@ class Engine:
 
         def warmup_progress(done: int, total: int, desc: str) -> None:
             self.progress = {"phase": "warmup", "done": done, "total": total, "descriptor": desc}
+            log.info("warmup %d/%d: %s", done, total, desc)
 
         self.progress = {"phase": "warmup", "done": 0, "total": None}
         t0 = time.perf_counter()

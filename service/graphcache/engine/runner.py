@@ -19,15 +19,17 @@ StepResult; step metrics are the engine's, graph-cache metrics the GraphCache's.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from graphcache.config import Settings
 from graphcache.engine.batch import StepBatch, StepResult, StepSeq
-from graphcache.graphs.cache import GraphCache, WarmupReport
+from graphcache.graphs.cache import GraphCache, WarmupReport, parse_profile
 from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes, descriptor_for
 from graphcache.metrics import Metrics
 from graphcache.model.attention import (
@@ -123,11 +125,36 @@ class ModelRunner:
 
     def _warmup_descriptors(self) -> list[BatchDescriptor]:
         s = self.settings
+        if s.warmup_profile is not None:
+            return self._load_warmup_profile(s.warmup_profile)   # exactly the profile's set
         decode = s.warmup_decode_sizes
         if decode is None:
             decode = [n for n in self.sizes if n <= s.max_num_seqs]
         descs = [BatchDescriptor(n, n, True) for n in decode]
         descs += [BatchDescriptor.parse(d) for d in s.warmup_descriptors]
+        return descs
+
+    def _load_warmup_profile(self, path: Path) -> list[BatchDescriptor]:
+        """The descriptors of a GRAPHCACHE_WARMUP_PROFILE file (GET /admin/cache/profile's output). Each
+        must be a shape a step pads to (tokens and requests capture sizes, requests within max_num_seqs'
+        padded size), so none grows the static buffers; anything else fails the start, naming the file
+        and the entry."""
+        where = f"warmup_profile {str(path)!r} (GRAPHCACHE_WARMUP_PROFILE)"
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{where} cannot be read as JSON: {type(e).__name__}: {e}") from None
+        try:
+            descs = parse_profile(data)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        max_reqs = self.sizes.pad(self.settings.max_num_seqs) or self.sizes.max
+        for i, d in enumerate(descs):
+            if d.num_tokens not in self.sizes.sizes or d.num_reqs not in self.sizes.sizes or d.num_reqs > max_reqs:
+                raise ValueError(f"{where}: descriptors[{i}] {d} has sizes this server never pads to; tokens and "
+                                 f"requests must each be one of the capture sizes {list(self.sizes)} (requests "
+                                 f"up to {max_reqs}); export the profile again from a server with these settings")
+        log.info("warmup profile %s: %d descriptors", path, len(descs))
         return descs
 
     def _alloc_buffers(self) -> None:

@@ -31,7 +31,12 @@ Eviction (budgets only ever evict unpinned entries), by `eviction_policy`:
 Threading: one owner thread (the engine thread) drives the cache and all GPU work: `run`,
 `warmup`, `clear`, `evict` raise RuntimeError from any other thread. A capture in progress
 fails if another thread issues unsafe CUDA calls, and capture/replay state is not locked.
-`entries`, `stats` and `info` only read stored numbers and may be called from any thread.
+`entries`, `stats`, `info` and `profile` only read stored numbers and may be called from any thread.
+
+Profile (issue 11, "warmup learned from traffic"): every step counts one use of its descriptor
+(hit or miss), and the counts survive eviction and clear(). `profile()` exports the hot set
+(descriptor, capture mode, uses, bytes, capture ms) as JSON; `parse_profile()` reads it back, and
+GRAPHCACHE_WARMUP_PROFILE / POST /admin/warmup {"profile": ...} warm exactly that set.
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ from graphcache.graphs.descriptor import BatchDescriptor
 from graphcache.graphs.pool import all_graph_pools_bytes, new_pool, pool_bytes, reserved_bytes
 from graphcache.metrics import CAPTURE_MODES, EVICTION_REASONS, FAILURE_REASONS, Metrics
 
-__all__ = ["EVICTION_POLICIES", "CacheStats", "ClearReport", "EntryInfo", "GraphCache", "WarmupReport"]
+__all__ = ["EVICTION_POLICIES", "PROFILE_MAX_DESCRIPTORS", "PROFILE_VERSION", "CacheStats", "ClearReport", "EntryInfo",
+           "GraphCache", "WarmupReport", "parse_profile"]
 
 log = logging.getLogger(__name__)
 Mode = Literal["replay", "eager"]
@@ -63,6 +69,8 @@ EVICTION_POLICIES: tuple[str, ...] = ("lru", "gdsf")
 # be 0 bytes; real private pools are >= ~2 MiB, so the floor only matters off the GPU).
 MIN_COST_SECONDS = 1e-6
 MIN_SIZE_BYTES = 1 << 20
+PROFILE_VERSION = 1
+PROFILE_MAX_DESCRIPTORS = 4096  # a profile larger than this is not a hot set (and not read)
 
 
 @dataclass
@@ -135,6 +143,36 @@ def _capture_mode(graph: BreakableGraph) -> Literal["full", "breakable"]:
     return "full" if graph.num_breaks == 0 else "breakable"
 
 
+def parse_profile(data: Any) -> list[BatchDescriptor]:
+    """The descriptors of a profile in `GraphCache.profile()`'s shape, in its order.
+
+    {"version": 1, "descriptors": [{"descriptor": "T:R[:decode]", ...}, ...]}; the other fields of an
+    item (mode, uses, bytes, capture_ms) are information only. ValueError names the first bad part
+    ("descriptors[3].descriptor") without echoing long input. Whether the server can capture the
+    shapes (capture sizes, static buffers) is the caller's check."""
+    if not isinstance(data, dict):
+        raise ValueError('a profile is a JSON object {"version": 1, "descriptors": [...]} '
+                         "(GET /admin/cache/profile)")
+    if data.get("version") != PROFILE_VERSION:
+        raise ValueError(f'profile "version" must be {PROFILE_VERSION}')
+    items = data.get("descriptors")
+    if not isinstance(items, list):
+        raise ValueError('profile "descriptors" must be a list of {"descriptor": "TOKENS:REQS[:decode]", ...}')
+    if len(items) > PROFILE_MAX_DESCRIPTORS:
+        raise ValueError(f"profile has {len(items)} descriptors, more than {PROFILE_MAX_DESCRIPTORS}")
+    out: list[BatchDescriptor] = []
+    for i, item in enumerate(items):
+        text = item.get("descriptor") if isinstance(item, dict) else None
+        if not isinstance(text, str):
+            raise ValueError(f'descriptors[{i}] must be an object with a "descriptor" string')
+        try:
+            out.append(BatchDescriptor.parse(text[:64]))
+        except ValueError:
+            raise ValueError(f'descriptors[{i}].descriptor is not a batch descriptor; write "TOKENS:REQS" or '
+                             '"TOKENS:REQS:decode", e.g. "64:8" or "8:8:decode"') from None
+    return out
+
+
 class GraphCache:
     def __init__(self, step_fn: Callable[[BatchDescriptor], None], *, backend: Literal["cuda", "eager"],
                  max_entries: int, max_bytes: int, admission: str = "always", admission_min_misses: int = 2,
@@ -166,6 +204,10 @@ class GraphCache:
         self._negative: dict[BatchDescriptor, tuple[str, str]] = {}  # desc -> (reason, detail)
         self._miss_counts: Counter[BatchDescriptor] = Counter()
         self._size_hints: dict[BatchDescriptor, int] = {}  # measured bytes of past captures (own pool)
+        # The profile: uses (steps that asked for a descriptor, hits + misses) and what its last capture
+        # measured (mode, bytes, seconds). Both survive eviction and clear(): they describe the traffic.
+        self._uses: Counter[BatchDescriptor] = Counter()
+        self._captured: dict[BatchDescriptor, tuple[str, int, float]] = {}
         # The shared pool of pinned captures: created on the first, dropped with the last entry
         # in it (never reused after: see pool.py). Bytes: allocator-measured after each capture
         # into it; it only grows while any graph on it lives, so between captures it is exact.
@@ -191,6 +233,7 @@ class GraphCache:
             self._stats.padded_tokens += padded
             if self.metrics is not None and padded:
                 self.metrics.padded_tokens.inc(padded)
+        self._uses[desc] += 1
         entry = self._entries.get(desc)
         if entry is not None:
             entry.hits += 1
@@ -291,6 +334,9 @@ class GraphCache:
                         self._total_bytes(), self.max_bytes)
         entry.priority = self._gdsf_priority(entry)  # after the evictions above: from the current L
         self._entries[desc] = entry
+        # Profile bytes: what the capture needs on its own (a pinned capture's growth may be 0 when the
+        # pool already had room; its own-pool size is the size hint when measured).
+        self._captured[desc] = (_capture_mode(graph), self._size_hints.get(desc, size), seconds)
         self._stats.captures += 1
         self._stats.capture_seconds += seconds
         if self.metrics is not None:
@@ -467,6 +513,26 @@ class GraphCache:
                           e.graph.num_graphs, e.graph.num_breaks, "pinned" if e.shared else "private",
                           _capture_mode(e.graph), e.priority if gdsf and not e.pinned else None)
                 for e in list(self._entries.values())]
+
+    def profile(self, min_uses: int = 1) -> dict:
+        """The hot set as JSON-able data: every descriptor steps asked for at least `min_uses` times
+        (cached or evicted; min_uses=0 adds those only captured, e.g. by warmup), most used first.
+
+        Per descriptor: capture mode ("full" | "breakable", null if never captured), uses (steps that
+        asked for it, hits + misses, since start: clear() keeps them), bytes (its last capture's own
+        size, allocator-measured; 0 on the CPU) and capture_ms (its last capture). `parse_profile`
+        reads it back; GRAPHCACHE_WARMUP_PROFILE and POST /admin/warmup {"profile": ...} warm it."""
+        uses = dict(list(self._uses.items()))
+        captured = dict(list(self._captured.items()))
+        known = set(uses) | (set(captured) if min_uses <= 0 else set())
+        hot = [d for d in known if uses.get(d, 0) >= min_uses]
+        hot.sort(key=lambda d: (-uses.get(d, 0), -d.num_tokens, -d.num_reqs, not d.uniform_decode))
+        out = []
+        for d in hot:
+            mode, size, seconds = captured.get(d, (None, 0, 0.0))
+            out.append({"descriptor": str(d), "mode": mode, "uses": uses.get(d, 0), "bytes": size,
+                        "capture_ms": round(seconds * 1e3, 3)})
+        return {"version": PROFILE_VERSION, "descriptors": out}
 
     def stats(self) -> CacheStats:
         s = self._stats
