@@ -1,6 +1,8 @@
 """`python -m graphcache` = the `graphcache` command."""
 
+import sys
+
 from graphcache.cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

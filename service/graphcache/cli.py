@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
+import json
 import logging
 import os
 import signal
+import socket
 import sys
 import types
 import typing
@@ -25,7 +28,7 @@ from pydantic import ValidationError
 from graphcache import __version__
 from graphcache.config import Settings
 
-__all__ = ["build_parser", "main", "settings_from_args"]
+__all__ = ["StartupError", "bind_port", "build_parser", "check_model_dir", "main", "settings_from_args"]
 
 log = logging.getLogger("graphcache.cli")
 
@@ -129,15 +132,128 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(**overrides)
 
 
+# --------------------------------------------------------------------------- startup preflight
+
+class StartupError(Exception):
+    """Serve cannot start: the message is one line, "<what is wrong>; <the fix>"."""
+
+
+MODEL_DIR_HINT = ("pass --model (or GRAPHCACHE_MODEL) a Hugging Face model directory (config.json, "
+                  "*.safetensors, tokenizer.json), or leave it unset to use the embedded tiny model")
+
+
+def check_model_dir(path: Path, max_model_len: int | None = None) -> None:
+    """What would make loading the model at `path` fail, found without loading it: the directory, its
+    config.json (parsed; the architecture supported), the weights files and tokenizer.json present,
+    max_model_len within the model's limit. Raises StartupError. File checks come first and need no
+    torch; only the architecture check imports graphcache.model.config (which imports torch)."""
+    where = str(path)
+    if not path.exists():
+        raise StartupError(f"model directory {where!r} does not exist; {MODEL_DIR_HINT}")
+    if not path.is_dir():
+        raise StartupError(f"model path {where!r} is a file, not a directory; {MODEL_DIR_HINT}")
+    try:
+        names = set(os.listdir(path))
+    except OSError as e:
+        raise StartupError(f"model directory {where!r} is not readable ({e.strerror or e}); fix its "
+                           f"permissions (e.g. chmod -R a+rX {where}) or run as a user who can read it") from None
+    if "config.json" not in names:
+        raise StartupError(f"model directory {where!r} has no config.json; {MODEL_DIR_HINT} (the directory "
+                           "itself, not its parent: e.g. the snapshot directory huggingface-cli downloaded)")
+    index = path / "model.safetensors.index.json"
+    if index.name in names:
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise StartupError(f"{index} is unreadable or malformed ({type(e).__name__}: {e}); "
+                               "re-download it") from None
+        missing = [n for n in shards if not (path / n).is_file()]
+        if missing:
+            raise StartupError(f"{index.name} in {where!r} lists {len(missing)} shard(s) that are missing, "
+                               f"e.g. {missing[:3]}; finish the download (re-run huggingface-cli download)")
+    elif not any(n.endswith(".safetensors") for n in names):
+        bins = sorted(n for n in names if n.endswith(".bin"))
+        fix = (f"convert {bins[:3]} to safetensors" if bins
+               else "download the model's *.safetensors weights into it")
+        raise StartupError(f"model directory {where!r} has no *.safetensors weights; {fix}")
+    if "tokenizer.json" not in names:
+        raise StartupError(f"model directory {where!r} has no tokenizer.json; graphcache needs the fast "
+                           "tokenizer file: download it with the model, or write it with transformers' "
+                           f"AutoTokenizer.from_pretrained(...).save_pretrained({where!r})")
+
+    from graphcache.model.config import ModelLoadError, read_config  # imports torch; loads nothing
+
+    try:
+        config = read_config(path)
+    except ModelLoadError as e:
+        raise StartupError(f"model {where!r}: {e}") from None
+    if max_model_len is not None:
+        limit = config.max_position_embeddings
+        if config.sliding_window:
+            limit = min(limit, config.sliding_window)
+        if max_model_len > limit:
+            raise StartupError(f"max_model_len {max_model_len} exceeds the model's limit {limit} "
+                               "(max_position_embeddings / sliding_window); lower --max-model-len "
+                               "(GRAPHCACHE_MAX_MODEL_LEN) or leave it unset")
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """The listening address, bound now (SO_REUSEADDR, as uvicorn binds), so that a port in use is
+    found before the model loads and the port is ours from the start. Raises StartupError."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise StartupError(f"host {host!r} does not resolve ({e.strerror}); set --host or GRAPHCACHE_HOST "
+                           "to an address of this machine, e.g. 127.0.0.1, or 0.0.0.0 for all") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise StartupError(f"port {port} on {host} is in use; pick another with --port or GRAPHCACHE_PORT, "
+                               "or stop the process that holds it") from None
+        if e.errno == errno.EACCES:
+            raise StartupError(f"port {port} on {host} needs privileges to bind; pick a port above 1023 with "
+                               "--port or GRAPHCACHE_PORT") from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise StartupError(f"address {host} is not on this machine; set --host or GRAPHCACHE_HOST to one "
+                               "of its addresses, e.g. 127.0.0.1, or 0.0.0.0 for all") from None
+        raise StartupError(f"cannot bind {host}:{port} ({e.strerror or e}); check --host and --port") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _preflight(settings: Settings) -> socket.socket:
+    """Everything that would make serve fail and can be found without loading the model, in order:
+    the model directory (when --model is set; the embedded tiny model needs no check), then the port.
+    Returns the bound socket."""
+    if settings.model is not None:
+        check_model_dir(settings.model, settings.max_model_len)
+    return bind_port(settings.host, settings.port)
+
+
 # --------------------------------------------------------------------------- commands
 
 def _serve(settings: Settings) -> int:
+    try:
+        sock = _preflight(settings)
+    except StartupError as e:
+        print(f"graphcache: {e}", file=sys.stderr)
+        return 2
+    port = sock.getsockname()[1]
+    if port != settings.port:  # port 0: the one the OS picked, so logs and /admin say the real port
+        settings = settings.model_copy(update={"port": port})
+
     import uvicorn
 
     from graphcache.api.app import create_app
     from graphcache.api.request_log import setup_logging
 
     setup_logging(settings.log_format, settings.log_level)
+    log.info("listening on http://%s:%d (bound before loading the model)", settings.host, port)
     app = create_app(settings)
 
     class DrainingServer(uvicorn.Server):
@@ -166,9 +282,9 @@ def _serve(settings: Settings) -> int:
     # uvicorn re-raises the signal that stopped it once it is done; a graceful stop exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: sys.exit(0))
-    server.run()
+    server.run(sockets=[sock])
     if not server.started:
-        log.error("the server did not start (is %s:%s free?)", settings.host, settings.port)
+        log.error("the server did not start on %s:%s (see the errors above)", settings.host, port)
         return 1
     return 0
 

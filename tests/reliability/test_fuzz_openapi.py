@@ -51,8 +51,17 @@ def _operations() -> list[tuple[str, str, bool]]:
     """(method, path, takes input) of every operation, read from the app without starting it."""
     spec = create_app(Settings(), engine=_SchemaOnlyEngine(), metrics=Metrics()).openapi()
     methods = ("get", "post", "put", "patch", "delete")
-    return [(method.upper(), path, bool(op.get("requestBody") or op.get("parameters")))
+    return [(method.upper(), path, _breakable(op))
             for path, item in spec["paths"].items() for method, op in item.items() if method in methods]
+
+
+def _breakable(op: dict) -> bool:
+    """Whether an invalid input exists: a body, or a parameter with a constraint. A bare string path
+    parameter (/v1/models/{model_id}) accepts every string, so no negative example can be made."""
+    def constrained(param: dict) -> bool:
+        schema = param.get("schema", {})
+        return param.get("in") != "path" or schema.get("type") != "string" or bool(set(schema) - {"type", "title"})
+    return bool(op.get("requestBody")) or any(constrained(p) for p in op.get("parameters", []))
 
 
 OPERATIONS = _operations()

@@ -53,12 +53,24 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        try:
+            return cls._from_hf(hf)
+        except ModelLoadError:
+            raise
+        except KeyError as e:
+            raise ModelLoadError(f"config.json lacks {e.args[0]!r}; re-download config.json or add the field "
+                                 "(it is a Hugging Face config of a Llama-family model)") from None
+        except (TypeError, ValueError) as e:
+            raise ModelLoadError(f"config.json has a malformed field ({e}); re-download config.json") from None
+
+    @classmethod
+    def _from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         archs = hf.get("architectures") or []
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ModelLoadError(
-                f"unsupported architecture {archs or hf.get('model_type')!r}; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+                f"unsupported architecture {archs or hf.get('model_type')!r}; use a model of a supported "
+                f"architecture (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
         if hf.get("hidden_act", "silu") != "silu":
             raise ModelLoadError(f"unsupported hidden_act {hf['hidden_act']!r}; only 'silu' is supported")
         if hf.get("mlp_bias"):
@@ -136,10 +148,23 @@ def read_config(path: str | Path) -> ModelConfig:
                              "to use the embedded tiny model")
     if not cfg_file.is_file():
         raise ModelLoadError(f"{cfg_file} is missing; a Hugging Face model directory needs config.json")
-    config = ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+    config = ModelConfig.from_hf(_read_json(cfg_file))
     gen_file = path / "generation_config.json"
     if gen_file.is_file():  # generation_config's eos list (e.g. Llama 3 <|eot_id|>) wins over config.json's
-        eos = json.loads(gen_file.read_text()).get("eos_token_id")
+        eos = _read_json(gen_file).get("eos_token_id")
         if eos is not None:
             config.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
     return config
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    """A JSON object from `file`, or ModelLoadError naming the file, the problem and the fix."""
+    try:
+        data = json.loads(file.read_text())
+    except OSError as e:
+        raise ModelLoadError(f"cannot read {file} ({e.strerror or e}); fix its permissions") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{file} is not valid JSON ({e}); re-download it") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{file} holds a JSON {type(data).__name__}, not an object; re-download it")
+    return data
