@@ -87,21 +87,26 @@ def time_steps(runner: ModelRunner, decode: list[StepSeq], steps: int) -> tuple[
     return statistics.median(walls), statistics.median(gpus)
 
 
+def gpu_median_ms(fn, steps: int) -> float:
+    """Median GPU milliseconds of fn() (CUDA events around each call)."""
+    times = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
 def replay_ms(runner: ModelRunner, batch: int, steps: int) -> float:
     """GPU time of the cached capture's replay alone (no input upload, no sampling): what the cache adds
     over a plain graph of the same step."""
     desc = BatchDescriptor(runner.sizes.pad(batch), runner.sizes.pad(batch), True)
     graph = runner.cache._entries[desc].graph
-    times = []
     with forward_context(runner.decode_metadata(desc.num_reqs)):   # what a breakable replay's breaks read
-        for _ in range(steps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-    return statistics.median(times)
+        return gpu_median_ms(graph.replay, steps)
 
 
 def plain_graph_ms(runner: ModelRunner, batch: int, steps: int) -> float:
@@ -116,16 +121,9 @@ def plain_graph_ms(runner: ModelRunner, batch: int, steps: int) -> float:
     torch.cuda.current_stream().wait_stream(s)
     with torch.cuda.graph(g):
         runner._step_fn(desc)
-    times = []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    ms = gpu_median_ms(g.replay, steps)
     g.reset()
-    return statistics.median(times)
+    return ms
 
 
 def kernel_table(runner: ModelRunner, decode: list[StepSeq], rows: int = 25) -> str:

@@ -3,16 +3,13 @@ commands (inspect, warm up, clear) on the real Engine with the embedded tiny mod
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 
 import httpx
 import pytest
 import pytest_asyncio
-from graphcache.api.app import create_app
 from graphcache.config import Settings
-from graphcache.engine.engine import Engine
-from graphcache.metrics import Metrics
+from helpers_api import serving
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -25,13 +22,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 @contextlib.asynccontextmanager
 async def running(settings: Settings, client_addr: str = "127.0.0.1"):
-    engine = Engine(settings, Metrics())
-    app = create_app(settings, engine=engine)
-    async with app.router.lifespan_context(app):
-        assert await asyncio.to_thread(engine.wait_ready, 120), engine.error
-        transport = httpx.ASGITransport(app=app, client=(client_addr, 4321))
-        async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60) as client:
-            yield client
+    async with serving(settings, client_addr=client_addr) as (client, _):
+        yield client
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ the lifespan, so the app's lifespan context is entered explicitly, exactly as uv
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import threading
 
@@ -20,6 +19,7 @@ from graphcache.api.app import create_app
 from graphcache.config import Settings
 from graphcache.engine.engine import DEAD_MESSAGE, Engine, EngineState, SamplingParams
 from graphcache.metrics import Metrics
+from helpers_api import serving
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -38,16 +38,9 @@ def make_engine(settings: Settings, runner_factory=None) -> Engine:
     return Engine(settings, Metrics(), runner_factory=runner_factory)
 
 
-@contextlib.asynccontextmanager
-async def running(settings: Settings, engine: Engine | None = None, wait: bool = True):
+def running(settings: Settings, engine: Engine | None = None, wait: bool = True):
     """The app with its lifespan entered (engine started), and a client on it."""
-    app = create_app(settings, engine=engine or make_engine(settings))
-    async with app.router.lifespan_context(app):
-        if wait:
-            assert await asyncio.to_thread(app.state.engine.wait_ready, 120), app.state.engine.error
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60) as client:
-            yield client, app
+    return serving(settings, engine or make_engine(settings), wait=wait)
 
 
 @pytest.fixture(scope="module")

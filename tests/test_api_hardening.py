@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -22,10 +21,7 @@ import time
 import httpx
 import pytest
 import pytest_asyncio
-from graphcache.api.app import create_app
 from graphcache.api.protocol import DEFAULT_COMPLETION_MAX_TOKENS
-from graphcache.engine.engine import Engine
-from graphcache.metrics import Metrics
 from graphcache.model.tiny import CHAT_TEMPLATE, IM_END, IM_START
 from graphcache.model.tokenizer import (
     MAX_CHARS_PER_TOKEN,
@@ -33,6 +29,7 @@ from graphcache.model.tokenizer import (
     ChatTemplateError,
     Tokenizer,
 )
+from helpers_api import serving
 from helpers_model import cpu_settings, tiny_checkpoint
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")   # the served app lives in the module's loop
@@ -172,12 +169,8 @@ def test_encode_matches_the_library_encode(qwen_tok):
 @contextlib.asynccontextmanager
 async def served(model, tmp_path_factory):
     settings = cpu_settings(model, max_model_len=MAX_MODEL_LEN, cache_dir=tmp_path_factory.mktemp("cache"))
-    app = create_app(settings, engine=Engine(settings, Metrics()))
-    async with app.router.lifespan_context(app):
-        assert await asyncio.to_thread(app.state.engine.wait_ready, 120), app.state.engine.error
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60) as client:
-            yield client, app
+    async with serving(settings) as pair:
+        yield pair
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

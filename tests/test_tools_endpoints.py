@@ -7,7 +7,6 @@ the module, as in test_api.py); the routes that never reach the engine run on st
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib
 import importlib.metadata
@@ -23,7 +22,7 @@ from graphcache.config import Settings
 from graphcache.engine.engine import DEAD_MESSAGE, Engine
 from graphcache.metrics import Metrics
 from graphcache.model.tokenizer import MAX_CHARS_PER_TOKEN
-from helpers_api import EngineNotNeeded
+from helpers_api import EngineNotNeeded, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -41,12 +40,8 @@ def cache_dir(tmp_path_factory):
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(cache_dir):
     settings = Settings(cache_dir=cache_dir, **SMALL)
-    app = create_app(settings, engine=Engine(settings, Metrics()))
-    async with app.router.lifespan_context(app):
-        assert await asyncio.to_thread(app.state.engine.wait_ready, 120), app.state.engine.error
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60) as client:
-            yield client, app
+    async with serving(settings) as pair:
+        yield pair
 
 
 @pytest.fixture
