@@ -14,8 +14,9 @@ import torch
 from graphcache.api.app import create_app
 from graphcache.config import Settings
 from graphcache.engine.engine import Engine
-from graphcache.graphs.cache import GraphCache, parse_profile
+from graphcache.graphs.cache import GraphCache
 from graphcache.graphs.descriptor import BatchDescriptor as D
+from graphcache.graphs.profile import parse_profile
 from graphcache.metrics import Metrics
 
 TOKEN = "profile-admin-token"

@@ -20,8 +20,8 @@ from fastapi import APIRouter, Depends, Query, Request
 
 from graphcache.api.errors import APIError, api_error_for
 from graphcache.api.protocol import WarmupRequest
-from graphcache.graphs.cache import parse_profile
 from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes
+from graphcache.graphs.profile import parse_profile
 
 __all__ = ["router"]
 

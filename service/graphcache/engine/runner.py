@@ -29,8 +29,9 @@ import torch
 
 from graphcache.config import Settings
 from graphcache.engine.batch import StepBatch, StepResult, StepSeq
-from graphcache.graphs.cache import GraphCache, WarmupReport, parse_profile
+from graphcache.graphs.cache import GraphCache, WarmupReport
 from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes, descriptor_for
+from graphcache.graphs.profile import parse_profile
 from graphcache.metrics import Metrics
 from graphcache.model.attention import (
     AttentionMetadata,

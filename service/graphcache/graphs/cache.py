@@ -55,10 +55,10 @@ import torch
 from graphcache.graphs.capture import BreakableGraph, capture
 from graphcache.graphs.descriptor import BatchDescriptor
 from graphcache.graphs.pool import all_graph_pools_bytes, new_pool, pool_bytes, reserved_bytes
+from graphcache.graphs.profile import build_profile
 from graphcache.metrics import CAPTURE_MODES, EVICTION_REASONS, FAILURE_REASONS, Metrics
 
-__all__ = ["EVICTION_POLICIES", "PROFILE_MAX_DESCRIPTORS", "PROFILE_VERSION", "CacheStats", "ClearReport", "EntryInfo",
-           "GraphCache", "WarmupReport", "parse_profile"]
+__all__ = ["EVICTION_POLICIES", "CacheStats", "ClearReport", "EntryInfo", "GraphCache", "WarmupReport"]
 
 log = logging.getLogger(__name__)
 Mode = Literal["replay", "eager"]
@@ -69,8 +69,6 @@ EVICTION_POLICIES: tuple[str, ...] = ("lru", "gdsf")
 # be 0 bytes; real private pools are >= ~2 MiB, so the floor only matters off the GPU).
 MIN_COST_SECONDS = 1e-6
 MIN_SIZE_BYTES = 1 << 20
-PROFILE_VERSION = 1
-PROFILE_MAX_DESCRIPTORS = 4096  # a profile larger than this is not a hot set (and not read)
 
 
 @dataclass
@@ -141,36 +139,6 @@ class _Entry:
 
 def _capture_mode(graph: BreakableGraph) -> Literal["full", "breakable"]:
     return "full" if graph.num_breaks == 0 else "breakable"
-
-
-def parse_profile(data: Any) -> list[BatchDescriptor]:
-    """The descriptors of a profile in `GraphCache.profile()`'s shape, in its order.
-
-    {"version": 1, "descriptors": [{"descriptor": "T:R[:decode]", ...}, ...]}; the other fields of an
-    item (mode, uses, bytes, capture_ms) are information only. ValueError names the first bad part
-    ("descriptors[3].descriptor") without echoing long input. Whether the server can capture the
-    shapes (capture sizes, static buffers) is the caller's check."""
-    if not isinstance(data, dict):
-        raise ValueError('a profile is a JSON object {"version": 1, "descriptors": [...]} '
-                         "(GET /admin/cache/profile)")
-    if data.get("version") != PROFILE_VERSION:
-        raise ValueError(f'profile "version" must be {PROFILE_VERSION}')
-    items = data.get("descriptors")
-    if not isinstance(items, list):
-        raise ValueError('profile "descriptors" must be a list of {"descriptor": "TOKENS:REQS[:decode]", ...}')
-    if len(items) > PROFILE_MAX_DESCRIPTORS:
-        raise ValueError(f"profile has {len(items)} descriptors, more than {PROFILE_MAX_DESCRIPTORS}")
-    out: list[BatchDescriptor] = []
-    for i, item in enumerate(items):
-        text = item.get("descriptor") if isinstance(item, dict) else None
-        if not isinstance(text, str):
-            raise ValueError(f'descriptors[{i}] must be an object with a "descriptor" string')
-        try:
-            out.append(BatchDescriptor.parse(text[:64]))
-        except ValueError:
-            raise ValueError(f'descriptors[{i}].descriptor is not a batch descriptor; write "TOKENS:REQS" or '
-                             '"TOKENS:REQS:decode", e.g. "64:8" or "8:8:decode"') from None
-    return out
 
 
 class GraphCache:
@@ -522,17 +490,7 @@ class GraphCache:
         asked for it, hits + misses, since start: clear() keeps them), bytes (its last capture's own
         size, allocator-measured; 0 on the CPU) and capture_ms (its last capture). `parse_profile`
         reads it back; GRAPHCACHE_WARMUP_PROFILE and POST /admin/warmup {"profile": ...} warm it."""
-        uses = dict(list(self._uses.items()))
-        captured = dict(list(self._captured.items()))
-        known = set(uses) | (set(captured) if min_uses <= 0 else set())
-        hot = [d for d in known if uses.get(d, 0) >= min_uses]
-        hot.sort(key=lambda d: (-uses.get(d, 0), -d.num_tokens, -d.num_reqs, not d.uniform_decode))
-        out = []
-        for d in hot:
-            mode, size, seconds = captured.get(d, (None, 0, 0.0))
-            out.append({"descriptor": str(d), "mode": mode, "uses": uses.get(d, 0), "bytes": size,
-                        "capture_ms": round(seconds * 1e3, 3)})
-        return {"version": PROFILE_VERSION, "descriptors": out}
+        return build_profile(dict(list(self._uses.items())), dict(list(self._captured.items())), min_uses)
 
     def stats(self) -> CacheStats:
         s = self._stats

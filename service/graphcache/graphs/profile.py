@@ -1,0 +1,63 @@
+"""Warmup profiles: the hot set of descriptors learned from traffic, as JSON, and back.
+
+`GraphCache.profile()` exports it (GET /admin/cache/profile); `parse_profile` reads it back for
+GRAPHCACHE_WARMUP_PROFILE and POST /admin/warmup {"profile": ...}. Shape:
+    {"version": 1, "descriptors": [{"descriptor": "T:R[:decode]", "mode": "full" | "breakable" | null,
+                                    "uses": n, "bytes": b, "capture_ms": x}, ...]}   most used first
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from graphcache.graphs.descriptor import BatchDescriptor
+
+__all__ = ["PROFILE_MAX_DESCRIPTORS", "PROFILE_VERSION", "build_profile", "parse_profile"]
+
+PROFILE_VERSION = 1
+PROFILE_MAX_DESCRIPTORS = 4096  # a profile larger than this is not a hot set (and not read)
+
+
+def build_profile(uses: dict[BatchDescriptor, int], captured: dict[BatchDescriptor, tuple[str | None, int, float]],
+                  min_uses: int = 1) -> dict:
+    """Every descriptor with at least `min_uses` uses (min_uses <= 0 adds those only captured), most used
+    first; `captured` holds each one's last capture as (mode, bytes, seconds)."""
+    known = set(uses) | (set(captured) if min_uses <= 0 else set())
+    hot = [d for d in known if uses.get(d, 0) >= min_uses]
+    hot.sort(key=lambda d: (-uses.get(d, 0), -d.num_tokens, -d.num_reqs, not d.uniform_decode))
+    out = []
+    for d in hot:
+        mode, size, seconds = captured.get(d, (None, 0, 0.0))
+        out.append({"descriptor": str(d), "mode": mode, "uses": uses.get(d, 0), "bytes": size,
+                    "capture_ms": round(seconds * 1e3, 3)})
+    return {"version": PROFILE_VERSION, "descriptors": out}
+
+
+def parse_profile(data: Any) -> list[BatchDescriptor]:
+    """The descriptors of a profile in `GraphCache.profile()`'s shape, in its order.
+
+    {"version": 1, "descriptors": [{"descriptor": "T:R[:decode]", ...}, ...]}; the other fields of an
+    item (mode, uses, bytes, capture_ms) are information only. ValueError names the first bad part
+    ("descriptors[3].descriptor") without echoing long input. Whether the server can capture the
+    shapes (capture sizes, static buffers) is the caller's check."""
+    if not isinstance(data, dict):
+        raise ValueError('a profile is a JSON object {"version": 1, "descriptors": [...]} '
+                         "(GET /admin/cache/profile)")
+    if data.get("version") != PROFILE_VERSION:
+        raise ValueError(f'profile "version" must be {PROFILE_VERSION}')
+    items = data.get("descriptors")
+    if not isinstance(items, list):
+        raise ValueError('profile "descriptors" must be a list of {"descriptor": "TOKENS:REQS[:decode]", ...}')
+    if len(items) > PROFILE_MAX_DESCRIPTORS:
+        raise ValueError(f"profile has {len(items)} descriptors, more than {PROFILE_MAX_DESCRIPTORS}")
+    out: list[BatchDescriptor] = []
+    for i, item in enumerate(items):
+        text = item.get("descriptor") if isinstance(item, dict) else None
+        if not isinstance(text, str):
+            raise ValueError(f'descriptors[{i}] must be an object with a "descriptor" string')
+        try:
+            out.append(BatchDescriptor.parse(text[:64]))
+        except ValueError:
+            raise ValueError(f'descriptors[{i}].descriptor is not a batch descriptor; write "TOKENS:REQS" or '
+                             '"TOKENS:REQS:decode", e.g. "64:8" or "8:8:decode"') from None
+    return out
