@@ -26,6 +26,7 @@ from graphcache.engine.engine import (
     QueueFull,
     SamplingParams,
 )
+from graphcache.graphs.cache import WarmupReport
 from graphcache.metrics import Metrics
 from graphcache.model.tokenizer import IncrementalDetokenizer
 
@@ -85,7 +86,11 @@ class FakeRunner:
         return {"captured": 0}
 
     def capture(self, descriptors, *, pin=True, progress=None):
-        return self.cache.warmup(descriptors, pin=pin)
+        self.cache.warmup(descriptors, pin=pin)   # checks the thread
+        return WarmupReport(captured=[str(d) for d in descriptors])
+
+    def warmup_descriptors(self):
+        return []
 
     def execute(self, batch):
         assert threading.current_thread() is self.owner[0]
@@ -446,7 +451,7 @@ async def test_admin_commands_run_on_the_engine_thread():
     try:
         assert await e.cache_info() == {"entries": []}
         assert await e.clear_graphs() == {"evicted": 0}
-        assert (await e.warmup(["8:8:decode", "16:2"]))["captured"] == ["8:8:decode", "16:2"]
+        assert (await e.warmup(["8:8:decode", "16:2"]))["captured"] == ["16:2", "8:8:decode"]   # largest first
     finally:
         e.shutdown()
 
@@ -549,5 +554,41 @@ async def test_stream_interval_batches_deliveries_but_not_the_first_and_last(int
         assert len(outs) <= max_outputs and sum(len(o.token_ids) for o in outs) == 40
         assert len(outs[0].token_ids) <= 2, "the first token waited for the interval"
         assert outs[-1].finished
+    finally:
+        e.shutdown()
+
+
+async def test_admin_warmup_interleaves_with_serving():
+    """A long admin warmup captures a slice at a time between steps: a running stream keeps getting
+    tokens (no gap near the whole warmup's length), and the answer lists every descriptor."""
+    e = start_engine(fake_factory(step_delay=0.01), stream_interval_ms=0)
+    runner = e.runner
+    original = runner.capture
+
+    def slow_capture(descriptors, *, pin=True, progress=None):
+        time.sleep(0.02 * len(descriptors))   # a capture takes 20 ms
+        return original(descriptors, pin=pin)
+
+    runner.capture = slow_capture
+    try:
+        descs = [f"{n}:{n}:decode" for n in range(1, 41)]   # 40 captures: 0.8 s in all
+        params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)   # ~1.2 s of steps
+        times = []
+
+        async def stream():
+            async for _ in e.generate("s", [1, 2, 3], params):
+                times.append(time.monotonic())
+
+        task = asyncio.create_task(stream())
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        report = await e.warmup(descs)
+        warmup_s = time.monotonic() - t0
+        await task
+        assert len(report["captured"]) == 40
+        during = [b - a for a, b in zip(times, times[1:], strict=False) if t0 <= a <= t0 + warmup_s]
+        assert during, "the stream got no token while the warmup ran"
+        assert max(during) < warmup_s / 3, (max(during), warmup_s)
+        assert e.stats()["warmup"] == {"jobs": 0, "done": 0, "total": 0}
     finally:
         e.shutdown()

@@ -383,3 +383,13 @@ def test_pool_bytes_gauge_counts_pinned_pool_once():
     assert m.registry.get_sample_value("graphcache_graph_pool_bytes") == 150
     cache.clear()
     assert m.registry.get_sample_value("graphcache_graph_pool_bytes") == 0
+
+
+def test_warmup_pins_at_most_its_share_of_the_budgets():
+    cache, _ = make(max_entries=4)
+    cache.pin_share = 0.5
+    report = cache.warmup([D(8, 8, True), D(4, 4, True), D(2, 2, True), D(1, 1, True)])
+    assert len(report.captured) == 4 and report.unpinned == ["2:2:decode", "1:1:decode"]
+    assert sum(e.pinned for e in cache.entries()) == 2
+    cache.run(D(16, 2))                      # a lazy capture still finds room: an unpinned one is evicted
+    assert D(16, 2) in cache and len(cache) == 4

@@ -82,6 +82,9 @@ class Settings(BaseSettings):
     admission: Literal["always", "after_n", "never"] = Field(
         "always", description="On a miss while serving: capture at once, after N misses, or never (warmup only).")
     admission_min_misses: int = Field(2, ge=1, description="N for admission=after_n.")
+    cache_pin_share: float = Field(0.5, gt=0, le=1, description="Warmup pins at most this share of "
+                                   "cache_max_entries and cache_max_bytes; beyond it warmed graphs stay evictable, "
+                                   "so lazy captures always keep room.")
     eviction_policy: Literal["lru", "gdsf"] = Field(
         "lru", description="Which unpinned graph the budgets evict: lru = least recently used; gdsf = lowest "
         "(hits + 1) x capture seconds / MiB, aged (docs/graph-pools.md).")

@@ -22,6 +22,7 @@ import queue
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as SequenceT
 from pathlib import Path
@@ -47,6 +48,7 @@ from graphcache.engine.messages import (
     Call,
     Handle,
     Stop,
+    WarmupJob,
     deliver,
     jsonable,
     merge,
@@ -54,6 +56,7 @@ from graphcache.engine.messages import (
 )
 from graphcache.engine.runner import ModelRunner
 from graphcache.engine.sequence import RequestOutput, SamplingParams, Sequence
+from graphcache.graphs.cache import warmup_order
 from graphcache.graphs.descriptor import BatchDescriptor
 from graphcache.metrics import Metrics
 
@@ -62,6 +65,8 @@ __all__ = ["DEAD_MESSAGE", "MAX_CONSECUTIVE_STEP_FAILURES", "Engine", "EngineDea
 
 log = logging.getLogger("graphcache.engine")
 GIL_SWITCH_INTERVAL_S = 0.0005
+# Capture time an admin warmup may take between two steps while requests run (at least one capture).
+WARMUP_SLICE_S = 0.02
 
 
 class EngineState(enum.Enum):
@@ -90,6 +95,7 @@ class Engine:
         self._tokenizer: Any = None             # kept after the runner is released
         self._max_model_len: int | None = None
         self._outbox: list[tuple[Handle, RequestOutput]] = []   # routed, not yet delivered
+        self._warmups: deque[WarmupJob] = deque()   # admin warmups in progress, oldest first
         self._last_stream_flush = 0.0
         self._stats: dict[str, Any] = {}
         self._stats_refreshed = 0.0
@@ -292,10 +298,19 @@ class Engine:
 
     async def warmup(self, descriptors: list[BatchDescriptor] | None = None) -> dict:
         """Capture (and pin) these descriptors; None: the configured warmup again (settings' decode sizes
-        and descriptors, or GRAPHCACHE_WARMUP_PROFILE), e.g. after a clear."""
-        if descriptors is None:
-            return await self._call(lambda: self._admin_result(self._core.runner.warmup()))
-        return await self._call(lambda: self._admin_result(self._core.runner.capture(descriptors, pin=True)))
+        and descriptors, or GRAPHCACHE_WARMUP_PROFILE), e.g. after a clear. The captures interleave with
+        serving: at most WARMUP_SLICE_S of them between two steps while requests run (stats()["warmup"]
+        shows the progress); the answer comes when all are done."""
+        if descriptors is not None:
+            descriptors = [d if isinstance(d, BatchDescriptor) else BatchDescriptor.parse(str(d)) for d in descriptors]
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._lock:
+            refused = self.refusal(admin=True)
+            if refused is not None:
+                raise refused
+            self._inbox.put(WarmupJob(descriptors, fut, loop))
+        return await fut
 
     async def clear_graphs(self) -> dict:
         return await self._call(lambda: self._admin_result(self._core.runner.cache.clear()))
@@ -359,7 +374,7 @@ class Engine:
     def _serve(self) -> None:
         core = self._core
         while True:
-            if not self._process_inbox(block=not core.has_work()):
+            if not self._process_inbox(block=not core.has_work() and not self._warmups):
                 return
             core.step_failpoint = self.step_failpoint
             if core.has_work():
@@ -369,6 +384,8 @@ class Engine:
                     self._route(failure.outputs)   # the failed step's requests end with their error first
                     raise
             self._stream_due()
+            if self._warmups:
+                self._warmup_slice()
             # Also after commands alone: an abort that empties the engine must show in the gauges.
             self._update_gauges()
             self._refresh_stats()
@@ -404,6 +421,16 @@ class Engine:
             self._route([core.abort(cmd.request_id)])
         elif isinstance(cmd, AbortAll):
             self._route(core.abort_all(cmd.reason, cmd.error))
+        elif isinstance(cmd, WarmupJob):
+            try:
+                descs = core.runner.warmup_descriptors() if cmd.descriptors is None else cmd.descriptors
+                cmd.todo = deque(warmup_order(descs))
+            except Exception as exc:  # admin errors go back to the caller, the engine keeps serving
+                log.exception("admin warmup failed")
+                self._resolve(cmd, exc=exc)
+                return
+            cmd.total = len(cmd.todo)
+            self._warmups.append(cmd)
         elif isinstance(cmd, Call):
             try:
                 result = cmd.fn()
@@ -414,7 +441,7 @@ class Engine:
                 self._resolve(cmd, result=result)
 
     @staticmethod
-    def _resolve(cmd: Call, result: Any = None, exc: BaseException | None = None) -> None:
+    def _resolve(cmd: Call | WarmupJob, result: Any = None, exc: BaseException | None = None) -> None:
         def settle() -> None:
             if cmd.future.done():
                 return   # the awaiting task was cancelled
@@ -424,6 +451,26 @@ class Engine:
                 cmd.future.set_result(result)
         with contextlib.suppress(RuntimeError):   # the loop is closed: nobody is waiting
             cmd.loop.call_soon_threadsafe(settle)
+
+    def _warmup_slice(self) -> None:
+        """Capture the next descriptors of the oldest admin warmup: at least one, then more while the
+        slice lasts (all of them when no request is running), so a long warmup never stalls serving."""
+        job = self._warmups[0]
+        budget = WARMUP_SLICE_S if self._core.has_work() else float("inf")
+        t0 = time.perf_counter()
+        try:
+            while job.todo:
+                job.report.merge(self._core.runner.capture([job.todo.popleft()], pin=True))
+                if time.perf_counter() - t0 >= budget:
+                    break
+        except Exception as exc:   # admin errors go back to the caller, the engine keeps serving
+            log.exception("admin warmup failed")
+            self._warmups.popleft()
+            self._resolve(job, exc=exc)
+            return
+        if not job.todo:
+            self._warmups.popleft()
+            self._resolve(job, result=self._admin_result(job.report))
 
     # --- outputs ---------------------------------------------------------------------------
     def _route(self, outputs: list[RequestOutput | None]) -> None:
@@ -484,6 +531,9 @@ class Engine:
             "block_size": bm.block_size, "max_model_len": core.scheduler.max_model_len, "steps": core.num_steps,
             "steps_by_mode": dict(core.steps_by_mode), "preemptions": core.scheduler.num_preemptions,
             "warmup_seconds": self.warmup_seconds, "cache": cache_stats,
+            # admin warmups in progress: descriptors captured / asked for, over all of them
+            "warmup": {"jobs": len(self._warmups), "done": sum(j.total - len(j.todo) for j in self._warmups),
+                       "total": sum(j.total for j in self._warmups)},
         }
 
     # --- endings ---------------------------------------------------------------------------
@@ -513,8 +563,10 @@ class Engine:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(cmd, Call):
+            if isinstance(cmd, Call | WarmupJob):
                 self._resolve(cmd, exc=EngineDead(message))
+        while self._warmups:
+            self._resolve(self._warmups.popleft(), exc=EngineDead(message))
         if core is not None:
             self._update_gauges()
             self._refresh_stats(force=True)

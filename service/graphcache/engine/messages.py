@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from graphcache.engine.sequence import RequestOutput, Sequence
+from graphcache.graphs.cache import WarmupReport
 from graphcache.graphs.descriptor import BatchDescriptor
 
-__all__ = ["Abort", "AbortAll", "Add", "Call", "Handle", "Stop", "deliver", "jsonable", "merge", "with_text"]
+__all__ = ["Abort", "AbortAll", "Add", "Call", "Handle", "Stop", "WarmupJob", "deliver", "jsonable", "merge",
+           "with_text"]
 
 
 @dataclass
@@ -54,6 +57,17 @@ class Call:
 
 class Stop:
     pass
+
+
+@dataclass
+class WarmupJob:
+    """An admin warmup: the engine thread captures `todo` a slice at a time between steps."""
+    descriptors: list[BatchDescriptor] | None   # None: the configured warmup
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    todo: deque = field(default_factory=deque)
+    total: int = 0
+    report: WarmupReport = field(default_factory=WarmupReport)
 
 
 def jsonable(obj: Any) -> Any:

@@ -107,7 +107,7 @@ class ModelRunner:
         self.cache = GraphCache(self._step_fn, backend=self.backend, max_entries=s.cache_max_entries,
                                 max_bytes=s.cache_max_bytes, admission=s.admission,
                                 admission_min_misses=s.admission_min_misses, eviction_policy=s.eviction_policy,
-                                debug=s.graph_debug, metrics=metrics, input_tensors=self._input_tensors)
+                                pin_share=s.cache_pin_share, debug=s.graph_debug, metrics=metrics, input_tensors=self._input_tensors)
         self._uploaded = torch.cuda.Event() if self.device.type == "cuda" else None
         log.info("model %s (%s) on %s %s: max_model_len %d, %d KV blocks x %d tokens, backend %s", path,
                  self.model_config.architecture, self.device, str(self.dtype).removeprefix("torch."),
@@ -427,6 +427,11 @@ class ModelRunner:
         self.seq_lens.dev.zero_()   # decode kernels in the graph attend to nothing
         with forward_context(AttentionMetadata.empty()):
             return self.cache.warmup(descriptors, pin=pin, progress=progress)
+
+    def warmup_descriptors(self) -> list[BatchDescriptor]:
+        """The configured warmup (settings' decode sizes and descriptors, or the profile); none with
+        enforce_eager."""
+        return [] if self.settings.enforce_eager else list(self._warmup_descs)
 
     def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> WarmupReport:
         """Capture the settings' warmup descriptors (pinned). enforce_eager: nothing to capture."""

@@ -113,6 +113,17 @@ class WarmupReport:
     failed: dict[str, str] = field(default_factory=dict)  # descriptor -> reason
     seconds: float = 0.0
     pool_bytes: int = 0
+    # captured (or held) but left evictable: pinning more would pass pin_share of the entry or byte budget
+    unpinned: list[str] = field(default_factory=list)
+
+    def merge(self, other: WarmupReport) -> None:
+        """Add `other` (a later part of the same warmup) to this report."""
+        self.captured += other.captured
+        self.cached += other.cached
+        self.failed.update(other.failed)
+        self.unpinned += other.unpinned
+        self.seconds += other.seconds
+        self.pool_bytes = other.pool_bytes
 
 
 @dataclass
@@ -137,6 +148,11 @@ class _Entry:
     priority: float = 0.0  # GDSF's H (see the module docstring); unused under LRU
 
 
+def warmup_order(descs: list[BatchDescriptor]) -> list[BatchDescriptor]:
+    """Distinct descriptors, largest first: the largest capture sets the pinned pool's high-water mark."""
+    return sorted(set(descs), key=lambda d: (d.num_tokens, d.num_reqs, d.uniform_decode), reverse=True)
+
+
 def _capture_mode(graph: BreakableGraph) -> Literal["full", "breakable"]:
     return "full" if graph.num_breaks == 0 else "breakable"
 
@@ -147,7 +163,7 @@ class GraphCache:
                  debug: bool = False, metrics: Metrics | None = None,
                  input_tensors: Callable[[BatchDescriptor], list[torch.Tensor]] | None = None,
                  measure_bytes: Callable[[BatchDescriptor, Any], int] | None = None,
-                 eviction_policy: EvictionPolicy = "lru",
+                 eviction_policy: EvictionPolicy = "lru", pin_share: float = 1.0,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         if admission not in ("always", "after_n", "never"):
             raise ValueError(f"admission must be 'always', 'after_n' or 'never', got {admission!r}")
@@ -164,6 +180,9 @@ class GraphCache:
         self.max_entries, self.max_bytes = max_entries, max_bytes
         self.admission, self.admission_min_misses = admission, admission_min_misses
         self.debug, self.metrics, self.input_tensors = debug, metrics, input_tensors
+        if not 0 < pin_share <= 1:
+            raise ValueError(f"pin_share must be in (0, 1], got {pin_share}")
+        self.pin_share = pin_share   # warmup pins at most this share of max_entries and of max_bytes
         # Overridable so CPU tests can give entries a size; default: the pool's allocator bytes.
         self.measure_bytes = measure_bytes or (lambda desc, pool: pool_bytes(pool))
         self.failpoint: Callable[[BatchDescriptor], None] | None = None  # tests inject capture failures
@@ -419,15 +438,18 @@ class GraphCache:
         """Capture `descs` largest first (the largest sets the pool high-water mark), pinned."""
         self._check_owner()
         report, t0 = WarmupReport(), time.perf_counter()
-        todo = sorted(set(descs), key=lambda d: (d.num_tokens, d.num_reqs, d.uniform_decode), reverse=True)
+        todo = warmup_order(descs)
         for i, desc in enumerate(todo):
             entry = self._entries.get(desc)
+            pin_this = pin and (entry is not None and entry.pinned or self._may_pin())
+            if pin and not pin_this:
+                report.unpinned.append(str(desc))
             if entry is not None:
-                entry.pinned = entry.pinned or pin
+                entry.pinned = entry.pinned or pin_this
                 report.cached.append(str(desc))
             else:
                 self._negative.pop(desc, None)  # an explicit warmup retries past failures
-                if self._capture_entry(desc, pinned=pin) is not None:
+                if self._capture_entry(desc, pinned=pin_this) is not None:
                     report.captured.append(str(desc))
                 else:
                     report.failed[str(desc)] = self._negative[desc][0]
@@ -437,6 +459,12 @@ class GraphCache:
         report.pool_bytes = self._total_bytes()
         self.warmed_up = True
         return report
+
+    def _may_pin(self) -> bool:
+        """Pinned entries stay within pin_share of each budget, so lazy captures always keep room."""
+        pinned = sum(e.pinned for e in list(self._entries.values()))
+        return (pinned < self.pin_share * self.max_entries
+                and self._pinned_bytes < self.pin_share * self.max_bytes)
 
     def evict(self, desc: BatchDescriptor) -> bool:
         """Drop one entry (pinned or not) and return its memory. False if it was not cached.
