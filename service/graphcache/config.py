@@ -12,6 +12,10 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+# Batch limits for CUDA devices when the user sets none: the offline benchmark's (BENCHMARKS.md §6:
+# 33k output tok/s for a 0.5B model on the H200 at 256 / 8192; the CPU defaults 64 / 1024 leave it idle).
+GPU_BATCH_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192}
+
 
 def default_capture_sizes(max_size: int) -> list[int]:
     """vLLM's default shape: 1, 2, 4, then every 8 up to 256, then every 16 up to max_size."""
@@ -35,8 +39,10 @@ class Settings(BaseSettings):
     seed: int = Field(0, description="Seed for random weights of the tiny model and the default sampler.")
 
     # --- engine ---
-    max_num_seqs: int = Field(64, ge=1, le=4096, description="Requests running at once (decode batch size).")
-    max_num_batched_tokens: int = Field(1024, ge=16, description="Tokens in one step (prefill chunks + decodes).")
+    max_num_seqs: int = Field(64, ge=1, le=4096, description="Requests running at once (decode batch size). "
+                              "Default 64 on the CPU, 256 on CUDA (GPU_BATCH_DEFAULTS).")
+    max_num_batched_tokens: int = Field(1024, ge=16, description="Tokens in one step (prefill chunks + decodes). "
+                                        "Default 1024 on the CPU, 8192 on CUDA (GPU_BATCH_DEFAULTS).")
     max_model_len: int | None = Field(None, ge=16, description="Prompt + output tokens; default: the model's.")
     block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
     num_kv_blocks: int | None = Field(None, ge=2, description="KV blocks; default: from kv_cache_memory_fraction "
@@ -157,9 +163,28 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
+        self._gpu_batch_defaults()
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token per sequence)")
         return self
+
+    def _gpu_batch_defaults(self) -> None:
+        """On CUDA, batch limits not set by the user take GPU_BATCH_DEFAULTS (measured on the H200:
+        BENCHMARKS.md §6; the CPU defaults would leave a GPU mostly idle). The device is probed only
+        when it matters: device=auto and at least one limit left to its default."""
+        unset = [f for f in GPU_BATCH_DEFAULTS if f not in self.model_fields_set]
+        if not unset or self.device == "cpu":
+            return
+        if self.device == "auto":
+            import torch  # config floor: only the probe needs it, and only here
+
+            if not torch.cuda.is_available():
+                return
+        for name in unset:
+            value = GPU_BATCH_DEFAULTS[name]
+            if name == "max_num_seqs":   # never more rows than an explicit token budget allows
+                value = min(value, self.max_num_batched_tokens)
+            object.__setattr__(self, name, value)
 
     def resolved_capture_sizes(self) -> list[int]:
         return self.capture_sizes if self.capture_sizes is not None else default_capture_sizes(self.max_capture_size)

@@ -1,0 +1,34 @@
+"""Batch limits fit the device: CPU defaults on the CPU, the measured GPU defaults on CUDA, and what
+the user sets always wins (GPU_BATCH_DEFAULTS in config.py)."""
+
+from __future__ import annotations
+
+import torch
+from graphcache.config import GPU_BATCH_DEFAULTS, Settings
+
+
+def test_cpu_keeps_the_small_defaults():
+    s = Settings(device="cpu")
+    assert (s.max_num_seqs, s.max_num_batched_tokens) == (64, 1024)
+
+
+def test_cuda_takes_the_gpu_defaults_unless_set():
+    s = Settings(device="cuda")
+    assert (s.max_num_seqs, s.max_num_batched_tokens) == (GPU_BATCH_DEFAULTS["max_num_seqs"],
+                                                          GPU_BATCH_DEFAULTS["max_num_batched_tokens"])
+    s = Settings(device="cuda", max_num_seqs=32)
+    assert (s.max_num_seqs, s.max_num_batched_tokens) == (32, GPU_BATCH_DEFAULTS["max_num_batched_tokens"])
+    s = Settings(device="cuda", max_num_batched_tokens=128)   # rows never exceed an explicit token budget
+    assert (s.max_num_seqs, s.max_num_batched_tokens) == (128, 128)
+
+
+def test_env_counts_as_set(monkeypatch):
+    monkeypatch.setenv("GRAPHCACHE_MAX_NUM_SEQS", "16")
+    s = Settings(device="cuda")
+    assert (s.max_num_seqs, s.max_num_batched_tokens) == (16, GPU_BATCH_DEFAULTS["max_num_batched_tokens"])
+
+
+def test_auto_follows_the_machine():
+    s = Settings(device="auto")
+    expected = (256, 8192) if torch.cuda.is_available() else (64, 1024)
+    assert (s.max_num_seqs, s.max_num_batched_tokens) == expected
