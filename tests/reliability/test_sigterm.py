@@ -94,11 +94,13 @@ def assert_clean_exit_log(server) -> None:
     assert not re.search(r"^\S+ \S+ (ERROR|CRITICAL) ", text, re.MULTILINE), f"ERROR on a clean exit:\n{text[-3000:]}"
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 async def test_sigterm_drains_in_flight_requests_and_exits_zero(server_factory):
-    drain_timeout = 10.0
+    # The work (~1-2 s each when idle) must finish inside the drain timeout even on a loaded 2-core
+    # CI machine, where it once took over 10 s: the timeout is a generous margin, not a measurement.
+    drain_timeout = 60.0
     server = server_factory(drain_timeout_s=drain_timeout, max_num_seqs=4)
-    # ~1-2 s of work each: comfortably inside the drain timeout, far beyond the moment of SIGTERM.
+    # Far beyond the moment of SIGTERM: streams are past their first token, 299 still to come.
     started = [asyncio.Event() for _ in range(6)]
     tasks = [asyncio.create_task(run_request(server.base_url, stream=i % 2 == 0, max_tokens=300, started=started[i]))
              for i in range(6)]
