@@ -55,13 +55,13 @@ from graphcache.engine.messages import (
     with_text,
 )
 from graphcache.engine.runner import ModelRunner
-from graphcache.engine.sequence import RequestOutput, SamplingParams, Sequence
+from graphcache.engine.sequence import RequestOutput, SamplingParams, Sequence, StructuredSpec, TokenLogprob
 from graphcache.graphs.cache import warmup_order
 from graphcache.graphs.descriptor import BatchDescriptor
 from graphcache.metrics import Metrics
 
 __all__ = ["DEAD_MESSAGE", "MAX_CONSECUTIVE_STEP_FAILURES", "Engine", "EngineDead", "EngineDraining",
-           "EngineNotReady", "EngineState", "InvalidRequest", "QueueFull", "RequestOutput", "SamplingParams"]
+           "EngineNotReady", "EngineState", "InvalidRequest", "QueueFull", "RequestOutput", "SamplingParams", "StructuredSpec", "TokenLogprob"]
 
 log = logging.getLogger("graphcache.engine")
 GIL_SWITCH_INTERVAL_S = 0.0005

@@ -17,6 +17,7 @@ error instead of being preempted and re-admitted forever.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -170,6 +171,8 @@ class Scheduler:
                 break  # FCFS: nobody jumps the queue; blocks come back as others finish
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             self.block_manager.allocate(seq, target)
             self._commit(out, seq, n, target, need_logits=target == seq.num_tokens)

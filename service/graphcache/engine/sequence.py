@@ -24,6 +24,28 @@ from graphcache.engine.errors import InvalidRequest
 from graphcache.metrics import FINISH_REASONS
 
 
+@dataclass(frozen=True)
+class StructuredSpec:
+    """A constraint on the output, compiled by the grammar engine (engine/structured.py).
+
+    kind: "json" (any JSON object), "json_schema" (value: the schema as a JSON string), "regex"
+    (value: the pattern), "choice" (value: a tuple of allowed strings), "grammar" (value: a
+    Lark/EBNF grammar), "structural_tag" is not supported."""
+
+    kind: str
+    value: Any = None
+
+
+@dataclass
+class TokenLogprob:
+    """One position's log probabilities: the chosen token's, its rank, and the top alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int                                   # 1 = the most likely token
+    top: list[tuple[int, float]] = field(default_factory=list)   # (token id, logprob), most likely first
+
+
 @dataclass
 class SamplingParams:
     """OpenAI-style sampling knobs. temperature 0 means greedy."""
@@ -36,6 +58,21 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # --- sampling controls (applied on the device, batched: sampler.py) -------------------
+    presence_penalty: float = 0.0       # OpenAI: -2..2, subtracted once per token present in the output
+    frequency_penalty: float = 0.0      # OpenAI: -2..2, subtracted per occurrence in the output
+    repetition_penalty: float = 1.0     # vLLM/HF: > 0; prompt + output tokens, logit / p if > 0 else * p
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit (-100..100)
+    min_tokens: int = 0                 # EOS and stop_token_ids are masked until this many outputs
+    min_p: float = 0.0                  # drop tokens with prob < min_p * max prob (0 = off)
+    allowed_token_ids: list[int] | None = None   # only these may be sampled (None = all)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)   # token sequences never completed
+    include_stop_str_in_output: bool = False
+    # --- log probabilities (raw: log_softmax of the model's logits, before any processing) --
+    logprobs: int | None = None         # None = off; k >= 0: the sampled token's logprob + the top k
+    prompt_logprobs: int | None = None  # None = off; k >= 0: each prompt token's logprob + the top k (echo)
+    # --- structured output (structured.py): None, or what the output must match ------------
+    structured: StructuredSpec | None = None
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the bad field (the API maps it to 400)."""
@@ -68,6 +105,9 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None       # message when finish_reason == "error" (safe to show a client)
+    logprobs: list[TokenLogprob] | None = None         # one per token in token_ids (params.logprobs set)
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # first output only; None for prompt token 0
+    num_cached_tokens: int = 0     # prompt tokens whose KV came from the prefix cache
 
 
 class SequenceStatus(enum.Enum):
@@ -103,6 +143,12 @@ class Sequence:
     num_text_sent: int = 0              # chars of output_text already streamed to the client
     num_tokens_sent: int = 0            # output tokens already streamed to the client
     generator: Any = None               # torch.Generator for seeded sampling (created lazily by the sampler)
+    first_scheduled_time: float | None = None   # monotonic time of its first admission (queue time ends)
+    num_cached_tokens: int = 0          # prompt tokens found in the prefix cache at admission
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)   # params.logprobs: one per output token
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)   # params.prompt_logprobs
+    cumulative_logprob: float = 0.0     # sum of the sampled tokens' raw logprobs (best_of ranks by it)
+    grammar: Any = None                 # structured.py's matcher for params.structured (engine thread only)
 
     @property
     def all_token_ids(self) -> list[int]:
