@@ -215,17 +215,18 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "top_p": 1.5}, "top_p"),
     ({"prompt": "x", "top_k": -2}, "top_k"),
-    ({"prompt": "x", "n": 2}, "n"),
-    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 200}, "n"),
+    ({"prompt": "x", "n": 2, "best_of": 1}, "best_of"),
+    ({"prompt": "x", "stop": ["s"] * 65}, "stop"),
     ({"prompt": "x", "stop": [""]}, "stop"),
-    ({"prompt": "x", "seed": -1}, "seed"),
-    ({"prompt": "x", "logprobs": 2}, None),
-    ({"prompt": "x", "echo": True}, None),
+    ({"prompt": "x", "seed": 2**63}, "seed"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, None),
-    ({"prompt": "x", "model": "no-such-model"}, "model"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
-    ({"prompt": ["one", "two"]}, "prompt"),
+    ({"prompt": ["one", ""]}, "prompt"),
     ({"prompt": "\ud800 lone surrogate"}, "prompt"),
     ({"prompt": "x", "stop": "\udfff"}, "stop"),
     ({"prompt": 5}, None),
@@ -250,9 +251,8 @@ BAD_CHATS = [
     {"messages": "hello"},
     {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
     {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9},
-    {"messages": [{"role": "user", "content": "x"}], "n": 3},
+    {"messages": [{"role": "user", "content": "x"}], "n": 0},
     {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-    {"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"},
     {"messages": [{"role": "user", "content": "\ud800"}]},
 ]
 
@@ -260,6 +260,14 @@ BAD_CHATS = [
 @pytest.mark.parametrize("body", BAD_CHATS, ids=[json.dumps(b)[:60] for b in BAD_CHATS])
 async def test_chat_rejects_bad_input(client, body):
     assert_error(await post_json(client, "/v1/chat/completions", body), 400)
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/completions", {"prompt": "x", "model": "no-such-model"}),
+                                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                                      "model": "gpt-4"})])
+async def test_unknown_model_is_404(client, path, body):
+    err = assert_error(await post_json(client, path, body), 404, param="model", code="model_not_found")
+    assert err["type"] == "invalid_request_error"
 
 
 async def test_unknown_fields_are_ignored(client):

@@ -1,14 +1,16 @@
 """OpenAI-compatible generation: /v1/completions, /v1/chat/completions, /v1/models.
 
-A request is validated (protocol.py), bounded by size (text over max_model_len * MAX_CHARS_PER_TOKEN
-characters is refused before tokenizing), tokenized here (off the event loop, by calls that release
-the interpreter lock, so neither the loop nor the engine thread stalls), checked against the engine's
-limits, then submitted. Chat content is encoded so that special-token strings in it stay plain text
-(`Tokenizer.encode_chat`); a chat template's `raise_exception` is a 400 on "messages". The first output
-is awaited before any byte is sent, so a full queue or a draining engine is a clean 429/503
-with a status code even for streams. After that, a stream is SSE (`data: <json>\n\n`, last
-`data: [DONE]`). A client that goes away, streaming or not, aborts its request so the
-engine frees its KV blocks at once.
+A request is validated (protocol.py: every field of vLLM's requests is honoured or refused with a 400
+naming it), bounded by size (text over max_model_len * MAX_CHARS_PER_TOKEN characters is refused before
+tokenizing), tokenized here (off the event loop, by calls that release the interpreter lock, so neither
+the loop nor the engine thread stalls), turned into one engine request per sequence (sampling.py,
+fanout.py: n, best_of and batched prompts), checked against the engine's limits, then submitted.
+Chat content is encoded so that special-token strings in it stay plain text (`Tokenizer.encode_chat`);
+a chat template's `raise_exception` is a 400 on "messages". Every sequence's first output is awaited
+before any byte is sent, so a full queue or a draining engine is a clean 429/503 with a status code
+even for streams. After that, a stream is SSE (`data: <json>\n\n`, last `data: [DONE]`), each choice's
+chunks carrying its index. A client that goes away, streaming or not, aborts its requests so the
+engine frees their KV blocks at once.
 """
 
 from __future__ import annotations
@@ -26,22 +28,82 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
+from graphcache.api import sampling
 from graphcache.api.auth import require_api_key
+from graphcache.api.choices import ChatShape, CompletionShape, Prompt
 from graphcache.api.errors import APIError, api_error_for, error_body
+from graphcache.api.fanout import FanOut, Sampled, Sub, best_of, usage
+from graphcache.api.logprobs import TokenText
 from graphcache.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from graphcache.engine.engine import (
-    EngineDead,
-    EngineNotReady,
-    InvalidRequest,
-    QueueFull,
-    SamplingParams,
-)
+from graphcache.engine.engine import InvalidRequest
+from graphcache.engine.sequence import StructuredSpec
 from graphcache.model.tokenizer import MAX_CHARS_PER_TOKEN, ChatTemplateError
 
 __all__ = ["encode_chat", "encode_prompt", "model_card", "router"]
 
 log = logging.getLogger("graphcache.api")
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])
+
+# --------------------------------------------------------------------------- TOOLS SEAM
+# The lead wires api/tool_calls.py (helper "structured") here: set TOOLS_WIRED = True once
+#   * tool_calls.parse_tool_calls(text) -> (content | None, [tool_call dicts]),
+#   * tool_calls.tool_choice_spec(tools, tool_choice) -> StructuredSpec | None,
+#   * tokenizer.encode_chat(..., tools=[...]) accepting role "tool" messages and assistant tool_calls
+# exist. Until then every tool field is a 400 (tools, a non-"none" tool_choice, role "tool" messages,
+# assistant tool_calls). Streaming tool calls need the streaming parser in `_serve`'s chat chunks: until
+# that is wired too, `tools` with stream=true stays a 400 (see _tool_setup).
+TOOLS_WIRED = False
+
+
+def _uses_tools(messages: list[ChatMessage], tools: list | None) -> str | None:
+    """The first tool field in use, as a `param`, or None."""
+    if tools:
+        return "tools"
+    for i, m in enumerate(messages):
+        if m.role == "tool":
+            return f"messages[{i}].role"
+        if m.tool_calls:
+            return f"messages[{i}].tool_calls"
+        if m.tool_call_id is not None:
+            return f"messages[{i}].tool_call_id"
+    return None
+
+
+def _tool_setup(body: ChatCompletionRequest) -> StructuredSpec | None:
+    """The constraint tool_choice puts on the output (None: free text), or the 400 while unwired."""
+    param = _uses_tools(body.messages, body.tools)
+    if param is None:
+        return None
+    if not TOOLS_WIRED:
+        raise APIError(400, "tool calling is not supported yet; send the request without tools, tool "
+                            "messages or tool_calls", param=param)
+    if body.stream:
+        raise APIError(400, "tool calls are not streamed yet; set stream=false", param="stream")
+    from graphcache.api import tool_calls  # noqa: PLC0415 - exists once the lead merges helper "structured"
+    return tool_calls.tool_choice_spec(body.tools, body.tool_choice) if body.tools else None
+
+
+def _tool_parser(body: ChatCompletionRequest) -> Callable[[str], tuple[str | None, list[dict]]] | None:
+    if not (TOOLS_WIRED and body.tools and body.tool_choice != "none"):
+        return None
+    from graphcache.api import tool_calls  # noqa: PLC0415
+    return tool_calls.parse_tool_calls
+
+
+def _chat_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    # "developer" is OpenAI's newer name for "system"; chat templates only know the latter.
+    chat = []
+    for m in messages:
+        entry: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.name is not None:
+            entry["name"] = m.name
+        if m.tool_call_id is not None:
+            entry["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            entry["tool_calls"] = m.tool_calls
+        chat.append(entry)
+    return chat
+# --------------------------------------------------------------------------- end of TOOLS SEAM
 
 
 class ClientGone(Exception):
@@ -59,10 +121,12 @@ def _engine(request: Request):
     return engine
 
 
-def _check_model(engine, name: str | None) -> str:
+def _check_model(engine, name: str | None, status: int = 400) -> str:
+    """The served model's name; another name is a `model_not_found` (404 on generation, as OpenAI and vLLM;
+    /tokenize and /detokenize still answer 400 until tools.py passes 404 too)."""
     if name is not None and name != engine.model_name:   # the caller's name is not echoed back
-        raise APIError(400, f"The requested model does not exist; this server serves '{engine.model_name}' "
-                            "(GET /v1/models).", param="model", code="model_not_found")
+        raise APIError(status, f"The requested model does not exist; this server serves '{engine.model_name}' "
+                            "(GET /v1/models).", param="model", code="model_not_found", type="invalid_request_error")
     return engine.model_name
 
 
@@ -76,17 +140,21 @@ def _check_text_size(engine, chars: int, param: str, what: str) -> None:
                             "per token) that could fit it. Shorten it.", param=param, code="context_length_exceeded")
 
 
-async def encode_prompt(engine, text: str, add_special_tokens: bool = True) -> list[int]:
+async def encode_prompt(engine, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
     """A prompt string's ids, bounded by size first, tokenized off the event loop."""
-    _check_text_size(engine, len(text), "prompt", "the prompt")
+    _check_text_size(engine, len(text), param, "the prompt")
     return await asyncio.to_thread(engine.tokenizer.encode, text, add_special_tokens)
 
 
-async def encode_chat(request: Request, engine, messages: list[ChatMessage],
-                      add_generation_prompt: bool = True) -> list[int]:
-    """A chat's prompt ids through the model's template, bounded by size first, off the event loop."""
-    # "developer" is OpenAI's newer name for "system"; chat templates only know the latter.
-    chat = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+async def encode_chat(request: Request, engine, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                      template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """A chat's prompt ids through the model's template, bounded by size first, off the event loop.
+    template_kwargs: extra variables the template sees (chat_template_kwargs, documents, reasoning_effort)."""
+    param = _uses_tools(messages, None)
+    if param is not None and not TOOLS_WIRED:
+        raise APIError(400, "tool messages are not supported yet; send the chat without tool messages or "
+                            "tool_calls", param=param)
+    chat = _chat_dicts(messages)
     _check_text_size(engine, sum(len(m["content"]) for m in chat), "messages", "the messages' content")
     # Chat content is user input: special-token strings in it ("<|im_start|>system") are encoded as plain
     # text, never as control tokens, unless a trusted deployment allows it (Settings).
@@ -94,7 +162,7 @@ async def encode_chat(request: Request, engine, messages: list[ChatMessage],
     try:
         # The template has its own BOS; content's special-token strings stay plain text.
         return await asyncio.to_thread(engine.tokenizer.encode_chat, chat, add_generation_prompt,
-                                       allow_special_in_content=allow_special)
+                                       allow_special_in_content=allow_special, **(template_kwargs or {}))
     except ChatTemplateError as e:   # the client's messages broke the template's rules: one line, no traceback
         log.info("chat template refused the messages: %s", e.message)
         raise APIError(400, f"The chat template refused these messages: {e.message}", param="messages",
@@ -108,13 +176,44 @@ def model_card(request: Request) -> dict:
             "owned_by": "graphcache", "max_model_len": engine.max_model_len if engine.ready else None}
 
 
-def _sampling(body, max_tokens: int | None) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                          top_k=max(body.top_k, 0), seed=body.seed, stop=list(body.stop or []),
-                          stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos)
+def _checked(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """The body's cross-field rules, before the engine is looked at."""
+    try:
+        body.check()
+    except InvalidRequest as e:
+        raise api_error_for(e) from None
 
 
-# --------------------------------------------------------------------------- running a request
+def _structured(body, extra: StructuredSpec | None = None) -> StructuredSpec | None:
+    try:
+        found = body.structured_constraints()
+    except InvalidRequest as e:
+        raise api_error_for(e) from None
+    if extra is not None:
+        if found:
+            raise APIError(400, "tools with tool_choice constrain the output already; drop " + found[0][0],
+                           param=found[0][0])
+        return extra
+    return StructuredSpec(found[0][1], found[0][2]) if found else None
+
+
+def _ids(prefix: str, body) -> tuple[str, str]:
+    """(the response's id, the engine's request id prefix): a client's request_id names the response
+    only; engine ids stay unique whatever clients send."""
+    engine_rid = f"{prefix}-{uuid.uuid4().hex}"
+    return (f"{prefix}-{body.request_id}" if body.request_id else engine_rid), engine_rid
+
+
+def _log_caller(body, rid: str) -> None:
+    if body.user is not None or body.session_id is not None:   # OpenAI's end-user id: kept for abuse tracing
+        log.info("request %s: user=%r session_id=%r", rid, body.user, body.session_id)
+
+
+def _subs(engine_rid: str, prompts: list[Prompt], base, plan: sampling.ChoicePlan) -> list[Sub]:
+    """One engine request per (prompt, sample), sequence k = prompt * samples + i, id `<rid>-<k>`."""
+    return [Sub(f"{engine_rid}-{p * plan.samples + i}", p, list(prompt.ids), sampling.choice_params(base, i, plan))
+            for p, prompt in enumerate(prompts) for i in range(plan.samples)]
+
 
 async def _wait_disconnect(receive) -> None:
     while (await receive())["type"] != "http.disconnect":
@@ -141,55 +240,6 @@ async def _unless_disconnected(receive, aw: Awaitable) -> Any:
     if gone and not (task.done() and not task.cancelled() and task.exception() is None):
         raise ClientGone
     return task.result()
-
-
-class _Run:
-    """One request inside the engine: its outputs, and an abort unless it finished."""
-
-    def __init__(self, engine, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 stream: bool, max_tokens_param: str = "max_tokens") -> None:
-        self.engine = engine
-        # stream=False: the engine wakes this request once, at its end, not once per token.
-        self.stream = stream
-        self.request_id = request_id
-        self.prompt_ids = prompt_ids
-        self.params = params
-        self.max_tokens_param = max_tokens_param
-        self.finished = False
-        self._it: AsyncIterator | None = None
-
-    async def next(self):
-        """The next output; engine refusals become the API errors that say what to do."""
-        try:
-            if self._it is None:
-                self._it = self.engine.generate(self.request_id, self.prompt_ids, self.params, stream=self.stream,
-                                                max_tokens_param=self.max_tokens_param).__aiter__()
-            out = await self._it.__anext__()
-        except (InvalidRequest, QueueFull, EngineNotReady, EngineDead) as e:
-            self.finished = True  # not (or no longer) in the engine: nothing to abort
-            raise api_error_for(e) from None
-        except StopAsyncIteration:
-            self.finished = True
-            raise APIError(500, "The engine ended the request without a final output.") from None
-        if out.finished:
-            self.finished = True
-            if out.finish_reason == "error":
-                # Ended while the engine drains or has stopped: the drain timeout cut it (Engine.drain),
-                # a 503 `shutting_down` with Retry-After. A dead engine's failures stay 500s.
-                stopping = self.engine.refusal()
-                if stopping is not None and self.engine.alive:
-                    raise api_error_for(stopping, in_flight=True)
-                raise APIError(500, out.error or "The engine failed on this request; the server log has the "
-                                    "details.", code="engine_error")
-            if out.finish_reason == "abort":
-                raise APIError(503, "The request was aborted (the server is shutting down); retry.",
-                               code="aborted")
-        return out
-
-    def abort(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self.engine.abort(self.request_id)
 
 
 class SSEResponse(Response):
@@ -233,60 +283,58 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _usage(out) -> dict:
-    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "total_tokens": out.prompt_tokens + out.completion_tokens}
-
-
-async def _serve(request: Request, run: _Run, stream: bool, include_usage: bool,
-                 make_chunk: Callable[[str, str | None], dict], make_usage_chunk: Callable[[dict], dict],
-                 make_full: Callable[[str, str, dict], dict], first_chunk: dict | None = None) -> Response:
+async def _serve(request: Request, fan: FanOut, plan: sampling.ChoicePlan, shape: CompletionShape | ChatShape,
+                 stream: bool) -> Response:
     receive = request.receive
     try:
-        first = await _unless_disconnected(receive, run.next())
+        firsts = await _unless_disconnected(receive, fan.start())
     except ClientGone:
-        run.abort()
+        fan.abort()
         return Response(status_code=499)  # nobody reads it; keeps the access log honest
     except BaseException:
-        run.abort()
+        fan.abort()
         raise
 
     if not stream:
-        async def collect() -> tuple[str, Any]:
-            out, parts = first, [first.text]
-            while not out.finished:
-                out = await run.next()
-                parts.append(out.text)
-            return "".join(parts), out
-
         try:
-            text, last = await _unless_disconnected(receive, collect())
+            samples = await _unless_disconnected(receive, fan.collect(firsts))
         except ClientGone:
             return Response(status_code=499)
         finally:
-            run.abort()
-        return JSONResponse(make_full(text, last.finish_reason, _usage(last)))
+            fan.abort()
+        kept = best_of(samples, plan.n) if plan.ranks else samples
+        # Token texts for logprobs are decoded off the event loop (thousands of decode calls at most).
+        return JSONResponse(await asyncio.to_thread(shape.full, kept, usage(samples)))
+
+    samples = [Sampled(run.sub.prompt_index) for run in fan.runs]
+    continuous = shape.body.continuous_usage
 
     async def events() -> AsyncIterator[str]:
-        out = first
+        merged = fan.merged(firsts)
         try:
-            if first_chunk is not None:
-                yield _sse(first_chunk)
-            while True:
-                if out.text or out.finished:
-                    yield _sse(make_chunk(out.text, out.finish_reason if out.finished else None))
-                if out.finished:
-                    break
-                out = await run.next()
-            if include_usage:
-                yield _sse(make_usage_chunk(_usage(out)))
+            for k, out in enumerate(firsts):
+                samples[k].add(out)
+            for chunk in shape.opening(len(samples), usage(samples) if continuous else None):
+                yield _sse(chunk)
+            for k, out in enumerate(firsts):
+                chunk = shape.chunk(k, out, usage(samples) if continuous else None)
+                if chunk is not None:
+                    yield _sse(chunk)
+            async for k, out in merged:
+                samples[k].add(out)
+                chunk = shape.chunk(k, out, usage(samples) if continuous else None)
+                if chunk is not None:
+                    yield _sse(chunk)
+            if shape.body.include_usage:
+                yield _sse(shape.usage_chunk(usage(samples)))
         except APIError as e:  # headers are gone: the error travels as an event, like OpenAI's
             yield _sse(error_body(e.message, e.type, e.param, e.code))
         finally:
-            run.abort()
+            await merged.aclose()
+            fan.abort()
         yield "data: [DONE]\n\n"
 
-    return SSEResponse(events(), on_close=run.abort)
+    return SSEResponse(events(), on_close=fan.abort)
 
 
 # --------------------------------------------------------------------------- endpoints
@@ -296,54 +344,58 @@ async def models(request: Request) -> dict:
     return {"object": "list", "data": [model_card(request)]}
 
 
+async def _completion_prompt(engine, body: CompletionRequest, index: int, prompt: str | list[int],
+                             batch: bool) -> Prompt:
+    param = f"prompt[{index}]" if batch else "prompt"
+    if isinstance(prompt, str):
+        ids = await encode_prompt(engine, prompt, body.add_special_tokens, param)
+    else:
+        ids = list(prompt)  # the engine checks they are in the vocabulary (400 if not)
+    kept = sampling.truncate_prompt(ids, body.truncate_prompt_tokens, body.truncation_side, engine.max_model_len)
+    echo = ""
+    if body.echo:   # the prompt as sent; a token-id or truncated prompt as its decoding
+        echo = prompt if isinstance(prompt, str) and kept is ids else \
+            await asyncio.to_thread(engine.tokenizer.decode, kept)
+    return Prompt(kept, echo)
+
+
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
+    _checked(body)
     engine = _engine(request)
-    model = _check_model(engine, body.model)
-    if isinstance(body.prompt, str):
-        prompt_ids = await encode_prompt(engine, body.prompt)
-    else:
-        prompt_ids = list(body.prompt)  # the engine checks they are in the vocabulary (400 if not)
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    run = _Run(engine, rid, prompt_ids, _sampling(body, body.max_tokens), body.stream)
-    created = int(time.time())
-    base = {"id": rid, "object": "text_completion", "created": created, "model": model}
-    usage_none = {"usage": None} if body.include_usage else {}
-
-    def chunk(text: str, finish: str | None) -> dict:
-        return {**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-                **usage_none}
-
-    def full(text: str, finish: str, usage: dict) -> dict:
-        return {**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-                "usage": usage}
-
-    return await _serve(request, run, body.stream, body.include_usage, chunk,
-                        lambda usage: {**base, "choices": [], "usage": usage}, full)
+    model = _check_model(engine, body.model, 404)
+    structured = _structured(body)
+    batch = len(body.prompts) > 1
+    prompts = [await _completion_prompt(engine, body, i, p, batch) for i, p in enumerate(body.prompts)]
+    base = sampling.base_params(body, await sampling.bad_words_token_ids(engine.tokenizer, body.bad_words),
+                                structured)
+    plan = sampling.plan(body)
+    rid, engine_rid = _ids("cmpl", body)
+    _log_caller(body, rid)
+    fan = FanOut(engine, _subs(engine_rid, prompts, base, plan), body.stream)
+    shape = CompletionShape(body, {"id": rid, "object": "text_completion", "created": int(time.time()),
+                                   "model": model}, prompts, TokenText(engine.tokenizer, body.return_tokens_as_token_ids))
+    return await _serve(request, fan, plan, shape, body.stream)
 
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    _checked(body)
+    tool_spec = _tool_setup(body)
     engine = _engine(request)
-    model = _check_model(engine, body.model)
-    prompt_ids = await encode_chat(request, engine, body.messages)
-    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    run = _Run(engine, rid, prompt_ids, _sampling(body, body.max_new_tokens), body.stream, param)
-    base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
-    usage_none = {"usage": None} if body.include_usage else {}
-
-    def chunk(text: str, finish: str | None) -> dict:
-        delta = {"content": text} if text else {}
-        return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-                **usage_none}
-
-    def full(text: str, finish: str, usage: dict) -> dict:
-        return {**base, "object": "chat.completion", "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-            "finish_reason": finish}], "usage": usage}
-
-    first = {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}], **usage_none}
-    return await _serve(request, run, body.stream, body.include_usage, chunk,
-                        lambda usage: {**base, "choices": [], "usage": usage}, full, first_chunk=first)
+    model = _check_model(engine, body.model, 404)
+    structured = _structured(body, tool_spec)
+    ids = await encode_chat(request, engine, body.messages, body.add_generation_prompt, body.template_kwargs)
+    ids = sampling.truncate_prompt(ids, body.truncate_prompt_tokens, body.truncation_side, engine.max_model_len)
+    last = body.messages[-1]
+    prompts = [Prompt(ids, last.text() if body.echo and last.role == "assistant" else "")]
+    base = sampling.base_params(body, await sampling.bad_words_token_ids(engine.tokenizer, body.bad_words),
+                                structured)
+    plan = sampling.plan(body)
+    rid, engine_rid = _ids("chatcmpl", body)
+    _log_caller(body, rid)
+    fan = FanOut(engine, _subs(engine_rid, prompts, base, plan), body.stream, body.max_tokens_param)
+    shape = ChatShape(body, {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+                             "model": model}, prompts, TokenText(engine.tokenizer, body.return_tokens_as_token_ids))
+    shape.tool_calls = _tool_parser(body)
+    return await _serve(request, fan, plan, shape, body.stream)

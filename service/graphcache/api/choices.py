@@ -1,0 +1,151 @@
+"""The response bodies of /v1/completions and /v1/chat/completions: whole answers and stream chunks.
+
+Both shapes take the same inputs: the sequences' accumulated outputs (fanout.Sampled) or one output
+delta of sequence k, whose choice index is k (streams never rank: best_of > n is not streamed).
+Honoured presentation fields: echo, logprobs / top_logprobs (logprobs.py), prompt_logprobs,
+return_token_ids, return_tokens_as_token_ids, stream_options (include_usage, continuous_usage_stats).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from graphcache.api.fanout import Sampled
+from graphcache.api.logprobs import TokenText, chat_logprobs, completion_logprobs, vllm_prompt_logprobs
+from graphcache.api.protocol import ChatCompletionRequest, CompletionRequest
+from graphcache.engine.sequence import RequestOutput
+
+__all__ = ["ChatShape", "CompletionShape", "Prompt"]
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    echo_text: str = ""        # what echo prepends to each choice's text
+
+
+class _Shape:
+    def __init__(self, body: CompletionRequest | ChatCompletionRequest, base: dict, prompts: list[Prompt],
+                 text_of: TokenText) -> None:
+        self.body = body
+        self.base = base
+        self.prompts = prompts
+        self.text_of = text_of
+        self.client_logprobs = body.engine_logprobs is not None
+        self.started: set[int] = set()         # sequences whose first chunk went out (echo goes in it)
+        self.offsets: dict[int, int] = {}      # completions: text_offset reached per sequence
+
+    def prompt_of(self, k: int) -> Prompt:
+        return self.prompts[k // self.body.n]
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return {**self.base, "choices": [], "usage": usage}
+
+    def _chunk(self, choice: dict, usage: dict | None) -> dict:
+        chunk = {**self.base, "choices": [choice]}
+        if self.body.include_usage or self.body.continuous_usage:
+            chunk["usage"] = usage if self.body.continuous_usage else None
+        return chunk
+
+    def opening(self, count: int, usage: dict | None) -> list[dict]:
+        return []
+
+
+class CompletionShape(_Shape):
+    def _logprobs(self, k: int, ids: list[int], entries, prompt_entries, first: bool) -> dict:
+        offset = self.offsets.get(k, 0)
+        if first and self.body.echo:
+            lp, offset = completion_logprobs(self.text_of, self.prompt_of(k).ids, prompt_entries, offset)
+            more, offset = completion_logprobs(self.text_of, ids, entries, offset)
+            lp = {key: lp[key] + more[key] for key in lp}
+        else:
+            lp, offset = completion_logprobs(self.text_of, ids, entries, offset)
+        self.offsets[k] = offset
+        return lp
+
+    def _extras(self, choice: dict, k: int, token_ids: list[int], prompt_entries, first: bool) -> dict:
+        if self.body.prompt_logprobs is not None and first:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.text_of, self.prompt_of(k).ids, prompt_entries)
+        if self.body.return_token_ids:
+            choice["token_ids"] = token_ids
+            if first:
+                choice["prompt_token_ids"] = self.prompt_of(k).ids
+        return choice
+
+    def full(self, kept: list[Sampled], usage: dict) -> dict:
+        choices = []
+        for k, s in enumerate(kept):
+            text = (self.prompt_of(k).echo_text if self.body.echo else "") + s.text
+            logprobs = self._logprobs(k, s.token_ids, s.logprobs, s.prompt_logprobs, True) \
+                if self.client_logprobs else None
+            choice = {"index": k, "text": text, "logprobs": logprobs, "finish_reason": s.finish_reason}
+            choices.append(self._extras(choice, k, s.token_ids, s.prompt_logprobs, True))
+        return {**self.base, "choices": choices, "usage": usage}
+
+    def chunk(self, k: int, out: RequestOutput, usage: dict | None) -> dict | None:
+        first = k not in self.started
+        self.started.add(k)
+        text = (self.prompt_of(k).echo_text if first and self.body.echo else "") + out.text
+        logprobs = self._logprobs(k, out.token_ids, out.logprobs, out.prompt_logprobs, first) \
+            if self.client_logprobs else None
+        if not (text or out.finished or (logprobs and logprobs["tokens"])):
+            return None
+        choice = {"index": k, "text": text, "logprobs": logprobs,
+                  "finish_reason": out.finish_reason if out.finished else None}
+        return self._chunk(self._extras(choice, k, out.token_ids, out.prompt_logprobs, first), usage)
+
+
+class ChatShape(_Shape):
+    """Chat choices. `tool_calls(text) -> (content, calls)` is the tools seam (openai.py)."""
+
+    tool_calls = None
+
+    def _logprobs(self, ids: list[int], entries) -> dict | None:
+        if not self.client_logprobs:
+            return None
+        return {"content": chat_logprobs(self.text_of, ids, entries, self.body.top_logprobs)}
+
+    def full(self, kept: list[Sampled], usage: dict) -> dict:
+        choices = []
+        for k, s in enumerate(kept):
+            message: dict = {"role": "assistant", "content": (self.prompt_of(k).echo_text if self.body.echo else "")
+                             + s.text}
+            finish = s.finish_reason
+            if self.tool_calls is not None:
+                content, calls = self.tool_calls(message["content"])
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    finish = "tool_calls" if finish == "stop" else finish
+            choice = {"index": k, "message": message, "logprobs": self._logprobs(s.token_ids, s.logprobs),
+                      "finish_reason": finish}
+            if self.body.return_token_ids:
+                choice["token_ids"] = s.token_ids
+            choices.append(choice)
+        body = {**self.base, "object": "chat.completion", "choices": choices, "usage": usage}
+        if self.body.prompt_logprobs is not None and kept:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(self.text_of, self.prompts[0].ids, kept[0].prompt_logprobs)
+        if self.body.return_token_ids:
+            body["prompt_token_ids"] = self.prompts[0].ids
+        return body
+
+    def opening(self, count: int, usage: dict | None) -> list[dict]:
+        """The first chunk of every choice: the role (and, with echo, the echoed text)."""
+        echo = self.prompts[0].echo_text if self.body.echo else ""
+        chunks = []
+        for k in range(count):
+            chunk = self._chunk({"index": k, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
+                                 "finish_reason": None}, usage)
+            if k == 0 and self.body.return_token_ids:
+                chunk["prompt_token_ids"] = self.prompts[0].ids
+            chunks.append(chunk)
+        return chunks
+
+    def chunk(self, k: int, out: RequestOutput, usage: dict | None) -> dict | None:
+        logprobs = self._logprobs(out.token_ids, out.logprobs)
+        if not (out.text or out.finished or (logprobs and logprobs["content"])):
+            return None
+        choice = {"index": k, "delta": {"content": out.text} if out.text else {}, "logprobs": logprobs,
+                  "finish_reason": out.finish_reason if out.finished else None}
+        if self.body.return_token_ids:
+            choice["token_ids"] = out.token_ids
+        return self._chunk(choice, usage)

@@ -1,0 +1,98 @@
+"""From a validated request body to what the engine runs: prompt ids and one SamplingParams per choice.
+
+Honoured fields land here (protocol.py declares them, openai.py wires the result):
+  * the sampling controls map one to one onto SamplingParams (engine/sequence.py);
+  * logit_bias keys are token ids as strings (protocol.py parsed them; the engine checks the range);
+  * bad_words are tokenized as vLLM does: each word with and without a leading space (a word inside a
+    sentence is usually its own "Ġword" token), each tokenization a sequence the output never completes;
+  * truncate_prompt_tokens keeps the last k prompt ids (truncation_side "right": the first k);
+  * n / best_of / seed: choice i of a prompt runs with seed + i (wrapped into int64, as vLLM's
+    parallel sampling does), so seeded choices differ and each is reproducible;
+  * best_of > n ranks choices by cumulative logprob: the engine is asked for logprobs (k=0) even if the
+    client did not ask, and they are left out of the answer (`ChoicePlan.client_logprobs`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass
+
+from graphcache.api.protocol import INT64_MAX, INT64_MIN, ChatCompletionRequest, CompletionRequest
+from graphcache.engine.sequence import SamplingParams, StructuredSpec
+
+__all__ = ["ChoicePlan", "bad_words_token_ids", "base_params", "choice_params", "plan", "truncate_prompt"]
+
+
+@dataclass(frozen=True)
+class ChoicePlan:
+    """How many sequences run per prompt and what the answer keeps of them."""
+
+    n: int                       # choices returned per prompt
+    samples: int                 # sequences generated per prompt (best_of, else n)
+    client_logprobs: bool        # the client asked for logprobs (else they are only used for ranking)
+
+    @property
+    def ranks(self) -> bool:
+        return self.samples > self.n
+
+
+async def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word's token sequences: as written without a leading space, and after one."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = word.lstrip()
+        for text in (bare, " " + bare):
+            ids = await asyncio.to_thread(tokenizer.encode, text, False)
+            if ids and ids not in out:
+                out.append(ids)
+    return out
+
+
+def truncate_prompt(ids: list[int], keep: int | None, side: str, max_model_len: int | None) -> list[int]:
+    """The prompt ids truncate_prompt_tokens keeps (-1: max_model_len); unchanged when shorter."""
+    if keep is None:
+        return ids
+    if keep == -1:
+        if max_model_len is None:
+            return ids
+        keep = max_model_len
+    if len(ids) <= keep:
+        return ids
+    return ids[-keep:] if side == "left" else ids[:keep]
+
+
+def base_params(body: CompletionRequest | ChatCompletionRequest, bad_words: list[list[int]],
+                structured: StructuredSpec | None) -> SamplingParams:
+    """The SamplingParams every choice shares (choice_params adds the per-choice part)."""
+    logprobs = body.engine_logprobs
+    prompt_logprobs = body.prompt_logprobs
+    if prompt_logprobs is None and isinstance(body, CompletionRequest) and body.echo and logprobs is not None:
+        prompt_logprobs = logprobs   # echo + logprobs: the prompt's logprobs come first (OpenAI's shape)
+    return SamplingParams(
+        max_tokens=body.max_new_tokens, temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
+        seed=body.seed, stop=list(body.stop or []), stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+        logit_bias=dict(body.logit_bias or {}), min_tokens=body.min_tokens, min_p=body.min_p,
+        allowed_token_ids=list(body.allowed_token_ids) if body.allowed_token_ids is not None else None,
+        bad_words_token_ids=bad_words, include_stop_str_in_output=body.include_stop_str_in_output,
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured)
+
+
+def plan(body: CompletionRequest | ChatCompletionRequest) -> ChoicePlan:
+    return ChoicePlan(n=body.n, samples=body.num_samples, client_logprobs=body.engine_logprobs is not None)
+
+
+def choice_params(base: SamplingParams, i: int, plan: ChoicePlan) -> SamplingParams:
+    """Choice i's params: seed + i, and logprobs (k=0) when best_of ranks."""
+    changes: dict = {}
+    if base.seed is not None and i:
+        changes["seed"] = (base.seed + i - INT64_MIN) % (INT64_MAX - INT64_MIN + 1) + INT64_MIN
+    if plan.ranks and base.logprobs is None:
+        changes["logprobs"] = 0
+    # The lists are per choice: nothing the engine may touch is shared between two requests.
+    changes.update(stop=list(base.stop), stop_token_ids=list(base.stop_token_ids), logit_bias=dict(base.logit_bias),
+                   bad_words_token_ids=[list(w) for w in base.bad_words_token_ids],
+                   allowed_token_ids=None if base.allowed_token_ids is None else list(base.allowed_token_ids))
+    return dataclasses.replace(base, **changes)
