@@ -121,11 +121,10 @@ def _engine(request: Request):
     return engine
 
 
-def _check_model(engine, name: str | None, status: int = 400) -> str:
-    """The served model's name; another name is a `model_not_found` (404 on generation, as OpenAI and vLLM;
-    /tokenize and /detokenize still answer 400 until tools.py passes 404 too)."""
+def _check_model(engine, name: str | None) -> str:
+    """The served model's name; another name is a 404 `model_not_found`, as OpenAI and vLLM answer."""
     if name is not None and name != engine.model_name:   # the caller's name is not echoed back
-        raise APIError(status, f"The requested model does not exist; this server serves '{engine.model_name}' "
+        raise APIError(404, f"The requested model does not exist; this server serves '{engine.model_name}' "
                             "(GET /v1/models).", param="model", code="model_not_found", type="invalid_request_error")
     return engine.model_name
 
@@ -363,7 +362,7 @@ async def _completion_prompt(engine, body: CompletionRequest, index: int, prompt
 async def completions(body: CompletionRequest, request: Request) -> Response:
     _checked(body)
     engine = _engine(request)
-    model = _check_model(engine, body.model, 404)
+    model = _check_model(engine, body.model)
     structured = _structured(body)
     batch = len(body.prompts) > 1
     prompts = [await _completion_prompt(engine, body, i, p, batch) for i, p in enumerate(body.prompts)]
@@ -383,7 +382,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     _checked(body)
     tool_spec = _tool_setup(body)
     engine = _engine(request)
-    model = _check_model(engine, body.model, 404)
+    model = _check_model(engine, body.model)
     structured = _structured(body, tool_spec)
     ids = await encode_chat(request, engine, body.messages, body.add_generation_prompt, body.template_kwargs)
     ids = sampling.truncate_prompt(ids, body.truncate_prompt_tokens, body.truncation_side, engine.max_model_len)
