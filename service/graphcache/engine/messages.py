@@ -98,8 +98,14 @@ def with_text(out: RequestOutput, detok: Any) -> RequestOutput:
 
 
 def merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
-    """Two consecutive deltas of one request as one."""
-    return dataclasses.replace(then, text=first.text + then.text, token_ids=first.token_ids + then.token_ids)
+    """Two consecutive deltas of one request as one: texts, ids and logprobs concatenated; the prompt's
+    logprobs and cached-token count, which only the first delta carries, kept."""
+    logprobs = first.logprobs + then.logprobs if first.logprobs is not None and then.logprobs is not None \
+        else first.logprobs if then.logprobs is None else then.logprobs
+    return dataclasses.replace(
+        then, text=first.text + then.text, token_ids=first.token_ids + then.token_ids, logprobs=logprobs,
+        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs,
+        num_cached_tokens=max(first.num_cached_tokens, then.num_cached_tokens))
 
 
 def deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
