@@ -76,16 +76,32 @@ CASES = {
 }
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_each_control_matches_the_reference(case):
+def test_each_control_matches_the_reference(case, device):
     logits = varied_logits(3, seed=len(case))
     seqs = [seq(f"r{i}", output=OUTPUT[:7 - i], temperature=0, **CASES[case]) for i in range(3)]
     sampler = Sampler(eos_token_ids=[EOS])
-    got = sampler.processed_logits(logits, seqs)
+    got = sampler.processed_logits(logits.to(device), seqs).cpu()
     want = torch.stack([reference(logits[i], s) for i, s in enumerate(seqs)])
     assert torch.equal(got.isinf(), want.isinf())
     assert torch.allclose(got, want, atol=1e-5)
-    assert sampler.sample(logits, seqs) == want.argmax(dim=-1).tolist()   # greedy: argmax of the processed
+    assert sampler.sample(logits.to(device), seqs) == want.argmax(dim=-1).tolist()   # greedy: argmax of the processed
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_batch_mixing_every_control_matches_the_reference(device):
+    names = sorted(CASES) * 2
+    logits = varied_logits(len(names), seed=11)
+    g = torch.Generator().manual_seed(12)
+    seqs = [seq(f"r{i}", output=torch.randint(0, V, (i % 9,), generator=g).tolist(),
+                temperature=0 if i % 3 else 0.8, **CASES[name]) for i, name in enumerate(names)]
+    got = Sampler(eos_token_ids=[EOS]).processed_logits(logits.to(device), seqs).cpu()
+    want = torch.stack([reference(logits[i], s) for i, s in enumerate(seqs)])
+    assert torch.equal(got.isinf(), want.isinf()) and torch.allclose(got, want, atol=1e-5)
 
 
 def test_the_controls_change_something():
@@ -164,10 +180,11 @@ def test_random_rows_sample_only_what_the_controls_and_filters_allow():
     assert set(Sampler().sample(logits[:100], min_p_seqs)) <= kept
 
 
-def test_seeded_rows_with_controls_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_rows_with_controls_do_not_depend_on_the_batch(device):
     """A seeded row's tokens over several steps (its penalties follow its own output) are the same
     alone and next to greedy, controlled, unseeded and other seeded rows."""
-    logits = varied_logits(8, seed=7)
+    logits = varied_logits(8, seed=7).to(device)
 
     def params(i):
         return dict(temperature=1.2, seed=99, presence_penalty=0.5, frequency_penalty=0.4, repetition_penalty=1.2,

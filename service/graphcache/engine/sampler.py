@@ -161,8 +161,12 @@ class Sampler:
 
     def _process(self, x: torch.Tensor, seqs: list[Sequence], local: list[int]) -> torch.Tensor:
         """x [W, V] fp32 (contiguous, ours) with the controls of seqs[j] applied to x[j] for j in local."""
-        raw = x.clone()
+        bans = any(p.allowed_token_ids is not None or p.bad_words_token_ids or p.min_tokens
+                   for p in (seqs[j].params for j in local))
+        raw = x.clone() if bans else None
         self._apply_controls(x, [seqs[j] for j in local], local, x.shape[-1])
+        if raw is None:   # penalties and bounded biases never leave a row without a finite logit
+            return x
         # A row with every token banned: its raw logits instead (no distribution to draw from).
         return torch.where(x.amax(dim=-1, keepdim=True) == _NEG_INF, raw, x)
 
@@ -247,22 +251,28 @@ def _apply_penalties(x: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> 
     n = len(rows)
     out_counts = _token_counts([s.output_token_ids for s in seqs], vocab, dev)   # [n, V]
     seen_out = out_counts > 0
-    seen = seen_out
-    if any(s.params.repetition_penalty != 1 for s in seqs):
-        prompts = [s.prompt_token_ids if s.params.repetition_penalty != 1 else [] for s in seqs]
-        seen = seen_out | (_token_counts(prompts, vocab, dev) > 0)
 
     def column(values: list[float]) -> torch.Tensor:
         return _to_device(values, torch.float32, dev).view(n, 1)
 
-    rep = column([s.params.repetition_penalty for s in seqs])
-    freq = column([s.params.frequency_penalty for s in seqs])
-    pres = column([s.params.presence_penalty for s in seqs])
-    idx = _to_device(rows, torch.int64, dev)
-    sub = x.index_select(0, idx)
-    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    sub = sub - freq * out_counts - pres * seen_out
-    x.index_copy_(0, idx, sub)
+    whole = n == x.shape[0]   # every row (the usual case): in place, no gather
+    idx = None if whole else _to_device(rows, torch.int64, dev)
+    sub = x if whole else x.index_select(0, idx)
+    # Each penalty only when some row has it: each is a few passes over [n, V].
+    if any(s.params.repetition_penalty != 1 for s in seqs):
+        prompts = [s.prompt_token_ids if s.params.repetition_penalty != 1 else [] for s in seqs]
+        seen = seen_out | (_token_counts(prompts, vocab, dev) > 0)
+        rep = column([s.params.repetition_penalty for s in seqs])
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    if any(s.params.frequency_penalty != 0 for s in seqs):
+        sub = sub.sub_(column([s.params.frequency_penalty for s in seqs]) * out_counts)
+    if any(s.params.presence_penalty != 0 for s in seqs):
+        sub = sub.sub_(column([s.params.presence_penalty for s in seqs]) * seen_out)
+    if whole:
+        if sub is not x:
+            x.copy_(sub)
+    else:
+        x.index_copy_(0, idx, sub)
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
