@@ -79,7 +79,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=settings.max_num_seqs,
                                    max_num_batched_tokens=settings.max_num_batched_tokens,
                                    max_model_len=runner.max_model_len, eos_token_ids=runner.eos_token_ids)
-        self.sampler = Sampler(default_seed=settings.seed)
+        self.sampler = Sampler(default_seed=settings.seed, eos_token_ids=runner.eos_token_ids)
         self.requests: dict[str, Sequence] = {}   # unfinished requests, by id
         self._unsent: dict[str, Sequence] = {}    # streams with tokens not in an output yet
         self.num_steps = 0

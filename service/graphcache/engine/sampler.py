@@ -1,39 +1,108 @@
 """Token selection on a batch of logits (the stop rules are in stopping.py).
 
-Sampling is batched over the rows that need it; greedy rows take argmax of the fp32 logits, so
-greedy output does not depend on which other requests share the batch. A seeded request draws
-from its own torch.Generator (created on first use, on the logits' device) one row at a time, so
-its tokens depend only on its seed and its own logits, never on batch composition. Unseeded rows
-share one batched draw.
+Sampling is batched over the rows that need it. A row goes one of three ways:
+  - greedy, no logits controls: argmax of the model-dtype logits (no fp32 [R, V] copy): the fast path;
+  - greedy with controls: argmax of the processed fp32 logits;
+  - random: controls, then temperature -> min_p -> top-k -> top-p, then a draw.
+Every step is row-wise, so a row's token never depends on which other requests share the batch. A
+seeded request draws from its own torch.Generator (created on first use, on the logits' device) one
+row at a time, so its tokens depend only on its seed and its own logits. Unseeded rows share one
+batched draw.
+
+Logits controls (vLLM's order, all on the device, batched, never a Python loop over the vocabulary):
+allowed_token_ids -> bad words -> min_tokens -> logit_bias -> repetition, frequency and presence
+penalties. Bans are -inf. Penalties need per-row token counts: built each step by one index_add of
+the rows' token ids into a [rows with penalties, V] tensor (output tokens; prompt tokens too for the
+repetition penalty). A request's static controls (bias, allowed ids, banned ids, stop ids) go to the
+device once and are cached for its lifetime. A row whose controls ban every token falls back to its
+raw logits (better the model's own choice than token 0).
+
+`needs_history(params)`: the row's processing reads tokens it already generated. With async
+scheduling the newest token is still on the device when the next step samples, so such rows must
+not be overlapped.
 
 No validated parameters make sampling raise or produce NaN: the top token always survives the
-top-k and top-p filters (top_p 1e-300 is 0.0 in float32), a temperature too small to divide by
-(below MIN_TEMPERATURE, e.g. 1e-300) is greedy, logits are shifted by their row max before the
-division so nothing overflows, and a row whose logits hold no usable distribution (all -inf,
-NaN, +inf) takes its argmax instead of a draw.
+min_p, top-k and top-p filters (top_p 1e-300 is 0.0 in float32), a temperature too small to divide
+by (below MIN_TEMPERATURE, e.g. 1e-300) is greedy, logits are shifted by their row max before the
+division so nothing overflows, and a row whose logits hold no usable distribution (all -inf, NaN,
++inf) takes its argmax instead of a draw.
 """
 
 from __future__ import annotations
 
+import weakref
+from array import array
+from collections.abc import Iterable
+
 import torch
 
-from graphcache.engine.sequence import Sequence
+from graphcache.engine.sequence import SamplingParams, Sequence
 
 # Temperatures below this are greedy: logits / 1e-300 overflows, and sampling at such a
 # temperature is argmax anyway. (Also catches NaN, which validation's `< 0` check lets through.)
 MIN_TEMPERATURE = 1e-5
 _SEED_MASK = (1 << 64) - 1   # torch.Generator.manual_seed takes 64 bits
+_NEG_INF = float("-inf")
 
 
 def _is_greedy(temperature: float) -> bool:
     return not temperature >= MIN_TEMPERATURE
 
 
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+
+
+def needs_history(params: SamplingParams) -> bool:
+    """Does this request's sampling read tokens it already generated (penalties, min_tokens, bad
+    words of more than one token)? Then a step must not sample it before the previous step's token
+    is on the host (no async overlap). Single-token bad words, logit_bias, allowed_token_ids and
+    min_p do not."""
+    return (_has_penalty(params) or params.min_tokens > 0
+            or any(len(word) > 1 for word in params.bad_words_token_ids))
+
+
+def _num_generated(seq: Sequence) -> int:
+    """Output tokens before the one being sampled. Scheduling a step counts its token in
+    num_inflight, so a token of an earlier step still in flight is num_inflight - 1 (0 when the
+    sampler is called outside a scheduled step)."""
+    return seq.num_output_tokens + max(seq.num_inflight - 1, 0)
+
+
+class _Controls:
+    """A request's static token-id controls on one device, ids outside the vocabulary dropped
+    (the core refuses them, see SamplingParams.validate_token_ids; this only keeps a bad id from
+    reaching a device-side index)."""
+
+    def __init__(self, params: SamplingParams, vocab: int, eos_token_ids: frozenset[int],
+                 device: torch.device) -> None:
+        self.vocab, self.device = vocab, device
+
+        def in_vocab(t: int) -> bool:
+            return 0 <= t < vocab
+
+        bias = {t: float(b) for t, b in params.logit_bias.items() if in_vocab(t)}
+        self.bias_ids = _to_device(list(bias), torch.int64, device)
+        self.bias_values = _to_device(list(bias.values()), torch.float32, device)
+        self.allowed = None
+        if params.allowed_token_ids is not None:
+            self.allowed = _to_device(sorted({t for t in params.allowed_token_ids if in_vocab(t)}), torch.int64, device)
+        words = [list(w) for w in params.bad_words_token_ids if w and all(map(in_vocab, w))]
+        self.banned = _to_device(sorted({w[0] for w in words if len(w) == 1}), torch.int64, device)
+        # Longer bad words: (the rest of the word, its last token), checked on the host each step.
+        self.bad_words = [(w[:-1], w[-1]) for w in words if len(w) > 1]
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self.stop_ids = _to_device(sorted(t for t in stops if in_vocab(t)), torch.int64, device)
+
+
 class Sampler:
-    def __init__(self, default_seed: int | None = None) -> None:
+    def __init__(self, default_seed: int | None = None, eos_token_ids: Iterable[int] = ()) -> None:
         # Unseeded rows: a generator per device; seeded by settings.seed so a server run is repeatable.
         self._default_seed = default_seed
         self._shared: dict[torch.device, torch.Generator] = {}
+        self.eos_token_ids = frozenset(eos_token_ids)   # masked with stop_token_ids until min_tokens
+        # Per request (dies with its Sequence): its static controls on the device.
+        self._controls: weakref.WeakKeyDictionary[Sequence, _Controls] = weakref.WeakKeyDictionary()
 
     def _shared_generator(self, device: torch.device) -> torch.Generator | None:
         if self._default_seed is None:
@@ -42,6 +111,17 @@ class Sampler:
         if g is None:
             g = self._shared[device] = torch.Generator(device=device).manual_seed(self._default_seed)
         return g
+
+    def _controls_of(self, seq: Sequence, vocab: int, device: torch.device) -> _Controls:
+        c = self._controls.get(seq)
+        if c is None or c.vocab != vocab or c.device != device:
+            c = self._controls[seq] = _Controls(seq.params, vocab, self.eos_token_ids, device)
+        return c
+
+    def _needs_processing(self, seq: Sequence) -> bool:
+        p = seq.params
+        return (_has_penalty(p) or bool(p.logit_bias) or p.allowed_token_ids is not None
+                or bool(p.bad_words_token_ids) or _num_generated(seq) < p.min_tokens)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """One token per row of `logits` [len(seqs), V] (row i belongs to seqs[i]), on the host."""
@@ -54,75 +134,224 @@ class Sampler:
         assert logits.shape[0] == len(seqs), (logits.shape, len(seqs))
         # argmax in the model dtype: the same token as over a float copy, without writing [R, V] fp32
         tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, s in enumerate(seqs) if not _is_greedy(s.params.temperature)]
-        if random_rows:
-            dev = logits.device
-            idx = _to_device(random_rows, torch.int64, dev)
-            vocab = logits.shape[-1]
-            probs = probs_from_logits(
-                logits.index_select(0, idx),
-                temperature=_to_device([seqs[i].params.temperature for i in random_rows], torch.float32, dev),
-                # Clamped here: a top_k past int64 (the API bounds it below only) must not overflow the tensor.
-                top_k=_to_device([min(max(seqs[i].params.top_k, 0), vocab) for i in random_rows], torch.int64, dev),
-                top_p=_to_device([seqs[i].params.top_p for i in random_rows], torch.float32, dev),
-            )
-            seeded = [j for j, i in enumerate(random_rows) if seqs[i].params.seed is not None]
-            unseeded = [j for j, i in enumerate(random_rows) if seqs[i].params.seed is None]
-            drawn = torch.empty(len(random_rows), dtype=torch.long, device=logits.device)
-            if unseeded:
-                u = _to_device(unseeded, torch.int64, logits.device)
-                drawn[u] = torch.multinomial(probs.index_select(0, u), 1,
-                                             generator=self._shared_generator(logits.device)).squeeze(1)
-            for j in seeded:
-                seq = seqs[random_rows[j]]
-                if seq.generator is None or seq.generator.device != logits.device:
-                    seq.generator = torch.Generator(device=logits.device).manual_seed(seq.params.seed & _SEED_MASK)
-                drawn[j] = torch.multinomial(probs[j], 1, generator=seq.generator)[0]
-            tokens[idx] = drawn
-        return tokens
+        processed = {i for i, s in enumerate(seqs) if self._needs_processing(s)}
+        rows = [i for i, s in enumerate(seqs) if i in processed or not _is_greedy(s.params.temperature)]
+        if not rows:
+            return tokens
+        dev = logits.device
+        idx = _to_device(rows, torch.int64, dev)
+        work = [seqs[i] for i in rows]
+        x = logits.index_select(0, idx).float()   # [W, V] fp32, ours to modify
+        if processed:
+            x = self._process(x, work, [j for j, i in enumerate(rows) if i in processed])
+        random_local = [j for j, s in enumerate(work) if not _is_greedy(s.params.temperature)]
+        chosen = x.argmax(dim=-1) if len(random_local) < len(rows) else torch.empty_like(idx)
+        if random_local:
+            chosen[_to_device(random_local, torch.int64, dev)] = self._draw(x, [work[j] for j in random_local],
+                                                                          random_local)
+        return tokens.index_copy_(0, idx, chosen)
+
+    @torch.inference_mode()
+    def processed_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """[len(seqs), V] fp32: each row's logits after its controls (before temperature and the
+        top-k/top-p/min_p filters): what a greedy row takes the argmax of."""
+        x = logits.float().clone()
+        local = [i for i, s in enumerate(seqs) if self._needs_processing(s)]
+        return self._process(x, seqs, local) if local else x
+
+    def _process(self, x: torch.Tensor, seqs: list[Sequence], local: list[int]) -> torch.Tensor:
+        """x [W, V] fp32 (contiguous, ours) with the controls of seqs[j] applied to x[j] for j in local."""
+        bans = any(p.allowed_token_ids is not None or p.bad_words_token_ids or p.min_tokens
+                   for p in (seqs[j].params for j in local))
+        raw = x.clone() if bans else None
+        self._apply_controls(x, [seqs[j] for j in local], local, x.shape[-1])
+        if raw is None:   # penalties and bounded biases never leave a row without a finite logit
+            return x
+        # A row with every token banned: its raw logits instead (no distribution to draw from).
+        return torch.where(x.amax(dim=-1, keepdim=True) == _NEG_INF, raw, x)
+
+    def _draw(self, x: torch.Tensor, seqs: list[Sequence], local: list[int]) -> torch.Tensor:
+        """One draw per random row: x[local[k]] belongs to seqs[k]; [len(seqs)] int64."""
+        dev, vocab = x.device, x.shape[-1]
+        if len(local) < x.shape[0]:
+            x = x.index_select(0, _to_device(local, torch.int64, dev))
+        probs = probs_from_logits(
+            x,
+            temperature=_to_device([s.params.temperature for s in seqs], torch.float32, dev),
+            # Clamped here: a top_k past int64 (the API bounds it below only) must not overflow the tensor.
+            top_k=_to_device([min(max(s.params.top_k, 0), vocab) for s in seqs], torch.int64, dev),
+            top_p=_to_device([s.params.top_p for s in seqs], torch.float32, dev),
+            min_p=(_to_device([s.params.min_p for s in seqs], torch.float32, dev)
+                   if any(s.params.min_p > 0 for s in seqs) else None),
+        )
+        seeded = [k for k, s in enumerate(seqs) if s.params.seed is not None]
+        unseeded = [k for k, s in enumerate(seqs) if s.params.seed is None]
+        drawn = torch.empty(len(seqs), dtype=torch.long, device=dev)
+        if unseeded:
+            u = _to_device(unseeded, torch.int64, dev)
+            drawn[u] = torch.multinomial(probs.index_select(0, u), 1,
+                                         generator=self._shared_generator(dev)).squeeze(1)
+        for k in seeded:
+            seq = seqs[k]
+            if seq.generator is None or seq.generator.device != dev:
+                seq.generator = torch.Generator(device=dev).manual_seed(seq.params.seed & _SEED_MASK)
+            drawn[k] = torch.multinomial(probs[k], 1, generator=seq.generator)[0]
+        return drawn
+
+    def _apply_controls(self, x: torch.Tensor, seqs: list[Sequence], rows: list[int], vocab: int) -> None:
+        """Apply seqs[k]'s controls to x[rows[k]] in place (x: [W, V] fp32, contiguous)."""
+        dev = x.device
+        flat = x.view(-1)
+        allowed_rows, allowed = [], []
+        ban_rows, bans = [], []
+        bias_rows, bias_ids, bias_values = [], [], []
+        word_bans: list[int] = []          # row * V + id: the last token of a bad word about to complete
+        for row, seq in zip(rows, seqs, strict=True):
+            p = seq.params
+            if not (p.logit_bias or p.allowed_token_ids is not None or p.bad_words_token_ids or p.min_tokens):
+                continue
+            c = self._controls_of(seq, vocab, dev)
+            if c.allowed is not None:
+                allowed_rows.append(row)
+                allowed.append(c.allowed)
+            if c.banned.numel():
+                ban_rows.append(row)
+                bans.append(c.banned)
+            out = seq.output_token_ids
+            for prefix, last in c.bad_words:
+                if len(out) >= len(prefix) and out[len(out) - len(prefix):] == prefix:
+                    word_bans.append(row * vocab + last)
+            if _num_generated(seq) < p.min_tokens and c.stop_ids.numel():
+                ban_rows.append(row)
+                bans.append(c.stop_ids)
+            if c.bias_ids.numel():
+                bias_rows.append(row)
+                bias_ids.append(c.bias_ids)
+                bias_values.append(c.bias_values)
+        if allowed_rows:
+            keep = torch.zeros(len(allowed_rows), vocab, dtype=torch.bool, device=dev)
+            keep.view(-1).index_fill_(0, _flat_index(range(len(allowed_rows)), allowed, vocab, dev), True)
+            a = _to_device(allowed_rows, torch.int64, dev)
+            x.index_copy_(0, a, x.index_select(0, a).masked_fill_(~keep, _NEG_INF))
+        if ban_rows:
+            flat.index_fill_(0, _flat_index(ban_rows, bans, vocab, dev), _NEG_INF)
+        if word_bans:
+            flat.index_fill_(0, _to_device(word_bans, torch.int64, dev), _NEG_INF)
+        if bias_rows:
+            flat.index_add_(0, _flat_index(bias_rows, bias_ids, vocab, dev), torch.cat(bias_values))
+        penalized = [(row, seq) for row, seq in zip(rows, seqs, strict=True) if _has_penalty(seq.params)]
+        if penalized:
+            _apply_penalties(x, [r for r, _ in penalized], [s for _, s in penalized])
 
 
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on `device`. On CUDA through pinned memory and non_blocking: a plain
+def _apply_penalties(x: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
+    """Repetition (prompt + output tokens: logit / p if > 0 else logit * p), then frequency (minus
+    penalty * count in the output) and presence (minus penalty once if in the output), on x[rows]."""
+    dev, vocab = x.device, x.shape[-1]
+    n = len(rows)
+    out_counts = _token_counts([s.output_token_ids for s in seqs], vocab, dev)   # [n, V]
+    seen_out = out_counts > 0
+
+    def column(values: list[float]) -> torch.Tensor:
+        return _to_device(values, torch.float32, dev).view(n, 1)
+
+    whole = n == x.shape[0]   # every row (the usual case): in place, no gather
+    idx = None if whole else _to_device(rows, torch.int64, dev)
+    sub = x if whole else x.index_select(0, idx)
+    # Each penalty only when some row has it: each is a few passes over [n, V].
+    if any(s.params.repetition_penalty != 1 for s in seqs):
+        prompts = [s.prompt_token_ids if s.params.repetition_penalty != 1 else [] for s in seqs]
+        seen = seen_out | (_token_counts(prompts, vocab, dev) > 0)
+        rep = column([s.params.repetition_penalty for s in seqs])
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    if any(s.params.frequency_penalty != 0 for s in seqs):
+        sub = sub.sub_(column([s.params.frequency_penalty for s in seqs]) * out_counts)
+    if any(s.params.presence_penalty != 0 for s in seqs):
+        sub = sub.sub_(column([s.params.presence_penalty for s in seqs]) * seen_out)
+    if whole:
+        if sub is not x:
+            x.copy_(sub)
+    else:
+        x.index_copy_(0, idx, sub)
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(token_lists), vocab] fp32: how often each id occurs in each list (ids outside the
+    vocabulary are not counted). One upload and one index_add for the whole batch."""
+    lengths = [len(t) for t in token_lists]
+    counts = torch.zeros(len(token_lists), vocab, dtype=torch.float32, device=device)
+    total = sum(lengths)
+    if total == 0:
+        return counts
+    host = array("q")
+    for t in token_lists:
+        host.extend(t)
+    ids = _to_device(host, torch.int64, device)
+    valid = ((ids >= 0) & (ids < vocab)).float()
+    row = torch.repeat_interleave(_to_device(lengths, torch.int64, device), output_size=total)
+    counts.view(-1).index_add_(0, row * vocab + ids.clamp(0, vocab - 1), valid)
+    return counts
+
+
+def _flat_index(rows: Iterable[int], ids: list[torch.Tensor], vocab: int, device: torch.device) -> torch.Tensor:
+    """Positions in a row-major [*, vocab] tensor: ids[k] (device int64) in row rows[k]."""
+    rows = list(rows)
+    lengths = [t.numel() for t in ids]
+    row = torch.repeat_interleave(_to_device(rows, torch.int64, device),
+                                  _to_device(lengths, torch.int64, device), output_size=sum(lengths))
+    return row * vocab + torch.cat(ids)
+
+
+def _to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list (or array) on `device`. On CUDA through pinned memory and non_blocking: a plain
     torch.tensor(..., device=cuda) copies from pageable memory, which waits for the whole stream."""
-    host = torch.tensor(values, dtype=dtype)
+    if isinstance(values, array):
+        host = torch.frombuffer(values, dtype=dtype) if len(values) else torch.empty(0, dtype=dtype)
+    else:
+        host = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
 
 
 def probs_from_logits(logits: torch.Tensor, *, temperature: torch.Tensor, top_k: torch.Tensor,
-                      top_p: torch.Tensor) -> torch.Tensor:
-    """Softmax(logits / T) restricted to the top-k and then the top-p nucleus, per row.
+                      top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax(logits / T) restricted by min_p, then to the top-k, then to the top-p nucleus, per row.
 
-    top_k 0 = off; top_p >= 1 = off. The most likely token always survives both filters, whatever
-    top_p is (0.0 included: a tiny top_p underflows in float32). Every row is a distribution (no
-    NaN, sums to 1): a row with no finite logit, or one that overflows, is one-hot on its argmax.
+    min_p 0 or None = off (drops tokens whose probability is below min_p * the top one's); top_k 0 =
+    off; top_p >= 1 = off. The most likely token always survives every filter, whatever top_p is
+    (0.0 included: a tiny top_p underflows in float32). Every row is a distribution (no NaN, sums
+    to 1): a row with no finite logit, or one that overflows, is one-hot on its argmax.
     """
     logits = logits.float()
-    logits = logits.masked_fill(logits.isnan(), float("-inf"))
+    logits = logits.masked_fill(logits.isnan(), _NEG_INF)
     top = logits.argmax(dim=-1, keepdim=True)
     # Shift before dividing: every value is <= 0, so a small T can push logits to -inf but never
     # to +inf (softmax is shift-invariant, so the distribution is unchanged).
     row_max = logits.max(dim=-1, keepdim=True).values
     temperature = temperature.float().nan_to_num(nan=1.0).clamp_min(MIN_TEMPERATURE).unsqueeze(1)
     logits = (logits - row_max) / temperature
+    if min_p is not None:
+        # p_i < min_p * p_max  <=>  exp(l_i - l_max) < min_p  <=>  l_i < log(min_p) (l_max is 0 here);
+        # log(0) = -inf drops nothing, and the top token (0 >= log(min_p <= 1)) always stays.
+        logits = logits.masked_fill(logits < min_p.float().clamp(0, 1).log().unsqueeze(1), _NEG_INF)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
     top_k = top_k.clamp(0, vocab)
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+    sorted_logits = sorted_logits.masked_fill(ranks >= k, _NEG_INF)
     sorted_probs = sorted_logits.softmax(dim=-1)
     # Drop a token when the mass strictly before it already reaches top_p; never the first one.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     top_p = top_p.float().unsqueeze(1)
     drop = (mass_before >= top_p) & (top_p < 1) & (ranks > 0)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    filtered = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    filtered = torch.full_like(logits, _NEG_INF).scatter(1, order, sorted_logits)
     probs = filtered.softmax(dim=-1)
     # Rows that are still no distribution (all -inf or +inf logits): their argmax, like greedy.
     # In place, without a sync or another [rows, V] tensor.
     bad = ~(probs.isfinite().all(dim=-1, keepdim=True) & (probs.sum(dim=-1, keepdim=True) > 0))
     probs.masked_fill_(bad, 0.0)
     return probs.scatter_(1, top, torch.where(bad, 1.0, probs.gather(1, top)))
+

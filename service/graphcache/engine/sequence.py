@@ -16,9 +16,10 @@ resumes by re-prefilling prompt + outputs and continues where it stopped.
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from graphcache.engine.errors import InvalidRequest
 from graphcache.metrics import FINISH_REASONS
@@ -49,6 +50,10 @@ class TokenLogprob:
 @dataclass
 class SamplingParams:
     """OpenAI-style sampling knobs. temperature 0 means greedy."""
+
+    # Stop strings per request: the detokenizer searches them all each token (one regex, over the
+    # last few characters only), so many are cheap; the bound keeps a request from making it costly.
+    MAX_STOP_STRINGS: ClassVar[int] = 64
 
     max_tokens: int | None = 16   # None: the rest of the context window (the engine resolves it at submit)
     temperature: float = 1.0
@@ -87,6 +92,57 @@ class SamplingParams:
             raise InvalidRequest(f"top_k must be >= 0 (0 = off), got {self.top_k}", param="top_k")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty", param="stop")
+        if len(self.stop) > self.MAX_STOP_STRINGS:
+            raise InvalidRequest(f"at most {self.MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}",
+                                 param="stop")
+        self._check_ids(self.stop_token_ids, "stop_token_ids")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {value}", param=name)
+        if not 0 < self.repetition_penalty < math.inf:
+            raise InvalidRequest(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}",
+                                 param="repetition_penalty")
+        self._check_ids(list(self.logit_bias), "logit_bias")
+        for token, bias in self.logit_bias.items():
+            if not -100 <= bias <= 100:
+                raise InvalidRequest(f"logit_bias values must be in [-100, 100], got {bias} for token {token}",
+                                     param="logit_bias")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise InvalidRequest(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}", param="min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequest(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+                                 param="min_tokens")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequest(f"min_p must be in [0, 1] (0 = off), got {self.min_p}", param="min_p")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise InvalidRequest("allowed_token_ids must not be empty (leave it out to allow every token)",
+                                     param="allowed_token_ids")
+            self._check_ids(self.allowed_token_ids, "allowed_token_ids")
+        for word in self.bad_words_token_ids:
+            if not word:
+                raise InvalidRequest("each bad word must be a non-empty list of token ids",
+                                     param="bad_words_token_ids")
+            self._check_ids(word, "bad_words_token_ids")
+
+    def validate_token_ids(self, vocab_size: int) -> None:
+        """Raise InvalidRequest when a token-id control names an id outside [0, vocab_size) (the core
+        calls this: validate() does not know the vocabulary)."""
+        for name, ids in (("logit_bias", self.logit_bias), ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("stop_token_ids", self.stop_token_ids),
+                          ("bad_words_token_ids", [t for word in self.bad_words_token_ids for t in word])):
+            bad = sorted({t for t in ids if not 0 <= t < vocab_size})
+            if bad:
+                raise InvalidRequest(f"{name} has token ids outside the vocabulary [0, {vocab_size}): "
+                                     f"{bad[:5]}{' ...' if len(bad) > 5 else ''}", param=name)
+
+    @staticmethod
+    def _check_ids(ids, param: str) -> None:
+        """Token ids must be integers >= 0 (the upper bound is the vocabulary: validate_token_ids)."""
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise InvalidRequest(f"{param} must hold token ids (integers >= 0), got {t!r}", param=param)
 
     @property
     def greedy(self) -> bool:

@@ -4,8 +4,12 @@ scheduler's postprocess runs them after every step.
 Stop rules (checked after each new token, in this order): stop token ids and EOS (unless
 ignore_eos) -> "stop"; stop strings on the incrementally detokenized text -> "stop", with the stop
 string and anything after it cut from the output (OpenAI semantics; the detokenizer does the cut
-and holds back a tail that could still become a stop string); max_tokens or max_model_len
--> "length".
+and holds back a tail that could still become a stop string; include_stop_str_in_output puts the
+stop string back, so the text ends with it); max_tokens or max_model_len -> "length".
+
+min_tokens (vLLM semantics): stop and EOS ids do not stop a sequence with fewer than min_tokens
+outputs (the sampler also masks them until then), and stop strings are looked for only once it
+has more than min_tokens outputs (a stop string must end in text of a later token).
 
 Text comes from the tokenizer's IncrementalDetokenizer (model/tokenizer.py): add(ids) returns only
 text that is safe to emit (no split UTF-8 character, no tail that may still grow into a stop
@@ -21,11 +25,18 @@ def check_stop(seq: Sequence, token_id: int, *, eos_token_ids: set[int] | frozen
                max_model_len: int) -> str | None:
     """Update `seq`'s text with its newest token (already appended) and return a finish reason or None."""
     params = seq.params
-    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
+    may_stop = seq.num_output_tokens >= params.min_tokens
+    if may_stop and (token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids)):
         return "stop"   # the stop token stays in token ids but adds no text (like OpenAI/vLLM)
-    if seq.detokenizer is not None and not seq.defer_text:
-        seq.output_text += seq.detokenizer.add([token_id])
-        if seq.detokenizer.stopped is not None:
+    detok = seq.detokenizer
+    if detok is not None and not seq.defer_text:
+        if params.min_tokens and detok.stop:
+            seq.output_text += detok.add([token_id], find_stop=seq.num_output_tokens > params.min_tokens)
+        else:
+            seq.output_text += detok.add([token_id])
+        if detok.stopped is not None:
+            if params.include_stop_str_in_output:
+                seq.output_text += detok.stopped   # cut by the detokenizer, with everything after it
             return "stop"
     if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
         return "length"

@@ -287,8 +287,12 @@ class IncrementalDetokenizer:
     Never emits broken UTF-8: while the decoded tail ends in U+FFFD (a multi-byte character split
     across tokens) it holds the text back. With stop strings it also holds back the last
     len(longest stop) - 1 characters (they may start a stop string), and once a stop string
-    appears it truncates the text before it and sets `stopped` to that string. Call finish() at
-    the end of the sequence for whatever was held back. `text` is everything emitted so far.
+    appears it truncates the text before it and sets `stopped` to that string (the earliest one in
+    the text; of those starting at the same place, the shortest). Any number of stop strings cost
+    one regex search per step over the new characters plus the held-back tail. add(ids,
+    find_stop=False) (before min_tokens) decodes without looking for stops; a stop string found
+    later must end in text decoded after that. Call finish() at the end of the sequence for
+    whatever was held back. `text` is everything emitted so far.
     Decoding uses a sliding window of ids (prefix/read offsets) so each step costs O(window),
     not O(sequence length), while keeping the spacing a whole-sequence decode would produce.
     """
@@ -306,6 +310,10 @@ class IncrementalDetokenizer:
         self.text = ""               # emitted text
         self.stop = [s for s in (stop or []) if s]
         self._hold = max((len(s) for s in self.stop), default=1) - 1
+        # Shortest first: at one position the regex takes the first alternative that matches.
+        self._stop_re = (re.compile("|".join(re.escape(s) for s in sorted(set(self.stop), key=len)))
+                         if self.stop else None)
+        self._stop_ends_after = 0    # a stop string must end past this many decoded chars (min_tokens)
         self.stopped: str | None = None
 
     def _decode_new(self, final: bool) -> None:
@@ -317,12 +325,14 @@ class IncrementalDetokenizer:
             self._decoded += full[len(prefix_text):]
             self._prefix, self._read = self._read, len(self.ids)
 
-    def add(self, token_ids: list[int]) -> str:
+    def add(self, token_ids: list[int], find_stop: bool = True) -> str:
         if self.stopped is not None:
             return ""
         self.ids.extend(token_ids)
         self._decode_new(final=False)
-        return self._emit(final=False)
+        if not find_stop:
+            self._stop_ends_after = len(self._decoded)
+        return self._emit(final=False, find_stop=find_stop)
 
     def finish(self) -> str:
         """End of sequence: flush held-back text (a trailing broken character decodes as U+FFFD)."""
@@ -330,14 +340,19 @@ class IncrementalDetokenizer:
             self._decode_new(final=True)
         return self._emit(final=True)
 
-    def _emit(self, final: bool) -> str:
-        if self.stopped is None and self.stop:
-            # A new stop string can only start within the last (hold) chars already emitted.
-            search_from = max(len(self.text) - self._hold, 0)
-            hits = [(i, s) for s in self.stop if (i := self._decoded.find(s, search_from)) >= 0]
-            if hits:
-                cut, self.stopped = min(hits)
-                self._decoded = self._decoded[:cut]
+    def _emit(self, final: bool, find_stop: bool = True) -> str:
+        if self.stopped is None and self._stop_re is not None and find_stop:
+            # A new stop string can only start within the last (hold) chars already emitted, and must
+            # end after the text decoded while stops were off.
+            pos = max(len(self.text) - self._hold, self._stop_ends_after - self._hold, 0)
+            while (hit := self._stop_re.search(self._decoded, pos)) is not None:
+                at = hit.start()
+                late = [s for s in self.stop if at + len(s) > self._stop_ends_after and self._decoded.startswith(s, at)]
+                if late:
+                    self.stopped = min(late, key=len)
+                    self._decoded = self._decoded[:at]
+                    break
+                pos = at + 1
         end = len(self._decoded)
         if not final and self.stopped is None and self.stop:
             end = max(end - self._hold, len(self.text))
