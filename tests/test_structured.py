@@ -213,3 +213,39 @@ def test_apply_on_cuda_matches_cpu(runner, structured):
     structured.apply(logits, seqs)
     structured.apply(on_gpu, seqs)
     assert torch.equal(on_gpu.cpu(), logits)
+
+
+def _engine_integrated() -> bool:
+    from graphcache.engine.core import EngineCore
+
+    return hasattr(EngineCore, "structured")
+
+
+@pytest.mark.skipif(not _engine_integrated(), reason="EngineCore does not call engine/structured.py yet")
+def test_engine_serves_constrained_requests_alike_with_and_without_async_scheduling():
+    """Through EngineCore: constrained requests next to a free one end with "stop" and valid output,
+    and async scheduling (which must not overlap grammar steps) changes nothing."""
+    from graphcache.engine.core import EngineCore
+    from test_async_scheduling import drive
+
+    path = tiny_checkpoint("llama")
+    pattern = r"[0-9]{3}-[a-z]{2}"
+    reqs = [("j", prompt_ids(8, seed=1), SamplingParams(max_tokens=150, seed=1, structured=StructuredSpec(
+                "json_schema", json.dumps(SCHEMA)))),
+            ("c", prompt_ids(5, seed=2), SamplingParams(max_tokens=20, seed=2, structured=StructuredSpec(
+                "choice", ("alpha", "beta gamma")))),
+            ("r", prompt_ids(6, seed=3), SamplingParams(max_tokens=30, seed=3, structured=StructuredSpec(
+                "regex", pattern))),
+            ("free", prompt_ids(7, seed=4), SamplingParams(max_tokens=12, seed=4, ignore_eos=True))]
+    results = []
+    for mode in ("off", "on"):
+        settings = cpu_settings(path, async_scheduling=mode)
+        core = EngineCore(ModelRunner(settings), settings)
+        results.append(drive(core, reqs))
+    assert results[0] == results[1]
+    decode = core.runner.tokenizer.decode
+    text = {rid: decode(ids) for rid, (ids, _) in results[0].items()}
+    assert {rid: reason for rid, (_, reason) in results[0].items()} == {
+        "j": "stop", "c": "stop", "r": "stop", "free": "length"}
+    validate(json.loads(text["j"]), SCHEMA)
+    assert text["c"] in ("alpha", "beta gamma") and re.fullmatch(pattern, text["r"])
