@@ -151,8 +151,10 @@ class Tokenizer:
     # --- chat ---
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tokenize: bool = False, **extra: Any) -> str | list[int]:
-        """Render messages ([{"role", "content"}]) to the model's prompt text (or, tokenize=True, its ids
-        by `encode_chat`: content's special-token strings as plain text).
+        """Render messages ([{"role", "content"}], plus tool messages and assistant tool_calls, see
+        `normalize_chat`) to the model's prompt text (or, tokenize=True, its ids by `encode_chat`:
+        content's special-token strings as plain text). `tools=[OpenAI tool dicts]` reaches the
+        template as `tools`, the HF convention.
 
         Raises ChatTemplateError when the template refuses the messages (`raise_exception`, or any
         template error while rendering them). A template that does not compile is a server problem
@@ -164,7 +166,7 @@ class Tokenizer:
         import jinja2
 
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            return self._template.render(messages=normalize_chat(messages), add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                                          pad_token=self.pad_token or "", **extra)
         except _TemplateRaised as e:
@@ -173,21 +175,24 @@ class Tokenizer:
             raise ChatTemplateError(f"the chat template failed on these messages: {e}") from None
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
-                    allow_special_in_content: bool = False, **extra: Any) -> list[int]:
+                    allow_special_in_content: bool = False, tools: list[dict[str, Any]] | None = None,
+                    **extra: Any) -> list[int]:
         """The prompt ids of a chat: the template's own markers are special tokens; special-token strings
-        inside message content are encoded as plain text (allow_special_in_content=True: as special
-        tokens, for trusted clients). Releases the interpreter lock while encoding.
+        inside client text (message content, tool calls, tool definitions) are encoded as plain text
+        (allow_special_in_content=True: as special tokens, for trusted clients). Releases the
+        interpreter lock while encoding. `tools` (OpenAI tool dicts) goes to the template.
 
-        Without such strings in any content (the usual case) this is exactly render + encode, token for
-        token HF's `apply_chat_template(tokenize=True)`. Otherwise each special string in content is
-        swapped for a random placeholder before rendering (so the template sees no marker it did not
-        write), the rendered text is encoded, and every stretch of text between two of the template's
-        own special tokens that holds a content one is re-encoded with special tokens split (the same
-        per-stretch encoding the library does between special tokens; only a sentencepiece-style
-        `prepend_scheme: first` tokenizer may start such a stretch with a different first token)."""
-        contents = [m.get("content") for m in messages]
-        if allow_special_in_content or not any(isinstance(c, str) and self.has_special_text(c) for c in contents):
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra),
+        Without such strings in any client text (the usual case) this is exactly render + encode, token
+        for token HF's `apply_chat_template(tokenize=True)`. Otherwise each special string in client
+        text is swapped for a random placeholder before rendering (so the template sees no marker it did
+        not write), the rendered text is encoded, and every stretch of text between two of the
+        template's own special tokens that holds a client one is re-encoded with special tokens split
+        (the same per-stretch encoding the library does between special tokens; only a
+        sentencepiece-style `prepend_scheme: first` tokenizer may start such a stretch with a different
+        first token)."""
+        messages = normalize_chat(messages)
+        if allow_special_in_content or not any(self.has_special_text(t) for t in _strings((messages, tools))):
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools=tools, **extra),
                                add_special_tokens=False)
         tag = str(secrets.randbelow(10 ** 18))
         originals: list[str] = []
@@ -196,10 +201,12 @@ class Tokenizer:
             originals.append(match.group(0))
             return f"\U000F0000{tag}.{len(originals) - 1}\U000F0001"
 
-        masked = [{**m, "content": self._special_re.sub(placeholder, m["content"])}
-                  if isinstance(m.get("content"), str) else m for m in messages]
-        rendered = self.apply_chat_template(masked, add_generation_prompt, **extra)
-        # Put the special strings back, remembering where content put them.
+        def mask(text: str) -> str:
+            return self._special_re.sub(placeholder, text)
+
+        rendered = self.apply_chat_template(_map_strings(messages, mask), add_generation_prompt,
+                                            tools=_map_strings(tools, mask), **extra)
+        # Put the special strings back, remembering where client text put them.
         parts: list[str] = []
         content_spans: list[tuple[int, int]] = []
         pos = length = 0
@@ -257,6 +264,58 @@ class _TemplateRaised(Exception):
     def __init__(self, message: Any) -> None:
         super().__init__(str(message))
         self.message = str(message)
+
+
+def normalize_chat(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as HF chat templates expect them: an assistant message's `tool_calls[i].function.arguments`
+    as a dict (OpenAI sends a JSON string; Qwen/Hermes templates render it with `tojson`). Tool
+    messages ({"role": "tool", "content", "tool_call_id"}) pass as they are. Raises ChatTemplateError
+    for arguments that are not a JSON object."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if calls:
+            fixed = []
+            for i, call in enumerate(calls):
+                fn = call.get("function") if isinstance(call, dict) else None
+                args = fn.get("arguments") if isinstance(fn, dict) else None
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args) if args.strip() else {}
+                    except json.JSONDecodeError:
+                        args = None
+                    if not isinstance(args, dict):
+                        raise ChatTemplateError(f"tool_calls[{i}].function.arguments must be a JSON object "
+                                                "(as a string), as the model produced it")
+                    call = {**call, "function": {**fn, "arguments": args}}
+                fixed.append(call)
+            m = {**m, "tool_calls": fixed}
+        out.append(m)
+    return out
+
+
+def _strings(value: Any):
+    """Every string inside nested dicts/lists (keys too)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings(v)
+
+
+def _map_strings(value: Any, fn) -> Any:
+    """A copy of nested dicts/lists with fn applied to every string (keys too)."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {_map_strings(k, fn): _map_strings(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_map_strings(v, fn) for v in value]
+    return value
 
 
 def _compile_template(source: str):
