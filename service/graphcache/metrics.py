@@ -5,11 +5,26 @@ record directly, from the engine thread, without importing the HTTP floor.
 prometheus-client instruments are thread-safe; the API floor only exposes
 `Metrics.registry`. Names: prefix `graphcache_`, base units, `_total` on counters,
 bounded labels (mode, reason, backend: a handful of values each).
+
+The same registry carries vLLM's `vllm:` series (vllm_metrics.py, `Metrics.vllm`), so dashboards
+and autoscalers built for vLLM read graphcache unchanged, and the process metrics (process_*,
+python_*) that prometheus_client's default registry would have.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
+
+from graphcache.vllm_metrics import VllmMetrics
 
 # Buckets sized for what these measure: captures take 1 ms - 10 s, a step 0.1 ms - 10 s.
 CAPTURE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -23,14 +38,21 @@ FAILURE_REASONS = ("error", "oom", "budget")
 STEP_MODES = ("replay", "eager")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 CAPTURE_MODES = ("full", "breakable")
+# The `model_name` label of the vllm: series until bind_model() names the served model: what the
+# Engine serves when no model is configured (create_app binds the engine's real name).
+DEFAULT_MODEL_NAME = "graphcache-tiny"
 
 
 class Metrics:
     """Every instrument, created on its own registry (tests build many servers in one process)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = DEFAULT_MODEL_NAME) -> None:
         self.registry = r = registry if registry is not None else CollectorRegistry()
         p = "graphcache_"
+        if r is not REGISTRY:   # the global registry has them already
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
+            GCCollector(registry=r)
 
         # --- graph cache ---
         self.graph_backend = Gauge(p + "graph_backend_info", "Capture backend in use (1 for the active one)",
@@ -67,6 +89,11 @@ class Metrics:
         self.requests_waiting = Gauge(p + "num_requests_waiting", "Requests queued for admission", registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Share of KV blocks in use (0-1)", registry=r)
         self.preemptions = Counter(p + "num_preemptions", "Sequences preempted (recomputed later)", registry=r)
+        # Prompt tokens looked up in the prefix cache at admission, and those found (vLLM counts tokens).
+        self.prefix_cache_queries = Counter(p + "prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                            "cache", registry=r)
+        self.prefix_cache_hits = Counter(p + "prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                         registry=r)
         self.step_seconds = Histogram(p + "step_seconds", "Wall time of one model step, by mode", ["mode"],
                                       buckets=STEP_BUCKETS, registry=r)
         self.batch_size = Histogram(p + "batch_size", "Requests in one step", buckets=BATCH_BUCKETS, registry=r)
@@ -92,3 +119,10 @@ class Metrics:
             self.requests_finished.labels(reason)
         for reason in ("queue_full", "invalid", "draining"):
             self.requests_rejected.labels(reason)
+
+        # --- vLLM's names, on the same registry ---
+        self.vllm = VllmMetrics(self, r, model_name)
+
+    def bind_model(self, model_name: str) -> None:
+        """The served model id, for the `model_name` label of the vllm: series (before traffic)."""
+        self.vllm.bind_model(model_name)

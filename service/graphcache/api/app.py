@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
+from prometheus_fastapi_instrumentator import Instrumentator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from graphcache import __version__
@@ -29,6 +30,9 @@ from graphcache.engine.engine import DEAD_MESSAGE, Engine, EngineState  # probes
 from graphcache.metrics import Metrics
 
 __all__ = ["create_app"]
+
+# Paths kept out of the HTTP metrics: scrapes and probes would drown the traffic (vLLM leaves out the same).
+UNMEASURED_PATHS = ["/metrics", "/health", "/ready", "/ping", "/version"]
 
 log = logging.getLogger("graphcache.api")
 
@@ -82,6 +86,8 @@ def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) 
     metrics = metrics if metrics is not None else (getattr(engine, "metrics", None) or Metrics())
     if engine is None:
         engine = Engine(settings, metrics)
+    if getattr(engine, "model_name", None):   # the vllm: series' model_name label; set before any traffic
+        metrics.bind_model(engine.model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -151,4 +157,7 @@ def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) 
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type", "X-Request-ID"])
     app.add_middleware(RequestContextMiddleware)
+    # HTTP series (http_requests_total, http_request_duration_seconds, ...) as vLLM exposes them, on the
+    # server's registry: exposition.py serves them on /metrics; the instrumentator's own endpoint is not used.
+    Instrumentator(excluded_handlers=UNMEASURED_PATHS, registry=metrics.registry).instrument(app)
     return app

@@ -239,9 +239,11 @@ class EngineCore:
             m.step_seconds.labels(p.mode).observe(t_done - p.launched_at)
             m.batch_size.observe(len(p.plan.scheduled))
             m.generation_tokens.inc(sum(t is not None for t in tokens))
+            m.vllm.observe_step(p.plan.num_tokens)
             for seq in changed:
                 if seq.num_output_tokens == 1 and seq.first_token_time == now:
                     m.ttft.observe(now - seq.arrival_time)
+                    m.vllm.observe_first_token(now - seq.arrival_time)
                     m.prompt_tokens.inc(seq.num_prompt_tokens)
         outputs = [self._output(seq) for seq in changed]
         self.phase_seconds["sample"] += t_done - t0
@@ -332,8 +334,10 @@ class EngineCore:
         m = self.metrics
         if m is None:
             return
-        m.requests_finished.labels(seq.finish_reason).inc()
-        m.e2e.observe(time.monotonic() - seq.arrival_time)
+        now = time.monotonic()
+        m.requests_finished.labels(seq.finish_reason).inc()   # vllm:request_success mirrors it
+        m.e2e.observe(now - seq.arrival_time)
+        m.vllm.observe_finished(seq, now)
         if seq.num_output_tokens > 1 and seq.first_token_time is not None:
             # Mean time between output tokens of this request (per request, not per token: a
             # histogram observation per token costs ~1 ms a step at batch 256).
@@ -345,3 +349,7 @@ class EngineCore:
             self.metrics.requests_running.set(len(self.scheduler.running))
             self.metrics.requests_waiting.set(len(self.scheduler.waiting))
             self.metrics.kv_usage.set(self.block_manager.usage)
+            if not self.metrics.vllm.cache_config:   # vllm:cache_config_info: the KV cache's shape, once
+                bm = self.block_manager
+                self.metrics.vllm.set_cache_config(block_size=bm.block_size, num_gpu_blocks=bm.num_blocks,
+                                                   cache_dtype=str(getattr(self.runner, "dtype", "auto")).removeprefix("torch."))
