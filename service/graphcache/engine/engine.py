@@ -82,6 +82,8 @@ class Engine:
                  runner_factory: Callable[[Settings, Metrics | None], Runner] | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
+        if metrics is not None:   # the vllm: series' model_name label, also for engines built outside create_app
+            metrics.bind_model(self.model_name)
         self._runner_factory = runner_factory or ModelRunner   # tests pass a fake
         self._inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
