@@ -10,8 +10,8 @@ from graphcache.engine.scheduler import Scheduler
 from graphcache.engine.sequence import SamplingParams, Sequence, SequenceStatus
 
 
-def make(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_step=32, max_model_len=256):
-    bm = BlockManager(num_blocks, block_size)
+def make(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_step=32, max_model_len=256, prefix_caching=True):
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
     return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens_step,
                      max_model_len=max_model_len)
 
@@ -130,7 +130,9 @@ def test_preemption_by_recompute_resumes_with_outputs_kept():
 
 
 def test_resumed_sequence_reprefills_prompt_plus_outputs():
-    sched = make(num_blocks=3, block_size=4, max_tokens_step=64)
+    # Without prefix caching the whole prompt + outputs is recomputed (with it, see
+    # test_prefix_caching.py: the resumed sequence finds its own blocks again).
+    sched = make(num_blocks=3, block_size=4, max_tokens_step=64, prefix_caching=False)
     a, b = seq("a", 4, max_tokens=6), seq("b", 4, max_tokens=6)
     kv = FakeKV(sched)
     sched.add(a)
