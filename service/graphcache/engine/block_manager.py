@@ -9,9 +9,11 @@ Prefix caching (automatic, vLLM's APC; on unless `enable_prefix_caching=False`):
   before it, its own token ids). The identity of a registered block is (block id, generation); the
   generation changes whenever the block leaves the cache, so a key naming an evicted parent can
   never be matched again. The key therefore chains the whole prefix: equal tokens after different
-  prefixes are different keys. The dict that holds the keys compares them in full on a hit (the
-  tokens are stored with the block, in the key), so a hash collision costs one dict probe and can
-  never serve another prefix's KV.
+  prefixes are different keys. The dict that holds the keys hashes them (the hash of the tokens
+  chained with the parent's identity) and compares them in full on a hit (the tokens are stored
+  with the block, in the key), so a hash collision costs one dict probe and can never serve
+  another prefix's KV. (Chaining the parent's *hash* instead and verifying only a block's own
+  tokens would not be enough: two different prefixes with colliding hashes would share children.)
 - Blocks are reference counted; any number of sequences may hold a registered block. A block is
   only ever written by the sequence that allocated it, at positions past its num_computed_tokens,
   and a registered block is full and computed, so nobody writes into a shared block.
@@ -30,7 +32,6 @@ behaviour is the same as before prefix caching existed.
 
 from __future__ import annotations
 
-import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -76,7 +77,8 @@ class BlockManager:
         # then free registered blocks, least recently freed first.
         self._free_plain: deque[int] = deque(range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()
-        self._chains: weakref.WeakKeyDictionary[Sequence, _SeqChain] = weakref.WeakKeyDictionary()
+        # Sequences holding blocks (identity-hashed; an entry lives from admission to free()).
+        self._chains: dict[Sequence, _SeqChain] = {}
         self.step = 0                                       # advanced by the scheduler each schedule()
         self.prefix_cache_queries = 0                       # tokens looked up at admission
         self.prefix_cache_hits = 0                          # of those, tokens found in the cache
@@ -222,13 +224,16 @@ class BlockManager:
         through the registered one, so the blocks after it still extend the shared prefix."""
         if not self.enable_prefix_caching:
             return
+        num_full = min(num_computed, seq.num_tokens, len(seq.block_table) * self.block_size) // self.block_size
         state = self._chains.get(seq)
         if state is None:
+            if num_full == 0:
+                return
             state = self._chains[seq] = _SeqChain()
-        ids = None
-        num_full = min(num_computed, seq.num_tokens, len(seq.block_table) * self.block_size) // self.block_size
+        if num_full <= len(state.chain):
+            return   # most calls (decodes inside a block) end here
+        ids = seq.all_token_ids
         for level in range(len(state.chain), num_full):
-            ids = ids if ids is not None else seq.all_token_ids
             key = (state.chain[-1] if level else None, self._block_tokens(ids, level))
             existing = self._cache.get(key)
             if existing is None:

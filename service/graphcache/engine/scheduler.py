@@ -239,7 +239,9 @@ class Scheduler:
         first reader is a later step, and steps run in order (one stream on the device, and with
         async scheduling step n+1 is launched after step n on that stream), so the write comes
         first. If the step fails instead, its requests finish with an error and their computed
-        blocks are unregistered (finish -> free(keep_cached=False)) before anything reads them."""
+        blocks are unregistered (finish -> free(keep_cached=False)) before anything reads them.
+        (A step that fails only when its tokens are fetched, after the next one was launched, is a
+        device fault: the engine stops serving.)"""
         out.scheduled.append(ScheduledSeq(seq, n, need_logits, start=seq.num_computed_tokens))
         seq.num_computed_tokens = target
         self.block_manager.commit(seq, target)
