@@ -57,6 +57,7 @@ class _SeqChain:
 
     chain: list[BlockIdentity] = field(default_factory=list)   # identity of each registered level
     num_hit: int = 0                  # leading blocks taken from the cache (not computed by this sequence)
+    next_end: int = 0                 # tokens that must be computed before another block can register
 
 
 class BlockManager:
@@ -189,7 +190,8 @@ class BlockManager:
             self._ref[block] += 1
             seq.block_table.append(block)
         if self.enable_prefix_caching:
-            self._chains[seq] = _SeqChain([(b, self._gen[b]) for b in blocks], num_hit=len(blocks))
+            self._chains[seq] = _SeqChain([(b, self._gen[b]) for b in blocks], num_hit=len(blocks),
+                                          next_end=(len(blocks) + 1) * self.block_size)
 
     def _pop_free(self) -> int:
         if self._free_plain:
@@ -224,14 +226,17 @@ class BlockManager:
         through the registered one, so the blocks after it still extend the shared prefix."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(num_computed, seq.num_tokens, len(seq.block_table) * self.block_size) // self.block_size
         state = self._chains.get(seq)
+        if state is not None and num_computed < state.next_end:
+            return   # most calls (decodes inside a block) end here: this runs for every scheduled sequence
+        bs = self.block_size
+        num_full = min(num_computed, seq.num_tokens, len(seq.block_table) * bs) // bs
         if state is None:
             if num_full == 0:
                 return
             state = self._chains[seq] = _SeqChain()
         if num_full <= len(state.chain):
-            return   # most calls (decodes inside a block) end here
+            return
         ids = seq.all_token_ids
         for level in range(len(state.chain), num_full):
             key = (state.chain[-1] if level else None, self._block_tokens(ids, level))
@@ -243,6 +248,7 @@ class BlockManager:
                 self._registered_step[block] = self.step
                 existing = block
             state.chain.append((existing, self._gen[existing]))
+        state.next_end = (len(state.chain) + 1) * bs
 
     def free(self, seq: Sequence, keep_cached: bool = True) -> int:
         """Drop seq's hold on its blocks; returns how many it held. Its computed full blocks are
