@@ -10,8 +10,8 @@ from graphcache.engine.scheduler import Scheduler
 from graphcache.engine.sequence import SamplingParams, Sequence, SequenceStatus
 
 
-def make(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_step=32, max_model_len=256):
-    bm = BlockManager(num_blocks, block_size)
+def make(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_step=32, max_model_len=256, prefix_caching=True):
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
     return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens_step,
                      max_model_len=max_model_len)
 
@@ -50,8 +50,8 @@ def step(sched, kv):
     return plan
 
 
-def run_all(sched, seqs, max_steps=10_000):
-    kv = FakeKV(sched)
+def run_all(sched, seqs, max_steps=10_000, kv=None):
+    kv = kv or FakeKV(sched)   # pass the same one to later runs: their cache hits read its slots
     for s in seqs:
         sched.add(s)
     plans = []
@@ -130,7 +130,9 @@ def test_preemption_by_recompute_resumes_with_outputs_kept():
 
 
 def test_resumed_sequence_reprefills_prompt_plus_outputs():
-    sched = make(num_blocks=3, block_size=4, max_tokens_step=64)
+    # Without prefix caching the whole prompt + outputs is recomputed (with it, see
+    # test_prefix_caching.py: the resumed sequence finds its own blocks again).
+    sched = make(num_blocks=3, block_size=4, max_tokens_step=64, prefix_caching=False)
     a, b = seq("a", 4, max_tokens=6), seq("b", 4, max_tokens=6)
     kv = FakeKV(sched)
     sched.add(a)
@@ -178,3 +180,127 @@ def test_abort_frees_blocks_at_once():
     sched.add(c)
     sched.finish(c, "abort")                 # aborting while still waiting works too
     assert c.finish_reason == "abort" and not sched.waiting
+
+
+# --- prefix caching (FakeKV checks every readback, so a wrongly shared block fails there) ---------
+
+def tseq(rid, tokens, max_tokens=4, **params):
+    return Sequence(rid, list(tokens), SamplingParams(max_tokens=max_tokens, **params))
+
+
+def first_slice(plans, s):
+    return next(x for p in plans for x in p.scheduled if x.seq is s)
+
+
+def test_cached_prefix_skips_compute_and_reports_cached_tokens():
+    sched = make(block_size=4)
+    kv = FakeKV(sched)
+    shared = list(range(1, 13))                                  # 3 full blocks
+    a = tseq("a", shared + [40, 41])
+    run_all(sched, kv=kv, seqs=[a])
+    b = tseq("b", shared + [42, 43, 44])
+    plans = run_all(sched, kv=kv, seqs=[b])
+    first = first_slice(plans, b)
+    assert (first.start, first.num_tokens, first.need_logits) == (12, 3, True)
+    assert b.num_cached_tokens == 12 and b.num_output_tokens == 4
+    bm = sched.block_manager
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (14 + 15, 12)
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_block():
+    sched = make(block_size=4)
+    kv = FakeKV(sched)
+    prompt = list(range(1, 13))                                  # exactly 3 blocks
+    run_all(sched, kv=kv, seqs=[tseq("a", prompt)])
+    b = tseq("b", prompt)
+    first = first_slice(run_all(sched, kv=kv, seqs=[b]), b)
+    # The last block is recomputed into a private block: logits exist and no shared block is written.
+    assert (first.start, first.num_tokens, first.need_logits) == (8, 4, True)
+    c = tseq("c", prompt[:9])                                    # 2 full blocks + 1 token
+    first = first_slice(run_all(sched, kv=kv, seqs=[c]), c)
+    assert (first.start, first.num_tokens) == (8, 1)
+
+
+def test_prompt_logprobs_requests_do_not_use_the_cache():
+    sched = make(block_size=4)
+    kv = FakeKV(sched)
+    prompt = list(range(1, 15))
+    run_all(sched, kv=kv, seqs=[tseq("a", prompt)])
+    b = tseq("b", prompt, prompt_logprobs=0)
+    first = first_slice(run_all(sched, kv=kv, seqs=[b]), b)
+    assert (first.start, first.num_tokens) == (0, 14) and b.num_cached_tokens == 0
+
+
+def test_identical_prompts_submitted_together_compute_shared_blocks_once():
+    sched = make(block_size=4, max_tokens_step=64)
+    kv = FakeKV(sched)
+    prompt = list(range(1, 15))                                  # 3 full blocks + 2 tokens
+    seqs = [tseq(f"n{i}", prompt) for i in range(4)]
+    plans = run_all(sched, seqs, kv=kv)
+    # Step 1: only the first (the others' next block is being computed); step 2: the rest, 2 tokens each.
+    assert [(x.seq.request_id, x.start, x.num_tokens) for x in plans[0].scheduled] == [("n0", 0, 14)]
+    assert [(x.seq.request_id, x.start, x.num_tokens) for x in plans[1].scheduled][1:] == [
+        ("n1", 12, 2), ("n2", 12, 2), ("n3", 12, 2)]
+    prefill = sum(x.num_tokens for p in plans for x in p.scheduled if x.start < 14)
+    assert prefill == 14 + 3 * 2
+    assert all(s.num_output_tokens == 4 for s in seqs)
+
+
+def test_a_waiting_sequence_waits_for_a_chunked_prefill_computing_its_blocks_fcfs():
+    sched = make(block_size=4, max_tokens_step=8)
+    kv = FakeKV(sched)
+    prompt = list(range(1, 31))                                  # 30 tokens: 4 chunks of 8
+    a, b = tseq("a", prompt), tseq("b", prompt[:28] + [49])
+    other = tseq("other", [33, 34, 35])                          # unrelated, behind b: FCFS keeps it behind
+    plans = run_all(sched, kv=kv, seqs=[a, b, other])
+    b_first, other_first = first_slice(plans, b), first_slice(plans, other)
+    step_of = {id(x): i for i, p in enumerate(plans) for x in p.scheduled}
+    a_last_prefill = max(i for i, p in enumerate(plans) for x in p.scheduled if x.seq is a and x.start < 30)
+    assert step_of[id(b_first)] > a_last_prefill                 # b waited for a's prefill to land
+    assert (b_first.start, b_first.num_tokens) == (28, 1)        # and then found all 7 of its full blocks
+    assert step_of[id(other_first)] >= step_of[id(b_first)]
+
+
+def test_preempted_sequence_finds_its_own_blocks_and_shared_blocks_survive_preemption():
+    # 7 blocks of 4: three sequences sharing a 2-block prefix grow until someone is preempted.
+    sched = make(num_blocks=7, block_size=4, max_tokens_step=64)
+    prefix = list(range(1, 9))
+    seqs = [tseq(f"p{i}", prefix + [20 + i], max_tokens=10) for i in range(3)]
+    kv = FakeKV(sched)
+    for s in seqs:
+        sched.add(s)
+    resumed = []
+    for _ in range(500):
+        if not sched.has_work():
+            break
+        waiting_before = [s for s in sched.waiting if s.num_preemptions]
+        plan = step(sched, kv)
+        resumed += [x for x in plan.scheduled if x.seq in waiting_before]
+    assert not sched.has_work() and sched.num_preemptions > 0
+    assert any(x.start > 0 for x in resumed)                     # re-prefill started after cached blocks
+    assert all(s.num_output_tokens == 10 and s.finish_reason == "length" for s in seqs)
+    assert sched.block_manager.num_free == sched.block_manager.num_usable
+
+
+def test_prefix_caching_off_computes_everything():
+    sched = make(block_size=4, max_tokens_step=64, prefix_caching=False)
+    kv = FakeKV(sched)
+    prompt = list(range(1, 15))
+    run_all(sched, kv=kv, seqs=[tseq("a", prompt)])
+    seqs = [tseq(f"b{i}", prompt) for i in range(3)]
+    plans = run_all(sched, seqs, kv=kv)
+    assert [(x.start, x.num_tokens) for x in plans[0].scheduled] == [(0, 14)] * 3
+    bm = sched.block_manager
+    assert bm.prefix_cache_queries == bm.prefix_cache_hits == 0 and all(s.num_cached_tokens == 0 for s in seqs)
+
+
+def test_an_error_finish_forgets_the_blocks_it_computed():
+    sched = make(block_size=4)
+    kv = FakeKV(sched)
+    a = tseq("a", list(range(1, 15)))
+    sched.add(a)
+    step(sched, kv)
+    sched.finish(a, "error", "step failed")                      # as EngineCore._step_failed does
+    b = tseq("b", list(range(1, 15)))
+    first = first_slice(run_all(sched, kv=kv, seqs=[b]), b)
+    assert first.start == 0

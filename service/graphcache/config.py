@@ -48,6 +48,9 @@ class Settings(BaseSettings):
     num_kv_blocks: int | None = Field(None, ge=2, description="KV blocks; default: from kv_cache_memory_fraction "
                                       "on CUDA, enough for max_num_seqs full sequences on CPU.")
     kv_cache_memory_fraction: float = Field(0.5, gt=0, lt=1, description="Share of free GPU memory for the KV cache.")
+    enable_prefix_caching: bool = Field(
+        True, description="Share the KV of full blocks between requests with the same prefix (automatic prefix "
+        "caching): a new request computes only what is not cached. Off: every prompt is computed in full.")
     max_queue: int = Field(1024, ge=1, description="Waiting requests before new ones get 429.")
     enforce_eager: bool = Field(False, description="Never capture; every step runs eagerly.")
     allow_special_tokens_in_chat: bool = Field(

@@ -13,6 +13,21 @@ No admissions happen in a step that preempted (that would just thrash).
 
 Deadlock guard: a sequence that cannot fit even in an otherwise empty cache is finished with an
 error instead of being preempted and re-admitted forever.
+
+Prefix caching (block_manager.py; on when the block manager has it on):
+- Admission looks up the longest cached prefix of full blocks of all_token_ids (a preempted
+  sequence's outputs included: it may find its own blocks again), takes those blocks and starts
+  computing after them. At least one token is always computed, so the step has logits to sample:
+  the match stops before the block holding the last token, which is recomputed into a private
+  block (a shared block is never written). The KV budget check counts only the blocks that leave
+  the free pool. A request with prompt_logprobs skips the lookup: it needs logits at every position.
+- Full blocks are registered when their tokens are committed (see _commit), so other sequences can
+  find them from the next step on.
+- In-flight sharing: a waiting sequence whose next full block is being computed right now (it is
+  registered this step) or will be computed by a running sequence's prefill (that sequence's next
+  full block has the same key) waits, and FCFS keeps everyone behind it waiting too. It is admitted
+  once the block is cached, and takes it then. So n identical prompts submitted together compute
+  their shared full blocks once, and each computes only its last partial block.
 """
 
 from __future__ import annotations
@@ -22,7 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from graphcache.engine.batch import PLACEHOLDER_TOKEN, StepBatch, StepSeq
-from graphcache.engine.block_manager import BlockManager
+from graphcache.engine.block_manager import BlockManager, PrefixMatch
 from graphcache.engine.sequence import Sequence, SequenceStatus
 from graphcache.engine.stopping import check_stop
 
@@ -90,12 +105,13 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        """Finish `seq` wherever it is and free its blocks at once."""
+        """Finish `seq` wherever it is and free its blocks at once. An error (a failed step among
+        them) drops the prefix-cache entries of the blocks it computed: their step may not have run."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        self.block_manager.free(seq, keep_cached=reason != "error")
         seq.finish(reason, error)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -120,6 +136,7 @@ class Scheduler:
     # --- the step plan --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.block_manager.begin_step()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[int] = set()
 
@@ -158,6 +175,7 @@ class Scheduler:
             budget -= n
 
         # 2. Waiting: admit FCFS into what is left, unless this step had to preempt.
+        promised: set | None = None   # next full-block keys of running sequences (built on first need)
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_inflight:
@@ -165,27 +183,68 @@ class Scheduler:
             if self._never_fits(seq, seq.num_tokens):
                 self._fail_too_big(seq, seq.num_tokens, out)
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
-            target = seq.num_computed_tokens + n
-            if not self.block_manager.can_allocate(seq, target):
+            match = self._match_prefix(seq)
+            if match.next_key is not None:
+                if promised is None:
+                    promised = {k for r in self.running if (k := bm.next_key(r)) is not None}
+                if match.stopped_on_fresh or match.next_key in promised:
+                    break  # in-flight sharing: its next block is being computed; take it from the cache later
+            num_cached = len(match.blocks) * bm.block_size      # always < seq.num_tokens
+            n = min(seq.num_tokens - num_cached, budget)
+            target = num_cached + n
+            if not bm.can_admit(match.blocks, target):
                 break  # FCFS: nobody jumps the queue; blocks come back as others finish
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            if seq.first_scheduled_time is None:
+            first_admission = seq.first_scheduled_time is None
+            if first_admission:
                 seq.first_scheduled_time = time.monotonic()
+                seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
             self.running.append(seq)
-            self.block_manager.allocate(seq, target)
+            if self._uses_prefix_cache(seq):
+                bm.record_lookup(seq.num_tokens, num_cached)
+            bm.take_cached(seq, match.blocks)
+            seq.num_computed_tokens = num_cached
+            bm.allocate(seq, target)
             self._commit(out, seq, n, target, need_logits=target == seq.num_tokens)
             scheduled_ids.add(id(seq))
             budget -= n
+            if promised is not None and (k := bm.next_key(seq)) is not None:
+                promised.add(k)
         return out
 
-    @staticmethod
-    def _commit(out: SchedulerOutput, seq: Sequence, n: int, target: int, need_logits: bool) -> None:
-        """Schedule n tokens of seq: their K/V count as computed from now on (the step that writes
-        them runs before any later step reads them), and a token to sample is now in flight."""
+    def _uses_prefix_cache(self, seq: Sequence) -> bool:
+        # prompt_logprobs needs logits at every prompt position: nothing may be skipped.
+        return self.block_manager.enable_prefix_caching and seq.params.prompt_logprobs is None
+
+    def _match_prefix(self, seq: Sequence) -> PrefixMatch:
+        """The cached full blocks a waiting sequence may take: at most up to the block before the
+        one holding its last token, which it must compute itself to get logits.
+
+        Why the last (partial) block is recomputed instead of shared copy-on-write: the sequences
+        that share a prompt would all append into that block, so each needs its own copy before
+        its first write; the runner has no device block-copy kernel, and the copy would save fewer
+        than block_size tokens of a batched prefill step, which cost next to nothing."""
+        if not self._uses_prefix_cache(seq):
+            return PrefixMatch()
+        return self.block_manager.match_prefix(seq, max_blocks=(seq.num_tokens - 1) // self.block_manager.block_size)
+
+    def _commit(self, out: SchedulerOutput, seq: Sequence, n: int, target: int, need_logits: bool) -> None:
+        """Schedule n tokens of seq: their K/V count as computed from now on, and a token to sample
+        is now in flight.
+
+        The full blocks these tokens complete are registered in the prefix cache here, before the
+        step that writes them has run. That is safe: a sequence admitted later in this same
+        schedule() never matches them (match_prefix skips blocks registered this step), so the
+        first reader is a later step, and steps run in order (one stream on the device, and with
+        async scheduling step n+1 is launched after step n on that stream), so the write comes
+        first. If the step fails instead, its requests finish with an error and their computed
+        blocks are unregistered (finish -> free(keep_cached=False)) before anything reads them.
+        (A step that fails only when its tokens are fetched, after the next one was launched, is a
+        device fault: the engine stops serving.)"""
         out.scheduled.append(ScheduledSeq(seq, n, need_logits, start=seq.num_computed_tokens))
         seq.num_computed_tokens = target
+        self.block_manager.commit(seq, target)
         if need_logits:
             seq.num_inflight += 1
 
