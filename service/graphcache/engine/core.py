@@ -9,6 +9,16 @@ Failure isolation: an exception in a step ends only that step's requests (finish
 a message safe for clients); a request whose own sampling fails ends alone. A device fault, or
 MAX_CONSECUTIVE_STEP_FAILURES failed steps in a row, raises `EngineFailure`: the caller must stop
 using this core (the Engine marks itself dead).
+
+Log probabilities (engine/logprobs.py) are computed on the device in the step that produced the
+logits, and reach the host with the sampled tokens: a sampled token's for params.logprobs, and
+for params.prompt_logprobs each prompt token's given the tokens before it (such a step runs
+eagerly and returns the logits of every fed position; chunks accumulate, entries already recorded
+are never recorded again, e.g. after a preemption's recompute).
+
+Overlap rule (async scheduling): a step whose sampling needs the previous step's tokens on the
+host (penalties, min_tokens, bad words, a grammar: `_needs_host_history`) is not overlapped: the
+step in flight completes before the next is scheduled.
 """
 
 from __future__ import annotations
@@ -24,9 +34,10 @@ from graphcache.config import Settings
 from graphcache.engine.batch import PLACEHOLDER_TOKEN, Runner, StepBatch
 from graphcache.engine.block_manager import BlockManager
 from graphcache.engine.errors import InvalidRequest
+from graphcache.engine.logprobs import Logprobs, to_device, token_logprobs
 from graphcache.engine.sampler import Sampler
 from graphcache.engine.scheduler import Scheduler, SchedulerOutput
-from graphcache.engine.sequence import RequestOutput, Sequence
+from graphcache.engine.sequence import RequestOutput, SamplingParams, Sequence
 from graphcache.engine.stopping import sendable_text
 from graphcache.metrics import Metrics
 
@@ -56,6 +67,25 @@ def is_device_failure(exc: BaseException) -> bool:
     return accelerator_error is not None and isinstance(exc, accelerator_error)
 
 
+def _needs_host_history(params: SamplingParams) -> bool:
+    """Whether sampling this request reads its previous tokens on the host (penalties, min_tokens,
+    bad words, a grammar): then its next step must not be launched before the last one's tokens
+    are appended (no overlap). Equivalent to sampler.needs_history."""
+    return (params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
+            or params.min_tokens > 0 or bool(params.bad_words_token_ids) or params.structured is not None)
+
+
+@dataclass
+class _PromptSpan:
+    """Prompt logprob entries one sequence's chunk yields: entries first_entry .. + len(targets),
+    entry i = log p(prompt[i] | prompt[:i]), from the logits of fed token `offset` on."""
+    seq: Sequence
+    num_fed: int          # tokens the sequence fed this step (its rows in StepResult.prompt_logits)
+    offset: int           # first fed token whose logits are used
+    first_entry: int      # prompt index of the first target
+    targets: list[int]    # prompt[first_entry : first_entry + count]
+
+
 @dataclass
 class _InFlight:
     """A launched step whose sampled tokens are not on the host yet."""
@@ -63,11 +93,16 @@ class _InFlight:
     sample_seqs: list[Sequence]
     tokens: torch.Tensor               # [n] int64 sampled ids, on the device (feeds placeholders)
     host: torch.Tensor                 # [n] the same on the host (pinned; valid once `ready` is done)
-    ready: torch.cuda.Event | None     # recorded after the copy (CUDA); None on the CPU
+    ready: torch.cuda.Event | None     # recorded after the copies (CUDA); None on the CPU
     failed: list[int]                  # rows whose sampling failed: their requests end with an error
     rows: dict[int, int]               # id(sequence) -> its row in tokens
     mode: str
     launched_at: float
+    needs_history: bool = False        # a sampled sequence's next sampling reads these tokens on the host
+    logprob_rows: list[int] | None = None     # rows of sample_seqs with params.logprobs set
+    sampled_logprobs: Logprobs | None = None  # their tokens' logprobs (host copies, valid once `ready`)
+    prompt_spans: list[_PromptSpan] | None = None
+    prompt_logprobs: Logprobs | None = None   # the spans' targets, in span order (host copies)
 
 
 class EngineCore:
@@ -159,9 +194,12 @@ class EngineCore:
         (wait for its tokens, postprocess): the host schedules and prepares step n+1 while the GPU
         runs step n. A decode fed step n's token gets it on the device (a placeholder input). A
         sequence that step n finished drops what step n+1 computed for it."""
+        outputs = []
+        if self._pending is not None and self._pending.needs_history:
+            outputs += self._complete_pending()   # its tokens feed the next sampling on the host: no overlap
         t_start = time.perf_counter()
         plan = self.scheduler.schedule()
-        outputs = [self._output(seq) for seq in plan.failed]
+        outputs += [self._output(seq) for seq in plan.failed]
         for seq in plan.failed:
             log.warning("request %s cannot fit: %s", seq.request_id, seq.error)
         if plan.preempted and self.metrics is not None:
@@ -192,6 +230,7 @@ class EngineCore:
     def _launch(self, plan: SchedulerOutput) -> _InFlight:
         """Execute the plan's step and sample it on the device; nothing waits for the GPU."""
         batch = plan.to_batch()
+        spans = self._flag_prompt_logits(plan, batch)
         pending = self._pending
         if pending is not None:   # placeholders: the decodes fed the in-flight step's token
             for s, step_seq in zip(plan.scheduled, batch.seqs, strict=True):
@@ -203,15 +242,62 @@ class EngineCore:
         t0 = time.perf_counter()
         result = self.runner.execute(batch)
         sample_seqs = [s.seq for s in plan.scheduled if s.need_logits]
-        tokens, failed = self._sample(result.logits[:len(sample_seqs)], sample_seqs)
+        logits = result.logits[:len(sample_seqs)]
+        logprob_rows = [i for i, seq in enumerate(sample_seqs) if seq.params.logprobs is not None]
+        if logprob_rows:   # a copy of their rows: the sampler may process logits in place
+            lp_index = to_device(logprob_rows, logits.device)
+            raw = logits.index_select(0, lp_index)                      # [m, V]
+        tokens, failed = self._sample(logits, sample_seqs)
+        sampled_logprobs = None
+        if logprob_rows:
+            k = max(sample_seqs[i].params.logprobs for i in logprob_rows)
+            sampled_logprobs = token_logprobs(raw, tokens.index_select(0, lp_index), k).to_host()
+        prompt_logprobs = self._prompt_logprobs(result.prompt_logits, spans)
         host, ready = tokens, None
-        if tokens.is_cuda:   # one small asynchronous copy; completion waits on its event
+        if tokens.is_cuda:   # small asynchronous copies (logprobs queued above); completion waits on the event
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
         rows = {id(seq): i for i, seq in enumerate(sample_seqs)}
-        return _InFlight(plan, sample_seqs, tokens, host, ready, failed, rows, result.mode, t0)
+        needs_history = any(_needs_host_history(seq.params) for seq in sample_seqs)
+        return _InFlight(plan, sample_seqs, tokens, host, ready, failed, rows, result.mode, t0, needs_history,
+                         logprob_rows, sampled_logprobs, spans, prompt_logprobs)
+
+    @staticmethod
+    def _flag_prompt_logits(plan: SchedulerOutput, batch: StepBatch) -> list[_PromptSpan]:
+        """Mark the batch's sequences whose chunk covers prompt positions with no prompt logprob yet
+        (entry i comes from position i - 1); their spans, in batch order."""
+        spans = []
+        for s, step_seq in zip(plan.scheduled, batch.seqs, strict=True):
+            seq = s.seq
+            if seq.params.prompt_logprobs is None:
+                continue
+            lo = max(s.start, len(seq.prompt_logprobs) - 1, 0)             # first position still needed
+            hi = min(s.start + s.num_tokens, seq.num_prompt_tokens - 1)    # positions predicting prompt tokens
+            if lo >= hi:
+                continue
+            step_seq.prompt_logits = True
+            spans.append(_PromptSpan(seq, s.num_tokens, lo - s.start, lo + 1, seq.prompt_token_ids[lo + 1:hi + 1]))
+        return spans
+
+    @staticmethod
+    def _prompt_logprobs(prompt_logits: torch.Tensor | None, spans: list[_PromptSpan]) -> Logprobs | None:
+        """The spans' targets' logprobs from the step's per-position logits, one batched pass."""
+        if not spans:
+            return None
+        if prompt_logits is None:
+            raise RuntimeError("the runner returned no StepResult.prompt_logits for a step with prompt_logits "
+                               "sequences; the runner must honour StepSeq.prompt_logits")
+        rows, targets, base = [], [], 0
+        for span in spans:
+            rows += range(base + span.offset, base + span.offset + len(span.targets))
+            targets += span.targets
+            base += span.num_fed
+        dev = prompt_logits.device
+        k = max(span.seq.params.prompt_logprobs for span in spans)
+        chosen = prompt_logits.index_select(0, to_device(rows, dev))   # [m, V]
+        return token_logprobs(chosen, to_device(targets, dev), k).to_host()
 
     def _complete_pending(self) -> list[RequestOutput]:
         """Wait for the step in flight (if any), append its tokens, check stops: its outputs."""
@@ -232,7 +318,10 @@ class EngineCore:
         self.num_steps += 1
         self.steps_by_mode[p.mode] = self.steps_by_mode.get(p.mode, 0) + 1
         now = time.monotonic()
+        lp_seqs = [p.sample_seqs[i] for i in p.logprob_rows or ()]
+        lengths = [seq.num_output_tokens for seq in lp_seqs]
         changed = self.scheduler.postprocess(p.plan, tokens, now)
+        self._record_logprobs(p, tokens, lp_seqs, lengths)
         m = self.metrics
         if m is not None:
             m.steps.labels(p.mode).inc()
@@ -247,6 +336,36 @@ class EngineCore:
         self.phase_seconds["sample"] += t_done - t0
         self.phase_seconds["postprocess"] += time.perf_counter() - t_done
         return outputs
+
+    @staticmethod
+    def _record_logprobs(p: _InFlight, tokens: list[int | None], lp_seqs: list[Sequence],
+                         lengths: list[int]) -> None:
+        """Append the completed step's logprobs: a sampled token's only if postprocess appended the
+        token (lengths: output lengths before it), a prompt entry only if not recorded yet."""
+        if p.sampled_logprobs is not None:
+            ids = [tokens[i] if tokens[i] is not None else -1 for i in p.logprob_rows]
+            entries = p.sampled_logprobs.entries(ids, [seq.params.logprobs for seq in lp_seqs])
+            for seq, length, entry in zip(lp_seqs, lengths, entries, strict=True):
+                if seq.num_output_tokens == length + 1:
+                    seq.output_logprobs.append(entry)
+                    seq.cumulative_logprob += entry.logprob
+        if p.prompt_logprobs is not None:
+            targets = [t for span in p.prompt_spans for t in span.targets]
+            ks = [span.seq.params.prompt_logprobs for span in p.prompt_spans for _ in span.targets]
+            entries = p.prompt_logprobs.entries(targets, ks)
+            start = 0
+            for span in p.prompt_spans:
+                mine, start = entries[start:start + len(span.targets)], start + len(span.targets)
+                recorded = span.seq.prompt_logprobs
+                if not recorded:
+                    recorded.append(None)   # prompt token 0 has no context
+                if span.first_entry > len(recorded):   # positions never computed (e.g. a cached prefix)
+                    log.warning("request %s: prompt logprobs %d..%d were not computed (prefix cache hit?)",
+                                span.seq.request_id, len(recorded), span.first_entry - 1)
+                    recorded += [None] * (span.first_entry - len(recorded))
+                for i, entry in enumerate(mine):
+                    if span.first_entry + i == len(recorded):   # else recorded already (a recompute)
+                        recorded.append(entry)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]]:
         """Sample the batch on the device: ([n] int64 ids, rows whose sampling failed). The sampler
@@ -320,13 +439,19 @@ class EngineCore:
 
     @staticmethod
     def _delta(seq: Sequence, finished: bool) -> RequestOutput | None:
-        new_ids = seq.output_token_ids[seq.num_tokens_sent:]
+        sent = seq.num_tokens_sent
+        new_ids = seq.output_token_ids[sent:]
         seq.num_tokens_sent = seq.num_output_tokens
         text = sendable_text(seq, finished)
         if not finished and not new_ids and not text:
             return None
+        params = seq.params
+        logprobs = seq.output_logprobs[sent:sent + len(new_ids)] if params.logprobs is not None else None
+        # The first output is the first with tokens (or the final one): the whole prompt has run by then.
+        prompt_logprobs = list(seq.prompt_logprobs) if sent == 0 and params.prompt_logprobs is not None else None
         return RequestOutput(seq.request_id, text, new_ids, finished, seq.finish_reason, seq.num_prompt_tokens,
-                             seq.num_output_tokens, seq.error)
+                             seq.num_output_tokens, seq.error, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                             num_cached_tokens=seq.num_cached_tokens)
 
     def _record_finish(self, seq: Sequence) -> None:
         m = self.metrics
