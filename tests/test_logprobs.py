@@ -245,3 +245,28 @@ def test_history_dependent_request_is_not_overlapped():
     plain = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     assert placeholders(plain) > 5
     assert placeholders(SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, presence_penalty=0.5)) == 0
+
+
+def test_runner_returns_every_position_for_prompt_logits_seqs(path):
+    """A batch mixing a decode, a flagged chunk and an unflagged prefill: prompt_logits holds the
+    flagged chunk's logits at each of its positions (HF's), and the usual logits rows are unchanged."""
+    from graphcache.engine.batch import StepBatch, StepSeq
+    from helpers_model import Blocks
+
+    runner = ModelRunner(cpu_settings(path))
+    blocks = Blocks(runner.block_size)
+    a, b, c = prompt_ids(9, seed=60), prompt_ids(14, seed=61), prompt_ids(6, seed=62)
+    ta, tb, tc = blocks.table(len(a)), blocks.table(len(b)), blocks.table(len(c))
+    runner.execute(StepBatch([StepSeq(a[:8], 0, ta, False), StepSeq(b[:5], 0, tb, False)]))
+
+    def batch(flag: bool) -> StepBatch:
+        return StepBatch([StepSeq(b[5:], 5, tb, True, prompt_logits=flag), StepSeq([a[8]], 8, ta, True),
+                          StepSeq(c, 0, tc, True)])
+
+    plain = runner.execute(batch(False))
+    assert plain.prompt_logits is None
+    plain_logits = plain.logits.clone()
+    flagged = runner.execute(batch(True))
+    assert flagged.mode == "eager" and flagged.prompt_logits.shape == (len(b) - 5, runner.vocab_size)
+    assert (flagged.logits - plain_logits).abs().max().item() < ATOL
+    assert (flagged.prompt_logits - hf_logits(path, b)[5:]).abs().max().item() < ATOL

@@ -117,6 +117,9 @@ class EngineCore:
         self.sampler = Sampler(default_seed=settings.seed)
         self.requests: dict[str, Sequence] = {}   # unfinished requests, by id
         self._unsent: dict[str, Sequence] = {}    # streams with tokens not in an output yet
+        # Unfinished requests whose sampling reads their history on the host (_needs_host_history):
+        # a set, so a step without any costs nothing per row.
+        self._history_seqs: set[Sequence] = set()
         self.num_steps = 0
         self.steps_by_mode: dict[str, int] = {}
         self.consecutive_failures = 0
@@ -172,6 +175,8 @@ class EngineCore:
             # Non-streaming and no stop strings: nobody reads text before the end.
             seq.defer_text = not seq.stream and not seq.params.stop
         self.requests[seq.request_id] = seq
+        if _needs_host_history(seq.params):
+            self._history_seqs.add(seq)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> RequestOutput | None:
@@ -260,7 +265,8 @@ class EngineCore:
             ready = torch.cuda.Event()
             ready.record()
         rows = {id(seq): i for i, seq in enumerate(sample_seqs)}
-        needs_history = any(_needs_host_history(seq.params) for seq in sample_seqs)
+        history = self._history_seqs
+        needs_history = bool(history) and not history.isdisjoint(sample_seqs)
         return _InFlight(plan, sample_seqs, tokens, host, ready, failed, rows, result.mode, t0, needs_history,
                          logprob_rows, sampled_logprobs, spans, prompt_logprobs)
 
@@ -296,7 +302,10 @@ class EngineCore:
             base += span.num_fed
         dev = prompt_logits.device
         k = max(span.seq.params.prompt_logprobs for span in spans)
-        chosen = prompt_logits.index_select(0, to_device(rows, dev))   # [m, V]
+        if len(spans) == 1:   # one contiguous run of rows: a view, not a [m, V] copy
+            chosen = prompt_logits[rows[0]:rows[-1] + 1]
+        else:
+            chosen = prompt_logits.index_select(0, to_device(rows, dev))   # [m, V]
         return token_logprobs(chosen, to_device(targets, dev), k).to_host()
 
     def _complete_pending(self) -> list[RequestOutput]:
@@ -422,6 +431,7 @@ class EngineCore:
         finished = seq.is_finished
         if finished:
             self.requests.pop(seq.request_id, None)
+            self._history_seqs.discard(seq)
             self._unsent.pop(seq.request_id, None)
             self._record_finish(seq)
         elif not seq.stream:
