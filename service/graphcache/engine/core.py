@@ -34,7 +34,16 @@ from graphcache.config import Settings
 from graphcache.engine.batch import PLACEHOLDER_TOKEN, Runner, StepBatch
 from graphcache.engine.block_manager import BlockManager
 from graphcache.engine.errors import InvalidRequest
-from graphcache.engine.logprobs import Logprobs, to_device, token_logprobs
+from graphcache.engine.logprobs import (
+    Logprobs,
+    PromptSpan,
+    flag_prompt_logits,
+    prompt_token_logprobs,
+    record_prompt_logprobs,
+    record_sampled_logprobs,
+    to_device,
+    token_logprobs,
+)
 from graphcache.engine.sampler import Sampler
 from graphcache.engine.scheduler import Scheduler, SchedulerOutput
 from graphcache.engine.sequence import RequestOutput, SamplingParams, Sequence
@@ -76,17 +85,6 @@ def _needs_host_history(params: SamplingParams) -> bool:
 
 
 @dataclass
-class _PromptSpan:
-    """Prompt logprob entries one sequence's chunk yields: entries first_entry .. + len(targets),
-    entry i = log p(prompt[i] | prompt[:i]), from the logits of fed token `offset` on."""
-    seq: Sequence
-    num_fed: int          # tokens the sequence fed this step (its rows in StepResult.prompt_logits)
-    offset: int           # first fed token whose logits are used
-    first_entry: int      # prompt index of the first target
-    targets: list[int]    # prompt[first_entry : first_entry + count]
-
-
-@dataclass
 class _InFlight:
     """A launched step whose sampled tokens are not on the host yet."""
     plan: SchedulerOutput
@@ -101,7 +99,7 @@ class _InFlight:
     needs_history: bool = False        # a sampled sequence's next sampling reads these tokens on the host
     logprob_rows: list[int] | None = None     # rows of sample_seqs with params.logprobs set
     sampled_logprobs: Logprobs | None = None  # their tokens' logprobs (host copies, valid once `ready`)
-    prompt_spans: list[_PromptSpan] | None = None
+    prompt_spans: list[PromptSpan] | None = None
     prompt_logprobs: Logprobs | None = None   # the spans' targets, in span order (host copies)
 
 
@@ -235,7 +233,7 @@ class EngineCore:
     def _launch(self, plan: SchedulerOutput) -> _InFlight:
         """Execute the plan's step and sample it on the device; nothing waits for the GPU."""
         batch = plan.to_batch()
-        spans = self._flag_prompt_logits(plan, batch)
+        spans = flag_prompt_logits(plan.scheduled, batch.seqs)
         pending = self._pending
         if pending is not None:   # placeholders: the decodes fed the in-flight step's token
             for s, step_seq in zip(plan.scheduled, batch.seqs, strict=True):
@@ -257,7 +255,7 @@ class EngineCore:
         if logprob_rows:
             k = max(sample_seqs[i].params.logprobs for i in logprob_rows)
             sampled_logprobs = token_logprobs(raw, tokens.index_select(0, lp_index), k).to_host()
-        prompt_logprobs = self._prompt_logprobs(result.prompt_logits, spans)
+        prompt_logprobs = prompt_token_logprobs(result.prompt_logits, spans)
         host, ready = tokens, None
         if tokens.is_cuda:   # small asynchronous copies (logprobs queued above); completion waits on the event
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -269,44 +267,6 @@ class EngineCore:
         needs_history = bool(history) and not history.isdisjoint(sample_seqs)
         return _InFlight(plan, sample_seqs, tokens, host, ready, failed, rows, result.mode, t0, needs_history,
                          logprob_rows, sampled_logprobs, spans, prompt_logprobs)
-
-    @staticmethod
-    def _flag_prompt_logits(plan: SchedulerOutput, batch: StepBatch) -> list[_PromptSpan]:
-        """Mark the batch's sequences whose chunk covers prompt positions with no prompt logprob yet
-        (entry i comes from position i - 1); their spans, in batch order."""
-        spans = []
-        for s, step_seq in zip(plan.scheduled, batch.seqs, strict=True):
-            seq = s.seq
-            if seq.params.prompt_logprobs is None:
-                continue
-            lo = max(s.start, len(seq.prompt_logprobs) - 1, 0)             # first position still needed
-            hi = min(s.start + s.num_tokens, seq.num_prompt_tokens - 1)    # positions predicting prompt tokens
-            if lo >= hi:
-                continue
-            step_seq.prompt_logits = True
-            spans.append(_PromptSpan(seq, s.num_tokens, lo - s.start, lo + 1, seq.prompt_token_ids[lo + 1:hi + 1]))
-        return spans
-
-    @staticmethod
-    def _prompt_logprobs(prompt_logits: torch.Tensor | None, spans: list[_PromptSpan]) -> Logprobs | None:
-        """The spans' targets' logprobs from the step's per-position logits, one batched pass."""
-        if not spans:
-            return None
-        if prompt_logits is None:
-            raise RuntimeError("the runner returned no StepResult.prompt_logits for a step with prompt_logits "
-                               "sequences; the runner must honour StepSeq.prompt_logits")
-        rows, targets, base = [], [], 0
-        for span in spans:
-            rows += range(base + span.offset, base + span.offset + len(span.targets))
-            targets += span.targets
-            base += span.num_fed
-        dev = prompt_logits.device
-        k = max(span.seq.params.prompt_logprobs for span in spans)
-        if len(spans) == 1:   # one contiguous run of rows: a view, not a [m, V] copy
-            chosen = prompt_logits[rows[0]:rows[-1] + 1]
-        else:
-            chosen = prompt_logits.index_select(0, to_device(rows, dev))   # [m, V]
-        return token_logprobs(chosen, to_device(targets, dev), k).to_host()
 
     def _complete_pending(self) -> list[RequestOutput]:
         """Wait for the step in flight (if any), append its tokens, check stops: its outputs."""
@@ -330,7 +290,10 @@ class EngineCore:
         lp_seqs = [p.sample_seqs[i] for i in p.logprob_rows or ()]
         lengths = [seq.num_output_tokens for seq in lp_seqs]
         changed = self.scheduler.postprocess(p.plan, tokens, now)
-        self._record_logprobs(p, tokens, lp_seqs, lengths)
+        if p.sampled_logprobs is not None:
+            record_sampled_logprobs(lp_seqs, lengths, [tokens[i] for i in p.logprob_rows], p.sampled_logprobs)
+        if p.prompt_logprobs is not None:
+            record_prompt_logprobs(p.prompt_spans, p.prompt_logprobs)
         m = self.metrics
         if m is not None:
             m.steps.labels(p.mode).inc()
@@ -345,36 +308,6 @@ class EngineCore:
         self.phase_seconds["sample"] += t_done - t0
         self.phase_seconds["postprocess"] += time.perf_counter() - t_done
         return outputs
-
-    @staticmethod
-    def _record_logprobs(p: _InFlight, tokens: list[int | None], lp_seqs: list[Sequence],
-                         lengths: list[int]) -> None:
-        """Append the completed step's logprobs: a sampled token's only if postprocess appended the
-        token (lengths: output lengths before it), a prompt entry only if not recorded yet."""
-        if p.sampled_logprobs is not None:
-            ids = [tokens[i] if tokens[i] is not None else -1 for i in p.logprob_rows]
-            entries = p.sampled_logprobs.entries(ids, [seq.params.logprobs for seq in lp_seqs])
-            for seq, length, entry in zip(lp_seqs, lengths, entries, strict=True):
-                if seq.num_output_tokens == length + 1:
-                    seq.output_logprobs.append(entry)
-                    seq.cumulative_logprob += entry.logprob
-        if p.prompt_logprobs is not None:
-            targets = [t for span in p.prompt_spans for t in span.targets]
-            ks = [span.seq.params.prompt_logprobs for span in p.prompt_spans for _ in span.targets]
-            entries = p.prompt_logprobs.entries(targets, ks)
-            start = 0
-            for span in p.prompt_spans:
-                mine, start = entries[start:start + len(span.targets)], start + len(span.targets)
-                recorded = span.seq.prompt_logprobs
-                if not recorded:
-                    recorded.append(None)   # prompt token 0 has no context
-                if span.first_entry > len(recorded):   # positions never computed (e.g. a cached prefix)
-                    log.warning("request %s: prompt logprobs %d..%d were not computed (prefix cache hit?)",
-                                span.seq.request_id, len(recorded), span.first_entry - 1)
-                    recorded += [None] * (span.first_entry - len(recorded))
-                for i, entry in enumerate(mine):
-                    if span.first_entry + i == len(recorded):   # else recorded already (a recompute)
-                        recorded.append(entry)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]]:
         """Sample the batch on the device: ([n] int64 ids, rows whose sampling failed). The sampler
