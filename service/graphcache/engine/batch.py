@@ -23,6 +23,8 @@ class StepSeq:
     block_table: list[int]     # KV blocks covering at least start_pos + len(token_ids) tokens
     need_logits: bool          # sample after this step (False for a non-final prefill chunk)
     prev_row: int | None = None   # placeholder input: row of StepBatch.prev_tokens holding it
+    # Also return the logits of every fed token (prompt logprobs): such a step runs eagerly.
+    prompt_logits: bool = False
 
 
 @dataclass
@@ -38,11 +40,18 @@ class StepBatch:
     def uniform_decode(self) -> bool:
         return all(len(s.token_ids) == 1 for s in self.seqs)
 
+    @property
+    def wants_prompt_logits(self) -> bool:
+        return any(s.prompt_logits for s in self.seqs)
+
 
 @dataclass
 class StepResult:
     logits: Any        # [number of need_logits seqs, V] fp32, batch order; valid until the next execute()
     mode: StepMode     # how the step ran: a graph replay (or capture), or eagerly
+    # [sum of len(token_ids) over the prompt_logits seqs, V]: the logits of each of their fed tokens,
+    # those seqs in batch order, each one's tokens in order; None when no seq asked.
+    prompt_logits: Any = None
 
 
 class Runner(Protocol):

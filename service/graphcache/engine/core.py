@@ -9,6 +9,16 @@ Failure isolation: an exception in a step ends only that step's requests (finish
 a message safe for clients); a request whose own sampling fails ends alone. A device fault, or
 MAX_CONSECUTIVE_STEP_FAILURES failed steps in a row, raises `EngineFailure`: the caller must stop
 using this core (the Engine marks itself dead).
+
+Log probabilities (engine/logprobs.py) are computed on the device in the step that produced the
+logits, and reach the host with the sampled tokens: a sampled token's for params.logprobs, and
+for params.prompt_logprobs each prompt token's given the tokens before it (such a step runs
+eagerly and returns the logits of every fed position; chunks accumulate, entries already recorded
+are never recorded again, e.g. after a preemption's recompute).
+
+Overlap rule (async scheduling): a step whose sampling needs the previous step's tokens on the
+host (penalties, min_tokens, bad words, a grammar: `_needs_host_history`) is not overlapped: the
+step in flight completes before the next is scheduled.
 """
 
 from __future__ import annotations
@@ -24,9 +34,19 @@ from graphcache.config import Settings
 from graphcache.engine.batch import PLACEHOLDER_TOKEN, Runner, StepBatch
 from graphcache.engine.block_manager import BlockManager
 from graphcache.engine.errors import InvalidRequest
+from graphcache.engine.logprobs import (
+    Logprobs,
+    PromptSpan,
+    flag_prompt_logits,
+    prompt_token_logprobs,
+    record_prompt_logprobs,
+    record_sampled_logprobs,
+    to_device,
+    token_logprobs,
+)
 from graphcache.engine.sampler import Sampler
 from graphcache.engine.scheduler import Scheduler, SchedulerOutput
-from graphcache.engine.sequence import RequestOutput, Sequence
+from graphcache.engine.sequence import RequestOutput, SamplingParams, Sequence
 from graphcache.engine.stopping import sendable_text
 from graphcache.metrics import Metrics
 
@@ -56,6 +76,14 @@ def is_device_failure(exc: BaseException) -> bool:
     return accelerator_error is not None and isinstance(exc, accelerator_error)
 
 
+def _needs_host_history(params: SamplingParams) -> bool:
+    """Whether sampling this request reads its previous tokens on the host (penalties, min_tokens,
+    bad words, a grammar): then its next step must not be launched before the last one's tokens
+    are appended (no overlap). Equivalent to sampler.needs_history."""
+    return (params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
+            or params.min_tokens > 0 or bool(params.bad_words_token_ids) or params.structured is not None)
+
+
 @dataclass
 class _InFlight:
     """A launched step whose sampled tokens are not on the host yet."""
@@ -63,11 +91,16 @@ class _InFlight:
     sample_seqs: list[Sequence]
     tokens: torch.Tensor               # [n] int64 sampled ids, on the device (feeds placeholders)
     host: torch.Tensor                 # [n] the same on the host (pinned; valid once `ready` is done)
-    ready: torch.cuda.Event | None     # recorded after the copy (CUDA); None on the CPU
+    ready: torch.cuda.Event | None     # recorded after the copies (CUDA); None on the CPU
     failed: list[int]                  # rows whose sampling failed: their requests end with an error
     rows: dict[int, int]               # id(sequence) -> its row in tokens
     mode: str
     launched_at: float
+    needs_history: bool = False        # a sampled sequence's next sampling reads these tokens on the host
+    logprob_rows: list[int] | None = None     # rows of sample_seqs with params.logprobs set
+    sampled_logprobs: Logprobs | None = None  # their tokens' logprobs (host copies, valid once `ready`)
+    prompt_spans: list[PromptSpan] | None = None
+    prompt_logprobs: Logprobs | None = None   # the spans' targets, in span order (host copies)
 
 
 class EngineCore:
@@ -82,6 +115,9 @@ class EngineCore:
         self.sampler = Sampler(default_seed=settings.seed, eos_token_ids=runner.eos_token_ids)
         self.requests: dict[str, Sequence] = {}   # unfinished requests, by id
         self._unsent: dict[str, Sequence] = {}    # streams with tokens not in an output yet
+        # Unfinished requests whose sampling reads their history on the host (_needs_host_history):
+        # a set, so a step without any costs nothing per row.
+        self._history_seqs: set[Sequence] = set()
         self.num_steps = 0
         self.steps_by_mode: dict[str, int] = {}
         self.consecutive_failures = 0
@@ -137,6 +173,8 @@ class EngineCore:
             # Non-streaming and no stop strings: nobody reads text before the end.
             seq.defer_text = not seq.stream and not seq.params.stop
         self.requests[seq.request_id] = seq
+        if _needs_host_history(seq.params):
+            self._history_seqs.add(seq)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> RequestOutput | None:
@@ -159,9 +197,12 @@ class EngineCore:
         (wait for its tokens, postprocess): the host schedules and prepares step n+1 while the GPU
         runs step n. A decode fed step n's token gets it on the device (a placeholder input). A
         sequence that step n finished drops what step n+1 computed for it."""
+        outputs = []
+        if self._pending is not None and self._pending.needs_history:
+            outputs += self._complete_pending()   # its tokens feed the next sampling on the host: no overlap
         t_start = time.perf_counter()
         plan = self.scheduler.schedule()
-        outputs = [self._output(seq) for seq in plan.failed]
+        outputs += [self._output(seq) for seq in plan.failed]
         for seq in plan.failed:
             log.warning("request %s cannot fit: %s", seq.request_id, seq.error)
         if plan.preempted and self.metrics is not None:
@@ -192,6 +233,7 @@ class EngineCore:
     def _launch(self, plan: SchedulerOutput) -> _InFlight:
         """Execute the plan's step and sample it on the device; nothing waits for the GPU."""
         batch = plan.to_batch()
+        spans = flag_prompt_logits(plan.scheduled, batch.seqs)
         pending = self._pending
         if pending is not None:   # placeholders: the decodes fed the in-flight step's token
             for s, step_seq in zip(plan.scheduled, batch.seqs, strict=True):
@@ -203,15 +245,28 @@ class EngineCore:
         t0 = time.perf_counter()
         result = self.runner.execute(batch)
         sample_seqs = [s.seq for s in plan.scheduled if s.need_logits]
-        tokens, failed = self._sample(result.logits[:len(sample_seqs)], sample_seqs)
+        logits = result.logits[:len(sample_seqs)]
+        logprob_rows = [i for i, seq in enumerate(sample_seqs) if seq.params.logprobs is not None]
+        if logprob_rows:   # a copy of their rows: the sampler may process logits in place
+            lp_index = to_device(logprob_rows, logits.device)
+            raw = logits.index_select(0, lp_index)                      # [m, V]
+        tokens, failed = self._sample(logits, sample_seqs)
+        sampled_logprobs = None
+        if logprob_rows:
+            k = max(sample_seqs[i].params.logprobs for i in logprob_rows)
+            sampled_logprobs = token_logprobs(raw, tokens.index_select(0, lp_index), k).to_host()
+        prompt_logprobs = prompt_token_logprobs(result.prompt_logits, spans)
         host, ready = tokens, None
-        if tokens.is_cuda:   # one small asynchronous copy; completion waits on its event
+        if tokens.is_cuda:   # small asynchronous copies (logprobs queued above); completion waits on the event
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
         rows = {id(seq): i for i, seq in enumerate(sample_seqs)}
-        return _InFlight(plan, sample_seqs, tokens, host, ready, failed, rows, result.mode, t0)
+        history = self._history_seqs
+        needs_history = bool(history) and not history.isdisjoint(sample_seqs)
+        return _InFlight(plan, sample_seqs, tokens, host, ready, failed, rows, result.mode, t0, needs_history,
+                         logprob_rows, sampled_logprobs, spans, prompt_logprobs)
 
     def _complete_pending(self) -> list[RequestOutput]:
         """Wait for the step in flight (if any), append its tokens, check stops: its outputs."""
@@ -232,7 +287,13 @@ class EngineCore:
         self.num_steps += 1
         self.steps_by_mode[p.mode] = self.steps_by_mode.get(p.mode, 0) + 1
         now = time.monotonic()
+        lp_seqs = [p.sample_seqs[i] for i in p.logprob_rows or ()]
+        lengths = [seq.num_output_tokens for seq in lp_seqs]
         changed = self.scheduler.postprocess(p.plan, tokens, now)
+        if p.sampled_logprobs is not None:
+            record_sampled_logprobs(lp_seqs, lengths, [tokens[i] for i in p.logprob_rows], p.sampled_logprobs)
+        if p.prompt_logprobs is not None:
+            record_prompt_logprobs(p.prompt_spans, p.prompt_logprobs)
         m = self.metrics
         if m is not None:
             m.steps.labels(p.mode).inc()
@@ -305,6 +366,7 @@ class EngineCore:
         finished = seq.is_finished
         if finished:
             self.requests.pop(seq.request_id, None)
+            self._history_seqs.discard(seq)
             self._unsent.pop(seq.request_id, None)
             self._record_finish(seq)
         elif not seq.stream:
@@ -322,13 +384,19 @@ class EngineCore:
 
     @staticmethod
     def _delta(seq: Sequence, finished: bool) -> RequestOutput | None:
-        new_ids = seq.output_token_ids[seq.num_tokens_sent:]
+        sent = seq.num_tokens_sent
+        new_ids = seq.output_token_ids[sent:]
         seq.num_tokens_sent = seq.num_output_tokens
         text = sendable_text(seq, finished)
         if not finished and not new_ids and not text:
             return None
+        params = seq.params
+        logprobs = seq.output_logprobs[sent:sent + len(new_ids)] if params.logprobs is not None else None
+        # The first output is the first with tokens (or the final one): the whole prompt has run by then.
+        prompt_logprobs = list(seq.prompt_logprobs) if sent == 0 and params.prompt_logprobs is not None else None
         return RequestOutput(seq.request_id, text, new_ids, finished, seq.finish_reason, seq.num_prompt_tokens,
-                             seq.num_output_tokens, seq.error)
+                             seq.num_output_tokens, seq.error, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                             num_cached_tokens=seq.num_cached_tokens)
 
     def _record_finish(self, seq: Sequence) -> None:
         m = self.metrics

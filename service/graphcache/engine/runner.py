@@ -8,7 +8,9 @@ slot_mapping: padded tokens map to a scratch slot in one extra KV block past the
 between steps every entry maps there, so a warmup/capture outside a step writes no real slot.
 Batches bigger than the largest capture size, and every step with enforce_eager, run the model
 eagerly on their real sizes. Logits come back from a static buffer, rows in the order
-of the batch's need_logits sequences, valid until the next execute().
+of the batch's need_logits sequences, valid until the next execute(). A step with a
+`prompt_logits` sequence (prompt logprobs) runs eagerly too, and also returns the logits of every
+token that sequence fed (StepResult.prompt_logits).
 
 Captures outside a step (warmup, admin) go through `capture()`, which points every token at the
 scratch slot and runs under an empty attention context itself, so they write no real KV slot.
@@ -283,20 +285,39 @@ class ModelRunner:
                              f"({self.max_tokens} / {self.max_reqs}); keep max_num_batched_tokens and "
                              "max_num_seqs in the scheduler equal to the settings")
         uniform = batch.uniform_decode
-        desc = None if self.settings.enforce_eager else descriptor_for(num_tokens, num_reqs, uniform, self.sizes)
+        # Prompt logprobs need logits at every fed position: an eager step on the general layout.
+        prompt_logits = batch.wants_prompt_logits
+        eager = self.settings.enforce_eager or prompt_logits
+        desc = None if eager else descriptor_for(num_tokens, num_reqs, uniform, self.sizes)
         pad_tokens = desc.num_tokens if desc else num_tokens
         pad_reqs = desc.num_reqs if desc else num_reqs
-        if self._decode_path(uniform):
+        if self._decode_path(uniform) and not prompt_logits:
             md, num_logits = self._prepare_decode(seqs, pad_reqs, batch.prev_tokens)
         else:
             md, num_logits = self._prepare(seqs, num_tokens, pad_tokens, pad_reqs, batch.prev_tokens)
         with forward_context(md):
+            if prompt_logits:
+                return self._run_with_prompt_logits(seqs, num_tokens, num_logits)
             if desc is None:
                 self._run_model(num_tokens, num_reqs)
                 mode = "eager"
             else:
                 mode = self.cache.run(desc, real_tokens=num_tokens)
         return StepResult(self.out_logits[:num_logits], mode)
+
+    def _run_with_prompt_logits(self, seqs: list[StepSeq], num_tokens: int, num_logits: int) -> StepResult:
+        """Eager step that also computes the logits of every token of the prompt_logits seqs: the
+        model's head runs over the usual logits rows plus those token rows (fresh tensors, not the
+        static buffers: their count is up to the whole step's tokens)."""
+        num_reqs = len(seqs)
+        rows = [r for i, s in enumerate(seqs) if s.prompt_logits
+                for r in range(self._first_row[i], self._first_row[i] + len(s.token_ids))]
+        extra = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        indices = torch.cat([self.logits_indices.dev[:num_reqs], extra])                  # [R + E]
+        out = torch.empty(num_reqs + len(rows), self.model_config.vocab_size, dtype=self.dtype, device=self.device)
+        self.model(self.input_ids.dev[:num_tokens], self.positions.dev[:num_tokens],
+                   self.slot_mapping.dev[:num_tokens], indices, out)
+        return StepResult(out[:num_logits], "eager", prompt_logits=out[num_reqs:])
 
     def _prepare(self, seqs: list[StepSeq], num_tokens: int, pad_tokens: int, pad_reqs: int, prev_tokens=None):
         """Fill host mirrors and upload. Layout: decode requests first (attention op contract);
@@ -312,6 +333,8 @@ class ModelRunner:
         fills: list[tuple[int, int]] = []   # (token row, previous step's row) of placeholder inputs
         query_start, seq_lens = [0], []
         last_token = [0] * len(seqs)
+        # Token row of each sequence's first fed token (batch order), for the prompt-logits rows.
+        self._first_row = first_row = [0] * len(seqs)
         bt = self.block_tables.np
         bt[:len(seqs)] = 0
         for row, i in enumerate(order):
@@ -331,6 +354,7 @@ class ModelRunner:
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
             last_token[i] = query_start[-1] - 1
+            first_row[i] = query_start[-2]
             bt[row, :len(table)] = table
         pad = pad_tokens - num_tokens
         # Pads: token 0 at position 0 (valid embedding and rotary rows); their K/V go to the scratch slot.
