@@ -24,15 +24,12 @@ from __future__ import annotations
 import threading
 from bisect import bisect_left
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
-
-if TYPE_CHECKING:
-    from graphcache.metrics import Metrics
 
 ENGINE = "0"                          # the `engine` label: vLLM numbers engine cores; graphcache has one
 LABELS = ("model_name", "engine")
@@ -165,7 +162,8 @@ class _Mirror(Collector):
 class VllmMetrics:
     """The `vllm:` series of one registry; `Metrics.vllm`. Recording methods run on the engine thread."""
 
-    def __init__(self, metrics: Metrics, registry: CollectorRegistry, model_name: str) -> None:
+    def __init__(self, metrics: Any, registry: CollectorRegistry, model_name: str) -> None:
+        # metrics: the owning graphcache.metrics.Metrics (untyped here: metrics.py imports this module)
         self.metrics = metrics
         self.model_name = model_name
         self.cache_config: dict[str, str] = {}   # vllm:cache_config_info labels; empty until the KV cache exists

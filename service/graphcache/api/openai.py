@@ -28,7 +28,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
-from graphcache.api import sampling
+from graphcache.api import sampling, tool_calls
 from graphcache.api.auth import require_api_key
 from graphcache.api.choices import ChatShape, CompletionShape, Prompt
 from graphcache.api.errors import APIError, api_error_for, error_body
@@ -79,14 +79,12 @@ def _tool_setup(body: ChatCompletionRequest) -> StructuredSpec | None:
                             "messages or tool_calls", param=param)
     if body.stream:
         raise APIError(400, "tool calls are not streamed yet; set stream=false", param="stream")
-    from graphcache.api import tool_calls  # noqa: PLC0415 - exists once the lead merges helper "structured"
     return tool_calls.tool_choice_spec(body.tools, body.tool_choice) if body.tools else None
 
 
 def _tool_parser(body: ChatCompletionRequest) -> Callable[[str], tuple[str | None, list[dict]]] | None:
     if not (TOOLS_WIRED and body.tools and body.tool_choice != "none"):
         return None
-    from graphcache.api import tool_calls  # noqa: PLC0415
     return tool_calls.parse_tool_calls
 
 

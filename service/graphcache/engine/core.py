@@ -44,10 +44,11 @@ from graphcache.engine.logprobs import (
     to_device,
     token_logprobs,
 )
-from graphcache.engine.sampler import Sampler
+from graphcache.engine.sampler import Sampler, needs_history
 from graphcache.engine.scheduler import Scheduler, SchedulerOutput
 from graphcache.engine.sequence import RequestOutput, SamplingParams, Sequence
 from graphcache.engine.stopping import sendable_text
+from graphcache.engine.structured import StructuredOutput
 from graphcache.metrics import Metrics
 
 __all__ = ["MAX_CONSECUTIVE_STEP_FAILURES", "EngineCore", "EngineFailure", "is_device_failure"]
@@ -77,11 +78,10 @@ def is_device_failure(exc: BaseException) -> bool:
 
 
 def _needs_host_history(params: SamplingParams) -> bool:
-    """Whether sampling this request reads its previous tokens on the host (penalties, min_tokens,
-    bad words, a grammar): then its next step must not be launched before the last one's tokens
-    are appended (no overlap). Equivalent to sampler.needs_history."""
-    return (params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
-            or params.min_tokens > 0 or bool(params.bad_words_token_ids) or params.structured is not None)
+    """Whether sampling this request reads its previous tokens on the host (the sampler's history-dependent
+    controls, or a grammar whose matcher must have accepted the last token before the next mask): then
+    its next step must not be launched before the last one's tokens are appended (no overlap)."""
+    return needs_history(params) or params.structured is not None
 
 
 @dataclass
@@ -108,7 +108,10 @@ class EngineCore:
         self.runner = runner
         self.settings = settings
         self.metrics = metrics
-        self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size)
+        self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size,
+                                          enable_prefix_caching=settings.enable_prefix_caching)
+        self._prefix_counted = (0, 0)   # block-manager lookup counters already added to the metrics
+        self._structured: StructuredOutput | None = None   # built on the first constrained request
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=settings.max_num_seqs,
                                    max_num_batched_tokens=settings.max_num_batched_tokens,
                                    max_model_len=runner.max_model_len, eos_token_ids=runner.eos_token_ids)
@@ -151,6 +154,10 @@ class EngineCore:
     def check(self, seq: Sequence, param: str = "max_tokens") -> None:
         """Raise InvalidRequest naming the fix when `seq` can never be served; resolves max_tokens."""
         seq.params.validate()
+        if self.runner.vocab_size is not None:
+            seq.params.validate_token_ids(self.runner.vocab_size)
+        if seq.params.structured is not None:   # an invalid schema, regex or grammar is the client's 400
+            self.structured.check(seq.params.structured)
         seq.params.max_tokens = self.resolve_max_tokens(seq.num_prompt_tokens, seq.params.max_tokens, param)
         vocab = self.runner.vocab_size
         if vocab is not None and any(not 0 <= t < vocab for t in seq.prompt_token_ids):
@@ -172,10 +179,19 @@ class EngineCore:
             seq.detokenizer = tokenizer.detokenizer(seq.prompt_token_ids, seq.params.stop)
             # Non-streaming and no stop strings: nobody reads text before the end.
             seq.defer_text = not seq.stream and not seq.params.stop
+        if seq.params.structured is not None:
+            seq.grammar = self.structured.new_matcher(seq.params.structured)
         self.requests[seq.request_id] = seq
         if _needs_host_history(seq.params):
             self._history_seqs.add(seq)
         self.scheduler.add(seq)
+
+    @property
+    def structured(self) -> StructuredOutput:
+        """The grammar engine over this model's tokenizer (built lazily: ~1 s for a 150k vocabulary)."""
+        if self._structured is None:
+            self._structured = StructuredOutput(self.runner.tokenizer, self.runner.vocab_size)
+        return self._structured
 
     def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> RequestOutput | None:
         """End a request wherever it is (its blocks are freed at once); its final output, or None if unknown."""
@@ -250,6 +266,8 @@ class EngineCore:
         if logprob_rows:   # a copy of their rows: the sampler may process logits in place
             lp_index = to_device(logprob_rows, logits.device)
             raw = logits.index_select(0, lp_index)                      # [m, V]
+        if self._structured is not None:   # after the raw logprob rows were copied: it masks in place
+            self._structured.apply(logits, sample_seqs)
         tokens, failed = self._sample(logits, sample_seqs)
         sampled_logprobs = None
         if logprob_rows:
@@ -414,6 +432,11 @@ class EngineCore:
     # --- state for gauges and stats --------------------------------------------------------
     def update_gauges(self) -> None:
         if self.metrics is not None:
+            bm = self.block_manager   # prefix-cache lookups (tokens) since the last update
+            queried, hit = bm.prefix_cache_queries, bm.prefix_cache_hits
+            self.metrics.prefix_cache_queries.inc(queried - self._prefix_counted[0])
+            self.metrics.prefix_cache_hits.inc(hit - self._prefix_counted[1])
+            self._prefix_counted = (queried, hit)
             self.metrics.requests_running.set(len(self.scheduler.running))
             self.metrics.requests_waiting.set(len(self.scheduler.waiting))
             self.metrics.kv_usage.set(self.block_manager.usage)

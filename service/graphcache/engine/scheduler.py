@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from graphcache.engine.batch import PLACEHOLDER_TOKEN, StepBatch, StepSeq
 from graphcache.engine.block_manager import BlockManager, PrefixMatch
 from graphcache.engine.sequence import Sequence, SequenceStatus
-from graphcache.engine.stopping import check_stop
+from graphcache.engine.stopping import GRAMMAR_BROKEN, check_stop, grammar_accepts, grammar_done
 
 
 @dataclass
@@ -112,6 +112,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq, keep_cached=reason != "error")
+        seq.grammar = None   # the matcher's memory goes with the request
         seq.finish(reason, error)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -275,7 +276,12 @@ class Scheduler:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.last_token_time = now
+            if not grammar_accepts(seq, token):
+                self.finish(seq, "error", GRAMMAR_BROKEN)
+                continue
             reason = check_stop(seq, token, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
+            if reason is None and grammar_done(seq):
+                reason = "stop"   # structured output complete: only EOS could follow
             if reason is not None:
                 self.finish(seq, reason)
         return changed

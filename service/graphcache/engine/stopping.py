@@ -20,6 +20,20 @@ from __future__ import annotations
 
 from graphcache.engine.sequence import Sequence
 
+GRAMMAR_BROKEN = "the sampled token broke the output's grammar; retry the request"
+
+
+def grammar_accepts(seq: Sequence, token_id: int) -> bool:
+    """Advance seq's grammar matcher (engine/structured.py) past its new token. False: the token broke
+    the grammar (the request ends with an error); True when accepted, or when seq has no grammar."""
+    return seq.grammar is None or bool(seq.grammar.consume_token(token_id))
+
+
+def grammar_done(seq: Sequence) -> bool:
+    """seq's grammar is complete: nothing but EOS may follow, so the request stops now."""
+    matcher = seq.grammar
+    return matcher is not None and (matcher.is_stopped() or matcher.is_error())
+
 
 def check_stop(seq: Sequence, token_id: int, *, eos_token_ids: set[int] | frozenset[int],
                max_model_len: int) -> str | None:

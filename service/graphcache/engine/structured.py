@@ -41,6 +41,7 @@ import torch
 
 from graphcache.engine.errors import InvalidRequest
 from graphcache.engine.sequence import Sequence, StructuredSpec
+from graphcache.engine.stopping import grammar_accepts, grammar_done
 
 __all__ = ["KINDS", "StructuredOutput", "accept", "is_done"]
 
@@ -216,19 +217,10 @@ class StructuredOutput:
         return torch.nonzero(logits[0] == 0).flatten().tolist()
 
 
-def accept(seq: Sequence, token_id: int) -> bool:
-    """Advance seq's grammar past its new token. False: the token broke the grammar (the request
-    should end with an error); True when accepted or when seq has no grammar."""
-    matcher = seq.grammar
-    if matcher is None:
-        return True
-    return bool(matcher.consume_token(token_id))
-
-
-def is_done(seq: Sequence) -> bool:
-    """The grammar is complete: no token but EOS may follow, so the request ends ("stop") now."""
-    matcher = seq.grammar
-    return matcher is not None and (matcher.is_stopped() or matcher.is_error())
+# Advancing a matcher and asking if it is complete are stop rules the scheduler runs after every token:
+# they live in the torch-free stopping.py; these names keep this module's interface whole.
+accept = grammar_accepts
+is_done = grammar_done
 
 
 def _bit(position: int) -> int:
