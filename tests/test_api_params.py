@@ -11,7 +11,6 @@ and best_of's ranking can be checked against them.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 
@@ -21,7 +20,7 @@ import pytest_asyncio
 from graphcache.api import protocol
 from graphcache.config import Settings
 from graphcache.engine.errors import QueueFull
-from graphcache.engine.sequence import SamplingParams, StructuredSpec, TokenLogprob
+from graphcache.engine.sequence import SamplingParams, StructuredSpec
 from helpers_api import serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -60,15 +59,8 @@ VLLM_CHAT_FIELDS = {
     "vllm_xargs", "repetition_detection", "stream_interval"}
 
 
-def fake_logprob(request_id: str, token_id: int, k: int) -> TokenLogprob:
-    """A known logprob: sequence i's tokens all get -(1 / (i + 1)), so the last sample is the most likely."""
-    i = int(request_id.rsplit("-", 1)[1])
-    lp = -1.0 / (i + 1)
-    return TokenLogprob(token_id, lp, 1, [((token_id + j) % 50, lp - j) for j in range(k)])
-
-
 class Recorder:
-    """Engine.generate, recording each request and filling in logprobs the engine did not compute."""
+    """Engine.generate, recording each request (the engine computes logprobs itself)."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -78,22 +70,7 @@ class Recorder:
 
     def generate(self, request_id, ids, params=None, **kw):
         self.calls.append((request_id, list(ids), params))
-        return self._filled(self.original(request_id, ids, params, **kw), request_id, list(ids), params)
-
-    async def _filled(self, it, request_id: str, ids: list[int], params: SamplingParams):
-        first = True
-        try:
-            async for out in it:
-                if params.logprobs is not None and out.logprobs is None:
-                    out = dataclasses.replace(out, logprobs=[fake_logprob(request_id, t, params.logprobs)
-                                                             for t in out.token_ids])
-                if first and params.prompt_logprobs is not None and out.prompt_logprobs is None:
-                    out = dataclasses.replace(out, prompt_logprobs=[None] + [
-                        fake_logprob(request_id, t, params.prompt_logprobs) for t in ids[1:]])
-                first = False
-                yield out
-        finally:
-            await it.aclose()
+        return self.original(request_id, ids, params, **kw)
 
     @property
     def params(self) -> SamplingParams:
@@ -494,15 +471,18 @@ async def test_seeded_choices_match_single_requests(client, rec):
 
 
 async def test_best_of_keeps_the_most_likely_sample(client, rec):
-    """Sample i's tokens each have logprob -1/(i+1) (Recorder), so the last sample ranks first."""
+    """best_of=3, n=1 returns the sample (seed + i) whose tokens have the highest summed logprob."""
     req = {"prompt": [5, 6, 7, 8], "max_tokens": 4, "ignore_eos": True, "temperature": 1.0}
     best = (await client.post("/v1/completions", json={**req, "seed": 50, "best_of": 3, "n": 1,
                                                      "return_token_ids": True})).json()
     assert [c[2].logprobs for c in rec.calls] == [0, 0, 0]   # asked for internally, to rank
     assert best["choices"][0]["logprobs"] is None             # ... and not returned unasked
     assert best["usage"]["completion_tokens"] == 12           # every sample counts
-    one = (await client.post("/v1/completions", json={**req, "seed": 52, "return_token_ids": True})).json()
-    assert best["choices"][0]["token_ids"] == one["choices"][0]["token_ids"]
+    singles = [(await client.post("/v1/completions", json={**req, "seed": 50 + i, "logprobs": 0,
+                                                          "return_token_ids": True})).json()["choices"][0]
+               for i in range(3)]
+    ranked = max(singles, key=lambda c: sum(c["logprobs"]["token_logprobs"]))
+    assert best["choices"][0]["token_ids"] == ranked["token_ids"]
 
 
 async def test_streamed_choices_carry_their_index_and_summed_usage(client, rec):
