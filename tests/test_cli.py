@@ -93,27 +93,6 @@ def test_module_entry_point_runs():
     assert out.returncode == 0 and "graphcache" in out.stdout
 
 
-def test_json_logs_carry_the_request_id(capsys):
-    import json as _json
-    import logging
-
-    from graphcache.api.request_log import _request_id, setup_logging
-
-    setup_logging("json", "info")
-    try:
-        token = _request_id.set("rid-42")
-        logging.getLogger("graphcache.test").info("hello %s", "world", extra={"status": 200})
-        _request_id.reset(token)
-        line = capsys.readouterr().err.strip().splitlines()[-1]
-        record = _json.loads(line)
-        assert record["msg"] == "hello world" and record["request_id"] == "rid-42" and record["status"] == 200
-        assert record["level"] == "info" and record["logger"] == "graphcache.test"
-    finally:
-        for handler in list(logging.getLogger().handlers):
-            if getattr(handler, "_graphcache", False):
-                logging.getLogger().removeHandler(handler)
-
-
 @pytest.mark.parametrize("how", ["flag", "env"])
 def test_serve_refuses_a_non_ascii_admin_token_with_the_fix(how, monkeypatch, capsys):
     """HTTP header values are Latin-1 on the wire, curl sends UTF-8: such a token could never be

@@ -12,8 +12,14 @@ import sys
 
 import httpx
 import pytest
+from asgi_correlation_id import correlation_id
 from graphcache.api.app import create_app
-from graphcache.api.request_log import RequestContextMiddleware, escape_controls, setup_logging
+from graphcache.api.request_log import (
+    RequestContextMiddleware,
+    escape_controls,
+    is_safe_request_id,
+    setup_logging,
+)
 from graphcache.config import Settings
 from graphcache.metrics import Metrics
 from helpers_api import EngineNotNeeded
@@ -51,6 +57,28 @@ def access_lines(text: str) -> list[str]:
     # "DATE TIME LEVEL LOGGER[ [id]]: message": the logger is the fourth field.
     return [line for line in text.splitlines() if line.split(" ")[3:4] in (["graphcache.access"],
                                                                            ["graphcache.access:"])]
+
+
+def test_json_logs_carry_the_request_id_and_extra_fields(captured_logs):
+    """Moved from test_cli.py: the JSON keys log pipelines rely on (python-json-logger writes them)."""
+    logs = captured_logs("json")
+    token = correlation_id.set("rid-42")
+    try:
+        logging.getLogger("graphcache.test").info("hello %s", "world", extra={"status": 200})
+    finally:
+        correlation_id.reset(token)
+    logging.getLogger("graphcache.test").info("outside a request")
+    inside, outside = (json.loads(line) for line in logs.getvalue().splitlines())
+    assert inside["msg"] == "hello world" and inside["request_id"] == "rid-42" and inside["status"] == 200
+    assert inside["level"] == "info" and inside["logger"] == "graphcache.test"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", inside["ts"]), inside["ts"]
+    assert "request_id" not in outside
+
+
+def test_only_short_printable_request_ids_are_kept():
+    assert is_safe_request_id("trace-42.a_b:c") and is_safe_request_id("a" * 128)
+    for hostile in ("", "a" * 129, "bad id", "x\n", "abc\n", 'q"uote', "é"):
+        assert not is_safe_request_id(hostile), hostile
 
 
 def test_escape_controls_writes_every_control_character_as_an_escape():

@@ -1,39 +1,46 @@
 """Structured logs (text or JSON) with the request id in every record, plus the access log.
 
-The request id comes from the client's X-Request-ID (if it is short and printable) or is
-made up here; it is echoed in the response header and kept in a contextvar, so any log
-line written while serving the request (handler, error handler) carries it. One access
-line per request: client, method, path and query, status, latency.
+Libraries do the generic parts: asgi-correlation-id reads the client's X-Request-ID (kept only if it
+is short and printable, else a new uuid4 hex), keeps it in a contextvar for the request and echoes it
+in the response header; its log filter puts it on every record as `correlation_id`.
+python-json-logger writes the JSON records. What they do not do stays here: the access line (one
+per request: client, method, path and query, status, latency), the 500 for an unhandled exception
+(so the log line and the response both carry the id), and the text format's escaping.
 
 Log injection: the path (percent-decoded, so `%0A` is a newline), the query and whatever else a
-client controls reach log messages. JSON logs escape them by construction (json.dumps); the text
-format escapes every control character of a message with `escape_controls`, so one record is
-always one line (a traceback, appended after the message, keeps its own lines).
+client controls reach log messages. JSON logs escape them by construction (json.dumps, ASCII only);
+the text format escapes every control character of a message with `escape_controls`, so one record
+is always one line (a traceback, appended after the message, keeps its own lines).
 """
 
 from __future__ import annotations
 
-import contextvars
 import json
 import logging
 import re
 import sys
 import time
-import uuid
+
+from asgi_correlation_id import CorrelationIdFilter, CorrelationIdMiddleware, correlation_id
+from pythonjsonlogger.json import JsonFormatter as _LibraryJsonFormatter
 
 from graphcache.api.errors import error_body
 
 __all__ = ["RequestContextMiddleware", "current_request_id", "escape_controls", "setup_logging"]
 
-_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("graphcache_request_id", default=None)
 # A client-chosen id goes into logs: keep it short and free of newlines/quotes (log injection).
-_SAFE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_SAFE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 access_log = logging.getLogger("graphcache.access")
 
 
 def current_request_id() -> str | None:
-    return _request_id.get()
+    return correlation_id.get()
+
+
+def is_safe_request_id(value: str) -> bool:
+    """The client's X-Request-ID is kept only if this holds; else asgi-correlation-id makes a new one."""
+    return _SAFE_ID.fullmatch(value) is not None
 
 
 # C0 controls (CR, LF, TAB, ESC, ...), DEL, C1 controls (NEL \x85, CSI \x9b, ...) and the Unicode line and
@@ -54,47 +61,35 @@ def escape_controls(text: str) -> str:
     return _CONTROLS.sub(_escaped, text)
 
 
-class _RequestIdFilter(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not hasattr(record, "request_id"):
-            record.request_id = _request_id.get()
-        return True
+class JsonFormatter(_LibraryJsonFormatter):
+    """One JSON object a line: ts (UTC, ms), level, logger, msg, request_id (inside a request), every
+    `extra=` field, exc (a traceback). ensure_ascii (the default) escapes \\x85 and \\u2028 as well."""
 
+    converter = time.gmtime
+    default_time_format = "%Y-%m-%dT%H:%M:%S"
+    default_msec_format = "%s.%03dZ"
 
-# Attributes every LogRecord has; anything else was passed with `extra=` and belongs in the JSON.
-_STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "request_id"}
+    def __init__(self) -> None:
+        super().__init__("{asctime}{levelname}{name}{message}{correlation_id}", style="{", rename_fields={
+            "asctime": "ts", "levelname": "level", "name": "logger", "message": "msg",
+            "correlation_id": "request_id", "exc_info": "exc"})
 
-
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        out = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        if getattr(record, "request_id", None):
-            out["request_id"] = record.request_id
-        for key, value in vars(record).items():
-            if key not in _STD_ATTRS:
-                out[key] = value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out)
+    def process_log_record(self, log_data: dict) -> dict:
+        log_data["level"] = log_data["level"].lower()
+        if log_data.get("request_id") is None:
+            log_data.pop("request_id", None)   # outside a request: no key rather than null
+        return log_data
 
 
 class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(name)s%(rid)s: %(message)s")
-
-    def format(self, record: logging.LogRecord) -> str:
-        rid = getattr(record, "request_id", None)
-        record.rid = f" [{escape_controls(str(rid))}]" if rid else ""
-        return super().format(record)
+        super().__init__("%(asctime)s %(levelname)s %(name)s%(_rid)s: %(message)s")
 
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
         # The whole message, so every field in it (path, query, method, a client's text quoted by any
         # logger, uvicorn's included) is covered, whoever wrote the log call.
+        rid = getattr(record, "correlation_id", None)
+        record._rid = f" [{escape_controls(str(rid))}]" if rid else ""
         record.message = escape_controls(record.message)
         return super().formatMessage(record)
 
@@ -103,7 +98,7 @@ def setup_logging(log_format: str = "text", level: str = "info") -> None:
     """Configure the root logger once (idempotent): uvicorn's and our loggers all go through it."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
-    handler.addFilter(_RequestIdFilter())
+    handler.addFilter(CorrelationIdFilter())
     root = logging.getLogger()
     for old in list(root.handlers):
         if getattr(old, "_graphcache", False):
@@ -118,8 +113,10 @@ def setup_logging(log_format: str = "text", level: str = "info") -> None:
     logging.getLogger("uvicorn.access").disabled = True
 
 
-class RequestContextMiddleware:
-    """Pure ASGI (BaseHTTPMiddleware would buffer streams and hide disconnects)."""
+class AccessLogMiddleware:
+    """The access line and the 500 for an unhandled exception. Pure ASGI (BaseHTTPMiddleware would
+    buffer streams and hide disconnects). Runs inside the correlation-id middleware, so the id is set
+    for its log lines and the 500 it sends gets X-Request-ID added on the way out."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -128,22 +125,17 @@ class RequestContextMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"x-request-id"), None)
-        rid = given if given and _SAFE_ID.match(given) else uuid.uuid4().hex
-        token = _request_id.set(rid)
         start = time.perf_counter()
         status = 0
 
-        async def send_with_id(message) -> None:
+        async def send_noting_status(message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (b"x-request-id", rid.encode())]
             await send(message)
 
         try:
-            await self.app(scope, receive, send_with_id)
+            await self.app(scope, receive, send_noting_status)
         except Exception:
             # Caught here, not by Starlette's outermost handler, so the log line has the request id
             # and the 500 still carries X-Request-ID. The traceback goes to the log only.
@@ -154,8 +146,7 @@ class RequestContextMiddleware:
             body = json.dumps(error_body("Internal server error; the server log has the details (see "
                                          "X-Request-ID).", "server_error")).encode()
             await send({"type": "http.response.start", "status": 500, "headers": [
-                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                (b"x-request-id", rid.encode())]})
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
             await send({"type": "http.response.body", "body": body})
         finally:
             client = scope.get("client") or ("-", 0)
@@ -169,4 +160,11 @@ class RequestContextMiddleware:
                 extra={"method": scope["method"], "path": scope["path"], "query": query, "status": status,
                        "latency_ms": round(elapsed_ms, 2), "client": client[0]},
             )
-            _request_id.reset(token)
+
+
+class RequestContextMiddleware(CorrelationIdMiddleware):
+    """asgi-correlation-id's middleware (X-Request-ID in, contextvar, header out) around the access log.
+    One class, so the app registers both with one `add_middleware(RequestContextMiddleware)`."""
+
+    def __init__(self, app) -> None:
+        super().__init__(app=AccessLogMiddleware(app), header_name="X-Request-ID", validator=is_safe_request_id)
