@@ -91,7 +91,8 @@ def ensure_tools() -> None:
     if not missing:
         return
     if os.geteuid() != 0:
-        raise CannotRun(f"{', '.join(missing)} missing and not root: run as root, or apt-get install {' '.join(missing)}")
+        raise CannotRun(f"{', '.join(missing)} missing and not root: run as root, "
+                        f"or apt-get install {' '.join(missing)}")
     if shutil.which("apt-get") is None:
         raise CannotRun(f"{', '.join(missing)} missing and no apt-get (needs a Debian/Ubuntu host)")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
@@ -122,7 +123,8 @@ def make_base(b: Buildah, work: Path, suite: str) -> None:
 
 def build(b: Buildah) -> None:
     # docker format: OCI image configs have no HEALTHCHECK, and buildah would drop the Dockerfile's.
-    args = ["bud", "--isolation", "chroot", "--layers=false", "--format", "docker", "--file", str(ROOT / "Dockerfile"), "--tag", IMAGE,
+    args = ["bud", "--isolation", "chroot", "--layers=false", "--format", "docker",
+            "--file", str(ROOT / "Dockerfile"), "--tag", IMAGE,
             "--build-arg", f"BASE_IMAGE={BASE}", "--build-arg", f"TORCH_SPEC={TORCH_SPEC}"]
     # The host's pip setup, for RUN steps only: its wheel dir (the local CPU torch) and its CA bundle
     # (a network that re-signs TLS needs the host's CA, which Debian's ca-certificates lacks).

@@ -576,8 +576,9 @@ def test_grafana_dashboard_configmap(chart):
 
 # --- model from a hub -------------------------------------------------------------------------------
 
+HUB_SHA = "7ae557604adf67be50417f59c2c2f167def9a775"
 HUB = {
-    "model": {"source": "hub", "hub": {"repoId": "Qwen/Qwen2.5-0.5B-Instruct", "revision": "7ae557604adf67be50417f59c2c2f167def9a775",
+    "model": {"source": "hub", "hub": {"repoId": "Qwen/Qwen2.5-0.5B-Instruct", "revision": HUB_SHA,
                                        "token": {"existingSecret": "hf-token", "secretKey": "hf"},
                                        "endpoint": "https://hub-mirror.example.com"}},
     "ingress": INGRESS,
@@ -605,7 +606,7 @@ def test_hub_model_init_container_fills_an_emptydir(chart):
     assert init["securityContext"] == container(objs)["securityContext"]
     env = env_of(init)
     assert env["HUB_REPO_ID"]["value"] == "Qwen/Qwen2.5-0.5B-Instruct"
-    assert env["HUB_REVISION"]["value"] == "7ae557604adf67be50417f59c2c2f167def9a775"
+    assert env["HUB_REVISION"]["value"] == HUB_SHA
     assert env["HUB_LOCAL_DIR"]["value"] == "/models"
     assert env["HF_ENDPOINT"]["value"] == "https://hub-mirror.example.com"
     assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "hf"}
@@ -635,7 +636,8 @@ def test_hub_model_on_a_created_claim(chart):
     vol = next(v for v in spec["volumes"] if v["name"] == "models")
     assert vol["persistentVolumeClaim"] == {"claimName": "rel-graphcache-models", "readOnly": False}, \
         "the init container writes the claim"
-    assert objs[("PersistentVolumeClaim", "rel-graphcache-models")]["spec"]["resources"]["requests"]["storage"] == "30Gi"
+    pvc = objs[("PersistentVolumeClaim", "rel-graphcache-models")]
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "30Gi"
     env = env_of(spec["initContainers"][0])
     assert env["HUB_LOCAL_DIR"]["value"] == "/models/qwen" and env["HUB_ALLOW_PATTERNS"]["value"] == "[]"
     assert "HF_TOKEN" not in env and "HF_ENDPOINT" not in env
@@ -698,7 +700,7 @@ def test_hub_download_script_runs_with_the_rendered_env(chart, tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     call = json.loads((tmp_path / "call.json").read_text())
-    assert call == {"repo_id": "Qwen/Qwen2.5-0.5B-Instruct", "revision": "7ae557604adf67be50417f59c2c2f167def9a775",
+    assert call == {"repo_id": "Qwen/Qwen2.5-0.5B-Instruct", "revision": HUB_SHA,
                     "local_dir": str(tmp_path / "models"),
                     "allow_patterns": yaml.safe_load(env["HUB_ALLOW_PATTERNS"])}
     assert "config.json" in proc.stdout
