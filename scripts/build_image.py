@@ -282,9 +282,13 @@ def run_and_check(b: Buildah, work: Path, ready_timeout: float) -> dict:
             raise SystemExit(f"the container exited {rc} on SIGTERM:\n" + server_log.read_text()[-4000:])
         return result
     finally:
-        if proc.poll() is None:  # only on failure: our own session, by its id
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        if proc.poll() is None:  # only on failure: our own session, by its id; TERM lets buildah clean up
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
         subprocess.run(b.cmd("rm", ctr), capture_output=True, timeout=120)
 
 
@@ -302,6 +306,9 @@ def main() -> int:
     t_all = time.monotonic()
     work = args.work or Path(tempfile.mkdtemp(prefix="graphcache-image-", dir=os.environ.get("TMPDIR", "/var/tmp")))
     work.mkdir(parents=True, exist_ok=True)
+    # buildah's own temp dirs (per run, per build) go under the scratch dir too, so nothing outlives it.
+    (work / "tmp").mkdir(exist_ok=True)
+    os.environ["TMPDIR"] = str(work / "tmp")
     try:
         if os.geteuid() != 0:
             raise CannotRun("needs root (buildah with chroot isolation and mmdebstrap build as root here)")
