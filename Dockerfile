@@ -6,18 +6,30 @@
 # Without GRAPHCACHE_MODEL the server writes its embedded tiny model (random weights, for smoke tests)
 # under GRAPHCACHE_CACHE_DIR and serves that.
 #
-# The base already carries CUDA, cuDNN and a CUDA build of torch, so pip keeps that torch
-# (pyproject asks torch>=2.5) and adds only the light dependencies.
+# The default base already carries CUDA, cuDNN and a CUDA build of torch: the package installs into a
+# venv that sees the base's site-packages, so pip keeps that torch (pyproject asks torch>=2.5) and adds
+# only the light dependencies. Any base with python3 + venv, groupadd and useradd works: CI builds this
+# file with buildah on a minimal Debian rootfs and a CPU torch (scripts/build_image.sh, docs/DEPLOY.md).
 ARG BASE_IMAGE=pytorch/pytorch:2.9.0-cuda12.8-cudnn9-runtime
 FROM ${BASE_IMAGE}
 
 ARG UID=10001
 ARG GID=10001
+# CPU/CI builds only: a torch requirement installed first, e.g. torch==2.13.0 (a local CPU wheel found
+# through PIP_FIND_LINKS). Empty, the default, keeps the base's torch: real installs stay unpinned.
+ARG TORCH_SPEC=""
+# Build-time pip settings for closed networks (a wheel dir, an index, a CA bundle), passed with
+# --build-arg; ARGs exist while RUN runs and are not kept in the image's environment.
+ARG PIP_FIND_LINKS
+ARG PIP_INDEX_URL
+ARG PIP_CERT
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/graphcache/venv \
+    PATH=/opt/graphcache/venv/bin:$PATH \
     HOME=/home/graphcache \
     XDG_CACHE_HOME=/var/cache/graphcache/xdg \
     TRITON_CACHE_DIR=/var/cache/graphcache/triton \
@@ -40,7 +52,13 @@ WORKDIR /opt/graphcache
 # pyproject.toml, so there is nothing to pin here.
 COPY pyproject.toml README.md ./
 COPY service ./service
-RUN python -m pip install --no-cache-dir . \
+# --system-site-packages: the venv sees (and pip keeps) a torch the base installed; a base without one
+# (the CI Debian rootfs) gets TORCH_SPEC's. A venv also keeps pip away from an externally managed
+# system Python (PEP 668). DL3013: TORCH_SPEC is the pin, given by the build that wants one.
+# hadolint ignore=DL3013
+RUN python3 -m venv --system-site-packages "${VIRTUAL_ENV}" \
+    && if [ -n "${TORCH_SPEC}" ]; then python -m pip install --no-cache-dir "${TORCH_SPEC}"; fi \
+    && python -m pip install --no-cache-dir . \
     && python -c "import torch, graphcache.config; print('torch', torch.__version__, 'cuda', torch.version.cuda)" \
     && graphcache --help >/dev/null
 

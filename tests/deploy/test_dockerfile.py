@@ -135,3 +135,19 @@ def test_image_install_route(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.startswith(str(site)), f"imported the repo, not the installed copy: {run.stdout}"
     assert {"config.json", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+
+
+def test_torch_pin_only_from_a_build_arg():
+    """Real builds keep the base's torch: TORCH_SPEC (CI's CPU pin) is empty by default, and the venv sees
+    the base's site-packages so pip does not replace a CUDA torch. Build-time pip settings are ARGs, never
+    ENV, so the image does not keep them."""
+    text = DOCKERFILE.read_text()
+    assert re.search(r'^ARG TORCH_SPEC=""$', text, re.M), "TORCH_SPEC must default to empty (no pin)"
+    assert "torch==" not in re.sub(r"#.*", "", text), "no torch pin in the Dockerfile itself"
+    run = " ".join(args for word, args in instructions() if word == "RUN")
+    assert "venv --system-site-packages" in run and 'if [ -n "${TORCH_SPEC}" ]' in run
+    args = {a.split("=")[0] for w, a in instructions() if w == "ARG"}
+    assert {"PIP_FIND_LINKS", "PIP_INDEX_URL", "PIP_CERT"} <= args
+    env = " ".join(a for w, a in instructions() if w == "ENV")
+    assert "PIP_FIND_LINKS" not in env and "PIP_CERT" not in env and "PIP_INDEX_URL" not in env
+    assert "PATH=/opt/graphcache/venv/bin:$PATH" in env, "the venv's graphcache and python come first"

@@ -489,3 +489,222 @@ def test_warmup_profile_from_configmap(chart, monkeypatch):
     # The env the chart sets is what the server reads.
     monkeypatch.setenv("GRAPHCACHE_WARMUP_PROFILE", "/etc/graphcache/warmup/profile.json")
     assert str(Settings().warmup_profile) == "/etc/graphcache/warmup/profile.json"
+
+
+# --- Ingress ----------------------------------------------------------------------------------------
+
+INGRESS = {
+    "enabled": True,
+    "className": "nginx",
+    "annotations": {"nginx.ingress.kubernetes.io/proxy-buffering": "off",
+                    "cert-manager.io/cluster-issuer": "letsencrypt"},
+    "hosts": [{"host": "llm.example.com", "paths": [{"path": "/v1", "pathType": "Prefix"},
+                                                   {"path": "/health", "pathType": "Exact"}]},
+              {"host": "", "paths": [{"path": "/"}]}],
+    "tls": [{"secretName": "llm-tls", "hosts": ["llm.example.com"]}],
+}
+
+
+def test_ingress_off_by_default(chart):
+    assert "Ingress" not in kinds(render(chart))
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["ingress"]["enabled"] is False
+
+
+def test_ingress_routes_hosts_and_paths_to_the_service(chart):
+    objs = render(chart, {"ingress": INGRESS})
+    ing = objs[("Ingress", "rel-graphcache")]
+    assert ing["apiVersion"] == "networking.k8s.io/v1"
+    assert ing["metadata"]["annotations"] == INGRESS["annotations"]
+    assert ing["spec"]["ingressClassName"] == "nginx"
+    assert ing["spec"]["tls"] == INGRESS["tls"]
+    first, catch_all = ing["spec"]["rules"]
+    assert first["host"] == "llm.example.com" and "host" not in catch_all, "host '' = any host: no host field"
+    assert [(p["path"], p["pathType"]) for p in first["http"]["paths"]] == [("/v1", "Prefix"), ("/health", "Exact")]
+    assert catch_all["http"]["paths"][0]["pathType"] == "Prefix", "pathType defaults to Prefix"
+    svc = objs[("Service", "rel-graphcache")]
+    port_names = {p["name"] for p in svc["spec"]["ports"]}
+    for rule in ing["spec"]["rules"]:
+        for path in rule["http"]["paths"]:
+            backend = path["backend"]["service"]
+            assert backend["name"] == svc["metadata"]["name"] and backend["port"]["name"] in port_names
+    assert "llm.example.com/v1" in objs[("NOTES", "")]["text"]
+
+
+def test_ingress_without_class_or_tls(chart):
+    ing = render(chart, {"ingress": {"enabled": True}})[("Ingress", "rel-graphcache")]
+    assert "ingressClassName" not in ing["spec"] and "tls" not in ing["spec"]
+    assert ing["spec"]["rules"][0]["host"] == "graphcache.example.com"
+
+
+# --- Grafana dashboard ConfigMap --------------------------------------------------------------------
+
+DASHBOARDS = CHART / "dashboards"
+
+
+def test_chart_dashboards_match_deploy():
+    """The chart ships deploy/grafana's dashboards as dashboards/*.json (Helm reads files only inside the
+    chart); after editing one, copy it: cp deploy/grafana/graphcache-vllm-dashboard.json helm/graphcache/dashboards/."""
+    shipped = sorted(p.name for p in DASHBOARDS.glob("*.json"))
+    assert "graphcache-vllm-dashboard.json" in shipped
+    for name in shipped:
+        deploy_copy = CHART.parents[1] / "deploy" / "grafana" / name
+        assert deploy_copy.is_file(), f"{name} in the chart has no deploy/grafana/{name}"
+        assert (DASHBOARDS / name).read_bytes() == deploy_copy.read_bytes(), \
+            f"cp deploy/grafana/{name} helm/graphcache/dashboards/"
+
+
+def test_grafana_dashboard_configmap(chart):
+    import json
+
+    assert "ConfigMap" not in kinds(render(chart)), "off by default"
+    objs = render(chart, {"grafanaDashboard": {"enabled": True}})
+    cm = objs[("ConfigMap", "rel-graphcache-dashboards")]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1", "the sidecar's default label"
+    assert cm["metadata"]["namespace"] == "ml"
+    assert set(cm["data"]) == {p.name for p in DASHBOARDS.glob("*.json")}
+    for name, text in cm["data"].items():
+        assert json.loads(text) == json.loads((CHART.parents[1] / "deploy" / "grafana" / name).read_text())
+    custom = {"enabled": True, "namespace": "monitoring", "label": "dashboards", "labelValue": "llm",
+              "labels": {"team": "ml"}, "annotations": {"grafana_folder": "LLM"}}
+    cm = render(chart, {"grafanaDashboard": custom})[("ConfigMap", "rel-graphcache-dashboards")]
+    assert cm["metadata"]["namespace"] == "monitoring"
+    labels = cm["metadata"]["labels"]
+    assert labels["dashboards"] == "llm" and labels["team"] == "ml" and "grafana_dashboard" not in labels
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "LLM"}
+
+
+# --- model from a hub -------------------------------------------------------------------------------
+
+HUB_SHA = "7ae557604adf67be50417f59c2c2f167def9a775"
+HUB = {
+    "model": {"source": "hub", "hub": {"repoId": "Qwen/Qwen2.5-0.5B-Instruct", "revision": HUB_SHA,
+                                       "token": {"existingSecret": "hf-token", "secretKey": "hf"},
+                                       "endpoint": "https://hub-mirror.example.com"}},
+    "ingress": INGRESS,
+    "grafanaDashboard": {"enabled": True},
+}
+
+
+def pod_spec(objs) -> dict:
+    return objs[("Deployment", "rel-graphcache")]["spec"]["template"]["spec"]
+
+
+def test_helm_lint_hub_ingress_dashboard():
+    report = helm.lint(CHART, HUB, strict=True, namespace="ml", kube_version="v1.30.0")
+    assert report["errors"] == [], report
+    assert [m for m in report["messages"] if m["severity"] >= 2] == [], report["messages"]
+
+
+def test_hub_model_init_container_fills_an_emptydir(chart):
+    objs = render(chart, HUB)
+    spec = pod_spec(objs)
+    (init,) = spec["initContainers"]
+    assert init["name"] == "hub-download" and init["image"] == container(objs)["image"], "the server's own image"
+    assert init["command"][:2] == ["python", "-c"]
+    assert init["command"][2] == (CHART / "files" / "hub_download.py").read_text()
+    assert init["securityContext"] == container(objs)["securityContext"]
+    env = env_of(init)
+    assert env["HUB_REPO_ID"]["value"] == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert env["HUB_REVISION"]["value"] == HUB_SHA
+    assert env["HUB_LOCAL_DIR"]["value"] == "/models"
+    assert env["HF_ENDPOINT"]["value"] == "https://hub-mirror.example.com"
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "hf"}
+    assert env["HF_HOME"]["value"].startswith("/var/cache/graphcache/"), "the root filesystem is read-only"
+    assert "*.safetensors" in yaml.safe_load(env["HUB_ALLOW_PATTERNS"]["value"])
+    vol = next(v for v in spec["volumes"] if v["name"] == "models")
+    assert vol == {"name": "models", "emptyDir": {"sizeLimit": "50Gi"}}
+    init_mount = next(m for m in init["volumeMounts"] if m["name"] == "models")
+    assert init_mount["mountPath"] == "/models" and not init_mount.get("readOnly")
+    main_mount = next(m for m in container(objs)["volumeMounts"] if m["name"] == "models")
+    assert main_mount["readOnly"] is True
+    main_env = env_of(container(objs))
+    assert main_env["GRAPHCACHE_MODEL"]["value"] == "/models"
+    assert main_env["GRAPHCACHE_SERVED_MODEL_NAME"]["value"] == "Qwen/Qwen2.5-0.5B-Instruct", "the repo id by default"
+    assert "HF_TOKEN" not in main_env, "only the download needs the token"
+    assert "PersistentVolumeClaim" not in kinds(objs)
+    assert "hub-download" in objs[("NOTES", "")]["text"]
+    assert "initContainers" not in pod_spec(render(chart)), "no init container unless source=hub"
+
+
+def test_hub_model_on_a_created_claim(chart):
+    values = {"model": {"source": "hub", "path": "qwen", "servedModelName": "qwen-small",
+                        "hub": {"repoId": "Qwen/Qwen2.5-0.5B-Instruct", "volume": "pvc", "allowPatterns": []},
+                        "pvc": {"create": True, "size": "30Gi"}}}
+    objs = render(chart, values)
+    spec = pod_spec(objs)
+    vol = next(v for v in spec["volumes"] if v["name"] == "models")
+    assert vol["persistentVolumeClaim"] == {"claimName": "rel-graphcache-models", "readOnly": False}, \
+        "the init container writes the claim"
+    pvc = objs[("PersistentVolumeClaim", "rel-graphcache-models")]
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "30Gi"
+    env = env_of(spec["initContainers"][0])
+    assert env["HUB_LOCAL_DIR"]["value"] == "/models/qwen" and env["HUB_ALLOW_PATTERNS"]["value"] == "[]"
+    assert "HF_TOKEN" not in env and "HF_ENDPOINT" not in env
+    main_env = env_of(container(objs))
+    assert main_env["GRAPHCACHE_MODEL"]["value"] == "/models/qwen"
+    assert main_env["GRAPHCACHE_SERVED_MODEL_NAME"]["value"] == "qwen-small"
+    assert next(m for m in container(objs)["volumeMounts"] if m["name"] == "models")["readOnly"] is True
+    report = helm.lint(CHART, values, strict=True, namespace="ml", kube_version="v1.30.0")
+    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == [], report
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"model": {"source": "hub"}}, "repoId"),
+    ({"model": {"source": "hub", "hub": {"repoId": "a/b", "volume": "pvc"}}}, "existingClaim"),
+])
+def test_hub_render_fails_with_a_fix(chart, values, message):
+    with pytest.raises(helm.HelmError, match=message):
+        chart.render(values, name="rel", namespace="ml")
+
+
+@pytest.mark.parametrize("bad", [
+    {"model": {"hub": {"volume": "s3"}}},
+    {"model": {"hub": {"endpoint": "ftp://mirror"}}},
+    {"model": {"hub": {"repoId": "has spaces/x"}}},
+    {"model": {"hub": {"token": {"value": "hf_plaintext"}}}},
+    {"ingress": {"hosts": [{"host": "a", "paths": [{"path": "no-slash"}]}]}},
+    {"ingress": {"hosts": [{"host": "a", "paths": [{"path": "/", "pathType": "Regex"}]}]}},
+    {"ingress": {"class": "nginx"}},
+    {"grafanaDashboard": {"labels": {"team": 1}}},
+    {"grafanaDashboard": {"label": "not a label"}},
+], ids=lambda v: str(v)[:50])
+def test_schema_rejects_new_sections(chart, bad):
+    with pytest.raises(helm.HelmValuesError):
+        chart.validate_schema(bad)
+
+
+def test_hub_download_script_runs_with_the_rendered_env(chart, tmp_path):
+    """The init container's exact command and env, run here against a stand-in huggingface_hub (no hub is
+    reachable from the test machines): the arguments reach snapshot_download, and a download without
+    config.json fails naming the fix."""
+    import json
+    import subprocess
+    import sys
+
+    (init,) = pod_spec(render(chart, HUB))["initContainers"]
+    fake = tmp_path / "fake"
+    (fake / "huggingface_hub").mkdir(parents=True)
+    (fake / "huggingface_hub" / "__init__.py").write_text(
+        "import json, os\n"
+        "def snapshot_download(**kw):\n"
+        "    os.makedirs(kw['local_dir'], exist_ok=True)\n"
+        "    if os.environ.get('FAKE_WITH_CONFIG') == '1':\n"
+        "        open(os.path.join(kw['local_dir'], 'config.json'), 'w').write('{}')\n"
+        "    json.dump(kw, open(os.environ['FAKE_RECORD'], 'w'))\n"
+        "    return kw['local_dir']\n")
+    env = {e["name"]: e["value"] for e in init["env"] if "value" in e}
+    env.update(HUB_LOCAL_DIR=str(tmp_path / "models"), HF_HOME=str(tmp_path / "hf"), PYTHONPATH=str(fake),
+               FAKE_RECORD=str(tmp_path / "call.json"), FAKE_WITH_CONFIG="1", PATH=os.environ["PATH"])
+    cmd = [sys.executable, *init["command"][1:]]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    call = json.loads((tmp_path / "call.json").read_text())
+    assert call == {"repo_id": "Qwen/Qwen2.5-0.5B-Instruct", "revision": HUB_SHA,
+                    "local_dir": str(tmp_path / "models"),
+                    "allow_patterns": yaml.safe_load(env["HUB_ALLOW_PATTERNS"])}
+    assert "config.json" in proc.stdout
+    env.update(FAKE_WITH_CONFIG="0", HUB_LOCAL_DIR=str(tmp_path / "empty"), HUB_ALLOW_PATTERNS="[]")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "no config.json" in proc.stderr and "allowPatterns" in proc.stderr
+    assert json.loads((tmp_path / "call.json").read_text())["allow_patterns"] is None, "[] = the whole repository"

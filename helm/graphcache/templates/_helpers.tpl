@@ -94,3 +94,18 @@ app.kubernetes.io/component: inference
 {{- define "graphcache.envValue" -}}
 {{- if kindIs "string" . }}{{ . | quote }}{{ else }}{{ toJson . | quote }}{{ end }}
 {{- end }}
+
+{{/* "true" when the model volume is a PersistentVolumeClaim: model.source=pvc, or hub with hub.volume=pvc. */}}
+{{- define "graphcache.modelOnClaim" -}}
+{{- if or (eq .Values.model.source "pvc") (and (eq .Values.model.source "hub") (eq .Values.model.hub.volume "pvc")) }}true{{ end }}
+{{- end }}
+
+{{/* GRAPHCACHE_SERVED_MODEL_NAME: model.servedModelName, else the hub repo id for source=hub, else empty
+     (the server then uses the directory name). */}}
+{{- define "graphcache.servedModelName" -}}
+{{- if .Values.model.servedModelName }}
+{{- .Values.model.servedModelName }}
+{{- else if eq .Values.model.source "hub" }}
+{{- .Values.model.hub.repoId }}
+{{- end }}
+{{- end }}
