@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from .test_helm import container, helm, render  # noqa: F401 (helm: skips without helm-python-sdk)
 from .conftest import CHART
+from .test_helm import container, helm, render  # noqa: F401 (helm: skips without helm-python-sdk)
 
 
 @pytest.fixture(scope="module")
