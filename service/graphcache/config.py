@@ -37,6 +37,10 @@ class Settings(BaseSettings):
     device: Literal["auto", "cuda", "cpu"] = Field("auto", description="auto = cuda when available.")
     cache_dir: Path = Field(Path.home() / ".cache" / "graphcache", description="Where the tiny model is written.")
     seed: int = Field(0, description="Seed for random weights of the tiny model and the default sampler.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="GPUs one model is split over (tensor parallelism: heads, MLP and vocabulary "
+        "sharded, one process per GPU). Must divide the model's attention and KV heads. Only 1 is served yet "
+        "(docs/TENSOR_PARALLEL.md).")
 
     # --- engine ---
     max_num_seqs: int = Field(64, ge=1, le=4096, description="Requests running at once (decode batch size). "

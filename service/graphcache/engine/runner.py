@@ -46,6 +46,7 @@ from graphcache.model.config import ModelLoadError, read_config, resolve_dtype
 from graphcache.model.decode_attention import choose_num_splits, decode_workspace
 from graphcache.model.forward_context import forward_context
 from graphcache.model.loader import load_model
+from graphcache.model.parallel import TensorParallel
 from graphcache.model.tiny import default_model_dir
 from graphcache.model.tokenizer import Tokenizer
 
@@ -75,8 +76,19 @@ class StagingBuffer:
 
 
 class ModelRunner:
-    def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics | None = None, *, tp: TensorParallel | None = None,
+                 graph_cache_factory: Callable[..., GraphCache] = GraphCache) -> None:
+        """tp: this process's tensor-parallel shard (a rank of a group of settings.tensor_parallel_size
+        processes, each running this runner on the same batches: docs/TENSOR_PARALLEL.md). None = the
+        whole model in this process. graph_cache_factory: how the GraphCache is built (a TP rank passes
+        one that agrees every cache decision with the other ranks)."""
         self.settings = s = settings
+        self.tp = tp = tp or TensorParallel.single()
+        if s.tensor_parallel_size != tp.size:
+            raise RuntimeError(
+                f"tensor_parallel_size={s.tensor_parallel_size} is not served yet: the server does not start "
+                f"worker processes (docs/TENSOR_PARALLEL.md). Set tensor_parallel_size=1 "
+                "(GRAPHCACHE_TENSOR_PARALLEL_SIZE=1, --tensor-parallel-size 1) and use a model that fits one GPU")
         self.device = _resolve_device(s.device)
         self.device_type = self.device.type
         self.dtype = resolve_dtype("bfloat16" if s.dtype == "auto" and self.device.type == "cuda"
@@ -85,7 +97,11 @@ class ModelRunner:
         self.model_path = path
         self.tokenizer = Tokenizer(path)
         self.max_model_len = self._max_model_len(read_config(path))
-        self.model, self.model_config = load_model(path, self.dtype, self.device, max_positions=self.max_model_len)
+        self.model, self.model_config = load_model(path, self.dtype, self.device, max_positions=self.max_model_len,
+                                                   tp=tp)
+        c = self.model_config
+        # This rank's heads: its KV cache, attention plan and decode kernels see only those.
+        self.num_heads, self.num_kv_heads = c.num_heads // tp.size, c.num_kv_heads // tp.size
         self.block_size = s.block_size
         self.vocab_size = self.model_config.vocab_size
         eos = self.tokenizer.eos_token_ids or self.model_config.eos_token_ids
@@ -95,18 +111,17 @@ class ModelRunner:
         self._alloc_buffers()
         self.num_kv_blocks = self._num_kv_blocks()
         self._alloc_kv_cache()
-        c = self.model_config
         self.attention_kernel = select_attention_kernel(self.device, self.dtype, c.head_dim, self.block_size,
                                                         s.attention_backend)
         self._planner = AttentionPlanner(kernel=self.attention_kernel, block_size=self.block_size,
-                                         max_blocks_per_seq=self.max_blocks_per_seq, num_heads=c.num_heads,
-                                         num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype,
+                                         max_blocks_per_seq=self.max_blocks_per_seq, num_heads=self.num_heads,
+                                         num_kv_heads=self.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype,
                                          device=self.device)
         self.decode_kernel = select_decode_kernel(self.device, self.dtype, c.head_dim, self.block_size,
                                                   s.decode_attention_backend)
         self._alloc_decode()
         self.backend = "cuda" if self.device.type == "cuda" and not s.enforce_eager else "eager"
-        self.cache = GraphCache(self._step_fn, backend=self.backend, max_entries=s.cache_max_entries,
+        self.cache = graph_cache_factory(self._step_fn, backend=self.backend, max_entries=s.cache_max_entries,
                                 max_bytes=s.cache_max_bytes, admission=s.admission,
                                 admission_min_misses=s.admission_min_misses, eviction_policy=s.eviction_policy,
                                 pin_share=s.cache_pin_share, debug=s.graph_debug, metrics=metrics, input_tensors=self._input_tensors)
@@ -192,8 +207,8 @@ class ModelRunner:
         self._decode_positions = None
         self._decode_in_graph = self.settings.decode_capture_mode == "full"
         if self.decode_kernel == "triton":
-            splits = max(choose_num_splits(r, c.num_kv_heads, self.max_model_len) for r in [1, *self.sizes])
-            self._decode_workspace = decode_workspace(self.max_reqs, c.num_heads, c.head_dim, splits, self.device)
+            splits = max(choose_num_splits(r, self.num_kv_heads, self.max_model_len) for r in [1, *self.sizes])
+            self._decode_workspace = decode_workspace(self.max_reqs, self.num_heads, c.head_dim, splits, self.device)
         elif self.decode_kernel == "torch":
             self._decode_positions = torch.arange(self.max_blocks_per_seq * self.block_size, device=self.device)
         # Host-side row cache of the uniform-decode fast path: which block table (the sequence's own
@@ -208,7 +223,7 @@ class ModelRunner:
         if md is None:
             splits = 1
             if self.decode_kernel == "triton":
-                splits = choose_num_splits(num_reqs, self.model_config.num_kv_heads, self.max_model_len)
+                splits = choose_num_splits(num_reqs, self.num_kv_heads, self.max_model_len)
             md = DecodeMetadata(self.decode_kernel, self._decode_in_graph, self.block_tables.dev[:num_reqs],
                                 self.seq_lens.dev[:num_reqs], splits, self._decode_workspace,
                                 self._decode_positions)
@@ -220,7 +235,7 @@ class ModelRunner:
 
     def _kv_block_bytes(self) -> int:
         c = self.model_config
-        return c.num_layers * 2 * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        return c.num_layers * 2 * self.block_size * self.num_kv_heads * c.head_dim * self.dtype.itemsize
 
     def _num_kv_blocks(self) -> int:
         s = self.settings
@@ -244,8 +259,8 @@ class ModelRunner:
         # Zero-filled, not empty: masked positions get softmax weight 0, and 0 * NaN would still be NaN.
         # One block more than the block manager knows of: block num_kv_blocks is the scratch block
         # that padded tokens write (their K/V may be garbage; nothing ever reads it).
-        self.kv_storage = torch.zeros(c.num_layers, 2, self.num_kv_blocks + 1, self.block_size, c.num_kv_heads,
-                                      c.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_storage = torch.zeros(c.num_layers, 2, self.num_kv_blocks + 1, self.block_size, self.num_kv_heads,
+                                      c.head_dim, dtype=self.dtype, device=self.device)   # this rank's KV heads
         self.kv_cache = self.kv_storage[:, :, :self.num_kv_blocks]  # [layers, 2, blocks, bs, K, D]: usable blocks
         self.scratch_slot = self.num_kv_blocks * self.block_size
         self.model.bind_kv_cache([self.kv_storage[i] for i in range(c.num_layers)])

@@ -45,13 +45,14 @@ import gc
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import torch
 
+from graphcache.graphs.agreement import Agreement, CaptureReport, Decision, Verdict, fingerprint
 from graphcache.graphs.capture import BreakableGraph, capture
 from graphcache.graphs.descriptor import BatchDescriptor
 from graphcache.graphs.pool import all_graph_pools_bytes, new_pool, pool_bytes, reserved_bytes
@@ -69,6 +70,7 @@ EVICTION_POLICIES: tuple[str, ...] = ("lru", "gdsf")
 # be 0 bytes; real private pools are >= ~2 MiB, so the floor only matters off the GPU).
 MIN_COST_SECONDS = 1e-6
 MIN_SIZE_BYTES = 1 << 20
+DECISION_LOG_MAX = 100_000   # decisions kept (captures, evictions, refusals: never one per step)
 
 
 @dataclass
@@ -153,6 +155,11 @@ def warmup_order(descs: list[BatchDescriptor]) -> list[BatchDescriptor]:
     return sorted(set(descs), key=lambda d: (d.num_tokens, d.num_reqs, d.uniform_decode), reverse=True)
 
 
+def _failure(e: Exception) -> CaptureReport:
+    reason = "oom" if isinstance(e, torch.OutOfMemoryError) else "error"
+    return CaptureReport(False, reason, f"{type(e).__name__}: {e}")
+
+
 def _capture_mode(graph: BreakableGraph) -> Literal["full", "breakable"]:
     return "full" if graph.num_breaks == 0 else "breakable"
 
@@ -164,7 +171,9 @@ class GraphCache:
                  input_tensors: Callable[[BatchDescriptor], list[torch.Tensor]] | None = None,
                  measure_bytes: Callable[[BatchDescriptor, Any], int] | None = None,
                  eviction_policy: EvictionPolicy = "lru", pin_share: float = 1.0,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, agreement: Agreement | None = None) -> None:
+        """agreement: how capture outcomes are agreed with other tensor-parallel ranks (graphs/agreement.py);
+        None = this process alone, no collective."""
         if admission not in ("always", "after_n", "never"):
             raise ValueError(f"admission must be 'always', 'after_n' or 'never', got {admission!r}")
         if backend not in ("cuda", "eager"):
@@ -186,6 +195,8 @@ class GraphCache:
         # Overridable so CPU tests can give entries a size; default: the pool's allocator bytes.
         self.measure_bytes = measure_bytes or (lambda desc, pool: pool_bytes(pool))
         self.failpoint: Callable[[BatchDescriptor], None] | None = None  # tests inject capture failures
+        self.agreement = agreement or Agreement()
+        self._decisions: deque[Decision] = deque(maxlen=DECISION_LOG_MAX)
         self.warmed_up = False
         self._entries: OrderedDict[BatchDescriptor, _Entry] = OrderedDict()  # LRU first
         self._negative: dict[BatchDescriptor, tuple[str, str]] = {}  # desc -> (reason, detail)
@@ -274,19 +285,29 @@ class GraphCache:
             self._pinned_pool, self._pinned_bytes = new_pool(self.backend), 0
         pool = self._pinned_pool if shared else new_pool(self.backend)
         before = self._pinned_bytes if shared else 0
-        try:
-            if self.failpoint is not None:
-                self.failpoint(desc)
-            graph, seconds = self._capture(desc, pool)
-        except Exception as e:
-            reason = "oom" if isinstance(e, torch.OutOfMemoryError) else "error"
-            self._refuse(desc, reason, f"{type(e).__name__}: {e}")
+        # Two agreed phases (graphs/agreement.py; at tp size 1 each is just this rank's outcome): first
+        # every rank's pre-checks, so a rank that cannot capture stops the others before any of them runs
+        # the step (whose collectives would wait for it); then the capture's outcome and measured bytes.
+        verdict = self._agree(self._precheck(desc))
+        graph: BreakableGraph | None = None
+        if verdict.ok:
+            try:
+                graph, seconds = self._capture(desc, pool)
+                report = CaptureReport(True, bytes=int(self.measure_bytes(desc, pool)), seconds=seconds)
+            except Exception as e:
+                report = _failure(e)
+            verdict = self._agree(report)
+        if not verdict.ok:
+            if graph is not None:
+                graph.close()   # this rank captured it, another did not: abandoned everywhere
+            self._refuse(desc, verdict.reason, verdict.detail)
             if shared:
                 self._settle_pinned_pool(desc)
             if self.backend == "cuda":
                 torch.cuda.empty_cache()  # give back what the failed capture's pool reserved
             return None
-        measured = int(self.measure_bytes(desc, pool))
+        assert graph is not None
+        measured, seconds = verdict.bytes, verdict.seconds   # max over ranks
         if shared:
             # The pool's memory is already reserved and stays until its last graph goes: count
             # it now, whatever happens to this entry. Growth, not the pool, is this entry's size.
@@ -321,6 +342,8 @@ class GraphCache:
                         self._total_bytes(), self.max_bytes)
         entry.priority = self._gdsf_priority(entry)  # after the evictions above: from the current L
         self._entries[desc] = entry
+        self._decisions.append(Decision("admit", str(desc), bytes=size, rank_bytes=verdict.rank_bytes,
+                                        pinned=pinned))
         # Profile bytes: what the capture needs on its own (a pinned capture's growth may be 0 when the
         # pool already had room; its own-pool size is the size hint when measured).
         self._captured[desc] = (_capture_mode(graph), self._size_hints.get(desc, size), seconds)
@@ -345,7 +368,8 @@ class GraphCache:
         if not self._has_shared():
             self._pinned_pool, self._pinned_bytes = None, 0  # its partial graphs were reset
         else:
-            self._pinned_bytes = int(self.measure_bytes(desc, self._pinned_pool))
+            local = int(self.measure_bytes(desc, self._pinned_pool))
+            self._pinned_bytes = self._agree(CaptureReport(True, bytes=local)).bytes   # max over ranks
             self._update_gauges()
 
     def _has_shared(self) -> bool:
@@ -419,6 +443,7 @@ class GraphCache:
             # on the next empty_cache) and its handle must not be captured into again.
             self._pinned_pool, self._pinned_bytes = None, 0
         self._stats.evictions[reason] += 1
+        self._decisions.append(Decision("evict", str(desc), reason))
         if self.metrics is not None:
             self.metrics.graph_evictions.labels(reason).inc()
         self._update_gauges()
@@ -427,6 +452,7 @@ class GraphCache:
 
     def _refuse(self, desc: BatchDescriptor, reason: str, detail: str) -> None:
         self._negative[desc] = (reason, detail)
+        self._decisions.append(Decision("refuse", str(desc), reason))
         self._stats.failures[reason] += 1
         if self.metrics is not None:
             self.metrics.graph_capture_failures.labels(reason).inc()
@@ -439,12 +465,15 @@ class GraphCache:
         self._check_owner()
         report, t0 = WarmupReport(), time.perf_counter()
         todo = warmup_order(descs)
+        self._decisions.append(Decision("warmup", ",".join(map(str, todo)), pinned=pin))
         for i, desc in enumerate(todo):
             entry = self._entries.get(desc)
             pin_this = pin and (entry is not None and entry.pinned or self._may_pin())
             if pin and not pin_this:
                 report.unpinned.append(str(desc))
             if entry is not None:
+                if pin_this and not entry.pinned:
+                    self._decisions.append(Decision("pin", str(desc)))
                 entry.pinned = entry.pinned or pin_this
                 report.cached.append(str(desc))
             else:
@@ -485,6 +514,7 @@ class GraphCache:
         if self.backend == "cuda":
             torch.cuda.synchronize()  # no replay may still be running on memory we free
         before, held, n = reserved_bytes(), self._total_bytes(), len(self._entries)
+        self._decisions.append(Decision("clear"))
         for desc in list(self._entries):
             self._drop(desc, "clear")
         self._negative.clear()
@@ -544,6 +574,10 @@ class GraphCache:
             "stats": asdict(self.stats()),
         }
 
+    def decision_log(self) -> list[Decision]:
+        """The cache's decisions in order (at tp > 1 equal on every rank; graphs/agreement.py)."""
+        return list(self._decisions)
+
     def __contains__(self, desc: BatchDescriptor) -> bool:
         return desc in self._entries
 
@@ -551,6 +585,27 @@ class GraphCache:
         return len(self._entries)
 
     # --- helpers ---
+    def _precheck(self, desc: BatchDescriptor) -> CaptureReport:
+        """This rank's checks before a capture: today the test failpoint."""
+        try:
+            if self.failpoint is not None:
+                self.failpoint(desc)
+        except Exception as e:
+            return _failure(e)
+        return CaptureReport(True)
+
+    def _agree(self, report: CaptureReport) -> Verdict:
+        """The verdict every rank applies (rank 0's, from every rank's report); at size 1 this report's."""
+        if self.agreement.size == 1:
+            return self.agreement.agree(report)
+        state = fingerprint([list(self._entries), list(self._negative), len(self._decisions)])
+        verdict = self.agreement.agree(CaptureReport(report.ok, report.reason, report.detail, report.bytes,
+                                                     report.seconds, state))
+        if verdict.diverged:
+            raise RuntimeError(verdict.diverged + "; restart the server (every rank starts from an empty cache), "
+                               "and report it: the runner must apply every step and admin call on all ranks")
+        return verdict
+
     def _total_bytes(self) -> int:
         """Allocator-measured: the pinned pool plus every private pool."""
         return self._pinned_bytes + sum(e.bytes for e in list(self._entries.values()) if not e.shared)

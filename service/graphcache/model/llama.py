@@ -20,6 +20,14 @@ from torch import nn
 from graphcache.model.attention import DecodeMetadata, decode_attention, paged_attention
 from graphcache.model.config import ModelConfig
 from graphcache.model.forward_context import current_attention_metadata
+from graphcache.model.parallel import (
+    ParallelLMHead,
+    TensorParallel,
+    VocabParallelEmbedding,
+    check_shardable,
+    column_linear,
+    row_linear,
+)
 
 
 class RMSNorm(nn.Module):
@@ -90,15 +98,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: Rotary) -> None:
+    def __init__(self, config: ModelConfig, rotary: Rotary, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        # This rank's heads (all of them at tp size 1): q/k/v split by head, o_proj by its input.
+        self.num_heads, self.num_kv_heads = config.num_heads // tp.size, config.num_kv_heads // tp.size
+        self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         # One matmul for q, k and v: rows [q | k | v] (the loader fills the slices).
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = column_linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, tp)
+        self.o_proj = row_linear(self.q_size, config.hidden_size, config.o_bias, tp)   # all-reduce at tp > 1
         self.qk_norm = config.qk_norm
         if config.qk_norm:  # Qwen3: per-head RMSNorm over head_dim, before rotary
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -145,11 +155,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.inter = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)  # rows [gate | up]
-        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)
+        self.inter = config.intermediate_size // tp.size                              # this rank's share
+        self.gate_up_proj = column_linear(config.hidden_size, 2 * self.inter, False, tp)  # rows [gate | up]
+        self.down_proj = row_linear(self.inter, config.hidden_size, False, tp)        # all-reduce at tp > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)       # [T, I] each
@@ -157,12 +167,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: Rotary) -> None:
+    def __init__(self, config: ModelConfig, rotary: Rotary, tp: TensorParallel) -> None:
         super().__init__()
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config, rotary)
+        self.attn = Attention(config, rotary, tp)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(self, positions: torch.Tensor, slot_mapping: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         h = h + self.attn(positions, slot_mapping, self.input_norm(h))
@@ -170,14 +180,21 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, *, max_positions: int | None = None) -> None:
+    def __init__(self, config: ModelConfig, *, max_positions: int | None = None,
+                 tp: TensorParallel | None = None) -> None:
+        """tp: this process's shard (model/parallel.py); None or size 1 = the whole model, no collectives."""
         super().__init__()
         self.config = config
+        self.tp = tp = tp or TensorParallel.single()
+        check_shardable(config, tp.size)
         self.rotary = Rotary(config, max_positions or config.max_position_embeddings)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary) for _ in range(config.num_layers))
+        # At tp > 1 the vocabulary rows are split over the ranks; the head all-gathers the logits.
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp) if tp.enabled
+                             else nn.Embedding(config.vocab_size, config.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, tp) if tp.enabled
+                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.embed_tokens.weight
@@ -206,4 +223,7 @@ class LlamaModel(nn.Module):
             h = layer(positions, slot_mapping, h)
         # Only the R rows that need logits go through the final norm and the [hidden, V] head.
         h = self.norm(h.index_select(0, logits_indices))                 # [R, hidden]
-        torch.mm(h, self.lm_head.weight.t(), out=out_logits)             # [R, V], no [R, V] temporary
+        if self.tp.enabled:
+            self.lm_head.logits_into(h, out_logits)                      # [R, V]: all-gather of [R, V / N]
+        else:
+            torch.mm(h, self.lm_head.weight.t(), out=out_logits)         # [R, V], no [R, V] temporary

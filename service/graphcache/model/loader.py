@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
 
 from graphcache.model.config import ModelConfig, ModelLoadError, read_config, resolve_dtype
 from graphcache.model.llama import LlamaModel
+from graphcache.model.parallel import TensorParallel, vocab_shard
 
 log = logging.getLogger(__name__)
 
@@ -36,42 +38,88 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _hf_targets(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
-    """HF tensor name -> (our parameter name, row offset, rows) inside possibly fused parameters."""
-    q = config.num_heads * config.head_dim
-    kv = config.num_kv_heads * config.head_dim
-    inter = config.intermediate_size
-    t: dict[str, tuple[str, int, int]] = {"model.embed_tokens.weight": ("embed_tokens.weight", 0, -1),
-                                          "model.norm.weight": ("norm.weight", 0, -1)}
+class Target(NamedTuple):
+    """Where one checkpoint tensor goes: rows [offset, offset + rows) of our parameter `name` (rows -1: all
+    of it), read from the checkpoint's slice [start, start + rows) along `shard_dim` (None: whole)."""
+
+    name: str
+    offset: int = 0
+    rows: int = -1
+    shard_dim: int | None = None
+    start: int = 0
+    full: int = 0     # the checkpoint tensor's size along shard_dim that config.json implies
+
+
+def _hf_targets(config: ModelConfig, tp: TensorParallel | None = None) -> dict[str, Target]:
+    """HF tensor name -> Target inside our (possibly fused, possibly sharded) parameters. A rank of a
+    tensor-parallel group reads its heads of q/k/v, its columns of o_proj, its intermediate rows of
+    gate/up and columns of down, and its vocabulary rows (model/parallel.py has the split)."""
+    tp = tp or TensorParallel.single()
+    r, n = tp.rank, tp.size
+    q = config.num_heads * config.head_dim // n                  # this rank's share of each
+    kv = config.num_kv_heads * config.head_dim // n
+    inter = config.intermediate_size // n
+
+    def split(name: str, offset: int, rows: int, dim: int) -> Target:
+        # Whole tensor at tp size 1: today's loading path, byte for byte.
+        return Target(name, offset, rows) if n == 1 else Target(name, offset, rows, dim, r * rows, rows * n)
+
+    t: dict[str, Target] = {"model.norm.weight": Target("norm.weight")}
+    vocab_names = {"model.embed_tokens.weight": "embed_tokens.weight"}
     if not config.tie_word_embeddings:
-        t["lm_head.weight"] = ("lm_head.weight", 0, -1)
+        vocab_names["lm_head.weight"] = "lm_head.weight"
+    for hf, ours in vocab_names.items():
+        if n == 1:
+            t[hf] = Target(ours)
+        else:
+            start, rows, _ = vocab_shard(config.vocab_size, r, n)
+            t[hf] = Target(ours, 0, rows, 0, start, config.vocab_size)
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         kinds = ["weight", "bias"] if config.qkv_bias else ["weight"]
         for kind in kinds:
-            t[hf + f"self_attn.q_proj.{kind}"] = (ours + f"attn.qkv_proj.{kind}", 0, q)
-            t[hf + f"self_attn.k_proj.{kind}"] = (ours + f"attn.qkv_proj.{kind}", q, kv)
-            t[hf + f"self_attn.v_proj.{kind}"] = (ours + f"attn.qkv_proj.{kind}", q + kv, kv)
-        t[hf + "self_attn.o_proj.weight"] = (ours + "attn.o_proj.weight", 0, -1)
-        if config.o_bias:
-            t[hf + "self_attn.o_proj.bias"] = (ours + "attn.o_proj.bias", 0, -1)
+            t[hf + f"self_attn.q_proj.{kind}"] = split(ours + f"attn.qkv_proj.{kind}", 0, q, 0)
+            t[hf + f"self_attn.k_proj.{kind}"] = split(ours + f"attn.qkv_proj.{kind}", q, kv, 0)
+            t[hf + f"self_attn.v_proj.{kind}"] = split(ours + f"attn.qkv_proj.{kind}", q + kv, kv, 0)
+        t[hf + "self_attn.o_proj.weight"] = (Target(ours + "attn.o_proj.weight") if n == 1
+                                             else Target(ours + "attn.o_proj.weight", 0, -1, 1, r * q, q * n))
+        if config.o_bias:   # added once after the all-reduce: every rank holds all of it
+            t[hf + "self_attn.o_proj.bias"] = Target(ours + "attn.o_proj.bias")
         if config.qk_norm:
-            t[hf + "self_attn.q_norm.weight"] = (ours + "attn.q_norm.weight", 0, -1)
-            t[hf + "self_attn.k_norm.weight"] = (ours + "attn.k_norm.weight", 0, -1)
-        t[hf + "mlp.gate_proj.weight"] = (ours + "mlp.gate_up_proj.weight", 0, inter)
-        t[hf + "mlp.up_proj.weight"] = (ours + "mlp.gate_up_proj.weight", inter, inter)
-        t[hf + "mlp.down_proj.weight"] = (ours + "mlp.down_proj.weight", 0, -1)
-        t[hf + "input_layernorm.weight"] = (ours + "input_norm.weight", 0, -1)
-        t[hf + "post_attention_layernorm.weight"] = (ours + "post_attn_norm.weight", 0, -1)
+            t[hf + "self_attn.q_norm.weight"] = Target(ours + "attn.q_norm.weight")
+            t[hf + "self_attn.k_norm.weight"] = Target(ours + "attn.k_norm.weight")
+        t[hf + "mlp.gate_proj.weight"] = split(ours + "mlp.gate_up_proj.weight", 0, inter, 0)
+        t[hf + "mlp.up_proj.weight"] = split(ours + "mlp.gate_up_proj.weight", inter, inter, 0)
+        t[hf + "mlp.down_proj.weight"] = (Target(ours + "mlp.down_proj.weight") if n == 1
+                                          else Target(ours + "mlp.down_proj.weight", 0, -1, 1, r * inter, inter * n))
+        t[hf + "input_layernorm.weight"] = Target(ours + "input_norm.weight")
+        t[hf + "post_attention_layernorm.weight"] = Target(ours + "post_attn_norm.weight")
     return t
 
 
+def _read(f, hf_name: str, target: Target, dest: torch.Tensor) -> torch.Tensor:
+    """The checkpoint tensor, or this rank's slice of it (only that slice is read from disk)."""
+    if target.shard_dim is None:
+        return f.get_tensor(hf_name)
+    sl = f.get_slice(hf_name)
+    full, dim = list(sl.get_shape()), target.shard_dim
+    if len(full) != dest.dim() or full[dim] != target.full:   # a slice alone could fit a wrong checkpoint
+        raise ModelLoadError(f"shape mismatch for {hf_name}: checkpoint has {tuple(full)}, config.json implies "
+                             f"{target.full} along dim {dim}; config.json and the weights disagree")
+    index = [slice(None)] * len(full)
+    index[dim] = slice(target.start, target.start + dest.shape[dim])
+    return sl[tuple(index)]
+
+
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-               *, max_positions: int | None = None) -> tuple[LlamaModel, ModelConfig]:
+               *, max_positions: int | None = None,
+               tp: TensorParallel | None = None) -> tuple[LlamaModel, ModelConfig]:
     """Build the model on `device` in `dtype` and fill it from the directory's safetensors.
 
     max_positions bounds the rotary cos/sin table (default: the config's max_position_embeddings).
-    Returns (LlamaModel, ModelConfig)."""
+    tp: this process's tensor-parallel shard (model/parallel.py): it reads only its slices of the same
+    checkpoint every rank reads. None = the whole model.
+    Returns (LlamaModel, ModelConfig); the config is the whole model's (heads etc. before the split)."""
     path = Path(path)
     config = read_config(path)
     dtype = resolve_dtype(dtype)
@@ -80,10 +128,13 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     # Build on the meta device, then allocate uninitialized storage: no wasted random init of
     # billions of weights that are overwritten right after.
     with torch.device("meta"):
-        model = LlamaModel(config, max_positions=max_positions).to(dtype)
+        model = LlamaModel(config, max_positions=max_positions, tp=tp).to(dtype)
     model.to_empty(device=device)  # allocated once, already in the target dtype
+    if model.tp.enabled:   # the last vocabulary shard's padding rows are read by no checkpoint tensor
+        model.embed_tokens.weight.data.zero_()
+        model.lm_head.weight.data.zero_()
     params = dict(model.named_parameters())
-    targets = _hf_targets(config)
+    targets = _hf_targets(config, model.tp)
     loaded: set[str] = set()
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -94,10 +145,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
                         log.warning("ignoring tensor %s from %s (not used by %s)", hf_name, file.name,
                                     config.architecture)
                     continue
-                name, offset, rows = target
-                param = params[name]
-                tensor = f.get_tensor(hf_name)
-                dest = param.data if rows < 0 else param.data.narrow(0, offset, rows)
+                param = params[target.name]
+                dest = param.data if target.rows < 0 else param.data.narrow(0, target.offset, target.rows)
+                tensor = _read(f, hf_name, target, dest)
                 if tuple(tensor.shape) != tuple(dest.shape):
                     raise ModelLoadError(
                         f"shape mismatch for {hf_name} in {file.name}: checkpoint has {tuple(tensor.shape)}, "
