@@ -14,6 +14,9 @@ freezing the event loop and the engine thread). Callers bound text by `MAX_CHARS
 Chat content is user input: `encode_chat` encodes special-token strings that appear inside message
 content as plain text, so `<|im_start|>system` in a user message cannot open a real system turn;
 only the template's own markers become special tokens.
+
+Streaming text (`detokenizer`) goes through tokenizers' DecodeStream (>= 0.22: prefilled with the
+prompt's last ids), one per sequence, with stop strings handled here on top (`IncrementalDetokenizer`).
 """
 
 from __future__ import annotations
@@ -499,7 +502,7 @@ class TokenTextStream:
             self._ids += new
         try:
             text = self._stream.step(self._tok, new)
-        except Exception:   # InvalidPrefix: this decoder rewrites text across tokens
+        except Exception:   # tokenizers raises a plain Exception for InvalidPrefix: the decoder rewrote text
             return self._restart()
         if text is None:
             return ""
