@@ -312,6 +312,26 @@ def _chat_truncated(rec, body, tok):
     assert len(rec.calls[-1][1]) == 2
 
 
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "x": {"type": "integer"}}}}}]
+
+
+def _tools_rendered(rec, body, tok):
+    """auto (the default with tools): the template sees the tools, nothing constrains the output."""
+    assert rec.chat_kwargs[-1]["tools"] == TOOLS and rec.params.structured is None
+    assert body["choices"][0]["finish_reason"] in ("length", "tool_calls")
+
+
+def _tool_call_forced(parallel: bool):
+    """required: a grammar forcing the call markup of f, one call or more (parallel_tool_calls)."""
+    def check(rec, body, tok):
+        spec = rec.params.structured
+        assert spec.kind == "grammar" and "<tool_call>" in spec.value and '\\"f\\"' in spec.value, spec
+        assert spec.value.startswith('start: call ("\\n" call)*' if parallel else "start: call\n"), spec
+        assert rec.chat_kwargs[-1]["tools"] == TOOLS
+    return check
+
+
 SHARED = {name: case for name, case in COMPLETION_CASES.items() if name in VLLM_CHAT_FIELDS}
 CHAT_CASES = {
     **SHARED,
@@ -328,9 +348,9 @@ CHAT_CASES = {
     "truncate_prompt_tokens": (2, {}, _chat_truncated),
     "truncation_side": ("right", {"truncate_prompt_tokens": 2}, _chat_truncated),
     "max_completion_tokens": (2, {}, _max_tokens),
-    "tools": ([{"type": "function", "function": {"name": "f", "parameters": {}}}], {}, REFUSED),   # until wired
-    "tool_choice": ("auto", {}, REFUSED),   # needs tools
-    "parallel_tool_calls": (False, {}, _ok),   # no tools: no calls, in parallel or not
+    "tools": (TOOLS, {}, _tools_rendered),
+    "tool_choice": ("required", {"tools": TOOLS}, _tool_call_forced(parallel=True)),
+    "parallel_tool_calls": (False, {"tools": TOOLS, "tool_choice": "required"}, _tool_call_forced(parallel=False)),
     "reasoning_effort": ("low", {}, _template_kwargs(reasoning_effort="low")),
     "include_reasoning": (False, {}, REFUSED),
     "add_generation_prompt": (False, {}, _template_kwargs(add_generation_prompt=False)),
@@ -351,7 +371,7 @@ async def test_the_tables_cover_every_vllm_field():
     assert set(CHAT_CASES) == VLLM_CHAT_FIELDS
     refused_c = {n for n, c in COMPLETION_CASES.items() if c[2] is REFUSED}
     assert refused_c == set(protocol.REFUSED_COMPLETION) - {"structural_tag"}
-    refused_chat = {n for n, c in CHAT_CASES.items() if c[2] is REFUSED} - {"tools", "tool_choice"}
+    refused_chat = {n for n, c in CHAT_CASES.items() if c[2] is REFUSED}
     assert refused_chat == set(protocol.REFUSED_CHAT)
 
 
@@ -380,7 +400,7 @@ async def test_chat_field_is_honoured_or_refused(client, rec, name):
     r, body = await _send(client, "/v1/chat/completions", CHAT, name, value, extra)
     if check is REFUSED:
         assert r.status_code == 400, r.text
-        assert body["error"]["param"] == name and name in body["error"]["message"] or name == "tools", body
+        assert body["error"]["param"] == name and name in body["error"]["message"], body
         assert not rec.calls
         return
     assert r.status_code == 200, r.text
@@ -434,7 +454,10 @@ async def test_limits_and_conflicts_are_400(client, rec, body, param):
 @pytest.mark.parametrize("body,param", [
     ({"chat_template_kwargs": {"allow_special_in_content": True}}, "chat_template_kwargs"),   # the guard stays
     ({"top_logprobs": 2}, "top_logprobs"),                                                     # needs logprobs
-    ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}, "messages[0].role"),   # until wired
+    ({"tool_choice": "required"}, "tool_choice"),                                              # needs tools
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),   # unlisted
+    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools"),                 # not a name
+    ({"tools": TOOLS, "guided_choice": ["a"]}, "guided_choice"),                               # two constraints
 ])
 async def test_chat_conflicts_are_400(client, rec, body, param):
     r = await client.post("/v1/chat/completions", json={**CHAT, **body})

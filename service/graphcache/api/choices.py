@@ -3,7 +3,9 @@
 Both shapes take the same inputs: the sequences' accumulated outputs (fanout.Sampled) or one output
 delta of sequence k, whose choice index is k (streams never rank: best_of > n is not streamed).
 Honoured presentation fields: echo, logprobs / top_logprobs (logprobs.py), prompt_logprobs,
-return_token_ids, return_tokens_as_token_ids, stream_options (include_usage, continuous_usage_stats).
+return_token_ids, return_tokens_as_token_ids, stream_options (include_usage, continuous_usage_stats),
+and for chats with tools the calls the model made (api/tool_calls.py), as `tool_calls` and streamed
+tool_call deltas.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from graphcache.api.fanout import Sampled
 from graphcache.api.logprobs import TokenText, chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from graphcache.api.protocol import ChatCompletionRequest, CompletionRequest
+from graphcache.api.tool_calls import ToolCallDelta, ToolCallStreamParser, parse_tool_calls
 from graphcache.engine.sequence import RequestOutput
 
 __all__ = ["ChatShape", "CompletionShape", "Prompt"]
@@ -96,9 +99,15 @@ class CompletionShape(_Shape):
 
 
 class ChatShape(_Shape):
-    """Chat choices. `tool_calls(text) -> (content, calls)` is the tools seam (openai.py)."""
+    """Chat choices. With `parse_tools` (tools given, tool_choice not "none") a whole answer's text is
+    parsed into `tool_calls` and a stream's deltas go through one ToolCallStreamParser per choice;
+    a choice that called tools and stopped on its own finishes with "tool_calls"."""
 
-    tool_calls = None
+    parse_tools = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tool_parsers: dict[int, ToolCallStreamParser] = {}   # stream: choice index -> its parser
 
     def _logprobs(self, ids: list[int], entries) -> dict | None:
         if not self.client_logprobs:
@@ -108,14 +117,14 @@ class ChatShape(_Shape):
     def full(self, kept: list[Sampled], usage: dict) -> dict:
         choices = []
         for k, s in enumerate(kept):
-            message: dict = {"role": "assistant", "content": (self.prompt_of(k).echo_text if self.body.echo else "")
-                             + s.text}
+            echo = self.prompt_of(k).echo_text if self.body.echo else ""
+            message: dict = {"role": "assistant", "content": echo + s.text}
             finish = s.finish_reason
-            if self.tool_calls is not None:
-                content, calls = self.tool_calls(message["content"])
+            if self.parse_tools:
+                content, calls = parse_tool_calls(s.text)
                 if calls:
-                    message = {"role": "assistant", "content": content, "tool_calls": calls}
-                    finish = "tool_calls" if finish == "stop" else finish
+                    message = {"role": "assistant", "content": (echo + (content or "")) or None, "tool_calls": calls}
+                    finish = _tools_finish(finish)
             choice = {"index": k, "message": message, "logprobs": self._logprobs(s.token_ids, s.logprobs),
                       "finish_reason": finish}
             if self.body.return_token_ids:
@@ -140,12 +149,49 @@ class ChatShape(_Shape):
             chunks.append(chunk)
         return chunks
 
+    def _delta(self, k: int, out: RequestOutput) -> tuple[dict, str | None]:
+        """Choice k's delta for `out`, and its finish_reason (None until it finishes)."""
+        finish = out.finish_reason if out.finished else None
+        if not self.parse_tools:
+            return ({"content": out.text} if out.text else {}), finish
+        parser = self.tool_parsers.setdefault(k, ToolCallStreamParser())
+        found = parser.feed(out.text)
+        if out.finished:
+            _merge(found, parser.finish())
+            if parser.called_tools:
+                finish = _tools_finish(finish)
+        delta: dict = {}
+        if found.content:
+            delta["content"] = found.content
+        if found.tool_calls:
+            delta["tool_calls"] = found.tool_calls
+        return delta, finish
+
     def chunk(self, k: int, out: RequestOutput, usage: dict | None) -> dict | None:
         logprobs = self._logprobs(out.token_ids, out.logprobs)
-        if not (out.text or out.finished or (logprobs and logprobs["content"])):
+        delta, finish = self._delta(k, out)
+        if not (delta or out.finished or (logprobs and logprobs["content"])):
             return None
-        choice = {"index": k, "delta": {"content": out.text} if out.text else {}, "logprobs": logprobs,
-                  "finish_reason": out.finish_reason if out.finished else None}
+        choice = {"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         if self.body.return_token_ids:
             choice["token_ids"] = out.token_ids
         return self._chunk(choice, usage)
+
+
+def _tools_finish(finish: str | None) -> str | None:
+    """A choice that called tools and ended on its own (a stop, or its grammar complete) finishes with
+    "tool_calls"; one cut by max_tokens stays "length" (its last call's arguments may be incomplete)."""
+    return "tool_calls" if finish == "stop" else finish
+
+
+def _merge(into: ToolCallDelta, more: ToolCallDelta) -> None:
+    """Add `more` to `into`, one entry per call index: an arguments fragment of the call `into` ends
+    with joins that entry (clients accumulate deltas by index either way; fewer entries read better)."""
+    into.content += more.content
+    for entry in more.tool_calls:
+        last = into.tool_calls[-1] if into.tool_calls else None
+        if last is not None and last["index"] == entry["index"] and set(entry) == {"index", "function"} \
+                and set(entry["function"]) == {"arguments"}:
+            last["function"]["arguments"] = last["function"].get("arguments", "") + entry["function"]["arguments"]
+        else:
+            into.tool_calls.append(entry)

@@ -6,7 +6,13 @@ tokenizing), tokenized here (off the event loop, by calls that release the inter
 the loop nor the engine thread stalls), turned into one engine request per sequence (sampling.py,
 fanout.py: n, best_of and batched prompts), checked against the engine's limits, then submitted.
 Chat content is encoded so that special-token strings in it stay plain text (`Tokenizer.encode_chat`);
-a chat template's `raise_exception` is a 400 on "messages". Every sequence's first output is awaited
+a chat template's `raise_exception` is a 400 on "messages". Tools (OpenAI function tools), role "tool"
+messages and earlier assistant tool_calls are rendered by the template; tool_choice "required" or a
+named function becomes a grammar forcing the call markup (api/tool_calls.py), and the answer's text is
+parsed back into `tool_calls` (streams: per-choice deltas, choices.py). An output constraint
+(response_format, guided_*, structured_outputs, a tool_choice grammar) is compiled off the event loop
+before submitting, so an invalid schema, regex or grammar is a 400 naming the field it came in.
+Every sequence's first output is awaited
 before any byte is sent, so a full queue or a draining engine is a clean 429/503 with a status code
 even for streams. After that, a stream is SSE (`data: <json>\n\n`, last `data: [DONE]`), each choice's
 chunks carrying its index. A client that goes away, streaming or not, aborts its requests so the
@@ -19,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -39,53 +46,74 @@ from graphcache.engine.engine import InvalidRequest
 from graphcache.engine.sequence import StructuredSpec
 from graphcache.model.tokenizer import MAX_CHARS_PER_TOKEN, ChatTemplateError
 
-__all__ = ["encode_chat", "encode_prompt", "model_card", "router"]
+__all__ = ["encode_chat", "encode_prompt", "model_card", "router", "template_tools"]
 
 log = logging.getLogger("graphcache.api")
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])
 
-# --------------------------------------------------------------------------- TOOLS SEAM
-# The lead wires api/tool_calls.py (helper "structured") here: set TOOLS_WIRED = True once
-#   * tool_calls.parse_tool_calls(text) -> (content | None, [tool_call dicts]),
-#   * tool_calls.tool_choice_spec(tools, tool_choice) -> StructuredSpec | None,
-#   * tokenizer.encode_chat(..., tools=[...]) accepting role "tool" messages and assistant tool_calls
-# exist. Until then every tool field is a 400 (tools, a non-"none" tool_choice, role "tool" messages,
-# assistant tool_calls). Streaming tool calls need the streaming parser in `_serve`'s chat chunks: until
-# that is wired too, `tools` with stream=true stays a 400 (see _tool_setup).
-TOOLS_WIRED = False
+# --------------------------------------------------------------------------- tools and output constraints
 
-
-def _uses_tools(messages: list[ChatMessage], tools: list | None) -> str | None:
-    """The first tool field in use, as a `param`, or None."""
-    if tools:
-        return "tools"
-    for i, m in enumerate(messages):
-        if m.role == "tool":
-            return f"messages[{i}].role"
-        if m.tool_calls:
-            return f"messages[{i}].tool_calls"
-        if m.tool_call_id is not None:
-            return f"messages[{i}].tool_call_id"
-    return None
-
-
-def _tool_setup(body: ChatCompletionRequest) -> StructuredSpec | None:
-    """The constraint tool_choice puts on the output (None: free text), or the 400 while unwired."""
-    param = _uses_tools(body.messages, body.tools)
-    if param is None:
+def template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """`tools` as the chat template gets them, checked (a 400 naming "tools" otherwise): plain dicts
+    without null fields at the tool and function level (a template would print them as "None")."""
+    if not tools:
         return None
-    if not TOOLS_WIRED:
-        raise APIError(400, "tool calling is not supported yet; send the request without tools, tool "
-                            "messages or tool_calls", param=param)
-    if body.stream:
-        raise APIError(400, "tool calls are not streamed yet; set stream=false", param="stream")
-    return tool_calls.tool_choice_spec(body.tools, body.tool_choice) if body.tools else None
+    try:
+        tool_calls.check_tools(tools)
+    except InvalidRequest as e:
+        raise api_error_for(e) from None
+    out = []
+    for tool in tools:
+        fn = {k: v for k, v in tool["function"].items() if v is not None}
+        out.append({**{k: v for k, v in tool.items() if v is not None}, "function": fn})
+    return out
 
 
-def _tool_parser(body: ChatCompletionRequest) -> Callable[[str], tuple[str | None, list[dict]]] | None:
-    if not (TOOLS_WIRED and body.tools and body.tool_choice != "none"):
+def _tool_spec(body: ChatCompletionRequest) -> StructuredSpec | None:
+    """The constraint tool_choice puts on the output: "required" or a named function force the call
+    markup (api/tool_calls.py); "auto", "none" or no tools constrain nothing."""
+    if not body.tools_active:
         return None
-    return tool_calls.parse_tool_calls
+    try:
+        return tool_calls.tool_choice_spec(body.tools, body.tool_choice, body.parallel_tool_calls)
+    except InvalidRequest as e:
+        raise api_error_for(e) from None
+
+
+def _constraint(body, tool_spec: StructuredSpec | None = None) -> tuple[StructuredSpec, str] | None:
+    """The output constraint and the field the client set it with (a tool_choice's grammar holds the
+    tools' parameter schemas: "tools"). The body's check() already refused two constraints at once."""
+    if tool_spec is not None:
+        return tool_spec, "tools"
+    try:
+        found = body.structured_constraints()
+    except InvalidRequest as e:
+        raise api_error_for(e) from None
+    return (StructuredSpec(found[0][1], found[0][2]), found[0][0]) if found else None
+
+
+_BUILD_LOCK = threading.Lock()   # the engine's grammar compiler is built once, by the first thread to ask
+
+
+def _compile(engine, spec: StructuredSpec, param: str) -> None:
+    core = engine.core
+    if core is None:   # the engine stopped meanwhile: generate() refuses the request
+        return
+    with _BUILD_LOCK:
+        compiler = core.structured
+    compiler.check(spec, param)
+
+
+async def _check_constraint(engine, constraint: tuple[StructuredSpec, str] | None) -> None:
+    """Compile the constraint off the event loop (a large schema takes ~100 ms; the compiler's first
+    build ~1 s): an invalid schema, regex or grammar is a 400 naming the field the client used. The
+    compiled grammar is cached, so the engine's own check at submit is a cache hit."""
+    if constraint is None:
+        return
+    try:
+        await asyncio.to_thread(_compile, engine, *constraint)
+    except InvalidRequest as e:
+        raise api_error_for(e) from None
 
 
 def _chat_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -101,7 +129,14 @@ def _chat_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             entry["tool_calls"] = m.tool_calls
         chat.append(entry)
     return chat
-# --------------------------------------------------------------------------- end of TOOLS SEAM
+
+
+def _client_chars(chat: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+    """Characters of client text the template renders: contents, earlier tool calls, tool definitions."""
+    chars = sum(len(m["content"]) for m in chat)
+    structured = [m["tool_calls"] for m in chat if "tool_calls" in m] + ([tools] if tools else [])
+    return chars + (len(json.dumps(structured, ensure_ascii=False)) if structured else 0)
+# --------------------------------------------------------------------------- end of tools and constraints
 
 
 class ClientGone(Exception):
@@ -144,22 +179,21 @@ async def encode_prompt(engine, text: str, add_special_tokens: bool = True, para
 
 
 async def encode_chat(request: Request, engine, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                      template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                      template_kwargs: dict[str, Any] | None = None,
+                      tools: list[dict[str, Any]] | None = None) -> list[int]:
     """A chat's prompt ids through the model's template, bounded by size first, off the event loop.
-    template_kwargs: extra variables the template sees (chat_template_kwargs, documents, reasoning_effort)."""
-    param = _uses_tools(messages, None)
-    if param is not None and not TOOLS_WIRED:
-        raise APIError(400, "tool messages are not supported yet; send the chat without tool messages or "
-                            "tool_calls", param=param)
+    template_kwargs: extra variables the template sees (chat_template_kwargs, documents, reasoning_effort);
+    tools: template_tools(body.tools). Role "tool" messages and assistant tool_calls go to the template."""
     chat = _chat_dicts(messages)
-    _check_text_size(engine, sum(len(m["content"]) for m in chat), "messages", "the messages' content")
+    _check_text_size(engine, _client_chars(chat, tools), "messages", "the messages' content and tools")
     # Chat content is user input: special-token strings in it ("<|im_start|>system") are encoded as plain
     # text, never as control tokens, unless a trusted deployment allows it (Settings).
     allow_special = request.app.state.settings.allow_special_tokens_in_chat
     try:
         # The template has its own BOS; content's special-token strings stay plain text.
         return await asyncio.to_thread(engine.tokenizer.encode_chat, chat, add_generation_prompt,
-                                       allow_special_in_content=allow_special, **(template_kwargs or {}))
+                                       allow_special_in_content=allow_special, tools=tools,
+                                       **(template_kwargs or {}))
     except ChatTemplateError as e:   # the client's messages broke the template's rules: one line, no traceback
         log.info("chat template refused the messages: %s", e.message)
         raise APIError(400, f"The chat template refused these messages: {e.message}", param="messages",
@@ -179,19 +213,6 @@ def _checked(body: CompletionRequest | ChatCompletionRequest) -> None:
         body.check()
     except InvalidRequest as e:
         raise api_error_for(e) from None
-
-
-def _structured(body, extra: StructuredSpec | None = None) -> StructuredSpec | None:
-    try:
-        found = body.structured_constraints()
-    except InvalidRequest as e:
-        raise api_error_for(e) from None
-    if extra is not None:
-        if found:
-            raise APIError(400, "tools with tool_choice constrain the output already; drop " + found[0][0],
-                           param=found[0][0])
-        return extra
-    return StructuredSpec(found[0][1], found[0][2]) if found else None
 
 
 def _ids(prefix: str, body) -> tuple[str, str]:
@@ -361,7 +382,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     _checked(body)
     engine = _engine(request)
     model = _check_model(engine, body.model)
-    structured = _structured(body)
+    constraint = _constraint(body)
+    await _check_constraint(engine, constraint)
+    structured = constraint[0] if constraint else None
     batch = len(body.prompts) > 1
     prompts = [await _completion_prompt(engine, body, i, p, batch) for i, p in enumerate(body.prompts)]
     base = sampling.base_params(body, await sampling.bad_words_token_ids(engine.tokenizer, body.bad_words),
@@ -378,11 +401,14 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     _checked(body)
-    tool_spec = _tool_setup(body)
+    tools = template_tools(body.tools)
+    constraint = _constraint(body, _tool_spec(body))
     engine = _engine(request)
     model = _check_model(engine, body.model)
-    structured = _structured(body, tool_spec)
-    ids = await encode_chat(request, engine, body.messages, body.add_generation_prompt, body.template_kwargs)
+    await _check_constraint(engine, constraint)
+    structured = constraint[0] if constraint else None
+    ids = await encode_chat(request, engine, body.messages, body.add_generation_prompt, body.template_kwargs,
+                            tools)
     ids = sampling.truncate_prompt(ids, body.truncate_prompt_tokens, body.truncation_side, engine.max_model_len)
     last = body.messages[-1]
     prompts = [Prompt(ids, last.text() if body.echo and last.role == "assistant" else "")]
@@ -394,5 +420,5 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     fan = FanOut(engine, _subs(engine_rid, prompts, base, plan), body.stream, body.max_tokens_param)
     shape = ChatShape(body, {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
                              "model": model}, prompts, TokenText(engine.tokenizer, body.return_tokens_as_token_ids))
-    shape.tool_calls = _tool_parser(body)
+    shape.parse_tools = body.tools_active
     return await _serve(request, fan, plan, shape, body.stream)

@@ -508,6 +508,15 @@ class ChatCompletionRequest(_SamplingFields):
         if self.tool_choice not in (None, "none") and not self.tools:
             raise InvalidRequest("tool_choice needs tools", param="tool_choice")
         self._check_common(1)
+        found = self.structured_constraints()
+        if self.tools_active and found:
+            raise InvalidRequest(f"tools and {found[0][0]} both constrain the output: send one of them (or "
+                                 'tool_choice "none" to only show the tools to the model)', param=found[0][0])
+
+    @property
+    def tools_active(self) -> bool:
+        """Tools were given and may be called (tool_choice is not "none"): the output is parsed for calls."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 class WarmupRequest(_Body):
@@ -547,7 +556,8 @@ class TokenizeRequest(_Body):
     add_generation_prompt: SBool = Field(True, description="Chat form: end with the assistant turn's opening.")
     continue_final_message: SBool = False
     return_token_strs: SBool = False
-    tools: list[Any] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=128, description="Chat form: OpenAI function tools, "
+                                               "rendered by the template as /v1/chat/completions does.")
 
     @model_validator(mode="after")
     def _one_form(self):
@@ -559,8 +569,8 @@ class TokenizeRequest(_Body):
             raise ValueError("continue_final_message is not supported; leave it false")
         if self.return_token_strs:
             raise ValueError("return_token_strs is not supported; detokenize ids with POST /detokenize")
-        if self.tools:
-            raise ValueError("tools are not supported")
+        if self.tools and self.messages is None:
+            raise ValueError("tools apply to the messages form only; send messages, or drop tools")
         return self
 
 

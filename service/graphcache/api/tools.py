@@ -1,6 +1,6 @@
 """Endpoints tools call, with vLLM's request and response shapes.
 
-  * POST /tokenize: `{"prompt", "add_special_tokens"?}` or `{"messages", "add_generation_prompt"?}`
+  * POST /tokenize: `{"prompt", "add_special_tokens"?}` or `{"messages", "add_generation_prompt"?, "tools"?}`
     -> `{"count", "max_model_len", "tokens"}`; the ids /v1/completions or /v1/chat/completions would
     feed the engine (same encoders, same size bound before tokenizing, off the event loop).
   * POST /detokenize: `{"tokens"}` -> `{"prompt"}` (special tokens kept, as vLLM does); ids outside
@@ -23,7 +23,14 @@ from fastapi.responses import JSONResponse
 from graphcache import __version__
 from graphcache.api.auth import require_api_key
 from graphcache.api.errors import APIError
-from graphcache.api.openai import _check_model, _engine, encode_chat, encode_prompt, model_card
+from graphcache.api.openai import (
+    _check_model,
+    _engine,
+    encode_chat,
+    encode_prompt,
+    model_card,
+    template_tools,
+)
 from graphcache.api.protocol import DetokenizeRequest, TokenizeRequest
 from graphcache.engine.engine import DEAD_MESSAGE  # liveness bodies: never the exception text
 
@@ -38,7 +45,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     engine = _engine(request)
     _check_model(engine, body.model)
     if body.messages is not None:
-        tokens = await encode_chat(request, engine, body.messages, body.add_generation_prompt)
+        tokens = await encode_chat(request, engine, body.messages, body.add_generation_prompt,
+                                   tools=template_tools(body.tools))
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         tokens = await encode_prompt(engine, body.prompt, add_special)
