@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -92,16 +91,11 @@ def _constraint(body, tool_spec: StructuredSpec | None = None) -> tuple[Structur
     return (StructuredSpec(found[0][1], found[0][2]), found[0][0]) if found else None
 
 
-_BUILD_LOCK = threading.Lock()   # the engine's grammar compiler is built once, by the first thread to ask
-
-
 def _compile(engine, spec: StructuredSpec, param: str) -> None:
     core = engine.core
     if core is None:   # the engine stopped meanwhile: generate() refuses the request
         return
-    with _BUILD_LOCK:
-        compiler = core.structured
-    compiler.check(spec, param)
+    core.structured.check(spec, param)   # the compiler is built once, under the core's lock
 
 
 async def _check_constraint(engine, constraint: tuple[StructuredSpec, str] | None) -> None:

@@ -24,6 +24,7 @@ step in flight completes before the next is scheduled.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -112,6 +113,7 @@ class EngineCore:
                                           enable_prefix_caching=settings.enable_prefix_caching)
         self._prefix_counted = (0, 0)   # block-manager lookup counters already added to the metrics
         self._structured: StructuredOutput | None = None   # built on the first constrained request
+        self._structured_lock = threading.Lock()
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=settings.max_num_seqs,
                                    max_num_batched_tokens=settings.max_num_batched_tokens,
                                    max_model_len=runner.max_model_len, eos_token_ids=runner.eos_token_ids)
@@ -189,8 +191,9 @@ class EngineCore:
     @property
     def structured(self) -> StructuredOutput:
         """The grammar engine over this model's tokenizer (built lazily: ~1 s for a 150k vocabulary)."""
-        if self._structured is None:
-            self._structured = StructuredOutput(self.runner.tokenizer, self.runner.vocab_size)
+        with self._structured_lock:   # the API compiles off the event loop while the engine thread may build it
+            if self._structured is None:
+                self._structured = StructuredOutput(self.runner.tokenizer, self.runner.vocab_size)
         return self._structured
 
     def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> RequestOutput | None:

@@ -273,7 +273,7 @@ class Engine:
                 while not out.finished and not handle.outputs.empty():
                     out = merge(out, handle.outputs.get_nowait())
                 if detok is not None:
-                    out = with_text(out, detok)
+                    out = with_text(out, detok, seq.stopped_on_token)
                 finished = out.finished
                 yield out
                 if finished:

@@ -85,11 +85,11 @@ def jsonable(obj: Any) -> Any:
     return str(obj)
 
 
-def with_text(out: RequestOutput, detok: Any) -> RequestOutput:
-    """`out` with the text of its token ids. A final "stop" without stop strings came from a stop
-    token or EOS, which adds no text (as the engine-side path does it)."""
+def with_text(out: RequestOutput, detok: Any, stopped_on_token: bool) -> RequestOutput:
+    """`out` with the text of its token ids. A final stop token or EOS adds no text (as the engine-side
+    path does it); a "stop" because a grammar completed keeps its last token's text."""
     ids = out.token_ids
-    if out.finished and out.finish_reason == "stop" and ids:
+    if out.finished and stopped_on_token and ids:
         ids = ids[:-1]
     text = detok.add(list(ids)) if ids else ""
     if out.finished:

@@ -195,6 +195,7 @@ class Sequence:
     # Non-streaming and no stop strings: nobody reads text before the end, so the detokenizer
     # runs once over all output ids at finish instead of twice per token on the engine thread.
     defer_text: bool = False
+    stopped_on_token: bool = False      # finished by a stop token / EOS (its text is left out), not a grammar
     output_text: str = ""
     num_text_sent: int = 0              # chars of output_text already streamed to the client
     num_tokens_sent: int = 0            # output tokens already streamed to the client

@@ -41,6 +41,7 @@ def check_stop(seq: Sequence, token_id: int, *, eos_token_ids: set[int] | frozen
     params = seq.params
     may_stop = seq.num_output_tokens >= params.min_tokens
     if may_stop and (token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids)):
+        seq.stopped_on_token = True
         return "stop"   # the stop token stays in token ids but adds no text (like OpenAI/vLLM)
     detok = seq.detokenizer
     if detok is not None and not seq.defer_text:
@@ -62,7 +63,7 @@ def sendable_text(seq: Sequence, finished: bool) -> str:
     if finished and seq.detokenizer is not None:
         if seq.defer_text:   # one pass over the whole output; a final stop token adds no text
             ids = seq.output_token_ids
-            ids = ids[:-1] if seq.finish_reason == "stop" and ids else ids
+            ids = ids[:-1] if seq.stopped_on_token and ids else ids
             seq.output_text += seq.detokenizer.add(list(ids))
         seq.output_text += seq.detokenizer.finish()
         seq.detokenizer = None   # flushed once; nothing more will come
