@@ -51,8 +51,9 @@ def test_prompt_plus_max_tokens_exactly_at_max_model_len_is_served(client):
     prompt = list(range(1, 101))
     response = client.post("/v1/completions", json=completion_body(prompt, MAX_MODEL_LEN - len(prompt)))
     assert response.status_code == 200, response.text
-    assert response.json()["usage"] == {"prompt_tokens": 100, "completion_tokens": MAX_MODEL_LEN - 100,
-                                        "total_tokens": MAX_MODEL_LEN}
+    usage = response.json()["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == \
+        (100, MAX_MODEL_LEN - 100, MAX_MODEL_LEN)
     one_over = client.post("/v1/completions", json=completion_body(prompt, MAX_MODEL_LEN - len(prompt) + 1))
     assert_clean_error(one_over, 400)
 
@@ -169,8 +170,8 @@ WRONG_TYPES = [
     {"prompt": None},
     {"prompt": {"text": "hi"}},
     {"prompt": [1.5, 2]},
-    {"prompt": [[1, 2], [3, 4]]},
-    {"prompt": ["a", "b"]},
+    {"prompt": [[1, 2], []]},
+    {"prompt": ["a", 5]},
     {"prompt": "hi", "max_tokens": "5"},
     {"prompt": "hi", "max_tokens": 5.5},
     {"prompt": "hi", "max_tokens": True},
@@ -180,18 +181,17 @@ WRONG_TYPES = [
     {"prompt": "hi", "top_p": 0},
     {"prompt": "hi", "top_p": 1.5},
     {"prompt": "hi", "top_k": -5},
-    {"prompt": "hi", "seed": -1},
+    {"prompt": "hi", "seed": -2**63 - 1},
     {"prompt": "hi", "seed": 2**64},
     {"prompt": "hi", "stream": "yes"},
     {"prompt": "hi", "stream": True, "stream_options": "all"},
     {"prompt": "hi", "stop": 7},
-    {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]},
+    {"prompt": "hi", "stop": ["s"] * 65},
     {"prompt": "hi", "stop": "x" * 10_000},
     {"prompt": "hi", "stop": [""]},
-    {"prompt": "hi", "n": 2},
-    {"prompt": "hi", "logprobs": 5},
-    {"prompt": "hi", "echo": True},
-    {"prompt": "hi", "model": "gpt-17"},
+    {"prompt": "hi", "n": 0},
+    {"prompt": "hi", "logprobs": 21},
+    {"prompt": "hi", "echo": "yes"},
     {"prompt": "hi", "model": 5},
     {"prompt": ""},
     {"prompt": []},
@@ -210,7 +210,7 @@ WRONG_CHAT = [
     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "http://x"}]}]},
     {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": "9"},
     {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
-    {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+    {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
     {"messages": [{"role": "user", "content": "hi"}] * 2000},
     {"messages": None},
 ]
@@ -226,6 +226,12 @@ def test_wrong_completion_fields_are_400(client, body):
 @pytest.mark.parametrize("body", WRONG_CHAT, ids=lambda b: json.dumps(b)[:60])
 def test_wrong_chat_fields_are_400(client, body):
     assert_clean_error(client.post("/v1/chat/completions", json={"max_tokens": 4, **body}), 400)
+
+
+@pytest.mark.timeout(60)
+def test_unknown_model_is_404(client):
+    error = assert_clean_error(client.post("/v1/completions", json=completion_body(max_tokens=4, model="gpt-17")), 404)
+    assert error["code"] == "model_not_found"
 
 
 @pytest.mark.timeout(60)
