@@ -126,7 +126,7 @@ def test_openai_client_sees_errors(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="graphcache-tiny", prompt="x", max_tokens=10**9)
     assert info.value.body["code"] == "context_length_exceeded"
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.NotFoundError):   # an unknown model is a 404, as OpenAI and vLLM answer
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
 
 
