@@ -31,7 +31,7 @@ from graphcache.api.openai import (
     model_card,
     template_tools,
 )
-from graphcache.api.protocol import DetokenizeRequest, TokenizeRequest
+from graphcache.api.utility_requests import DetokenizeRequest, TokenizeRequest
 from graphcache.engine.engine import DEAD_MESSAGE  # liveness bodies: never the exception text
 
 __all__ = ["guarded", "router"]
