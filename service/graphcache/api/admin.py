@@ -19,7 +19,7 @@ import ipaddress
 from fastapi import APIRouter, Depends, Query, Request
 
 from graphcache.api.errors import APIError, api_error_for
-from graphcache.api.protocol import WarmupRequest
+from graphcache.api.utility_requests import WarmupRequest
 from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes
 from graphcache.graphs.profile import parse_profile
 

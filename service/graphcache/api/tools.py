@@ -23,15 +23,9 @@ from fastapi.responses import JSONResponse
 from graphcache import __version__
 from graphcache.api.auth import require_api_key
 from graphcache.api.errors import APIError
-from graphcache.api.openai import (
-    _check_model,
-    _engine,
-    encode_chat,
-    encode_prompt,
-    model_card,
-    template_tools,
-)
-from graphcache.api.protocol import DetokenizeRequest, TokenizeRequest
+from graphcache.api.openai import _check_model, _engine, model_card, template_tools
+from graphcache.api.prompt_encoding import encode_chat, encode_prompt
+from graphcache.api.utility_requests import DetokenizeRequest, TokenizeRequest
 from graphcache.engine.engine import DEAD_MESSAGE  # liveness bodies: never the exception text
 
 __all__ = ["guarded", "router"]

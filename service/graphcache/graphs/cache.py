@@ -53,11 +53,12 @@ from typing import Any, Literal
 import torch
 
 from graphcache.graphs.agreement import Agreement, CaptureReport, Decision, Verdict, fingerprint
+from graphcache.graphs.cache_reports import CacheStats, ClearReport, EntryInfo, WarmupReport
 from graphcache.graphs.capture import BreakableGraph, capture
 from graphcache.graphs.descriptor import BatchDescriptor
 from graphcache.graphs.pool import all_graph_pools_bytes, new_pool, pool_bytes, reserved_bytes
 from graphcache.graphs.profile import build_profile
-from graphcache.metrics import CAPTURE_MODES, EVICTION_REASONS, FAILURE_REASONS, Metrics
+from graphcache.metrics import CAPTURE_MODES, Metrics
 
 __all__ = ["EVICTION_POLICIES", "CacheStats", "ClearReport", "EntryInfo", "GraphCache", "WarmupReport"]
 
@@ -71,68 +72,6 @@ EVICTION_POLICIES: tuple[str, ...] = ("lru", "gdsf")
 MIN_COST_SECONDS = 1e-6
 MIN_SIZE_BYTES = 1 << 20
 DECISION_LOG_MAX = 100_000   # decisions kept (captures, evictions, refusals: never one per step)
-
-
-@dataclass
-class EntryInfo:
-    descriptor: str
-    bytes: int  # allocator-measured graph-pool bytes
-    capture_seconds: float
-    hits: int
-    last_use: float  # unix time
-    pinned: bool
-    graphs: int
-    breaks: int
-    # "pinned": in the shared pinned pool, `bytes` = that pool's growth during this capture
-    # (may be 0; the pool is freed only with the last pinned entry). "private": its own pool.
-    pool: Literal["pinned", "private"] = "private"
-    # "full": one graph, nothing eager (uniform decode with its attention inside); "breakable":
-    # graph segments around eager breaks.
-    mode: Literal["full", "breakable"] = "breakable"
-    # eviction_policy="gdsf": H = L + (hits + 1) * capture_seconds / MiB; the unpinned entry with the
-    # lowest is evicted first. None under "lru" and for pinned entries (budgets never evict them).
-    priority: float | None = None
-
-
-@dataclass
-class CacheStats:
-    hits: int = 0
-    misses: int = 0
-    captures: int = 0
-    capture_seconds: float = 0.0
-    evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(EVICTION_REASONS, 0))
-    failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_REASONS, 0))
-    pool_bytes: int = 0
-    entries: int = 0
-    padded_tokens: int = 0
-    pinned_pool_bytes: int = 0  # part of pool_bytes: the shared pinned pool, allocator-measured
-
-
-@dataclass
-class WarmupReport:
-    captured: list[str] = field(default_factory=list)
-    cached: list[str] = field(default_factory=list)  # already held (now pinned when pin=True)
-    failed: dict[str, str] = field(default_factory=dict)  # descriptor -> reason
-    seconds: float = 0.0
-    pool_bytes: int = 0
-    # captured (or held) but left evictable: pinning more would pass pin_share of the entry or byte budget
-    unpinned: list[str] = field(default_factory=list)
-
-    def merge(self, other: WarmupReport) -> None:
-        """Add `other` (a later part of the same warmup) to this report."""
-        self.captured += other.captured
-        self.cached += other.cached
-        self.failed.update(other.failed)
-        self.unpinned += other.unpinned
-        self.seconds += other.seconds
-        self.pool_bytes = other.pool_bytes
-
-
-@dataclass
-class ClearReport:
-    entries: int
-    pool_bytes: int  # what the entries held, allocator-measured at capture
-    bytes_freed: int  # allocator reserved bytes before minus after
 
 
 @dataclass

@@ -1,0 +1,79 @@
+"""Request bodies of the endpoints that do not generate: POST /admin/warmup (admin.py), POST /tokenize
+and POST /detokenize (tools.py).
+
+They share the generation bodies' rules (api/body.py: strict numbers, null = default, unknown fields
+logged); /tokenize takes the same prompt and chat forms as /v1/completions and /v1/chat/completions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from graphcache.api.body import RequestBody, SBool, SInt, Text
+from graphcache.api.protocol import ChatMessage
+
+__all__ = ["DetokenizeRequest", "TokenizeRequest", "WarmupRequest"]
+
+
+class WarmupRequest(RequestBody):
+    """POST /admin/warmup: uniform-decode sizes and/or descriptors "T:R" / "T:R:decode", or a profile
+    (GET /admin/cache/profile's output), or nothing (no body, {}): the configured warmup again."""
+
+    sizes: list[SInt] = Field(default_factory=list, max_length=512,
+                              description="Uniform-decode batch sizes to capture (each a capture size).")
+    descriptors: list[str] = Field(default_factory=list, max_length=512,
+                                   description='Descriptors to capture: "TOKENS:REQS" or "TOKENS:REQS:decode".')
+    profile: dict[str, Any] | None = Field(
+        None, description='A profile as GET /admin/cache/profile exports it: {"version": 1, "descriptors": '
+        '[{"descriptor": "T:R[:decode]", ...}]}; its descriptors are captured.')
+
+    @model_validator(mode="after")
+    def _one_form(self):
+        if self.profile is not None and (self.sizes or self.descriptors):
+            raise ValueError('give "profile", or "sizes" and/or "descriptors", not both')
+        return self
+
+    @property
+    def configured(self) -> bool:
+        """Nothing given: re-run the configured warmup (settings or GRAPHCACHE_WARMUP_PROFILE)."""
+        return self.profile is None and not self.sizes and not self.descriptors
+
+
+class TokenizeRequest(RequestBody):
+    """POST /tokenize, vLLM's two forms: `prompt` (+ add_special_tokens) or chat `messages` (+
+    add_generation_prompt), tokenized exactly as /v1/completions and /v1/chat/completions would."""
+
+    model: str | None = Field(None, max_length=512, description="Model id from GET /v1/models.")
+    prompt: Text | None = Field(None, description="Text to tokenize (the completions form).")
+    add_special_tokens: SBool | None = Field(
+        None, description="Prompt form: add the model's BOS/EOS as /v1/completions does (default true).")
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=1024,
+                                               description="A chat to render with the model's template and tokenize.")
+    add_generation_prompt: SBool = Field(True, description="Chat form: end with the assistant turn's opening.")
+    continue_final_message: SBool = False
+    return_token_strs: SBool = False
+    tools: list[dict[str, Any]] | None = Field(None, max_length=128, description="Chat form: OpenAI function tools, "
+                                               "rendered by the template as /v1/chat/completions does.")
+
+    @model_validator(mode="after")
+    def _one_form(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError('give either "prompt" (text) or "messages" (a chat), not both')
+        if self.messages is not None and self.add_special_tokens:
+            raise ValueError("add_special_tokens applies to prompt only: a chat template writes its own special tokens")
+        if self.continue_final_message:
+            raise ValueError("continue_final_message is not supported; leave it false")
+        if self.return_token_strs:
+            raise ValueError("return_token_strs is not supported; detokenize ids with POST /detokenize")
+        if self.tools and self.messages is None:
+            raise ValueError("tools apply to the messages form only; send messages, or drop tools")
+        return self
+
+
+class DetokenizeRequest(RequestBody):
+    """POST /detokenize: token ids back to text (special tokens included, as vLLM does)."""
+
+    model: str | None = Field(None, max_length=512, description="Model id from GET /v1/models.")
+    tokens: list[SInt] = Field(..., description="Token ids, each in the model's vocabulary; at most max_model_len.")
