@@ -32,6 +32,8 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse
+from sse_starlette.sse import AppStatus
 from starlette.responses import Response
 
 from graphcache.api import sampling, tool_calls
@@ -195,45 +197,47 @@ async def _unless_disconnected(receive, aw: Awaitable) -> Any:
     return task.result()
 
 
-class SSEResponse(Response):
-    """Sends `events` as text/event-stream while watching for the client going away.
+# sse-starlette watches for SIGTERM and cancels every open stream at once; here a SIGTERM drains instead
+# (cli.py: in-flight streams finish, or end with an error event and [DONE] at drain_timeout_s), so its
+# automatic drain is off for the whole process (left on, tests/reliability/test_sigterm.py's drain test
+# sees its streams cut: "peer closed connection without sending complete message body"). Nothing else
+# in the server uses sse-starlette.
+AppStatus.disable_automatic_graceful_drain()
 
-    Starlette's StreamingResponse notices a disconnect only on the next send under ASGI
-    spec 2.4; racing a receive() listener aborts a request at once, even while it waits
-    for its next token. `on_close` (the abort) runs however the stream ends, also when the
-    client left before the generator started (closing an unstarted generator runs nothing).
+
+class OpenAIEventStream(EventSourceResponse):
+    """sse-starlette's EventSourceResponse, set up to write exactly what OpenAI's API writes.
+
+    Each event is `data: <json>\n\n` (sep="\n": sse-starlette's default is "\r\n"), the last one
+    `data: [DONE]\n\n`; no `event:`/`id:` lines and no keep-alive comments (ping=0): OpenAI and vLLM
+    send none, a stream only starts once its first token is out, so it is never idle for long, and a
+    comment line would break clients that take every non-blank line for `data:` (tests/test_api.py's
+    sse_events asserts exactly that). Beyond the old hand-written class it adds `Connection: keep-alive`
+    (HTTP/1.1's default anyway).
+    No Content-Length; Cache-Control no-cache and X-Accel-Buffering no (nginx must not buffer).
+    sse-starlette races a receive() listener against the stream, so a client that hangs up aborts
+    its request at once, even while the request waits for its next token (the generator is cancelled).
+    `on_close` (the abort) runs however the response ends: also when the client left before the
+    generator ever started (closing an unstarted generator runs nothing) or a send failed.
     """
 
-    media_type = "text/event-stream"
-
     def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        # Not Response.__init__: it would declare Content-Length: 0 for the empty initial body.
-        self.status_code = 200
-        self.background = None
-        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                            (b"x-accel-buffering", b"no")]
-        self.events = events
-        self.on_close = on_close  # runs even if the client left before `events` ever started
+        super().__init__(events, headers={"Cache-Control": "no-cache"}, ping=0, sep="\n")
+        self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-
-        async def pump() -> None:
-            async for event in self.events:
-                await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
         try:
-            await _unless_disconnected(receive, pump())
-        except (ClientGone, OSError):
+            await super().__call__(scope, receive, send)
+        except OSError:  # the connection broke under a send (ASGI 2.4 servers): nobody is left to tell
             pass
         finally:
-            await self.events.aclose()
+            await self.body_iterator.aclose()
             self.on_close()
 
 
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+def _data(obj: Any) -> str:
+    """One event's payload; OpenAIEventStream frames it as `data: <json>\n\n`."""
+    return json.dumps(obj, ensure_ascii=False)
 
 
 async def _serve(request: Request, fan: FanOut, plan: sampling.ChoicePlan, shape: CompletionShape | ChatShape,
@@ -268,26 +272,26 @@ async def _serve(request: Request, fan: FanOut, plan: sampling.ChoicePlan, shape
             for k, out in enumerate(firsts):
                 samples[k].add(out)
             for chunk in shape.opening(len(samples), usage(samples) if continuous else None):
-                yield _sse(chunk)
+                yield _data(chunk)
             for k, out in enumerate(firsts):
                 chunk = shape.chunk(k, out, usage(samples) if continuous else None)
                 if chunk is not None:
-                    yield _sse(chunk)
+                    yield _data(chunk)
             async for k, out in merged:
                 samples[k].add(out)
                 chunk = shape.chunk(k, out, usage(samples) if continuous else None)
                 if chunk is not None:
-                    yield _sse(chunk)
+                    yield _data(chunk)
             if shape.body.include_usage:
-                yield _sse(shape.usage_chunk(usage(samples)))
+                yield _data(shape.usage_chunk(usage(samples)))
         except APIError as e:  # headers are gone: the error travels as an event, like OpenAI's
-            yield _sse(error_body(e.message, e.type, e.param, e.code))
+            yield _data(error_body(e.message, e.type, e.param, e.code))
         finally:
             await merged.aclose()
             fan.abort()
-        yield "data: [DONE]\n\n"
+        yield "[DONE]"
 
-    return SSEResponse(events(), on_close=fan.abort)
+    return OpenAIEventStream(events(), on_close=fan.abort)
 
 
 # --------------------------------------------------------------------------- endpoints
