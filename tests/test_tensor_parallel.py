@@ -79,6 +79,6 @@ def test_vocab_shards_cover_the_vocabulary_once():
         assert len({per for _, _, per in shards}) == 1
 
 
-def test_server_refuses_tensor_parallel_size_it_cannot_serve_yet():
-    with pytest.raises(RuntimeError, match="not served yet.*Set tensor_parallel_size=1"):
+def test_runner_without_its_shard_is_refused_with_the_fix():
+    with pytest.raises(RuntimeError, match="tp=TensorParallel.from_group.*or let the Engine start the ranks"):
         ModelRunner(cpu_settings(tiny_checkpoint("llama"), tensor_parallel_size=2))

@@ -28,7 +28,8 @@ from pydantic import ValidationError
 from graphcache import __version__
 from graphcache.config import Settings
 
-__all__ = ["StartupError", "bind_port", "build_parser", "check_model_dir", "main", "settings_from_args"]
+__all__ = ["StartupError", "bind_port", "build_parser", "check_model_dir", "check_tensor_parallel", "main",
+           "settings_from_args"]
 
 log = logging.getLogger("graphcache.cli")
 
@@ -232,7 +233,37 @@ def _preflight(settings: Settings) -> socket.socket:
     Returns the bound socket."""
     if settings.model is not None:
         check_model_dir(settings.model, settings.max_model_len)
+    if settings.tensor_parallel_size > 1:
+        check_tensor_parallel(settings)
     return bind_port(settings.host, settings.port)
+
+
+def check_tensor_parallel(settings: Settings) -> None:
+    """The model splits tensor_parallel_size ways (whole heads, KV heads and MLP columns per rank), and
+    on CUDA there are that many GPUs. Raises StartupError."""
+    from graphcache.model.config import ModelLoadError, read_config
+    from graphcache.model.parallel import check_shardable
+    from graphcache.model.tiny import DEFAULT_SHAPE
+
+    size = settings.tensor_parallel_size
+    if settings.model is not None:
+        config, where = read_config(settings.model), f"model {str(settings.model)!r}"
+    else:   # the embedded tiny model, by its shape (not written yet)
+        shape = DEFAULT_SHAPE
+        config = types.SimpleNamespace(num_heads=shape["heads"], num_kv_heads=shape["kv_heads"],
+                                       intermediate_size=shape["intermediate"])
+        where = "the embedded tiny model"
+    try:
+        check_shardable(config, size)
+    except ModelLoadError as e:
+        raise StartupError(f"{where}: {e} (--tensor-parallel-size, GRAPHCACHE_TENSOR_PARALLEL_SIZE)") from None
+    import torch
+
+    wants_cuda = settings.device == "cuda" or (settings.device == "auto" and torch.cuda.is_available())
+    if wants_cuda and torch.cuda.device_count() < size:
+        raise StartupError(f"tensor_parallel_size {size} needs {size} GPUs, torch sees {torch.cuda.device_count()}; "
+                           "lower --tensor-parallel-size (GRAPHCACHE_TENSOR_PARALLEL_SIZE) or make more GPUs "
+                           "visible (CUDA_VISIBLE_DEVICES)")
 
 
 # --------------------------------------------------------------------------- commands

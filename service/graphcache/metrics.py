@@ -66,6 +66,10 @@ class Metrics:
         self.graph_pool_bytes = Gauge(p + "graph_pool_bytes", "Graph-pool bytes held, measured from the allocator",
                                       registry=r)
         self.graph_pool_budget_bytes = Gauge(p + "graph_pool_budget_bytes", "Graph-pool byte budget", registry=r)
+        # Tensor parallelism (N > 1 only): each rank's own measurement of the entries held (the cache budgets
+        # use the max over ranks); from the agreed decision log, engine/tp_runner.py.
+        self.graph_pool_rank_bytes = Gauge(p + "graph_pool_rank_bytes", "Graph-pool bytes held, as each "
+                                           "tensor-parallel rank measured its own pools", ["rank"], registry=r)
         self.graph_hits = Counter(p + "graph_cache_hits", "Steps served by replay of a cached capture", registry=r)
         self.graph_misses = Counter(p + "graph_cache_misses", "Steps whose descriptor had no capture", registry=r)
         self.graph_captures = Counter(p + "graph_captures", "Successful captures", registry=r)

@@ -73,7 +73,10 @@ class EngineFailure(RuntimeError):
 
 def is_device_failure(exc: BaseException) -> bool:
     """A fault of the device itself (lost GPU, illegal address): the CUDA context is poisoned and
-    every later step would fail too. Decided by type: torch raises AcceleratorError for CUDA errors."""
+    every later step would fail too. Decided by type: torch raises AcceleratorError for CUDA errors.
+    A runner's exception with `fatal = True` counts too (a lost tensor-parallel rank: engine/tp_runner.py)."""
+    if getattr(exc, "fatal", False) is True:
+        return True
     accelerator_error = getattr(torch, "AcceleratorError", None)
     return accelerator_error is not None and isinstance(exc, accelerator_error)
 

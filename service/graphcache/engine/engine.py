@@ -46,6 +46,7 @@ from graphcache.engine.messages import (
     AbortAll,
     Add,
     Call,
+    Fail,
     Handle,
     Stop,
     WarmupJob,
@@ -84,6 +85,9 @@ class Engine:
         self.metrics = metrics
         if metrics is not None:   # the vllm: series' model_name label, also for engines built outside create_app
             metrics.bind_model(self.model_name)
+        if runner_factory is None and settings.tensor_parallel_size > 1:   # rank 0 of N processes it starts
+            from graphcache.engine.tp_runner import TensorParallelRunner
+            runner_factory = TensorParallelRunner.start
         self._runner_factory = runner_factory or ModelRunner   # tests pass a fake
         self._inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -217,6 +221,12 @@ class Engine:
             while self._requests and loop.time() < grace and self.alive:
                 await asyncio.sleep(0.02)
         return {"in_flight": in_flight, "finished": in_flight - left, "aborted": left}
+
+    def fail(self, reason: str) -> None:
+        """Any thread: the engine cannot serve any more (a tensor-parallel rank died): the engine thread
+        dies at its next turn (within 0.5 s when idle), failing what is in flight; /health turns 503."""
+        if self.alive:
+            self._inbox.put(Fail(reason))
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine thread and join it. Unfinished requests get finish_reason error."""
@@ -353,7 +363,14 @@ class Engine:
         self.progress = {"phase": "loading model"}
         log.info("loading model %s", self.settings.model or "(the embedded tiny model)")
         runner = self._runner_factory(self.settings, self.metrics)
-        core = EngineCore(runner, self.settings, self.metrics)
+        try:
+            core = EngineCore(runner, self.settings, self.metrics)
+        except BaseException:
+            if hasattr(runner, "close"):
+                runner.close()
+            raise
+        if hasattr(runner, "watch"):   # tensor parallel: a worker rank that dies kills this engine, even idle
+            runner.watch(self.fail)
         core.step_failpoint = self.step_failpoint
         self._core, self._tokenizer, self._max_model_len = core, runner.tokenizer, runner.max_model_len
 
@@ -402,6 +419,8 @@ class Engine:
         while True:
             if isinstance(cmd, Stop):
                 return False
+            if isinstance(cmd, Fail):
+                raise EngineFailure(cmd.reason, [])
             self._handle_command(cmd)
             try:
                 cmd = self._inbox.get_nowait()
@@ -580,6 +599,12 @@ class Engine:
         core, self._core = self._core, None
         if core is None:
             return
+        close = getattr(core.runner, "close", None)   # tensor parallel: stop the worker ranks
+        if close is not None:
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - the engine is exiting either way
+                log.exception("closing the runner failed")
         del core
         gc.collect()
         if torch.cuda.is_available():

@@ -19,7 +19,7 @@ from graphcache.engine.sequence import RequestOutput, Sequence
 from graphcache.graphs.cache import WarmupReport
 from graphcache.graphs.descriptor import BatchDescriptor
 
-__all__ = ["Abort", "AbortAll", "Add", "Call", "Handle", "Stop", "WarmupJob", "deliver", "jsonable", "merge",
+__all__ = ["Abort", "AbortAll", "Add", "Call", "Fail", "Handle", "Stop", "WarmupJob", "deliver", "jsonable", "merge",
            "with_text"]
 
 
@@ -57,6 +57,12 @@ class Call:
 
 class Stop:
     pass
+
+
+@dataclass
+class Fail:
+    """The engine cannot go on (e.g. a tensor-parallel rank died): the engine thread dies on it."""
+    reason: str
 
 
 @dataclass

@@ -86,9 +86,9 @@ class ModelRunner:
         self.tp = tp = tp or TensorParallel.single()
         if s.tensor_parallel_size != tp.size:
             raise RuntimeError(
-                f"tensor_parallel_size={s.tensor_parallel_size} is not served yet: the server does not start "
-                f"worker processes (docs/TENSOR_PARALLEL.md). Set tensor_parallel_size=1 "
-                "(GRAPHCACHE_TENSOR_PARALLEL_SIZE=1, --tensor-parallel-size 1) and use a model that fits one GPU")
+                f"ModelRunner got tensor_parallel_size={s.tensor_parallel_size} but a shard of a group of "
+                f"{tp.size}: build the runner of each rank with tp=TensorParallel.from_group(), or let the Engine "
+                "start the ranks (engine/tp_runner.py, docs/TENSOR_PARALLEL.md)")
         self.device = _resolve_device(s.device)
         self.device_type = self.device.type
         self.dtype = resolve_dtype("bfloat16" if s.dtype == "auto" and self.device.type == "cuda"
@@ -109,7 +109,7 @@ class ModelRunner:
         self.sizes = CaptureSizes(s.resolved_capture_sizes())
         self._warmup_descs = self._warmup_descriptors()
         self._alloc_buffers()
-        self.num_kv_blocks = self._num_kv_blocks()
+        self.num_kv_blocks = self._agree_min(self._num_kv_blocks())
         self._alloc_kv_cache()
         self.attention_kernel = select_attention_kernel(self.device, self.dtype, c.head_dim, self.block_size,
                                                         s.attention_backend)
@@ -253,6 +253,15 @@ class ModelRunner:
                                f"{self.max_model_len} ({one_seq} blocks); lower max_model_len or raise "
                                "kv_cache_memory_fraction / num_kv_blocks")
         return blocks
+
+    def _agree_min(self, blocks: int) -> int:
+        """The smallest KV cache over the ranks: rank 0's block manager hands out blocks for all of them
+        (each rank sized its own from its free memory). Every rank calls this at the same point of start-up."""
+        if not self.tp.enabled:
+            return blocks
+        t = torch.tensor([blocks], dtype=torch.int64, device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.tp.group)
+        return int(t.item())
 
     def _alloc_kv_cache(self) -> None:
         c = self.model_config

@@ -1,0 +1,359 @@
+"""Rank 0's runner at tensor_parallel_size N > 1: start the other ranks, and make every one of them run
+the same steps and the same cache operations, in the same order (docs/TENSOR_PARALLEL.md).
+
+`TensorParallelRunner.start(settings, metrics)` is the Engine's runner factory at N > 1. It spawns ranks
+1..N-1 (engine/tp_worker.py), joins the group with them, loads rank 0's shard, and waits until every
+worker has loaded its own. Then it is a Runner like ModelRunner, wrapping rank 0's:
+- `execute(batch)` first sends the step to every worker on its pipe (async scheduling's placeholder ids,
+  a device tensor, follow through a broadcast on the model's group: stream-ordered, no host sync), then
+  runs rank 0's shard; the collectives inside the model keep the ranks in lockstep;
+- admin operations that touch the cache (warmup, capture, clear, evict) are sent to every worker, applied
+  on rank 0, and the workers' outcomes compared with rank 0's: the same outcome everywhere, or the
+  ranks have split and the engine dies (GraphCache's agreement keeps the captures themselves agreed);
+- cache reads (info, stats, profile, entries) stay on rank 0, whose state equals every rank's; /admin/cache
+  adds each rank's pool bytes (Decision.rank_bytes) and decision-log digest.
+
+Failures are loud, never a hang: a step that fails at N > 1 ends the engine (`RankLost`, which the core
+treats as a device fault: the ranks cannot be put back in step); a watcher thread sees a worker exit
+at any time (idle too) and tells the engine (`watch(engine.fail)`); rank 0 waits for a worker's reply
+with a deadline and while watching the process. `close()` (the engine's exit) stops the workers and
+leaves the group.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing import connection
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from graphcache.config import Settings
+from graphcache.engine.batch import StepBatch, StepResult
+from graphcache.engine.runner import ModelRunner
+from graphcache.engine.tp_worker import (
+    COLLECTIVE_TIMEOUT_S,
+    apply_admin,
+    build_rank_runner,
+    execute_payload,
+    free_port,
+    worker_main,
+)
+from graphcache.graphs.agreement import Decision, fingerprint
+from graphcache.graphs.descriptor import BatchDescriptor
+from graphcache.metrics import Metrics
+from graphcache.model.config import read_config
+from graphcache.model.parallel import check_shardable
+from graphcache.model.tiny import default_model_dir
+
+__all__ = ["RankLost", "TensorParallelRunner", "rank_pool_bytes"]
+
+log = logging.getLogger("graphcache.tp")
+STOP_TIMEOUT_S = 30.0
+
+
+class RankLost(RuntimeError):
+    """A tensor-parallel rank died, failed a step, or split from rank 0: the engine cannot go on."""
+
+    fatal = True   # EngineCore: like a device fault, the engine dies at once (requests end with errors)
+
+
+def rank_pool_bytes(decisions: list[Decision], size: int) -> list[int]:
+    """Each rank's measured graph-pool bytes of the entries held now, from the agreed decision log
+    (admit records carry every rank's own measurement; evictions and clears drop them)."""
+    held: dict[str, tuple[int, ...]] = {}
+    for d in decisions:
+        if d.op == "admit":
+            held[d.desc] = d.rank_bytes or (d.bytes,) * size
+        elif d.op == "evict":
+            held.pop(d.desc, None)
+        elif d.op == "clear":
+            held.clear()
+    return [sum(b[r] for b in held.values() if r < len(b)) for r in range(size)]
+
+
+@dataclass
+class _Worker:
+    rank: int
+    process: Any            # multiprocessing.Process (spawn)
+    conn: Any               # rank 0's end of its pipe
+
+    def describe_exit(self) -> str:
+        """Why the worker is gone: what it said on the pipe last, else its exit code."""
+        said = ""
+        try:
+            while self.conn.poll():
+                message = self.conn.recv()
+                if message[0] == "failed":
+                    said = message[1]
+        except (EOFError, OSError):
+            pass
+        return said or f"tensor-parallel rank {self.rank} (pid {self.process.pid}) exited with code " \
+                       f"{self.process.exitcode}"
+
+    def reply(self, op: str, deadline: float) -> tuple[str, Any]:
+        """The worker's answer to an admin command, watching the process; RankLost if it died or is late."""
+        while time.monotonic() < deadline:
+            if self.conn.poll(0.5):
+                try:
+                    message = self.conn.recv()
+                except (EOFError, OSError):
+                    break
+                if message[0] == "failed":
+                    raise RankLost(message[1])
+                return message
+            if not self.process.is_alive():
+                break
+        if self.process.is_alive():
+            raise RankLost(f"tensor-parallel rank {self.rank} did not answer {op} within {COLLECTIVE_TIMEOUT_S:.0f} s")
+        raise RankLost(self.describe_exit())
+
+
+class TensorParallelRunner:
+    """Rank 0's ModelRunner, with every step and cache operation mirrored on the worker ranks."""
+
+    def __init__(self, runner: ModelRunner, workers: list[_Worker], metrics: Metrics | None = None) -> None:
+        self.runner = runner
+        self.size = runner.tp.size
+        self.metrics = metrics
+        self.cache = _AgreedCache(self)
+        self._workers = workers
+        self._broken: str | None = None          # why this runner cannot run another step
+        self._on_fatal: Callable[[str], None] | None = None
+        self._closing = False
+        self._watcher = threading.Thread(target=self._watch_workers, name="graphcache-tp-watch", daemon=True)
+        self._watcher.start()
+
+    # --- start-up ------------------------------------------------------------------------
+    @classmethod
+    def start(cls, settings: Settings, metrics: Metrics | None = None) -> TensorParallelRunner:
+        """Spawn ranks 1..N-1, load rank 0's shard with them, wait until every rank is loaded."""
+        size = settings.tensor_parallel_size
+        if settings.model is None:   # made once, here: the ranks must not race to write the same files
+            settings = settings.model_copy(update={"model": default_model_dir(settings.cache_dir, seed=settings.seed)})
+        check_shardable(read_config(settings.model), size)   # before any process starts
+        port, ctx = free_port(), mp.get_context("spawn")
+        workers: list[_Worker] = []
+        runner = None
+        try:
+            for rank in range(1, size):
+                parent, child = ctx.Pipe()
+                process = ctx.Process(target=worker_main, args=(rank, settings, port, child), daemon=True,
+                                      name=f"graphcache-tp-rank{rank}")
+                process.start()
+                child.close()
+                workers.append(_Worker(rank, process, parent))
+            log.info("tensor parallel: %d ranks (workers pids %s); loading rank 0's shard", size,
+                     [w.process.pid for w in workers])
+            runner = build_rank_runner(settings, 0, port, metrics)
+            deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
+            for w in workers:
+                status, _ = w.reply("load", deadline)
+                if status != "ready":
+                    raise RankLost(f"tensor-parallel rank {w.rank} did not load: {status}")
+        except BaseException:
+            _stop_workers(workers, graceful=False)
+            _leave_group()
+            raise
+        log.info("tensor parallel: all %d ranks loaded", size)
+        return cls(runner, workers, metrics)
+
+    def watch(self, on_fatal: Callable[[str], None]) -> None:
+        """Call on_fatal(reason) (any thread) when a worker dies or the ranks split; the Engine passes fail."""
+        self._on_fatal = on_fatal
+        if self._broken is not None:
+            on_fatal(self._broken)
+
+    def __getattr__(self, name: str) -> Any:   # tokenizer, sizes, device_type, ...: rank 0's runner's
+        if name == "runner":
+            raise AttributeError(name)
+        return getattr(self.runner, name)
+
+    # --- steps ---------------------------------------------------------------------------
+    def execute(self, batch: StepBatch) -> StepResult:
+        if self._broken is not None:
+            raise RankLost(self._broken)
+        payload, rows = execute_payload(batch)
+        self._send(("execute", payload, rows))
+        try:
+            if rows:
+                dist.broadcast(batch.prev_tokens.contiguous(), src=0)
+            return self.runner.execute(batch)
+        except Exception as exc:
+            # The other ranks ran (or wait in) this step's collectives: there is no putting them back in step.
+            dead = [w for w in self._workers if not w.process.is_alive()]
+            reason = dead[0].describe_exit() if dead else f"the step failed on rank 0: {type(exc).__name__}: {exc}"
+            raise self._break(reason) from exc
+
+    # --- admin (engine thread) -------------------------------------------------------------
+    def warmup_descriptors(self) -> list[BatchDescriptor]:
+        return self.runner.warmup_descriptors()
+
+    def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> Any:
+        return self._admin("warmup", (), lambda: self.runner.warmup(progress=progress))
+
+    def capture(self, descriptors: list[BatchDescriptor], *, pin: bool = True,
+                progress: Callable[[int, int, str], None] | None = None) -> Any:
+        descs = list(descriptors)
+        return self._admin("capture", (descs, pin), lambda: self.runner.capture(descs, pin=pin, progress=progress))
+
+    def rank_decision_logs(self) -> list[list[Decision]]:
+        """Every rank's cache decision log, rank order (equal when the ranks agree: the test hook)."""
+        return self._admin("decisions", (), lambda: self.runner.cache.decision_log(), compare=False,
+                           collect=True)
+
+    def _admin(self, op: str, args: tuple, local: Callable[[], Any], *, compare: bool = True,
+               collect: bool = False) -> Any:
+        """Send `op` to every worker, run `local` on rank 0, then check every worker did the same: the
+        same summary, or the same error. collect=True returns [rank 0's, worker 1's, ...] results."""
+        if self._broken is not None:
+            raise RankLost(self._broken)
+        self._send((op, *args))
+        error: Exception | None = None
+        result = None
+        try:
+            result = local()
+        except Exception as exc:   # an admin error; the workers must have met the same one
+            error = exc
+        deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
+        try:
+            replies = [w.reply(op, deadline) for w in self._workers]
+        except RankLost as lost:
+            raise self._break(str(lost)) from error
+        mine = ("error", f"{type(error).__name__}: {error}") if error is not None else \
+            ("ok", _summary(op, result))
+        if compare:
+            split = [(w.rank, r) for w, r in zip(self._workers, replies, strict=True) if r != mine]
+            if split:
+                rank, theirs = split[0]
+                raise self._break(f"tensor-parallel ranks split on {op}: rank 0 {mine!r}, rank {rank} {theirs!r}")
+        if error is not None:
+            raise error
+        if collect:
+            return [result] + [r[1] for r in replies]
+        self.cache.publish_rank_bytes()
+        return result
+
+    # --- failure and shutdown ---------------------------------------------------------------
+    def _send(self, command: tuple) -> None:
+        data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)   # once, whatever the rank count
+        for w in self._workers:
+            try:
+                w.conn.send_bytes(data)
+            except (OSError, EOFError):
+                raise self._break(w.describe_exit()) from None
+
+    def _break(self, reason: str) -> RankLost:
+        """Mark this runner unusable and tell the engine (once); the RankLost to raise."""
+        first = self._broken is None
+        if first:
+            self._broken = reason
+            log.error("tensor parallel: %s; the engine stops serving", reason)
+            if self._on_fatal is not None:
+                self._on_fatal(reason)
+        return RankLost(self._broken)
+
+    def _watch_workers(self) -> None:
+        sentinels = {w.process.sentinel: w for w in self._workers}
+        ended = connection.wait(list(sentinels))
+        if not self._closing:
+            worker = sentinels[ended[0]]
+            self._break(f"tensor-parallel rank {worker.rank} (pid {worker.process.pid}) exited with code "
+                        f"{worker.process.exitcode}")
+
+    def close(self) -> None:
+        """Stop the workers (they leave the group and exit 0), then leave the group. Engine thread, at exit."""
+        if self._closing:
+            return
+        self._closing = True
+        _stop_workers(self._workers, graceful=self._broken is None)
+        _leave_group()
+
+
+class _AgreedCache:
+    """The cache as the engine sees it at N > 1: operations go to every rank; reads are rank 0's."""
+
+    def __init__(self, tp: TensorParallelRunner) -> None:
+        self._tp = tp
+        self._published = -1   # decision-log length the rank gauge was computed at
+
+    def __getattr__(self, name: str) -> Any:   # profile, entries, decision_log, run, ...
+        return getattr(self._tp.runner.cache, name)
+
+    def clear(self) -> Any:
+        return self._tp._admin("clear", (), lambda: self._tp.runner.cache.clear())
+
+    def evict(self, desc: BatchDescriptor) -> bool:
+        return self._tp._admin("evict", (desc,), lambda: self._tp.runner.cache.evict(desc))
+
+    def warmup(self, descs: list[BatchDescriptor], *, pin: bool = True, progress=None) -> Any:
+        return self._tp.capture(descs, pin=pin, progress=progress)
+
+    def stats(self) -> Any:
+        self.publish_rank_bytes()
+        return self._tp.runner.cache.stats()
+
+    def info(self) -> dict:
+        """Rank 0's cache info plus each rank's pool bytes and decision log (count and digest)."""
+        info = self._tp.runner.cache.info()
+        logs = self._tp.rank_decision_logs()
+        pool = rank_pool_bytes(logs[0], self._tp.size)
+        info["tensor_parallel"] = {
+            "size": self._tp.size,
+            "ranks": [{"rank": r, "pool_bytes": pool[r], "decisions": len(log_r), "decision_digest": fingerprint(log_r)}
+                      for r, log_r in enumerate(logs)],
+        }
+        return info
+
+    def publish_rank_bytes(self) -> None:
+        """The per-rank pool-bytes gauge, recomputed when the decision log grew."""
+        metrics, cache = self._tp.metrics, self._tp.runner.cache
+        if metrics is None:
+            return
+        decisions = cache.decision_log()
+        if len(decisions) == self._published:
+            return
+        self._published = len(decisions)
+        for rank, held in enumerate(rank_pool_bytes(decisions, self._tp.size)):
+            metrics.graph_pool_rank_bytes.labels(str(rank)).set(held)
+
+
+def _summary(op: str, result: Any) -> Any:
+    """What every rank must agree on after an admin command (what apply_admin returns on a worker)."""
+    if op in ("capture", "warmup"):
+        return sorted(result.captured), sorted(result.failed)
+    if op == "clear":
+        return result.entries
+    if op == "decisions":
+        return None
+    return result
+
+
+def _stop_workers(workers: list[_Worker], *, graceful: bool) -> None:
+    for w in workers:
+        if graceful:
+            try:
+                w.conn.send(("stop",))
+            except (OSError, EOFError):
+                pass
+    deadline = time.monotonic() + (STOP_TIMEOUT_S if graceful else 0.0)
+    for w in workers:
+        w.process.join(max(0.0, deadline - time.monotonic()))
+        if w.process.is_alive():
+            if graceful:
+                log.warning("tensor-parallel rank %d did not stop within %.0f s; killing it", w.rank, STOP_TIMEOUT_S)
+            w.process.kill()
+            w.process.join(5.0)
+        w.conn.close()
+
+
+def _leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
