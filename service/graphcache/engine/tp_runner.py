@@ -22,6 +22,7 @@ leaves the group.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
 import threading
@@ -39,7 +40,6 @@ from graphcache.engine.batch import StepBatch, StepResult
 from graphcache.engine.runner import ModelRunner
 from graphcache.engine.tp_worker import (
     COLLECTIVE_TIMEOUT_S,
-    apply_admin,
     build_rank_runner,
     execute_payload,
     free_port,
@@ -97,6 +97,12 @@ class _Worker:
         return said or f"tensor-parallel rank {self.rank} (pid {self.process.pid}) exited with code " \
                        f"{self.process.exitcode}"
 
+    def expect(self, status: str, deadline: float) -> None:
+        """A start-up message from the worker: RankLost if it says something else, dies or is late."""
+        said, detail = self.reply(status, deadline)
+        if said != status:
+            raise RankLost(f"tensor-parallel rank {self.rank} said {said!r} ({detail!r}) instead of {status!r}")
+
     def reply(self, op: str, deadline: float) -> tuple[str, Any]:
         """The worker's answer to an admin command, watching the process; RankLost if it died or is late."""
         while time.monotonic() < deadline:
@@ -151,12 +157,12 @@ class TensorParallelRunner:
                 workers.append(_Worker(rank, process, parent))
             log.info("tensor parallel: %d ranks (workers pids %s); loading rank 0's shard", size,
                      [w.process.pid for w in workers])
-            runner = build_rank_runner(settings, 0, port, metrics)
             deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
+            for w in workers:   # every worker reached the rendezvous (rank 0 cannot leave it once in)
+                w.expect("joining", deadline)
+            runner = build_rank_runner(settings, 0, port, metrics)
             for w in workers:
-                status, _ = w.reply("load", deadline)
-                if status != "ready":
-                    raise RankLost(f"tensor-parallel rank {w.rank} did not load: {status}")
+                w.expect("ready", deadline)
         except BaseException:
             _stop_workers(workers, graceful=False)
             _leave_group()
@@ -338,10 +344,8 @@ def _summary(op: str, result: Any) -> Any:
 def _stop_workers(workers: list[_Worker], *, graceful: bool) -> None:
     for w in workers:
         if graceful:
-            try:
+            with contextlib.suppress(OSError, EOFError):
                 w.conn.send(("stop",))
-            except (OSError, EOFError):
-                pass
     deadline = time.monotonic() + (STOP_TIMEOUT_S if graceful else 0.0)
     for w in workers:
         w.process.join(max(0.0, deadline - time.monotonic()))

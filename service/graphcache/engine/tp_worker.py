@@ -12,6 +12,9 @@ applies the commands rank 0 sends, in order, to its own ModelRunner:
     ("decisions",)                                                 reply ("ok", this rank's decision log)
     ("stop",)                                                      leave the group, exit 0
 
+A worker says ("joining", pid) before the group's rendezvous and ("ready", KV blocks) once loaded (or
+("failed", why) and exits 1).
+
 The pipe is the control plane: host-side, ordered, and a worker blocked on it waits for as long as the
 server idles (a collective would time out). It ends with EOF when rank 0 dies: the worker exits.
 A step that fails on a worker alone cannot be survived (the other ranks' collectives would wait for
@@ -70,7 +73,7 @@ def build_rank_runner(settings: Settings, rank: int, port: int, metrics: Metrics
     on_cuda = device_type(settings) == "cuda"
     if on_cuda:
         torch.cuda.set_device(rank)
-    else:   # N ranks share the host's cores: no oversubscription
+    elif "OMP_NUM_THREADS" not in os.environ:   # N ranks share the host's cores: no oversubscription
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     dist.init_process_group("nccl" if on_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
@@ -101,8 +104,12 @@ def worker_main(rank: int, settings: Settings, port: int, conn: Any) -> None:
     """Rank `rank` > 0: build the runner, then apply rank 0's commands until "stop" (or rank 0 is gone)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=settings.log_level, format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
     try:
+        logging.basicConfig(level=settings.log_level.upper(),
+                            format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
+        # Rank 0 joins the rendezvous only once every worker got this far: a worker that fails sooner
+        # (an import, a bad setting) is reported at once instead of after the rendezvous timeout.
+        _send(conn, ("joining", os.getpid()))
         runner = build_rank_runner(settings, rank, port)
     except BaseException as exc:  # noqa: BLE001 - rank 0 must hear why, whatever it was
         log.exception("rank %d failed to load", rank)
