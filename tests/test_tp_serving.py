@@ -154,3 +154,16 @@ def test_rank_pool_bytes_follows_admits_evictions_and_clears():
                                                                       rank_bytes=(7, 6))]
     assert rank_pool_bytes(log, 2) == [12, 10]
     assert rank_pool_bytes([*log, Decision("clear")], 2) == [0, 0]
+
+
+def test_serve_refuses_an_unshardable_tensor_parallel_size_before_loading(capsys, tmp_path):
+    from graphcache.cli import main
+    from helpers_model import tiny_checkpoint
+
+    assert main(["serve", "--tensor-parallel-size", "4", "--port", "0", "--cache-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "the embedded tiny model" in err and "set tensor_parallel_size to a divisor of 2" in err, err
+    assert not any(tmp_path.iterdir()), "nothing may be loaded or written before the refusal"
+    model = tiny_checkpoint("llama")   # 4 heads, 2 KV heads
+    assert main(["serve", "--model", str(model), "--tensor-parallel-size", "3", "--port", "0", "--device", "cpu"]) == 2
+    assert "does not divide the model's num_attention_heads (4)" in capsys.readouterr().err

@@ -39,8 +39,8 @@ class Settings(BaseSettings):
     seed: int = Field(0, description="Seed for random weights of the tiny model and the default sampler.")
     tensor_parallel_size: int = Field(
         1, ge=1, le=64, description="GPUs one model is split over (tensor parallelism: heads, MLP and vocabulary "
-        "sharded, one process per GPU). Must divide the model's attention and KV heads. Only 1 is served yet "
-        "(docs/TENSOR_PARALLEL.md).")
+        "sharded, one process per GPU, started by the server itself; gloo processes on the CPU). Must divide the "
+        "model's attention heads, KV heads and intermediate size (docs/TENSOR_PARALLEL.md).")
 
     # --- engine ---
     max_num_seqs: int = Field(64, ge=1, le=4096, description="Requests running at once (decode batch size). "

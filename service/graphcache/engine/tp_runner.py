@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import pickle
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -94,8 +95,14 @@ class _Worker:
                     said = message[1]
         except (EOFError, OSError):
             pass
-        return said or f"tensor-parallel rank {self.rank} (pid {self.process.pid}) exited with code " \
-                       f"{self.process.exitcode}"
+        return said or self.exit_text()
+
+    def exit_text(self) -> str:
+        self.process.join(5.0)   # reap it: exitcode is None until then
+        code = self.process.exitcode
+        how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else \
+            f"exited with code {code}"
+        return f"tensor-parallel rank {self.rank} (pid {self.process.pid}) {how}"
 
     def expect(self, status: str, deadline: float) -> None:
         """A start-up message from the worker: RankLost if it says something else, dies or is late."""
@@ -269,9 +276,7 @@ class TensorParallelRunner:
         sentinels = {w.process.sentinel: w for w in self._workers}
         ended = connection.wait(list(sentinels))
         if not self._closing:
-            worker = sentinels[ended[0]]
-            self._break(f"tensor-parallel rank {worker.rank} (pid {worker.process.pid}) exited with code "
-                        f"{worker.process.exitcode}")
+            self._break(sentinels[ended[0]].exit_text())
 
     def close(self) -> None:
         """Stop the workers (they leave the group and exit 0), then leave the group. Engine thread, at exit."""
