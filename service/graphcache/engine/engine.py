@@ -57,6 +57,7 @@ from graphcache.engine.messages import (
 )
 from graphcache.engine.runner import ModelRunner
 from graphcache.engine.sequence import RequestOutput, SamplingParams, Sequence, StructuredSpec, TokenLogprob
+from graphcache.engine.tp_runner import TensorParallelRunner
 from graphcache.graphs.cache import warmup_order
 from graphcache.graphs.descriptor import BatchDescriptor
 from graphcache.metrics import Metrics
@@ -86,7 +87,6 @@ class Engine:
         if metrics is not None:   # the vllm: series' model_name label, also for engines built outside create_app
             metrics.bind_model(self.model_name)
         if runner_factory is None and settings.tensor_parallel_size > 1:   # rank 0 of N processes it starts
-            from graphcache.engine.tp_runner import TensorParallelRunner
             runner_factory = TensorParallelRunner.start
         self._runner_factory = runner_factory or ModelRunner   # tests pass a fake
         self._inbox: queue.Queue = queue.Queue()
