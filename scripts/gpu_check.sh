@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-box run: installs the carried wheels, then runs the GPU phases named in $PHASES
-# (default: tests pool capture), each bounded by its own timeout, logging everything under $OUT.
+# (default: tests pool capture; all: tests prefix soak server served), each bounded by its own timeout, logging everything under $OUT.
 # Usage (device tool, carry .whl): PHASES="tests capture" bash scripts/gpu_check.sh
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -18,8 +18,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
 for p in ${PHASES:-tests pool capture}; do
   case $p in
-    tests)   phase tests 360 python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu tests/test_decode_attention.py \
-               -rs ${PYTEST_ARGS:-} ;;
+    # Every file with cuda-marked tests: grep -l "mark.cuda" tests/*.py tests/*/*.py
+    tests)   phase tests 420 python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu tests/test_decode_attention.py \
+               tests/test_sampling_controls.py tests/test_structured.py -rs ${PYTEST_ARGS:-} ;;
     kernels) phase kernels 200 python3 benchmarks/decode_attention_bench.py ;;
     decode_step) phase decode_step 400 python3 benchmarks/decode_step.py --make-qwen05b /tmp/qwen05b \
                --modes "${DECODE_MODES:-full,breakable,varlen,eager}" --out "$OUT/decode_step.json" ;;
@@ -42,6 +43,10 @@ for p in ${PHASES:-tests pool capture}; do
                --log "$OUT/served_server.log" ;;
     server)  phase server 420 python3 benchmarks/server_check.py --make-qwen05b /tmp/qwen05b \
                --out "$OUT/server_check.json" --log "$OUT/server.log" ;;
+    prefix)  phase prefix 420 python3 benchmarks/prefix_burst.py --make-qwen05b /tmp/qwen05b \
+               --out "$OUT/prefix_burst.json" ${PREFIX_ARGS:-} ;;
+    soak)    phase soak $(( ${SOAK_DURATION:-300} + 280 )) python3 benchmarks/soak.py --make-qwen05b /tmp/qwen05b \
+               --duration "${SOAK_DURATION:-300}" --out "$OUT/soak.json" --log-dir "$OUT" ${SOAK_ARGS:-} ;;
     *) echo "unknown phase $p" ;;
   esac
 done
