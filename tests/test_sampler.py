@@ -3,8 +3,8 @@
 import torch
 from graphcache.engine.sampler import Sampler, probs_from_logits
 from graphcache.engine.sequence import SamplingParams, Sequence
-from graphcache.engine.stopping import check_stop, sendable_text
-from graphcache.model.tokenizer import IncrementalDetokenizer
+from graphcache.engine.stopping import check_stop
+from helpers_stopping import feed
 
 
 def seq(rid="r", **params) -> Sequence:
@@ -71,25 +71,6 @@ def test_max_tokens_and_max_model_len():
     s = seq(max_tokens=50)
     s.output_token_ids += [5, 6]
     assert check_stop(s, 6, eos_token_ids=set(), max_model_len=5) == "length"
-
-
-class CharTokenizer:
-    """Token id -> one letter; drives the real IncrementalDetokenizer."""
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(ord("a") + i) for i in ids)
-
-
-def feed(s: Sequence, tokens: list[int]) -> tuple[str, str | None]:
-    s.detokenizer = IncrementalDetokenizer(CharTokenizer(), s.prompt_token_ids, s.params.stop)
-    streamed, reason = "", None
-    for t in tokens:
-        s.output_token_ids.append(t)
-        reason = check_stop(s, t, eos_token_ids={25}, max_model_len=1000)
-        streamed += sendable_text(s, reason is not None)
-        if reason:
-            break
-    return streamed, reason
 
 
 def test_stop_string_is_cut_from_output_and_never_streamed():

@@ -11,8 +11,9 @@ import torch
 from graphcache.engine.errors import InvalidRequest
 from graphcache.engine.sampler import Sampler, needs_history, probs_from_logits
 from graphcache.engine.sequence import SamplingParams, Sequence
-from graphcache.engine.stopping import check_stop, sendable_text
-from graphcache.model.tokenizer import IncrementalDetokenizer
+from graphcache.engine.stopping import check_stop
+from helpers_stopping import feed as feed_tokens
+from helpers_stopping import letters
 
 V = 40
 EOS = 5
@@ -306,24 +307,8 @@ def test_validate_token_ids_against_the_vocabulary(param, value):
 
 # --- stop strings -------------------------------------------------------------------------------
 
-class CharTokenizer:
-    """Token id -> one letter (0 -> a); drives the real IncrementalDetokenizer."""
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(ord("a") + i) for i in ids)
-
-
 def feed(s: Sequence, text: str) -> tuple[str, str | None]:
-    s.detokenizer = IncrementalDetokenizer(CharTokenizer(), s.prompt_token_ids, s.params.stop)
-    streamed, reason = "", None
-    for ch in text:
-        t = ord(ch) - ord("a")
-        s.output_token_ids.append(t)
-        reason = check_stop(s, t, eos_token_ids={25}, max_model_len=1000)
-        streamed += sendable_text(s, reason is not None)
-        if reason:
-            break
-    return streamed, reason
+    return feed_tokens(s, letters(text))
 
 
 def test_many_stop_strings():

@@ -24,7 +24,7 @@ from prometheus_client import generate_latest
 
 from .conftest import DEPLOY
 from .promql import exposed_sample_names, metric_names
-from .test_deploy_static import SYNTHETIC, grafana_to_promql, promtool
+from .test_deploy_static import SYNTHETIC, assert_panels_well_formed, grafana_to_promql, promtool
 from .test_live_stack import prometheus, query, server, stack  # noqa: F401 (module-scoped fixtures)
 
 DASHBOARD = DEPLOY / "grafana" / "graphcache-vllm-dashboard.json"
@@ -58,16 +58,8 @@ def test_dashboard_shape():
     assert dash["uid"] == "graphcache-vllm"
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids)), "panel ids are unique"
-    variables = {v["name"]: v for v in dash["templating"]["list"]}
-    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    variables = assert_panels_well_formed(dash)
     assert variables["model_name"]["definition"] == "label_values(vllm:num_requests_running, model_name)"
-    for p in dash["panels"]:
-        if p["type"] == "row":
-            continue
-        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
-        assert p["targets"] and all(t["expr"].strip() for t in p["targets"]), p["title"]
-        g = p["gridPos"]
-        assert g["x"] >= 0 and g["x"] + g["w"] <= 24, p["title"]
 
 
 def test_dashboard_queries_what_vllm_dashboards_query():
