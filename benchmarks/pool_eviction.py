@@ -33,7 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the graphcache package
 from graphcache.graphs.cache import GraphCache  # noqa: E402
-from graphcache.graphs.capture import capture, eager_break  # noqa: E402
+from graphcache.graphs.capture import capture, eager_break, release_workspaces  # noqa: E402
 from graphcache.graphs.descriptor import BatchDescriptor  # noqa: E402
 from graphcache.graphs.pool import pool_bytes  # noqa: E402
 
@@ -68,7 +68,7 @@ class Workload:
 def reserved() -> int:
     gc.collect()
     torch.cuda.synchronize()
-    torch._C._cuda_clearCublasWorkspaces()
+    release_workspaces()
     torch.cuda.empty_cache()
     return torch.cuda.memory_reserved()
 

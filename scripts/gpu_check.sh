@@ -20,7 +20,7 @@ for p in ${PHASES:-tests pool capture}; do
   case $p in
     # Every file with cuda-marked tests: grep -l "mark.cuda" tests/*.py tests/*/*.py
     tests)   phase tests 420 python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu tests/test_decode_attention.py \
-               tests/test_sampling_controls.py tests/test_structured.py -rs ${PYTEST_ARGS:-} ;;
+               tests/test_sampling_controls.py tests/test_structured.py -rs --durations=15 ${PYTEST_ARGS:-} ;;
     kernels) phase kernels 200 python3 benchmarks/decode_attention_bench.py ;;
     decode_step) phase decode_step 400 python3 benchmarks/decode_step.py --make-qwen05b /tmp/qwen05b \
                --modes "${DECODE_MODES:-full,breakable,varlen,eager}" --out "$OUT/decode_step.json" ;;
@@ -31,6 +31,11 @@ for p in ${PHASES:-tests pool capture}; do
     tests_paged) GRAPHCACHE_BLOCK_SIZE=256 phase tests_paged 240 python3 -m pytest -q -m cuda -p no:cacheprovider \
                    tests/gpu/test_runner_cuda.py tests/gpu/test_engine_cuda.py -rs ;;
     pool)    phase pool 150 python3 benchmarks/pool_eviction.py --out "$OUT/pool_eviction.json" ;;
+    warmup)  TRITON_CACHE_DIR=$(mktemp -d) phase warmup 300 python3 benchmarks/warmup_bench.py --make-qwen05b /tmp/qwen05b \
+               --out "$OUT/warmup.json" ${WARMUP_ARGS:-} ;;
+    cache_load) phase cache_load 420 python3 benchmarks/cache_load.py --make-qwen05b /tmp/qwen05b \
+               --clients "${CACHE_LOAD_CLIENTS:-64}" --duration "${CACHE_LOAD_DURATION:-60}" --log-dir "$OUT" \
+               --out "$OUT/cache_load.json" ${CACHE_LOAD_ARGS:-} ;;
     capture) phase capture 300 python3 benchmarks/capture_bench.py --out "$OUT/capture_bench.json" ;;
     offline) phase offline 540 python3 benchmarks/offline_throughput.py --make-qwen05b /tmp/qwen05b \
                --modes "${OFFLINE_MODES:-graph,eager,hf}" --out "$OUT/offline${OFFLINE_TAG:-}.json" ${OFFLINE_ARGS:-} ;;

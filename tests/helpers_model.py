@@ -32,10 +32,12 @@ def tiny_checkpoint(arch: str = "llama", **kwargs) -> Path:
 
 
 def cpu_settings(model: Path, **overrides) -> Settings:
-    """Small, fast CPU settings: eager backend, small capture sizes, no warmup unless asked."""
+    """Small, fast CPU settings: eager backend, small capture sizes, no warmup unless asked. Every miss
+    captures at once and no capture-time budget applies, so which steps replay does not depend on how
+    busy the machine is (the admission and budget tests set their own)."""
     base = dict(model=model, device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=256,
                 block_size=4, num_kv_blocks=256, capture_sizes=[1, 2, 4, 8, 16, 32, 64], max_capture_size=64,
-                warmup_decode_sizes=[], max_model_len=256)
+                warmup_decode_sizes=[], max_model_len=256, admission="always", capture_time_share=1.0)
     base.update(overrides)
     return Settings(**base)
 

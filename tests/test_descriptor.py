@@ -38,7 +38,10 @@ def test_pad_and_max():
 def test_descriptor_for_decode_and_mixed():
     sizes = CaptureSizes([1, 2, 4, 8, 16, 32])
     assert descriptor_for(3, 3, True, sizes) == BatchDescriptor(4, 4, True)
-    assert descriptor_for(20, 3, False, sizes) == BatchDescriptor(32, 4, False)
+    # mixed: requests padded to the token size (one capture per token size), capped by max_reqs
+    assert descriptor_for(20, 3, False, sizes) == BatchDescriptor(32, 32, False)
+    assert descriptor_for(20, 3, False, sizes, max_reqs=8) == BatchDescriptor(32, 8, False)
+    assert {descriptor_for(20, r, False, sizes) for r in range(1, 21)} == {BatchDescriptor(32, 32, False)}
     assert descriptor_for(33, 3, False, sizes) is None  # too many tokens: eager
     assert descriptor_for(40, 40, True, sizes) is None
     with pytest.raises(ValueError):

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 from graphcache.graphs.cache import GraphCache
-from graphcache.graphs.capture import eager_break
+from graphcache.graphs.capture import eager_break, is_capturing
 from graphcache.graphs.descriptor import BatchDescriptor as D
 from graphcache.metrics import Metrics
 
@@ -393,3 +393,100 @@ def test_warmup_pins_at_most_its_share_of_the_budgets():
     assert sum(e.pinned for e in cache.entries()) == 2
     cache.run(D(16, 2))                      # a lazy capture still finds room: an unpinned one is evicted
     assert D(16, 2) in cache and len(cache) == 4
+
+
+# --- capture_warmup: which captures run their step eagerly first (issue 11: capture time) ---
+
+def _record_warmups(monkeypatch, fail_without_warmup=frozenset()):
+    """Patch the cache's capture() to record (descriptor, warmup) and fail cold captures of some descs."""
+    import graphcache.graphs.cache as cache_mod
+
+    seen, real = [], cache_mod.capture
+
+    def fake(step, *, backend, pool=None, warmup=False):
+        seen.append(warmup)
+        if not warmup and _record_warmups.current in fail_without_warmup:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return real(step, backend=backend, pool=pool, warmup=warmup)
+
+    monkeypatch.setattr(cache_mod, "capture", fake)
+    return seen
+
+
+def test_per_kernel_warmup_runs_once_per_family_and_always_runs_every_time(monkeypatch):
+    seen = _record_warmups(monkeypatch)
+    family = {8: "a", 16: "a", 32: "b", 64: "b"}
+    cache, _ = make(warm_key=lambda d: family[d.num_tokens])
+    for n in (8, 16, 32, 64):
+        _record_warmups.current = n
+        cache.run(D(n, n, True))
+    assert seen == [True, False, True, False]   # the first of each family only
+
+    seen.clear()
+    cache, _ = make(capture_warmup="always")
+    for n in (8, 16):
+        cache.run(D(n, n, True))
+    assert seen == [True, True]
+    with pytest.raises(ValueError, match="capture_warmup"):
+        make(capture_warmup="sometimes")
+
+
+def test_capture_failing_without_warmup_is_retried_with_one_then_cached(monkeypatch):
+    seen = _record_warmups(monkeypatch, fail_without_warmup={16})
+    cache, r = make(warm_key=lambda d: "one family")
+    for n in (8, 16):
+        _record_warmups.current = n
+        assert cache.run(D(n, n, True)) == "replay"
+    assert seen == [True, False, True]   # 16: cold capture failed, the warmed retry worked
+    assert D(16, 16, True) in cache and cache.stats().failures == {"error": 0, "oom": 0, "budget": 0}
+    r.out.fill_(float("nan"))
+    cache.run(D(16, 16, True))
+    assert torch.equal(r.out, r.expected())
+
+
+# --- admission "auto" and the capture-time budget (issue 11: captures never stall serving) ---
+
+def test_auto_admission_captures_decode_at_once_and_mixed_at_the_nth_miss():
+    cache, _ = make(admission="auto", admission_min_misses=3)
+    assert cache.run(D(8, 8, True)) == "replay"     # uniform decode: first miss
+    mixed = D(32, 32, False)
+    assert [cache.run(mixed) for _ in range(4)] == ["eager", "eager", "replay", "replay"]
+    with pytest.raises(ValueError, match="admission"):
+        make(admission="sometimes")
+
+
+class FakeClock:
+    """Seconds advance only when the test says (serving) and by each capture's modelled cost."""
+
+    def __init__(self, capture_cost: float) -> None:
+        self.now, self.capture_cost = 0.0, capture_cost
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_capture_time_budget_defers_lazy_captures_and_reports_stalls():
+    clock = FakeClock(0.05)
+    r = Runner()
+
+    def step(desc):   # a capture costs 50 ms of (fake) time; a replay or eager step nothing
+        r.step(desc)
+        clock.now += clock.capture_cost if is_capturing() else 0.0
+
+    cache = GraphCache(step, backend="eager", max_entries=64, max_bytes=1 << 30, capture_time_share=0.1,
+                       capture_burst_seconds=0.08, clock=clock)
+    modes = [cache.run(D(n, n, True)) for n in (1, 2, 4, 8)]
+    # The burst (80 ms, plus 10% of the time spent capturing) pays for two 50 ms captures; the third is
+    # over budget: eager, not refused.
+    assert modes == ["replay", "replay", "eager", "eager"]
+    s = cache.stats()
+    assert s.lazy_captures == 2 and s.deferred == 2 and s.failures == {"error": 0, "oom": 0, "budget": 0}
+    assert s.stall_seconds == pytest.approx(0.1) and s.worst_stall_seconds == pytest.approx(0.05)
+    clock.now += 0.5 + 0.01   # 0.5 s of serving earns 50 ms of capture at a 10% share
+    assert cache.run(D(4, 4, True)) == "replay"      # captured at a later miss
+    assert cache.run(D(8, 8, True)) == "eager"       # and the budget is spent again
+    assert cache.info()["admission"]["deferred"] == 3
+    assert cache.info()["stalls"]["lazy_captures"] == 3
+    # warmup and admin captures are never limited
+    rep = cache.warmup([D(16, 16, True), D(32, 32, True)])
+    assert len(rep.captured) == 2

@@ -186,8 +186,9 @@ def test_warmup_and_capture_between_steps_leave_kv_untouched(path):
     runner.execute(StepBatch([StepSeq(prompt_ids(9, seed=i), 0, tables[i], True) for i in range(3)]))
     runner.execute(StepBatch([StepSeq([11], 9, tables[i], True) for i in range(3)]))
     before = runner.kv_cache.clone()
-    # Descriptors both already cached by the two steps (4:4:decode, 32:4) and new, decode and mixed.
-    descs = [BatchDescriptor(4, 4, True), BatchDescriptor(32, 4), BatchDescriptor(8, 8, True), BatchDescriptor(16, 2)]
+    # Descriptors both already cached by the two steps (4:4:decode, 32:8: a mixed step pads its requests
+    # to the token size, capped at max_num_seqs' 8) and new, decode and mixed.
+    descs = [BatchDescriptor(4, 4, True), BatchDescriptor(32, 8), BatchDescriptor(8, 8, True), BatchDescriptor(16, 2)]
     report = runner.capture(descs)   # the runner's one way to capture outside a step
     assert sorted(report.captured) == ["16:2", "8:8:decode"]
     assert torch.equal(runner.kv_cache, before)

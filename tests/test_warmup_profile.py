@@ -22,8 +22,9 @@ from graphcache.metrics import Metrics
 TOKEN = "profile-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 SMALL = {"device": "cpu", "max_num_seqs": 4, "max_num_batched_tokens": 64, "warmup_decode_sizes": [1],
-         "capture_sizes": [1, 2, 4, 8, 16], "admin_token": TOKEN}
-# Sequential greedy requests: prefills of 3, 7 and 12 tokens (padded to 4:1, 8:1, 16:1) and decodes 1:1:decode.
+         "capture_sizes": [1, 2, 4, 8, 16], "admin_token": TOKEN, "admission": "always", "capture_time_share": 1.0}
+# Sequential greedy requests: prefills of 3, 7 and 12 tokens (padded to 4:4, 8:4, 16:4: requests pad to the
+# token size, capped at max_num_seqs' 4) and decodes 1:1:decode.
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17], list(range(20, 32))]
 
 
@@ -129,7 +130,7 @@ async def test_profile_round_trip_warms_exactly_the_hot_set(cache_dir, tmp_path)
 
     items = profile["descriptors"]
     assert profile["version"] == 1 and items
-    assert {"1:1:decode", "4:1", "8:1", "16:1"} <= {p["descriptor"] for p in items}
+    assert {"1:1:decode", "4:4", "8:4", "16:4"} <= {p["descriptor"] for p in items}
     uses = [p["uses"] for p in items]
     assert uses == sorted(uses, reverse=True) and min(uses) >= 1
     for p in items:

@@ -92,9 +92,15 @@ class Settings(BaseSettings):
         "warmup_descriptors). An entry the server cannot capture is a startup error.")
     cache_max_entries: int = Field(128, ge=0, description="Captured graphs kept; evicted beyond (eviction_policy).")
     cache_max_bytes: int = Field(4 << 30, ge=0, description="Graph-pool bytes kept (allocator-measured); evicted beyond (eviction_policy).")
-    admission: Literal["always", "after_n", "never"] = Field(
-        "always", description="On a miss while serving: capture at once, after N misses, or never (warmup only).")
-    admission_min_misses: int = Field(2, ge=1, description="N for admission=after_n.")
+    admission: Literal["auto", "always", "after_n", "never"] = Field(
+        "auto", description="On a miss while serving: auto = capture a uniform-decode descriptor at once and a "
+        "mixed one at its N-th miss; always = at once; after_n = at the N-th miss; never = warmup/admin only.")
+    admission_min_misses: int = Field(2, ge=1, description="N for admission=after_n and for mixed batches under auto.")
+    capture_time_share: float = Field(
+        0.1, gt=0, le=1, description="Lazy captures (misses while serving; each stalls its step) may take at most "
+        "this share of serving time; a miss past it is served eagerly and captured later. 1 = no limit.")
+    capture_burst_seconds: float = Field(
+        0.25, ge=0, description="Capture seconds lazy captures may spend at once before capture_time_share applies.")
     cache_pin_share: float = Field(0.5, gt=0, le=1, description="Warmup pins at most this share of "
                                    "cache_max_entries and cache_max_bytes; beyond it warmed graphs stay evictable, "
                                    "so lazy captures always keep room.")
@@ -102,6 +108,11 @@ class Settings(BaseSettings):
         "lru", description="Which unpinned graph the budgets evict: lru = least recently used; gdsf = lowest "
         "(hits + 1) x capture seconds / MiB, aged (docs/graph-pools.md).")
     graph_debug: bool = Field(False, description="Assert input addresses at replay equal those at capture.")
+    capture_warmup: Literal["per_kernel", "always"] = Field(
+        "per_kernel", description="When a capture first runs its step eagerly (so kernels' first-call setup and "
+        "Triton compiles stay out of the graph): per_kernel = before the first capture of each kernel family "
+        "(uniform decode per split-KV count, mixed), always = before every capture (about twice the capture "
+        "time: BENCHMARKS.md §8). A capture that fails without one is retried with one.")
 
     # --- HTTP ---
     host: str = Field("127.0.0.1", description="Bind address; 0.0.0.0 in containers.")

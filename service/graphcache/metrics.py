@@ -75,6 +75,12 @@ class Metrics:
         self.graph_captures = Counter(p + "graph_captures", "Successful captures", registry=r)
         self.graph_capture_seconds = Histogram(p + "graph_capture_seconds", "Wall time of one capture",
                                                buckets=CAPTURE_BUCKETS, registry=r)
+        self.graph_capture_stall_seconds = Histogram(
+            p + "graph_capture_stall_seconds", "Lazy captures while serving: how long the step that missed waited",
+            buckets=CAPTURE_BUCKETS, registry=r)
+        self.graph_captures_deferred = Counter(
+            p + "graph_captures_deferred", "Misses served eagerly because lazy captures used their share of "
+            "serving time (captured at a later miss)", registry=r)
         self.graph_evictions = Counter(p + "graph_evictions", "Captures dropped, by reason", ["reason"], registry=r)
         self.graph_capture_failures = Counter(p + "graph_capture_failures",
                                               "Captures refused or failed (then served eagerly), by reason",
@@ -105,6 +111,10 @@ class Metrics:
             self.steps.labels(mode)
             self.step_seconds.labels(mode)
         self.ready = Gauge(p + "ready", "1 once the model is loaded and warmup is done", registry=r)
+        self.warmup_done = Gauge(p + "warmup_descriptors_done", "Startup warmup: descriptors processed so far",
+                                 registry=r)
+        self.warmup_total = Gauge(p + "warmup_descriptors_planned", "Startup warmup: descriptors to process",
+                                  registry=r)
 
         # --- requests ---
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,

@@ -28,7 +28,7 @@ def _settings(tmp: Path, device: str, enforce_eager: bool, async_scheduling: str
     # descriptors, so replay covers mixed batches, not only uniform decode.
     return Settings(model=Path(model) if model else None, cache_dir=tmp, device=device,
                     dtype=os.environ.get("GRAPHCACHE_TEST_DTYPE", "float32"), enforce_eager=enforce_eager,
-                    max_num_seqs=32, max_num_batched_tokens=128, max_model_len=512, admission="always",
+                    max_num_seqs=32, max_num_batched_tokens=128, max_model_len=512, admission="always", capture_time_share=1.0,
                     async_scheduling=async_scheduling)
 
 

@@ -23,7 +23,8 @@ REL_TOL = 0.03
 def _settings(path, **kw):
     return cpu_settings(path, device="cuda", dtype="bfloat16", block_size=16, num_kv_blocks=512,
                         max_num_seqs=32, max_num_batched_tokens=256, max_model_len=512,
-                        capture_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256], max_capture_size=256, **kw)
+                        capture_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256], max_capture_size=256, admission="always",
+                        capture_time_share=1.0, **kw)
 
 
 @pytest.fixture(scope="module")

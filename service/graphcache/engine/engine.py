@@ -375,8 +375,11 @@ class Engine:
         self._core, self._tokenizer, self._max_model_len = core, runner.tokenizer, runner.max_model_len
 
         def warmup_progress(done: int, total: int, desc: str) -> None:
+            # /ready's body and the gauges; the cache logs each capture (ms, bytes)
             self.progress = {"phase": "warmup", "done": done, "total": total, "descriptor": desc}
-            log.info("warmup %d/%d: %s", done, total, desc)
+            if self.metrics is not None:
+                self.metrics.warmup_done.set(done)
+                self.metrics.warmup_total.set(total)
 
         self.progress = {"phase": "warmup", "done": 0, "total": None}
         t0 = time.perf_counter()

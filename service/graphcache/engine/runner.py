@@ -124,7 +124,9 @@ class ModelRunner:
         self.cache = graph_cache_factory(self._step_fn, backend=self.backend, max_entries=s.cache_max_entries,
                                 max_bytes=s.cache_max_bytes, admission=s.admission,
                                 admission_min_misses=s.admission_min_misses, eviction_policy=s.eviction_policy,
-                                pin_share=s.cache_pin_share, debug=s.graph_debug, metrics=metrics, input_tensors=self._input_tensors)
+                                capture_time_share=s.capture_time_share, capture_burst_seconds=s.capture_burst_seconds,
+                                pin_share=s.cache_pin_share, debug=s.graph_debug, metrics=metrics, input_tensors=self._input_tensors,
+                                capture_warmup=s.capture_warmup, warm_key=self._kernel_family)
         self._uploaded = torch.cuda.Event() if self.device.type == "cuda" else None
         log.info("model %s (%s) on %s %s: max_model_len %d, %d KV blocks x %d tokens, backend %s", path,
                  self.model_config.architecture, self.device, str(self.dtype).removeprefix("torch."),
@@ -291,6 +293,13 @@ class ModelRunner:
             return
         self._run_model(desc.num_tokens, desc.num_reqs)
 
+    def _kernel_family(self, desc: BatchDescriptor) -> tuple:
+        """What a descriptor's step must set up once (graph cache's capture_warmup=per_kernel): uniform
+        decode compiles the decode kernel once per split-KV count; everything else shares its kernels."""
+        if self._decode_path(desc.uniform_decode):
+            return ("decode", self.decode_metadata(desc.num_reqs).num_splits)
+        return ("mixed",)
+
     def _input_tensors(self, desc: BatchDescriptor) -> list[torch.Tensor]:
         t, r = desc.num_tokens, desc.num_reqs
         return [self.input_ids.dev[:t], self.positions.dev[:t], self.logits_indices.dev[:r], self.out_logits[:r],
@@ -312,7 +321,7 @@ class ModelRunner:
         # Prompt logprobs need logits at every fed position: an eager step on the general layout.
         prompt_logits = batch.wants_prompt_logits
         eager = self.settings.enforce_eager or prompt_logits
-        desc = None if eager else descriptor_for(num_tokens, num_reqs, uniform, self.sizes)
+        desc = None if eager else descriptor_for(num_tokens, num_reqs, uniform, self.sizes, self.max_reqs)
         pad_tokens = desc.num_tokens if desc else num_tokens
         pad_reqs = desc.num_reqs if desc else num_reqs
         if self._decode_path(uniform) and not prompt_logits:

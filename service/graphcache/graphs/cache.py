@@ -46,12 +46,13 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import torch
 
+from graphcache.graphs.admission import Admission
 from graphcache.graphs.agreement import Agreement, CaptureReport, Decision, Verdict, fingerprint
 from graphcache.graphs.cache_reports import CacheStats, ClearReport, EntryInfo, WarmupReport
 from graphcache.graphs.capture import BreakableGraph, capture
@@ -106,15 +107,24 @@ def _capture_mode(graph: BreakableGraph) -> Literal["full", "breakable"]:
 class GraphCache:
     def __init__(self, step_fn: Callable[[BatchDescriptor], None], *, backend: Literal["cuda", "eager"],
                  max_entries: int, max_bytes: int, admission: str = "always", admission_min_misses: int = 2,
+                 capture_time_share: float = 1.0, capture_burst_seconds: float = 0.25,
                  debug: bool = False, metrics: Metrics | None = None,
                  input_tensors: Callable[[BatchDescriptor], list[torch.Tensor]] | None = None,
                  measure_bytes: Callable[[BatchDescriptor, Any], int] | None = None,
                  eviction_policy: EvictionPolicy = "lru", pin_share: float = 1.0,
-                 clock: Callable[[], float] = time.perf_counter, agreement: Agreement | None = None) -> None:
+                 clock: Callable[[], float] = time.perf_counter, agreement: Agreement | None = None,
+                 capture_warmup: str = "per_kernel", warm_key: Callable[[BatchDescriptor], Hashable] | None = None,
+                 ) -> None:
         """agreement: how capture outcomes are agreed with other tensor-parallel ranks (graphs/agreement.py);
-        None = this process alone, no collective."""
-        if admission not in ("always", "after_n", "never"):
-            raise ValueError(f"admission must be 'always', 'after_n' or 'never', got {admission!r}")
+        None = this process alone, no collective. capture_warmup: "always" runs the step eagerly before
+        every capture; "per_kernel" only before the first capture of each `warm_key(desc)` (the step's
+        kernel family: what must compile or set up once; None = one family), since an eager run costs as
+        much host time as the capture itself (BENCHMARKS.md §8). A capture without one that fails is
+        retried with one before it counts as failed."""
+        if capture_warmup not in ("always", "per_kernel"):
+            raise ValueError(f"capture_warmup must be 'always' or 'per_kernel', got {capture_warmup!r}")
+        self.capture_warmup, self.warm_key = capture_warmup, warm_key
+        self._warmed: set[Hashable] = set()   # kernel families that ran eagerly on the capture stream
         if backend not in ("cuda", "eager"):
             raise ValueError(f"backend must be 'cuda' or 'eager', got {backend!r}")
         if eviction_policy not in EVICTION_POLICIES:
@@ -126,7 +136,10 @@ class GraphCache:
         self._inflation = 0.0  # GDSF's L: the H of the last entry a budget evicted (grows until clear())
         self.step_fn, self.backend = step_fn, backend
         self.max_entries, self.max_bytes = max_entries, max_bytes
-        self.admission, self.admission_min_misses = admission, admission_min_misses
+        # Which misses while serving may capture (graphs/admission.py); warmup and admin always may.
+        self._admission = Admission(admission, admission_min_misses, time_share=capture_time_share,
+                                    burst_seconds=capture_burst_seconds, clock=clock)
+        self.admission = admission
         self.debug, self.metrics, self.input_tensors = debug, metrics, input_tensors
         if not 0 < pin_share <= 1:
             raise ValueError(f"pin_share must be in (0, 1], got {pin_share}")
@@ -139,7 +152,6 @@ class GraphCache:
         self.warmed_up = False
         self._entries: OrderedDict[BatchDescriptor, _Entry] = OrderedDict()  # LRU first
         self._negative: dict[BatchDescriptor, tuple[str, str]] = {}  # desc -> (reason, detail)
-        self._miss_counts: Counter[BatchDescriptor] = Counter()
         self._size_hints: dict[BatchDescriptor, int] = {}  # measured bytes of past captures (own pool)
         # The profile: uses (steps that asked for a descriptor, hits + misses) and what its last capture
         # measured (mode, bytes, seconds). Both survive eviction and clear(): they describe the traffic.
@@ -151,7 +163,6 @@ class GraphCache:
         self._pinned_pool: Any = None
         self._pinned_bytes = 0
         self._stats = CacheStats()
-        self._stream: Any = None  # the capture stream, created on first capture
         self._owner: int | None = None
         if metrics is not None:
             metrics.graph_backend.labels(backend).set(1)
@@ -185,18 +196,13 @@ class GraphCache:
         self._stats.misses += 1
         if self.metrics is not None:
             self.metrics.graph_misses.inc()
-        if self._admit(desc) and self._capture_entry(desc, pinned=False) is not None:
+        if self._admit(desc) and self._capture_entry(desc, pinned=False, lazy=True) is not None:
             return "replay"  # the capture ran the step (see _capture_entry)
         self.step_fn(desc)
         return "eager"
 
     def _admit(self, desc: BatchDescriptor) -> bool:
-        if desc in self._negative or self.admission == "never":
-            return False
-        if self.admission == "after_n":
-            self._miss_counts[desc] += 1
-            return self._miss_counts[desc] >= self.admission_min_misses
-        return True
+        return desc not in self._negative and self._admission.wants(desc)
 
     def _replay(self, entry: _Entry) -> None:
         if entry.addresses is not None and self.input_tensors is not None:
@@ -210,13 +216,21 @@ class GraphCache:
         entry.graph.replay()
 
     # --- capture under budgets ---
-    def _capture_entry(self, desc: BatchDescriptor, *, pinned: bool) -> _Entry | None:
+    def _capture_entry(self, desc: BatchDescriptor, *, pinned: bool, lazy: bool = False) -> _Entry | None:
         """Make room, capture, measure, admit or refuse. None: serve eagerly (reason counted).
 
         Pinned captures go into the shared pinned pool, the others into a fresh private pool.
+        lazy: a miss while serving; subject to the capture-time budget (graphs/admission.py).
         """
         shared = pinned
-        if not self._make_room(desc, shared=shared):
+        # Two agreed phases (graphs/agreement.py; at tp size 1 each is just this rank's outcome): first
+        # every rank's pre-checks, so a rank that cannot capture stops the others before any of them runs
+        # the step (whose collectives would wait for it); then the capture's outcome and measured bytes.
+        verdict = self._agree(self._precheck(desc, lazy=lazy))
+        if verdict.reason == "deferred":
+            self._defer(desc)
+            return None
+        if verdict.ok and not self._make_room(desc, shared=shared):
             self._refuse(desc, "budget", f"no room: {len(self._entries)} entries / {self._total_bytes()} bytes "
                          f"held, pinned entries cannot be evicted")
             return None
@@ -224,14 +238,10 @@ class GraphCache:
             self._pinned_pool, self._pinned_bytes = new_pool(self.backend), 0
         pool = self._pinned_pool if shared else new_pool(self.backend)
         before = self._pinned_bytes if shared else 0
-        # Two agreed phases (graphs/agreement.py; at tp size 1 each is just this rank's outcome): first
-        # every rank's pre-checks, so a rank that cannot capture stops the others before any of them runs
-        # the step (whose collectives would wait for it); then the capture's outcome and measured bytes.
-        verdict = self._agree(self._precheck(desc))
         graph: BreakableGraph | None = None
         if verdict.ok:
             try:
-                graph, seconds = self._capture(desc, pool)
+                graph, seconds, pool = self._capture(desc, pool)
                 report = CaptureReport(True, bytes=int(self.measure_bytes(desc, pool)), seconds=seconds)
             except Exception as e:
                 report = _failure(e)
@@ -288,9 +298,16 @@ class GraphCache:
         self._captured[desc] = (_capture_mode(graph), self._size_hints.get(desc, size), seconds)
         self._stats.captures += 1
         self._stats.capture_seconds += seconds
+        if lazy:   # the step that missed, and every request in it, waited this long
+            self._admission.spend(seconds)
+            self._stats.lazy_captures += 1
+            self._stats.stall_seconds += seconds
+            self._stats.worst_stall_seconds = max(self._stats.worst_stall_seconds, seconds)
         if self.metrics is not None:
             self.metrics.graph_captures.inc()
             self.metrics.graph_capture_seconds.observe(seconds)
+            if lazy:
+                self.metrics.graph_capture_stall_seconds.observe(seconds)
         self._update_gauges()
         log.debug("captured %s: %d graphs, %d breaks, %d bytes (%s pool), %.1f ms", desc, graph.num_graphs,
                   graph.num_breaks, size, "pinned" if shared else "private", seconds * 1e3)
@@ -314,13 +331,31 @@ class GraphCache:
     def _has_shared(self) -> bool:
         return any(e.shared for e in list(self._entries.values()))
 
-    def _capture(self, desc: BatchDescriptor, pool: Any) -> tuple[BreakableGraph, float]:
-        if self.backend == "cuda" and self._stream is None:
-            self._stream = torch.cuda.Stream()
+    def _capture(self, desc: BatchDescriptor, pool: Any) -> tuple[BreakableGraph, float, Any]:
+        """Capture `desc` into `pool`; returns the graph, its seconds, and the pool it is in (a retry
+        may have needed a fresh one)."""
+        key = self.warm_key(desc) if self.warm_key is not None else None
+        warm = self.capture_warmup == "always" or key not in self._warmed
         t0 = self.clock()
-        graph = capture(lambda: self.step_fn(desc), backend=self.backend, pool=pool, stream=self._stream,
-                        warmup=True)
-        return graph, self.clock() - t0
+        try:
+            graph = capture(lambda: self.step_fn(desc), backend=self.backend, pool=pool, warmup=warm)
+        except Exception as e:
+            if warm:
+                raise
+            # Something in this step still needed its first eager call (a kernel's lazy setup):
+            # capture.py has dropped the partial graphs; one more try, warmed up.
+            log.info("capture of %s without a warm-up run failed (%s: %s); retrying after one", desc,
+                     type(e).__name__, e)
+            pinned = pool is self._pinned_pool
+            if not (pinned and self._has_shared()):
+                # The failed capture's reset may have released its pool: never capture into a
+                # released handle again (pool.py). A pinned pool with live graphs stays valid.
+                pool = new_pool(self.backend)
+                if pinned:
+                    self._pinned_pool = pool
+            graph = capture(lambda: self.step_fn(desc), backend=self.backend, pool=pool, warmup=True)
+        self._warmed.add(key)
+        return graph, self.clock() - t0, pool
 
     def _make_room(self, desc: BatchDescriptor, *, shared: bool = False) -> bool:
         if self.max_entries <= 0:
@@ -331,7 +366,7 @@ class GraphCache:
         need = self._size_hint(desc)
         if shared:
             # A capture into the pinned pool reuses all of it (between replays every block there
-            # is free scratch, the cuBLAS workspace included: capture() releases it first), so
+            # is free scratch; the cuBLAS workspace lives outside every pool: capture.py), so
             # its growth is about what exceeds the pool: 0..hint. Fragmentation beyond that is
             # caught after the capture.
             need = max(0, need - self._pinned_bytes)
@@ -389,6 +424,14 @@ class GraphCache:
         log.info("evicted graph %s (%s, %d bytes, %s pool)", desc, reason, entry.bytes,
                  "pinned" if entry.shared else "private")
 
+    def _defer(self, desc: BatchDescriptor) -> None:
+        """A lazy capture over the capture-time budget: served eagerly now, captured at a later miss."""
+        self._admission.deferred += 1
+        self._stats.deferred += 1
+        self._decisions.append(Decision("defer", str(desc)))
+        if self.metrics is not None:
+            self.metrics.graph_captures_deferred.inc()
+
     def _refuse(self, desc: BatchDescriptor, reason: str, detail: str) -> None:
         self._negative[desc] = (reason, detail)
         self._decisions.append(Decision("refuse", str(desc), reason))
@@ -417,10 +460,14 @@ class GraphCache:
                 report.cached.append(str(desc))
             else:
                 self._negative.pop(desc, None)  # an explicit warmup retries past failures
-                if self._capture_entry(desc, pinned=pin_this) is not None:
+                captured = self._capture_entry(desc, pinned=pin_this)
+                if captured is not None:
                     report.captured.append(str(desc))
+                    log.info("warmup %d/%d %s: %s capture, %.1f ms, %d bytes", i + 1, len(todo), desc,
+                             _capture_mode(captured.graph), captured.capture_seconds * 1e3, captured.bytes)
                 else:
                     report.failed[str(desc)] = self._negative[desc][0]
+                    log.info("warmup %d/%d %s: not captured (%s)", i + 1, len(todo), desc, self._negative[desc][0])
             if progress is not None:
                 progress(i + 1, len(todo), str(desc))
         report.seconds = time.perf_counter() - t0
@@ -457,7 +504,7 @@ class GraphCache:
         for desc in list(self._entries):
             self._drop(desc, "clear")
         self._negative.clear()
-        self._miss_counts.clear()
+        self._admission.reset()
         self._pinned_pool, self._pinned_bytes = None, 0  # already so: its last entry was dropped
         self._inflation = 0.0  # nothing left to age against: GDSF starts over
         self._free_memory()
@@ -492,13 +539,17 @@ class GraphCache:
     def stats(self) -> CacheStats:
         s = self._stats
         return CacheStats(s.hits, s.misses, s.captures, s.capture_seconds, dict(s.evictions), dict(s.failures),
-                          self._total_bytes(), len(self._entries), s.padded_tokens, self._pinned_bytes)
+                          self._total_bytes(), len(self._entries), s.padded_tokens, self._pinned_bytes,
+                          lazy_captures=s.lazy_captures, stall_seconds=s.stall_seconds,
+                          worst_stall_seconds=s.worst_stall_seconds, deferred=s.deferred)
 
     def info(self) -> dict:
         """Everything above as JSON-able data (admin endpoint)."""
         return {
             "backend": self.backend,
-            "admission": self.admission,
+            "admission": self._admission.info(),
+            "stalls": {"lazy_captures": self._stats.lazy_captures, "seconds": self._stats.stall_seconds,
+                       "worst_seconds": self._stats.worst_stall_seconds},
             # gdsf_inflation: GDSF's L (the H of the last entry a budget evicted); 0 under lru
             "eviction": {"policy": self.eviction_policy, "gdsf_inflation": self._inflation},
             "warmed_up": self.warmed_up,
@@ -524,13 +575,15 @@ class GraphCache:
         return len(self._entries)
 
     # --- helpers ---
-    def _precheck(self, desc: BatchDescriptor) -> CaptureReport:
-        """This rank's checks before a capture: today the test failpoint."""
+    def _precheck(self, desc: BatchDescriptor, *, lazy: bool = False) -> CaptureReport:
+        """This rank's checks before a capture: the test failpoint, and for a lazy capture the budget."""
         try:
             if self.failpoint is not None:
                 self.failpoint(desc)
         except Exception as e:
             return _failure(e)
+        if lazy and not self._admission.within_budget():
+            return CaptureReport(False, "deferred", "lazy captures spent their share of serving time")
         return CaptureReport(True)
 
     def _agree(self, report: CaptureReport) -> Verdict:

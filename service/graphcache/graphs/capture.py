@@ -24,13 +24,15 @@ import functools
 import gc
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["BreakableGraph", "CaptureError", "EagerStep", "capture", "eager_break", "is_capturing"]
+__all__ = ["BreakableGraph", "CaptureError", "EagerStep", "capture", "capture_stream", "eager_break", "is_capturing",
+           "release_workspaces"]
 
 log = logging.getLogger(__name__)
 Backend = Literal["cuda", "eager"]
@@ -154,7 +156,6 @@ class _Capture:
                 # routing this stream's allocations into the dead pool. Undo it if still set.
                 with contextlib.suppress(Exception):
                     torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), self.pool)
-        _release_cublas_workspaces()
         for seg in self.segments:
             if isinstance(seg, torch.cuda.CUDAGraph):
                 try:
@@ -164,11 +165,32 @@ class _Capture:
         self.segments.clear()
 
 
-def _release_cublas_workspaces() -> None:
-    # The cached cuBLAS workspace of the last capture lives in its pool and is a live block
-    # there; free it so a dropped pool can be released. Safe for live captures: each took a
-    # private workspace (see capture()), whose block stays reserved in its own pool.
+# --- the capture stream and its cuBLAS workspace ---
+# cuBLAS keeps one workspace per (handle, stream), allocated on first use through the caching
+# allocator, and a captured GEMM bakes in its address. Allocated inside a capture, it would land
+# in that capture's pool: 32 MiB per entry on Hopper, and a dangling pointer for every other graph
+# that reused it once that pool is freed. So all captures run on one persistent stream per device
+# whose workspace is allocated *outside* any capture (by an eager run of the step on that stream,
+# the "priming" below): it sits in ordinary allocator memory, shared by every graph, freed by none.
+_capture_streams: dict[int, torch.cuda.Stream] = {}
+_primed_streams: set[int] = set()   # streams whose cuBLAS workspaces exist outside every pool
+
+
+def capture_stream() -> torch.cuda.Stream:
+    """The persistent capture stream of the current device (created on first use)."""
+    device = torch.cuda.current_device()
+    if device not in _capture_streams:
+        _capture_streams[device] = torch.cuda.Stream()
+    return _capture_streams[device]
+
+
+def release_workspaces() -> None:
+    """Free cuBLAS's cached workspaces (e.g. to measure memory from a quiet baseline).
+
+    Only while no captured graph lives: every graph shares the capture stream's workspace and
+    would replay into freed memory. The next capture re-primes the stream."""
     torch._C._cuda_clearCublasWorkspaces()
+    _primed_streams.clear()
 
 
 def _replay_call(seg: Any) -> Callable[[], None]:
@@ -185,6 +207,7 @@ class BreakableGraph:
                  pool: Any = None) -> None:
         self.backend, self.pool, self._step = backend, pool, step
         self.segments = segments
+        self.timings: dict[str, float] = {}  # where the capture's host time went (capture() fills it)
         self.num_breaks = sum(isinstance(s, EagerStep) for s in segments)
         self.num_graphs = len(segments) - self.num_breaks
         self._calls = [_replay_call(s) for s in segments] if backend == "cuda" else [step]
@@ -203,8 +226,6 @@ class BreakableGraph:
 
     def close(self) -> None:
         """Drop the graphs so their pool can be released (then empty_cache returns it)."""
-        if self.backend == "cuda":
-            _release_cublas_workspaces()
         for seg in self.segments:
             if isinstance(seg, torch.cuda.CUDAGraph):
                 seg.reset()
@@ -219,11 +240,14 @@ def capture(step: Callable[[], None], *, backend: Backend, pool: Any = None,
             warmup: bool = False) -> BreakableGraph:
     """Capture `step` (reads and writes static buffers only, returns None) as a BreakableGraph.
 
-    cuda: every segment on `pool` (default: a fresh private one) and on `stream` (default: a
-    new side stream; capture cannot run on the legacy default stream). capture_error_mode
-    "thread_local" so a stray CUDA call from another thread cannot invalidate the capture.
-    warmup: run `step` once eagerly on the capture stream first, so lazy initialisation (cuBLAS
-    handles, kernels' first-call setup, Triton compiles) never happens inside the capture.
+    cuda: every segment on `pool` (default: a fresh private one) and on `stream` (default: the
+    device's persistent capture stream; capture cannot run on the legacy default stream).
+    capture_error_mode "thread_local" so a stray CUDA call from another thread cannot invalidate
+    the capture. warmup: run `step` once eagerly on the capture stream first, so lazy
+    initialisation (kernels' first-call setup, Triton compiles) never happens inside the capture.
+    The first capture on a stream always warms up: that run allocates the stream's cuBLAS
+    workspace outside every pool (see capture_stream). The graph's `timings` say where the
+    capture's time went (warmup run, capture, in seconds of host time).
     """
     if _state.active is not None:
         raise CaptureError("capture() called inside another capture on this thread; nested captures are "
@@ -235,25 +259,22 @@ def capture(step: Callable[[], None], *, backend: Backend, pool: Any = None,
     if torch.cuda.is_current_stream_capturing():
         raise CaptureError("capture() called while the current stream is already capturing "
                            "(inside torch.cuda.graph?). Fix: call it outside any other graph capture.")
-    stream = stream if stream is not None else torch.cuda.Stream()
-    if warmup:
-        stream.wait_stream(torch.cuda.current_stream())
+    stream = stream if stream is not None else capture_stream()
+    t0 = time.perf_counter()
+    stream.wait_stream(torch.cuda.current_stream())  # buffers written on the caller's stream first
+    if warmup or stream.cuda_stream not in _primed_streams:
         with torch.cuda.stream(stream):
             step()
-        torch.cuda.current_stream().wait_stream(stream)
-    # Once per capture, never per segment: per-segment gc/empty_cache made vLLM's capture crawl.
-    gc.collect()
-    torch.cuda.synchronize()
-    # cuBLAS keeps one workspace per stream and bakes its address into captured GEMMs, and
-    # CUDAGraph.reset() frees the workspace of its capture stream. A workspace shared by
-    # several captures would dangle once any one of them is evicted, so drop the cached
-    # ones: this capture allocates its own workspace inside its own pool, and dies with it.
-    _release_cublas_workspaces()
-    torch.cuda.empty_cache()
+        _primed_streams.add(stream.cuda_stream)
+    t1 = time.perf_counter()
+    # No gc.collect(), synchronize() or empty_cache() per capture (torch.cuda.graph does all three):
+    # a full collection of a server-sized heap cost 138 ms a capture, and nothing here needs it.
+    # Automatic collection is held off instead, so none lands inside the capture and skews it.
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-    stream.wait_stream(torch.cuda.current_stream())  # buffers written on the caller's stream first
     active = _Capture("cuda", pool, capture_error_mode)
     _state.active = active
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     try:
         with torch.cuda.stream(stream):
             try:
@@ -265,8 +286,12 @@ def capture(step: Callable[[], None], *, backend: Backend, pool: Any = None,
                 raise
     finally:
         _state.active = None
+        if gc_was_enabled:
+            gc.enable()
     torch.cuda.current_stream().wait_stream(stream)
-    return BreakableGraph("cuda", active.segments, pool=pool)
+    graph = BreakableGraph("cuda", active.segments, pool=pool)
+    graph.timings = {"warmup": t1 - t0, "capture": time.perf_counter() - t1}
+    return graph
 
 
 def _capture_eager(step: Callable[[], None]) -> BreakableGraph:

@@ -79,11 +79,14 @@ class CaptureSizes:
 
 
 def descriptor_for(num_tokens: int, num_reqs: int, uniform_decode: bool,
-                   sizes: CaptureSizes) -> BatchDescriptor | None:
+                   sizes: CaptureSizes, max_reqs: int | None = None) -> BatchDescriptor | None:
     """The padded descriptor a batch replays under, or None when it is too big (run it eagerly).
 
-    decode: T = R = pad(num_reqs). mixed: T = pad(num_tokens), R = pad(num_reqs) (R <= T holds
-    because num_reqs <= num_tokens and pad is monotonic).
+    decode: T = R = pad(num_reqs). mixed: T = pad(num_tokens) and R = T (at most max_reqs, the
+    logits buffer's rows): one mixed capture per token size, not one per (tokens, requests) cell.
+    Requests only set the logits rows; the padded rows cost the LM head next to nothing, since at
+    T <= the largest capture size its GEMM is bound by reading the head's weights, not by rows.
+    R >= pad(num_reqs) holds: num_reqs <= num_tokens and num_reqs <= max_reqs, and pad is monotonic.
     """
     if num_reqs < 1 or num_tokens < num_reqs:
         raise ValueError(f"batch of {num_tokens} tokens and {num_reqs} requests is impossible")
@@ -96,6 +99,7 @@ def descriptor_for(num_tokens: int, num_reqs: int, uniform_decode: bool,
     padded_tokens = sizes.pad(num_tokens)
     if padded_tokens is None:
         return None
-    padded_reqs = sizes.pad(num_reqs)
-    assert padded_reqs is not None and padded_reqs <= padded_tokens
+    padded_reqs = padded_tokens if max_reqs is None else min(padded_tokens, max_reqs)
+    if padded_reqs < num_reqs:
+        raise ValueError(f"batch of {num_reqs} requests exceeds max_reqs {max_reqs}")
     return BatchDescriptor(padded_tokens, padded_reqs, False)
