@@ -100,6 +100,8 @@ async def _run_engine(engine: Engine, prompts, outputs, temperature: float) -> t
 
 def bench_engine(args, mode: str, prompts, outputs) -> dict:
     settings = engine_settings(args, enforce_eager=mode == "eager")
+    if mode == "graph-noprefix":   # the same graph engine with automatic prefix caching off (issue 12)
+        settings = settings.model_copy(update={"enable_prefix_caching": False})
     engine = Engine(settings, Metrics())
     t0 = time.perf_counter()
     engine.start()
@@ -192,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", type=Path, help="Hugging Face model directory")
     ap.add_argument("--make-qwen05b", type=Path, metavar="DIR",
                     help="write a random Qwen2.5-0.5B-shaped checkpoint to DIR (and use it if --model is unset)")
-    ap.add_argument("--modes", default="eager,graph,hf", help="comma list of eager, graph, hf")
+    ap.add_argument("--modes", default="eager,graph,hf", help="comma list of eager, graph, graph-noprefix "
+                    "(prefix caching off), hf")
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--min-input", type=int, default=100)
     ap.add_argument("--max-input", type=int, default=1024)
@@ -231,30 +234,30 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         print(f"running {mode} ...", file=sys.stderr, flush=True)
-        if mode in ("eager", "graph"):
+        if mode in ("eager", "graph", "graph-noprefix"):
             results.append(bench_engine(args, mode, prompts, outputs))
         elif mode == "hf":
             results.append(bench_hf(args, prompts, outputs))
         else:
-            ap.error(f"unknown mode {mode!r}; use eager, graph, hf")
+            ap.error(f"unknown mode {mode!r}; use eager, graph, graph-noprefix, hf")
         r = results[-1]
         print(f"  {mode}: {r['output_tokens']} tokens in {r['seconds']:.1f}s = {r['tokens_per_s']:.0f} tok/s",
               file=sys.stderr, flush=True)
 
-    print(f"\n{'mode':<8}{'output tok/s':>14}{'seconds':>10}{'tokens':>10}{'warmup s':>10}{'pool MiB':>10}")
+    print(f"\n{'mode':<15}{'output tok/s':>14}{'seconds':>10}{'tokens':>10}{'warmup s':>10}{'pool MiB':>10}")
     for r in results:
-        print(f"{r['mode']:<8}{r['tokens_per_s']:>14.0f}{r['seconds']:>10.1f}{r['output_tokens']:>10}"
+        print(f"{r['mode']:<15}{r['tokens_per_s']:>14.0f}{r['seconds']:>10.1f}{r['output_tokens']:>10}"
               f"{r['warmup_s']:>10.2f}{r['graph_pool_bytes'] / 2**20:>10.1f}")
     engine_rows = [r for r in results if "phase_ms_per_step" in r]
     if engine_rows:
         print("\nper step (host ms; sample includes waiting for the GPU):")
-        print(f"{'mode':<8}{'steps':>7}{'wall':>8}{'schedule':>10}{'execute':>9}{'sample':>8}{'postproc':>10}"
+        print(f"{'mode':<15}{'steps':>7}{'wall':>8}{'schedule':>10}{'execute':>9}{'sample':>8}{'postproc':>10}"
               f"{'other':>7}")
         for r in engine_rows:
             ph = r["phase_ms_per_step"]
             steps = r["steps"]
             other = r["ms_per_step"] - sum(ph.values())
-            print(f"{r['mode']:<8}{steps:>7}{r['ms_per_step']:>8.2f}{ph['schedule']:>10.2f}{ph['execute']:>9.2f}"
+            print(f"{r['mode']:<15}{steps:>7}{r['ms_per_step']:>8.2f}{ph['schedule']:>10.2f}{ph['execute']:>9.2f}"
                   f"{ph['sample']:>8.2f}{ph['postprocess']:>10.2f}{other:>7.2f}")
     by = {r["mode"]: r for r in results}
     if "graph" in by:

@@ -20,8 +20,10 @@ a real decode batch through the cached graphs against an eager runner (the same,
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -49,12 +51,20 @@ def make_runner(model: Path, capture_warmup: str, max_num_seqs: int, **extra) ->
                                 max_model_len=2048, capture_warmup=capture_warmup, **extra))
 
 
-def warmup_rows(runner: ModelRunner) -> tuple[float, list[dict]]:
+def warmup_rows(runner: ModelRunner, cprofile: int = 0) -> tuple[float, list[dict]]:
+    """Run the runner's warmup; per-descriptor rows. cprofile > 0: print that many functions of a cProfile
+    of the warmup, by own time (where capture's host time goes)."""
     torch.cuda.synchronize()
+    prof = cProfile.Profile() if cprofile else None
     t0 = time.perf_counter()
+    if prof:
+        prof.enable()
     report = runner.warmup()
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
+    if prof:
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(cprofile)
     rows = []
     for desc, entry in runner.cache._entries.items():
         t = entry.graph.timings
@@ -122,6 +132,7 @@ def main() -> int:
     ap.add_argument("--variants", default="per_kernel,always")
     ap.add_argument("--heap-objects", type=int, default=2_000_000)
     ap.add_argument("--pool-batches", default="1,8,64,256")
+    ap.add_argument("--cprofile", type=int, default=0, help="cProfile each 'again' warmup: print N functions")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     model = args.model or make_qwen05b(args.make_qwen05b)
@@ -130,7 +141,7 @@ def main() -> int:
     for name in args.variants.split(","):
         for run in ("cold", "again"):
             runner = make_runner(model, name, args.max_num_seqs)
-            seconds, rows = warmup_rows(runner)
+            seconds, rows = warmup_rows(runner, args.cprofile if run == "again" else 0)
             decode_ms = [r["ms"] for r in rows if r["tokens"] <= 256]
             row = {"variant": name, "run": run, "descriptors": len(rows), "warmup_s": seconds,
                    "median_ms": statistics.median(decode_ms), "max_ms": max(decode_ms),
