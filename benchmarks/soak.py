@@ -227,12 +227,14 @@ async def admin_cycles(args, server: Server, deadline: float, baseline: dict) ->
             await asyncio.sleep(args.admin_period / 2)
             warm = await server.admin(client, "POST", "/admin/warmup", {})
             # Serving goes on, so shapes captured on demand may sit next to the warmup's: the pinned
-            # (warmup) entries and their pool are what must equal the startup baseline.
+            # (warmup) entries must equal the startup baseline's, and their pool must not exceed it. It
+            # can come out a segment smaller (22 vs 24 MiB on the H200): a warmup interleaved with
+            # serving steps rounds the pool's segments differently. The quiet final check is exact.
             rewarmed = await server.pool(client)
             cycles.append({"cleared": cleared, "rewarmed": rewarmed, "warmup_failed": warm.get("failed"),
                            "back_to_baseline": cleared["pool_bytes"] == 0 and cleared["entries"] == 0
                            and rewarmed["pinned_entries"] == baseline["pinned_entries"]
-                           and rewarmed["pinned_pool_bytes"] == baseline["pinned_pool_bytes"]})
+                           and rewarmed["pinned_pool_bytes"] <= baseline["pinned_pool_bytes"]})
     return cycles
 
 
@@ -309,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rss-margin", type=float, default=0.10, help="allowed RSS growth over the first minute")
     ap.add_argument("--rss-slack-mib", type=float, default=64, help="allowed RSS growth on top of --rss-margin")
     ap.add_argument("--out", type=Path, default=Path("soak.json"))
+    ap.add_argument("--commit", help="the commit to report (default: git rev-parse HEAD here)")
     ap.add_argument("--log-dir", type=Path, default=Path("."))
     args = ap.parse_args(argv)
     import torch
@@ -327,9 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
                     "device": torch.cuda.get_device_name() if cuda else "cpu",
                     "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
-    try:
-        result["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                          text=True).stdout.strip() or None
+    try:   # --commit: a copy of the tree (the device tool's) may carry a stale .git
+        result["commit"] = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                                         capture_output=True, text=True).stdout.strip() or None
     except OSError:
         result["commit"] = None
     a = Server(args, "graphs", eager=False)
