@@ -177,3 +177,20 @@ def test_top_p_one_keeps_every_token():
     logits = torch.zeros(1, 1000)   # a uniform row: cumsum rounding must not cut the tail at top_p=1
     p = probs_from_logits(logits, temperature=torch.ones(1), top_k=torch.tensor([0]), top_p=torch.ones(1))
     assert (p > 0).all()
+
+
+def test_unfiltered_rows_skip_the_sort_and_match_the_filtered_path():
+    """top_k/top_p None (no row filters): the same distribution as top_k 0 / top_p 1, without sorting
+    the vocabulary; rows with no finite logit are one-hot on their argmax either way."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 300, generator=g) * 4
+    logits[3] = float("-inf")
+    logits[4, 7] = float("inf")
+    t = torch.tensor([0.3, 1.0, 2.5, 1.0, 0.7])
+    off = dict(top_k=torch.zeros(5, dtype=torch.long), top_p=torch.ones(5))
+    for min_p in (None, torch.full((5,), 0.05)):
+        fast = probs_from_logits(logits, temperature=t, top_k=None, top_p=None, min_p=min_p)
+        slow = probs_from_logits(logits, temperature=t, min_p=min_p, **off)
+        assert torch.allclose(fast, slow, atol=1e-6), (fast - slow).abs().max()
+        assert torch.allclose(fast.sum(-1), torch.ones(5))
+        assert fast[3].argmax() == logits[3].argmax() and fast[3].max() == 1

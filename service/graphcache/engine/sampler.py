@@ -175,12 +175,15 @@ class Sampler:
         dev, vocab = x.device, x.shape[-1]
         if len(local) < x.shape[0]:
             x = x.index_select(0, _to_device(local, torch.int64, dev))
+        # Filters only when some row asks for one: the top-k/top-p path sorts every row's whole
+        # vocabulary, which at batch 256 x 152k costs more than the model step (BENCHMARKS.md §8.6).
+        top_k = [min(max(s.params.top_k, 0), vocab) for s in seqs]   # clamped: the API bounds it below only
+        top_p = [s.params.top_p for s in seqs]
         probs = probs_from_logits(
             x,
             temperature=_to_device([s.params.temperature for s in seqs], torch.float32, dev),
-            # Clamped here: a top_k past int64 (the API bounds it below only) must not overflow the tensor.
-            top_k=_to_device([min(max(s.params.top_k, 0), vocab) for s in seqs], torch.int64, dev),
-            top_p=_to_device([s.params.top_p for s in seqs], torch.float32, dev),
+            top_k=_to_device(top_k, torch.int64, dev) if any(0 < k < vocab for k in top_k) else None,
+            top_p=_to_device(top_p, torch.float32, dev) if any(p < 1 for p in top_p) else None,
             min_p=(_to_device([s.params.min_p for s in seqs], torch.float32, dev)
                    if any(s.params.min_p > 0 for s in seqs) else None),
         )
@@ -314,12 +317,13 @@ def _to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def probs_from_logits(logits: torch.Tensor, *, temperature: torch.Tensor, top_k: torch.Tensor,
-                      top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+def probs_from_logits(logits: torch.Tensor, *, temperature: torch.Tensor, top_k: torch.Tensor | None,
+                      top_p: torch.Tensor | None, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax(logits / T) restricted by min_p, then to the top-k, then to the top-p nucleus, per row.
 
-    min_p 0 or None = off (drops tokens whose probability is below min_p * the top one's); top_k 0 =
-    off; top_p >= 1 = off. The most likely token always survives every filter, whatever top_p is
+    min_p 0 or None = off (drops tokens whose probability is below min_p * the top one's); top_k 0 or
+    None = off; top_p >= 1 or None = off. With top_k and top_p both None nothing is sorted (the costly
+    part over a large vocabulary). The most likely token always survives every filter, whatever top_p is
     (0.0 included: a tiny top_p underflows in float32). Every row is a distribution (no NaN, sums
     to 1): a row with no finite logit, or one that overflows, is one-hot on its argmax.
     """
@@ -335,22 +339,29 @@ def probs_from_logits(logits: torch.Tensor, *, temperature: torch.Tensor, top_k:
         # p_i < min_p * p_max  <=>  exp(l_i - l_max) < min_p  <=>  l_i < log(min_p) (l_max is 0 here);
         # log(0) = -inf drops nothing, and the top token (0 >= log(min_p <= 1)) always stays.
         logits = logits.masked_fill(logits < min_p.float().clamp(0, 1).log().unsqueeze(1), _NEG_INF)
+    if top_k is None and top_p is None:
+        return _finite_rows(logits.softmax(dim=-1), top)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    top_k = top_k.clamp(0, vocab)
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(ranks >= k, _NEG_INF)
-    sorted_probs = sorted_logits.softmax(dim=-1)
-    # Drop a token when the mass strictly before it already reaches top_p; never the first one.
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    top_p = top_p.float().unsqueeze(1)
-    drop = (mass_before >= top_p) & (top_p < 1) & (ranks > 0)
-    sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    if top_k is not None:
+        top_k = top_k.clamp(0, vocab)
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(ranks >= k, _NEG_INF)
+    if top_p is not None:
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the mass strictly before it already reaches top_p; never the first one.
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        top_p = top_p.float().unsqueeze(1)
+        drop = (mass_before >= top_p) & (top_p < 1) & (ranks > 0)
+        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
     filtered = torch.full_like(logits, _NEG_INF).scatter(1, order, sorted_logits)
-    probs = filtered.softmax(dim=-1)
-    # Rows that are still no distribution (all -inf or +inf logits): their argmax, like greedy.
-    # In place, without a sync or another [rows, V] tensor.
+    return _finite_rows(filtered.softmax(dim=-1), top)
+
+
+def _finite_rows(probs: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """probs [R, V] with every row that is no distribution (all -inf or +inf logits) made one-hot on its
+    argmax `top` [R, 1], like greedy. In place, without a sync or another [R, V] tensor."""
     bad = ~(probs.isfinite().all(dim=-1, keepdim=True) & (probs.sum(dim=-1, keepdim=True) > 0))
     probs.masked_fill_(bad, 0.0)
     return probs.scatter_(1, top, torch.where(bad, 1.0, probs.gather(1, top)))
