@@ -47,6 +47,9 @@ for p in ${PHASES:-tests pool capture}; do
     served)  phase served 420 python3 benchmarks/served_throughput.py --make-qwen05b /tmp/qwen05b \
                --clients "${SERVED_CLIENTS:-64}" --duration "${SERVED_DURATION:-30}" --out "$OUT/served.json" \
                --log "$OUT/served_server.log" ;;
+    served_proc) GRAPHCACHE_ENGINE_PROCESS=true phase served_proc 420 python3 benchmarks/served_throughput.py \
+               --make-qwen05b /tmp/qwen05b --clients "${SERVED_CLIENTS:-64}" --duration "${SERVED_DURATION:-30}" \
+               --out "$OUT/served_proc.json" --log "$OUT/served_proc_server.log" ;;
     server)  phase server 420 python3 benchmarks/server_check.py --make-qwen05b /tmp/qwen05b \
                --out "$OUT/server_check.json" --log "$OUT/server.log" ;;
     prefix)  phase prefix 420 python3 benchmarks/prefix_burst.py --make-qwen05b /tmp/qwen05b \
