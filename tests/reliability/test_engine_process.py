@@ -202,3 +202,30 @@ async def test_sigterm_drains_through_the_engine_process(server_factory):
     assert [o["kind"] for o in outcomes] == ["finished"] * 4, outcomes
     assert code == 0, f"exit code {code}:\n{server.log_tail()}"
     assert_clean_exit_log(server)
+
+
+def test_tensor_parallel_with_engine_process_is_refused_naming_the_fix():
+    from graphcache.config import Settings
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="GRAPHCACHE_ENGINE_PROCESS=false"):
+        Settings(engine_process=True, tensor_parallel_size=2, device="cpu")
+
+
+@pytest.mark.timeout(120)
+def test_a_load_error_in_the_engine_process_turns_the_client_dead(tmp_path):
+    from graphcache.config import Settings
+    from graphcache.engine.errors import EngineDead
+    from graphcache.engine.frontend import EngineState
+    from graphcache.engine.process import EngineClient
+
+    engine = EngineClient(Settings(model=tmp_path / "no-such-model", device="cpu", engine_process=True))
+    engine.start()
+    try:
+        assert not engine.wait_ready(90)
+        assert engine.state is EngineState.DEAD
+        assert "model load failed" in engine.error, engine.error
+        assert isinstance(engine.refusal(), EngineDead)
+    finally:
+        engine.shutdown(30)
+    assert not engine._process.is_alive()

@@ -6,7 +6,9 @@ device. The asyncio side puts commands in a thread-safe inbox (queue.Queue) and 
 through `loop.call_soon_threadsafe` into a per-request asyncio.Queue (streams) or a future (admin
 calls). Commands run between steps, so admin work never races a replay.
 
-State is one `EngineState`; `refusal()` answers "may a request enter now?" for every caller.
+State is one `EngineState`; `refusal()` answers "may a request enter now?" for every caller. State,
+admission, generate() and drain are EngineFrontend's (frontend.py), shared with EngineClient
+(process.py), which runs this Engine in a child process (GRAPHCACHE_ENGINE_PROCESS).
 No request is ever left hanging: every path that ends a request (finish, abort, step failure,
 engine death, shutdown, drain timeout) pushes a final RequestOutput with finished=True.
 """

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -160,5 +161,10 @@ def main(conn: Connection, settings: Settings) -> None:
     """The spawned process's entry point."""
     from graphcache.api.request_log import setup_logging
 
+    # Ctrl-C reaches the whole process group, and systemd's default stop SIGTERMs every process of the
+    # service: the API process drains, then stops this one through the pipe. If it dies instead, the
+    # pipe closes and this process stops too.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     setup_logging(settings.log_format, settings.log_level)
     EngineServer(conn, settings).run()
