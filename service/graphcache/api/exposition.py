@@ -24,6 +24,8 @@ from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from graphcache.engine.process import EngineClient
+
 __all__ = ["API_FAMILIES", "merge_expositions", "router"]
 
 router = APIRouter()
@@ -67,10 +69,10 @@ async def metrics(request: Request) -> Response:
     m = state.metrics
     m.ready.set(1 if state.engine.ready else 0)
     body = generate_latest(m.registry)
-    engine_text = getattr(state.engine, "metrics_text", None)
-    if engine_text is not None:
+    if isinstance(state.engine, EngineClient):
         try:
-            body = merge_expositions(body.decode(), await asyncio.wait_for(engine_text(), ENGINE_SCRAPE_TIMEOUT_S))
+            engine_text = await asyncio.wait_for(state.engine.metrics_text(), ENGINE_SCRAPE_TIMEOUT_S)
+            body = merge_expositions(body.decode(), engine_text)
         except Exception as exc:  # noqa: BLE001 - a scrape still gets this process's series
             log.debug("engine process metrics unavailable: %s: %s", type(exc).__name__, exc)
     return Response(body, media_type=CONTENT_TYPE_LATEST)

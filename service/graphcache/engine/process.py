@@ -25,10 +25,11 @@ import logging
 import multiprocessing
 import signal
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from graphcache.config import Settings
-from graphcache.engine import errors
+from graphcache.engine import errors, process_main
 from graphcache.engine.errors import DEAD_MESSAGE, EngineDead
 from graphcache.engine.frontend import EngineFrontend, EngineState
 from graphcache.engine.messages import Handle, dispatch, settle
@@ -36,6 +37,7 @@ from graphcache.engine.request_check import EngineLimits, RequestChecker
 from graphcache.engine.sequence import RequestOutput
 from graphcache.graphs.descriptor import BatchDescriptor
 from graphcache.metrics import Metrics
+from graphcache.model.tokenizer import Tokenizer
 
 __all__ = ["EngineClient"]
 
@@ -47,11 +49,15 @@ SHUTDOWN_MESSAGE = "the engine was shut down before the request finished"
 
 
 class EngineClient(EngineFrontend):
-    def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics | None = None, *,
+                 setup_logging: Callable[[str, str], None] | None = None) -> None:
+        """setup_logging(log_format, log_level): run first in the engine process (module-level: it is
+        pickled by name), so its records look like this process's."""
         if settings.tensor_parallel_size > 1:   # Settings refuses it too; a direct caller gets the same fix
             raise ValueError("engine_process does not support tensor_parallel_size > 1 yet; set "
                              "GRAPHCACHE_ENGINE_PROCESS=false or GRAPHCACHE_TENSOR_PARALLEL_SIZE=1")
         super().__init__(settings, metrics)
+        self._setup_logging = setup_logging
         self._checker: RequestChecker | None = None
         self._tokenizer: Any = None
         self._max_model_len: int | None = None
@@ -110,12 +116,10 @@ class EngineClient(EngineFrontend):
         """Spawn the engine process (load, warmup, serve) and return at once."""
         if self._process is not None:
             raise RuntimeError("EngineClient.start() called twice")
-        from graphcache.engine import process_main
-
         ctx = multiprocessing.get_context("spawn")   # never fork a process that may hold CUDA or threads
         self._conn, child_conn = ctx.Pipe(duplex=True)
         # daemon: the child dies with this process even if shutdown() never runs.
-        self._process = ctx.Process(target=process_main.main, args=(child_conn, self.settings),
+        self._process = ctx.Process(target=process_main.main, args=(child_conn, self.settings, self._setup_logging),
                                     name="graphcache-engine", daemon=True)
         self._process.start()
         child_conn.close()   # ours closed: the pipe reads EOF once the child exits, however it exits
@@ -220,8 +224,6 @@ class EngineClient(EngineFrontend):
         dispatch(routed)
 
     def _on_ready(self, limits: EngineLimits, tokenizer_dir: str, max_model_len: int) -> None:
-        from graphcache.model.tokenizer import Tokenizer
-
         self._tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
         self._checker = RequestChecker(limits, self._tokenizer)
         self._max_model_len = max_model_len

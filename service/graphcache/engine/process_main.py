@@ -22,6 +22,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -157,14 +158,14 @@ class EngineServer:
         self.send(("snapshot", engine.state.value, engine.error, engine.progress, engine.stats()))
 
 
-def main(conn: Connection, settings: Settings) -> None:
-    """The spawned process's entry point."""
-    from graphcache.api.request_log import setup_logging
-
+def main(conn: Connection, settings: Settings, setup_logging: Callable[[str, str], None] | None = None) -> None:
+    """The spawned process's entry point. setup_logging(log_format, log_level): the API process's own
+    (api/request_log.py), so both processes log alike to the same stream."""
     # Ctrl-C reaches the whole process group, and systemd's default stop SIGTERMs every process of the
     # service: the API process drains, then stops this one through the pipe. If it dies instead, the
     # pipe closes and this process stops too.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    setup_logging(settings.log_format, settings.log_level)
+    if setup_logging is not None:
+        setup_logging(settings.log_format, settings.log_level)
     EngineServer(conn, settings).run()
