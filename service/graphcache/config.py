@@ -56,6 +56,10 @@ class Settings(BaseSettings):
         True, description="Share the KV of full blocks between requests with the same prefix (automatic prefix "
         "caching): a new request computes only what is not cached. Off: every prompt is computed in full.")
     max_queue: int = Field(1024, ge=1, description="Waiting requests before new ones get 429.")
+    engine_process: bool = Field(
+        False, description="Run the engine's step loop in a child process (HTTP, tokenizing and detokenizing stay "
+        "in the server process), so the two do not share one interpreter lock; for high concurrency on a GPU. "
+        "Not with tensor_parallel_size > 1 yet (docs/ARCHITECTURE.md).")
     enforce_eager: bool = Field(False, description="Never capture; every step runs eagerly.")
     allow_special_tokens_in_chat: bool = Field(
         False, description="Encode special-token strings inside chat message content as control tokens. Off: "
@@ -184,6 +188,10 @@ class Settings(BaseSettings):
         self._gpu_batch_defaults()
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token per sequence)")
+        if self.engine_process and self.tensor_parallel_size > 1:
+            raise ValueError("engine_process does not support tensor_parallel_size > 1 yet: set "
+                             "GRAPHCACHE_ENGINE_PROCESS=false (--no-engine-process) to split the model, or "
+                             "GRAPHCACHE_TENSOR_PARALLEL_SIZE=1 to run the engine in its own process")
         return self
 
     def _gpu_batch_defaults(self) -> None:

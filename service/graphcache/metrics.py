@@ -46,10 +46,13 @@ DEFAULT_MODEL_NAME = "graphcache-tiny"
 class Metrics:
     """Every instrument, created on its own registry (tests build many servers in one process)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = DEFAULT_MODEL_NAME) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = DEFAULT_MODEL_NAME, *,
+                 process_collectors: bool = True) -> None:
+        """process_collectors=False: no process_*/python_* series (the engine process's registry: the API
+        process exports its own under those names, engine/process.py)."""
         self.registry = r = registry if registry is not None else CollectorRegistry()
         p = "graphcache_"
-        if r is not REGISTRY:   # the global registry has them already
+        if r is not REGISTRY and process_collectors:   # the global registry has them already
             ProcessCollector(registry=r)
             PlatformCollector(registry=r)
             GCCollector(registry=r)

@@ -95,10 +95,10 @@ def _constraint(body, tool_spec: StructuredSpec | None = None) -> tuple[Structur
 
 
 def _compile(engine, spec: StructuredSpec, param: str) -> None:
-    core = engine.core
-    if core is None:   # the engine stopped meanwhile: generate() refuses the request
+    checker = engine.checker
+    if checker is None:   # the engine stopped meanwhile: generate() refuses the request
         return
-    core.structured.check(spec, param)   # the compiler is built once, under the core's lock
+    checker.structured.check(spec, param)   # the compiler is built once, under the checker's lock
 
 
 async def _check_constraint(engine, constraint: tuple[StructuredSpec, str] | None) -> None:

@@ -24,7 +24,6 @@ step in flight completes before the next is scheduled.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from graphcache.engine.logprobs import (
     to_device,
     token_logprobs,
 )
+from graphcache.engine.request_check import EngineLimits, RequestChecker
 from graphcache.engine.sampler import Sampler, needs_history
 from graphcache.engine.scheduler import Scheduler, SchedulerOutput
 from graphcache.engine.sequence import RequestOutput, SamplingParams, Sequence
@@ -115,8 +115,9 @@ class EngineCore:
         self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size,
                                           enable_prefix_caching=settings.enable_prefix_caching)
         self._prefix_counted = (0, 0)   # block-manager lookup counters already added to the metrics
-        self._structured: StructuredOutput | None = None   # built on the first constrained request
-        self._structured_lock = threading.Lock()
+        bm = self.block_manager   # the limits never change after load: one snapshot checks every request
+        self.checker = RequestChecker(EngineLimits(getattr(runner, "vocab_size", None), runner.max_model_len,
+                                                   bm.block_size, bm.num_usable), getattr(runner, "tokenizer", None))
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=settings.max_num_seqs,
                                    max_num_batched_tokens=settings.max_num_batched_tokens,
                                    max_model_len=runner.max_model_len, eos_token_ids=runner.eos_token_ids)
@@ -139,39 +140,10 @@ class EngineCore:
         self.step_failpoint: Callable[[StepBatch], None] | None = None
 
     # --- requests ------------------------------------------------------------------------
-    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, param: str = "max_tokens") -> int:
-        """The tokens a request may generate: its own max_tokens checked against the context window,
-        or (None) the rest of the window, capped by what the whole KV cache can hold."""
-        limit, n = self.runner.max_model_len, num_prompt_tokens
-        if n == 0:
-            raise InvalidRequest("the prompt is empty; send at least one token", param="prompt")
-        if n >= limit:
-            raise InvalidRequest(f"This model's maximum context length is {limit} tokens, but the prompt has "
-                                 f"{n} tokens; shorten the prompt.", param="prompt", code="context_length_exceeded")
-        if max_tokens is None:
-            return max(1, min(limit, self.block_manager.max_tokens_capacity()) - n)
-        if n + max_tokens > limit:
-            raise InvalidRequest(f"This model's maximum context length is {limit} tokens; the prompt has {n} "
-                                 f"and {param}={max_tokens} asks for more. Lower {param} to at most {limit - n}.",
-                                 param=param, code="context_length_exceeded")
-        return max_tokens
-
     def check(self, seq: Sequence, param: str = "max_tokens") -> None:
-        """Raise InvalidRequest naming the fix when `seq` can never be served; resolves max_tokens."""
-        seq.params.validate()
-        if self.runner.vocab_size is not None:
-            seq.params.validate_token_ids(self.runner.vocab_size)
-        if seq.params.structured is not None:   # an invalid schema, regex or grammar is the client's 400
-            self.structured.check(seq.params.structured)
-        seq.params.max_tokens = self.resolve_max_tokens(seq.num_prompt_tokens, seq.params.max_tokens, param)
-        vocab = self.runner.vocab_size
-        if vocab is not None and any(not 0 <= t < vocab for t in seq.prompt_token_ids):
-            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        total = seq.num_prompt_tokens + seq.params.max_tokens
-        if self.block_manager.blocks_for(total) > self.block_manager.num_usable:
-            raise InvalidRequest(f"prompt + {param} = {total} tokens needs more KV cache than the server has "
-                                 f"({self.block_manager.max_tokens_capacity()} tokens); lower {param}",
-                                 param=param)
+        """Raise InvalidRequest naming the fix when `seq` can never be served; resolves max_tokens
+        (engine/request_check.py: the one check, shared with the API process's EngineClient)."""
+        self.checker.check(seq, param)
 
     def add_request(self, seq: Sequence) -> None:
         """Queue a checked sequence (see check()). Its detokenizer is made here."""
@@ -194,10 +166,7 @@ class EngineCore:
     @property
     def structured(self) -> StructuredOutput:
         """The grammar engine over this model's tokenizer (built lazily: ~1 s for a 150k vocabulary)."""
-        with self._structured_lock:   # the API compiles off the event loop while the engine thread may build it
-            if self._structured is None:
-                self._structured = StructuredOutput(self.runner.tokenizer, self.runner.vocab_size)
-        return self._structured
+        return self.checker.structured
 
     def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> RequestOutput | None:
         """End a request wherever it is (its blocks are freed at once); its final output, or None if unknown."""
@@ -272,8 +241,9 @@ class EngineCore:
         if logprob_rows:   # a copy of their rows: the sampler may process logits in place
             lp_index = to_device(logprob_rows, logits.device)
             raw = logits.index_select(0, lp_index)                      # [m, V]
-        if self._structured is not None:   # after the raw logprob rows were copied: it masks in place
-            self._structured.apply(logits, sample_seqs)
+        structured = self.checker.built_structured
+        if structured is not None:   # after the raw logprob rows were copied: it masks in place
+            structured.apply(logits, sample_seqs)
         tokens, failed = self._sample(logits, sample_seqs)
         sampled_logprobs = None
         if logprob_rows:
@@ -420,7 +390,8 @@ class EngineCore:
         prompt_logprobs = list(seq.prompt_logprobs) if sent == 0 and params.prompt_logprobs is not None else None
         return RequestOutput(seq.request_id, text, new_ids, finished, seq.finish_reason, seq.num_prompt_tokens,
                              seq.num_output_tokens, seq.error, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                             num_cached_tokens=seq.num_cached_tokens)
+                             num_cached_tokens=seq.num_cached_tokens,
+                             stopped_on_token=finished and seq.stopped_on_token)
 
     def _record_finish(self, seq: Sequence) -> None:
         m = self.metrics

@@ -6,7 +6,9 @@ device. The asyncio side puts commands in a thread-safe inbox (queue.Queue) and 
 through `loop.call_soon_threadsafe` into a per-request asyncio.Queue (streams) or a future (admin
 calls). Commands run between steps, so admin work never races a replay.
 
-State is one `EngineState`; `refusal()` answers "may a request enter now?" for every caller.
+State is one `EngineState`; `refusal()` answers "may a request enter now?" for every caller. State,
+admission, generate() and drain are EngineFrontend's (frontend.py), shared with EngineClient
+(process.py), which runs this Engine in a child process (GRAPHCACHE_ENGINE_PROCESS).
 No request is ever left hanging: every path that ends a request (finish, abort, step failure,
 engine death, shutdown, drain timeout) pushes a final RequestOutput with finished=True.
 """
@@ -14,8 +16,6 @@ engine death, shutdown, drain timeout) pushes a final RequestOutput with finishe
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import enum
 import gc
 import logging
 import queue
@@ -23,9 +23,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from collections.abc import Sequence as SequenceT
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,6 +39,7 @@ from graphcache.engine.errors import (
     InvalidRequest,
     QueueFull,
 )
+from graphcache.engine.frontend import EngineFrontend, EngineState
 from graphcache.engine.messages import (
     Abort,
     AbortAll,
@@ -50,13 +49,13 @@ from graphcache.engine.messages import (
     Handle,
     Stop,
     WarmupJob,
-    deliver,
+    dispatch,
     jsonable,
-    merge,
-    with_text,
+    settle,
 )
+from graphcache.engine.request_check import RequestChecker
 from graphcache.engine.runner import ModelRunner
-from graphcache.engine.sequence import RequestOutput, SamplingParams, Sequence, StructuredSpec, TokenLogprob
+from graphcache.engine.sequence import RequestOutput, SamplingParams, StructuredSpec, TokenLogprob
 from graphcache.engine.tp_runner import TensorParallelRunner
 from graphcache.graphs.cache import warmup_order
 from graphcache.graphs.descriptor import BatchDescriptor
@@ -71,85 +70,28 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 WARMUP_SLICE_S = 0.02
 
 
-class EngineState(enum.Enum):
-    LOADING = "loading"     # the thread is loading the model and warming up
-    READY = "ready"         # serving
-    DRAINING = "draining"   # serving what is in flight, refusing new requests (SIGTERM)
-    STOPPED = "stopped"     # the thread exited after shutdown()
-    DEAD = "dead"           # the thread exited on an unrecoverable error
-
-
-class Engine:
+class Engine(EngineFrontend):
     def __init__(self, settings: Settings, metrics: Metrics | None = None, *,
                  runner_factory: Callable[[Settings, Metrics | None], Runner] | None = None) -> None:
-        self.settings = settings
-        self.metrics = metrics
-        if metrics is not None:   # the vllm: series' model_name label, also for engines built outside create_app
-            metrics.bind_model(self.model_name)
+        super().__init__(settings, metrics)
         if runner_factory is None and settings.tensor_parallel_size > 1:   # rank 0 of N processes it starts
             runner_factory = TensorParallelRunner.start
         self._runner_factory = runner_factory or ModelRunner   # tests pass a fake
         self._inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()           # guards _state, _requests, _num_running
-        self._state = EngineState.LOADING
-        self._requests: dict[str, Handle] = {}
-        self._num_running = 0
-        self._error: str | None = None
-        self._ready_event = threading.Event()   # set when ready or dead: wait_ready() returns
         self._core: EngineCore | None = None    # engine thread: set at load, dropped at exit
         self._tokenizer: Any = None             # kept after the runner is released
         self._max_model_len: int | None = None
         self._outbox: list[tuple[Handle, RequestOutput]] = []   # routed, not yet delivered
         self._warmups: deque[WarmupJob] = deque()   # admin warmups in progress, oldest first
         self._last_stream_flush = 0.0
-        self._stats: dict[str, Any] = {}
         self._stats_refreshed = 0.0
-        self.progress: dict[str, Any] | None = None   # while loading: the phase, and warmup n/total
         self.warmup_report: Any = None
         self.warmup_seconds = 0.0
         # Test hook, passed to the core: called with each StepBatch before execute; raise to fail it.
         self.step_failpoint: Callable[[Any], None] | None = None
 
     # --- state -----------------------------------------------------------------------------
-    @property
-    def state(self) -> EngineState:
-        return self._state
-
-    @property
-    def ready(self) -> bool:
-        return self._state is EngineState.READY
-
-    @property
-    def alive(self) -> bool:
-        return self._state is not EngineState.DEAD
-
-    @property
-    def error(self) -> str | None:
-        """Why the engine died, in detail (exception text): for the log and /admin/* only."""
-        return self._error
-
-    def refusal(self, *, admin: bool = False) -> Exception | None:
-        """Why a request (or, admin=True, an admin command) may not enter now; None if it may."""
-        state = self._state
-        if state is EngineState.DEAD:
-            return EngineDead(DEAD_MESSAGE)
-        if state is EngineState.STOPPED:
-            return EngineDead("the engine was shut down") if admin else EngineDraining("the server is shut down")
-        if state is EngineState.DRAINING and not admin:
-            return EngineDraining("the server is shutting down and takes no new requests")
-        if state is EngineState.LOADING:
-            return EngineNotReady("the model is still loading or warming up; retry when /ready returns 200")
-        return None
-
-    def _set_state(self, state: EngineState) -> None:
-        with self._lock:
-            if self._state in (EngineState.DEAD, EngineState.STOPPED):
-                return   # final
-            self._state = state
-        if self.metrics is not None:
-            self.metrics.ready.set(1 if state is EngineState.READY else 0)
-
     @property
     def runner(self) -> Runner | None:
         """The runner (engine-thread object: read-only use from other threads)."""
@@ -164,24 +106,14 @@ class Engine:
         return self._core.runner.tokenizer if self._core is not None else self._tokenizer
 
     @property
-    def model_name(self) -> str:
-        if self.settings.served_model_name:
-            return self.settings.served_model_name
-        if self.settings.model is not None:
-            return Path(self.settings.model).name
-        return "graphcache-tiny"
+    def checker(self) -> RequestChecker | None:
+        core = self._core
+        return core.checker if core is not None else None
 
     @property
     def max_model_len(self) -> int | None:
         core = self._core
         return core.runner.max_model_len if core is not None else self._max_model_len or self.settings.max_model_len
-
-    def stats(self) -> dict[str, Any]:
-        """JSON-able snapshot, refreshed by the engine thread after each step (never blocks)."""
-        snap = dict(self._stats)
-        snap.update(model=self.model_name, ready=self.ready, alive=self.alive, state=self._state.value,
-                    error=self._error, in_flight=len(self._requests))
-        return snap
 
     # --- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -194,33 +126,6 @@ class Engine:
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._thread_main, name="graphcache-engine", daemon=True)
         self._thread.start()
-
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        """Block until ready (True) or dead/timeout (False). For CLIs, tests and benchmarks."""
-        self._ready_event.wait(timeout)
-        return self.ready
-
-    def stop_accepting(self) -> None:
-        if self._state in (EngineState.LOADING, EngineState.READY):
-            self._set_state(EngineState.DRAINING)
-
-    async def drain(self, timeout: float) -> dict[str, int]:
-        """Stop accepting, let in-flight requests finish for `timeout` s, then fail the rest cleanly."""
-        self.stop_accepting()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        in_flight = len(self._requests)
-        while self._requests and loop.time() < deadline and self.alive:
-            await asyncio.sleep(0.02)
-        left = len(self._requests)
-        if left and self.alive:
-            log.warning("drain timeout (%.1fs): failing %d unfinished requests", timeout, left)
-            self._inbox.put(AbortAll("error", f"the server is shutting down; the request did not finish "
-                                               f"within the {timeout:g}s drain timeout"))
-            grace = loop.time() + 5.0
-            while self._requests and loop.time() < grace and self.alive:
-                await asyncio.sleep(0.02)
-        return {"in_flight": in_flight, "finished": in_flight - left, "aborted": left}
 
     def fail(self, reason: str) -> None:
         """Any thread: the engine cannot serve any more (a tensor-parallel rank died): the engine thread
@@ -238,59 +143,11 @@ class Engine:
                 log.warning("engine thread did not stop within %.0fs", timeout)
 
     # --- requests ----------------------------------------------------------------------------
-    def generate(self, request_id: str, prompt_token_ids: SequenceT[int], params: SamplingParams | None = None,
-                 *, stream: bool = True, max_tokens_param: str = "max_tokens") -> AsyncIterator[RequestOutput]:
-        """Submit a request; iterate the result for its output deltas. Must be called on an event loop.
-
-        stream=False delivers a single final output holding all text and token ids (one event-loop
-        wakeup per request instead of one per token). Raises at once (not on first iteration):
-        InvalidRequest, QueueFull, EngineNotReady, EngineDraining, EngineDead. Leaving the iteration
-        early (client disconnect) aborts the request and frees its KV blocks.
-        """
-        core = self._core
-        refused = self.refusal()
-        if refused is not None or core is None:
-            raise refused or EngineDead(DEAD_MESSAGE)
-        seq = Sequence(request_id, list(prompt_token_ids), params if params is not None else SamplingParams(),
-                       stream=stream)
-        core.check(seq, max_tokens_param)   # read-only: the core's limits never change after load
-        handle = Handle(request_id, asyncio.get_running_loop(), asyncio.Queue(), seq)
-        with self._lock:
-            refused = self.refusal()   # again under the lock: death fails everything in _requests
-            if refused is not None:
-                raise refused
-            if request_id in self._requests:
-                raise InvalidRequest(f"request id {request_id!r} is already in flight; use a unique id")
-            if len(self._requests) - self._num_running >= self.settings.max_queue:
-                raise QueueFull(f"{self.settings.max_queue} requests are already waiting; retry later")
-            self._requests[request_id] = handle
+    def _enqueue(self, handle: Handle) -> None:
         self._inbox.put(Add(handle))
-        return self._stream(handle)
 
-    async def _stream(self, handle: Handle) -> AsyncIterator[RequestOutput]:
-        finished = False
-        seq = handle.seq
-        # Streams without stop strings are detokenized here, on the consumer's side (EngineCore leaves
-        # their text empty): the step loop never pays for it, and a merged delta is decoded in one call.
-        detok = None
-        if seq.stream and not seq.params.stop and self.tokenizer is not None:
-            detok = self.tokenizer.detokenizer(seq.prompt_token_ids)
-        try:
-            while True:
-                out: RequestOutput = await handle.outputs.get()
-                # Deltas that queued up while the consumer was busy go out as one: under load a stream
-                # sends fewer, larger chunks instead of falling behind the engine one token at a time.
-                while not out.finished and not handle.outputs.empty():
-                    out = merge(out, handle.outputs.get_nowait())
-                if detok is not None:
-                    out = with_text(out, detok, seq.stopped_on_token)
-                finished = out.finished
-                yield out
-                if finished:
-                    return
-        finally:
-            if not finished:   # the consumer left (disconnect, cancel, break): free its blocks now
-                self.abort(handle.request_id)
+    def abort_all(self, reason: str, error: str) -> None:
+        self._inbox.put(AbortAll(reason, error))
 
     def abort(self, request_id: str) -> None:
         """Abort a request by id (no-op if unknown or finished). Its blocks are freed between steps."""
@@ -466,15 +323,7 @@ class Engine:
 
     @staticmethod
     def _resolve(cmd: Call | WarmupJob, result: Any = None, exc: BaseException | None = None) -> None:
-        def settle() -> None:
-            if cmd.future.done():
-                return   # the awaiting task was cancelled
-            if exc is not None:
-                cmd.future.set_exception(exc)
-            else:
-                cmd.future.set_result(result)
-        with contextlib.suppress(RuntimeError):   # the loop is closed: nobody is waiting
-            cmd.loop.call_soon_threadsafe(settle)
+        settle(cmd.loop, cmd.future, result, exc)
 
     def _warmup_slice(self) -> None:
         """Capture the next descriptors of the oldest admin warmup: at least one, then more while the
@@ -522,15 +371,9 @@ class Engine:
         """Deliver queued outputs. Runs after stats/gauges are updated, so a consumer that sees its
         final output also sees its blocks freed in stats(). One wakeup per event loop per step, not
         one per request."""
-        if not self._outbox:
-            return
-        outbox, self._outbox = self._outbox, []
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
-        for handle, out in outbox:
-            by_loop.setdefault(handle.loop, []).append((handle.outputs, out))
-        for loop, items in by_loop.items():
-            with contextlib.suppress(RuntimeError):   # the consumer's loop is closed
-                loop.call_soon_threadsafe(deliver, items)
+        if self._outbox:
+            outbox, self._outbox = self._outbox, []
+            dispatch(outbox)
 
     def _update_gauges(self) -> None:
         core = self._core

@@ -2,16 +2,18 @@
 
 Inbox commands (asyncio side -> engine thread, through a queue.Queue): Add, Abort, AbortAll, Call,
 Stop. Outputs (engine thread -> a request's consumer, through `loop.call_soon_threadsafe(deliver, ...)`
-into the request's asyncio.Queue), and what the consumer does with them: merge deltas that queued up,
-and detokenize streams the engine left without text. `jsonable` turns admin reports into JSON.
+into the request's asyncio.Queue: `dispatch`), and what the consumer does with them (`consume`): merge
+deltas that queued up, and detokenize streams the engine left without text. `jsonable` turns admin
+reports into JSON.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,16 +21,17 @@ from graphcache.engine.sequence import RequestOutput, Sequence
 from graphcache.graphs.cache import WarmupReport
 from graphcache.graphs.descriptor import BatchDescriptor
 
-__all__ = ["Abort", "AbortAll", "Add", "Call", "Fail", "Handle", "Stop", "WarmupJob", "deliver", "jsonable", "merge",
+__all__ = ["Abort", "AbortAll", "Add", "Call", "Fail", "Handle", "Stop", "WarmupJob", "consume", "deliver", "dispatch", "settle", "jsonable", "merge",
            "with_text"]
 
 
 @dataclass
 class Handle:
-    """A request as the asyncio side sees it: where its outputs go."""
+    """A request as the asyncio side sees it: where its outputs go (`loop.call_soon_threadsafe(deliver,
+    [(outputs, out), ...])`; in the engine process, `loop` is a sink that sends them to the API process)."""
     request_id: str
-    loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue
+    loop: Any
+    outputs: asyncio.Queue | None
     seq: Sequence
 
 
@@ -91,11 +94,11 @@ def jsonable(obj: Any) -> Any:
     return str(obj)
 
 
-def with_text(out: RequestOutput, detok: Any, stopped_on_token: bool) -> RequestOutput:
+def with_text(out: RequestOutput, detok: Any) -> RequestOutput:
     """`out` with the text of its token ids. A final stop token or EOS adds no text (as the engine-side
     path does it); a "stop" because a grammar completed keeps its last token's text."""
     ids = out.token_ids
-    if out.finished and stopped_on_token and ids:
+    if out.finished and out.stopped_on_token and ids:
         ids = ids[:-1]
     text = detok.add(list(ids)) if ids else ""
     if out.finished:
@@ -117,3 +120,57 @@ def merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
 def deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
     for q, out in items:   # runs on the consumers' event loop
         q.put_nowait(out)
+
+
+def dispatch(routed: list[tuple[Handle, RequestOutput]]) -> None:
+    """Hand outputs to their consumers: one wakeup per event loop (or sink) for the whole list, not
+    one per request. Any thread."""
+    by_loop: dict[Any, list[tuple[asyncio.Queue | None, RequestOutput]]] = {}
+    for handle, out in routed:
+        by_loop.setdefault(handle.loop, []).append((handle.outputs, out))
+    for loop, items in by_loop.items():
+        with contextlib.suppress(RuntimeError):   # the consumer's loop is closed
+            loop.call_soon_threadsafe(deliver, items)
+
+
+async def consume(handle: Handle, tokenizer: Any, abort: Callable[[str], None]) -> AsyncIterator[RequestOutput]:
+    """A request's outputs, as its consumer iterates them: deltas that queued up while the consumer was
+    busy merged into one, streams detokenized here. Leaving early (disconnect, cancel, break) calls
+    abort(request_id), which frees its KV blocks."""
+    finished = False
+    seq = handle.seq
+    # Streams without stop strings are detokenized here, on the consumer's side (EngineCore leaves
+    # their text empty): the step loop never pays for it, and a merged delta is decoded in one call.
+    detok = None
+    if seq.stream and not seq.params.stop and tokenizer is not None:
+        detok = tokenizer.detokenizer(seq.prompt_token_ids)
+    try:
+        while True:
+            out: RequestOutput = await handle.outputs.get()
+            # Under load a stream sends fewer, larger chunks instead of falling behind one token at a time.
+            while not out.finished and not handle.outputs.empty():
+                out = merge(out, handle.outputs.get_nowait())
+            if detok is not None:
+                out = with_text(out, detok)
+            finished = out.finished
+            yield out
+            if finished:
+                return
+    finally:
+        if not finished:   # the consumer left (disconnect, cancel, break): free its blocks now
+            abort(handle.request_id)
+
+
+def settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any = None,
+           exc: BaseException | None = None) -> None:
+    """Any thread: resolve an admin call's future on its loop (nothing if the caller was cancelled or
+    its loop is closed)."""
+    def resolve() -> None:
+        if future.done():
+            return   # the awaiting task was cancelled
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+    with contextlib.suppress(RuntimeError):   # the loop is closed: nobody is waiting
+        loop.call_soon_threadsafe(resolve)

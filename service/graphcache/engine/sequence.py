@@ -164,6 +164,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None         # one per token in token_ids (params.logprobs set)
     prompt_logprobs: list[TokenLogprob | None] | None = None   # first output only; None for prompt token 0
     num_cached_tokens: int = 0     # prompt tokens whose KV came from the prefix cache
+    # Final output only: it ended on a stop token or EOS, whose text a consumer that detokenizes leaves out.
+    stopped_on_token: bool = False
 
 
 class SequenceStatus(enum.Enum):
