@@ -490,3 +490,22 @@ def test_capture_time_budget_defers_lazy_captures_and_reports_stalls():
     # warmup and admin captures are never limited
     rep = cache.warmup([D(16, 16, True), D(32, 32, True)])
     assert len(rep.captured) == 2
+
+
+def test_no_warmed_retry_at_tensor_parallel(monkeypatch):
+    """At tp > 1 a retry on one rank would run the step's collectives alone: the failure is agreed instead."""
+    from graphcache.graphs.agreement import Agreement, decide
+
+    class TwoRanks(Agreement):
+        size = 2
+
+        def agree(self, report):
+            return decide([report])
+
+    seen = _record_warmups(monkeypatch, fail_without_warmup={16})
+    cache, _ = make(warm_key=lambda d: "one family", agreement=TwoRanks())
+    for n in (8, 16):
+        _record_warmups.current = n
+        cache.run(D(n, n, True))
+    assert seen == [True, False]   # no retry
+    assert D(16, 16, True) not in cache and cache.stats().failures["error"] == 1

@@ -340,7 +340,9 @@ class GraphCache:
         try:
             graph = capture(lambda: self.step_fn(desc), backend=self.backend, pool=pool, warmup=warm)
         except Exception as e:
-            if warm:
+            # Not at tensor parallel > 1: a retry on one rank would run the step's collectives alone
+            # (a hang); there the failure is agreed and remembered like any other.
+            if warm or self.agreement.size > 1:
                 raise
             # Something in this step still needed its first eager call (a kernel's lazy setup):
             # capture.py has dropped the partial graphs; one more try, warmed up.
