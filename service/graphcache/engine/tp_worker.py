@@ -117,7 +117,11 @@ def worker_main(rank: int, settings: Settings, port: int, conn: Any) -> None:
         os._exit(1)
     _send(conn, ("ready", runner.num_kv_blocks))
     code = _serve(runner, rank, conn)
-    if dist.is_initialized():
+    # Leave the group only on gloo. On NCCL, destroy_process_group waits for the other ranks, and rank 0
+    # leaves only after this process has exited: the first TP=2 run on two H200s (BENCHMARKS.md §8.7)
+    # hung exactly there for 30 s until rank 1 was killed (the likely cause; not yet re-run on 2 GPUs).
+    # os._exit frees the communicator's resources with the process.
+    if dist.is_initialized() and dist.get_backend() != "nccl":
         dist.destroy_process_group()
     os._exit(code)   # no interpreter teardown: nothing of ours is left to flush, and torch's can hang
 
