@@ -41,7 +41,6 @@ class Admission:
         self._misses: Counter[BatchDescriptor] = Counter()
         self._balance = burst_seconds   # capture seconds available now
         self._refilled_at = clock()
-        self.deferred = 0               # misses over budget, served eagerly
 
     def wants(self, desc: BatchDescriptor) -> bool:
         """The rule alone: does this miss (counted here) ask for a capture?"""
@@ -71,5 +70,4 @@ class Admission:
 
     def info(self) -> dict:
         return {"rule": self.rule, "min_misses": self.min_misses, "time_share": self.time_share,
-                "burst_seconds": self.burst_seconds, "balance_seconds": round(self._balance, 6),
-                "deferred": self.deferred}
+                "burst_seconds": self.burst_seconds, "balance_seconds": round(self._balance, 6)}

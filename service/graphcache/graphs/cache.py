@@ -139,7 +139,6 @@ class GraphCache:
         # Which misses while serving may capture (graphs/admission.py); warmup and admin always may.
         self._admission = Admission(admission, admission_min_misses, time_share=capture_time_share,
                                     burst_seconds=capture_burst_seconds, clock=clock)
-        self.admission = admission
         self.debug, self.metrics, self.input_tensors = debug, metrics, input_tensors
         if not 0 < pin_share <= 1:
             raise ValueError(f"pin_share must be in (0, 1], got {pin_share}")
@@ -428,7 +427,6 @@ class GraphCache:
 
     def _defer(self, desc: BatchDescriptor) -> None:
         """A lazy capture over the capture-time budget: served eagerly now, captured at a later miss."""
-        self._admission.deferred += 1
         self._stats.deferred += 1
         self._decisions.append(Decision("defer", str(desc)))
         if self.metrics is not None:
@@ -549,7 +547,7 @@ class GraphCache:
         """Everything above as JSON-able data (admin endpoint)."""
         return {
             "backend": self.backend,
-            "admission": self._admission.info(),
+            "admission": {**self._admission.info(), "deferred": self._stats.deferred},
             "stalls": {"lazy_captures": self._stats.lazy_captures, "seconds": self._stats.stall_seconds,
                        "worst_seconds": self._stats.worst_stall_seconds},
             # gdsf_inflation: GDSF's L (the H of the last entry a budget evicted); 0 under lru
