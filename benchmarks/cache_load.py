@@ -31,7 +31,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the graphcache package
 from benchmarks.load import LoadConfig, format_summary, run_load  # noqa: E402
-from benchmarks.server_check import TOKEN, admin, free_port, scrape  # noqa: E402
+from benchmarks.server_check import TOKEN, admin, free_port, scrape, wait_ready  # noqa: E402
 
 WORDS = ("graph", "cache", "replay", "capture", "block", "token", "batch", "stream", "decode", "prefill", "kernel",
          "pool", "budget", "warmup", "profile", "eviction", "scheduler", "request", "latency", "throughput")
@@ -55,28 +55,13 @@ def start_server(model: Path | None, port: int, log: Path, extra_env: dict[str, 
                             stderr=subprocess.STDOUT)
 
 
-def wait_ready(client: httpx.Client, proc: subprocess.Popen, limit_s: float = 400) -> float:
-    t0 = time.perf_counter()
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited early (rc={proc.returncode})")
-        try:
-            if client.get("/ready").status_code == 200:
-                return time.perf_counter() - t0
-        except httpx.TransportError:
-            pass
-        if time.perf_counter() - t0 > limit_s:
-            raise SystemExit(f"server not ready after {limit_s} s")
-        time.sleep(0.25)
-
-
 def one_run(args, name: str, extra_env: dict[str, str], prompts: tuple[str, ...]) -> tuple[dict, dict]:
     port = free_port()
     t0 = time.perf_counter()
     proc = start_server(args.model, port, args.log_dir / f"cache_load_{name}.log", extra_env)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
-            ready_s = wait_ready(client, proc)
+            ready_s = wait_ready(client, proc, log_name=str(args.log_dir / f"cache_load_{name}.log"))
             before_cache, before = admin(client, "GET", "/admin/cache"), scrape(client)
             load = asyncio.run(run_load(LoadConfig(url=f"http://127.0.0.1:{port}", concurrency=args.clients,
                                                    duration_s=args.duration, max_tokens=args.max_tokens,

@@ -54,6 +54,22 @@ def admin(client: httpx.Client, method: str, path: str, body: dict | None = None
     return r.json()
 
 
+def wait_ready(client: httpx.Client, proc: subprocess.Popen, limit_s: float = 400, log_name: str = "its log") -> float:
+    """Poll /ready (503 until the model is loaded and warmup is done); seconds waited. Exits if the server does."""
+    t0 = time.perf_counter()
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited early (rc={proc.returncode}); see {log_name}")
+        try:
+            if client.get("/ready").status_code == 200:
+                return time.perf_counter() - t0
+        except httpx.TransportError:
+            pass
+        if time.perf_counter() - t0 > limit_s:
+            raise SystemExit(f"server not ready after {limit_s:g} s")
+        time.sleep(0.25)
+
+
 def pool_check(client: httpx.Client, label: str) -> dict:
     cache = admin(client, "GET", "/admin/cache")
     m = scrape(client)
@@ -92,17 +108,7 @@ def main() -> int:
     try:
         base = f"http://127.0.0.1:{port}"
         with httpx.Client(base_url=base, timeout=30) as client:
-            while True:  # /ready: 503 until the model is loaded and warmup is done
-                if proc.poll() is not None:
-                    raise SystemExit(f"server exited early (rc={proc.returncode}); see {args.log}")
-                try:
-                    if client.get("/ready").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.perf_counter() - t0 > 400:
-                    raise SystemExit("server not ready after 400 s")
-                time.sleep(0.5)
+            wait_ready(client, proc, log_name=str(args.log))
             result["ready_s"] = time.perf_counter() - t0
             rows = [pool_check(client, "after warmup")]
             before = scrape(client)
