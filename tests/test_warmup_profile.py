@@ -16,7 +16,8 @@ from graphcache.config import Settings
 from graphcache.engine.engine import Engine
 from graphcache.graphs.cache import GraphCache
 from graphcache.graphs.descriptor import BatchDescriptor as D
-from graphcache.graphs.profile import parse_profile
+from graphcache.graphs.descriptor import CaptureSizes
+from graphcache.graphs.profile import fill_size_gaps, parse_profile
 from graphcache.metrics import Metrics
 
 TOKEN = "profile-admin-token"
@@ -94,6 +95,29 @@ def test_profile_min_uses_zero_adds_warmup_only_descriptors():
     assert [p["descriptor"] for p in cache.profile()["descriptors"]] == ["2:1"]
     zero = cache.profile(min_uses=0)["descriptors"]
     assert [(p["descriptor"], p["uses"]) for p in zero] == [("2:1", 1), ("8:8:decode", 0)]
+
+
+def test_fill_size_gaps_adds_the_unmet_sizes_inside_the_used_span():
+    def item(desc: str, uses: int) -> dict:
+        return {"descriptor": desc, "mode": "full", "uses": uses, "bytes": 0, "capture_ms": 1.0}
+
+    sizes = CaptureSizes([1, 2, 4, 8, 16, 32, 64])
+    profile = {"version": 1, "descriptors": [
+        item("2:2:decode", 9), item("16:16:decode", 3),            # decode span 2..16: 4 and 8 unmet
+        item("4:4", 7), item("32:8", 2), item("64:8", 1),          # mixed span 4..64, requests capped at 8
+        item("8:8", 0),                                            # held (warmup), not used: no duplicate
+        item("1:1:decode", 0),                                     # unused: does not widen the span
+    ]}
+    filled = fill_size_gaps(profile, sizes)
+    assert filled["descriptors"][:len(profile["descriptors"])] == profile["descriptors"]
+    added = filled["descriptors"][len(profile["descriptors"]):]
+    assert [p["descriptor"] for p in added] == ["4:4:decode", "8:8:decode", "16:8"]
+    assert all(p["uses"] == 0 and p["filled"] and p["mode"] is None for p in added)
+    assert parse_profile(filled)[-3:] == [D(4, 4, True), D(8, 8, True), D(16, 8)]
+    # Nothing used, or one size per kind: nothing to fill.
+    assert fill_size_gaps({"version": 1, "descriptors": [item("8:8:decode", 0)]}, sizes)["descriptors"] == [
+        item("8:8:decode", 0)]
+    assert fill_size_gaps({"version": 1, "descriptors": [item("8:4", 5)]}, sizes)["descriptors"] == [item("8:4", 5)]
 
 
 @pytest.mark.parametrize(("data", "part"), [
@@ -215,3 +239,28 @@ def test_bad_profile_file_is_a_startup_error(cache_dir, tmp_path, content, expec
         assert str(path) in engine.error and expect in engine.error, engine.error
     finally:
         engine.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_profile_fills_the_size_gaps_traffic_did_not_meet(cache_dir, tmp_path):
+    """Prefills of 3 and 12 tokens use mixed 4:4 and 16:4; 8:4, inside that span, is filled. A server
+    warmed with the profile then serves a 7-token prefill (8:4) with no lazy capture."""
+    async with running(Settings(cache_dir=cache_dir, **SMALL)) as client:
+        for prompt in (PROMPTS[0], PROMPTS[2]):
+            r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200, r.text
+        bare = (await client.get("/admin/cache/profile?fill_gaps=false", headers=AUTH)).json()
+        profile = (await client.get("/admin/cache/profile", headers=AUTH)).json()
+    assert {"4:4", "16:4"} <= {p["descriptor"] for p in bare["descriptors"]}
+    assert "8:4" not in {p["descriptor"] for p in bare["descriptors"]}
+    gaps = [p for p in profile["descriptors"] if p.get("filled")]
+    assert [p["descriptor"] for p in gaps] == ["8:4"] and gaps[0]["uses"] == 0
+    path = tmp_path / "filled.json"
+    path.write_text(json.dumps(profile))
+    async with running(Settings(cache_dir=cache_dir, warmup_profile=path, **SMALL)) as client:
+        start = await info(client)
+        assert "8:4" in held(start)
+        r = await client.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+        served = await info(client)
+        assert served["stats"]["captures"] == start["stats"]["captures"]

@@ -21,7 +21,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from graphcache.api.errors import APIError, api_error_for
 from graphcache.api.utility_requests import WarmupRequest
 from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes
-from graphcache.graphs.profile import parse_profile
+from graphcache.graphs.profile import fill_size_gaps, parse_profile
 
 __all__ = ["router"]
 
@@ -114,13 +114,17 @@ async def cache(request: Request) -> dict:
 
 
 @router.get("/cache/profile")
-async def cache_profile(request: Request, min_uses: int = Query(1, ge=0)) -> dict:
+async def cache_profile(request: Request, min_uses: int = Query(1, ge=0), fill_gaps: bool = True) -> dict:
     """The hot set learned from traffic: {"version": 1, "descriptors": [{descriptor, mode, uses, bytes,
     capture_ms}]}, most used first; save it and start with GRAPHCACHE_WARMUP_PROFILE=<file>, or POST it
-    to /admin/warmup as {"profile": ...}."""
+    to /admin/warmup as {"profile": ...}. fill_gaps (default on) appends the capture sizes inside the
+    span traffic used that it happened not to meet (graphs/profile.py: fill_size_gaps)."""
     engine = _ready_engine(request)
     # On the engine thread, through the engine's admin-call plumbing (as /admin/cache).
-    return await engine.cache_profile(min_uses)
+    profile = await engine.cache_profile(min_uses)
+    if fill_gaps:
+        profile = fill_size_gaps(profile, CaptureSizes(request.app.state.settings.resolved_capture_sizes()))
+    return profile
 
 
 @router.post("/warmup")

@@ -4,15 +4,22 @@
 GRAPHCACHE_WARMUP_PROFILE and POST /admin/warmup {"profile": ...}. Shape:
     {"version": 1, "descriptors": [{"descriptor": "T:R[:decode]", "mode": "full" | "breakable" | null,
                                     "uses": n, "bytes": b, "capture_ms": x}, ...]}   most used first
+and, after them, the gaps `fill_size_gaps` adds ({..., "uses": 0, "filled": true}).
+
+Why fill gaps: which padded token sizes a run meets depends on timing (how requests happen to share
+steps), so a second run of the same traffic meets sizes the first one did not (on the H200 load test,
+2 of ~26: BENCHMARKS.md §8.3). Within the span of sizes traffic used, every capture size is one
+descriptor of the same kind; warming the gaps costs one capture each (~20 ms, a few MiB in the shared
+pinned pool) and spares a lazy capture on the serving path.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from graphcache.graphs.descriptor import BatchDescriptor
+from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes
 
-__all__ = ["PROFILE_MAX_DESCRIPTORS", "PROFILE_VERSION", "build_profile", "parse_profile"]
+__all__ = ["PROFILE_MAX_DESCRIPTORS", "PROFILE_VERSION", "build_profile", "fill_size_gaps", "parse_profile"]
 
 PROFILE_VERSION = 1
 PROFILE_MAX_DESCRIPTORS = 4096  # a profile larger than this is not a hot set (and not read)
@@ -31,6 +38,30 @@ def build_profile(uses: dict[BatchDescriptor, int], captured: dict[BatchDescript
         out.append({"descriptor": str(d), "mode": mode, "uses": uses.get(d, 0), "bytes": size,
                     "capture_ms": round(seconds * 1e3, 3)})
     return {"version": PROFILE_VERSION, "descriptors": out}
+
+
+def fill_size_gaps(profile: dict, sizes: CaptureSizes) -> dict:
+    """`profile` (build_profile's shape) plus, for decode and for mixed descriptors separately, every
+    capture size between the smallest and the largest token size that traffic used (uses > 0) and no
+    descriptor of that kind holds yet, appended as {"uses": 0, "filled": true}. A mixed descriptor's
+    requests follow descriptor_for's rule, R = min(T, cap), with cap read off the profile itself (the
+    R of any used mixed descriptor with R < T); decode descriptors have R = T."""
+    items = list(profile["descriptors"])
+    parsed = [(BatchDescriptor.parse(p["descriptor"]), p["uses"]) for p in items]
+    held = {d for d, _ in parsed}
+    for decode in (True, False):
+        # Only used descriptors say what steps pad to (warmup may hold any shape, e.g. "64:8").
+        used = [d for d, uses in parsed if uses > 0 and d.uniform_decode is decode]
+        if not used:
+            continue
+        lo, hi = min(d.num_tokens for d in used), max(d.num_tokens for d in used)
+        cap = min((d.num_reqs for d in used if d.num_reqs < d.num_tokens), default=None)
+        for t in sizes:
+            desc = BatchDescriptor(t, t if decode or cap is None else min(t, cap), decode)
+            if lo < t < hi and desc not in held:
+                items.append({"descriptor": str(desc), "mode": None, "uses": 0, "bytes": 0, "capture_ms": 0.0,
+                              "filled": True})
+    return {**profile, "descriptors": items[:PROFILE_MAX_DESCRIPTORS]}
 
 
 def parse_profile(data: Any) -> list[BatchDescriptor]:
