@@ -8,7 +8,11 @@ a user runs it), waits for /ready, then:
   clients --clients closed-loop streaming clients for --duration s, each request 256 prompt tokens
           and 128 output tokens.
 Per run: output tok/s, TTFT and TPOT p50/p99 (TPOT = (last token time - first token time) /
-(tokens - 1) per request), errors (a request that did not end with exactly its max_tokens counts).
+(tokens - 1) per request), errors (a request that did not end with exactly its max_tokens counts),
+and the CPU the server used: cores busy in the server (API) process and in its children (the engine
+process with GRAPHCACHE_ENGINE_PROCESS=true), from /proc: a process near 1.0 is what limits the run.
+--py-spy-dir DIR adds a profiled burst: py-spy samples both processes (collapsed stacks, and the top
+functions by own samples in DIR/py_spy_top.txt).
 The client parses only what it needs (usage and the delta's token count come from the last chunk)
 and runs in --client-procs processes (a single Python client cannot parse 256 busy streams), all
 sending from one agreed start time, so it is not what limits the server.
@@ -34,6 +38,64 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "service"))  # the graphcache package
 
 from benchmarks.offline_throughput import make_qwen05b, workload  # noqa: E402
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process, all threads (/proc/PID/stat fields 14-15); 0 once gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def measured(run, pid: int) -> dict:
+    """run() -> summary dict, plus the CPU cores busy in the server process and in its children."""
+    kids = children(pid)
+    before = cpu_seconds(pid), [cpu_seconds(k) for k in kids]
+    t0 = time.perf_counter()
+    row = run()
+    wall = time.perf_counter() - t0
+    row["api_cpu"] = (cpu_seconds(pid) - before[0]) / wall
+    row["children_cpu"] = sum(cpu_seconds(k) - b for k, b in zip(kids, before[1], strict=True)) / wall
+    return row
+
+
+def py_spy_top(paths: list[Path], out: Path, top: int = 40) -> None:
+    """Own samples per function (the leaf frame of each collapsed stack), and samples that include it."""
+    from collections import Counter
+
+    lines = []
+    for path in paths:
+        own, incl, total = Counter(), Counter(), 0
+        if not path.exists():
+            lines.append(f"== {path.name}: no samples (py-spy failed?)")
+            continue
+        for line in path.read_text().splitlines():
+            stack, _, n = line.rpartition(" ")
+            if not n.isdigit():
+                continue
+            frames = stack.split(";")
+            total += int(n)
+            own[frames[-1]] += int(n)
+            for f in set(frames):
+                incl[f] += int(n)
+        lines.append(f"== {path.name}: {total} samples; own")
+        lines += [f"{n / max(total, 1):6.1%}  {f}" for f, n in own.most_common(top)]
+        lines.append(f"== {path.name}: inclusive")
+        lines += [f"{n / max(total, 1):6.1%}  {f}" for f, n in incl.most_common(top)]
+    out.write_text("\n".join(lines) + "\n")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -130,6 +192,23 @@ async def clients(url: str, n: int, duration: float, vocab: int) -> dict:
         return summary(f"{n} streaming clients", results, time.perf_counter() - t0)
 
 
+def profiled_burst(args, url: str, prompts, outputs, pid: int) -> dict:
+    """The burst again, with py-spy sampling the server process and each child for its first 8 s."""
+    args.py_spy_dir.mkdir(parents=True, exist_ok=True)
+    paths, spies = [], []
+    for name, p in [("api", pid), *((f"child{k}", c) for k, c in enumerate(children(pid)))]:
+        paths.append(args.py_spy_dir / f"py_spy_{name}.txt")
+        spies.append(subprocess.Popen(["py-spy", "record", "--pid", str(p), "--duration", "8", "--rate", "250",
+                                       "--format", "raw", "--nonblocking", "--gil", "--nolineno", "--output", str(paths[-1])],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+    row = measured(lambda: burst(url, prompts, outputs, args.client_procs), pid)
+    for spy in spies:
+        spy.wait(60)
+    py_spy_top(paths, args.py_spy_dir / "py_spy_top.txt")
+    row["run"] += " (py-spy)"
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path)
@@ -141,6 +220,7 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=30.0)
     ap.add_argument("--log", type=Path, default=Path("served_server.log"))
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--py-spy-dir", type=Path, help="add a burst profiled by py-spy (needs py-spy on PATH)")
     args = ap.parse_args()
     model = args.model or make_qwen05b(args.make_qwen05b)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
@@ -164,17 +244,19 @@ def main() -> int:
             time.sleep(1)
         prompts, outputs = workload(args.num_seqs, vocab, (100, 1024), (100, 1024), seed=0)
         burst(url, prompts[:4], [8] * 4, 2)   # warm: first requests, HTTP stack
-        rows = [burst(url, prompts, outputs, args.client_procs),
-                asyncio.run(clients(url, args.clients, args.duration, vocab))]
+        rows = [measured(lambda: burst(url, prompts, outputs, args.client_procs), proc.pid),
+                measured(lambda: asyncio.run(clients(url, args.clients, args.duration, vocab)), proc.pid)]
+        if args.py_spy_dir is not None:
+            rows.append(profiled_burst(args, url, prompts, outputs, proc.pid))
     finally:
         proc.terminate()
         proc.wait(60)
     print(f"\n{'run':<24}{'tok/s':>9}{'reqs':>6}{'err':>5}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}"
-          f"{'chunks p50':>11}{'span p50 s':>11}")
+          f"{'chunks p50':>11}{'span p50 s':>11}{'API cpu':>9}{'child cpu':>10}")
     for r in rows:
         print(f"{r['run']:<24}{r['tokens_per_s']:>9.0f}{r['requests']:>6}{r['errors']:>5}{r['ttft_ms_p50']:>10.0f}"
               f"{r['ttft_ms_p99']:>8.0f}{r['tpot_ms_p50']:>10.2f}{r['tpot_ms_p99']:>8.2f}{r['chunks_p50']:>11}"
-              f"{r['first_to_last_s_p50']:>11.2f}")
+              f"{r['first_to_last_s_p50']:>11.2f}{r['api_cpu']:>9.2f}{r['children_cpu']:>10.2f}")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
     return 0 if all(r["errors"] == 0 for r in rows) else 1

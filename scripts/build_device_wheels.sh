@@ -14,8 +14,8 @@ pkgs=(fastapi starlette uvicorn pydantic pydantic_core pydantic-settings annotat
       python-dotenv pytest-asyncio opentelemetry-api httptools
       annotated-doc click anyio uvloop pytest-timeout
       llguidance python-json-logger asgi-correlation-id prometheus-fastapi-instrumentator sse-starlette)
-# Not in the test venv: the comparison library capture_bench.py times against.
-extra=(breakable-cuda-graphs==0.1.0)
+# Not in the test venv: the comparison library capture_bench.py times against, and py-spy (served_throughput.py --py-spy-dir).
+extra=(breakable-cuda-graphs==0.1.0 py-spy==0.4.3)
 rm -rf .whl && mkdir -p .whl
 specs=()
 for p in "${pkgs[@]}"; do

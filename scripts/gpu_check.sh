@@ -7,7 +7,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   >"$OUT/pip.log" 2>&1 || { echo "wheel install failed"; tail "$OUT/pip.log"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD:$PWD/service
+export PYTHONPATH=/tmp/site:$PWD:$PWD/service PATH=/tmp/site/bin:$PATH
 phase() {  # name, timeout seconds, command...
   local name=$1 t=$2; shift 2
   echo "=== $name ($(date -u +%H:%M:%S))"
@@ -46,10 +46,10 @@ for p in ${PHASES:-tests pool capture}; do
                --mode "${PROFILE_MODE:-graph}" --top 40 --out "$OUT/profile.txt" ;;
     served)  phase served 420 python3 benchmarks/served_throughput.py --make-qwen05b /tmp/qwen05b \
                --clients "${SERVED_CLIENTS:-64}" --duration "${SERVED_DURATION:-30}" --out "$OUT/served.json" \
-               --log "$OUT/served_server.log" ;;
+               --log "$OUT/served_server.log" ${SERVED_ARGS:-} ;;
     served_proc) GRAPHCACHE_ENGINE_PROCESS=true phase served_proc 420 python3 benchmarks/served_throughput.py \
                --make-qwen05b /tmp/qwen05b --clients "${SERVED_CLIENTS:-64}" --duration "${SERVED_DURATION:-30}" \
-               --out "$OUT/served_proc.json" --log "$OUT/served_proc_server.log" ;;
+               --out "$OUT/served_proc.json" --log "$OUT/served_proc_server.log" ${SERVED_ARGS:-} ;;
     server)  phase server 420 python3 benchmarks/server_check.py --make-qwen05b /tmp/qwen05b \
                --out "$OUT/server_check.json" --log "$OUT/server.log" ;;
     prefix)  phase prefix 420 python3 benchmarks/prefix_burst.py --make-qwen05b /tmp/qwen05b \

@@ -229,3 +229,25 @@ def test_a_load_error_in_the_engine_process_turns_the_client_dead(tmp_path):
     finally:
         engine.shutdown(30)
     assert not engine._process.is_alive()
+
+
+def test_outputs_cross_the_pipe_unchanged():
+    """pack_outputs sends plain deltas as tuples and everything else as it is; unpacking gives back equal
+    outputs (order within a step does not matter: one output per request)."""
+    import pickle
+
+    from graphcache.engine.process_main import pack_outputs, unpack_outputs
+    from graphcache.engine.sequence import RequestOutput, TokenLogprob
+
+    outputs = [
+        RequestOutput("plain", "", [17, 4], False, None, 9, 2),
+        RequestOutput("text", "hi", [5], False, None, 3, 1),                             # detokenized in the engine
+        RequestOutput("cached", "", [6], False, None, 32, 1, num_cached_tokens=16),      # first delta
+        RequestOutput("logprobs", "", [7], False, None, 3, 1, logprobs=[TokenLogprob(7, -0.5, 1)]),
+        RequestOutput("done", "", [2], True, "stop", 3, 4, stopped_on_token=True),
+        RequestOutput("failed", "", [], True, "error", 3, 0, "boom"),
+    ]
+    packed = pickle.loads(pickle.dumps(pack_outputs(outputs)))
+    assert [p[0] for p in packed[0]] == ["plain"]
+    back = unpack_outputs(packed)
+    assert sorted(back, key=lambda o: o.request_id) == sorted(outputs, key=lambda o: o.request_id)

@@ -201,7 +201,7 @@ class EngineClient(EngineFrontend):
     def _handle(self, message: tuple) -> None:
         kind = message[0]
         if kind == "out":
-            self._deliver(message[1], message[2])
+            self._deliver(process_main.unpack_outputs(message[1]), message[2])
         elif kind == "snapshot":
             self._snapshot(*message[1:])
         elif kind == "ready":

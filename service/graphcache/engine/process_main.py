@@ -4,7 +4,8 @@ process (engine/process.py, GRAPHCACHE_ENGINE_PROCESS). Started by multiprocessi
 Messages on the pipe, tuples whose first item names them:
   API -> engine: ("add", id, prompt_ids, params, stream, max_tokens_param), ("abort", id),
     ("abort_all", reason, error), ("call", call_id, name, args), ("stop_accepting",), ("shutdown",)
-  engine -> API: ("out", [RequestOutput, ...], num_running): one per step, sent by the engine thread;
+  engine -> API: ("out", packed outputs, num_running): one per step, sent by the engine thread
+    (`pack_outputs`: a plain token delta as a tuple, the rest as RequestOutput);
     ("snapshot", state, error, progress, stats), ("ready", EngineLimits, tokenizer_dir),
     ("reply", call_id, result, None) or ("reply", call_id, None, (exception type name, message))
 
@@ -34,13 +35,33 @@ from graphcache.engine.frontend import EngineState
 from graphcache.engine.sequence import RequestOutput
 from graphcache.metrics import Metrics
 
-__all__ = ["ADMIN_CALLS", "SNAPSHOT_INTERVAL_S", "main"]
+__all__ = ["ADMIN_CALLS", "SNAPSHOT_INTERVAL_S", "main", "pack_outputs", "unpack_outputs"]
 
 log = logging.getLogger("graphcache.engine")
 SNAPSHOT_INTERVAL_S = 0.25
 STATE_POLL_S = 0.02   # how soon a state change (ready, dead) or a load progress step is pushed
 # The Engine coroutines the API process may call by name.
 ADMIN_CALLS = ("warmup", "clear_graphs", "cache_profile", "cache_info")
+
+
+def pack_outputs(outputs: list[RequestOutput]) -> tuple[list[tuple], list[RequestOutput]]:
+    """A step's outputs for the pipe: ([(id, token_ids, prompt_tokens, completion_tokens)] for the plain
+    deltas (no text, logprobs or error, not finished: nearly all of them), [the others as they are]).
+    Why: pickling a dataclass goes through its __dict__; at 256 streams a step's message cost the
+    engine thread 0.23 ms to pickle and the API process 0.35 ms to load, tuples ~0.02 and ~0.04 ms."""
+    plain, full = [], []
+    for o in outputs:
+        if (o.finished or o.text or o.logprobs is not None or o.prompt_logprobs is not None or o.error is not None
+                or o.num_cached_tokens):
+            full.append(o)
+        else:
+            plain.append((o.request_id, o.token_ids, o.prompt_tokens, o.completion_tokens))
+    return plain, full
+
+
+def unpack_outputs(packed: tuple[list[tuple], list[RequestOutput]]) -> list[RequestOutput]:
+    plain, full = packed
+    return [RequestOutput(rid, "", ids, False, None, prompt, completion) for rid, ids, prompt, completion in plain] + full
 
 
 class PipeSink:
@@ -51,7 +72,7 @@ class PipeSink:
         self._send, self._engine = send, engine
 
     def call_soon_threadsafe(self, _deliver, items: list[tuple[Any, RequestOutput]]) -> None:
-        self._send(("out", [out for _, out in items], self._engine.num_running))
+        self._send(("out", pack_outputs([out for _, out in items]), self._engine.num_running))
 
 
 class EngineServer:
@@ -115,8 +136,8 @@ class EngineServer:
                                max_tokens_param=max_tokens_param, enforce_max_queue=False)
         except Exception as exc:  # noqa: BLE001 - whatever refused it, the request must end, not hang
             message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
-            self.send(("out", [RequestOutput(request_id, "", [], True, "error", len(prompt_ids), 0, message)],
-                       self.engine.num_running))
+            refusal = RequestOutput(request_id, "", [], True, "error", len(prompt_ids), 0, message)
+            self.send(("out", pack_outputs([refusal]), self.engine.num_running))
 
     def _call(self, call_id: int, name: str, args: tuple) -> None:
         if name == "metrics_text":   # read-only, thread-safe: answered at once
