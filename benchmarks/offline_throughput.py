@@ -23,6 +23,7 @@ import inspect
 import json
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,6 +34,8 @@ import torch  # noqa: E402
 from graphcache.config import Settings  # noqa: E402
 from graphcache.engine.engine import Engine, SamplingParams  # noqa: E402
 from graphcache.metrics import Metrics  # noqa: E402
+
+from benchmarks import step_trace  # noqa: E402
 
 # Qwen2.5-0.5B's shape (config.json of Qwen/Qwen2.5-0.5B).
 QWEN05B = dict(arch="qwen2", hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, head_dim=64,
@@ -90,16 +93,19 @@ async def _run_engine(engine: Engine, prompts, outputs, temperature: float) -> t
     t0 = time.perf_counter()
     counts = await asyncio.gather(*(one(i) for i in range(len(prompts))))
     elapsed = time.perf_counter() - t0
+    trace = step_trace.summarize(step_trace.records_of(core.step_trace), t0)
     steps = max(core.num_steps - steps0, 1)
     # Host ms per step by phase (sample includes waiting for the GPU); the rest of the wall time is
     # the engine loop itself (inbox, gauges, stats, delivery) and idle time between requests.
     phases = {k: (v - phases0[k]) * 1e3 / steps for k, v in core.phase_seconds.items()}
-    timing = {"steps": steps, "ms_per_step": elapsed * 1e3 / steps, "phase_ms_per_step": phases}
+    timing = {"steps": steps, "ms_per_step": elapsed * 1e3 / steps, "phase_ms_per_step": phases, "trace": trace}
     return elapsed, sum(counts), await engine.cache_info(), timing   # cache info fresh, from the engine thread
 
 
 def bench_engine(args, mode: str, prompts, outputs) -> dict:
     settings = engine_settings(args, enforce_eager=mode == "eager")
+    # The step trace (benchmarks/step_trace.py) is read from the core; the file is written at shutdown.
+    settings = settings.model_copy(update={"step_trace": Path(tempfile.gettempdir()) / f"offline_steps_{mode}.jsonl"})
     if mode == "graph-noprefix":   # the same graph engine with automatic prefix caching off (issue 12)
         settings = settings.model_copy(update={"enable_prefix_caching": False})
     engine = Engine(settings, Metrics())
@@ -259,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
             other = r["ms_per_step"] - sum(ph.values())
             print(f"{r['mode']:<15}{steps:>7}{r['ms_per_step']:>8.2f}{ph['schedule']:>10.2f}{ph['execute']:>9.2f}"
                   f"{ph['sample']:>8.2f}{ph['postprocess']:>10.2f}{other:>7.2f}")
+    traced = {r["mode"]: r["trace"] for r in engine_rows if r.get("trace")}
+    if traced:
+        print("\nstep trace (benchmarks/step_trace.py; ms per step):")
+        print(step_trace.table(traced))
     by = {r["mode"]: r for r in results}
     if "graph" in by:
         for base in ("eager", "hf"):

@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "service"))  # the graphcache package
 
+from benchmarks import step_trace  # noqa: E402
 from benchmarks.offline_throughput import make_qwen05b, workload  # noqa: E402
 
 
@@ -61,14 +62,16 @@ def children(pid: int) -> list[int]:
 
 
 def measured(run, pid: int) -> dict:
-    """run() -> summary dict, plus the CPU cores busy in the server process and in its children."""
+    """run() -> summary dict, plus the CPU cores busy in the server process and in its children over the
+    run's own seconds (the burst's client start-up is idle time for the server), and the run's window
+    on the monotonic clock (perf_counter: the same clock as the engine's step trace)."""
     kids = children(pid)
     before = cpu_seconds(pid), [cpu_seconds(k) for k in kids]
     t0 = time.perf_counter()
     row = run()
-    wall = time.perf_counter() - t0
-    row["api_cpu"] = (cpu_seconds(pid) - before[0]) / wall
-    row["children_cpu"] = sum(cpu_seconds(k) - b for k, b in zip(kids, before[1], strict=True)) / wall
+    row["window"] = (t0, time.perf_counter())
+    row["api_cpu"] = (cpu_seconds(pid) - before[0]) / row["seconds"]
+    row["children_cpu"] = sum(cpu_seconds(k) - b for k, b in zip(kids, before[1], strict=True)) / row["seconds"]
     return row
 
 
@@ -225,8 +228,11 @@ def main() -> int:
     model = args.model or make_qwen05b(args.make_qwen05b)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     # The offline benchmark's engine settings; GRAPHCACHE_* in the environment override them.
+    trace_path = args.log.with_suffix(".steps.jsonl")   # the engine's step trace, written when it stops
+    trace_path.unlink(missing_ok=True)
     env = {"GRAPHCACHE_MODEL": str(model), "GRAPHCACHE_MAX_NUM_SEQS": "256", "GRAPHCACHE_MAX_NUM_BATCHED_TOKENS": "8192",
-           "GRAPHCACHE_MAX_MODEL_LEN": "4096", "GRAPHCACHE_LOG_LEVEL": "warning", **os.environ}
+           "GRAPHCACHE_MAX_MODEL_LEN": "4096", "GRAPHCACHE_LOG_LEVEL": "warning",
+           "GRAPHCACHE_STEP_TRACE": str(trace_path.resolve()), **os.environ}
     with args.log.open("w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "graphcache", "serve", "--port", str(args.port)], env=env,
                                 stdout=log, stderr=subprocess.STDOUT)
@@ -257,6 +263,13 @@ def main() -> int:
         print(f"{r['run']:<24}{r['tokens_per_s']:>9.0f}{r['requests']:>6}{r['errors']:>5}{r['ttft_ms_p50']:>10.0f}"
               f"{r['ttft_ms_p99']:>8.0f}{r['tpot_ms_p50']:>10.2f}{r['tpot_ms_p99']:>8.2f}{r['chunks_p50']:>11}"
               f"{r['first_to_last_s_p50']:>11.2f}{r['api_cpu']:>9.2f}{r['children_cpu']:>10.2f}")
+    if trace_path.exists():
+        records = step_trace.load(trace_path)
+        traced = {r["run"]: step_trace.summarize(records, *r["window"]) for r in rows}
+        for r in rows:
+            r["trace"] = traced[r["run"]]
+        print("\nengine step trace (benchmarks/step_trace.py; ms per step):")
+        print(step_trace.table({k: v for k, v in traced.items() if v}))
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
     return 0 if all(r["errors"] == 0 for r in rows) else 1

@@ -592,3 +592,28 @@ async def test_admin_warmup_interleaves_with_serving():
         assert e.stats()["warmup"] == {"jobs": 0, "done": 0, "total": 0}
     finally:
         e.shutdown()
+
+
+async def test_step_trace_records_every_step_and_is_written_at_stop(tmp_path):
+    """settings.step_trace: one record per completed step, times in order, written when the engine stops
+    (benchmarks/step_trace.py summarizes it)."""
+    import json
+
+    from graphcache.engine.core import STEP_TRACE_FIELDS
+
+    path = tmp_path / "steps.jsonl"
+    e = start_engine(fake_factory(), step_trace=path)
+    try:
+        params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+        await asyncio.gather(*(collect(e, f"r{i}", p, params) for i, p in enumerate(prompts(3))))
+        steps = e.core.num_steps
+    finally:
+        e.shutdown()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(records) == steps >= 5
+    for r in records:
+        assert tuple(r) == STEP_TRACE_FIELDS
+        times = [r[k] for k in STEP_TRACE_FIELDS[:6]]
+        assert times == sorted(times), r
+        assert r["rows"] >= r["sampled"] >= 1 and r["tokens"] >= r["rows"]
+    assert sum(r["sampled"] for r in records) == 15   # 3 requests x 5 tokens

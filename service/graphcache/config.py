@@ -62,6 +62,9 @@ class Settings(BaseSettings):
         "(H200, 256 streams at once: 74% of offline throughput against 57% in one process, BENCHMARKS.md §8.5). "
         "Not with tensor_parallel_size > 1 yet (docs/ARCHITECTURE.md).")
     enforce_eager: bool = Field(False, description="Never capture; every step runs eagerly.")
+    step_trace: Path | None = Field(
+        None, description="Benchmarks: keep a timing record of the last 100,000 steps and write it to this "
+        "file (JSON lines) when the engine stops (benchmarks/step_trace.py reads it).")
     allow_special_tokens_in_chat: bool = Field(
         False, description="Encode special-token strings inside chat message content as control tokens. Off: "
         "content is always plain text, so a user cannot open a fake system turn (set only for trusted clients).")

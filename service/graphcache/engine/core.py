@@ -23,8 +23,10 @@ step in flight completes before the next is scheduled.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,14 +54,32 @@ from graphcache.engine.stopping import sendable_text
 from graphcache.engine.structured import StructuredOutput
 from graphcache.metrics import Metrics
 
-__all__ = ["MAX_CONSECUTIVE_STEP_FAILURES", "EngineCore", "EngineFailure", "is_device_failure"]
+__all__ = ["MAX_CONSECUTIVE_STEP_FAILURES", "STEP_TRACE_FIELDS", "EngineCore", "EngineFailure", "is_device_failure",
+           "write_step_trace"]
 
 log = logging.getLogger("graphcache.engine")
 
 # Consecutive failed steps before the core gives up (one bad step is survivable: its requests fail,
 # the rest keep going; a run of them means the device or the model is broken).
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+STEP_TRACE_MAX = 100_000
 STEP_FAILED_MESSAGE = "the model step for this request failed on the server; retry the request"
+
+
+# One record of EngineCore.step_trace (times: perf_counter seconds of the engine's process).
+STEP_TRACE_FIELDS = ("scheduled", "launch", "launched", "complete", "tokens_on_host", "completed", "rows",
+                     "tokens", "sampled", "waiting", "running")
+
+
+def write_step_trace(path, records) -> None:
+    """settings.step_trace: one JSON object per step (STEP_TRACE_FIELDS), oldest first. Never raises:
+    the engine is stopping when it writes, and a benchmark's missing file says enough."""
+    try:
+        with open(path, "w") as f:
+            for rec in records:
+                f.write(json.dumps(dict(zip(STEP_TRACE_FIELDS, rec, strict=True))) + "\n")
+    except OSError as exc:
+        log.error("could not write the step trace to %s: %s", path, exc)
 
 
 class EngineFailure(RuntimeError):
@@ -100,7 +120,9 @@ class _InFlight:
     rows: dict[int, int]               # id(sequence) -> its row in tokens
     mode: str
     launched_at: float
+    scheduled_at: float                # perf_counter when schedule() began (the step trace)
     needs_history: bool = False        # a sampled sequence's next sampling reads these tokens on the host
+    launch_end: float = 0.0            # perf_counter when _launch returned (the step trace)
     logprob_rows: list[int] | None = None     # rows of sample_seqs with params.logprobs set
     sampled_logprobs: Logprobs | None = None  # their tokens' logprobs (host copies, valid once `ready`)
     prompt_spans: list[PromptSpan] | None = None
@@ -136,6 +158,10 @@ class EngineCore:
         # Host seconds spent per phase of step() (schedule, execute = prepare + launch/replay, sample =
         # sampling + waiting for the GPU, postprocess = append/stops/outputs): benchmarks read them.
         self.phase_seconds = dict.fromkeys(("schedule", "execute", "sample", "postprocess"), 0.0)
+        # settings.step_trace: per completed step, (schedule start, launch start, launch end, completion
+        # start, tokens on the host, completion end) as perf_counter seconds, then rows scheduled, tokens
+        # fed, rows sampled, waiting, running. Bounded: a long-running server keeps the newest.
+        self.step_trace: deque[tuple] | None = deque(maxlen=STEP_TRACE_MAX) if settings.step_trace else None
         # Test hook: called with each StepBatch before execute; raise to fail the step.
         self.step_failpoint: Callable[[StepBatch], None] | None = None
 
@@ -203,7 +229,7 @@ class EngineCore:
         launched = None
         if not plan.empty:
             try:
-                launched = self._launch(plan)
+                launched = self._launch(plan, t_start)
             except Exception as exc:
                 early = outputs + self._complete_pending()   # the step in flight still ends properly
                 try:
@@ -221,7 +247,7 @@ class EngineCore:
     def has_work(self) -> bool:
         return self._pending is not None or self.scheduler.has_work()
 
-    def _launch(self, plan: SchedulerOutput) -> _InFlight:
+    def _launch(self, plan: SchedulerOutput, scheduled_at: float = 0.0) -> _InFlight:
         """Execute the plan's step and sample it on the device; nothing waits for the GPU."""
         batch = plan.to_batch()
         spans = flag_prompt_logits(plan.scheduled, batch.seqs)
@@ -259,8 +285,8 @@ class EngineCore:
         rows = {id(seq): i for i, seq in enumerate(sample_seqs)}
         history = self._history_seqs
         needs_history = bool(history) and not history.isdisjoint(sample_seqs)
-        return _InFlight(plan, sample_seqs, tokens, host, ready, failed, rows, result.mode, t0, needs_history,
-                         logprob_rows, sampled_logprobs, spans, prompt_logprobs)
+        return _InFlight(plan, sample_seqs, tokens, host, ready, failed, rows, result.mode, t0, scheduled_at,
+                         needs_history, time.perf_counter(), logprob_rows, sampled_logprobs, spans, prompt_logprobs)
 
     def _complete_pending(self) -> list[RequestOutput]:
         """Wait for the step in flight (if any), append its tokens, check stops: its outputs."""
@@ -301,8 +327,13 @@ class EngineCore:
                     m.vllm.observe_first_token(now - seq.arrival_time)
                     m.prompt_tokens.inc(seq.num_prompt_tokens)
         outputs = [self._output(seq) for seq in changed]
+        t_end = time.perf_counter()
         self.phase_seconds["sample"] += t_done - t0
-        self.phase_seconds["postprocess"] += time.perf_counter() - t_done
+        self.phase_seconds["postprocess"] += t_end - t_done
+        if self.step_trace is not None:
+            plan, sched = p.plan, self.scheduler
+            self.step_trace.append((p.scheduled_at, p.launched_at, p.launch_end, t0, t_done, t_end, len(plan.scheduled),
+                                    plan.num_tokens, len(p.sample_seqs), len(sched.waiting), len(sched.running)))
         return outputs
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]]:

@@ -30,7 +30,7 @@ import torch
 
 from graphcache.config import Settings
 from graphcache.engine.batch import Runner
-from graphcache.engine.core import MAX_CONSECUTIVE_STEP_FAILURES, EngineCore, EngineFailure
+from graphcache.engine.core import MAX_CONSECUTIVE_STEP_FAILURES, EngineCore, EngineFailure, write_step_trace
 from graphcache.engine.errors import (
     DEAD_MESSAGE,
     EngineDead,
@@ -445,6 +445,8 @@ class Engine(EngineFrontend):
         core, self._core = self._core, None
         if core is None:
             return
+        if core.step_trace is not None:
+            write_step_trace(self.settings.step_trace, core.step_trace)
         close = getattr(core.runner, "close", None)   # tensor parallel: stop the worker ranks
         if close is not None:
             try:
