@@ -38,7 +38,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "service"))  # the graphcache package
 
 from benchmarks import step_trace  # noqa: E402
-from benchmarks.offline_throughput import make_qwen05b, workload  # noqa: E402
+
+
+def workload(*args, **kwargs):
+    # Imported here: the burst's spawned workers import this module, and offline_throughput imports torch.
+    from benchmarks.offline_throughput import workload as offline_workload
+
+    return offline_workload(*args, **kwargs)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -152,10 +158,19 @@ def summary(name: str, results: list[dict], seconds: float) -> dict:
             "first_errors": [r["error"] for r in results if not r["ok"]][:3]}
 
 
-async def _burst_part(url: str, prompts, outputs, start_at: float) -> list[dict]:
+_start_barrier = None   # set in each burst worker by _init_worker
+
+
+def _init_worker(barrier) -> None:
+    global _start_barrier
+    _start_barrier = barrier
+
+
+async def _burst_part(url: str, prompts, outputs) -> list[dict]:
     limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        await asyncio.sleep(max(0.0, start_at - time.time()))
+        # Everything that takes time (the interpreter, imports, the client) is ready: wait for the others.
+        _start_barrier.wait()
         results = await asyncio.gather(*(one(client, p, n) for p, n in zip(prompts, outputs, strict=True)))
         for r in results:
             r["end"] = time.time()
@@ -163,19 +178,27 @@ async def _burst_part(url: str, prompts, outputs, start_at: float) -> list[dict]
 
 
 def _burst_worker(job: tuple) -> list[dict]:
-    url, prompts, outputs, start_at = job
-    return asyncio.run(_burst_part(url, prompts, outputs, start_at))
+    url, prompts, outputs = job
+    return asyncio.run(_burst_part(url, prompts, outputs))
 
 
 def burst(url: str, prompts, outputs, procs: int) -> dict:
-    """All requests at once, split over `procs` client processes that start sending together."""
+    """All requests at once, split over `procs` client processes that start sending together: each worker
+    waits at a barrier once it is ready, and the clock starts when the last one is. (Before 2026-12-01 the
+    workers started at a fixed time 3 s after they were spawned; on the H200 box some were still importing
+    then, and the engine's step trace showed the requests arriving in three waves over 1.2 s.)"""
     import multiprocessing
 
-    start_at = time.time() + 3.0   # time for the workers to start
-    jobs = [(url, prompts[i::procs], outputs[i::procs], start_at) for i in range(procs)]
-    with multiprocessing.get_context("spawn").Pool(procs) as pool:
-        results = [r for part in pool.map(_burst_worker, jobs) for r in part]
-    seconds = max(r.get("end", start_at) for r in results) - start_at
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(procs + 1)
+    jobs = [(url, prompts[i::procs], outputs[i::procs]) for i in range(procs)]
+    # One job per worker: each blocks at the barrier until all are there, so none can take a second job.
+    with ctx.Pool(procs, initializer=_init_worker, initargs=(barrier,)) as pool:
+        pending = pool.map_async(_burst_worker, jobs)
+        barrier.wait(timeout=120)
+        start = time.time()
+        results = [r for part in pending.get() for r in part]
+    seconds = max(r.get("end", start) for r in results) - start
     return summary(f"burst {len(prompts)} streaming", results, seconds)
 
 
@@ -225,7 +248,11 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--py-spy-dir", type=Path, help="add a burst profiled by py-spy (needs py-spy on PATH)")
     args = ap.parse_args()
-    model = args.model or make_qwen05b(args.make_qwen05b)
+    if args.model is None:
+        from benchmarks.offline_throughput import make_qwen05b
+
+        args.model = make_qwen05b(args.make_qwen05b)
+    model = args.model
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     # The offline benchmark's engine settings; GRAPHCACHE_* in the environment override them.
     trace_path = args.log.with_suffix(".steps.jsonl")   # the engine's step trace, written when it stops
