@@ -44,7 +44,7 @@ for p in ${PHASES:-tests pool capture}; do
                --make-qwen05b /tmp/qwen05b --modes graph --out "$OUT/offline_block256.json" ;;
     profile) phase profile 300 python3 benchmarks/profile_engine.py --make-qwen05b /tmp/qwen05b \
                --mode "${PROFILE_MODE:-graph}" --top 40 --out "$OUT/profile.txt" ;;
-    served)  phase served 420 python3 benchmarks/served_throughput.py --make-qwen05b /tmp/qwen05b \
+    served)  GRAPHCACHE_ENGINE_PROCESS=false phase served 420 python3 benchmarks/served_throughput.py --make-qwen05b /tmp/qwen05b \
                --clients "${SERVED_CLIENTS:-64}" --duration "${SERVED_DURATION:-30}" --out "$OUT/served.json" \
                --log "$OUT/served_server.log" ${SERVED_ARGS:-} ;;
     served_proc) GRAPHCACHE_ENGINE_PROCESS=true phase served_proc 420 python3 benchmarks/served_throughput.py \

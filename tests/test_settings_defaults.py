@@ -1,5 +1,5 @@
-"""Batch limits fit the device: CPU defaults on the CPU, the measured GPU defaults on CUDA, and what
-the user sets always wins (GPU_BATCH_DEFAULTS in config.py)."""
+"""Defaults fit the device: CPU defaults on the CPU, the measured GPU defaults on CUDA (batch limits,
+the engine in its own process), and what the user sets always wins (Settings._gpu_defaults)."""
 
 from __future__ import annotations
 
@@ -32,3 +32,11 @@ def test_auto_follows_the_machine():
     s = Settings(device="auto")
     expected = (256, 8192) if torch.cuda.is_available() else (64, 1024)
     assert (s.max_num_seqs, s.max_num_batched_tokens) == expected
+
+
+def test_engine_process_defaults_on_with_cuda_at_tp1_only():
+    assert Settings(device="cpu").engine_process is False
+    assert Settings(device="cuda").engine_process is True
+    assert Settings(device="cuda", engine_process=False).engine_process is False   # the user's choice wins
+    assert Settings(device="cuda", tensor_parallel_size=2).engine_process is False  # not supported there yet
+    assert Settings(device="auto").engine_process is torch.cuda.is_available()

@@ -58,8 +58,8 @@ class Settings(BaseSettings):
     max_queue: int = Field(1024, ge=1, description="Waiting requests before new ones get 429.")
     engine_process: bool = Field(
         False, description="Run the engine's step loop in a child process (HTTP, tokenizing and detokenizing stay "
-        "in the server process), so the two do not share one interpreter lock; for high concurrency on a GPU "
-        "(H200, 256 streams at once: 74% of offline throughput against 57% in one process, BENCHMARKS.md §8.5). "
+        "in the server process), so the two do not share one interpreter lock. Default: on with CUDA at "
+        "tensor_parallel_size 1 (H200, 64 streaming clients: +24% tok/s, BENCHMARKS.md §8.5), off on the CPU. "
         "Not with tensor_parallel_size > 1 yet (docs/ARCHITECTURE.md).")
     enforce_eager: bool = Field(False, description="Never capture; every step runs eagerly.")
     step_trace: Path | None = Field(
@@ -189,7 +189,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
-        self._gpu_batch_defaults()
+        self._gpu_defaults()
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token per sequence)")
         if self.engine_process and self.tensor_parallel_size > 1:
@@ -198,12 +198,15 @@ class Settings(BaseSettings):
                              "GRAPHCACHE_TENSOR_PARALLEL_SIZE=1 to run the engine in its own process")
         return self
 
-    def _gpu_batch_defaults(self) -> None:
-        """On CUDA, batch limits not set by the user take GPU_BATCH_DEFAULTS (measured on the H200:
-        BENCHMARKS.md §6; the CPU defaults would leave a GPU mostly idle). The device is probed only
-        when it matters: device=auto and at least one limit left to its default."""
+    def _gpu_defaults(self) -> None:
+        """On CUDA, settings not set by the user take their GPU defaults: the batch limits
+        GPU_BATCH_DEFAULTS (measured on the H200: BENCHMARKS.md §6; the CPU defaults would leave a GPU
+        mostly idle), and engine_process on at tensor parallel size 1 (§8.5: the step loop outruns one
+        interpreter shared with the HTTP server). The device is probed only when it matters: device=auto
+        and at least one of these left to its default."""
         unset = [f for f in GPU_BATCH_DEFAULTS if f not in self.model_fields_set]
-        if not unset or self.device == "cpu":
+        process = "engine_process" not in self.model_fields_set and self.tensor_parallel_size == 1
+        if (not unset and not process) or self.device == "cpu":
             return
         if self.device == "auto":
             import torch  # config floor: only the probe needs it, and only here
@@ -215,6 +218,8 @@ class Settings(BaseSettings):
             if name == "max_num_seqs":   # never more rows than an explicit token budget allows
                 value = min(value, self.max_num_batched_tokens)
             object.__setattr__(self, name, value)
+        if process:
+            object.__setattr__(self, "engine_process", True)
 
     def resolved_capture_sizes(self) -> list[int]:
         return self.capture_sizes if self.capture_sizes is not None else default_capture_sizes(self.max_capture_size)
