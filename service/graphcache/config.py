@@ -80,6 +80,9 @@ class Settings(BaseSettings):
     decode_attention_backend: Literal["auto", "triton", "torch", "varlen"] = Field(
         "auto", description="Kernel of uniform-decode steps: auto = triton on CUDA (paged split-KV), torch on CPU; "
         "varlen = the general attention kernel, as for mixed batches.")
+    fused_ops: Literal["auto", "off"] = Field(
+        "auto", description="auto = on CUDA, one Triton kernel each for residual add + RMSNorm, rotary and "
+        "SiLU*mul (a decode step is mostly tiny kernels); off = the PyTorch ops (A/B runs).")
     decode_capture_mode: Literal["full", "breakable"] = Field(
         "full", description="Uniform-decode captures: full = one CUDA graph with attention inside (needs a "
         "triton/torch decode kernel); breakable = attention as an eager break. Mixed batches are always breakable.")

@@ -45,6 +45,7 @@ from graphcache.model.attention import (
 from graphcache.model.config import ModelLoadError, read_config, resolve_dtype
 from graphcache.model.decode_attention import choose_num_splits, decode_workspace
 from graphcache.model.forward_context import forward_context
+from graphcache.model.fused_ops import HAVE_TRITON as HAVE_FUSED_TRITON
 from graphcache.model.loader import load_model
 from graphcache.model.parallel import TensorParallel
 from graphcache.model.tiny import default_model_dir
@@ -100,6 +101,9 @@ class ModelRunner:
         self.model, self.model_config = load_model(path, self.dtype, self.device, max_positions=self.max_model_len,
                                                    tp=tp)
         c = self.model_config
+        # One Triton kernel each for add+RMSNorm, rotary and SiLU*mul instead of ~35 small torch kernels a layer.
+        self.fused_ops = s.fused_ops == "auto" and self.device.type == "cuda" and HAVE_FUSED_TRITON
+        self.model.use_fused_ops(self.fused_ops)
         # This rank's heads: its KV cache, attention plan and decode kernels see only those.
         self.num_heads, self.num_kv_heads = c.num_heads // tp.size, c.num_kv_heads // tp.size
         self.block_size = s.block_size

@@ -14,12 +14,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from graphcache.model.attention import DecodeMetadata, decode_attention, paged_attention
 from graphcache.model.config import ModelConfig
 from graphcache.model.forward_context import current_attention_metadata
+from graphcache.model.fused_ops import add_rmsnorm, rotary_, silu_mul
 from graphcache.model.parallel import (
     ParallelLMHead,
     TensorParallel,
@@ -42,6 +42,10 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None, fused: bool):
+        """(norm(x + residual), x + residual): [T, dim] each; residual None = x alone (first layer)."""
+        return add_rmsnorm(x, residual, self.weight, self.eps, fused)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -85,16 +89,9 @@ class Rotary(nn.Module):
         self.cos = emb.cos().to(device=device, dtype=dtype)   # cast like HF casts cos to x.dtype
         self.sin = emb.sin().to(device=device, dtype=dtype)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # positions [T]; q [T, H, D]; k [T, K, D]
-        cos = self.cos[positions].unsqueeze(1)                # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, fused: bool = False):
+        # positions [T]; q [T, H, D]; k [T, K, D]; fused: rotated in place by one kernel (fused_ops.py)
+        return rotary_(q, k, self.cos, self.sin, positions, fused)
 
 
 class Attention(nn.Module):
@@ -114,6 +111,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary = rotary
+        self.fused = False   # fused_ops kernels (LlamaModel.use_fused_ops)
         # Bound by the runner (bind_kv_cache): [2, num_slots, K, D] = k, v caches as flat slots,
         # plus the k and v halves as views made once here, not per step.
         self.kv_cache: torch.Tensor | None = None
@@ -132,7 +130,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)                  # [T, K, D]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k, self.fused)
         if self.kv_cache is None:
             raise RuntimeError("KV cache not bound: call LlamaModel.bind_kv_cache() (the runner does)")
         # KV write here, in the graph segment, over all T (padded) rows: capturable because
@@ -160,10 +158,10 @@ class MLP(nn.Module):
         self.inter = config.intermediate_size // tp.size                              # this rank's share
         self.gate_up_proj = column_linear(config.hidden_size, 2 * self.inter, False, tp)  # rows [gate | up]
         self.down_proj = row_linear(self.inter, config.hidden_size, False, tp)        # all-reduce at tp > 1
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)       # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x), self.inter, self.fused))   # via [T, 2I] -> [T, I]
 
 
 class DecoderLayer(nn.Module):
@@ -173,10 +171,16 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(config, rotary, tp)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, tp)
+        self.fused = False
 
-    def forward(self, positions: torch.Tensor, slot_mapping: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.attn(positions, slot_mapping, self.input_norm(h))
-        return h + self.mlp(self.post_attn_norm(h))
+    def forward(self, positions: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output (the embeddings for the first, residual None); returns this
+        layer's output and the residual stream before it, added at the next norm (one fused kernel)."""
+        h, residual = self.input_norm.add_forward(x, residual, self.fused)   # residual = x + residual
+        h = self.attn(positions, slot_mapping, h)
+        h, residual = self.post_attn_norm.add_forward(h, residual, self.fused)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -193,8 +197,15 @@ class LlamaModel(nn.Module):
                              else nn.Embedding(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, self.rotary, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fused = False
         self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, tp) if tp.enabled
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+
+    def use_fused_ops(self, on: bool) -> None:
+        """Triton kernels for add+RMSNorm, rotary and SiLU*mul (fused_ops.py; CUDA): fewer, larger kernels."""
+        for m in self.modules():
+            if hasattr(m, "fused"):
+                m.fused = on
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.embed_tokens.weight
@@ -218,11 +229,12 @@ class LlamaModel(nn.Module):
                 logits_indices: torch.Tensor, out_logits: torch.Tensor) -> None:
         # input_ids [T] int64, positions [T] int64, slot_mapping [T] int64 (KV slot per token),
         # logits_indices [R] int64 (token row per logits row), out_logits [R, V] model dtype, written in place.
-        h = self.embed_tokens(input_ids)                                 # [T, hidden]
+        h, residual = self.embed_tokens(input_ids), None                 # [T, hidden]
         for layer in self.layers:
-            h = layer(positions, slot_mapping, h)
+            h, residual = layer(positions, slot_mapping, h, residual)
         # Only the R rows that need logits go through the final norm and the [hidden, V] head.
-        h = self.norm(h.index_select(0, logits_indices))                 # [R, hidden]
+        h, _ = self.norm.add_forward(h.index_select(0, logits_indices), residual.index_select(0, logits_indices),
+                                     self.fused)                         # [R, hidden]
         if self.tp.enabled:
             self.lm_head.logits_into(h, out_logits)                      # [R, V]: all-gather of [R, V / N]
         else:

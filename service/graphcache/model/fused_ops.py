@@ -1,0 +1,165 @@
+"""Fused elementwise kernels of a decoder layer (Triton), with the PyTorch ops they replace.
+
+Why: at decode batch sizes a layer's GPU time is mostly launches of tiny kernels. RMSNorm in fp32 is
+~7 kernels (cast, square, mean, add, rsqrt, scale, cast, weight), rotary ~16 (two gathers, rotate-half
+by chunk/neg/cat, three multiply-adds for q and again for k), the residual adds and SiLU*mul 4 more:
+~35 of a layer's ~45 kernels, at 2-3 us each ~2 ms of a 2.4 ms batch-1 step on the H200
+(BENCHMARKS.md §6.3). Here each is one kernel:
+  add_rmsnorm   residual = x + residual; out = weight * rmsnorm(residual)   (one row per program)
+  rotary_       q, k rotated in place by the cos/sin of each token's position
+  silu_mul      silu(gate) * up of the [T, 2I] gate_up projection
+
+Numerics follow the PyTorch ops (and so Hugging Face's modeling code) rounding for rounding: the
+residual sum is rounded to the model dtype before the norm reads it, the normalized row is rounded
+before the weight multiplies it, rotary rounds each product and the sum like `q * cos +
+rotate_half(q) * sin` in bf16, SiLU rounds before the multiply. What differs is only the order of
+the norm's fp32 sum of squares. The CPU path (and the HF-parity tests) use the PyTorch ops; the
+kernels are checked against them (tests/test_fused_ops.py, under TRITON_INTERPRET on the CPU).
+
+triton is imported guarded and the kernels are jitted on first use (as in decode_attention.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except ImportError:
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+__all__ = ["HAVE_TRITON", "add_rmsnorm", "rotary_", "silu_mul"]
+
+
+# --- PyTorch references (the CPU path) -------------------------------------------------------------------
+def _rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+# --- kernels ------------------------------------------------------------------------------------------------
+def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro,
+                        n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)                      # h + residual, rounded
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n + eps)
+    y = (xf * inv).to(x.dtype)                                                        # rounded like x32.to(dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + cols, (w.to(tl.float32) * y.to(tl.float32)).to(w.dtype), mask=mask)
+
+
+def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
+                   num_q, num_k, half, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t)
+    d = tl.arange(0, BLOCK_D)[None, :]
+    h = tl.arange(0, BLOCK_H)[:, None]
+    c = tl.load(cos_ptr + pos * stride_c + d, mask=d < half, other=0.0).to(tl.float32)   # cos[:half] == cos[half:]
+    s = tl.load(sin_ptr + pos * stride_c + d, mask=d < half, other=0.0).to(tl.float32)
+    # out = x * cos + rotate_half(x) * sin, each product and the sum rounded to the model dtype; q, then k
+    mask = (h < num_q) & (d < half)
+    p1 = q_ptr + t * stride_qt + h * stride_qh + d
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p1 + half, mask=mask, other=0.0)
+    dt = x1.dtype
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(p1, ((a * c).to(dt).to(tl.float32) + (-b * s).to(dt).to(tl.float32)).to(dt), mask=mask)
+    tl.store(p1 + half, ((b * c).to(dt).to(tl.float32) + (a * s).to(dt).to(tl.float32)).to(dt), mask=mask)
+    mask = (h < num_k) & (d < half)
+    p1 = k_ptr + t * stride_kt + h * stride_kh + d
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p1 + half, mask=mask, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(p1, ((a * c).to(dt).to(tl.float32) + (-b * s).to(dt).to(tl.float32)).to(dt), mask=mask)
+    tl.store(p1 + half, ((b * c).to(dt).to(tl.float32) + (a * s).to(dt).to(tl.float32)).to(dt), mask=mask)
+
+
+def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, inter, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
+    u = tl.load(gu_ptr + row * stride_gu + inter + cols, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)                                       # F.silu, rounded
+    tl.store(out_ptr + row * stride_o + cols, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
+
+
+_KERNELS = None
+
+
+def _kernels():
+    global _KERNELS
+    if _KERNELS is None:
+        if not HAVE_TRITON:
+            raise RuntimeError("fused ops need triton (pip install triton), or set GRAPHCACHE_FUSED_OPS=off")
+        _KERNELS = (triton.jit(_add_rmsnorm_kernel), triton.jit(_rotary_kernel), triton.jit(_silu_mul_kernel))
+    return _KERNELS
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+# --- the ops --------------------------------------------------------------------------------------------------
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, N] (a layer's output), residual [T, N] or None (the first layer): returns
+    (weight * rmsnorm(x + residual), x + residual), the second being the next residual."""
+    if not fused:
+        h = x if residual is None else x + residual
+        return _rmsnorm_torch(h, weight, eps), h
+    t, n = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else x
+    res = residual if residual is not None else x
+    _kernels()[0][(t,)](x, res, weight, out, res_out, x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
+                        n, eps, HAS_RES=residual is not None, BLOCK=_pow2(n), num_warps=4 if n <= 2048 else 8)
+    return out, res_out
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+            fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k [T, K, D] (views with a contiguous last dim; rotated in place when fused),
+    cos/sin [P, D] in q's dtype, positions [T] int64: rotate-half rotary, as Hugging Face applies it."""
+    if not fused:
+        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)   # [T, 1, D]
+        return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+    t, num_q, d = q.shape
+    if q.stride(2) != 1 or k.stride(2) != 1 or cos.stride(1) != 1:
+        raise ValueError("rotary_ needs the head dimension contiguous")
+    _kernels()[1][(t,)](q, k, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+                        num_q, k.shape[1], d // 2, BLOCK_D=_pow2(d // 2), BLOCK_H=_pow2(max(num_q, k.shape[1])),
+                        num_warps=4)
+    return q, k
+
+
+def silu_mul(gate_up: torch.Tensor, inter: int, fused: bool) -> torch.Tensor:
+    """gate_up [T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
+    if not fused:
+        gate, up = gate_up.split(inter, dim=-1)
+        return F.silu(gate) * up
+    t = gate_up.shape[0]
+    out = torch.empty((t, inter), dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, _pow2(inter))
+    _kernels()[2][(t, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block,
+                                                   num_warps=4)
+    return out
