@@ -47,7 +47,9 @@ MODES = {   # mode -> Settings overrides
 def make_runner(model: Path, mode: str, max_reqs: int, ctx: int) -> ModelRunner:
     s = Settings(model=model, device="cuda", max_num_seqs=max_reqs, max_num_batched_tokens=max(8192, max_reqs),
                  max_model_len=4096, num_kv_blocks=max_reqs * (-(-(ctx + 64) // 16)) + 16,
-                 warmup_decode_sizes=[], **MODES[mode])
+                 warmup_decode_sizes=[], admission="always", capture_time_share=1.0, **MODES[mode])
+    # admission always, no capture-time budget: the first timed steps capture every batch (under the
+    # server's defaults a capture after the first may be deferred, and replay_ms finds no entry)
     return ModelRunner(s)
 
 
