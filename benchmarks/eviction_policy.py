@@ -6,7 +6,10 @@
 No GPU and no sleeping: a real `GraphCache` (eager backend) replays a seeded, Zipf-skewed trace of
 batch descriptors; a fake step function declares each descriptor's capture cost, the cache's
 injected clock adds it up (so `capture_seconds` is the sum of modelled costs), and `measure_bytes`
-gives each entry its modelled pool bytes. Every miss is admitted (admission="always").
+gives each entry its modelled pool bytes. Every miss is admitted (admission="always"). Lazy entries get
+one private pool each (lazy_pool="private"): the policies are compared where evicting an entry frees
+exactly its bytes. In the default shared lazy pool an eviction frees bytes only with the pool's last
+graph, so under a byte budget the choice of victim would barely matter (docs/graph-pools.md).
 
 The model, from the H200 measurements (BENCHMARKS.md §1, §4 and docs/graph-pools.md):
 - uniform-decode descriptors, batch 1, 2, 4, 8, 16, ... 512: 2-60 MiB of pool (growing with the
@@ -71,7 +74,7 @@ def replay(policy: str, model: dict[BatchDescriptor, tuple[int, float]], trace: 
             clock[0] += model[desc][1]
 
     cache = GraphCache(step, backend="eager", max_entries=10_000, max_bytes=budget, eviction_policy=policy,
-                       measure_bytes=lambda d, pool: model[d][0], clock=lambda: clock[0])
+                       measure_bytes=lambda d, pool: model[d][0], clock=lambda: clock[0], lazy_pool="private")
     t0 = time.perf_counter()
     for desc in trace:
         cache.run(desc)

@@ -7,12 +7,16 @@ measure torch.cuda.memory_reserved() (after empty_cache) relative to the start:
 after capturing all, after evicting the largest one, after evicting all. Also the
 capture time per entry. Modes:
   shared     every capture on one graph_pool_handle() (what vLLM/SGLang do)
-  per_entry  a fresh pool per capture (what GraphCache does for lazily admitted entries)
-  cache      GraphCache, warmup(pin=False): private pools, budgets off; also checks that
-             the bytes it reports equal the allocator's
-  pinned     GraphCache, warmup(pin=True): the N sizes share the one pinned pool (expect
-             ~ the shared figure); then lazily admitted sizes in between (private pools),
-             the largest of them evicted for real ("after/freed by evicting largest" refer
+  per_entry  a fresh pool per capture (what GraphCache does for lazily admitted entries
+             under lazy_pool="private")
+  cache      GraphCache(lazy_pool="private"), warmup(pin=False): private pools, budgets off;
+             also checks that the bytes it reports equal the allocator's
+  lazy       GraphCache(lazy_pool="shared", the default), warmup(pin=False): the N sizes share
+             the one lazy pool (expect ~ the shared figure, and 0 freed by evicting the largest);
+             the survivors' replays are checked against eager after that eviction
+  pinned     GraphCache(lazy_pool="private"), warmup(pin=True): the N sizes share the one pinned
+             pool (expect ~ the shared figure); then lazily admitted sizes in between (private
+             pools), the largest of them evicted for real ("after/freed by evicting largest" refer
              to it), pinned replays checked against eager, and clear() ("after evicting all")
 """
 
@@ -105,30 +109,32 @@ def run_capture_mode(work: Workload, sizes: list[int], shared: bool) -> dict:
             "capture_ms_median": statistics.median(times), "capture_ms_total": sum(times)}
 
 
-def run_cache_mode(work: Workload, sizes: list[int]) -> dict:
+def run_cache_mode(work: Workload, sizes: list[int], lazy_pool: str) -> dict:
     base = reserved()
     cache = GraphCache(lambda d: work.step(d.num_tokens), backend="cuda", max_entries=len(sizes) + 1,
-                       max_bytes=1 << 45)
+                       max_bytes=1 << 45, lazy_pool=lazy_pool)
     descs = [BatchDescriptor(t, t, True) for t in sizes]
     cache.warmup(descs, pin=False)
     after_capture = reserved() - base
     reported = cache.stats().pool_bytes
-    measured = sum(pool_bytes(cache._entries[d].pool) for d in descs)
+    measured = sum(pool_bytes(h) for h in {cache._entries[d].pool.handle for d in descs})
     times = [e.capture_seconds * 1e3 for e in cache.entries()]
     cache.evict(descs[0])
     after_one = reserved() - base
+    match, worst = _replays_match(cache, work, descs[1:])   # survivors over the freed/reused memory
     rep = cache.clear()
     after_all = reserved() - base
     return {"after_capture_mib": after_capture / MiB, "pool_mib": reported / MiB,
             "reported_equals_allocator": reported == measured,
             "after_evict_largest_mib": after_one / MiB, "after_evict_all_mib": after_all / MiB,
             "freed_by_evict_largest_mib": (after_capture - after_one) / MiB,
-            "clear_bytes_freed_mib": rep.bytes_freed / MiB,
+            "clear_bytes_freed_mib": rep.bytes_freed / MiB, "replays_match_eager": match,
+            "replay_worst_rel_err": worst,
             "capture_ms_total": cache.stats().capture_seconds * 1e3, "capture_ms_median": statistics.median(times)}
 
 
-def _pinned_replays_match(cache: GraphCache, work: Workload, descs: list[BatchDescriptor]) -> tuple[bool, float]:
-    """Every pinned graph vs eager, 2 inputs, outputs poisoned with NaN first; (all match, worst rel err)."""
+def _replays_match(cache: GraphCache, work: Workload, descs: list[BatchDescriptor]) -> tuple[bool, float]:
+    """Every graph of `descs` vs eager, 2 inputs, outputs poisoned with NaN first; (all match, worst rel err)."""
     ok, worst = True, 0.0
     for _ in range(2):
         work.x.copy_(torch.randn_like(work.x))
@@ -152,21 +158,21 @@ def run_pinned_mode(work: Workload, sizes: list[int]) -> dict:
     descs = [BatchDescriptor(t, t, True) for t in sizes]
     lazy = [BatchDescriptor(t, t, True) for t in lazy_sizes]
     cache = GraphCache(lambda d: work.step(d.num_tokens), backend="cuda", max_entries=len(descs) + len(lazy),
-                       max_bytes=1 << 45)
+                       max_bytes=1 << 45, lazy_pool="private")
     cache.warmup(descs)  # pin=True: one shared pinned pool
     after_capture = reserved() - base
     pinned = cache.stats().pinned_pool_bytes
-    pinned_equals_allocator = pinned == pool_bytes(cache._pinned_pool) == cache.stats().pool_bytes
+    pinned_equals_allocator = pinned == pool_bytes(cache._shared["pinned"].handle) == cache.stats().pool_bytes
     times = [e.capture_seconds * 1e3 for e in cache.entries()]
     growth = {e.descriptor: e.bytes / MiB for e in cache.entries()}
     for d in lazy:
         cache.run(d)  # lazily admitted: one private pool each
     after_lazy = reserved() - base
     lazy_bytes = [cache._entries[d].bytes for d in lazy]
-    lazy_equals_allocator = all(cache._entries[d].bytes == pool_bytes(cache._entries[d].pool) for d in lazy)
+    lazy_equals_allocator = all(cache._entries[d].bytes == pool_bytes(cache._entries[d].pool.handle) for d in lazy)
     cache.evict(lazy[0])  # the largest lazily admitted entry
     after_one = reserved() - base
-    match, worst = _pinned_replays_match(cache, work, descs)
+    match, worst = _replays_match(cache, work, descs)
     rep = cache.clear()
     after_all = reserved() - base
     return {"after_capture_mib": after_capture / MiB, "pool_mib": pinned / MiB,
@@ -197,7 +203,8 @@ def main() -> None:
               "layers": args.layers, "hidden": args.hidden, "sizes": sizes, "modes": {}}
     result["modes"]["shared"] = run_capture_mode(work, sizes, shared=True)
     result["modes"]["per_entry"] = run_capture_mode(work, sizes, shared=False)
-    result["modes"]["cache"] = run_cache_mode(work, sizes)
+    result["modes"]["cache"] = run_cache_mode(work, sizes, "private")
+    result["modes"]["lazy"] = run_cache_mode(work, sizes, "shared")
     result["modes"]["pinned"] = run_pinned_mode(work, sizes)
     print(f"{len(sizes)} captures, {args.layers} layers, hidden {args.hidden}, bf16; MiB reserved above start "
           f"(after empty_cache)")
@@ -208,7 +215,11 @@ def main() -> None:
         print(f"| {mode} | {r['after_capture_mib']:.1f} | {r['pool_mib']:.1f} | {r['after_evict_largest_mib']:.1f} "
               f"| {r['freed_by_evict_largest_mib']:.1f} | {r['after_evict_all_mib']:.1f} "
               f"| {r['capture_ms_median']:.1f} | {r['capture_ms_total']:.0f} |")
-    print(f"cache: reported pool bytes == allocator: {result['modes']['cache']['reported_equals_allocator']}")
+    for mode in ("cache", "lazy"):
+        r = result["modes"][mode]
+        print(f"{mode}: reported pool bytes == allocator: {r['reported_equals_allocator']}; survivors replay == "
+              f"eager after evicting the largest: {r['replays_match_eager']} (worst rel err "
+              f"{r['replay_worst_rel_err']:.1e})")
     p = result["modes"]["pinned"]
     print(f"pinned: pinned pool {p['pool_mib']:.1f} MiB (shared mode: {result['modes']['shared']['pool_mib']:.1f}); "
           f"+ lazily admitted {p['lazy_sizes']}: {', '.join(f'{m:.1f}' for m in p['lazy_mib'])} MiB; evicting "

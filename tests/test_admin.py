@@ -87,7 +87,10 @@ async def test_cache_info_shape(client):
     assert {"entries", "totals", "budgets"} <= set(info)
     for entry in info["entries"]:
         assert {"descriptor", "bytes", "capture_seconds", "hits", "last_use", "pinned"} <= set(entry)
+        assert entry["pool"] in ("pinned", "lazy", "private")
     assert info["totals"]["entries"] == len(info["entries"])
+    assert info["lazy_pool"] == "shared"   # the default (GRAPHCACHE_CACHE_LAZY_POOL)
+    assert {"pool_bytes", "pinned_pool_bytes", "lazy_pool_bytes"} <= set(info["totals"])
 
 
 async def test_warmup_then_clear_agree_with_metrics(client):

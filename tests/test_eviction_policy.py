@@ -1,7 +1,9 @@
 """GraphCache eviction policies on the eager backend: LRU (the default) and GDSF
 (GreedyDual-Size-Frequency: H = L + (hits + 1) * capture seconds / MiB, lowest H evicted, L raised
 to each budget-evicted H). Sizes come from `measure_bytes`, capture costs from an injected clock
-that the fake step advances by its declared cost while it is being captured."""
+that the fake step advances by its declared cost while it is being captured. Lazy entries get private
+pools (lazy_pool="private"): the policies are compared where evicting one entry frees its bytes (in the
+shared lazy pool only the last one does; tests/test_graph_cache.py covers that)."""
 
 import json
 
@@ -31,7 +33,7 @@ def make(policy, sizes, costs, **kw):
 
     kw = {"max_entries": 64, "max_bytes": 1 << 40, **kw}
     return GraphCache(step, backend="eager", measure_bytes=lambda d, pool: sizes.get(d, 0),
-                      eviction_policy=policy, clock=clock, **kw)
+                      eviction_policy=policy, clock=clock, lazy_pool="private", **kw)
 
 
 def held(cache):

@@ -1,6 +1,6 @@
 """GraphCache behaviour on the eager backend: admission, LRU, budgets, pinning, negative cache,
 clear, stats, padding, owner thread, failpoint, debug addresses, metrics, and the byte
-accounting of the shared pinned pool vs private pools (through the `measure_bytes` hook)."""
+accounting of the shared pinned and lazy pools vs private pools (through the `measure_bytes` hook)."""
 
 import threading
 
@@ -99,7 +99,7 @@ def test_lru_order_and_entry_budget():
 
 def test_byte_budget_makes_room_before_capture():
     a, b, c = D(1, 1, True), D(2, 2, True), D(4, 4, True)
-    cache, _ = make(max_bytes=250, sizes={a: 100, b: 100, c: 100})
+    cache, _ = make(max_bytes=250, sizes={a: 100, b: 100, c: 100}, lazy_pool="private")
     for d in (a, b, c):
         cache.run(d)
     assert [e.descriptor for e in cache.entries()] == ["2:2:decode", "4:4:decode"]
@@ -226,8 +226,8 @@ def test_entries_and_info_json():
     assert e.capture_seconds >= 0 and e.last_use > 1e9
     info = json.loads(json.dumps(cache.info()))
     assert info["backend"] == "eager"
-    assert info["totals"] == {"entries": 1, "pool_bytes": 42, "pinned_pool_bytes": 42}
-    assert info["entries"][0]["pool"] == "pinned"
+    assert info["totals"] == {"entries": 1, "pool_bytes": 42, "pinned_pool_bytes": 42, "lazy_pool_bytes": 0}
+    assert info["entries"][0]["pool"] == "pinned" and info["lazy_pool"] == "shared"
     assert info["budgets"]["max_entries"] == 8
 
 
@@ -265,6 +265,16 @@ def pools_of(cache):
     return {e.descriptor: (e.pool, e.bytes) for e in cache.entries()}
 
 
+def shared(cache, kind):
+    """The shared pool record of `kind` ("pinned" | "lazy"), None when there is none."""
+    return cache._shared[kind]
+
+
+def truth(cache):
+    """What the fake allocator holds for the pools the cache's graphs live in."""
+    return sum(cache.fake_pools.held[p] for p in {e.pool.handle for e in cache._entries.values()})
+
+
 def test_pinned_entries_share_one_pool_and_count_its_growth():
     cache, _ = make(sizes={a8: 100, b4: 60, c2: 130, x6: 50})
     rep = cache.warmup([c2, a8, b4])  # captured largest first: a8, b4, c2
@@ -275,15 +285,16 @@ def test_pinned_entries_share_one_pool_and_count_its_growth():
     assert len({cache._entries[d].pool for d in (a8, b4, c2)}) == 1
     s = cache.stats()
     assert s.pinned_pool_bytes == 130 == s.pool_bytes == rep.pool_bytes
-    assert cache.run(x6) == "replay"  # lazily admitted: its own pool, its full size
-    assert pools_of(cache)["6:6:decode"] == ("private", 50)
-    assert cache._entries[x6].pool != cache._entries[a8].pool
+    assert cache.run(x6) == "replay"  # lazily admitted: the (new) lazy pool, its full size
+    assert pools_of(cache)["6:6:decode"] == ("lazy", 50)
+    assert cache._entries[x6].pool is not cache._entries[a8].pool
     assert cache.stats().pool_bytes == 130 + 50 and cache.stats().pinned_pool_bytes == 130
-    assert cache.info()["totals"] == {"entries": 4, "pool_bytes": 180, "pinned_pool_bytes": 130}
+    assert cache.info()["totals"] == {"entries": 4, "pool_bytes": 180, "pinned_pool_bytes": 130,
+                                      "lazy_pool_bytes": 50}
 
 
 def test_unpinned_warmup_and_already_cached_entries_keep_private_pools():
-    cache, _ = make(sizes={a8: 100, b4: 60})
+    cache, _ = make(sizes={a8: 100, b4: 60}, lazy_pool="private")
     cache.warmup([a8], pin=False)
     cache.run(b4)
     cache.warmup([a8, b4])  # already held: pinned now, but they stay in their private pools
@@ -293,7 +304,7 @@ def test_unpinned_warmup_and_already_cached_entries_keep_private_pools():
 
 
 def test_budget_counts_pinned_growth_not_full_size_and_evicts_private_for_real():
-    cache, _ = make(max_bytes=200, sizes={a8: 100, b4: 90, x6: 60, y1: 60, c2: 40})
+    cache, _ = make(max_bytes=200, sizes={a8: 100, b4: 90, x6: 60, y1: 60, c2: 40}, lazy_pool="private")
     cache.warmup([a8, b4])  # b4's hint is a8's 100, but it fits in the pinned pool: no growth
     assert cache.stats().pool_bytes == 100 and not cache.info()["negative"]
     cache.run(x6)  # private 60: 160
@@ -310,7 +321,7 @@ def test_pinned_capture_whose_growth_cannot_fit_is_refused_only_when_that_frees_
     # First pinned capture over budget: the pool holds only it, so refusing frees it all.
     cache, _ = make(max_bytes=50, sizes={a8: 100})
     rep = cache.warmup([a8])
-    assert rep.failed == {"8:8:decode": "budget"} and cache._pinned_pool is None
+    assert rep.failed == {"8:8:decode": "budget"} and shared(cache, "pinned") is None
     assert cache.stats().pool_bytes == 0 and cache.stats().pinned_pool_bytes == 0
     # Later pinned capture that grows the pool past the budget (hint short): its memory is
     # reserved in the shared pool either way, so it is kept and the bytes are counted.
@@ -342,36 +353,36 @@ def test_failed_pinned_capture_keeps_accounting_and_pool():
     cache, _ = make(sizes={a8: 100})
     cache.failpoint = _fail_on(None, torch.OutOfMemoryError("injected"))
     assert cache.warmup([a8]).failed == {"8:8:decode": "oom"}
-    assert cache._pinned_pool is None and cache.stats().pool_bytes == 0
+    assert shared(cache, "pinned") is None and cache.stats().pool_bytes == 0
 
 
 def test_manual_eviction_of_pinned_entries_frees_the_pool_with_the_last():
     cache, _ = make(sizes={a8: 100, b4: 60, x6: 50})
     cache.warmup([a8, b4])
     cache.run(x6)
-    first_pool = cache._pinned_pool
+    first_pool = shared(cache, "pinned").handle
     assert cache.evict(a8)  # the pool still serves b4: nothing returns, the bytes stay counted
     assert cache.stats().pinned_pool_bytes == 100 and cache.stats().pool_bytes == 150
-    assert cache.evict(x6)  # private: its bytes go at once
-    assert cache.stats().pool_bytes == 100
+    assert cache.evict(x6)  # the lazy pool's only graph: its bytes go at once
+    assert cache.stats().pool_bytes == 100 and shared(cache, "lazy") is None
     assert cache.evict(b4)  # the last pinned graph: the pool goes
-    assert cache._pinned_pool is None and cache.stats().pool_bytes == 0
+    assert shared(cache, "pinned") is None and cache.stats().pool_bytes == 0
     cache.warmup([b4])  # a new pool (a dropped handle is never captured into again)
-    assert cache._pinned_pool != first_pool and pools_of(cache) == {"4:4:decode": ("pinned", 60)}
+    assert shared(cache, "pinned").handle != first_pool and pools_of(cache) == {"4:4:decode": ("pinned", 60)}
 
 
-def test_clear_drops_pinned_pool_and_private_pools():
+def test_clear_drops_pinned_and_lazy_pools():
     cache, _ = make(sizes={a8: 100, b4: 60, c2: 130, x6: 50})
     cache.warmup([a8, b4, c2])
     cache.run(x6)
-    old = cache._pinned_pool
+    old = shared(cache, "pinned").handle
     rep = cache.clear()
     assert (rep.entries, rep.pool_bytes) == (4, 180)
-    assert cache._pinned_pool is None and len(cache) == 0
+    assert shared(cache, "pinned") is None and shared(cache, "lazy") is None and len(cache) == 0
     s = cache.stats()
-    assert (s.pool_bytes, s.pinned_pool_bytes, s.evictions["clear"]) == (0, 0, 4)
+    assert (s.pool_bytes, s.pinned_pool_bytes, s.lazy_pool_bytes, s.evictions["clear"]) == (0, 0, 0, 4)
     cache.warmup([b4, a8])
-    assert cache._pinned_pool != old
+    assert shared(cache, "pinned").handle != old
     assert pools_of(cache) == {"8:8:decode": ("pinned", 100), "4:4:decode": ("pinned", 0)}
 
 
@@ -509,3 +520,190 @@ def test_no_warmed_retry_at_tensor_parallel(monkeypatch):
         cache.run(D(n, n, True))
     assert seen == [True, False]   # no retry
     assert D(16, 16, True) not in cache and cache.stats().failures["error"] == 1
+
+
+# --- the shared lazy pool (lazy_pool="shared", the default) ---
+
+def test_lazy_entries_share_one_pool_and_count_its_growth():
+    m = Metrics()
+    cache, _ = make(metrics=m, sizes={a8: 100, b4: 60, c2: 130})
+    for d in (a8, b4, c2):
+        assert cache.run(d) == "replay"
+    # a8 reserves 100, b4 fits in it (growth 0), c2 needs 30 more: the pool holds the largest, not the sum
+    assert pools_of(cache) == {"8:8:decode": ("lazy", 100), "4:4:decode": ("lazy", 0), "2:2:decode": ("lazy", 30)}
+    assert len({cache._entries[d].pool for d in (a8, b4, c2)}) == 1
+    s = cache.stats()
+    assert s.lazy_pool_bytes == s.pool_bytes == 130 == truth(cache) and s.pinned_pool_bytes == 0
+    assert cache.rank_pool_bytes() == [130]   # one process: its own measurement is the total
+    assert m.registry.get_sample_value("graphcache_graph_pool_bytes") == 130
+    assert cache.info()["totals"]["lazy_pool_bytes"] == 130
+    # size hints stay each descriptor's own-pool size: known only for a8, captured into the empty pool
+    assert cache._size_hints == {a8: 100}
+    profile = {p["descriptor"]: p["bytes"] for p in cache.profile()["descriptors"] if p["mode"]}
+    assert profile == {"8:8:decode": 100, "4:4:decode": 0, "2:2:decode": 30}
+
+
+def test_evicting_every_lazy_entry_drops_the_pool_and_never_reuses_its_handle():
+    cache, _ = make(sizes={a8: 100, b4: 60, x6: 80})
+    cache.run(a8)
+    cache.run(b4)
+    first = shared(cache, "lazy")
+    assert cache.evict(a8)  # b4 still holds the pool: nothing returns, the bytes stay counted
+    assert cache.stats().pool_bytes == 100 == truth(cache) and shared(cache, "lazy") is first
+    assert cache.evict(b4)  # the last graph: the pool goes with it
+    assert shared(cache, "lazy") is None and cache.stats().pool_bytes == 0
+    assert cache.stats().evictions["manual"] == 2
+    cache.run(x6)
+    fresh = shared(cache, "lazy")
+    assert fresh is not first and fresh.handle != first.handle
+    assert pools_of(cache) == {"6:6:decode": ("lazy", 80)} and cache._size_hints[x6] == 80
+
+
+def test_entry_budget_in_the_lazy_pool_evicts_without_counting_freed_bytes():
+    cache, _ = make(max_entries=2, sizes={a8: 100, b4: 60, c2: 40})
+    cache.run(a8)
+    cache.run(b4)
+    cache.run(c2)  # the entry budget evicts a8, the pool's largest: the pool still holds 100 for b4 and c2
+    assert cache.stats().evictions["entries"] == 1 and a8 not in cache
+    assert cache.stats().pool_bytes == 100 == truth(cache)
+
+
+def test_lazy_capture_that_outgrows_the_budget_drops_the_whole_lazy_pool():
+    big = D(16, 16, True)
+    cache, _ = make(max_bytes=200, sizes={y1: 40, c2: 50, big: 250})
+    cache.run(y1)
+    cache.run(c2)
+    assert cache.stats().pool_bytes == 50
+    # big's hint is c2's 50, which the pool already holds: captured into it, the pool grows to 250. Evicting
+    # y1 or c2 alone frees nothing while big's graph lives, so the only way back under budget is refusing
+    # big together with the rest of its pool.
+    assert cache.run(big) == "eager"
+    assert len(cache) == 0 and shared(cache, "lazy") is None and cache.stats().pool_bytes == 0
+    s = cache.stats()
+    assert s.evictions["bytes"] == 2 and s.failures["budget"] == 1
+    assert cache.info()["negative"][0]["descriptor"] == "16:16:decode"
+    assert cache.run(y1) == "replay" and pools_of(cache) == {"1:1:decode": ("lazy", 40)}  # a fresh pool
+
+
+def test_pinned_capture_drops_the_lazy_pool_when_only_that_makes_room():
+    cache, _ = make(max_bytes=200, sizes={a8: 150, y1: 40, c2: 30})
+    cache.run(a8)  # lazy pool: 150
+    cache.run(y1)  # fits in it: growth 0
+    # A pinned capture of c2, hint 150 (no smaller capture known: the smallest), into the empty pinned pool:
+    # 150 + 150 > 200. Evicting a8 alone would free nothing (y1 holds the pool), so both go, in LRU order.
+    rep = cache.warmup([c2])
+    assert rep.captured == ["2:2:decode"] and cache.stats().evictions["bytes"] == 2
+    assert pools_of(cache) == {"2:2:decode": ("pinned", 30)} and shared(cache, "lazy") is None
+    assert cache.stats().pool_bytes == 30 == truth(cache)
+
+
+def test_no_eviction_when_evicting_everything_would_not_make_room():
+    # Pinned pool 100 of a 150 budget; a lazy pool of 40. A capture whose hint is 100 cannot fit even with the
+    # lazy pool gone (100 + 100 > 150): refused, and the lazy entries stay (evicting them would gain nothing).
+    for lazy_pool in ("shared", "private"):
+        cache, _ = make(max_bytes=150, sizes={a8: 100, y1: 40, x6: 100}, lazy_pool=lazy_pool)
+        cache.run(y1)
+        cache.warmup([a8])
+        assert cache.stats().pool_bytes == 140
+        cache._size_hints[x6] = 100   # known from an earlier capture
+        assert cache.run(x6) == "eager"
+        s = cache.stats()
+        assert s.failures["budget"] == 1 and sum(s.evictions.values()) == 0 and y1 in cache
+
+
+@pytest.mark.parametrize("policy", ["lru", "gdsf"])
+def test_budget_eviction_with_a_shared_lazy_pool_terminates_and_stays_within_budget(policy):
+    import random
+
+    rng = random.Random(7)
+    descs = [D(n, n, n % 3 == 0) for n in range(1, 41)]
+    sizes = {d: rng.randint(10, 300) for d in descs}   # some alone exceed what the budget leaves
+    sizes.update(zip(descs[:3], (10, 20, 30), strict=True))
+    cache, _ = make(max_entries=12, max_bytes=250, sizes=sizes, eviction_policy=policy)
+    cache.warmup(descs[:3])   # pinned: 30 bytes of pinned pool
+    drops = 0
+    for _ in range(600):
+        pool = shared(cache, "lazy")
+        cache.run(rng.choice(descs))
+        drops += pool is not None and shared(cache, "lazy") is not pool
+        s = cache.stats()
+        # Within budget after every step, and every byte counted is held: a pool is freed only with its last graph.
+        assert s.pool_bytes <= 250 and s.pool_bytes == truth(cache)
+        assert s.pool_bytes == s.pinned_pool_bytes + s.lazy_pool_bytes and len(cache) <= 12
+    s = cache.stats()
+    assert s.captures > 100 and s.hits > 100 and s.evictions["bytes"] > 0 and s.failures["budget"] > 0
+    assert drops > 0   # the lazy pool was dropped for the budget (and later captures started a fresh one)
+    assert all(e.pinned for e in cache.entries() if e.descriptor in map(str, descs[:3]))
+
+
+def test_private_lazy_pool_keeps_one_pool_per_entry():
+    cache, _ = make(sizes={a8: 100, b4: 60}, lazy_pool="private")
+    cache.run(a8)
+    cache.run(b4)
+    assert pools_of(cache) == {"8:8:decode": ("private", 100), "4:4:decode": ("private", 60)}
+    assert shared(cache, "lazy") is None and cache.stats().lazy_pool_bytes == 0
+    assert cache.evict(a8) and cache.stats().pool_bytes == 60 == truth(cache)  # its bytes go at once
+    assert cache.info()["lazy_pool"] == "private"
+    with pytest.raises(ValueError, match="lazy_pool"):
+        make(lazy_pool="pooled")
+
+
+def test_failed_lazy_capture_leaves_the_shared_pool_consistent():
+    def fail_capturing(desc):
+        def step(d):
+            r.step(d)
+            if d == desc and is_capturing():
+                raise RuntimeError("injected mid-capture failure")
+        return step
+
+    r = Runner()
+    cache, _ = make(runner=r, sizes={a8: 100, b4: 60, c2: 130})
+    cache.run(a8)
+    pool = shared(cache, "lazy")
+    cache.step_fn = fail_capturing(c2)
+    assert cache.run(c2) == "eager" and cache.stats().failures["error"] == 1
+    # The pool still serves a8; what the failed capture reserved there is re-measured and stays counted.
+    assert shared(cache, "lazy") is pool and pool.graphs == 1
+    assert cache.stats().pool_bytes == 130 == truth(cache)
+    cache.step_fn = r.step
+    assert cache.run(b4) == "replay" and pools_of(cache)["4:4:decode"] == ("lazy", 0)
+    assert shared(cache, "lazy") is pool and pool.graphs == 2
+    # A failure in the first capture of a lazy pool leaves no pool behind.
+    cache, _ = make(runner=r, sizes={a8: 100})
+    cache.step_fn = fail_capturing(a8)
+    assert cache.run(a8) == "eager"
+    assert shared(cache, "lazy") is None and cache.stats().pool_bytes == 0 and len(cache) == 0
+
+
+def test_warmed_retry_keeps_a_live_lazy_pool_and_renews_an_empty_ones_handle(monkeypatch):
+    import graphcache.graphs.cache as cache_mod
+
+    handles, real = [], cache_mod.capture
+
+    def fake(step, *, backend, pool=None, warmup=False):
+        handles.append(pool)
+        if not warmup and fail_cold:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return real(step, backend=backend, pool=pool, warmup=warmup)
+
+    monkeypatch.setattr(cache_mod, "capture", fake)
+    fail_cold = False
+    cache, _ = make(warm_key=lambda d: d.num_tokens >= 4)   # two kernel families
+    cache.run(D(1, 1, True))            # family False, warm capture: the lazy pool's first graph
+    cache.run(D(2, 2, True))            # cold capture into the same, live pool
+    live = shared(cache, "lazy").handle
+    fail_cold = True
+    cache.evict(D(1, 1, True))
+    cache.evict(D(2, 2, True))          # the pool is gone
+    cache.run(D(4, 4, True))            # family True, warm: a fresh pool
+    fresh = shared(cache, "lazy").handle
+    assert fresh != live
+    handles.clear()
+    assert cache.run(D(8, 8, True)) == "replay"   # cold fails, the warmed retry goes into the same live pool
+    assert handles == [fresh, fresh] and shared(cache, "lazy").handle == fresh
+    cache.evict(D(4, 4, True))
+    cache.evict(D(8, 8, True))          # the pool is gone again
+    handles.clear()
+    assert cache.run(D(16, 16, True)) == "replay"   # cold capture into a new, empty pool fails: its reset may
+    cold, retry = handles                           # have released the pool, so the retry takes a new handle
+    assert cold != retry and shared(cache, "lazy").handle == retry and cold != fresh

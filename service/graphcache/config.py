@@ -115,6 +115,10 @@ class Settings(BaseSettings):
     cache_pin_share: float = Field(0.5, gt=0, le=1, description="Warmup pins at most this share of "
                                    "cache_max_entries and cache_max_bytes; beyond it warmed graphs stay evictable, "
                                    "so lazy captures always keep room.")
+    cache_lazy_pool: Literal["shared", "private"] = Field(
+        "shared", description="Graph pool of lazily captured (unpinned) graphs: shared = one pool for all of them, "
+        "about the size of the largest (graphs never run at once), freed only with its last graph; private = one "
+        "pool each, so evicting one frees exactly its bytes, at the sum of their sizes (docs/graph-pools.md).")
     eviction_policy: Literal["lru", "gdsf"] = Field(
         "lru", description="Which unpinned graph the budgets evict: lru = least recently used; gdsf = lowest "
         "(hits + 1) x capture seconds / MiB, aged (docs/graph-pools.md).")

@@ -215,7 +215,7 @@ def test_cache_replays_correctly_and_reports_allocator_bytes():
     d = D(512, 512, True)
     assert cache.run(d) == "replay"
     entry = cache._entries[d]
-    assert entry.bytes == pool_bytes(entry.pool) > 0
+    assert entry.bytes == pool_bytes(entry.pool.handle) > 0
     assert cache.stats().pool_bytes == entry.bytes
     gc.collect()
     torch.cuda.empty_cache()
@@ -226,7 +226,7 @@ def test_cache_replays_correctly_and_reports_allocator_bytes():
 
 def test_eviction_drops_reserved_memory():
     w = Workload()
-    cache = _cache(w)
+    cache = _cache(w, lazy_pool="private")
     descs = [D(512, 512, True), D(256, 256, True), D(128, 128, True)]
     for d in descs:
         cache.run(d)
@@ -242,17 +242,20 @@ def test_eviction_drops_reserved_memory():
     assert rep.entries == 2 and rep.bytes_freed >= rep.pool_bytes > 0
 
 
-def test_budget_eviction_keeps_memory_under_budget_and_survivors_correct():
+@pytest.mark.parametrize("lazy_pool", ["private", "shared"])
+def test_budget_eviction_keeps_memory_under_budget_and_survivors_correct(lazy_pool):
     w = Workload()
     probe = _cache(w)
     probe.run(D(512, 512, True))
     one = probe.stats().pool_bytes
     probe.clear()
-    cache = _cache(w, max_bytes=int(one * 2.5))
+    cache = _cache(w, max_bytes=int(one * 2.5), lazy_pool=lazy_pool)
     for t in (512, 384, 256, 128, 64):
         cache.run(D(t, t, True))
         assert cache.stats().pool_bytes <= cache.max_bytes
-    assert cache.stats().evictions["bytes"] >= 1
+        assert cache.info()["allocator_pool_bytes"] >= cache.stats().pool_bytes   # freed pools await empty_cache
+    if lazy_pool == "private":
+        assert cache.stats().evictions["bytes"] >= 1   # the shared pool holds ~ the largest: no eviction needed
     last = D(64, 64, True)
     w.check_replay(lambda: cache.run(last), tokens=64)
 
@@ -317,21 +320,21 @@ def test_pinned_warmup_uses_far_less_memory_than_private_entries():
     w = Workload()
     w.step()
     start = _primed_quiet_reserved(w)
-    private = _cache(w)
+    private = _cache(w, lazy_pool="private")
     private.warmup(PINNED, pin=False)  # one pool per entry
     assert {e.pool for e in private.entries()} == {"private"}
     private_bytes = private.stats().pool_bytes
-    assert private_bytes == sum(pool_bytes(e.pool) for e in private._entries.values())
+    assert private_bytes == sum(pool_bytes(e.pool.handle) for e in private._entries.values())
     private.clear()
     assert _primed_quiet_reserved(w) <= start + 2 * MiB
 
     cache = _cache(w)
     rep = cache.warmup(PINNED)  # pinned: one shared pool
     assert len(rep.captured) == len(PINNED) and {e.pool for e in cache.entries()} == {"pinned"}
-    pool = cache._pinned_pool
-    assert all(cache._entries[d].pool == pool for d in PINNED)
+    pool = cache._shared["pinned"]
+    assert all(cache._entries[d].pool is pool for d in PINNED)
     s = cache.stats()
-    assert s.pool_bytes == s.pinned_pool_bytes == pool_bytes(pool) > 0
+    assert s.pool_bytes == s.pinned_pool_bytes == pool_bytes(pool.handle) > 0
     assert sum(e.bytes for e in cache.entries()) == s.pinned_pool_bytes  # growth per capture adds up
     largest = cache._entries[PINNED[0]].bytes
     assert s.pinned_pool_bytes <= largest + 8 * MiB, "the pinned pool should hold ~ the largest capture"
@@ -345,7 +348,7 @@ def test_pinned_warmup_uses_far_less_memory_than_private_entries():
 
 def test_pinned_graphs_replay_correctly_after_private_captures_and_evictions():
     w = Workload()
-    cache = _cache(w, max_entries=5)
+    cache = _cache(w, max_entries=5, lazy_pool="private")
     cache.warmup(PINNED[::2])  # 512, 256, 64 pinned
     pinned_bytes = cache.stats().pinned_pool_bytes
 
@@ -375,7 +378,7 @@ def test_pinned_graphs_replay_correctly_after_private_captures_and_evictions():
     w.check_replay(lambda: cache.run(lazy[3]), tokens=96)
     assert all(d in cache for d in PINNED[::2])
     assert cache.stats().pinned_pool_bytes == pinned_bytes  # lazy captures never touch it
-    assert {cache._entries[d].pool for d in lazy[2:]}.isdisjoint({cache._pinned_pool})
+    assert {cache._entries[d].pool for d in lazy[2:]}.isdisjoint({cache._shared["pinned"]})
 
 
 def test_clear_returns_reserved_memory_to_start_level():
@@ -385,16 +388,16 @@ def test_clear_returns_reserved_memory_to_start_level():
     cache = _cache(w)
     cache.warmup(PINNED[:3])
     cache.run(D(96, 96, True))
-    cache.run(D(200, 200, True))
-    pool = cache._pinned_pool
+    cache.run(D(200, 200, True))   # both in the shared lazy pool
+    pool, lazy = cache._shared["pinned"], cache._shared["lazy"]
     held = cache.stats().pool_bytes
-    assert held == pool_bytes(pool) + sum(pool_bytes(e.pool) for e in cache._entries.values() if e.pool != pool)
+    assert held == pool_bytes(pool.handle) + pool_bytes(lazy.handle) == cache.info()["allocator_pool_bytes"]
     rep = cache.clear()
     assert rep.entries == 5 and rep.pool_bytes == held and rep.bytes_freed >= held > 0
-    assert pool_bytes(pool) == 0 and cache.stats().pool_bytes == 0
+    assert pool_bytes(pool.handle) == 0 == pool_bytes(lazy.handle) and cache.stats().pool_bytes == 0
     assert _quiet_reserved() <= start + 2 * MiB
     cache.warmup(PINNED[:2])  # a fresh pinned pool after clear works
-    assert cache._pinned_pool != pool
+    assert cache._shared["pinned"].handle != pool.handle
     w.check_replay(lambda: cache.run(PINNED[1]), tokens=PINNED[1].num_tokens)
     cache.clear()
     assert _quiet_reserved() <= start + 2 * MiB
@@ -406,12 +409,56 @@ def test_evicting_every_pinned_entry_releases_the_pinned_pool():
     start = _quiet_reserved()
     cache = _cache(w)
     cache.warmup(PINNED[:3])
-    pool = cache._pinned_pool
+    pool = cache._shared["pinned"].handle
     held = cache.stats().pinned_pool_bytes
     assert cache.evict(PINNED[0])  # the largest: its blocks stay in the shared pool
     assert pool_bytes(pool) == held == cache.stats().pool_bytes
     for d in PINNED[1:3]:
         w.check_replay(lambda d=d: cache.run(d), tokens=d.num_tokens)
     assert cache.evict(PINNED[1]) and cache.evict(PINNED[2])  # the last one frees the pool
-    assert pool_bytes(pool) == 0 and cache.stats().pool_bytes == 0 and cache._pinned_pool is None
+    assert pool_bytes(pool) == 0 and cache.stats().pool_bytes == 0 and cache._shared["pinned"] is None
     assert _quiet_reserved() <= start + 2 * MiB
+
+
+# --- the shared lazy pool (lazy_pool="shared", the default) ---
+
+def test_lazy_captures_share_one_pool_and_replay_after_evicting_one():
+    """Two lazy captures of different sizes in one pool cost less than their own pools together; both replay
+    equal to eager, and after the one that set the pool's size is evicted (its blocks stay in the pool and are
+    re-used by a later capture) the other still does. Evicting the last returns the pool to the driver."""
+    w = Workload()
+    start = _primed_quiet_reserved(w)
+    big, small, mid = D(512, 512, True), D(384, 384, True), D(448, 448, True)   # all above 1 MiB a tensor
+    probe = _cache(w, lazy_pool="private")
+    own = {}
+    for d in (big, small):
+        probe.run(d)
+        own[d] = probe._entries[d].bytes   # each one's own-pool size
+    probe.clear()
+
+    def check(d: D) -> None:
+        w.x.fill_(float("nan"))   # poisoned, then filled with fresh random input by check_replay
+        w.check_replay(lambda: cache.run(d), tokens=d.num_tokens)
+
+    cache = _cache(w)
+    assert cache.run(big) == "replay" and cache.run(small) == "replay"
+    pool = cache._shared["lazy"]
+    assert {e.pool for e in cache.entries()} == {"lazy"} and pool.graphs == 2
+    assert cache._entries[big].pool is cache._entries[small].pool is pool
+    s = cache.stats()
+    assert s.pool_bytes == s.lazy_pool_bytes == pool_bytes(pool.handle) == cache.info()["allocator_pool_bytes"] > 0
+    assert sum(e.bytes for e in cache.entries()) == s.lazy_pool_bytes   # growths add up to the pool
+    assert s.lazy_pool_bytes < own[big] + own[small], (s.lazy_pool_bytes / MiB, own[big] / MiB, own[small] / MiB)
+    for d in (big, small, big):
+        check(d)
+    assert cache.evict(big)   # small still holds the pool: nothing returns, the bytes stay counted
+    assert pool_bytes(pool.handle) == s.lazy_pool_bytes == cache.stats().pool_bytes and pool.graphs == 1
+    check(small)
+    assert cache.run(mid) == "replay"   # captured into the blocks big left behind
+    for d in (small, mid, small):
+        check(d)
+    assert cache.evict(small) and cache.evict(mid)   # the last graph: the pool goes
+    assert cache._shared["lazy"] is None and pool_bytes(pool.handle) == 0 and cache.stats().pool_bytes == 0
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() <= start + 2 * MiB

@@ -130,7 +130,7 @@ class ModelRunner:
                                 admission_min_misses=s.admission_min_misses, eviction_policy=s.eviction_policy,
                                 capture_time_share=s.capture_time_share, capture_burst_seconds=s.capture_burst_seconds,
                                 pin_share=s.cache_pin_share, debug=s.graph_debug, metrics=metrics, input_tensors=self._input_tensors,
-                                capture_warmup=s.capture_warmup, warm_key=self._kernel_family)
+                                capture_warmup=s.capture_warmup, warm_key=self._kernel_family, lazy_pool=s.cache_lazy_pool)
         self._uploaded = torch.cuda.Event() if self.device.type == "cuda" else None
         log.info("model %s (%s) on %s %s: max_model_len %d, %d KV blocks x %d tokens, backend %s", path,
                  self.model_config.architecture, self.device, str(self.dtype).removeprefix("torch."),

@@ -41,7 +41,7 @@ class Decision:
     desc: str = ""          # the descriptor ("8:8:decode"); "" for clear
     reason: str = ""        # refuse: budget | oom | error; evict: entries | bytes | manual | clear
     bytes: int = 0          # admit: the agreed size (max over ranks)
-    rank_bytes: tuple[int, ...] = ()   # admit: each rank's measured bytes, in rank order
+    rank_bytes: tuple[int, ...] = ()   # admit: each rank's measured growth of its pool (a private pool: all of it)
     pinned: bool = False
 
 

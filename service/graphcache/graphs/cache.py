@@ -3,18 +3,34 @@
 `run(desc)` replays the capture for `desc` when there is one; on a miss it admits and
 captures (then replays), or serves the step eagerly. Every decision is counted.
 
-Memory (see docs/graph-pools.md): two kinds of graph pool.
-- Pinned entries (warmup, `pin=True`) are captured into ONE shared "pinned pool". They are
-  never evicted by the budgets, so sharing costs no evictability: the pool holds about the
-  largest capture plus one cuBLAS workspace instead of the sum, and goes back to the driver
-  when its last graph is dropped (clear(), or manual eviction of every pinned entry).
-- Lazily admitted entries (`run`, `warmup(pin=False)`) get one private pool each: evicting
-  one drops its graphs, and `empty_cache` returns exactly its bytes.
-Bytes are the allocator's, never an estimate: total = pinned pool + sum of private pools.
-A pinned entry's `bytes` is the growth of the pinned pool during its capture (0 when the
-pool already had room); `pool` in `entries()` says which kind. Budgets are enforced before
-a capture (room is made first, from a size hint measured on earlier captures), so memory
-never exceeds the budget by a whole graph.
+Memory (see docs/graph-pools.md): graphs never run at the same time and each one's intermediates
+are dead between its replays, so graphs sharing a pool cost about the largest capture, not the sum.
+- Pinned entries (warmup, `pin=True`) are captured into ONE shared "pinned pool". The budgets never
+  evict them; the pool goes back to the driver with its last graph (clear(), or manual eviction of
+  every pinned entry).
+- Lazily admitted entries (`run`, `warmup(pin=False)`, warmup past pin_share) are captured into ONE
+  shared "lazy pool" (`lazy_pool="shared"`, the default), or into one private pool each
+  (`lazy_pool="private"`: evicting one returns exactly its bytes; what the eviction-policy benchmark
+  compares). An entry pinned after lazy admission stays in the pool it was captured into.
+A shared pool's record (graphs/pool.py GraphPool) is created with its first capture and dropped with
+its last graph; its handle is never captured into again (pool.py). Bytes are the allocator's, never
+an estimate: total = pinned pool + lazy pool + sum of private pools. A shared entry's `bytes` is the
+growth of its pool during its capture (0 when the pool already had room); `pool` in `entries()` says
+which kind. Size hints are each descriptor's own-pool size, measured when it was captured into an
+empty pool. Budgets are enforced before a capture (room is made first, from the size hint), so
+memory never exceeds the budget by a whole graph.
+
+Byte budget and shared pools (_make_room, _fit_after_capture): evicting an entry frees bytes only
+when it is its pool's last graph (graphs/pool.py plan_evictions), so a budget eviction takes the
+shortest run of victims in policy order that fits, and of those evicts only the ones whose pool it
+empties: an entry of a pool that stays would free nothing. A capture into a live shared pool needs
+only what exceeds the pool (max(0, hint - pool bytes)); when the budget still does not hold, the
+victims may include every entry of the lazy pool, dropping it, after which the capture needs its
+whole hint in a fresh one. Evicting nothing and refusing is chosen when no set of victims fits.
+After a capture whose real size exceeded its hint, other pools are emptied if that fits; else the
+capture is refused together with the rest of its pool when all of it is evictable (for the lazy pool:
+dropping it is the only way its bytes come back), or kept over budget with a warning when refusing
+would return nothing (its pool holds pinned graphs). Every loop is bounded by the entries held.
 
 Eviction (budgets only ever evict unpinned entries), by `eviction_policy`:
 - "lru" (default): the least recently used entry.
@@ -57,19 +73,30 @@ from graphcache.graphs.agreement import Agreement, CaptureReport, Decision, Verd
 from graphcache.graphs.cache_reports import CacheStats, ClearReport, EntryInfo, WarmupReport
 from graphcache.graphs.capture import BreakableGraph, capture
 from graphcache.graphs.descriptor import BatchDescriptor
-from graphcache.graphs.pool import all_graph_pools_bytes, new_pool, pool_bytes, reserved_bytes
+from graphcache.graphs.pool import (
+    GraphPool,
+    PoolKind,
+    all_graph_pools_bytes,
+    emptied_by,
+    new_pool,
+    plan_evictions,
+    pool_bytes,
+    reserved_bytes,
+)
 from graphcache.graphs.profile import build_profile
 from graphcache.metrics import CAPTURE_MODES, Metrics
 
-__all__ = ["EVICTION_POLICIES", "CacheStats", "ClearReport", "EntryInfo", "GraphCache", "WarmupReport"]
+__all__ = ["EVICTION_POLICIES", "LAZY_POOLS", "CacheStats", "ClearReport", "EntryInfo", "GraphCache", "WarmupReport"]
 
 log = logging.getLogger(__name__)
 Mode = Literal["replay", "eager"]
 EvictionPolicy = Literal["lru", "gdsf"]
 EVICTION_POLICIES: tuple[str, ...] = ("lru", "gdsf")
+LazyPool = Literal["shared", "private"]
+LAZY_POOLS: tuple[str, ...] = ("shared", "private")
 # GDSF floors: a capture never costs less than this (the eager backend's captures take
-# microseconds), and an entry never weighs less than 1 MiB (pinned-pool growths and CPU entries may
-# be 0 bytes; real private pools are >= ~2 MiB, so the floor only matters off the GPU).
+# microseconds), and an entry never weighs less than 1 MiB (shared-pool growths and CPU entries may
+# be 0 bytes; real private pools are >= ~2 MiB, so the floor only matters off the GPU and for growths).
 MIN_COST_SECONDS = 1e-6
 MIN_SIZE_BYTES = 1 << 20
 DECISION_LOG_MAX = 100_000   # decisions kept (captures, evictions, refusals: never one per step)
@@ -79,11 +106,10 @@ DECISION_LOG_MAX = 100_000   # decisions kept (captures, evictions, refusals: ne
 class _Entry:
     desc: BatchDescriptor
     graph: BreakableGraph
-    pool: Any
+    pool: GraphPool  # the pool it was captured into (shared: `bytes` is that pool's growth then)
     bytes: int
     capture_seconds: float
     pinned: bool = False
-    shared: bool = False  # captured into the shared pinned pool (bytes: its growth then)
     hits: int = 0
     last_use: float = field(default_factory=time.time)
     addresses: list[int] | None = None  # debug mode: input data_ptrs at capture
@@ -114,13 +140,17 @@ class GraphCache:
                  eviction_policy: EvictionPolicy = "lru", pin_share: float = 1.0,
                  clock: Callable[[], float] = time.perf_counter, agreement: Agreement | None = None,
                  capture_warmup: str = "per_kernel", warm_key: Callable[[BatchDescriptor], Hashable] | None = None,
-                 ) -> None:
+                 lazy_pool: LazyPool = "shared") -> None:
         """agreement: how capture outcomes are agreed with other tensor-parallel ranks (graphs/agreement.py);
         None = this process alone, no collective. capture_warmup: "always" runs the step eagerly before
         every capture; "per_kernel" only before the first capture of each `warm_key(desc)` (the step's
         kernel family: what must compile or set up once; None = one family), since an eager run costs as
         much host time as the capture itself (BENCHMARKS.md §8). A capture without one that fails is
-        retried with one before it counts as failed."""
+        retried with one before it counts as failed. lazy_pool: where unpinned entries are captured, "shared"
+        (one lazy pool) or "private" (one pool each); see the module docstring."""
+        if lazy_pool not in LAZY_POOLS:
+            raise ValueError(f"lazy_pool must be 'shared' or 'private', got {lazy_pool!r}")
+        self.lazy_pool = lazy_pool
         if capture_warmup not in ("always", "per_kernel"):
             raise ValueError(f"capture_warmup must be 'always' or 'per_kernel', got {capture_warmup!r}")
         self.capture_warmup, self.warm_key = capture_warmup, warm_key
@@ -156,11 +186,9 @@ class GraphCache:
         # measured (mode, bytes, seconds). Both survive eviction and clear(): they describe the traffic.
         self._uses: Counter[BatchDescriptor] = Counter()
         self._captured: dict[BatchDescriptor, tuple[str, int, float]] = {}
-        # The shared pool of pinned captures: created on the first, dropped with the last entry
-        # in it (never reused after: see pool.py). Bytes: allocator-measured after each capture
-        # into it; it only grows while any graph on it lives, so between captures it is exact.
-        self._pinned_pool: Any = None
-        self._pinned_bytes = 0
+        # The shared pools by kind ("pinned", and "lazy" when lazy_pool="shared"): each created on
+        # its first capture, dropped with its last graph (never reused after: see pool.py).
+        self._shared: dict[str, GraphPool | None] = {"pinned": None, "lazy": None}
         self._stats = CacheStats()
         self._owner: int | None = None
         if metrics is not None:
@@ -218,10 +246,11 @@ class GraphCache:
     def _capture_entry(self, desc: BatchDescriptor, *, pinned: bool, lazy: bool = False) -> _Entry | None:
         """Make room, capture, measure, admit or refuse. None: serve eagerly (reason counted).
 
-        Pinned captures go into the shared pinned pool, the others into a fresh private pool.
+        Pinned captures go into the shared pinned pool; the others into the shared lazy pool, or into a
+        fresh private pool under lazy_pool="private".
         lazy: a miss while serving; subject to the capture-time budget (graphs/admission.py).
         """
-        shared = pinned
+        kind = self._kind(pinned)
         # Two agreed phases (graphs/agreement.py; at tp size 1 each is just this rank's outcome): first
         # every rank's pre-checks, so a rank that cannot capture stops the others before any of them runs
         # the step (whose collectives would wait for it); then the capture's outcome and measured bytes.
@@ -229,19 +258,22 @@ class GraphCache:
         if verdict.reason == "deferred":
             self._defer(desc)
             return None
-        if verdict.ok and not self._make_room(desc, shared=shared):
+        if verdict.ok and not self._make_room(desc, kind):
             self._refuse(desc, "budget", f"no room: {len(self._entries)} entries / {self._total_bytes()} bytes "
-                         f"held, pinned entries cannot be evicted")
+                         "held, and evicting unpinned entries would not make enough (pinned entries are never "
+                         "evicted by the budgets; a shared pool is freed only with its last graph)")
             return None
-        if shared and self._pinned_pool is None:
-            self._pinned_pool, self._pinned_bytes = new_pool(self.backend), 0
-        pool = self._pinned_pool if shared else new_pool(self.backend)
-        before = self._pinned_bytes if shared else 0
+        pool = self._shared.get(kind)
+        if pool is None:
+            pool = GraphPool(kind, new_pool(self.backend))
+            if kind != "private":
+                self._shared[kind] = pool
+        fresh, before, rank_before = pool.graphs == 0, pool.bytes, pool.rank_bytes
         graph: BreakableGraph | None = None
         if verdict.ok:
             try:
-                graph, seconds, pool = self._capture(desc, pool)
-                report = CaptureReport(True, bytes=int(self.measure_bytes(desc, pool)), seconds=seconds)
+                graph, seconds = self._capture(desc, pool)
+                report = CaptureReport(True, bytes=int(self.measure_bytes(desc, pool.handle)), seconds=seconds)
             except Exception as e:
                 report = _failure(e)
             verdict = self._agree(report)
@@ -249,50 +281,35 @@ class GraphCache:
             if graph is not None:
                 graph.close()   # this rank captured it, another did not: abandoned everywhere
             self._refuse(desc, verdict.reason, verdict.detail)
-            if shared:
-                self._settle_pinned_pool(desc)
+            self._settle_pool(pool, desc)
             if self.backend == "cuda":
                 torch.cuda.empty_cache()  # give back what the failed capture's pool reserved
             return None
         assert graph is not None
         measured, seconds = verdict.bytes, verdict.seconds   # max over ranks
-        if shared:
-            # The pool's memory is already reserved and stays until its last graph goes: count
-            # it now, whatever happens to this entry. Growth, not the pool, is this entry's size.
-            self._pinned_bytes = measured
-            size = max(0, measured - before)
-            if before == 0:
-                self._size_hints[desc] = measured  # a capture into an empty pool: its full size
-        else:
-            size = measured
-            self._size_hints[desc] = size
-        entry = _Entry(desc, graph, pool, size, seconds, pinned=pinned, shared=shared)
+        # The pool's memory is reserved and stays until its last graph goes: count it now, whatever
+        # happens to this entry. Its growth, not the pool, is this entry's size (a private pool's
+        # growth is all of it).
+        pool.graphs += 1
+        pool.bytes, pool.rank_bytes = measured, verdict.rank_bytes
+        size = max(0, measured - before)
+        # Each rank's own growth, for the per-rank gauge at tensor parallel (engine/tp_runner.py sums the
+        # admits it holds): a shared pool's whole size per admit would count it once per entry.
+        ranks = len(verdict.rank_bytes)
+        rank_before = rank_before if len(rank_before) == ranks else (0,) * ranks   # a fresh pool: nothing before
+        rank_growth = tuple(max(0, now - was) for now, was in zip(verdict.rank_bytes, rank_before, strict=True))
+        if fresh:
+            self._size_hints[desc] = measured  # a capture into an empty pool: its own size
+        entry = _Entry(desc, graph, pool, size, seconds, pinned=pinned)
         if self.debug and self.input_tensors is not None:
             entry.addresses = [t.data_ptr() for t in self.input_tensors(desc)]
-        # The hint may have been short: evict more, and refuse the entry if it still does not fit.
-        pending = 0 if shared else size  # a pinned capture's growth is already in _total_bytes()
-        while self._total_bytes() + pending > self.max_bytes and self._evict_one("bytes"):
-            pass
-        if self._total_bytes() + pending > self.max_bytes:
-            if not shared or not self._has_shared():
-                # Private pool, or the pinned pool holds only this graph: dropping it frees it all.
-                graph.close()
-                if shared:
-                    self._pinned_pool, self._pinned_bytes = None, 0
-                self._refuse(desc, "budget", f"capture of {size} bytes exceeds the {self.max_bytes}-byte budget")
-                self._free_memory()
-                return None
-            # The pinned pool grew past the budget (fragmentation beyond the hint). Refusing
-            # would not return a byte (the pool is freed only with its last graph), so keep
-            # the graph; the over-budget bytes are counted, and lazy captures wait for room.
-            log.warning("pinned capture %s grew the pinned pool by %d bytes to %d bytes held, over the "
-                        "%d-byte budget; kept (its memory returns only on clear())", desc, size,
-                        self._total_bytes(), self.max_bytes)
+        if not self._fit_after_capture(entry):
+            return None
         entry.priority = self._gdsf_priority(entry)  # after the evictions above: from the current L
         self._entries[desc] = entry
-        self._decisions.append(Decision("admit", str(desc), bytes=size, rank_bytes=verdict.rank_bytes,
+        self._decisions.append(Decision("admit", str(desc), bytes=size, rank_bytes=rank_growth,
                                         pinned=pinned))
-        # Profile bytes: what the capture needs on its own (a pinned capture's growth may be 0 when the
+        # Profile bytes: what the capture needs on its own (a shared capture's growth may be 0 when the
         # pool already had room; its own-pool size is the size hint when measured).
         self._captured[desc] = (_capture_mode(graph), self._size_hints.get(desc, size), seconds)
         self._stats.captures += 1
@@ -309,7 +326,7 @@ class GraphCache:
                 self.metrics.graph_capture_stall_seconds.observe(seconds)
         self._update_gauges()
         log.debug("captured %s: %d graphs, %d breaks, %d bytes (%s pool), %.1f ms", desc, graph.num_graphs,
-                  graph.num_breaks, size, "pinned" if shared else "private", seconds * 1e3)
+                  graph.num_breaks, size, kind, seconds * 1e3)
         if self.backend == "cuda":
             # Capture runs the eager ops over not-yet-computed inputs (the graphs did not run),
             # so they wrote garbage (e.g. KV slots of this step); one replay makes it right.
@@ -317,27 +334,75 @@ class GraphCache:
             graph.replay()
         return entry
 
-    def _settle_pinned_pool(self, desc: BatchDescriptor) -> None:
-        """After a failed capture into the pinned pool: drop it if no graph uses it, else re-measure
-        it (what the failed capture reserved there stays until the pool goes)."""
-        if not self._has_shared():
-            self._pinned_pool, self._pinned_bytes = None, 0  # its partial graphs were reset
+    def _fit_after_capture(self, entry: _Entry) -> bool:
+        """The hint may have been short: make the budget hold with `entry` (captured, not yet admitted)
+        counted. False: refused, and its graph dropped. True: admit it (over budget only when refusing
+        it would not return a byte)."""
+        pool, desc = entry.pool, entry.desc
+        # A shared pool's growth is already in _total_bytes(); a private pool is not (no entry holds it yet).
+        over = self._total_bytes() + (entry.bytes if pool.kind == "private" else 0) - self.max_bytes
+        order = self._eviction_order()
+        victims = plan_evictions(order, lambda freed, dropped: freed >= over)
+        if victims is not None:   # other pools emptied: the capture fits (the usual case: [], it did)
+            self._evict_all(victims, "bytes")
+            return True
+        # The capture's own pool never empties while it lives. Refuse it together with the rest of that
+        # pool when all of it is evictable (a private pool, the first graph of a shared one, or a lazy pool
+        # of unpinned entries): dropping the pool is the only way its bytes come back.
+        mates = [e for e in order if e.pool is pool]
+        if len(mates) == pool.graphs - 1:
+            self._evict_all(mates, "bytes")
+            entry.graph.close()
+            self._release(pool)
+            self._refuse(desc, "budget", f"capture of {entry.bytes} bytes ({pool.kind} pool) exceeds the "
+                         f"{self.max_bytes}-byte budget")
+            self._free_memory()
+            return False
+        # The pool holds pinned graphs: refusing would not return a byte, so keep the graph and free what
+        # can be freed; the over-budget bytes are counted, and lazy captures wait for room.
+        self._evict_all(emptied_by(order), "bytes")
+        log.warning("%s capture %s grew its pool by %d bytes to %d bytes held in all, over the %d-byte "
+                    "budget; kept (that pool holds pinned graphs: its memory returns only with them, e.g. on "
+                    "clear())", pool.kind, desc, entry.bytes, self._total_bytes(), self.max_bytes)
+        return True
+
+    def _settle_pool(self, pool: GraphPool, desc: BatchDescriptor) -> None:
+        """After a failed capture: drop the pool if no graph uses it, else re-measure it (what the failed
+        capture reserved there stays until the pool goes)."""
+        if pool.graphs == 0:
+            self._forget(pool)  # its partial graphs were reset: never capture into it again
         else:
-            local = int(self.measure_bytes(desc, self._pinned_pool))
-            self._pinned_bytes = self._agree(CaptureReport(True, bytes=local)).bytes   # max over ranks
+            local = int(self.measure_bytes(desc, pool.handle))
+            measured = self._agree(CaptureReport(True, bytes=local))
+            pool.bytes, pool.rank_bytes = measured.bytes, measured.rank_bytes   # max over ranks; each rank's
             self._update_gauges()
 
-    def _has_shared(self) -> bool:
-        return any(e.shared for e in list(self._entries.values()))
+    def _release(self, pool: GraphPool) -> bool:
+        """One graph of `pool` was dropped. True when it was the last: the pool is freeable now (its
+        bytes return on the next empty_cache) and its handle must not be captured into again."""
+        pool.graphs -= 1
+        if pool.graphs > 0:
+            return False
+        self._forget(pool)
+        return True
 
-    def _capture(self, desc: BatchDescriptor, pool: Any) -> tuple[BreakableGraph, float, Any]:
-        """Capture `desc` into `pool`; returns the graph, its seconds, and the pool it is in (a retry
-        may have needed a fresh one)."""
+    def _forget(self, pool: GraphPool) -> None:
+        if self._shared.get(pool.kind) is pool:
+            self._shared[pool.kind] = None
+
+    def _kind(self, pinned: bool) -> PoolKind:
+        if pinned:
+            return "pinned"
+        return "lazy" if self.lazy_pool == "shared" else "private"
+
+    def _capture(self, desc: BatchDescriptor, pool: GraphPool) -> tuple[BreakableGraph, float]:
+        """Capture `desc` into `pool`; returns the graph and its seconds (a retry may have given the
+        pool a fresh handle)."""
         key = self.warm_key(desc) if self.warm_key is not None else None
         warm = self.capture_warmup == "always" or key not in self._warmed
         t0 = self.clock()
         try:
-            graph = capture(lambda: self.step_fn(desc), backend=self.backend, pool=pool, warmup=warm)
+            graph = capture(lambda: self.step_fn(desc), backend=self.backend, pool=pool.handle, warmup=warm)
         except Exception as e:
             # Not at tensor parallel > 1: a retry on one rank would run the step's collectives alone
             # (a hang); there the failure is agreed and remembered like any other.
@@ -347,33 +412,34 @@ class GraphCache:
             # capture.py has dropped the partial graphs; one more try, warmed up.
             log.info("capture of %s without a warm-up run failed (%s: %s); retrying after one", desc,
                      type(e).__name__, e)
-            pinned = pool is self._pinned_pool
-            if not (pinned and self._has_shared()):
-                # The failed capture's reset may have released its pool: never capture into a
-                # released handle again (pool.py). A pinned pool with live graphs stays valid.
-                pool = new_pool(self.backend)
-                if pinned:
-                    self._pinned_pool = pool
-            graph = capture(lambda: self.step_fn(desc), backend=self.backend, pool=pool, warmup=True)
+            if pool.graphs == 0:
+                # The failed capture's reset may have released a pool no graph holds: never capture
+                # into a released handle again (pool.py). A shared pool with live graphs stays valid.
+                pool.handle = new_pool(self.backend)
+            graph = capture(lambda: self.step_fn(desc), backend=self.backend, pool=pool.handle, warmup=True)
         self._warmed.add(key)
-        return graph, self.clock() - t0, pool
+        return graph, self.clock() - t0
 
-    def _make_room(self, desc: BatchDescriptor, *, shared: bool = False) -> bool:
+    def _make_room(self, desc: BatchDescriptor, kind: PoolKind) -> bool:
+        """Evict for the entry budget, then for the byte budget (see the module docstring). False: no room."""
         if self.max_entries <= 0:
             return False
         while len(self._entries) >= self.max_entries:
             if not self._evict_one("entries"):
                 return False
-        need = self._size_hint(desc)
-        if shared:
-            # A capture into the pinned pool reuses all of it (between replays every block there
-            # is free scratch; the cuBLAS workspace lives outside every pool: capture.py), so
-            # its growth is about what exceeds the pool: 0..hint. Fragmentation beyond that is
-            # caught after the capture.
-            need = max(0, need - self._pinned_bytes)
-        while self._total_bytes() + need > self.max_bytes:
-            if not self._evict_one("bytes"):
-                return False
+        hint, total, target = self._size_hint(desc), self._total_bytes(), self._shared.get(kind)
+
+        def fits(freed: int, dropped: set[GraphPool]) -> bool:
+            # A capture into a live shared pool reuses all of it (between replays every block there is
+            # free scratch; the cuBLAS workspace lives outside every pool: capture.py), so its growth is
+            # about what exceeds the pool: 0..hint. Fragmentation beyond that is caught after the capture.
+            room = target.bytes if target is not None and target not in dropped else 0
+            return total - freed + max(0, hint - room) <= self.max_bytes
+
+        victims = plan_evictions(self._eviction_order(), fits)
+        if victims is None:
+            return False   # evicting nothing: no set of victims would make room
+        self._evict_all(victims, "bytes")
         return True
 
     def _size_hint(self, desc: BatchDescriptor) -> int:
@@ -386,23 +452,29 @@ class GraphCache:
             return max(smaller)
         return min(self._size_hints.values(), default=0)
 
-    def _evict_one(self, reason: str) -> bool:
-        """Evict one unpinned entry for a budget, chosen by the eviction policy. False: none left."""
-        if self.eviction_policy == "lru":
-            victim = next((e for e in self._entries.values() if not e.pinned), None)
-        else:
-            # A linear scan for the lowest H: entries number a few hundred at most (one per capture
-            # size / descriptor), and an eviction precedes a capture of ~50-200 ms, so O(entries)
-            # is nothing next to it and needs no heap to keep in step with hits. min() keeps the
-            # first of equal keys, and the dict is in LRU order: ties go to the least recently used.
-            victim = min((e for e in self._entries.values() if not e.pinned), key=lambda e: e.priority,
-                         default=None)
-        if victim is None:
-            return False
+    def _eviction_order(self) -> list[_Entry]:
+        """Unpinned entries in the order the budgets evict them, by the eviction policy."""
+        unpinned = [e for e in self._entries.values() if not e.pinned]
         if self.eviction_policy == "gdsf":
-            self._inflation = max(self._inflation, victim.priority)  # age everything that stays
-        self._drop(victim.desc, reason)
-        return True
+            # Lowest H first. A sort per eviction decision: entries number a few hundred at most (one per
+            # capture size / descriptor) and a decision precedes a capture of ~20-200 ms, so O(n log n)
+            # needs no heap kept in step with hits. The sort is stable and the dict is in LRU order: ties
+            # go to the least recently used.
+            unpinned.sort(key=lambda e: e.priority)
+        return unpinned
+
+    def _evict_one(self, reason: str) -> bool:
+        """Evict the first unpinned entry in eviction order (freeing bytes only if it was its pool's
+        last graph). False: none left."""
+        order = self._eviction_order()
+        self._evict_all(order[:1], reason)
+        return bool(order)
+
+    def _evict_all(self, victims: list[_Entry], reason: str) -> None:
+        for victim in victims:
+            if self.eviction_policy == "gdsf":
+                self._inflation = max(self._inflation, victim.priority)  # age everything that stays
+            self._drop(victim.desc, reason)
 
     def _gdsf_priority(self, entry: _Entry) -> float:
         """GDSF's H = L + frequency * cost / size (seconds of capture per MiB held, per use)."""
@@ -412,18 +484,15 @@ class GraphCache:
 
     def _drop(self, desc: BatchDescriptor, reason: str) -> None:
         entry = self._entries.pop(desc)
-        entry.graph.close()  # frees the graphs; the pool goes back on the next empty_cache
-        if entry.shared and not self._has_shared():
-            # That was the pinned pool's last graph: the pool is freeable now (its bytes return
-            # on the next empty_cache) and its handle must not be captured into again.
-            self._pinned_pool, self._pinned_bytes = None, 0
+        entry.graph.close()  # frees the graphs; the pool goes back on the next empty_cache, if it was its last
+        freed = self._release(entry.pool)
         self._stats.evictions[reason] += 1
         self._decisions.append(Decision("evict", str(desc), reason))
         if self.metrics is not None:
             self.metrics.graph_evictions.labels(reason).inc()
         self._update_gauges()
-        log.info("evicted graph %s (%s, %d bytes, %s pool)", desc, reason, entry.bytes,
-                 "pinned" if entry.shared else "private")
+        log.info("evicted graph %s (%s, %d bytes, %s pool%s)", desc, reason, entry.bytes, entry.pool.kind,
+                 ", now freed" if freed else "")
 
     def _defer(self, desc: BatchDescriptor) -> None:
         """A lazy capture over the capture-time budget: served eagerly now, captured at a later miss."""
@@ -479,13 +548,13 @@ class GraphCache:
         """Pinned entries stay within pin_share of each budget, so lazy captures always keep room."""
         pinned = sum(e.pinned for e in list(self._entries.values()))
         return (pinned < self.pin_share * self.max_entries
-                and self._pinned_bytes < self.pin_share * self.max_bytes)
+                and self._pool_bytes("pinned") < self.pin_share * self.max_bytes)
 
     def evict(self, desc: BatchDescriptor) -> bool:
         """Drop one entry (pinned or not) and return its memory. False if it was not cached.
 
-        A private entry's pool is returned at once. An entry in the pinned pool leaves its
-        blocks there (reused by later pinned captures); the pinned pool returns to the
+        A private entry's pool is returned at once. An entry in a shared pool (pinned or lazy)
+        leaves its blocks there (reused by later captures of that kind); the pool returns to the
         driver when its last entry is evicted, or on clear()."""
         self._check_owner()
         if desc not in self._entries:
@@ -495,7 +564,7 @@ class GraphCache:
         return True
 
     def clear(self) -> ClearReport:
-        """Drop every entry (the pinned pool too) and the negative cache; return the memory to the driver."""
+        """Drop every entry (the shared pools too) and the negative cache; return the memory to the driver."""
         self._check_owner()
         if self.backend == "cuda":
             torch.cuda.synchronize()  # no replay may still be running on memory we free
@@ -505,7 +574,7 @@ class GraphCache:
             self._drop(desc, "clear")
         self._negative.clear()
         self._admission.reset()
-        self._pinned_pool, self._pinned_bytes = None, 0  # already so: its last entry was dropped
+        self._shared = dict.fromkeys(self._shared)  # already so: their last entries were dropped
         self._inflation = 0.0  # nothing left to age against: GDSF starts over
         self._free_memory()
         return ClearReport(entries=n, pool_bytes=held, bytes_freed=max(0, before - reserved_bytes()))
@@ -522,7 +591,7 @@ class GraphCache:
         the unpinned entry with the lowest `priority` first, ties least recently used)."""
         gdsf = self.eviction_policy == "gdsf"
         return [EntryInfo(str(e.desc), e.bytes, e.capture_seconds, e.hits, e.last_use, e.pinned,
-                          e.graph.num_graphs, e.graph.num_breaks, "pinned" if e.shared else "private",
+                          e.graph.num_graphs, e.graph.num_breaks, e.pool.kind,
                           _capture_mode(e.graph), e.priority if gdsf and not e.pinned else None)
                 for e in list(self._entries.values())]
 
@@ -539,7 +608,8 @@ class GraphCache:
     def stats(self) -> CacheStats:
         s = self._stats
         return CacheStats(s.hits, s.misses, s.captures, s.capture_seconds, dict(s.evictions), dict(s.failures),
-                          self._total_bytes(), len(self._entries), s.padded_tokens, self._pinned_bytes,
+                          self._total_bytes(), len(self._entries), s.padded_tokens, self._pool_bytes("pinned"),
+                          lazy_pool_bytes=self._pool_bytes("lazy"),
                           lazy_captures=s.lazy_captures, stall_seconds=s.stall_seconds,
                           worst_stall_seconds=s.worst_stall_seconds, deferred=s.deferred)
 
@@ -555,7 +625,8 @@ class GraphCache:
             "warmed_up": self.warmed_up,
             "budgets": {"max_entries": self.max_entries, "max_bytes": self.max_bytes},
             "totals": {"entries": len(self._entries), "pool_bytes": self._total_bytes(),
-                       "pinned_pool_bytes": self._pinned_bytes},
+                       "pinned_pool_bytes": self._pool_bytes("pinned"), "lazy_pool_bytes": self._pool_bytes("lazy")},
+            "lazy_pool": self.lazy_pool,
             "entries": [asdict(e) for e in self.entries()],
             # the allocator's own figure for all graph pools, to check the gauge against
             "allocator_pool_bytes": all_graph_pools_bytes() if self.backend == "cuda" else 0,
@@ -563,6 +634,15 @@ class GraphCache:
                          for d, (r, t) in list(self._negative.items())],
             "stats": asdict(self.stats()),
         }
+
+    def rank_pool_bytes(self) -> list[int]:
+        """Each tensor-parallel rank's own measurement of the pools held, in rank order (the budgets and
+        stats use their max). Exact with shared pools, where summing the admits held is not: a shared
+        pool keeps an evicted entry's growth until its last graph goes. At size 1: [stats().pool_bytes]."""
+        pools = [p for p in list(self._shared.values()) if p is not None]
+        pools += [e.pool for e in list(self._entries.values()) if e.pool.kind == "private"]
+        return [sum(p.rank_bytes[r] if r < len(p.rank_bytes) else p.bytes for p in pools)
+                for r in range(self.agreement.size)]
 
     def decision_log(self) -> list[Decision]:
         """The cache's decisions in order (at tp > 1 equal on every rank; graphs/agreement.py)."""
@@ -599,8 +679,13 @@ class GraphCache:
         return verdict
 
     def _total_bytes(self) -> int:
-        """Allocator-measured: the pinned pool plus every private pool."""
-        return self._pinned_bytes + sum(e.bytes for e in list(self._entries.values()) if not e.shared)
+        """Allocator-measured: the pinned pool, the lazy pool and every private pool."""
+        shared = sum(p.bytes for p in list(self._shared.values()) if p is not None)
+        return shared + sum(e.bytes for e in list(self._entries.values()) if e.pool.kind == "private")
+
+    def _pool_bytes(self, kind: str) -> int:
+        pool = self._shared.get(kind)
+        return pool.bytes if pool is not None else 0
 
     def _update_gauges(self) -> None:
         if self.metrics is not None:

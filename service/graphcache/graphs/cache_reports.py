@@ -21,9 +21,9 @@ class EntryInfo:
     pinned: bool
     graphs: int
     breaks: int
-    # "pinned": in the shared pinned pool, `bytes` = that pool's growth during this capture
-    # (may be 0; the pool is freed only with the last pinned entry). "private": its own pool.
-    pool: Literal["pinned", "private"] = "private"
+    # "pinned" / "lazy": in that shared pool, `bytes` = the pool's growth during this capture (may be
+    # 0; the pool is freed only with its last graph). "private": its own pool, `bytes` all of it.
+    pool: Literal["pinned", "lazy", "private"] = "private"
     # "full": one graph, nothing eager (uniform decode with its attention inside); "breakable":
     # graph segments around eager breaks.
     mode: Literal["full", "breakable"] = "breakable"
@@ -44,6 +44,7 @@ class CacheStats:
     entries: int = 0
     padded_tokens: int = 0
     pinned_pool_bytes: int = 0  # part of pool_bytes: the shared pinned pool, allocator-measured
+    lazy_pool_bytes: int = 0  # part of pool_bytes: the shared lazy pool (lazy_pool="shared"), allocator-measured
     # Lazy captures (a miss while serving) stall the step that missed: how many, for how long in all,
     # the worst one; and misses served eagerly because lazy captures had used their time share.
     lazy_captures: int = 0
