@@ -33,19 +33,18 @@ from helpers_model import cpu_settings, tiny_checkpoint  # noqa: E402
 def setup(batch: int, ctx: int, block_size: int):
     blocks = batch * (-(-(ctx + 1100) // block_size)) + 8
     settings = cpu_settings(tiny_checkpoint(), max_num_seqs=batch, max_num_batched_tokens=max(8192, batch),
-                            block_size=block_size, num_kv_blocks=blocks, max_model_len=4096,
+                            block_size=block_size, num_kv_blocks=blocks, max_model_len=2048,
                             max_capture_size=max(256, batch))
     runner = ModelRunner(settings)
     bm = BlockManager(blocks, block_size, enable_prefix_caching=True)
-    sched = Scheduler(bm, max_num_seqs=batch, max_num_batched_tokens=max(8192, batch), max_model_len=4096)
+    sched = Scheduler(bm, max_num_seqs=batch, max_num_batched_tokens=max(8192, batch), max_model_len=2048)
     for i in range(batch):
         seq = Sequence(f"r{i}", [(i * 7919 + j) % 30000 + 5 for j in range(ctx)],
                        SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
         sched.add(seq)
-    while any(s.num_computed_tokens < s.num_tokens for s in sched.running) or sched.waiting:   # prefill
+    # Prefill until every sequence has its first token: from then on every step is a decode of `batch` rows.
+    while sched.waiting or any(not s.output_token_ids for s in sched.running):
         plan = sched.schedule()
-        for s in plan.scheduled:
-            s.seq.num_inflight = 0 if not s.need_logits else s.seq.num_inflight
         sched.postprocess(plan, [1] * sum(s.need_logits for s in plan.scheduled), time.monotonic())
     return runner, sched
 
@@ -69,7 +68,7 @@ def main() -> int:
         t1 = time.perf_counter()
         batch = plan.to_batch()
         t2 = time.perf_counter()
-        runner._prepare_decode(batch.seqs, runner.sizes.pad(len(batch.seqs)))
+        runner._prepare_decode(batch.seqs, runner.sizes.pad(len(batch.seqs)) or len(batch.seqs))
         t3 = time.perf_counter()
         sched.postprocess(plan, [7] * len(plan.scheduled), time.monotonic())
         t4 = time.perf_counter()
