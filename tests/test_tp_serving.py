@@ -18,7 +18,7 @@ import pytest
 from graphcache.config import Settings
 from graphcache.engine.engine import Engine, EngineDead
 from graphcache.engine.sequence import SamplingParams
-from graphcache.engine.tp_runner import TensorParallelRunner, rank_pool_bytes
+from graphcache.engine.tp_runner import TensorParallelRunner
 from graphcache.graphs.agreement import Decision
 from graphcache.graphs.descriptor import BatchDescriptor as D
 from graphcache.metrics import Metrics
@@ -101,7 +101,7 @@ async def test_tp2_engine_serves_like_tp1_and_keeps_ranks_consistent(tmp_path):
         assert [r["rank"] for r in ranks] == [0, 1]
         assert ranks[0]["decisions"] == ranks[1]["decisions"] == len(logs[0])
         assert ranks[0]["decision_digest"] == ranks[1]["decision_digest"]
-        assert [r["pool_bytes"] for r in ranks] == rank_pool_bytes(logs[0], 2)
+        assert [r["pool_bytes"] for r in ranks] == await engine._call(lambda: runner.runner.cache.rank_pool_bytes())
         assert metrics.graph_pool_rank_bytes.labels("1")._value.get() == ranks[1]["pool_bytes"]
 
         # A worker that dies mid-request: the request ends with an error, the engine dies, no hang.
@@ -145,15 +145,6 @@ async def test_idle_engine_dies_when_its_worker_is_killed(tmp_path):
         assert "rank 1" in (engine.error or "")
     finally:
         engine.shutdown()
-
-
-def test_rank_pool_bytes_follows_admits_evictions_and_clears():
-    log = [Decision("admit", "1:1:decode", bytes=30, rank_bytes=(10, 30)), Decision("admit", "2:2:decode", bytes=5,
-                                                                                      rank_bytes=(5, 4)),
-           Decision("evict", "1:1:decode", reason="manual"), Decision("admit", "4:4:decode", bytes=7,
-                                                                      rank_bytes=(7, 6))]
-    assert rank_pool_bytes(log, 2) == [12, 10]
-    assert rank_pool_bytes([*log, Decision("clear")], 2) == [0, 0]
 
 
 def test_serve_refuses_an_unshardable_tensor_parallel_size_before_loading(capsys, tmp_path):

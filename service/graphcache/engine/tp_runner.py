@@ -53,7 +53,7 @@ from graphcache.model.config import read_config
 from graphcache.model.parallel import check_shardable
 from graphcache.model.tiny import default_model_dir
 
-__all__ = ["RankLost", "TensorParallelRunner", "rank_pool_bytes"]
+__all__ = ["RankLost", "TensorParallelRunner"]
 
 log = logging.getLogger("graphcache.tp")
 STOP_TIMEOUT_S = 30.0
@@ -63,20 +63,6 @@ class RankLost(RuntimeError):
     """A tensor-parallel rank died, failed a step, or split from rank 0: the engine cannot go on."""
 
     fatal = True   # EngineCore: like a device fault, the engine dies at once (requests end with errors)
-
-
-def rank_pool_bytes(decisions: list[Decision], size: int) -> list[int]:
-    """Each rank's measured graph-pool bytes of the entries held now, from the agreed decision log
-    (admit records carry every rank's own measurement; evictions and clears drop them)."""
-    held: dict[str, tuple[int, ...]] = {}
-    for d in decisions:
-        if d.op == "admit":
-            held[d.desc] = d.rank_bytes or (d.bytes,) * size
-        elif d.op == "evict":
-            held.pop(d.desc, None)
-        elif d.op == "clear":
-            held.clear()
-    return [sum(b[r] for b in held.values() if r < len(b)) for r in range(size)]
 
 
 @dataclass
@@ -314,7 +300,7 @@ class _AgreedCache:
         """Rank 0's cache info plus each rank's pool bytes and decision log (count and digest)."""
         info = self._tp.runner.cache.info()
         logs = self._tp.rank_decision_logs()
-        pool = rank_pool_bytes(logs[0], self._tp.size)
+        pool = self._tp.runner.cache.rank_pool_bytes()
         info["tensor_parallel"] = {
             "size": self._tp.size,
             "ranks": [{"rank": r, "pool_bytes": pool[r], "decisions": len(log_r), "decision_digest": fingerprint(log_r)}
@@ -323,7 +309,9 @@ class _AgreedCache:
         return info
 
     def publish_rank_bytes(self) -> None:
-        """The per-rank pool-bytes gauge, recomputed when the decision log grew."""
+        """The per-rank pool-bytes gauge, recomputed when the decision log grew: each rank's own
+        measurement of the pools held (with a shared lazy pool, an evicted entry's growth stays until
+        the pool's last graph goes, so summing the admits held would undercount)."""
         metrics, cache = self._tp.metrics, self._tp.runner.cache
         if metrics is None:
             return
@@ -331,7 +319,7 @@ class _AgreedCache:
         if len(decisions) == self._published:
             return
         self._published = len(decisions)
-        for rank, held in enumerate(rank_pool_bytes(decisions, self._tp.size)):
+        for rank, held in enumerate(cache.rank_pool_bytes()):
             metrics.graph_pool_rank_bytes.labels(str(rank)).set(held)
 
 
