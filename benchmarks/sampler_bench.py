@@ -3,10 +3,12 @@ large vocabulary, by sampling parameters (issue 10 item 4).
 
     python benchmarks/sampler_bench.py --rows 256 --vocab 151936
 
-Rows: greedy; temperature only (no filter: softmax + multinomial, no sort); top_p 0.9 and top_k 50
-(the vocabulary is sorted per row); seeded temperature rows (one generator each). Also the
-probability computation alone with the filters forced on (top_k 0, top_p 1: the pre-fast-path cost of
-a temperature-only batch). Median GPU ms of --iters calls (CUDA events), bf16 logits.
+Rows: greedy; temperature only (no filter: one race-draw kernel, no softmax); top_p 0.9 and top_k 50
+(one threshold per row from a bounded top-k, filter_threshold.py); seeded temperature rows, and half
+seeded / half unseeded (the same single race kernel: keys from (seed, step) or the host generator);
+top_p 0.9 over a flat distribution (logits / 10: the nucleus is longer than the top-k prefix, so every
+row takes the exact bisection fallback). Also the probability computation alone with no filter and
+with the filters forced on (top_k 0, top_p 1). Median GPU ms of --iters calls (CUDA events), bf16 logits.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ CASES = {
     "temperature 0.8, top_p 0.9": dict(temperature=0.8, top_p=0.9),
     "temperature 0.8, top_k 50": dict(temperature=0.8, top_k=50),
     "temperature 0.8, seeded": dict(temperature=0.8, seed=1),
+    "temperature 0.8, half seeded": "half",
 }
 
 
@@ -57,14 +60,22 @@ def main() -> int:
     sampler = Sampler(default_seed=0)
     rows = []
     for name, params in CASES.items():
-        seqs = [Sequence(f"r{i}", [1, 2, 3], SamplingParams(**params)) for i in range(args.rows)]
+        if params == "half":
+            seqs = [Sequence(f"r{i}", [1, 2, 3], SamplingParams(temperature=0.8, seed=i if i % 2 else None))
+                    for i in range(args.rows)]
+        else:
+            seqs = [Sequence(f"r{i}", [1, 2, 3], SamplingParams(**params)) for i in range(args.rows)]
         rows.append({"case": name, "ms": gpu_ms(lambda s=seqs: sampler.sample_device(logits, s), args.iters)})
+    flat = logits / 10
+    seqs = [Sequence(f"r{i}", [1, 2, 3], SamplingParams(temperature=0.8, top_p=0.9)) for i in range(args.rows)]
+    rows.append({"case": "top_p 0.9, flat logits (exact fallback)",
+                 "ms": gpu_ms(lambda: sampler.sample_device(flat, seqs), args.iters)})
     x = logits.float()
     t = torch.full((args.rows,), 0.8, device=dev)
     forced = dict(top_k=torch.zeros(args.rows, dtype=torch.long, device=dev), top_p=torch.ones(args.rows, device=dev))
     rows.append({"case": "probs only, filters off (fast path)",
                  "ms": gpu_ms(lambda: probs_from_logits(x, temperature=t, top_k=None, top_p=None), args.iters)})
-    rows.append({"case": "probs only, filters forced (sorted, as before)",
+    rows.append({"case": "probs only, filters forced (top_k 0, top_p 1)",
                  "ms": gpu_ms(lambda: probs_from_logits(x, temperature=t, **forced), args.iters)})
     print(f"{args.rows} rows x {args.vocab} vocab, bf16 logits, {torch.cuda.get_device_name()}")
     print(f"{'case':<48} {'GPU ms':>8}")

@@ -42,14 +42,23 @@ def test_seeded_sampling_reproducible_regardless_of_batch():
     logits = torch.randn(8, 50)
 
     def draw(rows, n_steps=5):
+        # A seeded row's draw is a function of (seed, tokens generated so far): append each token, as
+        # the engine does (sampling the same step again gives the same token, see below).
         seqs = [seq(f"r{i}", temperature=1.0, seed=1234 if i == 0 else None) for i in range(len(rows))]
         sampler = Sampler()
-        return [sampler.sample(logits[rows], seqs)[0] for _ in range(n_steps)]
+        for _ in range(n_steps):
+            for s, t in zip(seqs, sampler.sample(logits[rows], seqs), strict=True):
+                s.output_token_ids.append(t)
+        return seqs[0].output_token_ids
 
     alone = draw([3])
     assert draw([3, 0, 1, 2]) == alone
     assert draw([3, 7]) == alone
     assert len(set(alone)) > 1   # it is really sampling, not collapsing to argmax
+    # No state between calls: the same step sampled again (a retried or recomputed step) is the same token.
+    s = seq("again", temperature=1.0, seed=1234)
+    assert len({Sampler().sample(logits[[3]], [s])[0] for _ in range(3)}) == 1
+    assert Sampler().sample(logits[[3]], [s])[0] == alone[0]
 
 
 def test_stop_token_ids_and_eos():

@@ -4,10 +4,16 @@ Sampling is batched over the rows that need it. A row goes one of three ways:
   - greedy, no logits controls: argmax of the model-dtype logits (no fp32 [R, V] copy): the fast path;
   - greedy with controls: argmax of the processed fp32 logits;
   - random: controls, then temperature -> min_p -> top-k -> top-p, then a draw.
-Every step is row-wise, so a row's token never depends on which other requests share the batch. A
-seeded request draws from its own torch.Generator (created on first use, on the logits' device) one
-row at a time, so its tokens depend only on its seed and its own logits. Unseeded rows share one
-batched draw.
+Every step is row-wise, so a row's token never depends on which other requests share the batch.
+
+The filters never sort the vocabulary: temperature and min_p act on z = (logits - max) / T, and
+top-k / top-p become one threshold per row (keep z >= thr), found from a bounded torch.topk per row
+with an exact bisection fallback for long nuclei (filter_threshold.py). The draw is one exponential
+race for the whole batch (race_draw.py, a Triton kernel on CUDA): token = argmax z_i - log E_i over
+the kept tokens, with E_i = -log u_i and u_i a hash of (row key, i). No softmax and no sampling state:
+a seeded row's key is a function of (seed, tokens it generated so far), so its tokens depend only on
+its seed and its own logits (not on the batch, the device's RNG or earlier calls); unseeded rows take
+keys from the Sampler's host generator, seeded by settings.seed.
 
 Logits controls (vLLM's order, all on the device, batched, never a Python loop over the vocabulary):
 allowed_token_ids -> bad words -> min_tokens -> logit_bias -> repetition, frequency and presence
@@ -30,18 +36,20 @@ division so nothing overflows, and a row whose logits hold no usable distributio
 
 from __future__ import annotations
 
+import random
 import weakref
 from array import array
 from collections.abc import Iterable
 
 import torch
 
+from graphcache.engine.filter_threshold import thresholds
+from graphcache.engine.race_draw import race_draw, row_key, to_int64
 from graphcache.engine.sequence import SamplingParams, Sequence
 
 # Temperatures below this are greedy: logits / 1e-300 overflows, and sampling at such a
 # temperature is argmax anyway. (Also catches NaN, which validation's `< 0` check lets through.)
 MIN_TEMPERATURE = 1e-5
-_SEED_MASK = (1 << 64) - 1   # torch.Generator.manual_seed takes 64 bits
 _NEG_INF = float("-inf")
 
 
@@ -97,20 +105,11 @@ class _Controls:
 
 class Sampler:
     def __init__(self, default_seed: int | None = None, eos_token_ids: Iterable[int] = ()) -> None:
-        # Unseeded rows: a generator per device; seeded by settings.seed so a server run is repeatable.
-        self._default_seed = default_seed
-        self._shared: dict[torch.device, torch.Generator] = {}
+        # Unseeded rows' race keys; seeded by settings.seed so a server run is repeatable (None: OS entropy).
+        self._rng = random.Random(default_seed)
         self.eos_token_ids = frozenset(eos_token_ids)   # masked with stop_token_ids until min_tokens
         # Per request (dies with its Sequence): its static controls on the device.
         self._controls: weakref.WeakKeyDictionary[Sequence, _Controls] = weakref.WeakKeyDictionary()
-
-    def _shared_generator(self, device: torch.device) -> torch.Generator | None:
-        if self._default_seed is None:
-            return None
-        g = self._shared.get(device)
-        if g is None:
-            g = self._shared[device] = torch.Generator(device=device).manual_seed(self._default_seed)
-        return g
 
     def _controls_of(self, seq: Sequence, vocab: int, device: torch.device) -> _Controls:
         c = self._controls.get(seq)
@@ -175,11 +174,10 @@ class Sampler:
         dev, vocab = x.device, x.shape[-1]
         if len(local) < x.shape[0]:
             x = x.index_select(0, _to_device(local, torch.int64, dev))
-        # Filters only when some row asks for one: the top-k/top-p path sorts every row's whole
-        # vocabulary, which at batch 256 x 152k costs more than the model step (BENCHMARKS.md §8.6).
+        # Filters only when some row asks for one (each costs a top-k of the rows and a pass or two).
         top_k = [min(max(s.params.top_k, 0), vocab) for s in seqs]   # clamped: the API bounds it below only
         top_p = [s.params.top_p for s in seqs]
-        probs = probs_from_logits(
+        z, thr, top, valid = filtered_logits(
             x,
             temperature=_to_device([s.params.temperature for s in seqs], torch.float32, dev),
             top_k=_to_device(top_k, torch.int64, dev) if any(0 < k < vocab for k in top_k) else None,
@@ -187,19 +185,18 @@ class Sampler:
             min_p=(_to_device([s.params.min_p for s in seqs], torch.float32, dev)
                    if any(s.params.min_p > 0 for s in seqs) else None),
         )
-        seeded = [k for k, s in enumerate(seqs) if s.params.seed is not None]
-        unseeded = [k for k, s in enumerate(seqs) if s.params.seed is None]
-        drawn = torch.empty(len(seqs), dtype=torch.long, device=dev)
-        if unseeded:
-            u = _to_device(unseeded, torch.int64, dev)
-            drawn[u] = torch.multinomial(probs.index_select(0, u), 1,
-                                         generator=self._shared_generator(dev)).squeeze(1)
-        for k in seeded:
-            seq = seqs[k]
-            if seq.generator is None or seq.generator.device != dev:
-                seq.generator = torch.Generator(device=dev).manual_seed(seq.params.seed & _SEED_MASK)
-            drawn[k] = torch.multinomial(probs[k], 1, generator=seq.generator)[0]
-        return drawn
+        drawn = race_draw(z, thr, _to_device(self._row_keys(seqs), torch.int64, dev))   # [W]
+        # A row with no distribution (no finite logit, or +inf) takes its argmax, as greedy would.
+        return torch.where(valid, drawn, top)
+
+    def _row_keys(self, seqs: list[Sequence]) -> list[int]:
+        """Each row's 64-bit race key (as int64). Seeded: from (seed, tokens generated so far) only, so
+        a seeded request's tokens depend on nothing but its seed and its own logits (and a step that
+        is sampled again, e.g. after a preemption, gives the same token). Unseeded: the next 64 bits of
+        the Sampler's own generator (settings.seed makes a server run repeatable), so that the whole
+        batch is one race kernel rather than a race plus a multinomial."""
+        return [to_int64(row_key(s.params.seed, _num_generated(s)) if s.params.seed is not None
+                         else self._rng.getrandbits(64)) for s in seqs]
 
     def _apply_controls(self, x: torch.Tensor, seqs: list[Sequence], rows: list[int], vocab: int) -> None:
         """Apply seqs[k]'s controls to x[rows[k]] in place (x: [W, V] fp32, contiguous)."""
@@ -317,46 +314,46 @@ def _to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def filtered_logits(logits: torch.Tensor, *, temperature: torch.Tensor, top_k: torch.Tensor | None,
+                    top_p: torch.Tensor | None, min_p: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The filtered distribution of each row as log-weights: (z, thr, top, valid).
+
+    z [R, V] fp32 = (logits - row max) / T with NaN and min_p-dropped tokens at -inf; the kept tokens
+    are those with z >= thr [R] (top-k then top-p, filter_threshold.py; None: no such filter); top [R]
+    int64: the argmax; valid [R] bool: the row has a finite max (else z is NaN and the row is one-hot
+    on top). softmax(z where kept) is the row's distribution; the race draw uses z as it is.
+    """
+    # NaN -> -inf in one pass (a fresh tensor, modified in place below); +inf stays +inf.
+    z = logits.float().nan_to_num(nan=_NEG_INF, posinf=float("inf"), neginf=_NEG_INF)
+    row_max, top = z.max(dim=-1, keepdim=True)                       # [R, 1] each, one pass
+    # Shift before dividing: every value is <= 0, so a small T can push logits to -inf but never
+    # to +inf (softmax is shift-invariant, so the distribution is unchanged).
+    temperature = temperature.float().nan_to_num(nan=1.0).clamp_min(MIN_TEMPERATURE).unsqueeze(1)
+    z.sub_(row_max).div_(temperature)
+    if min_p is not None:
+        # p_i < min_p * p_max  <=>  exp(z_i - z_max) < min_p  <=>  z_i < log(min_p) (z_max is 0 here);
+        # log(0) = -inf drops nothing, and the top token (0 >= log(min_p <= 1)) always stays.
+        z.masked_fill_(z < min_p.float().clamp(0, 1).log().unsqueeze(1), _NEG_INF)
+    thr = None if top_k is None and top_p is None else thresholds(z, top_k, top_p)
+    return z, thr, top.view(-1), row_max.view(-1).isfinite()
+
+
 def probs_from_logits(logits: torch.Tensor, *, temperature: torch.Tensor, top_k: torch.Tensor | None,
                       top_p: torch.Tensor | None, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax(logits / T) restricted by min_p, then to the top-k, then to the top-p nucleus, per row.
 
     min_p 0 or None = off (drops tokens whose probability is below min_p * the top one's); top_k 0 or
-    None = off; top_p >= 1 or None = off. With top_k and top_p both None nothing is sorted (the costly
-    part over a large vocabulary). The most likely token always survives every filter, whatever top_p is
+    None = off; top_p >= 1 or None = off. Nothing sorts the vocabulary (filter_threshold.py: a bounded
+    top-k per row, and an exact fallback for rows whose nucleus is longer). Tokens tied with the last
+    kept one are all kept. The most likely token always survives every filter, whatever top_p is
     (0.0 included: a tiny top_p underflows in float32). Every row is a distribution (no NaN, sums
     to 1): a row with no finite logit, or one that overflows, is one-hot on its argmax.
     """
-    logits = logits.float()
-    logits = logits.masked_fill(logits.isnan(), _NEG_INF)
-    top = logits.argmax(dim=-1, keepdim=True)
-    # Shift before dividing: every value is <= 0, so a small T can push logits to -inf but never
-    # to +inf (softmax is shift-invariant, so the distribution is unchanged).
-    row_max = logits.max(dim=-1, keepdim=True).values
-    temperature = temperature.float().nan_to_num(nan=1.0).clamp_min(MIN_TEMPERATURE).unsqueeze(1)
-    logits = (logits - row_max) / temperature
-    if min_p is not None:
-        # p_i < min_p * p_max  <=>  exp(l_i - l_max) < min_p  <=>  l_i < log(min_p) (l_max is 0 here);
-        # log(0) = -inf drops nothing, and the top token (0 >= log(min_p <= 1)) always stays.
-        logits = logits.masked_fill(logits < min_p.float().clamp(0, 1).log().unsqueeze(1), _NEG_INF)
-    if top_k is None and top_p is None:
-        return _finite_rows(logits.softmax(dim=-1), top)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    if top_k is not None:
-        top_k = top_k.clamp(0, vocab)
-        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(ranks >= k, _NEG_INF)
-    if top_p is not None:
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the mass strictly before it already reaches top_p; never the first one.
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        top_p = top_p.float().unsqueeze(1)
-        drop = (mass_before >= top_p) & (top_p < 1) & (ranks > 0)
-        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
-    filtered = torch.full_like(logits, _NEG_INF).scatter(1, order, sorted_logits)
-    return _finite_rows(filtered.softmax(dim=-1), top)
+    z, thr, top, _ = filtered_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    if thr is not None:
+        z.masked_fill_(z < thr.view(-1, 1), _NEG_INF)
+    return _finite_rows(z.softmax(dim=-1), top.view(-1, 1))
 
 
 def _finite_rows(probs: torch.Tensor, top: torch.Tensor) -> torch.Tensor:

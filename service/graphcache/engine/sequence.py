@@ -201,7 +201,6 @@ class Sequence:
     output_text: str = ""
     num_text_sent: int = 0              # chars of output_text already streamed to the client
     num_tokens_sent: int = 0            # output tokens already streamed to the client
-    generator: Any = None               # torch.Generator for seeded sampling (created lazily by the sampler)
     first_scheduled_time: float | None = None   # monotonic time of its first admission (queue time ends)
     num_cached_tokens: int = 0          # prompt tokens found in the prefix cache at admission
     output_logprobs: list[TokenLogprob] = field(default_factory=list)   # params.logprobs: one per output token
