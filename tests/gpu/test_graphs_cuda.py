@@ -459,6 +459,6 @@ def test_lazy_captures_share_one_pool_and_replay_after_evicting_one():
         check(d)
     assert cache.evict(small) and cache.evict(mid)   # the last graph: the pool goes
     assert cache._shared["lazy"] is None and pool_bytes(pool.handle) == 0 and cache.stats().pool_bytes == 0
-    gc.collect()
-    torch.cuda.empty_cache()
-    assert torch.cuda.memory_reserved() <= start + 2 * MiB
+    # Quiet, cuBLAS workspaces released: check()'s eager runs gave the default stream its own 32 MiB
+    # workspace since `start` (the H200 run at 23:41 UTC failed on exactly that), which is no pool's.
+    assert _quiet_reserved() <= start + 2 * MiB
