@@ -1,10 +1,13 @@
-"""The engine's per-step host work at a decode batch of N, without a GPU: what a step costs the Python
-that schedules it, builds its batch, fills the runner's input buffers and appends its tokens.
+"""The engine's per-step host work at a decode batch of N, without a GPU: everything `EngineCore.step`
+does in Python (schedule, batch, input preparation, sampling launch, postprocess, outputs) with the
+model's own work stubbed out.
 
 With fused kernels the H200's decode step is GPU-short enough that this host work sets the pace
-(BENCHMARKS.md §9.2: 2.2 ms of host work in a 2.8 ms step period at ~146 rows). Each phase is timed
-alone over --steps decode steps of --batch sequences at --ctx tokens of context (prefix caching on, as
-served), on the tiny CPU model's runner (only its input preparation runs: no forward).
+(BENCHMARKS.md §9.3: offline steps wait ~0.1 ms for the GPU, ~3.3 ms period). Runs the real EngineCore
+over the tiny CPU model's ModelRunner with async scheduling on (as on CUDA), prefix caching on, N
+streaming requests at --ctx tokens of context; the runner prepares its inputs as usual, but the forward
+pass (graph replay or eager) is skipped and the logits buffer is left as it is (greedy sampling of a
+fixed row). Per phase: EngineCore.phase_seconds, median over --steps decode steps.
 
     python benchmarks/host_step.py --batch 256 [--profile 25]
 """
@@ -23,30 +26,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the graphcache package
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))    # the tiny checkpoint helper
 
-from graphcache.engine.block_manager import BlockManager  # noqa: E402
+import torch  # noqa: E402
+from graphcache.engine.core import EngineCore  # noqa: E402
 from graphcache.engine.runner import ModelRunner  # noqa: E402
-from graphcache.engine.scheduler import Scheduler  # noqa: E402
 from graphcache.engine.sequence import SamplingParams, Sequence  # noqa: E402
 from helpers_model import cpu_settings, tiny_checkpoint  # noqa: E402
 
+PHASES = ("schedule", "execute", "sample", "postprocess")
 
-def setup(batch: int, ctx: int, block_size: int):
-    blocks = batch * (-(-(ctx + 1100) // block_size)) + 8
+
+def setup(batch: int, ctx: int, block_size: int, steps: int) -> EngineCore:
+    max_len = ctx + steps + 64
+    blocks = batch * (-(-max_len // block_size)) + 8
     settings = cpu_settings(tiny_checkpoint(), max_num_seqs=batch, max_num_batched_tokens=max(8192, batch),
-                            block_size=block_size, num_kv_blocks=blocks, max_model_len=2048,
-                            max_capture_size=max(256, batch))
+                            block_size=block_size, num_kv_blocks=blocks, max_model_len=max_len,
+                            max_capture_size=max(256, batch), async_scheduling="on")
     runner = ModelRunner(settings)
-    bm = BlockManager(blocks, block_size, enable_prefix_caching=True)
-    sched = Scheduler(bm, max_num_seqs=batch, max_num_batched_tokens=max(8192, batch), max_model_len=2048)
+    runner._run_model = lambda num_tokens, num_reqs: None           # no forward pass: host work only
+    runner.cache.run = lambda desc, real_tokens=None: "replay"
+    runner.out_logits.normal_()                                      # a fixed, non-degenerate row per request
+    core = EngineCore(runner, settings)
     for i in range(batch):
-        seq = Sequence(f"r{i}", [(i * 7919 + j) % 30000 + 5 for j in range(ctx)],
-                       SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
-        sched.add(seq)
-    # Prefill until every sequence has its first token: from then on every step is a decode of `batch` rows.
-    while sched.waiting or any(not s.output_token_ids for s in sched.running):
-        plan = sched.schedule()
-        sched.postprocess(plan, [1] * sum(s.need_logits for s in plan.scheduled), time.monotonic())
-    return runner, sched
+        core.add_request(Sequence(f"r{i}", [(i * 7919 + j) % 30000 + 5 for j in range(ctx)],
+                                  SamplingParams(max_tokens=steps + 32, temperature=0.0, ignore_eos=True)))
+    while core.scheduler.waiting or any(not s.output_token_ids for s in core.scheduler.running):   # prefill
+        core.step()
+    return core
 
 
 def main() -> int:
@@ -57,34 +62,28 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--profile", type=int, default=0, help="cProfile the steps: print N functions by own time")
     args = ap.parse_args()
-    runner, sched = setup(args.batch, args.ctx, args.block_size)
-    times = {k: [] for k in ("schedule", "to_batch", "prepare", "postprocess")}
+    torch.set_num_threads(1)
+    core = setup(args.batch, args.ctx, args.block_size, args.steps)
+    per_phase = {k: [] for k in (*PHASES, "step")}
     prof = cProfile.Profile() if args.profile else None
     if prof:
         prof.enable()
     for _ in range(args.steps):
+        before = dict(core.phase_seconds)
         t0 = time.perf_counter()
-        plan = sched.schedule()
-        t1 = time.perf_counter()
-        batch = plan.to_batch()
-        t2 = time.perf_counter()
-        runner._prepare_decode(batch.seqs, runner.sizes.pad(len(batch.seqs)) or len(batch.seqs))
-        t3 = time.perf_counter()
-        sched.postprocess(plan, [7] * len(plan.scheduled), time.monotonic())
-        t4 = time.perf_counter()
-        for k, a, b in (("schedule", t0, t1), ("to_batch", t1, t2), ("prepare", t2, t3), ("postprocess", t3, t4)):
-            times[k].append((b - a) * 1e3)
+        core.step()
+        per_phase["step"].append((time.perf_counter() - t0) * 1e3)
+        for k in PHASES:
+            per_phase[k].append((core.phase_seconds[k] - before[k]) * 1e3)
     if prof:
         prof.disable()
-    rows = len(plan.scheduled)
-    print(f"decode steps of {rows} rows, context {args.ctx}+, block {args.block_size}: median ms per step")
+    rows = len(core.scheduler.running)
+    print(f"EngineCore.step at a decode batch of {rows}, context {args.ctx}+, block {args.block_size}, model stubbed: "
+          f"median ms per step over {args.steps}")
     print("| phase | ms | us per row |\n|---|---|---|")
-    total = 0.0
-    for k, v in times.items():
+    for k, v in per_phase.items():
         m = statistics.median(v)
-        total += m
-        print(f"| {k} | {m:.3f} | {m * 1e3 / rows:.2f} |")
-    print(f"| total | {total:.3f} | {total * 1e3 / rows:.2f} |")
+        print(f"| {k} | {m:.3f} | {m * 1e3 / max(rows, 1):.2f} |")
     if prof:
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
     return 0

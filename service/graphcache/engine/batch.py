@@ -16,7 +16,7 @@ StepMode = Literal["replay", "eager"]
 PLACEHOLDER_TOKEN = -1
 
 
-@dataclass
+@dataclass(slots=True)
 class StepSeq:
     token_ids: list[int]       # tokens fed this step (a prompt chunk, or the one last sampled token)
     start_pos: int             # position of token_ids[0] = tokens already in the KV cache

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from graphcache.config import Settings
-from graphcache.engine.batch import PLACEHOLDER_TOKEN, Runner, StepBatch
+from graphcache.engine.batch import Runner, StepBatch
 from graphcache.engine.block_manager import BlockManager
 from graphcache.engine.errors import InvalidRequest
 from graphcache.engine.logprobs import (
@@ -146,9 +146,11 @@ class EngineCore:
         self.sampler = Sampler(default_seed=settings.seed, eos_token_ids=runner.eos_token_ids)
         self.requests: dict[str, Sequence] = {}   # unfinished requests, by id
         self._unsent: dict[str, Sequence] = {}    # streams with tokens not in an output yet
-        # Unfinished requests whose sampling reads their history on the host (_needs_host_history):
-        # a set, so a step without any costs nothing per row.
+        # Unfinished requests whose sampling reads their history on the host (_needs_host_history),
+        # and those asking for logprobs or prompt logprobs: sets, so a step without any costs nothing per row.
         self._history_seqs: set[Sequence] = set()
+        self._logprob_seqs: set[Sequence] = set()
+        self._prompt_logprob_seqs: set[Sequence] = set()
         self.num_steps = 0
         self.steps_by_mode: dict[str, int] = {}
         self.consecutive_failures = 0
@@ -187,6 +189,10 @@ class EngineCore:
         self.requests[seq.request_id] = seq
         if _needs_host_history(seq.params):
             self._history_seqs.add(seq)
+        if seq.params.logprobs is not None:
+            self._logprob_seqs.add(seq)
+        if seq.params.prompt_logprobs is not None:
+            self._prompt_logprob_seqs.add(seq)
         self.scheduler.add(seq)
 
     @property
@@ -249,21 +255,20 @@ class EngineCore:
 
     def _launch(self, plan: SchedulerOutput, scheduled_at: float = 0.0) -> _InFlight:
         """Execute the plan's step and sample it on the device; nothing waits for the GPU."""
-        batch = plan.to_batch()
-        spans = flag_prompt_logits(plan.scheduled, batch.seqs)
         pending = self._pending
-        if pending is not None:   # placeholders: the decodes fed the in-flight step's token
-            for s, step_seq in zip(plan.scheduled, batch.seqs, strict=True):
-                if step_seq.token_ids[-1] == PLACEHOLDER_TOKEN:
-                    step_seq.prev_row = pending.rows[id(s.seq)]
+        # Placeholders: the decodes fed the in-flight step's token take it from its row of pending.tokens.
+        batch = plan.to_batch(pending.rows if pending is not None else None)
+        if pending is not None:
             batch.prev_tokens = pending.tokens
+        spans = flag_prompt_logits(plan.scheduled, batch.seqs) if self._prompt_logprob_seqs else []
         if self.step_failpoint is not None:
             self.step_failpoint(batch)
         t0 = time.perf_counter()
         result = self.runner.execute(batch)
         sample_seqs = [s.seq for s in plan.scheduled if s.need_logits]
         logits = result.logits[:len(sample_seqs)]
-        logprob_rows = [i for i, seq in enumerate(sample_seqs) if seq.params.logprobs is not None]
+        logprob_rows = ([i for i, seq in enumerate(sample_seqs) if seq.params.logprobs is not None]
+                        if self._logprob_seqs else [])
         if logprob_rows:   # a copy of their rows: the sampler may process logits in place
             lp_index = to_device(logprob_rows, logits.device)
             raw = logits.index_select(0, lp_index)                      # [m, V]
@@ -319,10 +324,10 @@ class EngineCore:
             m.steps.labels(p.mode).inc()
             m.step_seconds.labels(p.mode).observe(t_done - p.launched_at)
             m.batch_size.observe(len(p.plan.scheduled))
-            m.generation_tokens.inc(sum(t is not None for t in tokens))
+            m.generation_tokens.inc(len(tokens) - tokens.count(None))
             m.vllm.observe_step(p.plan.num_tokens)
             for seq in changed:
-                if seq.num_output_tokens == 1 and seq.first_token_time == now:
+                if len(seq.output_token_ids) == 1 and seq.first_token_time == now:
                     m.ttft.observe(now - seq.arrival_time)
                     m.vllm.observe_first_token(now - seq.arrival_time)
                     m.prompt_tokens.inc(seq.num_prompt_tokens)
@@ -392,6 +397,8 @@ class EngineCore:
         if finished:
             self.requests.pop(seq.request_id, None)
             self._history_seqs.discard(seq)
+            self._logprob_seqs.discard(seq)
+            self._prompt_logprob_seqs.discard(seq)
             self._unsent.pop(seq.request_id, None)
             self._record_finish(seq)
         elif not seq.stream:

@@ -117,6 +117,16 @@ class Sampler:
             c = self._controls[seq] = _Controls(seq.params, vocab, self.eos_token_ids, device)
         return c
 
+    @staticmethod
+    def _plain_greedy(seq: Sequence) -> bool:
+        flag = seq.plain_greedy
+        if flag is None:
+            p = seq.params
+            flag = seq.plain_greedy = (_is_greedy(p.temperature) and p.min_tokens == 0 and not _has_penalty(p)
+                                       and not p.logit_bias and p.allowed_token_ids is None
+                                       and not p.bad_words_token_ids)
+        return flag
+
     def _needs_processing(self, seq: Sequence) -> bool:
         p = seq.params
         return (_has_penalty(p) or bool(p.logit_bias) or p.allowed_token_ids is not None
@@ -133,6 +143,8 @@ class Sampler:
         assert logits.shape[0] == len(seqs), (logits.shape, len(seqs))
         # argmax in the model dtype: the same token as over a float copy, without writing [R, V] fp32
         tokens = logits.argmax(dim=-1)
+        if all(map(self._plain_greedy, seqs)):   # one cached flag per row: the common batch costs no more
+            return tokens
         processed = {i for i, s in enumerate(seqs) if self._needs_processing(s)}
         rows = [i for i, s in enumerate(seqs) if i in processed or not _is_greedy(s.params.temperature)]
         if not rows:

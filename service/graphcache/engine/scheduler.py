@@ -42,7 +42,7 @@ from graphcache.engine.sequence import Sequence, SequenceStatus
 from graphcache.engine.stopping import GRAMMAR_BROKEN, check_stop, grammar_accepts, grammar_done
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int        # tokens fed this step
@@ -64,18 +64,23 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
 
-    def to_batch(self) -> StepBatch:
+    def to_batch(self, prev_rows: dict[int, int] | None = None) -> StepBatch:
+        """The step's batch. prev_rows (async scheduling): id(sequence) -> its row of the in-flight step's
+        sampled ids, for the decodes whose input is that step's token."""
         seqs = []
         for s in self.scheduled:
-            ids = s.seq.token_slice(s.start, s.start + s.num_tokens)
+            seq, start, n = s.seq, s.start, s.num_tokens
+            ids = seq.token_slice(start, start + n)
+            prev_row = None
             # A decode whose input is the token still being sampled by the step in flight (async
             # scheduling): a placeholder; the runner takes it from that step's device output.
-            if len(ids) < s.num_tokens:
-                ids = ids + [PLACEHOLDER_TOKEN] * (s.num_tokens - len(ids))
+            if len(ids) < n:
+                ids = ids + [PLACEHOLDER_TOKEN] * (n - len(ids))
+                if prev_rows is not None:
+                    prev_row = prev_rows[id(seq)]
             # The block table is passed, not copied: the runner reads it during execute(), before
             # the engine changes any table again.
-            seqs.append(StepSeq(token_ids=ids, start_pos=s.start, block_table=s.seq.block_table,
-                                need_logits=s.need_logits))
+            seqs.append(StepSeq(ids, start, seq.block_table, s.need_logits, prev_row))
         return StepBatch(seqs=seqs)
 
 
@@ -143,19 +148,25 @@ class Scheduler:
 
         # 1. Running: decodes first, then in-progress prefill chunks; each in admission order. A token
         # still being sampled (num_inflight, async scheduling) counts as known: its sequence decodes it.
-        decodes, prefills = [], []
+        # This loop and the next run for every running sequence every step (up to max_num_seqs rows):
+        # they read each sequence's lengths once and inline the checks (BENCHMARKS.md §9.4).
+        decodes, prefills = [], []   # (sequence, tokens known incl. in flight)
+        max_len = self.max_model_len
         for s in self.running:
-            if s.num_inflight and self._finishes_by_length(s):
-                continue   # the token in flight ends it: scheduling it again would compute past its end
-            (decodes if s.num_computed_tokens == s.num_tokens + s.num_inflight - 1 else prefills).append(s)
+            inflight, num_out = s.num_inflight, len(s.output_token_ids)
+            total = len(s.prompt_token_ids) + num_out + inflight
+            if inflight:   # the token in flight ends it: scheduling it again would compute past its end
+                limit = s.params.max_tokens
+                if (limit is not None and num_out + inflight >= limit) or total >= max_len:
+                    continue
+            (decodes if s.num_computed_tokens == total - 1 else prefills).append((s, total))
         bm = self.block_manager
         capacity_per_block = bm.block_size
-        for seq in decodes + prefills:
+        for seq, total in decodes + prefills:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:   # preempted earlier in this loop
                 continue
-            total = seq.num_tokens + seq.num_inflight
             n = min(total - seq.num_computed_tokens, budget)
             target = seq.num_computed_tokens + n
             if target > len(seq.block_table) * capacity_per_block:   # most decodes skip this: room left
@@ -249,11 +260,6 @@ class Scheduler:
         if need_logits:
             seq.num_inflight += 1
 
-    def _finishes_by_length(self, seq: Sequence) -> bool:
-        limit = seq.params.max_tokens
-        return ((limit is not None and seq.num_output_tokens + seq.num_inflight >= limit)
-                or seq.num_tokens + seq.num_inflight >= self.max_model_len)
-
     def postprocess(self, out: SchedulerOutput, tokens: list[int | None], now: float) -> list[Sequence]:
         """The step ran. Append the token sampled for each need_logits sequence (`tokens` in that
         order; None: its sampling failed, it ends with an error), check the stop rules, finish and
@@ -263,9 +269,10 @@ class Scheduler:
         sampled = [s.seq for s in out.scheduled if s.need_logits]
         assert len(tokens) == len(sampled), (len(tokens), len(sampled))
         changed = []
+        eos, max_len, finished = self.eos_token_ids, self.max_model_len, SequenceStatus.FINISHED
         for seq, token in zip(sampled, tokens, strict=True):
             seq.num_inflight -= 1
-            if seq.is_finished:
+            if seq.status is finished:
                 continue
             changed.append(seq)
             if token is None:
@@ -276,11 +283,12 @@ class Scheduler:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.last_token_time = now
-            if not grammar_accepts(seq, token):
+            grammar = seq.grammar   # None for most: the grammar calls are skipped inline (a per-row loop)
+            if grammar is not None and not grammar_accepts(seq, token):
                 self.finish(seq, "error", GRAMMAR_BROKEN)
                 continue
-            reason = check_stop(seq, token, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
-            if reason is None and grammar_done(seq):
+            reason = check_stop(seq, token, eos_token_ids=eos, max_model_len=max_len)
+            if reason is None and grammar is not None and grammar_done(seq):
                 reason = "stop"   # structured output complete: only EOS could follow
             if reason is not None:
                 self.finish(seq, reason)

@@ -39,21 +39,22 @@ def check_stop(seq: Sequence, token_id: int, *, eos_token_ids: set[int] | frozen
                max_model_len: int) -> str | None:
     """Update `seq`'s text with its newest token (already appended) and return a finish reason or None."""
     params = seq.params
-    may_stop = seq.num_output_tokens >= params.min_tokens
+    num_out = len(seq.output_token_ids)   # runs for every sampled row every step: lengths read once
+    may_stop = num_out >= params.min_tokens
     if may_stop and (token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids)):
         seq.stopped_on_token = True
         return "stop"   # the stop token stays in token ids but adds no text (like OpenAI/vLLM)
     detok = seq.detokenizer
     if detok is not None and not seq.defer_text:
         if params.min_tokens and detok.stop:
-            seq.output_text += detok.add([token_id], find_stop=seq.num_output_tokens > params.min_tokens)
+            seq.output_text += detok.add([token_id], find_stop=num_out > params.min_tokens)
         else:
             seq.output_text += detok.add([token_id])
         if detok.stopped is not None:
             if params.include_stop_str_in_output:
                 seq.output_text += detok.stopped   # cut by the detokenizer, with everything after it
             return "stop"
-    if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
+    if num_out >= params.max_tokens or len(seq.prompt_token_ids) + num_out >= max_model_len:
         return "length"
     return None
 
