@@ -67,17 +67,56 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def measured(run, pid: int) -> dict:
+# The server's own latency histograms (engine clock: arrival -> first token appended; per request, the mean
+# time between its output tokens). The client's TTFT is its first SSE chunk, and on a random checkpoint most
+# ids decode to no text, so chunks come late and few (BENCHMARKS.md §6.5): these are the figures to quote.
+SERVER_HISTOGRAMS = {"ttft": "graphcache_time_to_first_token_seconds", "tpot": "graphcache_time_per_output_token_seconds"}
+
+
+def server_buckets(url: str) -> dict[str, list[tuple[float, float]]]:
+    """{ttft|tpot: [(upper bound s, cumulative count)]} from GET /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for key, name in SERVER_HISTOGRAMS.items():
+            if family.name == name:
+                out[key] = sorted((float(x.labels["le"]), x.value) for x in family.samples if x.name.endswith("_bucket"))
+    return out
+
+
+def bucket_quantile(before: list[tuple[float, float]], after: list[tuple[float, float]], q: float) -> float:
+    """Prometheus' histogram_quantile over the run's bucket increments (linear within a bucket), in ms."""
+    counts = [(le, a - b) for (le, a), (_, b) in zip(after, before, strict=True)]
+    if not counts or counts[-1][1] <= 0:
+        return float("nan")
+    rank, low, below = q * counts[-1][1], 0.0, 0.0
+    for le, cum in counts:
+        if cum >= rank:
+            if le == float("inf"):
+                return low * 1e3
+            return (low + (le - low) * (rank - below) / max(cum - below, 1e-12)) * 1e3
+        low, below = le, cum
+    return low * 1e3
+
+
+def measured(run, pid: int, url: str) -> dict:
     """run() -> summary dict, plus the CPU cores busy in the server process and in its children over the
-    run's own seconds (the burst's client start-up is idle time for the server), and the run's window
-    on the monotonic clock (perf_counter: the same clock as the engine's step trace)."""
+    run's own seconds (the burst's client start-up is idle time for the server), the run's window on the
+    monotonic clock (perf_counter: the same clock as the engine's step trace), and the server-side TTFT and
+    TPOT p50 / p99 of the requests that finished in it."""
     kids = children(pid)
     before = cpu_seconds(pid), [cpu_seconds(k) for k in kids]
+    hist0 = server_buckets(url)
     t0 = time.perf_counter()
     row = run()
     row["window"] = (t0, time.perf_counter())
     row["api_cpu"] = (cpu_seconds(pid) - before[0]) / row["seconds"]
     row["children_cpu"] = sum(cpu_seconds(k) - b for k, b in zip(kids, before[1], strict=True)) / row["seconds"]
+    hist1 = server_buckets(url)
+    for key in SERVER_HISTOGRAMS:
+        for q in (0.5, 0.99):
+            row[f"server_{key}_ms_p{round(q * 100)}"] = bucket_quantile(hist0.get(key, []), hist1.get(key, []), q)
     return row
 
 
@@ -227,7 +266,7 @@ def profiled_burst(args, url: str, prompts, outputs, pid: int) -> dict:
         spies.append(subprocess.Popen(["py-spy", "record", "--pid", str(p), "--duration", "8", "--rate", "250",
                                        "--format", "raw", "--nonblocking", "--gil", "--nolineno", "--output", str(paths[-1])],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
-    row = measured(lambda: burst(url, prompts, outputs, args.client_procs), pid)
+    row = measured(lambda: burst(url, prompts, outputs, args.client_procs), pid, url)
     for spy in spies:
         spy.wait(60)
     py_spy_top(paths, args.py_spy_dir / "py_spy_top.txt")
@@ -277,8 +316,8 @@ def main() -> int:
             time.sleep(1)
         prompts, outputs = workload(args.num_seqs, vocab, (100, 1024), (100, 1024), seed=0)
         burst(url, prompts[:4], [8] * 4, 2)   # warm: first requests, HTTP stack
-        rows = [measured(lambda: burst(url, prompts, outputs, args.client_procs), proc.pid),
-                measured(lambda: asyncio.run(clients(url, args.clients, args.duration, vocab)), proc.pid)]
+        rows = [measured(lambda: burst(url, prompts, outputs, args.client_procs), proc.pid, url),
+                measured(lambda: asyncio.run(clients(url, args.clients, args.duration, vocab)), proc.pid, url)]
         if args.py_spy_dir is not None:
             rows.append(profiled_burst(args, url, prompts, outputs, proc.pid))
     finally:
@@ -290,6 +329,11 @@ def main() -> int:
         print(f"{r['run']:<24}{r['tokens_per_s']:>9.0f}{r['requests']:>6}{r['errors']:>5}{r['ttft_ms_p50']:>10.0f}"
               f"{r['ttft_ms_p99']:>8.0f}{r['tpot_ms_p50']:>10.2f}{r['tpot_ms_p99']:>8.2f}{r['chunks_p50']:>11}"
               f"{r['first_to_last_s_p50']:>11.2f}{r['api_cpu']:>9.2f}{r['children_cpu']:>10.2f}")
+    print("\nserver-side latency (its /metrics histograms, interpolated within buckets; ms):")
+    print("| run | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['run']} | {r['server_ttft_ms_p50']:.0f} | {r['server_ttft_ms_p99']:.0f} | "
+              f"{r['server_tpot_ms_p50']:.2f} | {r['server_tpot_ms_p99']:.2f} |")
     if trace_path.exists():
         records = step_trace.load(trace_path)
         traced = {r["run"]: step_trace.summarize(records, *r["window"]) for r in rows}

@@ -20,7 +20,8 @@ for p in ${PHASES:-tests pool capture}; do
   case $p in
     # Every file with cuda-marked tests: grep -l "mark.cuda" tests/*.py tests/*/*.py
     tests)   phase tests 420 python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu tests/test_decode_attention.py \
-               tests/test_sampling_controls.py tests/test_structured.py tests/test_fused_ops.py -rs --durations=15 ${PYTEST_ARGS:-} ;;
+               tests/test_sampling_controls.py tests/test_structured.py tests/test_fused_ops.py \
+               tests/test_sampling_kernels.py -rs --durations=15 ${PYTEST_ARGS:-} ;;
     sampler) phase sampler 120 python3 benchmarks/sampler_bench.py --out "$OUT/sampler.json" ;;
     kernels) phase kernels 200 python3 benchmarks/decode_attention_bench.py ;;
     decode_step) phase decode_step 400 python3 benchmarks/decode_step.py --make-qwen05b /tmp/qwen05b \
