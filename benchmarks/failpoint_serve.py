@@ -4,7 +4,8 @@
   every graph capture fails before it starts (GraphCache.failpoint, the hook
   tests/reliability/test_capture_failure.py sets in-process), so the step falls back to eager;
 * memory samples: every second, process RSS and torch.cuda.memory_allocated/reserved (0 without CUDA)
-  written as JSON to $GRAPHCACHE_SOAK_STATS (atomically: write + rename).
+  written as JSON to $GRAPHCACHE_SOAK_STATS (atomically: write + rename); with the engine in its own
+  process, that process writes its own samples beside it (`.engine.json`) and has the failpoint too.
 
 Everything else is the real command: `python benchmarks/failpoint_serve.py` == `graphcache serve`
 (settings from GRAPHCACHE_* env). No service code changes; the patch wraps GraphCache.__init__.
@@ -67,8 +68,19 @@ def write_stats_forever(path: Path) -> None:
         time.sleep(1.0)
 
 
-if __name__ == "__main__":
+def stats_path(engine_process: bool) -> Path:
+    """Where a process writes its samples: the server's file, or beside it for the engine's own process."""
+    return Path(STATS_FILE).with_suffix(".engine.json") if engine_process else Path(STATS_FILE)
+
+
+# The engine's own process (GRAPHCACHE_ENGINE_PROCESS, on by default with CUDA) is spawned, and a spawned
+# child imports the parent's main script as __mp_main__: so the failpoint and a sampler of that process's
+# memory are installed there too, where the graph cache and the CUDA allocations are.
+if __name__ in ("__main__", "__mp_main__"):
     install_failpoint()
     if STATS_FILE:
-        threading.Thread(target=write_stats_forever, args=(Path(STATS_FILE),), name="soak-stats", daemon=True).start()
+        threading.Thread(target=write_stats_forever, args=(stats_path(__name__ == "__mp_main__"),),
+                         name="soak-stats", daemon=True).start()
+
+if __name__ == "__main__":
     sys.exit(cli.main(["serve", *sys.argv[1:]]))

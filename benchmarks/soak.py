@@ -61,6 +61,8 @@ class Server:
         self.fail_file = Path(args.log_dir) / f"soak_{name}.fail"
         self.stats_file = Path(args.log_dir) / f"soak_{name}.stats.json"
         self.fail_file.unlink(missing_ok=True)
+        for stale in (self.stats_file, self.stats_file.with_suffix(".engine.json")):
+            stale.unlink(missing_ok=True)
         env = dict(os.environ, GRAPHCACHE_PORT=str(self.port), GRAPHCACHE_HOST="127.0.0.1",
                    GRAPHCACHE_ADMIN_TOKEN=TOKEN, GRAPHCACHE_LOG_LEVEL="warning",
                    GRAPHCACHE_MAX_NUM_SEQS=str(args.max_num_seqs), GRAPHCACHE_NUM_KV_BLOCKS=str(args.num_kv_blocks),
@@ -93,7 +95,14 @@ class Server:
         return time.perf_counter() - self.t0
 
     def memory(self) -> dict:
-        return json.loads(self.stats_file.read_text())
+        """The server's memory samples; with the engine in its own process (the CUDA default), the two
+        processes' RSS summed and the CUDA figures and injected failures from the engine's."""
+        stats = json.loads(self.stats_file.read_text())
+        engine = self.stats_file.with_suffix(".engine.json")
+        if engine.exists():
+            own = json.loads(engine.read_text())
+            stats = {**own, "rss_bytes": stats["rss_bytes"] + own["rss_bytes"], "server_rss_bytes": stats["rss_bytes"]}
+        return stats
 
     async def admin(self, client: httpx.AsyncClient, method: str, path: str, body: dict | None = None) -> dict:
         r = await client.request(method, self.base + path, json=body, timeout=600,
@@ -381,7 +390,8 @@ def report(args, r: dict, cuda: bool) -> int:
     print("|---|---|---|---|")
     for key in ("rss_bytes", "cuda_allocated_bytes", "cuda_reserved_bytes"):
         print(f"| {key.removesuffix('_bytes')} MiB | {m0[key] / mib:.1f} | {m1[key] / mib:.1f} | {m2[key] / mib:.1f} |")
-    print(f"\ngraph pool: baseline {r['baseline_pool']['pool_bytes'] / mib:.1f} MiB "
+    print(f"\nengine in its own process: {'yes' if 'server_rss_bytes' in m0 else 'no'} (rss = the processes' sum)")
+    print(f"graph pool: baseline {r['baseline_pool']['pool_bytes'] / mib:.1f} MiB "
           f"({r['baseline_pool']['entries']} entries); final clear {r['final_cleared_pool']['pool_bytes']} B; "
           f"after warmup {r['final_pool']['pool_bytes'] / mib:.1f} MiB")
     if r["details"]:
