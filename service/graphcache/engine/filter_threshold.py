@@ -39,14 +39,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-    HAVE_TRITON = True
-except ImportError:
-    triton = None
-    tl = None
-    HAVE_TRITON = False
+from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
 __all__ = ["PREFIX", "bisect_thresholds", "reference_sort_filter", "thresholds"]
 

@@ -28,14 +28,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-    HAVE_TRITON = True
-except ImportError:
-    triton = None
-    tl = None
-    HAVE_TRITON = False
+from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
 __all__ = ["HAVE_TRITON", "mix64", "race_draw", "race_draw_torch", "row_key", "to_int64", "uniforms"]
 
@@ -70,10 +63,6 @@ def to_int64(key: int) -> int:
     return key - (1 << 64) if key >> 63 else key
 
 
-def _signed(c: int) -> int:
-    return to_int64(c)
-
-
 # --- torch path (CPU, and the reference) ----------------------------------------------------------
 def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
     """Logical right shift of int64 bits (torch's >> is arithmetic: mask off the copied sign bits)."""
@@ -83,9 +72,9 @@ def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
 def uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """keys [R] int64 (uint64 bits) -> u [R, vocab] fp32 in (0, 1): u[r, i] from mix64(key_r + (i+1) GAMMA)."""
     i = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device)
-    h = keys.view(-1, 1) + i * _signed(GAMMA)        # [R, V] int64; wraps mod 2^64 like uint64
-    h = (h ^ _shr(h, 30)) * _signed(MUL1)
-    h = (h ^ _shr(h, 27)) * _signed(MUL2)
+    h = keys.view(-1, 1) + i * to_int64(GAMMA)        # [R, V] int64; wraps mod 2^64 like uint64
+    h = (h ^ _shr(h, 30)) * to_int64(MUL1)
+    h = (h ^ _shr(h, 27)) * to_int64(MUL2)
     h = h ^ _shr(h, 31)
     return (_shr(h, 64 - _U_BITS).float() + 0.5) * (2.0 ** -_U_BITS)
 

@@ -61,6 +61,12 @@ def _has_penalty(p: SamplingParams) -> bool:
     return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
 
 
+def _has_controls(p: SamplingParams) -> bool:
+    """Logits controls that act every step (min_tokens acts only until that many tokens are out)."""
+    return (_has_penalty(p) or bool(p.logit_bias) or p.allowed_token_ids is not None
+            or bool(p.bad_words_token_ids))
+
+
 def needs_history(params: SamplingParams) -> bool:
     """Does this request's sampling read tokens it already generated (penalties, min_tokens, bad
     words of more than one token)? Then a step must not sample it before the previous step's token
@@ -122,15 +128,12 @@ class Sampler:
         flag = seq.plain_greedy
         if flag is None:
             p = seq.params
-            flag = seq.plain_greedy = (_is_greedy(p.temperature) and p.min_tokens == 0 and not _has_penalty(p)
-                                       and not p.logit_bias and p.allowed_token_ids is None
-                                       and not p.bad_words_token_ids)
+            flag = seq.plain_greedy = _is_greedy(p.temperature) and p.min_tokens == 0 and not _has_controls(p)
         return flag
 
     def _needs_processing(self, seq: Sequence) -> bool:
         p = seq.params
-        return (_has_penalty(p) or bool(p.logit_bias) or p.allowed_token_ids is not None
-                or bool(p.bad_words_token_ids) or _num_generated(seq) < p.min_tokens)
+        return _has_controls(p) or _num_generated(seq) < p.min_tokens
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """One token per row of `logits` [len(seqs), V] (row i belongs to seqs[i]), on the host."""

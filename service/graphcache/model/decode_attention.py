@@ -44,14 +44,7 @@ import math
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-    HAVE_TRITON = True
-except ImportError:  # the module still imports (reference, heuristics); the kernel raises
-    triton = None
-    tl = None
-    HAVE_TRITON = False
+from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
 __all__ = ["HAVE_TRITON", "choose_num_splits", "decode_workspace", "paged_decode_attention",
            "reference_decode_attention"]

@@ -24,14 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-    HAVE_TRITON = True
-except ImportError:
-    triton = None
-    tl = None
-    HAVE_TRITON = False
+from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
 __all__ = ["HAVE_TRITON", "add_rmsnorm", "rotary_", "silu_mul"]
 
