@@ -169,6 +169,10 @@ def test_padded_tokens_write_only_the_scratch_slot(path):
     assert runner.scratch_slot == scratch_block * runner.block_size
     storage = runner.kv_storage                                # [layers, 2, blocks + 1, bs, K, D]
     assert storage.shape[2] == runner.num_kv_blocks + 1
+    # Poisoned, not zeros: a pad's K/V can be anything (its attention rows are never written, so a layer
+    # past the first sees whatever was in that memory), zeros included, which read as "not written" and
+    # failed this test in ~1 run in 5.
+    storage[:, :, scratch_block] = 12345.0
     before = storage.clone()
     result = runner.execute(StepBatch([StepSeq(prompt_ids(5), 0, [7, 8], True)]))   # 5 tokens padded to 8
     assert result.mode == "replay"
