@@ -84,6 +84,9 @@ def main() -> int:
     for k, v in per_phase.items():
         m = statistics.median(v)
         print(f"| {k} | {m:.3f} | {m * 1e3 / max(rows, 1):.2f} |")
+    applied = getattr(getattr(core.runner, "persistent_rows", None), "num_applied", None)
+    if applied is not None:
+        print(f"decode steps run from persistent rows: {applied} of {core.num_steps}")
     if prof:
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
     return 0

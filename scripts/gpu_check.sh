@@ -21,7 +21,7 @@ for p in ${PHASES:-tests pool capture}; do
     # Every file with cuda-marked tests: grep -l "mark.cuda" tests/*.py tests/*/*.py
     tests)   phase tests 420 python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu tests/test_decode_attention.py \
                tests/test_sampling_controls.py tests/test_structured.py tests/test_fused_ops.py \
-               tests/test_sampling_kernels.py -rs --durations=15 ${PYTEST_ARGS:-} ;;
+               tests/test_sampling_kernels.py tests/test_decode_rows.py -rs --durations=15 ${PYTEST_ARGS:-} ;;
     sampler) phase sampler 120 python3 benchmarks/sampler_bench.py --out "$OUT/sampler.json" ;;
     kernels) phase kernels 200 python3 benchmarks/decode_attention_bench.py ;;
     decode_step) phase decode_step 400 python3 benchmarks/decode_step.py --make-qwen05b /tmp/qwen05b \
@@ -32,6 +32,8 @@ for p in ${PHASES:-tests pool capture}; do
                    tests/gpu/test_runner_cuda.py tests/gpu/test_engine_cuda.py -rs ;;
     tests_paged) GRAPHCACHE_BLOCK_SIZE=256 phase tests_paged 240 python3 -m pytest -q -m cuda -p no:cacheprovider \
                    tests/gpu/test_runner_cuda.py tests/gpu/test_engine_cuda.py -rs ;;
+    host_step) phase host_step 200 python3 benchmarks/host_step.py --batch 256 --steps 300 ;;
+    host_step_old) (cd .old && phase host_step_old 200 python3 benchmarks/host_step.py --batch 256 --steps 300) ;;
     pool)    phase pool 150 python3 benchmarks/pool_eviction.py --out "$OUT/pool_eviction.json" ;;
     warmup)  TRITON_CACHE_DIR=$(mktemp -d) phase warmup 300 python3 benchmarks/warmup_bench.py --make-qwen05b /tmp/qwen05b \
                --out "$OUT/warmup.json" ${WARMUP_ARGS:-} ;;

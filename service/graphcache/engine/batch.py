@@ -27,22 +27,61 @@ class StepSeq:
     prompt_logits: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
+class DecodeRows:
+    """A uniform-decode step said as a change to the previous step's rows (persistent rows): every
+    sequence feeds one token, the one the step in flight is sampling for it. A runner that holds the
+    previous step's rows keeps positions, lengths and block tables on the device and advances them
+    there; the host sends only this (docs/ARCHITECTURE.md, "Persistent decode rows")."""
+
+    keys: list[int]                        # [n] each row's Sequence.key, in row order
+    grown: list[tuple[int, list[int]]]     # (key, whole block table) of the sequences that got a block this step
+
+
 class StepBatch:
-    seqs: list[StepSeq]
-    prev_tokens: Any = None    # [rows] int64 device ids sampled by the step in flight (placeholder inputs)
+    """One step's sequences. Built either from `seqs`, or (the scheduler's uniform decodes) from `rows`
+    plus `build`, which makes the per-row `seqs` only if a runner asks for them: a runner on the
+    persistent-rows path never does, so the host builds no StepSeq per row on most decode steps."""
+
+    __slots__ = ("_seqs", "_build", "prev_tokens", "rows")
+
+    def __init__(self, seqs: list[StepSeq] | None = None, prev_tokens: Any = None, *,
+                 rows: DecodeRows | None = None, build: Callable[[], list[StepSeq]] | None = None) -> None:
+        if seqs is None and rows is None:
+            raise ValueError("a StepBatch needs seqs, or rows")
+        self._seqs, self._build = seqs, build
+        self.prev_tokens = prev_tokens   # [rows] int64 device ids sampled by the step in flight (placeholder inputs)
+        self.rows = rows
+
+    @property
+    def seqs(self) -> list[StepSeq]:
+        if self._seqs is None:
+            if self._build is None:
+                raise RuntimeError("this batch came as decode rows without its sequences (a tensor-parallel rank "
+                                   "whose rows disagree with rank 0's); the ranks' runner states have split")
+            self._seqs, self._build = self._build(), None
+        return self._seqs
+
+    def __getstate__(self) -> tuple:   # what a tensor-parallel rank receives: no builder, no device tensor
+        return self._seqs, self.rows
+
+    def __setstate__(self, state: tuple) -> None:
+        self._seqs, self.rows = state
+        self._build = self.prev_tokens = None
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
+        if self._seqs is None:
+            return len(self.rows.keys)
+        return sum(len(s.token_ids) for s in self._seqs)
 
     @property
     def uniform_decode(self) -> bool:
-        return all(len(s.token_ids) == 1 for s in self.seqs)
+        return self._seqs is None or all(len(s.token_ids) == 1 for s in self._seqs)
 
     @property
     def wants_prompt_logits(self) -> bool:
-        return any(s.prompt_logits for s in self.seqs)
+        return self._seqs is not None and any(s.prompt_logits for s in self._seqs)
 
 
 @dataclass

@@ -117,7 +117,6 @@ class _InFlight:
     host: torch.Tensor                 # [n] the same on the host (pinned; valid once `ready` is done)
     ready: torch.cuda.Event | None     # recorded after the copies (CUDA); None on the CPU
     failed: list[int]                  # rows whose sampling failed: their requests end with an error
-    rows: dict[int, int]               # id(sequence) -> its row in tokens
     mode: str
     launched_at: float
     scheduled_at: float                # perf_counter when schedule() began (the step trace)
@@ -257,10 +256,12 @@ class EngineCore:
         """Execute the plan's step and sample it on the device; nothing waits for the GPU."""
         pending = self._pending
         # Placeholders: the decodes fed the in-flight step's token take it from its row of pending.tokens.
-        batch = plan.to_batch(pending.rows if pending is not None else None)
+        batch = plan.to_batch(pending.sample_seqs if pending is not None else None)
         if pending is not None:
             batch.prev_tokens = pending.tokens
-        spans = flag_prompt_logits(plan.scheduled, batch.seqs) if self._prompt_logprob_seqs else []
+        # A decode-rows batch holds no prompt positions: nothing to flag, and its seqs stay unbuilt.
+        spans = (flag_prompt_logits(plan.scheduled, batch.seqs)
+                 if self._prompt_logprob_seqs and batch.rows is None else [])
         if self.step_failpoint is not None:
             self.step_failpoint(batch)
         t0 = time.perf_counter()
@@ -287,10 +288,9 @@ class EngineCore:
             host.copy_(tokens, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        rows = {id(seq): i for i, seq in enumerate(sample_seqs)}
         history = self._history_seqs
         needs_history = bool(history) and not history.isdisjoint(sample_seqs)
-        return _InFlight(plan, sample_seqs, tokens, host, ready, failed, rows, result.mode, t0, scheduled_at,
+        return _InFlight(plan, sample_seqs, tokens, host, ready, failed, result.mode, t0, scheduled_at,
                          needs_history, time.perf_counter(), logprob_rows, sampled_logprobs, spans, prompt_logprobs)
 
     def _complete_pending(self) -> list[RequestOutput]:

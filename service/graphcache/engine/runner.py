@@ -31,6 +31,8 @@ import torch
 
 from graphcache.config import Settings
 from graphcache.engine.batch import StepBatch, StepResult, StepSeq
+from graphcache.engine.decode_rows import PersistentRows
+from graphcache.engine.staging import StagingBuffer
 from graphcache.graphs.cache import GraphCache, WarmupReport
 from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes, descriptor_for
 from graphcache.graphs.profile import parse_profile
@@ -62,18 +64,6 @@ def _resolve_device(setting: str) -> torch.device:
     if setting == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(setting)
-
-
-class StagingBuffer:
-    """A static device buffer plus a host mirror (pinned on CUDA, so the copy is asynchronous)."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        self.dev = torch.zeros(shape, dtype=dtype, device=device)
-        self.host = torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
-        self.np = self.host.numpy()  # numpy view: filling from Python lists is much cheaper than torch
-
-    def upload(self, n: int) -> None:
-        self.dev[:n].copy_(self.host[:n], non_blocking=True)
 
 
 class ModelRunner:
@@ -115,6 +105,10 @@ class ModelRunner:
         self._alloc_buffers()
         self.num_kv_blocks = self._agree_min(self._num_kv_blocks())
         self._alloc_kv_cache()
+        self.persistent_rows = PersistentRows(input_ids=self.input_ids.dev, positions=self.positions.dev,
+                                   slot_mapping=self.slot_mapping.dev, seq_lens=self.seq_lens.dev,
+                                   block_tables=self.block_tables.dev, block_size=self.block_size,
+                                   scratch_slot=self.scratch_slot)
         self.attention_kernel = select_attention_kernel(self.device, self.dtype, c.head_dim, self.block_size,
                                                         s.attention_backend)
         self._planner = AttentionPlanner(kernel=self.attention_kernel, block_size=self.block_size,
@@ -222,6 +216,7 @@ class ModelRunner:
         # changed. Reset by every mixed step (it lays rows out its own way).
         self._table_rows: list = [None] * self.max_reqs
         self._table_lens: list[int] = [0] * self.max_reqs
+        self._table_rows_stale = False   # set when PersistentRows moved the device rows
 
     def decode_metadata(self, num_reqs: int) -> DecodeMetadata:
         """The decode attention metadata of a (padded) batch of num_reqs: static views only."""
@@ -313,8 +308,8 @@ class ModelRunner:
     def execute(self, batch: StepBatch) -> StepResult:
         """Run one step: logits [number of need_logits seqs, V] in the model dtype, batch order (a
         view of a static buffer, valid until the next call), and how it ran."""
-        seqs = batch.seqs
-        num_reqs, num_tokens = len(seqs), batch.num_tokens
+        num_reqs = len(batch.rows.keys) if batch.rows is not None else len(batch.seqs)
+        num_tokens = batch.num_tokens
         if num_reqs == 0:
             raise ValueError("empty batch")
         if num_tokens > self.max_tokens or num_reqs > self.max_reqs:
@@ -328,19 +323,44 @@ class ModelRunner:
         desc = None if eager else descriptor_for(num_tokens, num_reqs, uniform, self.sizes, self.max_reqs)
         pad_tokens = desc.num_tokens if desc else num_tokens
         pad_reqs = desc.num_reqs if desc else num_reqs
-        if self._decode_path(uniform) and not prompt_logits:
-            md, num_logits = self._prepare_decode(seqs, pad_reqs, batch.prev_tokens)
-        else:
-            md, num_logits = self._prepare(seqs, num_tokens, pad_tokens, pad_reqs, batch.prev_tokens)
-        with forward_context(md):
-            if prompt_logits:
-                return self._run_with_prompt_logits(seqs, num_tokens, num_logits)
-            if desc is None:
-                self._run_model(num_tokens, num_reqs)
-                mode = "eager"
+        try:
+            if self._decode_path(uniform) and not prompt_logits:
+                if batch.rows is not None and batch.prev_tokens is not None and self.persistent_rows.apply(
+                        batch.rows, pad_reqs, batch.prev_tokens, self._wait_uploads):
+                    self._table_rows_stale = True   # the device rows moved: _prepare_decode rewrites every row
+                    if self._uploaded is not None:
+                        self._uploaded.record()
+                    md, num_logits = self.decode_metadata(pad_reqs), num_reqs
+                else:
+                    md, num_logits = self._prepare_decode(batch.seqs, pad_reqs, batch.prev_tokens)
+                    self.persistent_rows.remember(batch.rows.keys if batch.rows is not None else None,
+                                                  self._table_lens[:num_reqs])
             else:
-                mode = self.cache.run(desc, real_tokens=num_tokens)
+                self.persistent_rows.invalidate()
+                md, num_logits = self._prepare(batch.seqs, num_tokens, pad_tokens, pad_reqs, batch.prev_tokens)
+            with forward_context(md):
+                if prompt_logits:
+                    return self._run_with_prompt_logits(batch.seqs, num_tokens, num_logits)
+                if desc is None:
+                    self._run_model(num_tokens, num_reqs)
+                    mode = "eager"
+                else:
+                    mode = self.cache.run(desc, real_tokens=num_tokens)
+        except BaseException:
+            self.persistent_rows.invalidate()   # the buffers may hold half a step: the next decode lays rows out anew
+            raise
         return StepResult(self.out_logits[:num_logits], mode)
+
+    def takes_rows(self, batch: StepBatch) -> bool:
+        """Whether execute(batch) will run it from its DecodeRows alone (the tensor-parallel runner then
+        sends the other ranks only the rows: their runners hold the same rows)."""
+        if batch.rows is None or not self._decode_path(True) or batch.prev_tokens is None:
+            return False
+        return self.persistent_rows.applicable(batch.rows, batch.prev_tokens.shape[0])
+
+    def _wait_uploads(self) -> None:
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the previous step's async copies have read the host mirrors
 
     def _run_with_prompt_logits(self, seqs: list[StepSeq], num_tokens: int, num_logits: int) -> StepResult:
         """Eager step that also computes the logits of every token of the prompt_logits seqs: the
@@ -359,8 +379,7 @@ class ModelRunner:
     def _prepare(self, seqs: list[StepSeq], num_tokens: int, pad_tokens: int, pad_reqs: int, prev_tokens=None):
         """Fill host mirrors and upload. Layout: decode requests first (attention op contract);
         logits rows: the need_logits seqs in batch order, then the others."""
-        if self._uploaded is not None:
-            self._uploaded.synchronize()  # the previous step's async copies have read the host mirrors
+        self._wait_uploads()
         self._table_rows[:] = [None] * len(self._table_rows)   # rows laid out anew: the decode cache is stale
         bs = self.block_size
         order = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
@@ -425,8 +444,10 @@ class ModelRunner:
         """Uniform decode: one token per sequence, row i = sequence i = logits row i. Host work is a
         few list comprehensions and numpy ops; a block-table row is rewritten only when its table
         changed since the last decode step (a new sequence in the row, or a new block)."""
-        if self._uploaded is not None:
-            self._uploaded.synchronize()  # the previous step's async copies have read the host mirrors
+        self._wait_uploads()
+        if self._table_rows_stale:
+            self._table_rows[:] = [None] * len(self._table_rows)
+            self._table_rows_stale = False
         n, bs = len(seqs), self.block_size
         bt, rows, lens = self.block_tables.np, self._table_rows, self._table_lens
         for row, s in enumerate(seqs):
@@ -483,6 +504,7 @@ class ModelRunner:
         if too_big:
             raise ValueError(f"descriptors {too_big} exceed the static buffers ({self.max_tokens} tokens, "
                              f"{self.max_reqs} requests); raise max_num_batched_tokens / max_num_seqs")
+        self.persistent_rows.invalidate()
         self.slot_mapping.dev.fill_(self.scratch_slot)
         self.logits_indices.dev.zero_()
         self.seq_lens.dev.zero_()   # decode kernels in the graph attend to nothing

@@ -36,7 +36,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from graphcache.engine.batch import PLACEHOLDER_TOKEN, StepBatch, StepSeq
+from graphcache.engine.batch import PLACEHOLDER_TOKEN, DecodeRows, StepBatch, StepSeq
 from graphcache.engine.block_manager import BlockManager, PrefixMatch
 from graphcache.engine.sequence import Sequence, SequenceStatus
 from graphcache.engine.stopping import GRAMMAR_BROKEN, check_stop, grammar_accepts, grammar_done
@@ -55,6 +55,10 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)   # finished with error: can never fit
+    grown: list[Sequence] = field(default_factory=list)    # running sequences that got a block this step
+    # Every scheduled sequence feeds one token, the one the step in flight samples for it (async
+    # scheduling's steady decode): the step can go to the runner as persistent-row changes.
+    all_fed_in_flight: bool = True
 
     @property
     def empty(self) -> bool:
@@ -64,9 +68,20 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
 
-    def to_batch(self, prev_rows: dict[int, int] | None = None) -> StepBatch:
-        """The step's batch. prev_rows (async scheduling): id(sequence) -> its row of the in-flight step's
-        sampled ids, for the decodes whose input is that step's token."""
+    def to_batch(self, prev_sampled: list[Sequence] | None = None) -> StepBatch:
+        """The step's batch. prev_sampled (async scheduling): the in-flight step's sampled sequences, in
+        the order of its sampled ids, for the decodes whose input is that step's token.
+
+        A steady decode step (all_fed_in_flight) also comes as DecodeRows, and its per-row StepSeqs are
+        built only if the runner asks for them (batch.seqs): a runner holding the previous step's rows
+        needs just the row keys and the tables that grew."""
+        if self.all_fed_in_flight and prev_sampled is not None and self.scheduled:
+            rows = DecodeRows([s.seq.key for s in self.scheduled], [(seq.key, seq.block_table) for seq in self.grown])
+            return StepBatch(rows=rows, build=lambda: self._step_seqs(prev_sampled))
+        return StepBatch(self._step_seqs(prev_sampled))
+
+    def _step_seqs(self, prev_sampled: list[Sequence] | None) -> list[StepSeq]:
+        prev_rows = None if prev_sampled is None else {id(seq): i for i, seq in enumerate(prev_sampled)}
         seqs = []
         for s in self.scheduled:
             seq, start, n = s.seq, s.start, s.num_tokens
@@ -81,7 +96,7 @@ class SchedulerOutput:
             # The block table is passed, not copied: the runner reads it during execute(), before
             # the engine changes any table again.
             seqs.append(StepSeq(ids, start, seq.block_table, s.need_logits, prev_row))
-        return StepBatch(seqs=seqs)
+        return seqs
 
 
 class Scheduler:
@@ -182,6 +197,7 @@ class Scheduler:
                 if seq.status is not SequenceStatus.RUNNING:
                     continue
                 bm.allocate(seq, target)
+                out.grown.append(seq)
             self._commit(out, seq, n, target, need_logits=target == total)
             scheduled_ids.add(id(seq))
             budget -= n
@@ -255,6 +271,8 @@ class Scheduler:
         (A step that fails only when its tokens are fetched, after the next one was launched, is a
         device fault: the engine stops serving.)"""
         out.scheduled.append(ScheduledSeq(seq, n, need_logits, start=seq.num_computed_tokens))
+        if n != 1 or not seq.num_inflight:
+            out.all_fed_in_flight = False
         seq.num_computed_tokens = target
         self.block_manager.commit(seq, target)
         if need_logits:

@@ -16,6 +16,7 @@ resumes by re-prefilling prompt + outputs and continues where it stopped.
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -210,6 +211,9 @@ class Sequence:
     # sampler.py's cache, set on first sampling (params do not change once submitted): the row's token
     # is the argmax of its raw logits (greedy, no logits controls), so a batch of such rows skips the rest.
     plain_greedy: bool | None = None
+    # Unique for the process's lifetime (id() is not: a freed object's id comes back): the runner's
+    # persistent decode rows are keyed by it (batch.DecodeRows).
+    key: int = field(default_factory=itertools.count().__next__, init=False, repr=False)
 
     @property
     def all_token_ids(self) -> list[int]:

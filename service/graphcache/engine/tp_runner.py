@@ -178,7 +178,7 @@ class TensorParallelRunner:
     def execute(self, batch: StepBatch) -> StepResult:
         if self._broken is not None:
             raise RankLost(self._broken)
-        payload, rows = execute_payload(batch)
+        payload, rows = execute_payload(batch, self.runner.takes_rows(batch))
         self._send(("execute", payload, rows))
         try:
             if rows:

@@ -166,8 +166,10 @@ def _send(conn: Any, message: tuple) -> bool:
         return False
 
 
-def execute_payload(batch: StepBatch) -> tuple[StepBatch, int]:
-    """What crosses the pipe for a step: the batch without its device tensor, and that tensor's rows."""
+def execute_payload(batch: StepBatch, rows_only: bool) -> tuple[StepBatch, int]:
+    """What crosses the pipe for a step: the batch without its device tensor, and that tensor's rows.
+    rows_only: rank 0's runner takes the step from its DecodeRows, so every rank's does (the same
+    batches built the same rows): the per-row sequences stay unbuilt and unsent."""
     prev = batch.prev_tokens
-    return StepBatch(batch.seqs), 0 if prev is None else int(prev.numel())
+    return StepBatch(None if rows_only else batch.seqs, rows=batch.rows), 0 if prev is None else int(prev.numel())
 

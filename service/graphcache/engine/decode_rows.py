@@ -1,0 +1,133 @@
+"""Persistent decode rows: a steady decode step applied to the runner's device buffers as a change.
+
+In a steady decode (async scheduling, every running sequence fed the token the step in flight is
+sampling for it) a row changes only thus: its position and length advance by one, its input is the id
+just sampled in the same row, and now and then its block table grows by a block. So row i stays the
+same sequence across steps and these buffers advance on the device: the host compares the row keys
+(one C-level list comparison), writes the new blocks, and launches a dozen small kernels, however many
+rows there are, instead of building, filling and uploading every row (the aim of vLLM's persistent
+input batch; the shape here is our own).
+
+Rows may leave (a finished or preempted sequence, or one whose in-flight token ends it): the rows that
+stay are gathered to the front on the device, in the scheduler's order. Anything else (a sequence the
+previous step did not decode, a mixed step, prompt logprobs, a capture outside a step, a failed step)
+makes the runner lay every row out from the StepSeqs again (ModelRunner._prepare_decode), which tells
+this class the rows anew (`remember`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from graphcache.engine.batch import DecodeRows
+from graphcache.engine.staging import StagingBuffer
+
+
+class PersistentRows:
+    def __init__(self, *, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int, scratch_slot: int) -> None:
+        """The runner's static device buffers: input_ids, positions, slot_mapping [T_max] int64,
+        seq_lens [R_max] int64, block_tables [R_max, B] int64."""
+        self.input_ids, self.positions, self.slot_mapping = input_ids, positions, slot_mapping
+        self.seq_lens, self.block_tables = seq_lens, block_tables
+        self.block_size, self.scratch_slot = block_size, scratch_slot
+        max_reqs, device = block_tables.shape[0], block_tables.device
+        self.keys: list[int] | None = None       # row i's Sequence.key after the last decode step; None: unknown
+        self._row_of: dict[int, int] | None = None   # key -> row of `keys`, built on first need
+        self._num_blocks = np.zeros(max_reqs, dtype=np.int64)   # [R_max] blocks of row i's table on the device
+        self._src = StagingBuffer((max_reqs,), torch.int64, device)          # [R_max] old row of each row
+        # [3, 2 * R_max]: row, column and block id of each block added this step (a decode adds at most one).
+        self._added = StagingBuffer((3, 2 * max_reqs), torch.int64, device)
+        self.num_applied = 0   # steps that went this way (tests, benchmarks)
+
+    def invalidate(self) -> None:
+        """The device buffers no longer hold the rows (another layout was written, or a step failed)."""
+        self.keys = self._row_of = None
+
+    def remember(self, keys: list[int] | None, num_blocks: Sequence[int]) -> None:
+        """A decode step laid every row out from its StepSeqs: row i is keys[i] (None: not known) with
+        num_blocks[i] blocks in the device block table."""
+        self.keys, self._row_of = keys, None
+        if keys is not None:
+            self._num_blocks[:len(keys)] = num_blocks
+
+    def _rows_of_old(self) -> dict[int, int]:
+        if self._row_of is None:
+            self._row_of = {k: i for i, k in enumerate(self.keys)}
+        return self._row_of
+
+    def _gather_index(self, rows: DecodeRows, num_prev_tokens: int) -> list[int] | None | bool:
+        """None: the rows are the previous step's, in place. A list: the previous row of each row (rows
+        only left). False: not applicable (unknown rows, a new sequence, or ids that do not match)."""
+        if self.keys is None or num_prev_tokens != len(self.keys):
+            return False
+        if rows.keys == self.keys:
+            return None
+        row_of = self._rows_of_old()
+        try:
+            return [row_of[k] for k in rows.keys]
+        except KeyError:   # a sequence the previous step did not decode
+            return False
+
+    def applicable(self, rows: DecodeRows, num_prev_tokens: int) -> bool:
+        return self._gather_index(rows, num_prev_tokens) is not False
+
+    def apply(self, rows: DecodeRows, pad_reqs: int, prev_tokens: torch.Tensor,
+              wait_uploads: Callable[[], None]) -> bool:
+        """Advance the device buffers to this step's rows; False (nothing touched) when not applicable.
+        prev_tokens: [rows of the previous step] int64, the ids it sampled (row i's next input).
+        wait_uploads: blocks until the previous step's uploads have read the host mirrors."""
+        index = self._gather_index(rows, prev_tokens.shape[0])
+        if index is False:
+            return False
+        n, bs = len(rows.keys), self.block_size
+        row_of = self._rows_of_old() if index is None else {k: i for i, k in enumerate(rows.keys)}
+        num_blocks = self._num_blocks[:n] if index is None else self._num_blocks[index]   # [n]
+        added_rows, added_cols, added_ids = [], [], []
+        for key, table in rows.grown:
+            r = row_of[key]
+            have = int(num_blocks[r])
+            if len(table) < have:   # tables of running sequences only grow; lay the rows out again
+                return False
+            added_rows += [r] * (len(table) - have)
+            added_cols += range(have, len(table))
+            added_ids += table[have:]
+            num_blocks[r] = len(table)
+        k = len(added_ids)
+        if k > self._added.np.shape[1]:
+            return False
+        if index is not None or k:
+            wait_uploads()
+        if index is not None:
+            src = self._src
+            src.np[:n] = index
+            src.upload(n)
+            self.positions[:n] = self.positions.index_select(0, src.dev[:n])
+            self.seq_lens[:n] = self.seq_lens.index_select(0, src.dev[:n])
+            self.block_tables[:n] = self.block_tables.index_select(0, src.dev[:n])
+            self.input_ids[:n] = prev_tokens.index_select(0, src.dev[:n])
+        else:
+            self.input_ids[:n] = prev_tokens
+        if k:
+            added = self._added
+            added.np[0, :k], added.np[1, :k], added.np[2, :k] = added_rows, added_cols, added_ids
+            added.dev[:, :k].copy_(added.host[:, :k], non_blocking=True)
+            self.block_tables.index_put_((added.dev[0, :k], added.dev[1, :k]), added.dev[2, :k])
+        pos = self.positions[:n]   # [n]
+        pos += 1
+        self.seq_lens[:n] += 1
+        block = self.block_tables[:n].gather(1, (pos // bs).unsqueeze(1)).squeeze(1)   # [n]
+        torch.add(pos % bs, block, alpha=bs, out=self.slot_mapping[:n])
+        if index is not None and n < pad_reqs:   # rows left: pad rows (token 0 at position 0, scratch slot, length 0)
+            self.input_ids[n:pad_reqs] = 0
+            self.positions[n:pad_reqs] = 0
+            self.slot_mapping[n:pad_reqs] = self.scratch_slot
+            self.seq_lens[n:pad_reqs] = 0
+        if index is not None:
+            self._num_blocks[:n] = num_blocks
+            self.keys, self._row_of = rows.keys, row_of
+        self.num_applied += 1
+        return True

@@ -1,0 +1,119 @@
+"""Persistent decode rows (engine/decode_rows.py): a steady decode step advances the runner's device
+buffers in place instead of laying every row out from the host. Every such step must leave exactly
+the buffers a full layout (ModelRunner._prepare_decode) of the same batch writes, through rows that
+leave, blocks that grow, preemption and admissions in between; and the engine's outputs must equal
+the synchronous engine's, which never takes that path."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from graphcache.engine.batch import DecodeRows, StepBatch
+from graphcache.engine.core import EngineCore
+from graphcache.engine.runner import ModelRunner
+from graphcache.engine.sequence import SamplingParams
+from helpers_model import cpu_settings, prompt_ids, tiny_checkpoint
+from test_async_scheduling import drive
+
+POISON = -7
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]   # cuda: graph replay, async by default
+
+
+def _requests(n: int = 9):
+    # Different lengths: rows leave one by one; block size 4: tables grow every 4 decode steps.
+    return [(f"q{i}", prompt_ids(3 + (5 * i) % 11, seed=i),
+             SamplingParams(max_tokens=5 + (7 * i) % 19, temperature=0, ignore_eos=True)) for i in range(n)]
+
+
+def _layout(runner: ModelRunner, batch: StepBatch, pad: int) -> dict[str, torch.Tensor]:
+    """The decode buffers the step reads: pads included, block tables up to each row's length."""
+    n = len(batch.rows.keys)
+    out = {name: getattr(runner, name).dev[:pad].clone() for name in ("input_ids", "positions", "slot_mapping",
+                                                                       "seq_lens")}
+    for i, s in enumerate(batch.seqs[:n]):
+        out[f"table{i}"] = runner.block_tables.dev[i, :len(s.block_table)].clone()
+    return out
+
+
+def _checked_core(settings, counts: dict) -> EngineCore:
+    """A core whose runner, after every step it takes from persistent rows, poisons the buffers, lays
+    the same batch out in full and asserts both wrote the same."""
+    runner = ModelRunner(settings)
+    rows = runner.persistent_rows
+    apply, execute = rows.apply, runner.execute
+    current: dict = {}
+
+    def execute_and_remember(batch):
+        current["batch"] = batch
+        return execute(batch)
+
+    def apply_then_compare(decode_rows, pad, prev, wait):
+        before = None if rows.keys is None else list(rows.keys)
+        if not apply(decode_rows, pad, prev, wait):
+            return False
+        batch = current["batch"]
+        counts["applied"] += 1
+        counts["gathered"] += decode_rows.keys != before
+        counts["grown"] += bool(decode_rows.grown)
+        got = _layout(runner, batch, pad)
+        for buf in (runner.input_ids, runner.positions, runner.slot_mapping, runner.seq_lens, runner.block_tables):
+            buf.dev.fill_(POISON)
+        runner._table_rows_stale = True
+        runner._prepare_decode(batch.seqs, pad, prev)
+        want = _layout(runner, batch, pad)
+        for name in want:
+            assert torch.equal(got[name], want[name]), (name, got[name], want[name])
+        return True
+
+    rows.apply = apply_then_compare
+    runner.execute = execute_and_remember
+    return EngineCore(runner, settings)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_advanced_on_the_device_equal_a_full_layout_and_outputs_equal_sync(device):
+    path = tiny_checkpoint("qwen2")
+    reqs = _requests()
+    counts = dict(applied=0, gathered=0, grown=0)
+    # 5 rows for 9 requests: admissions (mixed steps) between decode runs; 24 blocks of 4: preemption.
+    kw = dict(max_num_seqs=5, num_kv_blocks=24, device=device)
+    rows_on = cpu_settings(path, async_scheduling="on", **kw)
+    core = _checked_core(rows_on, counts)
+    got = drive(core, reqs)
+    sync = cpu_settings(path, async_scheduling="off", **kw)
+    want = drive(EngineCore(ModelRunner(sync), sync), reqs)
+    assert got == want
+    assert core.scheduler.num_preemptions > 0
+    # Each kind of change was exercised: rows in place, rows that left, blocks added.
+    assert counts["applied"] > 10 and counts["gathered"] > 0 and counts["grown"] > 0, counts
+
+
+def test_a_new_sequence_or_unknown_rows_fall_back_to_a_full_layout():
+    settings = cpu_settings(tiny_checkpoint("qwen2"), async_scheduling="on")
+    runner = ModelRunner(settings)
+    rows, prev = runner.persistent_rows, torch.zeros(2, dtype=torch.int64)
+    assert not rows.applicable(DecodeRows([1, 2], []), 2)          # nothing laid out yet
+    rows.remember([1, 2], [1, 1])
+    assert rows.applicable(DecodeRows([1, 2], []), 2)
+    assert rows.applicable(DecodeRows([2], []), 2)                 # a row left
+    assert not rows.applicable(DecodeRows([2, 3], []), 2)          # sequence 3 was not decoded last step
+    assert not rows.applicable(DecodeRows([1, 2], []), 3)          # the ids do not match the rows
+    assert not rows.apply(DecodeRows([3], []), 1, prev[:1], lambda: None)
+    runner.capture([])   # a capture outside a step rewrites the buffers: the rows are no longer known
+    assert rows.keys is None
+
+
+def test_a_rows_batch_builds_its_sequences_only_when_asked_and_pickles_without_them():
+    built = []
+    batch = StepBatch(rows=DecodeRows([4, 5], [(5, [1, 2])]), build=lambda: built.append(1) or [])
+    assert batch.num_tokens == 2 and batch.uniform_decode and not batch.wants_prompt_logits and not built
+    sent = pickle.loads(pickle.dumps(batch))
+    assert sent.rows.keys == [4, 5] and sent.rows.grown == [(5, [1, 2])]
+    with pytest.raises(RuntimeError, match="runner states have split"):
+        _ = sent.seqs
+    assert batch.seqs == [] and built == [1]
+    with pytest.raises(ValueError, match="needs seqs, or rows"):
+        StepBatch()
