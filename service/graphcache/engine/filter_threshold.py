@@ -129,53 +129,46 @@ def bisect_thresholds(z: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torc
 
 # --- Triton fallback: one program per row, flagged rows only -------------------------------------------
 # Literal constants: a jitted function may not read module globals that are not constexpr.
-# 2139095040 = 0x7F800000 (_INF_KEY).
+# 2139095040 = 0x7F800000 (_INF_KEY). Counts are summed in fp32: exact below 2**24 tokens.
+def _sum_at_or_below(base, vocab, c, BLOCK: tl.constexpr, MASS: tl.constexpr):
+    """One pass over a row: how many tokens (MASS False), or how much exp(z) (MASS True), have key <= c."""
+    cols = tl.arange(0, BLOCK)
+    acc = tl.full((), 0.0, tl.float32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + cols
+        z = tl.load(base + offs, mask=offs < vocab, other=float("-inf"))
+        below = (tl.abs(z).to(tl.int32, bitcast=True) <= c) & (offs < vocab)
+        if MASS:
+            acc += tl.sum(tl.where(below, tl.exp(z), 0.0), axis=0)
+        else:
+            acc += tl.sum(below.to(tl.float32), axis=0)
+    return acc
+
+
+def _smallest_key(base, vocab, hi, target, BLOCK: tl.constexpr, MASS: tl.constexpr):
+    """The smallest key c in [0, hi] with _sum_at_or_below(c) >= target (it grows with c): 31 passes."""
+    lo = tl.full((), 0, tl.int32)
+    for _ in range(31):
+        mid = lo + (hi - lo) // 2
+        good = _sum_at_or_below(base, vocab, mid, BLOCK, MASS) >= target
+        hi = tl.where(good, mid, hi)
+        lo = tl.where(good, lo, mid + 1)
+    return lo
+
+
 def _bisect_kernel(z_ptr, k_ptr, p_ptr, need_ptr, thr_ptr, stride_z, vocab, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if tl.load(need_ptr + row) != 0:
         k = tl.load(k_ptr + row)
         p = tl.load(p_ptr + row)
         base = z_ptr + row * stride_z
-        cols = tl.arange(0, BLOCK)
         c_k = tl.full((), 2139095040, tl.int32)
         if k < vocab:                                   # smallest c with count(key <= c) >= k
-            lo = tl.full((), 0, tl.int32)
-            hi = tl.full((), 2139095040, tl.int32)
-            for _ in range(31):
-                mid = lo + (hi - lo) // 2
-                count = tl.full((), 0, tl.int64)
-                for start in range(0, vocab, BLOCK):
-                    offs = start + cols
-                    z = tl.load(base + offs, mask=offs < vocab, other=float("-inf"))
-                    key = tl.abs(z).to(tl.int32, bitcast=True)
-                    count += tl.sum(((key <= mid) & (offs < vocab)).to(tl.int64), axis=0)
-                good = count >= k
-                hi = tl.where(good, mid, hi)
-                lo = tl.where(good, lo, mid + 1)
-            c_k = lo
+            c_k = _smallest_key(base, vocab, c_k, k.to(tl.float32), BLOCK, False)
         c_p = tl.full((), 2139095040, tl.int32)
         if p < 1:                                       # smallest c with mass(key <= c) >= p * mass(key <= c_k)
-            total = tl.full((), 0.0, tl.float32)
-            for start in range(0, vocab, BLOCK):
-                offs = start + cols
-                z = tl.load(base + offs, mask=offs < vocab, other=float("-inf"))
-                key = tl.abs(z).to(tl.int32, bitcast=True)
-                total += tl.sum(tl.where(key <= c_k, tl.exp(z), 0.0), axis=0)
-            target = p * total
-            lo = tl.full((), 0, tl.int32)
-            hi = c_k                                    # mass(key <= c_k) = total >= target
-            for _ in range(31):
-                mid = lo + (hi - lo) // 2
-                mass = tl.full((), 0.0, tl.float32)
-                for start in range(0, vocab, BLOCK):
-                    offs = start + cols
-                    z = tl.load(base + offs, mask=offs < vocab, other=float("-inf"))
-                    key = tl.abs(z).to(tl.int32, bitcast=True)
-                    mass += tl.sum(tl.where(key <= mid, tl.exp(z), 0.0), axis=0)
-                good = mass >= target
-                hi = tl.where(good, mid, hi)
-                lo = tl.where(good, lo, mid + 1)
-            c_p = lo
+            target = p * _sum_at_or_below(base, vocab, c_k, BLOCK, True)
+            c_p = _smallest_key(base, vocab, c_k, target, BLOCK, True)   # mass(key <= c_k) >= target
         c = tl.minimum(c_k, c_p)
         tl.store(thr_ptr + row, -(c.to(tl.float32, bitcast=True)))
 
@@ -183,19 +176,27 @@ def _bisect_kernel(z_ptr, k_ptr, p_ptr, need_ptr, thr_ptr, stride_z, vocab, BLOC
 _KERNEL = None
 
 
+def _jit_kernel():
+    """Jit the kernel and, first, the helpers it calls: the kernel finds them as this module's globals."""
+    global _KERNEL, _sum_at_or_below, _smallest_key
+    if _KERNEL is None:
+        _sum_at_or_below = triton.jit(_sum_at_or_below)
+        _smallest_key = triton.jit(_smallest_key)
+        _KERNEL = triton.jit(_bisect_kernel)
+    return _KERNEL
+
+
 def bisect_thresholds_triton(z: torch.Tensor, k: torch.Tensor, p: torch.Tensor, need: torch.Tensor,
                              block: int = 4096) -> torch.Tensor:
     """bisect_thresholds for the rows flagged in need [R] bool, one Triton launch; -inf elsewhere."""
-    global _KERNEL
-    if _KERNEL is None:
-        _KERNEL = triton.jit(_bisect_kernel)
+    kernel = _jit_kernel()
     rows, vocab = z.shape
     if z.stride(1) != 1:
         z = z.contiguous()
     out = torch.full((rows,), _NEG_INF, dtype=torch.float32, device=z.device)
     if rows:
-        _KERNEL[(rows,)](z, k.to(torch.int64).contiguous(), p.float().contiguous(), need.to(torch.int8), out,
-                         z.stride(0), vocab, BLOCK=min(block, triton.next_power_of_2(vocab)), num_warps=8)
+        kernel[(rows,)](z, k.to(torch.int64).contiguous(), p.float().contiguous(), need.to(torch.int8), out,
+                        z.stride(0), vocab, BLOCK=min(block, triton.next_power_of_2(vocab)), num_warps=8)
     return out
 
 
