@@ -7,7 +7,8 @@ With fused kernels the H200's decode step is GPU-short enough that this host wor
 over the tiny CPU model's ModelRunner with async scheduling on (as on CUDA), prefix caching on, N
 streaming requests at --ctx tokens of context; the runner prepares its inputs as usual, but the forward
 pass (graph replay or eager) is skipped and the logits buffer is left as it is (greedy sampling of a
-fixed row). Per phase: EngineCore.phase_seconds, median over --steps decode steps.
+fixed row). Per phase: EngineCore.phase_seconds, median over --steps decode steps; "inputs" is the part
+of "execute" spent building the batch and preparing the runner's inputs (persistent decode rows: constant).
 
     python benchmarks/host_step.py --batch 256 [--profile 25]
 """
@@ -29,10 +30,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))    # the 
 import torch  # noqa: E402
 from graphcache.engine.core import EngineCore  # noqa: E402
 from graphcache.engine.runner import ModelRunner  # noqa: E402
+from graphcache.engine.scheduler import SchedulerOutput  # noqa: E402
 from graphcache.engine.sequence import SamplingParams, Sequence  # noqa: E402
 from helpers_model import cpu_settings, tiny_checkpoint  # noqa: E402
 
 PHASES = ("schedule", "execute", "sample", "postprocess")
+INPUT_SECONDS = [0.0]   # to_batch + the runner's input preparation (part of "execute")
+
+
+def timed(fn):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            INPUT_SECONDS[0] += time.perf_counter() - t0
+    return wrapper
+
+
+def time_inputs(runner: ModelRunner) -> None:
+    """Count the batch building and input preparation: the part of a step that persistent decode rows
+    made independent of the batch (also works on older commits, which lack persistent_rows)."""
+    SchedulerOutput.to_batch = timed(SchedulerOutput.to_batch)
+    runner._prepare_decode = timed(runner._prepare_decode)
+    runner._prepare = timed(runner._prepare)
+    rows = getattr(runner, "persistent_rows", None)
+    if rows is not None:
+        rows.apply = timed(rows.apply)
 
 
 def setup(batch: int, ctx: int, block_size: int, steps: int) -> EngineCore:
@@ -64,15 +88,17 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(1)
     core = setup(args.batch, args.ctx, args.block_size, args.steps)
-    per_phase = {k: [] for k in (*PHASES, "step")}
+    time_inputs(core.runner)
+    per_phase = {k: [] for k in (*PHASES, "inputs", "step")}
     prof = cProfile.Profile() if args.profile else None
     if prof:
         prof.enable()
     for _ in range(args.steps):
-        before = dict(core.phase_seconds)
+        before, inputs_before = dict(core.phase_seconds), INPUT_SECONDS[0]
         t0 = time.perf_counter()
         core.step()
         per_phase["step"].append((time.perf_counter() - t0) * 1e3)
+        per_phase["inputs"].append((INPUT_SECONDS[0] - inputs_before) * 1e3)
         for k in PHASES:
             per_phase[k].append((core.phase_seconds[k] - before[k]) * 1e3)
     if prof:

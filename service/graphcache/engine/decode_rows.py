@@ -41,7 +41,17 @@ class PersistentRows:
         self._src = StagingBuffer((max_reqs,), torch.int64, device)          # [R_max] old row of each row
         # [3, 2 * R_max]: row, column and block id of each block added this step (a decode adds at most one).
         self._added = StagingBuffer((3, 2 * max_reqs), torch.int64, device)
+        self._view_cache: dict[int, tuple[torch.Tensor, ...]] = {}
         self.num_applied = 0   # steps that went this way (tests, benchmarks)
+
+    def _views(self, n: int) -> tuple[torch.Tensor, ...]:
+        """The first n rows of input_ids, positions, seq_lens, slot_mapping, block_tables and the gather
+        index, made once per n: slicing costs as much host time as a small kernel launch."""
+        views = self._view_cache.get(n)
+        if views is None:
+            views = self._view_cache[n] = (self.input_ids[:n], self.positions[:n], self.seq_lens[:n],
+                                           self.slot_mapping[:n], self.block_tables[:n], self._src.dev[:n])
+        return views
 
     def invalidate(self) -> None:
         """The device buffers no longer hold the rows (another layout was written, or a step failed)."""
@@ -101,26 +111,24 @@ class PersistentRows:
             return False
         if index is not None or k:
             wait_uploads()
+        ids, pos, lens, slots, table, src = self._views(n)   # [n] each, table [n, B]
         if index is not None:
-            src = self._src
-            src.np[:n] = index
-            src.upload(n)
-            self.positions[:n] = self.positions.index_select(0, src.dev[:n])
-            self.seq_lens[:n] = self.seq_lens.index_select(0, src.dev[:n])
-            self.block_tables[:n] = self.block_tables.index_select(0, src.dev[:n])
-            self.input_ids[:n] = prev_tokens.index_select(0, src.dev[:n])
+            self._src.np[:n] = index
+            self._src.upload(n)
+            pos.copy_(self.positions.index_select(0, src))
+            table.copy_(self.block_tables.index_select(0, src))
+            torch.index_select(prev_tokens, 0, src, out=ids)
         else:
-            self.input_ids[:n] = prev_tokens
+            ids.copy_(prev_tokens)
         if k:
             added = self._added
             added.np[0, :k], added.np[1, :k], added.np[2, :k] = added_rows, added_cols, added_ids
             added.dev[:, :k].copy_(added.host[:, :k], non_blocking=True)
             self.block_tables.index_put_((added.dev[0, :k], added.dev[1, :k]), added.dev[2, :k])
-        pos = self.positions[:n]   # [n]
-        pos += 1
-        self.seq_lens[:n] += 1
-        block = self.block_tables[:n].gather(1, (pos // bs).unsqueeze(1)).squeeze(1)   # [n]
-        torch.add(pos % bs, block, alpha=bs, out=self.slot_mapping[:n])
+        pos.add_(1)
+        torch.add(pos, 1, out=lens)   # a decode row's length is its position + 1
+        block = table.gather(1, pos.div(bs, rounding_mode="floor").unsqueeze(1)).squeeze(1)   # [n]
+        torch.add(pos.remainder(bs), block, alpha=bs, out=slots)
         if index is not None and n < pad_reqs:   # rows left: pad rows (token 0 at position 0, scratch slot, length 0)
             self.input_ids[n:pad_reqs] = 0
             self.positions[n:pad_reqs] = 0
