@@ -102,6 +102,8 @@ def test_a_new_sequence_or_unknown_rows_fall_back_to_a_full_layout():
     assert not rows.applicable(DecodeRows([2, 3], []), 2)          # sequence 3 was not decoded last step
     assert not rows.applicable(DecodeRows([1, 2], []), 3)          # the ids do not match the rows
     assert not rows.apply(DecodeRows([3], []), 1, prev[:1], lambda: None)
+    assert not rows.apply(DecodeRows([1, 2], [(2, [])]), 2, prev, lambda: None)   # a table that shrank
+    assert rows.keys == [1, 2] and list(rows._num_blocks[:2]) == [1, 1]          # nothing touched
     runner.capture([])   # a capture outside a step rewrites the buffers: the rows are no longer known
     assert rows.keys is None
 

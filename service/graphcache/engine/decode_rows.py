@@ -18,12 +18,22 @@ this class the rows anew (`remember`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from graphcache.engine.batch import DecodeRows
 from graphcache.engine.staging import StagingBuffer
+
+
+class _Plan(NamedTuple):
+    index: list[int] | None        # [n] the previous row of each row; None: the same rows in place
+    row_of: dict[int, int]         # key -> its row this step
+    num_blocks: np.ndarray         # [n] blocks of each row's table on the device after this step
+    added_rows: list[int]          # row, column and block id of each block added this step
+    added_cols: list[int]
+    added_ids: list[int]
 
 
 class PersistentRows:
@@ -69,46 +79,48 @@ class PersistentRows:
             self._row_of = {k: i for i, k in enumerate(self.keys)}
         return self._row_of
 
-    def _gather_index(self, rows: DecodeRows, num_prev_tokens: int) -> list[int] | None | bool:
-        """None: the rows are the previous step's, in place. A list: the previous row of each row (rows
-        only left). False: not applicable (unknown rows, a new sequence, or ids that do not match)."""
+    def _plan(self, rows: DecodeRows, num_prev_tokens: int) -> _Plan | None:
+        """How this step's rows follow from the last step's, computed without touching anything; None
+        when they do not (unknown rows, a sequence the last step did not decode, ids that do not match
+        the rows, a table that shrank)."""
         if self.keys is None or num_prev_tokens != len(self.keys):
-            return False
-        if rows.keys == self.keys:
             return None
-        row_of = self._rows_of_old()
-        try:
-            return [row_of[k] for k in rows.keys]
-        except KeyError:   # a sequence the previous step did not decode
-            return False
+        n = len(rows.keys)
+        if rows.keys == self.keys:   # the usual step: the same rows in place
+            index, row_of, num_blocks = None, self._rows_of_old(), self._num_blocks[:n].copy()
+        else:                        # rows left: the previous row of each row that stays
+            old = self._rows_of_old()
+            try:
+                index = [old[k] for k in rows.keys]
+            except KeyError:
+                return None
+            row_of, num_blocks = {k: i for i, k in enumerate(rows.keys)}, self._num_blocks[index]
+        added_rows, added_cols, added_ids = [], [], []
+        for key, table in rows.grown:   # new blocks: one per decode that crossed a block boundary
+            r = row_of[key]
+            have = int(num_blocks[r])
+            if len(table) < have:
+                return None
+            added_rows += [r] * (len(table) - have)
+            added_cols += range(have, len(table))
+            added_ids += table[have:]
+            num_blocks[r] = len(table)
+        if len(added_ids) > self._added.np.shape[1]:
+            return None
+        return _Plan(index, row_of, num_blocks, added_rows, added_cols, added_ids)
 
     def applicable(self, rows: DecodeRows, num_prev_tokens: int) -> bool:
-        return self._gather_index(rows, num_prev_tokens) is not False
+        return self._plan(rows, num_prev_tokens) is not None
 
     def apply(self, rows: DecodeRows, pad_reqs: int, prev_tokens: torch.Tensor,
               wait_uploads: Callable[[], None]) -> bool:
         """Advance the device buffers to this step's rows; False (nothing touched) when not applicable.
         prev_tokens: [rows of the previous step] int64, the ids it sampled (row i's next input).
         wait_uploads: blocks until the previous step's uploads have read the host mirrors."""
-        index = self._gather_index(rows, prev_tokens.shape[0])
-        if index is False:
+        plan = self._plan(rows, prev_tokens.shape[0])
+        if plan is None:
             return False
-        n, bs = len(rows.keys), self.block_size
-        row_of = self._rows_of_old() if index is None else {k: i for i, k in enumerate(rows.keys)}
-        num_blocks = self._num_blocks[:n] if index is None else self._num_blocks[index]   # [n]
-        added_rows, added_cols, added_ids = [], [], []
-        for key, table in rows.grown:
-            r = row_of[key]
-            have = int(num_blocks[r])
-            if len(table) < have:   # tables of running sequences only grow; lay the rows out again
-                return False
-            added_rows += [r] * (len(table) - have)
-            added_cols += range(have, len(table))
-            added_ids += table[have:]
-            num_blocks[r] = len(table)
-        k = len(added_ids)
-        if k > self._added.np.shape[1]:
-            return False
+        n, bs, index, k = len(rows.keys), self.block_size, plan.index, len(plan.added_ids)
         if index is not None or k:
             wait_uploads()
         ids, pos, lens, slots, table, src = self._views(n)   # [n] each, table [n, B]
@@ -122,7 +134,7 @@ class PersistentRows:
             ids.copy_(prev_tokens)
         if k:
             added = self._added
-            added.np[0, :k], added.np[1, :k], added.np[2, :k] = added_rows, added_cols, added_ids
+            added.np[0, :k], added.np[1, :k], added.np[2, :k] = plan.added_rows, plan.added_cols, plan.added_ids
             added.dev[:, :k].copy_(added.host[:, :k], non_blocking=True)
             self.block_tables.index_put_((added.dev[0, :k], added.dev[1, :k]), added.dev[2, :k])
         pos.add_(1)
@@ -134,8 +146,7 @@ class PersistentRows:
             self.positions[n:pad_reqs] = 0
             self.slot_mapping[n:pad_reqs] = self.scratch_slot
             self.seq_lens[n:pad_reqs] = 0
-        if index is not None:
-            self._num_blocks[:n] = num_blocks
-            self.keys, self._row_of = rows.keys, row_of
+        self._num_blocks[:n] = plan.num_blocks
+        self.keys, self._row_of = rows.keys, plan.row_of
         self.num_applied += 1
         return True
