@@ -10,10 +10,10 @@ import pickle
 
 import pytest
 import torch
-from graphcache.engine.batch import DecodeRows, StepBatch
+from graphcache.engine.batch import DecodeRows, StepBatch, StepSeq
 from graphcache.engine.core import EngineCore
 from graphcache.engine.runner import ModelRunner
-from graphcache.engine.sequence import SamplingParams
+from graphcache.engine.sequence import SamplingParams, Sequence
 from helpers_model import cpu_settings, prompt_ids, tiny_checkpoint
 from test_async_scheduling import drive
 
@@ -31,7 +31,7 @@ def _layout(runner: ModelRunner, batch: StepBatch, pad: int) -> dict[str, torch.
     """The decode buffers the step reads: pads included, block tables up to each row's length."""
     n = len(batch.rows.keys)
     out = {name: getattr(runner, name).dev[:pad].clone() for name in ("input_ids", "positions", "slot_mapping",
-                                                                       "seq_lens")}
+                                                                       "seq_lens", "logits_indices")}
     for i, s in enumerate(batch.seqs[:n]):
         out[f"table{i}"] = runner.block_tables.dev[i, :len(s.block_table)].clone()
     return out
@@ -49,16 +49,18 @@ def _checked_core(settings, counts: dict) -> EngineCore:
         current["batch"] = batch
         return execute(batch)
 
-    def apply_then_compare(decode_rows, pad, prev, wait):
+    def apply_then_compare(decode_rows, pad, prev, seq_at, wait):
         before = None if rows.keys is None else list(rows.keys)
-        if not apply(decode_rows, pad, prev, wait):
+        if not apply(decode_rows, pad, prev, seq_at, wait):
             return False
         batch = current["batch"]
         counts["applied"] += 1
         counts["gathered"] += decode_rows.keys != before
+        counts["new_rows"] += before is not None and not set(decode_rows.keys) <= set(before)
         counts["grown"] += bool(decode_rows.grown)
         got = _layout(runner, batch, pad)
-        for buf in (runner.input_ids, runner.positions, runner.slot_mapping, runner.seq_lens, runner.block_tables):
+        for buf in (runner.input_ids, runner.positions, runner.slot_mapping, runner.seq_lens, runner.block_tables,
+                    runner.logits_indices):
             buf.dev.fill_(POISON)
         runner._table_rows_stale = True
         runner._prepare_decode(batch.seqs, pad, prev)
@@ -77,7 +79,7 @@ def _checked_core(settings, counts: dict) -> EngineCore:
 def test_rows_advanced_on_the_device_equal_a_full_layout_and_outputs_equal_sync(device):
     path = tiny_checkpoint("qwen2")
     reqs = _requests()
-    counts = dict(applied=0, gathered=0, grown=0)
+    counts = dict(applied=0, gathered=0, grown=0, new_rows=0)
     # 5 rows for 9 requests: admissions (mixed steps) between decode runs; 24 blocks of 4: preemption.
     kw = dict(max_num_seqs=5, num_kv_blocks=24, device=device)
     rows_on = cpu_settings(path, async_scheduling="on", **kw)
@@ -87,8 +89,35 @@ def test_rows_advanced_on_the_device_equal_a_full_layout_and_outputs_equal_sync(
     want = drive(EngineCore(ModelRunner(sync), sync), reqs)
     assert got == want
     assert core.scheduler.num_preemptions > 0
-    # Each kind of change was exercised: rows in place, rows that left, blocks added.
-    assert counts["applied"] > 10 and counts["gathered"] > 0 and counts["grown"] > 0, counts
+    # Each kind of change was exercised: rows in place, rows that left or came (after a mixed step), blocks added.
+    assert counts["applied"] > 10 and counts["gathered"] > 0 and counts["grown"] > 0 and counts["new_rows"] > 0, counts
+
+
+@pytest.mark.slow
+def test_a_request_that_ends_with_its_prefill_leaves_no_stale_pad():
+    """3 decodes (padded to 4 rows) + a prefill of a max_tokens=1 request: the next step has the same 3
+    decode rows as the mixed step, whose row 3 held a prefill token writing a real slot. The rows path
+    must write that pad row again (the checked core compares it with a full layout)."""
+    path = tiny_checkpoint("qwen2")
+    counts = dict(applied=0, gathered=0, grown=0, new_rows=0)
+    settings = cpu_settings(path, async_scheduling="on")
+    core = _checked_core(settings, counts)
+    long = [(f"d{i}", prompt_ids(5 + i, seed=i), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+            for i in range(3)]
+    short = ("s", prompt_ids(9, seed=7), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    for rid, prompt, params in long:
+        core.add_request(Sequence(rid, list(prompt), params))
+    for _ in range(4):
+        core.step()
+    core.add_request(Sequence(short[0], list(short[1]), short[2]))
+    tokens: dict[str, list[int]] = {}
+    while core.has_work():
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+    sync = cpu_settings(path, async_scheduling="off")
+    want = drive(EngineCore(ModelRunner(sync), sync), [*long, short])
+    assert len(tokens["s"]) == 1 and tokens["s"] == want["s"][0]
+    assert counts["applied"] > 5, counts
 
 
 def test_a_new_sequence_or_unknown_rows_fall_back_to_a_full_layout():
@@ -96,13 +125,14 @@ def test_a_new_sequence_or_unknown_rows_fall_back_to_a_full_layout():
     runner = ModelRunner(settings)
     rows, prev = runner.persistent_rows, torch.zeros(2, dtype=torch.int64)
     assert not rows.applicable(DecodeRows([1, 2], []), 2)          # nothing laid out yet
-    rows.remember([1, 2], [1, 1])
+    rows.remember([1, 2], [1, 1], 2)
     assert rows.applicable(DecodeRows([1, 2], []), 2)
     assert rows.applicable(DecodeRows([2], []), 2)                 # a row left
-    assert not rows.applicable(DecodeRows([2, 3], []), 2)          # sequence 3 was not decoded last step
-    assert not rows.applicable(DecodeRows([1, 2], []), 3)          # the ids do not match the rows
-    assert not rows.apply(DecodeRows([3], []), 1, prev[:1], lambda: None)
-    assert not rows.apply(DecodeRows([1, 2], [(2, [])]), 2, prev, lambda: None)   # a table that shrank
+    assert not rows.applicable(DecodeRows([2, 3], []), 2)          # sequence 3 is new: it needs its StepSeq
+    assert not rows.applicable(DecodeRows([1, 2], []), 1)          # fewer sampled ids than rows
+    fed_known = StepSeq([5], 4, [0, 1], True)                      # a row fed a known token, not one in flight
+    assert not rows.apply(DecodeRows([3], []), 1, prev[:1], lambda i: fed_known, lambda: None)
+    assert not rows.apply(DecodeRows([1, 2], [(2, [])]), 2, prev, None, lambda: None)   # a table that shrank
     assert rows.keys == [1, 2] and list(rows._num_blocks[:2]) == [1, 1]          # nothing touched
     runner.capture([])   # a capture outside a step rewrites the buffers: the rows are no longer known
     assert rows.keys is None

@@ -27,6 +27,10 @@ class StepSeq:
     prompt_logits: bool = False
 
 
+_SPLIT = ("this batch came as decode rows without its sequences (a tensor-parallel rank whose rows disagree "
+          "with rank 0's); the ranks' runner states have split")
+
+
 @dataclass(slots=True)
 class DecodeRows:
     """A uniform-decode step said as a change to the previous step's rows (persistent rows): every
@@ -40,34 +44,45 @@ class DecodeRows:
 
 class StepBatch:
     """One step's sequences. Built either from `seqs`, or (the scheduler's uniform decodes) from `rows`
-    plus `build`, which makes the per-row `seqs` only if a runner asks for them: a runner on the
-    persistent-rows path never does, so the host builds no StepSeq per row on most decode steps."""
+    plus `build`, which makes the per-row `seqs` only if a runner asks for them (`build_one`: one row's
+    StepSeq): a runner on the persistent-rows path builds at most the rows it did not hold, so the host
+    builds no StepSeq per row on most decode steps. `keys`: each seq's Sequence.key (the scheduler's
+    batches; None for hand-built ones), which lets the runner know its rows after any step."""
 
-    __slots__ = ("_seqs", "_build", "prev_tokens", "rows")
+    __slots__ = ("_seqs", "_build", "_build_one", "prev_tokens", "rows", "keys")
 
     def __init__(self, seqs: list[StepSeq] | None = None, prev_tokens: Any = None, *,
-                 rows: DecodeRows | None = None, build: Callable[[], list[StepSeq]] | None = None) -> None:
+                 rows: DecodeRows | None = None, build: Callable[[], list[StepSeq]] | None = None,
+                 build_one: Callable[[int], StepSeq] | None = None, keys: list[int] | None = None) -> None:
         if seqs is None and rows is None:
             raise ValueError("a StepBatch needs seqs, or rows")
-        self._seqs, self._build = seqs, build
+        self._seqs, self._build, self._build_one = seqs, build, build_one
         self.prev_tokens = prev_tokens   # [rows] int64 device ids sampled by the step in flight (placeholder inputs)
         self.rows = rows
+        self.keys = keys if keys is not None or rows is None else rows.keys
 
     @property
     def seqs(self) -> list[StepSeq]:
         if self._seqs is None:
             if self._build is None:
-                raise RuntimeError("this batch came as decode rows without its sequences (a tensor-parallel rank "
-                                   "whose rows disagree with rank 0's); the ranks' runner states have split")
+                raise RuntimeError(_SPLIT)
             self._seqs, self._build = self._build(), None
         return self._seqs
 
-    def __getstate__(self) -> tuple:   # what a tensor-parallel rank receives: no builder, no device tensor
-        return self._seqs, self.rows
+    def seq_at(self, i: int) -> StepSeq:
+        """Row i's StepSeq, without building the others."""
+        if self._seqs is not None:
+            return self._seqs[i]
+        if self._build_one is None:
+            raise RuntimeError(_SPLIT)
+        return self._build_one(i)
+
+    def __getstate__(self) -> tuple:   # what a tensor-parallel rank receives: no builders, no device tensor
+        return self._seqs, self.rows, self.keys
 
     def __setstate__(self, state: tuple) -> None:
-        self._seqs, self.rows = state
-        self._build = self.prev_tokens = None
+        self._seqs, self.rows, self.keys = state
+        self._build = self._build_one = self.prev_tokens = None
 
     @property
     def num_tokens(self) -> int:

@@ -107,8 +107,8 @@ class ModelRunner:
         self._alloc_kv_cache()
         self.persistent_rows = PersistentRows(input_ids=self.input_ids.dev, positions=self.positions.dev,
                                    slot_mapping=self.slot_mapping.dev, seq_lens=self.seq_lens.dev,
-                                   block_tables=self.block_tables.dev, block_size=self.block_size,
-                                   scratch_slot=self.scratch_slot)
+                                   block_tables=self.block_tables.dev, logits_indices=self.logits_indices.dev,
+                                   block_size=self.block_size, scratch_slot=self.scratch_slot)
         self.attention_kernel = select_attention_kernel(self.device, self.dtype, c.head_dim, self.block_size,
                                                         s.attention_backend)
         self._planner = AttentionPlanner(kernel=self.attention_kernel, block_size=self.block_size,
@@ -323,21 +323,25 @@ class ModelRunner:
         desc = None if eager else descriptor_for(num_tokens, num_reqs, uniform, self.sizes, self.max_reqs)
         pad_tokens = desc.num_tokens if desc else num_tokens
         pad_reqs = desc.num_reqs if desc else num_reqs
+        rows = self.persistent_rows
         try:
             if self._decode_path(uniform) and not prompt_logits:
-                if batch.rows is not None and batch.prev_tokens is not None and self.persistent_rows.apply(
-                        batch.rows, pad_reqs, batch.prev_tokens, self._wait_uploads):
+                if batch.rows is not None and batch.prev_tokens is not None and rows.apply(
+                        batch.rows, pad_reqs, batch.prev_tokens, batch.seq_at, self._wait_uploads):
                     self._table_rows_stale = True   # the device rows moved: _prepare_decode rewrites every row
                     if self._uploaded is not None:
                         self._uploaded.record()
                     md, num_logits = self.decode_metadata(pad_reqs), num_reqs
                 else:
                     md, num_logits = self._prepare_decode(batch.seqs, pad_reqs, batch.prev_tokens)
-                    self.persistent_rows.remember(batch.rows.keys if batch.rows is not None else None,
-                                                  self._table_lens[:num_reqs])
+                    rows.remember(batch.keys, self._table_lens[:num_reqs], pad_reqs)
             else:
-                self.persistent_rows.invalidate()
                 md, num_logits = self._prepare(batch.seqs, num_tokens, pad_tokens, pad_reqs, batch.prev_tokens)
+                d = self._decode_prefix   # its decode rows, laid out and sampled first, can be the next step's
+                if batch.keys is None or d == 0 or prompt_logits:
+                    rows.invalidate()
+                else:
+                    rows.remember(batch.keys[:d], [len(s.block_table) for s in batch.seqs[:d]], 0)
             with forward_context(md):
                 if prompt_logits:
                     return self._run_with_prompt_logits(batch.seqs, num_tokens, num_logits)
@@ -347,13 +351,13 @@ class ModelRunner:
                 else:
                     mode = self.cache.run(desc, real_tokens=num_tokens)
         except BaseException:
-            self.persistent_rows.invalidate()   # the buffers may hold half a step: the next decode lays rows out anew
+            rows.invalidate()   # the buffers may hold half a step: the next decode lays rows out anew
             raise
         return StepResult(self.out_logits[:num_logits], mode)
 
     def takes_rows(self, batch: StepBatch) -> bool:
-        """Whether execute(batch) will run it from its DecodeRows alone (the tensor-parallel runner then
-        sends the other ranks only the rows: their runners hold the same rows)."""
+        """Whether execute(batch) will run it from its DecodeRows alone, no row new to this runner (the
+        tensor-parallel runner then sends the other ranks only the rows: their runners hold the same rows)."""
         if batch.rows is None or not self._decode_path(True) or batch.prev_tokens is None:
             return False
         return self.persistent_rows.applicable(batch.rows, batch.prev_tokens.shape[0])
@@ -419,6 +423,10 @@ class ModelRunner:
         self.slot_mapping.np[:pad_tokens] = slots + [self.scratch_slot] * pad
         need = [i for i, s in enumerate(seqs) if s.need_logits]
         rows = need + [i for i, s in enumerate(seqs) if not s.need_logits]
+        # The decodes are rows 0..d-1 and logits rows 0..d-1 when they are the batch's first d seqs and
+        # all sample (the scheduler's order: decodes first): then PersistentRows can keep them.
+        d = num_decodes
+        self._decode_prefix = d if d and order[d - 1] == d - 1 and len(need) >= d and need[d - 1] == d - 1 else 0
         self.logits_indices.np[:pad_reqs] = [last_token[i] for i in rows] + [0] * (pad_reqs - len(rows))
         num_reqs = len(seqs)
         self.seq_lens.np[:num_reqs] = seq_lens

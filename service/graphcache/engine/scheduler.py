@@ -75,28 +75,41 @@ class SchedulerOutput:
         A steady decode step (all_fed_in_flight) also comes as DecodeRows, and its per-row StepSeqs are
         built only if the runner asks for them (batch.seqs): a runner holding the previous step's rows
         needs just the row keys and the tables that grew."""
+        keys = [s.seq.key for s in self.scheduled]
+        prev_row = _PrevRows(prev_sampled)
         if self.all_fed_in_flight and prev_sampled is not None and self.scheduled:
-            rows = DecodeRows([s.seq.key for s in self.scheduled], [(seq.key, seq.block_table) for seq in self.grown])
-            return StepBatch(rows=rows, build=lambda: self._step_seqs(prev_sampled))
-        return StepBatch(self._step_seqs(prev_sampled))
+            rows = DecodeRows(keys, [(seq.key, seq.block_table) for seq in self.grown])
+            return StepBatch(rows=rows, build=lambda: [_step_seq(s, prev_row) for s in self.scheduled],
+                             build_one=lambda i: _step_seq(self.scheduled[i], prev_row))
+        return StepBatch([_step_seq(s, prev_row) for s in self.scheduled], keys=keys)
 
-    def _step_seqs(self, prev_sampled: list[Sequence] | None) -> list[StepSeq]:
-        prev_rows = None if prev_sampled is None else {id(seq): i for i, seq in enumerate(prev_sampled)}
-        seqs = []
-        for s in self.scheduled:
-            seq, start, n = s.seq, s.start, s.num_tokens
-            ids = seq.token_slice(start, start + n)
-            prev_row = None
-            # A decode whose input is the token still being sampled by the step in flight (async
-            # scheduling): a placeholder; the runner takes it from that step's device output.
-            if len(ids) < n:
-                ids = ids + [PLACEHOLDER_TOKEN] * (n - len(ids))
-                if prev_rows is not None:
-                    prev_row = prev_rows[id(seq)]
-            # The block table is passed, not copied: the runner reads it during execute(), before
-            # the engine changes any table again.
-            seqs.append(StepSeq(ids, start, seq.block_table, s.need_logits, prev_row))
-        return seqs
+
+class _PrevRows:
+    """id(sequence) -> its row of the in-flight step's sampled ids; the dict is built on first use."""
+
+    def __init__(self, prev_sampled: list[Sequence] | None) -> None:
+        self._seqs, self._rows = prev_sampled, None
+
+    def __call__(self, seq: Sequence) -> int | None:
+        if self._seqs is None:
+            return None
+        if self._rows is None:
+            self._rows = {id(s): i for i, s in enumerate(self._seqs)}
+        return self._rows[id(seq)]
+
+
+def _step_seq(s: ScheduledSeq, prev_row: _PrevRows) -> StepSeq:
+    seq, start, n = s.seq, s.start, s.num_tokens
+    ids = seq.token_slice(start, start + n)
+    row = None
+    # A decode whose input is the token still being sampled by the step in flight (async
+    # scheduling): a placeholder; the runner takes it from that step's device output.
+    if len(ids) < n:
+        ids = ids + [PLACEHOLDER_TOKEN] * (n - len(ids))
+        row = prev_row(seq)
+    # The block table is passed, not copied: the runner reads it during execute(), before the
+    # engine changes any table again.
+    return StepSeq(ids, start, seq.block_table, s.need_logits, row)
 
 
 class Scheduler:
