@@ -14,6 +14,7 @@ from graphcache.engine.batch import DecodeRows, StepBatch, StepSeq
 from graphcache.engine.core import EngineCore
 from graphcache.engine.runner import ModelRunner
 from graphcache.engine.sequence import SamplingParams, Sequence
+from graphcache.engine.tp_worker import execute_payload
 from helpers_model import cpu_settings, prompt_ids, tiny_checkpoint
 from test_async_scheduling import drive
 
@@ -149,3 +150,15 @@ def test_a_rows_batch_builds_its_sequences_only_when_asked_and_pickles_without_t
     assert batch.seqs == [] and built == [1]
     with pytest.raises(ValueError, match="needs seqs, or rows"):
         StepBatch()
+
+
+def test_what_a_tensor_parallel_rank_receives_keeps_the_keys():
+    """A mixed step's keys must reach the other ranks: rank 0's runner remembers its decode rows from
+    them, and a later rows-only step would find the other ranks' rows unknown (a split) without them."""
+    mixed = StepBatch([StepSeq([1], 3, [0], True), StepSeq([4, 5], 0, [1], True)], keys=[7, 8])
+    sent, _ = execute_payload(mixed, rows_only=False)
+    assert pickle.loads(pickle.dumps(sent)).keys == [7, 8]
+    decode = StepBatch(rows=DecodeRows([7], []), build=lambda: [], prev_tokens=torch.zeros(1, dtype=torch.int64))
+    sent, num_prev = execute_payload(decode, rows_only=True)
+    got = pickle.loads(pickle.dumps(sent))
+    assert got.keys == [7] and got.rows.keys == [7] and num_prev == 1 and got.prev_tokens is None

@@ -80,6 +80,23 @@ async def test_tp2_engine_serves_like_tp1_and_keeps_ranks_consistent(tmp_path):
         assert isinstance(runner, TensorParallelRunner) and runner.size == 2
         assert await _run_all(engine) == expected
 
+        # A request that ends with its prefill while 3 others decode: the next decode step has the same rows
+        # as the mixed one, which every rank must know (persistent decode rows; rows alone cross to rank 1).
+        decoding_started = asyncio.Event()
+
+        async def decode(rid: str, prompt: list[int]) -> list[int]:
+            ids = []
+            async for out in engine.generate(rid, prompt, SamplingParams(max_tokens=24, temperature=0.0,
+                                                                         ignore_eos=True)):
+                ids += out.token_ids
+                decoding_started.set()
+            return ids
+
+        decoding = [asyncio.create_task(decode(f"d{i}", p)) for i, p in enumerate(PROMPTS[:2] + PROMPTS[:1])]
+        await decoding_started.wait()
+        assert len(await _generate(engine, "one", PROMPTS[2], 1)) == 1
+        assert [ids[:12] for ids in await asyncio.gather(*decoding)] == [expected[0], expected[1], expected[0]]
+
         # Admin clear and warmup while requests run: both ranks apply them in the same order as the steps.
         running = [asyncio.create_task(_generate(engine, f"bg{i}", p, 40)) for i, p in enumerate(PROMPTS[:2])]
         await asyncio.sleep(0.2)

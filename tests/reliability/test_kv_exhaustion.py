@@ -5,6 +5,7 @@ its exact token count, and the blocks all come back."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -55,7 +56,9 @@ def test_a_request_that_can_never_fit_is_400_not_a_hang(server):
     assert_clean_error(response, 400)
 
 
-async def stream_and_leave(base_url: str, events_before_leaving: int) -> None:
+async def stream_and_leave(base_url: str, events_before_leaving: int) -> bool:
+    """Hang up after that many SSE events; True if it did, False if the stream ended first (under load
+    the server merges queued deltas into fewer events, so a whole completion can take fewer)."""
     body = completion_body("leaving under pressure", 200, stream=True)
     async with httpx.AsyncClient(base_url=base_url, timeout=60.0) as client, \
             client.stream("POST", "/v1/completions", json=body) as response:
@@ -63,9 +66,13 @@ async def stream_and_leave(base_url: str, events_before_leaving: int) -> None:
         seen = 0
         async for line in response.aiter_lines():
             if line.startswith("data:"):
+                data = line.removeprefix("data:").strip()
+                if data == "[DONE]" or any(c.get("finish_reason") for c in json.loads(data).get("choices", ())):
+                    return False   # it finished before this client could leave
                 seen += 1
                 if seen >= events_before_leaving:
-                    return
+                    return True
+    return False
 
 
 @pytest.mark.timeout(150)
@@ -76,11 +83,12 @@ async def test_disconnects_while_preempting_leak_no_blocks(server):
     leavers = [stream_and_leave(server.base_url, 1 + (i % 5) * 8) for i in range(10)]
     stayers = load.run_load(load.LoadConfig(url=server.base_url, concurrency=6, num_requests=18, duration_s=None,
                                             max_tokens=MAX_TOKENS, request_timeout_s=90.0))
-    *_, report = await asyncio.wait_for(asyncio.gather(*leavers, stayers), timeout=120)
+    *left, report = await asyncio.wait_for(asyncio.gather(*leavers, stayers), timeout=120)
     assert report.num_errors == 0, report.error_summary()
     after = server.wait_idle(timeout_s=30)
     assert after.value("graphcache_kv_cache_usage_ratio") == 0
     aborted = (after.value("graphcache_requests_finished_total", reason="abort")
                - before.value("graphcache_requests_finished_total", reason="abort"))
-    assert aborted == 10
+    # A client that hung up before the end is an abort; one whose stream ended first is not.
+    assert aborted == sum(left) and sum(left) >= 5, (aborted, left)
     assert after.value("graphcache_num_preemptions_total") > before.value("graphcache_num_preemptions_total")

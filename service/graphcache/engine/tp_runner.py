@@ -86,6 +86,10 @@ class _Worker:
     def exit_text(self) -> str:
         self.process.join(5.0)   # reap it: exitcode is None until then
         code = self.process.exitcode
+        deadline = time.monotonic() + 1.0
+        while code is None and time.monotonic() < deadline:   # another thread may be reaping it right now
+            time.sleep(0.01)
+            code = self.process.exitcode
         how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else \
             f"exited with code {code}"
         return f"tensor-parallel rank {self.rank} (pid {self.process.pid}) {how}"
@@ -112,6 +116,9 @@ class _Worker:
         if self.process.is_alive():
             raise RankLost(f"tensor-parallel rank {self.rank} did not answer {op} within {COLLECTIVE_TIMEOUT_S:.0f} s")
         raise RankLost(self.describe_exit())
+
+
+DEATH_GRACE_S = 2.0   # after a failed step: how long a dying worker may take to be seen dead
 
 
 class TensorParallelRunner:
@@ -186,7 +193,11 @@ class TensorParallelRunner:
             return self.runner.execute(batch)
         except Exception as exc:
             # The other ranks ran (or wait in) this step's collectives: there is no putting them back in step.
-            dead = [w for w in self._workers if not w.process.is_alive()]
+            # A rank that died shows here as a collective error ("connection closed") a moment before its
+            # process can be reaped: wait briefly for one to exit, so the reason names the rank that died.
+            ended = connection.wait([w.process.sentinel for w in self._workers], timeout=DEATH_GRACE_S)
+            # is_alive() alone can miss it: the watcher thread may be reaping that process right now.
+            dead = [w for w in self._workers if w.process.sentinel in ended or not w.process.is_alive()]
             reason = dead[0].describe_exit() if dead else f"the step failed on rank 0: {type(exc).__name__}: {exc}"
             raise self._break(reason) from exc
 

@@ -169,7 +169,9 @@ def _send(conn: Any, message: tuple) -> bool:
 def execute_payload(batch: StepBatch, rows_only: bool) -> tuple[StepBatch, int]:
     """What crosses the pipe for a step: the batch without its device tensor, and that tensor's rows.
     rows_only: rank 0's runner takes the step from its DecodeRows, so every rank's does (the same
-    batches built the same rows): the per-row sequences stay unbuilt and unsent."""
+    batches built the same rows): the per-row sequences stay unbuilt and unsent. The keys always go:
+    with them every rank remembers the same rows after any step."""
     prev = batch.prev_tokens
-    return StepBatch(None if rows_only else batch.seqs, rows=batch.rows), 0 if prev is None else int(prev.numel())
+    payload = StepBatch(None if rows_only else batch.seqs, rows=batch.rows, keys=batch.keys)
+    return payload, 0 if prev is None else int(prev.numel())
 
