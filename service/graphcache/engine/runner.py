@@ -389,7 +389,7 @@ class ModelRunner:
         order = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
         num_decodes = len(order)
         order += [i for i, s in enumerate(seqs) if len(s.token_ids) != 1]
-        ids, pos, slots = [], [], []
+        ids, pos = [], []
         fills: list[tuple[int, int]] = []   # (token row, previous step's row) of placeholder inputs
         query_start, seq_lens = [0], []
         last_token = [0] * len(seqs)
@@ -410,7 +410,6 @@ class ModelRunner:
                 fills.append((len(ids), s.prev_row))
             ids += s.token_ids
             pos += range(s.start_pos, end)
-            slots += [table[p // bs] * bs + p % bs for p in range(s.start_pos, end)]
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
             last_token[i] = query_start[-1] - 1
@@ -420,7 +419,11 @@ class ModelRunner:
         # Pads: token 0 at position 0 (valid embedding and rotary rows); their K/V go to the scratch slot.
         self.input_ids.np[:pad_tokens] = ids + [0] * pad
         self.positions.np[:pad_tokens] = pos + [0] * pad
-        self.slot_mapping.np[:pad_tokens] = slots + [self.scratch_slot] * pad
+        # Slots in one numpy pass, not a Python loop per token (a prefill step feeds thousands).
+        token_row = np.repeat(np.arange(len(order)), np.diff(query_start))      # [T] each token's row
+        p = self.positions.np[:num_tokens]                                        # [T]
+        self.slot_mapping.np[:num_tokens] = bt[token_row, p // bs] * bs + p % bs
+        self.slot_mapping.np[num_tokens:pad_tokens] = self.scratch_slot
         need = [i for i, s in enumerate(seqs) if s.need_logits]
         rows = need + [i for i, s in enumerate(seqs) if not s.need_logits]
         # The decodes are rows 0..d-1 and logits rows 0..d-1 when they are the batch's first d seqs and
