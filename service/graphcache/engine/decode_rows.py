@@ -11,8 +11,8 @@ persistent input batch; the shape here is our own).
 What the runner knows after a step (`remember`): every row of a decode step; after a mixed step, its
 decode rows (laid out first, and sampled first). A step's rows then follow from the last step's: rows
 that stay are gathered on the device in the scheduler's order (rows left: finished, aborted,
-preempted); rows it did not hold (a prefill that just finished, a sequence that decoded two steps ago)
-are written from their own StepSeq alone (`StepBatch.seq_at`), with the id the last step sampled for
+preempted); rows it did not hold (a prefill that ended in the mixed step before) are written from
+their own StepSeq alone (`StepBatch.seq_at`), with the id the last step sampled for
 them. Anything else (no rows known: a capture outside a step, a failed step, prompt logprobs, a row fed
 a token that is not in flight) makes the runner lay every row out from the StepSeqs
 (ModelRunner._prepare_decode).
