@@ -213,10 +213,11 @@ class ModelRunner:
             self._decode_positions = torch.arange(self.max_blocks_per_seq * self.block_size, device=self.device)
         # Host-side row cache of the uniform-decode fast path: which block table (the sequence's own
         # list, and its length) each row of block_tables.np holds, so a step rewrites only rows that
-        # changed. Reset by every mixed step (it lays rows out its own way).
+        # changed. Stale after a mixed step (it lays rows out its own way) or a PersistentRows step (it
+        # moves the device rows): the next _prepare_decode then rewrites every row.
         self._table_rows: list = [None] * self.max_reqs
         self._table_lens: list[int] = [0] * self.max_reqs
-        self._table_rows_stale = False   # set when PersistentRows moved the device rows
+        self._table_rows_stale = False
 
     def decode_metadata(self, num_reqs: int) -> DecodeMetadata:
         """The decode attention metadata of a (padded) batch of num_reqs: static views only."""
@@ -328,7 +329,7 @@ class ModelRunner:
             if self._decode_path(uniform) and not prompt_logits:
                 if batch.rows is not None and batch.prev_tokens is not None and rows.apply(
                         batch.rows, pad_reqs, batch.prev_tokens, batch.seq_at, self._wait_uploads):
-                    self._table_rows_stale = True   # the device rows moved: _prepare_decode rewrites every row
+                    self._table_rows_stale = True   # the device rows moved
                     if self._uploaded is not None:
                         self._uploaded.record()
                     md, num_logits = self.decode_metadata(pad_reqs), num_reqs
@@ -384,7 +385,7 @@ class ModelRunner:
         """Fill host mirrors and upload. Layout: decode requests first (attention op contract);
         logits rows: the need_logits seqs in batch order, then the others."""
         self._wait_uploads()
-        self._table_rows[:] = [None] * len(self._table_rows)   # rows laid out anew: the decode cache is stale
+        self._table_rows_stale = True   # rows laid out anew
         bs = self.block_size
         order = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
         num_decodes = len(order)
