@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))    # the tiny checkpoint helper
 
 import torch  # noqa: E402
-from graphcache.engine.core import EngineCore  # noqa: E402
-from graphcache.engine.runner import ModelRunner  # noqa: E402
-from graphcache.engine.scheduler import SchedulerOutput  # noqa: E402
+from graphcache.engine.loop.core import EngineCore  # noqa: E402
+from graphcache.engine.sched.scheduler import SchedulerOutput  # noqa: E402
 from graphcache.engine.sequence import SamplingParams, Sequence  # noqa: E402
+from graphcache.engine.worker.runner import ModelRunner  # noqa: E402
 from helpers_model import cpu_settings, tiny_checkpoint  # noqa: E402
 
 PHASES = ("schedule", "execute", "sample", "postprocess")

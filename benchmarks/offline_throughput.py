@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the 
 
 import torch  # noqa: E402
 from graphcache.config import Settings  # noqa: E402
-from graphcache.engine.engine import Engine, SamplingParams  # noqa: E402
+from graphcache.engine.loop.engine import Engine, SamplingParams  # noqa: E402
 from graphcache.metrics import Metrics  # noqa: E402
 
 from benchmarks import step_trace  # noqa: E402

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "service"))  # the graphcache package
 
 import torch  # noqa: E402
 from graphcache.config import Settings  # noqa: E402
-from graphcache.engine.engine import Engine, SamplingParams  # noqa: E402
+from graphcache.engine.loop.engine import Engine, SamplingParams  # noqa: E402
 from graphcache.metrics import Metrics  # noqa: E402
 
 from benchmarks.offline_throughput import make_qwen05b  # noqa: E402

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the graphcache package
-from graphcache.engine.engine import Engine  # noqa: E402
+from graphcache.engine.loop.engine import Engine  # noqa: E402
 
 import benchmarks.offline_throughput as ot  # noqa: E402
 

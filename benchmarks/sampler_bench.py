@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the graphcache package
 
 import torch  # noqa: E402
-from graphcache.engine.sampler import Sampler, probs_from_logits  # noqa: E402
+from graphcache.engine.sample.sampler import Sampler, probs_from_logits  # noqa: E402
 from graphcache.engine.sequence import SamplingParams, Sequence  # noqa: E402
 
 CASES = {

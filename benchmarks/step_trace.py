@@ -1,4 +1,4 @@
-"""Summarize an engine step trace (settings.step_trace / GRAPHCACHE_STEP_TRACE, engine/core.py).
+"""Summarize an engine step trace (settings.step_trace / GRAPHCACHE_STEP_TRACE, engine/loop/core.py).
 
 Where a run's wall time went, per step: schedule, launch (prepare + replay + device sampling),
 wait (the host waiting for the step's tokens: the GPU is busy then), post (append, stops, outputs)
@@ -23,7 +23,7 @@ def load(path: Path) -> list[dict]:
 
 def records_of(trace) -> list[dict]:
     """EngineCore.step_trace (tuples) as dicts."""
-    from graphcache.engine.core import STEP_TRACE_FIELDS
+    from graphcache.engine.loop.core import STEP_TRACE_FIELDS
 
     return [dict(zip(STEP_TRACE_FIELDS, rec, strict=True)) for rec in trace]
 

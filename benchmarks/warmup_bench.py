@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the 
 import torch  # noqa: E402
 from graphcache.config import Settings  # noqa: E402
 from graphcache.engine.batch import StepBatch, StepSeq  # noqa: E402
-from graphcache.engine.runner import ModelRunner  # noqa: E402
+from graphcache.engine.worker.runner import ModelRunner  # noqa: E402
 from graphcache.graphs.descriptor import BatchDescriptor  # noqa: E402
 from graphcache.graphs.pool import pool_bytes  # noqa: E402
 from graphcache.model.attention import AttentionMetadata  # noqa: E402

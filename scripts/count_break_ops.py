@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import graphcache.model.llama as llama  # noqa: E402
 from graphcache.engine.batch import StepBatch, StepSeq
-from graphcache.engine.runner import ModelRunner  # noqa: E402
+from graphcache.engine.worker.runner import ModelRunner  # noqa: E402
 from helpers_model import Blocks, cpu_settings, prompt_ids, tiny_checkpoint  # noqa: E402
 
 
@@ -62,7 +62,7 @@ def _flash_stand_in(out, *args, **kwargs):
 
 def count(decodes: int, ctx: int, prefills: int, verbose: bool, kernel: str = "sdpa") -> dict[str, float]:
     if kernel != "sdpa":
-        import graphcache.engine.runner as runner_mod
+        import graphcache.engine.worker.runner as runner_mod
         import graphcache.model.attention as attention
         runner_mod.select_attention_kernel = lambda *a: kernel
         attention._FLASH_INPLACE = _flash_stand_in

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 from graphcache.api.app import create_app
 from graphcache.config import Settings
-from graphcache.engine.engine import Engine
+from graphcache.engine.loop.engine import Engine
 from graphcache.metrics import Metrics
 
 

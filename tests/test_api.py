@@ -17,7 +17,7 @@ import pytest_asyncio
 import torch
 from graphcache.api.app import create_app
 from graphcache.config import Settings
-from graphcache.engine.engine import DEAD_MESSAGE, Engine, EngineState, SamplingParams
+from graphcache.engine.loop.engine import DEAD_MESSAGE, Engine, EngineState, SamplingParams
 from graphcache.metrics import Metrics
 from helpers_api import serving
 from prometheus_client.parser import text_string_to_metric_families
@@ -413,7 +413,7 @@ async def test_client_disconnect_aborts_and_frees_blocks(client, app, stream, le
 
 async def test_loading_then_ready(cache_dir):
     """Probes while the engine loads: /health 200, /ready 503, generation 503 not_ready."""
-    from graphcache.engine.runner import ModelRunner
+    from graphcache.engine.worker.runner import ModelRunner
 
     release = threading.Event()
 
@@ -460,7 +460,7 @@ async def test_engine_death_mid_request_sends_a_fixed_message(cache_dir):
     engine = make_engine(settings)
 
     def device_lost(batch):
-        raise torch.AcceleratorError('CUDA error: device lost in File "/work/main/service/engine/runner.py", line 1')
+        raise torch.AcceleratorError('CUDA error: device lost in File "/work/main/service/engine/worker/runner.py", line 1')
 
     async with running(settings, engine) as (client, app):
         engine.step_failpoint = device_lost

@@ -21,7 +21,7 @@ from graphcache.api import auth
 from graphcache.api.app import create_app
 from graphcache.cli import build_parser, main, settings_from_args
 from graphcache.config import Settings
-from graphcache.engine.engine import Engine, EngineState
+from graphcache.engine.loop.engine import Engine, EngineState
 from graphcache.metrics import Metrics
 from helpers_api import EngineNotNeeded
 from pydantic import ValidationError

@@ -23,7 +23,7 @@ import openai
 import pytest
 import pytest_asyncio
 from graphcache.config import Settings
-from graphcache.engine.structured import StructuredOutput
+from graphcache.engine.sample.structured import StructuredOutput
 from helpers_api import serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

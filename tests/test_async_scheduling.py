@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 from graphcache.config import Settings
-from graphcache.engine.core import EngineCore
-from graphcache.engine.runner import ModelRunner
+from graphcache.engine.loop.core import EngineCore
 from graphcache.engine.sequence import SamplingParams, Sequence
+from graphcache.engine.worker.runner import ModelRunner
 from helpers_model import cpu_settings, prompt_ids, tiny_checkpoint
 from test_engine import VOCAB, FakeRunner
 

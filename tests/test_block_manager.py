@@ -1,7 +1,7 @@
 """KV block manager: allocation grows with the sequence, frees return every block, nothing leaks."""
 
 import pytest
-from graphcache.engine.block_manager import BlockManager
+from graphcache.engine.sched.block_manager import BlockManager
 from graphcache.engine.sequence import SamplingParams, Sequence
 
 

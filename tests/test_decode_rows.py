@@ -1,4 +1,4 @@
-"""Persistent decode rows (engine/decode_rows.py): a steady decode step advances the runner's device
+"""Persistent decode rows (engine/worker/decode_rows.py): a steady decode step advances the runner's device
 buffers in place instead of laying every row out from the host. Every such step must leave exactly
 the buffers a full layout (ModelRunner._prepare_decode) of the same batch writes, through rows that
 leave, blocks that grow, preemption and admissions in between; and the engine's outputs must equal
@@ -11,10 +11,10 @@ import pickle
 import pytest
 import torch
 from graphcache.engine.batch import DecodeRows, StepBatch, StepSeq
-from graphcache.engine.core import EngineCore
-from graphcache.engine.runner import ModelRunner
+from graphcache.engine.loop.core import EngineCore
 from graphcache.engine.sequence import SamplingParams, Sequence
-from graphcache.engine.tp_worker import execute_payload
+from graphcache.engine.worker.runner import ModelRunner
+from graphcache.engine.worker.tp_worker import execute_payload
 from helpers_model import cpu_settings, prompt_ids, tiny_checkpoint
 from test_async_scheduling import drive
 

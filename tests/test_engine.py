@@ -2,7 +2,7 @@
 
 The fake runner keeps a token-level "KV cache" addressed by the block tables the engine sends and
 derives each next token from what it reads back, so wrong slices, positions or block tables change
-the output. The real-runner tests need graphcache.engine.runner and graphcache.model.tiny.
+the output. The real-runner tests need graphcache.engine.worker.runner and graphcache.model.tiny.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 from graphcache.config import Settings
 from graphcache.engine.batch import StepResult
-from graphcache.engine.engine import (
+from graphcache.engine.loop.engine import (
     DEAD_MESSAGE,
     MAX_CONSECUTIVE_STEP_FAILURES,
     Engine,
@@ -146,7 +146,7 @@ def prompts(n, vocab=VOCAB - 1, seed=0):
 # --- real runner (tiny model on CPU) -------------------------------------------------------------
 
 def real_factory():
-    runner_mod = pytest.importorskip("graphcache.engine.runner")
+    runner_mod = pytest.importorskip("graphcache.engine.worker.runner")
     pytest.importorskip("graphcache.model.tiny")
     return runner_mod.ModelRunner
 
@@ -599,7 +599,7 @@ async def test_step_trace_records_every_step_and_is_written_at_stop(tmp_path):
     (benchmarks/step_trace.py summarizes it)."""
     import json
 
-    from graphcache.engine.core import STEP_TRACE_FIELDS
+    from graphcache.engine.loop.core import STEP_TRACE_FIELDS
 
     path = tmp_path / "steps.jsonl"
     e = start_engine(fake_factory(), step_trace=path)

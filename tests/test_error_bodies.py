@@ -13,7 +13,7 @@ import pytest
 from graphcache.api.app import create_app
 from graphcache.api.errors import _param_of
 from graphcache.config import Settings
-from graphcache.engine.engine import Engine
+from graphcache.engine.loop.engine import Engine
 from graphcache.metrics import Metrics
 from helpers_api import EngineNotNeeded
 from pydantic import ValidationError

@@ -1,6 +1,11 @@
 """The package's floors: cli > api > engine > model > graphs > config/metrics > vllm_metrics. Each module imports
 only graphcache modules of lower floors (or of its own package); no function-level import dodges a
-cycle; and the CPU-only scheduler floor pulls in no torch."""
+cycle; and the CPU-only scheduler floor pulls in no torch.
+
+Inside the engine, the stages are floors too: loop > sched | worker | sample > the engine's base
+modules (batch, sequence, errors, stopping). The three middle stages are peers and import none of
+each other, so a sampling helper cannot reach into the scheduler. No module imports another
+module's private (underscore) name."""
 
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ FLOORS = {"__main__": 6, "cli": 5, "api": 4, "engine": 3, "model": 2, "graphs": 
 
 
 def _floor(module: str) -> tuple[str, int]:
-    """graphcache.engine.core -> ("engine", 3)."""
+    """graphcache.engine.loop.core -> ("engine", 3)."""
     top = module.split(".")[1] if "." in module else "__init__"
     return top, FLOORS.get(top, -1)
 
@@ -54,8 +59,50 @@ def test_no_module_imports_upward_and_no_import_dodges_a_cycle():
     assert not bad, "\n".join(bad)
 
 
+ENGINE_STAGES = {"loop": 2, "sched": 1, "worker": 1, "sample": 1}   # anything else in engine/: the base, 0
+
+
+def _engine_stage(module: str) -> tuple[str, int] | None:
+    """graphcache.engine.sched.scheduler -> ("sched", 1); graphcache.engine.batch -> ("base", 0)."""
+    parts = module.split(".")
+    if len(parts) < 3 or parts[1] != "engine":
+        return None
+    return (parts[2], ENGINE_STAGES[parts[2]]) if parts[2] in ENGINE_STAGES else ("base", 0)
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        yield ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts), path
+
+
+def test_engine_stages_import_only_lower_stages():
+    bad = []
+    for module, path in _modules():
+        own = _engine_stage(module)
+        if own is None or module.endswith("__init__"):
+            continue
+        for imported, _ in _imports(path):
+            their = _engine_stage(imported)
+            if their is None or their[0] == own[0]:
+                continue
+            if their[1] >= own[1]:
+                bad.append(f"{module} imports {imported} (stage {their[0]} is not below {own[0]})")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_module_imports_another_modules_private_name():
+    bad = []
+    for module, path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("graphcache")
+                    and node.module != module):
+                bad += [f"{module} imports {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not bad, "\n".join(bad)
+
+
 def test_scheduler_floor_imports_no_torch():
-    code = ("import sys, graphcache.engine.scheduler, graphcache.engine.block_manager, graphcache.engine.batch; "
+    code = ("import sys, graphcache.engine.sched.scheduler, graphcache.engine.sched.block_manager, graphcache.engine.batch; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

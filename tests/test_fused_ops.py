@@ -89,7 +89,7 @@ def test_silu_mul_matches_torch(dtype):
 def test_runner_logits_equal_with_and_without_fused_ops(arch):
     """A whole model through the runner (fp32, a prefill in three chunks, each reading the KV cache of the last):
     the fused kernels change no logit beyond fp32 noise."""
-    from graphcache.engine.runner import ModelRunner
+    from graphcache.engine.worker.runner import ModelRunner
     from helpers_model import cpu_settings, prompt_ids, run_alone, tiny_checkpoint
 
     runner = ModelRunner(cpu_settings(tiny_checkpoint(arch)))

@@ -1,4 +1,4 @@
-"""Log probabilities (engine/logprobs.py, EngineCore): sampled tokens' and prompt tokens' raw
+"""Log probabilities (engine/sample/logprobs.py, EngineCore): sampled tokens' and prompt tokens' raw
 logprobs, ranks and top-k against an independent reference, Hugging Face transformers' forward of the
 same tiny checkpoint (log_softmax of its fp32 logits). Also: batch composition and async scheduling
 change nothing, chunked prefill and preemption record each prompt entry exactly once, and a request
@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 from graphcache.config import Settings
-from graphcache.engine.core import EngineCore, _needs_host_history
-from graphcache.engine.runner import ModelRunner
-from graphcache.engine.scheduler import SchedulerOutput
+from graphcache.engine.loop.core import EngineCore, _needs_host_history
+from graphcache.engine.sched.scheduler import SchedulerOutput
 from graphcache.engine.sequence import SamplingParams, Sequence, StructuredSpec
+from graphcache.engine.worker.runner import ModelRunner
 from helpers_model import cpu_settings, hf_logits, prompt_ids, tiny_checkpoint
 from test_engine import FakeRunner
 

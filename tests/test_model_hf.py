@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 from graphcache.engine.batch import StepBatch, StepSeq
-from graphcache.engine.runner import ModelRunner
+from graphcache.engine.worker.runner import ModelRunner
 from graphcache.model.loader import ModelConfig, ModelLoadError, load_model, read_config
 from graphcache.model.tiny import make_tiny_model
 from helpers_model import Blocks, cpu_settings, hf_logits, prompt_ids, run_alone, tiny_checkpoint

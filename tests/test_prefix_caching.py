@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 from graphcache.config import Settings
 from graphcache.engine.batch import StepBatch, StepSeq
-from graphcache.engine.block_manager import BlockManager
-from graphcache.engine.core import EngineCore
-from graphcache.engine.runner import ModelRunner
+from graphcache.engine.loop.core import EngineCore
+from graphcache.engine.sched.block_manager import BlockManager
 from graphcache.engine.sequence import SamplingParams, Sequence
+from graphcache.engine.worker.runner import ModelRunner
 from helpers_model import Blocks, cpu_settings, prompt_ids, run_alone, tiny_checkpoint
 from test_engine import VOCAB, FakeRunner
 

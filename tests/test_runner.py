@@ -7,7 +7,7 @@ import pytest
 import torch
 from graphcache.config import Settings
 from graphcache.engine.batch import StepBatch, StepSeq
-from graphcache.engine.runner import ModelRunner
+from graphcache.engine.worker.runner import ModelRunner
 from graphcache.graphs.descriptor import BatchDescriptor
 from helpers_model import Blocks, cpu_settings, prompt_ids, run_alone, tiny_checkpoint
 
@@ -284,7 +284,7 @@ def _reference_flash(q, k, v, cu_q, *args, **kwargs):
 @pytest.fixture(params=[("flash", True), ("flash_paged", True), ("flash", False), ("flash_paged", False)],
                 ids=["flash", "flash_paged", "flash-outofplace", "flash_paged-outofplace"])
 def flash_runner(path, monkeypatch, request):
-    import graphcache.engine.runner as runner_mod
+    import graphcache.engine.worker.runner as runner_mod
     import graphcache.model.attention as attention
 
     kernel, inplace = request.param

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 from graphcache.engine.errors import InvalidRequest
-from graphcache.engine.sampler import Sampler, needs_history, probs_from_logits
+from graphcache.engine.sample.sampler import Sampler, needs_history, probs_from_logits
 from graphcache.engine.sequence import SamplingParams, Sequence
 from graphcache.engine.stopping import check_stop
 from helpers_stopping import feed as feed_tokens
@@ -342,8 +342,8 @@ def test_stop_strings_wait_for_min_tokens():
 
 @pytest.mark.slow
 def test_include_stop_str_in_output_through_the_engine():
-    from graphcache.engine.core import EngineCore
-    from graphcache.engine.runner import ModelRunner
+    from graphcache.engine.loop.core import EngineCore
+    from graphcache.engine.worker.runner import ModelRunner
     from helpers_model import cpu_settings, prompt_ids, tiny_checkpoint
 
     settings = cpu_settings(tiny_checkpoint("qwen2"), max_num_seqs=4)

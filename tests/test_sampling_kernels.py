@@ -14,9 +14,9 @@ import os
 
 import pytest
 import torch
-from graphcache.engine import filter_threshold as ft
-from graphcache.engine import race_draw as rd
-from graphcache.engine.sampler import Sampler, probs_from_logits
+from graphcache.engine.sample import filter_threshold as ft
+from graphcache.engine.sample import race_draw as rd
+from graphcache.engine.sample.sampler import Sampler, probs_from_logits
 from graphcache.engine.sequence import SamplingParams, Sequence
 
 NEG_INF = float("-inf")

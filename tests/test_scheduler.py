@@ -5,8 +5,8 @@ block table and, when logits are due, reads the whole sequence back from the slo
 scheduler or block manager ever fed a wrong slice, position or table, the readback differs.
 """
 
-from graphcache.engine.block_manager import BlockManager
-from graphcache.engine.scheduler import Scheduler
+from graphcache.engine.sched.block_manager import BlockManager
+from graphcache.engine.sched.scheduler import Scheduler
 from graphcache.engine.sequence import SamplingParams, Sequence, SequenceStatus
 
 

@@ -1,4 +1,4 @@
-"""Structured output (engine/structured.py): the tiny random-weight model, driven step by step here
+"""Structured output (engine/sample/structured.py): the tiny random-weight model, driven step by step here
 (run -> mask -> seeded sample at temperature 1 -> accept), must produce output that parses and
 validates against the spec; invalid specs are client errors; the mask is batched, in place, and
 covers the model's padding ids."""
@@ -12,10 +12,10 @@ import pytest
 import torch
 from graphcache.engine.batch import StepBatch, StepSeq
 from graphcache.engine.errors import InvalidRequest
-from graphcache.engine.runner import ModelRunner
-from graphcache.engine.sampler import Sampler
+from graphcache.engine.sample.sampler import Sampler
+from graphcache.engine.sample.structured import StructuredOutput, accept, is_done
 from graphcache.engine.sequence import SamplingParams, Sequence, StructuredSpec
-from graphcache.engine.structured import StructuredOutput, accept, is_done
+from graphcache.engine.worker.runner import ModelRunner
 from helpers_model import Blocks, cpu_settings, prompt_ids, tiny_checkpoint
 
 SCHEMA = {
@@ -216,16 +216,16 @@ def test_apply_on_cuda_matches_cpu(runner, structured):
 
 
 def _engine_integrated() -> bool:
-    from graphcache.engine.core import EngineCore
+    from graphcache.engine.loop.core import EngineCore
 
     return hasattr(EngineCore, "structured")
 
 
-@pytest.mark.skipif(not _engine_integrated(), reason="EngineCore does not call engine/structured.py yet")
+@pytest.mark.skipif(not _engine_integrated(), reason="EngineCore does not call engine/sample/structured.py yet")
 def test_engine_serves_constrained_requests_alike_with_and_without_async_scheduling():
     """Through EngineCore: constrained requests next to a free one end with "stop" and valid output,
     and async scheduling (which must not overlap grammar steps) changes nothing."""
-    from graphcache.engine.core import EngineCore
+    from graphcache.engine.loop.core import EngineCore
     from test_async_scheduling import drive
 
     path = tiny_checkpoint("llama")

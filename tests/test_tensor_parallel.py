@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from graphcache.engine.batch import StepBatch, StepSeq
-from graphcache.engine.runner import ModelRunner
+from graphcache.engine.worker.runner import ModelRunner
 from graphcache.model.config import ModelLoadError, read_config
 from graphcache.model.llama import LlamaModel
 from graphcache.model.parallel import TensorParallel, vocab_shard

@@ -136,7 +136,7 @@ def test_invalid_tools_and_tool_choice(tools, choice, param):
 
 @pytest.fixture(scope="module")
 def runner():
-    from graphcache.engine.runner import ModelRunner
+    from graphcache.engine.worker.runner import ModelRunner
     from helpers_model import cpu_settings, tiny_checkpoint
 
     # Room for the tools system prompt (~480 tokens on the tiny vocabulary) plus the call.
@@ -146,7 +146,7 @@ def runner():
 
 @pytest.fixture(scope="module")
 def structured(runner):
-    from graphcache.engine.structured import StructuredOutput
+    from graphcache.engine.sample.structured import StructuredOutput
 
     return StructuredOutput(runner.tokenizer, runner.vocab_size)
 
@@ -179,8 +179,8 @@ def test_required_tool_choice_calls_listed_tools(runner, structured):
 
 
 def test_single_call_grammar_when_not_parallel(structured):
+    from graphcache.engine.sample.structured import accept, is_done
     from graphcache.engine.sequence import SamplingParams, Sequence
-    from graphcache.engine.structured import accept, is_done
 
     spec = tool_choice_spec([TIME], "required", parallel_tool_calls=False)
     seq = Sequence("r", [5], SamplingParams(structured=spec))

@@ -19,7 +19,7 @@ import pytest_asyncio
 from graphcache.api.app import create_app
 from graphcache.cli import main
 from graphcache.config import Settings
-from graphcache.engine.engine import DEAD_MESSAGE, Engine
+from graphcache.engine.loop.engine import DEAD_MESSAGE, Engine
 from graphcache.metrics import Metrics
 from graphcache.model.tokenizer import MAX_CHARS_PER_TOKEN
 from helpers_api import EngineNotNeeded, serving

@@ -1,5 +1,5 @@
 """A served tensor_parallel_size=2 engine on the CPU (gloo): the real Engine spawns the worker rank itself
-(engine/tp_runner.py, engine/tp_worker.py). Greedy outputs equal the unsharded engine's (completions,
+(engine/worker/tp_runner.py, engine/worker/tp_worker.py). Greedy outputs equal the unsharded engine's (completions,
 a stream, a chunked long prompt, with async scheduling's placeholder ids crossing to the worker);
 admin clear and warmup while requests run leave both ranks' cache decision logs equal; a killed worker
 makes the engine die loudly (the request in flight ends with an error, new ones are refused), no hang.
@@ -16,9 +16,9 @@ import time
 
 import pytest
 from graphcache.config import Settings
-from graphcache.engine.engine import Engine, EngineDead
+from graphcache.engine.loop.engine import Engine, EngineDead
 from graphcache.engine.sequence import SamplingParams
-from graphcache.engine.tp_runner import TensorParallelRunner
+from graphcache.engine.worker.tp_runner import TensorParallelRunner
 from graphcache.graphs.agreement import Decision
 from graphcache.graphs.descriptor import BatchDescriptor as D
 from graphcache.metrics import Metrics

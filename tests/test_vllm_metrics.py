@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import pytest_asyncio
 from graphcache.config import Settings
-from graphcache.engine.engine import Engine
+from graphcache.engine.loop.engine import Engine
 from graphcache.engine.sequence import SamplingParams, Sequence
 from graphcache.metrics import Metrics
 from graphcache.vllm_metrics import CountedHistogram, one_two_five

@@ -13,7 +13,7 @@ import pytest
 import torch
 from graphcache.api.app import create_app
 from graphcache.config import Settings
-from graphcache.engine.engine import Engine
+from graphcache.engine.loop.engine import Engine
 from graphcache.graphs.cache import GraphCache
 from graphcache.graphs.descriptor import BatchDescriptor as D
 from graphcache.graphs.descriptor import CaptureSizes

@@ -49,7 +49,7 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None, model_name: str = DEFAULT_MODEL_NAME, *,
                  process_collectors: bool = True) -> None:
         """process_collectors=False: no process_*/python_* series (the engine process's registry: the API
-        process exports its own under those names, engine/process.py)."""
+        process exports its own under those names, engine/loop/process.py)."""
         self.registry = r = registry if registry is not None else CollectorRegistry()
         p = "graphcache_"
         if r is not REGISTRY and process_collectors:   # the global registry has them already
@@ -70,7 +70,7 @@ class Metrics:
                                       registry=r)
         self.graph_pool_budget_bytes = Gauge(p + "graph_pool_budget_bytes", "Graph-pool byte budget", registry=r)
         # Tensor parallelism (N > 1 only): each rank's own measurement of the entries held (the cache budgets
-        # use the max over ranks); from the agreed decision log, engine/tp_runner.py.
+        # use the max over ranks); from the agreed decision log, engine/worker/tp_runner.py.
         self.graph_pool_rank_bytes = Gauge(p + "graph_pool_rank_bytes", "Graph-pool bytes held, as each "
                                            "tensor-parallel rank measured its own pools", ["rank"], registry=r)
         self.graph_hits = Counter(p + "graph_cache_hits", "Steps served by replay of a cached capture", registry=r)

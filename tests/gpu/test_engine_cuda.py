@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from graphcache.config import Settings
-from graphcache.engine.engine import Engine, SamplingParams
+from graphcache.engine.loop.engine import Engine, SamplingParams
 from graphcache.metrics import Metrics
 
 NUM_REQUESTS = 24

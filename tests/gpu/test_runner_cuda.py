@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from graphcache.engine.batch import StepBatch, StepSeq
-from graphcache.engine.runner import ModelRunner
+from graphcache.engine.worker.runner import ModelRunner
 from graphcache.graphs.descriptor import BatchDescriptor
 from helpers_model import Blocks, cpu_settings, prompt_ids, tiny_checkpoint
 

@@ -182,7 +182,7 @@ class DeviceLost:
 
     def __call__(self, batch) -> None:
         time.sleep(0.3)
-        raise torch.AcceleratorError('CUDA error: device lost in File "/work/main/service/engine/runner.py", line 1')
+        raise torch.AcceleratorError('CUDA error: device lost in File "/work/main/service/engine/worker/runner.py", line 1')
 
 
 @pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""engine_process=true (engine/process.py): the step loop in a child process behaves, through HTTP, as the
+"""engine_process=true (engine/loop/process.py): the step loop in a child process behaves, through HTTP, as the
 in-process engine does: the same greedy outputs, the same 4xx bodies, admin calls proxied, one merged
 /metrics, aborts on disconnect, and a killed child ends every request cleanly instead of hanging it."""
 
@@ -216,8 +216,8 @@ def test_tensor_parallel_with_engine_process_is_refused_naming_the_fix():
 def test_a_load_error_in_the_engine_process_turns_the_client_dead(tmp_path):
     from graphcache.config import Settings
     from graphcache.engine.errors import EngineDead
-    from graphcache.engine.frontend import EngineState
-    from graphcache.engine.process import EngineClient
+    from graphcache.engine.loop.frontend import EngineState
+    from graphcache.engine.loop.process import EngineClient
 
     engine = EngineClient(Settings(model=tmp_path / "no-such-model", device="cpu", engine_process=True))
     engine.start()
@@ -236,7 +236,7 @@ def test_outputs_cross_the_pipe_unchanged():
     outputs (order within a step does not matter: one output per request)."""
     import pickle
 
-    from graphcache.engine.process_main import pack_outputs, unpack_outputs
+    from graphcache.engine.loop.process_main import pack_outputs, unpack_outputs
     from graphcache.engine.sequence import RequestOutput, TokenLogprob
 
     outputs = [

@@ -26,8 +26,12 @@ from graphcache.api import admin, exposition, openai, tools
 from graphcache.api.errors import count_rejection, error_body, install_error_handlers
 from graphcache.api.request_log import RequestContextMiddleware, setup_logging
 from graphcache.config import Settings
-from graphcache.engine.engine import DEAD_MESSAGE, Engine, EngineState  # probes: never the exception text
-from graphcache.engine.process import EngineClient
+from graphcache.engine.loop.engine import (  # probes: never the exception text
+    DEAD_MESSAGE,
+    Engine,
+    EngineState,
+)
+from graphcache.engine.loop.process import EngineClient
 from graphcache.metrics import Metrics
 
 __all__ = ["create_app"]
@@ -85,7 +89,7 @@ class BodySizeLimitMiddleware:
 
 def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) -> FastAPI:
     metrics = metrics if metrics is not None else (getattr(engine, "metrics", None) or Metrics())
-    if engine is None:   # engine_process: the step loop in a child process, same interface (engine/process.py)
+    if engine is None:   # engine_process: the step loop in a child process, same interface (engine/loop/process.py)
         engine = (EngineClient(settings, metrics, setup_logging=setup_logging) if settings.engine_process
                   else Engine(settings, metrics))
     if getattr(engine, "model_name", None):   # the vllm: series' model_name label; set before any traffic

@@ -5,7 +5,7 @@ A request may constrain its output through OpenAI's `response_format`, vLLM's ol
 most one of them may be set. Each becomes (param, kind, value): `param` is the field the client set
 (for the 400 and the compile error), kind/value as engine/sequence.py's StructuredSpec
 (json | json_schema | regex | choice | grammar). A JSON schema travels as JSON text. Compiling the
-constraint (is the regex valid, is the schema supported) is engine/structured.py's.
+constraint (is the regex valid, is the schema supported) is engine/sample/structured.py's.
 """
 
 from __future__ import annotations

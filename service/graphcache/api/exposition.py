@@ -7,7 +7,7 @@ the probes: scrapers carry no API key, and nothing here names a request or a pro
 The engine and the graph cache record into the registry as things happen (from the engine
 thread); only values that are cheaper to read than to track (ready) are set here, at scrape time.
 
-With the engine in its own process (engine_process, engine/process.py) the engine's series are
+With the engine in its own process (engine_process, engine/loop/process.py) the engine's series are
 recorded there: a scrape asks it for its exposition (one round trip) and serves it merged with this
 process's. A family both have (this process's Metrics declares every engine series too, unrecorded)
 is taken from the engine process, except API_FAMILIES, which only this process records. The process_*
@@ -24,7 +24,7 @@ from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from graphcache.engine.process import EngineClient
+from graphcache.engine.loop.process import EngineClient
 
 __all__ = ["API_FAMILIES", "merge_expositions", "router"]
 

@@ -44,7 +44,7 @@ from graphcache.api.fanout import FanOut, Sampled, Sub, best_of, usage
 from graphcache.api.logprobs import TokenText
 from graphcache.api.prompt_encoding import encode_chat, encode_prompt
 from graphcache.api.protocol import ChatCompletionRequest, CompletionRequest
-from graphcache.engine.engine import InvalidRequest
+from graphcache.engine.loop.engine import InvalidRequest
 from graphcache.engine.sequence import StructuredSpec
 
 # encode_chat / encode_prompt live in prompt_encoding.py; re-exported for callers that import them from here.
@@ -120,7 +120,7 @@ class ClientGone(Exception):
 
 # --------------------------------------------------------------------------- engine access
 
-def _engine(request: Request):
+def serving_engine(request: Request):
     """The engine, if it may take a request now; else the 503 that says why."""
     engine = request.app.state.engine
     refused = engine.refusal()
@@ -129,7 +129,7 @@ def _engine(request: Request):
     return engine
 
 
-def _check_model(engine, name: str | None) -> str:
+def check_model(engine, name: str | None) -> str:
     """The served model's name; another name is a 404 `model_not_found`, as OpenAI and vLLM answer."""
     if name is not None and name != engine.model_name:   # the caller's name is not echoed back
         raise APIError(404, f"The requested model does not exist; this server serves '{engine.model_name}' "
@@ -319,8 +319,8 @@ async def _completion_prompt(engine, body: CompletionRequest, index: int, prompt
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     _checked(body)
-    engine = _engine(request)
-    model = _check_model(engine, body.model)
+    engine = serving_engine(request)
+    model = check_model(engine, body.model)
     constraint = _constraint(body)
     await _check_constraint(engine, constraint)
     structured = constraint[0] if constraint else None
@@ -342,8 +342,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     _checked(body)
     tools = template_tools(body.tools)
     constraint = _constraint(body, _tool_spec(body))
-    engine = _engine(request)
-    model = _check_model(engine, body.model)
+    engine = serving_engine(request)
+    model = check_model(engine, body.model)
     await _check_constraint(engine, constraint)
     structured = constraint[0] if constraint else None
     ids = await encode_chat(request, engine, body.messages, body.add_generation_prompt, body.template_kwargs,

@@ -11,7 +11,7 @@ pieces, all pure Python (no engine state):
     (first the call's index, id, type and name, then its arguments in fragments); `<tool_call>`
     markup never reaches content.
   - `tool_choice_spec(tools, tool_choice)`: "required" or a named function become a grammar
-    (engine/structured.py) that forces the markup, the function name and JSON arguments matching
+    (engine/sample/structured.py) that forces the markup, the function name and JSON arguments matching
     the tool's `parameters` schema; "auto" and "none" constrain nothing.
 
 Content is the text before the first block, without trailing whitespace; None when that is empty.

@@ -23,10 +23,10 @@ from fastapi.responses import JSONResponse
 from graphcache import __version__
 from graphcache.api.auth import require_api_key
 from graphcache.api.errors import APIError
-from graphcache.api.openai import _check_model, _engine, model_card, template_tools
+from graphcache.api.openai import check_model, model_card, serving_engine, template_tools
 from graphcache.api.prompt_encoding import encode_chat, encode_prompt
 from graphcache.api.utility_requests import DetokenizeRequest, TokenizeRequest
-from graphcache.engine.engine import DEAD_MESSAGE  # liveness bodies: never the exception text
+from graphcache.engine.loop.engine import DEAD_MESSAGE  # liveness bodies: never the exception text
 
 __all__ = ["guarded", "router"]
 
@@ -36,8 +36,8 @@ guarded = APIRouter(tags=["tools"], dependencies=[Depends(require_api_key)])    
 
 @guarded.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:
-    engine = _engine(request)
-    _check_model(engine, body.model)
+    engine = serving_engine(request)
+    check_model(engine, body.model)
     if body.messages is not None:
         tokens = await encode_chat(request, engine, body.messages, body.add_generation_prompt,
                                    tools=template_tools(body.tools))
@@ -49,8 +49,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
 
 @guarded.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
-    engine = _engine(request)
-    _check_model(engine, body.model)
+    engine = serving_engine(request)
+    check_model(engine, body.model)
     limit = engine.max_model_len
     if limit is not None and len(body.tokens) > limit:
         raise APIError(400, f"This model's maximum context length is {limit} tokens; send at most that many "

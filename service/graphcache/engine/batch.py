@@ -10,10 +10,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from graphcache.engine.sequence import Sequence
+
 StepMode = Literal["replay", "eager"]
 # Input of a decode whose token is still being sampled by the step in flight (async scheduling):
 # the runner fills it on the device from that step's sampled ids (StepBatch.prev_tokens).
 PLACEHOLDER_TOKEN = -1
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step, as the scheduler picked it."""
+    seq: Sequence
+    num_tokens: int        # tokens fed this step
+    need_logits: bool      # the slice reaches the end of the sequence: sample after this step
+    start: int = 0         # position of the first fed token (num_computed_tokens when scheduled)
 
 
 @dataclass(slots=True)
@@ -109,7 +120,7 @@ class StepResult:
 
 
 class Runner(Protocol):
-    """What EngineCore and Engine use of a model runner (engine/runner.py; tests' FakeRunner)."""
+    """What EngineCore and Engine use of a model runner (engine/worker/runner.py; tests' FakeRunner)."""
 
     tokenizer: Any
     num_kv_blocks: int

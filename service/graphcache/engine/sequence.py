@@ -28,7 +28,7 @@ from graphcache.metrics import FINISH_REASONS
 
 @dataclass(frozen=True)
 class StructuredSpec:
-    """A constraint on the output, compiled by the grammar engine (engine/structured.py).
+    """A constraint on the output, compiled by the grammar engine (engine/sample/structured.py).
 
     kind: "json" (any JSON object), "json_schema" (value: the schema as a JSON string), "regex"
     (value: the pattern), "choice" (value: a tuple of allowed strings), "grammar" (value: a

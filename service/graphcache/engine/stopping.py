@@ -24,7 +24,7 @@ GRAMMAR_BROKEN = "the sampled token broke the output's grammar; retry the reques
 
 
 def grammar_accepts(seq: Sequence, token_id: int) -> bool:
-    """Advance seq's grammar matcher (engine/structured.py) past its new token. False: the token broke
+    """Advance seq's grammar matcher (engine/sample/structured.py) past its new token. False: the token broke
     the grammar (the request ends with an error); True when accepted, or when seq has no grammar."""
     return seq.grammar is None or bool(seq.grammar.consume_token(token_id))
 

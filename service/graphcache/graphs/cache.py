@@ -293,7 +293,7 @@ class GraphCache:
         pool.graphs += 1
         pool.bytes, pool.rank_bytes = measured, verdict.rank_bytes
         size = max(0, measured - before)
-        # Each rank's own growth, for the per-rank gauge at tensor parallel (engine/tp_runner.py sums the
+        # Each rank's own growth, for the per-rank gauge at tensor parallel (engine/worker/tp_runner.py sums the
         # admits it holds): a shared pool's whole size per admit would count it once per entry.
         ranks = len(verdict.rank_bytes)
         rank_before = rank_before if len(rank_before) == ranks else (0,) * ranks   # a fresh pool: nothing before

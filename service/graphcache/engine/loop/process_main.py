@@ -1,5 +1,5 @@
 """The engine process: an `Engine` (model, KV cache, step loop on its thread) serving one pipe to the API
-process (engine/process.py, GRAPHCACHE_ENGINE_PROCESS). Started by multiprocessing's spawn context.
+process (engine/loop/process.py, GRAPHCACHE_ENGINE_PROCESS). Started by multiprocessing's spawn context.
 
 Messages on the pipe, tuples whose first item names them:
   API -> engine: ("add", id, prompt_ids, params, stream, max_tokens_param), ("abort", id),
@@ -30,8 +30,8 @@ from typing import Any
 from prometheus_client import generate_latest
 
 from graphcache.config import Settings
-from graphcache.engine.engine import Engine
-from graphcache.engine.frontend import EngineState
+from graphcache.engine.loop.engine import Engine
+from graphcache.engine.loop.frontend import EngineState
 from graphcache.engine.sequence import RequestOutput
 from graphcache.metrics import Metrics
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from graphcache.engine.batch import DecodeRows, StepSeq
-from graphcache.engine.staging import StagingBuffer
+from graphcache.engine.worker.staging import StagingBuffer
 
 
 class _Plan(NamedTuple):

@@ -1,7 +1,7 @@
 """A tensor-parallel rank: joining the group, building its runner, and the loop of ranks > 0.
 
 At tensor_parallel_size N > 1 graphcache runs one process per rank (docs/TENSOR_PARALLEL.md). Rank 0 is
-the server (HTTP, scheduler, engine; engine/tp_runner.py); it starts ranks 1..N-1 as spawned processes
+the server (HTTP, scheduler, engine; engine/worker/tp_runner.py); it starts ranks 1..N-1 as spawned processes
 running `worker_main`. Each worker joins the group, loads its shard, says "ready" on its pipe, then
 applies the commands rank 0 sends, in order, to its own ModelRunner:
 
@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from graphcache.config import Settings
 from graphcache.engine.batch import StepBatch
-from graphcache.engine.runner import ModelRunner, _resolve_device
+from graphcache.engine.worker.runner import ModelRunner, resolve_device
 from graphcache.graphs.agreement import GroupAgreement
 from graphcache.graphs.cache import GraphCache
 from graphcache.metrics import Metrics
@@ -62,7 +62,7 @@ def free_port() -> int:
 
 
 def device_type(settings: Settings) -> str:
-    return _resolve_device(settings.device).type
+    return resolve_device(settings.device).type
 
 
 def build_rank_runner(settings: Settings, rank: int, port: int, metrics: Metrics | None = None) -> ModelRunner:

@@ -10,7 +10,7 @@ a message safe for clients); a request whose own sampling fails ends alone. A de
 MAX_CONSECUTIVE_STEP_FAILURES failed steps in a row, raises `EngineFailure`: the caller must stop
 using this core (the Engine marks itself dead).
 
-Log probabilities (engine/logprobs.py) are computed on the device in the step that produced the
+Log probabilities (engine/sample/logprobs.py) are computed on the device in the step that produced the
 logits, and reach the host with the sampled tokens: a sampled token's for params.logprobs, and
 for params.prompt_logprobs each prompt token's given the tokens before it (such a step runs
 eagerly and returns the logits of every fed position; chunks accumulate, entries already recorded
@@ -34,9 +34,9 @@ import torch
 
 from graphcache.config import Settings
 from graphcache.engine.batch import Runner, StepBatch
-from graphcache.engine.block_manager import BlockManager
 from graphcache.engine.errors import InvalidRequest
-from graphcache.engine.logprobs import (
+from graphcache.engine.loop.request_check import EngineLimits, RequestChecker
+from graphcache.engine.sample.logprobs import (
     Logprobs,
     PromptSpan,
     flag_prompt_logits,
@@ -46,12 +46,12 @@ from graphcache.engine.logprobs import (
     to_device,
     token_logprobs,
 )
-from graphcache.engine.request_check import EngineLimits, RequestChecker
-from graphcache.engine.sampler import Sampler, needs_history
-from graphcache.engine.scheduler import Scheduler, SchedulerOutput
+from graphcache.engine.sample.sampler import Sampler, needs_history
+from graphcache.engine.sample.structured import StructuredOutput
+from graphcache.engine.sched.block_manager import BlockManager
+from graphcache.engine.sched.scheduler import Scheduler, SchedulerOutput
 from graphcache.engine.sequence import RequestOutput, SamplingParams, Sequence
 from graphcache.engine.stopping import sendable_text
-from graphcache.engine.structured import StructuredOutput
 from graphcache.metrics import Metrics
 
 __all__ = ["MAX_CONSECUTIVE_STEP_FAILURES", "STEP_TRACE_FIELDS", "EngineCore", "EngineFailure", "is_device_failure",
@@ -94,7 +94,7 @@ class EngineFailure(RuntimeError):
 def is_device_failure(exc: BaseException) -> bool:
     """A fault of the device itself (lost GPU, illegal address): the CUDA context is poisoned and
     every later step would fail too. Decided by type: torch raises AcceleratorError for CUDA errors.
-    A runner's exception with `fatal = True` counts too (a lost tensor-parallel rank: engine/tp_runner.py)."""
+    A runner's exception with `fatal = True` counts too (a lost tensor-parallel rank: engine/worker/tp_runner.py)."""
     if getattr(exc, "fatal", False) is True:
         return True
     accelerator_error = getattr(torch, "AcceleratorError", None)
@@ -169,7 +169,7 @@ class EngineCore:
     # --- requests ------------------------------------------------------------------------
     def check(self, seq: Sequence, param: str = "max_tokens") -> None:
         """Raise InvalidRequest naming the fix when `seq` can never be served; resolves max_tokens
-        (engine/request_check.py: the one check, shared with the API process's EngineClient)."""
+        (engine/loop/request_check.py: the one check, shared with the API process's EngineClient)."""
         self.checker.check(seq, param)
 
     def add_request(self, seq: Sequence) -> None:

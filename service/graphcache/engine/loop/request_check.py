@@ -2,7 +2,7 @@
 
 The limits of a loaded engine never change (vocabulary, context window, KV cache size), so the
 check needs no engine state: the EngineCore holds one `RequestChecker`, and so does the API
-process's EngineClient when the core runs in a child process (engine/process.py), built from the
+process's EngineClient when the core runs in a child process (engine/loop/process.py), built from the
 `EngineLimits` the child sends when it is ready. Both refuse the same requests with the same
 InvalidRequest, before a request is queued.
 """
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphcache.engine.errors import InvalidRequest
+from graphcache.engine.sample.structured import StructuredOutput
 from graphcache.engine.sequence import Sequence
-from graphcache.engine.structured import StructuredOutput
 
 __all__ = ["EngineLimits", "RequestChecker"]
 

@@ -43,8 +43,8 @@ from collections.abc import Iterable
 
 import torch
 
-from graphcache.engine.filter_threshold import thresholds
-from graphcache.engine.race_draw import race_draw, row_key, to_int64
+from graphcache.engine.sample.filter_threshold import thresholds
+from graphcache.engine.sample.race_draw import race_draw, row_key, to_int64
 from graphcache.engine.sequence import SamplingParams, Sequence
 
 # Temperatures below this are greedy: logits / 1e-300 overflows, and sampling at such a

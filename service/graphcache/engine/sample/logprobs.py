@@ -6,7 +6,7 @@ chosen tokens (sampled ones, or prompt tokens for `echo`) one batched pass gives
 logprob, its rank (1 = most likely: 1 + the tokens strictly more likely), and the top k
 alternatives (k = the largest any row asked for; each row is cut to its own k on the host).
 
-The results are copied to the host asynchronously, like the sampled tokens (engine/core.py's
+The results are copied to the host asynchronously, like the sampled tokens (engine/loop/core.py's
 _InFlight), and read once the step's copy event is done.
 
 Prompt logprobs (params.prompt_logprobs, for `echo`): entry i = log p(prompt[i] | prompt[:i]) comes
@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphcache.engine.batch import StepSeq
-from graphcache.engine.scheduler import ScheduledSeq
+from graphcache.engine.batch import ScheduledSeq, StepSeq
 from graphcache.engine.sequence import Sequence, TokenLogprob
 
 log = logging.getLogger("graphcache.engine")

@@ -2,7 +2,7 @@
 the same steps and the same cache operations, in the same order (docs/TENSOR_PARALLEL.md).
 
 `TensorParallelRunner.start(settings, metrics)` is the Engine's runner factory at N > 1. It spawns ranks
-1..N-1 (engine/tp_worker.py), joins the group with them, loads rank 0's shard, and waits until every
+1..N-1 (engine/worker/tp_worker.py), joins the group with them, loads rank 0's shard, and waits until every
 worker has loaded its own. Then it is a Runner like ModelRunner, wrapping rank 0's:
 - `execute(batch)` first sends the step to every worker on its pipe (async scheduling's placeholder ids,
   a device tensor, follow through a broadcast on the model's group: stream-ordered, no host sync), then
@@ -38,8 +38,8 @@ import torch.multiprocessing as mp
 
 from graphcache.config import Settings
 from graphcache.engine.batch import StepBatch, StepResult
-from graphcache.engine.runner import ModelRunner
-from graphcache.engine.tp_worker import (
+from graphcache.engine.worker.runner import ModelRunner
+from graphcache.engine.worker.tp_worker import (
     COLLECTIVE_TIMEOUT_S,
     build_rank_runner,
     execute_payload,

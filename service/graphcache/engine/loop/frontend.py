@@ -27,8 +27,8 @@ from graphcache.engine.errors import (
     InvalidRequest,
     QueueFull,
 )
-from graphcache.engine.messages import Handle, consume
-from graphcache.engine.request_check import RequestChecker
+from graphcache.engine.loop.messages import Handle, consume
+from graphcache.engine.loop.request_check import RequestChecker
 from graphcache.engine.sequence import RequestOutput, SamplingParams, Sequence
 from graphcache.metrics import Metrics
 

@@ -2,7 +2,7 @@
 
 Why: in one process the step loop (schedule, launch, sample, postprocess: Python) and the HTTP event
 loop share one interpreter lock; at 256 streams the HTTP side costs the engine a third of its offline
-throughput. With GRAPHCACHE_ENGINE_PROCESS=true the child (engine/process_main.py, spawned) runs an
+throughput. With GRAPHCACHE_ENGINE_PROCESS=true the child (engine/loop/process_main.py, spawned) runs an
 `Engine`; this process keeps HTTP, the request check, admission, detokenization and the streams.
 
 What stays here (EngineFrontend, shared with Engine): the requests in flight and their asyncio
@@ -29,11 +29,12 @@ from collections.abc import Callable
 from typing import Any
 
 from graphcache.config import Settings
-from graphcache.engine import errors, process_main
+from graphcache.engine import errors
 from graphcache.engine.errors import DEAD_MESSAGE, EngineDead
-from graphcache.engine.frontend import EngineFrontend, EngineState
-from graphcache.engine.messages import Handle, dispatch, settle
-from graphcache.engine.request_check import EngineLimits, RequestChecker
+from graphcache.engine.loop import process_main
+from graphcache.engine.loop.frontend import EngineFrontend, EngineState
+from graphcache.engine.loop.messages import Handle, dispatch, settle
+from graphcache.engine.loop.request_check import EngineLimits, RequestChecker
 from graphcache.engine.sequence import RequestOutput
 from graphcache.graphs.descriptor import BatchDescriptor
 from graphcache.metrics import Metrics

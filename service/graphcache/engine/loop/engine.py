@@ -30,7 +30,6 @@ import torch
 
 from graphcache.config import Settings
 from graphcache.engine.batch import Runner
-from graphcache.engine.core import MAX_CONSECUTIVE_STEP_FAILURES, EngineCore, EngineFailure, write_step_trace
 from graphcache.engine.errors import (
     DEAD_MESSAGE,
     EngineDead,
@@ -39,8 +38,14 @@ from graphcache.engine.errors import (
     InvalidRequest,
     QueueFull,
 )
-from graphcache.engine.frontend import EngineFrontend, EngineState
-from graphcache.engine.messages import (
+from graphcache.engine.loop.core import (
+    MAX_CONSECUTIVE_STEP_FAILURES,
+    EngineCore,
+    EngineFailure,
+    write_step_trace,
+)
+from graphcache.engine.loop.frontend import EngineFrontend, EngineState
+from graphcache.engine.loop.messages import (
     Abort,
     AbortAll,
     Add,
@@ -53,10 +58,10 @@ from graphcache.engine.messages import (
     jsonable,
     settle,
 )
-from graphcache.engine.request_check import RequestChecker
-from graphcache.engine.runner import ModelRunner
+from graphcache.engine.loop.request_check import RequestChecker
 from graphcache.engine.sequence import RequestOutput, SamplingParams, StructuredSpec, TokenLogprob
-from graphcache.engine.tp_runner import TensorParallelRunner
+from graphcache.engine.worker.runner import ModelRunner
+from graphcache.engine.worker.tp_runner import TensorParallelRunner
 from graphcache.graphs.cache import warmup_order
 from graphcache.graphs.descriptor import BatchDescriptor
 from graphcache.metrics import Metrics

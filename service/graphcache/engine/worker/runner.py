@@ -31,8 +31,8 @@ import torch
 
 from graphcache.config import Settings
 from graphcache.engine.batch import StepBatch, StepResult, StepSeq
-from graphcache.engine.decode_rows import PersistentRows
-from graphcache.engine.staging import StagingBuffer
+from graphcache.engine.worker.decode_rows import PersistentRows
+from graphcache.engine.worker.staging import StagingBuffer
 from graphcache.graphs.cache import GraphCache, WarmupReport
 from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes, descriptor_for
 from graphcache.graphs.profile import parse_profile
@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 CPU_KV_CACHE_MAX_BYTES = 1 << 30  # default CPU KV cache stops here: CPU RAM is shared with everything
 
 
-def _resolve_device(setting: str) -> torch.device:
+def resolve_device(setting: str) -> torch.device:
     if setting == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device=cuda but torch sees no CUDA GPU; use device=auto or cpu, or install a "
                            "CUDA build of torch")
@@ -79,8 +79,8 @@ class ModelRunner:
             raise RuntimeError(
                 f"ModelRunner got tensor_parallel_size={s.tensor_parallel_size} but a shard of a group of "
                 f"{tp.size}: build the runner of each rank with tp=TensorParallel.from_group(), or let the Engine "
-                "start the ranks (engine/tp_runner.py, docs/TENSOR_PARALLEL.md)")
-        self.device = _resolve_device(s.device)
+                "start the ranks (engine/worker/tp_runner.py, docs/TENSOR_PARALLEL.md)")
+        self.device = resolve_device(s.device)
         self.device_type = self.device.type
         self.dtype = resolve_dtype("bfloat16" if s.dtype == "auto" and self.device.type == "cuda"
                                    else "float32" if s.dtype == "auto" else s.dtype)

@@ -36,18 +36,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from graphcache.engine.batch import PLACEHOLDER_TOKEN, DecodeRows, StepBatch, StepSeq
-from graphcache.engine.block_manager import BlockManager, PrefixMatch
+from graphcache.engine.batch import PLACEHOLDER_TOKEN, DecodeRows, ScheduledSeq, StepBatch, StepSeq
+from graphcache.engine.sched.block_manager import BlockManager, PrefixMatch
 from graphcache.engine.sequence import Sequence, SequenceStatus
 from graphcache.engine.stopping import GRAMMAR_BROKEN, check_stop, grammar_accepts, grammar_done
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    num_tokens: int        # tokens fed this step
-    need_logits: bool      # the slice reaches the end of the sequence: sample after this step
-    start: int = 0         # position of the first fed token (num_computed_tokens when scheduled)
 
 
 @dataclass
