@@ -1,6 +1,6 @@
 """One decode step of the engine, measured: wall time (host preparation included) against GPU time.
 
-For a Qwen2.5-0.5B-shaped random checkpoint, R sequences are prefilled to a context of --ctx
+For a random checkpoint at a real model's shape (--make-model qwen05b:DIR or llama8b:DIR), R sequences are prefilled to a context of --ctx
 tokens, then decode steps run through `ModelRunner.execute` + greedy sampling. Per batch size R and
 per decode mode it prints:
   wall      median wall time of one synchronized step (prepare + replay/eager + sample + .tolist())
@@ -12,7 +12,8 @@ over a gathered context as the eager break), eager (no graphs). `plain` is one t
 the model forward of the same step, captured by hand: the floor a full capture should match (<= 1.01x).
 With --profile R a torch.profiler kernel table of one full-mode step at batch R is printed too.
 
-  python benchmarks/decode_step.py --make-qwen05b /tmp/qwen05b --batches 1,64,256 --ctx 512
+  python benchmarks/decode_step.py --make-model qwen05b:/tmp/qwen05b --batches 1,64,256 --ctx 512
+  python benchmarks/decode_step.py --make-model llama8b:/tmp/llama8b --batches 1,64,256 --ctx 512
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from graphcache.engine.runner import ModelRunner  # noqa: E402
 from graphcache.graphs.descriptor import BatchDescriptor  # noqa: E402
 from graphcache.model.forward_context import forward_context  # noqa: E402
 
-from benchmarks.offline_throughput import make_qwen05b  # noqa: E402
+from benchmarks.model_shapes import add_model_args, resolve_model  # noqa: E402
 
 MODES = {   # mode -> Settings overrides
     "full": dict(decode_attention_backend="auto", decode_capture_mode="full"),
@@ -143,8 +144,7 @@ def kernel_table(runner: ModelRunner, decode: list[StepSeq], rows: int = 25) -> 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path)
-    ap.add_argument("--make-qwen05b", type=Path, metavar="DIR")
+    add_model_args(ap)
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--modes", default="full,breakable,varlen,eager")
@@ -152,7 +152,7 @@ def main() -> int:
     ap.add_argument("--profile", type=int, default=256, help="kernel table at this batch (0 = none)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    model = args.model or make_qwen05b(args.make_qwen05b)
+    model = resolve_model(args)
     batches = [int(b) for b in args.batches.split(",")]
     rows, tables = [], {}
     for mode in args.modes.split(","):
