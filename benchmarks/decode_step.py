@@ -45,29 +45,31 @@ MODES = {   # mode -> Settings overrides
 }
 
 
-def make_runner(model: Path, mode: str, max_reqs: int, ctx: int) -> ModelRunner:
-    s = Settings(model=model, device="cuda", max_num_seqs=max_reqs, max_num_batched_tokens=max(8192, max_reqs),
-                 max_model_len=4096, num_kv_blocks=max_reqs * (-(-(ctx + 64) // 16)) + 16,
+def make_runner(model: Path, mode: str, max_reqs: int, ctx: int, device: str = "cuda",
+                max_model_len: int = 4096) -> ModelRunner:
+    s = Settings(model=model, device=device, max_num_seqs=max_reqs, max_num_batched_tokens=max(8192, max_reqs),
+                 max_model_len=max_model_len, num_kv_blocks=max_reqs * (-(-(ctx + 64) // 16)) + 16,
                  warmup_decode_sizes=[], admission="always", capture_time_share=1.0, **MODES[mode])
     # admission always, no capture-time budget: the first timed steps capture every batch (under the
     # server's defaults a capture after the first may be deferred, and replay_ms finds no entry)
     return ModelRunner(s)
 
 
-def fill(runner: ModelRunner, batch: int, ctx: int) -> list[StepSeq]:
+def fill(runner: ModelRunner, batch: int, ctx: int, vocab: int = 10000) -> list[StepSeq]:
     """Prefill `batch` sequences of ctx tokens (chunks of 8 sequences) and return their decode seqs."""
     g = torch.Generator().manual_seed(0)
     bs, per_seq = runner.block_size, -(-(ctx + 64) // runner.block_size)
     seqs = []
     for i in range(batch):
         table = list(range(i * per_seq, (i + 1) * per_seq))
-        ids = torch.randint(0, 10000, (ctx,), generator=g).tolist()
+        ids = torch.randint(0, min(vocab, 10000), (ctx,), generator=g).tolist()
         seqs.append(StepSeq(ids, 0, table, True))
     for start in range(0, batch, 8):
         runner.execute(StepBatch(seqs[start:start + 8]))
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     del bs
-    return [StepSeq([int(torch.randint(0, 10000, (1,), generator=g))], ctx, s.block_table, True) for s in seqs]
+    return [StepSeq([int(torch.randint(0, min(vocab, 10000), (1,), generator=g))], ctx, s.block_table, True) for s in seqs]
 
 
 def time_steps(runner: ModelRunner, decode: list[StepSeq], steps: int) -> tuple[float, float]:

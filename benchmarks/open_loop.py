@@ -120,7 +120,8 @@ def requests_for(args, rate: float, k: int, vocab: int) -> list[workloads.Reques
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
-    ap.add_argument("--rates", default="2,8,32,inf", help="comma list of request rates (req/s); inf = all at once")
+    ap.add_argument("--rates", help="comma list of request rates (req/s); inf = all at once (default 2,8,32,inf; "
+                    "--smoke: 4,inf)")
     ap.add_argument("--num-requests", type=int, default=512, help="requests per rate at most (all of them at inf)")
     ap.add_argument("--max-seconds", type=float, default=60.0, help="a finite rate sends rate x this many requests")
     ap.add_argument("--min-requests", type=int, default=32, help="... but at least this many")
@@ -143,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.smoke:
-        args.rates, args.num_requests, args.min_requests, args.prompt_cap, args.output_cap = "4,inf", 6, 6, 96, 16
+        args.rates = args.rates or "4,inf"
+        args.num_requests, args.min_requests, args.prompt_cap, args.output_cap = 6, 6, 96, 16
         args.max_num_seqs, args.max_model_len = 4, 512
         if not (args.model or args.make_model or args.make_qwen05b):
             args.make_model = f"tiny:{tempfile.mkdtemp(prefix='bench-smoke-')}"
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     if model is None:
         raise SystemExit("--model DIR (or --make-model SHAPE:DIR, or --smoke) is required")
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    rates = [float(r) for r in args.rates.split(",")]
+    rates = [float(r) for r in (args.rates or "2,8,32,inf").split(",")]
     rows = []
     with running_server(model, args.port, args.log, args.max_num_seqs, args.max_model_len) as (proc, url, _):
         warm = workloads.realistic(4, vocab, args.seed + 10_000, workloads.RealisticShape(prompt_cap=64, output_cap=8))
