@@ -32,6 +32,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("profile.txt"))
     known, rest = ap.parse_known_args()
     args = ot.build_parser().parse_args(rest)
+    if args.smoke:
+        ot.apply_smoke(args)
     args.model = model = ot.resolve_model(args)
     prof = cProfile.Profile()
     original = Engine._thread_main
