@@ -1,6 +1,6 @@
 """One decode step of the engine, measured: wall time (host preparation included) against GPU time.
 
-For a Qwen2.5-0.5B-shaped random checkpoint, R sequences are prefilled to a context of --ctx
+For a random checkpoint at a real model's shape (--make-model qwen05b:DIR or llama8b:DIR), R sequences are prefilled to a context of --ctx
 tokens, then decode steps run through `ModelRunner.execute` + greedy sampling. Per batch size R and
 per decode mode it prints:
   wall      median wall time of one synchronized step (prepare + replay/eager + sample + .tolist())
@@ -12,7 +12,8 @@ over a gathered context as the eager break), eager (no graphs). `plain` is one t
 the model forward of the same step, captured by hand: the floor a full capture should match (<= 1.01x).
 With --profile R a torch.profiler kernel table of one full-mode step at batch R is printed too.
 
-  python benchmarks/decode_step.py --make-qwen05b /tmp/qwen05b --batches 1,64,256 --ctx 512
+  python benchmarks/decode_step.py --make-model qwen05b:/tmp/qwen05b --batches 1,64,256 --ctx 512
+  python benchmarks/decode_step.py --make-model llama8b:/tmp/llama8b --batches 1,64,256 --ctx 512
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from graphcache.engine.worker.runner import ModelRunner  # noqa: E402
 from graphcache.graphs.descriptor import BatchDescriptor  # noqa: E402
 from graphcache.model.forward_context import forward_context  # noqa: E402
 
-from benchmarks.offline_throughput import make_qwen05b  # noqa: E402
+from benchmarks.model_shapes import add_model_args, resolve_model  # noqa: E402
 
 MODES = {   # mode -> Settings overrides
     "full": dict(decode_attention_backend="auto", decode_capture_mode="full"),
@@ -44,29 +45,31 @@ MODES = {   # mode -> Settings overrides
 }
 
 
-def make_runner(model: Path, mode: str, max_reqs: int, ctx: int) -> ModelRunner:
-    s = Settings(model=model, device="cuda", max_num_seqs=max_reqs, max_num_batched_tokens=max(8192, max_reqs),
-                 max_model_len=4096, num_kv_blocks=max_reqs * (-(-(ctx + 64) // 16)) + 16,
+def make_runner(model: Path, mode: str, max_reqs: int, ctx: int, device: str = "cuda",
+                max_model_len: int = 4096) -> ModelRunner:
+    s = Settings(model=model, device=device, max_num_seqs=max_reqs, max_num_batched_tokens=max(8192, max_reqs),
+                 max_model_len=max_model_len, num_kv_blocks=max_reqs * (-(-(ctx + 64) // 16)) + 16,
                  warmup_decode_sizes=[], admission="always", capture_time_share=1.0, **MODES[mode])
     # admission always, no capture-time budget: the first timed steps capture every batch (under the
     # server's defaults a capture after the first may be deferred, and replay_ms finds no entry)
     return ModelRunner(s)
 
 
-def fill(runner: ModelRunner, batch: int, ctx: int) -> list[StepSeq]:
+def fill(runner: ModelRunner, batch: int, ctx: int, vocab: int = 10000) -> list[StepSeq]:
     """Prefill `batch` sequences of ctx tokens (chunks of 8 sequences) and return their decode seqs."""
     g = torch.Generator().manual_seed(0)
     bs, per_seq = runner.block_size, -(-(ctx + 64) // runner.block_size)
     seqs = []
     for i in range(batch):
         table = list(range(i * per_seq, (i + 1) * per_seq))
-        ids = torch.randint(0, 10000, (ctx,), generator=g).tolist()
+        ids = torch.randint(0, min(vocab, 10000), (ctx,), generator=g).tolist()
         seqs.append(StepSeq(ids, 0, table, True))
     for start in range(0, batch, 8):
         runner.execute(StepBatch(seqs[start:start + 8]))
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     del bs
-    return [StepSeq([int(torch.randint(0, 10000, (1,), generator=g))], ctx, s.block_table, True) for s in seqs]
+    return [StepSeq([int(torch.randint(0, min(vocab, 10000), (1,), generator=g))], ctx, s.block_table, True) for s in seqs]
 
 
 def time_steps(runner: ModelRunner, decode: list[StepSeq], steps: int) -> tuple[float, float]:
@@ -143,8 +146,7 @@ def kernel_table(runner: ModelRunner, decode: list[StepSeq], rows: int = 25) -> 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path)
-    ap.add_argument("--make-qwen05b", type=Path, metavar="DIR")
+    add_model_args(ap)
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--modes", default="full,breakable,varlen,eager")
@@ -152,7 +154,7 @@ def main() -> int:
     ap.add_argument("--profile", type=int, default=256, help="kernel table at this batch (0 = none)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    model = args.model or make_qwen05b(args.make_qwen05b)
+    model = resolve_model(args)
     batches = [int(b) for b in args.batches.split(",")]
     rows, tables = [], {}
     for mode in args.modes.split(","):

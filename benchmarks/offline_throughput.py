@@ -1,17 +1,28 @@
 """Offline generation throughput: graphcache eager vs graph cache vs Hugging Face `generate`.
 
-nano-vllm's benchmark shape: 256 requests, random prompt lengths 100-1024 and output lengths
-100-1024 (seed 0), random token ids, ignore_eos, so every request produces exactly its output
-length. The engine runs in-process (no HTTP): Engine + ModelRunner, all requests submitted at
-once, the clock running from submission to the last token (after load, warmup and a short warm
-request, like nano-vllm's "Benchmark: " request).
+Workloads (benchmarks/workloads.py; --workload nano,realistic runs both on one model load per mode):
+  nano       nano-vllm's benchmark shape: 256 requests, random prompt lengths 100-1024 and output
+             lengths 100-1024 (seed 0), greedy.
+  realistic  ShareGPT-like lognormal lengths (prompt median 220, sigma 0.9, cap 2048; output median
+             200, sigma 0.75, cap 1024), temperature 0.8, top_p 0.95, every fourth request seeded,
+             2 x --max-num-seqs requests, so prompt chunks join decode rows through the run.
+Random token ids, ignore_eos, so every request produces exactly its output length. The engine runs
+in-process (no HTTP): Engine + ModelRunner, all requests submitted at once, the clock running from
+submission to the last token (after load, warmup and a short warm request, like nano-vllm's
+"Benchmark: " request). Each engine row also splits its steps by kind (decode: every row feeds one
+token; prefill: every row is a prompt chunk; mixed: both) with their mean ms (step_trace.by_kind).
 
-  python benchmarks/offline_throughput.py --make-qwen05b /tmp/qwen05b          # write the model
-  python benchmarks/offline_throughput.py --model /tmp/qwen05b --out bench.json  # eager, graph, hf
+  python benchmarks/offline_throughput.py --make-model qwen05b:/tmp/qwen05b                 # eager, graph, hf
+  python benchmarks/offline_throughput.py --make-model llama8b:/tmp/llama8b --modes graph,eager \
+      --workload nano,realistic --out bench.json
+  python benchmarks/offline_throughput.py --smoke                 # tiny model on the CPU, a few requests
 
 Output tokens/s counts requested output tokens. HF `generate` runs fixed-size batches (left
 padded, --hf-batch-size) to the longest output of each batch; its table row counts only the
-requested tokens (what a user gets), and the JSON also has the raw generated count.
+requested tokens (what a user gets), and the JSON also has the raw generated count. HF runs the
+nano workload only (one sampling setting per batch).
+This file, workloads.py, model_shapes.py and step_trace.py use only engine APIs of commit 87f2733,
+so they run against that tree too (scripts/gpu_check.sh phase realistic_old copies them there).
 """
 
 from __future__ import annotations
@@ -19,9 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import inspect
 import json
-import random
 import sys
 import tempfile
 import time
@@ -35,34 +44,33 @@ from graphcache.config import Settings  # noqa: E402
 from graphcache.engine.loop.engine import Engine, SamplingParams  # noqa: E402
 from graphcache.metrics import Metrics  # noqa: E402
 
-from benchmarks import step_trace  # noqa: E402
-
-# Qwen2.5-0.5B's shape (config.json of Qwen/Qwen2.5-0.5B).
-QWEN05B = dict(arch="qwen2", hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, head_dim=64,
-               max_positions=32768, rope_theta=1_000_000.0, tie_word_embeddings=True)
-QWEN05B_VOCAB = 151936
+from benchmarks import step_trace, workloads  # noqa: E402
+from benchmarks.model_shapes import add_model_args, make_model, resolve_model  # noqa: E402
 
 
 def make_qwen05b(out: Path) -> Path:
-    from graphcache.model.tiny import make_tiny_model
-
-    kwargs = dict(QWEN05B)
-    params = inspect.signature(make_tiny_model).parameters
-    if "model_vocab_size" in params:   # embedding/LM head at the real size (0.5B has a 151936 vocab)
-        kwargs["model_vocab_size"] = QWEN05B_VOCAB
-    else:
-        print(f"note: make_tiny_model has no model_vocab_size; the LM head uses the trained BPE vocab, not "
-              f"{QWEN05B_VOCAB} (decoder layers are 0.5B-shaped, the head is smaller)", file=sys.stderr)
-    return make_tiny_model(out, seed=0, **kwargs)
+    return make_model("qwen05b", out)
 
 
 def workload(n: int, vocab: int, in_range: tuple[int, int], out_range: tuple[int, int], seed: int):
-    rng = random.Random(seed)
-    # Low ids only: a random-weight model never sees special tokens, and every vocab has ids < 10000.
-    hi = min(vocab, 10000) - 1
-    prompts = [[rng.randint(0, hi) for _ in range(rng.randint(*in_range))] for _ in range(n)]
-    outputs = [rng.randint(*out_range) for _ in range(n)]
-    return prompts, outputs
+    """The nano workload as (prompts, output lengths)."""
+    reqs = workloads.nano(n, vocab, in_range, out_range, seed)
+    return [r.prompt for r in reqs], [r.max_tokens for r in reqs]
+
+
+def build_workloads(args, vocab: int) -> dict[str, list[workloads.Request]]:
+    out = {}
+    for name in [w.strip() for w in args.workload.split(",") if w.strip()]:
+        if name == "nano":
+            out[name] = workloads.nano(args.num_seqs, vocab, (args.min_input, args.max_input),
+                                       (args.min_output, args.max_output), args.seed, args.temperature)
+        elif name == "realistic":
+            shape = workloads.RealisticShape(prompt_cap=args.prompt_cap, output_cap=args.output_cap)
+            out[name] = workloads.realistic(args.realistic_requests or 2 * args.max_num_seqs, vocab, args.seed, shape)
+        else:
+            raise SystemExit(f"unknown workload {name!r}; use nano, realistic")
+        print(f"workload {name}: {workloads.describe(out[name])}", file=sys.stderr)
+    return out
 
 
 def engine_settings(args, enforce_eager: bool) -> Settings:
@@ -72,17 +80,20 @@ def engine_settings(args, enforce_eager: bool) -> Settings:
                     max_capture_size=args.max_capture_size)
 
 
-async def _run_engine(engine: Engine, prompts, outputs, temperature: float) -> tuple[float, int, dict]:
-    warm = engine.generate("warm", prompts[0][:16], SamplingParams(max_tokens=8, ignore_eos=True))
+async def _run_engine(engine: Engine, requests: list[workloads.Request], kinds: list[str], offset: int) -> dict:
+    """One workload, all at once; kinds[k] is the kind of step trace record offset + k."""
+    warm = engine.generate("warm", requests[0].prompt[:16], SamplingParams(max_tokens=8, ignore_eos=True))
     async for _ in warm:
         pass
 
     async def one(i: int) -> int:
-        params = SamplingParams(max_tokens=outputs[i], temperature=temperature, ignore_eos=True)
+        r = requests[i]
+        params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p, seed=r.seed,
+                                ignore_eos=True)
         n = 0
         # stream=False: one output per request, so the benchmark measures the engine, not 256
         # consumer coroutines waking up once per token.
-        async for out in engine.generate(f"r{i}", prompts[i], params, stream=False):
+        async for out in engine.generate(f"r{i}-{id(requests)}", r.prompt, params, stream=False):
             n += len(out.token_ids)
             if out.finished and out.finish_reason != "length":
                 raise RuntimeError(f"request {i} finished with {out.finish_reason}: {out.error}")
@@ -91,22 +102,36 @@ async def _run_engine(engine: Engine, prompts, outputs, temperature: float) -> t
     core = engine.core
     phases0, steps0 = dict(core.phase_seconds), core.num_steps
     t0 = time.perf_counter()
-    counts = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+    counts = await asyncio.gather(*(one(i) for i in range(len(requests))))
     elapsed = time.perf_counter() - t0
-    trace = step_trace.summarize(step_trace.records_of(core.step_trace), t0)
+    records = step_trace.records_of(core.step_trace)
+    trace = step_trace.summarize(records, t0)
     steps = max(core.num_steps - steps0, 1)
     # Host ms per step by phase (sample includes waiting for the GPU); the rest of the wall time is
     # the engine loop itself (inbox, gauges, stats, delivery) and idle time between requests.
     phases = {k: (v - phases0[k]) * 1e3 / steps for k, v in core.phase_seconds.items()}
-    timing = {"steps": steps, "ms_per_step": elapsed * 1e3 / steps, "phase_ms_per_step": phases, "trace": trace}
-    return elapsed, sum(counts), await engine.cache_info(), timing   # cache info fresh, from the engine thread
+    return {"seconds": elapsed, "output_tokens": sum(counts), "tokens_per_s": sum(counts) / elapsed,
+            "steps": steps, "ms_per_step": elapsed * 1e3 / steps, "phase_ms_per_step": phases, "trace": trace,
+            "by_kind": step_trace.by_kind(records[offset:], list(kinds), t0),
+            "cache_info": await engine.cache_info(), "stats": engine.stats()}   # fresh, from the engine thread
 
 
-def bench_engine(args, mode: str, prompts, outputs) -> dict:
+async def _run_all(engine: Engine, runs: dict[str, list[workloads.Request]], kinds: list[str], offset: int):
+    out = {}
+    for name, requests in runs.items():
+        stats0 = engine.stats().get("steps_by_mode") or {}
+        out[name] = await _run_engine(engine, requests, kinds, offset)
+        out[name]["steps_by_mode"] = {k: v - stats0.get(k, 0)
+                                      for k, v in (out[name]["stats"].get("steps_by_mode") or {}).items()}
+    return out
+
+
+def bench_engine(args, mode: str, runs: dict[str, list[workloads.Request]]) -> list[dict]:
+    """One engine (one model load) in `mode`, each workload of `runs` in turn: a row per workload."""
     settings = engine_settings(args, enforce_eager=mode == "eager")
     # The step trace (benchmarks/step_trace.py) is read from the core; the file is written at shutdown.
     settings = settings.model_copy(update={"step_trace": Path(tempfile.gettempdir()) / f"offline_steps_{mode}.jsonl"})
-    if mode == "graph-noprefix":   # the same graph engine with automatic prefix caching off (issue 12)
+    if mode == "graph-noprefix":   # the same graph engine with automatic prefix caching off
         settings = settings.model_copy(update={"enable_prefix_caching": False})
     engine = Engine(settings, Metrics())
     t0 = time.perf_counter()
@@ -115,26 +140,29 @@ def bench_engine(args, mode: str, prompts, outputs) -> dict:
         raise RuntimeError(f"engine failed: {engine.error}")
     ready_s = time.perf_counter() - t0
     report = engine.warmup_report
+    offset = len(engine.core.step_trace)   # records before the kinds are recorded (none when idle)
+    kinds = step_trace.record_step_kinds(engine.core)
+    rows = []
     try:
-        elapsed, tokens, cache_info, timing = asyncio.run(_run_engine(engine, prompts, outputs, args.temperature))
-        stats = engine.stats()
+        for name, row in asyncio.run(_run_all(engine, runs, kinds, offset)).items():
+            cache_info, stats = row.pop("cache_info"), row.pop("stats")
+            cache = cache_info.get("stats", {})
+            rows.append({"mode": mode, "workload": name, **row,
+                         "load_and_warmup_s": ready_s, "warmup_s": getattr(report, "seconds", 0.0),
+                         "graphs_warmed": len(getattr(report, "captured", []) or []),
+                         "warmup_pool_bytes": getattr(report, "pool_bytes", 0),
+                         "graph_pool_bytes": cache_info.get("totals", {}).get("pool_bytes", 0),
+                         "graph_entries": cache_info.get("totals", {}).get("entries", 0),
+                         "preemptions": stats.get("preemptions"),
+                         "hit_ratio": cache.get("hits", 0) / max(cache.get("hits", 0) + cache.get("misses", 0), 1),
+                         "cache_stats": cache})
     finally:
         engine.shutdown()
         del engine
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    cache = cache_info.get("stats", {})
-    return {"mode": mode, "seconds": elapsed, "output_tokens": tokens, "tokens_per_s": tokens / elapsed,
-            "load_and_warmup_s": ready_s, "warmup_s": getattr(report, "seconds", 0.0),
-            "graphs_warmed": len(getattr(report, "captured", []) or []),
-            "warmup_pool_bytes": getattr(report, "pool_bytes", 0),
-            "graph_pool_bytes": cache_info.get("totals", {}).get("pool_bytes", 0),
-            "graph_entries": cache_info.get("totals", {}).get("entries", 0),
-            "steps_by_mode": stats.get("steps_by_mode"), "preemptions": stats.get("preemptions"),
-            **timing,
-            "hit_ratio": cache.get("hits", 0) / max(cache.get("hits", 0) + cache.get("misses", 0), 1),
-            "cache_stats": cache}
+    return rows
 
 
 def bench_hf(args, prompts, outputs) -> dict:
@@ -197,18 +225,20 @@ def bench_hf(args, prompts, outputs) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, help="Hugging Face model directory")
-    ap.add_argument("--make-qwen05b", type=Path, metavar="DIR",
-                    help="write a random Qwen2.5-0.5B-shaped checkpoint to DIR (and use it if --model is unset)")
+    add_model_args(ap)
     ap.add_argument("--modes", default="eager,graph,hf", help="comma list of eager, graph, graph-noprefix "
                     "(prefix caching off), hf")
-    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--workload", default="nano", help="comma list of nano, realistic (benchmarks/workloads.py)")
+    ap.add_argument("--num-seqs", type=int, default=256, help="nano: requests")
     ap.add_argument("--min-input", type=int, default=100)
     ap.add_argument("--max-input", type=int, default=1024)
     ap.add_argument("--min-output", type=int, default=100)
     ap.add_argument("--max-output", type=int, default=1024)
+    ap.add_argument("--realistic-requests", type=int, default=0, help="realistic: requests (0 = 2 x --max-num-seqs)")
+    ap.add_argument("--prompt-cap", type=int, default=2048, help="realistic: longest prompt")
+    ap.add_argument("--output-cap", type=int, default=1024, help="realistic: longest output")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default, same for all modes)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="nano: 0 = greedy (default, same for all modes)")
     ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -217,65 +247,99 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-capture-size", type=int, default=256)
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--hf-cache", default="static", choices=["static", "dynamic"])
+    ap.add_argument("--smoke", action="store_true", help="a CPU-sized run: the tiny model (written to a temp dir "
+                    "unless --model/--make-model), 6 nano and 8 realistic requests with short caps, eager")
     ap.add_argument("--out", type=Path, help="write results as JSON here")
     return ap
+
+
+SMOKE = dict(device="cpu", modes="eager", num_seqs=6, min_input=8, max_input=48, min_output=4, max_output=12,
+             max_num_seqs=4, realistic_requests=8, prompt_cap=96, output_cap=16, max_num_batched_tokens=256,
+             max_model_len=512, max_capture_size=8)
+
+
+def apply_smoke(args: argparse.Namespace) -> None:
+    for key, value in SMOKE.items():
+        setattr(args, key, value)
+    if not (args.model or args.make_model or args.make_qwen05b):
+        args.make_model = f"tiny:{tempfile.mkdtemp(prefix='bench-smoke-')}"
+
+
+def kind_table(rows: list[dict]) -> str:
+    """Steps by kind per (mode, workload): count and mean ms (step_trace.by_kind), markdown."""
+    head = "| mode | workload | " + " | ".join(f"{k} steps | {k} ms" for k in step_trace.KINDS) + " |"
+    lines = [head, "|---" * (2 + 2 * len(step_trace.KINDS)) + "|"]
+    for r in rows:
+        cells = []
+        for k in step_trace.KINDS:
+            s = r["by_kind"].get(k)
+            cells += [str(s["steps"]), f"{s['ms']:.2f}"] if s else ["0", ""]
+        lines.append(f"| {r['mode']} | {r['workload']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-
-    if args.make_qwen05b:
-        path = make_qwen05b(args.make_qwen05b)
-        print(f"wrote {path}")
-        args.model = args.model or path
-        if args.modes == "none":
-            return 0
+    if args.smoke:
+        apply_smoke(args)
+    args.model = resolve_model(args)
+    if args.modes == "none":
+        return 0
     if args.model is None:
-        ap.error("--model DIR (or --make-qwen05b DIR) is required")
+        ap.error("--model DIR (or --make-model SHAPE:DIR, or --smoke) is required")
 
     config = json.loads((args.model / "config.json").read_text())
-    prompts, outputs = workload(args.num_seqs, config["vocab_size"], (args.min_input, args.max_input),
-                                (args.min_output, args.max_output), args.seed)
+    runs = build_workloads(args, config["vocab_size"])
     results = []
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         print(f"running {mode} ...", file=sys.stderr, flush=True)
         if mode in ("eager", "graph", "graph-noprefix"):
-            results.append(bench_engine(args, mode, prompts, outputs))
+            rows = bench_engine(args, mode, runs)
         elif mode == "hf":
-            results.append(bench_hf(args, prompts, outputs))
+            if "nano" not in runs:
+                print("note: hf runs the nano workload only; skipped", file=sys.stderr)
+                continue
+            rows = [dict(bench_hf(args, [r.prompt for r in runs["nano"]], [r.max_tokens for r in runs["nano"]]),
+                         workload="nano")]
         else:
             ap.error(f"unknown mode {mode!r}; use eager, graph, graph-noprefix, hf")
-        r = results[-1]
-        print(f"  {mode}: {r['output_tokens']} tokens in {r['seconds']:.1f}s = {r['tokens_per_s']:.0f} tok/s",
-              file=sys.stderr, flush=True)
+        results += rows
+        for r in rows:
+            print(f"  {mode} {r['workload']}: {r['output_tokens']} tokens in {r['seconds']:.1f}s = "
+                  f"{r['tokens_per_s']:.0f} tok/s", file=sys.stderr, flush=True)
 
-    print(f"\n{'mode':<15}{'output tok/s':>14}{'seconds':>10}{'tokens':>10}{'warmup s':>10}{'pool MiB':>10}")
+    print(f"\n{'mode':<15}{'workload':<10}{'output tok/s':>14}{'seconds':>10}{'tokens':>10}{'warmup s':>10}"
+          f"{'pool MiB':>10}")
     for r in results:
-        print(f"{r['mode']:<15}{r['tokens_per_s']:>14.0f}{r['seconds']:>10.1f}{r['output_tokens']:>10}"
+        print(f"{r['mode']:<15}{r['workload']:<10}{r['tokens_per_s']:>14.0f}{r['seconds']:>10.1f}{r['output_tokens']:>10}"
               f"{r['warmup_s']:>10.2f}{r['graph_pool_bytes'] / 2**20:>10.1f}")
     engine_rows = [r for r in results if "phase_ms_per_step" in r]
     if engine_rows:
         print("\nper step (host ms; sample includes waiting for the GPU):")
-        print(f"{'mode':<15}{'steps':>7}{'wall':>8}{'schedule':>10}{'execute':>9}{'sample':>8}{'postproc':>10}"
-              f"{'other':>7}")
+        print(f"{'mode':<15}{'workload':<10}{'steps':>7}{'wall':>8}{'schedule':>10}{'execute':>9}{'sample':>8}"
+              f"{'postproc':>10}{'other':>7}")
         for r in engine_rows:
             ph = r["phase_ms_per_step"]
-            steps = r["steps"]
             other = r["ms_per_step"] - sum(ph.values())
-            print(f"{r['mode']:<15}{steps:>7}{r['ms_per_step']:>8.2f}{ph['schedule']:>10.2f}{ph['execute']:>9.2f}"
-                  f"{ph['sample']:>8.2f}{ph['postprocess']:>10.2f}{other:>7.2f}")
-    traced = {r["mode"]: r["trace"] for r in engine_rows if r.get("trace")}
+            print(f"{r['mode']:<15}{r['workload']:<10}{r['steps']:>7}{r['ms_per_step']:>8.2f}{ph['schedule']:>10.2f}"
+                  f"{ph['execute']:>9.2f}{ph['sample']:>8.2f}{ph['postprocess']:>10.2f}{other:>7.2f}")
+        print("\nsteps by kind (decode: one token a row; prefill: prompt chunks only; mixed: both; "
+              "ms = completion to completion):")
+        print(kind_table(engine_rows))
+    traced = {f"{r['mode']} {r['workload']}": r["trace"] for r in engine_rows if r.get("trace")}
     if traced:
         print("\nstep trace (benchmarks/step_trace.py; ms per step):")
         print(step_trace.table(traced))
-    by = {r["mode"]: r for r in results}
-    if "graph" in by:
-        for base in ("eager", "hf"):
-            if base in by:
-                print(f"graph / {base}: {by['graph']['tokens_per_s'] / by[base]['tokens_per_s']:.2f}x")
+    for name in dict.fromkeys(r["workload"] for r in results):
+        by = {r["mode"]: r for r in results if r["workload"] == name}
+        if "graph" in by:
+            for base in ("eager", "hf"):
+                if base in by:
+                    print(f"{name}: graph / {base}: {by['graph']['tokens_per_s'] / by[base]['tokens_per_s']:.2f}x")
     if args.out:
-        meta = {"model": str(args.model), "num_seqs": args.num_seqs, "input": [args.min_input, args.max_input],
+        meta = {"model": str(args.model), "workloads": {k: workloads.describe(v) for k, v in runs.items()},
+                "num_seqs": args.num_seqs, "input": [args.min_input, args.max_input],
                 "output": [args.min_output, args.max_output], "seed": args.seed,
                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                 "torch": torch.__version__}

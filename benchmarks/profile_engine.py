@@ -32,7 +32,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("profile.txt"))
     known, rest = ap.parse_known_args()
     args = ot.build_parser().parse_args(rest)
-    args.model = model = args.model or ot.make_qwen05b(args.make_qwen05b)
+    if args.smoke:
+        ot.apply_smoke(args)
+    args.model = model = ot.resolve_model(args)
     prof = cProfile.Profile()
     original = Engine._thread_main
 
@@ -45,11 +47,9 @@ def main() -> None:
 
     Engine._thread_main = profiled
     config = json.loads((model / "config.json").read_text())
-    prompts, outputs = ot.workload(args.num_seqs, config["vocab_size"], (args.min_input, args.max_input),
-                                   (args.min_output, args.max_output), args.seed)
-    row = ot.bench_engine(args, known.mode, prompts, outputs)
-    print(f"{known.mode}: {row['output_tokens']} tokens in {row['seconds']:.1f}s = {row['tokens_per_s']:.0f} tok/s, "
-          f"steps {row['steps_by_mode']}")
+    for row in ot.bench_engine(args, known.mode, ot.build_workloads(args, config["vocab_size"])):
+        print(f"{known.mode} {row['workload']}: {row['output_tokens']} tokens in {row['seconds']:.1f}s = "
+              f"{row['tokens_per_s']:.0f} tok/s, steps {row['steps_by_mode']}")
     buf = io.StringIO()
     stats = pstats.Stats(prof, stream=buf)
     stats.sort_stats("cumulative").print_stats(known.top)

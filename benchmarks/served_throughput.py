@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -38,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "service"))  # the graphcache package
 
 from benchmarks import step_trace  # noqa: E402
+from benchmarks.model_shapes import add_model_args, resolve_model  # noqa: E402
 
 
 def workload(*args, **kwargs):
@@ -274,10 +276,41 @@ def profiled_burst(args, url: str, prompts, outputs, pid: int) -> dict:
     return row
 
 
+@contextlib.contextmanager
+def running_server(model: Path, port: int, log: Path, max_num_seqs: int = 256, max_model_len: int = 4096):
+    """`python -m graphcache serve` on `model` with the offline benchmark's engine settings (GRAPHCACHE_* in the
+    environment override them), ready (/ready 200): yields (process, base url, step trace path). The engine's
+    step trace is written to log.steps.jsonl when the server stops. The server imports this tree's graphcache."""
+    trace_path = log.with_suffix(".steps.jsonl")
+    trace_path.unlink(missing_ok=True)
+    env = {"GRAPHCACHE_MODEL": str(model), "GRAPHCACHE_MAX_NUM_SEQS": str(max_num_seqs),
+           "GRAPHCACHE_MAX_NUM_BATCHED_TOKENS": "8192", "GRAPHCACHE_MAX_MODEL_LEN": str(max_model_len),
+           "GRAPHCACHE_LOG_LEVEL": "warning", "GRAPHCACHE_STEP_TRACE": str(trace_path.resolve()), **os.environ}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "service"), env.get("PYTHONPATH")) if p)
+    with log.open("w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "graphcache", "serve", "--port", str(port)], env=env,
+                                stdout=f, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while True:
+            try:
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"server exited or not ready in 600 s: see {log}")
+            time.sleep(1)
+        yield proc, url, trace_path
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path)
-    ap.add_argument("--make-qwen05b", type=Path, metavar="DIR")
+    add_model_args(ap)
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--clients", type=int, default=64)
@@ -287,42 +320,16 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--py-spy-dir", type=Path, help="add a burst profiled by py-spy (needs py-spy on PATH)")
     args = ap.parse_args()
-    if args.model is None:
-        from benchmarks.offline_throughput import make_qwen05b
-
-        args.model = make_qwen05b(args.make_qwen05b)
+    args.model = resolve_model(args)
     model = args.model
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    # The offline benchmark's engine settings; GRAPHCACHE_* in the environment override them.
-    trace_path = args.log.with_suffix(".steps.jsonl")   # the engine's step trace, written when it stops
-    trace_path.unlink(missing_ok=True)
-    env = {"GRAPHCACHE_MODEL": str(model), "GRAPHCACHE_MAX_NUM_SEQS": "256", "GRAPHCACHE_MAX_NUM_BATCHED_TOKENS": "8192",
-           "GRAPHCACHE_MAX_MODEL_LEN": "4096", "GRAPHCACHE_LOG_LEVEL": "warning",
-           "GRAPHCACHE_STEP_TRACE": str(trace_path.resolve()), **os.environ}
-    with args.log.open("w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "graphcache", "serve", "--port", str(args.port)], env=env,
-                                stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{args.port}"
-    try:
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: see {args.log}")
-            time.sleep(1)
+    with running_server(model, args.port, args.log) as (proc, url, trace_path):
         prompts, outputs = workload(args.num_seqs, vocab, (100, 1024), (100, 1024), seed=0)
         burst(url, prompts[:4], [8] * 4, 2)   # warm: first requests, HTTP stack
         rows = [measured(lambda: burst(url, prompts, outputs, args.client_procs), proc.pid, url),
                 measured(lambda: asyncio.run(clients(url, args.clients, args.duration, vocab)), proc.pid, url)]
         if args.py_spy_dir is not None:
             rows.append(profiled_burst(args, url, prompts, outputs, proc.pid))
-    finally:
-        proc.terminate()
-        proc.wait(60)
     print(f"\n{'run':<24}{'tok/s':>9}{'reqs':>6}{'err':>5}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}"
           f"{'chunks p50':>11}{'span p50 s':>11}{'API cpu':>9}{'child cpu':>10}")
     for r in rows:

@@ -57,6 +57,56 @@ def summarize(records: list[dict], t0: float | None = None, t1: float | None = N
     }
 
 
+def record_step_kinds(core) -> list[str]:
+    """Wrap `core.scheduler.schedule` so each non-empty plan appends its kind to the returned list, in
+    launch order (the order of core.step_trace's records): decode (every row feeds one token), prefill
+    (every row is a prompt chunk of more than one token) or mixed (both). The trace itself has no per-row
+    lengths, so a benchmark running the engine in-process records them here."""
+    kinds: list[str] = []
+    schedule = core.scheduler.schedule
+
+    def schedule_and_record():
+        plan = schedule()
+        if plan.scheduled:
+            chunks = sum(s.num_tokens > 1 for s in plan.scheduled)
+            kinds.append("decode" if chunks == 0 else "prefill" if chunks == len(plan.scheduled) else "mixed")
+        return plan
+
+    core.scheduler.schedule = schedule_and_record
+    return kinds
+
+
+KINDS = ("decode", "mixed", "prefill")
+
+
+def by_kind(records: list[dict], kinds: list[str], t0: float | None = None, t1: float | None = None) -> dict:
+    """{kind: {steps, ms, launch_ms, wait_ms, rows_mean, tokens_mean}} over the steps scheduled in [t0, t1].
+    ms is the step's share of the pipeline: its completion minus the previous step's completion (with
+    async scheduling the host prepares step n+1 while the GPU runs step n, so completions are the
+    period). {} when the kinds do not line up with the records (a step failed between schedule and trace)."""
+    if len(kinds) != len(records):
+        return {}
+    out: dict[str, dict] = {}
+    for i in range(1, len(records)):
+        r = records[i]
+        # The window's first step has no predecessor in the window (the gap before it is idle time).
+        if (t0 is not None and records[i - 1]["scheduled"] < t0) or (t1 is not None and r["scheduled"] > t1):
+            continue
+        k = out.setdefault(kinds[i], {"steps": 0, "ms": 0.0, "launch_ms": 0.0, "wait_ms": 0.0, "rows": 0,
+                                      "tokens": 0})
+        k["steps"] += 1
+        k["ms"] += (r["completed"] - records[i - 1]["completed"]) * 1e3
+        k["launch_ms"] += (r["launched"] - r["launch"]) * 1e3
+        k["wait_ms"] += (r["tokens_on_host"] - r["complete"]) * 1e3
+        k["rows"] += r["rows"]
+        k["tokens"] += r["tokens"]
+    for k in out.values():
+        n = k.pop("steps")
+        k.update({key: k[key] / n for key in ("ms", "launch_ms", "wait_ms")}, steps=n,
+                 rows_mean=k.pop("rows") / n, tokens_mean=k.pop("tokens") / n)
+    return out
+
+
 COLUMNS = ("steps", "span_s", "period_ms", "schedule_ms", "launch_ms", "wait_ms", "post_ms", "loop_ms",
            "sampled_mean", "tokens_mean", "mixed_steps", "max_sampled", "s_to_max_sampled")
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds .whl/: the wheels the lent GPU box lacks (it has torch, transformers, tokenizers, safetensors,
-# prometheus-client, httpx, pytest but no fastapi/uvicorn/pydantic). Python 3.12, x86-64, no network there.
+# prometheus-client, pytest but no fastapi/uvicorn/pydantic/httpx). Python 3.12, x86-64, no network there.
 # Every runtime dependency of pyproject.toml the box lacks, and their own requirements (pip show), at the
 # versions of the local venv; pure-Python ones the box probably has through httpx/torch (anyio, click) too,
 # since a newer copy in /tmp/site is harmless and a missing one fails the whole run.
@@ -13,7 +13,8 @@ ver() { "$py" -m pip show "$1" 2>/dev/null | sed -n 's/^Version: //p'; }
 pkgs=(fastapi starlette uvicorn pydantic pydantic_core pydantic-settings annotated-types typing-inspection
       python-dotenv pytest-asyncio opentelemetry-api httptools
       annotated-doc click anyio uvloop pytest-timeout
-      llguidance python-json-logger asgi-correlation-id prometheus-fastapi-instrumentator sse-starlette)
+      llguidance python-json-logger asgi-correlation-id prometheus-fastapi-instrumentator sse-starlette
+      httpx httpcore h11 certifi idna)   # httpx: the served and open-loop benchmark clients
 # Not in the test venv: the comparison library capture_bench.py times against, and py-spy (served_throughput.py --py-spy-dir).
 extra=(breakable-cuda-graphs==0.1.0 py-spy==0.4.3)
 rm -rf .whl && mkdir -p .whl

@@ -59,6 +59,27 @@ for p in ${PHASES:-tests pool capture}; do
                --out "$OUT/prefix_burst.json" ${PREFIX_ARGS:-} ;;
     soak)    phase soak $(( ${SOAK_DURATION:-300} + 280 )) python3 benchmarks/soak.py --make-qwen05b /tmp/qwen05b \
                --duration "${SOAK_DURATION:-300}" --out "$OUT/soak.json" --log-dir "$OUT" ${SOAK_ARGS:-} ;;
+    # Realistic offline traffic (lognormal lengths, sampling, 2x max_num_seqs requests) next to nano's, graph and eager, steps by kind.
+    realistic) phase realistic 540 python3 benchmarks/offline_throughput.py --make-model qwen05b:/tmp/qwen05b \
+               --modes "${REALISTIC_MODES:-graph,eager}" --workload nano,realistic --out "$OUT/realistic.json" ;;
+    # The same workloads on the old tree (.old): this tree's benchmark files are copied in (they use only its engine APIs).
+    realistic_old) cp benchmarks/offline_throughput.py benchmarks/workloads.py benchmarks/model_shapes.py \
+               benchmarks/step_trace.py .old/benchmarks/ && (cd .old && phase realistic_old 540 python3 \
+               benchmarks/offline_throughput.py --make-model qwen05b:/tmp/qwen05b --modes "${REALISTIC_MODES:-graph,eager}" \
+               --workload nano,realistic --out "$OUT/realistic_old.json") ;;
+    # Both workloads on a Llama-3-8B-shaped random bf16 checkpoint (written on the GPU first, about a minute).
+    realistic_llama8b) phase realistic_llama8b 590 python3 benchmarks/offline_throughput.py --make-model llama8b:/tmp/llama8b \
+               --modes "${REALISTIC_MODES:-graph,eager}" --workload nano,realistic --out "$OUT/realistic_llama8b.json" ;;
+    # One decode step, wall vs GPU, at the Llama-3-8B shape.
+    decode_step_llama8b) phase decode_step_llama8b 500 python3 benchmarks/decode_step.py --make-model llama8b:/tmp/llama8b \
+               --modes "${DECODE_MODES:-full,eager}" --out "$OUT/decode_step_llama8b.json" ;;
+    # Poisson arrivals per rate against the served engine: TTFT/TPOT/ITL p50/p99, goodput; OPEN_LOOP_MODEL=qwen05b|llama8b.
+    open_loop) m=${OPEN_LOOP_MODEL:-qwen05b}; phase open_loop_$m 590 python3 benchmarks/open_loop.py --make-model "$m:/tmp/$m" \
+               --rates "${OPEN_LOOP_RATES:-2,8,32,inf}" --out "$OUT/open_loop_$m.json" --log "$OUT/open_loop_${m}_server.log" \
+               ${OPEN_LOOP_ARGS:-} ;;
+    # Per-kernel CUDA time of a decode, a mixed and a prefill step against its roofline bound, at both shapes.
+    kernel_table) for m in ${KERNEL_TABLE_MODELS:-qwen05b llama8b}; do TAIL=${TAIL:-120} phase kernel_table_$m 300 \
+               python3 benchmarks/kernel_table.py --make-model "$m:/tmp/$m" --out "$OUT/kernel_table_$m.json"; done ;;
     *) echo "unknown phase $p" ;;
   esac
 done

@@ -1,0 +1,101 @@
+"""Random-weight checkpoints at real models' shapes, for benchmarks: `--make-model SHAPE:DIR`.
+
+  qwen05b  Qwen2.5-0.5B (config.json of Qwen/Qwen2.5-0.5B): 24 layers, hidden 896, 14/2 heads, vocab 151936.
+  llama8b  Llama-3-8B (config.json of meta-llama/Meta-Llama-3-8B): 32 layers, hidden 4096, 32/8 heads,
+           intermediate 14336, vocab 128256, rope theta 500000, 8192 positions; bf16, ~16 GB.
+  tiny     the embedded default shape (graphcache.model.tiny.DEFAULT_SHAPE): CPU smoke runs.
+
+Every shape comes from graphcache.model.tiny.make_tiny_model (its tokenizer, config and weight names);
+the tokenizer is the embedded byte-level BPE (1024 ids), the embedding and LM head are widened to the
+real vocab, so ids past the tokenizer decode to nothing (benchmarks send token-id prompts < 10000).
+Shapes too big for make_tiny_model's CPU fp32 weights (llama8b: 32 GB fp32) are written by the same
+code on the GPU in bf16: the weights are drawn on the device and saved in shards (about a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+from pathlib import Path
+
+SHAPES = {
+    "qwen05b": dict(arch="qwen2", hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, head_dim=64,
+                    max_positions=32768, rope_theta=1_000_000.0, tie_word_embeddings=True, model_vocab_size=151936),
+    "llama8b": dict(arch="llama", hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, head_dim=128,
+                    max_positions=8192, rope_theta=500_000.0, tie_word_embeddings=False, model_vocab_size=128256),
+    "tiny": dict(arch="llama", hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384, max_positions=2048),
+}
+# Shapes whose fp32 weights would not fit a quick CPU write: drawn on the GPU in bf16.
+ON_DEVICE = {"llama8b"}
+
+
+def make_model(shape: str, out: Path) -> Path:
+    """Write a random checkpoint of SHAPES[shape] to `out` (skipped when out/config.json says it is there)."""
+    import torch  # here, not at the top: served benchmarks' client processes import this module
+    from graphcache.model import tiny
+
+    if shape not in SHAPES:
+        raise SystemExit(f"unknown model shape {shape!r}; choose one of {', '.join(SHAPES)}")
+    kwargs = dict(SHAPES[shape])
+    marker = out / "shape.txt"
+    if marker.is_file() and marker.read_text().strip() == shape and (out / "config.json").is_file():
+        return out
+    if "model_vocab_size" not in inspect.signature(tiny.make_tiny_model).parameters:
+        vocab = kwargs.pop("model_vocab_size", None)
+        print(f"note: make_tiny_model has no model_vocab_size; the LM head uses the trained BPE vocab, not {vocab}",
+              file=sys.stderr)
+    if shape in ON_DEVICE and torch.cuda.is_available():
+        _make_on_device(tiny, out, kwargs)
+    else:
+        tiny.make_tiny_model(out, seed=0, **kwargs)
+    marker.write_text(shape + "\n")
+    return out
+
+
+def _make_on_device(tiny, out: Path, kwargs: dict) -> None:
+    """make_tiny_model's files at a 1-layer stand-in shape (tokenizer, config, generation config), then the
+    real config and weights: tiny._random_weights drawn with a CUDA generator under torch.device('cuda'),
+    cast to bf16 and copied to the host for safetensors (peak GPU memory: fp32 of all weights plus
+    their bf16 copies, 48 GB for llama8b)."""
+    import torch
+
+    small = dict(kwargs, layers=1, intermediate=64, model_vocab_size=None)
+    tiny.make_tiny_model(out, seed=0, **small)
+    (out / "model.safetensors").unlink()
+    cfg = json.loads((out / "config.json").read_text())
+    vocab = max(cfg["vocab_size"], kwargs.get("model_vocab_size") or 0)
+    cfg.update(vocab_size=vocab, num_hidden_layers=kwargs["layers"], intermediate_size=kwargs["intermediate"],
+               torch_dtype="bfloat16")
+    if kwargs["arch"] in ("qwen2", "qwen3"):
+        cfg["max_window_layers"] = kwargs["layers"]
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.device("cuda"):
+        weights = tiny._random_weights(kwargs["arch"], gen, vocab, kwargs["hidden"], kwargs["layers"],
+                                       kwargs["heads"], kwargs["kv_heads"], kwargs["intermediate"],
+                                       kwargs["head_dim"], kwargs["tie_word_embeddings"])
+    weights = {name: w.to(torch.bfloat16).cpu() for name, w in weights.items()}
+    torch.cuda.empty_cache()
+    tiny._save_weights(weights, out, shards=8)
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", type=Path, help="Hugging Face model directory")
+    ap.add_argument("--make-model", metavar="SHAPE:DIR",
+                    help=f"write a random checkpoint of SHAPE ({', '.join(SHAPES)}) to DIR and use it if --model is unset")
+    ap.add_argument("--make-qwen05b", type=Path, metavar="DIR", help="the same as --make-model qwen05b:DIR")
+
+
+def resolve_model(args: argparse.Namespace) -> Path | None:
+    """--model, else the checkpoint --make-model / --make-qwen05b writes (None when neither is given)."""
+    spec = args.make_model or (f"qwen05b:{args.make_qwen05b}" if args.make_qwen05b else None)
+    made = None
+    if spec:
+        shape, sep, path = spec.partition(":")
+        if not sep:
+            raise SystemExit(f"--make-model wants SHAPE:DIR, e.g. llama8b:/tmp/llama8b (got {spec!r})")
+        made = make_model(shape, Path(path))
+        print(f"model {shape} at {made}", file=sys.stderr)
+    return args.model or made

@@ -1,0 +1,66 @@
+"""The benchmarks users run, in CPU smoke form: the realistic offline workload, the open-loop client and the
+per-kernel table run end to end against the tiny model, so an engine or API change that breaks them shows
+here rather than on a lent GPU."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import kernel_table, offline_throughput, open_loop, workloads  # noqa: E402
+
+
+def test_realistic_workload_shape():
+    reqs = workloads.realistic(400, 151936, seed=0)
+    prompts = sorted(len(r.prompt) for r in reqs)
+    outputs = sorted(r.max_tokens for r in reqs)
+    assert 150 < prompts[200] < 300 and prompts[-1] <= 2048 and prompts[0] >= 16   # median near 220, capped
+    assert 140 < outputs[200] < 280 and outputs[-1] <= 1024
+    assert sum(r.seed is not None for r in reqs) == 100
+    assert {(r.temperature, r.top_p) for r in reqs} == {(0.8, 0.95)}
+    assert max(max(r.prompt) for r in reqs) < 10000
+    nano = workloads.nano(5, 1024, (10, 20), (3, 9), seed=0)
+    assert offline_throughput.workload(5, 1024, (10, 20), (3, 9), 0) == ([r.prompt for r in nano],
+                                                                           [r.max_tokens for r in nano])
+
+
+@pytest.mark.slow
+def test_offline_realistic_smoke(tmp_path):
+    out = tmp_path / "offline.json"
+    assert offline_throughput.main(["--smoke", "--workload", "nano,realistic", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["workload"] for r in rows] == ["nano", "realistic"]
+    realistic = rows[1]
+    assert realistic["output_tokens"] == 8 * 16   # every request ran to its (capped) length
+    kinds = realistic["by_kind"]
+    assert kinds["decode"]["steps"] > 0 and sum(k["steps"] for k in kinds.values()) == realistic["trace"]["steps"] - 1
+
+
+@pytest.mark.slow
+def test_open_loop_smoke(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "open_loop.json"
+    assert open_loop.main(["--smoke", "--rates", "inf", "--port", str(port), "--log", str(tmp_path / "server.log"),
+                           "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["errors"] == 0 and row["requests"] == 6
+    assert row["ttft_ms_p50"] > 0 and row["itl_ms_p50"] >= 0 and row["output_tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_kernel_table_smoke(tmp_path):
+    out = tmp_path / "kernels.json"
+    assert kernel_table.main(["--smoke", "--kinds", "decode,prefill", "--out", str(out)]) == 0
+    steps = json.loads(out.read_text())["steps"]
+    for kind in ("decode", "prefill"):
+        classes = {r["class"] for r in steps[kind]["rows"]}
+        assert "gemm" in classes and steps[kind]["attention_bound_us"] > 0
