@@ -28,5 +28,5 @@ class CacheEntry:
 
 
 def capture_mode(graph: BreakableGraph) -> Literal["full", "breakable"]:
-    """"full": one graph, nothing eager; "breakable": graph segments around eager breaks."""
+    """How `graph` runs: "full" (one graph, nothing eager) or "breakable" (segments around eager breaks)."""
     return "full" if graph.num_breaks == 0 else "breakable"
