@@ -71,12 +71,15 @@ def test_forward_context_carries_descriptor_and_mode_and_restores_on_exit():
         pass
 
 
-def test_runner_step_context_names_its_descriptor_and_mode(tmp_path):
-    """The step the cache captures sees its descriptor; uniform decode runs "full" under decode_capture_mode=full."""
+@pytest.mark.parametrize("decode_mode", ["full", "breakable"])
+def test_runner_step_context_names_its_descriptor_and_mode(tmp_path, decode_mode):
+    """The step the cache captures sees its descriptor and runtime mode; in "full" the layer calls the decode
+    kernel inside the graph (no eager break: a "full" entry), in "breakable" through the break."""
     from graphcache.engine.worker.runner import ModelRunner
 
     runner = ModelRunner(Settings(cache_dir=tmp_path, device="cpu", max_num_seqs=4, max_num_batched_tokens=64,
-                                  warmup_decode_sizes=[]))
+                                  warmup_decode_sizes=[], decode_capture_mode=decode_mode))
+    assert runner._decode_path(True), "the CPU runner should take the decode path for uniform decode"
     seen = []
     real = runner._run_model
 
@@ -87,5 +90,6 @@ def test_runner_step_context_names_its_descriptor_and_mode(tmp_path):
 
     runner._run_model = spy
     runner.capture([D(4, 4, True), D(8, 4)], pin=False)
-    expected_decode = "full" if runner._decode_in_graph and runner._decode_path(True) else "breakable"
-    assert (D(4, 4, True), expected_decode) in seen and (D(8, 4), "breakable") in seen
+    assert (D(4, 4, True), decode_mode) in seen and (D(8, 4), "breakable") in seen
+    modes = {e.descriptor: e.mode for e in runner.cache.entries()}
+    assert modes == {"4:4:decode": decode_mode, "8:4": "breakable"}
