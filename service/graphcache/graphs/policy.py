@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 
 class CachePolicy:
-    """entries: the store's entries, least recently used first (read here, changed only through `close`).
+    """entries: the store's entries, least recently used first (read here; removed only through `close`).
     close(desc): the store drops the entry of `desc` and closes its graph."""
 
     size = 1   # tensor-parallel ranks that agree its per-rank inputs (agreed_policy.py wraps it for more)
