@@ -32,9 +32,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the graphcache package
-from graphcache.graphs.cache import EVICTION_POLICIES, GraphCache  # noqa: E402
+from graphcache.graphs.cache import GraphCache  # noqa: E402
 from graphcache.graphs.capture import is_capturing  # noqa: E402
 from graphcache.graphs.descriptor import BatchDescriptor  # noqa: E402
+from graphcache.graphs.policy_config import EVICTION_POLICIES, CachePolicyConfig  # noqa: E402
 
 MiB = 1 << 20
 DECODE_SIZES = [1, 2, 4, *range(8, 513, 8)]  # 67 uniform-decode capture sizes
@@ -73,8 +74,9 @@ def replay(policy: str, model: dict[BatchDescriptor, tuple[int, float]], trace: 
         if is_capturing():  # the eager backend's replays call the step too: only captures cost
             clock[0] += model[desc][1]
 
-    cache = GraphCache(step, backend="eager", max_entries=10_000, max_bytes=budget, eviction_policy=policy,
-                       measure_bytes=lambda d, pool: model[d][0], clock=lambda: clock[0], lazy_pool="private")
+    config = CachePolicyConfig(max_entries=10_000, max_bytes=budget, eviction_policy=policy, lazy_pool="private")
+    cache = GraphCache(step, backend="eager", config=config, measure_bytes=lambda d, pool: model[d][0],
+                       clock=lambda: clock[0])
     t0 = time.perf_counter()
     for desc in trace:
         cache.run(desc)

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the 
 from graphcache.graphs.cache import GraphCache  # noqa: E402
 from graphcache.graphs.capture import capture, eager_break, release_workspaces  # noqa: E402
 from graphcache.graphs.descriptor import BatchDescriptor  # noqa: E402
+from graphcache.graphs.policy_config import CachePolicyConfig  # noqa: E402
 from graphcache.graphs.pool import pool_bytes  # noqa: E402
 
 MiB = 1 << 20
@@ -111,8 +112,8 @@ def run_capture_mode(work: Workload, sizes: list[int], shared: bool) -> dict:
 
 def run_cache_mode(work: Workload, sizes: list[int], lazy_pool: str) -> dict:
     base = reserved()
-    cache = GraphCache(lambda d: work.step(d.num_tokens), backend="cuda", max_entries=len(sizes) + 1,
-                       max_bytes=1 << 45, lazy_pool=lazy_pool)
+    cache = GraphCache(lambda d: work.step(d.num_tokens), backend="cuda",
+                       config=CachePolicyConfig(max_entries=len(sizes) + 1, max_bytes=1 << 45, lazy_pool=lazy_pool))
     descs = [BatchDescriptor(t, t, True) for t in sizes]
     cache.warmup(descs, pin=False)
     after_capture = reserved() - base
@@ -157,12 +158,13 @@ def run_pinned_mode(work: Workload, sizes: list[int]) -> dict:
     lazy_sizes = [(a + b) // 2 for a, b in zip(sizes, sizes[1:], strict=False)][:4]  # largest first
     descs = [BatchDescriptor(t, t, True) for t in sizes]
     lazy = [BatchDescriptor(t, t, True) for t in lazy_sizes]
-    cache = GraphCache(lambda d: work.step(d.num_tokens), backend="cuda", max_entries=len(descs) + len(lazy),
-                       max_bytes=1 << 45, lazy_pool="private")
+    cache = GraphCache(lambda d: work.step(d.num_tokens), backend="cuda",
+                       config=CachePolicyConfig(max_entries=len(descs) + len(lazy), max_bytes=1 << 45,
+                                                lazy_pool="private"))
     cache.warmup(descs)  # pin=True: one shared pinned pool
     after_capture = reserved() - base
     pinned = cache.stats().pinned_pool_bytes
-    pinned_equals_allocator = pinned == pool_bytes(cache._shared["pinned"].handle) == cache.stats().pool_bytes
+    pinned_equals_allocator = pinned == pool_bytes(cache.policy.pools.shared["pinned"].handle) == cache.stats().pool_bytes
     times = [e.capture_seconds * 1e3 for e in cache.entries()]
     growth = {e.descriptor: e.bytes / MiB for e in cache.entries()}
     for d in lazy:

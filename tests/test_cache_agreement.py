@@ -13,6 +13,7 @@ import json
 from graphcache.graphs.agreement import Agreement, CaptureReport, GroupAgreement, decide
 from graphcache.graphs.cache import GraphCache
 from graphcache.graphs.descriptor import BatchDescriptor as D
+from graphcache.graphs.policy_config import CachePolicyConfig
 from graphcache.graphs.profile import parse_profile
 from helpers_dist import gloo_group, run_ranks
 
@@ -37,8 +38,9 @@ def _decisions_rank(rank: int, world: int, port: int, out_dir: str) -> None:
                 raise RuntimeError("injected capture failure")
 
         ticks = iter(range(10**6))
-        cache = GraphCache(lambda desc: None, backend="eager", max_entries=5, max_bytes=BUDGET,
-                           measure_bytes=measure, pin_share=0.5, agreement=GroupAgreement(),
+        cache = GraphCache(lambda desc: None, backend="eager",
+                           config=CachePolicyConfig(max_entries=5, max_bytes=BUDGET, pin_share=0.5),
+                           measure_bytes=measure, agreement=GroupAgreement(),
                            clock=lambda: next(ticks) * (1 + rank))   # per-rank seconds: agreed as the max
         cache.failpoint = failpoint
         trace: list = []
@@ -122,7 +124,7 @@ def test_decide_rule():
 
 def test_single_process_agreement_needs_no_group():
     assert Agreement().size == 1 and Agreement().agree(CaptureReport(True, bytes=7)).bytes == 7
-    cache = GraphCache(lambda desc: None, backend="eager", max_entries=2, max_bytes=1 << 30)
+    cache = GraphCache(lambda desc: None, backend="eager", config=CachePolicyConfig(max_entries=2, max_bytes=1 << 30))
     cache.run(D(4, 4, True))
     cache.run(D(8, 8, True))
     cache.run(D(16, 16, True))

@@ -8,9 +8,11 @@ shared lazy pool only the last one does; tests/test_graph_cache.py covers that).
 import json
 
 import pytest
-from graphcache.graphs.cache import MIN_SIZE_BYTES, GraphCache
+from graphcache.graphs.cache import GraphCache
 from graphcache.graphs.capture import is_capturing
 from graphcache.graphs.descriptor import BatchDescriptor as D
+from graphcache.graphs.eviction import MIN_SIZE_BYTES
+from graphcache.graphs.policy_config import CachePolicyConfig
 
 MiB = 1 << 20
 
@@ -31,9 +33,9 @@ def make(policy, sizes, costs, **kw):
         if is_capturing():  # the eager backend's replay calls the step too: only capture costs time
             clock.now += costs.get(desc, 0.0)
 
-    kw = {"max_entries": 64, "max_bytes": 1 << 40, **kw}
-    return GraphCache(step, backend="eager", measure_bytes=lambda d, pool: sizes.get(d, 0),
-                      eviction_policy=policy, clock=clock, lazy_pool="private", **kw)
+    config = CachePolicyConfig(**{"max_entries": 64, "max_bytes": 1 << 40, "eviction_policy": policy,
+                                  "lazy_pool": "private", **kw})
+    return GraphCache(step, backend="eager", measure_bytes=lambda d, pool: sizes.get(d, 0), config=config, clock=clock)
 
 
 def held(cache):
@@ -44,10 +46,10 @@ a, b, c, d, e = D(1, 1, True), D(2, 2, True), D(4, 4, True), D(8, 8, True), D(16
 
 
 def test_default_policy_is_lru_and_unknown_policy_names_the_choices():
-    cache = GraphCache(lambda desc: None, backend="eager", max_entries=4, max_bytes=1 << 30)
-    assert cache.eviction_policy == "lru" and cache.info()["eviction"]["policy"] == "lru"
+    cache = GraphCache(lambda desc: None, backend="eager", config=CachePolicyConfig(max_entries=4, max_bytes=1 << 30))
+    assert cache.config.eviction_policy == "lru" and cache.info()["eviction"]["policy"] == "lru"
     with pytest.raises(ValueError, match="'lru' or 'gdsf'") as err:
-        GraphCache(lambda desc: None, backend="eager", max_entries=4, max_bytes=1 << 30, eviction_policy="lfu")
+        CachePolicyConfig(max_entries=4, max_bytes=1 << 30, eviction_policy="lfu")
     assert "'lfu'" in str(err.value)
 
 

@@ -3,13 +3,17 @@ clear, stats, padding, owner thread, failpoint, debug addresses, metrics, and th
 accounting of the shared pinned and lazy pools vs private pools (through the `measure_bytes` hook)."""
 
 import threading
+from dataclasses import fields
 
 import pytest
 import torch
 from graphcache.graphs.cache import GraphCache
 from graphcache.graphs.capture import eager_break, is_capturing
 from graphcache.graphs.descriptor import BatchDescriptor as D
+from graphcache.graphs.policy_config import CachePolicyConfig
 from graphcache.metrics import Metrics
+
+KNOBS = {f.name for f in fields(CachePolicyConfig)}  # the policy's; the other keywords are the store's
 
 
 @eager_break
@@ -49,8 +53,9 @@ class FakePools:
 def make(runner=None, sizes=None, **kw):
     runner = runner or Runner()
     pools = FakePools(sizes or {})
-    kw = {"max_entries": 8, "max_bytes": 1 << 30, **kw}
-    cache = GraphCache(runner.step, backend="eager", measure_bytes=pools, **kw)
+    config = CachePolicyConfig(**{"max_entries": 8, "max_bytes": 1 << 30, **{k: v for k, v in kw.items() if k in KNOBS}})
+    cache = GraphCache(runner.step, backend="eager", measure_bytes=pools, config=config,
+                       **{k: v for k, v in kw.items() if k not in KNOBS})
     cache.fake_pools = pools
     return cache, runner
 
@@ -267,7 +272,7 @@ def pools_of(cache):
 
 def shared(cache, kind):
     """The shared pool record of `kind` ("pinned" | "lazy"), None when there is none."""
-    return cache._shared[kind]
+    return cache.policy.pools.shared[kind]
 
 
 def truth(cache):
@@ -397,8 +402,7 @@ def test_pool_bytes_gauge_counts_pinned_pool_once():
 
 
 def test_warmup_pins_at_most_its_share_of_the_budgets():
-    cache, _ = make(max_entries=4)
-    cache.pin_share = 0.5
+    cache, _ = make(max_entries=4, pin_share=0.5)
     report = cache.warmup([D(8, 8, True), D(4, 4, True), D(2, 2, True), D(1, 1, True)])
     assert len(report.captured) == 4 and report.unpinned == ["2:2:decode", "1:1:decode"]
     assert sum(e.pinned for e in cache.entries()) == 2
@@ -484,8 +488,8 @@ def test_capture_time_budget_defers_lazy_captures_and_reports_stalls():
         r.step(desc)
         clock.now += clock.capture_cost if is_capturing() else 0.0
 
-    cache = GraphCache(step, backend="eager", max_entries=64, max_bytes=1 << 30, capture_time_share=0.1,
-                       capture_burst_seconds=0.08, clock=clock)
+    cache = GraphCache(step, backend="eager", config=CachePolicyConfig(max_entries=64, max_bytes=1 << 30,
+                       capture_time_share=0.1, capture_burst_seconds=0.08), clock=clock)
     modes = [cache.run(D(n, n, True)) for n in (1, 2, 4, 8)]
     # The burst (80 ms, plus 10% of the time spent capturing) pays for two 50 ms captures; the third is
     # over budget: eager, not refused.
@@ -538,7 +542,7 @@ def test_lazy_entries_share_one_pool_and_count_its_growth():
     assert m.registry.get_sample_value("graphcache_graph_pool_bytes") == 130
     assert cache.info()["totals"]["lazy_pool_bytes"] == 130
     # size hints stay each descriptor's own-pool size: known only for a8, captured into the empty pool
-    assert cache._size_hints == {a8: 100}
+    assert cache.policy.pools.size_hints == {a8: 100}
     profile = {p["descriptor"]: p["bytes"] for p in cache.profile()["descriptors"] if p["mode"]}
     assert profile == {"8:8:decode": 100, "4:4:decode": 0, "2:2:decode": 30}
 
@@ -556,7 +560,7 @@ def test_evicting_every_lazy_entry_drops_the_pool_and_never_reuses_its_handle():
     cache.run(x6)
     fresh = shared(cache, "lazy")
     assert fresh is not first and fresh.handle != first.handle
-    assert pools_of(cache) == {"6:6:decode": ("lazy", 80)} and cache._size_hints[x6] == 80
+    assert pools_of(cache) == {"6:6:decode": ("lazy", 80)} and cache.policy.pools.size_hints[x6] == 80
 
 
 def test_entry_budget_in_the_lazy_pool_evicts_without_counting_freed_bytes():
@@ -605,7 +609,7 @@ def test_no_eviction_when_evicting_everything_would_not_make_room():
         cache.run(y1)
         cache.warmup([a8])
         assert cache.stats().pool_bytes == 140
-        cache._size_hints[x6] = 100   # known from an earlier capture
+        cache.policy.pools.size_hints[x6] = 100   # known from an earlier capture
         assert cache.run(x6) == "eager"
         s = cache.stats()
         assert s.failures["budget"] == 1 and sum(s.evictions.values()) == 0 and y1 in cache

@@ -17,6 +17,7 @@ from graphcache.engine.loop.engine import Engine
 from graphcache.graphs.cache import GraphCache
 from graphcache.graphs.descriptor import BatchDescriptor as D
 from graphcache.graphs.descriptor import CaptureSizes
+from graphcache.graphs.policy_config import CachePolicyConfig
 from graphcache.graphs.profile import fill_size_gaps, parse_profile
 from graphcache.metrics import Metrics
 
@@ -67,7 +68,8 @@ def cache_dir(tmp_path_factory):
 
 def make_cache(**kw) -> GraphCache:
     x, out = torch.randn(4), torch.empty(4)
-    return GraphCache(lambda d: out.copy_(x * 2), backend="eager", **{"max_entries": 8, "max_bytes": 1 << 30, **kw})
+    config = CachePolicyConfig(**{"max_entries": 8, "max_bytes": 1 << 30, **kw})
+    return GraphCache(lambda d: out.copy_(x * 2), backend="eager", config=config)
 
 
 def test_uses_survive_eviction_and_clear_and_sort_the_profile():

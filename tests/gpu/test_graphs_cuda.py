@@ -7,6 +7,7 @@ with NaN, replay, and compare with an eager run of the same step (never test on 
 from __future__ import annotations
 
 import gc
+from dataclasses import fields
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from graphcache.graphs.capture import (
     release_workspaces,
 )
 from graphcache.graphs.descriptor import BatchDescriptor as D
+from graphcache.graphs.policy_config import CachePolicyConfig
 from graphcache.graphs.pool import pool_bytes
 
 pytestmark = pytest.mark.cuda
@@ -204,8 +206,10 @@ def test_non_owning_eager_args_do_not_pin_memory():
 
 
 def _cache(w: Workload, **kw) -> GraphCache:
-    kw = {"max_entries": 16, "max_bytes": 64 << 30, **kw}
-    return GraphCache(lambda d: w.step(d.num_tokens), backend="cuda", **kw)
+    knobs = {f.name for f in fields(CachePolicyConfig)}   # the policy's; the other keywords are the store's
+    config = CachePolicyConfig(**{"max_entries": 16, "max_bytes": 64 << 30, **{k: v for k, v in kw.items() if k in knobs}})
+    return GraphCache(lambda d: w.step(d.num_tokens), backend="cuda", config=config,
+                      **{k: v for k, v in kw.items() if k not in knobs})
 
 
 def test_cache_replays_correctly_and_reports_allocator_bytes():
@@ -252,7 +256,7 @@ def test_budget_eviction_keeps_memory_under_budget_and_survivors_correct(lazy_po
     cache = _cache(w, max_bytes=int(one * 2.5), lazy_pool=lazy_pool)
     for t in (512, 384, 256, 128, 64):
         cache.run(D(t, t, True))
-        assert cache.stats().pool_bytes <= cache.max_bytes
+        assert cache.stats().pool_bytes <= cache.config.max_bytes
         assert cache.info()["allocator_pool_bytes"] >= cache.stats().pool_bytes   # freed pools await empty_cache
     if lazy_pool == "private":
         assert cache.stats().evictions["bytes"] >= 1   # the shared pool holds ~ the largest: no eviction needed
@@ -331,7 +335,7 @@ def test_pinned_warmup_uses_far_less_memory_than_private_entries():
     cache = _cache(w)
     rep = cache.warmup(PINNED)  # pinned: one shared pool
     assert len(rep.captured) == len(PINNED) and {e.pool for e in cache.entries()} == {"pinned"}
-    pool = cache._shared["pinned"]
+    pool = cache.policy.pools.shared["pinned"]
     assert all(cache._entries[d].pool is pool for d in PINNED)
     s = cache.stats()
     assert s.pool_bytes == s.pinned_pool_bytes == pool_bytes(pool.handle) > 0
@@ -378,7 +382,7 @@ def test_pinned_graphs_replay_correctly_after_private_captures_and_evictions():
     w.check_replay(lambda: cache.run(lazy[3]), tokens=96)
     assert all(d in cache for d in PINNED[::2])
     assert cache.stats().pinned_pool_bytes == pinned_bytes  # lazy captures never touch it
-    assert {cache._entries[d].pool for d in lazy[2:]}.isdisjoint({cache._shared["pinned"]})
+    assert {cache._entries[d].pool for d in lazy[2:]}.isdisjoint({cache.policy.pools.shared["pinned"]})
 
 
 def test_clear_returns_reserved_memory_to_start_level():
@@ -389,7 +393,7 @@ def test_clear_returns_reserved_memory_to_start_level():
     cache.warmup(PINNED[:3])
     cache.run(D(96, 96, True))
     cache.run(D(200, 200, True))   # both in the shared lazy pool
-    pool, lazy = cache._shared["pinned"], cache._shared["lazy"]
+    pool, lazy = cache.policy.pools.shared["pinned"], cache.policy.pools.shared["lazy"]
     held = cache.stats().pool_bytes
     assert held == pool_bytes(pool.handle) + pool_bytes(lazy.handle) == cache.info()["allocator_pool_bytes"]
     rep = cache.clear()
@@ -397,7 +401,7 @@ def test_clear_returns_reserved_memory_to_start_level():
     assert pool_bytes(pool.handle) == 0 == pool_bytes(lazy.handle) and cache.stats().pool_bytes == 0
     assert _quiet_reserved() <= start + 2 * MiB
     cache.warmup(PINNED[:2])  # a fresh pinned pool after clear works
-    assert cache._shared["pinned"].handle != pool.handle
+    assert cache.policy.pools.shared["pinned"].handle != pool.handle
     w.check_replay(lambda: cache.run(PINNED[1]), tokens=PINNED[1].num_tokens)
     cache.clear()
     assert _quiet_reserved() <= start + 2 * MiB
@@ -409,14 +413,14 @@ def test_evicting_every_pinned_entry_releases_the_pinned_pool():
     start = _quiet_reserved()
     cache = _cache(w)
     cache.warmup(PINNED[:3])
-    pool = cache._shared["pinned"].handle
+    pool = cache.policy.pools.shared["pinned"].handle
     held = cache.stats().pinned_pool_bytes
     assert cache.evict(PINNED[0])  # the largest: its blocks stay in the shared pool
     assert pool_bytes(pool) == held == cache.stats().pool_bytes
     for d in PINNED[1:3]:
         w.check_replay(lambda d=d: cache.run(d), tokens=d.num_tokens)
     assert cache.evict(PINNED[1]) and cache.evict(PINNED[2])  # the last one frees the pool
-    assert pool_bytes(pool) == 0 and cache.stats().pool_bytes == 0 and cache._shared["pinned"] is None
+    assert pool_bytes(pool) == 0 and cache.stats().pool_bytes == 0 and cache.policy.pools.shared["pinned"] is None
     assert _quiet_reserved() <= start + 2 * MiB
 
 
@@ -442,7 +446,7 @@ def test_lazy_captures_share_one_pool_and_replay_after_evicting_one():
 
     cache = _cache(w)
     assert cache.run(big) == "replay" and cache.run(small) == "replay"
-    pool = cache._shared["lazy"]
+    pool = cache.policy.pools.shared["lazy"]
     assert {e.pool for e in cache.entries()} == {"lazy"} and pool.graphs == 2
     assert cache._entries[big].pool is cache._entries[small].pool is pool
     s = cache.stats()
@@ -458,7 +462,7 @@ def test_lazy_captures_share_one_pool_and_replay_after_evicting_one():
     for d in (small, mid, small):
         check(d)
     assert cache.evict(small) and cache.evict(mid)   # the last graph: the pool goes
-    assert cache._shared["lazy"] is None and pool_bytes(pool.handle) == 0 and cache.stats().pool_bytes == 0
+    assert cache.policy.pools.shared["lazy"] is None and pool_bytes(pool.handle) == 0 and cache.stats().pool_bytes == 0
     # Quiet, cuBLAS workspaces released: check()'s eager runs gave the default stream its own 32 MiB
     # workspace since `start` (the H200 run at 23:41 UTC failed on exactly that), which is no pool's.
     assert _quiet_reserved() <= start + 2 * MiB

@@ -12,16 +12,19 @@ waits for it (tens of ms). Two limits keep that from stalling serving:
 Warmup and admin captures are never limited: they run outside serving.
 
 Tensor parallel: the rule depends on counts only, equal on every rank. The budget depends on each
-rank's clock, so GraphCache agrees it with the other ranks like any pre-check (agreement.py).
+rank's clock, so it is agreed with the other ranks like any pre-check (agreed_policy.py).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from graphcache.graphs.descriptor import BatchDescriptor
+
+if TYPE_CHECKING:
+    from graphcache.graphs.policy_config import CachePolicyConfig
 
 __all__ = ["ADMISSION_RULES", "Admission", "AdmissionRule"]
 
@@ -30,16 +33,12 @@ ADMISSION_RULES: tuple[str, ...] = ("auto", "always", "after_n", "never")
 
 
 class Admission:
-    def __init__(self, rule: str = "auto", min_misses: int = 2, *, time_share: float = 1.0,
-                 burst_seconds: float = 1.0, clock: Callable[[], float]) -> None:
-        if rule not in ADMISSION_RULES:
-            raise ValueError(f"admission must be one of {', '.join(ADMISSION_RULES)}, got {rule!r}")
-        if not 0 < time_share <= 1:
-            raise ValueError(f"capture time share must be in (0, 1], got {time_share}")
-        self.rule, self.min_misses = rule, min_misses
-        self.time_share, self.burst_seconds, self.clock = time_share, burst_seconds, clock
+    def __init__(self, config: CachePolicyConfig, clock: Callable[[], float]) -> None:
+        """config: the rule and the budget (validated there); clock: seconds, for the budget's refill."""
+        self.rule, self.min_misses = config.admission, config.admission_min_misses
+        self.time_share, self.burst_seconds, self.clock = config.capture_time_share, config.capture_burst_seconds, clock
         self._misses: Counter[BatchDescriptor] = Counter()
-        self._balance = burst_seconds   # capture seconds available now
+        self._balance = self.burst_seconds   # capture seconds available now
         self._refilled_at = clock()
 
     def wants(self, desc: BatchDescriptor) -> bool:

@@ -1,5 +1,5 @@
 """What GraphCache reports: one entry (`entries()`), the counters (`stats()`), and the outcome of a
-warmup or a clear. Plain data; every byte figure is the allocator's (see cache.py's docstring)."""
+warmup or a clear. Plain data; every byte figure is the allocator's (pool_ledger.py)."""
 
 from __future__ import annotations
 

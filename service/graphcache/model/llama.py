@@ -16,9 +16,9 @@ import math
 import torch
 from torch import nn
 
-from graphcache.model.attention import DecodeMetadata, decode_attention, paged_attention
+from graphcache.model.attention import decode_attention, paged_attention
 from graphcache.model.config import ModelConfig
-from graphcache.model.forward_context import current_attention_metadata
+from graphcache.model.forward_context import current_forward_context
 from graphcache.model.fused_ops import add_rmsnorm, rotary_, silu_mul
 from graphcache.model.parallel import (
     ParallelLMHead,
@@ -142,11 +142,11 @@ class Attention(nn.Module):
         # break writes its real rows and returns nothing. Padded rows stay uninitialized: they are
         # row-independent all the way to the (unread) padded logits, see attention.py.
         out = torch.empty_like(q)                                        # [T, H, D]
-        md = current_attention_metadata()
-        if isinstance(md, DecodeMetadata) and md.in_graph:
-            # Uniform decode, full capture mode: the kernel reads lengths and block tables from
-            # static device buffers, so it is recorded inside the graph like everything else.
-            decode_attention(q, out, self.k_blocks, self.v_blocks, md, self.scale)
+        ctx = current_forward_context()
+        if ctx.mode == "full":
+            # Uniform decode, full runtime mode: the kernel reads lengths and block tables from static
+            # device buffers (ctx.attention is a DecodeMetadata), so it is recorded inside the graph.
+            decode_attention(q, out, self.k_blocks, self.v_blocks, ctx.attention, self.scale)
         else:
             paged_attention(q, k, v, out, self.kv_cache, self.k_blocks, self.v_blocks, self.scale)
         return self.o_proj(out.view(t, self.q_size))                     # [T, hidden]

@@ -14,7 +14,7 @@ token that sequence fed (StepResult.prompt_logits).
 
 Captures outside a step (warmup, admin) go through `capture()`, which points every token at the
 scratch slot and runs under an empty attention context itself, so they write no real KV slot.
-Each step's attention metadata reaches the attention op through the forward context
+Each step's attention metadata, descriptor and runtime mode reach the model through the forward context
 (model/forward_context.py), set around the step. The runner returns the step's mode in its
 StepResult; step metrics are the engine's, graph-cache metrics the GraphCache's.
 """
@@ -35,6 +35,7 @@ from graphcache.engine.worker.decode_rows import PersistentRows
 from graphcache.engine.worker.staging import StagingBuffer
 from graphcache.graphs.cache import GraphCache, WarmupReport
 from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes, descriptor_for
+from graphcache.graphs.policy_config import policy_config_from
 from graphcache.graphs.profile import parse_profile
 from graphcache.metrics import Metrics
 from graphcache.model.attention import (
@@ -46,7 +47,7 @@ from graphcache.model.attention import (
 )
 from graphcache.model.config import ModelLoadError, read_config, resolve_dtype
 from graphcache.model.decode_attention import choose_num_splits, decode_workspace
-from graphcache.model.forward_context import forward_context
+from graphcache.model.forward_context import RuntimeMode, current_attention_metadata, forward_context
 from graphcache.model.fused_ops import HAVE_TRITON as HAVE_FUSED_TRITON
 from graphcache.model.loader import load_model
 from graphcache.model.parallel import TensorParallel
@@ -119,12 +120,9 @@ class ModelRunner:
                                                   s.decode_attention_backend)
         self._alloc_decode()
         self.backend = "cuda" if self.device.type == "cuda" and not s.enforce_eager else "eager"
-        self.cache = graph_cache_factory(self._step_fn, backend=self.backend, max_entries=s.cache_max_entries,
-                                max_bytes=s.cache_max_bytes, admission=s.admission,
-                                admission_min_misses=s.admission_min_misses, eviction_policy=s.eviction_policy,
-                                capture_time_share=s.capture_time_share, capture_burst_seconds=s.capture_burst_seconds,
-                                pin_share=s.cache_pin_share, debug=s.graph_debug, metrics=metrics, input_tensors=self._input_tensors,
-                                capture_warmup=s.capture_warmup, warm_key=self._kernel_family, lazy_pool=s.cache_lazy_pool)
+        self.cache = graph_cache_factory(self._step_fn, backend=self.backend, config=policy_config_from(s),
+                                         debug=s.graph_debug, metrics=metrics, input_tensors=self._input_tensors,
+                                         warm_key=self._kernel_family)
         self._uploaded = torch.cuda.Event() if self.device.type == "cuda" else None
         log.info("model %s (%s) on %s %s: max_model_len %d, %d KV blocks x %d tokens, backend %s", path,
                  self.model_config.architecture, self.device, str(self.dtype).removeprefix("torch."),
@@ -288,10 +286,15 @@ class ModelRunner:
         if self._decode_path(desc.uniform_decode):
             # The decode metadata depends on the descriptor alone, so a capture outside a step (under
             # the empty context) records the same kernels a step would: full mode puts them in the graph.
-            with forward_context(self.decode_metadata(desc.num_reqs)):
-                self._run_model(desc.num_tokens, desc.num_reqs)
-            return
-        self._run_model(desc.num_tokens, desc.num_reqs)
+            md = self.decode_metadata(desc.num_reqs)
+        else:
+            md = current_attention_metadata()   # the step's (or, in warmup, the empty) mixed layout
+        with forward_context(md, desc, self._graph_mode(desc.uniform_decode)):
+            self._run_model(desc.num_tokens, desc.num_reqs)
+
+    def _graph_mode(self, uniform_decode: bool) -> RuntimeMode:
+        """How a step with a descriptor runs: "full" (decode attention inside the graph) or "breakable"."""
+        return "full" if self._decode_path(uniform_decode) and self._decode_in_graph else "breakable"
 
     def _kernel_family(self, desc: BatchDescriptor) -> tuple:
         """What a descriptor's step must set up once (graph cache's capture_warmup=per_kernel): uniform
@@ -343,7 +346,7 @@ class ModelRunner:
                     rows.invalidate()
                 else:
                     rows.remember(batch.keys[:d], [len(s.block_table) for s in batch.seqs[:d]], 0)
-            with forward_context(md):
+            with forward_context(md, desc, "eager" if desc is None else self._graph_mode(uniform)):
                 if prompt_logits:
                     return self._run_with_prompt_logits(batch.seqs, num_tokens, num_logits)
                 if desc is None:
