@@ -50,8 +50,12 @@ def timed(fn):
 
 def time_inputs(runner: ModelRunner) -> None:
     """Count the batch building and input preparation: the part of a step that persistent decode rows
-    made independent of the batch (also works on older commits, which lack persistent_rows)."""
+    made independent of the batch (also works on older commits, which lay steps out in the runner)."""
     SchedulerOutput.to_batch = timed(SchedulerOutput.to_batch)
+    inputs = getattr(runner, "inputs", None)
+    if inputs is not None:
+        inputs.prepare = timed(inputs.prepare)
+        return
     runner._prepare_decode = timed(runner._prepare_decode)
     runner._prepare = timed(runner._prepare)
     rows = getattr(runner, "persistent_rows", None)
@@ -110,7 +114,9 @@ def main() -> int:
     for k, v in per_phase.items():
         m = statistics.median(v)
         print(f"| {k} | {m:.3f} | {m * 1e3 / max(rows, 1):.2f} |")
-    applied = getattr(getattr(core.runner, "persistent_rows", None), "num_applied", None)
+    inputs = getattr(core.runner, "inputs", None)
+    rows = inputs.rows if inputs is not None else getattr(core.runner, "persistent_rows", None)
+    applied = getattr(rows, "num_applied", None)
     if applied is not None:
         print(f"decode steps run from persistent rows: {applied} of {core.num_steps}")
     if prof:

@@ -79,9 +79,7 @@ def plain_pool_bytes(runner: ModelRunner, desc: BatchDescriptor) -> int:
     """Pool of one torch.cuda.graph over the same step (the full graph's floor)."""
     pool = torch.cuda.graph_pool_handle()
     g = torch.cuda.CUDAGraph()
-    runner.slot_mapping.dev.fill_(runner.scratch_slot)
-    runner.logits_indices.dev.zero_()
-    runner.seq_lens.dev.zero_()
+    runner.inputs.point_at_scratch()
     with forward_context(AttentionMetadata.empty()):   # as ModelRunner.capture does
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())

@@ -1,6 +1,6 @@
 """Persistent decode rows (engine/worker/decode_rows.py): a steady decode step advances the runner's device
 buffers in place instead of laying every row out from the host. Every such step must leave exactly
-the buffers a full layout (ModelRunner._prepare_decode) of the same batch writes, through rows that
+the buffers a full layout (InputBatch.full_decode) of the same batch writes, through rows that
 leave, blocks that grow, preemption and admissions in between; and the engine's outputs must equal
 the synchronous engine's, which never takes that path."""
 
@@ -31,10 +31,11 @@ def _requests(n: int = 9):
 def _layout(runner: ModelRunner, batch: StepBatch, pad: int) -> dict[str, torch.Tensor]:
     """The decode buffers the step reads: pads included, block tables up to each row's length."""
     n = len(batch.rows.keys)
-    out = {name: getattr(runner, name).dev[:pad].clone() for name in ("input_ids", "positions", "slot_mapping",
+    inputs = runner.inputs
+    out = {name: getattr(inputs, name).dev[:pad].clone() for name in ("input_ids", "positions", "slot_mapping",
                                                                        "seq_lens", "logits_indices")}
     for i, s in enumerate(batch.seqs[:n]):
-        out[f"table{i}"] = runner.block_tables.dev[i, :len(s.block_table)].clone()
+        out[f"table{i}"] = inputs.block_tables.dev[i, :len(s.block_table)].clone()
     return out
 
 
@@ -42,36 +43,31 @@ def _checked_core(settings, counts: dict) -> EngineCore:
     """A core whose runner, after every step it takes from persistent rows, poisons the buffers, lays
     the same batch out in full and asserts both wrote the same."""
     runner = ModelRunner(settings)
-    rows = runner.persistent_rows
-    apply, execute = rows.apply, runner.execute
-    current: dict = {}
+    inputs = runner.inputs
+    rows, from_rows = inputs.rows, inputs.decode_from_rows
 
-    def execute_and_remember(batch):
-        current["batch"] = batch
-        return execute(batch)
-
-    def apply_then_compare(decode_rows, pad, prev, seq_at, wait):
+    def apply_then_compare(batch, pad):
+        decode_rows, prev = batch.rows, batch.prev_tokens
         before = None if rows.keys is None else list(rows.keys)
-        if not apply(decode_rows, pad, prev, seq_at, wait):
-            return False
-        batch = current["batch"]
+        layout = from_rows(batch, pad)
+        if layout is None:
+            return None
         counts["applied"] += 1
         counts["gathered"] += decode_rows.keys != before
         counts["new_rows"] += before is not None and not set(decode_rows.keys) <= set(before)
         counts["grown"] += bool(decode_rows.grown)
         got = _layout(runner, batch, pad)
-        for buf in (runner.input_ids, runner.positions, runner.slot_mapping, runner.seq_lens, runner.block_tables,
-                    runner.logits_indices):
+        for buf in (inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens, inputs.block_tables,
+                    inputs.logits_indices):
             buf.dev.fill_(POISON)
-        runner._table_rows_stale = True
-        runner._prepare_decode(batch.seqs, pad, prev)
+        inputs._write_full_decode(batch.seqs, pad, prev)   # the host layout alone: the rows' state stays the path's
+        inputs._host_tables_stale = True                    # as the rows path leaves the host row cache
         want = _layout(runner, batch, pad)
         for name in want:
             assert torch.equal(got[name], want[name]), (name, got[name], want[name])
-        return True
+        return layout
 
-    rows.apply = apply_then_compare
-    runner.execute = execute_and_remember
+    inputs.decode_from_rows = apply_then_compare
     return EngineCore(runner, settings)
 
 
@@ -124,7 +120,7 @@ def test_a_request_that_ends_with_its_prefill_leaves_no_stale_pad():
 def test_a_new_sequence_or_unknown_rows_fall_back_to_a_full_layout():
     settings = cpu_settings(tiny_checkpoint("qwen2"), async_scheduling="on")
     runner = ModelRunner(settings)
-    rows, prev = runner.persistent_rows, torch.zeros(2, dtype=torch.int64)
+    rows, prev = runner.inputs.rows, torch.zeros(2, dtype=torch.int64)
     assert not rows.applicable(DecodeRows([1, 2], []), 2)          # nothing laid out yet
     rows.remember([1, 2], [1, 1], 2)
     assert rows.applicable(DecodeRows([1, 2], []), 2)

@@ -1,4 +1,4 @@
-"""Persistent decode rows: a steady decode step applied to the runner's device buffers as a change.
+"""Persistent decode rows: a steady decode step applied to the input batch's device buffers as a change.
 
 In a steady decode (async scheduling, every running sequence fed the token the step in flight is
 sampling for it) a row changes only thus: its position and length advance by one, its input is the id
@@ -8,14 +8,14 @@ same sequence across steps and these buffers advance on the device: the host com
 many rows there are, instead of building, filling and uploading every row (the aim of vLLM's
 persistent input batch; the shape here is our own).
 
-What the runner knows after a step (`remember`): every row of a decode step; after a mixed step, its
+What the input batch knows after a step (`remember`): every row of a decode step; after a mixed step, its
 decode rows (laid out first, and sampled first). A step's rows then follow from the last step's: rows
 that stay are gathered on the device in the scheduler's order (rows left: finished, aborted,
 preempted); rows it did not hold (a prefill that ended in the mixed step before) are written from
 their own StepSeq alone (`StepBatch.seq_at`), with the id the last step sampled for
 them. Anything else (no rows known: a capture outside a step, a failed step, prompt logprobs, a row fed
-a token that is not in flight) makes the runner lay every row out from the StepSeqs
-(ModelRunner._prepare_decode).
+a token that is not in flight) makes the input batch lay every row out from the StepSeqs
+(InputBatch.full_decode). The InputBatch (input_batch.py) owns this object and decides when it is used.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class PersistentRows:
     def __init__(self, *, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                  seq_lens: torch.Tensor, block_tables: torch.Tensor, logits_indices: torch.Tensor,
                  block_size: int, scratch_slot: int) -> None:
-        """The runner's static device buffers: input_ids, positions, slot_mapping [T_max] int64,
+        """The input batch's static device buffers: input_ids, positions, slot_mapping [T_max] int64,
         seq_lens, logits_indices [R_max] int64, block_tables [R_max, B] int64."""
         self.input_ids, self.positions, self.slot_mapping = input_ids, positions, slot_mapping
         self.seq_lens, self.block_tables, self.logits_indices = seq_lens, block_tables, logits_indices

@@ -1,9 +1,9 @@
-"""The model runner: static buffers, batch descriptor, pad, then replay or run eagerly.
+"""The model runner: batch descriptor, the step's input layout, then replay or run eagerly.
 
-Every step: lay the batch out flat (decode requests first, the attention op expects that), copy
-ids / positions / slots / block tables into static buffers allocated once at the largest size,
-plan the attention metadata once for all layers, then let the GraphCache replay (or capture) the
-graph of the padded descriptor. The KV write happens inside the graph, indexed by the static
+Every step: pick the padded descriptor, let the InputBatch (engine/worker/input_batch.py, the one
+owner of the static input buffers and of what they hold between steps) lay the batch out and plan
+its attention metadata, then let the GraphCache replay (or capture) the graph of the descriptor.
+The KV write happens inside the graph, indexed by the static
 slot_mapping: padded tokens map to a scratch slot in one extra KV block past the usable ones, and
 between steps every entry maps there, so a warmup/capture outside a step writes no real slot.
 Batches bigger than the largest capture size, and every step with enforce_eager, run the model
@@ -26,13 +26,11 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from graphcache.config import Settings
-from graphcache.engine.batch import StepBatch, StepResult, StepSeq
-from graphcache.engine.worker.decode_rows import PersistentRows
-from graphcache.engine.worker.staging import StagingBuffer
+from graphcache.engine.batch import StepBatch, StepResult
+from graphcache.engine.worker.input_batch import InputBatch, StepLayout
 from graphcache.graphs.cache import GraphCache, WarmupReport
 from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes, descriptor_for
 from graphcache.graphs.policy_config import policy_config_from
@@ -106,10 +104,6 @@ class ModelRunner:
         self._alloc_buffers()
         self.num_kv_blocks = self._agree_min(self._num_kv_blocks())
         self._alloc_kv_cache()
-        self.persistent_rows = PersistentRows(input_ids=self.input_ids.dev, positions=self.positions.dev,
-                                   slot_mapping=self.slot_mapping.dev, seq_lens=self.seq_lens.dev,
-                                   block_tables=self.block_tables.dev, logits_indices=self.logits_indices.dev,
-                                   block_size=self.block_size, scratch_slot=self.scratch_slot)
         self.attention_kernel = select_attention_kernel(self.device, self.dtype, c.head_dim, self.block_size,
                                                         s.attention_backend)
         self._planner = AttentionPlanner(kernel=self.attention_kernel, block_size=self.block_size,
@@ -119,11 +113,14 @@ class ModelRunner:
         self.decode_kernel = select_decode_kernel(self.device, self.dtype, c.head_dim, self.block_size,
                                                   s.decode_attention_backend)
         self._alloc_decode()
+        self.inputs = InputBatch(max_tokens=self.max_tokens, max_reqs=self.max_reqs,
+                                 max_blocks_per_seq=self.max_blocks_per_seq, block_size=self.block_size,
+                                 max_model_len=self.max_model_len, scratch_slot=self.scratch_slot,
+                                 planner=self._planner, decode_metadata=self.decode_metadata, device=self.device)
         self.backend = "cuda" if self.device.type == "cuda" and not s.enforce_eager else "eager"
         self.cache = graph_cache_factory(self._step_fn, backend=self.backend, config=policy_config_from(s),
                                          debug=s.graph_debug, metrics=metrics, input_tensors=self._input_tensors,
                                          warm_key=self._kernel_family)
-        self._uploaded = torch.cuda.Event() if self.device.type == "cuda" else None
         log.info("model %s (%s) on %s %s: max_model_len %d, %d KV blocks x %d tokens, backend %s", path,
                  self.model_config.architecture, self.device, str(self.dtype).removeprefix("torch."),
                  self.max_model_len, self.num_kv_blocks, self.block_size, self.backend)
@@ -179,20 +176,6 @@ class ModelRunner:
         self.max_tokens = max([s.max_num_batched_tokens, self.sizes.max] + [d.num_tokens for d in self._warmup_descs])
         self.max_reqs = min(self.max_tokens, max([max_reqs] + [d.num_reqs for d in self._warmup_descs]))
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
-        i64 = torch.int64
-        self.input_ids = StagingBuffer((self.max_tokens,), i64, dev)         # [T_max]
-        self.positions = StagingBuffer((self.max_tokens,), i64, dev)         # [T_max]
-        self.slot_mapping = StagingBuffer((self.max_tokens,), i64, dev)      # [T_max]
-        self.logits_indices = StagingBuffer((self.max_reqs,), i64, dev)      # [R_max] token row of each logits row
-        self.seq_lens = StagingBuffer((self.max_reqs,), i64, dev)            # [R_max]
-        self.block_tables = StagingBuffer((self.max_reqs, self.max_blocks_per_seq), i64, dev)  # [R_max, B]
-        # [2 * (R_max + 1)] int32: cumulative query lengths, then cumulative context lengths (flash
-        # kernel); one buffer so it is one upload, each half contiguous as the kernel wants.
-        self.cu_seqlens = StagingBuffer((2 * (self.max_reqs + 1),), torch.int32, dev)
-        # Placeholder inputs (async scheduling): token rows to fill, and the previous step's row each
-        # takes its sampled id from.
-        self.fill_rows = StagingBuffer((self.max_reqs,), i64, dev)     # [R_max]
-        self.fill_src = StagingBuffer((self.max_reqs,), i64, dev)      # [R_max]
         # [R_max, V] in the model dtype: the LM head writes straight into it.
         self.out_logits = torch.zeros(self.max_reqs, self.model_config.vocab_size, dtype=self.dtype, device=dev)
 
@@ -209,13 +192,6 @@ class ModelRunner:
             self._decode_workspace = decode_workspace(self.max_reqs, self.num_heads, c.head_dim, splits, self.device)
         elif self.decode_kernel == "torch":
             self._decode_positions = torch.arange(self.max_blocks_per_seq * self.block_size, device=self.device)
-        # Host-side row cache of the uniform-decode fast path: which block table (the sequence's own
-        # list, and its length) each row of block_tables.np holds, so a step rewrites only rows that
-        # changed. Stale after a mixed step (it lays rows out its own way) or a PersistentRows step (it
-        # moves the device rows): the next _prepare_decode then rewrites every row.
-        self._table_rows: list = [None] * self.max_reqs
-        self._table_lens: list[int] = [0] * self.max_reqs
-        self._table_rows_stale = False
 
     def decode_metadata(self, num_reqs: int) -> DecodeMetadata:
         """The decode attention metadata of a (padded) batch of num_reqs: static views only."""
@@ -224,8 +200,8 @@ class ModelRunner:
             splits = 1
             if self.decode_kernel == "triton":
                 splits = choose_num_splits(num_reqs, self.num_kv_heads, self.max_model_len)
-            md = DecodeMetadata(self.decode_kernel, self._decode_in_graph, self.block_tables.dev[:num_reqs],
-                                self.seq_lens.dev[:num_reqs], splits, self._decode_workspace,
+            md = DecodeMetadata(self.decode_kernel, self._decode_in_graph, self.inputs.block_tables.dev[:num_reqs],
+                                self.inputs.seq_lens.dev[:num_reqs], splits, self._decode_workspace,
                                 self._decode_positions)
             self._decode_md[num_reqs] = md
         return md
@@ -276,8 +252,9 @@ class ModelRunner:
 
     # --- the step function the cache captures ---------------------------------------------
     def _run_model(self, num_tokens: int, num_reqs: int) -> None:
-        self.model(self.input_ids.dev[:num_tokens], self.positions.dev[:num_tokens], self.slot_mapping.dev[:num_tokens],
-                   self.logits_indices.dev[:num_reqs], self.out_logits[:num_reqs])
+        i = self.inputs
+        self.model(i.input_ids.dev[:num_tokens], i.positions.dev[:num_tokens], i.slot_mapping.dev[:num_tokens],
+                   i.logits_indices.dev[:num_reqs], self.out_logits[:num_reqs])
 
     def _step_fn(self, desc: BatchDescriptor) -> None:
         if desc.num_tokens > self.max_tokens or desc.num_reqs > self.max_reqs:
@@ -304,9 +281,9 @@ class ModelRunner:
         return ("mixed",)
 
     def _input_tensors(self, desc: BatchDescriptor) -> list[torch.Tensor]:
-        t, r = desc.num_tokens, desc.num_reqs
-        return [self.input_ids.dev[:t], self.positions.dev[:t], self.logits_indices.dev[:r], self.out_logits[:r],
-                self.slot_mapping.dev[:t], self.seq_lens.dev, self.block_tables.dev, self.kv_cache]
+        t, r, i = desc.num_tokens, desc.num_reqs, self.inputs
+        return [i.input_ids.dev[:t], i.positions.dev[:t], i.logits_indices.dev[:r], self.out_logits[:r],
+                i.slot_mapping.dev[:t], i.seq_lens.dev, i.block_tables.dev, self.kv_cache]
 
     # --- one step ------------------------------------------------------------------------
     def execute(self, batch: StepBatch) -> StepResult:
@@ -327,186 +304,40 @@ class ModelRunner:
         desc = None if eager else descriptor_for(num_tokens, num_reqs, uniform, self.sizes, self.max_reqs)
         pad_tokens = desc.num_tokens if desc else num_tokens
         pad_reqs = desc.num_reqs if desc else num_reqs
-        rows = self.persistent_rows
         try:
-            if self._decode_path(uniform) and not prompt_logits:
-                if batch.rows is not None and batch.prev_tokens is not None and rows.apply(
-                        batch.rows, pad_reqs, batch.prev_tokens, batch.seq_at, self._wait_uploads):
-                    self._table_rows_stale = True   # the device rows moved
-                    if self._uploaded is not None:
-                        self._uploaded.record()
-                    md, num_logits = self.decode_metadata(pad_reqs), num_reqs
-                else:
-                    md, num_logits = self._prepare_decode(batch.seqs, pad_reqs, batch.prev_tokens)
-                    rows.remember(batch.keys, self._table_lens[:num_reqs], pad_reqs)
-            else:
-                md, num_logits = self._prepare(batch.seqs, num_tokens, pad_tokens, pad_reqs, batch.prev_tokens)
-                d = self._decode_prefix   # its decode rows, laid out and sampled first, can be the next step's
-                if batch.keys is None or d == 0 or prompt_logits:
-                    rows.invalidate()
-                else:
-                    rows.remember(batch.keys[:d], [len(s.block_table) for s in batch.seqs[:d]], 0)
+            layout = self.inputs.prepare(batch, decode=self._decode_path(uniform) and not prompt_logits,
+                                         pad_tokens=pad_tokens, pad_reqs=pad_reqs)
+            md, num_logits = layout.metadata, layout.num_logits
             with forward_context(md, desc, "eager" if desc is None else self._graph_mode(uniform)):
                 if prompt_logits:
-                    return self._run_with_prompt_logits(batch.seqs, num_tokens, num_logits)
+                    return self._run_with_prompt_logits(layout)
                 if desc is None:
                     self._run_model(num_tokens, num_reqs)
                     mode = "eager"
                 else:
                     mode = self.cache.run(desc, real_tokens=num_tokens)
         except BaseException:
-            rows.invalidate()   # the buffers may hold half a step: the next decode lays rows out anew
+            self.inputs.invalidate()   # the buffers may hold half a step: the next step lays its rows out anew
             raise
         return StepResult(self.out_logits[:num_logits], mode)
 
     def takes_rows(self, batch: StepBatch) -> bool:
         """Whether execute(batch) will run it from its DecodeRows alone, no row new to this runner (the
         tensor-parallel runner then sends the other ranks only the rows: their runners hold the same rows)."""
-        if batch.rows is None or not self._decode_path(True) or batch.prev_tokens is None:
-            return False
-        return self.persistent_rows.applicable(batch.rows, batch.prev_tokens.shape[0])
+        return self.inputs.takes_rows(batch, decode=self._decode_path(True))
 
-    def _wait_uploads(self) -> None:
-        if self._uploaded is not None:
-            self._uploaded.synchronize()  # the previous step's async copies have read the host mirrors
-
-    def _run_with_prompt_logits(self, seqs: list[StepSeq], num_tokens: int, num_logits: int) -> StepResult:
+    def _run_with_prompt_logits(self, layout: StepLayout) -> StepResult:
         """Eager step that also computes the logits of every token of the prompt_logits seqs: the
         model's head runs over the usual logits rows plus those token rows (fresh tensors, not the
         static buffers: their count is up to the whole step's tokens)."""
-        num_reqs = len(seqs)
-        rows = [r for i, s in enumerate(seqs) if s.prompt_logits
-                for r in range(self._first_row[i], self._first_row[i] + len(s.token_ids))]
-        extra = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        indices = torch.cat([self.logits_indices.dev[:num_reqs], extra])                  # [R + E]
-        out = torch.empty(num_reqs + len(rows), self.model_config.vocab_size, dtype=self.dtype, device=self.device)
-        self.model(self.input_ids.dev[:num_tokens], self.positions.dev[:num_tokens],
-                   self.slot_mapping.dev[:num_tokens], indices, out)
-        return StepResult(out[:num_logits], "eager", prompt_logits=out[num_reqs:])
-
-    def _prepare(self, seqs: list[StepSeq], num_tokens: int, pad_tokens: int, pad_reqs: int, prev_tokens=None):
-        """Fill host mirrors and upload. Layout: decode requests first (attention op contract);
-        logits rows: the need_logits seqs in batch order, then the others."""
-        self._wait_uploads()
-        self._table_rows_stale = True   # rows laid out anew
-        bs = self.block_size
-        order = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
-        num_decodes = len(order)
-        order += [i for i, s in enumerate(seqs) if len(s.token_ids) != 1]
-        ids, pos = [], []
-        fills: list[tuple[int, int]] = []   # (token row, previous step's row) of placeholder inputs
-        query_start, seq_lens = [0], []
-        last_token = [0] * len(seqs)
-        # Token row of each sequence's first fed token (batch order), for the prompt-logits rows.
-        self._first_row = first_row = [0] * len(seqs)
-        bt = self.block_tables.np
-        bt[:len(seqs)] = 0
-        for row, i in enumerate(order):
-            s = seqs[i]
-            n, end = len(s.token_ids), s.start_pos + len(s.token_ids)
-            if n == 0:
-                raise ValueError(f"sequence {i} of the batch feeds no tokens")
-            if end > self.max_model_len or len(s.block_table) * bs < end:
-                raise ValueError(f"sequence {i} reaches position {end} with {len(s.block_table)} blocks of {bs}; "
-                                 f"it needs ceil({end}/{bs}) blocks and at most max_model_len {self.max_model_len}")
-            table = s.block_table
-            if s.prev_row is not None:
-                fills.append((len(ids), s.prev_row))
-            ids += s.token_ids
-            pos += range(s.start_pos, end)
-            query_start.append(query_start[-1] + n)
-            seq_lens.append(end)
-            last_token[i] = query_start[-1] - 1
-            first_row[i] = query_start[-2]
-            bt[row, :len(table)] = table
-        pad = pad_tokens - num_tokens
-        # Pads: token 0 at position 0 (valid embedding and rotary rows); their K/V go to the scratch slot.
-        self.input_ids.np[:pad_tokens] = ids + [0] * pad
-        self.positions.np[:pad_tokens] = pos + [0] * pad
-        # Slots in one numpy pass, not a Python loop per token (a prefill step feeds thousands).
-        token_row = np.repeat(np.arange(len(order)), np.diff(query_start))      # [T] each token's row
-        p = self.positions.np[:num_tokens]                                        # [T]
-        self.slot_mapping.np[:num_tokens] = bt[token_row, p // bs] * bs + p % bs
-        self.slot_mapping.np[num_tokens:pad_tokens] = self.scratch_slot
-        need = [i for i, s in enumerate(seqs) if s.need_logits]
-        rows = need + [i for i, s in enumerate(seqs) if not s.need_logits]
-        # The decodes are rows 0..d-1 and logits rows 0..d-1 when they are the batch's first d seqs and
-        # all sample (the scheduler's order: decodes first): then PersistentRows can keep them.
-        d = num_decodes
-        self._decode_prefix = d if d and order[d - 1] == d - 1 and len(need) >= d and need[d - 1] == d - 1 else 0
-        self.logits_indices.np[:pad_reqs] = [last_token[i] for i in rows] + [0] * (pad_reqs - len(rows))
-        num_reqs = len(seqs)
-        self.seq_lens.np[:num_reqs] = seq_lens
-        uploads = [(self.input_ids, pad_tokens), (self.positions, pad_tokens), (self.slot_mapping, pad_tokens),
-                   (self.logits_indices, pad_reqs), (self.seq_lens, num_reqs), (self.block_tables, num_reqs)]
-        if self.attention_kernel != "sdpa":   # the flash kernels take cumulative lengths
-            cu = self.cu_seqlens.np
-            cu[:num_reqs + 1] = query_start
-            cu[num_reqs + 1] = 0
-            np.cumsum(seq_lens, out=cu[num_reqs + 2:2 * num_reqs + 2])
-            uploads.append((self.cu_seqlens, 2 * num_reqs + 2))
-        for buf, n in uploads:
-            buf.upload(n)
-        self._fill_placeholders(fills, prev_tokens)
-        if self._uploaded is not None:
-            self._uploaded.record()
-        md = self._planner.plan(num_real_tokens=num_tokens, num_decodes=num_decodes, query_start_loc=query_start,
-                                seq_lens=seq_lens, seq_lens_dev=self.seq_lens.dev[:num_reqs],
-                                block_tables=self.block_tables.dev[:num_reqs], cu_seqlens=self.cu_seqlens.dev)
-        return md, len(need)
-
-    def _prepare_decode(self, seqs: list[StepSeq], pad_reqs: int, prev_tokens=None) -> tuple[DecodeMetadata, int]:
-        """Uniform decode: one token per sequence, row i = sequence i = logits row i. Host work is a
-        few list comprehensions and numpy ops; a block-table row is rewritten only when its table
-        changed since the last decode step (a new sequence in the row, or a new block)."""
-        self._wait_uploads()
-        if self._table_rows_stale:
-            self._table_rows[:] = [None] * len(self._table_rows)
-            self._table_rows_stale = False
-        n, bs = len(seqs), self.block_size
-        bt, rows, lens = self.block_tables.np, self._table_rows, self._table_lens
-        for row, s in enumerate(seqs):
-            table = s.block_table
-            if rows[row] is not table or lens[row] != len(table):
-                bt[row, :len(table)] = table
-                rows[row], lens[row] = table, len(table)
-        pos = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=n)            # [n]
-        short = np.flatnonzero((pos >= np.asarray(lens[:n]) * bs) | (pos >= self.max_model_len))
-        if short.size:
-            i = int(short[0])
-            raise ValueError(f"sequence {i} reaches position {pos[i] + 1} with {lens[i]} blocks of {bs}; it needs "
-                             f"ceil({pos[i] + 1}/{bs}) blocks and at most max_model_len {self.max_model_len}")
-        self.input_ids.np[:n] = [s.token_ids[0] for s in seqs]
-        self.positions.np[:n] = pos
-        self.slot_mapping.np[:n] = bt[np.arange(n), pos // bs] * bs + pos % bs
-        self.seq_lens.np[:n] = pos + 1
-        self.logits_indices.np[:pad_reqs] = np.arange(pad_reqs)
-        # Pads: token 0 at position 0 writing the scratch slot, length 0 (attention writes zeros).
-        self.input_ids.np[n:pad_reqs] = 0
-        self.positions.np[n:pad_reqs] = 0
-        self.slot_mapping.np[n:pad_reqs] = self.scratch_slot
-        self.seq_lens.np[n:pad_reqs] = 0
-        for buf in (self.input_ids, self.positions, self.slot_mapping, self.logits_indices, self.seq_lens,
-                    self.block_tables):
-            buf.upload(pad_reqs)
-        self._fill_placeholders([(i, s.prev_row) for i, s in enumerate(seqs) if s.prev_row is not None], prev_tokens)
-        if self._uploaded is not None:
-            self._uploaded.record()
-        return self.decode_metadata(pad_reqs), n
-
-    def _fill_placeholders(self, fills: list[tuple[int, int]], prev_tokens) -> None:
-        """Async scheduling: a decode fed the token the previous step is still sampling gets it on the
-        device, input_ids[row] = prev_tokens[prev_row], after the upload (stream order), no sync."""
-        if not fills:
-            return
-        if prev_tokens is None:
-            raise ValueError("placeholder inputs need StepBatch.prev_tokens (the previous step's sampled ids)")
-        k = len(fills)
-        self.fill_rows.np[:k] = [row for row, _ in fills]
-        self.fill_src.np[:k] = [src for _, src in fills]
-        self.fill_rows.upload(k)
-        self.fill_src.upload(k)
-        self.input_ids.dev.index_copy_(0, self.fill_rows.dev[:k], prev_tokens.index_select(0, self.fill_src.dev[:k]))
+        i, num_reqs, num_tokens = self.inputs, layout.num_reqs, layout.num_tokens
+        extra = torch.tensor(layout.prompt_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        indices = torch.cat([i.logits_indices.dev[:num_reqs], extra])                  # [R + E]
+        out = torch.empty(num_reqs + len(layout.prompt_rows), self.model_config.vocab_size, dtype=self.dtype,
+                          device=self.device)
+        self.model(i.input_ids.dev[:num_tokens], i.positions.dev[:num_tokens], i.slot_mapping.dev[:num_tokens],
+                   indices, out)
+        return StepResult(out[:layout.num_logits], "eager", prompt_logits=out[num_reqs:])
 
     # --- captures outside a step (warmup, admin) --------------------------------------------
     def capture(self, descriptors: list[BatchDescriptor], *, pin: bool = True,
@@ -519,10 +350,7 @@ class ModelRunner:
         if too_big:
             raise ValueError(f"descriptors {too_big} exceed the static buffers ({self.max_tokens} tokens, "
                              f"{self.max_reqs} requests); raise max_num_batched_tokens / max_num_seqs")
-        self.persistent_rows.invalidate()
-        self.slot_mapping.dev.fill_(self.scratch_slot)
-        self.logits_indices.dev.zero_()
-        self.seq_lens.dev.zero_()   # decode kernels in the graph attend to nothing
+        self.inputs.point_at_scratch()
         with forward_context(AttentionMetadata.empty()):
             return self.cache.warmup(descriptors, pin=pin, progress=progress)
 
