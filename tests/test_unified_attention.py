@@ -265,3 +265,82 @@ def test_cuda_graph_replay_with_new_metadata():
                                           scale, 9)
         assert not out_s.isnan().any()
         assert _rel_err(out_s, ref) < 1e-2
+
+
+# ---------------------------------------------------------------------------------- runner / engine
+
+def _mixed_steps(runner):
+    """Three steps through a runner: two fresh chunks; a decode + a chunk over a cached prefix + a
+    fresh chunk (one mixed launch); two decodes. Returns the logits of every step ([rows, V] each)."""
+    from graphcache.engine.batch import StepBatch, StepSeq
+    from helpers_model import Blocks, prompt_ids
+
+    a, b, c = prompt_ids(12, seed=1), prompt_ids(14, seed=2), prompt_ids(6, seed=3)
+    blocks = Blocks(runner.block_size)
+    ta, tb, tc = blocks.table(12), blocks.table(14), blocks.table(6)
+    steps = [[StepSeq(a[:7], 0, ta, True), StepSeq(b[:5], 0, tb, False)],
+             [StepSeq([a[7]], 7, ta, True), StepSeq(b[5:12], 5, tb, True), StepSeq(c[:5], 0, tc, True)],
+             [StepSeq([a[8]], 8, ta, True), StepSeq([b[12]], 12, tb, True), StepSeq([c[5]], 5, tc, True)]]
+    return [runner.execute(StepBatch(s)).logits[:len(s)].clone() for s in steps]
+
+
+def test_runner_mixed_steps_match_sdpa(monkeypatch):
+    """The runner with attention kernel "triton" (interpreted on the CPU) gives the SDPA path's logits
+    on mixed steps, GQA 4 (Qwen flavour); decode steps also go through it (decode backend varlen)."""
+    import graphcache.engine.runner as runner_mod
+    from graphcache.engine.runner import ModelRunner
+    from helpers_model import cpu_settings, tiny_checkpoint
+
+    path = tiny_checkpoint("qwen2", hidden=64, layers=2, heads=8, kv_heads=2)
+    settings = cpu_settings(path, decode_attention_backend="varlen", enforce_eager=True)
+    sdpa = ModelRunner(settings)
+    assert sdpa.attention_kernel == "sdpa"
+    expected = _mixed_steps(sdpa)
+    with monkeypatch.context() as m:
+        m.setattr(runner_mod, "select_attention_kernel", lambda *args: "triton")
+        unified = ModelRunner(settings)
+    assert unified.attention_kernel == "triton"
+    for got, ref in zip(_mixed_steps(unified), expected, strict=True):
+        assert torch.isfinite(got).all()
+        assert (got - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_engine_greedy_matches_flash(tmp_path):
+    """Engine level, bf16, graphs on: greedy tokens with attention_backend=triton equal those of the
+    gather + FlashAttention path ("flash") on requests whose prefills chunk alongside decodes."""
+    import asyncio
+
+    from graphcache.config import Settings
+    from graphcache.engine.engine import Engine, SamplingParams
+    from graphcache.metrics import Metrics
+    from helpers_model import prompt_ids, tiny_checkpoint
+
+    path = tiny_checkpoint("qwen2", hidden=256, layers=4, heads=8, kv_heads=2, intermediate=512,
+                           tie_word_embeddings=False)
+    prompts = [prompt_ids(20 + 37 * i % 150, seed=i) for i in range(12)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    async def generate(backend):
+        settings = Settings(model=path, cache_dir=tmp_path / backend, device="cuda", dtype="bfloat16",
+                            attention_backend=backend, max_num_seqs=16, max_num_batched_tokens=64,
+                            max_model_len=512, admission="always", capture_time_share=1.0)
+        engine = Engine(settings, Metrics())
+        engine.start()
+        assert engine.wait_ready(600), engine.error
+        try:
+            assert engine.runner.attention_kernel == backend
+
+            async def one(i):
+                ids = []
+                async for out in engine.generate(f"{backend}-{i}", prompts[i], params):
+                    ids += out.token_ids
+                return ids
+            return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+        finally:
+            engine.shutdown()
+
+    flash = asyncio.run(generate("flash"))
+    unified = asyncio.run(generate("triton"))
+    assert unified == flash
