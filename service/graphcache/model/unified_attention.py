@@ -22,7 +22,8 @@ Design (the layout of vLLM's Triton unified attention, written anew here):
 - Tiles are numbered request by request: request r's tiles start at query_start_loc[r] // BLOCK_Q + r
   (room for ceil(n_r / BLOCK_Q) tiles, sometimes one to spare), so num_q_tiles = T // BLOCK_Q + R
   is an upper bound from host ints alone; a program finds its request by binary search over
-  query_start_loc and exits when its tile index lies past that request's rows.
+  query_start_loc and exits when its tile index lies past that request's rows. Programs take the
+  tiles in reverse order, so the long chunk tiles (last in the step) start first.
 - It loops over BLOCK_N-token K/V tiles from position 0 up to the last causal position of its
   tile's rows (the block id looked up per token, so any power-of-two block size works, smaller or
   larger than BLOCK_N), with an online softmax in fp32 (exp2, scale * log2(e) folded in). Position 0
@@ -87,7 +88,9 @@ def _unified_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    # Tiles run last request first: the runner puts decode rows first and chunks last, and a chunk's
+    # tiles loop over the longest contexts, so starting them first shortens the launch's tail.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
 
     # The request of this tile: the last r with query_start_loc[r] // BLOCK_Q + r <= tile.
