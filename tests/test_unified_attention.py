@@ -307,6 +307,28 @@ def test_runner_mixed_steps_match_sdpa(monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_runner_mixed_steps_match_flash():
+    """bf16 runners with graphs on: logits of the triton kernel within 3% of max |logit| of the gather +
+    FlashAttention path's on the same mixed steps (bf16 rounding differs between the kernels)."""
+    from graphcache.engine.runner import ModelRunner
+    from helpers_model import cpu_settings, tiny_checkpoint
+
+    path = tiny_checkpoint("qwen2", hidden=256, layers=4, heads=8, kv_heads=2, intermediate=512,
+                           tie_word_embeddings=False)
+    got = {}
+    for backend in ("flash", "triton"):
+        runner = ModelRunner(cpu_settings(path, device="cuda", dtype="bfloat16", block_size=16,
+                                          attention_backend=backend, decode_attention_backend="varlen"))
+        assert runner.attention_kernel == backend
+        got[backend] = _mixed_steps(runner)
+    for unified, flash in zip(got["triton"], got["flash"], strict=True):
+        unified, flash = unified.float(), flash.float()
+        assert torch.isfinite(unified).all()
+        assert (unified - flash).abs().max().item() <= 0.03 * flash.abs().max().item()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_engine_greedy_matches_flash(tmp_path):
     """Engine level, bf16, graphs on: greedy tokens with attention_backend=triton equal those of the
     gather + FlashAttention path ("flash") on requests whose prefills chunk alongside decodes."""

@@ -169,7 +169,9 @@ def _kernel():
         if not HAVE_TRITON:
             raise RuntimeError("unified_attention needs triton (pip install triton); "
                                "or set GRAPHCACHE_ATTENTION_BACKEND=flash / sdpa")
-        _KERNEL = triton.jit(_unified_kernel)
+        # num_reqs changes every step: one compiled variant for all values, not extra ones for
+        # num_reqs == 1 or a multiple of 16 (Triton's default integer specialisation).
+        _KERNEL = triton.jit(_unified_kernel, do_not_specialize=["num_reqs"])
     return _KERNEL
 
 
