@@ -15,13 +15,16 @@ at Qwen2.5-0.5B (H 14, K 2, D 64) and Llama-3-8B (H 32, K 8, D 128). Times: trit
 (CUDA events, median, L2 flushed before every call), in ms per layer call. "bound" is the larger of
 bytes / 4.8 TB/s (K/V of every context once, q read and out written once) and FLOPs / 790 TFLOP/s
 (4 * H * D per visible (query, key) pair, causal); "x bound" = triton time over it. "err" is the
-relative Frobenius error of the triton output against an fp32 torch reference.
+relative Frobenius error of the triton output against an fp32 torch reference. "launch us" is the
+wall time per unified_attention call over 200 back-to-back calls (one sync at the end): the larger of
+its host cost (Python + Triton launcher, paid per layer in the eager break) and its GPU time.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -113,6 +116,19 @@ def time_triton(st: Step, config, rep):
     return bench(run, rep)
 
 
+def launch_us(st: Step, config, calls=200):
+    def run():
+        unified_attention(st.q, st.k_blocks, st.v_blocks, st.out, st.cu_q, st.seq_lens, st.tables, st.scale,
+                          st.num_reqs, config)
+    run()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        run()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rep", type=int, default=50, help="target ms of timed calls per measurement (do_bench)")
@@ -132,8 +148,8 @@ def main() -> None:
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}, "
           f"{DTYPE}, block {args.block_size}, flash varlen: {_FLASH is not None}, flash paged: {_FLASH_PAGES}")
     head = ("shape", "case", "tokens", "bound ms", "triton ms", "x bound", "tile", "gather ms", "g+flash ms",
-            "f_paged ms", "decode ms", "vs g+f", "err")
-    fmt = "{:>13} {:>11} {:>6} {:>9} {:>9} {:>7} {:>12} {:>9} {:>10} {:>10} {:>9} {:>7} {:>8}"
+            "f_paged ms", "decode ms", "vs g+f", "err", "launch us")
+    fmt = "{:>13} {:>11} {:>6} {:>9} {:>9} {:>7} {:>12} {:>9} {:>10} {:>10} {:>9} {:>7} {:>8} {:>9}"
     print(fmt.format(*head))
     sweeps = []
     for shape in args.shapes.split(","):
@@ -184,7 +200,7 @@ def main() -> None:
             tile = f"{config.block_m}/{config.block_n}/w{config.num_warps}s{config.num_stages}"
             print(fmt.format(shape, case, st.num_tokens, f"{bound:.4f}", f"{t_triton:.4f}", f"{t_triton / bound:.2f}",
                              tile, f"{t_gather:.4f}", f"{t_gf:.4f}", f"{t_paged:.4f}", f"{t_decode:.4f}",
-                             f"{t_gf / t_triton:.2f}x", f"{err:.1e}"))
+                             f"{t_gf / t_triton:.2f}x", f"{err:.1e}", f"{launch_us(st, config):.1f}"))
             if args.sweep:
                 best = min(((time_triton(st, c, args.rep), c) for c in sweep_configs(group)),
                            key=lambda tc: tc[0])
