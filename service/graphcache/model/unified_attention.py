@@ -123,6 +123,7 @@ def _unified_kernel(
     last_tok = tl.minimum(local * BLOCK_Q + BLOCK_Q, q_len) - 1
     q_pos = context + tl.where(row_ok, tok, last_tok)  # [BM] absolute position of each row
     kv_end = context + last_tok + 1                    # keys [0, kv_end) cover every row of the tile
+    diag = context + local * BLOCK_Q + 1               # keys [0, diag) are seen by every row of the tile
 
     row_off = (q_start + tok).to(tl.int64)             # [BM] token row in q / out
     q = tl.load(q_ptr + row_off[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
@@ -144,8 +145,9 @@ def _unified_kernel(
         k = tl.load(k_head + blk[:, None] * stride_kb + off[:, None] * stride_ks + d[None, :],
                     mask=kv_mask, other=0.0)                                       # [BN, DP]
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale      # [BM, BN] fp32, log2
-        seen = valid[None, :] & (pos[None, :] <= q_pos[:, None])                   # causal, bottom-right
-        qk = tl.where(seen, qk, float("-inf"))
+        if start + BLOCK_N > diag:   # only tiles that reach the tile's first row's position need masks
+            seen = valid[None, :] & (pos[None, :] <= q_pos[:, None])               # causal, bottom-right
+            qk = tl.where(seen, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))      # finite: position 0 is in the first tile of every row
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])            # [BM, BN], 0 where not seen
