@@ -31,7 +31,9 @@ for p in ${PHASES:-tests pool capture}; do
                --model /tmp/qwen05b --modes "${OFFLINE_MODES:-graph}" --out "$OUT/offline_old.json") ;;
     tests_sdpa)  GRAPHCACHE_ATTENTION_BACKEND=sdpa phase tests_sdpa 240 python3 -m pytest -q -m cuda -p no:cacheprovider \
                    tests/gpu/test_runner_cuda.py tests/gpu/test_engine_cuda.py -rs ;;
-    tests_paged) GRAPHCACHE_BLOCK_SIZE=256 phase tests_paged 240 python3 -m pytest -q -m cuda -p no:cacheprovider \
+    tests_flash) GRAPHCACHE_ATTENTION_BACKEND=flash phase tests_flash 240 python3 -m pytest -q -m cuda -p no:cacheprovider \
+                   tests/gpu/test_runner_cuda.py tests/gpu/test_engine_cuda.py -rs ;;
+    tests_paged) GRAPHCACHE_BLOCK_SIZE=256 GRAPHCACHE_ATTENTION_BACKEND=flash_paged phase tests_paged 240 python3 -m pytest -q -m cuda -p no:cacheprovider \
                    tests/gpu/test_runner_cuda.py tests/gpu/test_engine_cuda.py -rs ;;
     host_step) phase host_step 200 python3 benchmarks/host_step.py --batch 256 --steps 300 ;;
     host_step_old) (cd .old && phase host_step_old 200 python3 benchmarks/host_step.py --batch 256 --steps 300) ;;
