@@ -70,7 +70,10 @@ def choose_config(group: int, head_dim: int, max_query_len: int) -> UnifiedConfi
     """The tile shape for a step whose longest request feeds max_query_len tokens (a host int).
     Decode-only steps want the smallest M that holds the G packed heads (16: tl.dot's minimum);
     steps with chunks want a taller M so each K/V tile is reused by more query rows. Not yet tuned
-    on the H200: benchmarks/mixed_attention_bench.py overrides every field from its command line."""
+    on the H200: benchmarks/mixed_attention_bench.py overrides every field from its command line.
+    What ptxas reports for sm_90a (bf16, compiled offline): these defaults spill nothing (D 64, M 64:
+    ~135 registers; D 128, M 64: ~180 with wgmma; D 256, M 32: ~190); D 128 at M 128 needs 8 warps,
+    and fp32 (ieee dots, a correctness path) spills at M 64, D 128."""
     group_rows = max(16, _next_pow2(group))
     if max_query_len <= 1:
         return UnifiedConfig(block_m=group_rows, block_n=64 if head_dim <= 128 else 32)
