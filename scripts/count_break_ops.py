@@ -8,11 +8,11 @@ backend, tiny model) and counts, per paged_attention call,
     property reads like .shape count too: each is a trip through the torch Python layer);
   - aten ops: what reaches the C++ dispatcher (views included; on CUDA the non-view ones launch).
 
---kernel flash / flash_paged plan the step for the CUDA FlashAttention varlen paths and stands in a no-op for
-the kernel (one aten call here; on the GPU it is one launch), so its host cost can be counted too.
+--kernel flash / flash_paged / triton plan the step for the CUDA FlashAttention varlen paths or the unified
+Triton kernel and stand in a no-op for the kernel (one aten call here; on the GPU it is one launch), so its host cost can be counted too.
 
 Usage: .venv/bin/python scripts/count_break_ops.py [--decodes 8] [--ctx 40] [--prefills 0]
-       [--kernel sdpa|flash|flash_paged]
+       [--kernel sdpa|flash|flash_paged|triton]
 """
 
 from __future__ import annotations
@@ -60,12 +60,17 @@ def _flash_stand_in(out, *args, **kwargs):
     return torch.ops.aten.alias(out)  # one aten op in place of the kernel; computes nothing
 
 
+def _unified_stand_in(q, k_cache, v_cache, out, *args, **kwargs):
+    return torch.ops.aten.alias(out)  # one aten op in place of the unified kernel; computes nothing
+
+
 def count(decodes: int, ctx: int, prefills: int, verbose: bool, kernel: str = "sdpa") -> dict[str, float]:
     if kernel != "sdpa":
         import graphcache.engine.worker.runner as runner_mod
         import graphcache.model.attention as attention
         runner_mod.select_attention_kernel = lambda *a: kernel
         attention._FLASH_INPLACE = _flash_stand_in
+        attention.unified_attention = _unified_stand_in
     runner = ModelRunner(cpu_settings(tiny_checkpoint("qwen2"), max_num_seqs=64, max_num_batched_tokens=2048,
                                       num_kv_blocks=2048, max_model_len=512))
     blocks = Blocks(runner.block_size)
@@ -102,7 +107,7 @@ def main() -> None:
     p.add_argument("--decodes", type=int, default=8)
     p.add_argument("--ctx", type=int, default=40)
     p.add_argument("--prefills", type=int, default=0)
-    p.add_argument("--kernel", choices=["sdpa", "flash", "flash_paged"], default="sdpa")
+    p.add_argument("--kernel", choices=["sdpa", "flash", "flash_paged", "triton"], default="sdpa")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args()
     r = count(a.decodes, a.ctx, a.prefills, a.verbose, a.kernel)

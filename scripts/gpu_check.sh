@@ -21,16 +21,19 @@ for p in ${PHASES:-tests pool capture}; do
     # Every file with cuda-marked tests: grep -l "mark.cuda" tests/*.py tests/*/*.py
     tests)   phase tests 420 python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu tests/test_decode_attention.py \
                tests/test_sampling_controls.py tests/test_structured.py tests/test_fused_ops.py \
-               tests/test_sampling_kernels.py tests/test_decode_rows.py -rs --durations=15 ${PYTEST_ARGS:-} ;;
+               tests/test_sampling_kernels.py tests/test_decode_rows.py tests/test_unified_attention.py -rs --durations=15 ${PYTEST_ARGS:-} ;;
     sampler) phase sampler 120 python3 benchmarks/sampler_bench.py --out "$OUT/sampler.json" ;;
     kernels) phase kernels 200 python3 benchmarks/decode_attention_bench.py ;;
+    mixed_attn) phase mixed_attn 300 python3 benchmarks/mixed_attention_bench.py ${MIXED_ATTN_ARGS:-} ;;
     decode_step) phase decode_step 400 python3 benchmarks/decode_step.py --make-qwen05b /tmp/qwen05b \
                --modes "${DECODE_MODES:-full,breakable,varlen,eager}" --out "$OUT/decode_step.json" ;;
     offline_old) (cd .old && phase offline_old 400 python3 benchmarks/offline_throughput.py \
                --model /tmp/qwen05b --modes "${OFFLINE_MODES:-graph}" --out "$OUT/offline_old.json") ;;
     tests_sdpa)  GRAPHCACHE_ATTENTION_BACKEND=sdpa phase tests_sdpa 240 python3 -m pytest -q -m cuda -p no:cacheprovider \
                    tests/gpu/test_runner_cuda.py tests/gpu/test_engine_cuda.py -rs ;;
-    tests_paged) GRAPHCACHE_BLOCK_SIZE=256 phase tests_paged 240 python3 -m pytest -q -m cuda -p no:cacheprovider \
+    tests_flash) GRAPHCACHE_ATTENTION_BACKEND=flash phase tests_flash 240 python3 -m pytest -q -m cuda -p no:cacheprovider \
+                   tests/gpu/test_runner_cuda.py tests/gpu/test_engine_cuda.py -rs ;;
+    tests_paged) GRAPHCACHE_BLOCK_SIZE=256 GRAPHCACHE_ATTENTION_BACKEND=flash_paged phase tests_paged 240 python3 -m pytest -q -m cuda -p no:cacheprovider \
                    tests/gpu/test_runner_cuda.py tests/gpu/test_engine_cuda.py -rs ;;
     host_step) phase host_step 200 python3 benchmarks/host_step.py --batch 256 --steps 300 ;;
     host_step_old) (cd .old && phase host_step_old 200 python3 benchmarks/host_step.py --batch 256 --steps 300) ;;

@@ -339,9 +339,18 @@ def test_flash_plan_decode_steps_match_sdpa(path, flash_runner):
 
 
 def test_attention_kernel_selection(monkeypatch):
+    import graphcache.model.attention as attention
     from graphcache.model.attention import select_attention_kernel
 
     cuda, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
+    monkeypatch.setattr(attention, "HAVE_TRITON", True)
+    assert select_attention_kernel(cuda, bf16, 64, 16) == "triton"                # the unified paged kernel
+    assert select_attention_kernel(cuda, torch.float32, 64, 256) == "triton"
+    assert select_attention_kernel(cuda, bf16, 64, 48) == "flash"                 # not a power of two
+    assert select_attention_kernel(cuda, bf16, 64, 256, "flash_paged") == "flash_paged"
+    with pytest.raises(RuntimeError, match="attention_backend=triton"):
+        select_attention_kernel(cpu, torch.float32, 64, 16, "triton")
+    monkeypatch.setattr(attention, "HAVE_TRITON", False)                         # without triton: flash
     assert select_attention_kernel(cpu, torch.float32, 64, 16) == "sdpa"
     assert select_attention_kernel(cuda, torch.float32, 64, 16) == "sdpa"        # flash is fp16/bf16 only
     assert select_attention_kernel(cuda, bf16, 64, 16) == "flash"                 # pages too small: gather

@@ -68,7 +68,7 @@ class Settings(BaseSettings):
     allow_special_tokens_in_chat: bool = Field(
         False, description="Encode special-token strings inside chat message content as control tokens. Off: "
         "content is always plain text, so a user cannot open a fake system turn (set only for trusted clients).")
-    attention_backend: Literal["auto", "sdpa", "flash", "flash_paged"] = Field(
+    attention_backend: Literal["auto", "sdpa", "flash", "flash_paged", "triton"] = Field(
         "auto", description="Attention kernel: auto picks the fastest that runs here; the others force one "
         "(A/B runs) and fail at start if it cannot run.")
     stream_interval_ms: float = Field(

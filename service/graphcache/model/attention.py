@@ -10,7 +10,12 @@ the step is host-bound, so each torch call made here costs ~10 us x layers x ste
 - the break itself is a handful of torch calls: gather the context slots, one attention kernel,
   (SDPA path) one copy into `out`. No host syncs, no per-layer mask building, no zeroing.
 
-Three kernels, one plan each:
+Four kernels, one plan each:
+- "triton" (CUDA with triton, power-of-two block_size; model/unified_attention.py): ONE Triton
+  launch per layer over ALL requests of the step, decode rows and chunks alike (causal, bottom-right
+  aligned), reading K/V in place through the block tables (no gather) with the query heads of each
+  KV head packed into one tile, writing straight into `out`. Its plan is a few views of buffers the
+  runner already uploaded.
 - "flash_paged" (CUDA, fp16/bf16, block_size a multiple of 256, FlashAttention's paged-KV page
   size): FlashAttention varlen over ALL requests of the step at once, decode and prefill alike
   (causal, bottom-right aligned), reading the paged cache through the block tables and writing
@@ -42,6 +47,7 @@ import torch.nn.functional as F
 from graphcache.graphs.capture import eager_break, is_capturing
 from graphcache.model.decode_attention import HAVE_TRITON, paged_decode_attention
 from graphcache.model.forward_context import current_attention_metadata
+from graphcache.model.unified_attention import UnifiedConfig, choose_config, unified_attention
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionMetadata", "AttentionPlanner", "DecodeMetadata", "decode_attention",
            "paged_attention", "select_attention_kernel", "select_decode_kernel"]
@@ -74,21 +80,26 @@ def _flash_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 FLASH_PAGE_MULTIPLE = 256   # FlashAttention 2 takes a paged KV cache only in pages of a multiple of 256
 
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "flash_paged")
+ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "flash_paged", "triton")
 
 
 def select_attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int,
                             backend: str = "auto") -> str:
-    """"flash_paged" / "flash" where the FlashAttention varlen kernel applies, else "sdpa".
-    `backend` (Settings.attention_backend) other than "auto" forces a kernel (A/B runs); a forced
-    kernel that cannot run here raises."""
+    """"triton" (the unified paged kernel) where it runs, else "flash_paged" / "flash" where the
+    FlashAttention varlen kernel applies, else "sdpa". `backend` (Settings.attention_backend) other
+    than "auto" forces a kernel (A/B runs); a forced kernel that cannot run here raises."""
+    triton_ok = (device.type == "cuda" and HAVE_TRITON and dtype in (torch.float16, torch.bfloat16, torch.float32)
+                 and block_size & (block_size - 1) == 0 and head_dim % 8 == 0 and head_dim <= 256)
     flash_ok = (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
                 and head_dim <= 256 and (_FLASH_INPLACE is not None or _FLASH is not None))
     paged_ok = flash_ok and _FLASH_PAGES and block_size % FLASH_PAGE_MULTIPLE == 0
     if backend == "auto":
-        return "flash_paged" if paged_ok else "flash" if flash_ok else "sdpa"
+        return "triton" if triton_ok else "flash_paged" if paged_ok else "flash" if flash_ok else "sdpa"
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={backend!r}: use one of {', '.join(ATTENTION_BACKENDS)}")
+    if backend == "triton" and not triton_ok:
+        raise RuntimeError("attention_backend=triton needs CUDA, triton, a power-of-two block_size and "
+                           "head_dim % 8 == 0 (<= 256); use auto, flash or sdpa")
     if (backend == "flash" and not flash_ok) or (backend == "flash_paged" and not paged_ok):
         pages = f", and block_size a multiple of {FLASH_PAGE_MULTIPLE}" if backend == "flash_paged" else ""
         raise RuntimeError(f"attention_backend={backend} needs CUDA, fp16/bf16, head_dim % 8 == 0 and <= 256, "
@@ -178,12 +189,14 @@ class AttentionMetadata:
     decode_kv_shape: tuple[int, ...] = ()        # (2, nd, L, K, D): the gathered slots, split per request
     decode_q_shape: tuple[int, ...] = ()         # (nd, K, G, D): query heads grouped by their KV head
     prefills: list[PrefillPlan] = field(default_factory=list)
-    # flash paths: every request in one varlen call
+    # flash and triton paths: every request in one call
     cu_seqlens_q: torch.Tensor | None = None     # [R + 1] int32 token offsets (= query_start_loc)
-    cu_seqlens_k: torch.Tensor | None = None     # [R + 1] int32 offsets into the gathered context
+    cu_seqlens_k: torch.Tensor | None = None     # flash: [R + 1] int32 offsets into the gathered context
     context_slots: torch.Tensor | None = None    # "flash": [sum(seq_lens)] int64 slots of every request's context
-    block_table: torch.Tensor | None = None      # "flash_paged": [R, B] int32 block ids
-    seqused_k: torch.Tensor | None = None        # "flash_paged": [R] int32 context lengths
+    block_table: torch.Tensor | None = None      # "flash_paged": [R, B] int32 block ids; "triton": int64
+    seqused_k: torch.Tensor | None = None        # "flash_paged": [R] int32 context lengths; "triton": int64
+    num_reqs: int = 0                            # "triton": R
+    unified_config: UnifiedConfig | None = None  # "triton": the tile shape of this step's launch
     max_q: int = 0
     max_k: int = 0
 
@@ -214,6 +227,8 @@ class AttentionPlanner:
              ) -> AttentionMetadata:
         """seq_lens_dev [R] int64, block_tables [R, B] int64 (uploaded); cu_seqlens [2 * (R + 1)] int32
         = (query_start_loc, cumsum of seq_lens with a leading 0), uploaded, needed by the flash kernels."""
+        if self.kernel == "triton":
+            return self._plan_triton(num_real_tokens, query_start_loc, seq_lens_dev, block_tables, cu_seqlens)
         if self.kernel == "flash_paged":
             return self._plan_flash_paged(num_real_tokens, query_start_loc, seq_lens, seq_lens_dev, block_tables,
                                           cu_seqlens)
@@ -268,6 +283,15 @@ class AttentionPlanner:
         return AttentionMetadata(num_real_tokens=num_real_tokens, kernel="flash", cu_seqlens_q=cu_q,
                                  cu_seqlens_k=cu_k, context_slots=slots, max_q=max_q, max_k=max(seq_lens))
 
+    def _plan_triton(self, num_real_tokens, query_start_loc, seq_lens_dev, block_tables, cu_seqlens):
+        # Views of what the runner uploaded: no device work at all (no gather metadata).
+        num_reqs = len(query_start_loc) - 1
+        max_q = max(end - start for start, end in zip(query_start_loc, query_start_loc[1:], strict=False))
+        config = choose_config(self.num_heads // self.num_kv_heads, self.head_dim, max_q)
+        return AttentionMetadata(num_real_tokens=num_real_tokens, kernel="triton", cu_seqlens_q=cu_seqlens[:num_reqs + 1],
+                                 block_table=block_tables, seqused_k=seq_lens_dev, num_reqs=num_reqs,
+                                 unified_config=config, max_q=max_q)
+
     def _plan_flash_paged(self, num_real_tokens, query_start_loc, seq_lens, seq_lens_dev, block_tables, cu_seqlens):
         num_reqs = len(seq_lens)
         max_q = max(end - start for start, end in zip(query_start_loc, query_start_loc[1:], strict=False))
@@ -294,6 +318,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         decode_attention(q, out, k_blocks, v_blocks, md, scale)
         return
     if not md.num_real_tokens:
+        return
+    if md.kernel == "triton":
+        # All requests in one launch, straight from the pages; rows past cu_seqlens_q[R] (padding)
+        # are neither read nor written.
+        unified_attention(q, k_blocks, v_blocks, out, md.cu_seqlens_q, md.seqused_k, md.block_table, scale,
+                          md.num_reqs, md.unified_config)
         return
     if md.kernel == "flash_paged":
         # All requests at once, straight from the pages. Rows past cu_seqlens_q[-1] (padding) are
