@@ -5,9 +5,9 @@ without end (64 MB were accepted, all kept in memory), or open connections and n
 request head, each holding a file descriptor until the process runs out and /health fails with it.
 This subclass adds, per connection:
 
-  * head size: bytes of the current request head (request line + headers) past `max_header_bytes`
-    are answered 431 and the connection closed (the head is counted as it arrives, so memory stays
-    bounded by the limit plus one read);
+  * head size: a request head (request line + headers) past `max_header_bytes` is answered 431 and
+    the connection closed, checked on each read before the parser sees it, so memory stays bounded
+    by the limit plus one read;
   * head timeout: a head not complete `header_timeout_s` after its connection opened, or after its
     first byte on a kept-alive connection, closes the connection (an idle kept-alive connection is
     closed by uvicorn's timeout_keep_alive, which cli.py sets to the same value);
@@ -37,6 +37,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._head_bytes = 0
+        self._tail = b""
         self._in_head = True
         self._head_timer: asyncio.TimerHandle | None = None
         if len(self.server_state.connections) >= self.max_connections:
@@ -52,25 +53,39 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self._in_head:
+            if self._head_too_big(data):
+                message = (f"The request head is larger than {self.max_header_bytes} bytes "
+                           "(GRAPHCACHE_HTTP_MAX_HEADER_BYTES).").encode()
+                self.transport.write(_431 % (len(message), message))
+                self.transport.close()
+                return
             self._head_bytes += len(data)
+            self._tail = data[-3:]
         super().data_received(data)
-        # Still inside a head after this read (a completed one resets the count): too big is refused.
-        if self._in_head and self._head_bytes > self.max_header_bytes and not self.transport.is_closing():
-            message = (f"The request head is larger than {self.max_header_bytes} bytes "
-                       "(GRAPHCACHE_HTTP_MAX_HEADER_BYTES).").encode()
-            self.transport.write(_431 % (len(message), message))
-            self.transport.close()
+
+    def _head_too_big(self, data: bytes) -> bool:
+        """Would the head in progress pass the limit with `data`? One read may also hold the end of
+        the head and a body: then only the bytes up to the blank line count."""
+        if self._head_bytes + len(data) <= self.max_header_bytes:
+            return False
+        seen = self._tail + data   # the blank line may straddle two reads
+        ends = [i + len(mark) for mark in (b"\r\n\r\n", b"\n\n") if (i := seen.find(mark)) >= 0]
+        if not ends:
+            return True
+        return self._head_bytes - len(self._tail) + min(ends) > self.max_header_bytes
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         if not self._in_head:   # the next request on a kept-alive connection: its head starts now
             self._in_head = True
             self._head_bytes = 0
+            self._tail = b""
             self._start_head_timer()
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._head_bytes = 0
+        self._tail = b""
         self._cancel_head_timer()
         super().on_headers_complete()
 
