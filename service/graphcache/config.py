@@ -152,6 +152,12 @@ class Settings(BaseSettings):
         if not isinstance(v, list | tuple) or not all(isinstance(k, str) for k in v):
             raise ValueError("api_key must be one key or several comma-separated keys of printable ASCII text")
         keys = [k.strip() for k in v if k.strip()]
+        if not keys:
+            # Set, but blank (GRAPHCACHE_API_KEY="", " " or ","): an open API nobody asked for. Refused at
+            # start rather than served open without a word.
+            raise ValueError("api_key is set but holds no key (blank, or only commas and spaces): set a key, "
+                             "e.g. from `openssl rand -hex 32`, or unset GRAPHCACHE_API_KEY (--api-key) to leave "
+                             "the API open")
         for key in keys:
             try:
                 cls._ascii_token(key)   # the admin token's rule: printable ASCII, no surrounding spaces
@@ -159,12 +165,21 @@ class Settings(BaseSettings):
                 raise ValueError("api_key must be printable ASCII (HTTP header values are Latin-1 on the wire, "
                                  "and clients send other characters differently): use ASCII characters, e.g. "
                                  "a hex key from `openssl rand -hex 32`") from None
-        return keys or None
+        return keys
     admin_allow_loopback: bool = Field(False, description="Without a token, allow /admin/* from 127.0.0.1/::1.")
     log_format: Literal["text", "json"] = Field("text", description="text for people, json for log pipelines.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Root log level.")
     drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM, how long in-flight requests may finish.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body; bigger gets 413.")
+    http_max_header_bytes: int = Field(
+        64 << 10, ge=1024, description="Largest request head (request line + headers); a bigger one is "
+        "answered 431 (httptools) or 400 (h11) and the connection closed.")
+    http_header_timeout_s: float = Field(
+        10.0, gt=0, description="Seconds a connection may take to send a complete request head (and an idle "
+        "keep-alive connection stays open); slower ones are closed, so half-open connections cannot pile up.")
+    http_max_connections: int = Field(
+        1000, ge=1, description="Open connections at most; past it new requests get 503 at once. Keep it "
+        "below the process's file-descriptor limit (`ulimit -n`).")
     cors_origins: list[str] = Field(default_factory=list, description="CORS allowed origins; empty = CORS off.")
 
     @field_validator("model", "admin_token", "served_model_name", mode="before")
