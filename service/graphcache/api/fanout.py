@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from graphcache.api.errors import APIError, api_error_for
-from graphcache.engine.loop.engine import EngineDead, EngineNotReady, InvalidRequest, QueueFull
+from graphcache.engine.errors import EngineDead, EngineNotReady, InvalidRequest, QueueFull
 from graphcache.engine.sequence import RequestOutput, SamplingParams, TokenLogprob
 
 __all__ = ["FanOut", "Run", "Sampled", "Sub", "best_of", "usage"]

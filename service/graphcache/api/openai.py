@@ -46,7 +46,7 @@ from graphcache.api.fanout import FanOut, Sampled, Sub, best_of, usage
 from graphcache.api.logprobs import TokenText
 from graphcache.api.prompt_encoding import encode_chat, encode_prompt
 from graphcache.api.protocol import ChatCompletionRequest, CompletionRequest
-from graphcache.engine.loop.engine import InvalidRequest
+from graphcache.engine.errors import InvalidRequest
 from graphcache.engine.sequence import StructuredSpec
 
 # encode_chat / encode_prompt live in prompt_encoding.py; re-exported for callers that import them from here.

@@ -25,7 +25,7 @@ from graphcache.api.executors import run_input
 from graphcache.api.openai import check_model, model_card, serving_engine, template_tools
 from graphcache.api.prompt_encoding import encode_chat, encode_prompt
 from graphcache.api.utility_requests import DetokenizeRequest, TokenizeRequest
-from graphcache.engine.loop.engine import DEAD_MESSAGE  # liveness bodies: never the exception text
+from graphcache.engine.errors import DEAD_MESSAGE  # liveness bodies: never the exception text
 
 __all__ = ["guarded", "router"]
 
