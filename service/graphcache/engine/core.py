@@ -51,6 +51,7 @@ from graphcache.engine.sampler import Sampler, needs_history
 from graphcache.engine.scheduler import Scheduler, SchedulerOutput
 from graphcache.engine.sequence import RequestOutput, SamplingParams, Sequence
 from graphcache.engine.stopping import sendable_text
+from graphcache.engine.grammar_compiler import GrammarLimits
 from graphcache.engine.structured import StructuredOutput
 from graphcache.metrics import Metrics
 
@@ -138,7 +139,8 @@ class EngineCore:
         self._prefix_counted = (0, 0)   # block-manager lookup counters already added to the metrics
         bm = self.block_manager   # the limits never change after load: one snapshot checks every request
         self.checker = RequestChecker(EngineLimits(getattr(runner, "vocab_size", None), runner.max_model_len,
-                                                   bm.block_size, bm.num_usable), getattr(runner, "tokenizer", None))
+                                                   bm.block_size, bm.num_usable), getattr(runner, "tokenizer", None),
+                                      GrammarLimits.from_settings(settings), metrics)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=settings.max_num_seqs,
                                    max_num_batched_tokens=settings.max_num_batched_tokens,
                                    max_model_len=runner.max_model_len, eos_token_ids=runner.eos_token_ids)
@@ -184,7 +186,8 @@ class EngineCore:
             # Non-streaming and no stop strings: nobody reads text before the end.
             seq.defer_text = not seq.stream and not seq.params.stop
         if seq.params.structured is not None:
-            seq.grammar = self.structured.new_matcher(seq.params.structured)
+            seq.grammar = self.structured.new_matcher(seq.params.structured, seq.compiled_grammar)
+            seq.compiled_grammar = None
         self.requests[seq.request_id] = seq
         if _needs_host_history(seq.params):
             self._history_seqs.add(seq)

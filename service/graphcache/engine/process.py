@@ -32,6 +32,7 @@ from graphcache.config import Settings
 from graphcache.engine import errors, process_main
 from graphcache.engine.errors import DEAD_MESSAGE, EngineDead
 from graphcache.engine.frontend import EngineFrontend, EngineState
+from graphcache.engine.grammar_compiler import GrammarLimits
 from graphcache.engine.messages import Handle, dispatch, settle
 from graphcache.engine.request_check import EngineLimits, RequestChecker
 from graphcache.engine.sequence import RequestOutput
@@ -225,7 +226,7 @@ class EngineClient(EngineFrontend):
 
     def _on_ready(self, limits: EngineLimits, tokenizer_dir: str, max_model_len: int) -> None:
         self._tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
-        self._checker = RequestChecker(limits, self._tokenizer)
+        self._checker = RequestChecker(limits, self._tokenizer, GrammarLimits.from_settings(self.settings))
         self._max_model_len = max_model_len
 
     def _snapshot(self, state: str, error: str | None, progress: dict | None, stats: dict) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphcache.engine.errors import InvalidRequest
+from graphcache.engine.grammar_compiler import GrammarLimits
 from graphcache.engine.sequence import Sequence
 from graphcache.engine.structured import StructuredOutput
 
@@ -40,9 +41,12 @@ class RequestChecker:
     """check(seq): InvalidRequest naming the fix, or the sequence's max_tokens resolved. Grammars
     compile through `structured` (built on first use, ~1 s for a 150k vocabulary; thread-safe)."""
 
-    def __init__(self, limits: EngineLimits, tokenizer: Any) -> None:
+    def __init__(self, limits: EngineLimits, tokenizer: Any, grammar_limits: GrammarLimits | None = None,
+                 metrics: Any = None) -> None:
         self.limits = limits
         self.tokenizer = tokenizer
+        self.grammar_limits = grammar_limits
+        self.metrics = metrics
         self._structured: StructuredOutput | None = None
         self._structured_lock = threading.Lock()
 
@@ -51,7 +55,8 @@ class RequestChecker:
         """The grammar engine over this model's tokenizer (built lazily)."""
         with self._structured_lock:   # the API compiles off the event loop while the engine thread may build it
             if self._structured is None:
-                self._structured = StructuredOutput(self.tokenizer, self.limits.vocab_size)
+                self._structured = StructuredOutput(self.tokenizer, self.limits.vocab_size,
+                                                    limits=self.grammar_limits, metrics=self.metrics)
         return self._structured
 
     @property
@@ -83,7 +88,8 @@ class RequestChecker:
         if limits.vocab_size is not None:
             seq.params.validate_token_ids(limits.vocab_size)
         if seq.params.structured is not None:   # an invalid schema, regex or grammar is the client's 400
-            self.structured.check(seq.params.structured)
+            # Kept on the sequence: the engine thread copies it and never compiles (nor waits for a compile).
+            seq.compiled_grammar = self.structured.check(seq.params.structured)
         seq.params.max_tokens = self.resolve_max_tokens(seq.num_prompt_tokens, seq.params.max_tokens, param)
         vocab = limits.vocab_size
         if vocab is not None and any(not 0 <= t < vocab for t in seq.prompt_token_ids):

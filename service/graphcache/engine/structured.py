@@ -28,27 +28,45 @@ Life of a constrained request (the lead wires these calls; none of them is made 
 Vocabulary: the model's logits may be wider than the tokenizer (embedding padded to a multiple of
 64/128): the matcher is built over max(model, tokenizer) ids, and ids without a token string are
 never allowed, so padding ids are masked too. EOS is allowed exactly when the grammar accepts.
+
+Hardening (docs/RELIABILITY.md, "Structured output limits"): a spec is bounded in depth before it is
+compiled (engine/grammar_bounds.py); it compiles on a big-stack thread of a bounded pool
+(engine/grammar_compiler.py), under llguidance limits (lexer fuel, short error texts), and its first
+mask plus one step past the first allowed token are computed there too, within a time budget. A spec
+that is unsatisfiable (the first mask allows nothing), past the library's limits, or too slow is an
+InvalidRequest naming its field; nothing failed is cached. The cache is bounded by entries and by bytes:
+an entry's bytes are the C heap's growth while it compiled and took its first masks (glibc mallinfo2),
+at least its grammar text's length. While generating, a sequence's mask cost is bounded
+(engine/grammar_matcher.py).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from graphcache.engine.errors import InvalidRequest
+from graphcache.engine.grammar_bounds import grammar_depth, json_nesting_depth, ref_chain_depth
+from graphcache.engine.grammar_compiler import CompileExecutor, GrammarLimits, heap_bytes
+from graphcache.engine.grammar_matcher import SequenceMatcher
 from graphcache.engine.sequence import Sequence, StructuredSpec
 from graphcache.engine.stopping import grammar_accepts, grammar_done
 
 __all__ = ["KINDS", "StructuredOutput", "accept", "is_done"]
 
 KINDS = ("json", "json_schema", "regex", "choice", "grammar")
-# Compiled grammars kept (LRU). A compiled matcher holds its lexer/parser tables: a few hundred KB for
-# a typical schema; clients usually reuse a handful of schemas, so hits dominate.
-DEFAULT_CACHE_SIZE = 128
+# Compiled grammars kept (LRU, also bounded by bytes: GrammarLimits.cache_bytes). A compiled matcher holds
+# its lexer/parser tables: a few hundred KB for a typical schema; clients usually reuse a handful of
+# schemas, so hits dominate.
+DEFAULT_CACHE_SIZE = GrammarLimits.cache_entries
 # The param an invalid spec is blamed on, by kind, when the caller names none.
 DEFAULT_PARAMS = {"json": "response_format", "json_schema": "response_format", "regex": "structured_outputs",
                   "choice": "structured_outputs", "grammar": "structured_outputs"}
@@ -62,49 +80,105 @@ def _llguidance():
     return llguidance
 
 
-def grammar_source(spec: StructuredSpec, param: str) -> str:
-    """The llguidance grammar text of `spec` (not yet checked). Raises InvalidRequest for a spec whose
-    shape is wrong before any compiling (unknown kind, choice not a list of strings, ...)."""
+def grammar_source(spec: StructuredSpec, param: str, max_depth: int = GrammarLimits.max_depth) -> str:
+    """The llguidance grammar text of `spec` (not yet compiled). Raises InvalidRequest for a spec whose
+    shape is wrong or that is deeper than `max_depth` (grammar_bounds.py), before any compiling.
+    Converting a schema recurses in native code: call this on a compile thread."""
     llg = _llguidance()
     kind, value = spec.kind, spec.value
     if kind == "json":
         # Any JSON object; a schema given with kind "json" (vLLM's guided_json) constrains it further.
-        schema = '{"type": "object"}' if value is None else _schema_text(value, param)
+        schema = '{"type": "object"}' if value is None else _schema_text(value, param, max_depth)
         return llg.LLMatcher.grammar_from_json_schema(schema)
     if kind == "json_schema":
-        return llg.LLMatcher.grammar_from_json_schema(_schema_text(value, param))
+        return llg.LLMatcher.grammar_from_json_schema(_schema_text(value, param, max_depth))
     if kind == "regex":
         if not isinstance(value, str) or not value:
             raise InvalidRequest("a regex constraint needs a non-empty pattern string", param=param)
+        _bounded("regex group nesting", _group_depth(value), max_depth, param)
         return llg.LLMatcher.grammar_from_regex(value)
     if kind == "choice":
         if (not isinstance(value, (list, tuple)) or not value
                 or not all(isinstance(c, str) and c for c in value)):
             raise InvalidRequest("choice needs a non-empty list of non-empty strings", param=param)
-        return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
+        # One regex lexeme, not one grammar alternative per choice: the parser allows at most 2,000
+        # items in a row (llguidance's max_items_in_row), the lexer's alternation has no such bound.
+        return llg.LLMatcher.grammar_from_regex("(?:" + "|".join(re.escape(c) for c in value) + ")")
     if kind == "grammar":
         if not isinstance(value, str) or not value.strip():
             raise InvalidRequest("a grammar constraint needs the grammar text (Lark or GBNF/EBNF)", param=param)
+        _bounded("grammar rule chain", grammar_depth(value), max_depth, param)
+        for schema in _embedded_schemas(value):   # `%json {...}` rules (tool calls): bounded as schemas
+            _check_schema_depth(schema, param, max_depth)
         try:
             return llg.grammar_from("grammar", value)   # GBNF is converted to Lark; Lark passes through
         except ValueError as e:
-            raise InvalidRequest(f"invalid grammar: {e}", param=param) from None
+            raise InvalidRequest(f"invalid grammar: {_one_line(str(e))}", param=param) from None
     raise InvalidRequest(f"unknown structured output kind {kind!r}; use one of {', '.join(KINDS)}", param=param)
 
 
-def _schema_text(value: Any, param: str) -> str:
-    """A schema as JSON text: a dict is serialized as given (property order kept: it is the output's)."""
-    if isinstance(value, dict):
-        return json.dumps(value)
-    if not isinstance(value, str):
+def _bounded(what: str, depth: int, max_depth: int, param: str) -> None:
+    if depth > max_depth:
+        raise InvalidRequest(f"the output constraint is too deep: its {what} is {depth} levels, over the server's "
+                             f"limit of {max_depth} (grammar_max_depth); flatten it", param=param)
+
+
+def _check_schema_depth(schema: Any, param: str, max_depth: int) -> None:
+    _bounded("JSON nesting", json_nesting_depth(schema), max_depth, param)
+    _bounded("$ref chain", ref_chain_depth(schema), max_depth, param)
+
+
+def _group_depth(pattern: str) -> int:
+    """The deepest nesting of ( ) groups in a regex (escapes and character classes skipped)."""
+    depth = deepest = 0
+    escaped = in_class = False
+    for ch in pattern:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+        elif ch == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch == ")":
+            depth = max(0, depth - 1)
+    return deepest
+
+
+def _embedded_schemas(grammar: str) -> list[Any]:
+    """The JSON schemas of a Lark grammar's `%json {...}` rules."""
+    found, decoder = [], json.JSONDecoder()
+    for match in re.finditer(r"%json\s*", grammar):
+        try:
+            found.append(decoder.raw_decode(grammar, match.end())[0])
+        except (ValueError, RecursionError):
+            continue   # not JSON: the grammar library reports it
+    return found
+
+
+def _schema_text(value: Any, param: str, max_depth: int) -> str:
+    """A schema as JSON text, checked for depth: a dict is serialized as given (property order kept: it is
+    the output's)."""
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise InvalidRequest(f"the JSON schema is not valid JSON: {e}", param=param) from None
+        except RecursionError:
+            raise InvalidRequest(f"the JSON schema is nested too deeply (the server's limit is {max_depth} "
+                                 "levels, grammar_max_depth)", param=param) from None
+        if not isinstance(parsed, (dict, bool)):
+            raise InvalidRequest("a JSON schema must be a JSON object", param=param)
+        _check_schema_depth(parsed, param, max_depth)
+        return value
+    if not isinstance(value, dict):
         raise InvalidRequest("json_schema needs the schema as a JSON object", param=param)
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise InvalidRequest(f"the JSON schema is not valid JSON: {e}", param=param) from None
-    if not isinstance(parsed, (dict, bool)):
-        raise InvalidRequest("a JSON schema must be a JSON object", param=param)
-    return value
+    _check_schema_depth(value, param, max_depth)
+    return json.dumps(value)
 
 
 def _cache_key(spec: StructuredSpec) -> tuple:
@@ -116,14 +190,27 @@ def _cache_key(spec: StructuredSpec) -> tuple:
     return spec.kind, value
 
 
+@dataclass
+class CompiledGrammar:
+    """A cache entry: the compiled matcher in its start state (never advanced; sequences get deep copies,
+    which share its lexer), what it is estimated to hold, and its key."""
+    matcher: Any
+    nbytes: int
+    key: tuple
+
+
 class StructuredOutput:
     """Compiles specs (cached), makes per-sequence matchers, masks logits. One per engine.
 
     tokenizer: model/tokenizer.py's Tokenizer; vocab_size: the model's logits width (>= or <= the
-    tokenizer's). Thread-safe for check() from API threads while the engine thread masks."""
+    tokenizer's); limits: GrammarLimits (config.py's grammar_* settings); metrics: the Metrics whose
+    grammar_cache_bytes gauge follows the cache. Thread-safe for check() from API threads while the
+    engine thread masks."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int | None = None, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int | None = None, cache_size: int | None = None,
+                 limits: GrammarLimits | None = None, metrics: Any = None) -> None:
         llg = _llguidance()
+        self.limits = limits = limits or GrammarLimits()
         self.vocab_size = vocab_size or tokenizer.vocab_size
         # Ids past the tokenizer have no bytes: llguidance never allows them (the padding ids).
         self._mask_vocab = max(self.vocab_size, tokenizer.vocab_size)
@@ -131,50 +218,135 @@ class StructuredOutput:
         self.eos_token_ids = list(tokenizer.eos_token_ids)
         self.ll_tokenizer = llg.LLTokenizer(tokenizer._tok.to_str(), n_vocab=self._mask_vocab,
                                             eos_token=self.eos_token_ids or None)
+        # Short errors (no parser state or grammar text echoed back to the client), lexer fuel bounded:
+        # a counted-repetition bomb (a{1000}{1000}) fails in milliseconds instead of seconds of lexing.
+        self._ll_limits = llg.LLParserLimits(initial_lexer_fuel=limits.lexer_fuel, verbose_errors=False)
         self._executor = llg.LLExecutor()
-        self._cache: OrderedDict[tuple, Any] = OrderedDict()   # key -> compiled matcher (never advanced)
-        self._cache_size = cache_size
+        self._compiler = CompileExecutor(limits.compile_threads, limits.compile_queue, limits.compile_stack_mib)
+        self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
+        self._cache_size = limits.cache_entries if cache_size is None else cache_size
+        self._cache_bytes = 0
+        self._compiling: dict[tuple, Future] = {}   # one compile per key at a time; the others wait on it
         self._lock = threading.Lock()
         self._shifts: dict[torch.device, torch.Tensor] = {}
+        self._metrics = metrics
 
     # --- compiling -------------------------------------------------------------------------
     def compiled(self, spec: StructuredSpec, param: str | None = None) -> Any:
-        """The compiled matcher of `spec` in its start state (from the LRU cache, compiled on a miss).
-        Raises InvalidRequest(param) when the spec is invalid; invalid specs are not cached."""
+        """The compiled matcher of `spec` in its start state (from the cache, compiled on a miss).
+        Raises InvalidRequest(param) when the spec is invalid, too deep, unsatisfiable, past the grammar
+        library's limits or too slow to compile; QueueFull when too many compiles wait. Failures are not cached."""
+        return self._entry(spec, param).matcher
+
+    def _entry(self, spec: StructuredSpec, param: str | None) -> CompiledGrammar:
         param = param or DEFAULT_PARAMS.get(spec.kind, "structured_outputs")
         key = _cache_key(spec)
         with self._lock:
             hit = self._cache.get(key)
-            if hit is not None:
+            if hit is not None and not hit.matcher.is_error():
                 self._cache.move_to_end(key)
                 return hit
-        source = grammar_source(spec, param)
+            if hit is not None:   # poisoned (a shared lexer went past its limits): compile afresh
+                self._drop_locked(key)
+            waiting = self._compiling.get(key)
+            if waiting is None:
+                mine = self._compiling[key] = Future()
+        if waiting is not None:   # the same spec is compiling now: share its result (or its refusal)
+            try:
+                return waiting.result()
+            except InvalidRequest as e:
+                raise InvalidRequest(e.message, param=param, code=e.code) from None
         try:
-            # Compiling drops the interpreter lock: other threads run meanwhile.
-            matcher = _llguidance().LLMatcher(self.ll_tokenizer, source, log_level=0)
+            entry = self._compiler.run(self._compile, spec, param, key)
+        except BaseException as e:
+            mine.set_exception(e)
+            raise
+        finally:
+            with self._lock:
+                self._compiling.pop(key, None)
+        with self._lock:
+            if entry.nbytes <= self.limits.cache_bytes:   # a larger one serves its own request, uncached
+                self._cache[key] = entry
+                self._cache_bytes += entry.nbytes
+            while self._cache and (len(self._cache) > self._cache_size or self._cache_bytes > self.limits.cache_bytes):
+                self._drop_locked(next(iter(self._cache)))
+            self._publish_locked()
+        mine.set_result(entry)
+        return entry
+
+    def _compile(self, spec: StructuredSpec, param: str, key: tuple) -> CompiledGrammar:
+        """On a compile thread: bounds, compile, the first mask and one step past it, all timed."""
+        llg = _llguidance()
+        heap_before = heap_bytes()
+        start = time.perf_counter()
+        source = grammar_source(spec, param, self.limits.max_depth)
+        try:
+            matcher = llg.LLMatcher(self.ll_tokenizer, source, log_level=0, limits=self._ll_limits)
         except Exception as e:   # misuse-level errors; grammar errors put the matcher in its error state
-            raise InvalidRequest(f"invalid {spec.kind} constraint: {e}", param=param) from None
+            raise InvalidRequest(f"invalid {spec.kind} constraint: {_one_line(str(e))}", param=param) from None
         if matcher.is_error():
             raise InvalidRequest(f"invalid {spec.kind} constraint: {_one_line(matcher.get_error())}", param=param)
+        first = matcher.compute_bitmask()   # builds the shared lexer's first states: never on the engine thread
+        if matcher.is_error():
+            raise InvalidRequest(_refusal(spec.kind, matcher), param=param)
+        self._probe_one_step(matcher, first, spec.kind, param)
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        if elapsed_ms > self.limits.compile_budget_ms:
+            raise InvalidRequest(f"the {spec.kind} constraint is too costly: compiling it and its first masks "
+                                 f"took {elapsed_ms:.0f} ms, over the server's budget of "
+                                 f"{self.limits.compile_budget_ms:g} ms (grammar_compile_budget_ms); simplify it",
+                                 param=param)
+        heap_after = heap_bytes()
+        grown = heap_after - heap_before if heap_before is not None and heap_after is not None else 0
+        return CompiledGrammar(matcher, max(grown, len(source)), key)
+
+    def _probe_one_step(self, matcher: Any, first: bytes, kind: str, param: str) -> None:
+        """Take the first token the grammar allows (not EOS) and compute the next mask, on a copy: grammars
+        past the library's limits (a lexer blow-up, a row of over 2,000 items) mostly fail there."""
+        token = _first_allowed(first, set(self.eos_token_ids))
+        if token is None:
+            return
+        probe = matcher.deep_copy()
+        if probe.consume_token(token):
+            probe.compute_bitmask()
+        if probe.is_error():
+            raise InvalidRequest(_refusal(kind, probe), param=param)
+
+    def _drop_locked(self, key: tuple) -> None:
+        entry = self._cache.pop(key, None)
+        if entry is not None:
+            self._cache_bytes -= entry.nbytes
+
+    def _publish_locked(self) -> None:
+        if self._metrics is not None:
+            self._metrics.grammar_cache_bytes.set(self._cache_bytes)
+
+    def discard(self, key: tuple) -> None:
+        """Drop a cache entry (its shared lexer went past its limits while a sequence used it)."""
         with self._lock:
-            self._cache[key] = matcher
-            self._cache.move_to_end(key)
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        return matcher
+            self._drop_locked(key)
+            self._publish_locked()
 
-    def check(self, spec: StructuredSpec, param: str | None = None) -> None:
-        """Submit-time validation: InvalidRequest(param=...) naming the problem, else None (and the
-        compiled grammar is cached for new_matcher)."""
-        self.compiled(spec, param)
+    def check(self, spec: StructuredSpec, param: str | None = None) -> CompiledGrammar:
+        """Submit-time validation: InvalidRequest(param=...) naming the problem; else the compiled entry
+        (cached too), which new_matcher takes so the engine thread never compiles."""
+        return self._entry(spec, param)
 
-    def new_matcher(self, spec: StructuredSpec) -> Any:
-        """A fresh matcher for one sequence (store it in seq.grammar)."""
-        return self.compiled(spec).deep_copy()
+    def new_matcher(self, spec: StructuredSpec, compiled: CompiledGrammar | None = None) -> SequenceMatcher:
+        """A fresh matcher for one sequence (store it in seq.grammar): a copy of `compiled` (check()'s
+        result), else of the cached grammar (compiled on a compile thread on a miss)."""
+        entry = compiled if compiled is not None else self._entry(spec, None)
+        key = entry.key
+        return SequenceMatcher(entry.matcher.deep_copy(), on_error=lambda: self.discard(key))
 
     @property
     def cache_len(self) -> int:
         return len(self._cache)
+
+    @property
+    def cache_bytes(self) -> int:
+        """The cache's estimated bytes (see the module docstring for how an entry is measured)."""
+        return self._cache_bytes
 
     # --- masking ---------------------------------------------------------------------------
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -186,18 +358,19 @@ class StructuredOutput:
             return
         pin = logits.is_cuda
         bitmask = torch.empty((len(rows), self._words), dtype=torch.int32, pin_memory=pin)   # [G, words]
-        jobs = []
-        for k, i in enumerate(rows):
-            matcher = seqs[i].grammar
-            if matcher.is_error():
-                # A broken grammar (postprocess ends the request): allow EOS only so the row still samples.
+        jobs, timed = [], []
+        states = [seqs[i].grammar for i in rows]
+        for k, state in enumerate(states):
+            state.note_error()
+            if state.failure is None:
+                (timed if state.watched else jobs).append((state, k))
+        self._compute_masks(bitmask, jobs, timed)
+        for k, state in enumerate(states):
+            if state.failure is not None:
+                # A failed grammar (postprocess ends the request): allow EOS only so the row still samples.
                 bitmask[k].zero_()
                 for eos in self.eos_token_ids:
                     bitmask[k, eos // 32] |= _bit(eos % 32)
-            else:
-                jobs.append((matcher, k))
-        if jobs:
-            self._executor.unsafe_compute_mask_ptr(jobs, bitmask.data_ptr(), self._words * 4, len(rows))
         mask = bitmask.to(logits.device, non_blocking=pin)
         shifts = self._shifts.get(logits.device)
         if shifts is None:
@@ -209,6 +382,23 @@ class StructuredOutput:
         else:
             index = torch.tensor(rows, device=logits.device)
             logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
+
+    def _compute_masks(self, bitmask: torch.Tensor, jobs: list, timed: list) -> None:
+        """Fill bitmask rows: `jobs` in one parallel call, watched rows one at a time, each timed and charged
+        (grammar_matcher.py). A parallel call over the per-token bound puts its rows under watch."""
+        limits, ptr, row_bytes, n = self.limits, bitmask.data_ptr(), self._words * 4, bitmask.shape[0]
+        if jobs:
+            start = time.perf_counter()
+            self._executor.unsafe_compute_mask_ptr([(state.matcher, k) for state, k in jobs], ptr, row_bytes, n)
+            if (time.perf_counter() - start) * 1e3 > limits.mask_ms_per_token:
+                for state, _ in jobs:
+                    state.watched = True
+        for state, k in timed:
+            start = time.perf_counter()
+            self._executor.unsafe_compute_mask_ptr([(state.matcher, k)], ptr, row_bytes, n)
+            state.charge(time.perf_counter() - start, limits.mask_ms_per_token, limits.mask_window)
+        for state, _ in (*jobs, *timed):
+            state.note_error()   # a mask past the library's limits: the request ends with why
 
     def allowed_token_ids(self, seq: Sequence) -> list[int]:
         """The ids seq's grammar allows next (tests and debugging; apply() is the fast path)."""
@@ -226,6 +416,26 @@ is_done = grammar_done
 def _bit(position: int) -> int:
     """Bit `position` of an int32 word, as the signed value torch stores."""
     return (1 << position) - (1 << 32 if position == 31 else 0)
+
+
+def _first_allowed(mask: bytes, skip: set[int]) -> int | None:
+    """The lowest token id set in a compute_bitmask() result (little-endian bits) that is not in `skip`."""
+    for index, byte in enumerate(mask):
+        if byte:
+            for bit in range(8):
+                if byte >> bit & 1 and index * 8 + bit not in skip:
+                    return index * 8 + bit
+    return None
+
+
+def _refusal(kind: str, matcher: Any) -> str:
+    """Why a compiled constraint is refused after its first masks: unsatisfiable, or past the library's limits."""
+    reason = matcher.stop_reason()
+    if reason in ("NoExtension", "NoExtensionBias"):
+        return (f"the {kind} constraint can never be satisfied: no output matches it (a rule that only refers "
+                "to itself, a $ref loop, ...); fix the constraint")
+    return (f"the {kind} constraint is past the grammar engine's limits ({_one_line(matcher.get_error())}); "
+            "simplify it (large counted repetitions, thousands of alternatives in one rule, ...)")
 
 
 def _one_line(message: str, limit: int = 300) -> str:
