@@ -36,6 +36,7 @@ from graphcache.config import Settings
 from graphcache.engine.batch import Runner, StepBatch
 from graphcache.engine.block_manager import BlockManager
 from graphcache.engine.errors import InvalidRequest
+from graphcache.engine.grammar_compiler import GrammarLimits
 from graphcache.engine.logprobs import (
     Logprobs,
     PromptSpan,
@@ -51,7 +52,6 @@ from graphcache.engine.sampler import Sampler, needs_history
 from graphcache.engine.scheduler import Scheduler, SchedulerOutput
 from graphcache.engine.sequence import RequestOutput, SamplingParams, Sequence
 from graphcache.engine.stopping import sendable_text
-from graphcache.engine.grammar_compiler import GrammarLimits
 from graphcache.engine.structured import StructuredOutput
 from graphcache.metrics import Metrics
 
