@@ -142,8 +142,9 @@ class Settings(BaseSettings):
         128, ge=4, description="Deepest constraint compiled: JSON nesting and $ref chain of a schema, rule "
         "chain of a grammar, group nesting of a regex. Deeper: 400.")
     grammar_lexer_fuel: int = Field(
-        200_000, ge=1000, description="Lexer fuel of one constraint (llguidance's initial_lexer_fuel; ~50k per "
-        "ms): a regex bomb such as a{1000}{1000} runs out of it and is refused (400) in milliseconds.")
+        100_000, ge=1000, description="Lexer fuel of one constraint (llguidance's initial_lexer_fuel, default 1M): "
+        "a regex bomb such as a{1000}{1000} or x{100000} runs out of it and is refused (400) after ~0.3 s of "
+        "lexing instead of seconds; schemas with long strings, big enums and formats need far less.")
     grammar_compile_budget_ms: float = Field(
         2000.0, gt=0, description="Most time compiling a constraint and its first two masks may take; slower: 400.")
     grammar_mask_ms_per_token: float = Field(

@@ -68,8 +68,9 @@ def _resolve(root: Any, ref: str) -> Any:
     return node
 
 
-def ref_chain_depth(schema: Any) -> int:
-    """The longest chain of local `$ref`s a schema resolves through (0 without refs)."""
+def ref_chain_depth(schema: Any, limit: int | None = None) -> int:
+    """The longest chain of local `$ref`s a schema resolves through (0 without refs); with `limit`, any
+    value over it as soon as one chain is longer (the walk stops there)."""
     edges: dict[str, set[str]] = {}
     todo = list(_refs_under(schema))
     while todo:
@@ -79,11 +80,12 @@ def ref_chain_depth(schema: Any) -> int:
         target = _resolve(schema, ref)
         edges[ref] = _refs_under(target) if target is not None else set()
         todo.extend(r for r in edges[ref] if r not in edges)
-    return _longest_chain(edges, _refs_under(schema))
+    return _longest_chain(edges, _refs_under(schema), limit)
 
 
-def _longest_chain(edges: dict[str, set[str]], starts: set[str]) -> int:
-    """Nodes on the longest path from any start; an edge back onto the current path (recursion) ends it."""
+def _longest_chain(edges: dict[str, set[str]], starts: set[str], limit: int | None = None) -> int:
+    """Nodes on the longest path from any start; an edge back onto the current path (recursion) ends it.
+    With `limit`: returns the first path length over it, once the walk finds one."""
     best: dict[str, int] = {}
     for start in starts:
         if start in best:
@@ -102,6 +104,8 @@ def _longest_chain(edges: dict[str, set[str]], starts: set[str]) -> int:
                 continue
             on_path.add(child)
             stack.append((child, iter(sorted(edges.get(child, ())))))
+            if limit is not None and len(stack) > limit:
+                return len(stack)
     return max((best.get(s, 0) for s in starts), default=0)
 
 
@@ -113,9 +117,10 @@ _NOT_REFERENCES = re.compile(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|/(?:\\
 _WORD = re.compile(r"[A-Za-z_][\w-]*")
 
 
-def grammar_depth(text: str) -> int:
+def grammar_depth(text: str, limit: int | None = None) -> int:
     """The longest chain of rule references in a Lark or GBNF grammar (approximate: it reads rule heads
-    and the words of their bodies, not the full syntax, so it can only over-count a chain)."""
+    and the words of their bodies, not the full syntax, so it can only over-count a chain). `limit` as for
+    ref_chain_depth."""
     heads = list(_RULE_HEAD.finditer(text))
     names = {m.group(1) for m in heads}
     edges: dict[str, set[str]] = {}
@@ -123,4 +128,4 @@ def grammar_depth(text: str) -> int:
         end = heads[i + 1].start() if i + 1 < len(heads) else len(text)
         body = _NOT_REFERENCES.sub(" ", text[head.end():end])
         edges.setdefault(head.group(1), set()).update(w for w in _WORD.findall(body) if w in names)
-    return _longest_chain(edges, set(edges))
+    return _longest_chain(edges, set(edges), limit)

@@ -107,7 +107,7 @@ def grammar_source(spec: StructuredSpec, param: str, max_depth: int = GrammarLim
     if kind == "grammar":
         if not isinstance(value, str) or not value.strip():
             raise InvalidRequest("a grammar constraint needs the grammar text (Lark or GBNF/EBNF)", param=param)
-        _bounded("grammar rule chain", grammar_depth(value), max_depth, param)
+        _bounded("grammar rule chain", grammar_depth(value, max_depth), max_depth, param)
         for schema in _embedded_schemas(value):   # `%json {...}` rules (tool calls): bounded as schemas
             _check_schema_depth(schema, param, max_depth)
         try:
@@ -119,13 +119,13 @@ def grammar_source(spec: StructuredSpec, param: str, max_depth: int = GrammarLim
 
 def _bounded(what: str, depth: int, max_depth: int, param: str) -> None:
     if depth > max_depth:
-        raise InvalidRequest(f"the output constraint is too deep: its {what} is {depth} levels, over the server's "
+        raise InvalidRequest(f"the output constraint is too deep: its {what} is at least {depth} levels, over the server's "
                              f"limit of {max_depth} (grammar_max_depth); flatten it", param=param)
 
 
 def _check_schema_depth(schema: Any, param: str, max_depth: int) -> None:
     _bounded("JSON nesting", json_nesting_depth(schema), max_depth, param)
-    _bounded("$ref chain", ref_chain_depth(schema), max_depth, param)
+    _bounded("$ref chain", ref_chain_depth(schema, max_depth), max_depth, param)
 
 
 def _group_depth(pattern: str) -> int:
@@ -430,8 +430,7 @@ def _first_allowed(mask: bytes, skip: set[int]) -> int | None:
 
 def _refusal(kind: str, matcher: Any) -> str:
     """Why a compiled constraint is refused after its first masks: unsatisfiable, or past the library's limits."""
-    reason = matcher.stop_reason()
-    if reason in ("NoExtension", "NoExtensionBias"):
+    if "NoExtension" in matcher.stop_reason() or "NoExtension" in matcher.get_error():
         return (f"the {kind} constraint can never be satisfied: no output matches it (a rule that only refers "
                 "to itself, a $ref loop, ...); fix the constraint")
     return (f"the {kind} constraint is past the grammar engine's limits ({_one_line(matcher.get_error())}); "
