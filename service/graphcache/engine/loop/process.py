@@ -35,6 +35,7 @@ from graphcache.engine.errors import DEAD_MESSAGE, EngineDead
 from graphcache.engine.loop.frontend import EngineFrontend, EngineState
 from graphcache.engine.loop.messages import Handle, dispatch, settle, unpack_outputs
 from graphcache.engine.loop.request_check import EngineLimits, RequestChecker
+from graphcache.engine.sample.grammar_compiler import GrammarLimits
 from graphcache.engine.sequence import RequestOutput
 from graphcache.graphs.descriptor import BatchDescriptor
 from graphcache.metrics import Metrics
@@ -234,7 +235,7 @@ class EngineClient(EngineFrontend):
 
     def _on_ready(self, limits: EngineLimits, tokenizer_dir: str, max_model_len: int) -> None:
         self._tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
-        self._checker = RequestChecker(limits, self._tokenizer)
+        self._checker = RequestChecker(limits, self._tokenizer, GrammarLimits.from_settings(self.settings))
         self._max_model_len = max_model_len
 
     def _snapshot(self, state: str, error: str | None, progress: dict | None, stats: dict) -> None:
