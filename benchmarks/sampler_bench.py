@@ -37,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the graphcache package
 
 import torch  # noqa: E402
+from graphcache.engine.sample import fused_draw as fd  # noqa: E402
 from graphcache.engine.sample import sampler as sm  # noqa: E402
 from graphcache.engine.sample.filter_threshold import thresholds  # noqa: E402
 from graphcache.engine.sample.logprobs import token_logprobs  # noqa: E402
@@ -114,6 +115,35 @@ def pieces(logits, rows: int, iters: int) -> list[dict]:
     ]
 
 
+SWEEP = [dict(), dict(block=1024), dict(block=8192), dict(block=8192, warps=16), dict(warps=4), dict(warps=16),
+         dict(lblock=256), dict(lblock=1024), dict(pivots=8), dict(pivots=32, lblock=256), dict(cap=2048),
+         dict(cap=8192, warps=16)]
+
+
+def sweep(logits, flat, rows: int, iters: int) -> list[dict]:
+    """fused_draw alone for top_p 0.9 (normal and flat rows), top_k 50 + top_p 0.9, and temperature only,
+    by launch setting (Config's defaults first)."""
+    dev = logits.device
+    vocab = logits.shape[-1]
+    idx = torch.arange(rows, device=dev)
+    t = torch.full((rows,), 0.8, device=dev)
+    keys = torch.arange(rows, dtype=torch.int64, device=dev) * 7919
+    lmp = torch.full((rows,), float("-inf"), device=dev)
+    off_k = torch.full((rows,), vocab, dtype=torch.int64, device=dev)
+    k50 = torch.full((rows,), 50, dtype=torch.int64, device=dev)
+    p9, p1 = torch.full((rows,), 0.9, device=dev), torch.ones(rows, device=dev)
+    out = []
+    for setting in SWEEP:
+        def run(x, k, p, s=setting):
+            return fd.fused_draw(x, idx, t, k, p, lmp, keys, **s)
+        out.append({"setting": ", ".join(f"{a}={b}" for a, b in setting.items()) or "defaults",
+                    "top_p": gpu_ms(lambda: run(logits, off_k, p9), iters),
+                    "top_p flat": gpu_ms(lambda: run(flat, off_k, p9), iters),
+                    "top_k+top_p": gpu_ms(lambda: run(logits, k50, p9), iters),
+                    "temperature": gpu_ms(lambda: run(logits, off_k, p1), iters)})
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=256)
@@ -135,8 +165,12 @@ def main() -> int:
     print(f"\npieces of the legacy path (top_p 0.9 rows)\n{'piece':<52} {'GPU ms':>8}")
     for r in parts:
         print(f"{r['piece']:<52} {r['ms']:8.3f}")
+    swept = sweep(logits, flat, args.rows, args.iters)
+    print(f"\nfused_draw alone by launch setting (GPU ms)\n{'setting':<28} {'top_p':>7} {'flat':>7} {'k+p':>7} {'temp':>7}")
+    for r in swept:
+        print(f"{r['setting']:<28} {r['top_p']:7.3f} {r['top_p flat']:7.3f} {r['top_k+top_p']:7.3f} {r['temperature']:7.3f}")
     if args.out:
-        args.out.write_text(json.dumps({"cases": cases, "pieces": parts}, indent=1))
+        args.out.write_text(json.dumps({"cases": cases, "pieces": parts, "sweep": swept}, indent=1))
     return 0
 
 

@@ -122,7 +122,7 @@ def test_fused_matches_the_sort_and_the_race_in_the_interpreter(name, seed, cap,
     logits = rows_of(name, 12, 200, seed)
     k, p, t, lmp = params(12, 200)
     keys = keys_of(range(seed, seed + 12), step=3)
-    tokens, thr = run_fused(logits, k, p, t, lmp, keys, cap=cap, pivots=4, rounds=rounds, block=64)
+    tokens, thr = run_fused(logits, k, p, t, lmp, keys, cap=cap, pivots=4, rounds=rounds, block=64, lblock=32)
     check(logits, k, p, t, lmp, keys, tokens, thr)
 
 
@@ -145,7 +145,7 @@ def test_fused_rows_indirection_and_batch_independence():
     logits = rows_of("normal", 12, 200, 4)
     k, p, t, lmp = params(12, 200)
     keys = keys_of(range(12), step=9)
-    kw = dict(cap=32, pivots=4, block=64)
+    kw = dict(cap=32, pivots=4, block=64, lblock=32)
     all_tokens, _ = run_fused(logits, k, p, t, lmp, keys, **kw)
     pick = torch.tensor([7, 3], dtype=torch.int64)
     sub, _ = fd.fused_draw(logits, pick, t[pick], k[pick], p[pick], lmp[pick], keys[pick], **kw)
@@ -211,3 +211,31 @@ def test_cuda_sampler_fused_matches_legacy():
         fused = Sampler(default_seed=1, fused=True).sample(logits, seqs)
         legacy = Sampler(default_seed=1, fused=False).sample(logits, seqs)
         assert sum(a != b for a, b in zip(fused, legacy, strict=True)) <= 3, (fused, legacy)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_draw_params_replay_in_a_graph():
+    """DrawParams.draw captured in a CUDA graph, then written and replayed twice: each replay draws what
+    the eager kernel draws with the parameters written before it."""
+    g = torch.Generator().manual_seed(8)
+    rows, vocab = 64, 151_936
+    logits = (torch.randn(rows, vocab, generator=g) * 3).to(torch.bfloat16).cuda()
+    dp = fd.DrawParams(capacity=rows, device=logits.device)
+    k = torch.tensor([vocab, 50, vocab, 20] * 16)
+    p = torch.tensor([0.95, 1.0, 1.0, 0.9] * 16)
+    t = torch.tensor([0.8, 0.7, 0.0, 1.0] * 16)       # every fourth row greedy
+    lmp = torch.full((rows,), NEG_INF)
+    dp.write(torch.stack([t, p, lmp]), torch.stack([k, keys_of(range(rows))]))
+    dp.draw(logits)                                   # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dp.draw(logits)
+    for step in (1, 2):
+        keys = keys_of(range(rows), step=step)
+        dp.write(torch.stack([t, p, lmp]), torch.stack([k, keys]))
+        graph.replay()
+        want, _ = run_fused(logits, k, p, t, lmp, keys)
+        assert dp.tokens.tolist() == want.tolist()
+        assert dp.tokens[2::4].tolist() == logits[2::4].argmax(dim=-1).tolist()

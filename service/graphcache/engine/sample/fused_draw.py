@@ -65,21 +65,27 @@ def _race_score(z, key, offs):
 
 
 def _race_pass(base, vocab, m, t, log_min_p, thr, key, BLOCK: tl.constexpr):
-    """argmax of the race score over z >= thr, first index on ties."""
+    """argmax of the race score over z >= thr, first index on ties. Per-lane running bests, one
+    reduction at the end (a block reduction per iteration would cost more than the loads)."""
     cols = tl.arange(0, BLOCK)
-    best = tl.full((), float("-inf"), tl.float32)
-    best_i = tl.full((), 0, tl.int64)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.full([BLOCK], 0, tl.int64)
     for start in range(0, vocab, BLOCK):
         offs = start + cols
         mask = offs < vocab
         z = _z_of(tl.load(base + offs, mask=mask, other=float("-inf")), m, t, log_min_p)
         score = tl.where(mask & (z >= thr), _race_score(z, key, offs), float("-inf"))
-        bm = tl.max(score, axis=0)
-        bi = tl.argmax(score, axis=0)
-        better = bm > best
-        best_i = tl.where(better, start + bi.to(tl.int64), best_i)
-        best = tl.where(better, bm, best)
-    return best_i
+        better = score > best                     # strict: a lane's earlier index wins ties
+        best_i = tl.where(better, offs.to(tl.int64), best_i)
+        best = tl.where(better, score, best)
+    token, _ = _first_argmax(best, best_i, vocab)
+    return token
+
+
+def _first_argmax(best, best_i, vocab):
+    """The best of per-lane (score, index) pairs, the smallest index among equal scores."""
+    bm = tl.max(best, axis=0)
+    return tl.min(tl.where(best == bm, best_i, vocab), axis=0), bm
 
 
 def _ladder(base, vocab, m, t, log_min_p, lo, hi, f_hi, target, p_scale, first,
@@ -126,7 +132,7 @@ def _ladder(base, vocab, m, t, log_min_p, lo, hi, f_hi, target, p_scale, first,
 
 
 def _search(base, vocab, m, t, log_min_p, lo, target, p_scale,
-            MASS: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, ROUNDS: tl.constexpr, CAP: tl.constexpr):
+            MASS: tl.constexpr, P: tl.constexpr, LBLOCK: tl.constexpr, ROUNDS: tl.constexpr, CAP: tl.constexpr):
     """Ladders until the bracket holds <= CAP tokens. Returns (lo, hi, f_hi, n_in, target, done, value, ok):
     done -> the threshold is `value` (a tie-only bracket); ok False -> no threshold (keep all)."""
     hi = tl.full((), float("inf"), tl.float32)
@@ -140,7 +146,7 @@ def _search(base, vocab, m, t, log_min_p, lo, target, p_scale,
     while (rounds < ROUNDS) & (n_in > CAP) & (~done) & ok:
         first = rounds == 0
         new_lo, new_hi, new_f_hi, c_lo, c_next, has_next, target, tied, tie_value, ok = _ladder(
-            base, vocab, m, t, log_min_p, lo, hi, f_hi, target, p_scale, first, MASS, P, BLOCK)
+            base, vocab, m, t, log_min_p, lo, hi, f_hi, target, p_scale, first, MASS, P, LBLOCK)
         done = tied                          # the old bracket's tokens share one value: that is the answer
         value = tie_value
         c_hi = tl.where(has_next, c_next, c_hi)
@@ -178,8 +184,8 @@ def _compact(base, vocab, m, t, log_min_p, lo, hi, key, sz_ptr, ss_ptr, si_ptr, 
     race's best over z >= hi. Returns (best score above, its index)."""
     cols = tl.arange(0, BLOCK)
     n = tl.full((), 0, tl.int32)
-    best = tl.full((), float("-inf"), tl.float32)
-    best_i = tl.full((), 0, tl.int64)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.full([BLOCK], 0, tl.int64)
     for start in range(0, vocab, BLOCK):
         offs = start + cols
         mask = offs < vocab
@@ -192,11 +198,10 @@ def _compact(base, vocab, m, t, log_min_p, lo, hi, key, sz_ptr, ss_ptr, si_ptr, 
         tl.store(si_ptr + pos, offs, mask=inb)
         n += tl.sum(inb.to(tl.int32), axis=0)
         above = tl.where(mask & (z >= hi), score, float("-inf"))
-        bm = tl.max(above, axis=0)
-        bi = tl.argmax(above, axis=0)
-        better = bm > best
-        best_i = tl.where(better, start + bi.to(tl.int64), best_i)
-        best = tl.where(better, bm, best)
+        better = above > best
+        best_i = tl.where(better, offs.to(tl.int64), best_i)
+        best = tl.where(better, above, best)
+    best_i, best = _first_argmax(best, best_i, vocab)
     return best, best_i
 
 
@@ -216,7 +221,8 @@ def _bisect_candidates(cz, f_hi, target, MASS: tl.constexpr):
 
 def _fused_kernel(logits_ptr, row_ptr, stride, vocab, temp_ptr, topk_ptr, topp_ptr, lminp_ptr, key_ptr,
                   sz_ptr, ss_ptr, si_ptr, out_ptr, thr_ptr,
-                  P: tl.constexpr, BLOCK: tl.constexpr, ROUNDS: tl.constexpr, CAP: tl.constexpr):
+                  P: tl.constexpr, BLOCK: tl.constexpr, LBLOCK: tl.constexpr, ROUNDS: tl.constexpr,
+                  CAP: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     base = logits_ptr + tl.load(row_ptr + r).to(tl.int64) * stride
     t = tl.load(temp_ptr + r)
@@ -226,19 +232,20 @@ def _fused_kernel(logits_ptr, row_ptr, stride, vocab, temp_ptr, topk_ptr, topp_p
     key = tl.load(key_ptr + r).to(tl.uint64, bitcast=True)
     cols = tl.arange(0, BLOCK)
     # pass 1: max, argmax (first index), smallest finite logit
-    m = tl.full((), float("-inf"), tl.float32)
-    top = tl.full((), 0, tl.int64)
-    mn = tl.full((), float("inf"), tl.float32)
+    mv = tl.full([BLOCK], float("-inf"), tl.float32)
+    topv = tl.full([BLOCK], 0, tl.int64)
+    mnv = tl.full([BLOCK], float("inf"), tl.float32)
     for start in range(0, vocab, BLOCK):
         offs = start + cols
         x = tl.load(base + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
         x = tl.where(x != x, float("-inf"), x)
-        bm = tl.max(x, axis=0)
-        bi = tl.argmax(x, axis=0)
-        better = bm > m
-        top = tl.where(better, start + bi.to(tl.int64), top)
-        m = tl.maximum(m, bm)
-        mn = tl.minimum(mn, tl.min(tl.where(x > float("-inf"), x, float("inf")), axis=0))
+        better = x > mv
+        topv = tl.where(better, offs.to(tl.int64), topv)
+        mv = tl.where(better, x, mv)
+        mnv = tl.minimum(mnv, tl.where(x > float("-inf"), x, float("inf")))
+    top, m = _first_argmax(mv, topv, vocab)
+    top = top.to(tl.int64)
+    mn = tl.min(mnv, axis=0)
     token = top
     thr = tl.full((), float("-inf"), tl.float32)
     if (m > float("-inf")) & (m < float("inf")) & (t > 0):   # t <= 0: greedy, the argmax
@@ -248,7 +255,7 @@ def _fused_kernel(logits_ptr, row_ptr, stride, vocab, temp_ptr, topk_ptr, topp_p
         raced = tl.full((), 0, tl.int1)
         if k < vocab:
             lo, hi, f_hi, n_in, target, done, value, ok = _search(
-                base, vocab, m, t, log_min_p, z_min, k.to(tl.float32), 1.0, False, P, BLOCK, ROUNDS, CAP)
+                base, vocab, m, t, log_min_p, z_min, k.to(tl.float32), 1.0, False, P, LBLOCK, ROUNDS, CAP)
             if ok:
                 if done:
                     thr = value
@@ -272,7 +279,7 @@ def _fused_kernel(logits_ptr, row_ptr, stride, vocab, temp_ptr, topk_ptr, topp_p
         if p < 1:
             floor = tl.where(thr > float("-inf"), thr, z_min)
             lo, hi, f_hi, n_in, target, done, value, ok = _search(
-                base, vocab, m, t, log_min_p, floor, 0.0, p, True, P, BLOCK, ROUNDS, CAP)
+                base, vocab, m, t, log_min_p, floor, 0.0, p, True, P, LBLOCK, ROUNDS, CAP)
             if done:
                 thr = value
             elif n_in <= CAP:
@@ -299,10 +306,33 @@ def _fused_kernel(logits_ptr, row_ptr, stride, vocab, temp_ptr, topk_ptr, topp_p
 _KERNEL = None
 
 
+class Config:
+    """Launch shape: BLOCK tokens a streaming pass step (max, race, compaction), LBLOCK a ladder step (its
+    [LBLOCK, P] compares live in registers), P pivots a ladder, ROUNDS ladders before the whole-row
+    bisection, CAP candidates, warps a program. benchmarks/sampler_bench.py --sweep times the choices."""
+    block = 4096
+    lblock = 512
+    pivots = PIVOTS
+    rounds = ROUNDS
+    cap = CAP
+    warps = 8
+
+
+def _launch(grid: int, logits, rows, temperature, top_k, top_p, log_min_p, keys, scratch, out, thr, cfg) -> None:
+    vocab = logits.shape[-1]
+    p2 = triton.next_power_of_2(vocab)
+    sz, ss, si = scratch
+    _jit_kernel()[(grid,)](logits, rows, logits.stride(0), vocab, temperature, top_k, top_p, log_min_p, keys,
+                           sz, ss, si, out, thr, P=cfg.pivots, BLOCK=min(cfg.block, p2), LBLOCK=min(cfg.lblock, p2),
+                           ROUNDS=cfg.rounds, CAP=cfg.cap, num_warps=cfg.warps)
+
+
 def _jit_kernel():
     """Jit the helpers, then the kernel (it finds them as this module's globals)."""
-    global _KERNEL, _z_of, _race_score, _race_pass, _ladder, _search, _bisect_row, _compact, _bisect_candidates
+    global _KERNEL, _z_of, _race_score, _race_pass, _first_argmax, _ladder, _search, _bisect_row, _compact
+    global _bisect_candidates
     if _KERNEL is None:
+        _first_argmax = triton.jit(_first_argmax)
         _z_of = triton.jit(_z_of)
         _race_score = triton.jit(_race_score)
         _race_pass = triton.jit(_race_pass)
@@ -353,15 +383,19 @@ class DrawParams:
         if self._copied is not None:
             self._copied.record()
 
-    def draw(self, logits: torch.Tensor) -> torch.Tensor:
-        """tokens [capacity] for logits [>= capacity, V] (graph-capturable: no allocation, no sync)."""
-        vocab = logits.shape[-1]
-        sz, ss, si = self.scratch.get(self.capacity, self.cap, logits.device)
-        _jit_kernel()[(self.capacity,)](logits, self.dev_i[0], logits.stride(0), vocab, self.dev_f[0], self.dev_i[1],
-                                        self.dev_f[1], self.dev_f[2], self.dev_i[2], sz, ss, si, self.tokens,
-                                        self.thr, P=PIVOTS, BLOCK=min(1024, triton.next_power_of_2(vocab)),
-                                        ROUNDS=ROUNDS, CAP=self.cap, num_warps=8)
-        return self.tokens
+    def draw(self, logits: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """tokens [rows] for logits [>= rows, V], rows <= capacity (default: capacity). Graph-capturable:
+        no allocation and no sync; a graph captured for `rows` rows replays with whatever `write` put in
+        the buffers since (its rows past the written batch are greedy)."""
+        n = self.capacity if rows is None else rows
+        if n > self.capacity:
+            raise ValueError(f"{n} rows exceed the DrawParams capacity {self.capacity}: make it larger")
+        if n:
+            cfg = Config()
+            cfg.cap = self.cap
+            _launch(n, logits, self.dev_i[0], self.dev_f[0], self.dev_i[1], self.dev_f[1], self.dev_f[2],
+                    self.dev_i[2], self.scratch.get(self.capacity, self.cap, logits.device), self.tokens, self.thr, cfg)
+        return self.tokens[:n]
 
 
 class DrawScratch:
@@ -385,23 +419,29 @@ _SCRATCH = DrawScratch()
 
 
 def fused_draw(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-               top_p: torch.Tensor, log_min_p: torch.Tensor, keys: torch.Tensor, *,
-               cap: int = CAP, pivots: int = PIVOTS, rounds: int = ROUNDS, block: int = 1024,
-               scratch: DrawScratch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One draw per entry of rows [W] (int32/int64 row indices into logits [R, V], any float dtype,
+               top_p: torch.Tensor, log_min_p: torch.Tensor, keys: torch.Tensor, *, cfg: Config | None = None,
+               scratch: DrawScratch | None = None, **overrides) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draw per entry of rows [W] (int64 row indices into logits [R, V], any float dtype,
     contiguous last dim): returns (tokens [W] int64, thresholds [W] fp32: keep z >= thr).
 
-    Per entry: temperature [W] fp32 (<= 0: greedy, the argmax; else >= the sampler's MIN_TEMPERATURE), top_k [W] int64 (>= V: off), top_p [W] fp32
-    (>= 1: off), log_min_p [W] fp32 (-inf: off), keys [W] int64 (race_draw.row_key bits). Nothing waits
-    for the GPU; the scratch buffers are the module's unless one is given."""
+    Per entry: temperature [W] fp32 (<= 0: greedy, the argmax; else >= the sampler's MIN_TEMPERATURE),
+    top_k [W] int64 (>= V: off), top_p [W] fp32 (>= 1: off), log_min_p [W] fp32 (-inf: off), keys [W]
+    int64 (race_draw.row_key bits). `overrides` set Config fields (block=, cap=, ...; the tests use small
+    ones). Nothing waits for the GPU; the scratch buffers are the module's unless one is given."""
+    cfg = cfg or Config()
+    if overrides:
+        cfg = Config()
+        for name, value in overrides.items():
+            if not hasattr(Config, name):
+                raise TypeError(f"fused_draw: unknown launch setting {name!r} (Config has block, lblock, "
+                                "pivots, rounds, cap, warps)")
+            setattr(cfg, name, value)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    w, vocab = rows.numel(), logits.shape[-1]
+    w = rows.numel()
     out = torch.empty(w, dtype=torch.int64, device=logits.device)
     thr = torch.empty(w, dtype=torch.float32, device=logits.device)
     if w:
-        sz, ss, si = (scratch or _SCRATCH).get(w, cap, logits.device)
-        _jit_kernel()[(w,)](logits, rows, logits.stride(0), vocab, temperature, top_k, top_p, log_min_p, keys,
-                            sz, ss, si, out, thr, P=pivots, BLOCK=min(block, triton.next_power_of_2(vocab)),
-                            ROUNDS=rounds, CAP=cap, num_warps=8)
+        buffers = (scratch or _SCRATCH).get(w, cfg.cap, logits.device)
+        _launch(w, logits, rows, temperature, top_k, top_p, log_min_p, keys, buffers, out, thr, cfg)
     return out, thr
