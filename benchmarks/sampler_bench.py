@@ -21,6 +21,8 @@ Table 2, the pieces of the legacy path for the top_p 0.9 rows, and the predicted
   draw          race_draw: one fp32 read pass                                   156 MB -> ~32 us
   logprobs      token_logprobs(k=5): log_softmax fp32 write + topk               ~0.5 GB -> ~100 us
   host sync     tokens .tolist(): a [R] int64 copy and a stream sync           ~10 us (latency)
+Table 3: fused_draw alone by launch setting (Config: block, lblock, pivots, cap, warps), to pick the
+defaults from one run.
 The fused kernel's floor: top_p alone reads the bf16 row 3 times (max; one ladder; compaction + race):
 48 us, plus the ladder's arithmetic (16 pivots x count and mass per token, ~2 G fp32 ops, ~30-60 us);
 top_k + top_p: 5 passes, 80 us; temperature only: 2 passes, 32 us.
@@ -115,9 +117,9 @@ def pieces(logits, rows: int, iters: int) -> list[dict]:
     ]
 
 
-SWEEP = [dict(), dict(block=1024), dict(block=8192), dict(block=8192, warps=16), dict(warps=4), dict(warps=16),
-         dict(lblock=256), dict(lblock=1024), dict(pivots=8), dict(pivots=32, lblock=256), dict(cap=2048),
-         dict(cap=8192, warps=16)]
+SWEEP = [dict(), dict(block=1024), dict(block=1024, warps=4), dict(block=4096), dict(block=4096, warps=16),
+         dict(warps=16), dict(lblock=128), dict(lblock=512), dict(pivots=8), dict(pivots=32, lblock=128),
+         dict(cap=2048), dict(cap=1024, block=1024, lblock=128, warps=4)]
 
 
 def sweep(logits, flat, rows: int, iters: int) -> list[dict]:

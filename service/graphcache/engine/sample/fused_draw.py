@@ -101,20 +101,25 @@ def _ladder(base, vocab, m, t, log_min_p, lo, hi, f_hi, target, p_scale, first,
     piv = tl.where(first, tl.maximum(fixed, lo), even)
     piv = tl.where(ar == 0, lo, piv)                                   # [P] ascending
     cols = tl.arange(0, BLOCK)
-    cnt = tl.zeros([P], tl.float32)
-    mass = tl.zeros([P], tl.float32)
-    zmax_in = tl.full((), float("-inf"), tl.float32)
-    zmin_in = tl.full((), float("inf"), tl.float32)
+    # per-lane sums and extremes, reduced once after the pass
+    cnt_l = tl.zeros([BLOCK, P], tl.float32)
+    mass_l = tl.zeros([BLOCK, P], tl.float32)
+    zmax_l = tl.full([BLOCK], float("-inf"), tl.float32)
+    zmin_l = tl.full([BLOCK], float("inf"), tl.float32)
     for start in range(0, vocab, BLOCK):
         offs = start + cols
         z = _z_of(tl.load(base + offs, mask=offs < vocab, other=float("-inf")), m, t, log_min_p)
         ge = z[:, None] >= piv[None, :]                                # [BLOCK, P]
-        cnt += tl.sum(ge.to(tl.float32), axis=0)
+        cnt_l += ge.to(tl.float32)
         if MASS:
-            mass += tl.sum(tl.where(ge, tl.exp(z)[:, None], 0.0), axis=0)
+            mass_l += tl.where(ge, tl.exp(z)[:, None], 0.0)
         inb = (z >= lo) & (z < hi)
-        zmax_in = tl.maximum(zmax_in, tl.max(tl.where(inb, z, float("-inf")), axis=0))
-        zmin_in = tl.minimum(zmin_in, tl.min(tl.where(inb, z, float("inf")), axis=0))
+        zmax_l = tl.maximum(zmax_l, tl.where(inb, z, float("-inf")))
+        zmin_l = tl.minimum(zmin_l, tl.where(inb, z, float("inf")))
+    cnt = tl.sum(cnt_l, axis=0)                                        # [P]
+    mass = tl.sum(mass_l, axis=0)
+    zmax_in = tl.max(zmax_l, axis=0)
+    zmin_in = tl.min(zmin_l, axis=0)
     f = mass if MASS else cnt
     f0 = tl.sum(tl.where(ar == 0, f, 0.0), axis=0)
     if MASS:
@@ -142,7 +147,7 @@ def _search(base, vocab, m, t, log_min_p, lo, target, p_scale,
     done = tl.full((), 0, tl.int1)
     ok = tl.full((), 1, tl.int1)
     value = tl.full((), float("-inf"), tl.float32)
-    rounds = 0
+    rounds = tl.full((), 0, tl.int32)   # tensors, not Python numbers: loop-carried values keep one type
     while (rounds < ROUNDS) & (n_in > CAP) & (~done) & ok:
         first = rounds == 0
         new_lo, new_hi, new_f_hi, c_lo, c_next, has_next, target, tied, tie_value, ok = _ladder(
@@ -268,9 +273,9 @@ def _fused_kernel(logits_ptr, row_ptr, stride, vocab, temp_ptr, topk_ptr, topp_p
                     if race:
                         cs = tl.load(ss_ptr + scr + ci, mask=(ci < n_in), other=float("-inf"))
                         cs = tl.where(cz >= thr, cs, float("-inf"))
-                        cidx = tl.load(si_ptr + scr + ci, mask=ci < n_in, other=0).to(tl.int64)
+                        cidx = tl.load(si_ptr + scr + ci, mask=ci < n_in, other=0)
                         cm = tl.max(cs, axis=0)
-                        cb = tl.min(tl.where(cs == cm, cidx, vocab), axis=0)
+                        cb = tl.min(tl.where(cs == cm, cidx, vocab), axis=0).to(tl.int64)
                         take = (cm > best) | ((cm == best) & (cb < best_i))
                         token = tl.where(take, cb, best_i)
                         raced = tl.full((), 1, tl.int1)
@@ -279,7 +284,7 @@ def _fused_kernel(logits_ptr, row_ptr, stride, vocab, temp_ptr, topk_ptr, topp_p
         if p < 1:
             floor = tl.where(thr > float("-inf"), thr, z_min)
             lo, hi, f_hi, n_in, target, done, value, ok = _search(
-                base, vocab, m, t, log_min_p, floor, 0.0, p, True, P, LBLOCK, ROUNDS, CAP)
+                base, vocab, m, t, log_min_p, floor, tl.full((), 0.0, tl.float32), p, True, P, LBLOCK, ROUNDS, CAP)
             if done:
                 thr = value
             elif n_in <= CAP:
@@ -289,9 +294,9 @@ def _fused_kernel(logits_ptr, row_ptr, stride, vocab, temp_ptr, topk_ptr, topp_p
                 thr = _bisect_candidates(cz, f_hi, target, True)
                 cs = tl.load(ss_ptr + scr + ci, mask=(ci < n_in), other=float("-inf"))
                 cs = tl.where(cz >= thr, cs, float("-inf"))
-                cidx = tl.load(si_ptr + scr + ci, mask=ci < n_in, other=0).to(tl.int64)
+                cidx = tl.load(si_ptr + scr + ci, mask=ci < n_in, other=0)
                 cm = tl.max(cs, axis=0)
-                cb = tl.min(tl.where(cs == cm, cidx, vocab), axis=0)
+                cb = tl.min(tl.where(cs == cm, cidx, vocab), axis=0).to(tl.int64)
                 take = (cm > best) | ((cm == best) & (cb < best_i))
                 token = tl.where(take, cb, best_i)
                 raced = tl.full((), 1, tl.int1)
@@ -309,9 +314,11 @@ _KERNEL = None
 class Config:
     """Launch shape: BLOCK tokens a streaming pass step (max, race, compaction), LBLOCK a ladder step (its
     [LBLOCK, P] compares live in registers), P pivots a ladder, ROUNDS ladders before the whole-row
-    bisection, CAP candidates, warps a program. benchmarks/sampler_bench.py --sweep times the choices."""
-    block = 4096
-    lblock = 512
+    bisection, CAP candidates, warps a program. benchmarks/sampler_bench.py times the choices. These
+    defaults compile for sm_90 to 128 registers and no spills (ptxas -v), so two 8-warp programs share an
+    SM; block 4096 takes 253 registers (one program an SM: half the loads in flight)."""
+    block = 2048
+    lblock = 256
     pivots = PIVOTS
     rounds = ROUNDS
     cap = CAP

@@ -15,6 +15,11 @@ a seeded row's key is a function of (seed, tokens it generated so far), so its t
 its seed and its own logits (not on the batch, the device's RNG or earlier calls); unseeded rows take
 keys from the Sampler's host generator, seeded by settings.seed.
 
+On CUDA the filters and the draw run as one Triton kernel (fused_draw.py) with the same kept set and
+the same race: straight from the model-dtype logits for rows without logits controls, from the
+processed fp32 copy otherwise. GRAPHCACHE_SAMPLER=legacy (or Sampler(fused=False)) keeps the torch
+composition above (filtered_logits -> filter_threshold -> race_draw), which is also the CPU path.
+
 Logits controls (vLLM's order, all on the device, batched, never a Python loop over the vocabulary):
 allowed_token_ids -> bad words -> min_tokens -> logit_bias -> repetition, frequency and presence
 penalties. Bans are -inf. Penalties need per-row token counts: built each step by one index_add of
