@@ -123,7 +123,7 @@ def _ladder(base, vocab, m, t, log_min_p, lo, hi, f_hi, target, p_scale, first,
     f = mass if MASS else cnt
     f0 = tl.sum(tl.where(ar == 0, f, 0.0), axis=0)
     if MASS:
-        target = tl.where(first, tl.maximum(p_scale * f0, 1e-38), target)
+        target = tl.where(first, tl.maximum(p_scale * f0, 1e-30), target)   # 1e-30: a float32 literal (below 2**-126 Triton makes it float64)
     ok = f0 >= target                       # False only when top_k exceeds the finite tokens
     good = f >= target                      # a prefix of the pivots
     j = tl.max(tl.where(good, ar, 0), axis=0)
