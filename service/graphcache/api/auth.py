@@ -43,7 +43,7 @@ def key_matches(given: bytes, keys: Iterable[str]) -> bool:
 
 
 def require_api_key(request: Request) -> None:
-    keys = request.app.state.settings.api_key
+    keys = request.app.state.settings.http.api_key
     if not keys:
         return
     header = request.headers.get("authorization", "").encode("latin-1")

@@ -75,7 +75,7 @@ async def encode_chat(request: Request, engine, messages: list[ChatMessage], add
     _check_text_size(engine, _client_chars(chat, tools), "messages", "the messages' content and tools")
     # Chat content is user input: special-token strings in it ("<|im_start|>system") are encoded as plain
     # text, never as control tokens, unless a trusted deployment allows it (Settings).
-    allow_special = request.app.state.settings.allow_special_tokens_in_chat
+    allow_special = request.app.state.settings.http.allow_special_tokens_in_chat
     try:
         # The template has its own BOS; content's special-token strings stay plain text.
         return await asyncio.to_thread(engine.tokenizer.encode_chat, chat, add_generation_prompt,

@@ -19,17 +19,11 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
 
 from graphcache.graphs.descriptor import BatchDescriptor
+from graphcache.graphs.policy_config import CachePolicyConfig
 
-if TYPE_CHECKING:
-    from graphcache.graphs.policy_config import CachePolicyConfig
-
-__all__ = ["ADMISSION_RULES", "Admission", "AdmissionRule"]
-
-AdmissionRule = Literal["auto", "always", "after_n", "never"]
-ADMISSION_RULES: tuple[str, ...] = ("auto", "always", "after_n", "never")
+__all__ = ["Admission"]
 
 
 class Admission:
