@@ -118,8 +118,8 @@ def worker_main(rank: int, settings: Settings, port: int, conn: Any) -> None:
     _send(conn, ("ready", runner.num_kv_blocks))
     code = _serve(runner, rank, conn)
     # Leave the group only on gloo. On NCCL, destroy_process_group waits for the other ranks, and rank 0
-    # leaves only after this process has exited: the first TP=2 run on two H200s (BENCHMARKS.md §8.7)
-    # hung exactly there for 30 s until rank 1 was killed (the likely cause; not yet re-run on 2 GPUs).
+    # leaves only after this process has exited, so the two wait on each other (a TP=2 run on two H200s
+    # hung there for 30 s until rank 1 was killed; the likely cause, not confirmed on 2 GPUs since).
     # os._exit frees the communicator's resources with the process.
     if dist.is_initialized() and dist.get_backend() != "nccl":
         dist.destroy_process_group()
