@@ -282,6 +282,7 @@ def _serve(settings: Settings) -> int:
     import uvicorn
 
     from graphcache.api.app import create_app
+    from graphcache.api.http_protocol import guarded_protocol
     from graphcache.api.request_log import setup_logging
 
     setup_logging(settings.logging.log_format, settings.logging.log_level)
@@ -307,9 +308,14 @@ def _serve(settings: Settings) -> int:
             await super().shutdown(sockets)
             await drain
 
-    config = uvicorn.Config(app, host=settings.http.host, port=settings.http.port, log_config=None, access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=settings.http.drain_timeout_s + DRAIN_BACKSTOP_S,
-                            log_level=settings.logging.log_level.lower())
+    # The HTTP limits uvicorn lacks (head size and timeout, open connections): api/http_protocol.py.
+    http = settings.http
+    protocol = guarded_protocol(http.max_header_bytes, http.header_timeout_s, http.max_connections)
+    config = uvicorn.Config(app, host=http.host, port=http.port, log_config=None, access_log=False,
+                            lifespan="on", timeout_graceful_shutdown=http.drain_timeout_s + DRAIN_BACKSTOP_S,
+                            log_level=settings.logging.log_level.lower(), http=protocol,
+                            h11_max_incomplete_event_size=http.max_header_bytes,
+                            timeout_keep_alive=http.header_timeout_s, limit_concurrency=http.max_connections)
     server = DrainingServer(config)
     # uvicorn re-raises the signal that stopped it once it is done; a graceful stop exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):

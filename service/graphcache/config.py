@@ -232,6 +232,16 @@ class HttpSettings(SettingsSection):
     admin_allow_loopback: bool = Field(False, description="Without a token, allow /admin/* from 127.0.0.1/::1.")
     drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM, how long in-flight requests may finish.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body; bigger gets 413.")
+    max_header_bytes: int = Field(
+        64 << 10, ge=1024, alias="http_max_header_bytes", description="Largest request head (request line + "
+        "headers); a bigger one is answered 431 (httptools) or 400 (h11) and the connection closed.")
+    header_timeout_s: float = Field(
+        10.0, gt=0, alias="http_header_timeout_s", description="Seconds a connection may take to send a complete "
+        "request head (and an idle keep-alive connection stays open); slower ones are closed, so half-open "
+        "connections cannot pile up.")
+    max_connections: int = Field(
+        1000, ge=1, alias="http_max_connections", description="Open connections at most; past it new requests get "
+        "503 at once. Keep it below the process's file-descriptor limit (`ulimit -n`).")
     cors_origins: Annotated[list[str], CommaList] = Field(
         default_factory=list, description="CORS allowed origins; empty = CORS off.")
     allow_special_tokens_in_chat: bool = Field(
@@ -260,11 +270,17 @@ class HttpSettings(SettingsSection):
         if not isinstance(v, list | tuple) or not all(isinstance(k, str) for k in v):
             raise ValueError("api_key must be one key or several comma-separated keys of printable ASCII text")
         keys = [k.strip() for k in v if k.strip()]
+        if not keys:
+            # Set, but blank (GRAPHCACHE_API_KEY="", " " or ","): an open API nobody asked for. Refused at
+            # start rather than served open without a word.
+            raise ValueError("api_key is set but holds no key (blank, or only commas and spaces): set a key, "
+                             "e.g. from `openssl rand -hex 32`, or unset GRAPHCACHE_API_KEY (--api-key) to leave "
+                             "the API open")
         if not all(_is_ascii_token(key) for key in keys):
             raise ValueError("api_key must be printable ASCII (HTTP header values are Latin-1 on the wire, "
                              "and clients send other characters differently): use ASCII characters, e.g. "
                              "a hex key from `openssl rand -hex 32`")
-        return keys or None
+        return keys
 
 
 class LoggingSettings(SettingsSection):
