@@ -3,6 +3,7 @@ the engine in its own process), and what the user sets always wins (Settings._gp
 
 from __future__ import annotations
 
+import pytest
 import torch
 from graphcache.config import GPU_BATCH_DEFAULTS, Settings
 
@@ -40,3 +41,12 @@ def test_engine_process_defaults_on_with_cuda_at_tp1_only():
     assert Settings(device="cuda", engine_process=False).engine.engine_process is False   # the user's choice wins
     assert Settings(device="cuda", tensor_parallel_size=2).engine.engine_process is False  # not supported there yet
     assert Settings(device="auto").engine.engine_process is torch.cuda.is_available()
+
+
+def test_updated_replaces_by_flat_name_and_leaves_the_rest():
+    s = Settings(device="cpu", port=8000, cache_max_entries=5)
+    t = s.updated(port=9000, cache_max_entries=7)
+    assert (t.http.port, t.graph_cache.max_entries, t.http.host) == (9000, 7, s.http.host)
+    assert (s.http.port, s.graph_cache.max_entries) == (8000, 5)   # a copy: the original is unchanged
+    with pytest.raises(TypeError, match="no_such_setting"):
+        s.updated(no_such_setting=1)
