@@ -4,7 +4,7 @@ Text that cannot fit the context window (over max_model_len * MAX_CHARS_PER_TOKE
 refused before tokenizing, so an oversized prompt never stalls the event loop or the engine thread.
 Tokenizing runs on the input pool (api/executors.py; the tokenizer releases the interpreter lock). Chat content is
 encoded so that special-token strings in it stay plain text (`Tokenizer.encode_chat`), unless the
-deployment trusts its clients (Settings.allow_special_tokens_in_chat); a chat template's
+deployment trusts its clients (settings.http.allow_special_tokens_in_chat); a chat template's
 `raise_exception` is a 400 on "messages". Role "tool" messages, earlier assistant tool_calls and the
 tools themselves are rendered by the template.
 """
