@@ -32,10 +32,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the graphcache package
+from graphcache.choices import EVICTION_POLICIES  # noqa: E402
 from graphcache.graphs.cache import GraphCache  # noqa: E402
 from graphcache.graphs.capture import is_capturing  # noqa: E402
 from graphcache.graphs.descriptor import BatchDescriptor  # noqa: E402
-from graphcache.graphs.policy_config import EVICTION_POLICIES, CachePolicyConfig  # noqa: E402
+from graphcache.graphs.policy_config import CachePolicyConfig  # noqa: E402
 
 MiB = 1 << 20
 DECODE_SIZES = [1, 2, 4, *range(8, 513, 8)]  # 67 uniform-decode capture sizes

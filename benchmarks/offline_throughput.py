@@ -130,9 +130,9 @@ def bench_engine(args, mode: str, runs: dict[str, list[workloads.Request]]) -> l
     """One engine (one model load) in `mode`, each workload of `runs` in turn: a row per workload."""
     settings = engine_settings(args, enforce_eager=mode == "eager")
     # The step trace (benchmarks/step_trace.py) is read from the core; the file is written at shutdown.
-    settings = settings.model_copy(update={"step_trace": Path(tempfile.gettempdir()) / f"offline_steps_{mode}.jsonl"})
+    settings = settings.updated(step_trace=Path(tempfile.gettempdir()) / f"offline_steps_{mode}.jsonl")
     if mode == "graph-noprefix":   # the same graph engine with automatic prefix caching off
-        settings = settings.model_copy(update={"enable_prefix_caching": False})
+        settings = settings.updated(enable_prefix_caching=False)
     engine = Engine(settings, Metrics())
     t0 = time.perf_counter()
     engine.start()

@@ -18,7 +18,7 @@ Every request asks for logprobs=0 by default: on a random checkpoint most sample
 tokenizer's 1024 and decode to no text, and the server sends no chunk for a delta without text or
 logprobs, so without them the client would see a request's first token late and ITL not at all
 (--logprobs -1 turns them off; the server then also skips the log_softmax). Chunks are the server's
-stream interval apart (settings.stream_interval_ms), so ITL is that interval's granularity.
+stream interval apart (settings.engine.stream_interval_ms), so ITL is that interval's granularity.
 One client process (asyncio + httpx): at the highest rates its JSON parsing adds to the latencies it
 measures; served_throughput.py's burst is the fair saturation figure.
 

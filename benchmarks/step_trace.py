@@ -1,4 +1,4 @@
-"""Summarize an engine step trace (settings.step_trace / GRAPHCACHE_STEP_TRACE, engine/loop/core.py).
+"""Summarize an engine step trace (settings.engine.step_trace / GRAPHCACHE_STEP_TRACE, engine/loop/core.py).
 
 Where a run's wall time went, per step: schedule, launch (prepare + replay + device sampling),
 wait (the host waiting for the step's tokens: the GPU is busy then), post (append, stops, outputs)

@@ -287,7 +287,7 @@ async def test_body_size_limit_413(client, app):
         return app.state.metrics.registry.get_sample_value("graphcache_requests_rejected_total", {"reason": "invalid"})
 
     before = rejected()
-    big = {"prompt": "x" * (app.state.settings.max_body_bytes + 10)}
+    big = {"prompt": "x" * (app.state.settings.http.max_body_bytes + 10)}
     assert_error(await client.post("/v1/completions", json=big), 413, code="request_too_large")
 
     async def chunks():  # no Content-Length: the limit must hold on the streamed body too

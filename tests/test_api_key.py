@@ -90,7 +90,7 @@ def assert_401(resp: httpx.Response) -> dict:
 ])
 async def test_env_holds_one_key_or_several(monkeypatch, env, keys):
     monkeypatch.setenv("GRAPHCACHE_API_KEY", env)
-    assert Settings().api_key == keys
+    assert Settings().http.api_key == keys
 
 
 @pytest.mark.parametrize("env", ["", "  ", ",", " , ,"])
@@ -105,10 +105,10 @@ async def test_a_set_but_blank_key_refuses_to_start(monkeypatch, env):
 
 
 async def test_settings_take_a_list_a_string_or_none():
-    assert Settings().api_key is None
-    assert Settings(api_key=None).api_key is None
-    assert Settings(api_key=KEYS).api_key == KEYS
-    assert Settings(api_key="a,b").api_key == ["a", "b"]
+    assert Settings().http.api_key is None
+    assert Settings(api_key=None).http.api_key is None
+    assert Settings(api_key=KEYS).http.api_key == KEYS
+    assert Settings(api_key="a,b").http.api_key == ["a", "b"]
 
 
 @pytest.mark.parametrize("bad", ["caf\u00e9-key", "tab\tkey", "ok,n\u00f6t-ascii", ["fine", "\u00fcber"]])
@@ -123,12 +123,12 @@ async def test_non_ascii_keys_are_refused_without_echo(bad):
 @pytest.mark.parametrize("env", ["true", "1.5", "null"])
 async def test_env_text_is_a_key_as_written_never_json(monkeypatch, env):
     monkeypatch.setenv("GRAPHCACHE_API_KEY", env)   # "null" must not mean "no key": the API would be open
-    assert Settings().api_key == [env]
+    assert Settings().http.api_key == [env]
 
 
 async def test_cli_flag_is_comma_separated_and_secret(capsys):
     args = build_parser().parse_args(["serve", "--api-key", "k1,k2"])
-    assert settings_from_args(args).api_key == ["k1", "k2"]
+    assert settings_from_args(args).http.api_key == ["k1", "k2"]
     assert main(["serve", "--api-key", "caf\u00e9"]) == 2
     err = capsys.readouterr().err
     assert "api_key" in err and "caf\u00e9" not in err

@@ -29,7 +29,7 @@ def test_config_from_settings_copies_every_cache_knob():
     s = Settings(cache_max_entries=7, cache_max_bytes=12345, admission="after_n", admission_min_misses=5,
                  capture_time_share=0.3, capture_burst_seconds=0.7, eviction_policy="gdsf", cache_pin_share=0.25,
                  cache_lazy_pool="private", capture_warmup="always")
-    assert policy_config_from(s) == CachePolicyConfig(
+    assert policy_config_from(s.graph_cache) == CachePolicyConfig(
         max_entries=7, max_bytes=12345, admission="after_n", admission_min_misses=5, capture_time_share=0.3,
         capture_burst_seconds=0.7, eviction_policy="gdsf", pin_share=0.25, lazy_pool="private",
         capture_warmup="always")

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from graphcache.cli import build_parser, main, settings_from_args
@@ -26,7 +27,7 @@ def help_text(capsys, *argv: str) -> str:
 
 def test_every_setting_is_a_documented_serve_flag(capsys):
     text = help_text(capsys, "serve")
-    for name in Settings.model_fields:
+    for name in Settings.flat_fields():
         assert "--" + name.replace("_", "-") in text, name
         assert "GRAPHCACHE_" + name.upper() in text, name
 
@@ -34,29 +35,29 @@ def test_every_setting_is_a_documented_serve_flag(capsys):
 def test_top_level_help_lists_commands_and_settings(capsys):
     text = help_text(capsys)
     assert "serve" in text and "make-tiny-model" in text
-    for name in Settings.model_fields:
+    for name in Settings.flat_fields():
         assert "GRAPHCACHE_" + name.upper() in text
 
 
 def test_flags_override_env_which_overrides_defaults(monkeypatch):
     monkeypatch.setenv("GRAPHCACHE_MAX_NUM_SEQS", "3")
     monkeypatch.setenv("GRAPHCACHE_PORT", "9001")
-    assert parse().max_num_seqs == 3
+    assert parse().engine.max_num_seqs == 3
     s = parse("--max-num-seqs", "5")
-    assert s.max_num_seqs == 5 and s.port == 9001
-    assert parse().max_queue == Settings.model_fields["max_queue"].default
+    assert s.engine.max_num_seqs == 5 and s.http.port == 9001
+    assert parse().engine.max_queue == Settings.flat_fields()["max_queue"].default
 
 
 def test_list_bool_optional_and_choice_flags(tmp_path):
     s = parse("--capture-sizes", "8,1,2", "--warmup-decode-sizes", "", "--warmup-descriptors", "64:8,8:8:decode",
               "--cors-origins", "https://a.example,https://b.example", "--enforce-eager", "--max-model-len", "64",
               "--model", str(tmp_path), "--admission", "after_n", "--drain-timeout-s", "1.5")
-    assert s.capture_sizes == [1, 2, 8] and s.warmup_decode_sizes == []
-    assert s.warmup_descriptors == ["64:8", "8:8:decode"]
-    assert s.cors_origins == ["https://a.example", "https://b.example"]
-    assert s.enforce_eager is True and s.max_model_len == 64 and s.model == tmp_path
-    assert s.admission == "after_n" and s.drain_timeout_s == 1.5
-    assert parse("--no-enforce-eager").enforce_eager is False
+    assert s.graph_cache.capture_sizes == [1, 2, 8] and s.graph_cache.warmup_decode_sizes == []
+    assert s.graph_cache.warmup_descriptors == ["64:8", "8:8:decode"]
+    assert s.http.cors_origins == ["https://a.example", "https://b.example"]
+    assert s.graph_cache.enforce_eager is True and s.engine.max_model_len == 64 and s.model.path == tmp_path
+    assert s.graph_cache.admission == "after_n" and s.http.drain_timeout_s == 1.5
+    assert parse("--no-enforce-eager").graph_cache.enforce_eager is False
 
 
 @pytest.mark.parametrize("argv", [["--max-num-seqs", "many"], ["--capture-sizes", "1,x"],
@@ -74,7 +75,61 @@ def test_inconsistent_settings_exit_2_with_the_reason(capsys):
 
 def test_env_lists_are_json(monkeypatch):
     monkeypatch.setenv("GRAPHCACHE_CAPTURE_SIZES", json.dumps([4, 2]))
-    assert parse().capture_sizes == [2, 4]
+    assert parse().graph_cache.capture_sizes == [2, 4]
+
+
+def test_env_lists_are_comma_separated_as_flags_are(monkeypatch):
+    monkeypatch.setenv("GRAPHCACHE_CAPTURE_SIZES", "4, 1,2")
+    monkeypatch.setenv("GRAPHCACHE_WARMUP_DESCRIPTORS", "64:8,8:8:decode")
+    monkeypatch.setenv("GRAPHCACHE_CORS_ORIGINS", "https://a.example,https://b.example")
+    monkeypatch.setenv("GRAPHCACHE_WARMUP_DECODE_SIZES", "")
+    s = parse()
+    assert s.graph_cache.capture_sizes == [1, 2, 4] and s.graph_cache.warmup_decode_sizes == []
+    assert s.graph_cache.warmup_descriptors == ["64:8", "8:8:decode"]
+    assert s.http.cors_origins == ["https://a.example", "https://b.example"]
+    monkeypatch.setenv("GRAPHCACHE_CAPTURE_SIZES", "null")   # JSON null: the default sizes
+    assert parse().graph_cache.capture_sizes is None
+
+
+def test_a_bad_env_list_names_the_setting_and_both_forms(monkeypatch, capsys):
+    monkeypatch.setenv("GRAPHCACHE_CAPTURE_SIZES", "[1,2")
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid setting capture_sizes" in err and "1,2,4" in err and "[1,2,4]" in err
+
+
+def test_every_flat_env_name_reaches_its_section(monkeypatch):
+    """Each GRAPHCACHE_<NAME> lands in the field its flag sets, whatever section holds it (and whatever
+    that field is called there): env and flag agree for every setting."""
+    for name, value, section, field, expected in [
+            ("MODEL", "/models/m", "model", "path", Path("/models/m")),
+            ("TENSOR_PARALLEL_SIZE", "1", "model", "tensor_parallel_size", 1),
+            ("MAX_NUM_SEQS", "7", "engine", "max_num_seqs", 7),
+            ("ENGINE_PROCESS", "false", "engine", "engine_process", False),
+            ("CACHE_MAX_ENTRIES", "9", "graph_cache", "max_entries", 9),
+            ("CACHE_PIN_SHARE", "0.25", "graph_cache", "pin_share", 0.25),
+            ("CACHE_LAZY_POOL", "private", "graph_cache", "lazy_pool", "private"),
+            ("PORT", "9002", "http", "port", 9002),
+            ("LOG_FORMAT", "json", "logging", "log_format", "json")]:
+        monkeypatch.setenv("GRAPHCACHE_" + name, value)
+        from_env = getattr(getattr(parse(), section), field)
+        monkeypatch.delenv("GRAPHCACHE_" + name)
+        flag = ["--" + name.lower().replace("_", "-")]
+        flag = ["--no-" + flag[0][2:]] if value == "false" else [*flag, value]
+        from_flag = getattr(getattr(parse(*flag), section), field)
+        assert from_env == from_flag == expected, name
+
+
+def test_precedence_per_setting_across_sections(monkeypatch):
+    """flag > env > default holds setting by setting: env and flags touching the same section merge."""
+    monkeypatch.setenv("GRAPHCACHE_CACHE_MAX_ENTRIES", "9")
+    monkeypatch.setenv("GRAPHCACHE_EVICTION_POLICY", "gdsf")
+    monkeypatch.setenv("GRAPHCACHE_HOST", "0.0.0.0")
+    s = parse("--cache-max-entries", "3", "--port", "9003")
+    assert (s.graph_cache.max_entries, s.graph_cache.eviction_policy) == (3, "gdsf")   # flag, env
+    assert s.graph_cache.max_bytes == Settings.flat_fields()["cache_max_bytes"].default   # default
+    assert (s.http.host, s.http.port) == ("0.0.0.0", 9003)
+    assert Settings(cache_max_entries=4).graph_cache.max_entries == 4   # keyword arguments are flags
 
 
 def test_make_tiny_model(tmp_path, capsys):

@@ -595,7 +595,7 @@ async def test_admin_warmup_interleaves_with_serving():
 
 
 async def test_step_trace_records_every_step_and_is_written_at_stop(tmp_path):
-    """settings.step_trace: one record per completed step, times in order, written when the engine stops
+    """settings.engine.step_trace: one record per completed step, times in order, written when the engine stops
     (benchmarks/step_trace.py summarizes it)."""
     import json
 

@@ -134,8 +134,8 @@ def test_a_token_clients_cannot_send_as_configured_is_refused_at_start(token):
 
 def test_ascii_tokens_are_fine():
     for token in ("0123abcd" * 8, "a-b_c.d~e+f/g=", "with inner space"):
-        assert Settings(admin_token=token).admin_token == token
-    assert Settings(admin_token="").admin_token is None
+        assert Settings(admin_token=token).http.admin_token == token
+    assert Settings(admin_token="").http.admin_token is None
 
 
 async def test_admin_compares_the_header_bytes_as_received(client):

@@ -1,4 +1,4 @@
-"""The package's floors: cli > api > engine > model > graphs > config/metrics > vllm_metrics. Each module imports
+"""The package's floors: cli > api > engine > model > graphs > config/metrics > choices/vllm_metrics. Each module imports
 only graphcache modules of lower floors (or of its own package); no function-level import dodges a
 cycle; and the CPU-only scheduler floor pulls in no torch.
 
@@ -18,7 +18,7 @@ import graphcache
 
 PACKAGE = Path(graphcache.__file__).parent
 FLOORS = {"__main__": 6, "cli": 5, "api": 4, "engine": 3, "model": 2, "graphs": 1, "config": 0, "metrics": 0,
-          "vllm_metrics": -1}
+          "choices": -1, "vllm_metrics": -1}
 
 
 def _floor(module: str) -> tuple[str, int]:

@@ -59,7 +59,7 @@ def test_prefill_after_shared_blocks_equals_the_sequence_computed_alone(path):
 
 def with_prefix_caching(core: EngineCore, enabled: bool) -> EngineCore:
     """The core's block manager with prefix caching on or off. (Until EngineCore passes
-    settings.enable_prefix_caching to BlockManager itself; harmless after.)"""
+    settings.engine.enable_prefix_caching to BlockManager itself; harmless after.)"""
     bm = BlockManager(core.block_manager.num_blocks, core.block_manager.block_size, enable_prefix_caching=enabled)
     core.block_manager = core.scheduler.block_manager = bm
     return core

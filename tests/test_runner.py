@@ -365,4 +365,4 @@ def test_attention_kernel_selection(monkeypatch):
         select_attention_kernel(cuda, bf16, 64, 16, "fast")
     # The setting is a Settings field (GRAPHCACHE_ATTENTION_BACKEND), validated at start.
     monkeypatch.setenv("GRAPHCACHE_ATTENTION_BACKEND", "sdpa")
-    assert Settings().attention_backend == "sdpa"
+    assert Settings().model.attention_backend == "sdpa"

@@ -1,10 +1,10 @@
 """The `graphcache` command: serve, make-tiny-model; `graphcache --version` prints the version.
 
-`graphcache serve` flags are generated from the Settings model, one per field, with the
-field's description as help, so flags, env vars (GRAPHCACHE_*) and defaults never drift.
-Precedence: flag > env > default. Lists are comma-separated on the command line
-(`--capture-sizes 1,2,4,8`, `--warmup-decode-sizes ""` for none) and JSON in env
-(`GRAPHCACHE_CAPTURE_SIZES='[1,2,4,8]'`), as pydantic-settings reads them.
+`graphcache serve` flags are generated from the Settings model, one per setting under its flat name
+(Settings.flat_fields()), with the field's description as help, so flags, env vars (GRAPHCACHE_*) and
+defaults never drift. Precedence: flag > env > default. Lists are comma-separated on the command line
+(`--capture-sizes 1,2,4,8`, `--warmup-decode-sizes ""` for none) and in env
+(`GRAPHCACHE_CAPTURE_SIZES=1,2,4,8`; JSON such as '[1,2,4,8]' works there too).
 """
 
 from __future__ import annotations
@@ -89,14 +89,14 @@ def _add_setting_flag(group: argparse._ArgumentGroup, name: str, field) -> None:
         kwargs["type"] = Path
         kwargs["metavar"] = "PATH"
     else:  # a new field type: fail loudly in tests rather than silently dropping the flag
-        raise TypeError(f"cli.py cannot make a flag for Settings.{name} ({field.annotation}); teach "
+        raise TypeError(f"cli.py cannot make a flag for setting {name} ({field.annotation}); teach "
                         "_add_setting_flag this type")
     group.add_argument(flag, **kwargs)
 
 
 def _settings_epilog() -> str:
     lines = ["settings (each is a `serve` flag and a GRAPHCACHE_* env var; flags override env):"]
-    for name, field in Settings.model_fields.items():
+    for name, field in Settings.flat_fields().items():
         lines.append(f"  {ENV_PREFIX + name.upper():<40} {field.description or ''}")
     return "\n".join(lines)
 
@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Run the HTTP server. The port is bound at once; GET /ready turns 200 "
                                        "when the model is loaded and the warmup captures are done.")
     group = serve.add_argument_group("settings")
-    for name, field in Settings.model_fields.items():
+    for name, field in Settings.flat_fields().items():
         _add_setting_flag(group, name, field)
 
     tiny = sub.add_parser("make-tiny-model", help="Write the embedded tiny model (random weights) to DIR.",
@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Flags given on the command line override env, which overrides defaults."""
-    overrides = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+    flat = Settings.flat_fields()
+    overrides = {k: v for k, v in vars(args).items() if k in flat}
     return Settings(**overrides)
 
 
@@ -231,11 +232,11 @@ def _preflight(settings: Settings) -> socket.socket:
     """Everything that would make serve fail and can be found without loading the model, in order:
     the model directory (when --model is set; the embedded tiny model needs no check), then the port.
     Returns the bound socket."""
-    if settings.model is not None:
-        check_model_dir(settings.model, settings.max_model_len)
-    if settings.tensor_parallel_size > 1:
+    if settings.model.path is not None:
+        check_model_dir(settings.model.path, settings.engine.max_model_len)
+    if settings.model.tensor_parallel_size > 1:
         check_tensor_parallel(settings)
-    return bind_port(settings.host, settings.port)
+    return bind_port(settings.http.host, settings.http.port)
 
 
 def check_tensor_parallel(settings: Settings) -> None:
@@ -245,9 +246,9 @@ def check_tensor_parallel(settings: Settings) -> None:
     from graphcache.model.parallel import check_shardable
     from graphcache.model.tiny import DEFAULT_SHAPE
 
-    size = settings.tensor_parallel_size
-    if settings.model is not None:
-        config, where = read_config(settings.model), f"model {str(settings.model)!r}"
+    size = settings.model.tensor_parallel_size
+    if settings.model.path is not None:
+        config, where = read_config(settings.model.path), f"model {str(settings.model.path)!r}"
     else:   # the embedded tiny model, by its shape (not written yet)
         shape = DEFAULT_SHAPE
         config = types.SimpleNamespace(num_heads=shape["heads"], num_kv_heads=shape["kv_heads"],
@@ -259,7 +260,7 @@ def check_tensor_parallel(settings: Settings) -> None:
         raise StartupError(f"{where}: {e} (--tensor-parallel-size, GRAPHCACHE_TENSOR_PARALLEL_SIZE)") from None
     import torch
 
-    wants_cuda = settings.device == "cuda" or (settings.device == "auto" and torch.cuda.is_available())
+    wants_cuda = settings.model.device == "cuda" or (settings.model.device == "auto" and torch.cuda.is_available())
     if wants_cuda and torch.cuda.device_count() < size:
         raise StartupError(f"tensor_parallel_size {size} needs {size} GPUs, torch sees {torch.cuda.device_count()}; "
                            "lower --tensor-parallel-size (GRAPHCACHE_TENSOR_PARALLEL_SIZE) or make more GPUs "
@@ -275,8 +276,8 @@ def _serve(settings: Settings) -> int:
         print(f"graphcache: {e}", file=sys.stderr)
         return 2
     port = sock.getsockname()[1]
-    if port != settings.port:  # port 0: the one the OS picked, so logs and /admin say the real port
-        settings = settings.model_copy(update={"port": port})
+    if port != settings.http.port:  # port 0: the one the OS picked, so logs and /admin say the real port
+        settings = settings.updated(port=port)
 
     import uvicorn
 
@@ -284,8 +285,8 @@ def _serve(settings: Settings) -> int:
     from graphcache.api.http_protocol import guarded_protocol
     from graphcache.api.request_log import setup_logging
 
-    setup_logging(settings.log_format, settings.log_level)
-    log.info("listening on http://%s:%d (bound before loading the model)", settings.host, port)
+    setup_logging(settings.logging.log_format, settings.logging.log_level)
+    log.info("listening on http://%s:%d (bound before loading the model)", settings.http.host, port)
     app = create_app(settings)
 
     class DrainingServer(uvicorn.Server):
@@ -308,21 +309,20 @@ def _serve(settings: Settings) -> int:
             await drain
 
     # The HTTP limits uvicorn lacks (head size and timeout, open connections): api/http_protocol.py.
-    protocol = guarded_protocol(settings.http_max_header_bytes, settings.http_header_timeout_s,
-                                settings.http_max_connections)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=settings.drain_timeout_s + DRAIN_BACKSTOP_S,
-                            log_level=settings.log_level.lower(), http=protocol,
-                            h11_max_incomplete_event_size=settings.http_max_header_bytes,
-                            timeout_keep_alive=settings.http_header_timeout_s,
-                            limit_concurrency=settings.http_max_connections)
+    http = settings.http
+    protocol = guarded_protocol(http.max_header_bytes, http.header_timeout_s, http.max_connections)
+    config = uvicorn.Config(app, host=http.host, port=http.port, log_config=None, access_log=False,
+                            lifespan="on", timeout_graceful_shutdown=http.drain_timeout_s + DRAIN_BACKSTOP_S,
+                            log_level=settings.logging.log_level.lower(), http=protocol,
+                            h11_max_incomplete_event_size=http.max_header_bytes,
+                            timeout_keep_alive=http.header_timeout_s, limit_concurrency=http.max_connections)
     server = DrainingServer(config)
     # uvicorn re-raises the signal that stopped it once it is done; a graceful stop exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: sys.exit(0))
     server.run(sockets=[sock])
     if not server.started:
-        log.error("the server did not start on %s:%s (see the errors above)", settings.host, port)
+        log.error("the server did not start on %s:%s (see the errors above)", settings.http.host, port)
         return 1
     return 0
 
@@ -361,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
             settings = settings_from_args(args)
         except ValidationError as e:
             for err in e.errors():
-                where = ".".join(map(str, err["loc"])) or "settings"
+                # ("http", "admin_token") -> admin_token: the flat name the user set
+                loc = err["loc"][1:] if err["loc"] and err["loc"][0] in Settings.model_fields else err["loc"]
+                where = ".".join(map(str, loc)) or "settings"
                 message = err["msg"].removeprefix("Value error, ")   # never err["input"]: it may be a secret
                 print(f"graphcache serve: invalid setting {where}: {message}", file=sys.stderr)
             return 2

@@ -1,19 +1,49 @@
 """Settings shared by every floor: env `GRAPHCACHE_*`, CLI flags and defaults in one place.
 
-Every field here is also a `graphcache serve --flag` (see cli.py) and a Helm value.
+Settings is grouped by who owns the values: `model` (what runs, where, which kernels), `engine` (batch
+limits, KV cache, the step loop), `graph_cache` (capture and cache policy), `http` (the server and what it
+accepts) and `logging`. Each section goes whole to its owner. Users see one flat namespace: every section
+field is a `GRAPHCACHE_<NAME>` env var, a `graphcache serve --name` flag (cli.py) and a Helm `config` key,
+under its flat name (the field's alias where it has one, e.g. `cache_max_entries` for
+`graph_cache.max_entries`). A new setting goes into the section of the code that reads it; flat names are
+unique across sections (checked when this module is imported).
+
 Defaults run the embedded tiny model on whatever device is there.
 """
 
 from __future__ import annotations
 
+import json
+import os
+from functools import cache
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any
 
-from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
-# Batch limits for CUDA devices when the user sets none: the offline benchmark's (BENCHMARKS.md §6:
-# 33k output tok/s for a 0.5B model on the H200 at 256 / 8192; the CPU defaults 64 / 1024 leave it idle).
+from graphcache.choices import (
+    AdmissionRule,
+    AsyncScheduling,
+    AttentionBackend,
+    CaptureMode,
+    CaptureWarmup,
+    DecodeAttentionBackend,
+    Device,
+    Dtype,
+    EvictionPolicy,
+    FusedOps,
+    LazyPool,
+    LogFormat,
+    LogLevel,
+)
+
+__all__ = ["GPU_BATCH_DEFAULTS", "EngineSettings", "GraphCacheSettings", "HttpSettings", "LoggingSettings",
+           "ModelSettings", "Settings", "SettingsSection", "default_capture_sizes"]
+
+# Batch limits for CUDA devices when the user sets none: the offline benchmark's (BENCHMARKS.md: 33k output
+# tok/s for a 0.5B model on the H200 at 256 / 8192; the CPU defaults 64 / 1024 leave it idle).
 GPU_BATCH_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192}
 
 
@@ -23,26 +53,75 @@ def default_capture_sizes(max_size: int) -> list[int]:
     return [s for s in sizes if s <= max_size]
 
 
-class Settings(BaseSettings):
-    # hide_input_in_errors: a refused admin_token must not be printed by a ValidationError's str().
-    model_config = SettingsConfigDict(env_prefix="GRAPHCACHE_", extra="ignore", hide_input_in_errors=True)
+# --------------------------------------------------------------------------- value parsing
 
-    # --- model ---
-    model: Path | None = Field(
-        None, description="Hugging Face model directory (config.json, *.safetensors, tokenizer.json). "
-        "Unset: the embedded tiny model, created on first use under cache_dir.")
-    served_model_name: str | None = Field(None, description="Model id in the API; default: the directory name.")
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "auto", description="auto = bfloat16 on CUDA, float32 on CPU.")
-    device: Literal["auto", "cuda", "cpu"] = Field("auto", description="auto = cuda when available.")
+def _list_text(v: object) -> object:
+    """A list from env or a flag as text: `1,2,4` (comma-separated) or JSON (`[1,2,4]`, `null`); "" = []."""
+    if not isinstance(v, str):
+        return v
+    text = v.strip()
+    if text.startswith("[") or text == "null":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            raise ValueError("a list is comma-separated (1,2,4) or a JSON list ([1,2,4])") from None
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def _blank_is_unset(v: object) -> object:
+    # GRAPHCACHE_MODEL="" (a blank Helm or compose value) means "not set", never Path(".").
+    return None if isinstance(v, str) and not v.strip() else v
+
+
+def _is_ascii_token(v: str) -> bool:
+    # HTTP header values are Latin-1 on the wire; curl and most clients send a non-ASCII token as UTF-8
+    # bytes, so such a token would match only clients that happen to encode it as the server decodes it.
+    return v.isascii() and v.isprintable() and v == v.strip()
+
+
+CommaList = BeforeValidator(_list_text)
+BlankIsUnset = BeforeValidator(_blank_is_unset)
+
+
+# --------------------------------------------------------------------------- sections
+
+class SettingsSection(BaseModel):
+    """One owner's settings. populate_by_name: a section can be built by field name as well as by flat name;
+    hide_input_in_errors: a refused secret is never printed by a ValidationError's str()."""
+
+    model_config = ConfigDict(populate_by_name=True, hide_input_in_errors=True, extra="forbid")
+
+
+class ModelSettings(SettingsSection):
+    """What model runs, where, and which kernels run it: the runner and the model loader read these."""
+
+    path: Annotated[Path | None, BlankIsUnset] = Field(
+        None, alias="model", description="Hugging Face model directory (config.json, *.safetensors, "
+        "tokenizer.json). Unset: the embedded tiny model, created on first use under cache_dir.")
+    served_model_name: Annotated[str | None, BlankIsUnset] = Field(
+        None, description="Model id in the API; default: the directory name.")
+    dtype: Dtype = Field("auto", description="auto = bfloat16 on CUDA, float32 on CPU.")
+    device: Device = Field("auto", description="auto = cuda when available.")
     cache_dir: Path = Field(Path.home() / ".cache" / "graphcache", description="Where the tiny model is written.")
     seed: int = Field(0, description="Seed for random weights of the tiny model and the default sampler.")
     tensor_parallel_size: int = Field(
         1, ge=1, le=64, description="GPUs one model is split over (tensor parallelism: heads, MLP and vocabulary "
         "sharded, one process per GPU, started by the server itself; gloo processes on the CPU). Must divide the "
         "model's attention heads, KV heads and intermediate size (docs/TENSOR_PARALLEL.md).")
+    attention_backend: AttentionBackend = Field(
+        "auto", description="Attention kernel: auto picks the fastest that runs here; the others force one "
+        "(A/B runs) and fail at start if it cannot run.")
+    decode_attention_backend: DecodeAttentionBackend = Field(
+        "auto", description="Kernel of uniform-decode steps: auto = triton on CUDA (paged split-KV), torch on CPU; "
+        "varlen = the general attention kernel, as for mixed batches.")
+    fused_ops: FusedOps = Field(
+        "auto", description="auto = on CUDA, one Triton kernel each for residual add + RMSNorm, rotary and "
+        "SiLU*mul (a decode step is mostly tiny kernels); off = the PyTorch ops (A/B runs).")
 
-    # --- engine ---
+
+class EngineSettings(SettingsSection):
+    """Batch limits, the KV cache and the step loop: the scheduler, the block manager and the engine."""
+
     max_num_seqs: int = Field(64, ge=1, le=4096, description="Requests running at once (decode batch size). "
                               "Default 64 on the CPU, 256 on CUDA (GPU_BATCH_DEFAULTS).")
     max_num_batched_tokens: int = Field(1024, ge=16, description="Tokens in one step (prefill chunks + decodes). "
@@ -61,49 +140,44 @@ class Settings(BaseSettings):
         "in the server process), so the two do not share one interpreter lock. Default: on with CUDA at "
         "tensor_parallel_size 1 (H200, 64 streaming clients: +24% tok/s, BENCHMARKS.md §8.5), off on the CPU. "
         "Not with tensor_parallel_size > 1 yet (docs/ARCHITECTURE.md).")
-    enforce_eager: bool = Field(False, description="Never capture; every step runs eagerly.")
     step_trace: Path | None = Field(
         None, description="Benchmarks: keep a timing record of the last 100,000 steps and write it to this "
         "file (JSON lines) when the engine stops (benchmarks/step_trace.py reads it).")
-    allow_special_tokens_in_chat: bool = Field(
-        False, description="Encode special-token strings inside chat message content as control tokens. Off: "
-        "content is always plain text, so a user cannot open a fake system turn (set only for trusted clients).")
-    attention_backend: Literal["auto", "sdpa", "flash", "flash_paged", "triton"] = Field(
-        "auto", description="Attention kernel: auto picks the fastest that runs here; the others force one "
-        "(A/B runs) and fail at start if it cannot run.")
     stream_interval_ms: float = Field(
         20.0, ge=0, description="Streams get new tokens at most this often (first and last tokens at once); "
         "0 = every step. Fewer, larger chunks keep the event loop ahead of a large batch.")
-    async_scheduling: Literal["auto", "on", "off"] = Field(
+    async_scheduling: AsyncScheduling = Field(
         "auto", description="Schedule and prepare step n+1 while the GPU runs step n (auto = on with CUDA). "
         "Greedy outputs are the same either way; a request that stops at step n wastes one step of work.")
-    decode_attention_backend: Literal["auto", "triton", "torch", "varlen"] = Field(
-        "auto", description="Kernel of uniform-decode steps: auto = triton on CUDA (paged split-KV), torch on CPU; "
-        "varlen = the general attention kernel, as for mixed batches.")
-    fused_ops: Literal["auto", "off"] = Field(
-        "auto", description="auto = on CUDA, one Triton kernel each for residual add + RMSNorm, rotary and "
-        "SiLU*mul (a decode step is mostly tiny kernels); off = the PyTorch ops (A/B runs).")
-    decode_capture_mode: Literal["full", "breakable"] = Field(
+
+
+class GraphCacheSettings(SettingsSection):
+    """What is captured and how the cache keeps it: the runner and GraphCache. The policy fields are named as
+    CachePolicyConfig's (graphs/policy_config.py), which is built from this section by name."""
+
+    enforce_eager: bool = Field(False, description="Never capture; every step runs eagerly.")
+    decode_capture_mode: CaptureMode = Field(
         "full", description="Uniform-decode captures: full = one CUDA graph with attention inside (needs a "
         "triton/torch decode kernel); breakable = attention as an eager break. Mixed batches are always breakable.")
-
-    # --- graph cache ---
-    capture_sizes: list[int] | None = Field(None, description="Padded batch sizes (tokens) that may be captured; "
-                                            "default: 1,2,4,8..256 by 8, then by 16 up to max_capture_size.")
+    capture_sizes: Annotated[list[int] | None, CommaList] = Field(
+        None, description="Padded batch sizes (tokens) that may be captured; "
+        "default: 1,2,4,8..256 by 8, then by 16 up to max_capture_size.")
     max_capture_size: int = Field(256, ge=1, description="Largest capture size; bigger batches run eagerly.")
-    warmup_decode_sizes: list[int] | None = Field(
+    warmup_decode_sizes: Annotated[list[int] | None, CommaList] = Field(
         None, description="Uniform-decode sizes captured at start (pinned). Default: capture sizes <= max_num_seqs. "
         "[] = none.")
-    warmup_descriptors: list[str] = Field(
+    warmup_descriptors: Annotated[list[str], CommaList] = Field(
         default_factory=list, description='Extra descriptors to capture at start, "TOKENS:REQS" (mixed) '
         'or "TOKENS:REQS:decode".')
     warmup_profile: Path | None = Field(
         None, description="A profile exported by GET /admin/cache/profile (JSON file): warm exactly its "
         "descriptors at start, largest first, within the budgets (instead of warmup_decode_sizes and "
         "warmup_descriptors). An entry the server cannot capture is a startup error.")
-    cache_max_entries: int = Field(128, ge=0, description="Captured graphs kept; evicted beyond (eviction_policy).")
-    cache_max_bytes: int = Field(4 << 30, ge=0, description="Graph-pool bytes kept (allocator-measured); evicted beyond (eviction_policy).")
-    admission: Literal["auto", "always", "after_n", "never"] = Field(
+    max_entries: int = Field(128, ge=0, alias="cache_max_entries",
+                             description="Captured graphs kept; evicted beyond (eviction_policy).")
+    max_bytes: int = Field(4 << 30, ge=0, alias="cache_max_bytes",
+                           description="Graph-pool bytes kept (allocator-measured); evicted beyond (eviction_policy).")
+    admission: AdmissionRule = Field(
         "auto", description="On a miss while serving: auto = capture a uniform-decode descriptor at once and a "
         "mixed one at its N-th miss; always = at once; after_n = at the N-th miss; never = warmup/admin only.")
     admission_min_misses: int = Field(2, ge=1, description="N for admission=after_n and for mixed batches under auto.")
@@ -112,68 +186,116 @@ class Settings(BaseSettings):
         "this share of serving time; a miss past it is served eagerly and captured later. 1 = no limit.")
     capture_burst_seconds: float = Field(
         0.25, ge=0, description="Capture seconds lazy captures may spend at once before capture_time_share applies.")
-    cache_pin_share: float = Field(0.5, gt=0, le=1, description="Warmup pins at most this share of "
-                                   "cache_max_entries and cache_max_bytes; beyond it warmed graphs stay evictable, "
-                                   "so lazy captures always keep room.")
-    cache_lazy_pool: Literal["shared", "private"] = Field(
-        "shared", description="Graph pool of lazily captured (unpinned) graphs: shared = one pool for all of them, "
-        "about the size of the largest (graphs never run at once), freed only with its last graph; private = one "
-        "pool each, so evicting one frees exactly its bytes, at the sum of their sizes (docs/graph-pools.md).")
-    eviction_policy: Literal["lru", "gdsf"] = Field(
+    pin_share: float = Field(0.5, gt=0, le=1, alias="cache_pin_share",
+                             description="Warmup pins at most this share of cache_max_entries and cache_max_bytes; "
+                             "beyond it warmed graphs stay evictable, so lazy captures always keep room.")
+    lazy_pool: LazyPool = Field(
+        "shared", alias="cache_lazy_pool", description="Graph pool of lazily captured (unpinned) graphs: shared = "
+        "one pool for all of them, about the size of the largest (graphs never run at once), freed only with its "
+        "last graph; private = one pool each, so evicting one frees exactly its bytes, at the sum of their sizes "
+        "(docs/graph-pools.md).")
+    eviction_policy: EvictionPolicy = Field(
         "lru", description="Which unpinned graph the budgets evict: lru = least recently used; gdsf = lowest "
         "(hits + 1) x capture seconds / MiB, aged (docs/graph-pools.md).")
     graph_debug: bool = Field(False, description="Assert input addresses at replay equal those at capture.")
-    capture_warmup: Literal["per_kernel", "always"] = Field(
+    capture_warmup: CaptureWarmup = Field(
         "per_kernel", description="When a capture first runs its step eagerly (so kernels' first-call setup and "
         "Triton compiles stay out of the graph): per_kernel = before the first capture of each kernel family "
         "(uniform decode per split-KV count, mixed), always = before every capture (about twice the capture "
         "time: BENCHMARKS.md §8). A capture that fails without one is retried with one.")
 
-    # --- structured output (grammar compiling and masking; docs/RELIABILITY.md, "Structured output limits") ---
-    grammar_compile_threads: int = Field(
-        2, ge=1, le=64, description="Threads that compile output constraints (schemas, regexes, grammars) and "
+    @field_validator("capture_sizes")
+    @classmethod
+    def _sorted_unique(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return v
+        if any(s < 1 for s in v):
+            raise ValueError("capture_sizes must be positive integers")
+        return sorted(set(v))
+
+    def resolved_capture_sizes(self) -> list[int]:
+        return self.capture_sizes if self.capture_sizes is not None else default_capture_sizes(self.max_capture_size)
+
+
+class GrammarSettings(SettingsSection):
+    """Structured output: compiling constraints and masking with them (engine/sample/grammar_*.py); field
+    names are GrammarLimits' (docs/RELIABILITY.md, "Structured output limits")."""
+
+    compile_threads: int = Field(
+        2, alias="grammar_compile_threads", ge=1, le=64, description="Threads that compile output constraints (schemas, regexes, grammars) and "
         "their first masks, off the event loop and the engine thread.")
-    grammar_compile_queue: int = Field(
-        64, ge=0, description="Constraints that may wait for a compile thread; more get 429.")
-    grammar_compile_stack_mib: int = Field(
-        256, ge=8, le=4096, description="Stack of each compile thread (MiB, reserved, touched only as used): the "
+    compile_queue: int = Field(
+        64, alias="grammar_compile_queue", ge=0, description="Constraints that may wait for a compile thread; more get 429.")
+    compile_stack_mib: int = Field(
+        256, alias="grammar_compile_stack_mib", ge=8, le=4096, description="Stack of each compile thread (MiB, reserved, touched only as used): the "
         "grammar library recurses natively, and a deep input on a default 8 MiB stack kills the process.")
-    grammar_max_depth: int = Field(
-        128, ge=4, description="Deepest constraint compiled: JSON nesting and $ref chain of a schema, rule "
+    max_depth: int = Field(
+        128, alias="grammar_max_depth", ge=4, description="Deepest constraint compiled: JSON nesting and $ref chain of a schema, rule "
         "chain of a grammar, group nesting of a regex. Deeper: 400.")
-    grammar_lexer_fuel: int = Field(
-        100_000, ge=1000, description="Lexer fuel of one constraint (llguidance's initial_lexer_fuel, default 1M): "
+    lexer_fuel: int = Field(
+        100_000, alias="grammar_lexer_fuel", ge=1000, description="Lexer fuel of one constraint (llguidance's initial_lexer_fuel, default 1M): "
         "a regex bomb such as a{1000}{1000} or x{100000} runs out of it and is refused (400) after ~0.3 s of "
         "lexing instead of seconds; schemas with long strings, big enums and formats need far less.")
-    grammar_compile_budget_ms: float = Field(
-        2000.0, gt=0, description="Most time compiling a constraint and its first two masks may take; slower: 400.")
-    grammar_mask_ms_per_token: float = Field(
-        10.0, gt=0, description="Most mask time per token a constrained request may cost the engine thread (mean "
+    compile_budget_ms: float = Field(
+        2000.0, alias="grammar_compile_budget_ms", gt=0, description="Most time compiling a constraint and its first two masks may take; slower: 400.")
+    mask_ms_per_token: float = Field(
+        10.0, alias="grammar_mask_ms_per_token", gt=0, description="Most mask time per token a constrained request may cost the engine thread (mean "
         "over grammar_mask_window timed tokens, measured once its step's masks took longer than this); past it "
         "the request ends with finish_reason error.")
-    grammar_mask_window: int = Field(
-        8, ge=1, description="Tokens a request's mask cost is averaged over before it is ended or cleared.")
-    grammar_cache_entries: int = Field(128, ge=1, description="Compiled constraints kept for reuse (LRU).")
-    grammar_cache_bytes: int = Field(
-        512 << 20, ge=0, description="Estimated bytes of compiled constraints kept (LRU beyond; one larger than this "
+    mask_window: int = Field(
+        8, alias="grammar_mask_window", ge=1, description="Tokens a request's mask cost is averaged over before it is ended or cleared.")
+    cache_entries: int = Field(128, alias="grammar_cache_entries", ge=1, description="Compiled constraints kept for reuse (LRU).")
+    cache_bytes: int = Field(
+        512 << 20, alias="grammar_cache_bytes", ge=0, description="Estimated bytes of compiled constraints kept (LRU beyond; one larger than this "
         "is not kept): the heap growth while each compiled (metric graphcache_grammar_cache_bytes).")
 
-    # --- HTTP ---
+
+class HttpSettings(SettingsSection):
+    """The HTTP server and what it accepts: the api floor and `graphcache serve`."""
+
     host: str = Field("127.0.0.1", description="Bind address; 0.0.0.0 in containers.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 = any free port).")
-    admin_token: str | None = Field(None, description="Bearer token for /admin/* (printable ASCII, e.g. from "
-                                    "`openssl rand -hex 32`). Unset: admin is off, "
-                                    "unless admin_allow_loopback lets loopback clients in.")
+    admin_token: Annotated[str | None, BlankIsUnset] = Field(
+        None, description="Bearer token for /admin/* (printable ASCII, e.g. from `openssl rand -hex 32`). Unset: "
+        "admin is off, unless admin_allow_loopback lets loopback clients in.")
     api_key: Annotated[list[str] | None, NoDecode] = Field(
         None, description="API keys for /v1/*, /tokenize and /detokenize (clients send 'Authorization: Bearer "
         "<key>'): one, or several comma-separated; printable ASCII, e.g. from `openssl rand -hex 32`. "
         "Unset: that API is open. /health, /ready, /ping, /version and /metrics are always open.")
+    admin_allow_loopback: bool = Field(False, description="Without a token, allow /admin/* from 127.0.0.1/::1.")
+    drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM, how long in-flight requests may finish.")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body; bigger gets 413.")
+    max_header_bytes: int = Field(
+        64 << 10, ge=1024, alias="http_max_header_bytes", description="Largest request head (request line + "
+        "headers); a bigger one is answered 431 (httptools) or 400 (h11) and the connection closed.")
+    header_timeout_s: float = Field(
+        10.0, gt=0, alias="http_header_timeout_s", description="Seconds a connection may take to send a complete "
+        "request head (and an idle keep-alive connection stays open); slower ones are closed, so half-open "
+        "connections cannot pile up.")
+    max_connections: int = Field(
+        1000, ge=1, alias="http_max_connections", description="Open connections at most; past it new requests get "
+        "503 at once. Keep it below the process's file-descriptor limit (`ulimit -n`).")
+    cors_origins: Annotated[list[str], CommaList] = Field(
+        default_factory=list, description="CORS allowed origins; empty = CORS off.")
+    allow_special_tokens_in_chat: bool = Field(
+        False, description="Encode special-token strings inside chat message content as control tokens. Off: "
+        "content is always plain text, so a user cannot open a fake system turn (set only for trusted clients).")
+
+    @field_validator("admin_token")
+    @classmethod
+    def _ascii_token(cls, v: str | None) -> str | None:
+        # Refused at start, without echoing the secret.
+        if v is not None and not _is_ascii_token(v):
+            raise ValueError("admin_token must be printable ASCII without leading or trailing spaces (HTTP "
+                             "header values are Latin-1 on the wire, and clients send other characters "
+                             "differently): use ASCII characters, e.g. a hex token from `openssl rand -hex 32`")
+        return v
 
     @field_validator("api_key", mode="before")
     @classmethod
     def _api_keys(cls, v: object) -> list[str] | None:
-        # GRAPHCACHE_API_KEY=k1,k2 or --api-key k1,k2: one key or several, comma-separated. NoDecode: env
-        # text is never read as JSON, so any ASCII key (even "null" or "1.5") is taken as written.
+        # GRAPHCACHE_API_KEY=k1,k2 or --api-key k1,k2: one key or several, comma-separated. NoDecode and no
+        # JSON here: any ASCII key (even "null" or "[1]") is taken as written.
         if isinstance(v, str):
             v = v.split(",")
         if v is None:
@@ -187,79 +309,129 @@ class Settings(BaseSettings):
             raise ValueError("api_key is set but holds no key (blank, or only commas and spaces): set a key, "
                              "e.g. from `openssl rand -hex 32`, or unset GRAPHCACHE_API_KEY (--api-key) to leave "
                              "the API open")
-        for key in keys:
-            try:
-                cls._ascii_token(key)   # the admin token's rule: printable ASCII, no surrounding spaces
-            except ValueError:
-                raise ValueError("api_key must be printable ASCII (HTTP header values are Latin-1 on the wire, "
-                                 "and clients send other characters differently): use ASCII characters, e.g. "
-                                 "a hex key from `openssl rand -hex 32`") from None
+        if not all(_is_ascii_token(key) for key in keys):
+            raise ValueError("api_key must be printable ASCII (HTTP header values are Latin-1 on the wire, "
+                             "and clients send other characters differently): use ASCII characters, e.g. "
+                             "a hex key from `openssl rand -hex 32`")
         return keys
-    admin_allow_loopback: bool = Field(False, description="Without a token, allow /admin/* from 127.0.0.1/::1.")
-    log_format: Literal["text", "json"] = Field("text", description="text for people, json for log pipelines.")
-    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Root log level.")
-    drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM, how long in-flight requests may finish.")
-    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body; bigger gets 413.")
-    http_max_header_bytes: int = Field(
-        64 << 10, ge=1024, description="Largest request head (request line + headers); a bigger one is "
-        "answered 431 (httptools) or 400 (h11) and the connection closed.")
-    http_header_timeout_s: float = Field(
-        10.0, gt=0, description="Seconds a connection may take to send a complete request head (and an idle "
-        "keep-alive connection stays open); slower ones are closed, so half-open connections cannot pile up.")
-    http_max_connections: int = Field(
-        1000, ge=1, description="Open connections at most; past it new requests get 503 at once. Keep it "
-        "below the process's file-descriptor limit (`ulimit -n`).")
-    cors_origins: list[str] = Field(default_factory=list, description="CORS allowed origins; empty = CORS off.")
 
-    @field_validator("model", "admin_token", "served_model_name", mode="before")
-    @classmethod
-    def _empty_is_unset(cls, v: object) -> object:
-        # GRAPHCACHE_MODEL="" (a blank Helm or compose value) means "not set", never Path(".").
-        return None if isinstance(v, str) and not v.strip() else v
 
-    @field_validator("admin_token")
-    @classmethod
-    def _ascii_token(cls, v: str | None) -> str | None:
-        # HTTP header values are Latin-1 on the wire; curl and most clients send a non-ASCII token as
-        # UTF-8 bytes, so such a token would match only clients that happen to encode it as the server
-        # decodes it. Refused at start instead, without echoing the secret.
-        if v is not None and not (v.isascii() and v.isprintable() and v == v.strip()):
-            raise ValueError("admin_token must be printable ASCII without leading or trailing spaces (HTTP "
-                             "header values are Latin-1 on the wire, and clients send other characters "
-                             "differently): use ASCII characters, e.g. a hex token from `openssl rand -hex 32`")
-        return v
+class LoggingSettings(SettingsSection):
+    """How the server logs: set up once per process (server, engine process, tensor-parallel ranks)."""
 
-    @field_validator("capture_sizes")
+    log_format: LogFormat = Field("text", description="text for people, json for log pipelines.")
+    log_level: LogLevel = Field("info", description="Root log level.")
+
+
+SECTIONS: dict[str, type[SettingsSection]] = {"model": ModelSettings, "engine": EngineSettings,
+                                              "graph_cache": GraphCacheSettings, "grammar": GrammarSettings,
+                                              "http": HttpSettings, "logging": LoggingSettings}
+
+
+@cache
+def _flat_names() -> dict[str, tuple[str, str, FieldInfo]]:
+    """flat name -> (section, field name, field), in declaration order."""
+    names: dict[str, tuple[str, str, FieldInfo]] = {}
+    for section, model in SECTIONS.items():
+        for field_name, field in model.model_fields.items():
+            flat = field.alias or field_name
+            if flat in names:
+                raise TypeError(f"setting {flat!r} is declared in both {names[flat][0]} and {section}: flat "
+                                "names are env vars and flags, so each must be unique")
+            names[flat] = (section, field_name, field)
+    return names
+
+
+_flat_names()   # a duplicate flat name fails at import, not at the first Settings()
+
+
+# --------------------------------------------------------------------------- flat env
+
+class FlatEnvSource(PydanticBaseSettingsSource):
+    """GRAPHCACHE_<FLAT NAME> for every section field, as text (case-insensitive, as pydantic-settings reads
+    env): each field's own validators parse it, so lists take `1,2,4` as well as JSON."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False   # unused: __call__ reads every flat name at once
+
+    def __call__(self) -> dict[str, Any]:
+        prefix = self.config.get("env_prefix", "").lower()
+        env = {k.lower(): v for k, v in os.environ.items()}
+        return {flat: env[prefix + flat] for flat in _flat_names() if prefix + flat in env}
+
+
+# --------------------------------------------------------------------------- Settings
+
+class Settings(BaseSettings):
+    """Built from flat names (`Settings(max_num_seqs=8)`, env, flags) or whole sections
+    (`Settings(http=HttpSettings(port=0))`); read by section (`settings.engine.max_num_seqs`).
+    Precedence: keyword arguments (the CLI's flags) > env > defaults."""
+
+    # hide_input_in_errors: a refused admin_token must not be printed by a ValidationError's str().
+    model_config = SettingsConfigDict(env_prefix="GRAPHCACHE_", extra="ignore", hide_input_in_errors=True)
+
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    graph_cache: GraphCacheSettings = Field(default_factory=GraphCacheSettings)
+    grammar: GrammarSettings = Field(default_factory=GrammarSettings)
+    http: HttpSettings = Field(default_factory=HttpSettings)
+    logging: LoggingSettings = Field(default_factory=LoggingSettings)
+
     @classmethod
-    def _sorted_unique(cls, v: list[int] | None) -> list[int] | None:
-        if v is None:
-            return v
-        if any(s < 1 for s in v):
-            raise ValueError("capture_sizes must be positive integers")
-        return sorted(set(v))
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, FlatEnvSource(settings_cls)
+
+    @classmethod
+    def flat_fields(cls) -> dict[str, FieldInfo]:
+        """Every setting by its flat name (env var without the prefix, flag, Helm key), in declaration order."""
+        return {flat: field for flat, (_, _, field) in _flat_names().items()}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest(cls, data: Any) -> Any:
+        """Flat names into their sections; a whole section (a dict or a section) is taken as given."""
+        if not isinstance(data, dict):
+            return data
+        flat = _flat_names()
+        nested: dict[str, Any] = {name: {} for name in SECTIONS}
+        for key, value in data.items():
+            if key in SECTIONS and isinstance(value, dict | SettingsSection):
+                section = value.model_dump(exclude_unset=True) if isinstance(value, SettingsSection) else value
+                nested[key].update(section)
+            elif key in flat:
+                section, field_name, _ = flat[key]
+                nested[section][field_name] = value
+        return nested
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
+        # The rules that span sections, once: the device decides the engine's defaults, which the batch
+        # limits are checked against.
         self._gpu_defaults()
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        engine = self.engine
+        if engine.max_num_batched_tokens < engine.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token per sequence)")
-        if self.engine_process and self.tensor_parallel_size > 1:
+        if engine.engine_process and self.model.tensor_parallel_size > 1:
             raise ValueError("engine_process does not support tensor_parallel_size > 1 yet: set "
                              "GRAPHCACHE_ENGINE_PROCESS=false (--no-engine-process) to split the model, or "
                              "GRAPHCACHE_TENSOR_PARALLEL_SIZE=1 to run the engine in its own process")
         return self
 
     def _gpu_defaults(self) -> None:
-        """On CUDA, settings not set by the user take their GPU defaults: the batch limits
-        GPU_BATCH_DEFAULTS (measured on the H200: BENCHMARKS.md §6; the CPU defaults would leave a GPU
-        mostly idle), and engine_process on at tensor parallel size 1 (§8.5: the step loop outruns one
-        interpreter shared with the HTTP server). The device is probed only when it matters: device=auto
-        and at least one of these left to its default."""
-        unset = [f for f in GPU_BATCH_DEFAULTS if f not in self.model_fields_set]
-        process = "engine_process" not in self.model_fields_set and self.tensor_parallel_size == 1
-        if (not unset and not process) or self.device == "cpu":
+        """On CUDA, engine settings not set by the user take their GPU defaults: the batch limits
+        GPU_BATCH_DEFAULTS (measured on the H200; the CPU defaults would leave a GPU mostly idle), and
+        engine_process on at tensor parallel size 1 (the step loop outruns one interpreter shared with the
+        HTTP server). The device is probed only when it matters: device=auto and at least one of these left
+        to its default."""
+        engine, given = self.engine, self.engine.model_fields_set
+        unset = [f for f in GPU_BATCH_DEFAULTS if f not in given]
+        process = "engine_process" not in given and self.model.tensor_parallel_size == 1
+        if (not unset and not process) or self.model.device == "cpu":
             return
-        if self.device == "auto":
+        if self.model.device == "auto":
             import torch  # config floor: only the probe needs it, and only here
 
             if not torch.cuda.is_available():
@@ -267,10 +439,21 @@ class Settings(BaseSettings):
         for name in unset:
             value = GPU_BATCH_DEFAULTS[name]
             if name == "max_num_seqs":   # never more rows than an explicit token budget allows
-                value = min(value, self.max_num_batched_tokens)
-            object.__setattr__(self, name, value)
+                value = min(value, engine.max_num_batched_tokens)
+            object.__setattr__(engine, name, value)
         if process:
-            object.__setattr__(self, "engine_process", True)
+            object.__setattr__(engine, "engine_process", True)
 
-    def resolved_capture_sizes(self) -> list[int]:
-        return self.capture_sizes if self.capture_sizes is not None else default_capture_sizes(self.max_capture_size)
+    def updated(self, **flat: Any) -> Settings:
+        """A copy with some settings replaced by flat name, unvalidated (as model_copy(update=...)): for
+        values the server itself fills in (the bound port, the written tiny model) and for benchmarks."""
+        names = _flat_names()
+        unknown = sorted(set(flat) - set(names))
+        if unknown:
+            raise TypeError(f"unknown settings {unknown}; the settings are {', '.join(names)}")
+        sections: dict[str, dict[str, Any]] = {}
+        for key, value in flat.items():
+            section, field_name, _ = names[key]
+            sections.setdefault(section, {})[field_name] = value
+        return self.model_copy(update={name: getattr(self, name).model_copy(update=update)
+                                       for name, update in sections.items()})

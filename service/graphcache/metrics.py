@@ -24,6 +24,7 @@ from prometheus_client import (
     ProcessCollector,
 )
 
+from graphcache.choices import CAPTURE_MODES, STEP_MODES
 from graphcache.vllm_metrics import VllmMetrics
 
 # Buckets sized for what these measure: captures take 1 ms - 10 s, a step 0.1 ms - 10 s.
@@ -35,9 +36,9 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 EVICTION_REASONS = ("entries", "bytes", "clear", "manual")
 FAILURE_REASONS = ("error", "oom", "budget")
-STEP_MODES = ("replay", "eager")
+
 FINISH_REASONS = ("stop", "length", "abort", "error")
-CAPTURE_MODES = ("full", "breakable")
+
 # The `model_name` label of the vllm: series until bind_model() names the served model: what the
 # Engine serves when no model is configured (create_app binds the engine's real name).
 DEFAULT_MODEL_NAME = "graphcache-tiny"

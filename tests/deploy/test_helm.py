@@ -162,7 +162,7 @@ def test_defaults_env_and_generated_secret(chart):
     token = base64.b64decode(secret["data"][ref["key"]]).decode()
     assert re.fullmatch(r"[A-Za-z0-9]{32}", token)
     # null config values stay out of the env: the server's defaults apply.
-    assert not [n for n in env if n.startswith("GRAPHCACHE_") and n.lower()[11:] in Settings.model_fields
+    assert not [n for n in env if n.startswith("GRAPHCACHE_") and n.lower()[11:] in Settings.flat_fields()
                 and n.lower()[11:] not in CHART_MANAGED]
 
 
@@ -245,12 +245,13 @@ def test_custom_env_parses_as_server_settings(chart, monkeypatch):
         if name.startswith("GRAPHCACHE_") and "value" in e:
             monkeypatch.setenv(name, e["value"])
     s = Settings()
-    assert s.model == Path("/models/Qwen2.5-0.5B-Instruct") and s.served_model_name == "qwen"
-    assert s.host == "0.0.0.0" and s.port == 8000
-    assert s.max_num_seqs == 128 and s.capture_sizes == [1, 2, 4, 8, 16]
-    assert s.cache_max_bytes == 8 << 30 and s.admission == "after_n" and s.enforce_eager is False
-    assert s.warmup_descriptors == ["64:8", "8:8:decode"] and s.kv_cache_memory_fraction == 0.8
-    assert s.cors_origins == [] and s.log_level == "debug"
+    assert s.model.path == Path("/models/Qwen2.5-0.5B-Instruct") and s.model.served_model_name == "qwen"
+    assert s.http.host == "0.0.0.0" and s.http.port == 8000
+    assert s.engine.max_num_seqs == 128 and s.graph_cache.capture_sizes == [1, 2, 4, 8, 16]
+    assert s.graph_cache.max_bytes == 8 << 30 and s.graph_cache.admission == "after_n"
+    assert s.graph_cache.enforce_eager is False
+    assert s.graph_cache.warmup_descriptors == ["64:8", "8:8:decode"] and s.engine.kv_cache_memory_fraction == 0.8
+    assert s.http.cors_origins == [] and s.logging.log_level == "debug"
 
 
 def test_custom_existing_secret_is_used_not_created(chart):
@@ -371,7 +372,7 @@ def test_render_fails_with_a_fix(chart, values, message):
 
 def test_config_keys_are_exactly_the_server_settings():
     values = yaml.safe_load((CHART / "values.yaml").read_text())
-    assert set(values["config"]) == set(Settings.model_fields) - CHART_MANAGED
+    assert set(values["config"]) == set(Settings.flat_fields()) - CHART_MANAGED
     assert all(v is None for v in values["config"].values()), "config defaults defer to the server's"
 
 
@@ -455,7 +456,7 @@ def test_api_key_from_existing_secret(chart, monkeypatch):
             chart.validate_schema(bad)
     # What the Secret holds is what the server reads: one key, or several comma-separated.
     monkeypatch.setenv("GRAPHCACHE_API_KEY", "key-a,key-b")
-    assert Settings().api_key == ["key-a", "key-b"]
+    assert Settings().http.api_key == ["key-a", "key-b"]
 
 
 # --- warmup profile ---------------------------------------------------------------------------------
@@ -488,7 +489,7 @@ def test_warmup_profile_from_configmap(chart, monkeypatch):
             chart.validate_schema(bad)
     # The env the chart sets is what the server reads.
     monkeypatch.setenv("GRAPHCACHE_WARMUP_PROFILE", "/etc/graphcache/warmup/profile.json")
-    assert str(Settings().warmup_profile) == "/etc/graphcache/warmup/profile.json"
+    assert str(Settings().graph_cache.warmup_profile) == "/etc/graphcache/warmup/profile.json"
 
 
 # --- Ingress ----------------------------------------------------------------------------------------

@@ -311,7 +311,7 @@ class InProcessServer:
 
         self.app = create_app(self.settings, metrics=self.metrics)
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_config=None, access_log=False,
-                                lifespan="on", timeout_graceful_shutdown=self.settings.drain_timeout_s)
+                                lifespan="on", timeout_graceful_shutdown=self.settings.http.drain_timeout_s)
         self._server = uvicorn.Server(config)
         # Not the main thread: uvicorn installs no signal handlers, pytest keeps its own.
         self._thread = threading.Thread(target=self._server.run, name="uvicorn-test", daemon=True)

@@ -200,9 +200,9 @@ def test_defaults_bind_loopback_only_and_keep_admin_off(monkeypatch):
     for key in [k for k in os.environ if k.startswith("GRAPHCACHE_")]:
         monkeypatch.delenv(key)
     settings = Settings()
-    assert settings.host == "127.0.0.1"
-    assert settings.admin_token is None and settings.admin_allow_loopback is False
-    assert settings.cors_origins == []
+    assert settings.http.host == "127.0.0.1"
+    assert settings.http.admin_token is None and settings.http.admin_allow_loopback is False
+    assert settings.http.cors_origins == []
 
 
 # --- connection-level abuse ------------------------------------------------------------------------

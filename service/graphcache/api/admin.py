@@ -35,9 +35,9 @@ def _is_loopback(host: str | None) -> bool:
 
 def require_admin(request: Request) -> None:
     settings = request.app.state.settings
-    token = settings.admin_token
+    token = settings.http.admin_token
     if not token:
-        if settings.admin_allow_loopback and _is_loopback(request.client.host if request.client else None):
+        if settings.http.admin_allow_loopback and _is_loopback(request.client.host if request.client else None):
             return
         raise APIError(403, "Admin endpoints are off: set GRAPHCACHE_ADMIN_TOKEN (--admin-token) and send "
                             "'Authorization: Bearer <token>', or set GRAPHCACHE_ADMIN_ALLOW_LOOPBACK=true for "
@@ -72,8 +72,8 @@ def _ready_engine(request: Request):
 def _descriptors(body: WarmupRequest, settings) -> list[BatchDescriptor]:
     """Only shapes the runner can pad a batch to: anything else would never be replayed
     (and a huge one could exhaust memory on the engine thread)."""
-    sizes = CaptureSizes(settings.resolved_capture_sizes())
-    max_reqs = sizes.pad(settings.max_num_seqs) or sizes.max
+    sizes = CaptureSizes(settings.graph_cache.resolved_capture_sizes())
+    max_reqs = sizes.pad(settings.engine.max_num_seqs) or sizes.max
     allowed = f"capture sizes {list(sizes)} (requests up to {max_reqs})"
     # Messages name the item by its index, never by its value: what the caller sent is not echoed.
     out: list[BatchDescriptor] = []
@@ -123,7 +123,7 @@ async def cache_profile(request: Request, min_uses: int = Query(1, ge=0), fill_g
     # On the engine thread, through the engine's admin-call plumbing (as /admin/cache).
     profile = await engine.cache_profile(min_uses)
     if fill_gaps:
-        profile = fill_size_gaps(profile, CaptureSizes(request.app.state.settings.resolved_capture_sizes()))
+        profile = fill_size_gaps(profile, CaptureSizes(request.app.state.settings.graph_cache.resolved_capture_sizes()))
     return profile
 
 

@@ -95,7 +95,7 @@ def in_process_engine(settings: Settings, metrics: Metrics):
 def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) -> FastAPI:
     metrics = metrics if metrics is not None else (getattr(engine, "metrics", None) or Metrics())
     if engine is None:   # engine_process: the step loop in a child process, same interface (engine/loop/process.py)
-        engine = (EngineClient(settings, metrics, setup_logging=setup_logging) if settings.engine_process
+        engine = (EngineClient(settings, metrics, setup_logging=setup_logging) if settings.engine.engine_process
                   else in_process_engine(settings, metrics))
     if getattr(engine, "model_name", None):   # the vllm: series' model_name label; set before any traffic
         metrics.bind_model(engine.model_name)
@@ -104,7 +104,7 @@ def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) 
     async def lifespan(app: FastAPI):
         engine.start()  # returns at once; loading and warmup run on the engine thread
         log.info("serving on %s:%s; engine loading (GET /ready turns 200 when it is done)",
-                 settings.host, settings.port)
+                 settings.http.host, settings.http.port)
         try:
             yield
         finally:
@@ -117,7 +117,7 @@ def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) 
     async def drain() -> None:
         """Refuse new requests (503), give in-flight ones drain_timeout_s, then end the rest with a
         clean error (the engine finishes them with finish_reason "error"; handlers answer)."""
-        report = await engine.drain(settings.drain_timeout_s)  # stops the engine accepting first
+        report = await engine.drain(settings.http.drain_timeout_s)  # stops the engine accepting first
         if report.get("in_flight"):
             log.info("drained: %s", report)
 
@@ -163,9 +163,9 @@ def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) 
     def count_oversized(path: str, method: str) -> None:
         count_rejection(metrics, path, method, 413)
 
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes, on_reject=count_oversized)
-    if settings.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.http.max_body_bytes, on_reject=count_oversized)
+    if settings.http.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.http.cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type", "X-Request-ID"])
     app.add_middleware(RequestContextMiddleware)
     # HTTP series (http_requests_total, http_request_duration_seconds, ...) as vLLM exposes them, on the

@@ -1,6 +1,6 @@
 """The API key of the inference API: GRAPHCACHE_API_KEY, as vLLM's --api-key.
 
-With keys set (Settings.api_key: one or several), `require_api_key` (a dependency of the /v1 routers
+With keys set (settings.http.api_key: one or several), `require_api_key` (a dependency of the /v1 routers
 and of /tokenize, /detokenize) wants `Authorization: Bearer <key>` with any one of them; without it,
 or with a wrong key, the answer is a 401 in OpenAI's shape (`code: invalid_api_key`,
 `WWW-Authenticate: Bearer`), so the official clients raise their AuthenticationError. Probes, /metrics,
@@ -43,7 +43,7 @@ def key_matches(given: bytes, keys: Iterable[str]) -> bool:
 
 
 def require_api_key(request: Request) -> None:
-    keys = request.app.state.settings.api_key
+    keys = request.app.state.settings.http.api_key
     if not keys:
         return
     header = request.headers.get("authorization", "").encode("latin-1")

@@ -4,7 +4,7 @@ Text that cannot fit the context window (over max_model_len * MAX_CHARS_PER_TOKE
 refused before tokenizing, so an oversized prompt never stalls the event loop or the engine thread.
 Tokenizing runs on the input pool (api/executors.py; the tokenizer releases the interpreter lock). Chat content is
 encoded so that special-token strings in it stay plain text (`Tokenizer.encode_chat`), unless the
-deployment trusts its clients (Settings.allow_special_tokens_in_chat); a chat template's
+deployment trusts its clients (settings.http.allow_special_tokens_in_chat); a chat template's
 `raise_exception` is a 400 on "messages". Role "tool" messages, earlier assistant tool_calls and the
 tools themselves are rendered by the template.
 """
@@ -75,7 +75,7 @@ async def encode_chat(request: Request, engine, messages: list[ChatMessage], add
     _check_text_size(engine, _client_chars(chat, tools), "messages", "the messages' content and tools")
     # Chat content is user input: special-token strings in it ("<|im_start|>system") are encoded as plain
     # text, never as control tokens, unless a trusted deployment allows it (Settings).
-    allow_special = request.app.state.settings.allow_special_tokens_in_chat
+    allow_special = request.app.state.settings.http.allow_special_tokens_in_chat
     try:
         # The template has its own BOS; content's special-token strings stay plain text.
         return await run_input(engine.tokenizer.encode_chat, chat, add_generation_prompt,

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
+from graphcache.choices import StepMode
 from graphcache.engine.sequence import Sequence
 
-StepMode = Literal["replay", "eager"]
 # Input of a decode whose token is still being sampled by the step in flight (async scheduling):
 # the runner fills it on the device from that step's sampled ids (StepBatch.prev_tokens).
 PLACEHOLDER_TOKEN = -1

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import torch
 
+from graphcache.choices import StepMode
 from graphcache.graphs.agreed_policy import AgreedPolicy
 from graphcache.graphs.agreement import Agreement, CaptureReport, Decision
 from graphcache.graphs.cache_reports import CacheStats, ClearReport, EntryInfo, WarmupReport
@@ -40,7 +41,7 @@ from graphcache.metrics import Metrics
 __all__ = ["CacheStats", "ClearReport", "EntryInfo", "GraphCache", "WarmupReport", "warmup_order"]
 
 log = logging.getLogger(__name__)
-Mode = Literal["replay", "eager"]
+Mode = StepMode
 
 
 def warmup_order(descs: list[BatchDescriptor]) -> list[BatchDescriptor]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from graphcache.choices import CaptureMode
 from graphcache.metrics import EVICTION_REASONS, FAILURE_REASONS
 
 __all__ = ["CacheStats", "ClearReport", "EntryInfo", "WarmupReport"]
@@ -26,7 +27,7 @@ class EntryInfo:
     pool: Literal["pinned", "lazy", "private"] = "private"
     # "full": one graph, nothing eager (uniform decode with its attention inside); "breakable":
     # graph segments around eager breaks.
-    mode: Literal["full", "breakable"] = "breakable"
+    mode: CaptureMode = "breakable"
     # eviction_policy="gdsf": H = L + (hits + 1) * capture_seconds / MiB; the unpinned entry with the
     # lowest is evicted first. None under "lru" and for pinned entries (budgets never evict them).
     priority: float | None = None

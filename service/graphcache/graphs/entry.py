@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal
 
+from graphcache.choices import CaptureMode
 from graphcache.graphs.capture import BreakableGraph
 from graphcache.graphs.descriptor import BatchDescriptor
 from graphcache.graphs.pool import GraphPool
@@ -27,6 +27,6 @@ class CacheEntry:
     priority: float = 0.0  # GDSF's H (graphs/eviction.py); unused under LRU
 
 
-def capture_mode(graph: BreakableGraph) -> Literal["full", "breakable"]:
+def capture_mode(graph: BreakableGraph) -> CaptureMode:
     """How `graph` runs: "full" (one graph, nothing eager) or "breakable" (segments around eager breaks)."""
     return "full" if graph.num_breaks == 0 else "breakable"

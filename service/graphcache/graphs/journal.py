@@ -8,12 +8,13 @@ import logging
 from collections import Counter, deque
 from collections.abc import Iterable
 
+from graphcache.choices import CAPTURE_MODES
 from graphcache.graphs.agreement import Decision
 from graphcache.graphs.cache_reports import CacheStats
 from graphcache.graphs.descriptor import BatchDescriptor
 from graphcache.graphs.entry import CacheEntry, capture_mode
 from graphcache.graphs.profile import build_profile
-from graphcache.metrics import CAPTURE_MODES, Metrics
+from graphcache.metrics import Metrics
 
 __all__ = ["DECISION_LOG_MAX", "CacheJournal"]
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from graphcache.choices import ATTENTION_BACKENDS, DECODE_ATTENTION_BACKENDS, DECODE_KERNELS
 from graphcache.graphs.capture import eager_break, is_capturing
 from graphcache.model.decode_attention import HAVE_TRITON, paged_decode_attention
 from graphcache.model.forward_context import current_attention_metadata
@@ -80,13 +81,10 @@ def _flash_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 FLASH_PAGE_MULTIPLE = 256   # FlashAttention 2 takes a paged KV cache only in pages of a multiple of 256
 
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "flash_paged", "triton")
-
-
 def select_attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int,
                             backend: str = "auto") -> str:
     """"triton" (the unified paged kernel) where it runs, else "flash_paged" / "flash" where the
-    FlashAttention varlen kernel applies, else "sdpa". `backend` (Settings.attention_backend) other
+    FlashAttention varlen kernel applies, else "sdpa". `backend` (settings.model.attention_backend) other
     than "auto" forces a kernel (A/B runs); a forced kernel that cannot run here raises."""
     triton_ok = (device.type == "cuda" and HAVE_TRITON and dtype in (torch.float16, torch.bfloat16, torch.float32)
                  and block_size & (block_size - 1) == 0 and head_dim % 8 == 0 and head_dim <= 256)
@@ -121,8 +119,8 @@ def select_decode_kernel(device: torch.device, dtype: torch.dtype, head_dim: int
     if backend == "triton" and not triton_ok:
         raise RuntimeError("decode_attention_backend=triton needs CUDA, triton, a power-of-two "
                            "block_size and head_dim % 8 == 0 (<= 256); use auto")
-    if backend not in ("triton", "torch", "varlen"):
-        raise ValueError(f"decode_attention_backend={backend!r}: use auto, triton, torch or varlen")
+    if backend not in DECODE_KERNELS:
+        raise ValueError(f"decode_attention_backend={backend!r}: use one of {', '.join(DECODE_ATTENTION_BACKENDS)}")
     return backend
 
 

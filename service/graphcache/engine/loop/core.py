@@ -73,7 +73,7 @@ STEP_TRACE_FIELDS = ("scheduled", "launch", "launched", "complete", "tokens_on_h
 
 
 def write_step_trace(path, records) -> None:
-    """settings.step_trace: one JSON object per step (STEP_TRACE_FIELDS), oldest first. Never raises:
+    """settings.engine.step_trace: one JSON object per step (STEP_TRACE_FIELDS), oldest first. Never raises:
     the engine is stopping when it writes, and a benchmark's missing file says enough."""
     try:
         with open(path, "w") as f:
@@ -135,16 +135,16 @@ class EngineCore:
         self.settings = settings
         self.metrics = metrics
         self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size,
-                                          enable_prefix_caching=settings.enable_prefix_caching)
+                                          enable_prefix_caching=settings.engine.enable_prefix_caching)
         self._prefix_counted = (0, 0)   # block-manager lookup counters already added to the metrics
         bm = self.block_manager   # the limits never change after load: one snapshot checks every request
         self.checker = RequestChecker(EngineLimits(getattr(runner, "vocab_size", None), runner.max_model_len,
                                                    bm.block_size, bm.num_usable), getattr(runner, "tokenizer", None),
                                       GrammarLimits.from_settings(settings), metrics, grammar_cache=StructuredOutput)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=settings.max_num_seqs,
-                                   max_num_batched_tokens=settings.max_num_batched_tokens,
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=settings.engine.max_num_seqs,
+                                   max_num_batched_tokens=settings.engine.max_num_batched_tokens,
                                    max_model_len=runner.max_model_len, eos_token_ids=runner.eos_token_ids)
-        self.sampler = Sampler(default_seed=settings.seed, eos_token_ids=runner.eos_token_ids)
+        self.sampler = Sampler(default_seed=settings.model.seed, eos_token_ids=runner.eos_token_ids)
         self.requests: dict[str, Sequence] = {}   # unfinished requests, by id
         self._unsent: dict[str, Sequence] = {}    # streams with tokens not in an output yet
         # Unfinished requests whose sampling reads their history on the host (_needs_host_history),
@@ -155,16 +155,16 @@ class EngineCore:
         self.num_steps = 0
         self.steps_by_mode: dict[str, int] = {}
         self.consecutive_failures = 0
-        mode = settings.async_scheduling
+        mode = settings.engine.async_scheduling
         self.async_scheduling = mode == "on" or (mode == "auto" and getattr(runner, "device_type", "cpu") == "cuda")
         self._pending: _InFlight | None = None
         # Host seconds spent per phase of step() (schedule, execute = prepare + launch/replay, sample =
         # sampling + waiting for the GPU, postprocess = append/stops/outputs): benchmarks read them.
         self.phase_seconds = dict.fromkeys(("schedule", "execute", "sample", "postprocess"), 0.0)
-        # settings.step_trace: per completed step, (schedule start, launch start, launch end, completion
+        # settings.engine.step_trace: per completed step, (schedule start, launch start, launch end, completion
         # start, tokens on the host, completion end) as perf_counter seconds, then rows scheduled, tokens
         # fed, rows sampled, waiting, running. Bounded: a long-running server keeps the newest.
-        self.step_trace: deque[tuple] | None = deque(maxlen=STEP_TRACE_MAX) if settings.step_trace else None
+        self.step_trace: deque[tuple] | None = deque(maxlen=STEP_TRACE_MAX) if settings.engine.step_trace else None
         # Test hook: called with each StepBatch before execute; raise to fail the step.
         self.step_failpoint: Callable[[StepBatch], None] | None = None
 

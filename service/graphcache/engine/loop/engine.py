@@ -79,7 +79,7 @@ class Engine(EngineFrontend):
     def __init__(self, settings: Settings, metrics: Metrics | None = None, *,
                  runner_factory: Callable[[Settings, Metrics | None], Runner] | None = None) -> None:
         super().__init__(settings, metrics)
-        if runner_factory is None and settings.tensor_parallel_size > 1:   # rank 0 of N processes it starts
+        if runner_factory is None and settings.model.tensor_parallel_size > 1:   # rank 0 of N processes it starts
             runner_factory = TensorParallelRunner.start
         self._runner_factory = runner_factory or ModelRunner   # tests pass a fake
         self._inbox: queue.Queue = queue.Queue()
@@ -118,7 +118,9 @@ class Engine(EngineFrontend):
     @property
     def max_model_len(self) -> int | None:
         core = self._core
-        return core.runner.max_model_len if core is not None else self._max_model_len or self.settings.max_model_len
+        if core is not None:
+            return core.runner.max_model_len
+        return self._max_model_len or self.settings.engine.max_model_len
 
     # --- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -223,7 +225,7 @@ class Engine(EngineFrontend):
 
     def _load(self) -> None:
         self.progress = {"phase": "loading model"}
-        log.info("loading model %s", self.settings.model or "(the embedded tiny model)")
+        log.info("loading model %s", self.settings.model.path or "(the embedded tiny model)")
         runner = self._runner_factory(self.settings, self.metrics)
         try:
             core = EngineCore(runner, self.settings, self.metrics)
@@ -368,7 +370,7 @@ class Engine(EngineFrontend):
         first and final outputs itself: at batch 256, an output per token and request costs the step
         loop more than the GPU step takes, and the event loop that shares the interpreter as much."""
         now = time.monotonic()
-        if now - self._last_stream_flush >= self.settings.stream_interval_ms / 1e3:
+        if now - self._last_stream_flush >= self.settings.engine.stream_interval_ms / 1e3:
             self._last_stream_flush = now
             self._route(self._core.stream_outputs())
 
@@ -451,7 +453,7 @@ class Engine(EngineFrontend):
         if core is None:
             return
         if core.step_trace is not None:
-            write_step_trace(self.settings.step_trace, core.step_trace)
+            write_step_trace(self.settings.engine.step_trace, core.step_trace)
         close = getattr(core.runner, "close", None)   # tensor parallel: stop the worker ranks
         if close is not None:
             try:

@@ -127,10 +127,10 @@ class EngineFrontend:
 
     @property
     def model_name(self) -> str:
-        if self.settings.served_model_name:
-            return self.settings.served_model_name
-        if self.settings.model is not None:
-            return Path(self.settings.model).name
+        if self.settings.model.served_model_name:
+            return self.settings.model.served_model_name
+        if self.settings.model.path is not None:
+            return Path(self.settings.model.path).name
         return "graphcache-tiny"
 
     def stats(self) -> dict[str, Any]:
@@ -190,8 +190,8 @@ class EngineFrontend:
                 raise refused
             if request_id in self._requests:
                 raise InvalidRequest(f"request id {request_id!r} is already in flight; use a unique id")
-            if enforce_max_queue and len(self._requests) - self._num_running >= self.settings.max_queue:
-                raise QueueFull(f"{self.settings.max_queue} requests are already waiting; retry later")
+            if enforce_max_queue and len(self._requests) - self._num_running >= self.settings.engine.max_queue:
+                raise QueueFull(f"{self.settings.engine.max_queue} requests are already waiting; retry later")
             self._requests[request_id] = handle
         self._enqueue(handle)
         return handle

@@ -63,7 +63,7 @@ class EngineClient(EngineFrontend):
                  setup_logging: Callable[[str, str], None] | None = None) -> None:
         """setup_logging(log_format, log_level): run first in the engine process (module-level: it is
         pickled by name), so its records look like this process's."""
-        if settings.tensor_parallel_size > 1:   # Settings refuses it too; a direct caller gets the same fix
+        if settings.model.tensor_parallel_size > 1:   # Settings refuses it too; a direct caller gets the same fix
             raise ValueError("engine_process does not support tensor_parallel_size > 1 yet; set "
                              "GRAPHCACHE_ENGINE_PROCESS=false or GRAPHCACHE_TENSOR_PARALLEL_SIZE=1")
         super().__init__(settings, metrics)
@@ -90,7 +90,7 @@ class EngineClient(EngineFrontend):
 
     @property
     def max_model_len(self) -> int | None:
-        return self._max_model_len or self.settings.max_model_len
+        return self._max_model_len or self.settings.engine.max_model_len
 
     @property
     def pid(self) -> int | None:

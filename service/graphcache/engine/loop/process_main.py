@@ -169,5 +169,5 @@ def main(conn: Connection, settings: Settings, setup_logging: Callable[[str, str
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if setup_logging is not None:
-        setup_logging(settings.log_format, settings.log_level)
+        setup_logging(settings.logging.log_format, settings.logging.log_level)
     EngineServer(conn, settings).run()

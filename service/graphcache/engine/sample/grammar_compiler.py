@@ -50,11 +50,8 @@ class GrammarLimits:
 
     @classmethod
     def from_settings(cls, settings: Any) -> GrammarLimits:
-        return cls(compile_threads=settings.grammar_compile_threads, compile_queue=settings.grammar_compile_queue,
-                   compile_stack_mib=settings.grammar_compile_stack_mib, max_depth=settings.grammar_max_depth,
-                   lexer_fuel=settings.grammar_lexer_fuel, compile_budget_ms=settings.grammar_compile_budget_ms,
-                   mask_ms_per_token=settings.grammar_mask_ms_per_token, mask_window=settings.grammar_mask_window,
-                   cache_entries=settings.grammar_cache_entries, cache_bytes=settings.grammar_cache_bytes)
+        """From Settings: its grammar section's fields are this class's."""
+        return cls(**settings.grammar.model_dump())
 
 
 class CompileExecutor:

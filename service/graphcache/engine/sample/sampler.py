@@ -13,7 +13,7 @@ race for the whole batch (race_draw.py, a Triton kernel on CUDA): token = argmax
 the kept tokens, with E_i = -log u_i and u_i a hash of (row key, i). No softmax and no sampling state:
 a seeded row's key is a function of (seed, tokens it generated so far), so its tokens depend only on
 its seed and its own logits (not on the batch, the device's RNG or earlier calls); unseeded rows take
-keys from the Sampler's host generator, seeded by settings.seed.
+keys from the Sampler's host generator, seeded by settings.model.seed.
 
 On CUDA the filters and the draw run as one Triton kernel (fused_draw.py) with the same kept set and
 the same race: straight from the model-dtype logits for rows without logits controls, from the
@@ -128,7 +128,7 @@ class Sampler:
                  fused: bool | None = None) -> None:
         # CUDA random rows: one fused Triton kernel (True) or the torch-composed path (False).
         self.fused = _fused_by_default() if fused is None else fused
-        # Unseeded rows' race keys; seeded by settings.seed so a server run is repeatable (None: OS entropy).
+        # Unseeded rows' race keys; seeded by settings.model.seed so a server run is repeatable (None: OS entropy).
         self._rng = random.Random(default_seed)
         self.eos_token_ids = frozenset(eos_token_ids)   # masked with stop_token_ids until min_tokens
         # Per request (dies with its Sequence): its static controls on the device.
@@ -255,7 +255,7 @@ class Sampler:
         """Each row's 64-bit race key (as int64). Seeded: from (seed, tokens generated so far) only, so
         a seeded request's tokens depend on nothing but its seed and its own logits (and a step that
         is sampled again, e.g. after a preemption, gives the same token). Unseeded: the next 64 bits of
-        the Sampler's own generator (settings.seed makes a server run repeatable), so that the whole
+        the Sampler's own generator (settings.model.seed makes a server run repeatable), so that the whole
         batch is one race kernel rather than a race plus a multinomial."""
         return [to_int64(row_key(s.params.seed, _num_generated(s)) if s.params.seed is not None
                          else self._rng.getrandbits(64)) for s in seqs]

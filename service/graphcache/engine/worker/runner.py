@@ -68,22 +68,22 @@ def resolve_device(setting: str) -> torch.device:
 class ModelRunner:
     def __init__(self, settings: Settings, metrics: Metrics | None = None, *, tp: TensorParallel | None = None,
                  graph_cache_factory: Callable[..., GraphCache] = GraphCache) -> None:
-        """tp: this process's tensor-parallel shard (a rank of a group of settings.tensor_parallel_size
+        """tp: this process's tensor-parallel shard (a rank of a group of settings.model.tensor_parallel_size
         processes, each running this runner on the same batches: docs/TENSOR_PARALLEL.md). None = the
         whole model in this process. graph_cache_factory: how the GraphCache is built (a TP rank passes
         one that agrees every cache decision with the other ranks)."""
         self.settings = s = settings
         self.tp = tp = tp or TensorParallel.single()
-        if s.tensor_parallel_size != tp.size:
+        if s.model.tensor_parallel_size != tp.size:
             raise RuntimeError(
-                f"ModelRunner got tensor_parallel_size={s.tensor_parallel_size} but a shard of a group of "
+                f"ModelRunner got tensor_parallel_size={s.model.tensor_parallel_size} but a shard of a group of "
                 f"{tp.size}: build the runner of each rank with tp=TensorParallel.from_group(), or let the Engine "
                 "start the ranks (engine/worker/tp_runner.py, docs/TENSOR_PARALLEL.md)")
-        self.device = resolve_device(s.device)
+        self.device = resolve_device(s.model.device)
         self.device_type = self.device.type
-        self.dtype = resolve_dtype("bfloat16" if s.dtype == "auto" and self.device.type == "cuda"
-                                   else "float32" if s.dtype == "auto" else s.dtype)
-        path = s.model if s.model is not None else default_model_dir(s.cache_dir, seed=s.seed)
+        self.dtype = resolve_dtype("bfloat16" if s.model.dtype == "auto" and self.device.type == "cuda"
+                                   else "float32" if s.model.dtype == "auto" else s.model.dtype)
+        path = s.model.path if s.model.path is not None else default_model_dir(s.model.cache_dir, seed=s.model.seed)
         self.model_path = path
         self.tokenizer = Tokenizer(path)
         self.max_model_len = self._max_model_len(read_config(path))
@@ -91,36 +91,36 @@ class ModelRunner:
                                                    tp=tp)
         c = self.model_config
         # One Triton kernel each for add+RMSNorm, rotary and SiLU*mul instead of ~35 small torch kernels a layer.
-        self.fused_ops = s.fused_ops == "auto" and self.device.type == "cuda" and HAVE_FUSED_TRITON
+        self.fused_ops = s.model.fused_ops == "auto" and self.device.type == "cuda" and HAVE_FUSED_TRITON
         self.model.use_fused_ops(self.fused_ops)
         # This rank's heads: its KV cache, attention plan and decode kernels see only those.
         self.num_heads, self.num_kv_heads = c.num_heads // tp.size, c.num_kv_heads // tp.size
-        self.block_size = s.block_size
+        self.block_size = s.engine.block_size
         self.vocab_size = self.model_config.vocab_size
         eos = self.tokenizer.eos_token_ids or self.model_config.eos_token_ids
         self.eos_token_ids = frozenset(eos or ())
-        self.sizes = CaptureSizes(s.resolved_capture_sizes())
+        self.sizes = CaptureSizes(s.graph_cache.resolved_capture_sizes())
         self._warmup_descs = self._warmup_descriptors()
         self._alloc_buffers()
         self.num_kv_blocks = self._agree_min(self._num_kv_blocks())
         self._alloc_kv_cache()
         self.attention_kernel = select_attention_kernel(self.device, self.dtype, c.head_dim, self.block_size,
-                                                        s.attention_backend)
+                                                        s.model.attention_backend)
         self._planner = AttentionPlanner(kernel=self.attention_kernel, block_size=self.block_size,
                                          max_blocks_per_seq=self.max_blocks_per_seq, num_heads=self.num_heads,
                                          num_kv_heads=self.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype,
                                          device=self.device)
         self.decode_kernel = select_decode_kernel(self.device, self.dtype, c.head_dim, self.block_size,
-                                                  s.decode_attention_backend)
+                                                  s.model.decode_attention_backend)
         self._alloc_decode()
         self.inputs = InputBatch(max_tokens=self.max_tokens, max_reqs=self.max_reqs,
                                  max_blocks_per_seq=self.max_blocks_per_seq, block_size=self.block_size,
                                  max_model_len=self.max_model_len, scratch_slot=self.scratch_slot,
                                  planner=self._planner, decode_metadata=self.decode_metadata, device=self.device)
-        self.backend = "cuda" if self.device.type == "cuda" and not s.enforce_eager else "eager"
-        self.cache = graph_cache_factory(self._step_fn, backend=self.backend, config=policy_config_from(s),
-                                         debug=s.graph_debug, metrics=metrics, input_tensors=self._input_tensors,
-                                         warm_key=self._kernel_family)
+        self.backend = "cuda" if self.device.type == "cuda" and not s.graph_cache.enforce_eager else "eager"
+        self.cache = graph_cache_factory(self._step_fn, backend=self.backend, config=policy_config_from(s.graph_cache),
+                                         debug=s.graph_cache.graph_debug, metrics=metrics,
+                                         input_tensors=self._input_tensors, warm_key=self._kernel_family)
         log.info("model %s (%s) on %s %s: max_model_len %d, %d KV blocks x %d tokens, backend %s", path,
                  self.model_config.architecture, self.device, str(self.dtype).removeprefix("torch."),
                  self.max_model_len, self.num_kv_blocks, self.block_size, self.backend)
@@ -130,7 +130,7 @@ class ModelRunner:
         limit = config.max_position_embeddings
         if config.sliding_window:  # we attend over the full context: stay inside the window
             limit = min(limit, config.sliding_window)
-        wanted = self.settings.max_model_len
+        wanted = self.settings.engine.max_model_len
         if wanted is not None and wanted > limit:
             raise ModelLoadError(f"max_model_len {wanted} exceeds the model's limit {limit} "
                                  "(max_position_embeddings / sliding_window); lower max_model_len")
@@ -138,13 +138,13 @@ class ModelRunner:
 
     def _warmup_descriptors(self) -> list[BatchDescriptor]:
         s = self.settings
-        if s.warmup_profile is not None:
-            return self._load_warmup_profile(s.warmup_profile)   # exactly the profile's set
-        decode = s.warmup_decode_sizes
+        if s.graph_cache.warmup_profile is not None:
+            return self._load_warmup_profile(s.graph_cache.warmup_profile)   # exactly the profile's set
+        decode = s.graph_cache.warmup_decode_sizes
         if decode is None:
-            decode = [n for n in self.sizes if n <= s.max_num_seqs]
+            decode = [n for n in self.sizes if n <= s.engine.max_num_seqs]
         descs = [BatchDescriptor(n, n, True) for n in decode]
-        descs += [BatchDescriptor.parse(d) for d in s.warmup_descriptors]
+        descs += [BatchDescriptor.parse(d) for d in s.graph_cache.warmup_descriptors]
         return descs
 
     def _load_warmup_profile(self, path: Path) -> list[BatchDescriptor]:
@@ -161,7 +161,7 @@ class ModelRunner:
             descs = parse_profile(data)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
-        max_reqs = self.sizes.pad(self.settings.max_num_seqs) or self.sizes.max
+        max_reqs = self.sizes.pad(self.settings.engine.max_num_seqs) or self.sizes.max
         for i, d in enumerate(descs):
             if d.num_tokens not in self.sizes.sizes or d.num_reqs not in self.sizes.sizes or d.num_reqs > max_reqs:
                 raise ValueError(f"{where}: descriptors[{i}] {d} has sizes this server never pads to; tokens and "
@@ -172,8 +172,9 @@ class ModelRunner:
 
     def _alloc_buffers(self) -> None:
         s, dev = self.settings, self.device
-        max_reqs = self.sizes.pad(s.max_num_seqs) or s.max_num_seqs
-        self.max_tokens = max([s.max_num_batched_tokens, self.sizes.max] + [d.num_tokens for d in self._warmup_descs])
+        max_reqs = self.sizes.pad(s.engine.max_num_seqs) or s.engine.max_num_seqs
+        self.max_tokens = max([s.engine.max_num_batched_tokens, self.sizes.max]
+                              + [d.num_tokens for d in self._warmup_descs])
         self.max_reqs = min(self.max_tokens, max([max_reqs] + [d.num_reqs for d in self._warmup_descs]))
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         # [R_max, V] in the model dtype: the LM head writes straight into it.
@@ -186,7 +187,7 @@ class ModelRunner:
         self._decode_md: dict[int, DecodeMetadata] = {}
         self._decode_workspace = None
         self._decode_positions = None
-        self._decode_in_graph = self.settings.decode_capture_mode == "full"
+        self._decode_in_graph = self.settings.graph_cache.decode_capture_mode == "full"
         if self.decode_kernel == "triton":
             splits = max(choose_num_splits(r, self.num_kv_heads, self.max_model_len) for r in [1, *self.sizes])
             self._decode_workspace = decode_workspace(self.max_reqs, self.num_heads, c.head_dim, splits, self.device)
@@ -216,14 +217,14 @@ class ModelRunner:
     def _num_kv_blocks(self) -> int:
         s = self.settings
         per_block = self._kv_block_bytes()
-        if s.num_kv_blocks is not None:
-            return s.num_kv_blocks
+        if s.engine.num_kv_blocks is not None:
+            return s.engine.num_kv_blocks
         one_seq = self.max_blocks_per_seq
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            blocks = int(free * s.kv_cache_memory_fraction) // per_block
+            blocks = int(free * s.engine.kv_cache_memory_fraction) // per_block
         else:
-            blocks = min(s.max_num_seqs * one_seq, CPU_KV_CACHE_MAX_BYTES // per_block)
+            blocks = min(s.engine.max_num_seqs * one_seq, CPU_KV_CACHE_MAX_BYTES // per_block)
         if blocks < one_seq:
             raise RuntimeError(f"KV cache of {blocks} blocks cannot hold one sequence of max_model_len "
                                f"{self.max_model_len} ({one_seq} blocks); lower max_model_len or raise "
@@ -300,7 +301,7 @@ class ModelRunner:
         uniform = batch.uniform_decode
         # Prompt logprobs need logits at every fed position: an eager step on the general layout.
         prompt_logits = batch.wants_prompt_logits
-        eager = self.settings.enforce_eager or prompt_logits
+        eager = self.settings.graph_cache.enforce_eager or prompt_logits
         desc = None if eager else descriptor_for(num_tokens, num_reqs, uniform, self.sizes, self.max_reqs)
         pad_tokens = desc.num_tokens if desc else num_tokens
         pad_reqs = desc.num_reqs if desc else num_reqs
@@ -357,10 +358,10 @@ class ModelRunner:
     def warmup_descriptors(self) -> list[BatchDescriptor]:
         """The configured warmup (settings' decode sizes and descriptors, or the profile); none with
         enforce_eager."""
-        return [] if self.settings.enforce_eager else list(self._warmup_descs)
+        return [] if self.settings.graph_cache.enforce_eager else list(self._warmup_descs)
 
     def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> WarmupReport:
         """Capture the settings' warmup descriptors (pinned). enforce_eager: nothing to capture."""
-        if self.settings.enforce_eager:
+        if self.settings.graph_cache.enforce_eager:
             return WarmupReport()
         return self.capture(self._warmup_descs, pin=True, progress=progress)

@@ -140,10 +140,10 @@ class TensorParallelRunner:
     @classmethod
     def start(cls, settings: Settings, metrics: Metrics | None = None) -> TensorParallelRunner:
         """Spawn ranks 1..N-1, load rank 0's shard with them, wait until every rank is loaded."""
-        size = settings.tensor_parallel_size
-        if settings.model is None:   # made once, here: the ranks must not race to write the same files
-            settings = settings.model_copy(update={"model": default_model_dir(settings.cache_dir, seed=settings.seed)})
-        check_shardable(read_config(settings.model), size)   # before any process starts
+        size = settings.model.tensor_parallel_size
+        if settings.model.path is None:   # made once, here: the ranks must not race to write the same files
+            settings = settings.updated(model=default_model_dir(settings.model.cache_dir, seed=settings.model.seed))
+        check_shardable(read_config(settings.model.path), size)   # before any process starts
         port, ctx = free_port(), mp.get_context("spawn")
         workers: list[_Worker] = []
         runner = None

@@ -62,14 +62,14 @@ def free_port() -> int:
 
 
 def device_type(settings: Settings) -> str:
-    return resolve_device(settings.device).type
+    return resolve_device(settings.model.device).type
 
 
 def build_rank_runner(settings: Settings, rank: int, port: int, metrics: Metrics | None = None) -> ModelRunner:
-    """Join the group of settings.tensor_parallel_size ranks and load this rank's shard: NCCL for the
+    """Join the group of settings.model.tensor_parallel_size ranks and load this rank's shard: NCCL for the
     model's collectives on CUDA (rank r on GPU r), gloo on the CPU; cache agreements run on a gloo group
     (host-side objects, never inside a CUDA stream or capture). Every rank must call this together."""
-    size = settings.tensor_parallel_size
+    size = settings.model.tensor_parallel_size
     on_cuda = device_type(settings) == "cuda"
     if on_cuda:
         torch.cuda.set_device(rank)
@@ -105,7 +105,7 @@ def worker_main(rank: int, settings: Settings, port: int, conn: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        logging.basicConfig(level=settings.log_level.upper(),
+        logging.basicConfig(level=settings.logging.log_level.upper(),
                             format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
         # Rank 0 joins the rendezvous only once every worker got this far: a worker that fails sooner
         # (an import, a bad setting) is reported at once instead of after the rendezvous timeout.
@@ -118,8 +118,8 @@ def worker_main(rank: int, settings: Settings, port: int, conn: Any) -> None:
     _send(conn, ("ready", runner.num_kv_blocks))
     code = _serve(runner, rank, conn)
     # Leave the group only on gloo. On NCCL, destroy_process_group waits for the other ranks, and rank 0
-    # leaves only after this process has exited: the first TP=2 run on two H200s (BENCHMARKS.md §8.7)
-    # hung exactly there for 30 s until rank 1 was killed (the likely cause; not yet re-run on 2 GPUs).
+    # leaves only after this process has exited, so the two wait on each other (a TP=2 run on two H200s
+    # hung there for 30 s until rank 1 was killed; the likely cause, not confirmed on 2 GPUs since).
     # os._exit frees the communicator's resources with the process.
     if dist.is_initialized() and dist.get_backend() != "nccl":
         dist.destroy_process_group()

@@ -1,0 +1,57 @@
+"""The closed sets of values the server knows, each declared once, torch-free, below every floor.
+
+config.py validates settings against these Literals; the code that acts on a value imports the same
+Literal (for its annotations) and its tuple (for checks, metric labels, loops), so a new backend or
+policy is added here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+__all__ = [
+    "ADMISSION_RULES", "ASYNC_SCHEDULING_MODES", "ATTENTION_BACKENDS", "CAPTURE_MODES", "CAPTURE_WARMUPS",
+    "DECODE_ATTENTION_BACKENDS", "DECODE_KERNELS", "DEVICES", "DTYPES", "EVICTION_POLICIES", "FUSED_OPS_MODES",
+    "LAZY_POOLS", "LOG_FORMATS", "LOG_LEVELS", "STEP_MODES", "AdmissionRule", "AsyncScheduling",
+    "AttentionBackend", "CaptureMode", "CaptureWarmup", "DecodeAttentionBackend", "DecodeKernel", "Device",
+    "Dtype", "EvictionPolicy", "FusedOps", "LazyPool", "LogFormat", "LogLevel", "StepMode",
+]
+
+# --- model: what runs and which kernels it uses
+Dtype = Literal["auto", "bfloat16", "float16", "float32"]
+Device = Literal["auto", "cuda", "cpu"]
+AttentionBackend = Literal["auto", "sdpa", "flash", "flash_paged", "triton"]
+DecodeKernel = Literal["triton", "torch", "varlen"]   # what decode_attention_backend=auto resolves to
+DecodeAttentionBackend = Literal["auto", "triton", "torch", "varlen"]
+FusedOps = Literal["auto", "off"]
+
+# --- engine
+AsyncScheduling = Literal["auto", "on", "off"]
+StepMode = Literal["replay", "eager"]   # how a step ran: a graph replay (or capture), or eagerly
+
+# --- graph cache
+CaptureMode = Literal["full", "breakable"]   # one CUDA graph with attention inside, or attention as a break
+AdmissionRule = Literal["auto", "always", "after_n", "never"]
+EvictionPolicy = Literal["lru", "gdsf"]
+LazyPool = Literal["shared", "private"]
+CaptureWarmup = Literal["per_kernel", "always"]
+
+# --- logging
+LogFormat = Literal["text", "json"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+DTYPES: tuple[str, ...] = get_args(Dtype)
+DEVICES: tuple[str, ...] = get_args(Device)
+ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
+DECODE_KERNELS: tuple[str, ...] = get_args(DecodeKernel)
+DECODE_ATTENTION_BACKENDS: tuple[str, ...] = get_args(DecodeAttentionBackend)
+FUSED_OPS_MODES: tuple[str, ...] = get_args(FusedOps)
+ASYNC_SCHEDULING_MODES: tuple[str, ...] = get_args(AsyncScheduling)
+STEP_MODES: tuple[str, ...] = get_args(StepMode)
+CAPTURE_MODES: tuple[str, ...] = get_args(CaptureMode)
+ADMISSION_RULES: tuple[str, ...] = get_args(AdmissionRule)
+EVICTION_POLICIES: tuple[str, ...] = get_args(EvictionPolicy)
+LAZY_POOLS: tuple[str, ...] = get_args(LazyPool)
+CAPTURE_WARMUPS: tuple[str, ...] = get_args(CaptureWarmup)
+LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)
+LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
