@@ -88,6 +88,7 @@ class PersistentRows:
 
     def _old_row_of(self) -> dict[int, int]:
         if self._row_of is None:
+            assert self.keys is not None   # asked only while rows are known (_plan checks)
             self._row_of = {k: i for i, k in enumerate(self.keys)}
         return self._row_of
 
