@@ -76,6 +76,7 @@ class FakeRunner:
         self.model_config = None
         self.vocab_size = None
         self.eos_token_ids = frozenset(FakeTokenizer.eos_token_ids)
+        self.device_type, self.dtype, self.model_path = "cpu", "float32", "fake-model"
         self.num_kv_blocks, self.block_size, self.max_model_len = num_kv_blocks, block_size, max_model_len
         self.cache = FakeCache(self.owner)
         self.step_delay = step_delay
@@ -91,6 +92,12 @@ class FakeRunner:
 
     def warmup_descriptors(self):
         return []
+
+    def watch(self, on_fatal):
+        pass
+
+    def close(self):
+        pass
 
     def execute(self, batch):
         assert threading.current_thread() is self.owner[0]

@@ -98,6 +98,7 @@ class StepBatch:
     @property
     def num_tokens(self) -> int:
         if self._seqs is None:
+            assert self.rows is not None   # a StepBatch has seqs or rows (__init__ refuses neither)
             return len(self.rows.keys)
         return sum(len(s.token_ids) for s in self._seqs)
 
@@ -120,16 +121,31 @@ class StepResult:
 
 
 class Runner(Protocol):
-    """What EngineCore and Engine use of a model runner (engine/worker/runner.py; tests' FakeRunner)."""
+    """What EngineCore and Engine use of a model runner (engine/worker/runner.py's ModelRunner,
+    engine/worker/tp_runner.py's TensorParallelRunner; tests' FakeRunner). The facts are read-only
+    properties: the engine only reads them, and a runner may hold each as a plain attribute of a
+    narrower type (a property member is covariant, a settable attribute would not be)."""
 
-    tokenizer: Any
-    num_kv_blocks: int
-    block_size: int
-    max_model_len: int
-    vocab_size: int | None          # token ids of a prompt must be below it (None: not checked)
-    eos_token_ids: frozenset[int]
-    device_type: str                # "cuda" or "cpu": async scheduling is on by default on CUDA
-    cache: Any                      # the GraphCache (admin: capture, clear, info, stats)
+    @property
+    def tokenizer(self) -> Any: ...         # model/tokenizer.py's Tokenizer; None: ids only, no text
+    @property
+    def num_kv_blocks(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def vocab_size(self) -> int | None: ...   # token ids of a prompt must be below it (None: not checked)
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+    @property
+    def device_type(self) -> str: ...        # "cuda" or "cpu": async scheduling is on by default on CUDA
+    @property
+    def dtype(self) -> object: ...           # the KV cache's element type; str() names it (torch.bfloat16)
+    @property
+    def model_path(self) -> object: ...      # the checkpoint directory; str() names it (/v1/models' root)
+    @property
+    def cache(self) -> Any: ...              # the GraphCache (admin: capture, clear, info, stats, profile)
 
     def execute(self, batch: StepBatch) -> StepResult: ...
 
@@ -139,3 +155,12 @@ class Runner(Protocol):
 
     def capture(self, descriptors: list[Any], *, pin: bool = True,
                 progress: Callable[[int, int, str], None] | None = None) -> Any: ...
+
+    def watch(self, on_fatal: Callable[[str], None]) -> None:
+        """Call on_fatal(reason), from any thread, when the runner can no longer run a step while idle
+        (a tensor-parallel worker rank died); the Engine passes its fail()."""
+        ...
+
+    def close(self) -> None:
+        """Release what outlives the runner object (worker processes, the process group); engine thread, at exit."""
+        ...

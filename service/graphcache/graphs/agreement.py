@@ -115,6 +115,6 @@ class GroupAgreement(Agreement):
         dist = self._dist
         gathered: list[Any] | None = [None] * self.size if self.rank == 0 else None
         dist.gather_object(report, gathered, dst=self._root, group=self.group)
-        box: list[Any] = [decide(gathered) if self.rank == 0 else None]
+        box: list[Any] = [decide(gathered) if gathered is not None else None]   # gathered on rank 0 only
         dist.broadcast_object_list(box, src=self._root, group=self.group)
         return box[0]

@@ -210,7 +210,11 @@ class BreakableGraph:
         self.timings: dict[str, float] = {}  # where the capture's host time went (capture() fills it)
         self.num_breaks = sum(isinstance(s, EagerStep) for s in segments)
         self.num_graphs = len(segments) - self.num_breaks
-        self._calls = [_replay_call(s) for s in segments] if backend == "cuda" else [step]
+        if backend == "cuda":
+            self._calls = [_replay_call(s) for s in segments]
+        else:
+            assert step is not None, "an eager-backend graph re-runs its step: pass step="
+            self._calls = [step]
 
     @property
     def break_names(self) -> list[str]:

@@ -102,7 +102,7 @@ class CacheJournal:
         entries = list(entries)
         self.metrics.graph_entries.set(len(entries))
         self.metrics.graph_pool_bytes.set(total_bytes)
-        modes = Counter(capture_mode(e.graph) for e in entries)
+        modes: Counter[str] = Counter(capture_mode(e.graph) for e in entries)
         for mode in CAPTURE_MODES:
             self.metrics.graph_entries_by_mode.labels(mode).set(modes[mode])
 

@@ -28,7 +28,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -123,9 +123,9 @@ class _InFlight:
     scheduled_at: float                # perf_counter when schedule() began (the step trace)
     needs_history: bool = False        # a sampled sequence's next sampling reads these tokens on the host
     launch_end: float = 0.0            # perf_counter when _launch returned (the step trace)
-    logprob_rows: list[int] | None = None     # rows of sample_seqs with params.logprobs set
+    logprob_rows: list[int] = field(default_factory=list)     # rows of sample_seqs with params.logprobs set
     sampled_logprobs: Logprobs | None = None  # their tokens' logprobs (host copies, valid once `ready`)
-    prompt_spans: list[PromptSpan] | None = None
+    prompt_spans: list[PromptSpan] = field(default_factory=list)
     prompt_logprobs: Logprobs | None = None   # the spans' targets, in span order (host copies)
 
 
@@ -138,9 +138,9 @@ class EngineCore:
                                           enable_prefix_caching=settings.engine.enable_prefix_caching)
         self._prefix_counted = (0, 0)   # block-manager lookup counters already added to the metrics
         bm = self.block_manager   # the limits never change after load: one snapshot checks every request
-        self.checker = RequestChecker(EngineLimits(getattr(runner, "vocab_size", None), runner.max_model_len,
-                                                   bm.block_size, bm.num_usable), getattr(runner, "tokenizer", None),
-                                      GrammarLimits.from_settings(settings), metrics, grammar_cache=StructuredOutput)
+        self.checker = RequestChecker(EngineLimits(runner.vocab_size, runner.max_model_len, bm.block_size, bm.num_usable),
+                                      runner.tokenizer, GrammarLimits.from_settings(settings), metrics,
+                                      grammar_cache=StructuredOutput)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=settings.engine.max_num_seqs,
                                    max_num_batched_tokens=settings.engine.max_num_batched_tokens,
                                    max_model_len=runner.max_model_len, eos_token_ids=runner.eos_token_ids)
@@ -156,7 +156,7 @@ class EngineCore:
         self.steps_by_mode: dict[str, int] = {}
         self.consecutive_failures = 0
         mode = settings.engine.async_scheduling
-        self.async_scheduling = mode == "on" or (mode == "auto" and getattr(runner, "device_type", "cpu") == "cuda")
+        self.async_scheduling = mode == "on" or (mode == "auto" and runner.device_type == "cuda")
         self._pending: _InFlight | None = None
         # Host seconds spent per phase of step() (schedule, execute = prepare + launch/replay, sample =
         # sampling + waiting for the GPU, postprocess = append/stops/outputs): benchmarks read them.
@@ -224,7 +224,7 @@ class EngineCore:
         (wait for its tokens, postprocess): the host schedules and prepares step n+1 while the GPU
         runs step n. A decode fed step n's token gets it on the device (a placeholder input). A
         sequence that step n finished drops what step n+1 computed for it."""
-        outputs = []
+        outputs: list[RequestOutput | None] = []
         if self._pending is not None and self._pending.needs_history:
             outputs += self._complete_pending()   # its tokens feed the next sampling on the host: no overlap
         t_start = time.perf_counter()
@@ -283,7 +283,7 @@ class EngineCore:
         tokens, failed = self._sample(logits, sample_seqs)
         sampled_logprobs = None
         if logprob_rows:
-            k = max(sample_seqs[i].params.logprobs for i in logprob_rows)
+            k = max(sample_seqs[i].params.logprobs or 0 for i in logprob_rows)   # each set: logprob_rows
             sampled_logprobs = token_logprobs(raw, tokens.index_select(0, lp_index), k).to_host()
         prompt_logprobs = prompt_token_logprobs(result.prompt_logits, spans)
         host, ready = tokens, None
@@ -316,7 +316,7 @@ class EngineCore:
         self.num_steps += 1
         self.steps_by_mode[p.mode] = self.steps_by_mode.get(p.mode, 0) + 1
         now = time.monotonic()
-        lp_seqs = [p.sample_seqs[i] for i in p.logprob_rows or ()]
+        lp_seqs = [p.sample_seqs[i] for i in p.logprob_rows]
         lengths = [seq.num_output_tokens for seq in lp_seqs]
         changed = self.scheduler.postprocess(p.plan, tokens, now)
         if p.sampled_logprobs is not None:
@@ -335,7 +335,7 @@ class EngineCore:
                     m.ttft.observe(now - seq.arrival_time)
                     m.vllm.observe_first_token(now - seq.arrival_time)
                     m.prompt_tokens.inc(seq.num_prompt_tokens)
-        outputs = [self._output(seq) for seq in changed]
+        outputs = [out for seq in changed if (out := self._output(seq)) is not None]
         t_end = time.perf_counter()
         self.phase_seconds["sample"] += t_done - t0
         self.phase_seconds["postprocess"] += t_end - t_done
@@ -443,7 +443,7 @@ class EngineCore:
         m.requests_finished.labels(seq.finish_reason).inc()   # vllm:request_success mirrors it
         m.e2e.observe(now - seq.arrival_time)
         m.vllm.observe_finished(seq, now)
-        if seq.num_output_tokens > 1 and seq.first_token_time is not None:
+        if seq.num_output_tokens > 1 and seq.first_token_time is not None and seq.last_token_time is not None:
             # Mean time between output tokens of this request (per request, not per token: a
             # histogram observation per token costs ~1 ms a step at batch 256).
             m.tpot.observe((seq.last_token_time - seq.first_token_time) / (seq.num_output_tokens - 1))
@@ -462,4 +462,4 @@ class EngineCore:
             if not self.metrics.vllm.cache_config:   # vllm:cache_config_info: the KV cache's shape, once
                 bm = self.block_manager
                 self.metrics.vllm.set_cache_config(block_size=bm.block_size, num_gpu_blocks=bm.num_blocks,
-                                                   cache_dtype=str(getattr(self.runner, "dtype", "auto")).removeprefix("torch."))
+                                                   cache_dtype=str(self.runner.dtype).removeprefix("torch."))

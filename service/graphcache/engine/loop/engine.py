@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -81,7 +81,7 @@ class Engine(EngineFrontend):
         super().__init__(settings, metrics)
         if runner_factory is None and settings.model.tensor_parallel_size > 1:   # rank 0 of N processes it starts
             runner_factory = TensorParallelRunner.start
-        self._runner_factory = runner_factory or ModelRunner   # tests pass a fake
+        self._runner_factory: Callable[[Settings, Metrics | None], Runner] = runner_factory or ModelRunner   # tests pass a fake
         self._inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._core: EngineCore | None = None    # engine thread: set at load, dropped at exit
@@ -104,6 +104,13 @@ class Engine(EngineFrontend):
 
     @property
     def core(self) -> EngineCore | None:
+        return self._core
+
+    @property
+    def _loaded_core(self) -> EngineCore:
+        """The core, where the engine thread uses it: between load and release, where it is set
+        (admin calls reach the thread only once the engine is ready)."""
+        assert self._core is not None, "the engine's core was used before the model loaded or after release"
         return self._core
 
     @property
@@ -189,14 +196,14 @@ class Engine(EngineFrontend):
         return await fut
 
     async def clear_graphs(self) -> dict:
-        return await self._call(lambda: self._admin_result(self._core.runner.cache.clear()))
+        return await self._call(lambda: self._admin_result(self._loaded_core.runner.cache.clear()))
 
     async def cache_profile(self, min_uses: int = 1) -> dict:
         """The hot set of descriptors (GraphCache.profile): what a restart can warm up."""
-        return await self._call(lambda: jsonable(self._core.runner.cache.profile(min_uses)))
+        return await self._call(lambda: jsonable(self._loaded_core.runner.cache.profile(min_uses)))
 
     async def cache_info(self) -> dict:
-        return await self._call(lambda: jsonable(self._core.runner.cache.info()))
+        return await self._call(lambda: jsonable(self._loaded_core.runner.cache.info()))
 
     def _admin_result(self, report: Any) -> dict:
         self._refresh_stats(force=True)
@@ -230,11 +237,9 @@ class Engine(EngineFrontend):
         try:
             core = EngineCore(runner, self.settings, self.metrics)
         except BaseException:
-            if hasattr(runner, "close"):
-                runner.close()
+            runner.close()
             raise
-        if hasattr(runner, "watch"):   # tensor parallel: a worker rank that dies kills this engine, even idle
-            runner.watch(self.fail)
+        runner.watch(self.fail)   # tensor parallel: a worker rank that dies kills this engine, even idle
         core.step_failpoint = self.step_failpoint
         self._core, self._tokenizer, self._max_model_len = core, runner.tokenizer, runner.max_model_len
 
@@ -258,7 +263,7 @@ class Engine(EngineFrontend):
         self._ready_event.set()
 
     def _serve(self) -> None:
-        core = self._core
+        core = self._loaded_core
         while True:
             if not self._process_inbox(block=not core.has_work() and not self._warmups):
                 return
@@ -295,7 +300,7 @@ class Engine(EngineFrontend):
                 return True
 
     def _handle_command(self, cmd: Any) -> None:
-        core = self._core
+        core = self._loaded_core
         if isinstance(cmd, Add):
             if cmd.handle.request_id in self._requests:   # else it failed while queued (drain/abort-all)
                 try:
@@ -336,11 +341,11 @@ class Engine(EngineFrontend):
         """Capture the next descriptors of the oldest admin warmup: at least one, then more while the
         slice lasts (all of them when no request is running), so a long warmup never stalls serving."""
         job = self._warmups[0]
-        budget = WARMUP_SLICE_S if self._core.has_work() else float("inf")
+        budget = WARMUP_SLICE_S if self._loaded_core.has_work() else float("inf")
         t0 = time.perf_counter()
         try:
             while job.todo:
-                job.report.merge(self._core.runner.capture([job.todo.popleft()], pin=True))
+                job.report.merge(self._loaded_core.runner.capture([job.todo.popleft()], pin=True))
                 if time.perf_counter() - t0 >= budget:
                     break
         except Exception as exc:   # admin errors go back to the caller, the engine keeps serving
@@ -353,7 +358,7 @@ class Engine(EngineFrontend):
             self._resolve(job, result=self._admin_result(job.report))
 
     # --- outputs ---------------------------------------------------------------------------
-    def _route(self, outputs: list[RequestOutput | None]) -> None:
+    def _route(self, outputs: Iterable[RequestOutput | None]) -> None:
         """Queue each output for its request's consumer; a final one retires the request."""
         for out in outputs:
             if out is None:
@@ -372,7 +377,7 @@ class Engine(EngineFrontend):
         now = time.monotonic()
         if now - self._last_stream_flush >= self.settings.engine.stream_interval_ms / 1e3:
             self._last_stream_flush = now
-            self._route(self._core.stream_outputs())
+            self._route(self._loaded_core.stream_outputs())
 
     def _flush_outputs(self) -> None:
         """Deliver queued outputs. Runs after stats/gauges are updated, so a consumer that sees its
@@ -383,14 +388,14 @@ class Engine(EngineFrontend):
             dispatch(outbox)
 
     def _update_gauges(self) -> None:
-        core = self._core
+        core = self._loaded_core
         with self._lock:
             self._num_running = len(core.scheduler.running)
         core.update_gauges()
 
     def _refresh_stats(self, force: bool = False) -> None:
         """Engine counters every call (cheap); cache stats at most every 0.25 s (may walk entries)."""
-        core = self._core
+        core = self._loaded_core
         bm, now = core.block_manager, time.monotonic()
         cache_stats = self._stats.get("cache")
         if force or now - self._stats_refreshed >= 0.25:
@@ -454,12 +459,10 @@ class Engine(EngineFrontend):
             return
         if core.step_trace is not None:
             write_step_trace(self.settings.engine.step_trace, core.step_trace)
-        close = getattr(core.runner, "close", None)   # tensor parallel: stop the worker ranks
-        if close is not None:
-            try:
-                close()
-            except Exception:  # noqa: BLE001 - the engine is exiting either way
-                log.exception("closing the runner failed")
+        try:
+            core.runner.close()   # tensor parallel: stop the worker ranks
+        except Exception:  # noqa: BLE001 - the engine is exiting either way
+            log.exception("closing the runner failed")
         del core
         gc.collect()
         if torch.cuda.is_available():

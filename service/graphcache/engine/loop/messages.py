@@ -141,15 +141,17 @@ async def consume(handle: Handle, tokenizer: Any, abort: Callable[[str], None]) 
     seq = handle.seq
     # Streams without stop strings are detokenized here, on the consumer's side (EngineCore leaves
     # their text empty): the step loop never pays for it, and a merged delta is decoded in one call.
+    queue = handle.outputs
+    assert queue is not None, "consume() runs on the asyncio side, whose handles carry an outputs queue"
     detok = None
     if seq.stream and not seq.params.stop and tokenizer is not None:
         detok = tokenizer.detokenizer(seq.prompt_token_ids)
     try:
         while True:
-            out: RequestOutput = await handle.outputs.get()
+            out: RequestOutput = await queue.get()
             # Under load a stream sends fewer, larger chunks instead of falling behind one token at a time.
-            while not out.finished and not handle.outputs.empty():
-                out = merge(out, handle.outputs.get_nowait())
+            while not out.finished and not queue.empty():
+                out = merge(out, queue.get_nowait())
             if detok is not None:
                 out = with_text(out, detok)
             finished = out.finished

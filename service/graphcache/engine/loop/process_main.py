@@ -146,8 +146,9 @@ class EngineServer:
         while not self._stopping.wait(STATE_POLL_S):
             state, checker = engine.state, engine.checker
             if state is EngineState.READY and not ready_sent and checker is not None:
-                self.send(("ready", checker.limits, str(getattr(engine.runner, "model_path", "")),
-                           engine.max_model_len))
+                runner = engine.runner   # None if the engine stopped since
+                model_path = str(runner.model_path) if runner is not None else ""
+                self.send(("ready", checker.limits, model_path, engine.max_model_len))
                 ready_sent = True
             head = (state.value, engine.error, engine.progress)
             now = time.monotonic()

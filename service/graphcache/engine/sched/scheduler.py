@@ -80,7 +80,8 @@ class _PrevRows:
     """id(sequence) -> its row of the in-flight step's sampled ids; the dict is built on first use."""
 
     def __init__(self, prev_sampled: list[Sequence] | None) -> None:
-        self._seqs, self._rows = prev_sampled, None
+        self._seqs = prev_sampled
+        self._rows: dict[int, int] | None = None
 
     def __call__(self, seq: Sequence) -> int | None:
         if self._seqs is None:
@@ -170,7 +171,8 @@ class Scheduler:
         # still being sampled (num_inflight, async scheduling) counts as known: its sequence decodes it.
         # This loop and the next run for every running sequence every step (up to max_num_seqs rows):
         # they read each sequence's lengths once and inline the checks (BENCHMARKS.md §9.4).
-        decodes, prefills = [], []   # (sequence, tokens known incl. in flight)
+        decodes: list[tuple[Sequence, int]] = []   # (sequence, tokens known incl. in flight)
+        prefills: list[tuple[Sequence, int]] = []
         max_len = self.max_model_len
         for s in self.running:
             inflight, num_out = s.num_inflight, len(s.output_token_ids)
@@ -192,6 +194,7 @@ class Scheduler:
             if target > len(seq.block_table) * capacity_per_block:   # most decodes skip this: room left
                 while not bm.can_allocate(seq, target):
                     victim = next((s for s in reversed(self.running) if id(s) not in scheduled_ids), None)
+                    assert victim is not None   # seq itself is running and not scheduled yet
                     if victim is seq and len(self.running) == 1:
                         # Alone in the cache and still no room: it never fits. Fail, don't spin.
                         self._fail_too_big(seq, target, out)

@@ -78,7 +78,7 @@ class PersistentRows:
         """The device buffers no longer hold known rows (another layout was written, or a step failed)."""
         self.keys = self._row_of = None
 
-    def remember(self, keys: list[int] | None, num_blocks: Sequence[int], arange_rows: int) -> None:
+    def remember(self, keys: list[int] | None, num_blocks: Sequence[int] | np.ndarray, arange_rows: int) -> None:
         """A step laid rows out from its StepSeqs: rows 0..len(keys)-1 are decodes of those sequences
         (None: not known), with num_blocks[i] blocks in the device block table, and row i's sampled id
         is row i of the step's sampled ids. logits_indices[:arange_rows] is 0, 1, 2, ..."""
@@ -88,6 +88,7 @@ class PersistentRows:
 
     def _old_row_of(self) -> dict[int, int]:
         if self._row_of is None:
+            assert self.keys is not None   # asked only while rows are known (_plan checks)
             self._row_of = {k: i for i, k in enumerate(self.keys)}
         return self._row_of
 

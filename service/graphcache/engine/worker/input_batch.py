@@ -90,7 +90,10 @@ class InputBatch:
     def takes_rows(self, batch: StepBatch, decode: bool) -> bool:
         """Whether prepare(batch) lays the step out from the persistent rows with no row new to them (no
         StepSeq needed: a tensor-parallel rank then needs the rows alone)."""
-        return self._may_use_rows(batch, decode) and self.rows.applicable(batch.rows, batch.prev_tokens.shape[0])
+        if not self._may_use_rows(batch, decode):
+            return False
+        assert batch.rows is not None   # _may_use_rows checked it
+        return self.rows.applicable(batch.rows, batch.prev_tokens.shape[0])
 
     def invalidate(self) -> None:
         """The buffers may hold half a step (a failed step): the next step lays its rows out anew."""
@@ -120,6 +123,7 @@ class InputBatch:
     def decode_from_rows(self, batch: StepBatch, pad_reqs: int) -> StepLayout | None:
         """Advance the device rows to batch.rows; None (nothing touched) when they do not follow from the
         rows the last step left."""
+        assert batch.rows is not None, "decode_from_rows lays out a batch of DecodeRows"
         if not self.rows.apply(batch.rows, pad_reqs, batch.prev_tokens, batch.seq_at, self._wait_uploads):
             return None
         self._host_tables_stale = True   # the device rows moved; the host mirror no longer matches them

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from graphcache.config import Settings
-from graphcache.engine.batch import StepBatch, StepResult
+from graphcache.engine.batch import StepBatch, StepMode, StepResult
 from graphcache.engine.worker.input_batch import InputBatch, StepLayout
 from graphcache.graphs.cache import GraphCache, WarmupReport
 from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes, descriptor_for
@@ -314,7 +314,7 @@ class ModelRunner:
                     return self._run_with_prompt_logits(layout)
                 if desc is None:
                     self._run_model(num_tokens, num_reqs)
-                    mode = "eager"
+                    mode: StepMode = "eager"
                 else:
                     mode = self.cache.run(desc, real_tokens=num_tokens)
         except BaseException:
@@ -365,3 +365,10 @@ class ModelRunner:
         if self.settings.graph_cache.enforce_eager:
             return WarmupReport()
         return self.capture(self._warmup_descs, pin=True, progress=progress)
+
+    # --- lifetime -------------------------------------------------------------------------
+    def watch(self, on_fatal: Callable[[str], None]) -> None:
+        """Nothing to watch: one process, no other rank that could die while the engine idles."""
+
+    def close(self) -> None:
+        """Nothing outlives this object: weights, KV cache and graph pools go with its last reference."""

@@ -47,6 +47,7 @@ from graphcache.engine.worker.tp_worker import (
     worker_main,
 )
 from graphcache.graphs.agreement import Decision, fingerprint
+from graphcache.graphs.cache_reports import CacheStats, ClearReport, EntryInfo, WarmupReport
 from graphcache.graphs.descriptor import BatchDescriptor
 from graphcache.metrics import Metrics
 from graphcache.model.config import read_config
@@ -127,6 +128,12 @@ class TensorParallelRunner:
     def __init__(self, runner: ModelRunner, workers: list[_Worker], metrics: Metrics | None = None) -> None:
         self.runner = runner
         self.size = runner.tp.size
+        # Rank 0's facts (the Runner Protocol's), fixed at load; every rank's equal but for its shard of the heads.
+        self.tokenizer, self.model_path, self.model_config = runner.tokenizer, runner.model_path, runner.model_config
+        self.num_kv_blocks, self.block_size, self.max_model_len = runner.num_kv_blocks, runner.block_size, \
+            runner.max_model_len
+        self.vocab_size, self.eos_token_ids = runner.vocab_size, runner.eos_token_ids
+        self.device_type, self.dtype = runner.device_type, runner.dtype
         self.metrics = metrics
         self.cache = _AgreedCache(self)
         self._workers = workers
@@ -141,9 +148,11 @@ class TensorParallelRunner:
     def start(cls, settings: Settings, metrics: Metrics | None = None) -> TensorParallelRunner:
         """Spawn ranks 1..N-1, load rank 0's shard with them, wait until every rank is loaded."""
         size = settings.model.tensor_parallel_size
-        if settings.model.path is None:   # made once, here: the ranks must not race to write the same files
-            settings = settings.updated(model=default_model_dir(settings.model.cache_dir, seed=settings.model.seed))
-        check_shardable(read_config(settings.model.path), size)   # before any process starts
+        model = settings.model.path
+        if model is None:   # made once, here: the ranks must not race to write the same files
+            model = default_model_dir(settings.model.cache_dir, seed=settings.model.seed)
+            settings = settings.updated(model=model)
+        check_shardable(read_config(model), size)   # before any process starts
         port, ctx = free_port(), mp.get_context("spawn")
         workers: list[_Worker] = []
         runner = None
@@ -176,11 +185,6 @@ class TensorParallelRunner:
         if self._broken is not None:
             on_fatal(self._broken)
 
-    def __getattr__(self, name: str) -> Any:   # tokenizer, sizes, device_type, ...: rank 0's runner's
-        if name == "runner":
-            raise AttributeError(name)
-        return getattr(self.runner, name)
-
     # --- steps ---------------------------------------------------------------------------
     def execute(self, batch: StepBatch) -> StepResult:
         if self._broken is not None:
@@ -205,11 +209,11 @@ class TensorParallelRunner:
     def warmup_descriptors(self) -> list[BatchDescriptor]:
         return self.runner.warmup_descriptors()
 
-    def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> Any:
+    def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> WarmupReport:
         return self._admin("warmup", (), lambda: self.runner.warmup(progress=progress))
 
     def capture(self, descriptors: list[BatchDescriptor], *, pin: bool = True,
-                progress: Callable[[int, int, str], None] | None = None) -> Any:
+                progress: Callable[[int, int, str], None] | None = None) -> WarmupReport:
         descs = list(descriptors)
         return self._admin("capture", (descs, pin), lambda: self.runner.capture(descs, pin=pin, progress=progress))
 
@@ -291,21 +295,32 @@ class _AgreedCache:
         self._tp = tp
         self._published = -1   # decision-log length the rank gauge was computed at
 
-    def __getattr__(self, name: str) -> Any:   # profile, entries, decision_log, run, ...
-        return getattr(self._tp.runner.cache, name)
-
-    def clear(self) -> Any:
+    def clear(self) -> ClearReport:
         return self._tp._admin("clear", (), lambda: self._tp.runner.cache.clear())
 
     def evict(self, desc: BatchDescriptor) -> bool:
         return self._tp._admin("evict", (desc,), lambda: self._tp.runner.cache.evict(desc))
 
-    def warmup(self, descs: list[BatchDescriptor], *, pin: bool = True, progress=None) -> Any:
+    def warmup(self, descs: list[BatchDescriptor], *, pin: bool = True,
+               progress: Callable[[int, int, str], None] | None = None) -> WarmupReport:
         return self._tp.capture(descs, pin=pin, progress=progress)
 
-    def stats(self) -> Any:
+    # Reads: rank 0's cache, whose state equals every rank's.
+    def stats(self) -> CacheStats:
         self.publish_rank_bytes()
         return self._tp.runner.cache.stats()
+
+    def entries(self) -> list[EntryInfo]:
+        return self._tp.runner.cache.entries()
+
+    def profile(self, min_uses: int = 1) -> dict:
+        return self._tp.runner.cache.profile(min_uses)
+
+    def decision_log(self) -> list[Decision]:
+        return self._tp.runner.cache.decision_log()
+
+    def rank_pool_bytes(self) -> list[int]:
+        return self._tp.runner.cache.rank_pool_bytes()
 
     def info(self) -> dict:
         """Rank 0's cache info plus each rank's pool bytes and decision log (count and digest)."""
