@@ -287,8 +287,8 @@ def _mixed_steps(runner):
 def test_runner_mixed_steps_match_sdpa(monkeypatch):
     """The runner with attention kernel "triton" (interpreted on the CPU) gives the SDPA path's logits
     on mixed steps, GQA 4 (Qwen flavour); decode steps also go through it (decode backend varlen)."""
-    import graphcache.engine.runner as runner_mod
-    from graphcache.engine.runner import ModelRunner
+    import graphcache.engine.worker.runner as runner_mod
+    from graphcache.engine.worker.runner import ModelRunner
     from helpers_model import cpu_settings, tiny_checkpoint
 
     path = tiny_checkpoint("qwen2", hidden=64, layers=2, heads=8, kv_heads=2)
@@ -310,7 +310,7 @@ def test_runner_mixed_steps_match_sdpa(monkeypatch):
 def test_cuda_runner_mixed_steps_match_flash():
     """bf16 runners with graphs on: logits of the triton kernel within 3% of max |logit| of the gather +
     FlashAttention path's on the same mixed steps (bf16 rounding differs between the kernels)."""
-    from graphcache.engine.runner import ModelRunner
+    from graphcache.engine.worker.runner import ModelRunner
     from helpers_model import cpu_settings, tiny_checkpoint
 
     path = tiny_checkpoint("qwen2", hidden=256, layers=4, heads=8, kv_heads=2, intermediate=512,

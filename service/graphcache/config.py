@@ -91,6 +91,20 @@ class Settings(BaseSettings):
     capture_sizes: list[int] | None = Field(None, description="Padded batch sizes (tokens) that may be captured; "
                                             "default: 1,2,4,8..256 by 8, then by 16 up to max_capture_size.")
     max_capture_size: int = Field(256, ge=1, description="Largest capture size; bigger batches run eagerly.")
+    # --- mixed steps above max_capture_size: coarse buckets (graphs/descriptor.py mixed_buckets,
+    # engine/worker/capture_sizes.py for the default rule, benchmarks/big_steps.py for its measurements) ---
+    mixed_capture_sizes: list[int] | None = Field(
+        None, description="Sizes above max_capture_size that mixed (prefill + decode) steps pad to. Default: "
+        "384, 512, 768, 1024, 1536, ... (x1.5 / x1.33 apart) up to max_num_batched_tokens, on CUDA only, and "
+        "only the buckets whose padded GEMM time stays below an eager step's launch time at this model's size "
+        "(larger steps are GPU-bound: a graph saves nothing and padding costs). [] = none.")
+    mixed_capture_mode: Literal["full", "breakable"] = Field(
+        "full", description="Mixed captures: full = one CUDA graph with the unified attention kernel inside "
+        "(grid fixed by the descriptor, needs attention kernel triton; others fall back to breakable); "
+        "breakable = attention as an eager break, one Python launch per layer.")
+    warmup_mixed_sizes: list[int] | None = Field(
+        None, description="Mixed bucket sizes above max_capture_size captured at start (pinned). Default: every "
+        "mixed bucket in use. [] = capture them lazily, on misses.")
     warmup_decode_sizes: list[int] | None = Field(
         None, description="Uniform-decode sizes captured at start (pinned). Default: capture sizes <= max_num_seqs. "
         "[] = none.")
@@ -185,13 +199,13 @@ class Settings(BaseSettings):
                              "differently): use ASCII characters, e.g. a hex token from `openssl rand -hex 32`")
         return v
 
-    @field_validator("capture_sizes")
+    @field_validator("capture_sizes", "mixed_capture_sizes", "warmup_mixed_sizes")
     @classmethod
-    def _sorted_unique(cls, v: list[int] | None) -> list[int] | None:
+    def _sorted_unique(cls, v: list[int] | None, info) -> list[int] | None:
         if v is None:
             return v
         if any(s < 1 for s in v):
-            raise ValueError("capture_sizes must be positive integers")
+            raise ValueError(f"{info.field_name} must be positive integers")
         return sorted(set(v))
 
     @model_validator(mode="after")
