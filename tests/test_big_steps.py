@@ -183,3 +183,22 @@ def test_cuda_full_mixed_graph_replay_equals_eager(mode):
         assert step_mode == "replay" and torch.isfinite(logits).all()
         # The graph's fixed tile shape differs from the eager step's choice: bf16 rounding differs.
         assert (logits - ref).abs().max().item() <= 0.03 * ref.abs().max().item()
+
+
+@pytest.mark.slow
+def test_big_steps_benchmark_smoke(tmp_path):
+    """benchmarks/big_steps.py end to end on the CPU (tiny shape, sizes 32..128): every cell filled."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import big_steps
+
+    out = tmp_path / "big_steps.json"
+    assert big_steps.main(["--smoke", "--make-model", f"tiny:{tmp_path / 'tiny'}", "--out", str(out)]) == 0
+    (result,) = json.loads(out.read_text())
+    assert [r["size"] for r in result["rows"]] == [32, 64, 128]
+    for r in result["rows"]:
+        assert r["eager_ran"] == "eager" and r["breakable_ran"] == "replay" and r["full_ran"] == "replay"
+        assert r["breakable"]["capture_s"] >= 0 and r["full_half_ms"] > 0
