@@ -142,9 +142,11 @@ def test_full_mixed_graph_equals_eager_interpreted(monkeypatch):
     import graphcache.engine.worker.runner as runner_mod
 
     path = tiny_checkpoint("qwen2", hidden=64, layers=2, heads=8, kv_heads=2)
-    monkeypatch.setattr(runner_mod, "select_attention_kernel", lambda *args: "triton")
     settings = dict(decode_attention_backend="varlen", mixed_capture_sizes=BUCKETS)
-    expected = _big_steps(ModelRunner(cpu_settings(path, enforce_eager=True, **settings)))
+    reference = ModelRunner(cpu_settings(path, enforce_eager=True, **settings))   # eager, SDPA: independent
+    assert reference.attention_kernel == "sdpa"
+    expected = _big_steps(reference)
+    monkeypatch.setattr(runner_mod, "select_attention_kernel", lambda *args: "triton")
     runner = ModelRunner(cpu_settings(path, **settings))
     assert runner._graph_mode(False) == "full"
     _poison_request_rows(runner)
