@@ -39,7 +39,7 @@ from graphcache.config import Settings  # noqa: E402
 from graphcache.engine.batch import StepBatch, StepSeq  # noqa: E402
 from graphcache.engine.worker.capture_sizes import host_bound_buckets  # noqa: E402
 from graphcache.engine.worker.runner import ModelRunner  # noqa: E402
-from graphcache.graphs.descriptor import mixed_buckets  # noqa: E402
+from graphcache.graphs.descriptor import BatchDescriptor, mixed_buckets  # noqa: E402
 
 from benchmarks.model_shapes import make_model  # noqa: E402
 
@@ -163,11 +163,24 @@ def run_shape(shape: str, model: Path, sizes: list[int], steps: int, block_size:
         print(f"  {shape}: {mode} done ({time.perf_counter() - t0:.0f} s)", flush=True)
     default = host_bound_buckets(mixed_buckets(lim.fine_max, lim.max_tokens), decoder_params=params,
                                  num_layers=c.num_layers)
+    warmup = default_warmup(runner, default, lim)
     del runner
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return {"shape": shape, "load_s": load_s, "decoder_params": params, "layers": c.num_layers, "rows": rows,
-            "default_buckets": default}
+            "default_buckets": default, "default_warmup": warmup}
+
+
+def default_warmup(runner: ModelRunner, buckets: list[int], lim: Limits) -> dict:
+    """What startup adds for the default buckets: their pinned full captures, as the server's warmup
+    makes them (largest first, into the shared pinned pool), on a cache emptied first."""
+    set_mode(runner, "full")
+    descs = [BatchDescriptor(b, min(b, lim.max_reqs), False) for b in buckets]
+    t0 = time.perf_counter()
+    report = runner.capture(descs, pin=True)
+    wall = time.perf_counter() - t0
+    return {"captures": len(report.captured), "failed": report.failed, "seconds": wall,
+            "pinned_pool_mib": runner.cache.stats().pinned_pool_bytes / MiB}
 
 
 def print_table(result: dict) -> None:
@@ -187,9 +200,10 @@ def print_table(result: dict) -> None:
                 print(f"      note: {mode} at {r['size']} ran {r[f'{mode}_ran']}, not a replay")
     print("  pad waste = full step at N/2+1 real tokens padded to N / full step at N real tokens "
           "(1.0: padding is free, the step is host-bound)")
-    caps = {r["size"]: r.get("full", {}).get("capture_s", 0.0) for r in result["rows"]}
-    print(f"  default buckets by the rule: {result['default_buckets']} (measured full captures at these sizes sum "
-          f"to {sum(caps.get(n, 0.0) for n in result['default_buckets']):.2f} s; sizes not measured count 0)")
+    w = result["default_warmup"]
+    print(f"  default buckets by the rule: {result['default_buckets']}; their startup warmup (full, pinned): "
+          f"{w['captures']} captures in {w['seconds']:.2f} s, pinned pool {w['pinned_pool_mib']:.0f} MiB"
+          + (f", failed {w['failed']}" if w["failed"] else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
