@@ -94,8 +94,9 @@ class Settings(BaseSettings):
     # --- mixed steps above max_capture_size: coarse buckets (graphs/descriptor.py mixed_buckets,
     # engine/worker/capture_sizes.py for the default rule, benchmarks/big_steps.py for its measurements) ---
     mixed_capture_sizes: list[int] | None = Field(
-        None, description="Sizes above max_capture_size that mixed (prefill + decode) steps pad to. Default: "
-        "384, 512, 768, 1024, 1536, ... (x1.5 / x1.33 apart) up to max_num_batched_tokens, on CUDA only, and "
+        None, description="Sizes above max_capture_size that mixed (prefill + decode) steps pad to (sizes up to "
+        "max_capture_size or past max_num_batched_tokens are ignored). Default: 384, 512, 768, 1024, 1536, ... "
+        "(x1.5 / x1.33 apart) up to max_num_batched_tokens, only with CUDA graphs, and "
         "only the buckets whose padded GEMM time stays below an eager step's launch time at this model's size "
         "(larger steps are GPU-bound: a graph saves nothing and padding costs). [] = none.")
     mixed_capture_mode: Literal["full", "breakable"] = Field(
