@@ -110,7 +110,7 @@ def test_mixed_bucket_pads_write_only_the_scratch_slot(path):
 
 
 def test_warmup_captures_the_mixed_buckets(path):
-    runner = ModelRunner(cpu_settings(path, mixed_capture_sizes=BUCKETS))
+    runner = ModelRunner(cpu_settings(path, mixed_capture_sizes=BUCKETS, warmup_mixed_sizes=None))
     assert [str(d) for d in runner.warmup_descriptors()] == ["96:8", "128:8", "192:8"]
     before = runner.kv_cache.clone()
     report = runner.warmup()
@@ -175,9 +175,9 @@ def test_cuda_full_mixed_graph_replay_equals_eager(mode):
     settings = dict(device="cuda", dtype="bfloat16", block_size=16, attention_backend="triton",
                     decode_attention_backend="varlen", mixed_capture_sizes=BUCKETS, mixed_capture_mode=mode)
     expected = _big_steps(ModelRunner(cpu_settings(path, enforce_eager=True, **settings)))
-    runner = ModelRunner(cpu_settings(path, **settings))
+    runner = ModelRunner(cpu_settings(path, warmup_mixed_sizes=None, **settings))
     assert runner.backend == "cuda" and runner._graph_mode(False) == mode
-    runner.warmup()                                   # captured outside a step, then replayed by the steps
+    assert runner.warmup().captured                   # captured outside a step, then replayed by the steps
     assert BatchDescriptor(128, 8) in runner.cache
     _poison_request_rows(runner)
     got = _big_steps(runner)
