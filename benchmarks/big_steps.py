@@ -11,7 +11,8 @@ three modes:
 Columns: step ms (median of CUDA events around runner.execute, input upload included) for each mode;
 the capture seconds and graph-pool MiB of each mode's entry (the cache's own measurements, each entry
 in a private pool); and padding: the full step at N with N/2 + 1 real tokens (padded up to N: the
-worst case just past the previous bucket) against the same step eager and against N real tokens.
+worst case just past the previous bucket; at N <= 256 it pads to a fine size instead) against the same
+step eager and against N real tokens.
 Then the default buckets the rule in engine/worker/capture_sizes.py picks for the shape, and their
 summed capture seconds (what startup warmup adds).
 
