@@ -1,14 +1,31 @@
-"""Sampling one step on the device: GPU time of `Sampler.sample_device` for a batch of rows over a
-large vocabulary, by sampling parameters (issue 10 item 4).
+"""Sampling one step on the device: GPU time of `Sampler.sample_device`, the fused kernel
+(engine/sample/fused_draw.py) against the torch-composed path (GRAPHCACHE_SAMPLER=legacy), side by side,
+and what each piece of the torch path costs.
 
-    python benchmarks/sampler_bench.py --rows 256 --vocab 151936
+    python benchmarks/sampler_bench.py --rows 256 --vocab 151936      # Qwen2.5-0.5B shape
+    python benchmarks/sampler_bench.py --rows 256 --vocab 128256      # the 8B shape
 
-Rows: greedy; temperature only (no filter: one race-draw kernel, no softmax); top_p 0.9 and top_k 50
-(one threshold per row from a bounded top-k, filter_threshold.py); seeded temperature rows, and half
-seeded / half unseeded (the same single race kernel: keys from (seed, step) or the host generator);
-top_p 0.9 over a flat distribution (logits / 10: the nucleus is longer than the top-k prefix, so every
-row takes the exact bisection fallback). Also the probability computation alone with no filter and
-with the filters forced on (top_k 0, top_p 1). Median GPU ms of --iters calls (CUDA events), bf16 logits.
+Table 1, by sampling parameters (median GPU ms of --iters calls, CUDA events; bf16 logits randn * 3):
+greedy; temperature only; top_p 0.9; top_k 50; top_k 50 + top_p 0.9; seeded; half seeded; top_p 0.9
+on flat logits (logits / 10: long nuclei); the realistic mix (T 0.8, top_p 0.95, a quarter seeded).
+Columns: legacy, fused, and fused minus greedy (the issue's goal: <= 0.3 ms at 256 rows).
+
+Table 2, the pieces of the legacy path for the top_p 0.9 rows, and the predicted floor of each
+(bytes / 4.8 TB/s; 256 x 151,936: bf16 logits 78 MB = 16 us a pass, fp32 156 MB = 32 us a pass):
+  copy          index_select + .float(): read bf16, write fp32                  234 MB -> ~49 us
+  temperature   nan_to_num, max, sub_, div_ (4 fp32 read+write passes, 1 read) ~1.1 GB -> ~230 us
+  penalties     frequency + presence on every row, 64 output tokens each: [R, V] counts (write),
+                two read-modify-write passes                                   ~0.8 GB -> ~160 us
+  threshold     topk(4096) per row (a partial sort: compute-bound, not a pass), exp/sum passes: 3 fp32
+                passes ~100 us plus the topk
+  draw          race_draw: one fp32 read pass                                   156 MB -> ~32 us
+  logprobs      token_logprobs(k=5): log_softmax fp32 write + topk               ~0.5 GB -> ~100 us
+  host sync     tokens .tolist(): a [R] int64 copy and a stream sync           ~10 us (latency)
+Table 3: fused_draw alone by launch setting (Config: block, lblock, pivots, cap, warps), to pick the
+defaults from one run.
+The fused kernel's floor: top_p alone reads the bf16 row 3 times (max; one ladder; compaction + race):
+48 us, plus the ladder's arithmetic (16 pivots x count and mass per token, ~2 G fp32 ops, ~30-60 us);
+top_k + top_p: 5 passes, 80 us; temperature only: 2 passes, 32 us.
 """
 
 from __future__ import annotations
@@ -22,16 +39,24 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the graphcache package
 
 import torch  # noqa: E402
-from graphcache.engine.sample.sampler import Sampler, probs_from_logits  # noqa: E402
+from graphcache.engine.sample import fused_draw as fd  # noqa: E402
+from graphcache.engine.sample import sampler as sm  # noqa: E402
+from graphcache.engine.sample.filter_threshold import thresholds  # noqa: E402
+from graphcache.engine.sample.logprobs import token_logprobs  # noqa: E402
+from graphcache.engine.sample.race_draw import race_draw  # noqa: E402
+from graphcache.engine.sample.sampler import Sampler  # noqa: E402
 from graphcache.engine.sequence import SamplingParams, Sequence  # noqa: E402
 
 CASES = {
-    "greedy": dict(temperature=0.0),
-    "temperature 0.8": dict(temperature=0.8),
-    "temperature 0.8, top_p 0.9": dict(temperature=0.8, top_p=0.9),
-    "temperature 0.8, top_k 50": dict(temperature=0.8, top_k=50),
-    "temperature 0.8, seeded": dict(temperature=0.8, seed=1),
-    "temperature 0.8, half seeded": "half",
+    "greedy": lambda i: dict(temperature=0.0),
+    "temperature 0.8": lambda i: dict(temperature=0.8),
+    "temperature 0.8, top_p 0.9": lambda i: dict(temperature=0.8, top_p=0.9),
+    "temperature 0.8, top_k 50": lambda i: dict(temperature=0.8, top_k=50),
+    "temperature 0.8, top_k 50, top_p 0.9": lambda i: dict(temperature=0.8, top_k=50, top_p=0.9),
+    "temperature 0.8, seeded": lambda i: dict(temperature=0.8, seed=i),
+    "temperature 0.8, half seeded": lambda i: dict(temperature=0.8, seed=i if i % 2 else None),
+    "realistic: T 0.8, top_p 0.95, 1/4 seeded": lambda i: dict(temperature=0.8, top_p=0.95,
+                                                               seed=i if i % 4 == 0 else None),
 }
 
 
@@ -48,6 +73,79 @@ def gpu_ms(fn, iters: int) -> float:
     return statistics.median(times)
 
 
+def seqs_of(make, rows: int) -> list[Sequence]:
+    return [Sequence(f"r{i}", [1, 2, 3], SamplingParams(**make(i))) for i in range(rows)]
+
+
+def by_case(logits, flat, rows: int, iters: int) -> list[dict]:
+    legacy, fused = Sampler(default_seed=0, fused=False), Sampler(default_seed=0, fused=True)
+    out = []
+    cases = [(name, logits, seqs_of(make, rows)) for name, make in CASES.items()]
+    cases.append(("top_p 0.9, flat logits (long nuclei)", flat, seqs_of(CASES["temperature 0.8, top_p 0.9"], rows)))
+    for name, x, seqs in cases:
+        out.append({"case": name,
+                    "legacy_ms": gpu_ms(lambda x=x, s=seqs: legacy.sample_device(x, s), iters),
+                    "fused_ms": gpu_ms(lambda x=x, s=seqs: fused.sample_device(x, s), iters)})
+    return out
+
+
+def pieces(logits, rows: int, iters: int) -> list[dict]:
+    dev = logits.device
+    idx = torch.arange(rows, device=dev)
+    t = torch.full((rows,), 0.8, device=dev)
+    p = torch.full((rows,), 0.9, device=dev)
+    keys = torch.arange(rows, dtype=torch.int64, device=dev) * 7919
+    x = logits.index_select(0, idx).float()
+    z, _, _, _ = sm.filtered_logits(x, temperature=t, top_k=None, top_p=None)
+    thr = thresholds(z, None, p)
+    pen = [Sequence(f"r{i}", [1, 2, 3], SamplingParams(temperature=0.8, frequency_penalty=0.5, presence_penalty=0.3))
+           for i in range(rows)]
+    for i, s in enumerate(pen):
+        s.output_token_ids.extend(range(i, i + 64))
+    tokens = logits.argmax(dim=-1)
+    return [
+        {"piece": "copy (index_select + float)", "ms": gpu_ms(lambda: logits.index_select(0, idx).float(), iters)},
+        {"piece": "temperature (nan_to_num, max, shift, divide)",
+         "ms": gpu_ms(lambda: sm.filtered_logits(x, temperature=t, top_k=None, top_p=None), iters)},
+        {"piece": "penalties (frequency + presence, 64 tokens a row)",
+         "ms": gpu_ms(lambda: sm._apply_penalties(x.clone(), list(range(rows)), pen), iters)},
+        {"piece": "threshold (top_p 0.9: topk prefix + passes)", "ms": gpu_ms(lambda: thresholds(z, None, p), iters)},
+        {"piece": "draw (race over z >= thr)", "ms": gpu_ms(lambda: race_draw(z, thr, keys), iters)},
+        {"piece": "logprobs (token_logprobs, k=5)", "ms": gpu_ms(lambda: token_logprobs(logits, tokens, 5), iters)},
+        {"piece": "host sync (tokens .tolist())", "ms": gpu_ms(lambda: tokens.tolist(), iters)},
+        {"piece": "(x.clone(): one fp32 read+write, for scale)", "ms": gpu_ms(lambda: x.clone(), iters)},
+    ]
+
+
+SWEEP = [dict(), dict(block=1024), dict(block=1024, warps=4), dict(block=4096), dict(block=4096, warps=16),
+         dict(warps=16), dict(lblock=128), dict(lblock=512), dict(pivots=8), dict(pivots=32, lblock=128),
+         dict(cap=2048), dict(cap=1024, block=1024, lblock=128, warps=4)]
+
+
+def sweep(logits, flat, rows: int, iters: int) -> list[dict]:
+    """fused_draw alone for top_p 0.9 (normal and flat rows), top_k 50 + top_p 0.9, and temperature only,
+    by launch setting (Config's defaults first)."""
+    dev = logits.device
+    vocab = logits.shape[-1]
+    idx = torch.arange(rows, device=dev)
+    t = torch.full((rows,), 0.8, device=dev)
+    keys = torch.arange(rows, dtype=torch.int64, device=dev) * 7919
+    lmp = torch.full((rows,), float("-inf"), device=dev)
+    off_k = torch.full((rows,), vocab, dtype=torch.int64, device=dev)
+    k50 = torch.full((rows,), 50, dtype=torch.int64, device=dev)
+    p9, p1 = torch.full((rows,), 0.9, device=dev), torch.ones(rows, device=dev)
+    out = []
+    for setting in SWEEP:
+        def run(x, k, p, s=setting):
+            return fd.fused_draw(x, idx, t, k, p, lmp, keys, **s)
+        out.append({"setting": ", ".join(f"{a}={b}" for a, b in setting.items()) or "defaults",
+                    "top_p": gpu_ms(lambda: run(logits, off_k, p9), iters),
+                    "top_p flat": gpu_ms(lambda: run(flat, off_k, p9), iters),
+                    "top_k+top_p": gpu_ms(lambda: run(logits, k50, p9), iters),
+                    "temperature": gpu_ms(lambda: run(logits, off_k, p1), iters)})
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=256)
@@ -56,33 +154,25 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    logits = (torch.randn(args.rows, args.vocab, device=dev) * 3).to(torch.bfloat16)
-    sampler = Sampler(default_seed=0)
-    rows = []
-    for name, params in CASES.items():
-        if params == "half":
-            seqs = [Sequence(f"r{i}", [1, 2, 3], SamplingParams(temperature=0.8, seed=i if i % 2 else None))
-                    for i in range(args.rows)]
-        else:
-            seqs = [Sequence(f"r{i}", [1, 2, 3], SamplingParams(**params)) for i in range(args.rows)]
-        rows.append({"case": name, "ms": gpu_ms(lambda s=seqs: sampler.sample_device(logits, s), args.iters)})
+    g = torch.Generator(device=dev).manual_seed(0)
+    logits = (torch.randn(args.rows, args.vocab, device=dev, generator=g) * 3).to(torch.bfloat16)
     flat = logits / 10
-    seqs = [Sequence(f"r{i}", [1, 2, 3], SamplingParams(temperature=0.8, top_p=0.9)) for i in range(args.rows)]
-    rows.append({"case": "top_p 0.9, flat logits (exact fallback)",
-                 "ms": gpu_ms(lambda: sampler.sample_device(flat, seqs), args.iters)})
-    x = logits.float()
-    t = torch.full((args.rows,), 0.8, device=dev)
-    forced = dict(top_k=torch.zeros(args.rows, dtype=torch.long, device=dev), top_p=torch.ones(args.rows, device=dev))
-    rows.append({"case": "probs only, filters off (fast path)",
-                 "ms": gpu_ms(lambda: probs_from_logits(x, temperature=t, top_k=None, top_p=None), args.iters)})
-    rows.append({"case": "probs only, filters forced (top_k 0, top_p 1)",
-                 "ms": gpu_ms(lambda: probs_from_logits(x, temperature=t, **forced), args.iters)})
+    cases = by_case(logits, flat, args.rows, args.iters)
+    greedy = cases[0]["fused_ms"]
     print(f"{args.rows} rows x {args.vocab} vocab, bf16 logits, {torch.cuda.get_device_name()}")
-    print(f"{'case':<48} {'GPU ms':>8}")
-    for r in rows:
-        print(f"{r['case']:<48} {r['ms']:8.3f}")
+    print(f"{'case':<44} {'legacy ms':>10} {'fused ms':>9} {'fused - greedy':>15}")
+    for r in cases:
+        print(f"{r['case']:<44} {r['legacy_ms']:10.3f} {r['fused_ms']:9.3f} {r['fused_ms'] - greedy:15.3f}")
+    parts = pieces(logits, args.rows, args.iters)
+    print(f"\npieces of the legacy path (top_p 0.9 rows)\n{'piece':<52} {'GPU ms':>8}")
+    for r in parts:
+        print(f"{r['piece']:<52} {r['ms']:8.3f}")
+    swept = sweep(logits, flat, args.rows, args.iters)
+    print(f"\nfused_draw alone by launch setting (GPU ms)\n{'setting':<28} {'top_p':>7} {'flat':>7} {'k+p':>7} {'temp':>7}")
+    for r in swept:
+        print(f"{r['setting']:<28} {r['top_p']:7.3f} {r['top_p flat']:7.3f} {r['top_k+top_p']:7.3f} {r['temperature']:7.3f}")
     if args.out:
-        args.out.write_text(json.dumps(rows, indent=1))
+        args.out.write_text(json.dumps({"cases": cases, "pieces": parts, "sweep": swept}, indent=1))
     return 0
 
 

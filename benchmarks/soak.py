@@ -7,7 +7,9 @@ Server A is `graphcache serve` (through benchmarks/failpoint_serve.py: the same 
 file-armed capture failpoint and a memory sampler) with a small KV cache (--num-kv-blocks). While
 --clients closed-loop clients send streaming and non-streaming completions and chats (token-id and
 text prompts of mixed length, ignore_eos, so the right token count is known), and some streams are
-left after a few chunks (client disconnect), the soak:
+left after a few chunks (client disconnect); --structured-share of them carry an output constraint
+(guided_regex / guided_json / guided_choice / response_format, and now and then a regex bomb, which
+must be a clean 400), the soak:
   * every --admin-period s: arms the failpoint (every capture fails, the step runs eagerly) for half
     the period, disarms it, POST /admin/clear (pool bytes must drop to 0), POST /admin/warmup {} (pool
     bytes must come back to the baseline pinned at startup);
@@ -43,6 +45,17 @@ sys.path.insert(0, str(ROOT))
 TOKEN = "soak-token"
 PROBES = ["The quick brown fox", "Once upon a time, in a city built on graphs,", "hello",
           "Numbers: 1 2 3 4 5 6 7 8 9 10", "Q: What is a KV block? A:", "A cache that forgets nothing is"]
+# Output constraints of the structured-output mix: (field, value). A constrained request may end "stop"
+# when its grammar completes: then it may have fewer tokens than max_tokens.
+STRUCTURED = [
+    ("guided_regex", "[a-z ]+"),
+    ("guided_json", {"type": "object", "properties": {"name": {"type": "string"}, "tags": {
+        "type": "array", "items": {"type": "string"}}}, "required": ["name", "tags"]}),
+    ("guided_choice", ["alpha", "beta", "gamma delta"]),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "point", "schema": {
+        "type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}}}}),
+]
+BOMB = ("guided_regex", "a{1000}{1000}")   # refused (400) in well under a second, never cached
 WORDS = ["graph", "cache", "block", "token", "batch", "replay", "capture", "decode", "prefill", "stream", "server", "request"]
 
 
@@ -141,13 +154,17 @@ async def one_request(client: httpx.AsyncClient, body: dict, chat: bool, leave_a
     """(outcome, detail): finished | left | refused | lost."""
     path = "/v1/chat/completions" if chat else "/v1/completions"
     want = body["max_tokens"]
+    constrained = any(field in body for field, _ in STRUCTURED)
+
+    def right(tokens: int, finish: str | None) -> bool:
+        return (tokens == want and finish == "length") or (constrained and finish == "stop" and 0 < tokens <= want)
     try:
         if not body.get("stream"):
             r = await client.post(path, json=body)
             if r.status_code != 200:
                 return ("refused", str(r.status_code)) if is_error_body(r.text) else ("lost", f"HTTP {r.status_code}")
             data = r.json()
-            ok = data["usage"]["completion_tokens"] == want and data["choices"][0]["finish_reason"] == "length"
+            ok = right(data["usage"]["completion_tokens"], data["choices"][0]["finish_reason"])
             return ("finished", "") if ok else ("lost", f"usage {data['usage']}")
         async with client.stream("POST", path, json=body) as r:
             if r.status_code != 200:
@@ -169,7 +186,7 @@ async def one_request(client: httpx.AsyncClient, body: dict, chat: bool, leave_a
                     finish = c.get("finish_reason") or finish
                 if leave_after is not None and chunks >= leave_after:
                     return "left", ""   # leaving the context closes the connection mid-stream
-            if done and usage and usage["completion_tokens"] == want and finish == "length":
+            if done and usage and right(usage["completion_tokens"], finish):
                 return "finished", ""
             return "lost", f"stream done={done} usage={usage} finish={finish}"
     except (httpx.TransportError, json.JSONDecodeError, KeyError) as e:
@@ -185,6 +202,10 @@ def make_body(rng: random.Random, args, long: bool = False) -> tuple[dict, bool]
                   "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
+    if rng.random() < args.structured_share:
+        field, value = BOMB if rng.random() < 0.05 else rng.choice(STRUCTURED)
+        if field != "response_format" or chat:
+            body[field] = value
     if chat:
         body["messages"] = [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(max(1, n // 2)))}]
     else:
@@ -316,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--burst-period", type=float, help="seconds between KV bursts (default 45 CUDA, 8 CPU)")
     ap.add_argument("--burst-size", type=int, help="long requests per burst (default 48 CUDA, 8 CPU)")
     ap.add_argument("--probe-tokens", type=int, default=24)
+    ap.add_argument("--structured-share", type=float, default=0.2,
+                    help="share of requests with an output constraint (a few of them regex bombs); 0 = none")
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--rss-margin", type=float, default=0.10, help="allowed RSS growth over the first minute")
     ap.add_argument("--rss-slack-mib", type=float, default=64, help="allowed RSS growth on top of --rss-margin")

@@ -107,3 +107,14 @@ def test_scheduler_floor_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False", "importing the scheduler pulled in torch"
+
+
+def test_http_floor_imports_no_torch():
+    """With the engine in its own process the API process only does HTTP, tokenizing and detokenizing:
+    importing the app must load neither torch nor the model code."""
+    code = ("import sys, graphcache.api.app, graphcache.cli; "
+            "print('torch' in sys.modules, any(m.startswith('graphcache.model.') and m != 'graphcache.model.tokenizer' "
+            "for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"], "importing the HTTP floor pulled in torch or the model code"

@@ -15,6 +15,7 @@ from graphcache.engine.errors import InvalidRequest
 from graphcache.engine.sample.sampler import Sampler
 from graphcache.engine.sample.structured import StructuredOutput, accept, is_done
 from graphcache.engine.sequence import SamplingParams, Sequence, StructuredSpec
+from graphcache.engine.stopping import grammar_failure
 from graphcache.engine.worker.runner import ModelRunner
 from helpers_model import Blocks, cpu_settings, prompt_ids, tiny_checkpoint
 
@@ -194,11 +195,11 @@ def test_eos_only_when_complete_and_done_when_nothing_can_follow(runner, structu
     for t in tok.encode("terday", add_special_tokens=False):
         assert accept(seq, t)
     assert is_done(seq) and set(structured.allowed_token_ids(seq)) <= eos
-    # A token the grammar rejects breaks it: the engine ends that request.
+    # A token the grammar rejects breaks it: the engine ends that request with an error (never a "stop").
     other = Sequence("s", [5], SamplingParams(structured=spec))
     other.grammar = structured.new_matcher(spec)
     assert not accept(other, tok.encode("no", add_special_tokens=False)[0])
-    assert is_done(other)
+    assert not is_done(other) and "broke the output's grammar" in grammar_failure(other)
     assert accept(Sequence("plain", [5], SamplingParams()), 7)   # no grammar: always accepted
 
 

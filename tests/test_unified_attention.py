@@ -331,18 +331,21 @@ def test_cuda_runner_mixed_steps_match_flash():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_engine_greedy_matches_flash(tmp_path):
     """Engine level, bf16, graphs on: greedy tokens with attention_backend=triton equal those of the
-    gather + FlashAttention path ("flash") on requests whose prefills chunk alongside decodes."""
+    gather + FlashAttention path ("flash") on requests whose prefills chunk alongside decodes, up to
+    bf16 near-ties: the two kernels round differently, so a request may part ways only where the flash
+    run's top two tokens were within NEAR_TIE of each other (its logprobs say), and most requests agree
+    on every token."""
     import asyncio
 
     from graphcache.config import Settings
-    from graphcache.engine.engine import Engine, SamplingParams
+    from graphcache.engine.loop.engine import Engine, SamplingParams
     from graphcache.metrics import Metrics
     from helpers_model import prompt_ids, tiny_checkpoint
 
     path = tiny_checkpoint("qwen2", hidden=256, layers=4, heads=8, kv_heads=2, intermediate=512,
                            tie_word_embeddings=False)
     prompts = [prompt_ids(20 + 37 * i % 150, seed=i) for i in range(12)]
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
 
     async def generate(backend):
         settings = Settings(model=path, cache_dir=tmp_path / backend, device="cuda", dtype="bfloat16",
@@ -355,14 +358,27 @@ def test_cuda_engine_greedy_matches_flash(tmp_path):
             assert engine.runner.attention_kernel == backend
 
             async def one(i):
-                ids = []
+                ids, logprobs = [], []
                 async for out in engine.generate(f"{backend}-{i}", prompts[i], params):
                     ids += out.token_ids
-                return ids
+                    logprobs += out.logprobs or []
+                return ids, logprobs
             return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
         finally:
             engine.shutdown()
 
+    near_tie = 0.05   # logprob gap: a few bf16 ulps of logits of this size
     flash = asyncio.run(generate("flash"))
     unified = asyncio.run(generate("triton"))
-    assert unified == flash
+    identical = 0
+    for (got, _), (want, want_logprobs) in zip(unified, flash, strict=True):
+        assert len(got) == len(want) == params.max_tokens
+        split = next((j for j, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+        if split is None:
+            identical += 1
+            continue
+        top = want_logprobs[split].top
+        assert top[0][1] - top[1][1] < near_tie, (
+            f"token {split} differs ({got[split]} vs {want[split]}) where flash's top two were "
+            f"{top[0][1] - top[1][1]:.3f} apart, not a near-tie")
+    assert identical >= len(prompts) * 2 // 3, f"only {identical}/{len(prompts)} requests agree on every token"

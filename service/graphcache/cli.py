@@ -281,6 +281,7 @@ def _serve(settings: Settings) -> int:
     import uvicorn
 
     from graphcache.api.app import create_app
+    from graphcache.api.http_protocol import guarded_protocol
     from graphcache.api.request_log import setup_logging
 
     setup_logging(settings.log_format, settings.log_level)
@@ -306,9 +307,15 @@ def _serve(settings: Settings) -> int:
             await super().shutdown(sockets)
             await drain
 
+    # The HTTP limits uvicorn lacks (head size and timeout, open connections): api/http_protocol.py.
+    protocol = guarded_protocol(settings.http_max_header_bytes, settings.http_header_timeout_s,
+                                settings.http_max_connections)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
                             lifespan="on", timeout_graceful_shutdown=settings.drain_timeout_s + DRAIN_BACKSTOP_S,
-                            log_level=settings.log_level.lower())
+                            log_level=settings.log_level.lower(), http=protocol,
+                            h11_max_incomplete_event_size=settings.http_max_header_bytes,
+                            timeout_keep_alive=settings.http_header_timeout_s,
+                            limit_concurrency=settings.http_max_connections)
     server = DrainingServer(config)
     # uvicorn re-raises the signal that stopped it once it is done; a graceful stop exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -144,6 +144,35 @@ class Settings(BaseSettings):
         "(uniform decode per split-KV count, mixed), always = before every capture (about twice the capture "
         "time: BENCHMARKS.md §8). A capture that fails without one is retried with one.")
 
+    # --- structured output (grammar compiling and masking; docs/RELIABILITY.md, "Structured output limits") ---
+    grammar_compile_threads: int = Field(
+        2, ge=1, le=64, description="Threads that compile output constraints (schemas, regexes, grammars) and "
+        "their first masks, off the event loop and the engine thread.")
+    grammar_compile_queue: int = Field(
+        64, ge=0, description="Constraints that may wait for a compile thread; more get 429.")
+    grammar_compile_stack_mib: int = Field(
+        256, ge=8, le=4096, description="Stack of each compile thread (MiB, reserved, touched only as used): the "
+        "grammar library recurses natively, and a deep input on a default 8 MiB stack kills the process.")
+    grammar_max_depth: int = Field(
+        128, ge=4, description="Deepest constraint compiled: JSON nesting and $ref chain of a schema, rule "
+        "chain of a grammar, group nesting of a regex. Deeper: 400.")
+    grammar_lexer_fuel: int = Field(
+        100_000, ge=1000, description="Lexer fuel of one constraint (llguidance's initial_lexer_fuel, default 1M): "
+        "a regex bomb such as a{1000}{1000} or x{100000} runs out of it and is refused (400) after ~0.3 s of "
+        "lexing instead of seconds; schemas with long strings, big enums and formats need far less.")
+    grammar_compile_budget_ms: float = Field(
+        2000.0, gt=0, description="Most time compiling a constraint and its first two masks may take; slower: 400.")
+    grammar_mask_ms_per_token: float = Field(
+        10.0, gt=0, description="Most mask time per token a constrained request may cost the engine thread (mean "
+        "over grammar_mask_window timed tokens, measured once its step's masks took longer than this); past it "
+        "the request ends with finish_reason error.")
+    grammar_mask_window: int = Field(
+        8, ge=1, description="Tokens a request's mask cost is averaged over before it is ended or cleared.")
+    grammar_cache_entries: int = Field(128, ge=1, description="Compiled constraints kept for reuse (LRU).")
+    grammar_cache_bytes: int = Field(
+        512 << 20, ge=0, description="Estimated bytes of compiled constraints kept (LRU beyond; one larger than this "
+        "is not kept): the heap growth while each compiled (metric graphcache_grammar_cache_bytes).")
+
     # --- HTTP ---
     host: str = Field("127.0.0.1", description="Bind address; 0.0.0.0 in containers.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 = any free port).")
@@ -167,6 +196,12 @@ class Settings(BaseSettings):
         if not isinstance(v, list | tuple) or not all(isinstance(k, str) for k in v):
             raise ValueError("api_key must be one key or several comma-separated keys of printable ASCII text")
         keys = [k.strip() for k in v if k.strip()]
+        if not keys:
+            # Set, but blank (GRAPHCACHE_API_KEY="", " " or ","): an open API nobody asked for. Refused at
+            # start rather than served open without a word.
+            raise ValueError("api_key is set but holds no key (blank, or only commas and spaces): set a key, "
+                             "e.g. from `openssl rand -hex 32`, or unset GRAPHCACHE_API_KEY (--api-key) to leave "
+                             "the API open")
         for key in keys:
             try:
                 cls._ascii_token(key)   # the admin token's rule: printable ASCII, no surrounding spaces
@@ -174,12 +209,21 @@ class Settings(BaseSettings):
                 raise ValueError("api_key must be printable ASCII (HTTP header values are Latin-1 on the wire, "
                                  "and clients send other characters differently): use ASCII characters, e.g. "
                                  "a hex key from `openssl rand -hex 32`") from None
-        return keys or None
+        return keys
     admin_allow_loopback: bool = Field(False, description="Without a token, allow /admin/* from 127.0.0.1/::1.")
     log_format: Literal["text", "json"] = Field("text", description="text for people, json for log pipelines.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Root log level.")
     drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM, how long in-flight requests may finish.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body; bigger gets 413.")
+    http_max_header_bytes: int = Field(
+        64 << 10, ge=1024, description="Largest request head (request line + headers); a bigger one is "
+        "answered 431 (httptools) or 400 (h11) and the connection closed.")
+    http_header_timeout_s: float = Field(
+        10.0, gt=0, description="Seconds a connection may take to send a complete request head (and an idle "
+        "keep-alive connection stays open); slower ones are closed, so half-open connections cannot pile up.")
+    http_max_connections: int = Field(
+        1000, ge=1, description="Open connections at most; past it new requests get 503 at once. Keep it "
+        "below the process's file-descriptor limit (`ulimit -n`).")
     cors_origins: list[str] = Field(default_factory=list, description="CORS allowed origins; empty = CORS off.")
 
     @field_validator("model", "admin_token", "served_model_name", mode="before")

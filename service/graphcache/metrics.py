@@ -98,6 +98,8 @@ class Metrics:
             self.graph_capture_failures.labels(reason)
 
         # --- engine ---
+        self.grammar_cache_bytes = Gauge(p + "grammar_cache_bytes", "Estimated bytes of compiled output "
+                                         "constraints in the grammar cache (engine/structured.py)", registry=r)
         self.requests_running = Gauge(p + "num_requests_running", "Requests in the running batch", registry=r)
         self.requests_waiting = Gauge(p + "num_requests_waiting", "Requests queued for admission", registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Share of KV blocks in use (0-1)", registry=r)

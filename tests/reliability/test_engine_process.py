@@ -236,7 +236,7 @@ def test_outputs_cross_the_pipe_unchanged():
     outputs (order within a step does not matter: one output per request)."""
     import pickle
 
-    from graphcache.engine.loop.process_main import pack_outputs, unpack_outputs
+    from graphcache.engine.loop.messages import pack_outputs, unpack_outputs
     from graphcache.engine.sequence import RequestOutput, TokenLogprob
 
     outputs = [

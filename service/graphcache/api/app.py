@@ -26,11 +26,8 @@ from graphcache.api import admin, exposition, openai, tools
 from graphcache.api.errors import count_rejection, error_body, install_error_handlers
 from graphcache.api.request_log import RequestContextMiddleware, setup_logging
 from graphcache.config import Settings
-from graphcache.engine.loop.engine import (  # probes: never the exception text
-    DEAD_MESSAGE,
-    Engine,
-    EngineState,
-)
+from graphcache.engine.errors import DEAD_MESSAGE  # probes: never the exception text
+from graphcache.engine.loop.frontend import EngineState
 from graphcache.engine.loop.process import EngineClient
 from graphcache.metrics import Metrics
 
@@ -87,11 +84,19 @@ class BodySizeLimitMiddleware:
                 "GRAPHCACHE_MAX_BODY_BYTES (--max-body-bytes).")
 
 
+def in_process_engine(settings: Settings, metrics: Metrics):
+    """The engine on a thread of this process. Imported here, not at the top: with engine_process the API
+    process loads neither torch nor the model code (tests/test_floors.py checks it)."""
+    from graphcache.engine.loop.engine import Engine
+
+    return Engine(settings, metrics)
+
+
 def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) -> FastAPI:
     metrics = metrics if metrics is not None else (getattr(engine, "metrics", None) or Metrics())
     if engine is None:   # engine_process: the step loop in a child process, same interface (engine/loop/process.py)
         engine = (EngineClient(settings, metrics, setup_logging=setup_logging) if settings.engine_process
-                  else Engine(settings, metrics))
+                  else in_process_engine(settings, metrics))
     if getattr(engine, "model_name", None):   # the vllm: series' model_name label; set before any traffic
         metrics.bind_model(engine.model_name)
 

@@ -57,14 +57,17 @@ def structured_constraints(*, response_format: dict[str, Any] | None, guided_jso
 
 def _schema_text(schema: Any, param: str) -> str:
     """A JSON schema (an object, or a string holding one) as a JSON string."""
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError:
-            raise InvalidRequest("the JSON schema is not valid JSON", param=param) from None
-    if not isinstance(schema, (dict, bool)):
-        raise InvalidRequest("the JSON schema must be an object", param=param)
-    return json.dumps(schema)
+    try:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError:
+                raise InvalidRequest("the JSON schema is not valid JSON", param=param) from None
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidRequest("the JSON schema must be an object", param=param)
+        return json.dumps(schema)
+    except RecursionError:   # the engine's depth bound (grammar_max_depth) is far below this
+        raise InvalidRequest("the JSON schema is nested too deeply; flatten it", param=param) from None
 
 
 _STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",

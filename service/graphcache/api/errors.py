@@ -20,9 +20,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from graphcache.engine.errors import EngineDead, EngineDraining, EngineNotReady, InvalidRequest, QueueFull
 from graphcache.metrics import Metrics
 
-__all__ = ["APIError", "api_error_for", "count_rejection", "error_body", "error_response", "install_error_handlers"]
+__all__ = ["APIError", "api_error_for", "clip", "count_rejection", "error_body", "error_response",
+           "install_error_handlers"]
 
 RETRY_AFTER_S = "1"
+# Caller input quoted in a message is cut to this many characters: enough to find the value in the
+# body, never a way to make the server send back (or log) what a client sent in bulk.
+ECHO_CHARS = 64
+# A message never exceeds this, whatever a check put in it (a backstop behind `clip`).
+MAX_MESSAGE_CHARS = 1024
+
+
+def clip(value: object, limit: int = ECHO_CHARS) -> str:
+    """`value` as a message may quote it: repr() for non-strings, cut to `limit` characters with an
+    ellipsis and the full length when longer, lone surrogates escaped (the body is UTF-8 JSON)."""
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) > limit:
+        text = f"{text[:limit]}... ({len(text)} characters)"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 # The `type` field OpenAI uses for each status class.
 _TYPES = {
@@ -43,6 +58,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type: str | None = None, headers: dict[str, str] | None = None) -> None:
+        message = clip(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.status = status
         self.message = message

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from graphcache.api.errors import APIError, api_error_for
-from graphcache.engine.loop.engine import EngineDead, EngineNotReady, InvalidRequest, QueueFull
+from graphcache.engine.errors import EngineDead, EngineNotReady, InvalidRequest, QueueFull
 from graphcache.engine.sequence import RequestOutput, SamplingParams, TokenLogprob
 
 __all__ = ["FanOut", "Run", "Sampled", "Sub", "best_of", "usage"]
@@ -173,8 +173,17 @@ class FanOut:
             raise
 
     async def start(self) -> list[RequestOutput]:
-        """Submit every sequence; each one's first output (a full queue or a refusal: all aborted, raised)."""
-        return await self._all([run.next() for run in self.runs])
+        """Submit every sequence; each one's first output (a full queue or a refusal: all aborted, raised).
+
+        The engine checks each submitted sequence on the event loop (work that grows with its token-id
+        lists), so sequences are submitted one per loop turn: with n = 128 the loop still answers
+        /health between them instead of stalling for all 128 checks at once."""
+        async def submitted(run: Run, turn: int) -> RequestOutput:
+            for _ in range(turn):
+                await asyncio.sleep(0)
+            return await run.next()
+
+        return await self._all([submitted(run, turn) for turn, run in enumerate(self.runs)])
 
     async def collect(self, firsts: list[RequestOutput]) -> list[Sampled]:
         """Every sequence to its end, in submission order."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -36,15 +37,16 @@ from sse_starlette import EventSourceResponse
 from sse_starlette.sse import AppStatus
 from starlette.responses import Response
 
-from graphcache.api import sampling, tool_calls
+from graphcache.api import sampling, token_ids, tool_calls
 from graphcache.api.auth import require_api_key
 from graphcache.api.choices import ChatShape, CompletionShape, Prompt
 from graphcache.api.errors import APIError, api_error_for, error_body
+from graphcache.api.executors import run_input, run_response
 from graphcache.api.fanout import FanOut, Sampled, Sub, best_of, usage
 from graphcache.api.logprobs import TokenText
 from graphcache.api.prompt_encoding import encode_chat, encode_prompt
 from graphcache.api.protocol import ChatCompletionRequest, CompletionRequest
-from graphcache.engine.loop.engine import InvalidRequest
+from graphcache.engine.errors import InvalidRequest
 from graphcache.engine.sequence import StructuredSpec
 
 # encode_chat / encode_prompt live in prompt_encoding.py; re-exported for callers that import them from here.
@@ -107,7 +109,7 @@ async def _check_constraint(engine, constraint: tuple[StructuredSpec, str] | Non
     compiled grammar is cached, so the engine's own check at submit is a cache hit."""
     if constraint is None:
         return
-    try:
+    try:   # grammar compiling's own bounded pool belongs in api/executors.py, beside run_input/run_response
         await asyncio.to_thread(_compile, engine, *constraint)
     except InvalidRequest as e:
         raise api_error_for(e) from None
@@ -261,7 +263,7 @@ async def _serve(request: Request, fan: FanOut, plan: sampling.ChoicePlan, shape
             fan.abort()
         kept = best_of(samples, plan.n) if plan.ranks else samples
         # Token texts for logprobs are decoded off the event loop (thousands of decode calls at most).
-        return JSONResponse(await asyncio.to_thread(shape.full, kept, usage(samples)))
+        return JSONResponse(await run_response(shape.full, kept, usage(samples)))
 
     samples = [Sampled(run.sub.prompt_index) for run in fan.runs]
     continuous = shape.body.continuous_usage
@@ -307,13 +309,31 @@ async def _completion_prompt(engine, body: CompletionRequest, index: int, prompt
     if isinstance(prompt, str):
         ids = await encode_prompt(engine, prompt, body.add_special_tokens, param)
     else:
-        ids = list(prompt)  # the engine checks they are in the vocabulary (400 if not)
+        ids = prompt
     kept = sampling.truncate_prompt(ids, body.truncate_prompt_tokens, body.truncation_side, engine.max_model_len)
+    if not isinstance(prompt, str):   # length and vocabulary, before echo decodes them or n copies them
+        kept = await run_input(token_ids.check_prompt_ids, kept, token_ids.vocab_size(engine),
+                               engine.max_model_len, param)
     echo = ""
     if body.echo:   # the prompt as sent; a token-id or truncated prompt as its decoding
-        echo = prompt if isinstance(prompt, str) and kept is ids else \
-            await asyncio.to_thread(engine.tokenizer.decode, kept)
+        echo = prompt if isinstance(prompt, str) and kept is ids else await run_input(engine.tokenizer.decode, kept)
     return Prompt(kept, echo)
+
+
+def _checked_token_controls(body, vocab: int | None) -> list[int] | None:
+    """allowed_token_ids deduplicated and range-checked, logit_bias keys range-checked: once per
+    request (the engine checks each choice's copy again, so the copies must be small)."""
+    token_ids.check_bias_ids(body.logit_bias, vocab)
+    if body.allowed_token_ids is None:
+        return None
+    return token_ids.unique_token_ids(body.allowed_token_ids, vocab)
+
+
+async def _base_params(engine, body, structured: StructuredSpec | None):
+    """The SamplingParams every choice shares, its token-id controls checked off the event loop."""
+    allowed = await run_input(_checked_token_controls, body, token_ids.vocab_size(engine))
+    bad_words = await sampling.bad_words_token_ids(engine.tokenizer, body.bad_words)
+    return dataclasses.replace(sampling.base_params(body, bad_words, structured), allowed_token_ids=allowed)
 
 
 @router.post("/completions")
@@ -326,8 +346,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     structured = constraint[0] if constraint else None
     batch = len(body.prompts) > 1
     prompts = [await _completion_prompt(engine, body, i, p, batch) for i, p in enumerate(body.prompts)]
-    base = sampling.base_params(body, await sampling.bad_words_token_ids(engine.tokenizer, body.bad_words),
-                                structured)
+    base = await _base_params(engine, body, structured)
     plan = sampling.plan(body)
     rid, engine_rid = _ids("cmpl", body)
     _log_caller(body, rid)
@@ -351,8 +370,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     ids = sampling.truncate_prompt(ids, body.truncate_prompt_tokens, body.truncation_side, engine.max_model_len)
     last = body.messages[-1]
     prompts = [Prompt(ids, last.text() if body.echo and last.role == "assistant" else "")]
-    base = sampling.base_params(body, await sampling.bad_words_token_ids(engine.tokenizer, body.bad_words),
-                                structured)
+    base = await _base_params(engine, body, structured)
     plan = sampling.plan(body)
     rid, engine_rid = _ids("chatcmpl", body)
     _log_caller(body, rid)

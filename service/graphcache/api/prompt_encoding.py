@@ -2,7 +2,7 @@
 
 Text that cannot fit the context window (over max_model_len * MAX_CHARS_PER_TOKEN characters) is
 refused before tokenizing, so an oversized prompt never stalls the event loop or the engine thread.
-Tokenizing runs in a worker thread (the tokenizer releases the interpreter lock). Chat content is
+Tokenizing runs on the input pool (api/executors.py; the tokenizer releases the interpreter lock). Chat content is
 encoded so that special-token strings in it stay plain text (`Tokenizer.encode_chat`), unless the
 deployment trusts its clients (Settings.allow_special_tokens_in_chat); a chat template's
 `raise_exception` is a 400 on "messages". Role "tool" messages, earlier assistant tool_calls and the
@@ -11,7 +11,6 @@ tools themselves are rendered by the template.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 from fastapi import Request
 
 from graphcache.api.errors import APIError
+from graphcache.api.executors import run_input
 from graphcache.api.protocol import ChatMessage
 from graphcache.model.tokenizer import MAX_CHARS_PER_TOKEN, ChatTemplateError
 
@@ -62,7 +62,7 @@ def _check_text_size(engine, chars: int, param: str, what: str) -> None:
 async def encode_prompt(engine, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
     """A prompt string's ids, bounded by size first, tokenized off the event loop."""
     _check_text_size(engine, len(text), param, "the prompt")
-    return await asyncio.to_thread(engine.tokenizer.encode, text, add_special_tokens)
+    return await run_input(engine.tokenizer.encode, text, add_special_tokens)
 
 
 async def encode_chat(request: Request, engine, messages: list[ChatMessage], add_generation_prompt: bool = True,
@@ -78,7 +78,7 @@ async def encode_chat(request: Request, engine, messages: list[ChatMessage], add
     allow_special = request.app.state.settings.allow_special_tokens_in_chat
     try:
         # The template has its own BOS; content's special-token strings stay plain text.
-        return await asyncio.to_thread(engine.tokenizer.encode_chat, chat, add_generation_prompt,
+        return await run_input(engine.tokenizer.encode_chat, chat, add_generation_prompt,
                                        allow_special_in_content=allow_special, tools=tools,
                                        **(template_kwargs or {}))
     except ChatTemplateError as e:   # the client's messages broke the template's rules: one line, no traceback

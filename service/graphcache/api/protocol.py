@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from graphcache.api import tool_calls
 from graphcache.api.body import RequestBody, SBool, SInt, Text
 from graphcache.api.refused_fields import REFUSED_CHAT, REFUSED_COMPLETION, refusing
 from graphcache.api.sampling_fields import (
@@ -90,9 +91,14 @@ class TextPart(RequestBody):
 class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
-    name: str | None = Field(None, max_length=512, description="Passed to the chat template.")
-    tool_call_id: str | None = Field(None, max_length=512, description='The call a "tool" message answers.')
+    name: Text | None = Field(None, max_length=512, description="Passed to the chat template.")
+    tool_call_id: Text | None = Field(None, max_length=512, description='The call a "tool" message answers.')
     tool_calls: list[dict[str, Any]] | None = Field(None, description="An assistant message's earlier calls.")
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _renderable_calls(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        return None if v is None else tool_calls.check_history_calls(v)
 
     def text(self) -> str:
         if self.content is None:

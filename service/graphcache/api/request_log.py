@@ -24,9 +24,9 @@ import time
 from asgi_correlation_id import CorrelationIdFilter, CorrelationIdMiddleware, correlation_id
 from pythonjsonlogger.json import JsonFormatter as _LibraryJsonFormatter
 
-from graphcache.api.errors import error_body
+from graphcache.api.errors import clip, error_body
 
-__all__ = ["RequestContextMiddleware", "current_request_id", "escape_controls", "setup_logging"]
+__all__ = ["RequestContextMiddleware", "current_request_id", "escape_controls", "log_unhandled", "setup_logging"]
 
 # A client-chosen id goes into logs: keep it short and free of newlines/quotes (log injection).
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -113,6 +113,37 @@ def setup_logging(log_format: str = "text", level: str = "info") -> None:
     logging.getLogger("uvicorn.access").disabled = True
 
 
+# Fault sites whose traceback was logged already; bounded so that varied faults cannot grow it forever.
+MAX_FAULT_SITES = 256
+_logged_sites: set[tuple[str, str, int]] = set()
+
+
+def _fault_site(exc: BaseException) -> tuple[str, str, int]:
+    """(exception type, file, line) of where `exc` was raised: the innermost frame of its traceback."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code if tb is not None else None
+    return type(exc).__name__, code.co_filename if code else "?", tb.tb_lineno if tb is not None else 0
+
+
+def log_unhandled(method: str, path: str) -> None:
+    """The log of a 500 (call inside `except`): one line per request, with its request id (every
+    record carries it), and the traceback only the first time a fault site is seen. A fault that
+    many clients trigger then costs one line each, not a traceback each, and the first shows where."""
+    exc = sys.exc_info()[1]
+    site = _fault_site(exc) if exc is not None else ("?", "?", 0)
+    first = site not in _logged_sites and len(_logged_sites) < MAX_FAULT_SITES
+    log = logging.getLogger("graphcache.api")
+    if first:
+        _logged_sites.add(site)
+        log.exception("unhandled error on %s %s (its traceback follows, logged once per fault site)", method,
+                      path)
+    else:
+        log.error("unhandled error on %s %s: %s: %s (at %s:%d; traceback logged at its first occurrence)",
+                  method, path, site[0], clip(str(exc), 200), site[1].rsplit("/", 1)[-1], site[2])
+
+
 class AccessLogMiddleware:
     """The access line and the 500 for an unhandled exception. Pure ASGI (BaseHTTPMiddleware would
     buffer streams and hide disconnects). Runs inside the correlation-id middleware, so the id is set
@@ -139,7 +170,7 @@ class AccessLogMiddleware:
         except Exception:
             # Caught here, not by Starlette's outermost handler, so the log line has the request id
             # and the 500 still carries X-Request-ID. The traceback goes to the log only.
-            logging.getLogger("graphcache.api").exception("unhandled error on %s %s", scope["method"], scope["path"])
+            log_unhandled(scope["method"], scope["path"])
             if status:
                 raise  # the response already started; the server closes the connection
             status = 500

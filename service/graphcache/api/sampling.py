@@ -14,10 +14,10 @@ Honoured fields land here (protocol.py declares them, openai.py wires the result
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from dataclasses import dataclass
 
+from graphcache.api.executors import run_input
 from graphcache.api.protocol import INT64_MAX, INT64_MIN, ChatCompletionRequest, CompletionRequest
 from graphcache.engine.sequence import SamplingParams, StructuredSpec
 
@@ -43,7 +43,7 @@ async def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     for word in words:
         bare = word.lstrip()
         for text in (bare, " " + bare):
-            ids = await asyncio.to_thread(tokenizer.encode, text, False)
+            ids = await run_input(tokenizer.encode, text, False)
             if ids and ids not in out:
                 out.append(ids)
     return out

@@ -31,11 +31,13 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from graphcache.api.errors import clip
+from graphcache.api.json_limits import JSONShapeError, check_json_value, parse_json_text
 from graphcache.engine.errors import InvalidRequest
 from graphcache.engine.sequence import StructuredSpec
 
-__all__ = ["TOOL_CALL_END", "TOOL_CALL_START", "ToolCallDelta", "ToolCallStreamParser", "check_tools",
-           "parse_tool_calls", "tool_choice_spec"]
+__all__ = ["TOOL_CALL_END", "TOOL_CALL_START", "ToolCallDelta", "ToolCallStreamParser", "check_history_calls",
+           "check_tools", "parse_tool_calls", "tool_choice_spec"]
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 # OpenAI's rule for function names (also what keeps them safe inside a grammar literal).
@@ -54,11 +56,17 @@ def _call(name: str, arguments: str, call_id: str | None = None) -> dict[str, An
 
 
 def _parse_block(body: str) -> tuple[str, str] | None:
-    """(name, raw arguments JSON) of one block's body, or None if it is not a valid call."""
+    """(name, raw arguments JSON) of one block's body, or None if it is not a valid call (a body
+    nested past the interpreter's recursion limit, as an unconstrained or endlessly recursive schema
+    lets a model write, is not a call either: the text stays content)."""
     try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
+        return _parse_json_block(body)
+    except (json.JSONDecodeError, RecursionError):
         return None
+
+
+def _parse_json_block(body: str) -> tuple[str, str] | None:
+    obj = json.loads(body)
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     key = "arguments" if "arguments" in obj else "parameters"
@@ -273,11 +281,15 @@ def check_tools(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]
                                  param="tools")
         name = fn.get("name")
         if not isinstance(name, str) or not FUNCTION_NAME.match(name):
-            raise InvalidRequest(f"tools[{i}].function.name must match ^[A-Za-z0-9_-]{{1,64}}$, got {name!r}",
-                                 param="tools")
+            raise InvalidRequest(f"tools[{i}].function.name must match ^[A-Za-z0-9_-]{{1,64}}$, got "
+                                 f"{clip(repr(name))}", param="tools")
         if name in schemas:
             raise InvalidRequest(f"tools[{i}]: function {name!r} is defined twice; give each tool a unique name",
                                  param="tools")
+        try:   # the template renders the whole tool and the grammar embeds its schema: both recurse
+            check_json_value(tool)
+        except JSONShapeError as e:
+            raise InvalidRequest(f"tools[{i}] {e}", param="tools") from None
         params = fn.get("parameters")
         if params is None:
             params = {"type": "object"}
@@ -285,6 +297,32 @@ def check_tools(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]
             raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
         schemas[name] = params
     return schemas
+
+
+def check_history_calls(calls: list[Any]) -> list[Any]:
+    """An assistant message's earlier `tool_calls` as the chat template needs them: each
+    {"function": {"name": str, "arguments": a JSON object, or its JSON text}}, not nested past
+    MAX_JSON_DEPTH, valid Unicode throughout. ValueError naming the call otherwise (pydantic turns it
+    into a 400 on messages[i].tool_calls)."""
+    for i, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict):
+            raise ValueError(f'tool_calls[{i}] must be {{"type": "function", "function": {{"name": ..., '
+                             '"arguments": ...}}')
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"tool_calls[{i}].function.name must be a non-empty string")
+        args = fn.get("arguments")
+        try:
+            check_json_value(call)
+            parsed = parse_json_text(args) if isinstance(args, str) and args.strip() else args
+        except JSONShapeError as e:
+            raise ValueError(f"tool_calls[{i}] {e}") from None
+        except ValueError:
+            parsed = None   # not JSON: refused below
+        if not (isinstance(parsed, dict) or args is None or (isinstance(args, str) and not args.strip())):
+            raise ValueError(f"tool_calls[{i}].function.arguments must be a JSON object (as a string), "
+                             "as the model produced it")
+    return calls
 
 
 def tool_choice_spec(tools: list[dict[str, Any]] | None, tool_choice: Any,
@@ -309,8 +347,8 @@ def tool_choice_spec(tools: list[dict[str, Any]] | None, tool_choice: Any,
         raise InvalidRequest('tool_choice must be "none", "auto", "required" or '
                              '{"type": "function", "function": {"name": ...}}', param="tool_choice")
     if name not in schemas:
-        listed = ", ".join(schemas) or "none"
-        raise InvalidRequest(f"tool_choice names function {name!r}, which is not in tools (listed: {listed})",
+        listed = clip(", ".join(schemas) or "none", 256)
+        raise InvalidRequest(f"tool_choice names function {clip(repr(name))}, which is not in tools (listed: {listed})",
                              param="tool_choice")
     return StructuredSpec("grammar", _calls_grammar({name: schemas[name]}, many=False))
 

@@ -15,18 +15,17 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from graphcache import __version__
 from graphcache.api.auth import require_api_key
 from graphcache.api.errors import APIError
+from graphcache.api.executors import run_input
 from graphcache.api.openai import check_model, model_card, serving_engine, template_tools
 from graphcache.api.prompt_encoding import encode_chat, encode_prompt
 from graphcache.api.utility_requests import DetokenizeRequest, TokenizeRequest
-from graphcache.engine.loop.engine import DEAD_MESSAGE  # liveness bodies: never the exception text
+from graphcache.engine.errors import DEAD_MESSAGE  # liveness bodies: never the exception text
 
 __all__ = ["guarded", "router"]
 
@@ -61,7 +60,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
         if not 0 <= t < vocab:   # the index, never the value: what the caller sent is not echoed
             raise APIError(400, f"tokens[{i}] is not a token id of this model's vocabulary (0 to {vocab - 1}).",
                            param=f"tokens[{i}]")
-    text = await asyncio.to_thread(tokenizer.decode, body.tokens, False)
+    text = await run_input(tokenizer.decode, body.tokens, False)
     return {"prompt": text}
 
 

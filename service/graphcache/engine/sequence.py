@@ -208,6 +208,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)   # params.prompt_logprobs
     cumulative_logprob: float = 0.0     # sum of the sampled tokens' raw logprobs (best_of ranks by it)
     grammar: Any = None                 # structured.py's matcher for params.structured (engine thread only)
+    compiled_grammar: Any = None        # its compiled grammar, from the submit-time check (copied into grammar)
     # sampler.py's cache, set on first sampling (params do not change once submitted): the row's token
     # is the argmax of its raw logits (greedy, no logits controls), so a batch of such rows skips the rest.
     plain_greedy: bool | None = None

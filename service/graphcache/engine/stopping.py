@@ -30,9 +30,15 @@ def grammar_accepts(seq: Sequence, token_id: int) -> bool:
 
 
 def grammar_done(seq: Sequence) -> bool:
-    """seq's grammar is complete: nothing but EOS may follow, so the request stops now."""
+    """seq's grammar is complete: nothing but EOS may follow, so the request stops now. A matcher in its
+    error state is not complete (it is stopped too): grammar_accepts refuses its next token instead."""
     matcher = seq.grammar
-    return matcher is not None and (matcher.is_stopped() or matcher.is_error())
+    return matcher is not None and matcher.is_stopped() and not matcher.is_error()
+
+
+def grammar_failure(seq: Sequence) -> str:
+    """Why seq's grammar refused its token (engine/sample/grammar_matcher.py says), else the generic message."""
+    return getattr(seq.grammar, "failure", None) or GRAMMAR_BROKEN
 
 
 def check_stop(seq: Sequence, token_id: int, *, eos_token_ids: set[int] | frozenset[int],

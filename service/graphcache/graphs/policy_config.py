@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from graphcache.graphs.admission import ADMISSION_RULES
+__all__ = ["ADMISSION_RULES", "CAPTURE_WARMUPS", "AdmissionRule", "EVICTION_POLICIES", "LAZY_POOLS", "CachePolicyConfig", "policy_config_from"]
 
-__all__ = ["CAPTURE_WARMUPS", "EVICTION_POLICIES", "LAZY_POOLS", "CachePolicyConfig", "policy_config_from"]
-
+AdmissionRule = Literal["auto", "always", "after_n", "never"]
+ADMISSION_RULES: tuple[str, ...] = ("auto", "always", "after_n", "never")
 EVICTION_POLICIES: tuple[str, ...] = ("lru", "gdsf")
 LAZY_POOLS: tuple[str, ...] = ("shared", "private")
 CAPTURE_WARMUPS: tuple[str, ...] = ("always", "per_kernel")

@@ -36,6 +36,7 @@ from graphcache.config import Settings
 from graphcache.engine.batch import Runner, StepBatch
 from graphcache.engine.errors import InvalidRequest
 from graphcache.engine.loop.request_check import EngineLimits, RequestChecker
+from graphcache.engine.sample.grammar_compiler import GrammarLimits
 from graphcache.engine.sample.logprobs import (
     Logprobs,
     PromptSpan,
@@ -138,7 +139,8 @@ class EngineCore:
         self._prefix_counted = (0, 0)   # block-manager lookup counters already added to the metrics
         bm = self.block_manager   # the limits never change after load: one snapshot checks every request
         self.checker = RequestChecker(EngineLimits(getattr(runner, "vocab_size", None), runner.max_model_len,
-                                                   bm.block_size, bm.num_usable), getattr(runner, "tokenizer", None))
+                                                   bm.block_size, bm.num_usable), getattr(runner, "tokenizer", None),
+                                      GrammarLimits.from_settings(settings), metrics, grammar_cache=StructuredOutput)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=settings.max_num_seqs,
                                    max_num_batched_tokens=settings.max_num_batched_tokens,
                                    max_model_len=runner.max_model_len, eos_token_ids=runner.eos_token_ids)
@@ -184,7 +186,8 @@ class EngineCore:
             # Non-streaming and no stop strings: nobody reads text before the end.
             seq.defer_text = not seq.stream and not seq.params.stop
         if seq.params.structured is not None:
-            seq.grammar = self.structured.new_matcher(seq.params.structured)
+            seq.grammar = self.structured.new_matcher(seq.params.structured, seq.compiled_grammar)
+            seq.compiled_grammar = None
         self.requests[seq.request_id] = seq
         if _needs_host_history(seq.params):
             self._history_seqs.add(seq)
@@ -197,7 +200,9 @@ class EngineCore:
     @property
     def structured(self) -> StructuredOutput:
         """The grammar engine over this model's tokenizer (built lazily: ~1 s for a 150k vocabulary)."""
-        return self.checker.structured
+        structured = self.checker.structured
+        assert isinstance(structured, StructuredOutput)   # this core's checker builds StructuredOutput
+        return structured
 
     def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> RequestOutput | None:
         """End a request wherever it is (its blocks are freed at once); its final output, or None if unknown."""
@@ -273,9 +278,8 @@ class EngineCore:
         if logprob_rows:   # a copy of their rows: the sampler may process logits in place
             lp_index = to_device(logprob_rows, logits.device)
             raw = logits.index_select(0, lp_index)                      # [m, V]
-        structured = self.checker.built_structured
-        if structured is not None:   # after the raw logprob rows were copied: it masks in place
-            structured.apply(logits, sample_seqs)
+        if self.checker.built_structured is not None:   # after the raw logprob rows were copied: it masks in place
+            self.structured.apply(logits, sample_seqs)
         tokens, failed = self._sample(logits, sample_seqs)
         sampled_logprobs = None
         if logprob_rows:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import itertools
 import logging
 import multiprocessing
@@ -31,10 +32,10 @@ from typing import Any
 from graphcache.config import Settings
 from graphcache.engine import errors
 from graphcache.engine.errors import DEAD_MESSAGE, EngineDead
-from graphcache.engine.loop import process_main
 from graphcache.engine.loop.frontend import EngineFrontend, EngineState
-from graphcache.engine.loop.messages import Handle, dispatch, settle
+from graphcache.engine.loop.messages import Handle, dispatch, settle, unpack_outputs
 from graphcache.engine.loop.request_check import EngineLimits, RequestChecker
+from graphcache.engine.sample.grammar_compiler import GrammarLimits
 from graphcache.engine.sequence import RequestOutput
 from graphcache.graphs.descriptor import BatchDescriptor
 from graphcache.metrics import Metrics
@@ -47,6 +48,14 @@ log = logging.getLogger("graphcache.engine")
 _REMOTE_ERRORS = {cls.__name__: cls for cls in (errors.EngineDead, errors.EngineDraining, errors.EngineNotReady,
                                                 errors.QueueFull, ValueError, KeyError, TypeError)}
 SHUTDOWN_MESSAGE = "the engine was shut down before the request finished"
+CHILD_MODULE = "graphcache.engine.loop.process_main"
+
+
+def run_engine_child(*args) -> None:
+    """The spawned child's entry. It imports the engine (torch, the model code) by name, here in the child:
+    an import statement would load them into the API process too, which only does HTTP, tokenizing and
+    detokenizing (tests/test_floors.py checks `graphcache.api.app` loads no torch)."""
+    importlib.import_module(CHILD_MODULE).main(*args)
 
 
 class EngineClient(EngineFrontend):
@@ -120,7 +129,7 @@ class EngineClient(EngineFrontend):
         ctx = multiprocessing.get_context("spawn")   # never fork a process that may hold CUDA or threads
         self._conn, child_conn = ctx.Pipe(duplex=True)
         # daemon: the child dies with this process even if shutdown() never runs.
-        self._process = ctx.Process(target=process_main.main, args=(child_conn, self.settings, self._setup_logging),
+        self._process = ctx.Process(target=run_engine_child, args=(child_conn, self.settings, self._setup_logging),
                                     name="graphcache-engine", daemon=True)
         self._process.start()
         child_conn.close()   # ours closed: the pipe reads EOF once the child exits, however it exits
@@ -202,7 +211,7 @@ class EngineClient(EngineFrontend):
     def _handle(self, message: tuple) -> None:
         kind = message[0]
         if kind == "out":
-            self._deliver(process_main.unpack_outputs(message[1]), message[2])
+            self._deliver(unpack_outputs(message[1]), message[2])
         elif kind == "snapshot":
             self._snapshot(*message[1:])
         elif kind == "ready":
@@ -226,7 +235,7 @@ class EngineClient(EngineFrontend):
 
     def _on_ready(self, limits: EngineLimits, tokenizer_dir: str, max_model_len: int) -> None:
         self._tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
-        self._checker = RequestChecker(limits, self._tokenizer)
+        self._checker = RequestChecker(limits, self._tokenizer, GrammarLimits.from_settings(self.settings))
         self._max_model_len = max_model_len
 
     def _snapshot(self, state: str, error: str | None, progress: dict | None, stats: dict) -> None:

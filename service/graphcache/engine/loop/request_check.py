@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphcache.engine.errors import InvalidRequest
-from graphcache.engine.sample.structured import StructuredOutput
+from graphcache.engine.sample.grammar_cache import GrammarCache
+from graphcache.engine.sample.grammar_compiler import GrammarLimits
 from graphcache.engine.sequence import Sequence
 
 __all__ = ["EngineLimits", "RequestChecker"]
@@ -38,24 +39,31 @@ class EngineLimits:
 
 class RequestChecker:
     """check(seq): InvalidRequest naming the fix, or the sequence's max_tokens resolved. Grammars
-    compile through `structured` (built on first use, ~1 s for a 150k vocabulary; thread-safe)."""
+    compile through `structured` (built on first use, ~1 s for a 150k vocabulary; thread-safe): a
+    `grammar_cache` (GrammarCache, torch-free, where only checking happens: the API process) or a subclass
+    that also masks (the engine's StructuredOutput)."""
 
-    def __init__(self, limits: EngineLimits, tokenizer: Any) -> None:
+    def __init__(self, limits: EngineLimits, tokenizer: Any, grammar_limits: GrammarLimits | None = None,
+                 metrics: Any = None, grammar_cache: type[GrammarCache] = GrammarCache) -> None:
         self.limits = limits
+        self.grammar_cache = grammar_cache
         self.tokenizer = tokenizer
-        self._structured: StructuredOutput | None = None
+        self.grammar_limits = grammar_limits
+        self.metrics = metrics
+        self._structured: GrammarCache | None = None
         self._structured_lock = threading.Lock()
 
     @property
-    def structured(self) -> StructuredOutput:
+    def structured(self) -> GrammarCache:
         """The grammar engine over this model's tokenizer (built lazily)."""
         with self._structured_lock:   # the API compiles off the event loop while the engine thread may build it
             if self._structured is None:
-                self._structured = StructuredOutput(self.tokenizer, self.limits.vocab_size)
+                self._structured = self.grammar_cache(self.tokenizer, self.limits.vocab_size,
+                                                     limits=self.grammar_limits, metrics=self.metrics)
         return self._structured
 
     @property
-    def built_structured(self) -> StructuredOutput | None:
+    def built_structured(self) -> GrammarCache | None:
         """The grammar engine if a constrained request built it already, else None (costs nothing)."""
         return self._structured
 
@@ -83,7 +91,8 @@ class RequestChecker:
         if limits.vocab_size is not None:
             seq.params.validate_token_ids(limits.vocab_size)
         if seq.params.structured is not None:   # an invalid schema, regex or grammar is the client's 400
-            self.structured.check(seq.params.structured)
+            # Kept on the sequence: the engine thread copies it and never compiles (nor waits for a compile).
+            seq.compiled_grammar = self.structured.check(seq.params.structured)
         seq.params.max_tokens = self.resolve_max_tokens(seq.num_prompt_tokens, seq.params.max_tokens, param)
         vocab = limits.vocab_size
         if vocab is not None and any(not 0 <= t < vocab for t in seq.prompt_token_ids):

@@ -15,6 +15,11 @@ a seeded row's key is a function of (seed, tokens it generated so far), so its t
 its seed and its own logits (not on the batch, the device's RNG or earlier calls); unseeded rows take
 keys from the Sampler's host generator, seeded by settings.seed.
 
+On CUDA the filters and the draw run as one Triton kernel (fused_draw.py) with the same kept set and
+the same race: straight from the model-dtype logits for rows without logits controls, from the
+processed fp32 copy otherwise. GRAPHCACHE_SAMPLER=legacy (or Sampler(fused=False)) keeps the torch
+composition above (filtered_logits -> filter_threshold -> race_draw), which is also the CPU path.
+
 Logits controls (vLLM's order, all on the device, batched, never a Python loop over the vocabulary):
 allowed_token_ids -> bad words -> min_tokens -> logit_bias -> repetition, frequency and presence
 penalties. Bans are -inf. Penalties need per-row token counts: built each step by one index_add of
@@ -36,6 +41,8 @@ division so nothing overflows, and a row whose logits hold no usable distributio
 
 from __future__ import annotations
 
+import math
+import os
 import random
 import weakref
 from array import array
@@ -44,6 +51,7 @@ from collections.abc import Iterable
 import torch
 
 from graphcache.engine.sample.filter_threshold import thresholds
+from graphcache.engine.sample.fused_draw import HAVE_TRITON, fused_draw
 from graphcache.engine.sample.race_draw import race_draw, row_key, to_int64
 from graphcache.engine.sequence import SamplingParams, Sequence
 
@@ -109,8 +117,17 @@ class _Controls:
         self.stop_ids = _to_device(sorted(t for t in stops if in_vocab(t)), torch.int64, device)
 
 
+def _fused_by_default() -> bool:
+    """GRAPHCACHE_SAMPLER=legacy selects the torch-composed draw (filtered_logits + race_draw) on CUDA;
+    anything else, the fused kernel (fused_draw.py). The CPU always takes the torch path."""
+    return os.environ.get("GRAPHCACHE_SAMPLER", "fused").strip().lower() != "legacy"
+
+
 class Sampler:
-    def __init__(self, default_seed: int | None = None, eos_token_ids: Iterable[int] = ()) -> None:
+    def __init__(self, default_seed: int | None = None, eos_token_ids: Iterable[int] = (),
+                 fused: bool | None = None) -> None:
+        # CUDA random rows: one fused Triton kernel (True) or the torch-composed path (False).
+        self.fused = _fused_by_default() if fused is None else fused
         # Unseeded rows' race keys; seeded by settings.seed so a server run is repeatable (None: OS entropy).
         self._rng = random.Random(default_seed)
         self.eos_token_ids = frozenset(eos_token_ids)   # masked with stop_token_ids until min_tokens
@@ -155,6 +172,8 @@ class Sampler:
         dev = logits.device
         idx = _to_device(rows, torch.int64, dev)
         work = [seqs[i] for i in rows]
+        if not processed and self._use_fused(logits):   # every row random: drawn from the logits as they are
+            return tokens.index_copy_(0, idx, self._draw_fused(logits, idx, work))
         x = logits.index_select(0, idx).float()   # [W, V] fp32, ours to modify
         if processed:
             x = self._process(x, work, [j for j, i in enumerate(rows) if i in processed])
@@ -184,9 +203,37 @@ class Sampler:
         # A row with every token banned: its raw logits instead (no distribution to draw from).
         return torch.where(x.amax(dim=-1, keepdim=True) == _NEG_INF, raw, x)
 
+    def _use_fused(self, logits: torch.Tensor) -> bool:
+        return self.fused and logits.is_cuda and HAVE_TRITON
+
+    def _draw_fused(self, logits: torch.Tensor, rows: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """One draw per entry of rows [W] (indices into logits [R, V], any float dtype), seqs[k] for
+        rows[k], in one kernel: the same distribution and the same tokens as the torch path (up to an
+        fp32 near tie in the race). Two uploads of the per-row parameters, no sync."""
+        floats, ints = self.draw_params(seqs, logits.shape[-1])
+        dev = logits.device
+        f = floats.pin_memory().to(dev, non_blocking=True)
+        i = ints.pin_memory().to(dev, non_blocking=True)
+        tokens, _ = fused_draw(logits, rows, f[0], i[0], f[1], f[2], i[1])
+        return tokens
+
+    def draw_params(self, seqs: list[Sequence], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused kernel's per-row parameters on the host: floats [3, n] (temperature, 0 for a greedy
+        row; top_p; log(min_p) or -inf), ints [2, n] (top_k, vocab when off; race key). What
+        fused_draw.DrawParams.write takes for a captured draw. Draws the unseeded rows' keys."""
+        floats = torch.tensor([[0.0 if _is_greedy(s.params.temperature) else s.params.temperature for s in seqs],
+                               [s.params.top_p for s in seqs],
+                               [math.log(min(s.params.min_p, 1.0)) if s.params.min_p > 0 else _NEG_INF for s in seqs]],
+                              dtype=torch.float32)
+        ints = torch.tensor([[k if 0 < k < vocab else vocab for k in (s.params.top_k for s in seqs)],
+                             self._row_keys(seqs)], dtype=torch.int64)
+        return floats, ints
+
     def _draw(self, x: torch.Tensor, seqs: list[Sequence], local: list[int]) -> torch.Tensor:
         """One draw per random row: x[local[k]] belongs to seqs[k]; [len(seqs)] int64."""
         dev, vocab = x.device, x.shape[-1]
+        if self._use_fused(x):
+            return self._draw_fused(x, _to_device(local, torch.int64, dev), seqs)
         if len(local) < x.shape[0]:
             x = x.index_select(0, _to_device(local, torch.int64, dev))
         # Filters only when some row asks for one (each costs a top-k of the rows and a pass or two).

@@ -28,153 +28,41 @@ Life of a constrained request (the lead wires these calls; none of them is made 
 Vocabulary: the model's logits may be wider than the tokenizer (embedding padded to a multiple of
 64/128): the matcher is built over max(model, tokenizer) ids, and ids without a token string are
 never allowed, so padding ids are masked too. EOS is allowed exactly when the grammar accepts.
+
+Hardening (docs/RELIABILITY.md, "Structured output limits"): a spec is bounded in depth before it is
+compiled (engine/sample/grammar_bounds.py); it compiles on a big-stack thread of a bounded pool
+(engine/sample/grammar_compiler.py), under llguidance limits (lexer fuel, short error texts), and its first
+mask plus one step past the first allowed token are computed there too, within a time budget. A spec
+that is unsatisfiable (the first mask allows nothing), past the library's limits, or too slow is an
+InvalidRequest naming its field; nothing failed is cached. The cache is bounded by entries and by bytes:
+an entry's bytes are the C heap's growth while it compiled and took its first masks (glibc mallinfo2),
+at least its grammar text's length. While generating, a sequence's mask cost is bounded
+(engine/sample/grammar_matcher.py).
 """
 
 from __future__ import annotations
 
-import json
-import threading
-from collections import OrderedDict
+import time
 from typing import Any
 
 import torch
 
-from graphcache.engine.errors import InvalidRequest
-from graphcache.engine.sequence import Sequence, StructuredSpec
+from graphcache.engine.sample.grammar_cache import GrammarCache
+from graphcache.engine.sample.grammar_compiler import GrammarLimits
+from graphcache.engine.sequence import Sequence
 from graphcache.engine.stopping import grammar_accepts, grammar_done
 
-__all__ = ["KINDS", "StructuredOutput", "accept", "is_done"]
-
-KINDS = ("json", "json_schema", "regex", "choice", "grammar")
-# Compiled grammars kept (LRU). A compiled matcher holds its lexer/parser tables: a few hundred KB for
-# a typical schema; clients usually reuse a handful of schemas, so hits dominate.
-DEFAULT_CACHE_SIZE = 128
-# The param an invalid spec is blamed on, by kind, when the caller names none.
-DEFAULT_PARAMS = {"json": "response_format", "json_schema": "response_format", "regex": "structured_outputs",
-                  "choice": "structured_outputs", "grammar": "structured_outputs"}
+__all__ = ["StructuredOutput", "accept", "is_done"]
 
 
-def _llguidance():
-    try:
-        import llguidance
-    except ImportError as e:  # pragma: no cover - a declared dependency
-        raise RuntimeError("structured output needs llguidance: pip install llguidance") from e
-    return llguidance
+class StructuredOutput(GrammarCache):
+    """The grammar cache plus masking: apply() sets the ids a sequence's grammar does not allow next to
+    -inf in its logits row. One per engine; the engine thread masks while API threads check()."""
 
-
-def grammar_source(spec: StructuredSpec, param: str) -> str:
-    """The llguidance grammar text of `spec` (not yet checked). Raises InvalidRequest for a spec whose
-    shape is wrong before any compiling (unknown kind, choice not a list of strings, ...)."""
-    llg = _llguidance()
-    kind, value = spec.kind, spec.value
-    if kind == "json":
-        # Any JSON object; a schema given with kind "json" (vLLM's guided_json) constrains it further.
-        schema = '{"type": "object"}' if value is None else _schema_text(value, param)
-        return llg.LLMatcher.grammar_from_json_schema(schema)
-    if kind == "json_schema":
-        return llg.LLMatcher.grammar_from_json_schema(_schema_text(value, param))
-    if kind == "regex":
-        if not isinstance(value, str) or not value:
-            raise InvalidRequest("a regex constraint needs a non-empty pattern string", param=param)
-        return llg.LLMatcher.grammar_from_regex(value)
-    if kind == "choice":
-        if (not isinstance(value, (list, tuple)) or not value
-                or not all(isinstance(c, str) and c for c in value)):
-            raise InvalidRequest("choice needs a non-empty list of non-empty strings", param=param)
-        return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
-    if kind == "grammar":
-        if not isinstance(value, str) or not value.strip():
-            raise InvalidRequest("a grammar constraint needs the grammar text (Lark or GBNF/EBNF)", param=param)
-        try:
-            return llg.grammar_from("grammar", value)   # GBNF is converted to Lark; Lark passes through
-        except ValueError as e:
-            raise InvalidRequest(f"invalid grammar: {e}", param=param) from None
-    raise InvalidRequest(f"unknown structured output kind {kind!r}; use one of {', '.join(KINDS)}", param=param)
-
-
-def _schema_text(value: Any, param: str) -> str:
-    """A schema as JSON text: a dict is serialized as given (property order kept: it is the output's)."""
-    if isinstance(value, dict):
-        return json.dumps(value)
-    if not isinstance(value, str):
-        raise InvalidRequest("json_schema needs the schema as a JSON object", param=param)
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise InvalidRequest(f"the JSON schema is not valid JSON: {e}", param=param) from None
-    if not isinstance(parsed, (dict, bool)):
-        raise InvalidRequest("a JSON schema must be a JSON object", param=param)
-    return value
-
-
-def _cache_key(spec: StructuredSpec) -> tuple:
-    value = spec.value
-    if isinstance(value, dict):
-        value = json.dumps(value)
-    elif isinstance(value, list):
-        value = tuple(value)
-    return spec.kind, value
-
-
-class StructuredOutput:
-    """Compiles specs (cached), makes per-sequence matchers, masks logits. One per engine.
-
-    tokenizer: model/tokenizer.py's Tokenizer; vocab_size: the model's logits width (>= or <= the
-    tokenizer's). Thread-safe for check() from API threads while the engine thread masks."""
-
-    def __init__(self, tokenizer: Any, vocab_size: int | None = None, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
-        llg = _llguidance()
-        self.vocab_size = vocab_size or tokenizer.vocab_size
-        # Ids past the tokenizer have no bytes: llguidance never allows them (the padding ids).
-        self._mask_vocab = max(self.vocab_size, tokenizer.vocab_size)
-        self._words = -(-self._mask_vocab // 32)   # [words] int32 per row: llguidance's exact mask size
-        self.eos_token_ids = list(tokenizer.eos_token_ids)
-        self.ll_tokenizer = llg.LLTokenizer(tokenizer._tok.to_str(), n_vocab=self._mask_vocab,
-                                            eos_token=self.eos_token_ids or None)
-        self._executor = llg.LLExecutor()
-        self._cache: OrderedDict[tuple, Any] = OrderedDict()   # key -> compiled matcher (never advanced)
-        self._cache_size = cache_size
-        self._lock = threading.Lock()
+    def __init__(self, tokenizer: Any, vocab_size: int | None = None, cache_size: int | None = None,
+                 limits: GrammarLimits | None = None, metrics: Any = None) -> None:
+        super().__init__(tokenizer, vocab_size, cache_size, limits, metrics)
         self._shifts: dict[torch.device, torch.Tensor] = {}
-
-    # --- compiling -------------------------------------------------------------------------
-    def compiled(self, spec: StructuredSpec, param: str | None = None) -> Any:
-        """The compiled matcher of `spec` in its start state (from the LRU cache, compiled on a miss).
-        Raises InvalidRequest(param) when the spec is invalid; invalid specs are not cached."""
-        param = param or DEFAULT_PARAMS.get(spec.kind, "structured_outputs")
-        key = _cache_key(spec)
-        with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                return hit
-        source = grammar_source(spec, param)
-        try:
-            # Compiling drops the interpreter lock: other threads run meanwhile.
-            matcher = _llguidance().LLMatcher(self.ll_tokenizer, source, log_level=0)
-        except Exception as e:   # misuse-level errors; grammar errors put the matcher in its error state
-            raise InvalidRequest(f"invalid {spec.kind} constraint: {e}", param=param) from None
-        if matcher.is_error():
-            raise InvalidRequest(f"invalid {spec.kind} constraint: {_one_line(matcher.get_error())}", param=param)
-        with self._lock:
-            self._cache[key] = matcher
-            self._cache.move_to_end(key)
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        return matcher
-
-    def check(self, spec: StructuredSpec, param: str | None = None) -> None:
-        """Submit-time validation: InvalidRequest(param=...) naming the problem, else None (and the
-        compiled grammar is cached for new_matcher)."""
-        self.compiled(spec, param)
-
-    def new_matcher(self, spec: StructuredSpec) -> Any:
-        """A fresh matcher for one sequence (store it in seq.grammar)."""
-        return self.compiled(spec).deep_copy()
-
-    @property
-    def cache_len(self) -> int:
-        return len(self._cache)
 
     # --- masking ---------------------------------------------------------------------------
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -186,18 +74,19 @@ class StructuredOutput:
             return
         pin = logits.is_cuda
         bitmask = torch.empty((len(rows), self._words), dtype=torch.int32, pin_memory=pin)   # [G, words]
-        jobs = []
-        for k, i in enumerate(rows):
-            matcher = seqs[i].grammar
-            if matcher.is_error():
-                # A broken grammar (postprocess ends the request): allow EOS only so the row still samples.
+        jobs, timed = [], []
+        states = [seqs[i].grammar for i in rows]
+        for k, state in enumerate(states):
+            state.note_error()
+            if state.failure is None:
+                (timed if state.watched else jobs).append((state, k))
+        self._compute_masks(bitmask, jobs, timed)
+        for k, state in enumerate(states):
+            if state.failure is not None:
+                # A failed grammar (postprocess ends the request): allow EOS only so the row still samples.
                 bitmask[k].zero_()
                 for eos in self.eos_token_ids:
                     bitmask[k, eos // 32] |= _bit(eos % 32)
-            else:
-                jobs.append((matcher, k))
-        if jobs:
-            self._executor.unsafe_compute_mask_ptr(jobs, bitmask.data_ptr(), self._words * 4, len(rows))
         mask = bitmask.to(logits.device, non_blocking=pin)
         shifts = self._shifts.get(logits.device)
         if shifts is None:
@@ -209,6 +98,23 @@ class StructuredOutput:
         else:
             index = torch.tensor(rows, device=logits.device)
             logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
+
+    def _compute_masks(self, bitmask: torch.Tensor, jobs: list, timed: list) -> None:
+        """Fill bitmask rows: `jobs` in one parallel call, watched rows one at a time, each timed and charged
+        (grammar_matcher.py). A parallel call over the per-token bound puts its rows under watch."""
+        limits, ptr, row_bytes, n = self.limits, bitmask.data_ptr(), self._words * 4, bitmask.shape[0]
+        if jobs:
+            start = time.perf_counter()
+            self._executor.unsafe_compute_mask_ptr([(state.matcher, k) for state, k in jobs], ptr, row_bytes, n)
+            if (time.perf_counter() - start) * 1e3 > limits.mask_ms_per_token:
+                for state, _ in jobs:
+                    state.watched = True
+        for state, k in timed:
+            start = time.perf_counter()
+            self._executor.unsafe_compute_mask_ptr([(state.matcher, k)], ptr, row_bytes, n)
+            state.charge(time.perf_counter() - start, limits.mask_ms_per_token, limits.mask_window)
+        for state, _ in (*jobs, *timed):
+            state.note_error()   # a mask past the library's limits: the request ends with why
 
     def allowed_token_ids(self, seq: Sequence) -> list[int]:
         """The ids seq's grammar allows next (tests and debugging; apply() is the fast path)."""
@@ -226,11 +132,6 @@ is_done = grammar_done
 def _bit(position: int) -> int:
     """Bit `position` of an int32 word, as the signed value torch stores."""
     return (1 << position) - (1 << 32 if position == 31 else 0)
-
-
-def _one_line(message: str, limit: int = 300) -> str:
-    message = " ".join(message.split())
-    return message if len(message) <= limit else message[:limit - 3] + "..."
 
 
 # Methods too, so the engine holds one object: structured.accept(seq, t) / structured.is_done(seq).

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from graphcache.engine.batch import PLACEHOLDER_TOKEN, DecodeRows, ScheduledSeq, StepBatch, StepSeq
 from graphcache.engine.sched.block_manager import BlockManager, PrefixMatch
 from graphcache.engine.sequence import Sequence, SequenceStatus
-from graphcache.engine.stopping import GRAMMAR_BROKEN, check_stop, grammar_accepts, grammar_done
+from graphcache.engine.stopping import check_stop, grammar_accepts, grammar_done, grammar_failure
 
 
 @dataclass
@@ -308,7 +308,7 @@ class Scheduler:
             seq.last_token_time = now
             grammar = seq.grammar   # None for most: the grammar calls are skipped inline (a per-row loop)
             if grammar is not None and not grammar_accepts(seq, token):
-                self.finish(seq, "error", GRAMMAR_BROKEN)
+                self.finish(seq, "error", grammar_failure(seq))
                 continue
             reason = check_stop(seq, token, eos_token_ids=eos, max_model_len=max_len)
             if reason is None and grammar is not None and grammar_done(seq):

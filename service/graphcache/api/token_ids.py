@@ -1,0 +1,66 @@
+"""Token-id lists from the body, checked once per request, off the event loop.
+
+A request's token-id controls (allowed_token_ids, logit_bias keys) and prompts sent as ids are
+checked here, once, before the request fans out into one engine request per choice (n, best_of):
+the engine checks every one of those again, so what reaches it must already be small.
+
+  * allowed_token_ids is a set: it is deduplicated (sorted), so after the range check it never
+    holds more ids than the vocabulary, whatever the body repeated.
+  * a prompt of ids is first held against max_model_len (a length, no per-id work), then its ids
+    against the vocabulary: an id outside it is a 400 naming the prompt, never a tokenizer failure
+    on decoding it for `echo` (Python ints are unbounded: 2**64 does not fit the tokenizer's C type).
+  * logit_bias keys are bounded in number (protocol.py) and range-checked here.
+
+The functions are plain and synchronous; openai.py runs them on the input pool (api/executors.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from graphcache.api.errors import APIError
+
+__all__ = ["check_bias_ids", "check_prompt_ids", "unique_token_ids", "vocab_size"]
+
+
+def vocab_size(engine) -> int | None:
+    """The model's logits width (what the engine checks ids against), or None when not known."""
+    checker = getattr(engine, "checker", None)
+    limits = getattr(checker, "limits", None)
+    return getattr(limits, "vocab_size", None)
+
+
+def _range_error(param: str, vocab: int) -> APIError:
+    # The offending value is not echoed: it may be any size.
+    return APIError(400, f"{param} must hold token ids of this model's vocabulary, 0 to {vocab - 1}.", param=param)
+
+
+def _in_range(ids: Sequence[int], vocab: int | None) -> bool:
+    return vocab is None or not ids or (min(ids) >= 0 and max(ids) < vocab)
+
+
+def unique_token_ids(ids: Sequence[int], vocab: int | None, param: str = "allowed_token_ids") -> list[int]:
+    """`ids` as a sorted list without repeats, each in [0, vocab); at most `vocab` ids by then."""
+    unique = sorted(set(ids))
+    if not _in_range(unique, vocab):
+        raise _range_error(param, vocab)
+    return unique
+
+
+def check_prompt_ids(ids: Sequence[int], vocab: int | None, max_model_len: int | None,
+                     param: str = "prompt") -> list[int]:
+    """A prompt of token ids as a list, refused when it cannot fit the context window or holds an id
+    outside the vocabulary."""
+    if max_model_len is not None and len(ids) >= max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+                            f"{len(ids)} tokens; shorten the prompt.", param=param, code="context_length_exceeded")
+    out = list(ids)
+    if not _in_range(out, vocab):
+        raise _range_error(param, vocab)
+    return out
+
+
+def check_bias_ids(bias: dict[int, float] | None, vocab: int | None) -> None:
+    """logit_bias keys (token ids, parsed by protocol.py) inside the vocabulary."""
+    if bias and not _in_range(list(bias), vocab):
+        raise _range_error("logit_bias", vocab)
