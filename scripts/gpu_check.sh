@@ -21,7 +21,7 @@ for p in ${PHASES:-tests pool capture}; do
     # Every file with cuda-marked tests: grep -l "mark.cuda" tests/*.py tests/*/*.py
     tests)   phase tests 420 python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu tests/test_decode_attention.py \
                tests/test_sampling_controls.py tests/test_structured.py tests/test_fused_ops.py \
-               tests/test_sampling_kernels.py tests/test_decode_rows.py tests/test_unified_attention.py -rs --durations=15 ${PYTEST_ARGS:-} ;;
+               tests/test_sampling_kernels.py tests/test_decode_rows.py tests/test_unified_attention.py tests/test_big_steps.py -rs --durations=15 ${PYTEST_ARGS:-} ;;
     sampler) phase sampler 120 python3 benchmarks/sampler_bench.py --out "$OUT/sampler.json" ;;
     kernels) phase kernels 200 python3 benchmarks/decode_attention_bench.py ;;
     mixed_attn) phase mixed_attn 300 python3 benchmarks/mixed_attention_bench.py ${MIXED_ATTN_ARGS:-} ;;
@@ -88,6 +88,9 @@ for p in ${PHASES:-tests pool capture}; do
     # Per-kernel CUDA time of a decode, a mixed and a prefill step against its roofline bound, at both shapes.
     kernel_table) for m in ${KERNEL_TABLE_MODELS:-qwen05b llama8b}; do TAIL=${TAIL:-120} phase kernel_table_$m 300 \
                python3 benchmarks/kernel_table.py --make-model "$m:/tmp/$m" --out "$OUT/kernel_table_$m.json"; done ;;
+    # Mixed steps past 256 tokens at both shapes: eager vs breakable vs full graphs, capture s, pool MiB, padding.
+    big_steps) phase big_steps 420 python3 benchmarks/big_steps.py --make-model qwen05b:/tmp/qwen05b \
+               --make-model llama8b:/tmp/llama8b --out "$OUT/big_steps.json" ${BIG_STEPS_ARGS:-} ;;
     *) echo "unknown phase $p" ;;
   esac
 done

@@ -37,7 +37,7 @@ def cpu_settings(model: Path, **overrides) -> Settings:
     busy the machine is (the admission and budget tests set their own)."""
     base = dict(model=model, device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=256,
                 block_size=4, num_kv_blocks=256, capture_sizes=[1, 2, 4, 8, 16, 32, 64], max_capture_size=64,
-                warmup_decode_sizes=[], max_model_len=256, admission="always", capture_time_share=1.0)
+                warmup_decode_sizes=[], warmup_mixed_sizes=[], max_model_len=256, admission="always", capture_time_share=1.0)
     base.update(overrides)
     return Settings(**base)
 

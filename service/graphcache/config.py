@@ -19,7 +19,15 @@ from functools import cache
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -163,6 +171,21 @@ class GraphCacheSettings(SettingsSection):
         None, description="Padded batch sizes (tokens) that may be captured; "
         "default: 1,2,4,8..256 by 8, then by 16 up to max_capture_size.")
     max_capture_size: int = Field(256, ge=1, description="Largest capture size; bigger batches run eagerly.")
+    # --- mixed steps above max_capture_size: coarse buckets (graphs/descriptor.py mixed_buckets,
+    # engine/worker/capture_sizes.py for the default rule, benchmarks/big_steps.py for its measurements) ---
+    mixed_capture_sizes: Annotated[list[int] | None, CommaList] = Field(
+        None, description="Sizes above max_capture_size that mixed (prefill + decode) steps pad to (sizes up to "
+        "max_capture_size or past max_num_batched_tokens are ignored). Default: 384, 512, 768, 1024, 1536, ... "
+        "(x1.5 / x1.33 apart) up to max_num_batched_tokens, only with CUDA graphs, and "
+        "only the buckets whose padded GEMM time stays below an eager step's launch time at this model's size "
+        "(larger steps are GPU-bound: a graph saves nothing and padding costs). [] = none.")
+    mixed_capture_mode: CaptureMode = Field(
+        "full", description="Mixed captures: full = one CUDA graph with the unified attention kernel inside "
+        "(grid fixed by the descriptor, needs attention kernel triton; others fall back to breakable); "
+        "breakable = attention as an eager break, one Python launch per layer.")
+    warmup_mixed_sizes: Annotated[list[int] | None, CommaList] = Field(
+        None, description="Mixed bucket sizes above max_capture_size captured at start (pinned). Default: every "
+        "mixed bucket in use. [] = capture them lazily, on misses.")
     warmup_decode_sizes: Annotated[list[int] | None, CommaList] = Field(
         None, description="Uniform-decode sizes captured at start (pinned). Default: capture sizes <= max_num_seqs. "
         "[] = none.")
@@ -204,13 +227,13 @@ class GraphCacheSettings(SettingsSection):
         "(uniform decode per split-KV count, mixed), always = before every capture (about twice the capture "
         "time: BENCHMARKS.md §8). A capture that fails without one is retried with one.")
 
-    @field_validator("capture_sizes")
+    @field_validator("capture_sizes", "mixed_capture_sizes", "warmup_mixed_sizes")
     @classmethod
-    def _sorted_unique(cls, v: list[int] | None) -> list[int] | None:
+    def _sorted_unique(cls, v: list[int] | None, info: ValidationInfo) -> list[int] | None:
         if v is None:
             return v
         if any(s < 1 for s in v):
-            raise ValueError("capture_sizes must be positive integers")
+            raise ValueError(f"{info.field_name} must be positive integers")
         return sorted(set(v))
 
     def resolved_capture_sizes(self) -> list[int]:

@@ -5,6 +5,11 @@ padded up to exactly the shapes captured. Two numbers fix those shapes: tokens i
 step (the width of every activation) and requests (rows of logits). `uniform_decode`
 separates pure-decode batches (one token per request: T == R) from mixed prefill/decode
 ones, because attention metadata is laid out differently for the two.
+
+Mixed steps past the fine sizes (prefill chunks next to a full decode batch: ~1,000-8,000 tokens)
+pad to a few coarse buckets (`mixed_buckets`): every size costs a capture and pool memory, and every
+padded token costs the GEMMs of a real one, so the ladder bounds the padding a step pays instead of
+fitting each step closely.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["BatchDescriptor", "CaptureSizes", "descriptor_for"]
+__all__ = ["BatchDescriptor", "CaptureSizes", "descriptor_for", "mixed_buckets"]
 
 
 @dataclass(frozen=True, order=True)
@@ -78,10 +83,29 @@ class CaptureSizes:
         return f"CaptureSizes({list(self.sizes)})"
 
 
+def mixed_buckets(above: int, up_to: int) -> list[int]:
+    """The coarse mixed sizes in (above, up_to]: 2^k and 3 * 2^(k-1) (384, 512, 768, 1024, 1536, ...),
+    then up_to itself when the ladder does not end on it, so every step up to up_to has a bucket.
+    Neighbours differ by x1.5 or x1.33: a step pads by at most half its tokens (just past a bucket),
+    about a fifth on average, with two buckets per doubling (10 from 256 to 8192)."""
+    ladder: set[int] = set()
+    power = 1
+    while power <= up_to:
+        ladder.update((power, power * 3 // 2) if power >= 2 else (power,))
+        power *= 2
+    sizes = sorted(s for s in ladder if above < s <= up_to)
+    if up_to > above and (not sizes or sizes[-1] != up_to):
+        sizes.append(up_to)
+    return sizes
+
+
 def descriptor_for(num_tokens: int, num_reqs: int, uniform_decode: bool,
-                   sizes: CaptureSizes, max_reqs: int | None = None) -> BatchDescriptor | None:
+                   sizes: CaptureSizes, max_reqs: int | None = None,
+                   mixed_sizes: CaptureSizes | None = None) -> BatchDescriptor | None:
     """The padded descriptor a batch replays under, or None when it is too big (run it eagerly).
 
+    sizes: what decode batches pad to; mixed_sizes: what mixed batches pad to (default: sizes;
+    the runner passes sizes plus the coarse buckets above them).
     decode: T = R = pad(num_reqs). mixed: T = pad(num_tokens) and R = T (at most max_reqs, the
     logits buffer's rows): one mixed capture per token size, not one per (tokens, requests) cell.
     Requests only set the logits rows; the padded rows cost the LM head next to nothing, since at
@@ -96,7 +120,7 @@ def descriptor_for(num_tokens: int, num_reqs: int, uniform_decode: bool,
                              f"for {num_reqs} requests")
         padded = sizes.pad(num_reqs)
         return None if padded is None else BatchDescriptor(padded, padded, True)
-    padded_tokens = sizes.pad(num_tokens)
+    padded_tokens = (sizes if mixed_sizes is None else mixed_sizes).pad(num_tokens)
     if padded_tokens is None:
         return None
     padded_reqs = padded_tokens if max_reqs is None else min(padded_tokens, max_reqs)

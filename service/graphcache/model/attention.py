@@ -51,7 +51,7 @@ from graphcache.model.forward_context import current_attention_metadata
 from graphcache.model.unified_attention import UnifiedConfig, choose_config, unified_attention
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionMetadata", "AttentionPlanner", "DecodeMetadata", "decode_attention",
-           "paged_attention", "select_attention_kernel", "select_decode_kernel"]
+           "graph_attention", "paged_attention", "select_attention_kernel", "select_decode_kernel"]
 
 # The mem-efficient SDPA kernel wants the mask's key dim a multiple of 16; otherwise it pads the
 # mask with extra ops on every call. The decode context length is rounded up to this.
@@ -164,6 +164,22 @@ def decode_attention(q: torch.Tensor, out: torch.Tensor, k_blocks: torch.Tensor,
     out[:num_reqs].view(num_reqs, kv_heads, heads // kv_heads, dim).copy_(o * real)
 
 
+def graph_attention(q: torch.Tensor, out: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                    md: DecodeMetadata | AttentionMetadata, scale: float) -> None:
+    """Attention recorded inside the graph ("full" runtime mode): the decode kernel for a uniform
+    decode (DecodeMetadata), the unified kernel for a mixed step (AttentionMetadata from
+    AttentionPlanner.plan_in_graph: its grid is fixed by the descriptor's padded sizes, and what the
+    step really holds is read from the static buffers at replay)."""
+    if isinstance(md, DecodeMetadata):
+        decode_attention(q, out, k_blocks, v_blocks, md, scale)
+        return
+    if md.kernel != "triton":
+        raise RuntimeError(f"attention kernel {md.kernel!r} cannot run inside a graph: mixed_capture_mode=full "
+                           "needs the triton kernel (the runner falls back to breakable for the others)")
+    unified_attention(q, k_blocks, v_blocks, out, md.cu_seqlens_q, md.seqused_k, md.block_table, scale,
+                      md.num_reqs, md.unified_config)
+
+
 @dataclass
 class PrefillPlan:
     """One multi-token request on the SDPA path."""
@@ -233,6 +249,22 @@ class AttentionPlanner:
         if self.kernel == "flash":
             return self._plan_flash(num_real_tokens, query_start_loc, seq_lens, seq_lens_dev, block_tables, cu_seqlens)
         return self._plan_sdpa(num_real_tokens, num_decodes, query_start_loc, seq_lens, seq_lens_dev, block_tables)
+
+    def plan_in_graph(self, *, num_reqs: int, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                      block_tables: torch.Tensor) -> AttentionMetadata:
+        """The unified kernel's metadata for a mixed graph with attention inside: views of the static
+        buffers over the descriptor's num_reqs (padded) rows, so it depends on the descriptor alone and
+        a capture outside a step records what a step would. query_start_loc [R + 1] int32, seq_lens
+        [R] int64, block_tables [R, B] int64. The step's layout must give every padded request an
+        empty query range (query_start_loc = real tokens from the last real request on): its tiles
+        exit at once, and the launch's grid (T // BLOCK_Q + R) covers any real layout that fits T, R.
+        The tile shape is the chunked one: a fixed graph cannot pick it per step."""
+        if self.kernel != "triton":
+            raise RuntimeError(f"plan_in_graph needs the triton attention kernel, not {self.kernel!r}")
+        config = choose_config(self.num_heads // self.num_kv_heads, self.head_dim, max_query_len=2)
+        return AttentionMetadata(num_real_tokens=0, kernel="triton", cu_seqlens_q=query_start_loc,
+                                 block_table=block_tables, seqused_k=seq_lens, num_reqs=num_reqs,
+                                 unified_config=config)
 
     def _slots(self, tables: torch.Tensor, length: int) -> torch.Tensor:
         """tables [N, B] -> [N, length] int64 slot of each position 0..length-1."""

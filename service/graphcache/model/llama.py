@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from graphcache.model.attention import decode_attention, paged_attention
+from graphcache.model.attention import graph_attention, paged_attention
 from graphcache.model.config import ModelConfig
 from graphcache.model.forward_context import current_forward_context
 from graphcache.model.fused_ops import add_rmsnorm, rotary_, silu_mul
@@ -144,9 +144,9 @@ class Attention(nn.Module):
         out = torch.empty_like(q)                                        # [T, H, D]
         ctx = current_forward_context()
         if ctx.mode == "full":
-            # Uniform decode, full runtime mode: the kernel reads lengths and block tables from static
-            # device buffers (ctx.attention is a DecodeMetadata), so it is recorded inside the graph.
-            decode_attention(q, out, self.k_blocks, self.v_blocks, ctx.attention, self.scale)
+            # Full runtime mode (uniform decode, or a mixed step on the unified kernel): the kernel reads
+            # lengths, starts and block tables from static device buffers, so it is recorded inside the graph.
+            graph_attention(q, out, self.k_blocks, self.v_blocks, ctx.attention, self.scale)
         else:
             paged_attention(q, k, v, out, self.kv_cache, self.k_blocks, self.v_blocks, self.scale)
         return self.o_proj(out.view(t, self.q_size))                     # [T, hidden]

@@ -55,6 +55,9 @@ class InputBatch:
         self.block_size, self.max_model_len, self.scratch_slot = block_size, max_model_len, scratch_slot
         self._planner, self._decode_metadata = planner, decode_metadata
         self._flash = planner.kernel != "sdpa"   # the flash kernels take cumulative lengths
+        # The unified kernel takes query starts only, and a mixed graph with it inside reads them over the
+        # descriptor's padded requests: those get empty ranges (and length 0), see plan_in_graph.
+        self._pad_requests = planner.kernel == "triton"
         i64 = torch.int64
         self.input_ids = StagingBuffer((max_tokens,), i64, device)         # [T_max]
         self.positions = StagingBuffer((max_tokens,), i64, device)         # [T_max]
@@ -107,6 +110,7 @@ class InputBatch:
         self.slot_mapping.dev.fill_(self.scratch_slot)
         self.logits_indices.dev.zero_()
         self.seq_lens.dev.zero_()
+        self.cu_seqlens.dev.zero_()    # every request empty: a mixed graph's attention does no work
 
     # --- laying a step out -------------------------------------------------------------------
     def prepare(self, batch: StepBatch, *, decode: bool, pad_tokens: int, pad_reqs: int) -> StepLayout:
@@ -228,7 +232,14 @@ class InputBatch:
         self.seq_lens.np[:n] = seq_lens
         uploads = [(self.input_ids, pad_tokens), (self.positions, pad_tokens), (self.slot_mapping, pad_tokens),
                    (self.logits_indices, pad_reqs), (self.seq_lens, n), (self.block_tables, n)]
-        if self._flash:
+        if self._pad_requests:
+            cu = self.cu_seqlens.np
+            cu[:n + 1] = query_start
+            cu[n + 1:pad_reqs + 1] = num_tokens        # padded requests: empty query ranges at the end
+            self.seq_lens.np[n:pad_reqs] = 0
+            uploads[4] = (self.seq_lens, pad_reqs)
+            uploads.append((self.cu_seqlens, pad_reqs + 1))
+        elif self._flash:
             cu = self.cu_seqlens.np
             cu[:n + 1] = query_start
             cu[n + 1] = 0

@@ -6,8 +6,10 @@ its attention metadata, then let the GraphCache replay (or capture) the graph of
 The KV write happens inside the graph, indexed by the static
 slot_mapping: padded tokens map to a scratch slot in one extra KV block past the usable ones, and
 between steps every entry maps there, so a warmup/capture outside a step writes no real slot.
-Batches bigger than the largest capture size, and every step with enforce_eager, run the model
-eagerly on their real sizes. Logits come back from a static buffer, rows in the order
+Decode steps pad to the fine capture sizes, mixed steps to those plus a few coarse buckets above them
+(engine/worker/capture_sizes.py); mixed graphs hold the unified attention kernel inside
+(mixed_capture_mode=full, with the triton kernel) or call attention as the eager break. Batches bigger
+than the largest size, and every step with enforce_eager, run the model eagerly on their real sizes. Logits come back from a static buffer, rows in the order
 of the batch's need_logits sequences, valid until the next execute(). A step with a
 `prompt_logits` sequence (prompt logprobs) runs eagerly too, and also returns the logits of every
 token that sequence fed (StepResult.prompt_logits).
@@ -30,9 +32,10 @@ import torch
 
 from graphcache.config import Settings
 from graphcache.engine.batch import StepBatch, StepMode, StepResult
+from graphcache.engine.worker.capture_sizes import resolve_capture_sizes
 from graphcache.engine.worker.input_batch import InputBatch, StepLayout
 from graphcache.graphs.cache import GraphCache, WarmupReport
-from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes, descriptor_for
+from graphcache.graphs.descriptor import BatchDescriptor, descriptor_for
 from graphcache.graphs.policy_config import policy_config_from
 from graphcache.graphs.profile import parse_profile
 from graphcache.metrics import Metrics
@@ -99,7 +102,10 @@ class ModelRunner:
         self.vocab_size = self.model_config.vocab_size
         eos = self.tokenizer.eos_token_ids or self.model_config.eos_token_ids
         self.eos_token_ids = frozenset(eos or ())
-        self.sizes = CaptureSizes(s.graph_cache.resolved_capture_sizes())
+        self.backend = "cuda" if self.device.type == "cuda" and not s.graph_cache.enforce_eager else "eager"
+        decoder_params = sum(p.numel() for name, p in self.model.named_parameters() if ".layers." in f".{name}")
+        self.sizes, self.mixed_sizes = resolve_capture_sizes(s, graphs=self.backend == "cuda",
+                                                             decoder_params=decoder_params, num_layers=c.num_layers)
         self._warmup_descs = self._warmup_descriptors()
         self._alloc_buffers()
         self.num_kv_blocks = self._agree_min(self._num_kv_blocks())
@@ -117,10 +123,12 @@ class ModelRunner:
                                  max_blocks_per_seq=self.max_blocks_per_seq, block_size=self.block_size,
                                  max_model_len=self.max_model_len, scratch_slot=self.scratch_slot,
                                  planner=self._planner, decode_metadata=self.decode_metadata, device=self.device)
-        self.backend = "cuda" if self.device.type == "cuda" and not s.graph_cache.enforce_eager else "eager"
+        # Mixed graphs with attention inside need the unified kernel (its grid fixed by the descriptor).
+        self._mixed_in_graph = s.graph_cache.mixed_capture_mode == "full" and self.attention_kernel == "triton"
+        self._mixed_graph_md: dict[int, AttentionMetadata] = {}
         self.cache = graph_cache_factory(self._step_fn, backend=self.backend, config=policy_config_from(s.graph_cache),
-                                         debug=s.graph_cache.graph_debug, metrics=metrics,
-                                         input_tensors=self._input_tensors, warm_key=self._kernel_family)
+                                         debug=s.graph_cache.graph_debug, metrics=metrics, input_tensors=self._input_tensors,
+                                         warm_key=self._kernel_family)
         log.info("model %s (%s) on %s %s: max_model_len %d, %d KV blocks x %d tokens, backend %s", path,
                  self.model_config.architecture, self.device, str(self.dtype).removeprefix("torch."),
                  self.max_model_len, self.num_kv_blocks, self.block_size, self.backend)
@@ -144,6 +152,15 @@ class ModelRunner:
         if decode is None:
             decode = [n for n in self.sizes if n <= s.engine.max_num_seqs]
         descs = [BatchDescriptor(n, n, True) for n in decode]
+        mixed = s.graph_cache.warmup_mixed_sizes
+        buckets = [n for n in self.mixed_sizes if n > self.sizes.max]
+        if mixed is None:
+            mixed = buckets
+        elif any(n not in buckets for n in mixed):
+            raise ValueError(f"warmup_mixed_sizes {mixed} must be mixed buckets in use {buckets} (mixed_capture_sizes "
+                             "above max_capture_size, up to max_num_batched_tokens)")
+        pad_reqs = self.sizes.pad(s.engine.max_num_seqs) or s.engine.max_num_seqs   # descriptor_for's R cap (max_reqs)
+        descs += [BatchDescriptor(n, min(n, pad_reqs), False) for n in mixed]
         descs += [BatchDescriptor.parse(d) for d in s.graph_cache.warmup_descriptors]
         return descs
 
@@ -163,17 +180,18 @@ class ModelRunner:
             raise ValueError(f"{where}: {e}") from None
         max_reqs = self.sizes.pad(self.settings.engine.max_num_seqs) or self.sizes.max
         for i, d in enumerate(descs):
-            if d.num_tokens not in self.sizes.sizes or d.num_reqs not in self.sizes.sizes or d.num_reqs > max_reqs:
-                raise ValueError(f"{where}: descriptors[{i}] {d} has sizes this server never pads to; tokens and "
-                                 f"requests must each be one of the capture sizes {list(self.sizes)} (requests "
-                                 f"up to {max_reqs}); export the profile again from a server with these settings")
+            tokens = self.sizes if d.uniform_decode else self.mixed_sizes
+            if d.num_tokens not in tokens.sizes or d.num_reqs not in self.sizes.sizes or d.num_reqs > max_reqs:
+                raise ValueError(f"{where}: descriptors[{i}] {d} has sizes this server never pads to; tokens must "
+                                 f"be one of the capture sizes {list(tokens)}, requests one of {list(self.sizes)} "
+                                 f"(up to {max_reqs}); export the profile again from a server with these settings")
         log.info("warmup profile %s: %d descriptors", path, len(descs))
         return descs
 
     def _alloc_buffers(self) -> None:
         s, dev = self.settings, self.device
         max_reqs = self.sizes.pad(s.engine.max_num_seqs) or s.engine.max_num_seqs
-        self.max_tokens = max([s.engine.max_num_batched_tokens, self.sizes.max]
+        self.max_tokens = max([s.engine.max_num_batched_tokens, self.mixed_sizes.max]
                               + [d.num_tokens for d in self._warmup_descs])
         self.max_reqs = min(self.max_tokens, max([max_reqs] + [d.num_reqs for d in self._warmup_descs]))
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
@@ -261,18 +279,36 @@ class ModelRunner:
         if desc.num_tokens > self.max_tokens or desc.num_reqs > self.max_reqs:
             raise ValueError(f"descriptor {desc} exceeds the static buffers ({self.max_tokens} tokens, "
                              f"{self.max_reqs} requests); raise max_num_batched_tokens / max_num_seqs")
+        md: AttentionMetadata | DecodeMetadata
         if self._decode_path(desc.uniform_decode):
             # The decode metadata depends on the descriptor alone, so a capture outside a step (under
             # the empty context) records the same kernels a step would: full mode puts them in the graph.
             md = self.decode_metadata(desc.num_reqs)
+        elif self._mixed_in_graph:
+            md = self.mixed_graph_metadata(desc.num_reqs)   # the same: static views over R padded rows
         else:
             md = current_attention_metadata()   # the step's (or, in warmup, the empty) mixed layout
         with forward_context(md, desc, self._graph_mode(desc.uniform_decode)):
             self._run_model(desc.num_tokens, desc.num_reqs)
 
     def _graph_mode(self, uniform_decode: bool) -> RuntimeMode:
-        """How a step with a descriptor runs: "full" (decode attention inside the graph) or "breakable"."""
-        return "full" if self._decode_path(uniform_decode) and self._decode_in_graph else "breakable"
+        """How a step with a descriptor runs: "full" (attention inside the graph: the decode kernel, or the
+        unified kernel for a mixed step) or "breakable"."""
+        if self._decode_path(uniform_decode):
+            return "full" if self._decode_in_graph else "breakable"
+        return "full" if self._mixed_in_graph else "breakable"
+
+    def mixed_graph_metadata(self, num_reqs: int) -> AttentionMetadata:
+        """The unified kernel's metadata for a mixed graph of num_reqs (padded) requests: static views
+        only, one per size (the InputBatch pads query starts and lengths over those rows)."""
+        md = self._mixed_graph_md.get(num_reqs)
+        if md is None:
+            i = self.inputs
+            md = self._planner.plan_in_graph(num_reqs=num_reqs, query_start_loc=i.cu_seqlens.dev[:num_reqs + 1],
+                                             seq_lens=i.seq_lens.dev[:num_reqs],
+                                             block_tables=i.block_tables.dev[:num_reqs])
+            self._mixed_graph_md[num_reqs] = md
+        return md
 
     def _kernel_family(self, desc: BatchDescriptor) -> tuple:
         """What a descriptor's step must set up once (graph cache's capture_warmup=per_kernel): uniform
@@ -284,7 +320,7 @@ class ModelRunner:
     def _input_tensors(self, desc: BatchDescriptor) -> list[torch.Tensor]:
         t, r, i = desc.num_tokens, desc.num_reqs, self.inputs
         return [i.input_ids.dev[:t], i.positions.dev[:t], i.logits_indices.dev[:r], self.out_logits[:r],
-                i.slot_mapping.dev[:t], i.seq_lens.dev, i.block_tables.dev, self.kv_cache]
+                i.slot_mapping.dev[:t], i.seq_lens.dev, i.block_tables.dev, i.cu_seqlens.dev, self.kv_cache]
 
     # --- one step ------------------------------------------------------------------------
     def execute(self, batch: StepBatch) -> StepResult:
@@ -302,7 +338,8 @@ class ModelRunner:
         # Prompt logprobs need logits at every fed position: an eager step on the general layout.
         prompt_logits = batch.wants_prompt_logits
         eager = self.settings.graph_cache.enforce_eager or prompt_logits
-        desc = None if eager else descriptor_for(num_tokens, num_reqs, uniform, self.sizes, self.max_reqs)
+        desc = None if eager else descriptor_for(num_tokens, num_reqs, uniform, self.sizes, self.max_reqs,
+                                                     self.mixed_sizes)
         pad_tokens = desc.num_tokens if desc else num_tokens
         pad_reqs = desc.num_reqs if desc else num_reqs
         try:
