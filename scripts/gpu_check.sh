@@ -18,10 +18,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
 for p in ${PHASES:-tests pool capture}; do
   case $p in
-    # Every file with cuda-marked tests: grep -l "mark.cuda" tests/*.py tests/*/*.py
-    tests)   phase tests 420 python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu tests/test_decode_attention.py \
-               tests/test_sampling_controls.py tests/test_structured.py tests/test_fused_ops.py \
-               tests/test_sampling_kernels.py tests/test_decode_rows.py tests/test_unified_attention.py tests/test_big_steps.py -rs --durations=15 ${PYTEST_ARGS:-} ;;
+    # Every file with cuda-marked tests (grep -l "mark.cuda" tests/*.py tests/*/*.py), found afresh each run.
+    tests)   phase tests 420 python3 -m pytest -q -m cuda -p no:cacheprovider \
+               $(grep -l "mark.cuda" tests/*.py tests/*/*.py) -rs --durations=15 ${PYTEST_ARGS:-} ;;
     sampler) phase sampler 120 python3 benchmarks/sampler_bench.py --out "$OUT/sampler.json" ;;
     kernels) phase kernels 200 python3 benchmarks/decode_attention_bench.py ;;
     mixed_attn) phase mixed_attn 300 python3 benchmarks/mixed_attention_bench.py ${MIXED_ATTN_ARGS:-} ;;
