@@ -15,10 +15,12 @@ a seeded row's key is a function of (seed, tokens it generated so far), so its t
 its seed and its own logits (not on the batch, the device's RNG or earlier calls); unseeded rows take
 keys from the Sampler's host generator, seeded by settings.model.seed.
 
-On CUDA the filters and the draw run as one Triton kernel (fused_draw.py) with the same kept set and
-the same race: straight from the model-dtype logits for rows without logits controls, from the
-processed fp32 copy otherwise. GRAPHCACHE_SAMPLER=legacy (or Sampler(fused=False)) keeps the torch
-composition above (filtered_logits -> filter_threshold -> race_draw), which is also the CPU path.
+The filters and the draw are the torch composition above (filtered_logits -> filter_threshold ->
+race_draw), on the CPU and on CUDA. GRAPHCACHE_SAMPLER=fused (or Sampler(fused=True)) runs them on CUDA
+as one Triton kernel (fused_draw.py) with the same kept set and the same race, straight from the
+model-dtype logits for rows without logits controls. It is not the default: on the H200 at 256 x 151,936
+it is faster for temperature-only and seeded rows (1.06 / 1.38 ms against 1.19 / 1.68) but slower with
+top-p or top-k (3.85 against 2.20 ms at top_p 0.9; the realistic mix 4.91 against 3.19), BENCHMARKS.md.
 
 Logits controls (vLLM's order, all on the device, batched, never a Python loop over the vocabulary):
 allowed_token_ids -> bad words -> min_tokens -> logit_bias -> repetition, frequency and presence
@@ -118,9 +120,9 @@ class _Controls:
 
 
 def _fused_by_default() -> bool:
-    """GRAPHCACHE_SAMPLER=legacy selects the torch-composed draw (filtered_logits + race_draw) on CUDA;
-    anything else, the fused kernel (fused_draw.py). The CPU always takes the torch path."""
-    return os.environ.get("GRAPHCACHE_SAMPLER", "fused").strip().lower() != "legacy"
+    """GRAPHCACHE_SAMPLER=fused selects the fused kernel (fused_draw.py) on CUDA; anything else, the
+    torch-composed draw (filtered_logits + race_draw), which the CPU always takes."""
+    return os.environ.get("GRAPHCACHE_SAMPLER", "legacy").strip().lower() == "fused"
 
 
 class Sampler:
