@@ -126,13 +126,20 @@ async def _run_all(engine: Engine, runs: dict[str, list[workloads.Request]], kin
     return out
 
 
+def _updated(settings: Settings, **flat) -> Settings:
+    """Settings with flat names replaced; a flat Settings (the A-B's older tree) has no `updated`."""
+    if hasattr(settings, "updated"):
+        return settings.updated(**flat)
+    return settings.model_copy(update=flat)
+
+
 def bench_engine(args, mode: str, runs: dict[str, list[workloads.Request]]) -> list[dict]:
     """One engine (one model load) in `mode`, each workload of `runs` in turn: a row per workload."""
     settings = engine_settings(args, enforce_eager=mode == "eager")
     # The step trace (benchmarks/step_trace.py) is read from the core; the file is written at shutdown.
-    settings = settings.updated(step_trace=Path(tempfile.gettempdir()) / f"offline_steps_{mode}.jsonl")
+    settings = _updated(settings, step_trace=Path(tempfile.gettempdir()) / f"offline_steps_{mode}.jsonl")
     if mode == "graph-noprefix":   # the same graph engine with automatic prefix caching off
-        settings = settings.updated(enable_prefix_caching=False)
+        settings = _updated(settings, enable_prefix_caching=False)
     engine = Engine(settings, Metrics())
     t0 = time.perf_counter()
     engine.start()
