@@ -127,5 +127,5 @@ def test_decode_kernel_selection():
     assert select_decode_kernel(cuda, torch.bfloat16, 64, 24) == "varlen"    # pages not a power of two
     with pytest.raises(RuntimeError, match="needs CUDA"):
         select_decode_kernel(cpu, torch.float32, 64, 16, "triton")
-    with pytest.raises(ValueError, match="use auto"):
+    with pytest.raises(ValueError, match="use one of auto"):
         select_decode_kernel(cpu, torch.float32, 64, 16, "fast")
