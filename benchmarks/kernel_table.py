@@ -9,7 +9,7 @@ every kernel is visible to the profiler: a graph replay runs the same kernels wi
 torch.profiler CUDA time per kernel name, per step (mean of --iters steps after 3 warm ones). Bound:
   GEMMs    from the launching aten op's input shapes (record_shapes): max(2MNK FLOPs / --peak-tflops,
            (MK + KN + MN) x 2 bytes / --bandwidth): the op's first kernel carries it
-  attention (kernel names with attn / attention / flash / fmha / decode_stage) as one class: KV bytes read
+  attention (kernel names with attn / attention / flash / fmha / decode_stage / unified) as one class: KV bytes read
            (per layer, per row: context x KV heads x head dim x 2 (K and V) x 2 bytes) over --bandwidth, or
            causal FLOPs (4 x q tokens x mean keys seen x heads x head dim) over --peak-tflops, the larger
   other    no bound (norms, rotary, activation, sampling, copies): their time is the gap to a fused floor.
@@ -39,7 +39,7 @@ from graphcache.engine.batch import StepBatch, StepSeq  # noqa: E402
 from benchmarks.decode_step import fill, make_runner  # noqa: E402
 from benchmarks.model_shapes import add_model_args, resolve_model  # noqa: E402
 
-ATTENTION = ("attn", "attention", "flash", "fmha", "decode_stage")
+ATTENTION = ("attn", "attention", "flash", "fmha", "decode_stage", "unified")
 GEMM_OPS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1)}   # op -> (A, B) input positions
 
 
