@@ -214,8 +214,7 @@ class OpenAIEventStream(EventSourceResponse):
     `data: [DONE]\n\n`; no `event:`/`id:` lines and no keep-alive comments (ping=0): OpenAI and vLLM
     send none, a stream only starts once its first token is out, so it is never idle for long, and a
     comment line would break clients that take every non-blank line for `data:` (tests/test_api.py's
-    sse_events asserts exactly that). Beyond the old hand-written class it adds `Connection: keep-alive`
-    (HTTP/1.1's default anyway).
+    sse_events asserts exactly that). It also sends `Connection: keep-alive` (HTTP/1.1's default anyway).
     No Content-Length; Cache-Control no-cache and X-Accel-Buffering no (nginx must not buffer).
     sse-starlette races a receive() listener against the stream, so a client that hangs up aborts
     its request at once, even while the request waits for its next token (the generator is cancelled).

@@ -8,7 +8,7 @@ and, after them, the gaps `fill_size_gaps` adds ({..., "uses": 0, "filled": true
 
 Why fill gaps: which padded token sizes a run meets depends on timing (how requests happen to share
 steps), so a second run of the same traffic meets sizes the first one did not (on the H200 load test,
-2 of ~26: BENCHMARKS.md §8.3). Within the span of sizes traffic used, every capture size is one
+2 of ~26). Within the span of sizes traffic used, every capture size is one
 descriptor of the same kind; warming the gaps costs one capture each (~20 ms, a few MiB in the shared
 pinned pool) and spares a lazy capture on the serving path.
 """

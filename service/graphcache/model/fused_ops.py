@@ -3,8 +3,8 @@
 Why: at decode batch sizes a layer's GPU time is mostly launches of tiny kernels. RMSNorm in fp32 is
 ~7 kernels (cast, square, mean, add, rsqrt, scale, cast, weight), rotary ~16 (two gathers, rotate-half
 by chunk/neg/cat, three multiply-adds for q and again for k), the residual adds and SiLU*mul 4 more:
-~35 of a layer's ~45 kernels, at 2-3 us each ~2 ms of a 2.4 ms batch-1 step on the H200
-(BENCHMARKS.md §6.3). Here each is one kernel:
+~35 of a layer's ~45 kernels, at 2-3 us each ~2 ms of a 2.4 ms batch-1 step on the H200.
+Here each is one kernel:
   add_rmsnorm   residual = x + residual; out = weight * rmsnorm(residual)   (one row per program)
   rotary_       q, k rotated in place by the cos/sin of each token's position
   silu_mul      silu(gate) * up of the [T, 2I] gate_up projection

@@ -1,7 +1,7 @@
 """top-k / top-p as one threshold per row, without sorting the vocabulary.
 
-Why: the filters used to sort every row's whole vocabulary (6-7 ms for 256 rows x 152k on the H200,
-BENCHMARKS.md §8.6), more than the model step. Both filters keep the tokens whose (shifted, scaled)
+Why: sorting every row's whole vocabulary costs 6-7 ms for 256 rows x 152k on the H200, more than
+the model step. Both filters keep the tokens whose (shifted, scaled)
 logit z is at least some value of the row, so each row needs one number: thr, and the kept set is
 {i : z_i >= thr}.
 
@@ -11,10 +11,10 @@ logit z is at least some value of the row, so each row needs one number: thr, an
          likely token always stays, top_p 0 included).
   thr = max(thr_k, thr_p).
 
-Ties at the threshold: every token equal to thr is kept (the sort kept the first of them in sort
+Ties at the threshold: every token equal to thr is kept (a sort would keep the first of them in sort
 order, an arbitrary choice; a value cut keeps them all, so no token is dropped for its index). With
 no ties the kept set is exactly the sort's (tests/test_sampling_kernels.py checks it against
-`reference_sort_filter`, the former implementation).
+`reference_sort_filter`, the full sort).
 
 How, without a host sync:
   1. torch.topk of a bounded prefix (PREFIX = 4096 per row, clamped to the vocabulary): top-k for
@@ -200,7 +200,7 @@ def bisect_thresholds_triton(z: torch.Tensor, k: torch.Tensor, p: torch.Tensor, 
     return out
 
 
-# --- the former implementation: a full sort (tests compare against it) ------------------------------
+# --- the reference: a full sort (tests compare against it) ----------------------------------------
 def reference_sort_filter(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """z [R, V] fp32 with the top-k then top-p filters applied as -inf, by sorting every row (rank-based:
     of tied tokens at the cut, the sort order decides which stay)."""

@@ -26,8 +26,8 @@ Prefix caching (automatic, vLLM's APC; on unless `enable_prefix_caching=False`):
 - `prefix_cache_queries` / `prefix_cache_hits`: tokens looked up at admission / tokens found
   (plain ints; the metrics layer turns them into counters).
 
-Without prefix caching: nothing is registered or looked up, free blocks are reused FIFO, and the
-behaviour is the same as before prefix caching existed.
+Without prefix caching: nothing is registered or looked up, free blocks are reused FIFO, and no
+block is shared between sequences.
 """
 
 from __future__ import annotations

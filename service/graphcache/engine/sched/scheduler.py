@@ -170,7 +170,8 @@ class Scheduler:
         # 1. Running: decodes first, then in-progress prefill chunks; each in admission order. A token
         # still being sampled (num_inflight, async scheduling) counts as known: its sequence decodes it.
         # This loop and the next run for every running sequence every step (up to max_num_seqs rows):
-        # they read each sequence's lengths once and inline the checks (BENCHMARKS.md §9.4).
+        # they read each sequence's lengths once and inline the checks, since the
+        # host's time per step grows with these rows.
         decodes: list[tuple[Sequence, int]] = []   # (sequence, tokens known incl. in flight)
         prefills: list[tuple[Sequence, int]] = []
         max_len = self.max_model_len
