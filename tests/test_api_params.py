@@ -246,7 +246,7 @@ COMPLETION_CASES = {
     "spaces_between_special_tokens": (False, {}, REFUSED),
     "truncate_prompt_tokens": (2, {}, _truncated(first=False)),
     "truncation_side": ("right", {"truncate_prompt_tokens": 2}, _truncated(first=True)),
-    "allowed_token_ids": ([5, 6, 7], {}, p(allowed_token_ids=[5, 6, 7])),
+    "allowed_token_ids": ([5, 6, 7], {}, p(allowed_token_ids=(5, 6, 7))),   # one TokenIds, shared by the choices
     "prompt_logprobs": (1, {}, _prompt_logprobs),
     "logprob_token_ids": ([5], {"logprobs": 1}, REFUSED),
     "bad_words": (["hello"], {}, _bad_words),

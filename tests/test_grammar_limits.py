@@ -171,3 +171,36 @@ def test_compiles_run_on_big_stack_threads_and_the_queue_is_bounded():
     gate.set()
     worker.join(10)
     assert executor.run(lambda: 7) == 7
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_too_costly_constraint_answers_400_not_500_over_http(tmp_path, stream):
+    # The same bound no mask can meet, through the app: the request's own constraint is at fault, so a
+    # non-streamed answer is a 400 naming the field that set it; a stream (200 sent) ends with that error.
+    import asyncio
+
+    from graphcache.config import Settings
+    from helpers_api import serving
+
+    settings = Settings(cache_dir=tmp_path, device="cpu", max_num_seqs=4, max_num_batched_tokens=128,
+                        warmup_decode_sizes=[1], capture_sizes=[1, 2, 4],
+                        grammar_mask_ms_per_token=1e-6, grammar_mask_window=3)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "stream": stream,
+            "structured_outputs": {"regex": "[a-z]{200}"}}
+
+    async def ask():
+        async with serving(settings) as (client, _):
+            return await client.post("/v1/chat/completions", json=body)
+
+    r = asyncio.run(ask())
+    if not stream:
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+    else:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        error = events[-1]["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "output_constraint_too_complex"
+    assert error["param"] == "structured_outputs"
+    assert "grammar_mask_ms_per_token" in error["message"]

@@ -17,7 +17,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from graphcache.engine.errors import EngineDead, EngineDraining, EngineNotReady, InvalidRequest, QueueFull
+from graphcache.engine.errors import (
+    CLIENT_ERROR_CODES,
+    EngineDead,
+    EngineDraining,
+    EngineNotReady,
+    InvalidRequest,
+    QueueFull,
+)
 from graphcache.metrics import Metrics
 
 __all__ = ["APIError", "api_error_for", "clip", "count_rejection", "error_body", "error_response",
@@ -94,6 +101,16 @@ def api_error_for(exc: Exception, *, in_flight: bool = False) -> APIError:
         return APIError(503, "The engine is dead; restart the server (the server log has the error).",
                         code="engine_dead")
     raise TypeError(f"not an engine refusal: {type(exc).__name__}") from exc
+
+
+def api_error_for_ended(message: str | None, error_code: str | None, constraint_param: str | None) -> APIError | None:
+    """The 400 for a request the engine ended with an error the request itself caused (its output
+    constraint too costly or too complex: engine/errors.py CLIENT_ERROR_CODES), naming the field that
+    set the constraint; None for a server-side failure (the caller's 500)."""
+    if error_code not in CLIENT_ERROR_CODES:
+        return None
+    return APIError(400, message or "The request's output constraint is too complex; simplify it.",
+                    param=constraint_param, code=error_code)
 
 
 # requests_rejected reason of a refused generation request, by (status, code); others are not counted.

@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
-from graphcache.api.errors import APIError, api_error_for
+from graphcache.api.errors import APIError, api_error_for, api_error_for_ended
 from graphcache.engine.errors import EngineDead, EngineNotReady, InvalidRequest, QueueFull
-from graphcache.engine.sequence import RequestOutput, SamplingParams, TokenLogprob
+from graphcache.engine.sequence import RequestOutput, SamplingParams, TokenIds, TokenLogprob
 
 __all__ = ["FanOut", "Run", "Sampled", "Sub", "best_of", "usage"]
 
@@ -30,7 +30,7 @@ class Sub:
 
     request_id: str
     prompt_index: int
-    prompt_ids: list[int]
+    prompt_ids: list[int] | TokenIds   # a TokenIds is shared by the prompt's samples (immutable)
     params: SamplingParams
 
 
@@ -98,8 +98,10 @@ def usage(samples: list[Sampled]) -> dict:
 class Run:
     """One engine request: its outputs, and an abort unless it finished."""
 
-    def __init__(self, engine, sub: Sub, stream: bool, max_tokens_param: str = "max_tokens") -> None:
+    def __init__(self, engine, sub: Sub, stream: bool, max_tokens_param: str = "max_tokens",
+                 constraint_param: str | None = None) -> None:
         self.engine = engine
+        self.constraint_param = constraint_param   # the field that set the output constraint, if any
         # stream=False: the engine wakes this request once, at its end, not once per token.
         self.stream = stream
         self.sub = sub
@@ -123,6 +125,10 @@ class Run:
         if out.finished:
             self.finished = True
             if out.finish_reason == "error":
+                # The request's own doing (its constraint too costly): the client's 400, streamed or not.
+                client_error = api_error_for_ended(out.error, out.error_code, self.constraint_param)
+                if client_error is not None:
+                    raise client_error
                 # Ended while the engine drains or has stopped: the drain timeout cut it (Engine.drain),
                 # a 503 `shutting_down` with Retry-After. A dead engine's failures stay 500s.
                 stopping = self.engine.refusal()
@@ -151,8 +157,9 @@ async def _settle(tasks: list[asyncio.Future]) -> None:
 class FanOut:
     """The sequences of one API request, run together; any failure aborts them all."""
 
-    def __init__(self, engine, subs: list[Sub], stream: bool, max_tokens_param: str = "max_tokens") -> None:
-        self.runs = [Run(engine, s, stream, max_tokens_param) for s in subs]
+    def __init__(self, engine, subs: list[Sub], stream: bool, max_tokens_param: str = "max_tokens",
+                 constraint_param: str | None = None) -> None:
+        self.runs = [Run(engine, s, stream, max_tokens_param, constraint_param) for s in subs]
 
     def abort(self) -> None:
         for run in self.runs:

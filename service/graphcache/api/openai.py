@@ -166,10 +166,13 @@ def _log_caller(body, rid: str) -> None:
         log.info("request %s: user=%r session_id=%r", rid, body.user, body.session_id)
 
 
-def _subs(engine_rid: str, prompts: list[Prompt], base, plan: sampling.ChoicePlan) -> list[Sub]:
-    """One engine request per (prompt, sample), sequence k = prompt * samples + i, id `<rid>-<k>`."""
-    return [Sub(f"{engine_rid}-{p * plan.samples + i}", p, list(prompt.ids), sampling.choice_params(base, i, plan))
-            for p, prompt in enumerate(prompts) for i in range(plan.samples)]
+async def _subs(engine, engine_rid: str, prompts: list[Prompt], base, plan: sampling.ChoicePlan) -> list[Sub]:
+    """One engine request per (prompt, sample), sequence k = prompt * samples + i, id `<rid>-<k>`. Each
+    prompt's ids are checked once, off the event loop, and shared by its samples (token_ids.py)."""
+    vocab = token_ids.vocab_size(engine)
+    shared = [await run_input(token_ids.shared_prompt_ids, prompt.ids, vocab) for prompt in prompts]
+    return [Sub(f"{engine_rid}-{p * plan.samples + i}", p, shared[p], sampling.choice_params(base, i, plan))
+            for p in range(len(prompts)) for i in range(plan.samples)]
 
 
 async def _wait_disconnect(receive) -> None:
@@ -349,7 +352,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     plan = sampling.plan(body)
     rid, engine_rid = _ids("cmpl", body)
     _log_caller(body, rid)
-    fan = FanOut(engine, _subs(engine_rid, prompts, base, plan), body.stream)
+    fan = FanOut(engine, await _subs(engine, engine_rid, prompts, base, plan), body.stream,
+                 constraint_param=constraint[1] if constraint else None)
     shape = CompletionShape(body, {"id": rid, "object": "text_completion", "created": int(time.time()),
                                    "model": model}, prompts, TokenText(engine.tokenizer, body.return_tokens_as_token_ids))
     return await _serve(request, fan, plan, shape, body.stream)
@@ -373,7 +377,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     plan = sampling.plan(body)
     rid, engine_rid = _ids("chatcmpl", body)
     _log_caller(body, rid)
-    fan = FanOut(engine, _subs(engine_rid, prompts, base, plan), body.stream, body.max_tokens_param)
+    fan = FanOut(engine, await _subs(engine, engine_rid, prompts, base, plan), body.stream, body.max_tokens_param,
+                 constraint[1] if constraint else None)
     shape = ChatShape(body, {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
                              "model": model}, prompts, TokenText(engine.tokenizer, body.return_tokens_as_token_ids))
     shape.parse_tools = body.tools_active

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from graphcache.api.executors import run_input
 from graphcache.api.protocol import INT64_MAX, INT64_MIN, ChatCompletionRequest, CompletionRequest
-from graphcache.engine.sequence import SamplingParams, StructuredSpec
+from graphcache.engine.sequence import SamplingParams, StructuredSpec, TokenIds
 
 __all__ = ["ChoicePlan", "bad_words_token_ids", "base_params", "choice_params", "plan", "truncate_prompt"]
 
@@ -91,8 +91,10 @@ def choice_params(base: SamplingParams, i: int, plan: ChoicePlan) -> SamplingPar
         changes["seed"] = (base.seed + i - INT64_MIN) % (INT64_MAX - INT64_MIN + 1) + INT64_MIN
     if plan.ranks and base.logprobs is None:
         changes["logprobs"] = 0
-    # The lists are per choice: nothing the engine may touch is shared between two requests.
+    # The lists are per choice: nothing the engine may touch is shared between two requests. A TokenIds
+    # (checked once, immutable) is shared: copying it would make the engine check every copy again.
+    allowed = base.allowed_token_ids
     changes.update(stop=list(base.stop), stop_token_ids=list(base.stop_token_ids), logit_bias=dict(base.logit_bias),
                    bad_words_token_ids=[list(w) for w in base.bad_words_token_ids],
-                   allowed_token_ids=None if base.allowed_token_ids is None else list(base.allowed_token_ids))
+                   allowed_token_ids=allowed if allowed is None or isinstance(allowed, TokenIds) else list(allowed))
     return dataclasses.replace(base, **changes)

@@ -11,6 +11,9 @@ the engine checks every one of those again, so what reaches it must already be s
     on decoding it for `echo` (Python ints are unbounded: 2**64 does not fit the tokenizer's C type).
   * logit_bias keys are bounded in number (protocol.py) and range-checked here.
 
+What passes comes back as the engine's TokenIds (engine/sequence.py): immutable, so every choice
+shares the one checked copy, and the engine's per-choice check trusts it instead of walking it again.
+
 The functions are plain and synchronous; openai.py runs them on the input pool (api/executors.py).
 """
 
@@ -19,8 +22,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from graphcache.api.errors import APIError
+from graphcache.engine.errors import InvalidRequest
+from graphcache.engine.sequence import TokenIds
 
-__all__ = ["check_bias_ids", "check_prompt_ids", "unique_token_ids", "vocab_size"]
+__all__ = ["check_bias_ids", "check_prompt_ids", "shared_prompt_ids", "unique_token_ids", "vocab_size"]
 
 
 def vocab_size(engine) -> int | None:
@@ -39,12 +44,25 @@ def _in_range(ids: Sequence[int], vocab: int | None) -> bool:
     return vocab is None or not ids or (min(ids) >= 0 and max(ids) < vocab)
 
 
-def unique_token_ids(ids: Sequence[int], vocab: int | None, param: str = "allowed_token_ids") -> list[int]:
-    """`ids` as a sorted list without repeats, each in [0, vocab); at most `vocab` ids by then."""
+def unique_token_ids(ids: Sequence[int], vocab: int | None, param: str = "allowed_token_ids") -> TokenIds:
+    """`ids` sorted without repeats, each in [0, vocab); at most `vocab` ids by then."""
     unique = sorted(set(ids))
     if not _in_range(unique, vocab):
         raise _range_error(param, vocab)
-    return unique
+    try:
+        return TokenIds(unique, vocab, param)
+    except InvalidRequest as e:   # a negative id with no vocabulary known (protocol.py refuses those first)
+        raise APIError(400, e.message, param=param) from None
+
+
+def shared_prompt_ids(ids: Sequence[int], vocab: int | None) -> TokenIds | list[int]:
+    """A prompt's ids as one TokenIds that all its choices share (checked once here, not once per choice
+    by the engine); as a plain list when an id is outside the vocabulary, for the engine to refuse with
+    its own message (a tokenizer whose ids outrun the model's logits)."""
+    try:
+        return TokenIds(ids, vocab, "prompt")
+    except InvalidRequest:
+        return list(ids)
 
 
 def check_prompt_ids(ids: Sequence[int], vocab: int | None, max_model_len: int | None,

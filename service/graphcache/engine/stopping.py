@@ -41,6 +41,12 @@ def grammar_failure(seq: Sequence) -> str:
     return getattr(seq.grammar, "failure", None) or GRAMMAR_BROKEN
 
 
+def grammar_failure_code(seq: Sequence) -> str | None:
+    """CONSTRAINT_TOO_COMPLEX when seq's own constraint is why its grammar refused (a client error),
+    None for a refused token (GRAMMAR_BROKEN: the server's)."""
+    return getattr(seq.grammar, "failure_code", None)
+
+
 def check_stop(seq: Sequence, token_id: int, *, eos_token_ids: set[int] | frozenset[int],
                max_model_len: int) -> str | None:
     """Update `seq`'s text with its newest token (already appended) and return a finish reason or None."""

@@ -431,8 +431,8 @@ class EngineCore:
         # The first output is the first with tokens (or the final one): the whole prompt has run by then.
         prompt_logprobs = list(seq.prompt_logprobs) if sent == 0 and params.prompt_logprobs is not None else None
         return RequestOutput(seq.request_id, text, new_ids, finished, seq.finish_reason, seq.num_prompt_tokens,
-                             seq.num_output_tokens, seq.error, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                             num_cached_tokens=seq.num_cached_tokens,
+                             seq.num_output_tokens, seq.error, error_code=seq.error_code, logprobs=logprobs,
+                             prompt_logprobs=prompt_logprobs, num_cached_tokens=seq.num_cached_tokens,
                              stopped_on_token=finished and seq.stopped_on_token)
 
     def _record_finish(self, seq: Sequence) -> None:

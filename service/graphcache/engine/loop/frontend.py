@@ -29,7 +29,7 @@ from graphcache.engine.errors import (
 )
 from graphcache.engine.loop.messages import Handle, consume
 from graphcache.engine.loop.request_check import RequestChecker
-from graphcache.engine.sequence import RequestOutput, SamplingParams, Sequence
+from graphcache.engine.sequence import RequestOutput, SamplingParams, Sequence, TokenIds
 from graphcache.metrics import Metrics
 
 __all__ = ["EngineFrontend", "EngineState"]
@@ -182,7 +182,9 @@ class EngineFrontend:
             raise refused or EngineDead(DEAD_MESSAGE)
         seq = Sequence(request_id, list(prompt_token_ids), params if params is not None else SamplingParams(),
                        stream=stream)
-        checker.check(seq, max_tokens_param)   # read-only: the limits never change after load
+        prompt_checked = isinstance(prompt_token_ids, TokenIds) and prompt_token_ids.checked_for(
+            checker.limits.vocab_size)
+        checker.check(seq, max_tokens_param, prompt_checked)   # read-only: the limits never change after load
         handle = Handle(request_id, loop, outputs, seq)
         with self._lock:
             refused = self.refusal()   # again under the lock: death fails everything in _requests

@@ -84,8 +84,10 @@ class RequestChecker:
                                  param=param, code="context_length_exceeded")
         return max_tokens
 
-    def check(self, seq: Sequence, param: str = "max_tokens") -> None:
-        """Raise InvalidRequest naming the fix when `seq` can never be served; resolves max_tokens."""
+    def check(self, seq: Sequence, param: str = "max_tokens", prompt_checked: bool = False) -> None:
+        """Raise InvalidRequest naming the fix when `seq` can never be served; resolves max_tokens.
+        prompt_checked: its prompt came as a TokenIds checked against this vocabulary (once per request,
+        not once per choice), so its ids are not walked again."""
         limits = self.limits
         seq.params.validate()
         if limits.vocab_size is not None:
@@ -95,7 +97,7 @@ class RequestChecker:
             seq.compiled_grammar = self.structured.check(seq.params.structured)
         seq.params.max_tokens = self.resolve_max_tokens(seq.num_prompt_tokens, seq.params.max_tokens, param)
         vocab = limits.vocab_size
-        if vocab is not None and any(not 0 <= t < vocab for t in seq.prompt_token_ids):
+        if vocab is not None and not prompt_checked and any(not 0 <= t < vocab for t in seq.prompt_token_ids):
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
         total = seq.num_prompt_tokens + seq.params.max_tokens
         if limits.blocks_for(total) > limits.num_usable_blocks:

@@ -3,7 +3,8 @@
 `seq.grammar` holds a SequenceMatcher. It passes every llguidance call through to the matcher (the
 stop rules of engine/stopping.py call consume_token / is_stopped on it) and adds two things:
 
-- `failure`: the message the request ends with when its grammar cannot go on. A matcher that hits the
+- `failure`: the message the request ends with when its grammar cannot go on, and `failure_code`:
+  CONSTRAINT_TOO_COMPLEX when the constraint itself is at fault (the API's 400), None otherwise. A matcher that hits the
   grammar library's limits mid-output (lexer or parser "too complex") is in an error state; the message
   says so and names the fix, instead of a generic "broke the grammar" or, worse, an empty "stop".
   Its compiled grammar is dropped from the cache too: the lexer state it shares may be spent.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from graphcache.engine.errors import CONSTRAINT_TOO_COMPLEX
 from graphcache.engine.stopping import GRAMMAR_BROKEN
 
 __all__ = ["SequenceMatcher"]
@@ -28,11 +30,12 @@ _REJECTED = "doesn't satisfy the grammar"
 
 
 class SequenceMatcher:
-    __slots__ = ("matcher", "failure", "watched", "_timed_s", "_timed_n", "_on_error")
+    __slots__ = ("matcher", "failure", "failure_code", "watched", "_timed_s", "_timed_n", "_on_error")
 
     def __init__(self, matcher: Any, on_error: Any = None) -> None:
         self.matcher = matcher
         self.failure: str | None = None
+        self.failure_code: str | None = None   # CONSTRAINT_TOO_COMPLEX: the client's constraint is at fault
         self.watched = False
         self._timed_s = 0.0
         self._timed_n = 0
@@ -62,6 +65,7 @@ class SequenceMatcher:
             return
         self.failure = ("the output constraint went past the grammar engine's limits while generating ("
                         + _short(self.matcher.get_error()) + "); simplify the schema, regex or grammar")
+        self.failure_code = CONSTRAINT_TOO_COMPLEX
         if self._on_error is not None:
             self._on_error()
 
@@ -77,6 +81,7 @@ class SequenceMatcher:
             self.failure = (f"the output constraint's masks cost {mean_ms:.1f} ms per token, over the server's "
                             f"bound of {limit_ms:g} ms (grammar_mask_ms_per_token); simplify the schema, regex "
                             "or grammar (large counted repetitions like x{{100000}} are the usual cause)")
+            self.failure_code = CONSTRAINT_TOO_COMPLEX
 
 
 def _short(message: str, limit: int = 200) -> str:

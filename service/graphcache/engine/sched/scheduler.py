@@ -39,7 +39,13 @@ from dataclasses import dataclass, field
 from graphcache.engine.batch import PLACEHOLDER_TOKEN, DecodeRows, ScheduledSeq, StepBatch, StepSeq
 from graphcache.engine.sched.block_manager import BlockManager, PrefixMatch
 from graphcache.engine.sequence import Sequence, SequenceStatus
-from graphcache.engine.stopping import check_stop, grammar_accepts, grammar_done, grammar_failure
+from graphcache.engine.stopping import (
+    check_stop,
+    grammar_accepts,
+    grammar_done,
+    grammar_failure,
+    grammar_failure_code,
+)
 
 
 @dataclass
@@ -130,7 +136,7 @@ class Scheduler:
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+    def finish(self, seq: Sequence, reason: str, error: str | None = None, error_code: str | None = None) -> None:
         """Finish `seq` wherever it is and free its blocks at once. An error (a failed step among
         them) drops the prefix-cache entries of the blocks it computed: their step may not have run."""
         if seq in self.running:
@@ -139,7 +145,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq, keep_cached=reason != "error")
         seq.grammar = None   # the matcher's memory goes with the request
-        seq.finish(reason, error)
+        seq.finish(reason, error, error_code)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -312,7 +318,7 @@ class Scheduler:
             seq.last_token_time = now
             grammar = seq.grammar   # None for most: the grammar calls are skipped inline (a per-row loop)
             if grammar is not None and not grammar_accepts(seq, token):
-                self.finish(seq, "error", grammar_failure(seq))
+                self.finish(seq, "error", grammar_failure(seq), grammar_failure_code(seq))
                 continue
             reason = check_stop(seq, token, eos_token_ids=eos, max_model_len=max_len)
             if reason is None and grammar is not None and grammar_done(seq):
