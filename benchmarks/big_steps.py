@@ -51,33 +51,57 @@ MODES = ("eager", "breakable", "full")
 @dataclass(frozen=True)
 class Limits:
     device: str = "cuda"
-    max_reqs: int = 256          # max_num_seqs
-    max_tokens: int = 8192       # max_num_batched_tokens
-    fine_max: int = 256          # max_capture_size: buckets start above it
-    decodes: int = 240           # decode rows of a step (at most half its tokens)
-    chunk: int = 2048            # prefill chunk tokens
-    min_context: int = 200       # decode contexts, uniform in [min_context, max_context)
+    max_reqs: int = 256  # max_num_seqs
+    max_tokens: int = 8192  # max_num_batched_tokens
+    fine_max: int = 256  # max_capture_size: buckets start above it
+    decodes: int = 240  # decode rows of a step (at most half its tokens)
+    chunk: int = 2048  # prefill chunk tokens
+    min_context: int = 200  # decode contexts, uniform in [min_context, max_context)
     max_context: int = 1500
-    prefix: int = 512            # cached prefix under the last chunk
+    prefix: int = 512  # cached prefix under the last chunk
     max_model_len: int = 4096
     vocab: int = 10000
 
 
 GPU = Limits()
-SMOKE = Limits(device="cpu", max_reqs=16, max_tokens=128, fine_max=32, decodes=12, chunk=48, min_context=8,
-               max_context=40, prefix=8, max_model_len=256, vocab=500)
+SMOKE = Limits(
+    device="cpu",
+    max_reqs=16,
+    max_tokens=128,
+    fine_max=32,
+    decodes=12,
+    chunk=48,
+    min_context=8,
+    max_context=40,
+    prefix=8,
+    max_model_len=256,
+    vocab=500,
+)
 
 
 def make_runner(model: Path, sizes: list[int], block_size: int, lim: Limits) -> ModelRunner:
     decode_blocks = lim.decodes * -(-lim.max_context // block_size)
     chunk_blocks = 2 * -(-(lim.max_tokens + lim.chunk) // block_size)
     fine = [1, 2, 4, *range(8, lim.fine_max + 1, 8)]
-    s = Settings(model=model, device=lim.device, max_num_seqs=lim.max_reqs, max_num_batched_tokens=lim.max_tokens,
-                 max_model_len=lim.max_model_len, block_size=block_size, num_kv_blocks=decode_blocks + chunk_blocks + 16,
-                 capture_sizes=fine, max_capture_size=lim.fine_max,
-                 mixed_capture_sizes=[s for s in sizes if s > lim.fine_max], warmup_decode_sizes=[],
-                 warmup_mixed_sizes=[], admission="always", capture_time_share=1.0, cache_lazy_pool="private",
-                 cache_max_bytes=256 << 30, attention_backend="triton" if lim.device == "cuda" else "auto")
+    s = Settings(
+        model=model,
+        device=lim.device,
+        max_num_seqs=lim.max_reqs,
+        max_num_batched_tokens=lim.max_tokens,
+        max_model_len=lim.max_model_len,
+        block_size=block_size,
+        num_kv_blocks=decode_blocks + chunk_blocks + 16,
+        capture_sizes=fine,
+        max_capture_size=lim.fine_max,
+        mixed_capture_sizes=[s for s in sizes if s > lim.fine_max],
+        warmup_decode_sizes=[],
+        warmup_mixed_sizes=[],
+        admission="always",
+        capture_time_share=1.0,
+        cache_lazy_pool="private",
+        cache_max_bytes=256 << 30,
+        attention_backend="triton" if lim.device == "cuda" else "auto",
+    )
     return ModelRunner(s)
 
 
@@ -90,7 +114,9 @@ def mixed_batch(num_tokens: int, block_size: int, seed: int, lim: Limits) -> lis
     num_decodes = min(lim.decodes, num_tokens // 2)
     for _ in range(num_decodes):
         ctx = rng.randint(lim.min_context, lim.max_context - 1)
-        seqs.append(StepSeq([rng.randrange(lim.vocab)], ctx, list(range(next_block, next_block + per_ctx)), True))
+        seqs.append(
+            StepSeq([rng.randrange(lim.vocab)], ctx, list(range(next_block, next_block + per_ctx)), True)
+        )
         next_block += per_ctx
     left = num_tokens - num_decodes
     while left:
@@ -98,8 +124,14 @@ def mixed_batch(num_tokens: int, block_size: int, seed: int, lim: Limits) -> lis
         left -= n
         start = lim.prefix if left == 0 and n < lim.chunk else 0
         blocks = -(-(start + n) // block_size)
-        seqs.append(StepSeq([rng.randrange(lim.vocab) for _ in range(n)], start,
-                            list(range(next_block, next_block + blocks)), left == 0))
+        seqs.append(
+            StepSeq(
+                [rng.randrange(lim.vocab) for _ in range(n)],
+                start,
+                list(range(next_block, next_block + blocks)),
+                left == 0,
+            )
+        )
         next_block += blocks
     return seqs
 
@@ -127,14 +159,19 @@ def step_ms(runner: ModelRunner, batch: StepBatch, steps: int) -> tuple[float, s
 def set_mode(runner: ModelRunner, mode: str) -> None:
     runner.cache.clear()
     runner.settings.graph_cache.enforce_eager = mode == "eager"
-    runner._mixed_in_graph = mode == "full" and runner.attention_kernel == "triton"   # the CPU smoke: sdpa
+    runner._mixed_in_graph = mode == "full" and runner.attention_kernel == "triton"  # the CPU smoke: sdpa
     runner._mixed_graph_md.clear()
 
 
 def entry_of(runner: ModelRunner, num_tokens: int) -> dict:
     for e in runner.cache.entries():
         if int(e.descriptor.split(":")[0]) == num_tokens and not e.descriptor.endswith("decode"):
-            return {"capture_s": e.capture_seconds, "pool_mib": e.bytes / MiB, "graphs": e.graphs, "mode": e.mode}
+            return {
+                "capture_s": e.capture_seconds,
+                "pool_mib": e.bytes / MiB,
+                "graphs": e.graphs,
+                "mode": e.mode,
+            }
     return {}
 
 
@@ -145,8 +182,13 @@ def run_shape(shape: str, model: Path, sizes: list[int], steps: int, block_size:
     c = runner.model_config
     params = sum(p.numel() for name, p in runner.model.named_parameters() if ".layers." in f".{name}")
     rows = []
-    batches = {n: (StepBatch(mixed_batch(n, block_size, n, lim)), StepBatch(mixed_batch(n // 2 + 1, block_size, n + 1, lim)))
-               for n in sizes}
+    batches = {
+        n: (
+            StepBatch(mixed_batch(n, block_size, n, lim)),
+            StepBatch(mixed_batch(n // 2 + 1, block_size, n + 1, lim)),
+        )
+        for n in sizes
+    }
     for mode in MODES:
         set_mode(runner, mode)
         for n in sizes:
@@ -162,14 +204,22 @@ def run_shape(shape: str, model: Path, sizes: list[int], steps: int, block_size:
             if mode in ("eager", "full"):
                 row[f"{mode}_half_ms"] = step_ms(runner, half_batch, steps)[0]
         print(f"  {shape}: {mode} done ({time.perf_counter() - t0:.0f} s)", flush=True)
-    default = host_bound_buckets(mixed_buckets(lim.fine_max, lim.max_tokens), decoder_params=params,
-                                 num_layers=c.num_layers)
+    default = host_bound_buckets(
+        mixed_buckets(lim.fine_max, lim.max_tokens), decoder_params=params, num_layers=c.num_layers
+    )
     warmup = default_warmup(runner, default, lim)
     del runner
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return {"shape": shape, "load_s": load_s, "decoder_params": params, "layers": c.num_layers, "rows": rows,
-            "default_buckets": default, "default_warmup": warmup}
+    return {
+        "shape": shape,
+        "load_s": load_s,
+        "decoder_params": params,
+        "layers": c.num_layers,
+        "rows": rows,
+        "default_buckets": default,
+        "default_warmup": warmup,
+    }
 
 
 def default_warmup(runner: ModelRunner, buckets: list[int], lim: Limits) -> dict:
@@ -180,37 +230,55 @@ def default_warmup(runner: ModelRunner, buckets: list[int], lim: Limits) -> dict
     t0 = time.perf_counter()
     report = runner.capture(descs, pin=True)
     wall = time.perf_counter() - t0
-    return {"captures": len(report.captured), "failed": report.failed, "seconds": wall,
-            "pinned_pool_mib": runner.cache.stats().pinned_pool_bytes / MiB}
+    return {
+        "captures": len(report.captured),
+        "failed": report.failed,
+        "seconds": wall,
+        "pinned_pool_mib": runner.cache.stats().pinned_pool_bytes / MiB,
+    }
 
 
 def print_table(result: dict) -> None:
-    print(f"\n{result['shape']}: {result['decoder_params'] / 1e9:.2f}B decoder weights, {result['layers']} layers "
-          f"(load {result['load_s']:.0f} s)")
-    print(f"{'N':>5} {'rows':>4} | {'eager':>7} {'break':>7} {'full':>7} ms | {'cap brk':>7} {'cap full':>8} s | "
-          f"{'pool brk':>8} {'pool full':>9} MiB | {'N/2+1 eager':>11} {'padded full':>11} {'pad waste':>9}")
+    print(
+        f"\n{result['shape']}: {result['decoder_params'] / 1e9:.2f}B decoder weights, {result['layers']} layers "
+        f"(load {result['load_s']:.0f} s)"
+    )
+    print(
+        f"{'N':>5} {'rows':>4} | {'eager':>7} {'break':>7} {'full':>7} ms | {'cap brk':>7} {'cap full':>8} s | "
+        f"{'pool brk':>8} {'pool full':>9} MiB | {'N/2+1 eager':>11} {'padded full':>11} {'pad waste':>9}"
+    )
     for r in result["rows"]:
         b, f = r.get("breakable", {}), r.get("full", {})
         waste = r["full_half_ms"] / r["full_ms"] if r.get("full_ms") else float("nan")
-        print(f"{r['size']:>5} {r['rows']:>4} | {r['eager_ms']:7.2f} {r['breakable_ms']:7.2f} {r['full_ms']:7.2f}    | "
-              f"{b.get('capture_s', float('nan')):7.2f} {f.get('capture_s', float('nan')):8.2f}   | "
-              f"{b.get('pool_mib', float('nan')):8.1f} {f.get('pool_mib', float('nan')):9.1f}     | "
-              f"{r['eager_half_ms']:11.2f} {r['full_half_ms']:11.2f} {waste:9.2f}")
+        print(
+            f"{r['size']:>5} {r['rows']:>4} | {r['eager_ms']:7.2f} {r['breakable_ms']:7.2f} {r['full_ms']:7.2f}    | "
+            f"{b.get('capture_s', float('nan')):7.2f} {f.get('capture_s', float('nan')):8.2f}   | "
+            f"{b.get('pool_mib', float('nan')):8.1f} {f.get('pool_mib', float('nan')):9.1f}     | "
+            f"{r['eager_half_ms']:11.2f} {r['full_half_ms']:11.2f} {waste:9.2f}"
+        )
         for mode in ("breakable", "full"):
             if r[f"{mode}_ran"] != "replay":
                 print(f"      note: {mode} at {r['size']} ran {r[f'{mode}_ran']}, not a replay")
-    print("  pad waste = full step at N/2+1 real tokens padded to N / full step at N real tokens "
-          "(1.0: padding is free, the step is host-bound)")
+    print(
+        "  pad waste = full step at N/2+1 real tokens padded to N / full step at N real tokens "
+        "(1.0: padding is free, the step is host-bound)"
+    )
     w = result["default_warmup"]
-    print(f"  default buckets by the rule: {result['default_buckets']}; their startup warmup (full, pinned): "
-          f"{w['captures']} captures in {w['seconds']:.2f} s, pinned pool {w['pinned_pool_mib']:.0f} MiB"
-          + (f", failed {w['failed']}" if w["failed"] else ""))
+    print(
+        f"  default buckets by the rule: {result['default_buckets']}; their startup warmup (full, pinned): "
+        f"{w['captures']} captures in {w['seconds']:.2f} s, pinned pool {w['pinned_pool_mib']:.0f} MiB"
+        + (f", failed {w['failed']}" if w["failed"] else "")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--make-model", action="append", metavar="SHAPE:DIR",
-                    help="write (once) and measure a random checkpoint of SHAPE (benchmarks/model_shapes.py)")
+    ap.add_argument(
+        "--make-model",
+        action="append",
+        metavar="SHAPE:DIR",
+        help="write (once) and measure a random checkpoint of SHAPE (benchmarks/model_shapes.py)",
+    )
     ap.add_argument("--sizes", default="256,512,1024,2048,4096,8192")
     ap.add_argument("--steps", type=int, default=9, help="timed steps per cell (median)")
     ap.add_argument("--block-size", type=int, default=16)
@@ -220,8 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     lim = SMOKE if args.smoke else GPU
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("big_steps.py needs a CUDA GPU (or --smoke for the CPU)")
-    specs = args.make_model or (["tiny:/tmp/graphcache-tiny-big-steps"] if args.smoke
-                                else ["qwen05b:/tmp/qwen05b", "llama8b:/tmp/llama8b"])
+    specs = args.make_model or (
+        ["tiny:/tmp/graphcache-tiny-big-steps"]
+        if args.smoke
+        else ["qwen05b:/tmp/qwen05b", "llama8b:/tmp/llama8b"]
+    )
     sizes = sorted(int(s) for s in (("32,64,128" if args.smoke else args.sizes).split(",")))
     if sizes[-1] > lim.max_tokens:
         raise SystemExit(f"--sizes go up to max_num_batched_tokens {lim.max_tokens}")

@@ -83,8 +83,17 @@ class Stack:
             return torch.randn(*shape, **kw) / math.sqrt(shape[0])
 
         self.embed = torch.randn(c["vocab"], H, **kw) * 0.02  # tied lm_head, as both models
-        self.layers = [dict(ln1=torch.ones(H, **kw), ln2=torch.ones(H, **kw), wqkv=w(H, (NH + 2 * KV) * D),
-                            wo=w(NH * D, H), wgu=w(H, 2 * FF), wdown=w(FF, H)) for _ in range(c["layers"])]
+        self.layers = [
+            dict(
+                ln1=torch.ones(H, **kw),
+                ln2=torch.ones(H, **kw),
+                wqkv=w(H, (NH + 2 * KV) * D),
+                wo=w(NH * D, H),
+                wgu=w(H, 2 * FF),
+                wdown=w(FF, H),
+            )
+            for _ in range(c["layers"])
+        ]
         self.norm = torch.ones(H, **kw)
         inv = 1.0 / (10000 ** (torch.arange(0, D, 2, device=device, dtype=torch.float32) / D))
         ang = torch.cat([CTX * inv, CTX * inv])
@@ -213,7 +222,8 @@ def bench_batch(model: Stack, B: int, iters: int, warmup: int) -> dict:
     for name, attn in (("ours", "split"), ("ours_fused", "fused")):
         pool = torch.cuda.graph_pool_handle()
         g, row[f"{name}_capture_ms"] = _timed_capture(
-            lambda attn=attn, pool=pool: capture(lambda: model.step(attn), backend="cuda", pool=pool))
+            lambda attn=attn, pool=pool: capture(lambda: model.step(attn), backend="cuda", pool=pool)
+        )
         assert g.num_breaks == len(model.layers) and len(g.segments) == 2 * g.num_breaks + 1
         row[f"{name}_pool_mib"] = pool_bytes(pool) / MiB
         row[f"{name}_ms"] = median_ms(g.replay, iters, warmup)
@@ -249,23 +259,30 @@ def fmt(x, spec=".2f") -> str:
 
 
 def print_table(shape: str, rows: list[dict]) -> None:
-    print(f"\n## {shape}  (ms: median decode step, CUDA events; host = CPU time to enqueue one replay; "
-          "capture ms; pool MiB; max |logits - eager|)")
-    print("| batch | eager | full | ours | ours/full | ours host | fused | fused/full | meta | meta/full "
-          "| capture full/ours/meta ms | pool full/ours/meta MiB | maxdiff full/ours/fused/meta |")
+    print(
+        f"\n## {shape}  (ms: median decode step, CUDA events; host = CPU time to enqueue one replay; "
+        "capture ms; pool MiB; max |logits - eager|)"
+    )
+    print(
+        "| batch | eager | full | ours | ours/full | ours host | fused | fused/full | meta | meta/full "
+        "| capture full/ours/meta ms | pool full/ours/meta MiB | maxdiff full/ours/fused/meta |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+
         def over(k, r=r):
             return None if r.get(k) is None else r[k] / r["full_ms"]
 
-        print(f"| {r['batch']} | {fmt(r['eager_ms'])} | {fmt(r['full_ms'])} | {fmt(r['ours_ms'])} | "
-              f"{fmt(over('ours_ms'), '.3f')} | {fmt(r['ours_host_ms'])} | {fmt(r['ours_fused_ms'])} | "
-              f"{fmt(over('ours_fused_ms'), '.3f')} | {fmt(r['meta_ms'])} | {fmt(over('meta_ms'), '.3f')} | "
-              f"{fmt(r['full_capture_ms'], '.0f')}/{fmt(r['ours_capture_ms'], '.0f')}/"
-              f"{fmt(r['meta_capture_ms'], '.0f')} | {fmt(r['full_pool_mib'], '.1f')}/"
-              f"{fmt(r['ours_pool_mib'], '.1f')}/{fmt(r['meta_pool_mib'], '.1f')} | "
-              f"{fmt(r['full_maxdiff'], '.3g')}/{fmt(r['ours_maxdiff'], '.3g')}/"
-              f"{fmt(r['ours_fused_maxdiff'], '.3g')}/{fmt(r['meta_maxdiff'], '.3g')} |")
+        print(
+            f"| {r['batch']} | {fmt(r['eager_ms'])} | {fmt(r['full_ms'])} | {fmt(r['ours_ms'])} | "
+            f"{fmt(over('ours_ms'), '.3f')} | {fmt(r['ours_host_ms'])} | {fmt(r['ours_fused_ms'])} | "
+            f"{fmt(over('ours_fused_ms'), '.3f')} | {fmt(r['meta_ms'])} | {fmt(over('meta_ms'), '.3f')} | "
+            f"{fmt(r['full_capture_ms'], '.0f')}/{fmt(r['ours_capture_ms'], '.0f')}/"
+            f"{fmt(r['meta_capture_ms'], '.0f')} | {fmt(r['full_pool_mib'], '.1f')}/"
+            f"{fmt(r['ours_pool_mib'], '.1f')}/{fmt(r['meta_pool_mib'], '.1f')} | "
+            f"{fmt(r['full_maxdiff'], '.3g')}/{fmt(r['ours_maxdiff'], '.3g')}/"
+            f"{fmt(r['ours_fused_maxdiff'], '.3g')}/{fmt(r['meta_maxdiff'], '.3g')} |"
+        )
 
 
 def main() -> None:
@@ -281,10 +298,17 @@ def main() -> None:
     if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
         torch.backends.cuda.enable_cudnn_sdp(False)  # same SDPA backend (mem-efficient) in every variant
     torch.manual_seed(0)
-    result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "breakable_cuda_graphs": getattr(bcg, "__version__", None), "ctx_tokens": CTX, "kv_slots": SLOTS,
-              "iters": args.iters, "command": " ".join(sys.argv), "shapes": {}}
+    result = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "breakable_cuda_graphs": getattr(bcg, "__version__", None),
+        "ctx_tokens": CTX,
+        "kv_slots": SLOTS,
+        "iters": args.iters,
+        "command": " ".join(sys.argv),
+        "shapes": {},
+    }
     for shape in args.shapes.split(","):
         model = Stack(SHAPES[shape])
         rows = []

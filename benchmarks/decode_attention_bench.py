@@ -39,7 +39,7 @@ SHAPES = {  # name: (H, K, D)
     "qwen2.5-0.5b": (14, 2, 64),
     "llama-3-8b": (32, 8, 128),
 }
-CASES = [(1, 512), (64, 512), (256, 512), (64, 2048)]   # (R, ctx)
+CASES = [(1, 512), (64, 512), (256, 512), (64, 2048)]  # (R, ctx)
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
 _FLASH = getattr(torch.ops.aten, "_flash_attention_forward", None)
@@ -54,9 +54,9 @@ def make_inputs(num_heads, num_kv_heads, head_dim, num_reqs, ctx, seed=0):
     kv = torch.randn((2, num_blocks * BLOCK_SIZE, num_kv_heads, head_dim), generator=gen).to("cuda", DTYPE)
     k_cache = kv[0].view(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
     v_cache = kv[1].view(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    ids = torch.randperm(num_blocks, generator=gen)[:num_reqs * per_req]
-    tables = ids.view(num_reqs, per_req).to("cuda", torch.int32)                    # [R, B]
-    seq_lens = torch.full((num_reqs,), ctx, dtype=torch.int32, device="cuda")         # [R]
+    ids = torch.randperm(num_blocks, generator=gen)[: num_reqs * per_req]
+    tables = ids.view(num_reqs, per_req).to("cuda", torch.int32)  # [R, B]
+    seq_lens = torch.full((num_reqs,), ctx, dtype=torch.int32, device="cuda")  # [R]
     q = torch.randn((num_reqs, num_heads, head_dim), generator=gen).to("cuda", DTYPE)  # [R, H, D]
     # old path: flat slots of every context position (request-major), cumulative lengths
     pos = torch.arange(ctx, device="cuda")
@@ -68,8 +68,9 @@ def make_inputs(num_heads, num_kv_heads, head_dim, num_reqs, ctx, seed=0):
 
 def flash_varlen(q, k, v, cu_q, cu_k, max_k, scale):
     """q [R, H, D], k/v [total_k, K, D] gathered -> [R, H, D] (as attention.py's "flash" path)."""
-    return _FLASH(q, k, v, cu_q, cu_k, 1, max_k, 0.0, True, False, scale=scale,
-                  window_size_left=-1, window_size_right=0)[0]
+    return _FLASH(
+        q, k, v, cu_q, cu_k, 1, max_k, 0.0, True, False, scale=scale, window_size_left=-1, window_size_right=0
+    )[0]
 
 
 def rel_err(out, ref):
@@ -78,36 +79,68 @@ def rel_err(out, ref):
 
 def bench(fn, rep):
     from triton.testing import do_bench
-    return do_bench(fn, warmup=max(5, rep // 4), rep=rep, return_mode="median") * 1e3   # us
+
+    return do_bench(fn, warmup=max(5, rep // 4), rep=rep, return_mode="median") * 1e3  # us
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rep", type=int, default=50, help="target ms of timed calls per measurement (do_bench)")
-    ap.add_argument("--max-model-len", type=int, default=0,
-                    help="max_model_len for choose_num_splits (default: each case's ctx)")
+    ap.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="max_model_len for choose_num_splits (default: each case's ctx)",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     import triton
+
     props = torch.cuda.get_device_properties(0)
     num_sms = props.multi_processor_count
-    print(f"{props.name}, {num_sms} SMs, torch {torch.__version__}, triton {triton.__version__}, "
-          f"{DTYPE}, block {BLOCK_SIZE}, flash varlen: {'yes' if _FLASH is not None else 'n/a'}")
-    cols = ("shape", "R", "ctx", "splits", "MB", "ours us", "ours GB/s", "gather us", "flash us", "g+f us",
-            "g+f GB/s", "speedup", "err ours", "err flash")
+    print(
+        f"{props.name}, {num_sms} SMs, torch {torch.__version__}, triton {triton.__version__}, "
+        f"{DTYPE}, block {BLOCK_SIZE}, flash varlen: {'yes' if _FLASH is not None else 'n/a'}"
+    )
+    cols = (
+        "shape",
+        "R",
+        "ctx",
+        "splits",
+        "MB",
+        "ours us",
+        "ours GB/s",
+        "gather us",
+        "flash us",
+        "g+f us",
+        "g+f GB/s",
+        "speedup",
+        "err ours",
+        "err flash",
+    )
     print(("{:>13} {:>4} {:>5} {:>6} {:>7} " + "{:>9} " * 9).format(*cols))
     for name, (num_heads, num_kv_heads, head_dim) in SHAPES.items():
-        scale = head_dim ** -0.5
+        scale = head_dim**-0.5
         for num_reqs, ctx in CASES:
             q, kv, k_cache, v_cache, tables, seq_lens, slots, cu_q, cu_k = make_inputs(
-                num_heads, num_kv_heads, head_dim, num_reqs, ctx)
+                num_heads, num_kv_heads, head_dim, num_reqs, ctx
+            )
             num_splits = choose_num_splits(num_reqs, num_kv_heads, args.max_model_len or ctx, num_sms)
             ws = decode_workspace(num_reqs, num_heads, head_dim, num_splits, "cuda")
             out = torch.empty_like(q)
 
-            def ours(q=q, k_cache=k_cache, v_cache=v_cache, tables=tables, seq_lens=seq_lens, out=out,
-                     scale=scale, ws=ws, num_splits=num_splits):
+            def ours(
+                q=q,
+                k_cache=k_cache,
+                v_cache=v_cache,
+                tables=tables,
+                seq_lens=seq_lens,
+                out=out,
+                scale=scale,
+                ws=ws,
+                num_splits=num_splits,
+            ):
                 paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, out, scale, ws, num_splits)
 
             ours()
@@ -119,8 +152,9 @@ def main() -> None:
             t_gather = t_flash = t_both = float("nan")
             err_flash = float("nan")
             if _FLASH is not None:
+
                 def gather(kv=kv, slots=slots):
-                    return kv.index_select(1, slots).unbind(0)                     # [R * ctx, K, D] each
+                    return kv.index_select(1, slots).unbind(0)  # [R * ctx, K, D] each
 
                 kc, vc = gather()
                 try:
@@ -134,12 +168,28 @@ def main() -> None:
 
                     t_gather, t_flash = bench(gather, args.rep), bench(flash, args.rep)
                     t_both = bench(both, args.rep)
-                except (RuntimeError, TypeError) as e:   # e.g. a torch whose op lacks these arguments
+                except (RuntimeError, TypeError) as e:  # e.g. a torch whose op lacks these arguments
                     print(f"  flash varlen failed: {e}".splitlines()[0])
                 del kc, vc
-            row = ("{:>13} {:>4} {:>5} {:>6} {:>7.1f} " + "{:>9.1f} " * 6 + "{:>8.2f}x {:>9.1e} {:>9.1e}")
-            print(row.format(name, num_reqs, ctx, num_splits, mb, t_ours, mb * 1e3 / t_ours, t_gather,
-                             t_flash, t_both, mb * 1e3 / t_both, t_both / t_ours, err_ours, err_flash))
+            row = "{:>13} {:>4} {:>5} {:>6} {:>7.1f} " + "{:>9.1f} " * 6 + "{:>8.2f}x {:>9.1e} {:>9.1e}"
+            print(
+                row.format(
+                    name,
+                    num_reqs,
+                    ctx,
+                    num_splits,
+                    mb,
+                    t_ours,
+                    mb * 1e3 / t_ours,
+                    t_gather,
+                    t_flash,
+                    t_both,
+                    mb * 1e3 / t_both,
+                    t_both / t_ours,
+                    err_ours,
+                    err_flash,
+                )
+            )
             del q, kv, k_cache, v_cache, ws, out, ref
             torch.cuda.empty_cache()
 

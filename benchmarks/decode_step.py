@@ -37,7 +37,7 @@ from graphcache.model.forward_context import forward_context  # noqa: E402
 
 from benchmarks.model_shapes import add_model_args, resolve_model  # noqa: E402
 
-MODES = {   # mode -> Settings overrides
+MODES = {  # mode -> Settings overrides
     "full": dict(decode_attention_backend="auto", decode_capture_mode="full"),
     "breakable": dict(decode_attention_backend="auto", decode_capture_mode="breakable"),
     "varlen": dict(decode_attention_backend="varlen"),
@@ -45,11 +45,21 @@ MODES = {   # mode -> Settings overrides
 }
 
 
-def make_runner(model: Path, mode: str, max_reqs: int, ctx: int, device: str = "cuda",
-                max_model_len: int = 4096) -> ModelRunner:
-    s = Settings(model=model, device=device, max_num_seqs=max_reqs, max_num_batched_tokens=max(8192, max_reqs),
-                 max_model_len=max_model_len, num_kv_blocks=max_reqs * (-(-(ctx + 64) // 16)) + 16,
-                 warmup_decode_sizes=[], admission="always", capture_time_share=1.0, **MODES[mode])
+def make_runner(
+    model: Path, mode: str, max_reqs: int, ctx: int, device: str = "cuda", max_model_len: int = 4096
+) -> ModelRunner:
+    s = Settings(
+        model=model,
+        device=device,
+        max_num_seqs=max_reqs,
+        max_num_batched_tokens=max(8192, max_reqs),
+        max_model_len=max_model_len,
+        num_kv_blocks=max_reqs * (-(-(ctx + 64) // 16)) + 16,
+        warmup_decode_sizes=[],
+        admission="always",
+        capture_time_share=1.0,
+        **MODES[mode],
+    )
     # admission always, no capture-time budget: the first timed steps capture every batch (under the
     # server's defaults a capture after the first may be deferred, and replay_ms finds no entry)
     return ModelRunner(s)
@@ -65,11 +75,14 @@ def fill(runner: ModelRunner, batch: int, ctx: int, vocab: int = 10000) -> list[
         ids = torch.randint(0, min(vocab, 10000), (ctx,), generator=g).tolist()
         seqs.append(StepSeq(ids, 0, table, True))
     for start in range(0, batch, 8):
-        runner.execute(StepBatch(seqs[start:start + 8]))
+        runner.execute(StepBatch(seqs[start : start + 8]))
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     del bs
-    return [StepSeq([int(torch.randint(0, min(vocab, 10000), (1,), generator=g))], ctx, s.block_table, True) for s in seqs]
+    return [
+        StepSeq([int(torch.randint(0, min(vocab, 10000), (1,), generator=g))], ctx, s.block_table, True)
+        for s in seqs
+    ]
 
 
 def time_steps(runner: ModelRunner, decode: list[StepSeq], steps: int) -> tuple[float, float]:
@@ -86,7 +99,7 @@ def time_steps(runner: ModelRunner, decode: list[StepSeq], steps: int) -> tuple[
         end.record()
         tokens.tolist()
         wall = time.perf_counter() - t0
-        if i >= 3:   # the first steps capture
+        if i >= 3:  # the first steps capture
             walls.append(wall * 1e3)
             gpus.append(start.elapsed_time(end))
     return statistics.median(walls), statistics.median(gpus)
@@ -110,7 +123,7 @@ def replay_ms(runner: ModelRunner, batch: int, steps: int) -> float:
     over a plain graph of the same step."""
     desc = BatchDescriptor(runner.sizes.pad(batch), runner.sizes.pad(batch), True)
     graph = runner.cache._entries[desc].graph
-    with forward_context(runner.decode_metadata(desc.num_reqs)):   # what a breakable replay's breaks read
+    with forward_context(runner.decode_metadata(desc.num_reqs)):  # what a breakable replay's breaks read
         return gpu_median_ms(graph.replay, steps)
 
 
@@ -122,7 +135,7 @@ def plain_graph_ms(runner: ModelRunner, batch: int, steps: int) -> float:
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        runner._step_fn(desc)   # the static buffers still hold the last timed step's batch
+        runner._step_fn(desc)  # the static buffers still hold the last timed step's batch
     torch.cuda.current_stream().wait_stream(s)
     with torch.cuda.graph(g):
         runner._step_fn(desc)
@@ -162,8 +175,14 @@ def main() -> int:
         for b in batches:
             decode = fill(runner, b, args.ctx)
             wall, gpu = time_steps(runner, decode, args.steps)
-            row = {"mode": mode, "batch": b, "wall_ms": wall, "gpu_ms": gpu, "wall_over_gpu": wall / gpu,
-                   "attention": runner.decode_kernel if mode != "varlen" else runner.attention_kernel}
+            row = {
+                "mode": mode,
+                "batch": b,
+                "wall_ms": wall,
+                "gpu_ms": gpu,
+                "wall_over_gpu": wall / gpu,
+                "attention": runner.decode_kernel if mode != "varlen" else runner.attention_kernel,
+            }
             if mode in ("full", "breakable"):
                 row["replay_ms"] = replay_ms(runner, b, args.steps)
             if mode == "full":
@@ -176,14 +195,18 @@ def main() -> int:
         torch.cuda.empty_cache()
     for mode, table in tables.items():
         print(f"\n=== kernel table, {mode}, batch {args.profile}, ctx {args.ctx} (5 steps)\n{table}")
-    print(f"\n{'mode':<10} {'batch':>5} {'wall ms':>8} {'gpu ms':>8} {'wall/gpu':>8} {'replay':>8} {'plain':>8} "
-          f"{'rep/plain':>9} attention")
+    print(
+        f"\n{'mode':<10} {'batch':>5} {'wall ms':>8} {'gpu ms':>8} {'wall/gpu':>8} {'replay':>8} {'plain':>8} "
+        f"{'rep/plain':>9} attention"
+    )
     for r in rows:
         replay = f"{r['replay_ms']:8.3f}" if "replay_ms" in r else f"{'':>8}"
         plain = f"{r['plain_graph_ms']:8.3f}" if "plain_graph_ms" in r else f"{'':>8}"
         ratio = f"{r['replay_ms'] / r['plain_graph_ms']:9.3f}" if "plain_graph_ms" in r else f"{'':>9}"
-        print(f"{r['mode']:<10} {r['batch']:>5} {r['wall_ms']:8.3f} {r['gpu_ms']:8.3f} {r['wall_over_gpu']:8.2f} "
-              f"{replay} {plain} {ratio} {r['attention']}")
+        print(
+            f"{r['mode']:<10} {r['batch']:>5} {r['wall_ms']:8.3f} {r['gpu_ms']:8.3f} {r['wall_over_gpu']:8.2f} "
+            f"{replay} {plain} {ratio} {r['attention']}"
+        )
     if args.out:
         args.out.write_text(json.dumps({"rows": rows, "tables": tables}, indent=1))
     return 0

@@ -35,11 +35,12 @@ class DecodeOnly:
         self.decode = tok.decode
 
 
-def run(tok: Tokenizer | DecodeOnly, prompt: list[int], out: list[int], stop: list[str] | None,
-        chunk: int) -> tuple[float, str]:
-    start = time.process_time()   # CPU time: the machine may be shared
+def run(
+    tok: Tokenizer | DecodeOnly, prompt: list[int], out: list[int], stop: list[str] | None, chunk: int
+) -> tuple[float, str]:
+    start = time.process_time()  # CPU time: the machine may be shared
     detok = IncrementalDetokenizer(tok, prompt, stop)
-    text = "".join(detok.add(out[i:i + chunk]) for i in range(0, len(out), chunk)) + detok.finish()
+    text = "".join(detok.add(out[i : i + chunk]) for i in range(0, len(out), chunk)) + detok.finish()
     return time.process_time() - start, text
 
 
@@ -54,17 +55,22 @@ def main() -> None:
     lines = corpus_text().splitlines(keepends=True)
     text = "".join(line + (MULTILINGUAL if n % 8 == 7 else "") for n, line in enumerate(lines * 4))
     ids = tok.encode(text, add_special_tokens=False)
-    prompt, out = ids[:200], ids[200:200 + args.tokens]
+    prompt, out = ids[:200], ids[200 : 200 + args.tokens]
     assert len(out) == args.tokens, "corpus too short for --tokens"
     expected = tok.decode(out)
-    print(f"{len(out)} output tokens, {len(expected)} characters ({sum(ord(c) > 127 for c in expected)} non-ASCII); "
-          f"best of {args.repeats}, CPU us/token")
+    print(
+        f"{len(out)} output tokens, {len(expected)} characters ({sum(ord(c) > 127 for c in expected)} non-ASCII); "
+        f"best of {args.repeats}, CPU us/token"
+    )
     impls = {"window (hand-written)": DecodeOnly(tok), "DecodeStream": tok}
     print(f"{'':28s}" + "".join(f"{name:>24s}" for name in impls))
-    for name, stop, chunk in (("1 id/add, no stops", None, 1), ("1 id/add, 2 stop strings", ["</answer>", "zzz"], 1),
-                              ("8 ids/add, no stops", None, 8)):
+    for name, stop, chunk in (
+        ("1 id/add, no stops", None, 1),
+        ("1 id/add, 2 stop strings", ["</answer>", "zzz"], 1),
+        ("8 ids/add, no stops", None, 8),
+    ):
         best = dict.fromkeys(impls, float("inf"))
-        for _ in range(args.repeats):   # interleaved, so load on the machine hits both alike
+        for _ in range(args.repeats):  # interleaved, so load on the machine hits both alike
             for impl, t in impls.items():
                 seconds, streamed = run(t, prompt, out, stop, chunk)
                 assert streamed == expected, f"{impl}, {name}: streamed text differs from a whole decode"

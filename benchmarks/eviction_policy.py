@@ -57,36 +57,53 @@ def build_descriptors(n: int, rng: random.Random) -> dict[BatchDescriptor, tuple
     return model
 
 
-def zipf_trace(descs: list[BatchDescriptor], steps: int, s: float, rng: random.Random,
-               shift: bool) -> list[BatchDescriptor]:
+def zipf_trace(
+    descs: list[BatchDescriptor], steps: int, s: float, rng: random.Random, shift: bool
+) -> list[BatchDescriptor]:
     weights = [1 / (k + 1) ** s for k in range(len(descs))]
     trace: list[BatchDescriptor] = []
-    for phase_steps in ([steps // 2, steps - steps // 2] if shift else [steps]):
+    for phase_steps in [steps // 2, steps - steps // 2] if shift else [steps]:
         ranked = rng.sample(descs, len(descs))  # a fresh popularity ranking
         trace += rng.choices(ranked, weights=weights, k=phase_steps)
     return trace
 
 
-def replay(policy: str, model: dict[BatchDescriptor, tuple[int, float]], trace: list[BatchDescriptor],
-           budget: int) -> dict:
+def replay(
+    policy: str, model: dict[BatchDescriptor, tuple[int, float]], trace: list[BatchDescriptor], budget: int
+) -> dict:
     clock = [0.0]
 
     def step(desc: BatchDescriptor) -> None:
         if is_capturing():  # the eager backend's replays call the step too: only captures cost
             clock[0] += model[desc][1]
 
-    config = CachePolicyConfig(max_entries=10_000, max_bytes=budget, eviction_policy=policy, lazy_pool="private")
-    cache = GraphCache(step, backend="eager", config=config, measure_bytes=lambda d, pool: model[d][0],
-                       clock=lambda: clock[0])
+    config = CachePolicyConfig(
+        max_entries=10_000, max_bytes=budget, eviction_policy=policy, lazy_pool="private"
+    )
+    cache = GraphCache(
+        step,
+        backend="eager",
+        config=config,
+        measure_bytes=lambda d, pool: model[d][0],
+        clock=lambda: clock[0],
+    )
     t0 = time.perf_counter()
     for desc in trace:
         cache.run(desc)
     s = cache.stats()
-    return {"policy": policy, "hit_ratio": s.hits / max(1, s.hits + s.misses), "hits": s.hits,
-            "misses": s.misses, "captures": s.captures, "capture_seconds": s.capture_seconds,
-            "evictions": sum(s.evictions.values()), "refused": sum(s.failures.values()),
-            "entries_at_end": s.entries, "pool_bytes_at_end": s.pool_bytes,
-            "wall_seconds": time.perf_counter() - t0}
+    return {
+        "policy": policy,
+        "hit_ratio": s.hits / max(1, s.hits + s.misses),
+        "hits": s.hits,
+        "misses": s.misses,
+        "captures": s.captures,
+        "capture_seconds": s.capture_seconds,
+        "evictions": sum(s.evictions.values()),
+        "refused": sum(s.failures.values()),
+        "entries_at_end": s.entries,
+        "pool_bytes_at_end": s.pool_bytes,
+        "wall_seconds": time.perf_counter() - t0,
+    }
 
 
 def main() -> None:
@@ -104,9 +121,11 @@ def main() -> None:
     budget = int(working_set * args.budget)
     descs = sorted(model)
     decode = sum(d.uniform_decode for d in descs)
-    print(f"{len(descs)} descriptors ({decode} decode, {len(descs) - decode} mixed), working set "
-          f"{working_set / MiB:,.0f} MiB, budget {budget / MiB:,.0f} MiB ({args.budget:.0%}), "
-          f"{args.steps:,} steps, Zipf s={args.zipf}, seed {args.seed}")
+    print(
+        f"{len(descs)} descriptors ({decode} decode, {len(descs) - decode} mixed), working set "
+        f"{working_set / MiB:,.0f} MiB, budget {budget / MiB:,.0f} MiB ({args.budget:.0%}), "
+        f"{args.steps:,} steps, Zipf s={args.zipf}, seed {args.seed}"
+    )
     rows = []
     for trace_name in ("stationary", "shift"):
         trace = zipf_trace(descs, args.steps, args.zipf, random.Random(args.seed + 1), trace_name == "shift")
@@ -117,13 +136,22 @@ def main() -> None:
     print("| trace | policy | hit ratio | captures | capture s | evictions |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['trace']} | {r['policy']} | {r['hit_ratio']:.3f} | {r['captures']:,} | "
-              f"{r['capture_seconds']:,.1f} | {r['evictions']:,} |")
+        print(
+            f"| {r['trace']} | {r['policy']} | {r['hit_ratio']:.3f} | {r['captures']:,} | "
+            f"{r['capture_seconds']:,.1f} | {r['evictions']:,} |"
+        )
     if args.out:
-        args.out.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v
-                                                 for k, v in vars(args).items()},
-                                        "working_set_bytes": working_set, "budget_bytes": budget,
-                                        "rows": rows}, indent=2))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                    "working_set_bytes": working_set,
+                    "budget_bytes": budget,
+                    "rows": rows,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

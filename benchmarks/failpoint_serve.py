@@ -59,9 +59,13 @@ def rss_bytes() -> int:
 def write_stats_forever(path: Path) -> None:
     while True:
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        stats = {"time": time.time(), "rss_bytes": rss_bytes(), "injected_capture_failures": injected,
-                 "cuda_allocated_bytes": torch.cuda.memory_allocated() if cuda else 0,
-                 "cuda_reserved_bytes": torch.cuda.memory_reserved() if cuda else 0}
+        stats = {
+            "time": time.time(),
+            "rss_bytes": rss_bytes(),
+            "injected_capture_failures": injected,
+            "cuda_allocated_bytes": torch.cuda.memory_allocated() if cuda else 0,
+            "cuda_reserved_bytes": torch.cuda.memory_reserved() if cuda else 0,
+        }
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(stats))
         tmp.replace(path)
@@ -79,8 +83,12 @@ def stats_path(engine_process: bool) -> Path:
 if __name__ in ("__main__", "__mp_main__"):
     install_failpoint()
     if STATS_FILE:
-        threading.Thread(target=write_stats_forever, args=(stats_path(__name__ == "__mp_main__"),),
-                         name="soak-stats", daemon=True).start()
+        threading.Thread(
+            target=write_stats_forever,
+            args=(stats_path(__name__ == "__mp_main__"),),
+            name="soak-stats",
+            daemon=True,
+        ).start()
 
 if __name__ == "__main__":
     sys.exit(cli.main(["serve", *sys.argv[1:]]))

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the graphcache package
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))    # the tiny checkpoint helper
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny checkpoint helper
 
 import torch  # noqa: E402
 from graphcache.engine.loop.core import EngineCore  # noqa: E402
@@ -35,7 +35,7 @@ from graphcache.engine.worker.runner import ModelRunner  # noqa: E402
 from helpers_model import cpu_settings, tiny_checkpoint  # noqa: E402
 
 PHASES = ("schedule", "execute", "sample", "postprocess")
-INPUT_SECONDS = [0.0]   # to_batch + the runner's input preparation (part of "execute")
+INPUT_SECONDS = [0.0]  # to_batch + the runner's input preparation (part of "execute")
 
 
 def timed(fn):
@@ -45,6 +45,7 @@ def timed(fn):
             return fn(*args, **kwargs)
         finally:
             INPUT_SECONDS[0] += time.perf_counter() - t0
+
     return wrapper
 
 
@@ -66,18 +67,30 @@ def time_inputs(runner: ModelRunner) -> None:
 def setup(batch: int, ctx: int, block_size: int, steps: int) -> EngineCore:
     max_len = ctx + steps + 64
     blocks = batch * (-(-max_len // block_size)) + 8
-    settings = cpu_settings(tiny_checkpoint(), max_num_seqs=batch, max_num_batched_tokens=max(8192, batch),
-                            block_size=block_size, num_kv_blocks=blocks, max_model_len=max_len,
-                            max_capture_size=max(256, batch), async_scheduling="on")
+    settings = cpu_settings(
+        tiny_checkpoint(),
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(8192, batch),
+        block_size=block_size,
+        num_kv_blocks=blocks,
+        max_model_len=max_len,
+        max_capture_size=max(256, batch),
+        async_scheduling="on",
+    )
     runner = ModelRunner(settings)
-    runner._run_model = lambda num_tokens, num_reqs: None           # no forward pass: host work only
+    runner._run_model = lambda num_tokens, num_reqs: None  # no forward pass: host work only
     runner.cache.run = lambda desc, real_tokens=None: "replay"
-    runner.out_logits.normal_()                                      # a fixed, non-degenerate row per request
+    runner.out_logits.normal_()  # a fixed, non-degenerate row per request
     core = EngineCore(runner, settings)
     for i in range(batch):
-        core.add_request(Sequence(f"r{i}", [(i * 7919 + j) % 30000 + 5 for j in range(ctx)],
-                                  SamplingParams(max_tokens=steps + 32, temperature=0.0, ignore_eos=True)))
-    while core.scheduler.waiting or any(not s.output_token_ids for s in core.scheduler.running):   # prefill
+        core.add_request(
+            Sequence(
+                f"r{i}",
+                [(i * 7919 + j) % 30000 + 5 for j in range(ctx)],
+                SamplingParams(max_tokens=steps + 32, temperature=0.0, ignore_eos=True),
+            )
+        )
+    while core.scheduler.waiting or any(not s.output_token_ids for s in core.scheduler.running):  # prefill
         core.step()
     return core
 
@@ -88,7 +101,9 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--profile", type=int, default=0, help="cProfile the steps: print N functions by own time")
+    ap.add_argument(
+        "--profile", type=int, default=0, help="cProfile the steps: print N functions by own time"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     core = setup(args.batch, args.ctx, args.block_size, args.steps)
@@ -108,8 +123,10 @@ def main() -> int:
     if prof:
         prof.disable()
     rows = len(core.scheduler.running)
-    print(f"EngineCore.step at a decode batch of {rows}, context {args.ctx}+, block {args.block_size}, model stubbed: "
-          f"median ms per step over {args.steps}")
+    print(
+        f"EngineCore.step at a decode batch of {rows}, context {args.ctx}+, block {args.block_size}, model stubbed: "
+        f"median ms per step over {args.steps}"
+    )
     print("| phase | ms | us per row |\n|---|---|---|")
     for k, v in per_phase.items():
         m = statistics.median(v)

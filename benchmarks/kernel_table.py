@@ -40,7 +40,7 @@ from benchmarks.decode_step import fill, make_runner  # noqa: E402
 from benchmarks.model_shapes import add_model_args, resolve_model  # noqa: E402
 
 ATTENTION = ("attn", "attention", "flash", "fmha", "decode_stage", "unified")
-GEMM_OPS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1)}   # op -> (A, B) input positions
+GEMM_OPS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1)}  # op -> (A, B) input positions
 
 
 def steps(runner, args, vocab: int) -> dict[str, tuple[StepBatch, list[tuple[int, int]]]]:
@@ -53,16 +53,26 @@ def steps(runner, args, vocab: int) -> dict[str, tuple[StepBatch, list[tuple[int
     decode = fill(runner, args.decode_rows, args.ctx, vocab)
     bs = runner.block_size
     per_seq = len(decode[0].block_table)
-    first = args.mixed_decodes * per_seq   # blocks of rows not in the mixed batch: the chunk's sequence
-    chunk = StepSeq(ids(args.ctx + args.chunk)[args.ctx:], args.ctx,
-                    list(range(first, first + -(-(args.ctx + args.chunk) // bs))), True)
+    first = args.mixed_decodes * per_seq  # blocks of rows not in the mixed batch: the chunk's sequence
+    chunk = StepSeq(
+        ids(args.ctx + args.chunk)[args.ctx :],
+        args.ctx,
+        list(range(first, first + -(-(args.ctx + args.chunk) // bs))),
+        True,
+    )
     per_prompt = -(-args.prefill_len // bs)
-    prefill = [StepSeq(ids(args.prefill_len), 0, list(range(i * per_prompt, (i + 1) * per_prompt)), True)
-               for i in range(args.prefill_seqs)]
-    return {"decode": (StepBatch(decode), [(1, args.ctx)] * len(decode)),
-            "mixed": (StepBatch(decode[:args.mixed_decodes] + [chunk]),
-                      [(1, args.ctx)] * args.mixed_decodes + [(args.chunk, args.ctx)]),
-            "prefill": (StepBatch(prefill), [(args.prefill_len, 0)] * args.prefill_seqs)}
+    prefill = [
+        StepSeq(ids(args.prefill_len), 0, list(range(i * per_prompt, (i + 1) * per_prompt)), True)
+        for i in range(args.prefill_seqs)
+    ]
+    return {
+        "decode": (StepBatch(decode), [(1, args.ctx)] * len(decode)),
+        "mixed": (
+            StepBatch(decode[: args.mixed_decodes] + [chunk]),
+            [(1, args.ctx)] * args.mixed_decodes + [(args.chunk, args.ctx)],
+        ),
+        "prefill": (StepBatch(prefill), [(args.prefill_len, 0)] * args.prefill_seqs),
+    }
 
 
 def profile_step(runner, batch: StepBatch, iters: int, cuda: bool):
@@ -104,7 +114,7 @@ def kernel_rows(events, iters: int, cuda: bool, peak: float, bw: float) -> list[
         if cuda and e.device_type == torch.autograd.DeviceType.CUDA:
             time_us[e.name] += e.time_range.elapsed_us()
             calls[e.name] += 1
-        elif not cuda and e.device_type == torch.autograd.DeviceType.CPU:   # own time: no double counting
+        elif not cuda and e.device_type == torch.autograd.DeviceType.CPU:  # own time: no double counting
             time_us[e.name] += e.self_cpu_time_total
             calls[e.name] += 1
         if e.device_type == torch.autograd.DeviceType.CPU and e.name in GEMM_OPS and e.input_shapes:
@@ -113,9 +123,22 @@ def kernel_rows(events, iters: int, cuda: bool, peak: float, bw: float) -> list[
                 bound[launched[0]] += gemm_bound_us(e.input_shapes, GEMM_OPS[e.name], peak, bw)
     rows = []
     for name, t in sorted(time_us.items(), key=lambda kv: -kv[1]):
-        kind = "attention" if any(p in name.lower() for p in ATTENTION) else "gemm" if bound.get(name) else "other"
-        rows.append({"kernel": name, "us": t / iters, "calls": calls[name] / iters, "class": kind,
-                     "bound_us": bound[name] / iters if kind == "gemm" else None})
+        kind = (
+            "attention"
+            if any(p in name.lower() for p in ATTENTION)
+            else "gemm"
+            if bound.get(name)
+            else "other"
+        )
+        rows.append(
+            {
+                "kernel": name,
+                "us": t / iters,
+                "calls": calls[name] / iters,
+                "class": kind,
+                "bound_us": bound[name] / iters if kind == "gemm" else None,
+            }
+        )
     return rows
 
 
@@ -123,16 +146,25 @@ def render(kind: str, rows: list[dict], attn_bound: float, top: int) -> str:
     lines = [f"| {kind} kernel | calls | us/step | class | bound us | x bound |", "|---|---|---|---|---|---|"]
     for r in rows[:top]:
         b, us = r["bound_us"], r["us"]
-        lines.append(f"| {r['kernel'][:70]} | {r['calls']:.0f} | {us:.1f} | {r['class']} | "
-                     f"{'' if b is None else f'{b:.1f}'} | {'' if not b else f'{us / b:.2f}'} |")
+        lines.append(
+            f"| {r['kernel'][:70]} | {r['calls']:.0f} | {us:.1f} | {r['class']} | "
+            f"{'' if b is None else f'{b:.1f}'} | {'' if not b else f'{us / b:.2f}'} |"
+        )
     total = sum(r["us"] for r in rows)
     for cls in ("gemm", "attention", "other"):
         t = sum(r["us"] for r in rows if r["class"] == cls)
-        b = sum(r["bound_us"] or 0 for r in rows if r["class"] == cls) if cls == "gemm" else \
-            attn_bound if cls == "attention" else None
+        b = (
+            sum(r["bound_us"] or 0 for r in rows if r["class"] == cls)
+            if cls == "gemm"
+            else attn_bound
+            if cls == "attention"
+            else None
+        )
         ratio = f"{t / b:.2f}" if b and t else ""
-        lines.append(f"| **{cls} total** | | {t:.1f} ({t / max(total, 1e-9):.0%}) | {cls} | "
-                     f"{'' if b is None else f'{b:.1f}'} | {ratio} |")
+        lines.append(
+            f"| **{cls} total** | | {t:.1f} ({t / max(total, 1e-9):.0%}) | {cls} | "
+            f"{'' if b is None else f'{b:.1f}'} | {ratio} |"
+        )
     lines.append(f"| **step total** | | {total:.1f} | | | |")
     return "\n".join(lines)
 
@@ -160,7 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
-        args.decode_rows, args.ctx, args.mixed_decodes, args.chunk, args.prefill_seqs, args.prefill_len = 8, 32, 4, 16, 2, 64
+        args.decode_rows, args.ctx, args.mixed_decodes, args.chunk, args.prefill_seqs, args.prefill_len = (
+            8,
+            32,
+            4,
+            16,
+            2,
+            64,
+        )
         args.iters, device = 1, "cpu"
         if not (args.model or args.make_model or args.make_qwen05b):
             args.make_model = f"tiny:{tempfile.mkdtemp(prefix='bench-smoke-')}"
@@ -170,8 +209,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg = json.loads((model / "config.json").read_text())
     cuda = device == "cuda"
     peak, bw = args.peak_tflops * 1e12, args.bandwidth
-    runner = make_runner(model, "eager", args.decode_rows, args.ctx, device=device,
-                         max_model_len=min(4096, cfg["max_position_embeddings"]))
+    runner = make_runner(
+        model,
+        "eager",
+        args.decode_rows,
+        args.ctx,
+        device=device,
+        max_model_len=min(4096, cfg["max_position_embeddings"]),
+    )
     built = steps(runner, args, cfg["vocab_size"])
     out = {}
     for kind in args.kinds.split(","):
@@ -179,8 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         table = kernel_rows(profile_step(runner, batch, args.iters, cuda), args.iters, cuda, peak, bw)
         attn = attention_bound_us(cfg, rows, peak, bw)
         out[kind] = {"rows": table, "attention_bound_us": attn, "tokens": sum(q for q, _ in rows)}
-        print(f"\n=== {model.name}: {kind} step, {len(rows)} rows, {out[kind]['tokens']} tokens "
-              f"({'CUDA kernels' if cuda else 'CPU operators (smoke)'}, us per step)")
+        print(
+            f"\n=== {model.name}: {kind} step, {len(rows)} rows, {out[kind]['tokens']} tokens "
+            f"({'CUDA kernels' if cuda else 'CPU operators (smoke)'}, us per step)"
+        )
         print(render(kind, table, attn, args.top))
     if args.out:
         args.out.write_text(json.dumps({"model": str(model), "config": cfg, "steps": out}, indent=1))

@@ -199,7 +199,7 @@ async def _read_stream(response: httpx.Response, result: RequestResult, api: str
     async for line in response.aiter_lines():
         if not line.startswith("data:"):
             continue  # blank separators, comments, keep-alives
-        data = line[len("data:"):].strip()
+        data = line[len("data:") :].strip()
         if data == "[DONE]":
             saw_done = True
             break
@@ -226,8 +226,14 @@ class _ProtocolError(Exception):
     pass
 
 
-async def one_request(client: httpx.AsyncClient, config: LoadConfig, model: str, client_index: int,
-                      prompt_index: int, run_t0: float) -> RequestResult:
+async def one_request(
+    client: httpx.AsyncClient,
+    config: LoadConfig,
+    model: str,
+    client_index: int,
+    prompt_index: int,
+    run_t0: float,
+) -> RequestResult:
     stream, api = config.client_kind(client_index)
     result = RequestResult(client=client_index, prompt_index=prompt_index, api=api, stream=stream)
     path, body = build_request(config, model, api, stream, config.prompts[prompt_index])
@@ -312,9 +318,15 @@ async def run_load(config: LoadConfig, client: httpx.AsyncClient | None = None) 
         raise ValueError("set duration_s or num_requests, or the load never stops")
     own_client = client is None
     if client is None:
-        limits = httpx.Limits(max_connections=config.concurrency + 4, max_keepalive_connections=config.concurrency)
-        client = httpx.AsyncClient(base_url=config.url, timeout=httpx.Timeout(config.request_timeout_s),
-                                   limits=limits, headers=config.headers)
+        limits = httpx.Limits(
+            max_connections=config.concurrency + 4, max_keepalive_connections=config.concurrency
+        )
+        client = httpx.AsyncClient(
+            base_url=config.url,
+            timeout=httpx.Timeout(config.request_timeout_s),
+            limits=limits,
+            headers=config.headers,
+        )
     try:
         model = config.model or await resolve_model(client)
         results: list[RequestResult] = []
@@ -342,7 +354,8 @@ async def run_load(config: LoadConfig, client: httpx.AsyncClient | None = None) 
 
         # The run as a whole cannot outlive its last possible request by more than one request timeout.
         overall = (config.duration_s or 0) + config.request_timeout_s * (
-            1 if config.num_requests is None else max(1, math.ceil(config.num_requests / config.concurrency)))
+            1 if config.num_requests is None else max(1, math.ceil(config.num_requests / config.concurrency))
+        )
         tasks = [asyncio.create_task(client_loop(i)) for i in range(config.concurrency)]
         try:
             async with asyncio.timeout(overall + 5):
@@ -371,26 +384,33 @@ def _fmt_ms(value: float | None) -> str:
 
 def format_summary(summary: dict[str, Any]) -> str:
     ttft, tpot, e2e = summary["ttft_s"], summary["tpot_s"], summary["e2e_latency_s"]
-    return "\n".join([
-        f"requests    {summary['requests']} ({summary['completed']} ok, {summary['errors']} errors"
-        f"{' ' + json.dumps(summary['errors_by_kind']) if summary['errors_by_kind'] else ''}) "
-        f"in {summary['wall_s']:.1f} s",
-        f"throughput  {summary['throughput_req_s']:.2f} req/s, {summary['output_tok_s']:.1f} output tok/s",
-        f"TTFT        p50 {_fmt_ms(ttft['p50'])}  p99 {_fmt_ms(ttft['p99'])}  "
-        f"({summary['streaming_requests']} streaming requests)",
-        f"TPOT        p50 {_fmt_ms(tpot['p50'])}  p99 {_fmt_ms(tpot['p99'])}",
-        f"latency     p50 {_fmt_ms(e2e['p50'])}  p99 {_fmt_ms(e2e['p99'])}",
-        *(f"  {example}" for example in summary["error_examples"][:5]),
-    ])
+    return "\n".join(
+        [
+            f"requests    {summary['requests']} ({summary['completed']} ok, {summary['errors']} errors"
+            f"{' ' + json.dumps(summary['errors_by_kind']) if summary['errors_by_kind'] else ''}) "
+            f"in {summary['wall_s']:.1f} s",
+            f"throughput  {summary['throughput_req_s']:.2f} req/s, {summary['output_tok_s']:.1f} output tok/s",
+            f"TTFT        p50 {_fmt_ms(ttft['p50'])}  p99 {_fmt_ms(ttft['p99'])}  "
+            f"({summary['streaming_requests']} streaming requests)",
+            f"TPOT        p50 {_fmt_ms(tpot['p50'])}  p99 {_fmt_ms(tpot['p99'])}",
+            f"latency     p50 {_fmt_ms(e2e['p50'])}  p99 {_fmt_ms(e2e['p99'])}",
+            *(f"  {example}" for example in summary["error_examples"][:5]),
+        ]
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="Server base URL")
     parser.add_argument("--concurrency", type=int, default=8, help="Concurrent clients")
-    parser.add_argument("--duration", type=float, default=None,
-                        help="Seconds to keep starting requests (default 10 when --num-requests is unset)")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="Seconds to keep starting requests (default 10 when --num-requests is unset)",
+    )
     parser.add_argument("--num-requests", type=int, default=None, help="Stop after this many requests")
     parser.add_argument("--max-tokens", type=int, default=32, help="Completion tokens per request (exact)")
     parser.add_argument("--mode", choices=["stream", "nonstream", "mixed"], default="mixed")
@@ -410,9 +430,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = LoadConfig(
-        url=args.url, concurrency=args.concurrency, duration_s=args.duration, num_requests=args.num_requests,
-        max_tokens=args.max_tokens, mode=args.mode, api=args.api, model=args.model,
-        temperature=args.temperature, request_timeout_s=args.request_timeout,
+        url=args.url,
+        concurrency=args.concurrency,
+        duration_s=args.duration,
+        num_requests=args.num_requests,
+        max_tokens=args.max_tokens,
+        mode=args.mode,
+        api=args.api,
+        model=args.model,
+        temperature=args.temperature,
+        request_timeout_s=args.request_timeout,
         headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {},
     )
     report = asyncio.run(run_load(config))

@@ -43,8 +43,8 @@ from graphcache.model.unified_attention import (  # noqa: E402
     unified_attention,
 )
 
-SHAPES = {"qwen2.5-0.5b": (14, 2, 64), "llama-3-8b": (32, 8, 128)}   # (H, K, D)
-CASES = {   # name: [(query_len, seq_len)] per request
+SHAPES = {"qwen2.5-0.5b": (14, 2, 64), "llama-3-8b": (32, 8, 128)}  # (H, K, D)
+CASES = {  # name: [(query_len, seq_len)] per request
     "64d+192c": [(1, 512)] * 64 + [(192, 512)],
     "240d+1024c": [(1, 512)] * 240 + [(1024, 1024)],
     "256d": [(1, 512)] * 256,
@@ -65,38 +65,55 @@ class Step:
         gen = torch.Generator().manual_seed(seed)
         per_req = [-(-s // block_size) for _, s in reqs]
         num_blocks = sum(per_req) + 8
-        self.kv = torch.randn((2, num_blocks * block_size, num_kv_heads, head_dim), generator=gen).to("cuda", DTYPE)
+        self.kv = torch.randn((2, num_blocks * block_size, num_kv_heads, head_dim), generator=gen).to(
+            "cuda", DTYPE
+        )
         self.k_blocks = self.kv[0].view(num_blocks, block_size, num_kv_heads, head_dim)
         self.v_blocks = self.kv[1].view(num_blocks, block_size, num_kv_heads, head_dim)
         ids = torch.randperm(num_blocks, generator=gen)
         tables = torch.zeros((len(reqs), max(per_req)), dtype=torch.int64)
         nxt = 0
         for r, nb in enumerate(per_req):
-            tables[r, :nb] = ids[nxt:nxt + nb]
+            tables[r, :nb] = ids[nxt : nxt + nb]
             nxt += nb
-        self.tables = tables.to("cuda")                                                  # [R, B] int64
+        self.tables = tables.to("cuda")  # [R, B] int64
         self.tables32 = self.tables.to(torch.int32)
         q_lens = [n for n, _ in reqs]
         seq_lens = [s for _, s in reqs]
-        self.num_reqs, self.num_tokens, self.max_q, self.max_k = len(reqs), sum(q_lens), max(q_lens), max(seq_lens)
-        self.seq_lens = torch.tensor(seq_lens, device="cuda")                            # [R] int64
+        self.num_reqs, self.num_tokens, self.max_q, self.max_k = (
+            len(reqs),
+            sum(q_lens),
+            max(q_lens),
+            max(seq_lens),
+        )
+        self.seq_lens = torch.tensor(seq_lens, device="cuda")  # [R] int64
         self.seq_lens32 = self.seq_lens.to(torch.int32)
-        self.cu_q = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)   # [R + 1]
+        self.cu_q = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)  # [R + 1]
         self.cu_k = torch.tensor([0] + seq_lens, device="cuda").cumsum(0).to(torch.int32)
         self.q = torch.randn((self.num_tokens, num_heads, head_dim), generator=gen).to("cuda", DTYPE)
         self.out = torch.empty_like(self.q)
         # The gather path's slot list, built once outside the timing (the planner builds it once a step).
-        self.slots = torch.cat([(self.tables[r, torch.arange(s, device="cuda") // block_size] * block_size
-                                 + torch.arange(s, device="cuda") % block_size) for r, s in enumerate(seq_lens)])
-        self.scale = head_dim ** -0.5
+        self.slots = torch.cat(
+            [
+                (
+                    self.tables[r, torch.arange(s, device="cuda") // block_size] * block_size
+                    + torch.arange(s, device="cuda") % block_size
+                )
+                for r, s in enumerate(seq_lens)
+            ]
+        )
+        self.scale = head_dim**-0.5
         pairs = sum(n * (s - n) + n * (n + 1) // 2 for n, s in reqs)
         self.flops = 4 * num_heads * head_dim * pairs
-        self.bytes = (sum(seq_lens) * num_kv_heads * head_dim * 2 + 2 * self.num_tokens * num_heads * head_dim) * 2
+        self.bytes = (
+            sum(seq_lens) * num_kv_heads * head_dim * 2 + 2 * self.num_tokens * num_heads * head_dim
+        ) * 2
 
 
 def bench(fn, rep):
     from triton.testing import do_bench
-    return do_bench(fn, warmup=max(5, rep // 4), rep=rep, return_mode="median")   # ms
+
+    return do_bench(fn, warmup=max(5, rep // 4), rep=rep, return_mode="median")  # ms
 
 
 def rel_err(out, ref):
@@ -104,22 +121,58 @@ def rel_err(out, ref):
 
 
 def flash_call(st: Step, k, v, **paged):
-    return _FLASH(st.q, k, v, st.cu_q, st.cu_k, st.max_q, st.max_k, 0.0, True, False, scale=st.scale,
-                  window_size_left=-1, window_size_right=0, **paged)[0]
+    return _FLASH(
+        st.q,
+        k,
+        v,
+        st.cu_q,
+        st.cu_k,
+        st.max_q,
+        st.max_k,
+        0.0,
+        True,
+        False,
+        scale=st.scale,
+        window_size_left=-1,
+        window_size_right=0,
+        **paged,
+    )[0]
 
 
 def time_triton(st: Step, config, rep):
     def run():
-        unified_attention(st.q, st.k_blocks, st.v_blocks, st.out, st.cu_q, st.seq_lens, st.tables, st.scale,
-                          st.num_reqs, config)
+        unified_attention(
+            st.q,
+            st.k_blocks,
+            st.v_blocks,
+            st.out,
+            st.cu_q,
+            st.seq_lens,
+            st.tables,
+            st.scale,
+            st.num_reqs,
+            config,
+        )
+
     run()
     return bench(run, rep)
 
 
 def launch_us(st: Step, config, calls=200):
     def run():
-        unified_attention(st.q, st.k_blocks, st.v_blocks, st.out, st.cu_q, st.seq_lens, st.tables, st.scale,
-                          st.num_reqs, config)
+        unified_attention(
+            st.q,
+            st.k_blocks,
+            st.v_blocks,
+            st.out,
+            st.cu_q,
+            st.seq_lens,
+            st.tables,
+            st.scale,
+            st.num_reqs,
+            config,
+        )
+
     run()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -133,22 +186,43 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rep", type=int, default=50, help="target ms of timed calls per measurement (do_bench)")
     ap.add_argument("--block-size", type=int, default=16, help="KV block size of the triton and gather paths")
-    ap.add_argument("--block-m", type=int, default=0, help="unified kernel: query rows per tile (0: choose_config)")
+    ap.add_argument(
+        "--block-m", type=int, default=0, help="unified kernel: query rows per tile (0: choose_config)"
+    )
     ap.add_argument("--block-n", type=int, default=0, help="unified kernel: K/V tokens per inner tile")
     ap.add_argument("--num-warps", type=int, default=0)
     ap.add_argument("--num-stages", type=int, default=0)
-    ap.add_argument("--sweep", action="store_true", help="also time a grid of tile shapes; print the best per case")
+    ap.add_argument(
+        "--sweep", action="store_true", help="also time a grid of tile shapes; print the best per case"
+    )
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--cases", default=",".join(CASES))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     import triton
+
     props = torch.cuda.get_device_properties(0)
-    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}, "
-          f"{DTYPE}, block {args.block_size}, flash varlen: {_FLASH is not None}, flash paged: {_FLASH_PAGES}")
-    head = ("shape", "case", "tokens", "bound ms", "triton ms", "x bound", "tile", "gather ms", "g+flash ms",
-            "f_paged ms", "decode ms", "vs g+f", "err", "launch us")
+    print(
+        f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}, "
+        f"{DTYPE}, block {args.block_size}, flash varlen: {_FLASH is not None}, flash paged: {_FLASH_PAGES}"
+    )
+    head = (
+        "shape",
+        "case",
+        "tokens",
+        "bound ms",
+        "triton ms",
+        "x bound",
+        "tile",
+        "gather ms",
+        "g+flash ms",
+        "f_paged ms",
+        "decode ms",
+        "vs g+f",
+        "err",
+        "launch us",
+    )
     fmt = "{:>13} {:>11} {:>6} {:>9} {:>9} {:>7} {:>12} {:>9} {:>10} {:>10} {:>9} {:>7} {:>8} {:>9}"
     print(fmt.format(*head))
     sweeps = []
@@ -159,59 +233,88 @@ def main() -> None:
             reqs = CASES[case]
             st = Step(heads, reqs, args.block_size)
             base = choose_config(group, heads[2], st.max_q)
-            config = UnifiedConfig(block_m=args.block_m or base.block_m, block_n=args.block_n or base.block_n,
-                                   num_warps=args.num_warps or base.num_warps,
-                                   num_stages=args.num_stages or base.num_stages)
+            config = UnifiedConfig(
+                block_m=args.block_m or base.block_m,
+                block_n=args.block_n or base.block_n,
+                num_warps=args.num_warps or base.num_warps,
+                num_stages=args.num_stages or base.num_stages,
+            )
             t_triton = time_triton(st, config, args.rep)
-            ref = reference_unified_attention(st.q, st.k_blocks, st.v_blocks, st.cu_q, st.seq_lens, st.tables,
-                                              st.scale, st.num_reqs)
+            ref = reference_unified_attention(
+                st.q, st.k_blocks, st.v_blocks, st.cu_q, st.seq_lens, st.tables, st.scale, st.num_reqs
+            )
             err = rel_err(st.out, ref)
             del ref
             bound = max(st.bytes / HBM_BYTES_PER_S, st.flops / BF16_FLOPS) * 1e3
             t_gather = t_gf = t_paged = t_decode = float("nan")
             if _FLASH is not None:
+
                 def gather(st=st):
-                    return st.kv.index_select(1, st.slots).unbind(0)                    # [sum(L), K, D] each
+                    return st.kv.index_select(1, st.slots).unbind(0)  # [sum(L), K, D] each
 
                 def gf(st=st, gather=gather):
                     flash_call(st, *gather())
+
                 gf()
                 t_gather, t_gf = bench(gather, args.rep), bench(gf, args.rep)
             if _FLASH_PAGES:
                 pst = Step(heads, reqs, 256)
 
                 def paged(pst=pst):
-                    flash_call(pst, pst.k_blocks, pst.v_blocks, seqused_k=pst.seq_lens32, block_table=pst.tables32)
+                    flash_call(
+                        pst, pst.k_blocks, pst.v_blocks, seqused_k=pst.seq_lens32, block_table=pst.tables32
+                    )
+
                 try:
                     paged()
                     t_paged = bench(paged, args.rep)
                 except (RuntimeError, TypeError) as e:
                     print(f"  flash_paged failed: {e}".splitlines()[0])
                 del pst
-            if st.max_q == 1:   # the uniform-decode kernel, as decode steps run it
+            if st.max_q == 1:  # the uniform-decode kernel, as decode steps run it
                 splits = choose_num_splits(st.num_reqs, heads[1], st.max_k, props.multi_processor_count)
                 ws = decode_workspace(st.num_reqs, heads[0], heads[2], splits, "cuda")
 
                 def decode(st=st, ws=ws, splits=splits):
-                    paged_decode_attention(st.q, st.k_blocks, st.v_blocks, st.tables, st.seq_lens, st.out, st.scale,
-                                           ws, splits)
+                    paged_decode_attention(
+                        st.q, st.k_blocks, st.v_blocks, st.tables, st.seq_lens, st.out, st.scale, ws, splits
+                    )
+
                 decode()
                 t_decode = bench(decode, args.rep)
             tile = f"{config.block_m}/{config.block_n}/w{config.num_warps}s{config.num_stages}"
-            print(fmt.format(shape, case, st.num_tokens, f"{bound:.4f}", f"{t_triton:.4f}", f"{t_triton / bound:.2f}",
-                             tile, f"{t_gather:.4f}", f"{t_gf:.4f}", f"{t_paged:.4f}", f"{t_decode:.4f}",
-                             f"{t_gf / t_triton:.2f}x", f"{err:.1e}", f"{launch_us(st, config):.1f}"))
+            print(
+                fmt.format(
+                    shape,
+                    case,
+                    st.num_tokens,
+                    f"{bound:.4f}",
+                    f"{t_triton:.4f}",
+                    f"{t_triton / bound:.2f}",
+                    tile,
+                    f"{t_gather:.4f}",
+                    f"{t_gf:.4f}",
+                    f"{t_paged:.4f}",
+                    f"{t_decode:.4f}",
+                    f"{t_gf / t_triton:.2f}x",
+                    f"{err:.1e}",
+                    f"{launch_us(st, config):.1f}",
+                )
+            )
             if args.sweep:
-                best = min(((time_triton(st, c, args.rep), c) for c in sweep_configs(group)),
-                           key=lambda tc: tc[0])
+                best = min(
+                    ((time_triton(st, c, args.rep), c) for c in sweep_configs(group)), key=lambda tc: tc[0]
+                )
                 sweeps.append((shape, case, bound, best))
             del st
             torch.cuda.empty_cache()
     if sweeps:
         print("\nsweep: best tile per case (block_m/block_n/warps/stages)")
         for shape, case, bound, (t, c) in sweeps:
-            print(f"{shape:>13} {case:>11} {t:.4f} ms ({t / bound:.2f}x bound) "
-                  f"{c.block_m}/{c.block_n}/w{c.num_warps}s{c.num_stages}")
+            print(
+                f"{shape:>13} {case:>11} {t:.4f} ms ({t / bound:.2f}x bound) "
+                f"{c.block_m}/{c.block_n}/w{c.num_warps}s{c.num_stages}"
+            )
 
 
 def sweep_configs(group: int):

@@ -21,11 +21,35 @@ import sys
 from pathlib import Path
 
 SHAPES = {
-    "qwen05b": dict(arch="qwen2", hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, head_dim=64,
-                    max_positions=32768, rope_theta=1_000_000.0, tie_word_embeddings=True, model_vocab_size=151936),
-    "llama8b": dict(arch="llama", hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, head_dim=128,
-                    max_positions=8192, rope_theta=500_000.0, tie_word_embeddings=False, model_vocab_size=128256),
-    "tiny": dict(arch="llama", hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384, max_positions=2048),
+    "qwen05b": dict(
+        arch="qwen2",
+        hidden=896,
+        layers=24,
+        heads=14,
+        kv_heads=2,
+        intermediate=4864,
+        head_dim=64,
+        max_positions=32768,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+        model_vocab_size=151936,
+    ),
+    "llama8b": dict(
+        arch="llama",
+        hidden=4096,
+        layers=32,
+        heads=32,
+        kv_heads=8,
+        intermediate=14336,
+        head_dim=128,
+        max_positions=8192,
+        rope_theta=500_000.0,
+        tie_word_embeddings=False,
+        model_vocab_size=128256,
+    ),
+    "tiny": dict(
+        arch="llama", hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384, max_positions=2048
+    ),
 }
 # Shapes whose fp32 weights would not fit a quick CPU write: drawn on the GPU in bf16.
 ON_DEVICE = {"llama8b"}
@@ -44,8 +68,10 @@ def make_model(shape: str, out: Path) -> Path:
         return out
     if "model_vocab_size" not in inspect.signature(tiny.make_tiny_model).parameters:
         vocab = kwargs.pop("model_vocab_size", None)
-        print(f"note: make_tiny_model has no model_vocab_size; the LM head uses the trained BPE vocab, not {vocab}",
-              file=sys.stderr)
+        print(
+            f"note: make_tiny_model has no model_vocab_size; the LM head uses the trained BPE vocab, not {vocab}",
+            file=sys.stderr,
+        )
     if shape in ON_DEVICE and torch.cuda.is_available():
         _make_on_device(tiny, out, kwargs)
     else:
@@ -66,16 +92,29 @@ def _make_on_device(tiny, out: Path, kwargs: dict) -> None:
     (out / "model.safetensors").unlink()
     cfg = json.loads((out / "config.json").read_text())
     vocab = max(cfg["vocab_size"], kwargs.get("model_vocab_size") or 0)
-    cfg.update(vocab_size=vocab, num_hidden_layers=kwargs["layers"], intermediate_size=kwargs["intermediate"],
-               torch_dtype="bfloat16")
+    cfg.update(
+        vocab_size=vocab,
+        num_hidden_layers=kwargs["layers"],
+        intermediate_size=kwargs["intermediate"],
+        torch_dtype="bfloat16",
+    )
     if kwargs["arch"] in ("qwen2", "qwen3"):
         cfg["max_window_layers"] = kwargs["layers"]
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     gen = torch.Generator(device="cuda").manual_seed(0)
     with torch.device("cuda"):
-        weights = tiny._random_weights(kwargs["arch"], gen, vocab, kwargs["hidden"], kwargs["layers"],
-                                       kwargs["heads"], kwargs["kv_heads"], kwargs["intermediate"],
-                                       kwargs["head_dim"], kwargs["tie_word_embeddings"])
+        weights = tiny._random_weights(
+            kwargs["arch"],
+            gen,
+            vocab,
+            kwargs["hidden"],
+            kwargs["layers"],
+            kwargs["heads"],
+            kwargs["kv_heads"],
+            kwargs["intermediate"],
+            kwargs["head_dim"],
+            kwargs["tie_word_embeddings"],
+        )
     weights = {name: w.to(torch.bfloat16).cpu() for name, w in weights.items()}
     torch.cuda.empty_cache()
     tiny._save_weights(weights, out, shards=8)
@@ -83,8 +122,11 @@ def _make_on_device(tiny, out: Path, kwargs: dict) -> None:
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", type=Path, help="Hugging Face model directory")
-    ap.add_argument("--make-model", metavar="SHAPE:DIR",
-                    help=f"write a random checkpoint of SHAPE ({', '.join(SHAPES)}) to DIR and use it if --model is unset")
+    ap.add_argument(
+        "--make-model",
+        metavar="SHAPE:DIR",
+        help=f"write a random checkpoint of SHAPE ({', '.join(SHAPES)}) to DIR and use it if --model is unset",
+    )
     ap.add_argument("--make-qwen05b", type=Path, metavar="DIR", help="the same as --make-model qwen05b:DIR")
 
 

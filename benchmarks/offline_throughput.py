@@ -62,11 +62,19 @@ def build_workloads(args, vocab: int) -> dict[str, list[workloads.Request]]:
     out = {}
     for name in [w.strip() for w in args.workload.split(",") if w.strip()]:
         if name == "nano":
-            out[name] = workloads.nano(args.num_seqs, vocab, (args.min_input, args.max_input),
-                                       (args.min_output, args.max_output), args.seed, args.temperature)
+            out[name] = workloads.nano(
+                args.num_seqs,
+                vocab,
+                (args.min_input, args.max_input),
+                (args.min_output, args.max_output),
+                args.seed,
+                args.temperature,
+            )
         elif name == "realistic":
             shape = workloads.RealisticShape(prompt_cap=args.prompt_cap, output_cap=args.output_cap)
-            out[name] = workloads.realistic(args.realistic_requests or 2 * args.max_num_seqs, vocab, args.seed, shape)
+            out[name] = workloads.realistic(
+                args.realistic_requests or 2 * args.max_num_seqs, vocab, args.seed, shape
+            )
         else:
             raise SystemExit(f"unknown workload {name!r}; use nano, realistic")
         print(f"workload {name}: {workloads.describe(out[name])}", file=sys.stderr)
@@ -74,13 +82,22 @@ def build_workloads(args, vocab: int) -> dict[str, list[workloads.Request]]:
 
 
 def engine_settings(args, enforce_eager: bool) -> Settings:
-    return Settings(model=args.model, device=args.device, dtype=args.dtype, enforce_eager=enforce_eager,
-                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                    max_model_len=args.max_model_len, max_queue=max(args.num_seqs, 1024),
-                    max_capture_size=args.max_capture_size)
+    return Settings(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        enforce_eager=enforce_eager,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        max_queue=max(args.num_seqs, 1024),
+        max_capture_size=args.max_capture_size,
+    )
 
 
-async def _run_engine(engine: Engine, requests: list[workloads.Request], kinds: list[str], offset: int) -> dict:
+async def _run_engine(
+    engine: Engine, requests: list[workloads.Request], kinds: list[str], offset: int
+) -> dict:
     """One workload, all at once; kinds[k] is the kind of step trace record offset + k."""
     warm = engine.generate("warm", requests[0].prompt[:16], SamplingParams(max_tokens=8, ignore_eos=True))
     async for _ in warm:
@@ -88,8 +105,9 @@ async def _run_engine(engine: Engine, requests: list[workloads.Request], kinds: 
 
     async def one(i: int) -> int:
         r = requests[i]
-        params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p, seed=r.seed,
-                                ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p, seed=r.seed, ignore_eos=True
+        )
         n = 0
         # stream=False: one output per request, so the benchmark measures the engine, not 256
         # consumer coroutines waking up once per token.
@@ -110,10 +128,18 @@ async def _run_engine(engine: Engine, requests: list[workloads.Request], kinds: 
     # Host ms per step by phase (sample includes waiting for the GPU); the rest of the wall time is
     # the engine loop itself (inbox, gauges, stats, delivery) and idle time between requests.
     phases = {k: (v - phases0[k]) * 1e3 / steps for k, v in core.phase_seconds.items()}
-    return {"seconds": elapsed, "output_tokens": sum(counts), "tokens_per_s": sum(counts) / elapsed,
-            "steps": steps, "ms_per_step": elapsed * 1e3 / steps, "phase_ms_per_step": phases, "trace": trace,
-            "by_kind": step_trace.by_kind(records[offset:], list(kinds), t0),
-            "cache_info": await engine.cache_info(), "stats": engine.stats()}   # fresh, from the engine thread
+    return {
+        "seconds": elapsed,
+        "output_tokens": sum(counts),
+        "tokens_per_s": sum(counts) / elapsed,
+        "steps": steps,
+        "ms_per_step": elapsed * 1e3 / steps,
+        "phase_ms_per_step": phases,
+        "trace": trace,
+        "by_kind": step_trace.by_kind(records[offset:], list(kinds), t0),
+        "cache_info": await engine.cache_info(),
+        "stats": engine.stats(),
+    }  # fresh, from the engine thread
 
 
 async def _run_all(engine: Engine, runs: dict[str, list[workloads.Request]], kinds: list[str], offset: int):
@@ -121,8 +147,9 @@ async def _run_all(engine: Engine, runs: dict[str, list[workloads.Request]], kin
     for name, requests in runs.items():
         stats0 = engine.stats().get("steps_by_mode") or {}
         out[name] = await _run_engine(engine, requests, kinds, offset)
-        out[name]["steps_by_mode"] = {k: v - stats0.get(k, 0)
-                                      for k, v in (out[name]["stats"].get("steps_by_mode") or {}).items()}
+        out[name]["steps_by_mode"] = {
+            k: v - stats0.get(k, 0) for k, v in (out[name]["stats"].get("steps_by_mode") or {}).items()
+        }
     return out
 
 
@@ -138,7 +165,7 @@ def bench_engine(args, mode: str, runs: dict[str, list[workloads.Request]]) -> l
     settings = engine_settings(args, enforce_eager=mode == "eager")
     # The step trace (benchmarks/step_trace.py) is read from the core; the file is written at shutdown.
     settings = _updated(settings, step_trace=Path(tempfile.gettempdir()) / f"offline_steps_{mode}.jsonl")
-    if mode == "graph-noprefix":   # the same graph engine with automatic prefix caching off
+    if mode == "graph-noprefix":  # the same graph engine with automatic prefix caching off
         settings = _updated(settings, enable_prefix_caching=False)
     engine = Engine(settings, Metrics())
     t0 = time.perf_counter()
@@ -147,22 +174,29 @@ def bench_engine(args, mode: str, runs: dict[str, list[workloads.Request]]) -> l
         raise RuntimeError(f"engine failed: {engine.error}")
     ready_s = time.perf_counter() - t0
     report = engine.warmup_report
-    offset = len(engine.core.step_trace)   # records before the kinds are recorded (none when idle)
+    offset = len(engine.core.step_trace)  # records before the kinds are recorded (none when idle)
     kinds = step_trace.record_step_kinds(engine.core)
     rows = []
     try:
         for name, row in asyncio.run(_run_all(engine, runs, kinds, offset)).items():
             cache_info, stats = row.pop("cache_info"), row.pop("stats")
             cache = cache_info.get("stats", {})
-            rows.append({"mode": mode, "workload": name, **row,
-                         "load_and_warmup_s": ready_s, "warmup_s": getattr(report, "seconds", 0.0),
-                         "graphs_warmed": len(getattr(report, "captured", []) or []),
-                         "warmup_pool_bytes": getattr(report, "pool_bytes", 0),
-                         "graph_pool_bytes": cache_info.get("totals", {}).get("pool_bytes", 0),
-                         "graph_entries": cache_info.get("totals", {}).get("entries", 0),
-                         "preemptions": stats.get("preemptions"),
-                         "hit_ratio": cache.get("hits", 0) / max(cache.get("hits", 0) + cache.get("misses", 0), 1),
-                         "cache_stats": cache})
+            rows.append(
+                {
+                    "mode": mode,
+                    "workload": name,
+                    **row,
+                    "load_and_warmup_s": ready_s,
+                    "warmup_s": getattr(report, "seconds", 0.0),
+                    "graphs_warmed": len(getattr(report, "captured", []) or []),
+                    "warmup_pool_bytes": getattr(report, "pool_bytes", 0),
+                    "graph_pool_bytes": cache_info.get("totals", {}).get("pool_bytes", 0),
+                    "graph_entries": cache_info.get("totals", {}).get("entries", 0),
+                    "preemptions": stats.get("preemptions"),
+                    "hit_ratio": cache.get("hits", 0) / max(cache.get("hits", 0) + cache.get("misses", 0), 1),
+                    "cache_stats": cache,
+                }
+            )
     finally:
         engine.shutdown()
         del engine
@@ -176,10 +210,14 @@ def bench_hf(args, prompts, outputs) -> dict:
     from transformers import AutoModelForCausalLM
 
     device = "cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
-    dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    dtype = {
+        "auto": torch.bfloat16 if device == "cuda" else torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "float32": torch.float32,
+    }[args.dtype]
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
-    model.generation_config.eos_token_id = None   # ignore_eos: every request runs to its length
+    model.generation_config.eos_token_id = None  # ignore_eos: every request runs to its length
     model.generation_config.pad_token_id = 0
     cache_impl = args.hf_cache
 
@@ -187,9 +225,9 @@ def bench_hf(args, prompts, outputs) -> dict:
         width = max(len(p) for p in batch_prompts)
         ids = torch.zeros(len(batch_prompts), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
-        for r, p in enumerate(batch_prompts):   # left padding: generation continues every row at the end
-            ids[r, width - len(p):] = torch.tensor(p)
-            mask[r, width - len(p):] = 1
+        for r, p in enumerate(batch_prompts):  # left padding: generation continues every row at the end
+            ids[r, width - len(p) :] = torch.tensor(p)
+            mask[r, width - len(p) :] = 1
         kw = dict(max_new_tokens=max_new, min_new_tokens=max_new, do_sample=args.temperature > 0)
         if args.temperature > 0:
             kw["temperature"] = args.temperature
@@ -199,13 +237,15 @@ def bench_hf(args, prompts, outputs) -> dict:
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kw)
         return out.shape[1] - width
 
-    try:   # warm (and check the static cache works for this model/version; else fall back)
+    try:  # warm (and check the static cache works for this model/version; else fall back)
         run_batch([prompts[0][:16]], 4)
     except Exception as exc:  # noqa: BLE001 - report and fall back rather than lose the baseline
         if cache_impl != "static":
             raise
-        print(f"note: HF static cache failed ({type(exc).__name__}: {exc}); using the dynamic cache",
-              file=sys.stderr)
+        print(
+            f"note: HF static cache failed ({type(exc).__name__}: {exc}); using the dynamic cache",
+            file=sys.stderr,
+        )
         cache_impl = "dynamic"
         run_batch([prompts[0][:16]], 4)
     if device == "cuda":
@@ -214,8 +254,8 @@ def bench_hf(args, prompts, outputs) -> dict:
     generated = useful = 0
     bs = args.hf_batch_size
     for start in range(0, len(prompts), bs):
-        outs = outputs[start:start + bs]
-        new = run_batch(prompts[start:start + bs], max(outs))
+        outs = outputs[start : start + bs]
+        new = run_batch(prompts[start : start + bs], max(outs))
         generated += new * len(outs)
         useful += sum(outs)
     if device == "cuda":
@@ -225,27 +265,45 @@ def bench_hf(args, prompts, outputs) -> dict:
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-    return {"mode": "hf", "seconds": elapsed, "output_tokens": useful, "tokens_per_s": useful / elapsed,
-            "generated_tokens": generated, "hf_cache": cache_impl, "hf_batch_size": bs,
-            "load_and_warmup_s": 0.0, "warmup_s": 0.0, "graph_pool_bytes": 0}
+    return {
+        "mode": "hf",
+        "seconds": elapsed,
+        "output_tokens": useful,
+        "tokens_per_s": useful / elapsed,
+        "generated_tokens": generated,
+        "hf_cache": cache_impl,
+        "hf_batch_size": bs,
+        "load_and_warmup_s": 0.0,
+        "warmup_s": 0.0,
+        "graph_pool_bytes": 0,
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
-    ap.add_argument("--modes", default="eager,graph,hf", help="comma list of eager, graph, graph-noprefix "
-                    "(prefix caching off), hf")
-    ap.add_argument("--workload", default="nano", help="comma list of nano, realistic (benchmarks/workloads.py)")
+    ap.add_argument(
+        "--modes",
+        default="eager,graph,hf",
+        help="comma list of eager, graph, graph-noprefix (prefix caching off), hf",
+    )
+    ap.add_argument(
+        "--workload", default="nano", help="comma list of nano, realistic (benchmarks/workloads.py)"
+    )
     ap.add_argument("--num-seqs", type=int, default=256, help="nano: requests")
     ap.add_argument("--min-input", type=int, default=100)
     ap.add_argument("--max-input", type=int, default=1024)
     ap.add_argument("--min-output", type=int, default=100)
     ap.add_argument("--max-output", type=int, default=1024)
-    ap.add_argument("--realistic-requests", type=int, default=0, help="realistic: requests (0 = 2 x --max-num-seqs)")
+    ap.add_argument(
+        "--realistic-requests", type=int, default=0, help="realistic: requests (0 = 2 x --max-num-seqs)"
+    )
     ap.add_argument("--prompt-cap", type=int, default=2048, help="realistic: longest prompt")
     ap.add_argument("--output-cap", type=int, default=1024, help="realistic: longest output")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--temperature", type=float, default=0.0, help="nano: 0 = greedy (default, same for all modes)")
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="nano: 0 = greedy (default, same for all modes)"
+    )
     ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -254,15 +312,32 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-capture-size", type=int, default=256)
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--hf-cache", default="static", choices=["static", "dynamic"])
-    ap.add_argument("--smoke", action="store_true", help="a CPU-sized run: the tiny model (written to a temp dir "
-                    "unless --model/--make-model), 6 nano and 8 realistic requests with short caps, eager")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a CPU-sized run: the tiny model (written to a temp dir "
+        "unless --model/--make-model), 6 nano and 8 realistic requests with short caps, eager",
+    )
     ap.add_argument("--out", type=Path, help="write results as JSON here")
     return ap
 
 
-SMOKE = dict(device="cpu", modes="eager", num_seqs=6, min_input=8, max_input=48, min_output=4, max_output=12,
-             max_num_seqs=4, realistic_requests=8, prompt_cap=96, output_cap=16, max_num_batched_tokens=256,
-             max_model_len=512, max_capture_size=8)
+SMOKE = dict(
+    device="cpu",
+    modes="eager",
+    num_seqs=6,
+    min_input=8,
+    max_input=48,
+    min_output=4,
+    max_output=12,
+    max_num_seqs=4,
+    realistic_requests=8,
+    prompt_cap=96,
+    output_cap=16,
+    max_num_batched_tokens=256,
+    max_model_len=512,
+    max_capture_size=8,
+)
 
 
 def apply_smoke(args: argparse.Namespace) -> None:
@@ -307,32 +382,50 @@ def main(argv: list[str] | None = None) -> int:
             if "nano" not in runs:
                 print("note: hf runs the nano workload only; skipped", file=sys.stderr)
                 continue
-            rows = [dict(bench_hf(args, [r.prompt for r in runs["nano"]], [r.max_tokens for r in runs["nano"]]),
-                         workload="nano")]
+            rows = [
+                dict(
+                    bench_hf(args, [r.prompt for r in runs["nano"]], [r.max_tokens for r in runs["nano"]]),
+                    workload="nano",
+                )
+            ]
         else:
             ap.error(f"unknown mode {mode!r}; use eager, graph, graph-noprefix, hf")
         results += rows
         for r in rows:
-            print(f"  {mode} {r['workload']}: {r['output_tokens']} tokens in {r['seconds']:.1f}s = "
-                  f"{r['tokens_per_s']:.0f} tok/s", file=sys.stderr, flush=True)
+            print(
+                f"  {mode} {r['workload']}: {r['output_tokens']} tokens in {r['seconds']:.1f}s = "
+                f"{r['tokens_per_s']:.0f} tok/s",
+                file=sys.stderr,
+                flush=True,
+            )
 
-    print(f"\n{'mode':<15}{'workload':<10}{'output tok/s':>14}{'seconds':>10}{'tokens':>10}{'warmup s':>10}"
-          f"{'pool MiB':>10}")
+    print(
+        f"\n{'mode':<15}{'workload':<10}{'output tok/s':>14}{'seconds':>10}{'tokens':>10}{'warmup s':>10}"
+        f"{'pool MiB':>10}"
+    )
     for r in results:
-        print(f"{r['mode']:<15}{r['workload']:<10}{r['tokens_per_s']:>14.0f}{r['seconds']:>10.1f}{r['output_tokens']:>10}"
-              f"{r['warmup_s']:>10.2f}{r['graph_pool_bytes'] / 2**20:>10.1f}")
+        print(
+            f"{r['mode']:<15}{r['workload']:<10}{r['tokens_per_s']:>14.0f}{r['seconds']:>10.1f}{r['output_tokens']:>10}"
+            f"{r['warmup_s']:>10.2f}{r['graph_pool_bytes'] / 2**20:>10.1f}"
+        )
     engine_rows = [r for r in results if "phase_ms_per_step" in r]
     if engine_rows:
         print("\nper step (host ms; sample includes waiting for the GPU):")
-        print(f"{'mode':<15}{'workload':<10}{'steps':>7}{'wall':>8}{'schedule':>10}{'execute':>9}{'sample':>8}"
-              f"{'postproc':>10}{'other':>7}")
+        print(
+            f"{'mode':<15}{'workload':<10}{'steps':>7}{'wall':>8}{'schedule':>10}{'execute':>9}{'sample':>8}"
+            f"{'postproc':>10}{'other':>7}"
+        )
         for r in engine_rows:
             ph = r["phase_ms_per_step"]
             other = r["ms_per_step"] - sum(ph.values())
-            print(f"{r['mode']:<15}{r['workload']:<10}{r['steps']:>7}{r['ms_per_step']:>8.2f}{ph['schedule']:>10.2f}"
-                  f"{ph['execute']:>9.2f}{ph['sample']:>8.2f}{ph['postprocess']:>10.2f}{other:>7.2f}")
-        print("\nsteps by kind (decode: one token a row; prefill: prompt chunks only; mixed: both; "
-              "ms = completion to completion):")
+            print(
+                f"{r['mode']:<15}{r['workload']:<10}{r['steps']:>7}{r['ms_per_step']:>8.2f}{ph['schedule']:>10.2f}"
+                f"{ph['execute']:>9.2f}{ph['sample']:>8.2f}{ph['postprocess']:>10.2f}{other:>7.2f}"
+            )
+        print(
+            "\nsteps by kind (decode: one token a row; prefill: prompt chunks only; mixed: both; "
+            "ms = completion to completion):"
+        )
         print(kind_table(engine_rows))
     traced = {f"{r['mode']} {r['workload']}": r["trace"] for r in engine_rows if r.get("trace")}
     if traced:
@@ -343,13 +436,20 @@ def main(argv: list[str] | None = None) -> int:
         if "graph" in by:
             for base in ("eager", "hf"):
                 if base in by:
-                    print(f"{name}: graph / {base}: {by['graph']['tokens_per_s'] / by[base]['tokens_per_s']:.2f}x")
+                    print(
+                        f"{name}: graph / {base}: {by['graph']['tokens_per_s'] / by[base]['tokens_per_s']:.2f}x"
+                    )
     if args.out:
-        meta = {"model": str(args.model), "workloads": {k: workloads.describe(v) for k, v in runs.items()},
-                "num_seqs": args.num_seqs, "input": [args.min_input, args.max_input],
-                "output": [args.min_output, args.max_output], "seed": args.seed,
-                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                "torch": torch.__version__}
+        meta = {
+            "model": str(args.model),
+            "workloads": {k: workloads.describe(v) for k, v in runs.items()},
+            "num_seqs": args.num_seqs,
+            "input": [args.min_input, args.max_input],
+            "output": [args.min_output, args.max_output],
+            "seed": args.seed,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__,
+        }
         args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2, default=str))
     return 0
 

@@ -51,8 +51,16 @@ from benchmarks.served_throughput import measured, pct, running_server  # noqa: 
 async def one(client: httpx.AsyncClient, req: workloads.Request, send_at: float, logprobs: int) -> dict:
     """Sleep until send_at (perf_counter), stream the request; per-token-chunk arrival times."""
     await asyncio.sleep(max(0.0, send_at - time.perf_counter()))
-    body = {"prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    body = {
+        "prompt": req.prompt,
+        "max_tokens": req.max_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
     if req.seed is not None:
         body["seed"] = req.seed
     if logprobs >= 0:
@@ -80,19 +88,30 @@ async def one(client: httpx.AsyncClient, req: workloads.Request, send_at: float,
     tokens = usage["completion_tokens"] if usage else 0
     ok = tokens == req.max_tokens and sum(counts) == tokens
     itl = [(b - a) / n for a, b, n in zip(times, times[1:], counts[1:], strict=False) for _ in range(n)]
-    return {"ok": ok, "tokens": tokens, "start": t0, "end": time.perf_counter(),
-            "ttft": times[0] - t0 if times else math.nan,
-            "tpot": (times[-1] - times[0]) / (tokens - 1) if times and tokens > 1 else math.nan, "itl": itl,
-            "error": None if ok else f"{tokens} tokens ({sum(counts)} in chunks), wanted {req.max_tokens}"}
+    return {
+        "ok": ok,
+        "tokens": tokens,
+        "start": t0,
+        "end": time.perf_counter(),
+        "ttft": times[0] - t0 if times else math.nan,
+        "tpot": (times[-1] - times[0]) / (tokens - 1) if times and tokens > 1 else math.nan,
+        "itl": itl,
+        "error": None if ok else f"{tokens} tokens ({sum(counts)} in chunks), wanted {req.max_tokens}",
+    }
 
 
-async def run_rate(url: str, requests: list[workloads.Request], rate: float, seed: int, logprobs: int) -> list[dict]:
+async def run_rate(
+    url: str, requests: list[workloads.Request], rate: float, seed: int, logprobs: int
+) -> list[dict]:
     offsets = workloads.poisson_arrivals(len(requests), rate, seed)
     limits = httpx.Limits(max_connections=len(requests) + 8, max_keepalive_connections=len(requests) + 8)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(900.0), limits=limits) as client:
         t0 = time.perf_counter() + 0.05
-        return list(await asyncio.gather(*(one(client, r, t0 + o, logprobs)
-                                           for r, o in zip(requests, offsets, strict=True))))
+        return list(
+            await asyncio.gather(
+                *(one(client, r, t0 + o, logprobs) for r, o in zip(requests, offsets, strict=True))
+            )
+        )
 
 
 def summarize(rate: float, results: list[dict], slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
@@ -100,19 +119,33 @@ def summarize(rate: float, results: list[dict], slo_ttft_ms: float, slo_tpot_ms:
     span = max(r["end"] for r in results) - min(r.get("start", r["end"]) for r in results)
     ms = {k: [r[k] * 1e3 for r in good if not math.isnan(r[k])] for k in ("ttft", "tpot")}
     itl = [x * 1e3 for r in good for x in r["itl"]]
-    met = [r for r in good if r["ttft"] * 1e3 <= slo_ttft_ms and (r["tpot"] * 1e3 <= slo_tpot_ms or math.isnan(r["tpot"]))]
-    row = {"rate": rate, "requests": len(results), "errors": len(results) - len(good), "seconds": span,
-           "req_per_s": len(good) / span, "output_tokens_per_s": sum(r["tokens"] for r in good) / span,
-           "goodput_req_per_s": len(met) / span, "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms},
-           "first_errors": [r["error"] for r in results if not r["ok"]][:3]}
+    met = [
+        r
+        for r in good
+        if r["ttft"] * 1e3 <= slo_ttft_ms and (r["tpot"] * 1e3 <= slo_tpot_ms or math.isnan(r["tpot"]))
+    ]
+    row = {
+        "rate": rate,
+        "requests": len(results),
+        "errors": len(results) - len(good),
+        "seconds": span,
+        "req_per_s": len(good) / span,
+        "output_tokens_per_s": sum(r["tokens"] for r in good) / span,
+        "goodput_req_per_s": len(met) / span,
+        "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms},
+        "first_errors": [r["error"] for r in results if not r["ok"]][:3],
+    }
     for key, values in (*ms.items(), ("itl", itl)):
         row[f"{key}_ms_p50"], row[f"{key}_ms_p99"] = pct(values, 0.5), pct(values, 0.99)
     return row
 
 
 def requests_for(args, rate: float, k: int, vocab: int) -> list[workloads.Request]:
-    n = args.num_requests if math.isinf(rate) else min(args.num_requests, max(args.min_requests,
-                                                                              math.ceil(rate * args.max_seconds)))
+    n = (
+        args.num_requests
+        if math.isinf(rate)
+        else min(args.num_requests, max(args.min_requests, math.ceil(rate * args.max_seconds)))
+    )
     shape = workloads.RealisticShape(prompt_cap=args.prompt_cap, output_cap=args.output_cap)
     return workloads.realistic(n, vocab, args.seed + 1 + k, shape)
 
@@ -120,23 +153,35 @@ def requests_for(args, rate: float, k: int, vocab: int) -> list[workloads.Reques
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
-    ap.add_argument("--rates", help="comma list of request rates (req/s); inf = all at once (default 2,8,32,inf; "
-                    "--smoke: 4,inf)")
-    ap.add_argument("--num-requests", type=int, default=512, help="requests per rate at most (all of them at inf)")
-    ap.add_argument("--max-seconds", type=float, default=60.0, help="a finite rate sends rate x this many requests")
+    ap.add_argument(
+        "--rates",
+        help="comma list of request rates (req/s); inf = all at once (default 2,8,32,inf; --smoke: 4,inf)",
+    )
+    ap.add_argument(
+        "--num-requests", type=int, default=512, help="requests per rate at most (all of them at inf)"
+    )
+    ap.add_argument(
+        "--max-seconds", type=float, default=60.0, help="a finite rate sends rate x this many requests"
+    )
     ap.add_argument("--min-requests", type=int, default=32, help="... but at least this many")
     ap.add_argument("--prompt-cap", type=int, default=2048)
     ap.add_argument("--output-cap", type=int, default=1024)
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=50.0)
-    ap.add_argument("--logprobs", type=int, default=0, help="logprobs asked per request (-1: none; see above)")
+    ap.add_argument(
+        "--logprobs", type=int, default=0, help="logprobs asked per request (-1: none; see above)"
+    )
     ap.add_argument("--max-num-seqs", type=int, default=256, help="the server's GRAPHCACHE_MAX_NUM_SEQS")
     ap.add_argument("--max-model-len", type=int, default=4096, help="the server's GRAPHCACHE_MAX_MODEL_LEN")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=8124)
     ap.add_argument("--log", type=Path, default=Path("open_loop_server.log"))
-    ap.add_argument("--smoke", action="store_true", help="the tiny model (temp dir unless --model/--make-model), "
-                    "rates 4,inf, 6 requests each, short prompts and outputs")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the tiny model (temp dir unless --model/--make-model), "
+        "rates 4,inf, 6 requests each, short prompts and outputs",
+    )
     ap.add_argument("--out", type=Path)
     return ap
 
@@ -156,8 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     rates = [float(r) for r in (args.rates or "2,8,32,inf").split(",")]
     rows = []
     with running_server(model, args.port, args.log, args.max_num_seqs, args.max_model_len) as (proc, url, _):
-        warm = workloads.realistic(4, vocab, args.seed + 10_000, workloads.RealisticShape(prompt_cap=64, output_cap=8))
-        asyncio.run(run_rate(url, warm, math.inf, 0, args.logprobs))   # first requests, HTTP stack
+        warm = workloads.realistic(
+            4, vocab, args.seed + 10_000, workloads.RealisticShape(prompt_cap=64, output_cap=8)
+        )
+        asyncio.run(run_rate(url, warm, math.inf, 0, args.logprobs))  # first requests, HTTP stack
         for k, rate in enumerate(rates):
             reqs = requests_for(args, rate, k, vocab)
             print(f"rate {rate}: {workloads.describe(reqs)}", file=sys.stderr, flush=True)
@@ -167,16 +214,22 @@ def main(argv: list[str] | None = None) -> int:
                 return summarize(rate, results, args.slo_ttft_ms, args.slo_tpot_ms)
 
             rows.append(measured(run, proc.pid, url))
-    print(f"\nopen loop, realistic workload, SLO TTFT <= {args.slo_ttft_ms:.0f} ms and TPOT <= {args.slo_tpot_ms:.0f} ms "
-          f"(client-side ms; server = its /metrics histograms)")
-    print("| rate | reqs | err | req/s | out tok/s | goodput req/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 "
-          "| ITL p50 | ITL p99 | server TTFT p50 | p99 | server TPOT p50 | p99 |")
+    print(
+        f"\nopen loop, realistic workload, SLO TTFT <= {args.slo_ttft_ms:.0f} ms and TPOT <= {args.slo_tpot_ms:.0f} ms "
+        f"(client-side ms; server = its /metrics histograms)"
+    )
+    print(
+        "| rate | reqs | err | req/s | out tok/s | goodput req/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 "
+        "| ITL p50 | ITL p99 | server TTFT p50 | p99 | server TPOT p50 | p99 |"
+    )
     print("|---" * 16 + "|")
     for r in rows:
-        print(f"| {r['rate']:g} | {r['requests']} | {r['errors']} | {r['req_per_s']:.2f} | {r['output_tokens_per_s']:.0f} "
-              f"| {r['goodput_req_per_s']:.2f} | {r['ttft_ms_p50']:.0f} | {r['ttft_ms_p99']:.0f} | {r['tpot_ms_p50']:.2f} "
-              f"| {r['tpot_ms_p99']:.2f} | {r['itl_ms_p50']:.2f} | {r['itl_ms_p99']:.2f} | {r['server_ttft_ms_p50']:.0f} "
-              f"| {r['server_ttft_ms_p99']:.0f} | {r['server_tpot_ms_p50']:.2f} | {r['server_tpot_ms_p99']:.2f} |")
+        print(
+            f"| {r['rate']:g} | {r['requests']} | {r['errors']} | {r['req_per_s']:.2f} | {r['output_tokens_per_s']:.0f} "
+            f"| {r['goodput_req_per_s']:.2f} | {r['ttft_ms_p50']:.0f} | {r['ttft_ms_p99']:.0f} | {r['tpot_ms_p50']:.2f} "
+            f"| {r['tpot_ms_p99']:.2f} | {r['itl_ms_p50']:.2f} | {r['itl_ms_p99']:.2f} | {r['server_ttft_ms_p50']:.0f} "
+            f"| {r['server_ttft_ms_p99']:.0f} | {r['server_tpot_ms_p50']:.2f} | {r['server_tpot_ms_p99']:.2f} |"
+        )
     for r in rows:
         if r["errors"]:
             print(f"rate {r['rate']:g}: first errors {r['first_errors']}")

@@ -104,16 +104,24 @@ def run_capture_mode(work: Workload, sizes: list[int], shared: bool) -> dict:
         g.close()
     graphs.clear()
     after_all = reserved() - base
-    return {"after_capture_mib": after_capture / MiB, "pool_mib": pool_total / MiB,
-            "after_evict_largest_mib": after_one / MiB, "after_evict_all_mib": after_all / MiB,
-            "freed_by_evict_largest_mib": (after_capture - after_one) / MiB,
-            "capture_ms_median": statistics.median(times), "capture_ms_total": sum(times)}
+    return {
+        "after_capture_mib": after_capture / MiB,
+        "pool_mib": pool_total / MiB,
+        "after_evict_largest_mib": after_one / MiB,
+        "after_evict_all_mib": after_all / MiB,
+        "freed_by_evict_largest_mib": (after_capture - after_one) / MiB,
+        "capture_ms_median": statistics.median(times),
+        "capture_ms_total": sum(times),
+    }
 
 
 def run_cache_mode(work: Workload, sizes: list[int], lazy_pool: str) -> dict:
     base = reserved()
-    cache = GraphCache(lambda d: work.step(d.num_tokens), backend="cuda",
-                       config=CachePolicyConfig(max_entries=len(sizes) + 1, max_bytes=1 << 45, lazy_pool=lazy_pool))
+    cache = GraphCache(
+        lambda d: work.step(d.num_tokens),
+        backend="cuda",
+        config=CachePolicyConfig(max_entries=len(sizes) + 1, max_bytes=1 << 45, lazy_pool=lazy_pool),
+    )
     descs = [BatchDescriptor(t, t, True) for t in sizes]
     cache.warmup(descs, pin=False)
     after_capture = reserved() - base
@@ -122,16 +130,22 @@ def run_cache_mode(work: Workload, sizes: list[int], lazy_pool: str) -> dict:
     times = [e.capture_seconds * 1e3 for e in cache.entries()]
     cache.evict(descs[0])
     after_one = reserved() - base
-    match, worst = _replays_match(cache, work, descs[1:])   # survivors over the freed/reused memory
+    match, worst = _replays_match(cache, work, descs[1:])  # survivors over the freed/reused memory
     rep = cache.clear()
     after_all = reserved() - base
-    return {"after_capture_mib": after_capture / MiB, "pool_mib": reported / MiB,
-            "reported_equals_allocator": reported == measured,
-            "after_evict_largest_mib": after_one / MiB, "after_evict_all_mib": after_all / MiB,
-            "freed_by_evict_largest_mib": (after_capture - after_one) / MiB,
-            "clear_bytes_freed_mib": rep.bytes_freed / MiB, "replays_match_eager": match,
-            "replay_worst_rel_err": worst,
-            "capture_ms_total": cache.stats().capture_seconds * 1e3, "capture_ms_median": statistics.median(times)}
+    return {
+        "after_capture_mib": after_capture / MiB,
+        "pool_mib": reported / MiB,
+        "reported_equals_allocator": reported == measured,
+        "after_evict_largest_mib": after_one / MiB,
+        "after_evict_all_mib": after_all / MiB,
+        "freed_by_evict_largest_mib": (after_capture - after_one) / MiB,
+        "clear_bytes_freed_mib": rep.bytes_freed / MiB,
+        "replays_match_eager": match,
+        "replay_worst_rel_err": worst,
+        "capture_ms_total": cache.stats().capture_seconds * 1e3,
+        "capture_ms_median": statistics.median(times),
+    }
 
 
 def _replays_match(cache: GraphCache, work: Workload, descs: list[BatchDescriptor]) -> tuple[bool, float]:
@@ -158,41 +172,58 @@ def run_pinned_mode(work: Workload, sizes: list[int]) -> dict:
     lazy_sizes = [(a + b) // 2 for a, b in zip(sizes, sizes[1:], strict=False)][:4]  # largest first
     descs = [BatchDescriptor(t, t, True) for t in sizes]
     lazy = [BatchDescriptor(t, t, True) for t in lazy_sizes]
-    cache = GraphCache(lambda d: work.step(d.num_tokens), backend="cuda",
-                       config=CachePolicyConfig(max_entries=len(descs) + len(lazy), max_bytes=1 << 45,
-                                                lazy_pool="private"))
+    cache = GraphCache(
+        lambda d: work.step(d.num_tokens),
+        backend="cuda",
+        config=CachePolicyConfig(max_entries=len(descs) + len(lazy), max_bytes=1 << 45, lazy_pool="private"),
+    )
     cache.warmup(descs)  # pin=True: one shared pinned pool
     after_capture = reserved() - base
     pinned = cache.stats().pinned_pool_bytes
-    pinned_equals_allocator = pinned == pool_bytes(cache.policy.pools.shared["pinned"].handle) == cache.stats().pool_bytes
+    pinned_equals_allocator = (
+        pinned == pool_bytes(cache.policy.pools.shared["pinned"].handle) == cache.stats().pool_bytes
+    )
     times = [e.capture_seconds * 1e3 for e in cache.entries()]
     growth = {e.descriptor: e.bytes / MiB for e in cache.entries()}
     for d in lazy:
         cache.run(d)  # lazily admitted: one private pool each
     after_lazy = reserved() - base
     lazy_bytes = [cache._entries[d].bytes for d in lazy]
-    lazy_equals_allocator = all(cache._entries[d].bytes == pool_bytes(cache._entries[d].pool.handle) for d in lazy)
+    lazy_equals_allocator = all(
+        cache._entries[d].bytes == pool_bytes(cache._entries[d].pool.handle) for d in lazy
+    )
     cache.evict(lazy[0])  # the largest lazily admitted entry
     after_one = reserved() - base
     match, worst = _replays_match(cache, work, descs)
     rep = cache.clear()
     after_all = reserved() - base
-    return {"after_capture_mib": after_capture / MiB, "pool_mib": pinned / MiB,
-            "pinned_pool_growth_mib": growth, "reported_equals_allocator": pinned_equals_allocator and
-            lazy_equals_allocator, "lazy_sizes": lazy_sizes, "lazy_mib": [b / MiB for b in lazy_bytes],
-            "after_lazy_mib": after_lazy / MiB, "after_evict_largest_mib": after_one / MiB,
-            "freed_by_evict_largest_mib": (after_lazy - after_one) / MiB,
-            "evicted_lazy_entry_mib": lazy_bytes[0] / MiB, "after_evict_all_mib": after_all / MiB,
-            "clear_bytes_freed_mib": rep.bytes_freed / MiB, "pinned_replays_match_eager": match,
-            "pinned_replay_worst_rel_err": worst,
-            "capture_ms_total": sum(times), "capture_ms_median": statistics.median(times)}
+    return {
+        "after_capture_mib": after_capture / MiB,
+        "pool_mib": pinned / MiB,
+        "pinned_pool_growth_mib": growth,
+        "reported_equals_allocator": pinned_equals_allocator and lazy_equals_allocator,
+        "lazy_sizes": lazy_sizes,
+        "lazy_mib": [b / MiB for b in lazy_bytes],
+        "after_lazy_mib": after_lazy / MiB,
+        "after_evict_largest_mib": after_one / MiB,
+        "freed_by_evict_largest_mib": (after_lazy - after_one) / MiB,
+        "evicted_lazy_entry_mib": lazy_bytes[0] / MiB,
+        "after_evict_all_mib": after_all / MiB,
+        "clear_bytes_freed_mib": rep.bytes_freed / MiB,
+        "pinned_replays_match_eager": match,
+        "pinned_replay_worst_rel_err": worst,
+        "capture_ms_total": sum(times),
+        "capture_ms_median": statistics.median(times),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--sizes", default="2048,1536,1024,768,512,256,128,64", help="token counts, largest first")
+    ap.add_argument(
+        "--sizes", default="2048,1536,1024,768,512,256,128,64", help="token counts, largest first"
+    )
     ap.add_argument("--out", type=Path, default=Path("pool_eviction.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -200,35 +231,52 @@ def main() -> None:
     sizes = sorted((int(s) for s in args.sizes.split(",")), reverse=True)
     work = Workload(args.layers, args.hidden, sizes[0])
     work.step(sizes[0])
-    result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
-              "layers": args.layers, "hidden": args.hidden, "sizes": sizes, "modes": {}}
+    result = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "command": " ".join(sys.argv),
+        "layers": args.layers,
+        "hidden": args.hidden,
+        "sizes": sizes,
+        "modes": {},
+    }
     result["modes"]["shared"] = run_capture_mode(work, sizes, shared=True)
     result["modes"]["per_entry"] = run_capture_mode(work, sizes, shared=False)
     result["modes"]["cache"] = run_cache_mode(work, sizes, "private")
     result["modes"]["lazy"] = run_cache_mode(work, sizes, "shared")
     result["modes"]["pinned"] = run_pinned_mode(work, sizes)
-    print(f"{len(sizes)} captures, {args.layers} layers, hidden {args.hidden}, bf16; MiB reserved above start "
-          f"(after empty_cache)")
-    print("| mode | after capture | pool bytes | after evicting largest | freed by that | after evicting all "
-          "| capture ms median | capture ms total |")
+    print(
+        f"{len(sizes)} captures, {args.layers} layers, hidden {args.hidden}, bf16; MiB reserved above start "
+        f"(after empty_cache)"
+    )
+    print(
+        "| mode | after capture | pool bytes | after evicting largest | freed by that | after evicting all "
+        "| capture ms median | capture ms total |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for mode, r in result["modes"].items():
-        print(f"| {mode} | {r['after_capture_mib']:.1f} | {r['pool_mib']:.1f} | {r['after_evict_largest_mib']:.1f} "
-              f"| {r['freed_by_evict_largest_mib']:.1f} | {r['after_evict_all_mib']:.1f} "
-              f"| {r['capture_ms_median']:.1f} | {r['capture_ms_total']:.0f} |")
+        print(
+            f"| {mode} | {r['after_capture_mib']:.1f} | {r['pool_mib']:.1f} | {r['after_evict_largest_mib']:.1f} "
+            f"| {r['freed_by_evict_largest_mib']:.1f} | {r['after_evict_all_mib']:.1f} "
+            f"| {r['capture_ms_median']:.1f} | {r['capture_ms_total']:.0f} |"
+        )
     for mode in ("cache", "lazy"):
         r = result["modes"][mode]
-        print(f"{mode}: reported pool bytes == allocator: {r['reported_equals_allocator']}; survivors replay == "
-              f"eager after evicting the largest: {r['replays_match_eager']} (worst rel err "
-              f"{r['replay_worst_rel_err']:.1e})")
+        print(
+            f"{mode}: reported pool bytes == allocator: {r['reported_equals_allocator']}; survivors replay == "
+            f"eager after evicting the largest: {r['replays_match_eager']} (worst rel err "
+            f"{r['replay_worst_rel_err']:.1e})"
+        )
     p = result["modes"]["pinned"]
-    print(f"pinned: pinned pool {p['pool_mib']:.1f} MiB (shared mode: {result['modes']['shared']['pool_mib']:.1f}); "
-          f"+ lazily admitted {p['lazy_sizes']}: {', '.join(f'{m:.1f}' for m in p['lazy_mib'])} MiB; evicting "
-          f"the largest ({p['evicted_lazy_entry_mib']:.1f} MiB) freed {p['freed_by_evict_largest_mib']:.1f} MiB; "
-          f"clear freed {p['clear_bytes_freed_mib']:.1f} MiB; reported == allocator: {p['reported_equals_allocator']}; "
-          f"pinned replays == eager after that: {p['pinned_replays_match_eager']} "
-          f"(worst rel err {p['pinned_replay_worst_rel_err']:.1e})")
+    print(
+        f"pinned: pinned pool {p['pool_mib']:.1f} MiB (shared mode: {result['modes']['shared']['pool_mib']:.1f}); "
+        f"+ lazily admitted {p['lazy_sizes']}: {', '.join(f'{m:.1f}' for m in p['lazy_mib'])} MiB; evicting "
+        f"the largest ({p['evicted_lazy_entry_mib']:.1f} MiB) freed {p['freed_by_evict_largest_mib']:.1f} MiB; "
+        f"clear freed {p['clear_bytes_freed_mib']:.1f} MiB; reported == allocator: {p['reported_equals_allocator']}; "
+        f"pinned replays == eager after that: {p['pinned_replays_match_eager']} "
+        f"(worst rel err {p['pinned_replay_worst_rel_err']:.1e})"
+    )
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
 

@@ -45,10 +45,12 @@ def pct(values: list[float], q: float) -> float:
 
 def workload(args, vocab: int) -> list[list[int]]:
     rng = random.Random(args.seed)
-    hi = min(vocab, 10000) - 1   # low ids: every vocab has them, and a random model never sees specials
+    hi = min(vocab, 10000) - 1  # low ids: every vocab has them, and a random model never sees specials
     prefix = [rng.randint(0, hi) for _ in range(args.prefix_tokens)]
-    return [prefix + [rng.randint(0, hi) for _ in range(rng.randint(args.suffix_min, args.suffix_max))]
-            for _ in range(args.requests)]
+    return [
+        prefix + [rng.randint(0, hi) for _ in range(rng.randint(args.suffix_min, args.suffix_max))]
+        for _ in range(args.requests)
+    ]
 
 
 def counter(metrics: Metrics, name: str) -> float:
@@ -57,7 +59,9 @@ def counter(metrics: Metrics, name: str) -> float:
 
 async def burst(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
     # Warm the engine (first step costs, lazy init) on a prompt that shares nothing with the burst.
-    async for _ in engine.generate("warm", [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=4, ignore_eos=True)):
+    async for _ in engine.generate(
+        "warm", [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=4, ignore_eos=True)
+    ):
         pass
 
     async def one(i: int) -> dict:
@@ -79,10 +83,18 @@ async def burst(engine: Engine, prompts: list[list[int]], max_tokens: int) -> di
 
 
 def run(args, prefix_caching: bool, prompts_for) -> dict:
-    settings = Settings(model=args.model, device=args.device, dtype=args.dtype, enforce_eager=args.eager,
-                        enable_prefix_caching=prefix_caching, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                        max_queue=max(args.requests, 1024), **({"cache_dir": args.cache_dir} if args.cache_dir else {}))
+    settings = Settings(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        enforce_eager=args.eager,
+        enable_prefix_caching=prefix_caching,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        max_queue=max(args.requests, 1024),
+        **({"cache_dir": args.cache_dir} if args.cache_dir else {}),
+    )
     metrics = Metrics()
     engine = Engine(settings, metrics)
     engine.start()
@@ -106,20 +118,33 @@ def run(args, prefix_caching: bool, prompts_for) -> dict:
     prompt_tokens = sum(len(p) for p in prompts)
     cached = sum(r["cached"] for r in res)
     ttft = [r["ttft"] * 1e3 for r in res if r["ttft"] is not None]
-    return {"prefix_caching": prefix_caching, "requests": len(prompts), "prompt_tokens": prompt_tokens,
-            "cached_tokens": cached, "prefill_computed_tokens": prompt_tokens - cached,
-            "prefix_cache_queries": queries, "prefix_cache_hits": hits,
-            "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p90": pct(ttft, 0.9), "seconds": b["seconds"],
-            "output_tokens": sum(len(r["tokens"]) for r in res), "preemptions": stats.get("preemptions"),
-            "outputs": [r["tokens"] for r in res]}
+    return {
+        "prefix_caching": prefix_caching,
+        "requests": len(prompts),
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached,
+        "prefill_computed_tokens": prompt_tokens - cached,
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": hits,
+        "ttft_ms_p50": pct(ttft, 0.5),
+        "ttft_ms_p90": pct(ttft, 0.9),
+        "seconds": b["seconds"],
+        "output_tokens": sum(len(r["tokens"]) for r in res),
+        "preemptions": stats.get("preemptions"),
+        "outputs": [r["tokens"] for r in res],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, help="Hugging Face model directory")
-    ap.add_argument("--make-qwen05b", type=Path, metavar="DIR", help="write (once) and use a Qwen2.5-0.5B-shaped model")
+    ap.add_argument(
+        "--make-qwen05b", type=Path, metavar="DIR", help="write (once) and use a Qwen2.5-0.5B-shaped model"
+    )
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny model (CPU smoke runs)")
-    ap.add_argument("--cache-dir", type=Path, help="where the embedded tiny model is written (default: Settings')")
+    ap.add_argument(
+        "--cache-dir", type=Path, help="where the embedded tiny model is written (default: Settings')"
+    )
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prefix-tokens", type=int, default=1000)
     ap.add_argument("--suffix-min", type=int, default=8)
@@ -141,37 +166,50 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is None and not args.tiny:
         ap.error("--model DIR, --make-qwen05b DIR or --tiny")
     if args.tiny and args.max_model_len > 512:
-        args.max_model_len = None   # the embedded model's own limit
+        args.max_model_len = None  # the embedded model's own limit
     if args.tiny:
         args.max_num_batched_tokens = min(args.max_num_batched_tokens, 1024)
 
     prompts_cache: dict[int, list[list[int]]] = {}
 
-    def prompts_for(vocab: int) -> list[list[int]]:   # one workload for every mode
+    def prompts_for(vocab: int) -> list[list[int]]:  # one workload for every mode
         return prompts_cache.setdefault(vocab, workload(args, vocab))
 
     rows = []
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         print(f"running prefix caching {mode} ...", file=sys.stderr, flush=True)
         rows.append(run(args, mode == "on", prompts_for))
-    print(f"\n{args.requests} requests x ({args.prefix_tokens} shared + {args.suffix_min}-{args.suffix_max} own) "
-          f"prompt tokens, {args.max_tokens} output tokens each")
-    print("| prefix caching | prefill computed | cached | prefix hits / queries | TTFT p50 ms | TTFT p90 ms | total s |")
+    print(
+        f"\n{args.requests} requests x ({args.prefix_tokens} shared + {args.suffix_min}-{args.suffix_max} own) "
+        f"prompt tokens, {args.max_tokens} output tokens each"
+    )
+    print(
+        "| prefix caching | prefill computed | cached | prefix hits / queries | TTFT p50 ms | TTFT p90 ms | total s |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {'on' if r['prefix_caching'] else 'off'} | {r['prefill_computed_tokens']} | {r['cached_tokens']} "
-              f"| {r['prefix_cache_hits']:.0f} / {r['prefix_cache_queries']:.0f} | {r['ttft_ms_p50']:.1f} "
-              f"| {r['ttft_ms_p90']:.1f} | {r['seconds']:.2f} |")
+        print(
+            f"| {'on' if r['prefix_caching'] else 'off'} | {r['prefill_computed_tokens']} | {r['cached_tokens']} "
+            f"| {r['prefix_cache_hits']:.0f} / {r['prefix_cache_queries']:.0f} | {r['ttft_ms_p50']:.1f} "
+            f"| {r['ttft_ms_p90']:.1f} | {r['seconds']:.2f} |"
+        )
     same = None
     if len(rows) == 2:
         same = rows[0]["outputs"] == rows[1]["outputs"]
         print(f"greedy outputs equal with and without prefix caching: {same}")
     if args.out:
-        meta = {"model": str(args.model or "embedded tiny"), "requests": args.requests,
-                "prefix_tokens": args.prefix_tokens, "suffix": [args.suffix_min, args.suffix_max],
-                "max_tokens": args.max_tokens, "seed": args.seed, "eager": args.eager,
-                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d", time.gmtime())}
+        meta = {
+            "model": str(args.model or "embedded tiny"),
+            "requests": args.requests,
+            "prefix_tokens": args.prefix_tokens,
+            "suffix": [args.suffix_min, args.suffix_max],
+            "max_tokens": args.max_tokens,
+            "seed": args.seed,
+            "eager": args.eager,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        }
         results = [{k: v for k, v in r.items() if k != "outputs"} for r in rows]
         args.out.write_text(json.dumps({"meta": meta, "results": results, "outputs_equal": same}, indent=2))
     return 0

@@ -48,8 +48,10 @@ def main() -> None:
     Engine._thread_main = profiled
     config = json.loads((model / "config.json").read_text())
     for row in ot.bench_engine(args, known.mode, ot.build_workloads(args, config["vocab_size"])):
-        print(f"{known.mode} {row['workload']}: {row['output_tokens']} tokens in {row['seconds']:.1f}s = "
-              f"{row['tokens_per_s']:.0f} tok/s, steps {row['steps_by_mode']}")
+        print(
+            f"{known.mode} {row['workload']}: {row['output_tokens']} tokens in {row['seconds']:.1f}s = "
+            f"{row['tokens_per_s']:.0f} tok/s, steps {row['steps_by_mode']}"
+        )
     buf = io.StringIO()
     stats = pstats.Stats(prof, stream=buf)
     stats.sort_stats("cumulative").print_stats(known.top)

@@ -55,8 +55,9 @@ CASES = {
     "temperature 0.8, top_k 50, top_p 0.9": lambda i: dict(temperature=0.8, top_k=50, top_p=0.9),
     "temperature 0.8, seeded": lambda i: dict(temperature=0.8, seed=i),
     "temperature 0.8, half seeded": lambda i: dict(temperature=0.8, seed=i if i % 2 else None),
-    "realistic: T 0.8, top_p 0.95, 1/4 seeded": lambda i: dict(temperature=0.8, top_p=0.95,
-                                                               seed=i if i % 4 == 0 else None),
+    "realistic: T 0.8, top_p 0.95, 1/4 seeded": lambda i: dict(
+        temperature=0.8, top_p=0.95, seed=i if i % 4 == 0 else None
+    ),
 }
 
 
@@ -81,11 +82,17 @@ def by_case(logits, flat, rows: int, iters: int) -> list[dict]:
     legacy, fused = Sampler(default_seed=0, fused=False), Sampler(default_seed=0, fused=True)
     out = []
     cases = [(name, logits, seqs_of(make, rows)) for name, make in CASES.items()]
-    cases.append(("top_p 0.9, flat logits (long nuclei)", flat, seqs_of(CASES["temperature 0.8, top_p 0.9"], rows)))
+    cases.append(
+        ("top_p 0.9, flat logits (long nuclei)", flat, seqs_of(CASES["temperature 0.8, top_p 0.9"], rows))
+    )
     for name, x, seqs in cases:
-        out.append({"case": name,
-                    "legacy_ms": gpu_ms(lambda x=x, s=seqs: legacy.sample_device(x, s), iters),
-                    "fused_ms": gpu_ms(lambda x=x, s=seqs: fused.sample_device(x, s), iters)})
+        out.append(
+            {
+                "case": name,
+                "legacy_ms": gpu_ms(lambda x=x, s=seqs: legacy.sample_device(x, s), iters),
+                "fused_ms": gpu_ms(lambda x=x, s=seqs: fused.sample_device(x, s), iters),
+            }
+        )
     return out
 
 
@@ -98,28 +105,56 @@ def pieces(logits, rows: int, iters: int) -> list[dict]:
     x = logits.index_select(0, idx).float()
     z, _, _, _ = sm.filtered_logits(x, temperature=t, top_k=None, top_p=None)
     thr = thresholds(z, None, p)
-    pen = [Sequence(f"r{i}", [1, 2, 3], SamplingParams(temperature=0.8, frequency_penalty=0.5, presence_penalty=0.3))
-           for i in range(rows)]
+    pen = [
+        Sequence(
+            f"r{i}", [1, 2, 3], SamplingParams(temperature=0.8, frequency_penalty=0.5, presence_penalty=0.3)
+        )
+        for i in range(rows)
+    ]
     for i, s in enumerate(pen):
         s.output_token_ids.extend(range(i, i + 64))
     tokens = logits.argmax(dim=-1)
     return [
-        {"piece": "copy (index_select + float)", "ms": gpu_ms(lambda: logits.index_select(0, idx).float(), iters)},
-        {"piece": "temperature (nan_to_num, max, shift, divide)",
-         "ms": gpu_ms(lambda: sm.filtered_logits(x, temperature=t, top_k=None, top_p=None), iters)},
-        {"piece": "penalties (frequency + presence, 64 tokens a row)",
-         "ms": gpu_ms(lambda: sm._apply_penalties(x.clone(), list(range(rows)), pen), iters)},
-        {"piece": "threshold (top_p 0.9: topk prefix + passes)", "ms": gpu_ms(lambda: thresholds(z, None, p), iters)},
+        {
+            "piece": "copy (index_select + float)",
+            "ms": gpu_ms(lambda: logits.index_select(0, idx).float(), iters),
+        },
+        {
+            "piece": "temperature (nan_to_num, max, shift, divide)",
+            "ms": gpu_ms(lambda: sm.filtered_logits(x, temperature=t, top_k=None, top_p=None), iters),
+        },
+        {
+            "piece": "penalties (frequency + presence, 64 tokens a row)",
+            "ms": gpu_ms(lambda: sm._apply_penalties(x.clone(), list(range(rows)), pen), iters),
+        },
+        {
+            "piece": "threshold (top_p 0.9: topk prefix + passes)",
+            "ms": gpu_ms(lambda: thresholds(z, None, p), iters),
+        },
         {"piece": "draw (race over z >= thr)", "ms": gpu_ms(lambda: race_draw(z, thr, keys), iters)},
-        {"piece": "logprobs (token_logprobs, k=5)", "ms": gpu_ms(lambda: token_logprobs(logits, tokens, 5), iters)},
+        {
+            "piece": "logprobs (token_logprobs, k=5)",
+            "ms": gpu_ms(lambda: token_logprobs(logits, tokens, 5), iters),
+        },
         {"piece": "host sync (tokens .tolist())", "ms": gpu_ms(lambda: tokens.tolist(), iters)},
         {"piece": "(x.clone(): one fp32 read+write, for scale)", "ms": gpu_ms(lambda: x.clone(), iters)},
     ]
 
 
-SWEEP = [dict(), dict(block=1024), dict(block=1024, warps=4), dict(block=4096), dict(block=4096, warps=16),
-         dict(warps=16), dict(lblock=128), dict(lblock=512), dict(pivots=8), dict(pivots=32, lblock=128),
-         dict(cap=2048), dict(cap=1024, block=1024, lblock=128, warps=4)]
+SWEEP = [
+    dict(),
+    dict(block=1024),
+    dict(block=1024, warps=4),
+    dict(block=4096),
+    dict(block=4096, warps=16),
+    dict(warps=16),
+    dict(lblock=128),
+    dict(lblock=512),
+    dict(pivots=8),
+    dict(pivots=32, lblock=128),
+    dict(cap=2048),
+    dict(cap=1024, block=1024, lblock=128, warps=4),
+]
 
 
 def sweep(logits, flat, rows: int, iters: int) -> list[dict]:
@@ -136,13 +171,19 @@ def sweep(logits, flat, rows: int, iters: int) -> list[dict]:
     p9, p1 = torch.full((rows,), 0.9, device=dev), torch.ones(rows, device=dev)
     out = []
     for setting in SWEEP:
+
         def run(x, k, p, s=setting):
             return fd.fused_draw(x, idx, t, k, p, lmp, keys, **s)
-        out.append({"setting": ", ".join(f"{a}={b}" for a, b in setting.items()) or "defaults",
-                    "top_p": gpu_ms(lambda: run(logits, off_k, p9), iters),
-                    "top_p flat": gpu_ms(lambda: run(flat, off_k, p9), iters),
-                    "top_k+top_p": gpu_ms(lambda: run(logits, k50, p9), iters),
-                    "temperature": gpu_ms(lambda: run(logits, off_k, p1), iters)})
+
+        out.append(
+            {
+                "setting": ", ".join(f"{a}={b}" for a, b in setting.items()) or "defaults",
+                "top_p": gpu_ms(lambda: run(logits, off_k, p9), iters),
+                "top_p flat": gpu_ms(lambda: run(flat, off_k, p9), iters),
+                "top_k+top_p": gpu_ms(lambda: run(logits, k50, p9), iters),
+                "temperature": gpu_ms(lambda: run(logits, off_k, p1), iters),
+            }
+        )
     return out
 
 
@@ -168,9 +209,13 @@ def main() -> int:
     for r in parts:
         print(f"{r['piece']:<52} {r['ms']:8.3f}")
     swept = sweep(logits, flat, args.rows, args.iters)
-    print(f"\nfused_draw alone by launch setting (GPU ms)\n{'setting':<28} {'top_p':>7} {'flat':>7} {'k+p':>7} {'temp':>7}")
+    print(
+        f"\nfused_draw alone by launch setting (GPU ms)\n{'setting':<28} {'top_p':>7} {'flat':>7} {'k+p':>7} {'temp':>7}"
+    )
     for r in swept:
-        print(f"{r['setting']:<28} {r['top_p']:7.3f} {r['top_p flat']:7.3f} {r['top_k+top_p']:7.3f} {r['temperature']:7.3f}")
+        print(
+            f"{r['setting']:<28} {r['top_p']:7.3f} {r['top_p flat']:7.3f} {r['top_k+top_p']:7.3f} {r['temperature']:7.3f}"
+        )
     if args.out:
         args.out.write_text(json.dumps({"cases": cases, "pieces": parts, "sweep": swept}, indent=1))
     return 0

@@ -72,7 +72,10 @@ def children(pid: int) -> list[int]:
 # The server's own latency histograms (engine clock: arrival -> first token appended; per request, the mean
 # time between its output tokens). The client's TTFT is its first SSE chunk, and on a random checkpoint most
 # ids decode to no text, so chunks come late and few (BENCHMARKS.md §6.5): these are the figures to quote.
-SERVER_HISTOGRAMS = {"ttft": "graphcache_time_to_first_token_seconds", "tpot": "graphcache_time_per_output_token_seconds"}
+SERVER_HISTOGRAMS = {
+    "ttft": "graphcache_time_to_first_token_seconds",
+    "tpot": "graphcache_time_per_output_token_seconds",
+}
 
 
 def server_buckets(url: str) -> dict[str, list[tuple[float, float]]]:
@@ -83,7 +86,9 @@ def server_buckets(url: str) -> dict[str, list[tuple[float, float]]]:
     for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
         for key, name in SERVER_HISTOGRAMS.items():
             if family.name == name:
-                out[key] = sorted((float(x.labels["le"]), x.value) for x in family.samples if x.name.endswith("_bucket"))
+                out[key] = sorted(
+                    (float(x.labels["le"]), x.value) for x in family.samples if x.name.endswith("_bucket")
+                )
     return out
 
 
@@ -114,11 +119,15 @@ def measured(run, pid: int, url: str) -> dict:
     row = run()
     row["window"] = (t0, time.perf_counter())
     row["api_cpu"] = (cpu_seconds(pid) - before[0]) / row["seconds"]
-    row["children_cpu"] = sum(cpu_seconds(k) - b for k, b in zip(kids, before[1], strict=True)) / row["seconds"]
+    row["children_cpu"] = (
+        sum(cpu_seconds(k) - b for k, b in zip(kids, before[1], strict=True)) / row["seconds"]
+    )
     hist1 = server_buckets(url)
     for key in SERVER_HISTOGRAMS:
         for q in (0.5, 0.99):
-            row[f"server_{key}_ms_p{round(q * 100)}"] = bucket_quantile(hist0.get(key, []), hist1.get(key, []), q)
+            row[f"server_{key}_ms_p{round(q * 100)}"] = bucket_quantile(
+                hist0.get(key, []), hist1.get(key, []), q
+            )
     return row
 
 
@@ -156,8 +165,14 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> dict:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     first = last = None
     usage = None
@@ -179,10 +194,15 @@ async def one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> 
                 usage = json.loads(line[6:])["usage"]
     ok = usage is not None and usage["completion_tokens"] == max_tokens
     tokens = usage["completion_tokens"] if usage else 0
-    return {"ok": ok, "tokens": tokens, "ttft": (first or t0) - t0, "chunks": chunks,
-            "span": (last - first) if first and last else 0.0,
-            "tpot": ((last - first) / (tokens - 1)) if first and last and tokens > 1 else None,
-            "error": None if ok else f"usage {usage}"}
+    return {
+        "ok": ok,
+        "tokens": tokens,
+        "ttft": (first or t0) - t0,
+        "chunks": chunks,
+        "span": (last - first) if first and last else 0.0,
+        "tpot": ((last - first) / (tokens - 1)) if first and last and tokens > 1 else None,
+        "error": None if ok else f"usage {usage}",
+    }
 
 
 def summary(name: str, results: list[dict], seconds: float) -> dict:
@@ -190,16 +210,24 @@ def summary(name: str, results: list[dict], seconds: float) -> dict:
     tokens = sum(r["tokens"] for r in good)
     ttft = [r["ttft"] * 1e3 for r in good]
     tpot = [r["tpot"] * 1e3 for r in good if r["tpot"] is not None]
-    return {"run": name, "requests": len(results), "errors": len(results) - len(good), "seconds": seconds,
-            "output_tokens": tokens, "tokens_per_s": tokens / seconds,
-            "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p99": pct(ttft, 0.99),
-            "tpot_ms_p50": pct(tpot, 0.5), "tpot_ms_p99": pct(tpot, 0.99),
-            "chunks_p50": pct([r["chunks"] for r in good], 0.5),
-            "first_to_last_s_p50": pct([r["span"] for r in good], 0.5),
-            "first_errors": [r["error"] for r in results if not r["ok"]][:3]}
+    return {
+        "run": name,
+        "requests": len(results),
+        "errors": len(results) - len(good),
+        "seconds": seconds,
+        "output_tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "ttft_ms_p50": pct(ttft, 0.5),
+        "ttft_ms_p99": pct(ttft, 0.99),
+        "tpot_ms_p50": pct(tpot, 0.5),
+        "tpot_ms_p99": pct(tpot, 0.99),
+        "chunks_p50": pct([r["chunks"] for r in good], 0.5),
+        "first_to_last_s_p50": pct([r["span"] for r in good], 0.5),
+        "first_errors": [r["error"] for r in results if not r["ok"]][:3],
+    }
 
 
-_start_barrier = None   # set in each burst worker by _init_worker
+_start_barrier = None  # set in each burst worker by _init_worker
 
 
 def _init_worker(barrier) -> None:
@@ -249,11 +277,13 @@ async def clients(url: str, n: int, duration: float, vocab: int) -> dict:
     deadline = time.perf_counter() + duration
     limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+
         async def loop(i: int) -> None:
             k = 0
             while time.perf_counter() < deadline:
                 results.append(await one(client, prompts[(i + k * n) % len(prompts)], 128))
                 k += 1
+
         t0 = time.perf_counter()
         await asyncio.gather(*(loop(i) for i in range(n)))
         return summary(f"{n} streaming clients", results, time.perf_counter() - t0)
@@ -265,9 +295,29 @@ def profiled_burst(args, url: str, prompts, outputs, pid: int) -> dict:
     paths, spies = [], []
     for name, p in [("api", pid), *((f"child{k}", c) for k, c in enumerate(children(pid)))]:
         paths.append(args.py_spy_dir / f"py_spy_{name}.txt")
-        spies.append(subprocess.Popen(["py-spy", "record", "--pid", str(p), "--duration", "8", "--rate", "250",
-                                       "--format", "raw", "--nonblocking", "--gil", "--nolineno", "--output", str(paths[-1])],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        spies.append(
+            subprocess.Popen(
+                [
+                    "py-spy",
+                    "record",
+                    "--pid",
+                    str(p),
+                    "--duration",
+                    "8",
+                    "--rate",
+                    "250",
+                    "--format",
+                    "raw",
+                    "--nonblocking",
+                    "--gil",
+                    "--nolineno",
+                    "--output",
+                    str(paths[-1]),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+            )
+        )
     row = measured(lambda: burst(url, prompts, outputs, args.client_procs), pid, url)
     for spy in spies:
         spy.wait(60)
@@ -283,13 +333,23 @@ def running_server(model: Path, port: int, log: Path, max_num_seqs: int = 256, m
     step trace is written to log.steps.jsonl when the server stops. The server imports this tree's graphcache."""
     trace_path = log.with_suffix(".steps.jsonl")
     trace_path.unlink(missing_ok=True)
-    env = {"GRAPHCACHE_MODEL": str(model), "GRAPHCACHE_MAX_NUM_SEQS": str(max_num_seqs),
-           "GRAPHCACHE_MAX_NUM_BATCHED_TOKENS": "8192", "GRAPHCACHE_MAX_MODEL_LEN": str(max_model_len),
-           "GRAPHCACHE_LOG_LEVEL": "warning", "GRAPHCACHE_STEP_TRACE": str(trace_path.resolve()), **os.environ}
+    env = {
+        "GRAPHCACHE_MODEL": str(model),
+        "GRAPHCACHE_MAX_NUM_SEQS": str(max_num_seqs),
+        "GRAPHCACHE_MAX_NUM_BATCHED_TOKENS": "8192",
+        "GRAPHCACHE_MAX_MODEL_LEN": str(max_model_len),
+        "GRAPHCACHE_LOG_LEVEL": "warning",
+        "GRAPHCACHE_STEP_TRACE": str(trace_path.resolve()),
+        **os.environ,
+    }
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "service"), env.get("PYTHONPATH")) if p)
     with log.open("w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "graphcache", "serve", "--port", str(port)], env=env,
-                                stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "graphcache", "serve", "--port", str(port)],
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 600
@@ -325,22 +385,30 @@ def main() -> int:
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     with running_server(model, args.port, args.log) as (proc, url, trace_path):
         prompts, outputs = workload(args.num_seqs, vocab, (100, 1024), (100, 1024), seed=0)
-        burst(url, prompts[:4], [8] * 4, 2)   # warm: first requests, HTTP stack
-        rows = [measured(lambda: burst(url, prompts, outputs, args.client_procs), proc.pid, url),
-                measured(lambda: asyncio.run(clients(url, args.clients, args.duration, vocab)), proc.pid, url)]
+        burst(url, prompts[:4], [8] * 4, 2)  # warm: first requests, HTTP stack
+        rows = [
+            measured(lambda: burst(url, prompts, outputs, args.client_procs), proc.pid, url),
+            measured(lambda: asyncio.run(clients(url, args.clients, args.duration, vocab)), proc.pid, url),
+        ]
         if args.py_spy_dir is not None:
             rows.append(profiled_burst(args, url, prompts, outputs, proc.pid))
-    print(f"\n{'run':<24}{'tok/s':>9}{'reqs':>6}{'err':>5}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}"
-          f"{'chunks p50':>11}{'span p50 s':>11}{'API cpu':>9}{'child cpu':>10}")
+    print(
+        f"\n{'run':<24}{'tok/s':>9}{'reqs':>6}{'err':>5}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}"
+        f"{'chunks p50':>11}{'span p50 s':>11}{'API cpu':>9}{'child cpu':>10}"
+    )
     for r in rows:
-        print(f"{r['run']:<24}{r['tokens_per_s']:>9.0f}{r['requests']:>6}{r['errors']:>5}{r['ttft_ms_p50']:>10.0f}"
-              f"{r['ttft_ms_p99']:>8.0f}{r['tpot_ms_p50']:>10.2f}{r['tpot_ms_p99']:>8.2f}{r['chunks_p50']:>11}"
-              f"{r['first_to_last_s_p50']:>11.2f}{r['api_cpu']:>9.2f}{r['children_cpu']:>10.2f}")
+        print(
+            f"{r['run']:<24}{r['tokens_per_s']:>9.0f}{r['requests']:>6}{r['errors']:>5}{r['ttft_ms_p50']:>10.0f}"
+            f"{r['ttft_ms_p99']:>8.0f}{r['tpot_ms_p50']:>10.2f}{r['tpot_ms_p99']:>8.2f}{r['chunks_p50']:>11}"
+            f"{r['first_to_last_s_p50']:>11.2f}{r['api_cpu']:>9.2f}{r['children_cpu']:>10.2f}"
+        )
     print("\nserver-side latency (its /metrics histograms, interpolated within buckets; ms):")
     print("| run | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['run']} | {r['server_ttft_ms_p50']:.0f} | {r['server_ttft_ms_p99']:.0f} | "
-              f"{r['server_tpot_ms_p50']:.2f} | {r['server_tpot_ms_p99']:.2f} |")
+        print(
+            f"| {r['run']} | {r['server_ttft_ms_p50']:.0f} | {r['server_ttft_ms_p99']:.0f} | "
+            f"{r['server_tpot_ms_p50']:.2f} | {r['server_tpot_ms_p99']:.2f} |"
+        )
     if trace_path.exists():
         records = step_trace.load(trace_path)
         traced = {r["run"]: step_trace.summarize(records, *r["window"]) for r in rows}

@@ -43,20 +43,59 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 TOKEN = "soak-token"
-PROBES = ["The quick brown fox", "Once upon a time, in a city built on graphs,", "hello",
-          "Numbers: 1 2 3 4 5 6 7 8 9 10", "Q: What is a KV block? A:", "A cache that forgets nothing is"]
+PROBES = [
+    "The quick brown fox",
+    "Once upon a time, in a city built on graphs,",
+    "hello",
+    "Numbers: 1 2 3 4 5 6 7 8 9 10",
+    "Q: What is a KV block? A:",
+    "A cache that forgets nothing is",
+]
 # Output constraints of the structured-output mix: (field, value). A constrained request may end "stop"
 # when its grammar completes: then it may have fewer tokens than max_tokens.
 STRUCTURED = [
     ("guided_regex", "[a-z ]+"),
-    ("guided_json", {"type": "object", "properties": {"name": {"type": "string"}, "tags": {
-        "type": "array", "items": {"type": "string"}}}, "required": ["name", "tags"]}),
+    (
+        "guided_json",
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "tags": {"type": "array", "items": {"type": "string"}},
+            },
+            "required": ["name", "tags"],
+        },
+    ),
     ("guided_choice", ["alpha", "beta", "gamma delta"]),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "point", "schema": {
-        "type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}}}}),
+    (
+        "response_format",
+        {
+            "type": "json_schema",
+            "json_schema": {
+                "name": "point",
+                "schema": {
+                    "type": "object",
+                    "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                },
+            },
+        },
+    ),
 ]
-BOMB = ("guided_regex", "a{1000}{1000}")   # refused (400) in well under a second, never cached
-WORDS = ["graph", "cache", "block", "token", "batch", "replay", "capture", "decode", "prefill", "stream", "server", "request"]
+BOMB = ("guided_regex", "a{1000}{1000}")  # refused (400) in well under a second, never cached
+WORDS = [
+    "graph",
+    "cache",
+    "block",
+    "token",
+    "batch",
+    "replay",
+    "capture",
+    "decode",
+    "prefill",
+    "stream",
+    "server",
+    "request",
+]
 
 
 def free_port() -> int:
@@ -76,25 +115,38 @@ class Server:
         self.fail_file.unlink(missing_ok=True)
         for stale in (self.stats_file, self.stats_file.with_suffix(".engine.json")):
             stale.unlink(missing_ok=True)
-        env = dict(os.environ, GRAPHCACHE_PORT=str(self.port), GRAPHCACHE_HOST="127.0.0.1",
-                   GRAPHCACHE_ADMIN_TOKEN=TOKEN, GRAPHCACHE_LOG_LEVEL="warning",
-                   GRAPHCACHE_MAX_NUM_SEQS=str(args.max_num_seqs), GRAPHCACHE_NUM_KV_BLOCKS=str(args.num_kv_blocks),
-                   GRAPHCACHE_ENFORCE_EAGER="true" if eager else "false",
-                   GRAPHCACHE_SOAK_FAIL_CAPTURES=str(self.fail_file), GRAPHCACHE_SOAK_STATS=str(self.stats_file),
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "service"), os.environ.get("PYTHONPATH")])))
+        env = dict(
+            os.environ,
+            GRAPHCACHE_PORT=str(self.port),
+            GRAPHCACHE_HOST="127.0.0.1",
+            GRAPHCACHE_ADMIN_TOKEN=TOKEN,
+            GRAPHCACHE_LOG_LEVEL="warning",
+            GRAPHCACHE_MAX_NUM_SEQS=str(args.max_num_seqs),
+            GRAPHCACHE_NUM_KV_BLOCKS=str(args.num_kv_blocks),
+            GRAPHCACHE_ENFORCE_EAGER="true" if eager else "false",
+            GRAPHCACHE_SOAK_FAIL_CAPTURES=str(self.fail_file),
+            GRAPHCACHE_SOAK_STATS=str(self.stats_file),
+            PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "service"), os.environ.get("PYTHONPATH")])),
+        )
         if args.model:
             env["GRAPHCACHE_MODEL"] = str(args.model)
         if args.cache_dir:
             env["GRAPHCACHE_CACHE_DIR"] = str(args.cache_dir)
         self.log = (Path(args.log_dir) / f"soak_{name}_server.log").open("w")
         self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "failpoint_serve.py")], env=env,
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "benchmarks" / "failpoint_serve.py")],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
 
     def wait_ready(self, timeout_s: float = 600) -> float:
         while True:
             if self.proc.poll() is not None:
-                raise SystemExit(f"server {self.name} exited early (rc={self.proc.returncode}); see {self.log.name}")
+                raise SystemExit(
+                    f"server {self.name} exited early (rc={self.proc.returncode}); see {self.log.name}"
+                )
             try:
                 if httpx.get(self.base + "/ready", timeout=5).status_code == 200:
                     break
@@ -114,21 +166,31 @@ class Server:
         engine = self.stats_file.with_suffix(".engine.json")
         if engine.exists():
             own = json.loads(engine.read_text())
-            stats = {**own, "rss_bytes": stats["rss_bytes"] + own["rss_bytes"], "server_rss_bytes": stats["rss_bytes"]}
+            stats = {
+                **own,
+                "rss_bytes": stats["rss_bytes"] + own["rss_bytes"],
+                "server_rss_bytes": stats["rss_bytes"],
+            }
         return stats
 
-    async def admin(self, client: httpx.AsyncClient, method: str, path: str, body: dict | None = None) -> dict:
-        r = await client.request(method, self.base + path, json=body, timeout=600,
-                                 headers={"Authorization": f"Bearer {TOKEN}"})
+    async def admin(
+        self, client: httpx.AsyncClient, method: str, path: str, body: dict | None = None
+    ) -> dict:
+        r = await client.request(
+            method, self.base + path, json=body, timeout=600, headers={"Authorization": f"Bearer {TOKEN}"}
+        )
         r.raise_for_status()
         return r.json()
 
     async def pool(self, client: httpx.AsyncClient) -> dict:
         info = await self.admin(client, "GET", "/admin/cache")
-        return {"entries": info["totals"]["entries"], "pool_bytes": info["totals"]["pool_bytes"],
-                "pinned_entries": sorted(e["descriptor"] for e in info["entries"] if e["pinned"]),
-                "pinned_pool_bytes": info["totals"].get("pinned_pool_bytes"),
-                "allocator_pool_bytes": info.get("allocator_pool_bytes")}
+        return {
+            "entries": info["totals"]["entries"],
+            "pool_bytes": info["totals"]["pool_bytes"],
+            "pinned_entries": sorted(e["descriptor"] for e in info["entries"] if e["pinned"]),
+            "pinned_pool_bytes": info["totals"].get("pinned_pool_bytes"),
+            "allocator_pool_bytes": info.get("allocator_pool_bytes"),
+        }
 
     def stop(self) -> int:
         self.fail_file.unlink(missing_ok=True)
@@ -150,26 +212,39 @@ def is_error_body(text: str) -> bool:
     return isinstance(err, dict) and bool(err.get("message"))
 
 
-async def one_request(client: httpx.AsyncClient, body: dict, chat: bool, leave_after: int | None) -> tuple[str, str]:
+async def one_request(
+    client: httpx.AsyncClient, body: dict, chat: bool, leave_after: int | None
+) -> tuple[str, str]:
     """(outcome, detail): finished | left | refused | lost."""
     path = "/v1/chat/completions" if chat else "/v1/completions"
     want = body["max_tokens"]
     constrained = any(field in body for field, _ in STRUCTURED)
 
     def right(tokens: int, finish: str | None) -> bool:
-        return (tokens == want and finish == "length") or (constrained and finish == "stop" and 0 < tokens <= want)
+        return (tokens == want and finish == "length") or (
+            constrained and finish == "stop" and 0 < tokens <= want
+        )
+
     try:
         if not body.get("stream"):
             r = await client.post(path, json=body)
             if r.status_code != 200:
-                return ("refused", str(r.status_code)) if is_error_body(r.text) else ("lost", f"HTTP {r.status_code}")
+                return (
+                    ("refused", str(r.status_code))
+                    if is_error_body(r.text)
+                    else ("lost", f"HTTP {r.status_code}")
+                )
             data = r.json()
             ok = right(data["usage"]["completion_tokens"], data["choices"][0]["finish_reason"])
             return ("finished", "") if ok else ("lost", f"usage {data['usage']}")
         async with client.stream("POST", path, json=body) as r:
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
-                return ("refused", str(r.status_code)) if is_error_body(text) else ("lost", f"HTTP {r.status_code}")
+                return (
+                    ("refused", str(r.status_code))
+                    if is_error_body(text)
+                    else ("lost", f"HTTP {r.status_code}")
+                )
             chunks, usage, finish, done = 0, None, None, False
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
@@ -185,7 +260,7 @@ async def one_request(client: httpx.AsyncClient, body: dict, chat: bool, leave_a
                 for c in event.get("choices") or []:
                     finish = c.get("finish_reason") or finish
                 if leave_after is not None and chunks >= leave_after:
-                    return "left", ""   # leaving the context closes the connection mid-stream
+                    return "left", ""  # leaving the context closes the connection mid-stream
             if done and usage and right(usage["completion_tokens"], finish):
                 return "finished", ""
             return "lost", f"stream done={done} usage={usage} finish={finish}"
@@ -198,8 +273,12 @@ def make_body(rng: random.Random, args, long: bool = False) -> tuple[dict, bool]
     stream = rng.random() < 0.6
     max_tokens = rng.randint(args.max_tokens // 2, args.max_tokens * 2 if long else args.max_tokens)
     n = rng.randint(args.prompt_max // 2, args.prompt_max) if long else rng.randint(4, args.prompt_max)
-    body: dict = {"max_tokens": max_tokens, "temperature": rng.choice([0.0, 0.7]), "ignore_eos": True,
-                  "stream": stream}
+    body: dict = {
+        "max_tokens": max_tokens,
+        "temperature": rng.choice([0.0, 0.7]),
+        "ignore_eos": True,
+        "stream": stream,
+    }
     if stream:
         body["stream_options"] = {"include_usage": True}
     if rng.random() < args.structured_share:
@@ -207,7 +286,9 @@ def make_body(rng: random.Random, args, long: bool = False) -> tuple[dict, bool]
         if field != "response_format" or chat:
             body[field] = value
     if chat:
-        body["messages"] = [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(max(1, n // 2)))}]
+        body["messages"] = [
+            {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(max(1, n // 2)))}
+        ]
     else:
         body["prompt"] = [rng.randint(10, 250) for _ in range(n)]
     return body, chat
@@ -233,8 +314,16 @@ async def bursts(args, base: str, deadline: float, tally: Counter, details: Coun
             await asyncio.sleep(args.burst_period)
             reqs = [make_body(rng, args, long=True) for _ in range(args.burst_size)]
             # One that can never fit the whole KV cache: must be a clean 400 at once, not a hang.
-            reqs.append(({"prompt": [rng.randint(10, 250) for _ in range(args.num_kv_blocks * 16 + 16)],
-                          "max_tokens": 8, "ignore_eos": True}, False))
+            reqs.append(
+                (
+                    {
+                        "prompt": [rng.randint(10, 250) for _ in range(args.num_kv_blocks * 16 + 16)],
+                        "max_tokens": 8,
+                        "ignore_eos": True,
+                    },
+                    False,
+                )
+            )
             for outcome, detail in await asyncio.gather(*(one_request(client, b, c, None) for b, c in reqs)):
                 tally["sent"] += 1
                 tally[outcome] += 1
@@ -248,7 +337,7 @@ async def admin_cycles(args, server: Server, deadline: float, baseline: dict) ->
     cycles = []
     async with httpx.AsyncClient() as client:
         while time.monotonic() + args.admin_period < deadline:
-            server.fail_file.touch()                       # captures fail from now: steps run eagerly
+            server.fail_file.touch()  # captures fail from now: steps run eagerly
             await asyncio.sleep(args.admin_period / 2)
             # Cleared while still armed: no capture can refill the cache before it is measured.
             await server.admin(client, "POST", "/admin/clear")
@@ -261,19 +350,28 @@ async def admin_cycles(args, server: Server, deadline: float, baseline: dict) ->
             # can come out a segment smaller (22 vs 24 MiB on the H200): a warmup interleaved with
             # serving steps rounds the pool's segments differently. The quiet final check is exact.
             rewarmed = await server.pool(client)
-            cycles.append({"cleared": cleared, "rewarmed": rewarmed, "warmup_failed": warm.get("failed"),
-                           "back_to_baseline": cleared["pool_bytes"] == 0 and cleared["entries"] == 0
-                           and rewarmed["pinned_entries"] == baseline["pinned_entries"]
-                           and rewarmed["pinned_pool_bytes"] <= baseline["pinned_pool_bytes"]})
+            cycles.append(
+                {
+                    "cleared": cleared,
+                    "rewarmed": rewarmed,
+                    "warmup_failed": warm.get("failed"),
+                    "back_to_baseline": cleared["pool_bytes"] == 0
+                    and cleared["entries"] == 0
+                    and rewarmed["pinned_entries"] == baseline["pinned_entries"]
+                    and rewarmed["pinned_pool_bytes"] <= baseline["pinned_pool_bytes"],
+                }
+            )
     return cycles
 
 
 async def probes(base: str, max_tokens: int) -> list[str]:
     out = []
     async with httpx.AsyncClient(base_url=base, timeout=300) as client:
-        for p in PROBES:   # one at a time: the same batch shape on both servers
-            r = await client.post("/v1/completions", json={"prompt": p, "max_tokens": max_tokens,
-                                                           "temperature": 0.0, "ignore_eos": True})
+        for p in PROBES:  # one at a time: the same batch shape on both servers
+            r = await client.post(
+                "/v1/completions",
+                json={"prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+            )
             r.raise_for_status()
             out.append(r.json()["choices"][0]["text"])
     return out
@@ -292,32 +390,43 @@ async def soak(args, server: Server) -> dict:
 
         res["memory_timeline"] = []
 
-        async def sample_early() -> None:   # the first-minute level, then a timeline every 10 s
+        async def sample_early() -> None:  # the first-minute level, then a timeline every 10 s
             await asyncio.sleep(early_at)
             res["memory_first_minute"] = server.memory()
             while time.monotonic() + 10 < deadline:
                 await asyncio.sleep(10)
                 res["memory_timeline"].append(server.memory())
 
-        gathered = await asyncio.gather(*(client_loop(i, args, server.base, deadline, tally, details)
-                                          for i in range(args.clients)),
-                                        bursts(args, server.base, deadline, tally, details),
-                                        admin_cycles(args, server, deadline, baseline), sample_early())
+        gathered = await asyncio.gather(
+            *(client_loop(i, args, server.base, deadline, tally, details) for i in range(args.clients)),
+            bursts(args, server.base, deadline, tally, details),
+            admin_cycles(args, server, deadline, baseline),
+            sample_early(),
+        )
         res["load_seconds"] = time.monotonic() - t0
         res["bursts"], res["admin_cycles"] = gathered[-3], gathered[-2]
         res["requests"] = dict(tally)
         res["details"] = dict(details.most_common(20))
-        await asyncio.sleep(2.0)   # let the engine finish aborted requests
+        await asyncio.sleep(2.0)  # let the engine finish aborted requests
         metrics = (await client.get(server.base + "/metrics")).text
-        res["metrics"] = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
-                          if line.startswith(("graphcache_num_preemptions_total", "graphcache_graph_capture_failures",
-                                              "graphcache_kv_cache_usage_ratio", "graphcache_num_requests_running"))}
+        res["metrics"] = {
+            line.split()[0]: float(line.split()[1])
+            for line in metrics.splitlines()
+            if line.startswith(
+                (
+                    "graphcache_num_preemptions_total",
+                    "graphcache_graph_capture_failures",
+                    "graphcache_kv_cache_usage_ratio",
+                    "graphcache_num_requests_running",
+                )
+            )
+        }
         await server.admin(client, "POST", "/admin/clear")
         res["final_cleared_pool"] = await server.pool(client)
         await server.admin(client, "POST", "/admin/warmup", {})
         res["final_pool"] = await server.pool(client)
         res["probes_end"] = await probes(server.base, args.probe_tokens)
-        await asyncio.sleep(1.5)   # one more memory sample after the final clear + warmup
+        await asyncio.sleep(1.5)  # one more memory sample after the final clear + warmup
         res["memory_end"] = server.memory()
     return res
 
@@ -325,7 +434,9 @@ async def soak(args, server: Server) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, help="model directory (default: the embedded tiny model)")
-    ap.add_argument("--make-qwen05b", type=Path, metavar="DIR", help="write (once) and use a Qwen2.5-0.5B-shaped model")
+    ap.add_argument(
+        "--make-qwen05b", type=Path, metavar="DIR", help="write (once) and use a Qwen2.5-0.5B-shaped model"
+    )
     ap.add_argument("--cache-dir", type=Path, help="GRAPHCACHE_CACHE_DIR for the servers")
     ap.add_argument("--duration", type=float, default=300.0)
     ap.add_argument("--clients", type=int, help="closed-loop clients (default 48 on CUDA, 6 on the CPU)")
@@ -333,15 +444,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-max", type=int, help="longest prompt in tokens (default 1024 CUDA, 96 CPU)")
     ap.add_argument("--num-kv-blocks", type=int, help="KV blocks of 16 tokens (default 2048 CUDA, 32 CPU)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--admin-period", type=float, help="seconds per fail/clear/warmup cycle (default 30 CUDA, 10 CPU)")
+    ap.add_argument(
+        "--admin-period", type=float, help="seconds per fail/clear/warmup cycle (default 30 CUDA, 10 CPU)"
+    )
     ap.add_argument("--burst-period", type=float, help="seconds between KV bursts (default 45 CUDA, 8 CPU)")
     ap.add_argument("--burst-size", type=int, help="long requests per burst (default 48 CUDA, 8 CPU)")
     ap.add_argument("--probe-tokens", type=int, default=24)
-    ap.add_argument("--structured-share", type=float, default=0.2,
-                    help="share of requests with an output constraint (a few of them regex bombs); 0 = none")
+    ap.add_argument(
+        "--structured-share",
+        type=float,
+        default=0.2,
+        help="share of requests with an output constraint (a few of them regex bombs); 0 = none",
+    )
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--rss-margin", type=float, default=0.10, help="allowed RSS growth over the first minute")
-    ap.add_argument("--rss-slack-mib", type=float, default=64, help="allowed RSS growth on top of --rss-margin")
+    ap.add_argument(
+        "--rss-slack-mib", type=float, default=64, help="allowed RSS growth on top of --rss-margin"
+    )
     ap.add_argument("--out", type=Path, default=Path("soak.json"))
     ap.add_argument("--commit", help="the commit to report (default: git rev-parse HEAD here)")
     ap.add_argument("--log-dir", type=Path, default=Path("."))
@@ -349,22 +468,37 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     cuda = torch.cuda.is_available()
-    for name, gpu, cpu in [("clients", 48, 6), ("max_tokens", 128, 16), ("prompt_max", 1024, 96),
-                           ("num_kv_blocks", 2048, 32), ("admin_period", 30.0, 10.0), ("burst_period", 45.0, 8.0),
-                           ("burst_size", 48, 8)]:
+    for name, gpu, cpu in [
+        ("clients", 48, 6),
+        ("max_tokens", 128, 16),
+        ("prompt_max", 1024, 96),
+        ("num_kv_blocks", 2048, 32),
+        ("admin_period", 30.0, 10.0),
+        ("burst_period", 45.0, 8.0),
+        ("burst_size", 48, 8),
+    ]:
         if getattr(args, name) is None:
             setattr(args, name, gpu if cuda else cpu)
     if args.make_qwen05b:
         from benchmarks.offline_throughput import make_qwen05b
+
         exists = (args.make_qwen05b / "config.json").exists()
         args.model = args.model or (args.make_qwen05b if exists else make_qwen05b(args.make_qwen05b))
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    result: dict = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-                    "device": torch.cuda.get_device_name() if cuda else "cpu",
-                    "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
-    try:   # --commit: a copy of the tree (the device tool's) may carry a stale .git
-        result["commit"] = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                                         capture_output=True, text=True).stdout.strip() or None
+    result: dict = {
+        "command": " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    }
+    try:  # --commit: a copy of the tree (the device tool's) may carry a stale .git
+        result["commit"] = (
+            args.commit
+            or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+            ).stdout.strip()
+            or None
+        )
     except OSError:
         result["commit"] = None
     a = Server(args, "graphs", eager=False)
@@ -390,33 +524,54 @@ def report(args, r: dict, cuda: bool) -> int:
     rss_ok = m2["rss_bytes"] <= rss_ref * (1 + args.rss_margin) + args.rss_slack_mib * 2**20
     cuda_ok = m2["cuda_allocated_bytes"] <= m0["cuda_allocated_bytes"] + 64 * 2**20
     cycles_ok = all(c["back_to_baseline"] for c in r["admin_cycles"])
-    final_ok = (r["final_cleared_pool"]["pool_bytes"] == 0 and r["final_cleared_pool"]["entries"] == 0
-                and r["final_pool"]["pool_bytes"] == r["baseline_pool"]["pool_bytes"]
-                and r["final_pool"]["pinned_entries"] == r["baseline_pool"]["pinned_entries"])
+    final_ok = (
+        r["final_cleared_pool"]["pool_bytes"] == 0
+        and r["final_cleared_pool"]["entries"] == 0
+        and r["final_pool"]["pool_bytes"] == r["baseline_pool"]["pool_bytes"]
+        and r["final_pool"]["pinned_entries"] == r["baseline_pool"]["pinned_entries"]
+    )
     probes_ok = r["probes_start"] == r["probes_end"] == r["probes_eager"]
     preempted = r["metrics"].get("graphcache_num_preemptions_total", 0)
-    failures = sum(v for k, v in r["metrics"].items() if k.startswith("graphcache_graph_capture_failures_total"))
-    checks = {"lost == 0": req["lost"] == 0, "pool back to baseline after every clear + warmup": cycles_ok,
-              "final clear -> 0, warmup -> baseline": final_ok, "RSS within margin of max(start, first minute)": rss_ok,
-              "every never-fitting request refused cleanly": req["refused"] >= r["bursts"],
-              "cuda allocated within 64 MiB of start": cuda_ok, "greedy probes equal (start, end, eager)": probes_ok,
-              "SIGTERM exit 0": r["sigterm_rc"] == 0, "KV exhausted (preemptions > 0)": preempted > 0,
-              "capture failures injected": failures > 0}
+    failures = sum(
+        v for k, v in r["metrics"].items() if k.startswith("graphcache_graph_capture_failures_total")
+    )
+    checks = {
+        "lost == 0": req["lost"] == 0,
+        "pool back to baseline after every clear + warmup": cycles_ok,
+        "final clear -> 0, warmup -> baseline": final_ok,
+        "RSS within margin of max(start, first minute)": rss_ok,
+        "every never-fitting request refused cleanly": req["refused"] >= r["bursts"],
+        "cuda allocated within 64 MiB of start": cuda_ok,
+        "greedy probes equal (start, end, eager)": probes_ok,
+        "SIGTERM exit 0": r["sigterm_rc"] == 0,
+        "KV exhausted (preemptions > 0)": preempted > 0,
+        "capture failures injected": failures > 0,
+    }
     mib = 2**20
     print(f"\nsoak {r['load_seconds']:.0f} s on {r['device']}, commit {r.get('commit')}, {r['date']}")
-    print("| requests sent | finished | left (disconnect) | refused | lost | KV bursts | admin cycles | preemptions "
-          "| capture failures |")
+    print(
+        "| requests sent | finished | left (disconnect) | refused | lost | KV bursts | admin cycles | preemptions "
+        "| capture failures |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
-    print(f"| {req['sent']} | {req['finished']} | {req['left']} | {req['refused']} | {req['lost']} | {r['bursts']} "
-          f"| {len(r['admin_cycles'])} | {preempted:.0f} | {failures:.0f} |")
+    print(
+        f"| {req['sent']} | {req['finished']} | {req['left']} | {req['refused']} | {req['lost']} | {r['bursts']} "
+        f"| {len(r['admin_cycles'])} | {preempted:.0f} | {failures:.0f} |"
+    )
     print("\n| memory | start | first minute | end (after final clear + warmup) |")
     print("|---|---|---|---|")
     for key in ("rss_bytes", "cuda_allocated_bytes", "cuda_reserved_bytes"):
-        print(f"| {key.removesuffix('_bytes')} MiB | {m0[key] / mib:.1f} | {m1[key] / mib:.1f} | {m2[key] / mib:.1f} |")
-    print(f"\nengine in its own process: {'yes' if 'server_rss_bytes' in m0 else 'no'} (rss = the processes' sum)")
-    print(f"graph pool: baseline {r['baseline_pool']['pool_bytes'] / mib:.1f} MiB "
-          f"({r['baseline_pool']['entries']} entries); final clear {r['final_cleared_pool']['pool_bytes']} B; "
-          f"after warmup {r['final_pool']['pool_bytes'] / mib:.1f} MiB")
+        print(
+            f"| {key.removesuffix('_bytes')} MiB | {m0[key] / mib:.1f} | {m1[key] / mib:.1f} | {m2[key] / mib:.1f} |"
+        )
+    print(
+        f"\nengine in its own process: {'yes' if 'server_rss_bytes' in m0 else 'no'} (rss = the processes' sum)"
+    )
+    print(
+        f"graph pool: baseline {r['baseline_pool']['pool_bytes'] / mib:.1f} MiB "
+        f"({r['baseline_pool']['entries']} entries); final clear {r['final_cleared_pool']['pool_bytes']} B; "
+        f"after warmup {r['final_pool']['pool_bytes'] / mib:.1f} MiB"
+    )
     if r["details"]:
         print("details:", json.dumps(r["details"], indent=1))
     for name, ok in checks.items():

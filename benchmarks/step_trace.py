@@ -30,7 +30,9 @@ def records_of(trace) -> list[dict]:
 
 def summarize(records: list[dict], t0: float | None = None, t1: float | None = None) -> dict:
     """Per-step means (ms) over the steps scheduled in [t0, t1]; {} when there are none."""
-    steps = [r for r in records if (t0 is None or r["scheduled"] >= t0) and (t1 is None or r["scheduled"] <= t1)]
+    steps = [
+        r for r in records if (t0 is None or r["scheduled"] >= t0) and (t1 is None or r["scheduled"] <= t1)
+    ]
     if not steps:
         return {}
     n = len(steps)
@@ -39,20 +41,29 @@ def summarize(records: list[dict], t0: float | None = None, t1: float | None = N
     def mean_ms(key_from: str, key_to: str) -> float:
         return sum(r[key_to] - r[key_from] for r in steps) * 1e3 / n
 
-    phases = {"schedule": mean_ms("scheduled", "launch"), "launch": mean_ms("launch", "launched"),
-              "wait": mean_ms("complete", "tokens_on_host"), "post": mean_ms("tokens_on_host", "completed")}
+    phases = {
+        "schedule": mean_ms("scheduled", "launch"),
+        "launch": mean_ms("launch", "launched"),
+        "wait": mean_ms("complete", "tokens_on_host"),
+        "post": mean_ms("tokens_on_host", "completed"),
+    }
     # Between launch end and completion start the step's own completion waits for the previous
     # step's (async); the rest of the period is the loop's own work.
     period = span * 1e3 / n
     full = max(r["sampled"] for r in steps)
     first_full = next(r for r in steps if r["sampled"] == full)
     return {
-        "steps": n, "span_s": span, "period_ms": period, **{f"{k}_ms": v for k, v in phases.items()},
+        "steps": n,
+        "span_s": span,
+        "period_ms": period,
+        **{f"{k}_ms": v for k, v in phases.items()},
         "loop_ms": period - sum(phases.values()),
-        "rows_mean": sum(r["rows"] for r in steps) / n, "sampled_mean": sum(r["sampled"] for r in steps) / n,
+        "rows_mean": sum(r["rows"] for r in steps) / n,
+        "sampled_mean": sum(r["sampled"] for r in steps) / n,
         "tokens_mean": sum(r["tokens"] for r in steps) / n,
         "mixed_steps": sum(r["tokens"] > r["rows"] for r in steps),
-        "max_sampled": full, "s_to_max_sampled": first_full["scheduled"] - steps[0]["scheduled"],
+        "max_sampled": full,
+        "s_to_max_sampled": first_full["scheduled"] - steps[0]["scheduled"],
         "waiting_max": max(r["waiting"] for r in steps),
     }
 
@@ -92,8 +103,9 @@ def by_kind(records: list[dict], kinds: list[str], t0: float | None = None, t1: 
         # The window's first step has no predecessor in the window (the gap before it is idle time).
         if (t0 is not None and records[i - 1]["scheduled"] < t0) or (t1 is not None and r["scheduled"] > t1):
             continue
-        k = out.setdefault(kinds[i], {"steps": 0, "ms": 0.0, "launch_ms": 0.0, "wait_ms": 0.0, "rows": 0,
-                                      "tokens": 0})
+        k = out.setdefault(
+            kinds[i], {"steps": 0, "ms": 0.0, "launch_ms": 0.0, "wait_ms": 0.0, "rows": 0, "tokens": 0}
+        )
         k["steps"] += 1
         k["ms"] += (r["completed"] - records[i - 1]["completed"]) * 1e3
         k["launch_ms"] += (r["launched"] - r["launch"]) * 1e3
@@ -102,13 +114,30 @@ def by_kind(records: list[dict], kinds: list[str], t0: float | None = None, t1: 
         k["tokens"] += r["tokens"]
     for k in out.values():
         n = k.pop("steps")
-        k.update({key: k[key] / n for key in ("ms", "launch_ms", "wait_ms")}, steps=n,
-                 rows_mean=k.pop("rows") / n, tokens_mean=k.pop("tokens") / n)
+        k.update(
+            {key: k[key] / n for key in ("ms", "launch_ms", "wait_ms")},
+            steps=n,
+            rows_mean=k.pop("rows") / n,
+            tokens_mean=k.pop("tokens") / n,
+        )
     return out
 
 
-COLUMNS = ("steps", "span_s", "period_ms", "schedule_ms", "launch_ms", "wait_ms", "post_ms", "loop_ms",
-           "sampled_mean", "tokens_mean", "mixed_steps", "max_sampled", "s_to_max_sampled")
+COLUMNS = (
+    "steps",
+    "span_s",
+    "period_ms",
+    "schedule_ms",
+    "launch_ms",
+    "wait_ms",
+    "post_ms",
+    "loop_ms",
+    "sampled_mean",
+    "tokens_mean",
+    "mixed_steps",
+    "max_sampled",
+    "s_to_max_sampled",
+)
 
 
 def table(rows: dict[str, dict]) -> str:

@@ -47,8 +47,17 @@ MiB = 1 << 20
 
 
 def make_runner(model: Path, capture_warmup: str, max_num_seqs: int, **extra) -> ModelRunner:
-    return ModelRunner(Settings(model=model, device="cuda", max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
-                                max_model_len=2048, capture_warmup=capture_warmup, **extra))
+    return ModelRunner(
+        Settings(
+            model=model,
+            device="cuda",
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=8192,
+            max_model_len=2048,
+            capture_warmup=capture_warmup,
+            **extra,
+        )
+    )
 
 
 def warmup_rows(runner: ModelRunner, cprofile: int = 0) -> tuple[float, list[dict]]:
@@ -68,9 +77,17 @@ def warmup_rows(runner: ModelRunner, cprofile: int = 0) -> tuple[float, list[dic
     rows = []
     for desc, entry in runner.cache._entries.items():
         t = entry.graph.timings
-        rows.append({"descriptor": str(desc), "tokens": desc.num_tokens, "mode": "full" if entry.graph.num_breaks == 0
-                     else "breakable", "ms": entry.capture_seconds * 1e3, "warmup_ms": t.get("warmup", 0) * 1e3,
-                     "capture_ms": t.get("capture", 0) * 1e3, "bytes": entry.bytes})
+        rows.append(
+            {
+                "descriptor": str(desc),
+                "tokens": desc.num_tokens,
+                "mode": "full" if entry.graph.num_breaks == 0 else "breakable",
+                "ms": entry.capture_seconds * 1e3,
+                "warmup_ms": t.get("warmup", 0) * 1e3,
+                "capture_ms": t.get("capture", 0) * 1e3,
+                "bytes": entry.bytes,
+            }
+        )
     assert not report.failed, report.failed
     return seconds, sorted(rows, key=lambda r: r["tokens"])
 
@@ -80,7 +97,7 @@ def plain_pool_bytes(runner: ModelRunner, desc: BatchDescriptor) -> int:
     pool = torch.cuda.graph_pool_handle()
     g = torch.cuda.CUDAGraph()
     runner.inputs.point_at_scratch()
-    with forward_context(AttentionMetadata.empty()):   # as ModelRunner.capture does
+    with forward_context(AttentionMetadata.empty()):  # as ModelRunner.capture does
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -98,7 +115,7 @@ def pool_rows(model: Path, batches: list[int], max_num_seqs: int) -> list[dict]:
     rows = []
     for b in batches:
         desc = BatchDescriptor(runner.sizes.pad(b), runner.sizes.pad(b), True)
-        runner.capture([desc], pin=False)   # a private pool, as a lazy capture gets
+        runner.capture([desc], pin=False)  # a private pool, as a lazy capture gets
         ours = runner.cache._entries[desc].bytes
         plain = plain_pool_bytes(runner, desc)
         rows.append({"batch": b, "ours_bytes": ours, "plain_bytes": plain, "over_mib": (ours - plain) / MiB})
@@ -113,8 +130,15 @@ def greedy_tokens(runner: ModelRunner, batch: int, ctx: int, steps: int) -> list
     """Prefill `batch` sequences of ctx random tokens, then `steps` decode steps; greedy ids per step."""
     g = torch.Generator().manual_seed(1)
     per_seq = -(-(ctx + steps + 1) // runner.block_size)
-    seqs = [StepSeq(torch.randint(0, 10000, (ctx,), generator=g).tolist(), 0,
-                    list(range(i * per_seq, (i + 1) * per_seq)), True) for i in range(batch)]
+    seqs = [
+        StepSeq(
+            torch.randint(0, 10000, (ctx,), generator=g).tolist(),
+            0,
+            list(range(i * per_seq, (i + 1) * per_seq)),
+            True,
+        )
+        for i in range(batch)
+    ]
     out = [runner.execute(StepBatch(seqs)).logits.argmax(-1).tolist()]
     for step in range(steps):
         seqs = [StepSeq([out[-1][i]], ctx + step, s.block_table, True) for i, s in enumerate(seqs)]
@@ -134,18 +158,24 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     model = args.model or make_qwen05b(args.make_qwen05b)
-    heap = [{"i": i} for i in range(args.heap_objects)]   # a server-sized heap for gc to walk
+    heap = [{"i": i} for i in range(args.heap_objects)]  # a server-sized heap for gc to walk
     summary, detail = [], {}
     for name in args.variants.split(","):
         for run in ("cold", "again"):
             runner = make_runner(model, name, args.max_num_seqs)
             seconds, rows = warmup_rows(runner, args.cprofile if run == "again" else 0)
             decode_ms = [r["ms"] for r in rows if r["tokens"] <= 256]
-            row = {"variant": name, "run": run, "descriptors": len(rows), "warmup_s": seconds,
-                   "median_ms": statistics.median(decode_ms), "max_ms": max(decode_ms),
-                   "median_warmup_run_ms": statistics.median(r["warmup_ms"] for r in rows),
-                   "median_capture_ms": statistics.median(r["capture_ms"] for r in rows),
-                   "pool_mib": runner.cache.stats().pool_bytes / MiB}
+            row = {
+                "variant": name,
+                "run": run,
+                "descriptors": len(rows),
+                "warmup_s": seconds,
+                "median_ms": statistics.median(decode_ms),
+                "max_ms": max(decode_ms),
+                "median_warmup_run_ms": statistics.median(r["warmup_ms"] for r in rows),
+                "median_capture_ms": statistics.median(r["capture_ms"] for r in rows),
+                "pool_mib": runner.cache.stats().pool_bytes / MiB,
+            }
             if run == "again":
                 tokens = greedy_tokens(runner, 3, 64, 6)
                 eager = make_runner(model, "always", args.max_num_seqs, enforce_eager=True)
@@ -158,15 +188,21 @@ def main() -> int:
             gc.collect()
             torch.cuda.empty_cache()
     pools = pool_rows(model, [int(b) for b in args.pool_batches.split(",")], args.max_num_seqs)
-    print(f"\n{'variant':<10} {'run':<6} {'n':>3} {'warmup s':>9} {'median ms':>9} {'max ms':>7} {'eager-run ms':>12} "
-          f"{'capture ms':>10} {'pool MiB':>8} greedy=eager")
+    print(
+        f"\n{'variant':<10} {'run':<6} {'n':>3} {'warmup s':>9} {'median ms':>9} {'max ms':>7} {'eager-run ms':>12} "
+        f"{'capture ms':>10} {'pool MiB':>8} greedy=eager"
+    )
     for r in summary:
-        print(f"{r['variant']:<10} {r['run']:<6} {r['descriptors']:>3} {r['warmup_s']:9.2f} {r['median_ms']:9.1f} "
-              f"{r['max_ms']:7.1f} {r['median_warmup_run_ms']:12.1f} {r['median_capture_ms']:10.1f} "
-              f"{r['pool_mib']:8.1f} {r.get('greedy_equal_eager', '')}")
+        print(
+            f"{r['variant']:<10} {r['run']:<6} {r['descriptors']:>3} {r['warmup_s']:9.2f} {r['median_ms']:9.1f} "
+            f"{r['max_ms']:7.1f} {r['median_warmup_run_ms']:12.1f} {r['median_capture_ms']:10.1f} "
+            f"{r['pool_mib']:8.1f} {r.get('greedy_equal_eager', '')}"
+        )
     print(f"\n{'batch':>5} {'ours MiB':>9} {'plain MiB':>9} {'over MiB':>8}")
     for r in pools:
-        print(f"{r['batch']:>5} {r['ours_bytes'] / MiB:9.2f} {r['plain_bytes'] / MiB:9.2f} {r['over_mib']:8.2f}")
+        print(
+            f"{r['batch']:>5} {r['ours_bytes'] / MiB:9.2f} {r['plain_bytes'] / MiB:9.2f} {r['over_mib']:8.2f}"
+        )
     del heap
     if args.out:
         args.out.write_text(json.dumps({"summary": summary, "pools": pools, "detail": detail}, indent=1))

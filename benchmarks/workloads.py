@@ -48,8 +48,14 @@ def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
     return [rng.randint(0, hi) for _ in range(length)]
 
 
-def nano(n: int, vocab: int, in_range: tuple[int, int], out_range: tuple[int, int], seed: int,
-         temperature: float = 0.0) -> list[Request]:
+def nano(
+    n: int,
+    vocab: int,
+    in_range: tuple[int, int],
+    out_range: tuple[int, int],
+    seed: int,
+    temperature: float = 0.0,
+) -> list[Request]:
     """The same prompts and lengths as offline_throughput.workload (same draws, same order)."""
     rng = random.Random(seed)
     prompts = [random_prompt(rng, rng.randint(*in_range), vocab) for _ in range(n)]
@@ -85,10 +91,15 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
 
 def describe(requests: list[Request]) -> str:
     """Prompt / output length percentiles of a workload (what was sent, for the log)."""
+
     def pcts(xs: list[int]) -> str:
         xs = sorted(xs)
-        return "/".join(str(xs[min(len(xs) - 1, int(q * len(xs)))]) for q in (0.5, 0.9, 0.99)) + f" max {xs[-1]}"
+        return (
+            "/".join(str(xs[min(len(xs) - 1, int(q * len(xs)))]) for q in (0.5, 0.9, 0.99)) + f" max {xs[-1]}"
+        )
 
     seeded = sum(r.seed is not None for r in requests)
-    return (f"{len(requests)} requests; prompt p50/p90/p99 {pcts([len(r.prompt) for r in requests])}; "
-            f"output p50/p90/p99 {pcts([r.max_tokens for r in requests])}; {seeded} seeded")
+    return (
+        f"{len(requests)} requests; prompt p50/p90/p99 {pcts([len(r.prompt) for r in requests])}; "
+        f"output p50/p90/p99 {pcts([r.max_tokens for r in requests])}; {seeded} seeded"
+    )

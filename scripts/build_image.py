@@ -63,8 +63,9 @@ def log(msg: str) -> None:
 def sh(cmd: list[str], *, timeout: float = 1800, capture: bool = False, **kw) -> str:
     """Runs cmd, failing loudly with its output; returns stdout when capture."""
     log("$ " + " ".join(cmd))
-    proc = subprocess.run(cmd, text=True, timeout=timeout,
-                          stdout=subprocess.PIPE if capture else None, stderr=None, **kw)
+    proc = subprocess.run(
+        cmd, text=True, timeout=timeout, stdout=subprocess.PIPE if capture else None, stderr=None, **kw
+    )
     if proc.returncode != 0:
         raise SystemExit(f"failed (exit {proc.returncode}): {' '.join(cmd)}")
     return proc.stdout if capture else ""
@@ -74,8 +75,14 @@ class Buildah:
     """buildah with a private storage root (vfs: no overlay or fuse needed) under the scratch dir."""
 
     def __init__(self, work: Path):
-        self.flags = ["--root", str(work / "storage"), "--runroot", str(work / "runroot"),
-                      "--storage-driver", "vfs"]
+        self.flags = [
+            "--root",
+            str(work / "storage"),
+            "--runroot",
+            str(work / "runroot"),
+            "--storage-driver",
+            "vfs",
+        ]
 
     def cmd(self, *args: str) -> list[str]:
         return ["buildah", *self.flags, *args]
@@ -86,13 +93,15 @@ class Buildah:
 
 # --------------------------------------------------------------------------- steps
 
+
 def ensure_tools() -> None:
     missing = [t for t in ("buildah", "mmdebstrap") if shutil.which(t) is None]
     if not missing:
         return
     if os.geteuid() != 0:
-        raise CannotRun(f"{', '.join(missing)} missing and not root: run as root, "
-                        f"or apt-get install {' '.join(missing)}")
+        raise CannotRun(
+            f"{', '.join(missing)} missing and not root: run as root, or apt-get install {' '.join(missing)}"
+        )
     if shutil.which("apt-get") is None:
         raise CannotRun(f"{', '.join(missing)} missing and no apt-get (needs a Debian/Ubuntu host)")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
@@ -111,8 +120,16 @@ def host_suite() -> str:
 def make_base(b: Buildah, work: Path, suite: str) -> None:
     rootfs = work / "rootfs.tar"
     # minbase: apt, dpkg, passwd (groupadd/useradd) and coreutils; the rest is what the Dockerfile's RUN uses.
-    sh(["mmdebstrap", "--quiet", "--variant=minbase", "--include=python3,python3-venv,ca-certificates",
-        suite, str(rootfs)])
+    sh(
+        [
+            "mmdebstrap",
+            "--quiet",
+            "--variant=minbase",
+            "--include=python3,python3-venv,ca-certificates",
+            suite,
+            str(rootfs),
+        ]
+    )
     ctr = b("from", "scratch", capture=True).strip()
     b("add", ctr, str(rootfs), "/")
     # A rootfs tar carries no image config; the Dockerfile's ENV PATH=...:$PATH needs a PATH to extend.
@@ -123,9 +140,22 @@ def make_base(b: Buildah, work: Path, suite: str) -> None:
 
 def build(b: Buildah) -> None:
     # docker format: OCI image configs have no HEALTHCHECK, and buildah would drop the Dockerfile's.
-    args = ["bud", "--isolation", "chroot", "--layers=false", "--format", "docker",
-            "--file", str(ROOT / "Dockerfile"), "--tag", IMAGE,
-            "--build-arg", f"BASE_IMAGE={BASE}", "--build-arg", f"TORCH_SPEC={TORCH_SPEC}"]
+    args = [
+        "bud",
+        "--isolation",
+        "chroot",
+        "--layers=false",
+        "--format",
+        "docker",
+        "--file",
+        str(ROOT / "Dockerfile"),
+        "--tag",
+        IMAGE,
+        "--build-arg",
+        f"BASE_IMAGE={BASE}",
+        "--build-arg",
+        f"TORCH_SPEC={TORCH_SPEC}",
+    ]
     # The host's pip setup, for RUN steps only: its wheel dir (the local CPU torch) and its CA bundle
     # (a network that re-signs TLS needs the host's CA, which Debian's ca-certificates lacks).
     for wheels in filter(None, os.environ.get("PIP_FIND_LINKS", "/opt/wheels").split()):
@@ -149,8 +179,12 @@ def inspect(b: Buildah) -> dict:
     # Uncompressed layer tars as stored: what the image takes on a node's disk once pulled.
     size_mb = sum(layer["size"] for layer in json.loads(info["Manifest"])["layers"]) / 2**20
     healthcheck = (info.get("Docker", {}).get("config", {}).get("Healthcheck") or {}).get("Test")
-    facts = {"user": config.get("User"), "entrypoint": config.get("Entrypoint"), "size_mb": round(size_mb),
-             "healthcheck": healthcheck}
+    facts = {
+        "user": config.get("User"),
+        "entrypoint": config.get("Entrypoint"),
+        "size_mb": round(size_mb),
+        "healthcheck": healthcheck,
+    }
     log(f"image: {facts}")
     problems = []
     if facts["user"] != EXPECTED_USER:
@@ -190,9 +224,14 @@ def session_processes(session: int) -> list[tuple[int, int, str]]:
         try:
             if int(stat.read_text().rsplit(")", 1)[1].split()[3]) != session:  # stat field 6: session id
                 continue
-            uid = next(int(x.split()[1]) for x in (stat.parent / "status").read_text().splitlines()
-                       if x.startswith("Uid:"))
-            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            uid = next(
+                int(x.split()[1])
+                for x in (stat.parent / "status").read_text().splitlines()
+                if x.startswith("Uid:")
+            )
+            cmdline = (
+                (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            )
             out.append((int(stat.parent.name), uid, cmdline))
         except (OSError, StopIteration, ValueError, IndexError):
             continue
@@ -210,11 +249,17 @@ def run_and_check(b: Buildah, work: Path, ready_timeout: float) -> dict:
     config = image_info(b)
     entrypoint = config["OCIv1"]["config"]["Entrypoint"]
     healthcheck = config["Docker"]["config"]["Healthcheck"]["Test"][1:]  # after "CMD"
-    env = {"GRAPHCACHE_HOST": "127.0.0.1", "GRAPHCACHE_PORT": str(port), "GRAPHCACHE_DEVICE": "cpu",
-           "GRAPHCACHE_MAX_NUM_SEQS": "8", "GRAPHCACHE_MAX_CAPTURE_SIZE": "8"}
+    env = {
+        "GRAPHCACHE_HOST": "127.0.0.1",
+        "GRAPHCACHE_PORT": str(port),
+        "GRAPHCACHE_DEVICE": "cpu",
+        "GRAPHCACHE_MAX_NUM_SEQS": "8",
+        "GRAPHCACHE_MAX_CAPTURE_SIZE": "8",
+    }
     # No --user: buildah run uses the image's USER, which is what this checks.
-    cmd = b.cmd("run", "--isolation", "chroot", *[f"--env={k}={v}" for k, v in env.items()], ctr, "--",
-                *entrypoint)
+    cmd = b.cmd(
+        "run", "--isolation", "chroot", *[f"--env={k}={v}" for k, v in env.items()], ctr, "--", *entrypoint
+    )
     server_log = work / "server.log"
     log("$ " + " ".join(cmd) + f"  (background, log {server_log})")
     with server_log.open("wb") as out:
@@ -225,10 +270,14 @@ def run_and_check(b: Buildah, work: Path, ready_timeout: float) -> dict:
         t0 = time.monotonic()
         while True:
             if proc.poll() is not None:
-                raise SystemExit(f"the container exited ({proc.returncode}) before /ready:\n"
-                                 + server_log.read_text()[-4000:])
+                raise SystemExit(
+                    f"the container exited ({proc.returncode}) before /ready:\n"
+                    + server_log.read_text()[-4000:]
+                )
             if time.monotonic() - t0 > ready_timeout:
-                raise SystemExit(f"/ready not 200 after {ready_timeout:.0f} s:\n" + server_log.read_text()[-4000:])
+                raise SystemExit(
+                    f"/ready not 200 after {ready_timeout:.0f} s:\n" + server_log.read_text()[-4000:]
+                )
             try:
                 status, ready = http("GET", base + "/ready", timeout=5)
                 if status == 200:
@@ -243,35 +292,69 @@ def run_and_check(b: Buildah, work: Path, ready_timeout: float) -> dict:
         servers = server_processes(proc.pid, entrypoint)
         uids = {uid for _, uid, _ in servers}
         if not servers or uids != {int(EXPECTED_USER.split(":")[0])}:
-            raise SystemExit(f"the server runs as uid(s) {sorted(uids)}, expected only {EXPECTED_USER}: {servers}")
+            raise SystemExit(
+                f"the server runs as uid(s) {sorted(uids)}, expected only {EXPECTED_USER}: {servers}"
+            )
         result["server_uid"] = uids.pop()
 
-        status, body = http("POST", base + "/v1/completions", timeout=120,
-                            body={"model": ready["model"], "prompt": "The image test says", "max_tokens": 5,
-                                  "temperature": 0})
+        status, body = http(
+            "POST",
+            base + "/v1/completions",
+            timeout=120,
+            body={
+                "model": ready["model"],
+                "prompt": "The image test says",
+                "max_tokens": 5,
+                "temperature": 0,
+            },
+        )
         choice = (body.get("choices") or [{}])[0]
         log(f"/v1/completions -> {status}: {body}")
-        if not (status == 200 and body.get("object") == "text_completion" and isinstance(choice.get("text"), str)
-                and body.get("usage", {}).get("completion_tokens", 0) >= 1
-                and choice.get("finish_reason") in ("length", "stop")):
+        if not (
+            status == 200
+            and body.get("object") == "text_completion"
+            and isinstance(choice.get("text"), str)
+            and body.get("usage", {}).get("completion_tokens", 0) >= 1
+            and choice.get("finish_reason") in ("length", "stop")
+        ):
             raise SystemExit(f"bad completion answer ({status}): {body}")
         result["completion_tokens"] = body["usage"]["completion_tokens"]
 
         # The image's own HEALTHCHECK command, run in the container beside the server (same network).
-        hc = subprocess.run(b.cmd("run", "--isolation", "chroot", f"--env=GRAPHCACHE_PORT={port}", ctr, "--",
-                                  *healthcheck), capture_output=True, text=True, timeout=120)
+        hc = subprocess.run(
+            b.cmd("run", "--isolation", "chroot", f"--env=GRAPHCACHE_PORT={port}", ctr, "--", *healthcheck),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         log(f"HEALTHCHECK command -> exit {hc.returncode}")
         if hc.returncode != 0:
-            raise SystemExit(f"the image's HEALTHCHECK failed against a healthy server: {hc.stdout}{hc.stderr}")
+            raise SystemExit(
+                f"the image's HEALTHCHECK failed against a healthy server: {hc.stdout}{hc.stderr}"
+            )
 
         # The chart's model.source=hub init container runs helm/graphcache/files/hub_download.py in this
         # image: huggingface_hub (a dependency of tokenizers) must be importable there.
-        hub = subprocess.run(b.cmd("run", "--isolation", "chroot", ctr, "--", "python", "-c",
-                                   "from huggingface_hub import snapshot_download"),
-                             capture_output=True, text=True, timeout=120)
+        hub = subprocess.run(
+            b.cmd(
+                "run",
+                "--isolation",
+                "chroot",
+                ctr,
+                "--",
+                "python",
+                "-c",
+                "from huggingface_hub import snapshot_download",
+            ),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if hub.returncode != 0:
-            raise SystemExit("huggingface_hub.snapshot_download is not importable in the image (the chart's hub "
-                             f"download needs it): {hub.stderr[-2000:]}")
+            raise SystemExit(
+                "huggingface_hub.snapshot_download is not importable in the image (the chart's hub "
+                f"download needs it): {hub.stderr[-2000:]}"
+            )
 
         # SIGTERM to the server (not buildah): the drain path a kubelet's stop takes; it must exit 0.
         for pid, _, _ in servers:
@@ -298,13 +381,18 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the scratch dir (storage, logs) at the end")
     ap.add_argument("--suite", default=None, help="Debian suite for the base (default: the host's)")
     ap.add_argument("--ready-timeout", type=float, default=300)
-    ap.add_argument("--run-only", action="store_true",
-                    help="debugging: skip tools/base/build and check the image already in --work's storage")
+    ap.add_argument(
+        "--run-only",
+        action="store_true",
+        help="debugging: skip tools/base/build and check the image already in --work's storage",
+    )
     args = ap.parse_args()
 
     times: dict[str, float] = {}
     t_all = time.monotonic()
-    work = args.work or Path(tempfile.mkdtemp(prefix="graphcache-image-", dir=os.environ.get("TMPDIR", "/var/tmp")))
+    work = args.work or Path(
+        tempfile.mkdtemp(prefix="graphcache-image-", dir=os.environ.get("TMPDIR", "/var/tmp"))
+    )
     work.mkdir(parents=True, exist_ok=True)
     # buildah's own temp dirs (per run, per build) go under the scratch dir too, so nothing outlives it.
     (work / "tmp").mkdir(exist_ok=True)
@@ -336,7 +424,10 @@ def main() -> int:
         else:
             shutil.rmtree(work, ignore_errors=True)
     times["total_s"] = time.monotonic() - t_all
-    print("BUILD_IMAGE_RESULT " + json.dumps({**facts, **{k: round(v, 1) for k, v in times.items()}}), flush=True)
+    print(
+        "BUILD_IMAGE_RESULT " + json.dumps({**facts, **{k: round(v, 1) for k, v in times.items()}}),
+        flush=True,
+    )
     return 0
 
 

@@ -21,14 +21,60 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # What the box has (its packages and their usual requirements), by import name.
-BOX_HAS = {"torch", "transformers", "tokenizers", "safetensors", "prometheus_client", "httpx", "httpcore",
-           "pytest", "_pytest", "numpy", "jinja2", "markupsafe", "yaml", "huggingface_hub", "filelock",
-           "requests", "packaging", "h11", "idna", "certifi", "typing_extensions", "sympy", "networkx", "fsspec",
-           "regex", "tqdm", "triton", "sniffio", "pluggy", "iniconfig", "pygments"}
-WHEEL_MODULES = ["fastapi", "starlette", "uvicorn", "uvicorn.loops.uvloop", "uvicorn.protocols.http.httptools_impl",
-                 "pydantic", "pydantic_settings", "llguidance", "pythonjsonlogger.json",
-                 "asgi_correlation_id", "prometheus_fastapi_instrumentator", "sse_starlette", "pytest_asyncio",
-                 "pytest_timeout", "anyio", "click", "dotenv", "annotated_doc", "opentelemetry"]
+BOX_HAS = {
+    "torch",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "prometheus_client",
+    "httpx",
+    "httpcore",
+    "pytest",
+    "_pytest",
+    "numpy",
+    "jinja2",
+    "markupsafe",
+    "yaml",
+    "huggingface_hub",
+    "filelock",
+    "requests",
+    "packaging",
+    "h11",
+    "idna",
+    "certifi",
+    "typing_extensions",
+    "sympy",
+    "networkx",
+    "fsspec",
+    "regex",
+    "tqdm",
+    "triton",
+    "sniffio",
+    "pluggy",
+    "iniconfig",
+    "pygments",
+}
+WHEEL_MODULES = [
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "uvicorn.loops.uvloop",
+    "uvicorn.protocols.http.httptools_impl",
+    "pydantic",
+    "pydantic_settings",
+    "llguidance",
+    "pythonjsonlogger.json",
+    "asgi_correlation_id",
+    "prometheus_fastapi_instrumentator",
+    "sse_starlette",
+    "pytest_asyncio",
+    "pytest_timeout",
+    "anyio",
+    "click",
+    "dotenv",
+    "annotated_doc",
+    "opentelemetry",
+]
 # Optional in their importers (guarded by try/except ImportError) or CPU/CI-only tools.
 OPTIONAL = {"breakable_cuda_graphs", "jsonschema", "openai", "schemathesis", "lm_eval", "helm", "hypothesis"}
 
@@ -40,7 +86,9 @@ def third_party_imports(path: Path) -> set[str]:
             names.update(a.name.split(".")[0] for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.add(node.module.split(".")[0])
-    local = {"graphcache", "benchmarks", "helpers_model", "tests", "conftest"} | {p.stem for p in ROOT.glob("tests/*.py")}
+    local = {"graphcache", "benchmarks", "helpers_model", "tests", "conftest"} | {
+        p.stem for p in ROOT.glob("tests/*.py")
+    }
     return {n for n in names if n not in sys.stdlib_module_names and n not in local}
 
 
@@ -51,8 +99,12 @@ def main() -> int:
             importlib.import_module(mod)
         except Exception as e:  # noqa: BLE001 - report every failure, not the first
             failed.append(f"wheel module {mod}: {type(e).__name__}: {e}")
-    files = [*ROOT.glob("service/graphcache/**/*.py"), *ROOT.glob("benchmarks/*.py"), *ROOT.glob("tests/gpu/*.py"),
-             *(p for p in ROOT.glob("tests/*.py") if "mark.cuda" in p.read_text())]
+    files = [
+        *ROOT.glob("service/graphcache/**/*.py"),
+        *ROOT.glob("benchmarks/*.py"),
+        *ROOT.glob("tests/gpu/*.py"),
+        *(p for p in ROOT.glob("tests/*.py") if "mark.cuda" in p.read_text()),
+    ]
     needed: dict[str, str] = {}
     for f in files:
         for name in third_party_imports(f):
@@ -64,8 +116,10 @@ def main() -> int:
             importlib.import_module(name)
         except Exception as e:  # noqa: BLE001
             failed.append(f"{name} (imported by {where}): {type(e).__name__}: {e}")
-    print(f"python {sys.version.split()[0]}; {len(WHEEL_MODULES)} wheel modules, {len(needed)} third-party "
-          f"imports in {len(files)} files ({len(needed) - len(needed.keys() & (BOX_HAS | OPTIONAL))} not on the box)")
+    print(
+        f"python {sys.version.split()[0]}; {len(WHEEL_MODULES)} wheel modules, {len(needed)} third-party "
+        f"imports in {len(files)} files ({len(needed) - len(needed.keys() & (BOX_HAS | OPTIONAL))} not on the box)"
+    )
     for line in failed:
         print("MISSING", line)
     print("WHEELS COMPLETE" if not failed else "WHEELS INCOMPLETE")

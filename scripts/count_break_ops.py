@@ -68,11 +68,19 @@ def count(decodes: int, ctx: int, prefills: int, verbose: bool, kernel: str = "s
     if kernel != "sdpa":
         import graphcache.engine.worker.runner as runner_mod
         import graphcache.model.attention as attention
+
         runner_mod.select_attention_kernel = lambda *a: kernel
         attention._FLASH_INPLACE = _flash_stand_in
         attention.unified_attention = _unified_stand_in
-    runner = ModelRunner(cpu_settings(tiny_checkpoint("qwen2"), max_num_seqs=64, max_num_batched_tokens=2048,
-                                      num_kv_blocks=2048, max_model_len=512))
+    runner = ModelRunner(
+        cpu_settings(
+            tiny_checkpoint("qwen2"),
+            max_num_seqs=64,
+            max_num_batched_tokens=2048,
+            num_kv_blocks=2048,
+            max_model_len=512,
+        )
+    )
     blocks = Blocks(runner.block_size)
     tables = [blocks.table(ctx + 1) for _ in range(decodes)]
     for i, table in enumerate(tables):  # fill each context first (uncounted)
@@ -98,8 +106,11 @@ def count(decodes: int, ctx: int, prefills: int, verbose: bool, kernel: str = "s
     if verbose:
         print("torch-function calls, all layers:", dict(fn_mode.names.most_common()))
         print("aten ops, all layers:", dict(aten_mode.names.most_common()))
-    return {"layer_calls": calls, "fn_per_layer": sum(fn_mode.names.values()) / calls,
-            "aten_per_layer": sum(aten_mode.names.values()) / calls}
+    return {
+        "layer_calls": calls,
+        "fn_per_layer": sum(fn_mode.names.values()) / calls,
+        "aten_per_layer": sum(aten_mode.names.values()) / calls,
+    }
 
 
 def main() -> None:
@@ -111,8 +122,10 @@ def main() -> None:
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args()
     r = count(a.decodes, a.ctx, a.prefills, a.verbose, a.kernel)
-    print(f"kernel={a.kernel} decodes={a.decodes} ctx={a.ctx} prefills={a.prefills}: "
-          f"{r['layer_calls']} paged_attention calls; per layer: {r['fn_per_layer']:.1f} torch-function calls, {r['aten_per_layer']:.1f} aten ops")
+    print(
+        f"kernel={a.kernel} decodes={a.decodes} ctx={a.ctx} prefills={a.prefills}: "
+        f"{r['layer_calls']} paged_attention calls; per layer: {r['fn_per_layer']:.1f} torch-function calls, {r['aten_per_layer']:.1f} aten ops"
+    )
 
 
 if __name__ == "__main__":

@@ -8,5 +8,6 @@ cd "$(dirname "$0")/.."
 .venv/bin/python -m pip install -q -e ".[test]"
 ./scripts/ci-deploy-deps.sh  # promtool/prometheus (Debian) for the deploy tests
 .venv/bin/ruff check service tests benchmarks scripts
+.venv/bin/ruff format --check service tests benchmarks scripts
 .venv/bin/mypy   # the contract modules ([tool.mypy] in pyproject.toml)
 exec .venv/bin/python -m pytest -q "$@"

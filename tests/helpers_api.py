@@ -28,8 +28,9 @@ class EngineNotNeeded:
 
 
 @contextlib.asynccontextmanager
-async def serving(settings: Settings, engine: Engine | None = None, *, wait: bool = True,
-                  client_addr: str = "127.0.0.1") -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
+async def serving(
+    settings: Settings, engine: Engine | None = None, *, wait: bool = True, client_addr: str = "127.0.0.1"
+) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
     """The app with its lifespan entered (the engine started, and ready unless wait=False), and an
     httpx client on it through ASGI (client_addr: the peer address the app sees)."""
     app = create_app(settings, engine=engine or Engine(settings, Metrics()))

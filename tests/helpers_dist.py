@@ -31,9 +31,14 @@ def free_port() -> int:
 @contextlib.contextmanager
 def gloo_group(rank: int, world_size: int, port: int) -> Iterator[None]:
     """The default process group over TCP on localhost, destroyed on the way out."""
-    torch.set_num_threads(1)   # n ranks on 2 shared cores: no oversubscription
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
+    torch.set_num_threads(1)  # n ranks on 2 shared cores: no oversubscription
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=DEFAULT_TIMEOUT_S),
+    )
     try:
         yield
     finally:
@@ -42,14 +47,17 @@ def gloo_group(rank: int, world_size: int, port: int) -> Iterator[None]:
 
 def run_ranks(fn: Callable[..., None], world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S) -> None:
     """fn(rank, world_size, port, *args) on world_size spawned processes; raises if any fails or hangs."""
-    ctx = mp.start_processes(fn, args=(world_size, free_port(), *args), nprocs=world_size, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(
+        fn, args=(world_size, free_port(), *args), nprocs=world_size, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout
     try:
-        while not ctx.join(timeout=1.0):   # raises ProcessRaisedException / ProcessExitedException
+        while not ctx.join(timeout=1.0):  # raises ProcessRaisedException / ProcessExitedException
             if time.monotonic() > deadline:
-                raise TimeoutError(f"ranks still running after {timeout:.0f} s: a collective is waiting for a rank "
-                                   "that took another path (a hang)")
+                raise TimeoutError(
+                    f"ranks still running after {timeout:.0f} s: a collective is waiting for a rank "
+                    "that took another path (a hang)"
+                )
     finally:
         for p in ctx.processes:
             if p.is_alive():

@@ -35,15 +35,30 @@ def cpu_settings(model: Path, **overrides) -> Settings:
     """Small, fast CPU settings: eager backend, small capture sizes, no warmup unless asked. Every miss
     captures at once and no capture-time budget applies, so which steps replay does not depend on how
     busy the machine is (the admission and budget tests set their own)."""
-    base = dict(model=model, device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=256,
-                block_size=4, num_kv_blocks=256, capture_sizes=[1, 2, 4, 8, 16, 32, 64], max_capture_size=64,
-                warmup_decode_sizes=[], warmup_mixed_sizes=[], max_model_len=256, admission="always", capture_time_share=1.0)
+    base = dict(
+        model=model,
+        device="cpu",
+        dtype="float32",
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        block_size=4,
+        num_kv_blocks=256,
+        capture_sizes=[1, 2, 4, 8, 16, 32, 64],
+        max_capture_size=64,
+        warmup_decode_sizes=[],
+        warmup_mixed_sizes=[],
+        max_model_len=256,
+        admission="always",
+        capture_time_share=1.0,
+    )
     base.update(overrides)
     return Settings(**base)
 
 
 @torch.no_grad()
-def hf_logits(path: Path, ids: list[int], dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:
+def hf_logits(
+    path: Path, ids: list[int], dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> torch.Tensor:
     """[len(ids), V] fp32 logits of transformers' own implementation over the full sequence."""
     from transformers import AutoModelForCausalLM
 
@@ -77,7 +92,7 @@ def run_alone(runner, ids: list[int], table: list[int], chunk: int | None = None
 
     out, pos, chunk = [], 0, chunk or len(ids)
     while pos < len(ids):
-        part = ids[pos:pos + chunk]
+        part = ids[pos : pos + chunk]
         logits = runner.execute(StepBatch([StepSeq(part, pos, table, need_logits=True)])).logits
         out.append(logits[0].clone())
         pos += len(part)

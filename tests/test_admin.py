@@ -15,8 +15,13 @@ from prometheus_client.parser import text_string_to_metric_families
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 TOKEN = "s3cret-admin-token"
-SMALL = {"device": "cpu", "max_num_seqs": 4, "max_num_batched_tokens": 64, "warmup_decode_sizes": [1],
-         "capture_sizes": [1, 2, 4, 8, 16]}
+SMALL = {
+    "device": "cpu",
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 64,
+    "warmup_decode_sizes": [1],
+    "capture_sizes": [1, 2, 4, 8, 16],
+}
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
@@ -54,6 +59,7 @@ def gauge(text: str, name: str) -> float:
 
 # --------------------------------------------------------------------------- auth
 
+
 @pytest.mark.parametrize("path", ["/admin/cache"])
 async def test_token_required(client, path):
     err = error_of(await client.get(path), 401)
@@ -82,6 +88,7 @@ async def test_loopback_opt_in(cache_dir):
 
 # --------------------------------------------------------------------------- commands
 
+
 async def test_cache_info_shape(client):
     info = (await client.get("/admin/cache", headers=AUTH)).json()
     assert {"entries", "totals", "budgets"} <= set(info)
@@ -89,7 +96,7 @@ async def test_cache_info_shape(client):
         assert {"descriptor", "bytes", "capture_seconds", "hits", "last_use", "pinned"} <= set(entry)
         assert entry["pool"] in ("pinned", "lazy", "private")
     assert info["totals"]["entries"] == len(info["entries"])
-    assert info["lazy_pool"] == "shared"   # the default (GRAPHCACHE_CACHE_LAZY_POOL)
+    assert info["lazy_pool"] == "shared"  # the default (GRAPHCACHE_CACHE_LAZY_POOL)
     assert {"pool_bytes", "pinned_pool_bytes", "lazy_pool_bytes"} <= set(info["totals"])
 
 
@@ -112,15 +119,18 @@ async def test_warmup_then_clear_agree_with_metrics(client):
     assert gauge((await client.get("/metrics")).text, "graphcache_graph_cache_entries") == 0
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"sizes": [3]}, "sizes[0]"),            # not a capture size: never replayed
-    ({"sizes": [16]}, "sizes[0]"),           # more requests than max_num_seqs pads to
-    ({"sizes": ["2"]}, "sizes[0]"),
-    ({"descriptors": ["banana"]}, "descriptors[0]"),
-    ({"descriptors": ["4:8"]}, "descriptors[0]"),   # more requests than tokens
-    ({"descriptors": ["1000000:1"]}, "descriptors[0]"),
-    ({"descriptors": ["8:4:decode"]}, "descriptors[0]"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"sizes": [3]}, "sizes[0]"),  # not a capture size: never replayed
+        ({"sizes": [16]}, "sizes[0]"),  # more requests than max_num_seqs pads to
+        ({"sizes": ["2"]}, "sizes[0]"),
+        ({"descriptors": ["banana"]}, "descriptors[0]"),
+        ({"descriptors": ["4:8"]}, "descriptors[0]"),  # more requests than tokens
+        ({"descriptors": ["1000000:1"]}, "descriptors[0]"),
+        ({"descriptors": ["8:4:decode"]}, "descriptors[0]"),
+    ],
+)
 async def test_warmup_rejects_bad_shapes(client, body, param):
     err = error_of(await client.post("/admin/warmup", headers=AUTH, json=body), 400)
     assert err["param"] == param

@@ -25,8 +25,14 @@ from prometheus_client.parser import text_string_to_metric_families
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 LEAKS = ("Traceback", 'File "', ".py", "/work/", "site-packages")
-SMALL = {"device": "cpu", "max_num_seqs": 4, "max_num_batched_tokens": 64, "warmup_decode_sizes": [1, 2],
-         "capture_sizes": [1, 2, 4, 8, 16], "drain_timeout_s": 2.0}
+SMALL = {
+    "device": "cpu",
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 64,
+    "warmup_decode_sizes": [1, 2],
+    "capture_sizes": [1, 2, 4, 8, 16],
+    "drain_timeout_s": 2.0,
+}
 
 
 def settings_for(tmp_cache, **overrides) -> Settings:
@@ -96,12 +102,15 @@ def scrape(text: str) -> dict[str, float]:
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
+            key = s.name + (
+                "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else ""
+            )
             out[key] = s.value
     return out
 
 
 # --------------------------------------------------------------------------- probes, models, metrics
+
 
 async def test_health_ready_models(client, app):
     r = await client.get("/health")
@@ -133,9 +142,18 @@ async def test_request_id_echoed_or_made(client):
 
 # --------------------------------------------------------------------------- completions
 
+
 async def test_completion_non_streaming(client, app):
-    r = await client.post("/v1/completions", json={"model": app.state.engine.model_name, "prompt": "Hello",
-                                                   "max_tokens": 5, "ignore_eos": True, "temperature": 0})
+    r = await client.post(
+        "/v1/completions",
+        json={
+            "model": app.state.engine.model_name,
+            "prompt": "Hello",
+            "max_tokens": 5,
+            "ignore_eos": True,
+            "temperature": 0,
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
@@ -155,9 +173,16 @@ async def test_completion_token_ids_and_seed_are_deterministic(client):
 
 
 async def test_completion_streaming_with_usage(client):
-    r = await client.post("/v1/completions", json={
-        "prompt": "Hi there", "max_tokens": 4, "ignore_eos": True, "stream": True,
-        "stream_options": {"include_usage": True}})
+    r = await client.post(
+        "/v1/completions",
+        json={
+            "prompt": "Hi there",
+            "max_tokens": 4,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     assert "content-length" not in r.headers  # a stream has no length; uvicorn would cut it at 0
     events = sse_events(r.text)
@@ -170,18 +195,25 @@ async def test_completion_streaming_with_usage(client):
 
 
 async def test_stream_without_usage_has_no_usage_chunk(client):
-    r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "ignore_eos": True,
-                                                   "stream": True})
+    r = await client.post(
+        "/v1/completions", json={"prompt": "x", "max_tokens": 2, "ignore_eos": True, "stream": True}
+    )
     events = sse_events(r.text)
     assert all("usage" not in e for e in events[:-1])
 
 
 # --------------------------------------------------------------------------- chat
 
+
 async def test_chat_non_streaming(client):
-    r = await client.post("/v1/chat/completions", json={
-        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
-        "max_completion_tokens": 3, "ignore_eos": True})
+    r = await client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+            "max_completion_tokens": 3,
+            "ignore_eos": True,
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "chat.completion"
@@ -191,9 +223,16 @@ async def test_chat_non_streaming(client):
 
 
 async def test_chat_streaming(client):
-    r = await client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}],
-        "max_tokens": 3, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+    r = await client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}],
+            "max_tokens": 3,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     events = sse_events(r.text)
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
@@ -237,7 +276,9 @@ BAD_COMPLETIONS = [
 ]
 
 
-@pytest.mark.parametrize(("body", "param"), BAD_COMPLETIONS, ids=[json.dumps(b)[:60] for b, _ in BAD_COMPLETIONS])
+@pytest.mark.parametrize(
+    ("body", "param"), BAD_COMPLETIONS, ids=[json.dumps(b)[:60] for b, _ in BAD_COMPLETIONS]
+)
 async def test_completion_rejects_bad_input(client, body, param):
     err = assert_error(await post_json(client, "/v1/completions", body), 400)
     assert err["type"] == "invalid_request_error"
@@ -262,9 +303,13 @@ async def test_chat_rejects_bad_input(client, body):
     assert_error(await post_json(client, "/v1/chat/completions", body), 400)
 
 
-@pytest.mark.parametrize(("path", "body"), [("/v1/completions", {"prompt": "x", "model": "no-such-model"}),
-                                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                                                      "model": "gpt-4"})])
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "x", "model": "no-such-model"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"}),
+    ],
+)
 async def test_unknown_model_is_404(client, path, body):
     err = assert_error(await post_json(client, path, body), 404, param="model", code="model_not_found")
     assert err["type"] == "invalid_request_error"
@@ -275,8 +320,9 @@ async def test_unknown_fields_are_ignored(client):
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("raw", [b"{not json", b"\xff\xfe\x00garbage", b"[" * 100_000 + b"]" * 100_000,
-                                 b'"just a string"', b""])
+@pytest.mark.parametrize(
+    "raw", [b"{not json", b"\xff\xfe\x00garbage", b"[" * 100_000 + b"]" * 100_000, b'"just a string"', b""]
+)
 async def test_malformed_bodies_are_400(client, raw):
     r = await client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
     assert_error(r, 400)
@@ -284,7 +330,9 @@ async def test_malformed_bodies_are_400(client, raw):
 
 async def test_body_size_limit_413(client, app):
     def rejected() -> float:
-        return app.state.metrics.registry.get_sample_value("graphcache_requests_rejected_total", {"reason": "invalid"})
+        return app.state.metrics.registry.get_sample_value(
+            "graphcache_requests_rejected_total", {"reason": "invalid"}
+        )
 
     before = rejected()
     big = {"prompt": "x" * (app.state.settings.http.max_body_bytes + 10)}
@@ -323,6 +371,7 @@ async def test_unexpected_error_is_a_bare_500(client, app, monkeypatch):
 
 # --------------------------------------------------------------------------- overload, draining, disconnect
 
+
 async def test_queue_full_is_429_with_retry_after(cache_dir):
     settings = settings_for(cache_dir, max_num_seqs=1, max_queue=1, warmup_decode_sizes=[])
     async with running(settings) as (client, app):
@@ -344,7 +393,9 @@ async def test_queue_full_is_429_with_retry_after(cache_dir):
 
 async def test_draining_is_503(client, app):
     engine = app.state.engine
-    engine._set_state(EngineState.DRAINING)   # what SIGTERM's drain does first; undone below for the next tests
+    engine._set_state(
+        EngineState.DRAINING
+    )  # what SIGTERM's drain does first; undone below for the next tests
     try:
         r = await client.post("/v1/completions", json={"prompt": "x"})
         assert_error(r, 503, code="draining")
@@ -378,20 +429,33 @@ async def _drive_then_disconnect(app, body: dict, after: str) -> list[dict]:
         if message["type"] == after and (after == "http.response.start" or message.get("body")):
             got_chunk.set()
 
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": body.pop("_path", "/v1/completions"), "raw_path": b"",
-             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json"),
-                                                                 (b"content-length", str(len(payload)).encode())],
-             "client": ("127.0.0.1", 5000), "server": ("testserver", 80), "state": {}}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": body.pop("_path", "/v1/completions"),
+        "raw_path": b"",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
+        "client": ("127.0.0.1", 5000),
+        "server": ("testserver", 80),
+        "state": {},
+    }
     await asyncio.wait_for(app(scope, receive, send), 60)
     return sent
 
 
-@pytest.mark.parametrize(("stream", "leave_after"), [
-    (True, "http.response.start"),   # right after the headers: the SSE generator never ran
-    (True, "http.response.body"),    # after the first chunk
-    (False, "in_flight"),            # while the engine generates, before any answer byte
-])
+@pytest.mark.parametrize(
+    ("stream", "leave_after"),
+    [
+        (True, "http.response.start"),  # right after the headers: the SSE generator never ran
+        (True, "http.response.body"),  # after the first chunk
+        (False, "in_flight"),  # while the engine generates, before any answer byte
+    ],
+)
 async def test_client_disconnect_aborts_and_frees_blocks(client, app, stream, leave_after):
     engine = app.state.engine
     before = scrape((await client.get("/metrics")).text)["graphcache_requests_finished_total{reason=abort}"]
@@ -411,6 +475,7 @@ async def test_client_disconnect_aborts_and_frees_blocks(client, app, stream, le
 
 # --------------------------------------------------------------------------- engine states (real Engine)
 
+
 async def test_loading_then_ready(cache_dir):
     """Probes while the engine loads: /health 200, /ready 503, generation 503 not_ready."""
     from graphcache.engine.worker.runner import ModelRunner
@@ -422,7 +487,10 @@ async def test_loading_then_ready(cache_dir):
         return ModelRunner(settings, metrics)
 
     settings = settings_for(cache_dir)
-    async with running(settings, make_engine(settings, runner_factory=slow_runner), wait=False) as (client, app):
+    async with running(settings, make_engine(settings, runner_factory=slow_runner), wait=False) as (
+        client,
+        app,
+    ):
         assert (await client.get("/health")).status_code == 200
         r = await client.get("/ready")
         assert r.status_code == 503 and r.json()["status"] == "loading"
@@ -436,11 +504,15 @@ async def test_loading_then_ready(cache_dir):
 async def test_dead_engine(cache_dir):
     """Probes and request errors say the engine died, never why (the exception text can carry
     paths and device details): that goes to the log and to the authenticated /admin/* only."""
+
     def broken_runner(settings, metrics):
         raise RuntimeError('weights are corrupt in File "/work/secret/model.py"')
 
     settings = settings_for(cache_dir, admin_token="t0ken")
-    async with running(settings, make_engine(settings, runner_factory=broken_runner), wait=False) as (client, app):
+    async with running(settings, make_engine(settings, runner_factory=broken_runner), wait=False) as (
+        client,
+        app,
+    ):
         await asyncio.to_thread(app.state.engine.wait_ready, 30)
         assert "weights are corrupt" in app.state.engine.error
         for probe in ("/health", "/ready"):
@@ -451,7 +523,7 @@ async def test_dead_engine(cache_dir):
         assert "corrupt" not in r.text and "/work/" not in r.text
         r = await client.get("/admin/cache", headers={"Authorization": "Bearer t0ken"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
-        assert "weights are corrupt" in r.json()["error"]["message"]   # the operator may see the cause
+        assert "weights are corrupt" in r.json()["error"]["message"]  # the operator may see the cause
 
 
 async def test_engine_death_mid_request_sends_a_fixed_message(cache_dir):
@@ -460,7 +532,9 @@ async def test_engine_death_mid_request_sends_a_fixed_message(cache_dir):
     engine = make_engine(settings)
 
     def device_lost(batch):
-        raise torch.AcceleratorError('CUDA error: device lost in File "/work/main/service/engine/worker/runner.py", line 1')
+        raise torch.AcceleratorError(
+            'CUDA error: device lost in File "/work/main/service/engine/worker/runner.py", line 1'
+        )
 
     async with running(settings, engine) as (client, app):
         engine.step_failpoint = device_lost
@@ -489,7 +563,8 @@ async def test_chat_default_max_tokens_fits_a_small_kv_cache(cache_dir):
     """No max_tokens in chat = the rest of the window, capped to what the KV cache can hold."""
     settings = settings_for(cache_dir, num_kv_blocks=8, block_size=16, max_num_seqs=1, warmup_decode_sizes=[])
     async with running(settings) as (client, _):
-        r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
-                                                            "ignore_eos": True})
+        r = await client.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "ignore_eos": True}
+        )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["total_tokens"] <= 8 * 16

@@ -30,8 +30,13 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 KEYS = ["key-one-0123456789abcdef", "key-two-fedcba9876543210"]
 ADMIN_TOKEN = "admin-token-not-an-api-key"
-SMALL = {"device": "cpu", "max_num_seqs": 4, "max_num_batched_tokens": 64, "warmup_decode_sizes": [1],
-         "capture_sizes": [1, 2, 4, 8, 16]}
+SMALL = {
+    "device": "cpu",
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 64,
+    "warmup_decode_sizes": [1],
+    "capture_sizes": [1, 2, 4, 8, 16],
+}
 
 GUARDED = [
     ("GET", "/v1/models", None),
@@ -41,8 +46,14 @@ GUARDED = [
     ("POST", "/tokenize", {"prompt": "hi"}),
     ("POST", "/detokenize", {"tokens": [5]}),
 ]
-OPEN = [("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics"), ("GET", "/ping"), ("POST", "/ping"),
-        ("GET", "/version")]
+OPEN = [
+    ("GET", "/health"),
+    ("GET", "/ready"),
+    ("GET", "/metrics"),
+    ("GET", "/ping"),
+    ("POST", "/ping"),
+    ("GET", "/version"),
+]
 
 
 class ReadyStandIn(EngineNotNeeded):
@@ -65,7 +76,9 @@ def bearer(key: str) -> dict:
 
 def openai_client(app, api_key: str) -> openai.AsyncOpenAI:
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
-    return openai.AsyncOpenAI(base_url="http://testserver/v1", api_key=api_key, http_client=http, max_retries=0)
+    return openai.AsyncOpenAI(
+        base_url="http://testserver/v1", api_key=api_key, http_client=http, max_retries=0
+    )
 
 
 def assert_401(resp: httpx.Response) -> dict:
@@ -74,20 +87,28 @@ def assert_401(resp: httpx.Response) -> dict:
     body = resp.json()
     assert set(body) == {"error"}
     err = body["error"]
-    assert err == {"message": err["message"], "type": "invalid_request_error", "param": None,
-                   "code": "invalid_api_key"}
+    assert err == {
+        "message": err["message"],
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "invalid_api_key",
+    }
     assert all(k not in resp.text for k in KEYS), "a key leaked into the error"
     return err
 
 
 # --------------------------------------------------------------------------- settings
 
-@pytest.mark.parametrize("env, keys", [
-    ("solo-key", ["solo-key"]),
-    ("k1,k2", ["k1", "k2"]),
-    (" k1 , k2 ,, ", ["k1", "k2"]),
-    ("123456", ["123456"]),
-])
+
+@pytest.mark.parametrize(
+    "env, keys",
+    [
+        ("solo-key", ["solo-key"]),
+        ("k1,k2", ["k1", "k2"]),
+        (" k1 , k2 ,, ", ["k1", "k2"]),
+        ("123456", ["123456"]),
+    ],
+)
 async def test_env_holds_one_key_or_several(monkeypatch, env, keys):
     monkeypatch.setenv("GRAPHCACHE_API_KEY", env)
     assert Settings().http.api_key == keys
@@ -122,7 +143,7 @@ async def test_non_ascii_keys_are_refused_without_echo(bad):
 
 @pytest.mark.parametrize("env", ["true", "1.5", "null"])
 async def test_env_text_is_a_key_as_written_never_json(monkeypatch, env):
-    monkeypatch.setenv("GRAPHCACHE_API_KEY", env)   # "null" must not mean "no key": the API would be open
+    monkeypatch.setenv("GRAPHCACHE_API_KEY", env)  # "null" must not mean "no key": the API would be open
     assert Settings().http.api_key == [env]
 
 
@@ -136,6 +157,7 @@ async def test_cli_flag_is_comma_separated_and_secret(capsys):
 
 # --------------------------------------------------------------------------- the gate
 
+
 async def test_no_key_configured_the_api_is_open():
     async with stand_in() as (client, _):
         r = await client.get("/v1/models")
@@ -148,16 +170,28 @@ async def test_guarded_routes_want_a_key(method, path, body):
     async with stand_in(api_key=KEYS) as (client, _):
         err = assert_401(await client.request(method, path, json=body))
         assert "GRAPHCACHE_API_KEY" in err["message"]
-        for headers in (bearer("wrong-key"), bearer(KEYS[0][:-1]), bearer(KEYS[0] + "x"), bearer(KEYS[0].upper()),
-                        bearer(f"{KEYS[0]},{KEYS[1]}"), {"Authorization": f"Basic {KEYS[0]}"},
-                        {"Authorization": KEYS[0]}, {"Authorization": "Bearer "}, {"X-API-Key": KEYS[0]}):
+        for headers in (
+            bearer("wrong-key"),
+            bearer(KEYS[0][:-1]),
+            bearer(KEYS[0] + "x"),
+            bearer(KEYS[0].upper()),
+            bearer(f"{KEYS[0]},{KEYS[1]}"),
+            {"Authorization": f"Basic {KEYS[0]}"},
+            {"Authorization": KEYS[0]},
+            {"Authorization": "Bearer "},
+            {"X-API-Key": KEYS[0]},
+        ):
             assert_401(await client.request(method, path, json=body, headers=headers))
 
 
 async def test_any_configured_key_opens_the_api():
     async with stand_in(api_key=KEYS) as (client, _):
         for key in KEYS:
-            for headers in (bearer(key), {"Authorization": f"bearer {key}"}, {"Authorization": f"Bearer  {key} "}):
+            for headers in (
+                bearer(key),
+                {"Authorization": f"bearer {key}"},
+                {"Authorization": f"Bearer  {key} "},
+            ):
                 r = await client.get("/v1/models", headers=headers)
                 assert r.status_code == 200, r.text
             assert (await client.get("/v1/models/test", headers=bearer(key))).json()["id"] == "test"
@@ -168,7 +202,9 @@ async def test_the_key_is_checked_before_the_body():
     async with stand_in(api_key=KEYS) as (client, _):
         assert_401(await client.post("/v1/completions", json={"prompt": "x", "temperature": 9}))
         assert_401(await client.post("/tokenize", json={"prompt": 5, "messages": "no"}))
-        r = await client.post("/v1/completions", json={"prompt": "x", "temperature": 9}, headers=bearer(KEYS[1]))
+        r = await client.post(
+            "/v1/completions", json={"prompt": "x", "temperature": 9}, headers=bearer(KEYS[1])
+        )
         assert r.status_code == 400
 
 
@@ -182,7 +218,9 @@ async def test_probes_metrics_ping_version_stay_open(method, path):
 async def test_admin_keeps_its_own_token():
     async with stand_in(api_key=KEYS, admin_token=ADMIN_TOKEN) as (client, _):
         r = await client.get("/admin/cache", headers=bearer(KEYS[0]))
-        assert r.status_code == 403 and r.json()["error"]["code"] == "invalid_token", "an API key is no admin token"
+        assert r.status_code == 403 and r.json()["error"]["code"] == "invalid_token", (
+            "an API key is no admin token"
+        )
         assert_401(await client.get("/v1/models", headers=bearer(ADMIN_TOKEN)))
 
 
@@ -219,6 +257,7 @@ async def test_every_key_is_compared(monkeypatch):
 
 # --------------------------------------------------------------------------- the openai client, real engine
 
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(tmp_path_factory):
     settings = Settings(cache_dir=tmp_path_factory.mktemp("graphcache-cache"), api_key=KEYS, **SMALL)
@@ -233,8 +272,9 @@ async def test_openai_client_with_a_key_works(served):
         name = served.state.engine.model_name
         assert [m.id for m in (await oai.models.list()).data] == [name]
         assert (await oai.models.retrieve(name)).id == name
-        chat = await oai.chat.completions.create(model=name, messages=[{"role": "user", "content": "Hi"}],
-                                                 max_tokens=2, temperature=0)
+        chat = await oai.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0
+        )
         assert chat.usage.completion_tokens >= 1
         stream = await oai.completions.create(model=name, prompt="Once", max_tokens=2, stream=True)
         assert [c async for c in stream], "a stream behind the key"
@@ -246,7 +286,9 @@ async def test_openai_client_without_the_right_key_gets_authentication_error(ser
             await oai.models.list()
         assert info.value.status_code == 401 and info.value.code == "invalid_api_key"
         with pytest.raises(openai.AuthenticationError):
-            await oai.chat.completions.create(model="graphcache-tiny", messages=[{"role": "user", "content": "x"}])
+            await oai.chat.completions.create(
+                model="graphcache-tiny", messages=[{"role": "user", "content": "x"}]
+            )
 
 
 async def test_real_server_tokenize_needs_the_key_and_probes_do_not(served):

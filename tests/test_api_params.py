@@ -25,38 +25,159 @@ from helpers_api import serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-SMALL = {"device": "cpu", "max_num_seqs": 8, "max_num_batched_tokens": 128, "warmup_decode_sizes": [],
-         "capture_sizes": [1, 2, 4, 8, 16], "drain_timeout_s": 2.0}
+SMALL = {
+    "device": "cpu",
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 128,
+    "warmup_decode_sizes": [],
+    "capture_sizes": [1, 2, 4, 8, 16],
+    "drain_timeout_s": 2.0,
+}
 
 # The field names of vLLM's request models (vllm/entrypoints/openai/protocol.py of the guided_* era and
 # the newer completion/protocol.py, chat_completion/protocol.py): the union, as facts.
 VLLM_COMPLETION_FIELDS = {
-    "model", "prompt", "prompt_embeds", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs",
-    "max_tokens", "n", "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix", "temperature",
-    "top_p", "user", "use_beam_search", "top_k", "min_p", "repetition_penalty", "watermarking", "length_penalty",
-    "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
-    "spaces_between_special_tokens", "truncate_prompt_tokens", "truncation_side", "allowed_token_ids",
-    "prompt_logprobs", "logprob_token_ids", "bad_words", "add_special_tokens", "response_format",
-    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "guided_decoding_backend", "guided_whitespace_pattern", "priority", "request_id", "session_id",
-    "logits_processors", "return_tokens_as_token_ids", "return_token_ids", "routed_experts_prompt_start",
-    "return_token_offsets", "return_mm_kwargs", "cache_salt", "kv_transfer_params", "ec_transfer_params",
-    "vllm_xargs", "repetition_detection", "thinking_token_budget", "stream_interval"}
+    "model",
+    "prompt",
+    "prompt_embeds",
+    "best_of",
+    "echo",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "max_tokens",
+    "n",
+    "presence_penalty",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "suffix",
+    "temperature",
+    "top_p",
+    "user",
+    "use_beam_search",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "watermarking",
+    "length_penalty",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "truncate_prompt_tokens",
+    "truncation_side",
+    "allowed_token_ids",
+    "prompt_logprobs",
+    "logprob_token_ids",
+    "bad_words",
+    "add_special_tokens",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "priority",
+    "request_id",
+    "session_id",
+    "logits_processors",
+    "return_tokens_as_token_ids",
+    "return_token_ids",
+    "routed_experts_prompt_start",
+    "return_token_offsets",
+    "return_mm_kwargs",
+    "cache_salt",
+    "kv_transfer_params",
+    "ec_transfer_params",
+    "vllm_xargs",
+    "repetition_detection",
+    "thinking_token_budget",
+    "stream_interval",
+}
 VLLM_CHAT_FIELDS = {
-    "messages", "model", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "max_tokens",
-    "max_completion_tokens", "n", "presence_penalty", "response_format", "seed", "stop", "stream", "stream_options",
-    "temperature", "top_p", "tools", "tool_choice", "reasoning_effort", "thinking_token_budget",
-    "include_reasoning", "parallel_tool_calls", "user", "best_of", "use_beam_search", "top_k", "min_p",
-    "repetition_penalty", "watermarking", "length_penalty", "stop_token_ids", "include_stop_str_in_output",
-    "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
-    "truncation_side", "prompt_logprobs", "logprob_token_ids", "allowed_token_ids", "bad_words", "echo",
-    "add_generation_prompt", "continue_final_message", "add_special_tokens", "documents", "chat_template",
-    "chat_template_kwargs", "media_io_kwargs", "mm_processor_kwargs", "structured_outputs", "guided_json",
-    "guided_regex", "guided_choice", "guided_grammar", "structural_tag", "guided_decoding_backend",
-    "guided_whitespace_pattern", "priority", "request_id", "session_id", "logits_processors",
-    "return_tokens_as_token_ids", "return_token_ids", "routed_experts_prompt_start", "return_token_offsets",
-    "return_prompt_text", "return_mm_kwargs", "cache_salt", "kv_transfer_params", "ec_transfer_params",
-    "vllm_xargs", "repetition_detection", "stream_interval"}
+    "messages",
+    "model",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "presence_penalty",
+    "response_format",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "temperature",
+    "top_p",
+    "tools",
+    "tool_choice",
+    "reasoning_effort",
+    "thinking_token_budget",
+    "include_reasoning",
+    "parallel_tool_calls",
+    "user",
+    "best_of",
+    "use_beam_search",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "watermarking",
+    "length_penalty",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "truncate_prompt_tokens",
+    "truncation_side",
+    "prompt_logprobs",
+    "logprob_token_ids",
+    "allowed_token_ids",
+    "bad_words",
+    "echo",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "documents",
+    "chat_template",
+    "chat_template_kwargs",
+    "media_io_kwargs",
+    "mm_processor_kwargs",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structural_tag",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "priority",
+    "request_id",
+    "session_id",
+    "logits_processors",
+    "return_tokens_as_token_ids",
+    "return_token_ids",
+    "routed_experts_prompt_start",
+    "return_token_offsets",
+    "return_prompt_text",
+    "return_mm_kwargs",
+    "cache_salt",
+    "kv_transfer_params",
+    "ec_transfer_params",
+    "vllm_xargs",
+    "repetition_detection",
+    "stream_interval",
+}
 
 
 class Recorder:
@@ -118,21 +239,25 @@ CHAT = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 
 
 def p(**expected):
     """The check: the engine's SamplingParams carry these values."""
+
     def check(rec, body, _tok):
         for name, value in expected.items():
             assert getattr(rec.params, name) == value, (name, getattr(rec.params, name))
+
     return check
 
 
 def structured(kind, value=None):
     def check(rec, body, _tok):
         assert rec.params.structured == StructuredSpec(kind, value), rec.params.structured
+
     return check
 
 
 def choices(count):
     def check(rec, body, _tok):
         assert len(body["choices"]) == count and len(rec.calls) >= count
+
     return check
 
 
@@ -145,6 +270,7 @@ def _truncated(first: bool):
     def check(rec, body, tok):
         ids = tok.encode(TEXT)
         assert rec.calls[-1][1] == (ids[:2] if first else ids[-2:])
+
     return check
 
 
@@ -246,7 +372,11 @@ COMPLETION_CASES = {
     "spaces_between_special_tokens": (False, {}, REFUSED),
     "truncate_prompt_tokens": (2, {}, _truncated(first=False)),
     "truncation_side": ("right", {"truncate_prompt_tokens": 2}, _truncated(first=True)),
-    "allowed_token_ids": ([5, 6, 7], {}, p(allowed_token_ids=(5, 6, 7))),   # one TokenIds, shared by the choices
+    "allowed_token_ids": (
+        [5, 6, 7],
+        {},
+        p(allowed_token_ids=(5, 6, 7)),
+    ),  # one TokenIds, shared by the choices
     "prompt_logprobs": (1, {}, _prompt_logprobs),
     "logprob_token_ids": ([5], {"logprobs": 1}, REFUSED),
     "bad_words": (["hello"], {}, _bad_words),
@@ -281,6 +411,7 @@ def _chat_logprobs(k):
         content = body["choices"][0]["logprobs"]["content"]
         assert rec.params.logprobs == k and len(content) == 3
         assert all(len(c["top_logprobs"]) == k and c["bytes"] == list(c["token"].encode()) for c in content)
+
     return check
 
 
@@ -289,6 +420,7 @@ def _template_kwargs(**expected):
         kwargs = rec.chat_kwargs[-1]
         for name, value in expected.items():
             assert kwargs.get(name) == value, (name, kwargs)
+
     return check
 
 
@@ -312,8 +444,12 @@ def _chat_truncated(rec, body, tok):
     assert len(rec.calls[-1][1]) == 2
 
 
-TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-    "x": {"type": "integer"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+    }
+]
 
 
 def _tools_rendered(rec, body, tok):
@@ -324,11 +460,13 @@ def _tools_rendered(rec, body, tok):
 
 def _tool_call_forced(parallel: bool):
     """required: a grammar forcing the call markup of f, one call or more (parallel_tool_calls)."""
+
     def check(rec, body, tok):
         spec = rec.params.structured
         assert spec.kind == "grammar" and "<tool_call>" in spec.value and '\\"f\\"' in spec.value, spec
         assert spec.value.startswith('start: call ("\\n" call)*' if parallel else "start: call\n"), spec
         assert rec.chat_kwargs[-1]["tools"] == TOOLS
+
     return check
 
 
@@ -338,8 +476,14 @@ CHAT_CASES = {
     "model": ("graphcache-tiny", {}, _model_name),
     "messages": ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], {}, _ok),
     "request_id": ("my-id", {}, lambda rec, b, t: b["id"] == "chatcmpl-my-id" or pytest.fail(b["id"])),
-    "echo": (True, {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure,"}],
-                    "add_generation_prompt": False}, _chat_echo),
+    "echo": (
+        True,
+        {
+            "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure,"}],
+            "add_generation_prompt": False,
+        },
+        _chat_echo,
+    ),
     "logprobs": (True, {}, _chat_logprobs(0)),
     "top_logprobs": (2, {"logprobs": True}, _chat_logprobs(2)),
     "return_tokens_as_token_ids": (True, {"logprobs": True}, _chat_as_ids),
@@ -350,13 +494,21 @@ CHAT_CASES = {
     "max_completion_tokens": (2, {}, _max_tokens),
     "tools": (TOOLS, {}, _tools_rendered),
     "tool_choice": ("required", {"tools": TOOLS}, _tool_call_forced(parallel=True)),
-    "parallel_tool_calls": (False, {"tools": TOOLS, "tool_choice": "required"}, _tool_call_forced(parallel=False)),
+    "parallel_tool_calls": (
+        False,
+        {"tools": TOOLS, "tool_choice": "required"},
+        _tool_call_forced(parallel=False),
+    ),
     "reasoning_effort": ("low", {}, _template_kwargs(reasoning_effort="low")),
     "include_reasoning": (False, {}, REFUSED),
     "add_generation_prompt": (False, {}, _template_kwargs(add_generation_prompt=False)),
     "continue_final_message": (True, {}, REFUSED),
     "add_special_tokens": (True, {}, REFUSED),
-    "documents": ([{"title": "t", "text": "x"}], {}, _template_kwargs(documents=[{"title": "t", "text": "x"}])),
+    "documents": (
+        [{"title": "t", "text": "x"}],
+        {},
+        _template_kwargs(documents=[{"title": "t", "text": "x"}]),
+    ),
     "chat_template": ("{{ messages }}", {}, REFUSED),
     "chat_template_kwargs": ({"enable_thinking": False}, {}, _template_kwargs(enable_thinking=False)),
     "media_io_kwargs": ({"image": {}}, {}, REFUSED),
@@ -407,18 +559,50 @@ async def test_chat_field_is_honoured_or_refused(client, rec, name):
 
 # --------------------------------------------------------------------------- null, unknown, limits
 
+
 @pytest.mark.parametrize("path,base", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
 async def test_null_means_default_for_every_optional_field(client, rec, path, base):
-    nulls = {k: None for k in ("temperature", "top_p", "top_k", "n", "stream", "presence_penalty",
-                               "frequency_penalty", "repetition_penalty", "seed", "stop", "logit_bias",
-                               "min_tokens", "min_p", "best_of", "logprobs", "echo", "stream_options",
-                               "bad_words", "truncate_prompt_tokens", "response_format", "user", "priority",
-                               "use_beam_search", "skip_special_tokens")}
+    nulls = {
+        k: None
+        for k in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "n",
+            "stream",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "seed",
+            "stop",
+            "logit_bias",
+            "min_tokens",
+            "min_p",
+            "best_of",
+            "logprobs",
+            "echo",
+            "stream_options",
+            "bad_words",
+            "truncate_prompt_tokens",
+            "response_format",
+            "user",
+            "priority",
+            "use_beam_search",
+            "skip_special_tokens",
+        )
+    }
     r = await client.post(path, json={**base, **nulls})
     assert r.status_code == 200, r.text
     params = rec.params
-    assert (params.temperature, params.top_p, params.top_k, params.presence_penalty, params.repetition_penalty,
-            params.min_p, params.logprobs) == (1.0, 1.0, 0, 0.0, 1.0, 0.0, None)
+    assert (
+        params.temperature,
+        params.top_p,
+        params.top_k,
+        params.presence_penalty,
+        params.repetition_penalty,
+        params.min_p,
+        params.logprobs,
+    ) == (1.0, 1.0, 0, 0.0, 1.0, 0.0, None)
 
 
 async def test_unknown_fields_are_logged_once_per_name(client, rec, caplog):
@@ -429,18 +613,21 @@ async def test_unknown_fields_are_logged_once_per_name(client, rec, caplog):
     assert len([m for m in caplog.messages if "frobnicate_xyz" in m]) == 1
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"n": 129}, "n"),
-    ({"n": 2, "best_of": 100, "prompt": ["a", "b"]}, "best_of"),
-    ({"prompt": ["a"] * 65, "n": 2}, "n"),
-    ({"best_of": 3, "n": 2, "stream": True}, "best_of"),
-    ({"logit_bias": {"abc": 1}}, "logit_bias"),
-    ({"logit_bias": {"5": 101}}, "logit_bias"),
-    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
-    ({"response_format": {"type": "yaml"}}, "response_format"),
-    ({"min_tokens": 5}, "min_tokens"),
-    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"n": 129}, "n"),
+        ({"n": 2, "best_of": 100, "prompt": ["a", "b"]}, "best_of"),
+        ({"prompt": ["a"] * 65, "n": 2}, "n"),
+        ({"best_of": 3, "n": 2, "stream": True}, "best_of"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"min_tokens": 5}, "min_tokens"),
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ],
+)
 async def test_limits_and_conflicts_are_400(client, rec, body, param):
     r = await client.post("/v1/completions", json={**COMPLETION, **body})
     assert r.status_code == 400, r.text
@@ -449,14 +636,23 @@ async def test_limits_and_conflicts_are_400(client, rec, body, param):
     assert not rec.calls
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"chat_template_kwargs": {"allow_special_in_content": True}}, "chat_template_kwargs"),   # the guard stays
-    ({"top_logprobs": 2}, "top_logprobs"),                                                     # needs logprobs
-    ({"tool_choice": "required"}, "tool_choice"),                                              # needs tools
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),   # unlisted
-    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools"),                 # not a name
-    ({"tools": TOOLS, "guided_choice": ["a"]}, "guided_choice"),                               # two constraints
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        (
+            {"chat_template_kwargs": {"allow_special_in_content": True}},
+            "chat_template_kwargs",
+        ),  # the guard stays
+        ({"top_logprobs": 2}, "top_logprobs"),  # needs logprobs
+        ({"tool_choice": "required"}, "tool_choice"),  # needs tools
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            "tool_choice",
+        ),  # unlisted
+        ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools"),  # not a name
+        ({"tools": TOOLS, "guided_choice": ["a"]}, "guided_choice"),  # two constraints
+    ],
+)
 async def test_chat_conflicts_are_400(client, rec, body, param):
     r = await client.post("/v1/chat/completions", json={**CHAT, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
@@ -465,9 +661,19 @@ async def test_chat_conflicts_are_400(client, rec, body, param):
 
 # --------------------------------------------------------------------------- fan-out
 
+
 async def test_batched_prompts_with_n_are_indexed_prompt_major(client, rec):
-    r = await client.post("/v1/completions", json={"prompt": ["Once upon", "Hello"], "n": 2, "max_tokens": 3,
-                                                   "ignore_eos": True, "seed": 7, "temperature": 1.0})
+    r = await client.post(
+        "/v1/completions",
+        json={
+            "prompt": ["Once upon", "Hello"],
+            "n": 2,
+            "max_tokens": 3,
+            "ignore_eos": True,
+            "seed": 7,
+            "temperature": 1.0,
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
@@ -475,7 +681,7 @@ async def test_batched_prompts_with_n_are_indexed_prompt_major(client, rec):
     assert all(rid.endswith(f"-{k}") for k, (rid, _, _) in enumerate(rec.calls))
     tok = rec.engine.tokenizer
     assert [c[1] for c in rec.calls] == [tok.encode("Once upon")] * 2 + [tok.encode("Hello")] * 2
-    assert [c[2].seed for c in rec.calls] == [7, 8, 7, 8]   # choice i: seed + i
+    assert [c[2].seed for c in rec.calls] == [7, 8, 7, 8]  # choice i: seed + i
     usage = body["usage"]
     once = len(tok.encode("Once upon")) + len(tok.encode("Hello"))
     assert usage["prompt_tokens"] == once and usage["completion_tokens"] == 12
@@ -494,21 +700,31 @@ async def test_seeded_choices_match_single_requests(client, rec):
 async def test_best_of_keeps_the_most_likely_sample(client, rec):
     """best_of=3, n=1 returns the sample (seed + i) whose tokens have the highest summed logprob."""
     req = {"prompt": [5, 6, 7, 8], "max_tokens": 4, "ignore_eos": True, "temperature": 1.0}
-    best = (await client.post("/v1/completions", json={**req, "seed": 50, "best_of": 3, "n": 1,
-                                                     "return_token_ids": True})).json()
-    assert [c[2].logprobs for c in rec.calls] == [0, 0, 0]   # asked for internally, to rank
-    assert best["choices"][0]["logprobs"] is None             # ... and not returned unasked
-    assert best["usage"]["completion_tokens"] == 12           # every sample counts
-    singles = [(await client.post("/v1/completions", json={**req, "seed": 50 + i, "logprobs": 0,
-                                                          "return_token_ids": True})).json()["choices"][0]
-               for i in range(3)]
+    best = (
+        await client.post(
+            "/v1/completions", json={**req, "seed": 50, "best_of": 3, "n": 1, "return_token_ids": True}
+        )
+    ).json()
+    assert [c[2].logprobs for c in rec.calls] == [0, 0, 0]  # asked for internally, to rank
+    assert best["choices"][0]["logprobs"] is None  # ... and not returned unasked
+    assert best["usage"]["completion_tokens"] == 12  # every sample counts
+    singles = [
+        (
+            await client.post(
+                "/v1/completions", json={**req, "seed": 50 + i, "logprobs": 0, "return_token_ids": True}
+            )
+        ).json()["choices"][0]
+        for i in range(3)
+    ]
     ranked = max(singles, key=lambda c: sum(c["logprobs"]["token_logprobs"]))
     assert best["choices"][0]["token_ids"] == ranked["token_ids"]
 
 
 async def test_streamed_choices_carry_their_index_and_summed_usage(client, rec):
-    r = await client.post("/v1/chat/completions", json={**CHAT, "n": 3, "stream": True,
-                                                        "stream_options": {"include_usage": True}})
+    r = await client.post(
+        "/v1/chat/completions",
+        json={**CHAT, "n": 3, "stream": True, "stream_options": {"include_usage": True}},
+    )
     chunks = sse(r.text)
     roles = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("role")]
     assert sorted(c["choices"][0]["index"] for c in roles) == [0, 1, 2]
@@ -537,19 +753,34 @@ async def test_one_refused_sequence_aborts_the_others(client, rec, served):
 
 # --------------------------------------------------------------------------- the official client
 
+
 async def test_openai_client_echo_logprobs_and_n(served, rec):
     client, app = served
     oai = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client)
-    done = await oai.completions.create(model="graphcache-tiny", prompt=TEXT, max_tokens=3, echo=True, logprobs=2,
-                                        n=2, extra_body={"ignore_eos": True})
+    done = await oai.completions.create(
+        model="graphcache-tiny",
+        prompt=TEXT,
+        max_tokens=3,
+        echo=True,
+        logprobs=2,
+        n=2,
+        extra_body={"ignore_eos": True},
+    )
     assert len(done.choices) == 2 and [c.index for c in done.choices] == [0, 1]
     lp = done.choices[0].logprobs
     n_prompt = len(app.state.engine.tokenizer.encode(TEXT))
     assert done.choices[0].text.startswith(TEXT)
     assert len(lp.tokens) == n_prompt + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert lp.text_offset == sorted(lp.text_offset)
-    chat = await oai.chat.completions.create(model="graphcache-tiny", messages=CHAT["messages"], max_tokens=3,
-                                             logprobs=True, top_logprobs=3, seed=-1, stop=list("vwxyz"))
+    chat = await oai.chat.completions.create(
+        model="graphcache-tiny",
+        messages=CHAT["messages"],
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=3,
+        seed=-1,
+        stop=list("vwxyz"),
+    )
     content = chat.choices[0].logprobs.content
     assert content and all(len(c.top_logprobs) == 3 for c in content)
     with pytest.raises(openai.NotFoundError):
@@ -557,4 +788,3 @@ async def test_openai_client_echo_logprobs_and_n(served, rec):
     with pytest.raises(openai.BadRequestError) as refused:
         await oai.completions.create(model="graphcache-tiny", prompt="x", suffix="y")
     assert refused.value.body["param"] == "suffix"
-

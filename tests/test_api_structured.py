@@ -28,30 +28,46 @@ from helpers_api import serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-SMALL = {"device": "cpu", "max_num_seqs": 4, "max_num_batched_tokens": 128, "warmup_decode_sizes": [1],
-         "capture_sizes": [1, 2, 4, 8, 16]}
+SMALL = {
+    "device": "cpu",
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 128,
+    "warmup_decode_sizes": [1],
+    "capture_sizes": [1, 2, 4, 8, 16],
+}
 COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 SCHEMA = {
     "type": "object",
-    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
-                   "days": {"type": "integer", "minimum": 1, "maximum": 9},
-                   "metric": {"type": "boolean"}},
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        "metric": {"type": "boolean"},
+    },
     "required": ["city", "days", "metric"],
     "additionalProperties": False,
     **COMPACT,
 }
-TIME_SCHEMA = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["utc", "cet"]}},
-               "required": ["zone"], "additionalProperties": False, **COMPACT}
+TIME_SCHEMA = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "enum": ["utc", "cet"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+    **COMPACT,
+}
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
-                                      "parameters": SCHEMA}},
-    {"type": "function", "function": {"name": "get_time", "description": "The time in a zone.",
-                                      "parameters": TIME_SCHEMA}},
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "The weather in a city.", "parameters": SCHEMA},
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_time", "description": "The time in a zone.", "parameters": TIME_SCHEMA},
+    },
 ]
 PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
-MAX_TOKENS = 120   # a compact call or object is ~20 tokens; the grammar's completion ends it far earlier
+MAX_TOKENS = 120  # a compact call or object is ~20 tokens; the grammar's completion ends it far earlier
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -67,8 +83,12 @@ def client(served) -> httpx.AsyncClient:
 
 @pytest.fixture
 def oai(served) -> openai.AsyncOpenAI:
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=served[1]), base_url="http://testserver", timeout=60)
-    return openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+    http = httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=served[1]), base_url="http://testserver", timeout=60
+    )
+    return openai.AsyncOpenAI(
+        base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0
+    )
 
 
 def sse(text: str) -> list[dict]:
@@ -88,10 +108,13 @@ def reassemble(chunks: list[dict]) -> dict[int, dict]:
             c["content"] += delta.get("content") or ""
             for entry in delta.get("tool_calls") or []:
                 call = c["calls"].get(entry["index"])
-                if call is None:   # the first delta of a call announces it whole
+                if call is None:  # the first delta of a call announces it whole
                     assert entry["type"] == "function" and entry["id"].startswith("call_"), entry
-                    call = c["calls"][entry["index"]] = {"id": entry["id"], "name": entry["function"]["name"],
-                                                         "arguments": ""}
+                    call = c["calls"][entry["index"]] = {
+                        "id": entry["id"],
+                        "name": entry["function"]["name"],
+                        "arguments": "",
+                    }
                 else:
                     assert "id" not in entry and "name" not in entry["function"], entry
                 call["arguments"] += entry["function"].get("arguments", "")
@@ -116,18 +139,30 @@ def json_schema_format(schema: dict = SCHEMA) -> dict:
 
 # --------------------------------------------------------------------------- structured output
 
+
 async def test_json_schema_chat_through_the_openai_client(oai):
     for seed in (1, 2):
-        resp = await oai.chat.completions.create(model="graphcache-tiny", messages=MESSAGES, max_tokens=MAX_TOKENS,
-                                                 seed=seed, response_format=json_schema_format())
+        resp = await oai.chat.completions.create(
+            model="graphcache-tiny",
+            messages=MESSAGES,
+            max_tokens=MAX_TOKENS,
+            seed=seed,
+            response_format=json_schema_format(),
+        )
         choice = resp.choices[0]
         assert choice.finish_reason == "stop", choice
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
 
 
 async def test_json_schema_chat_streamed_through_the_openai_client(oai):
-    stream = await oai.chat.completions.create(model="graphcache-tiny", messages=MESSAGES, max_tokens=MAX_TOKENS,
-                                               seed=3, response_format=json_schema_format(), stream=True)
+    stream = await oai.chat.completions.create(
+        model="graphcache-tiny",
+        messages=MESSAGES,
+        max_tokens=MAX_TOKENS,
+        seed=3,
+        response_format=json_schema_format(),
+        stream=True,
+    )
     text, finish = "", None
     async for chunk in stream:
         for choice in chunk.choices:
@@ -139,8 +174,16 @@ async def test_json_schema_chat_streamed_through_the_openai_client(oai):
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_json_schema_completions(client, stream):
-    r = await client.post("/v1/completions", json={"prompt": "The weather:", "max_tokens": MAX_TOKENS, "seed": 4,
-                                                   "response_format": json_schema_format(), "stream": stream})
+    r = await client.post(
+        "/v1/completions",
+        json={
+            "prompt": "The weather:",
+            "max_tokens": MAX_TOKENS,
+            "seed": 4,
+            "response_format": json_schema_format(),
+            "stream": stream,
+        },
+    )
     assert r.status_code == 200, r.text
     if stream:
         chunks = sse(r.text)
@@ -163,19 +206,25 @@ async def test_guided_json_on_chat_with_n_choices(client):
 @pytest.mark.parametrize("stream", [False, True])
 async def test_guided_choice_returns_one_of_the_choices(client, stream):
     options = ["sunny", "rainy", "overcast with a chance of meatballs"]
-    for path, body in (("/v1/completions", {"prompt": "Tomorrow will be", "max_tokens": 30}),
-                       ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 30})):
+    for path, body in (
+        ("/v1/completions", {"prompt": "Tomorrow will be", "max_tokens": 30}),
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 30}),
+    ):
         r = await client.post(path, json={**body, "guided_choice": options, "seed": 5, "stream": stream})
         assert r.status_code == 200, r.text
         choices = [c["choices"][0] for c in sse(r.text)] if stream else r.json()["choices"]
-        text = "".join(c.get("text") or (c.get("message") or c.get("delta", {})).get("content") or "" for c in choices)
+        text = "".join(
+            c.get("text") or (c.get("message") or c.get("delta", {})).get("content") or "" for c in choices
+        )
         assert text in options and choices[-1]["finish_reason"] == "stop", (path, text)
 
 
 async def test_guided_regex_matches(client):
     pattern = r"[0-9]{3}-[a-z]{2}"
-    for path, body in (("/v1/completions", {"prompt": "Code:", "max_tokens": 30}),
-                       ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 30})):
+    for path, body in (
+        ("/v1/completions", {"prompt": "Code:", "max_tokens": 30}),
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 30}),
+    ):
         r = await client.post(path, json={**body, "guided_regex": pattern, "seed": 6})
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
@@ -193,19 +242,34 @@ INVALID = [
     ("/v1/chat/completions", {"guided_regex": "([a-z"}, "guided_regex"),
     ("/v1/completions", {"guided_grammar": "start: ("}, "guided_grammar"),
     ("/v1/completions", {"structured_outputs": {"regex": "(["}}, "structured_outputs"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}],
-                              "tool_choice": "required"}, "tools"),
-    ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-     "tool_choice"),
+    (
+        "/v1/chat/completions",
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}],
+            "tool_choice": "required",
+        },
+        "tools",
+    ),
+    (
+        "/v1/chat/completions",
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tool_choice",
+    ),
     ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
     ("/v1/chat/completions", {"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "required", "guided_regex": "a+"}, "guided_regex"),
+    (
+        "/v1/chat/completions",
+        {"tools": TOOLS, "tool_choice": "required", "guided_regex": "a+"},
+        "guided_regex",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("path", "fields", "param"), INVALID, ids=[f"{p[4:]}-{q}" for p, _, q in INVALID])
-async def test_an_invalid_constraint_is_a_400_naming_its_field(client, served, monkeypatch, path, fields, param):
+async def test_an_invalid_constraint_is_a_400_naming_its_field(
+    client, served, monkeypatch, path, fields, param
+):
     engine = served[1].state.engine
     reached = []
     original = engine.generate
@@ -228,14 +292,15 @@ async def test_constraints_compile_off_the_event_loop(client, monkeypatch):
         return original(self, spec, param)
 
     monkeypatch.setattr(StructuredOutput, "check", recording)
-    pattern = "[a-c]{2}x[0-9]"   # a pattern no other test compiles
+    pattern = "[a-c]{2}x[0-9]"  # a pattern no other test compiles
     r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 10, "guided_regex": pattern})
     assert r.status_code == 200, r.text
     mine = [on_loop for value, on_loop in calls if value == pattern]
-    assert mine and not mine[0], calls   # the engine's own check after it is a cache hit
+    assert mine and not mine[0], calls  # the engine's own check after it is a cache hit
 
 
 # --------------------------------------------------------------------------- tools
+
 
 async def test_named_tool_choice_is_parsed_into_tool_calls(client):
     r = await client.post("/v1/chat/completions", json=chat(tools=TOOLS, tool_choice=NAMED))
@@ -250,8 +315,15 @@ async def test_named_tool_choice_is_parsed_into_tool_calls(client):
 
 
 async def test_required_tool_choice_through_the_openai_client(oai):
-    resp = await oai.chat.completions.create(model="graphcache-tiny", messages=MESSAGES, max_tokens=MAX_TOKENS,
-                                             seed=8, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    resp = await oai.chat.completions.create(
+        model="graphcache-tiny",
+        messages=MESSAGES,
+        max_tokens=MAX_TOKENS,
+        seed=8,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
     choice = resp.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     [call] = choice.message.tool_calls
@@ -260,8 +332,10 @@ async def test_required_tool_choice_through_the_openai_client(oai):
 
 @pytest.mark.parametrize("tool_choice", [NAMED, "required"], ids=["named", "required"])
 async def test_forced_tool_calls_stream_as_deltas(client, tool_choice):
-    r = await client.post("/v1/chat/completions", json=chat(tools=TOOLS, tool_choice=tool_choice, stream=True, n=2,
-                                                            parallel_tool_calls=False))
+    r = await client.post(
+        "/v1/chat/completions",
+        json=chat(tools=TOOLS, tool_choice=tool_choice, stream=True, n=2, parallel_tool_calls=False),
+    )
     assert r.status_code == 200, r.text
     choices = reassemble(sse(r.text))
     assert sorted(choices) == [0, 1]
@@ -272,8 +346,15 @@ async def test_forced_tool_calls_stream_as_deltas(client, tool_choice):
 
 
 async def test_streamed_tool_calls_through_the_openai_client(oai):
-    stream = await oai.chat.completions.create(model="graphcache-tiny", messages=MESSAGES, max_tokens=MAX_TOKENS,
-                                               seed=9, tools=TOOLS, tool_choice=NAMED, stream=True)
+    stream = await oai.chat.completions.create(
+        model="graphcache-tiny",
+        messages=MESSAGES,
+        max_tokens=MAX_TOKENS,
+        seed=9,
+        tools=TOOLS,
+        tool_choice=NAMED,
+        stream=True,
+    )
     calls: dict[int, dict] = {}
     finish = None
     async for chunk in stream:
@@ -290,16 +371,35 @@ async def test_streamed_tool_calls_through_the_openai_client(oai):
 HISTORY = [
     {"role": "system", "content": "You are a weather bot."},
     {"role": "user", "content": "Weather in Paris for 2 days?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2, "metric": true}'}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "arguments": '{"city": "Paris", "days": 2, "metric": true}',
+                },
+            }
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": '{"forecast": "sun, then rain"}'},
 ]
 
 
 async def test_a_history_with_tool_calls_and_results_renders_and_is_served(client, served):
-    r = await client.post("/v1/chat/completions", json={"messages": HISTORY, "tools": TOOLS, "max_tokens": 4,
-                                                         "ignore_eos": True, "return_token_ids": True})
+    r = await client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": HISTORY,
+            "tools": TOOLS,
+            "max_tokens": 4,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["choices"][0]["finish_reason"] == "length"
@@ -309,9 +409,9 @@ async def test_a_history_with_tool_calls_and_results_renders_and_is_served(clien
     assert t.status_code == 200, t.text
     assert t.json()["tokens"] == prompt_ids
     rendered = served[1].state.engine.tokenizer.decode(prompt_ids, False)
-    assert '"name": "get_weather"' in rendered and '"days": 2' in rendered          # the earlier call
-    assert "<tool_response>\n" + HISTORY[3]["content"] + "\n</tool_response>" in rendered   # its result
-    assert "You are provided with function signatures" in rendered and "get_time" in rendered   # the tools
+    assert '"name": "get_weather"' in rendered and '"days": 2' in rendered  # the earlier call
+    assert "<tool_response>\n" + HISTORY[3]["content"] + "\n</tool_response>" in rendered  # its result
+    assert "You are provided with function signatures" in rendered and "get_time" in rendered  # the tools
 
 
 async def test_tokenize_tools_change_the_prompt_and_are_checked(client):
@@ -327,8 +427,10 @@ async def test_tokenize_tools_change_the_prompt_and_are_checked(client):
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_tool_choice_none_serves_plain_text(client, stream):
-    r = await client.post("/v1/chat/completions", json=chat(tools=TOOLS, tool_choice="none", max_tokens=6,
-                                                            ignore_eos=True, stream=stream))
+    r = await client.post(
+        "/v1/chat/completions",
+        json=chat(tools=TOOLS, tool_choice="none", max_tokens=6, ignore_eos=True, stream=stream),
+    )
     assert r.status_code == 200, r.text
     if stream:
         [c] = reassemble(sse(r.text)).values()
@@ -349,8 +451,12 @@ async def test_auto_tool_choice_serves_unconstrained_text(client):
 
 async def test_concurrent_forced_calls_and_json_share_the_engine(client):
     """Constrained requests of different kinds at once (one batch): each keeps its own grammar."""
-    bodies = [chat(tools=TOOLS, tool_choice=NAMED, seed=11), chat(response_format=json_schema_format(), seed=12),
-              chat(guided_choice=["yes", "no"], seed=13), chat(max_tokens=5, ignore_eos=True, seed=14)]
+    bodies = [
+        chat(tools=TOOLS, tool_choice=NAMED, seed=11),
+        chat(response_format=json_schema_format(), seed=12),
+        chat(guided_choice=["yes", "no"], seed=13),
+        chat(max_tokens=5, ignore_eos=True, seed=14),
+    ]
     rs = await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
     assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
     call = rs[0].json()["choices"][0]["message"]["tool_calls"][0]["function"]

@@ -25,7 +25,7 @@ def _map_block() -> list[str]:
     """The lines of the first fenced block of docs/ARCHITECTURE.md: the module map."""
     text = ARCHITECTURE.read_text()
     start = text.index("```\n") + len("```\n")
-    return text[start:text.index("```", start)].splitlines()
+    return text[start : text.index("```", start)].splitlines()
 
 
 def _mapped_modules() -> set[str]:
@@ -52,14 +52,16 @@ def test_the_map_names_every_module():
     missing = sorted(_package_modules() - _mapped_modules())
     assert not missing, (
         f"docs/ARCHITECTURE.md's module map lacks {missing}: add one line per module under its folder heading, "
-        "saying what it is for")
+        "saying what it is for"
+    )
 
 
 def test_the_map_names_only_modules_that_exist():
     stale = sorted(_mapped_modules() - _package_modules())
     assert not stale, (
         f"docs/ARCHITECTURE.md's module map names {stale}, which are not in service/graphcache: "
-        "drop them or write the path they moved to")
+        "drop them or write the path they moved to"
+    )
 
 
 def test_the_map_is_read_as_written():

@@ -15,7 +15,9 @@ from helpers_model import cpu_settings, prompt_ids, tiny_checkpoint
 from test_engine import VOCAB, FakeRunner
 
 
-def drive(core: EngineCore, requests: list[tuple[str, list[int], SamplingParams]], abort_at: dict | None = None):
+def drive(
+    core: EngineCore, requests: list[tuple[str, list[int], SamplingParams]], abort_at: dict | None = None
+):
     """Add every request, step until done; per request (token ids, finish reason)."""
     for rid, prompt, params in requests:
         seq = Sequence(rid, list(prompt), SamplingParams(**vars(params)))
@@ -46,7 +48,9 @@ def rid_not_finished(reasons: dict, rid: str) -> bool:
 
 
 def fake_core(async_on: bool, **runner_kw) -> EngineCore:
-    settings = Settings(max_num_seqs=6, max_num_batched_tokens=24, async_scheduling="on" if async_on else "off")
+    settings = Settings(
+        max_num_seqs=6, max_num_batched_tokens=24, async_scheduling="on" if async_on else "off"
+    )
     return EngineCore(FakeRunner(settings, **runner_kw), settings)
 
 
@@ -68,7 +72,7 @@ def test_async_equals_sync_on_the_fake_runner():
     assert overlapped == sync
     # It did overlap: decodes were fed the in-flight step's token on the "device".
     assert sum(s.prev_row is not None for b in core.runner.batches for s in b.seqs) > 20
-    assert any(reason == "stop" for _, reason in sync.values())      # stops happened mid-flight
+    assert any(reason == "stop" for _, reason in sync.values())  # stops happened mid-flight
     assert all(reason in ("stop", "length") for _, reason in sync.values())
 
 
@@ -82,21 +86,30 @@ def test_async_equals_sync_under_preemption():
 
 
 def test_async_abort_in_flight_emits_nothing_after():
-    reqs = [(f"a{i}", [1 + i, 2, 3], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)) for i in range(4)]
+    reqs = [
+        (f"a{i}", [1 + i, 2, 3], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+        for i in range(4)
+    ]
     sync = drive(fake_core(False), reqs, abort_at={5: ["a1"], 9: ["a3"]})
     overlapped = drive(fake_core(True), reqs, abort_at={5: ["a1"], 9: ["a3"]})
     assert overlapped["a1"][1] == overlapped["a3"][1] == "abort"
     assert overlapped["a0"] == sync["a0"] and overlapped["a2"] == sync["a2"]
     # An abort lands between steps: the aborted request's tokens are a prefix of its full run.
     full = drive(fake_core(True), reqs)
-    assert full["a1"][0][:len(overlapped["a1"][0])] == overlapped["a1"][0]
+    assert full["a1"][0][: len(overlapped["a1"][0])] == overlapped["a1"][0]
 
 
 @pytest.mark.slow
 def test_async_equals_sync_greedy_on_the_real_tiny_model():
     path = tiny_checkpoint("qwen2")
-    reqs = [(f"q{i}", prompt_ids(4 + 3 * i, seed=i), SamplingParams(max_tokens=6 + 2 * i, temperature=0,
-                                                                     ignore_eos=True)) for i in range(6)]
+    reqs = [
+        (
+            f"q{i}",
+            prompt_ids(4 + 3 * i, seed=i),
+            SamplingParams(max_tokens=6 + 2 * i, temperature=0, ignore_eos=True),
+        )
+        for i in range(6)
+    ]
     results = []
     for mode in ("off", "on"):
         settings = cpu_settings(path, max_num_seqs=4, async_scheduling=mode)

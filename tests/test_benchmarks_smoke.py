@@ -21,14 +21,16 @@ def test_realistic_workload_shape():
     reqs = workloads.realistic(400, 151936, seed=0)
     prompts = sorted(len(r.prompt) for r in reqs)
     outputs = sorted(r.max_tokens for r in reqs)
-    assert 150 < prompts[200] < 300 and prompts[-1] <= 2048 and prompts[0] >= 16   # median near 220, capped
+    assert 150 < prompts[200] < 300 and prompts[-1] <= 2048 and prompts[0] >= 16  # median near 220, capped
     assert 140 < outputs[200] < 280 and outputs[-1] <= 1024
     assert sum(r.seed is not None for r in reqs) == 100
     assert {(r.temperature, r.top_p) for r in reqs} == {(0.8, 0.95)}
     assert max(max(r.prompt) for r in reqs) < 10000
     nano = workloads.nano(5, 1024, (10, 20), (3, 9), seed=0)
-    assert offline_throughput.workload(5, 1024, (10, 20), (3, 9), 0) == ([r.prompt for r in nano],
-                                                                           [r.max_tokens for r in nano])
+    assert offline_throughput.workload(5, 1024, (10, 20), (3, 9), 0) == (
+        [r.prompt for r in nano],
+        [r.max_tokens for r in nano],
+    )
 
 
 @pytest.mark.slow
@@ -38,9 +40,12 @@ def test_offline_realistic_smoke(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert [r["workload"] for r in rows] == ["nano", "realistic"]
     realistic = rows[1]
-    assert realistic["output_tokens"] == 8 * 16   # every request ran to its (capped) length
+    assert realistic["output_tokens"] == 8 * 16  # every request ran to its (capped) length
     kinds = realistic["by_kind"]
-    assert kinds["decode"]["steps"] > 0 and sum(k["steps"] for k in kinds.values()) == realistic["trace"]["steps"] - 1
+    assert (
+        kinds["decode"]["steps"] > 0
+        and sum(k["steps"] for k in kinds.values()) == realistic["trace"]["steps"] - 1
+    )
 
 
 @pytest.mark.slow
@@ -49,8 +54,22 @@ def test_open_loop_smoke(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "open_loop.json"
-    assert open_loop.main(["--smoke", "--rates", "inf", "--port", str(port), "--log", str(tmp_path / "server.log"),
-                           "--out", str(out)]) == 0
+    assert (
+        open_loop.main(
+            [
+                "--smoke",
+                "--rates",
+                "inf",
+                "--port",
+                str(port),
+                "--log",
+                str(tmp_path / "server.log"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     (row,) = json.loads(out.read_text())["rows"]
     assert row["errors"] == 0 and row["requests"] == 6
     assert row["ttft_ms_p50"] > 0 and row["itl_ms_p50"] >= 0 and row["output_tokens_per_s"] > 0

@@ -15,7 +15,7 @@ from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes, descript
 from helpers_model import Blocks, cpu_settings, prompt_ids, tiny_checkpoint
 
 ATOL = 1e-4
-BUCKETS = [96, 128, 192]   # above cpu_settings' fine sizes (..64), within its 256 batched tokens
+BUCKETS = [96, 128, 192]  # above cpu_settings' fine sizes (..64), within its 256 batched tokens
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +24,7 @@ def path():
 
 
 # --- sizes -------------------------------------------------------------------------------------
+
 
 def test_bucket_ladder_bounds_padding_to_half_a_step():
     ladder = mixed_buckets(256, 8192)
@@ -44,12 +45,12 @@ def test_default_buckets_stop_where_steps_turn_gpu_bound():
 def test_resolve_capture_sizes(path):
     s = cpu_settings(path)
     sizes, mixed = resolve_capture_sizes(s, graphs=False, decoder_params=1, num_layers=1)
-    assert list(mixed) == list(sizes)                       # no graphs: padding would only cost
+    assert list(mixed) == list(sizes)  # no graphs: padding would only cost
     _, mixed = resolve_capture_sizes(s, graphs=True, decoder_params=1, num_layers=1)
-    assert list(mixed) == [*sizes, 96, 128, 192, 256]       # tiny model: every bucket is host-bound
+    assert list(mixed) == [*sizes, 96, 128, 192, 256]  # tiny model: every bucket is host-bound
     explicit = cpu_settings(path, mixed_capture_sizes=[32, 100, 300])
     _, mixed = resolve_capture_sizes(explicit, graphs=False, decoder_params=1, num_layers=1)
-    assert list(mixed) == [*sizes, 100]                     # only above the fine sizes, within the token limit
+    assert list(mixed) == [*sizes, 100]  # only above the fine sizes, within the token limit
 
 
 def test_descriptor_for_pads_mixed_steps_to_buckets_and_decodes_to_fine_sizes():
@@ -63,6 +64,7 @@ def test_descriptor_for_pads_mixed_steps_to_buckets_and_decodes_to_fine_sizes():
 
 # --- runner: breakable (CPU eager backend) ---------------------------------------------------------
 
+
 def _big_steps(runner):
     """Two mixed steps past the fine sizes: four fresh prompts and the head of a chunked one (98 tokens: bucket 128);
     then four decodes over those prompts, a fresh prompt and the chunked one's next chunk over its cached
@@ -72,20 +74,28 @@ def _big_steps(runner):
     tables = [blocks.table(21) for _ in prompts]
     fresh, long = prompt_ids(70, seed=40), prompt_ids(78, seed=41)
     t_fresh, t_long = blocks.table(70), blocks.table(78)
-    steps = [[*(StepSeq(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)), StepSeq(long[:18], 0, t_long, False)],
-             [*(StepSeq([7 + i], 20, t, True) for i, t in enumerate(tables)), StepSeq(fresh, 0, t_fresh, True),
-              StepSeq(long[18:78], 18, t_long, True)]]
+    steps = [
+        [
+            *(StepSeq(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)),
+            StepSeq(long[:18], 0, t_long, False),
+        ],
+        [
+            *(StepSeq([7 + i], 20, t, True) for i, t in enumerate(tables)),
+            StepSeq(fresh, 0, t_fresh, True),
+            StepSeq(long[18:78], 18, t_long, True),
+        ],
+    ]
     out = []
     for seqs in steps:
         result = runner.execute(StepBatch(seqs))
-        out.append((result.logits[:len(seqs)].float().clone(), result.mode))
+        out.append((result.logits[: len(seqs)].float().clone(), result.mode))
     return out
 
 
 def test_mixed_step_past_fine_sizes_replays_and_equals_eager(path):
     expected = _big_steps(ModelRunner(cpu_settings(path, enforce_eager=True)))
     runner = ModelRunner(cpu_settings(path, mixed_capture_sizes=BUCKETS))
-    assert runner._graph_mode(False) == "breakable"       # sdpa kernel: attention stays the eager break
+    assert runner._graph_mode(False) == "breakable"  # sdpa kernel: attention stays the eager break
     got = _big_steps(runner)
     assert BatchDescriptor(128, 8) in runner.cache and BatchDescriptor(192, 8) in runner.cache
     for (logits, mode), (ref, ref_mode) in zip(got, expected, strict=True):
@@ -96,14 +106,16 @@ def test_mixed_step_past_fine_sizes_replays_and_equals_eager(path):
 def test_mixed_bucket_pads_write_only_the_scratch_slot(path):
     runner = ModelRunner(cpu_settings(path, mixed_capture_sizes=BUCKETS))
     scratch_block = runner.num_kv_blocks
-    storage = runner.kv_storage                                          # [layers, 2, blocks + 1, bs, K, D]
-    storage[:, :, scratch_block] = 12345.0                               # poisoned: a pad's K/V may be anything
+    storage = runner.kv_storage  # [layers, 2, blocks + 1, bs, K, D]
+    storage[:, :, scratch_block] = 12345.0  # poisoned: a pad's K/V may be anything
     before = storage.clone()
     blocks = Blocks(runner.block_size, first=3)
     tables = [blocks.table(35), blocks.table(35)]
-    result = runner.execute(StepBatch([StepSeq(prompt_ids(35, seed=i), 0, t, True) for i, t in enumerate(tables)]))
-    assert result.mode == "replay" and BatchDescriptor(96, 8) in runner.cache   # 70 tokens padded to 96
-    changed = (storage != before).flatten(3).any(-1)                     # [layers, 2, blocks + 1]
+    result = runner.execute(
+        StepBatch([StepSeq(prompt_ids(35, seed=i), 0, t, True) for i, t in enumerate(tables)])
+    )
+    assert result.mode == "replay" and BatchDescriptor(96, 8) in runner.cache  # 70 tokens padded to 96
+    changed = (storage != before).flatten(3).any(-1)  # [layers, 2, blocks + 1]
     assert sorted(set(changed.nonzero()[:, 2].tolist())) == [*tables[0], *tables[1], scratch_block]
     scratch_changed = (storage[:, :, scratch_block] != before[:, :, scratch_block]).flatten(3).any(-1)
     assert scratch_changed[:, :, 0].all() and not scratch_changed[:, :, 1:].any()
@@ -116,12 +128,18 @@ def test_warmup_captures_the_mixed_buckets(path):
     report = runner.warmup()
     assert sorted(report.captured) == ["128:8", "192:8", "96:8"]
     assert torch.equal(runner.kv_cache, before)
-    assert ModelRunner(cpu_settings(path, mixed_capture_sizes=BUCKETS, warmup_mixed_sizes=[])).warmup_descriptors() == []
+    assert (
+        ModelRunner(
+            cpu_settings(path, mixed_capture_sizes=BUCKETS, warmup_mixed_sizes=[])
+        ).warmup_descriptors()
+        == []
+    )
     with pytest.raises(ValueError, match="warmup_mixed_sizes"):
         ModelRunner(cpu_settings(path, mixed_capture_sizes=BUCKETS, warmup_mixed_sizes=[100]))
 
 
 # --- runner: full (unified kernel inside the graph) --------------------------------------------------
+
 
 def _poison_request_rows(runner):
     """Garbage where a mixed graph reads past the real requests: the step's layout must overwrite it."""
@@ -131,8 +149,10 @@ def _poison_request_rows(runner):
     i.block_tables.dev.fill_(1 << 20)
 
 
-@pytest.mark.skipif(not (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()),
-                    reason="needs triton's interpreter or CUDA")
+@pytest.mark.skipif(
+    not (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()),
+    reason="needs triton's interpreter or CUDA",
+)
 def test_full_mixed_graph_equals_eager_interpreted(monkeypatch):
     """mixed_capture_mode=full on the CPU: the unified kernel (Triton's interpreter) is called in the
     step function with the descriptor's fixed grid over the padded static rows, as in a full graph."""
@@ -143,7 +163,7 @@ def test_full_mixed_graph_equals_eager_interpreted(monkeypatch):
 
     path = tiny_checkpoint("qwen2", hidden=64, layers=2, heads=8, kv_heads=2)
     settings = dict(decode_attention_backend="varlen", mixed_capture_sizes=BUCKETS)
-    reference = ModelRunner(cpu_settings(path, enforce_eager=True, **settings))   # eager, SDPA: independent
+    reference = ModelRunner(cpu_settings(path, enforce_eager=True, **settings))  # eager, SDPA: independent
     assert reference.attention_kernel == "sdpa"
     expected = _big_steps(reference)
     monkeypatch.setattr(runner_mod, "select_attention_kernel", lambda *args: "triton")
@@ -170,14 +190,22 @@ def test_full_mixed_graph_equals_eager_interpreted(monkeypatch):
 def test_cuda_full_mixed_graph_replay_equals_eager(mode):
     """bf16 on CUDA: mixed steps past the fine sizes replay a captured graph (full: the unified kernel
     inside it) and give the eager runner's logits on two different steps, request rows poisoned first."""
-    path = tiny_checkpoint("qwen2", hidden=256, layers=4, heads=8, kv_heads=2, intermediate=512,
-                           tie_word_embeddings=False)
-    settings = dict(device="cuda", dtype="bfloat16", block_size=16, attention_backend="triton",
-                    decode_attention_backend="varlen", mixed_capture_sizes=BUCKETS, mixed_capture_mode=mode)
+    path = tiny_checkpoint(
+        "qwen2", hidden=256, layers=4, heads=8, kv_heads=2, intermediate=512, tie_word_embeddings=False
+    )
+    settings = dict(
+        device="cuda",
+        dtype="bfloat16",
+        block_size=16,
+        attention_backend="triton",
+        decode_attention_backend="varlen",
+        mixed_capture_sizes=BUCKETS,
+        mixed_capture_mode=mode,
+    )
     expected = _big_steps(ModelRunner(cpu_settings(path, enforce_eager=True, **settings)))
     runner = ModelRunner(cpu_settings(path, warmup_mixed_sizes=None, **settings))
     assert runner.backend == "cuda" and runner._graph_mode(False) == mode
-    assert runner.warmup().captured                   # captured outside a step, then replayed by the steps
+    assert runner.warmup().captured  # captured outside a step, then replayed by the steps
     assert BatchDescriptor(128, 8) in runner.cache
     _poison_request_rows(runner)
     got = _big_steps(runner)

@@ -12,12 +12,12 @@ def seq(rid: str, n: int = 1) -> Sequence:
 def test_allocate_append_free_no_leaks():
     bm = BlockManager(num_blocks=10, block_size=4)
     a, b = seq("a"), seq("b")
-    bm.allocate(a, 5)                  # 5 tokens -> 2 blocks
+    bm.allocate(a, 5)  # 5 tokens -> 2 blocks
     assert len(a.block_table) == 2 and bm.num_free == 8
-    bm.allocate(a, 8)                  # still fits in 2 blocks
+    bm.allocate(a, 8)  # still fits in 2 blocks
     assert len(a.block_table) == 2
     assert bm.can_allocate(a, 9)
-    bm.allocate(a, 9)                  # token 9 -> third block
+    bm.allocate(a, 9)  # token 9 -> third block
     assert len(a.block_table) == 3
     bm.allocate(b, 16)
     assert bm.num_used == 7 and bm.usage == pytest.approx(0.7)
@@ -34,7 +34,7 @@ def test_can_allocate_refuses_and_allocate_raises_when_full():
     assert bm.can_allocate(b, 2) and not bm.can_allocate(b, 3)
     with pytest.raises(RuntimeError, match="out of KV blocks"):
         bm.allocate(b, 3)
-    assert b.block_table == [] and bm.num_free == 1   # a failed allocation takes nothing
+    assert b.block_table == [] and bm.num_free == 1  # a failed allocation takes nothing
 
 
 def test_double_free_is_caught():
@@ -54,6 +54,7 @@ def test_needs_one_usable_block():
 
 
 # --- prefix caching ---------------------------------------------------------------------------
+
 
 def tok_seq(rid: str, tokens: list[int]) -> Sequence:
     return Sequence(rid, list(tokens), SamplingParams())
@@ -79,16 +80,16 @@ def admit(bm: BlockManager, s: Sequence) -> list[int]:
 
 def test_shared_blocks_are_reference_counted_and_freed_only_by_the_last_holder():
     bm = BlockManager(num_blocks=8, block_size=4)
-    a = computed(bm, tok_seq("a", list(range(1, 11))))           # 10 tokens: 2 full blocks + 1 partial
+    a = computed(bm, tok_seq("a", list(range(1, 11))))  # 10 tokens: 2 full blocks + 1 partial
     b = tok_seq("b", list(range(1, 9)) + [50, 51, 52])
-    assert admit(bm, b) == a.block_table[:2]                     # the 2 full blocks, shared
+    assert admit(bm, b) == a.block_table[:2]  # the 2 full blocks, shared
     bm.allocate(b, b.num_tokens)
-    assert bm.num_used == 4                                      # 3 of a + 1 private of b
+    assert bm.num_used == 4  # 3 of a + 1 private of b
     bm.free(a)
-    assert bm.num_used == 3 and bm.num_cached_free == 0         # a's partial block is free; shared ones held
+    assert bm.num_used == 3 and bm.num_cached_free == 0  # a's partial block is free; shared ones held
     bm.free(b)
     assert bm.num_free == bm.num_usable == 8 and bm.usage == 0
-    assert bm.num_cached_free == 2                               # the full blocks stay findable
+    assert bm.num_cached_free == 2  # the full blocks stay findable
 
 
 def test_cached_free_blocks_are_found_again_after_their_holder_finished():
@@ -97,7 +98,7 @@ def test_cached_free_blocks_are_found_again_after_their_holder_finished():
     table = list(a.block_table)
     bm.free(a)
     b = tok_seq("b", list(range(1, 13)) + [99])
-    assert admit(bm, b) == table                                 # all 3 full blocks, from the free pool
+    assert admit(bm, b) == table  # all 3 full blocks, from the free pool
     assert bm.num_cached_free == 0 and bm.num_used == 3
     assert bm.can_admit([], 4) and not bm.can_admit([], 4 * 6)  # 5 free left
 
@@ -105,15 +106,15 @@ def test_cached_free_blocks_are_found_again_after_their_holder_finished():
 def test_can_admit_counts_cached_free_blocks_that_leave_the_pool():
     bm = BlockManager(num_blocks=3, block_size=2)
     a = computed(bm, tok_seq("a", [1, 2, 3, 4]))
-    bm.free(a)                                                   # 2 cached-free + 1 plain = 3 free
+    bm.free(a)  # 2 cached-free + 1 plain = 3 free
     b = tok_seq("b", [1, 2, 3, 4, 5, 6, 7])
     bm.begin_step()
     blocks = bm.match_prefix(b, max_blocks=3).blocks
     assert len(blocks) == 2
-    assert bm.can_admit(blocks, 6) and not bm.can_admit(blocks, 7)   # 2 reclaimed + 2 new > 3
-    c = computed(bm, tok_seq("c", [9, 9]))                       # takes the plain block
+    assert bm.can_admit(blocks, 6) and not bm.can_admit(blocks, 7)  # 2 reclaimed + 2 new > 3
+    c = computed(bm, tok_seq("c", [9, 9]))  # takes the plain block
     del c
-    assert not bm.can_admit(blocks, 6)                           # 2 reclaimed + 1 new > 2 free
+    assert not bm.can_admit(blocks, 6)  # 2 reclaimed + 1 new > 2 free
 
 
 def test_lru_reuses_plain_blocks_first_then_least_recently_freed_cached_tail_first():
@@ -125,18 +126,18 @@ def test_lru_reuses_plain_blocks_first_then_least_recently_freed_cached_tail_fir
     bm.free(new)
     assert bm.num_free == 6 and bm.num_cached_free == 4
     grab = tok_seq("grab", [0] * 10)
-    bm.allocate(grab, 4)                                         # the 2 never-cached blocks go first
+    bm.allocate(grab, 4)  # the 2 never-cached blocks go first
     assert bm.num_cached_free == 4 and set(grab.block_table).isdisjoint(old_table + new_table)
-    bm.allocate(grab, 6)                                         # then old's tail block (freed last-first)
+    bm.allocate(grab, 6)  # then old's tail block (freed last-first)
     assert grab.block_table[-1] == old_table[1]
     probe = tok_seq("probe", [1, 2, 3, 4, 0])
     bm.begin_step()
-    assert bm.match_prefix(probe, 2).blocks == [old_table[0]]    # old's head is still cached
+    assert bm.match_prefix(probe, 2).blocks == [old_table[0]]  # old's head is still cached
     bm.allocate(grab, 8)
     assert grab.block_table[-1] == old_table[0]
     assert bm.match_prefix(probe, 2).blocks == []
     probe_new = tok_seq("probe", [5, 6, 7, 8, 0])
-    assert bm.match_prefix(probe_new, 2).blocks == new_table     # the more recently freed one survived
+    assert bm.match_prefix(probe_new, 2).blocks == new_table  # the more recently freed one survived
     bm.free(grab)
     assert bm.num_free == bm.num_usable
 
@@ -146,7 +147,7 @@ def test_equal_tokens_after_a_different_prefix_do_not_match():
     computed(bm, tok_seq("a", [1, 2, 3, 4, 5, 6]))
     bm.begin_step()
     assert len(bm.match_prefix(tok_seq("b", [1, 2, 3, 4, 5, 6, 0]), 3).blocks) == 3
-    assert bm.match_prefix(tok_seq("c", [9, 9, 3, 4, 5, 6, 0]), 3).blocks == []      # block 1 equal, prefix not
+    assert bm.match_prefix(tok_seq("c", [9, 9, 3, 4, 5, 6, 0]), 3).blocks == []  # block 1 equal, prefix not
     assert len(bm.match_prefix(tok_seq("d", [1, 2, 9, 9, 5, 6, 0]), 3).blocks) == 1
 
 
@@ -192,14 +193,14 @@ def test_commit_registers_only_computed_blocks_of_known_tokens():
     bm = BlockManager(num_blocks=8, block_size=2)
     a = tok_seq("a", [1, 2, 3, 4, 5])
     bm.allocate(a, 6)
-    bm.commit(a, 3)                                              # 1 full block computed
+    bm.commit(a, 3)  # 1 full block computed
     assert bm.next_key(a) == ((a.block_table[0], 0), (3, 4))
-    bm.commit(a, 6)                                              # 6 committed, 5 known (a token in flight)
+    bm.commit(a, 6)  # 6 committed, 5 known (a token in flight)
     bm.begin_step()
     assert len(bm.match_prefix(tok_seq("p", [1, 2, 3, 4, 5, 6, 0]), 3).blocks) == 2
     a.output_token_ids.append(6)
     a.num_computed_tokens = 6
-    bm.free(a)                                                   # free registers what became known
+    bm.free(a)  # free registers what became known
     bm.begin_step()
     assert len(bm.match_prefix(tok_seq("p", [1, 2, 3, 4, 5, 6, 0]), 3).blocks) == 3
 
@@ -211,7 +212,7 @@ def test_free_without_keeping_drops_what_the_sequence_computed_but_not_what_it_f
     assert admit(bm, b) == a.block_table
     computed(bm, b)
     b_own = b.block_table[2]
-    bm.free(b, keep_cached=False)                                # b's step failed
+    bm.free(b, keep_cached=False)  # b's step failed
     bm.begin_step()
     assert bm.match_prefix(tok_seq("c", [1, 2, 3, 4, 5, 6, 0]), 3).blocks == a.block_table
     assert b_own not in bm._cache.values()
@@ -222,11 +223,11 @@ def test_free_without_keeping_drops_what_the_sequence_computed_but_not_what_it_f
 def test_same_prefix_computed_twice_keeps_one_entry_and_the_chain_goes_on():
     bm = BlockManager(num_blocks=10, block_size=2)
     a = computed(bm, tok_seq("a", [1, 2, 3, 4]))
-    b = computed(bm, tok_seq("b", [1, 2, 3, 4, 5, 6]))          # computed [1..4] again, privately
+    b = computed(bm, tok_seq("b", [1, 2, 3, 4, 5, 6]))  # computed [1..4] again, privately
     bm.free(b)
     bm.begin_step()
     found = bm.match_prefix(tok_seq("c", [1, 2, 3, 4, 5, 6, 0]), 3).blocks
-    assert found[:2] == a.block_table and len(found) == 3       # b's block 2 chains on a's blocks
+    assert found[:2] == a.block_table and len(found) == 3  # b's block 2 chains on a's blocks
     assert found[2] not in a.block_table
     bm.free(a)
     assert bm.num_free == bm.num_usable

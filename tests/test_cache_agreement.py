@@ -38,13 +38,17 @@ def _decisions_rank(rank: int, world: int, port: int, out_dir: str) -> None:
                 raise RuntimeError("injected capture failure")
 
         ticks = iter(range(10**6))
-        cache = GraphCache(lambda desc: None, backend="eager",
-                           config=CachePolicyConfig(max_entries=5, max_bytes=BUDGET, pin_share=0.5),
-                           measure_bytes=measure, agreement=GroupAgreement(),
-                           clock=lambda: next(ticks) * (1 + rank))   # per-rank seconds: agreed as the max
+        cache = GraphCache(
+            lambda desc: None,
+            backend="eager",
+            config=CachePolicyConfig(max_entries=5, max_bytes=BUDGET, pin_share=0.5),
+            measure_bytes=measure,
+            agreement=GroupAgreement(),
+            clock=lambda: next(ticks) * (1 + rank),
+        )  # per-rank seconds: agreed as the max
         cache.failpoint = failpoint
         trace: list = []
-        rank_bytes: list = []   # (the cache's per-rank figures, what this rank's pools hold): per rank, not compared
+        rank_bytes: list = []  # (the cache's per-rank figures, what this rank's pools hold): per rank, not compared
 
         def own_pools():
             return sum(held[h] for h in {e.pool.handle for e in cache._entries.values()})
@@ -53,21 +57,37 @@ def _decisions_rank(rank: int, world: int, port: int, out_dir: str) -> None:
             trace.append([str(desc), cache.run(desc, real_tokens=desc.num_tokens)])
 
         def snapshot(label):
-            trace.append([label, [(e.descriptor, e.pool, e.bytes) for e in cache.entries()],
-                          sorted(n["descriptor"] for n in cache.info()["negative"]), cache.stats().pool_bytes])
+            trace.append(
+                [
+                    label,
+                    [(e.descriptor, e.pool, e.bytes) for e in cache.entries()],
+                    sorted(n["descriptor"] for n in cache.info()["negative"]),
+                    cache.stats().pool_bytes,
+                ]
+            )
             rank_bytes.append([cache.rank_pool_bytes(), own_pools()])
 
-        report = cache.warmup([D(1, 1, True), D(2, 2, True), D(4, 4, True)])          # 2 pinned (pin_share 0.5)
+        report = cache.warmup([D(1, 1, True), D(2, 2, True), D(4, 4, True)])  # 2 pinned (pin_share 0.5)
         trace.append(["warmup", report.captured, report.unpinned, report.failed])
-        for desc in [D(8, 8, True), D(4, 4, True), FAILS_ON_RANK_1, FAILS_ON_RANK_1, TOO_BIG_ON_RANK_1,
-                     D(64, 8), D(8, 2), D(16, 16, True), D(1, 1, True), D(8, 8, True)]:
+        for desc in [
+            D(8, 8, True),
+            D(4, 4, True),
+            FAILS_ON_RANK_1,
+            FAILS_ON_RANK_1,
+            TOO_BIG_ON_RANK_1,
+            D(64, 8),
+            D(8, 2),
+            D(16, 16, True),
+            D(1, 1, True),
+            D(8, 8, True),
+        ]:
             step(desc)
         snapshot("after lazy captures")
         trace.append(["evict", cache.evict(D(8, 8, True))])
         profile = cache.profile()
         cache.clear()
         snapshot("after clear")
-        report = cache.warmup(parse_profile(profile), pin=False)                 # a profile warmup
+        report = cache.warmup(parse_profile(profile), pin=False)  # a profile warmup
         trace.append(["profile warmup", report.captured, report.failed])
         step(D(2, 2, True))
         snapshot("end")
@@ -75,7 +95,10 @@ def _decisions_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         negative = {n["descriptor"]: n["detail"] for n in cache.info()["negative"]}
         gdsf = [e.capture_seconds for e in cache.entries()]
         with open(f"{out_dir}/rank{rank}.json", "w") as f:
-            json.dump({"log": log, "trace": trace, "negative": negative, "seconds": gdsf, "rank_bytes": rank_bytes}, f)
+            json.dump(
+                {"log": log, "trace": trace, "negative": negative, "seconds": gdsf, "rank_bytes": rank_bytes},
+                f,
+            )
 
 
 def test_decision_logs_identical_on_both_ranks(tmp_path):
@@ -84,7 +107,7 @@ def test_decision_logs_identical_on_both_ranks(tmp_path):
     assert r0["log"] == r1["log"]
     assert r0["trace"] == r1["trace"]
     assert r0["negative"] == r1["negative"]
-    assert r0["seconds"] == r1["seconds"]   # capture seconds agreed (max), so GDSF would rank alike
+    assert r0["seconds"] == r1["seconds"]  # capture seconds agreed (max), so GDSF would rank alike
     # Each rank's pool bytes as the cache reports them (from the agreed reports) equal what its pools hold.
     for rank, r in enumerate((r0, r1)):
         assert [reported[rank] for reported, _ in r["rank_bytes"]] == [held for _, held in r["rank_bytes"]]
@@ -92,7 +115,7 @@ def test_decision_logs_identical_on_both_ranks(tmp_path):
     log = [(d["op"], d["desc"], d["reason"]) for d in r0["log"]]
     # The injected failure on rank 1 alone was abandoned on both, remembered (negative cache) on both,
     # and its second step ran eagerly without another attempt.
-    assert log.count(("refuse", str(FAILS_ON_RANK_1), "error")) == 2   # the step, then the profile warmup
+    assert log.count(("refuse", str(FAILS_ON_RANK_1), "error")) == 2  # the step, then the profile warmup
     assert "rank 1: RuntimeError: injected capture failure" in r0["negative"][str(FAILS_ON_RANK_1)]
     modes = [t[1] for t in r0["trace"] if t[0] == str(FAILS_ON_RANK_1)]
     assert modes == ["eager", "eager"]
@@ -124,10 +147,15 @@ def test_decide_rule():
 
 def test_single_process_agreement_needs_no_group():
     assert Agreement().size == 1 and Agreement().agree(CaptureReport(True, bytes=7)).bytes == 7
-    cache = GraphCache(lambda desc: None, backend="eager", config=CachePolicyConfig(max_entries=2, max_bytes=1 << 30))
+    cache = GraphCache(
+        lambda desc: None, backend="eager", config=CachePolicyConfig(max_entries=2, max_bytes=1 << 30)
+    )
     cache.run(D(4, 4, True))
     cache.run(D(8, 8, True))
     cache.run(D(16, 16, True))
     assert [(d.op, d.desc, d.reason) for d in cache.decision_log()] == [
-        ("admit", "4:4:decode", ""), ("admit", "8:8:decode", ""), ("evict", "4:4:decode", "entries"),
-        ("admit", "16:16:decode", "")]
+        ("admit", "4:4:decode", ""),
+        ("admit", "8:8:decode", ""),
+        ("evict", "4:4:decode", "entries"),
+        ("admit", "16:16:decode", ""),
+    ]

@@ -17,22 +17,47 @@ from graphcache.model.forward_context import (
 )
 
 
-@pytest.mark.parametrize(("knob", "value"), [("admission", "sometimes"), ("capture_time_share", 0.0),
-                                             ("eviction_policy", "lfu"), ("pin_share", 1.5),
-                                             ("lazy_pool", "pooled"), ("capture_warmup", "never")])
+@pytest.mark.parametrize(
+    ("knob", "value"),
+    [
+        ("admission", "sometimes"),
+        ("capture_time_share", 0.0),
+        ("eviction_policy", "lfu"),
+        ("pin_share", 1.5),
+        ("lazy_pool", "pooled"),
+        ("capture_warmup", "never"),
+    ],
+)
 def test_config_refuses_a_bad_knob_naming_it(knob, value):
     with pytest.raises(ValueError, match=knob.replace("_", ".")):
         CachePolicyConfig(max_entries=4, max_bytes=1 << 20, **{knob: value})
 
 
 def test_config_from_settings_copies_every_cache_knob():
-    s = Settings(cache_max_entries=7, cache_max_bytes=12345, admission="after_n", admission_min_misses=5,
-                 capture_time_share=0.3, capture_burst_seconds=0.7, eviction_policy="gdsf", cache_pin_share=0.25,
-                 cache_lazy_pool="private", capture_warmup="always")
+    s = Settings(
+        cache_max_entries=7,
+        cache_max_bytes=12345,
+        admission="after_n",
+        admission_min_misses=5,
+        capture_time_share=0.3,
+        capture_burst_seconds=0.7,
+        eviction_policy="gdsf",
+        cache_pin_share=0.25,
+        cache_lazy_pool="private",
+        capture_warmup="always",
+    )
     assert policy_config_from(s.graph_cache) == CachePolicyConfig(
-        max_entries=7, max_bytes=12345, admission="after_n", admission_min_misses=5, capture_time_share=0.3,
-        capture_burst_seconds=0.7, eviction_policy="gdsf", pin_share=0.25, lazy_pool="private",
-        capture_warmup="always")
+        max_entries=7,
+        max_bytes=12345,
+        admission="after_n",
+        admission_min_misses=5,
+        capture_time_share=0.3,
+        capture_burst_seconds=0.7,
+        eviction_policy="gdsf",
+        pin_share=0.25,
+        lazy_pool="private",
+        capture_warmup="always",
+    )
 
 
 def test_store_takes_a_plain_policy_alone_and_wraps_it_for_an_agreement():
@@ -51,8 +76,12 @@ def test_agreed_policy_raises_when_the_ranks_diverged():
         def agree(self, report):
             return decide([report, CaptureReport(True, state=report.state + 1)])
 
-    cache = GraphCache(lambda d: None, backend="eager", config=CachePolicyConfig(max_entries=4, max_bytes=1 << 30),
-                       agreement=Diverged())
+    cache = GraphCache(
+        lambda d: None,
+        backend="eager",
+        config=CachePolicyConfig(max_entries=4, max_bytes=1 << 30),
+        agreement=Diverged(),
+    )
     with pytest.raises(RuntimeError, match="diverged.*restart the server"):
         cache.run(D(4, 4, True))
 
@@ -77,8 +106,16 @@ def test_runner_step_context_names_its_descriptor_and_mode(tmp_path, decode_mode
     kernel inside the graph (no eager break: a "full" entry), in "breakable" through the break."""
     from graphcache.engine.worker.runner import ModelRunner
 
-    runner = ModelRunner(Settings(cache_dir=tmp_path, device="cpu", max_num_seqs=4, max_num_batched_tokens=64,
-                                  warmup_decode_sizes=[], decode_capture_mode=decode_mode))
+    runner = ModelRunner(
+        Settings(
+            cache_dir=tmp_path,
+            device="cpu",
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            warmup_decode_sizes=[],
+            decode_capture_mode=decode_mode,
+        )
+    )
     assert runner._decode_path(True), "the CPU runner should take the decode path for uniform decode"
     seen = []
     real = runner._run_model

@@ -26,7 +26,11 @@ def _string_sets(tree: ast.AST):
             elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
         elif isinstance(node, ast.Tuple | ast.List | ast.Set):
             elts = node.elts
-        if elts and len(elts) >= 2 and all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in elts):
+        if (
+            elts
+            and len(elts) >= 2
+            and all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in elts)
+        ):
             yield node.lineno, frozenset(e.value for e in elts)
 
 
@@ -37,25 +41,36 @@ def test_no_module_declares_a_choice_set_again():
             continue
         for line, values in _string_sets(ast.parse(path.read_text())):
             if values in SETS:
-                again.append(f"{path.relative_to(PACKAGE)}:{line} {sorted(values)}: import it from graphcache.choices")
+                again.append(
+                    f"{path.relative_to(PACKAGE)}:{line} {sorted(values)}: import it from graphcache.choices"
+                )
     assert not again, "\n".join(again)
 
 
 def test_the_detector_sees_a_redeclared_set():
-    assert {v for _, v in _string_sets(ast.parse('X: Literal["lru", "gdsf"] = "lru"'))} == {frozenset({"lru", "gdsf"})}
-    assert {v for _, v in _string_sets(ast.parse('Y = ("shared", "private")'))} == {frozenset({"shared", "private"})}
+    assert {v for _, v in _string_sets(ast.parse('X: Literal["lru", "gdsf"] = "lru"'))} == {
+        frozenset({"lru", "gdsf"})
+    }
+    assert {v for _, v in _string_sets(ast.parse('Y = ("shared", "private")'))} == {
+        frozenset({"shared", "private"})
+    }
 
 
-@pytest.mark.parametrize("flat, values", [("eviction_policy", choices.EVICTION_POLICIES),
-                                          ("cache_lazy_pool", choices.LAZY_POOLS),
-                                          ("admission", choices.ADMISSION_RULES),
-                                          ("capture_warmup", choices.CAPTURE_WARMUPS),
-                                          ("attention_backend", choices.ATTENTION_BACKENDS),
-                                          ("decode_capture_mode", choices.CAPTURE_MODES)])
+@pytest.mark.parametrize(
+    "flat, values",
+    [
+        ("eviction_policy", choices.EVICTION_POLICIES),
+        ("cache_lazy_pool", choices.LAZY_POOLS),
+        ("admission", choices.ADMISSION_RULES),
+        ("capture_warmup", choices.CAPTURE_WARMUPS),
+        ("attention_backend", choices.ATTENTION_BACKENDS),
+        ("decode_capture_mode", choices.CAPTURE_MODES),
+    ],
+)
 def test_settings_and_the_code_accept_the_same_values(flat, values):
     field = Settings.flat_fields()[flat]
     assert typing.get_args(field.annotation) == values
-    for value in values:   # every value the settings accept, the policy config takes too
+    for value in values:  # every value the settings accept, the policy config takes too
         Settings(**{flat: value}, device="cpu")
     with pytest.raises(ValueError):
         Settings(**{flat: "nonsense"}, device="cpu")

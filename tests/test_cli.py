@@ -49,9 +49,25 @@ def test_flags_override_env_which_overrides_defaults(monkeypatch):
 
 
 def test_list_bool_optional_and_choice_flags(tmp_path):
-    s = parse("--capture-sizes", "8,1,2", "--warmup-decode-sizes", "", "--warmup-descriptors", "64:8,8:8:decode",
-              "--cors-origins", "https://a.example,https://b.example", "--enforce-eager", "--max-model-len", "64",
-              "--model", str(tmp_path), "--admission", "after_n", "--drain-timeout-s", "1.5")
+    s = parse(
+        "--capture-sizes",
+        "8,1,2",
+        "--warmup-decode-sizes",
+        "",
+        "--warmup-descriptors",
+        "64:8,8:8:decode",
+        "--cors-origins",
+        "https://a.example,https://b.example",
+        "--enforce-eager",
+        "--max-model-len",
+        "64",
+        "--model",
+        str(tmp_path),
+        "--admission",
+        "after_n",
+        "--drain-timeout-s",
+        "1.5",
+    )
     assert s.graph_cache.capture_sizes == [1, 2, 8] and s.graph_cache.warmup_decode_sizes == []
     assert s.graph_cache.warmup_descriptors == ["64:8", "8:8:decode"]
     assert s.http.cors_origins == ["https://a.example", "https://b.example"]
@@ -60,8 +76,9 @@ def test_list_bool_optional_and_choice_flags(tmp_path):
     assert parse("--no-enforce-eager").graph_cache.enforce_eager is False
 
 
-@pytest.mark.parametrize("argv", [["--max-num-seqs", "many"], ["--capture-sizes", "1,x"],
-                                  ["--dtype", "int3"]])
+@pytest.mark.parametrize(
+    "argv", [["--max-num-seqs", "many"], ["--capture-sizes", "1,x"], ["--dtype", "int3"]]
+)
 def test_bad_flag_values_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", *argv])
@@ -87,7 +104,7 @@ def test_env_lists_are_comma_separated_as_flags_are(monkeypatch):
     assert s.graph_cache.capture_sizes == [1, 2, 4] and s.graph_cache.warmup_decode_sizes == []
     assert s.graph_cache.warmup_descriptors == ["64:8", "8:8:decode"]
     assert s.http.cors_origins == ["https://a.example", "https://b.example"]
-    monkeypatch.setenv("GRAPHCACHE_CAPTURE_SIZES", "null")   # JSON null: the default sizes
+    monkeypatch.setenv("GRAPHCACHE_CAPTURE_SIZES", "null")  # JSON null: the default sizes
     assert parse().graph_cache.capture_sizes is None
 
 
@@ -102,15 +119,16 @@ def test_every_flat_env_name_reaches_its_section(monkeypatch):
     """Each GRAPHCACHE_<NAME> lands in the field its flag sets, whatever section holds it (and whatever
     that field is called there): env and flag agree for every setting."""
     for name, value, section, field, expected in [
-            ("MODEL", "/models/m", "model", "path", Path("/models/m")),
-            ("TENSOR_PARALLEL_SIZE", "1", "model", "tensor_parallel_size", 1),
-            ("MAX_NUM_SEQS", "7", "engine", "max_num_seqs", 7),
-            ("ENGINE_PROCESS", "false", "engine", "engine_process", False),
-            ("CACHE_MAX_ENTRIES", "9", "graph_cache", "max_entries", 9),
-            ("CACHE_PIN_SHARE", "0.25", "graph_cache", "pin_share", 0.25),
-            ("CACHE_LAZY_POOL", "private", "graph_cache", "lazy_pool", "private"),
-            ("PORT", "9002", "http", "port", 9002),
-            ("LOG_FORMAT", "json", "logging", "log_format", "json")]:
+        ("MODEL", "/models/m", "model", "path", Path("/models/m")),
+        ("TENSOR_PARALLEL_SIZE", "1", "model", "tensor_parallel_size", 1),
+        ("MAX_NUM_SEQS", "7", "engine", "max_num_seqs", 7),
+        ("ENGINE_PROCESS", "false", "engine", "engine_process", False),
+        ("CACHE_MAX_ENTRIES", "9", "graph_cache", "max_entries", 9),
+        ("CACHE_PIN_SHARE", "0.25", "graph_cache", "pin_share", 0.25),
+        ("CACHE_LAZY_POOL", "private", "graph_cache", "lazy_pool", "private"),
+        ("PORT", "9002", "http", "port", 9002),
+        ("LOG_FORMAT", "json", "logging", "log_format", "json"),
+    ]:
         monkeypatch.setenv("GRAPHCACHE_" + name, value)
         from_env = getattr(getattr(parse(), section), field)
         monkeypatch.delenv("GRAPHCACHE_" + name)
@@ -126,25 +144,30 @@ def test_precedence_per_setting_across_sections(monkeypatch):
     monkeypatch.setenv("GRAPHCACHE_EVICTION_POLICY", "gdsf")
     monkeypatch.setenv("GRAPHCACHE_HOST", "0.0.0.0")
     s = parse("--cache-max-entries", "3", "--port", "9003")
-    assert (s.graph_cache.max_entries, s.graph_cache.eviction_policy) == (3, "gdsf")   # flag, env
-    assert s.graph_cache.max_bytes == Settings.flat_fields()["cache_max_bytes"].default   # default
+    assert (s.graph_cache.max_entries, s.graph_cache.eviction_policy) == (3, "gdsf")  # flag, env
+    assert s.graph_cache.max_bytes == Settings.flat_fields()["cache_max_bytes"].default  # default
     assert (s.http.host, s.http.port) == ("0.0.0.0", 9003)
-    assert Settings(cache_max_entries=4).graph_cache.max_entries == 4   # keyword arguments are flags
+    assert Settings(cache_max_entries=4).graph_cache.max_entries == 4  # keyword arguments are flags
 
 
 def test_make_tiny_model(tmp_path, capsys):
     assert main(["make-tiny-model", str(tmp_path / "m")]) == 0
     assert (tmp_path / "m" / "config.json").is_file() and (tmp_path / "m" / "tokenizer.json").is_file()
     from graphcache.model.tiny import DEFAULT_SHAPE  # the same shape as the embedded default model
+
     config = json.loads((tmp_path / "m" / "config.json").read_text())
-    assert (config["hidden_size"], config["num_hidden_layers"]) == (DEFAULT_SHAPE["hidden"], DEFAULT_SHAPE["layers"])
+    assert (config["hidden_size"], config["num_hidden_layers"]) == (
+        DEFAULT_SHAPE["hidden"],
+        DEFAULT_SHAPE["layers"],
+    )
     assert main(["make-tiny-model", str(tmp_path / "n"), "--arch", "nonsense"]) == 2
     assert "nonsense" in capsys.readouterr().err
 
 
 def test_module_entry_point_runs():
-    out = subprocess.run([sys.executable, "-m", "graphcache.cli", "--help"], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "graphcache.cli", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and "graphcache" in out.stdout
 
 
@@ -159,13 +182,20 @@ def test_serve_refuses_a_non_ascii_admin_token_with_the_fix(how, monkeypatch, ca
         monkeypatch.setenv("GRAPHCACHE_ADMIN_TOKEN", "pässword-sekrit")
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "admin_token" in err and "use ASCII characters, e.g. a hex token from `openssl rand -hex 32`" in err
-    assert "sekrit" not in err   # the secret is not printed back
+    assert (
+        "admin_token" in err and "use ASCII characters, e.g. a hex token from `openssl rand -hex 32`" in err
+    )
+    assert "sekrit" not in err  # the secret is not printed back
 
 
 def test_serve_with_a_non_ascii_admin_token_exits_non_zero():
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRAPHCACHE_")}
-    out = subprocess.run([sys.executable, "-m", "graphcache.cli", "serve", "--port", "0"], capture_output=True,
-                         text=True, timeout=120, env={**env, "GRAPHCACHE_ADMIN_TOKEN": "pässword"})
+    out = subprocess.run(
+        [sys.executable, "-m", "graphcache.cli", "serve", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "GRAPHCACHE_ADMIN_TOKEN": "pässword"},
+    )
     assert out.returncode != 0
     assert "openssl rand -hex 32" in out.stderr and "pässword" not in out.stderr, out.stderr

@@ -17,7 +17,7 @@ ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def path():
-    return tiny_checkpoint("qwen2")   # GQA (heads sharing a KV head) and qkv bias
+    return tiny_checkpoint("qwen2")  # GQA (heads sharing a KV head) and qkv bias
 
 
 def _decode_run(runner: ModelRunner, n: int, steps: int = 3) -> list[torch.Tensor]:
@@ -29,7 +29,9 @@ def _decode_run(runner: ModelRunner, n: int, steps: int = 3) -> list[torch.Tenso
         run_alone(runner, x, table)
     out = []
     for step in range(steps):
-        batch = StepBatch([StepSeq([7 + step], len(x) + step, table, True) for x, table in zip(ids, tables, strict=True)])
+        batch = StepBatch(
+            [StepSeq([7 + step], len(x) + step, table, True) for x, table in zip(ids, tables, strict=True)]
+        )
         result = runner.execute(batch)
         out.append(result.logits.float().clone())
     return out
@@ -56,7 +58,9 @@ def test_decode_equals_each_sequence_alone(path):
     tables = [blocks.table(len(x) + 1) for x in ids]
     for x, table in zip(ids, tables, strict=True):
         run_alone(runner, x[:-1], table)
-    logits = runner.execute(StepBatch([StepSeq([x[-1]], len(x) - 1, t, True) for x, t in zip(ids, tables, strict=True)]))
+    logits = runner.execute(
+        StepBatch([StepSeq([x[-1]], len(x) - 1, t, True) for x, t in zip(ids, tables, strict=True)])
+    )
     for row, x in enumerate(ids):
         alone = ModelRunner(cpu_settings(path))
         ref = run_alone(alone, x, Blocks(alone.block_size).table(len(x)))[-1]
@@ -73,18 +77,21 @@ def test_decode_rows_change_between_steps(path):
         r._blocks = Blocks(r.block_size)
     live = []
     for step in range(12):
-        if step in (0, 4, 8):   # new sequences (a mixed/prefill step in between)
+        if step in (0, 4, 8):  # new sequences (a mixed/prefill step in between)
             x = prompt_ids(6 + step, seed=step)
             tables = {id(r): r._blocks.table(len(x) + 20) for r in (runner, ref_runner)}
             for r in (runner, ref_runner):
                 run_alone(r, x, tables[id(r)])
             live.append({"pos": len(x), "tables": tables})
         if step == 6:
-            live.pop(0)          # the first one finished: rows shift up
+            live.pop(0)  # the first one finished: rows shift up
         tok = int(torch.randint(5, 500, (1,), generator=rng))
-        got = runner.execute(StepBatch([StepSeq([tok], s["pos"], s["tables"][id(runner)], True) for s in live]))
-        ref = ref_runner.execute(StepBatch([StepSeq([tok], s["pos"], s["tables"][id(ref_runner)], True)
-                                            for s in live]))
+        got = runner.execute(
+            StepBatch([StepSeq([tok], s["pos"], s["tables"][id(runner)], True) for s in live])
+        )
+        ref = ref_runner.execute(
+            StepBatch([StepSeq([tok], s["pos"], s["tables"][id(ref_runner)], True) for s in live])
+        )
         assert (got.logits.float() - ref.logits.float()).abs().max().item() < ATOL, step
         for s in live:
             s["pos"] += 1
@@ -115,7 +122,7 @@ def test_full_decode_warmup_capture_writes_no_kv(path):
 def test_decode_position_past_the_table_is_rejected(path):
     runner = ModelRunner(cpu_settings(path))
     with pytest.raises(ValueError, match="needs ceil"):
-        runner.execute(StepBatch([StepSeq([5], 8, [0, 1], True)]))   # position 8 with 2 blocks of 4
+        runner.execute(StepBatch([StepSeq([5], 8, [0, 1], True)]))  # position 8 with 2 blocks of 4
 
 
 def test_decode_kernel_selection():
@@ -124,7 +131,7 @@ def test_decode_kernel_selection():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert select_decode_kernel(cpu, torch.float32, 64, 16) == "torch"
     assert select_decode_kernel(cpu, torch.float32, 64, 16, "varlen") == "varlen"
-    assert select_decode_kernel(cuda, torch.bfloat16, 64, 24) == "varlen"    # pages not a power of two
+    assert select_decode_kernel(cuda, torch.bfloat16, 64, 24) == "varlen"  # pages not a power of two
     with pytest.raises(RuntimeError, match="needs CUDA"):
         select_decode_kernel(cpu, torch.float32, 64, 16, "triton")
     with pytest.raises(ValueError, match="use one of auto"):

@@ -19,23 +19,31 @@ from helpers_model import cpu_settings, prompt_ids, tiny_checkpoint
 from test_async_scheduling import drive
 
 POISON = -7
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]   # cuda: graph replay, async by default
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]  # cuda: graph replay, async by default
 
 
 def _requests(n: int = 9):
     # Different lengths: rows leave one by one; block size 4: tables grow every 4 decode steps.
-    return [(f"q{i}", prompt_ids(3 + (5 * i) % 11, seed=i),
-             SamplingParams(max_tokens=5 + (7 * i) % 19, temperature=0, ignore_eos=True)) for i in range(n)]
+    return [
+        (
+            f"q{i}",
+            prompt_ids(3 + (5 * i) % 11, seed=i),
+            SamplingParams(max_tokens=5 + (7 * i) % 19, temperature=0, ignore_eos=True),
+        )
+        for i in range(n)
+    ]
 
 
 def _layout(runner: ModelRunner, batch: StepBatch, pad: int) -> dict[str, torch.Tensor]:
     """The decode buffers the step reads: pads included, block tables up to each row's length."""
     n = len(batch.rows.keys)
     inputs = runner.inputs
-    out = {name: getattr(inputs, name).dev[:pad].clone() for name in ("input_ids", "positions", "slot_mapping",
-                                                                       "seq_lens", "logits_indices")}
+    out = {
+        name: getattr(inputs, name).dev[:pad].clone()
+        for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "logits_indices")
+    }
     for i, s in enumerate(batch.seqs[:n]):
-        out[f"table{i}"] = inputs.block_tables.dev[i, :len(s.block_table)].clone()
+        out[f"table{i}"] = inputs.block_tables.dev[i, : len(s.block_table)].clone()
     return out
 
 
@@ -57,11 +65,19 @@ def _checked_core(settings, counts: dict) -> EngineCore:
         counts["new_rows"] += before is not None and not set(decode_rows.keys) <= set(before)
         counts["grown"] += bool(decode_rows.grown)
         got = _layout(runner, batch, pad)
-        for buf in (inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens, inputs.block_tables,
-                    inputs.logits_indices):
+        for buf in (
+            inputs.input_ids,
+            inputs.positions,
+            inputs.slot_mapping,
+            inputs.seq_lens,
+            inputs.block_tables,
+            inputs.logits_indices,
+        ):
             buf.dev.fill_(POISON)
-        inputs._write_full_decode(batch.seqs, pad, prev)   # the host layout alone: the rows' state stays the path's
-        inputs._host_tables_stale = True                    # as the rows path leaves the host row cache
+        inputs._write_full_decode(
+            batch.seqs, pad, prev
+        )  # the host layout alone: the rows' state stays the path's
+        inputs._host_tables_stale = True  # as the rows path leaves the host row cache
         want = _layout(runner, batch, pad)
         for name in want:
             assert torch.equal(got[name], want[name]), (name, got[name], want[name])
@@ -87,7 +103,9 @@ def test_rows_advanced_on_the_device_equal_a_full_layout_and_outputs_equal_sync(
     assert got == want
     assert core.scheduler.num_preemptions > 0
     # Each kind of change was exercised: rows in place, rows that left or came (after a mixed step), blocks added.
-    assert counts["applied"] > 10 and counts["gathered"] > 0 and counts["grown"] > 0 and counts["new_rows"] > 0, counts
+    assert (
+        counts["applied"] > 10 and counts["gathered"] > 0 and counts["grown"] > 0 and counts["new_rows"] > 0
+    ), counts
 
 
 @pytest.mark.slow
@@ -99,8 +117,10 @@ def test_a_request_that_ends_with_its_prefill_leaves_no_stale_pad():
     counts = dict(applied=0, gathered=0, grown=0, new_rows=0)
     settings = cpu_settings(path, async_scheduling="on")
     core = _checked_core(settings, counts)
-    long = [(f"d{i}", prompt_ids(5 + i, seed=i), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-            for i in range(3)]
+    long = [
+        (f"d{i}", prompt_ids(5 + i, seed=i), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        for i in range(3)
+    ]
     short = ("s", prompt_ids(9, seed=7), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     for rid, prompt, params in long:
         core.add_request(Sequence(rid, list(prompt), params))
@@ -121,17 +141,17 @@ def test_a_new_sequence_or_unknown_rows_fall_back_to_a_full_layout():
     settings = cpu_settings(tiny_checkpoint("qwen2"), async_scheduling="on")
     runner = ModelRunner(settings)
     rows, prev = runner.inputs.rows, torch.zeros(2, dtype=torch.int64)
-    assert not rows.applicable(DecodeRows([1, 2], []), 2)          # nothing laid out yet
+    assert not rows.applicable(DecodeRows([1, 2], []), 2)  # nothing laid out yet
     rows.remember([1, 2], [1, 1], 2)
     assert rows.applicable(DecodeRows([1, 2], []), 2)
-    assert rows.applicable(DecodeRows([2], []), 2)                 # a row left
-    assert not rows.applicable(DecodeRows([2, 3], []), 2)          # sequence 3 is new: it needs its StepSeq
-    assert not rows.applicable(DecodeRows([1, 2], []), 1)          # fewer sampled ids than rows
-    fed_known = StepSeq([5], 4, [0, 1], True)                      # a row fed a known token, not one in flight
+    assert rows.applicable(DecodeRows([2], []), 2)  # a row left
+    assert not rows.applicable(DecodeRows([2, 3], []), 2)  # sequence 3 is new: it needs its StepSeq
+    assert not rows.applicable(DecodeRows([1, 2], []), 1)  # fewer sampled ids than rows
+    fed_known = StepSeq([5], 4, [0, 1], True)  # a row fed a known token, not one in flight
     assert not rows.apply(DecodeRows([3], []), 1, prev[:1], lambda i: fed_known, lambda: None)
-    assert not rows.apply(DecodeRows([1, 2], [(2, [])]), 2, prev, None, lambda: None)   # a table that shrank
-    assert rows.keys == [1, 2] and list(rows._num_blocks[:2]) == [1, 1]          # nothing touched
-    runner.capture([])   # a capture outside a step rewrites the buffers: the rows are no longer known
+    assert not rows.apply(DecodeRows([1, 2], [(2, [])]), 2, prev, None, lambda: None)  # a table that shrank
+    assert rows.keys == [1, 2] and list(rows._num_blocks[:2]) == [1, 1]  # nothing touched
+    runner.capture([])  # a capture outside a step rewrites the buffers: the rows are no longer known
     assert rows.keys is None
 
 
@@ -154,7 +174,9 @@ def test_what_a_tensor_parallel_rank_receives_keeps_the_keys():
     mixed = StepBatch([StepSeq([1], 3, [0], True), StepSeq([4, 5], 0, [1], True)], keys=[7, 8])
     sent, _ = execute_payload(mixed, rows_only=False)
     assert pickle.loads(pickle.dumps(sent)).keys == [7, 8]
-    decode = StepBatch(rows=DecodeRows([7], []), build=lambda: [], prev_tokens=torch.zeros(1, dtype=torch.int64))
+    decode = StepBatch(
+        rows=DecodeRows([7], []), build=lambda: [], prev_tokens=torch.zeros(1, dtype=torch.int64)
+    )
     sent, num_prev = execute_payload(decode, rows_only=True)
     got = pickle.loads(pickle.dumps(sent))
     assert got.keys == [7] and got.rows.keys == [7] and num_prev == 1 and got.prev_tokens is None

@@ -41,18 +41,20 @@ def random_ids(tok: Tokenizer, rng: random.Random, n: int) -> list[int]:
             out.append(rng.choice(specials))
         elif kind < 0.95:
             start = rng.randrange(len(text_ids))
-            out += text_ids[start:start + rng.randint(1, 6)]
+            out += text_ids[start : start + rng.randint(1, 6)]
         else:
             out.append(tok.vocab_size + rng.randrange(50))
     return out[:n]
 
 
-def stream(tok: Tokenizer, prompt: list[int] | None, out: list[int], skip: bool, rng: random.Random) -> list[str]:
+def stream(
+    tok: Tokenizer, prompt: list[int] | None, out: list[int], skip: bool, rng: random.Random
+) -> list[str]:
     detok = tok.detokenizer(prompt, skip_special_tokens=skip)
     pieces, i = [], 0
     while i < len(out):
-        step = rng.choice((1, 1, 1, 2, 3, 8))   # mostly per-step ids, sometimes a consumer catching up
-        pieces.append(detok.add(out[i:i + step]))
+        step = rng.choice((1, 1, 1, 2, 3, 8))  # mostly per-step ids, sometimes a consumer catching up
+        pieces.append(detok.add(out[i : i + step]))
         i += step
     pieces.append(detok.finish())
     assert "".join(pieces) == detok.text
@@ -67,8 +69,11 @@ def test_streamed_pieces_concatenate_to_the_whole_decode(tok, skip, prompt_kind)
     assert len(long_prompt) > 500
     for _ in range(150):
         out = random_ids(tok, rng, rng.randint(1, 60))
-        prompt = {"none": None, "long text": long_prompt,
-                  "random ids": random_ids(tok, rng, rng.randint(1, 40))}[prompt_kind]
+        prompt = {
+            "none": None,
+            "long text": long_prompt,
+            "random ids": random_ids(tok, rng, rng.randint(1, 40)),
+        }[prompt_kind]
         # Byte-level BPE: the prompt's context adds nothing to the output's text, wherever it ends
         # (a prompt that ends inside a character is cut before it).
         assert "".join(stream(tok, prompt, out, skip, rng)) == tok.decode(out, skip_special_tokens=skip), out
@@ -90,7 +95,7 @@ def test_long_output_matches_and_keeps_a_small_window(tok):
     detok = tok.detokenizer(tok.encode("prompt"), skip_special_tokens=False)
     text = "".join(detok.add([i]) for i in out) + detok.finish()
     assert text == tok.decode(out, skip_special_tokens=False)
-    assert len(detok._ids_to_text._ids) <= 300   # ids kept for finish() are trimmed, not the whole output
+    assert len(detok._ids_to_text._ids) <= 300  # ids kept for finish() are trimmed, not the whole output
 
 
 def test_unfinished_character_at_the_end_flushes_as_a_whole_decode_does(tok):
@@ -104,12 +109,15 @@ def test_unfinished_character_at_the_end_flushes_as_a_whole_decode_does(tok):
 
 # --- a sentencepiece-style decoder: the prompt's context keeps the first token's leading space ----
 
+
 @pytest.fixture(scope="module")
 def metaspace():
     hf = HFTokenizer(models.BPE(unk_token="<unk>"))
     hf.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
     hf.decoder = decoders.Metaspace(prepend_scheme="first")
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+    )
     hf.train_from_iterator(corpus_text().splitlines(), trainer=trainer)
     return hf
 
@@ -122,8 +130,8 @@ def sp_tokenizer(hf: HFTokenizer, tmp_path) -> Tokenizer:
 def test_first_output_token_keeps_its_leading_space(metaspace, tmp_path):
     tok = sp_tokenizer(metaspace, tmp_path)
     prompt = tok.encode("The keeper", add_special_tokens=False)
-    out = tok.encode("The keeper writes it down", add_special_tokens=False)[len(prompt):]
-    assert tok.decode(out).startswith("writes")    # decoded alone, the space is gone
+    out = tok.encode("The keeper writes it down", add_special_tokens=False)[len(prompt) :]
+    assert tok.decode(out).startswith("writes")  # decoded alone, the space is gone
     detok = tok.detokenizer(prompt)
     assert "".join(detok.add([i]) for i in out) + detok.finish() == " writes it down"
 
@@ -135,16 +143,17 @@ def test_metaspace_stream_continues_the_prompt_exactly(metaspace, tmp_path, skip
     text = corpus_text()
     for _ in range(100):
         start = rng.randrange(len(text) - 400)
-        prompt = tok.encode(text[start:start + rng.randint(1, 300)], add_special_tokens=False)
+        prompt = tok.encode(text[start : start + rng.randint(1, 300)], add_special_tokens=False)
         out = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 40))]
         whole = tok.decode(prompt + out, skip_special_tokens=skip)
         context = tok.decode(prompt[-PROMPT_CONTEXT_IDS:], skip_special_tokens=skip)
-        expected = tok.decode(prompt[-PROMPT_CONTEXT_IDS:] + out, skip_special_tokens=skip)[len(context):]
-        assert whole.endswith(expected)   # the context's text is the whole prompt's text, continued
+        expected = tok.decode(prompt[-PROMPT_CONTEXT_IDS:] + out, skip_special_tokens=skip)[len(context) :]
+        assert whole.endswith(expected)  # the context's text is the whole prompt's text, continued
         assert "".join(stream(tok, prompt, out, skip, rng)) == expected
 
 
 # --- stop strings on top of the stream ----------------------------------------------------------
+
 
 def test_stop_string_cuts_where_a_search_of_the_whole_text_would(tok):
     rng = random.Random(4)
@@ -153,27 +162,28 @@ def test_stop_string_cuts_where_a_search_of_the_whole_text_would(tok):
     whole = tok.decode(ids)
     for _ in range(60):
         at = rng.randrange(len(whole) - 12)
-        stop = whole[at:at + rng.randint(1, 10)]
+        stop = whole[at : at + rng.randint(1, 10)]
         detok = tok.detokenizer(tok.encode("q"), stop=[stop])
         emitted = ""
         chunk = rng.choice((1, 3))
         for i in range(0, len(ids), chunk):
-            emitted += detok.add(ids[i:i + chunk])
+            emitted += detok.add(ids[i : i + chunk])
             if detok.stopped:
                 break
         emitted += detok.finish()
         assert detok.stopped == stop
-        assert emitted == whole[:whole.index(stop)]
+        assert emitted == whole[: whole.index(stop)]
 
 
 # --- a decoder whose text for more ids does not extend its text for fewer (InvalidPrefix) --------
+
 
 def test_decoder_rewriting_across_tokens_does_not_break_the_stream(tmp_path):
     vocab = {"<unk>": 0, "a": 1, "b": 2, "c": 3}
     hf = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     hf.pre_tokenizer = pre_tokenizers.Whitespace()
     hf.decoder = decoders.Sequence([decoders.Fuse(), decoders.Replace("ab", "X")])
-    assert hf.decode([1, 2]) == "X"   # "a" alone, then "X": no stream can emit this exactly
+    assert hf.decode([1, 2]) == "X"  # "a" alone, then "X": no stream can emit this exactly
     tok = sp_tokenizer(hf, tmp_path)
     detok = tok.detokenizer()
     pieces = [detok.add([i]) for i in (1, 2, 3, 3, 1, 3)] + [detok.finish()]

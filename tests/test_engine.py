@@ -47,7 +47,7 @@ class FakeTokenizer:
 
 class FakeCache:
     def __init__(self, owner: list):
-        self.owner = owner   # [thread]: admin calls must run on the engine thread
+        self.owner = owner  # [thread]: admin calls must run on the engine thread
 
     def _check(self):
         assert threading.current_thread() is self.owner[0], "cache touched off the engine thread"
@@ -69,8 +69,16 @@ class FakeCache:
 
 
 class FakeRunner:
-    def __init__(self, settings: Settings, metrics=None, *, num_kv_blocks=64, block_size=4, max_model_len=128,
-                 step_delay=0.0):
+    def __init__(
+        self,
+        settings: Settings,
+        metrics=None,
+        *,
+        num_kv_blocks=64,
+        block_size=4,
+        max_model_len=128,
+        step_delay=0.0,
+    ):
         self.owner = [threading.current_thread()]
         self.tokenizer = FakeTokenizer()
         self.model_config = None
@@ -87,7 +95,7 @@ class FakeRunner:
         return {"captured": 0}
 
     def capture(self, descriptors, *, pin=True, progress=None):
-        self.cache.warmup(descriptors, pin=pin)   # checks the thread
+        self.cache.warmup(descriptors, pin=pin)  # checks the thread
         return WarmupReport(captured=[str(d) for d in descriptors])
 
     def warmup_descriptors(self):
@@ -108,7 +116,7 @@ class FakeRunner:
         rows = []
         for s in batch.seqs:
             ids = list(s.token_ids)
-            if s.prev_row is not None:   # async scheduling: the in-flight step's token, as the GPU would
+            if s.prev_row is not None:  # async scheduling: the in-flight step's token, as the GPU would
                 ids[-1] = int(batch.prev_tokens[s.prev_row])
             for i, tok in enumerate(ids):
                 pos = s.start_pos + i
@@ -146,11 +154,14 @@ async def collect(engine, rid, prompt, params):
 
 def prompts(n, vocab=VOCAB - 1, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, vocab, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(1, vocab, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 # --- real runner (tiny model on CPU) -------------------------------------------------------------
+
 
 def real_factory():
     runner_mod = pytest.importorskip("graphcache.engine.worker.runner")
@@ -161,8 +172,15 @@ def real_factory():
 @pytest.fixture(scope="module")
 def real_engine(tmp_path_factory):
     factory = real_factory()
-    engine = start_engine(lambda s, m: factory(s, m), cache_dir=tmp_path_factory.mktemp("gc"), device="cpu",
-                          max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256, warmup_decode_sizes=[])
+    engine = start_engine(
+        lambda s, m: factory(s, m),
+        cache_dir=tmp_path_factory.mktemp("gc"),
+        device="cpu",
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        warmup_decode_sizes=[],
+    )
     yield engine
     engine.shutdown()
 
@@ -178,6 +196,7 @@ def engine(request, tmp_path):
 
 
 # --- tests -------------------------------------------------------------------------------------
+
 
 async def test_batching_does_not_change_greedy_outputs(engine):
     vocab = engine.runner.model_config.vocab_size if engine.runner.model_config else VOCAB - 1
@@ -207,9 +226,11 @@ async def test_non_streaming_text_detokenized_at_finish_equals_streamed_text(rea
     text must be exactly what streaming produced token by token, with and without EOS stops."""
     vocab = real_engine.runner.model_config.vocab_size
     for i, p in enumerate(prompts(4, vocab=vocab, seed=3)):
-        for params in (SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
-                       SamplingParams(max_tokens=24, temperature=0.9, seed=i),
-                       SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[]),):
+        for params in (
+            SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=24, temperature=0.9, seed=i),
+            SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[]),
+        ):
             ids, text, last = await collect(real_engine, f"s-{i}", p, params)
             outs = [o async for o in real_engine.generate(f"ns-{i}", p, params, stream=False)]
             assert len(outs) == 1 and outs[0].token_ids == ids
@@ -219,13 +240,16 @@ async def test_non_streaming_text_detokenized_at_finish_equals_streamed_text(rea
 async def test_output_fields_and_stop_string():
     e = start_engine(fake_factory())
     try:
-        ids, text, last = await collect(e, "a", [1, 2, 3], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        ids, text, last = await collect(
+            e, "a", [1, 2, 3], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        )
         assert text == "".join(f"<{t}>" for t in ids) and last.finished
         assert (last.prompt_tokens, last.completion_tokens) == (3, 6)
         stop = f"<{ids[2]}>"
-        ids2, text2, last2 = await collect(e, "b", [1, 2, 3], SamplingParams(max_tokens=6, temperature=0, stop=[stop],
-                                                                              ignore_eos=True))
-        assert last2.finish_reason == "stop" and text2 == text[:text.index(stop)]
+        ids2, text2, last2 = await collect(
+            e, "b", [1, 2, 3], SamplingParams(max_tokens=6, temperature=0, stop=[stop], ignore_eos=True)
+        )
+        assert last2.finish_reason == "stop" and text2 == text[: text.index(stop)]
     finally:
         e.shutdown()
 
@@ -233,10 +257,12 @@ async def test_output_fields_and_stop_string():
 async def test_consumer_leaving_aborts_and_frees_blocks():
     e = start_engine(fake_factory(step_delay=0.01))
     try:
-        it = e.generate("leaver", list(range(1, 20)), SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+        it = e.generate(
+            "leaver", list(range(1, 20)), SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+        )
         async for _ in it:
             break
-        await it.aclose()            # what a disconnect does to the response's generator
+        await it.aclose()  # what a disconnect does to the response's generator
         for _ in range(200):
             if e.stats()["kv_blocks_free"] == e.stats()["kv_blocks_total"] and not e.stats()["running"]:
                 break
@@ -254,8 +280,11 @@ async def test_consumer_leaving_aborts_and_frees_blocks():
 
 
 async def test_queue_full_and_not_ready_and_validation():
-    e = Engine(Settings(max_num_seqs=1, max_num_batched_tokens=16, max_queue=2), Metrics(),
-               runner_factory=fake_factory(step_delay=0.02))
+    e = Engine(
+        Settings(max_num_seqs=1, max_num_batched_tokens=16, max_queue=2),
+        Metrics(),
+        runner_factory=fake_factory(step_delay=0.02),
+    )
     with pytest.raises(EngineNotReady):
         e.generate("early", [1], SamplingParams())
     e.start()
@@ -263,7 +292,7 @@ async def test_queue_full_and_not_ready_and_validation():
     try:
         params = SamplingParams(max_tokens=20, ignore_eos=True)
         streams = [e.generate("r0", [1, 2], params)]
-        await asyncio.sleep(0.1)       # r0 running; the next two wait
+        await asyncio.sleep(0.1)  # r0 running; the next two wait
         streams += [e.generate(f"r{i}", [1, 2], params) for i in (1, 2)]
         with pytest.raises(QueueFull):
             e.generate("r3", [1, 2], params)
@@ -284,8 +313,12 @@ async def test_queue_full_and_not_ready_and_validation():
 async def test_drain_finishes_short_and_fails_long_requests_cleanly():
     e = start_engine(fake_factory(step_delay=0.01))
     try:
-        short = asyncio.create_task(collect(e, "short", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True)))
-        long = asyncio.create_task(collect(e, "long", [1, 2], SamplingParams(max_tokens=120, ignore_eos=True)))
+        short = asyncio.create_task(
+            collect(e, "short", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True))
+        )
+        long = asyncio.create_task(
+            collect(e, "long", [1, 2], SamplingParams(max_tokens=120, ignore_eos=True))
+        )
         await asyncio.sleep(0.02)
         report = await e.drain(timeout=0.3)
         assert report["aborted"] == 1
@@ -313,7 +346,7 @@ async def test_step_exception_fails_only_that_steps_requests():
 
         e.step_failpoint = fail_once
         victim = asyncio.create_task(collect(e, "victim", [1, 2, 3], params))
-        await asyncio.sleep(0)   # victim is submitted first
+        await asyncio.sleep(0)  # victim is submitted first
         bystander = asyncio.create_task(collect(e, "bystander", [4, 5, 6], params))
         (_, _, v), (ids, _, b) = await asyncio.wait_for(asyncio.gather(victim, bystander), 10)
         assert v.finish_reason == "error" and v.error
@@ -332,10 +365,12 @@ async def test_edge_sampling_values_are_served_next_to_others():
     e = start_engine(fake_factory(step_delay=0.002))
     try:
         normal = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-        edge = [SamplingParams(max_tokens=4, top_p=1e-300, ignore_eos=True),
-                SamplingParams(max_tokens=4, top_p=5e-324, seed=3, ignore_eos=True),
-                SamplingParams(max_tokens=4, temperature=1e-300, ignore_eos=True),
-                SamplingParams(max_tokens=4, top_k=10**30, ignore_eos=True)]
+        edge = [
+            SamplingParams(max_tokens=4, top_p=1e-300, ignore_eos=True),
+            SamplingParams(max_tokens=4, top_p=5e-324, seed=3, ignore_eos=True),
+            SamplingParams(max_tokens=4, temperature=1e-300, ignore_eos=True),
+            SamplingParams(max_tokens=4, top_k=10**30, ignore_eos=True),
+        ]
         jobs = [collect(e, f"normal{i}", [1, 2, 3 + i], normal) for i in range(3)]
         jobs += [collect(e, f"edge{j}.{i}", [4, 5, 6], p) for i in range(3) for j, p in enumerate(edge)]
         results = await asyncio.wait_for(asyncio.gather(*jobs), 20)
@@ -363,12 +398,17 @@ async def test_a_request_whose_sampling_fails_ends_alone_and_never_kills_the_eng
     e = start_engine(fake_factory(step_delay=0.002))
     try:
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-        for round_ in range(MAX_CONSECUTIVE_STEP_FAILURES + 2):   # more than the death threshold
+        for round_ in range(MAX_CONSECUTIVE_STEP_FAILURES + 2):  # more than the death threshold
             bad = f"bad{round_}"
             e.core.sampler = RowFailingSampler(e.core.sampler if round_ == 0 else e.core.sampler.inner, bad)
-            results = await asyncio.wait_for(asyncio.gather(
-                collect(e, f"ok{round_}.a", [1, 2, 3], params), collect(e, bad, [4, 5, 6], params),
-                collect(e, f"ok{round_}.b", [7, 8, 9], params)), 10)
+            results = await asyncio.wait_for(
+                asyncio.gather(
+                    collect(e, f"ok{round_}.a", [1, 2, 3], params),
+                    collect(e, bad, [4, 5, 6], params),
+                    collect(e, f"ok{round_}.b", [7, 8, 9], params),
+                ),
+                10,
+            )
             (ids_a, _, a), (_, _, b), (ids_c, _, c) = results
             assert b.finish_reason == "error" and "sampling" in b.error and "multinomial" not in b.error
             assert a.finish_reason == c.finish_reason == "length" and len(ids_a) == len(ids_c) == 8
@@ -385,6 +425,7 @@ async def test_a_request_whose_sampling_fails_ends_alone_and_never_kills_the_eng
 async def test_device_fault_while_sampling_still_counts():
     e = start_engine(fake_factory())
     try:
+
         class Broken:
             def sample_device(self, logits, seqs):
                 raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
@@ -414,16 +455,18 @@ async def test_after_shutdown_nothing_hangs():
 async def test_repeated_step_failures_kill_the_engine_and_fail_everyone():
     e = start_engine(fake_factory(step_delay=0.005), max_num_seqs=1)
     try:
+
         def always(batch):
             raise RuntimeError("device broken")
 
         e.step_failpoint = always
-        results = await asyncio.wait_for(asyncio.gather(
-            *(collect(e, f"r{i}", [1, 2], SamplingParams(max_tokens=4)) for i in range(6))), 10)
+        results = await asyncio.wait_for(
+            asyncio.gather(*(collect(e, f"r{i}", [1, 2], SamplingParams(max_tokens=4)) for i in range(6))), 10
+        )
         assert all(r[2].finish_reason == "error" for r in results)
         # The cause is for the log and e.error (admin) only: what requests are told leaks nothing.
         assert not any("device broken" in r[2].error for r in results)
-        assert any(r[2].error == DEAD_MESSAGE for r in results)   # those still waiting when it died
+        assert any(r[2].error == DEAD_MESSAGE for r in results)  # those still waiting when it died
         for _ in range(100):
             if not e.alive:
                 break
@@ -458,7 +501,7 @@ async def test_admin_commands_run_on_the_engine_thread():
     try:
         assert await e.cache_info() == {"entries": []}
         assert await e.clear_graphs() == {"evicted": 0}
-        assert (await e.warmup(["8:8:decode", "16:2"]))["captured"] == ["16:2", "8:8:decode"]   # largest first
+        assert (await e.warmup(["8:8:decode", "16:2"]))["captured"] == ["16:2", "8:8:decode"]  # largest first
     finally:
         e.shutdown()
 
@@ -470,8 +513,9 @@ async def test_preemption_under_kv_exhaustion_finishes_everyone():
         ps = prompts(8)
         ps = [p[:20] for p in ps]
         alone = [(await collect(e, f"a{i}", p, params))[0] for i, p in enumerate(ps)]
-        together = await asyncio.wait_for(asyncio.gather(
-            *(collect(e, f"b{i}", p, params) for i, p in enumerate(ps))), 30)
+        together = await asyncio.wait_for(
+            asyncio.gather(*(collect(e, f"b{i}", p, params) for i, p in enumerate(ps))), 30
+        )
         assert [t[0] for t in together] == alone
         assert e.stats()["preemptions"] > 0
         assert e.metrics.preemptions._value.get() > 0
@@ -491,7 +535,7 @@ async def test_metrics_recorded():
         assert m.steps.labels("eager")._value.get() >= 5
         samples = {s.name: s.value for metric in m.registry.collect() for s in metric.samples}
         assert samples["graphcache_time_to_first_token_seconds_count"] == 1
-        assert samples["graphcache_time_per_output_token_seconds_count"] == 1   # one mean per request
+        assert samples["graphcache_time_per_output_token_seconds_count"] == 1  # one mean per request
         assert samples["graphcache_e2e_request_latency_seconds_count"] == 1
     finally:
         e.shutdown()
@@ -499,16 +543,25 @@ async def test_metrics_recorded():
 
 async def test_real_runner_preemption_keeps_greedy_outputs(tmp_path):
     factory = real_factory()
-    e = start_engine(lambda s, m: factory(s, m), cache_dir=tmp_path, device="cpu", max_num_seqs=8,
-                     max_num_batched_tokens=64, max_model_len=128, num_kv_blocks=10, block_size=8,
-                     warmup_decode_sizes=[])
+    e = start_engine(
+        lambda s, m: factory(s, m),
+        cache_dir=tmp_path,
+        device="cpu",
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=128,
+        num_kv_blocks=10,
+        block_size=8,
+        warmup_decode_sizes=[],
+    )
     try:
         vocab = e.runner.model_config.vocab_size
         ps = [p[:24] for p in prompts(8, vocab=vocab, seed=3)]
         params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
         alone = [(await collect(e, f"a{i}", p, params))[0] for i, p in enumerate(ps)]
-        together = await asyncio.wait_for(asyncio.gather(
-            *(collect(e, f"b{i}", p, params) for i, p in enumerate(ps))), 120)
+        together = await asyncio.wait_for(
+            asyncio.gather(*(collect(e, f"b{i}", p, params) for i, p in enumerate(ps))), 120
+        )
         assert e.stats()["preemptions"] > 0, "the test should exhaust the KV cache"
         assert [t[0] for t in together] == alone
         assert e.stats()["kv_blocks_free"] == e.stats()["kv_blocks_total"]
@@ -519,7 +572,9 @@ async def test_real_runner_preemption_keeps_greedy_outputs(tmp_path):
 async def test_gauges_follow_an_abort_that_leaves_the_engine_idle():
     e = start_engine(fake_factory(step_delay=0.01))
     try:
-        task = asyncio.create_task(collect(e, "x", [1, 2, 3], SamplingParams(max_tokens=100, ignore_eos=True)))
+        task = asyncio.create_task(
+            collect(e, "x", [1, 2, 3], SamplingParams(max_tokens=100, ignore_eos=True))
+        )
         await asyncio.sleep(0.1)
         assert e.metrics.requests_running._value.get() == 1 and e.metrics.kv_usage._value.get() > 0
         e.abort("x")
@@ -539,7 +594,7 @@ async def test_a_slow_stream_consumer_gets_merged_deltas_with_nothing_lost():
         outs = []
         async for out in e.generate("slow", [1, 2, 3], params):
             outs.append(out)
-            await asyncio.sleep(0.02)   # the engine runs ~10 steps meanwhile
+            await asyncio.sleep(0.02)  # the engine runs ~10 steps meanwhile
         assert len(outs) < 40, "deltas were not merged"
         assert sum((o.token_ids for o in outs), []) == fast_ids
         assert "".join(o.text for o in outs) == fast_text
@@ -573,13 +628,13 @@ async def test_admin_warmup_interleaves_with_serving():
     original = runner.capture
 
     def slow_capture(descriptors, *, pin=True, progress=None):
-        time.sleep(0.02 * len(descriptors))   # a capture takes 20 ms
+        time.sleep(0.02 * len(descriptors))  # a capture takes 20 ms
         return original(descriptors, pin=pin)
 
     runner.capture = slow_capture
     try:
-        descs = [f"{n}:{n}:decode" for n in range(1, 41)]   # 40 captures: 0.8 s in all
-        params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)   # ~1.2 s of steps
+        descs = [f"{n}:{n}:decode" for n in range(1, 41)]  # 40 captures: 0.8 s in all
+        params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)  # ~1.2 s of steps
         times = []
 
         async def stream():
@@ -623,4 +678,4 @@ async def test_step_trace_records_every_step_and_is_written_at_stop(tmp_path):
         times = [r[k] for k in STEP_TRACE_FIELDS[:6]]
         assert times == sorted(times), r
         assert r["rows"] >= r["sampled"] >= 1 and r["tokens"] >= r["rows"]
-    assert sum(r["sampled"] for r in records) == 15   # 3 requests x 5 tokens
+    assert sum(r["sampled"] for r in records) == 15  # 3 requests x 5 tokens

@@ -33,9 +33,12 @@ def make(policy, sizes, costs, **kw):
         if is_capturing():  # the eager backend's replay calls the step too: only capture costs time
             clock.now += costs.get(desc, 0.0)
 
-    config = CachePolicyConfig(**{"max_entries": 64, "max_bytes": 1 << 40, "eviction_policy": policy,
-                                  "lazy_pool": "private", **kw})
-    return GraphCache(step, backend="eager", measure_bytes=lambda d, pool: sizes.get(d, 0), config=config, clock=clock)
+    config = CachePolicyConfig(
+        **{"max_entries": 64, "max_bytes": 1 << 40, "eviction_policy": policy, "lazy_pool": "private", **kw}
+    )
+    return GraphCache(
+        step, backend="eager", measure_bytes=lambda d, pool: sizes.get(d, 0), config=config, clock=clock
+    )
 
 
 def held(cache):
@@ -46,7 +49,9 @@ a, b, c, d, e = D(1, 1, True), D(2, 2, True), D(4, 4, True), D(8, 8, True), D(16
 
 
 def test_default_policy_is_lru_and_unknown_policy_names_the_choices():
-    cache = GraphCache(lambda desc: None, backend="eager", config=CachePolicyConfig(max_entries=4, max_bytes=1 << 30))
+    cache = GraphCache(
+        lambda desc: None, backend="eager", config=CachePolicyConfig(max_entries=4, max_bytes=1 << 30)
+    )
     assert cache.config.eviction_policy == "lru" and cache.info()["eviction"]["policy"] == "lru"
     with pytest.raises(ValueError, match="eviction_policy must be one of lru, gdsf") as err:
         CachePolicyConfig(max_entries=4, max_bytes=1 << 30, eviction_policy="lfu")
@@ -65,8 +70,12 @@ def _small_expensive_vs_large_cheap(policy):
     # A new 2 MiB entry needs room in a 23 MiB budget: one of the two must go. (The newcomer is
     # the smallest batch, so its size hint is the smallest past capture, 2 MiB: see _size_hint.)
     small, large, new = b, c, a
-    cache = make(policy, {small: 2 * MiB, large: 20 * MiB, new: 2 * MiB},
-                 {small: 0.100, large: 0.010, new: 0.050}, max_bytes=23 * MiB)
+    cache = make(
+        policy,
+        {small: 2 * MiB, large: 20 * MiB, new: 2 * MiB},
+        {small: 0.100, large: 0.010, new: 0.050},
+        max_bytes=23 * MiB,
+    )
     cache.run(small)
     for _ in range(3):
         cache.run(small)

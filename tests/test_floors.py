@@ -17,8 +17,18 @@ from pathlib import Path
 import graphcache
 
 PACKAGE = Path(graphcache.__file__).parent
-FLOORS = {"__main__": 6, "cli": 5, "api": 4, "engine": 3, "model": 2, "graphs": 1, "config": 0, "metrics": 0,
-          "choices": -1, "vllm_metrics": -1}
+FLOORS = {
+    "__main__": 6,
+    "cli": 5,
+    "api": 4,
+    "engine": 3,
+    "model": 2,
+    "graphs": 1,
+    "config": 0,
+    "metrics": 0,
+    "choices": -1,
+    "vllm_metrics": -1,
+}
 
 
 def _floor(module: str) -> tuple[str, int]:
@@ -59,7 +69,7 @@ def test_no_module_imports_upward_and_no_import_dodges_a_cycle():
     assert not bad, "\n".join(bad)
 
 
-ENGINE_STAGES = {"loop": 2, "sched": 1, "worker": 1, "sample": 1}   # anything else in engine/: the base, 0
+ENGINE_STAGES = {"loop": 2, "sched": 1, "worker": 1, "sample": 1}  # anything else in engine/: the base, 0
 
 
 def _engine_stage(module: str) -> tuple[str, int] | None:
@@ -94,16 +104,25 @@ def test_no_module_imports_another_modules_private_name():
     bad = []
     for module, path in _modules():
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("graphcache")
-                    and node.module != module):
-                bad += [f"{module} imports {node.module}.{a.name}" for a in node.names
-                        if a.name.startswith("_") and not a.name.startswith("__")]
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.startswith("graphcache")
+                and node.module != module
+            ):
+                bad += [
+                    f"{module} imports {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")
+                ]
     assert not bad, "\n".join(bad)
 
 
 def test_scheduler_floor_imports_no_torch():
-    code = ("import sys, graphcache.engine.sched.scheduler, graphcache.engine.sched.block_manager, graphcache.engine.batch; "
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys, graphcache.engine.sched.scheduler, graphcache.engine.sched.block_manager, graphcache.engine.batch; "
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False", "importing the scheduler pulled in torch"
@@ -112,9 +131,13 @@ def test_scheduler_floor_imports_no_torch():
 def test_http_floor_imports_no_torch():
     """With the engine in its own process the API process only does HTTP, tokenizing and detokenizing:
     importing the app must load neither torch nor the model code."""
-    code = ("import sys, graphcache.api.app, graphcache.cli; "
-            "print('torch' in sys.modules, any(m.startswith('graphcache.model.') and m != 'graphcache.model.tokenizer' "
-            "for m in sys.modules))")
+    code = (
+        "import sys, graphcache.api.app, graphcache.cli; "
+        "print('torch' in sys.modules, any(m.startswith('graphcache.model.') and m != 'graphcache.model.tokenizer' "
+        "for m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["False", "False"], "importing the HTTP floor pulled in torch or the model code"
+    assert out.stdout.split() == ["False", "False"], (
+        "importing the HTTP floor pulled in torch or the model code"
+    )

@@ -45,14 +45,14 @@ def test_add_rmsnorm_matches_torch(dtype, with_residual):
     want_out, want_res = add_rmsnorm(x, res, w, 1e-6, fused=False)
     got_out, got_res = add_rmsnorm(x, res, w, 1e-6, fused=True)
     _close(got_out, want_out, dtype)
-    assert torch.equal(got_res, want_res)   # the residual sum is rounded the same way
+    assert torch.equal(got_res, want_res)  # the residual sum is rounded the same way
     # a second input through the same call: nothing stale
     x2 = torch.randn(t, n, generator=gen).to(DEVICE, dtype) * 3
     _close(add_rmsnorm(x2, res, w, 1e-6, fused=True)[0], add_rmsnorm(x2, res, w, 1e-6, fused=False)[0], dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [16, 24])   # 24: half = 12, not a power of two (masked)
+@pytest.mark.parametrize("head_dim", [16, 24])  # 24: half = 12, not a power of two (masked)
 def test_rotary_in_place_matches_torch(dtype, head_dim):
     gen = torch.Generator().manual_seed(2)
     t, h, k_heads, positions = 4, 3, 1, 64
@@ -62,16 +62,16 @@ def test_rotary_in_place_matches_torch(dtype, head_dim):
     cos, sin = emb.cos().to(DEVICE, dtype), emb.sin().to(DEVICE, dtype)
     pos = torch.tensor([0, 7, 63, 31], device=DEVICE)
 
-    def views(buf):   # q, k as the model takes them: strided views into the qkv projection
-        q = buf[:, :h * head_dim].view(t, h, head_dim)
-        k = buf[:, h * head_dim:(h + k_heads) * head_dim].view(t, k_heads, head_dim)
+    def views(buf):  # q, k as the model takes them: strided views into the qkv projection
+        q = buf[:, : h * head_dim].view(t, h, head_dim)
+        k = buf[:, h * head_dim : (h + k_heads) * head_dim].view(t, k_heads, head_dim)
         return q, k
 
     want_q, want_k = rotary_(*views(qkv.clone()), cos, sin, pos, fused=False)
     buf = qkv.clone()
     got_q, got_k = rotary_(*views(buf), cos, sin, pos, fused=True)
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
-    assert torch.equal(buf[:, (h + k_heads) * head_dim:], qkv[:, (h + k_heads) * head_dim:])   # v untouched
+    assert torch.equal(buf[:, (h + k_heads) * head_dim :], qkv[:, (h + k_heads) * head_dim :])  # v untouched
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -85,7 +85,7 @@ def test_silu_mul_matches_torch(dtype):
     torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])   # qwen3: q/k normed per head (contiguous), llama: views
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: q/k normed per head (contiguous), llama: views
 def test_runner_logits_equal_with_and_without_fused_ops(arch):
     """A whole model through the runner (fp32, a prefill in three chunks, each reading the KV cache of the last):
     the fused kernels change no logit beyond fp32 noise."""
@@ -114,5 +114,6 @@ def test_cuda_bf16_qwen_shape():
     w = (1 + 0.1 * torch.randn(n, generator=gen)).cuda().bfloat16()
     _close(add_rmsnorm(x, res, w, 1e-6, True)[0], add_rmsnorm(x, res, w, 1e-6, False)[0], torch.bfloat16)
     gate_up = torch.randn(t, 2 * inter, generator=gen).cuda().bfloat16()
-    torch.testing.assert_close(silu_mul(gate_up, inter, True).float(), silu_mul(gate_up, inter, False).float(),
-                               atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(
+        silu_mul(gate_up, inter, True).float(), silu_mul(gate_up, inter, False).float(), atol=1e-2, rtol=1e-2
+    )

@@ -46,43 +46,61 @@ def refused(structured: StructuredOutput, kind: str, value, param: str = "guided
     with pytest.raises(InvalidRequest) as info:
         structured.check(StructuredSpec(kind, value), param)
     assert info.value.param == param
-    assert (structured.cache_len, structured.cache_bytes) == before   # nothing failed is cached
+    assert (structured.cache_len, structured.cache_bytes) == before  # nothing failed is cached
     return info.value
 
 
 def test_depth_measures():
     assert json_nesting_depth({"a": [{"b": 1}]}) == 3 and json_nesting_depth(5) == 0
-    assert ref_chain_depth(ref_chain(10)) == 11                      # d0 .. d10 (the entry ref included)
-    recursive = {"$ref": "#/$defs/node", "$defs": {"node": {"type": "object", "properties": {
-        "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}}}
-    assert ref_chain_depth(recursive) == 1                           # recursion ends a chain
+    assert ref_chain_depth(ref_chain(10)) == 11  # d0 .. d10 (the entry ref included)
+    recursive = {
+        "$ref": "#/$defs/node",
+        "$defs": {
+            "node": {
+                "type": "object",
+                "properties": {"children": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+            }
+        },
+    }
+    assert ref_chain_depth(recursive) == 1  # recursion ends a chain
     assert grammar_depth(rule_chain(10)) == 12
-    assert grammar_depth('start: "a" r\nr: /[a-z]+/ | "start"\n') == 2   # strings and regexes hold no refs
-    assert grammar_depth("root ::= item+\nitem ::= [a-z]\n") == 2          # GBNF
-    assert ref_chain_depth(ref_chain(100_000), limit=128) == 129      # stops at the limit
+    assert grammar_depth('start: "a" r\nr: /[a-z]+/ | "start"\n') == 2  # strings and regexes hold no refs
+    assert grammar_depth("root ::= item+\nitem ::= [a-z]\n") == 2  # GBNF
+    assert ref_chain_depth(ref_chain(100_000), limit=128) == 129  # stops at the limit
 
 
-@pytest.mark.parametrize("kind,value,what", [
-    ("json_schema", json.dumps(ref_chain(1000)), "$ref chain"),
-    ("grammar", rule_chain(5000), "grammar rule chain"),
-    ("regex", "(" * 500 + "a" + ")" * 500, "regex group nesting"),
-    ("grammar", 'start: call\ncall: "x" args\nargs: %json ' + json.dumps(ref_chain(1000)) + "\n", "$ref chain"),
-])
+@pytest.mark.parametrize(
+    "kind,value,what",
+    [
+        ("json_schema", json.dumps(ref_chain(1000)), "$ref chain"),
+        ("grammar", rule_chain(5000), "grammar rule chain"),
+        ("regex", "(" * 500 + "a" + ")" * 500, "regex group nesting"),
+        (
+            "grammar",
+            'start: call\ncall: "x" args\nargs: %json ' + json.dumps(ref_chain(1000)) + "\n",
+            "$ref chain",
+        ),
+    ],
+)
 def test_deep_constraints_are_refused_before_compiling(structured, kind, value, what):
     error = refused(structured, kind, value)
     assert what in error.message and "grammar_max_depth" in error.message
 
 
-@pytest.mark.parametrize("kind,value", [("grammar", "start: start"),
-                                        ("json_schema", json.dumps({"$ref": "#/$defs/a",
-                                                                    "$defs": {"a": {"$ref": "#/$defs/a"}}}))])
+@pytest.mark.parametrize(
+    "kind,value",
+    [
+        ("grammar", "start: start"),
+        ("json_schema", json.dumps({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}})),
+    ],
+)
 def test_unsatisfiable_constraints_are_refused(structured, kind, value):
     assert "can never be satisfied" in refused(structured, kind, value).message
 
 
 @pytest.mark.parametrize("pattern", ["a{1000}{1000}", "x{100000}"])
 def test_regex_bombs_are_refused_every_time_and_never_cached(structured, pattern):
-    for _ in range(2):   # the same bomb again is refused again (no poisoned entry answers it)
+    for _ in range(2):  # the same bomb again is refused again (no poisoned entry answers it)
         assert "limits" in refused(structured, "regex", pattern, "guided_regex").message
 
 
@@ -105,11 +123,11 @@ def test_a_grammar_past_the_limits_mid_output_ends_with_the_reason(structured, t
     seq.grammar = structured.new_matcher(spec, structured.check(spec, "guided_grammar"))
     ok = True
     for token in tokenizer.encode(prefix + "x1", add_special_tokens=False):
-        structured.allowed_token_ids(seq)   # the engine masks before each token
+        structured.allowed_token_ids(seq)  # the engine masks before each token
         ok = grammar_accepts(seq, token)
         if not ok:
             break
-    assert not ok and not grammar_done(seq)   # an error finish with the reason, never an empty "stop"
+    assert not ok and not grammar_done(seq)  # an error finish with the reason, never an empty "stop"
     assert "limits" in grammar_failure(seq) and "simplify" in grammar_failure(seq)
 
 
@@ -118,15 +136,21 @@ def test_the_cache_is_bounded_by_bytes_and_reports_them(tokenizer):
     small = StructuredOutput(tokenizer, limits=GrammarLimits(cache_bytes=600_000), metrics=metrics)
     sizes = []
     for i in range(6):
-        entry = small.check(StructuredSpec("json_schema", json.dumps(
-            {"type": "object", "properties": {f"k{i}_{j}": {"type": "string"} for j in range(20)}})))
+        entry = small.check(
+            StructuredSpec(
+                "json_schema",
+                json.dumps(
+                    {"type": "object", "properties": {f"k{i}_{j}": {"type": "string"} for j in range(20)}}
+                ),
+            )
+        )
         assert entry.nbytes > 0
         sizes.append(entry.nbytes)
         assert small.cache_bytes <= 600_000
         assert metrics.grammar_cache_bytes._value.get() == small.cache_bytes
     assert small.cache_len < 6 or sum(sizes) <= 600_000
     tiny = StructuredOutput(tokenizer, limits=GrammarLimits(cache_bytes=1))
-    tiny.check(StructuredSpec("regex", "[a-z]+"))   # larger than the whole budget: served, not kept
+    tiny.check(StructuredSpec("regex", "[a-z]+"))  # larger than the whole budget: served, not kept
     assert tiny.cache_len == 0 and tiny.cache_bytes == 0
 
 
@@ -143,7 +167,7 @@ def test_a_request_whose_masks_cost_too_much_is_ended(tokenizer):
         slow.allowed_token_ids(seq)
         steps += 1
         assert steps < 10
-    assert steps == 4   # one parallel step over the bound, then three timed ones
+    assert steps == 4  # one parallel step over the bound, then three timed ones
     assert "grammar_mask_ms_per_token" in grammar_failure(seq)
     # A cheap request under a sane bound is never watched for long and never failed.
     fast = StructuredOutput(tokenizer, limits=GrammarLimits(mask_ms_per_token=1000.0, mask_window=3))
@@ -167,7 +191,7 @@ def test_compiles_run_on_big_stack_threads_and_the_queue_is_bounded():
     worker.start()
     started.wait(10)
     with pytest.raises(QueueFull):
-        executor.run(lambda: None)   # one running, none may wait
+        executor.run(lambda: None)  # one running, none may wait
     gate.set()
     worker.join(10)
     assert executor.run(lambda: 7) == 7
@@ -182,11 +206,22 @@ def test_a_too_costly_constraint_answers_400_not_500_over_http(tmp_path, stream)
     from graphcache.config import Settings
     from helpers_api import serving
 
-    settings = Settings(cache_dir=tmp_path, device="cpu", max_num_seqs=4, max_num_batched_tokens=128,
-                        warmup_decode_sizes=[1], capture_sizes=[1, 2, 4],
-                        grammar_mask_ms_per_token=1e-6, grammar_mask_window=3)
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "stream": stream,
-            "structured_outputs": {"regex": "[a-z]{200}"}}
+    settings = Settings(
+        cache_dir=tmp_path,
+        device="cpu",
+        max_num_seqs=4,
+        max_num_batched_tokens=128,
+        warmup_decode_sizes=[1],
+        capture_sizes=[1, 2, 4],
+        grammar_mask_ms_per_token=1e-6,
+        grammar_mask_window=3,
+    )
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 64,
+        "stream": stream,
+        "structured_outputs": {"regex": "[a-z]{200}"},
+    }
 
     async def ask():
         async with serving(settings) as (client, _):
@@ -198,8 +233,11 @@ def test_a_too_costly_constraint_answers_400_not_500_over_http(tmp_path, stream)
         error = r.json()["error"]
     else:
         assert r.status_code == 200
-        events = [json.loads(line[6:]) for line in r.text.splitlines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
+        events = [
+            json.loads(line[6:])
+            for line in r.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
         error = events[-1]["error"]
     assert error["type"] == "invalid_request_error" and error["code"] == "output_constraint_too_complex"
     assert error["param"] == "structured_outputs"

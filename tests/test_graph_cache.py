@@ -53,9 +53,16 @@ class FakePools:
 def make(runner=None, sizes=None, **kw):
     runner = runner or Runner()
     pools = FakePools(sizes or {})
-    config = CachePolicyConfig(**{"max_entries": 8, "max_bytes": 1 << 30, **{k: v for k, v in kw.items() if k in KNOBS}})
-    cache = GraphCache(runner.step, backend="eager", measure_bytes=pools, config=config,
-                       **{k: v for k, v in kw.items() if k not in KNOBS})
+    config = CachePolicyConfig(
+        **{"max_entries": 8, "max_bytes": 1 << 30, **{k: v for k, v in kw.items() if k in KNOBS}}
+    )
+    cache = GraphCache(
+        runner.step,
+        backend="eager",
+        measure_bytes=pools,
+        config=config,
+        **{k: v for k, v in kw.items() if k not in KNOBS},
+    )
     cache.fake_pools = pools
     return cache, runner
 
@@ -130,7 +137,9 @@ def test_pinned_entries_never_evicted_by_budget():
     cache.warmup([a, b])
     assert all(e.pinned for e in cache.entries())
     assert cache.run(c) == "eager"  # only pinned remain: refuse
-    assert cache.stats().failures["budget"] == 1 and {str(a), str(b)} == {e.descriptor for e in cache.entries()}
+    assert cache.stats().failures["budget"] == 1 and {str(a), str(b)} == {
+        e.descriptor for e in cache.entries()
+    }
     assert cache.evict(a)  # manual eviction may drop a pinned entry
     assert cache.stats().evictions["manual"] == 1
 
@@ -162,8 +171,10 @@ def test_capture_failure_error_and_oom_are_counted_remembered_and_reset_by_clear
     assert cache.run(bad) == "eager"
     f = cache.stats().failures
     assert f["error"] == 1 and f["oom"] == 1
-    assert {n["descriptor"]: n["reason"] for n in cache.info()["negative"]} == {"2:2:decode": "error",
-                                                                              "4:4:decode": "oom"}
+    assert {n["descriptor"]: n["reason"] for n in cache.info()["negative"]} == {
+        "2:2:decode": "error",
+        "4:4:decode": "oom",
+    }
     cache.failpoint = None
     rep = cache.clear()
     assert rep.entries == 0 and cache.info()["negative"] == []
@@ -252,7 +263,7 @@ def test_metrics_updated():
     assert val("graphcache_graph_pool_bytes") == 64
     assert val("graphcache_graph_cache_entries") == 1
     assert val("graphcache_graph_backend_info", {"backend": "eager"}) == 1
-    assert val("graphcache_steps_total", {"mode": "replay"}) == 0   # steps are the engine's to count
+    assert val("graphcache_steps_total", {"mode": "replay"}) == 0  # steps are the engine's to count
 
 
 def test_zero_entries_means_no_capture():
@@ -285,8 +296,11 @@ def test_pinned_entries_share_one_pool_and_count_its_growth():
     rep = cache.warmup([c2, a8, b4])  # captured largest first: a8, b4, c2
     assert rep.captured == ["8:8:decode", "4:4:decode", "2:2:decode"]
     # one shared pool: a8 reserves 100, b4 fits in it (growth 0), c2 needs 30 more
-    assert pools_of(cache) == {"8:8:decode": ("pinned", 100), "4:4:decode": ("pinned", 0),
-                               "2:2:decode": ("pinned", 30)}
+    assert pools_of(cache) == {
+        "8:8:decode": ("pinned", 100),
+        "4:4:decode": ("pinned", 0),
+        "2:2:decode": ("pinned", 30),
+    }
     assert len({cache._entries[d].pool for d in (a8, b4, c2)}) == 1
     s = cache.stats()
     assert s.pinned_pool_bytes == 130 == s.pool_bytes == rep.pool_bytes
@@ -294,8 +308,12 @@ def test_pinned_entries_share_one_pool_and_count_its_growth():
     assert pools_of(cache)["6:6:decode"] == ("lazy", 50)
     assert cache._entries[x6].pool is not cache._entries[a8].pool
     assert cache.stats().pool_bytes == 130 + 50 and cache.stats().pinned_pool_bytes == 130
-    assert cache.info()["totals"] == {"entries": 4, "pool_bytes": 180, "pinned_pool_bytes": 130,
-                                      "lazy_pool_bytes": 50}
+    assert cache.info()["totals"] == {
+        "entries": 4,
+        "pool_bytes": 180,
+        "pinned_pool_bytes": 130,
+        "lazy_pool_bytes": 50,
+    }
 
 
 def test_unpinned_warmup_and_already_cached_entries_keep_private_pools():
@@ -314,8 +332,11 @@ def test_budget_counts_pinned_growth_not_full_size_and_evicts_private_for_real()
     assert cache.stats().pool_bytes == 100 and not cache.info()["negative"]
     cache.run(x6)  # private 60: 160
     cache.run(y1)  # hint 60 (no smaller capture known: the smallest) -> 220 > 200: evict x6 first
-    assert pools_of(cache) == {"8:8:decode": ("pinned", 100), "4:4:decode": ("pinned", 0),
-                               "1:1:decode": ("private", 60)}
+    assert pools_of(cache) == {
+        "8:8:decode": ("pinned", 100),
+        "4:4:decode": ("pinned", 0),
+        "1:1:decode": ("private", 60),
+    }
     assert cache.stats().evictions["bytes"] == 1 and cache.stats().pool_bytes == 160
     # a pinned capture that fits in the pool needs no room; one that grows it makes room first
     cache.warmup([c2])
@@ -406,11 +427,12 @@ def test_warmup_pins_at_most_its_share_of_the_budgets():
     report = cache.warmup([D(8, 8, True), D(4, 4, True), D(2, 2, True), D(1, 1, True)])
     assert len(report.captured) == 4 and report.unpinned == ["2:2:decode", "1:1:decode"]
     assert sum(e.pinned for e in cache.entries()) == 2
-    cache.run(D(16, 2))                      # a lazy capture still finds room: an unpinned one is evicted
+    cache.run(D(16, 2))  # a lazy capture still finds room: an unpinned one is evicted
     assert D(16, 2) in cache and len(cache) == 4
 
 
 # --- capture_warmup: which captures run their step eagerly first (issue 11: capture time) ---
+
 
 def _record_warmups(monkeypatch, fail_without_warmup=frozenset()):
     """Patch the cache's capture() to record (descriptor, warmup) and fail cold captures of some descs."""
@@ -435,7 +457,7 @@ def test_per_kernel_warmup_runs_once_per_family_and_always_runs_every_time(monke
     for n in (8, 16, 32, 64):
         _record_warmups.current = n
         cache.run(D(n, n, True))
-    assert seen == [True, False, True, False]   # the first of each family only
+    assert seen == [True, False, True, False]  # the first of each family only
 
     seen.clear()
     cache, _ = make(capture_warmup="always")
@@ -452,7 +474,7 @@ def test_capture_failing_without_warmup_is_retried_with_one_then_cached(monkeypa
     for n in (8, 16):
         _record_warmups.current = n
         assert cache.run(D(n, n, True)) == "replay"
-    assert seen == [True, False, True]   # 16: cold capture failed, the warmed retry worked
+    assert seen == [True, False, True]  # 16: cold capture failed, the warmed retry worked
     assert D(16, 16, True) in cache and cache.stats().failures == {"error": 0, "oom": 0, "budget": 0}
     r.out.fill_(float("nan"))
     cache.run(D(16, 16, True))
@@ -461,9 +483,10 @@ def test_capture_failing_without_warmup_is_retried_with_one_then_cached(monkeypa
 
 # --- admission "auto" and the capture-time budget (issue 11: captures never stall serving) ---
 
+
 def test_auto_admission_captures_decode_at_once_and_mixed_at_the_nth_miss():
     cache, _ = make(admission="auto", admission_min_misses=3)
-    assert cache.run(D(8, 8, True)) == "replay"     # uniform decode: first miss
+    assert cache.run(D(8, 8, True)) == "replay"  # uniform decode: first miss
     mixed = D(32, 32, False)
     assert [cache.run(mixed) for _ in range(4)] == ["eager", "eager", "replay", "replay"]
     with pytest.raises(ValueError, match="admission"):
@@ -484,12 +507,18 @@ def test_capture_time_budget_defers_lazy_captures_and_reports_stalls():
     clock = FakeClock(0.05)
     r = Runner()
 
-    def step(desc):   # a capture costs 50 ms of (fake) time; a replay or eager step nothing
+    def step(desc):  # a capture costs 50 ms of (fake) time; a replay or eager step nothing
         r.step(desc)
         clock.now += clock.capture_cost if is_capturing() else 0.0
 
-    cache = GraphCache(step, backend="eager", config=CachePolicyConfig(max_entries=64, max_bytes=1 << 30,
-                       capture_time_share=0.1, capture_burst_seconds=0.08), clock=clock)
+    cache = GraphCache(
+        step,
+        backend="eager",
+        config=CachePolicyConfig(
+            max_entries=64, max_bytes=1 << 30, capture_time_share=0.1, capture_burst_seconds=0.08
+        ),
+        clock=clock,
+    )
     modes = [cache.run(D(n, n, True)) for n in (1, 2, 4, 8)]
     # The burst (80 ms, plus 10% of the time spent capturing) pays for two 50 ms captures; the third is
     # over budget: eager, not refused.
@@ -497,9 +526,9 @@ def test_capture_time_budget_defers_lazy_captures_and_reports_stalls():
     s = cache.stats()
     assert s.lazy_captures == 2 and s.deferred == 2 and s.failures == {"error": 0, "oom": 0, "budget": 0}
     assert s.stall_seconds == pytest.approx(0.1) and s.worst_stall_seconds == pytest.approx(0.05)
-    clock.now += 0.5 + 0.01   # 0.5 s of serving earns 50 ms of capture at a 10% share
-    assert cache.run(D(4, 4, True)) == "replay"      # captured at a later miss
-    assert cache.run(D(8, 8, True)) == "eager"       # and the budget is spent again
+    clock.now += 0.5 + 0.01  # 0.5 s of serving earns 50 ms of capture at a 10% share
+    assert cache.run(D(4, 4, True)) == "replay"  # captured at a later miss
+    assert cache.run(D(8, 8, True)) == "eager"  # and the budget is spent again
     assert cache.info()["admission"]["deferred"] == 3
     assert cache.info()["stalls"]["lazy_captures"] == 3
     # warmup and admin captures are never limited
@@ -522,11 +551,12 @@ def test_no_warmed_retry_at_tensor_parallel(monkeypatch):
     for n in (8, 16):
         _record_warmups.current = n
         cache.run(D(n, n, True))
-    assert seen == [True, False]   # no retry
+    assert seen == [True, False]  # no retry
     assert D(16, 16, True) not in cache and cache.stats().failures["error"] == 1
 
 
 # --- the shared lazy pool (lazy_pool="shared", the default) ---
+
 
 def test_lazy_entries_share_one_pool_and_count_its_growth():
     m = Metrics()
@@ -534,11 +564,15 @@ def test_lazy_entries_share_one_pool_and_count_its_growth():
     for d in (a8, b4, c2):
         assert cache.run(d) == "replay"
     # a8 reserves 100, b4 fits in it (growth 0), c2 needs 30 more: the pool holds the largest, not the sum
-    assert pools_of(cache) == {"8:8:decode": ("lazy", 100), "4:4:decode": ("lazy", 0), "2:2:decode": ("lazy", 30)}
+    assert pools_of(cache) == {
+        "8:8:decode": ("lazy", 100),
+        "4:4:decode": ("lazy", 0),
+        "2:2:decode": ("lazy", 30),
+    }
     assert len({cache._entries[d].pool for d in (a8, b4, c2)}) == 1
     s = cache.stats()
     assert s.lazy_pool_bytes == s.pool_bytes == 130 == truth(cache) and s.pinned_pool_bytes == 0
-    assert cache.rank_pool_bytes() == [130]   # one process: its own measurement is the total
+    assert cache.rank_pool_bytes() == [130]  # one process: its own measurement is the total
     assert m.registry.get_sample_value("graphcache_graph_pool_bytes") == 130
     assert cache.info()["totals"]["lazy_pool_bytes"] == 130
     # size hints stay each descriptor's own-pool size: known only for a8, captured into the empty pool
@@ -609,7 +643,7 @@ def test_no_eviction_when_evicting_everything_would_not_make_room():
         cache.run(y1)
         cache.warmup([a8])
         assert cache.stats().pool_bytes == 140
-        cache.policy.pools.size_hints[x6] = 100   # known from an earlier capture
+        cache.policy.pools.size_hints[x6] = 100  # known from an earlier capture
         assert cache.run(x6) == "eager"
         s = cache.stats()
         assert s.failures["budget"] == 1 and sum(s.evictions.values()) == 0 and y1 in cache
@@ -621,10 +655,10 @@ def test_budget_eviction_with_a_shared_lazy_pool_terminates_and_stays_within_bud
 
     rng = random.Random(7)
     descs = [D(n, n, n % 3 == 0) for n in range(1, 41)]
-    sizes = {d: rng.randint(10, 300) for d in descs}   # some alone exceed what the budget leaves
+    sizes = {d: rng.randint(10, 300) for d in descs}  # some alone exceed what the budget leaves
     sizes.update(zip(descs[:3], (10, 20, 30), strict=True))
     cache, _ = make(max_entries=12, max_bytes=250, sizes=sizes, eviction_policy=policy)
-    cache.warmup(descs[:3])   # pinned: 30 bytes of pinned pool
+    cache.warmup(descs[:3])  # pinned: 30 bytes of pinned pool
     drops = 0
     for _ in range(600):
         pool = shared(cache, "lazy")
@@ -636,7 +670,7 @@ def test_budget_eviction_with_a_shared_lazy_pool_terminates_and_stays_within_bud
         assert s.pool_bytes == s.pinned_pool_bytes + s.lazy_pool_bytes and len(cache) <= 12
     s = cache.stats()
     assert s.captures > 100 and s.hits > 100 and s.evictions["bytes"] > 0 and s.failures["budget"] > 0
-    assert drops > 0   # the lazy pool was dropped for the budget (and later captures started a fresh one)
+    assert drops > 0  # the lazy pool was dropped for the budget (and later captures started a fresh one)
     assert all(e.pinned for e in cache.entries() if e.descriptor in map(str, descs[:3]))
 
 
@@ -658,6 +692,7 @@ def test_failed_lazy_capture_leaves_the_shared_pool_consistent():
             r.step(d)
             if d == desc and is_capturing():
                 raise RuntimeError("injected mid-capture failure")
+
         return step
 
     r = Runner()
@@ -692,22 +727,22 @@ def test_warmed_retry_keeps_a_live_lazy_pool_and_renews_an_empty_ones_handle(mon
 
     monkeypatch.setattr(cache_mod, "capture", fake)
     fail_cold = False
-    cache, _ = make(warm_key=lambda d: d.num_tokens >= 4)   # two kernel families
-    cache.run(D(1, 1, True))            # family False, warm capture: the lazy pool's first graph
-    cache.run(D(2, 2, True))            # cold capture into the same, live pool
+    cache, _ = make(warm_key=lambda d: d.num_tokens >= 4)  # two kernel families
+    cache.run(D(1, 1, True))  # family False, warm capture: the lazy pool's first graph
+    cache.run(D(2, 2, True))  # cold capture into the same, live pool
     live = shared(cache, "lazy").handle
     fail_cold = True
     cache.evict(D(1, 1, True))
-    cache.evict(D(2, 2, True))          # the pool is gone
-    cache.run(D(4, 4, True))            # family True, warm: a fresh pool
+    cache.evict(D(2, 2, True))  # the pool is gone
+    cache.run(D(4, 4, True))  # family True, warm: a fresh pool
     fresh = shared(cache, "lazy").handle
     assert fresh != live
     handles.clear()
-    assert cache.run(D(8, 8, True)) == "replay"   # cold fails, the warmed retry goes into the same live pool
+    assert cache.run(D(8, 8, True)) == "replay"  # cold fails, the warmed retry goes into the same live pool
     assert handles == [fresh, fresh] and shared(cache, "lazy").handle == fresh
     cache.evict(D(4, 4, True))
-    cache.evict(D(8, 8, True))          # the pool is gone again
+    cache.evict(D(8, 8, True))  # the pool is gone again
     handles.clear()
-    assert cache.run(D(16, 16, True)) == "replay"   # cold capture into a new, empty pool fails: its reset may
-    cold, retry = handles                           # have released the pool, so the retry takes a new handle
+    assert cache.run(D(16, 16, True)) == "replay"  # cold capture into a new, empty pool fails: its reset may
+    cold, retry = handles  # have released the pool, so the retry takes a new handle
     assert cold != retry and shared(cache, "lazy").handle == retry and cold != fresh

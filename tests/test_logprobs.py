@@ -16,12 +16,12 @@ from graphcache.engine.worker.runner import ModelRunner
 from helpers_model import cpu_settings, hf_logits, prompt_ids, tiny_checkpoint
 from test_engine import FakeRunner
 
-ATOL = 1e-4   # fp32 on both sides; observed differences ~1e-6
+ATOL = 1e-4  # fp32 on both sides; observed differences ~1e-6
 
 
 @pytest.fixture(scope="module")
 def path():
-    return tiny_checkpoint("llama")   # random weights: flat distributions, ranks well above 1
+    return tiny_checkpoint("llama")  # random weights: flat distributions, ranks well above 1
 
 
 def make_core(path, **overrides) -> EngineCore:
@@ -87,19 +87,21 @@ def test_sampled_logprobs_equal_hf_for_greedy(path):
     ref = ref_logprobs(path, prompt + ids)
     for j, (token, entry) in enumerate(zip(ids, lps, strict=True)):
         check_entry(entry, token, ref[len(prompt) - 1 + j], 5)
-        assert entry.rank == 1 and entry.top[0][0] == token   # greedy: the most likely token
+        assert entry.rank == 1 and entry.top[0][0] == token  # greedy: the most likely token
     seq = g["seq"]
     assert seq.output_logprobs == lps
     assert seq.cumulative_logprob == pytest.approx(sum(e.logprob for e in lps))
-    assert g["prompt_logprobs"] == [None] * len(g["prompt_logprobs"])   # not asked for
+    assert g["prompt_logprobs"] == [None] * len(g["prompt_logprobs"])  # not asked for
 
 
 def test_random_sampling_logprobs_are_raw_and_ranked(path):
     """A sampled (not argmax) token: its raw logprob (no temperature), its true rank, and the top k
     holding it exactly when its rank is within k. logprobs=0: no alternatives."""
     prompt = prompt_ids(7, seed=5)
-    reqs = [("hot", prompt, SamplingParams(max_tokens=12, temperature=3.0, seed=7, ignore_eos=True, logprobs=4)),
-            ("zero", prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=0))]
+    reqs = [
+        ("hot", prompt, SamplingParams(max_tokens=12, temperature=3.0, seed=7, ignore_eos=True, logprobs=4)),
+        ("zero", prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=0)),
+    ]
     got = run(make_core(path), reqs)
     hot = got["hot"]
     ref = ref_logprobs(path, prompt + hot["ids"])
@@ -114,9 +116,14 @@ def test_prompt_logprobs_equal_hf_with_chunked_prefill(path, async_scheduling):
     """Two prompts, one 45 tokens long with a 16-token step budget (prefilled in 3 chunks): entry 0
     None, entry i = log p(prompt[i] | prompt[:i]), delivered once, in the first output."""
     short, long = prompt_ids(6, seed=8), prompt_ids(45, seed=9)
-    reqs = [("short", short, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=2)),
-            ("long", long, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=3,
-                                          logprobs=1))]
+    reqs = [
+        ("short", short, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=2)),
+        (
+            "long",
+            long,
+            SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=3, logprobs=1),
+        ),
+    ]
     got = run(make_core(path, max_num_batched_tokens=16, async_scheduling=async_scheduling), reqs)
     for rid, prompt, params in reqs:
         outputs = got[rid]["prompt_logprobs"]
@@ -131,12 +138,25 @@ def test_prompt_logprobs_equal_hf_with_chunked_prefill(path, async_scheduling):
 
 
 def test_logprobs_do_not_depend_on_batch_composition(path):
-    target = ("t", prompt_ids(13, seed=10), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
-                                                           logprobs=3, prompt_logprobs=2))
-    others = [(f"o{i}", prompt_ids(5 + 7 * i, seed=20 + i),
-               SamplingParams(max_tokens=4 + i, temperature=0, ignore_eos=True,
-                              logprobs=[None, 2, 0][i % 3], prompt_logprobs=[1, None][i % 2]))
-              for i in range(5)]
+    target = (
+        "t",
+        prompt_ids(13, seed=10),
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2),
+    )
+    others = [
+        (
+            f"o{i}",
+            prompt_ids(5 + 7 * i, seed=20 + i),
+            SamplingParams(
+                max_tokens=4 + i,
+                temperature=0,
+                ignore_eos=True,
+                logprobs=[None, 2, 0][i % 3],
+                prompt_logprobs=[1, None][i % 2],
+            ),
+        )
+        for i in range(5)
+    ]
     alone = run(make_core(path, max_num_batched_tokens=24), [target])["t"]
     together = run(make_core(path, max_num_batched_tokens=24), others[:3] + [target] + others[3:])["t"]
     assert together["ids"] == alone["ids"]
@@ -153,12 +173,24 @@ def assert_close(a, b, tol=1e-5):
 
 
 def test_async_scheduling_gives_the_same_logprobs(path):
-    reqs = [(f"r{i}", prompt_ids(4 + 5 * i, seed=30 + i),
-             SamplingParams(max_tokens=5 + 2 * i, temperature=0, ignore_eos=True, logprobs=2,
-                            prompt_logprobs=1 if i % 2 else None))
-            for i in range(5)]
-    results = [run(make_core(path, max_num_seqs=4, max_num_batched_tokens=16, async_scheduling=mode), reqs)
-               for mode in ("off", "on")]
+    reqs = [
+        (
+            f"r{i}",
+            prompt_ids(4 + 5 * i, seed=30 + i),
+            SamplingParams(
+                max_tokens=5 + 2 * i,
+                temperature=0,
+                ignore_eos=True,
+                logprobs=2,
+                prompt_logprobs=1 if i % 2 else None,
+            ),
+        )
+        for i in range(5)
+    ]
+    results = [
+        run(make_core(path, max_num_seqs=4, max_num_batched_tokens=16, async_scheduling=mode), reqs)
+        for mode in ("off", "on")
+    ]
     for rid, _, params in reqs:
         off, on = results[0][rid], results[1][rid]
         assert on["ids"] == off["ids"]
@@ -175,13 +207,15 @@ def test_preempted_prefill_records_each_prompt_entry_once(path, async_scheduling
     17..24, which are appended once."""
     prompt = prompt_ids(40, seed=40)
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=2)
-    preempt_at = 1 if async_scheduling == "off" else 2   # once the first chunk's entries are recorded
+    preempt_at = 1 if async_scheduling == "off" else 2  # once the first chunk's entries are recorded
     spans = []
 
     def preempt_after_first_chunk(step, core):
         seq = core.requests["p"]
         if step == preempt_at:
-            assert len(seq.prompt_logprobs) == 17, "the first chunk (positions 0..15) should be recorded by now"
+            assert len(seq.prompt_logprobs) == 17, (
+                "the first chunk (positions 0..15) should be recorded by now"
+            )
             core.scheduler._preempt(seq, SchedulerOutput())
             core.scheduler.max_num_batched_tokens = 24
         if core._pending is not None and core._pending.prompt_spans:
@@ -196,15 +230,20 @@ def test_preempted_prefill_records_each_prompt_entry_once(path, async_scheduling
     for i in range(1, len(prompt)):
         check_entry(entries[i], prompt[i], ref[i - 1], 2)
     if async_scheduling == "on":
-        assert [(17, 16)] in spans and [(17, 8)] in spans, spans   # the overlap did happen
+        assert [(17, 16)] in spans and [(17, 8)] in spans, spans  # the overlap did happen
 
 
 def test_prompt_logprobs_under_cache_pressure(path):
     """A KV cache too small for the batch: the scheduler preempts by recompute; every request still
     gets each prompt entry once and a logprob per output token."""
-    reqs = [(f"c{i}", prompt_ids(18 + 3 * i, seed=50 + i),
-             SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1))
-            for i in range(4)]
+    reqs = [
+        (
+            f"c{i}",
+            prompt_ids(18 + 3 * i, seed=50 + i),
+            SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1),
+        )
+        for i in range(4)
+    ]
     core = make_core(path, num_kv_blocks=24, max_num_batched_tokens=16)
     got = run(core, reqs)
     assert core.scheduler.num_preemptions > 0
@@ -222,10 +261,18 @@ def test_prompt_logprobs_under_cache_pressure(path):
 
 # --- the overlap rule ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("field,value", [("presence_penalty", 0.5), ("frequency_penalty", -0.1),
-                                         ("repetition_penalty", 1.2), ("min_tokens", 2),
-                                         ("bad_words_token_ids", [[3, 4]]),
-                                         ("structured", StructuredSpec("json"))])
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", -0.1),
+        ("repetition_penalty", 1.2),
+        ("min_tokens", 2),
+        ("bad_words_token_ids", [[3, 4]]),
+        ("structured", StructuredSpec("json")),
+    ],
+)
 def test_needs_host_history(field, value):
     assert not _needs_host_history(SamplingParams())
     assert not _needs_host_history(SamplingParams(logprobs=5, temperature=0.7, top_k=3, logit_bias={1: 2.0}))
@@ -235,16 +282,21 @@ def test_needs_host_history(field, value):
 def test_history_dependent_request_is_not_overlapped():
     """Async scheduling on: plain decodes are fed the in-flight step's token (placeholders); while a
     request with a penalty runs, every step completes the one in flight first (no placeholders)."""
+
     def placeholders(params):
         settings = Settings(max_num_seqs=4, max_num_batched_tokens=16, async_scheduling="on")
         core = EngineCore(FakeRunner(settings), settings)
-        got = run(core, [("a", [1, 2, 3], params), ("b", [4, 5], SamplingParams(max_tokens=8, temperature=0))])
+        got = run(
+            core, [("a", [1, 2, 3], params), ("b", [4, 5], SamplingParams(max_tokens=8, temperature=0))]
+        )
         assert len(got["a"]["ids"]) == 10
         return sum(s.prev_row is not None for b in core.runner.batches for s in b.seqs)
 
     plain = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     assert placeholders(plain) > 5
-    assert placeholders(SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, presence_penalty=0.5)) == 0
+    assert (
+        placeholders(SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, presence_penalty=0.5)) == 0
+    )
 
 
 def test_runner_returns_every_position_for_prompt_logits_seqs(path):
@@ -260,8 +312,13 @@ def test_runner_returns_every_position_for_prompt_logits_seqs(path):
     runner.execute(StepBatch([StepSeq(a[:8], 0, ta, False), StepSeq(b[:5], 0, tb, False)]))
 
     def batch(flag: bool) -> StepBatch:
-        return StepBatch([StepSeq(b[5:], 5, tb, True, prompt_logits=flag), StepSeq([a[8]], 8, ta, True),
-                          StepSeq(c, 0, tc, True)])
+        return StepBatch(
+            [
+                StepSeq(b[5:], 5, tb, True, prompt_logits=flag),
+                StepSeq([a[8]], 8, ta, True),
+                StepSeq(c, 0, tc, True),
+            ]
+        )
 
     plain = runner.execute(batch(False))
     assert plain.prompt_logits is None

@@ -18,12 +18,17 @@ from graphcache.model.tiny import make_tiny_model
 from helpers_model import Blocks, cpu_settings, hf_logits, prompt_ids, run_alone, tiny_checkpoint
 
 ATOL = 1e-4
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 CASES = {
     "llama": dict(arch="llama"),
     "qwen2": dict(arch="qwen2"),
-    "qwen3": dict(arch="qwen3", head_dim=32),        # Qwen3 sets head_dim apart from hidden/heads
+    "qwen3": dict(arch="qwen3", head_dim=32),  # Qwen3 sets head_dim apart from hidden/heads
     "mistral": dict(arch="mistral"),
     "llama3-rope": dict(arch="llama", rope_theta=500000.0, rope_scaling=LLAMA3_ROPE, max_positions=256),
     "llama-mha-untied": dict(arch="llama", kv_heads=4, tie_word_embeddings=False),
@@ -76,6 +81,7 @@ def test_llama3_rope_scaling_is_applied():
     cfg = read_config(path)
     assert cfg.rope_scaling["rope_type"] == "llama3" and cfg.rope_theta == 500000.0
     from graphcache.model.llama import rope_inv_freq
+
     plain = ModelConfig(**{**cfg.__dict__, "rope_scaling": None})
     assert not torch.equal(rope_inv_freq(cfg), rope_inv_freq(plain))  # the scaled case differs
 
@@ -83,8 +89,11 @@ def test_llama3_rope_scaling_is_applied():
 def test_transformers5_rope_parameters_format():
     hf = json.loads((tiny_checkpoint("llama") / "config.json").read_text())
     hf.pop("rope_scaling")
-    hf["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 1234.0, **{k: v for k, v in LLAMA3_ROPE.items()
-                                                                          if k != "rope_type"}}
+    hf["rope_parameters"] = {
+        "rope_type": "llama3",
+        "rope_theta": 1234.0,
+        **{k: v for k, v in LLAMA3_ROPE.items() if k != "rope_type"},
+    }
     cfg = ModelConfig.from_hf(hf)
     assert cfg.rope_theta == 1234.0 and cfg.rope_scaling["factor"] == 8.0
 
@@ -122,6 +131,7 @@ def test_config_fields_per_arch():
 
 # --- loader errors: each names what is wrong and the fix ---
 
+
 def test_error_missing_directory(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_model(tmp_path / "nope", "float32", "cpu")
@@ -144,7 +154,9 @@ def test_error_unsupported_architecture(tmp_path):
     cfg = json.loads((path / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM.*Qwen3ForCausalLM"):
+    with pytest.raises(
+        ModelLoadError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM.*Qwen3ForCausalLM"
+    ):
         load_model(path, "float32", "cpu")
 
 
@@ -153,7 +165,10 @@ def test_error_shape_mismatch_names_tensor_and_shapes(tmp_path):
     cfg = json.loads((path / "config.json").read_text())
     cfg["intermediate_size"] = 100
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match=r"shape mismatch for model\.layers\.0\.mlp\.\w+\.weight.*checkpoint has .*192.*implies .*100"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"shape mismatch for model\.layers\.0\.mlp\.\w+\.weight.*checkpoint has .*192.*implies .*100",
+    ):
         load_model(path, "float32", "cpu")
 
 
@@ -183,8 +198,8 @@ def test_bind_kv_cache_views_each_layer_as_slots_and_pages():
     model.bind_kv_cache([storage[i] for i in range(cfg.num_layers)])
     attn = model.layers[1].attn
     assert attn.kv_cache.shape == (2, 20, cfg.num_kv_heads, cfg.head_dim)
-    attn.v_slots[4 * 3 + 2] = 1.0                           # slot of block 3, offset 2
+    attn.v_slots[4 * 3 + 2] = 1.0  # slot of block 3, offset 2
     assert storage[1, 1, 3, 2].eq(1).all() and attn.v_blocks[3, 2].eq(1).all()
-    assert storage.sum() == attn.v_slots[14].numel()     # nothing else was touched
+    assert storage.sum() == attn.v_slots[14].numel()  # nothing else was touched
     with pytest.raises(ValueError, match="contiguous"):
         model.bind_kv_cache([storage[i].transpose(1, 2) for i in range(cfg.num_layers)])

@@ -28,20 +28,21 @@ def path():
 
 # --- runner: a prefill with start_pos > 0 reads the cached blocks of another sequence -------------
 
+
 def test_prefill_after_shared_blocks_equals_the_sequence_computed_alone(path):
     runner = ModelRunner(cpu_settings(path))
     bs = runner.block_size
     blocks = Blocks(bs, first=1)
-    prefix = prompt_ids(4 * bs, seed=1)                         # 4 full blocks
+    prefix = prompt_ids(4 * bs, seed=1)  # 4 full blocks
     owner_ids = prefix + prompt_ids(3, seed=2)
     owner_table = blocks.table(len(owner_ids))
-    run_alone(runner, owner_ids, owner_table, chunk=5)         # writes the prefix KV (chunked)
+    run_alone(runner, owner_ids, owner_table, chunk=5)  # writes the prefix KV (chunked)
     shared = owner_table[:4]
     # Two sequences in one step, both continuing after the owner's 4 blocks in their own blocks.
     tails = [prompt_ids(6, seed=3), prompt_ids(2 * bs + 1, seed=4)]
     tables = [shared + blocks.table(len(t)) for t in tails]
     batch = StepBatch([StepSeq(t, len(prefix), table, True) for t, table in zip(tails, tables, strict=True)])
-    logits = runner.execute(batch).logits.clone()   # a view of a static buffer: keep a copy
+    logits = runner.execute(batch).logits.clone()  # a view of a static buffer: keep a copy
     fresh = ModelRunner(cpu_settings(path))
     for row, tail in enumerate(tails):
         ids = prefix + tail
@@ -51,16 +52,21 @@ def test_prefill_after_shared_blocks_equals_the_sequence_computed_alone(path):
     other = prompt_ids(4 * bs, seed=9)
     other_table = Blocks(bs, first=60).table(len(other))
     run_alone(runner, other, other_table)
-    moved = runner.execute(StepBatch([StepSeq(tails[0], len(prefix), other_table + tables[0][4:], True)])).logits
+    moved = runner.execute(
+        StepBatch([StepSeq(tails[0], len(prefix), other_table + tables[0][4:], True)])
+    ).logits
     assert (moved[0] - logits[0]).abs().max().item() > 1e-2
 
 
 # --- engine: outputs equal with caching on and off; prefill work drops by the hits ----------------
 
+
 def with_prefix_caching(core: EngineCore, enabled: bool) -> EngineCore:
     """The core's block manager with prefix caching on or off. (Until EngineCore passes
     settings.engine.enable_prefix_caching to BlockManager itself; harmless after.)"""
-    bm = BlockManager(core.block_manager.num_blocks, core.block_manager.block_size, enable_prefix_caching=enabled)
+    bm = BlockManager(
+        core.block_manager.num_blocks, core.block_manager.block_size, enable_prefix_caching=enabled
+    )
     core.block_manager = core.scheduler.block_manager = bm
     return core
 
@@ -103,19 +109,19 @@ def shared_prefix_waves(prefix: list[int], tail, max_tokens: int = 5):
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     first = [("w0", prefix + tail(5, 0), greedy)]
     second = [
-        ("w1", prefix + tail(7, 1), greedy),                 # a different suffix after the cached prefix
-        ("w1-same", prefix + tail(5, 0), greedy),            # w0's prompt again
-        ("w1-long", prefix + tail(30, 2), greedy),           # longer than a step's token budget: chunked
-        *[(f"w1-n{i}", prefix + tail(3, 3), greedy) for i in range(3)],   # n=3: identical, together
+        ("w1", prefix + tail(7, 1), greedy),  # a different suffix after the cached prefix
+        ("w1-same", prefix + tail(5, 0), greedy),  # w0's prompt again
+        ("w1-long", prefix + tail(30, 2), greedy),  # longer than a step's token budget: chunked
+        *[(f"w1-n{i}", prefix + tail(3, 3), greedy) for i in range(3)],  # n=3: identical, together
         ("w1-unrelated", tail(9, 4), greedy),
     ]
-    cold = tail(20, 5)                                       # a prefix nobody computed yet: 5 full blocks of 4
-    third = [(f"w2-n{i}", cold + tail(2, 6), greedy) for i in range(3)]   # n=3 together: one computes it
+    cold = tail(20, 5)  # a prefix nobody computed yet: 5 full blocks of 4
+    third = [(f"w2-n{i}", cold + tail(2, 6), greedy) for i in range(3)]  # n=3 together: one computes it
     return [first, second, third]
 
 
 def test_greedy_outputs_equal_with_prefix_caching_on_and_off_on_the_tiny_model(path):
-    prefix = prompt_ids(24, seed=11)                          # 6 full blocks of 4
+    prefix = prompt_ids(24, seed=11)  # 6 full blocks of 4
     waves = shared_prefix_waves(prefix, lambda n, seed: prompt_ids(n, seed=100 + seed))
     runs = {}
     for enabled in (False, True):
@@ -140,11 +146,14 @@ def test_fake_runner_outputs_equal_with_prefix_caching_on_and_off(async_on):
     # The fake model derives each token from the whole history it reads back through the block
     # table, so a wrongly shared or overwritten block changes the outputs.
     prefix = [(7 * j) % (VOCAB - 2) + 1 for j in range(17)]
-    waves = shared_prefix_waves(prefix, lambda n, seed: [(3 * j + 11 * seed) % (VOCAB - 2) + 1 for j in range(n)],
-                                max_tokens=9)
+    waves = shared_prefix_waves(
+        prefix, lambda n, seed: [(3 * j + 11 * seed) % (VOCAB - 2) + 1 for j in range(n)], max_tokens=9
+    )
     runs = {}
     for enabled in (False, True):
-        settings = Settings(max_num_seqs=6, max_num_batched_tokens=24, async_scheduling="on" if async_on else "off")
+        settings = Settings(
+            max_num_seqs=6, max_num_batched_tokens=24, async_scheduling="on" if async_on else "off"
+        )
         runner = CountingRunner(FakeRunner(settings))
         core = with_prefix_caching(EngineCore(runner, settings), enabled)
         runs[enabled] = (drive(core, waves), runner.tokens_fed, core.block_manager.prefix_cache_hits)
@@ -155,8 +164,9 @@ def test_fake_runner_outputs_equal_with_prefix_caching_on_and_off(async_on):
 def test_fake_runner_outputs_equal_under_preemption_with_shared_prefixes():
     # 16 blocks of 4 for 8 requests that share 4 blocks and grow to ~9 blocks each: constant preemption.
     prefix = [(5 * j) % (VOCAB - 2) + 1 for j in range(16)]
-    waves = shared_prefix_waves(prefix, lambda n, seed: [(j + 13 * seed) % (VOCAB - 2) + 1 for j in range(n)],
-                                max_tokens=12)
+    waves = shared_prefix_waves(
+        prefix, lambda n, seed: [(j + 13 * seed) % (VOCAB - 2) + 1 for j in range(n)], max_tokens=12
+    )
     runs = {}
     for enabled in (False, True):
         settings = Settings(max_num_seqs=6, max_num_batched_tokens=24, async_scheduling="off")

@@ -25,7 +25,7 @@ from graphcache.metrics import Metrics
 from helpers_api import EngineNotNeeded
 
 # A request line that, unescaped, writes a second, forged access-log line.
-FORGED = "2030-01-01 00:00:00,000 INFO graphcache.access [deadbeef]: 10.0.0.1 \"GET /admin/clear\" 200 0.1ms"
+FORGED = '2030-01-01 00:00:00,000 INFO graphcache.access [deadbeef]: 10.0.0.1 "GET /admin/clear" 200 0.1ms'
 INJECT_PATH = "/v1/whatever%0A" + FORGED.replace(" ", "%20").replace('"', "%22")
 TEXT_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ [\w.]+")
 
@@ -39,7 +39,7 @@ def captured_logs(monkeypatch):
 
     def setup(log_format: str) -> io.StringIO:
         # Here, not at fixture setup: pytest's capture swaps sys.stderr again when the test starts.
-        monkeypatch.setattr(sys, "stderr", buffer)   # setup_logging's StreamHandler binds sys.stderr
+        monkeypatch.setattr(sys, "stderr", buffer)  # setup_logging's StreamHandler binds sys.stderr
         setup_logging(log_format, "info")
         return buffer
 
@@ -55,8 +55,11 @@ def captured_logs(monkeypatch):
 def access_lines(text: str) -> list[str]:
     # splitlines() also splits on \x85, \u2028 and friends: the strictest reader's idea of a line.
     # "DATE TIME LEVEL LOGGER[ [id]]: message": the logger is the fourth field.
-    return [line for line in text.splitlines() if line.split(" ")[3:4] in (["graphcache.access"],
-                                                                           ["graphcache.access:"])]
+    return [
+        line
+        for line in text.splitlines()
+        if line.split(" ")[3:4] in (["graphcache.access"], ["graphcache.access:"])
+    ]
 
 
 def test_json_logs_carry_the_request_id_and_extra_fields(captured_logs):
@@ -103,9 +106,9 @@ async def test_text_log_a_newline_in_the_path_writes_exactly_one_access_line(cap
     text = logs.getvalue()
     lines = access_lines(text)
     assert len(lines) == 1, text
-    assert "/v1/whatever\\n2030-01-01" in lines[0], lines[0]      # the newline, escaped, on the same line
+    assert "/v1/whatever\\n2030-01-01" in lines[0], lines[0]  # the newline, escaped, on the same line
     assert response.headers["x-request-id"] in lines[0]
-    assert all(TEXT_LINE.match(line) for line in text.splitlines()), text   # no line starts with forged text
+    assert all(TEXT_LINE.match(line) for line in text.splitlines()), text  # no line starts with forged text
     assert not any(line.startswith(FORGED[:20]) for line in text.splitlines())
 
 
@@ -114,10 +117,10 @@ async def test_json_log_stays_one_valid_object_per_line(captured_logs):
     app = create_app(Settings(), engine=EngineNotNeeded(), metrics=Metrics())
     response = await _get(app, INJECT_PATH + "?q=%0D%0A")
     assert response.status_code == 404
-    records = [json.loads(line) for line in logs.getvalue().splitlines()]   # each line is JSON on its own
+    records = [json.loads(line) for line in logs.getvalue().splitlines()]  # each line is JSON on its own
     access = [r for r in records if r["logger"] == "graphcache.access"]
     assert len(access) == 1, records
-    assert access[0]["path"] == "/v1/whatever\n" + FORGED       # the value itself, escaped by json.dumps
+    assert access[0]["path"] == "/v1/whatever\n" + FORGED  # the value itself, escaped by json.dumps
     assert access[0]["query"] == "q=%0D%0A" and access[0]["status"] == 404
 
 
@@ -131,10 +134,20 @@ async def test_control_characters_in_query_method_and_path_never_break_a_line(ca
         await send({"type": "http.response.start", "status": 204, "headers": []})
         await send({"type": "http.response.body", "body": b""})
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET\r\nX",
-             "scheme": "http", "path": "/p\x85\u2028\x1b[2J\rforged", "raw_path": b"/p",
-             "query_string": b"a=\r\n\x85\x1b[31mb", "root_path": "", "headers": [],
-             "client": ("127.0.0.1", 5000), "server": ("test", 80)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET\r\nX",
+        "scheme": "http",
+        "path": "/p\x85\u2028\x1b[2J\rforged",
+        "raw_path": b"/p",
+        "query_string": b"a=\r\n\x85\x1b[31mb",
+        "root_path": "",
+        "headers": [],
+        "client": ("127.0.0.1", 5000),
+        "server": ("test", 80),
+    }
 
     async def receive():
         return {"type": "http.request", "body": b"", "more_body": False}
@@ -149,7 +162,9 @@ async def test_control_characters_in_query_method_and_path_never_break_a_line(ca
         record = json.loads(lines[0])
         assert record["query"] == "a=\r\n\x85\x1b[31mb" and record["method"] == "GET\r\nX"
     else:
-        assert '"GET\\r\\nX /p\\x85\\u2028\\x1b[2J\\rforged?a=\\r\\n\\x85\\x1b[31mb" 204' in lines[0], lines[0]
+        assert '"GET\\r\\nX /p\\x85\\u2028\\x1b[2J\\rforged?a=\\r\\n\\x85\\x1b[31mb" 204' in lines[0], lines[
+            0
+        ]
 
 
 def test_text_format_escapes_any_logger_message_but_keeps_tracebacks(captured_logs):

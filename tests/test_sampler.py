@@ -22,9 +22,9 @@ def test_top_k_and_top_p_filter():
     p = probs_from_logits(logits, temperature=one, top_k=torch.tensor([2]), top_p=one)
     assert torch.allclose(p, torch.tensor([[0.625, 0.375, 0, 0]]))
     p = probs_from_logits(logits, temperature=one, top_k=torch.tensor([0]), top_p=torch.tensor([0.7]))
-    assert torch.allclose(p, torch.tensor([[0.625, 0.375, 0, 0]]))   # 0.5 < 0.7, 0.8 >= 0.7: two survive
+    assert torch.allclose(p, torch.tensor([[0.625, 0.375, 0, 0]]))  # 0.5 < 0.7, 0.8 >= 0.7: two survive
     p = probs_from_logits(logits, temperature=one, top_k=torch.tensor([0]), top_p=torch.tensor([0.1]))
-    assert torch.allclose(p, torch.tensor([[1.0, 0, 0, 0]]))         # the top token always survives
+    assert torch.allclose(p, torch.tensor([[1.0, 0, 0, 0]]))  # the top token always survives
     p = probs_from_logits(logits, temperature=one, top_k=torch.tensor([0]), top_p=one)
     assert torch.allclose(p, torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
 
@@ -54,7 +54,7 @@ def test_seeded_sampling_reproducible_regardless_of_batch():
     alone = draw([3])
     assert draw([3, 0, 1, 2]) == alone
     assert draw([3, 7]) == alone
-    assert len(set(alone)) > 1   # it is really sampling, not collapsing to argmax
+    assert len(set(alone)) > 1  # it is really sampling, not collapsing to argmax
     # No state between calls: the same step sampled again (a retried or recomputed step) is the same token.
     s = seq("again", temperature=1.0, seed=1234)
     assert len({Sampler().sample(logits[[3]], [s])[0] for _ in range(3)}) == 1
@@ -84,13 +84,13 @@ def test_max_tokens_and_max_model_len():
 
 def test_stop_string_is_cut_from_output_and_never_streamed():
     s = seq(stop=["cde"], max_tokens=50)
-    streamed, reason = feed(s, [0, 1, 2, 3, 4, 5])      # a b c d e f
+    streamed, reason = feed(s, [0, 1, 2, 3, 4, 5])  # a b c d e f
     assert reason == "stop" and streamed == "ab" and s.output_text == "ab"
 
 
 def test_stop_string_prefix_held_back_then_released():
     s = seq(stop=["xyz"], max_tokens=6)
-    streamed, reason = feed(s, [0, 23, 24, 1, 2, 3])   # a x y b c d: "xy" looked like a stop, was not
+    streamed, reason = feed(s, [0, 23, 24, 1, 2, 3])  # a x y b c d: "xy" looked like a stop, was not
     assert reason == "length" and streamed == "axybcd"
 
 
@@ -102,11 +102,12 @@ def test_stop_string_across_tokens_and_first_of_many():
 
 def test_eos_flushes_held_text_and_adds_none():
     s = seq(stop=["xyz"], max_tokens=50)
-    streamed, reason = feed(s, [0, 23, 25])            # a x <eos>
+    streamed, reason = feed(s, [0, 23, 25])  # a x <eos>
     assert reason == "stop" and streamed == "ax"
 
 
 # --- parameters at the edge of float precision: never NaN, never a raise ------------------------
+
 
 def assert_distribution(p: torch.Tensor) -> None:
     assert torch.isfinite(p).all() and (p >= 0).all(), p
@@ -118,13 +119,14 @@ def test_tiny_top_p_keeps_the_top_token():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     one = torch.ones(4)
     for top_p in (1e-300, 5e-324, 1e-46, 0.0):
-        p = probs_from_logits(logits, temperature=one, top_k=torch.zeros(4, dtype=torch.long),
-                              top_p=torch.tensor([top_p] * 4))
+        p = probs_from_logits(
+            logits, temperature=one, top_k=torch.zeros(4, dtype=torch.long), top_p=torch.tensor([top_p] * 4)
+        )
         assert_distribution(p)
         assert torch.equal(p.argmax(dim=-1), logits.argmax(dim=-1)) and (p.max(dim=-1).values == 1).all()
     tokens = Sampler(default_seed=0).sample(logits, [seq(f"r{i}", top_p=1e-300) for i in range(4)])
     assert tokens == logits.argmax(dim=-1).tolist()
-    tokens = Sampler().sample(logits, [seq(f"r{i}", top_p=5e-324, seed=i) for i in range(4)])   # seeded path
+    tokens = Sampler().sample(logits, [seq(f"r{i}", top_p=5e-324, seed=i) for i in range(4)])  # seeded path
     assert tokens == logits.argmax(dim=-1).tolist()
 
 
@@ -136,17 +138,22 @@ def test_tiny_temperature_is_greedy():
     # probs_from_logits itself: no overflow to inf (hence NaN) whatever T, even with huge logits.
     huge = torch.tensor([[3e38, 1e38, -3e38, 0.0]])
     for t in (1e-300, 1e-5, 1.0, 2.0):
-        p = probs_from_logits(huge, temperature=torch.tensor([t]), top_k=torch.tensor([0]), top_p=torch.ones(1))
+        p = probs_from_logits(
+            huge, temperature=torch.tensor([t]), top_k=torch.tensor([0]), top_p=torch.ones(1)
+        )
         assert_distribution(p)
         assert p.argmax().item() == 0
 
 
 def test_top_k_one_is_the_argmax():
     logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(2))
-    p = probs_from_logits(logits, temperature=torch.ones(8), top_k=torch.ones(8, dtype=torch.long),
-                          top_p=torch.ones(8))
+    p = probs_from_logits(
+        logits, temperature=torch.ones(8), top_k=torch.ones(8, dtype=torch.long), top_p=torch.ones(8)
+    )
     assert torch.equal(p, torch.nn.functional.one_hot(logits.argmax(dim=-1), 100).float())
-    tokens = Sampler(default_seed=0).sample(logits, [seq(f"r{i}", top_k=1, temperature=2.0) for i in range(8)])
+    tokens = Sampler(default_seed=0).sample(
+        logits, [seq(f"r{i}", top_k=1, temperature=2.0) for i in range(8)]
+    )
     assert tokens == logits.argmax(dim=-1).tolist()
 
 
@@ -158,19 +165,25 @@ def test_huge_top_k_is_off_and_does_not_overflow():
 
 def test_rows_with_minus_inf_logits():
     inf = float("inf")
-    logits = torch.tensor([
-        [-inf, 2.0, -inf, 1.0],       # masked tokens (e.g. a grammar or a banned-token bias)
-        [-inf, -inf, -inf, -inf],     # nothing allowed: no distribution at all
-        [0.5, -inf, inf, 0.0],        # +inf overflow
-        [float("nan"), 1.0, 0.0, 3.0],  # NaN from a broken kernel
-    ])
+    logits = torch.tensor(
+        [
+            [-inf, 2.0, -inf, 1.0],  # masked tokens (e.g. a grammar or a banned-token bias)
+            [-inf, -inf, -inf, -inf],  # nothing allowed: no distribution at all
+            [0.5, -inf, inf, 0.0],  # +inf overflow
+            [float("nan"), 1.0, 0.0, 3.0],  # NaN from a broken kernel
+        ]
+    )
     n = logits.shape[0]
     for top_p in (1.0, 0.5, 1e-300):
         for top_k in (0, 1, 3):
-            p = probs_from_logits(logits, temperature=torch.full((n,), 0.7), top_k=torch.full((n,), top_k),
-                                  top_p=torch.full((n,), top_p))
+            p = probs_from_logits(
+                logits,
+                temperature=torch.full((n,), 0.7),
+                top_k=torch.full((n,), top_k),
+                top_p=torch.full((n,), top_p),
+            )
             assert_distribution(p)
-            assert p[0, 0] == 0 and p[0, 2] == 0 and p[0, 1] > 0       # a -inf token is never drawn
+            assert p[0, 0] == 0 and p[0, 2] == 0 and p[0, 1] > 0  # a -inf token is never drawn
             assert p[2, 2] == 1 and p[3, 3] > 0 and p[3, 0] == 0
     seqs = [seq(f"r{i}", temperature=1.0, top_p=tp) for i, tp in enumerate((1.0, 0.9, 1e-300, 1.0))]
     for sampler in (Sampler(), Sampler(default_seed=0)):
@@ -183,7 +196,7 @@ def test_rows_with_minus_inf_logits():
 
 
 def test_top_p_one_keeps_every_token():
-    logits = torch.zeros(1, 1000)   # a uniform row: cumsum rounding must not cut the tail at top_p=1
+    logits = torch.zeros(1, 1000)  # a uniform row: cumsum rounding must not cut the tail at top_p=1
     p = probs_from_logits(logits, temperature=torch.ones(1), top_k=torch.tensor([0]), top_p=torch.ones(1))
     assert (p > 0).all()
 

@@ -16,8 +16,12 @@ from graphcache.engine.sample import race_draw as rd
 
 NEG_INF = float("-inf")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
-needs_interpreter = pytest.mark.skipif(not (INTERPRET and fd.HAVE_TRITON), reason="needs triton's interpreter")
-needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and fd.HAVE_TRITON), reason="needs CUDA and triton")
+needs_interpreter = pytest.mark.skipif(
+    not (INTERPRET and fd.HAVE_TRITON), reason="needs triton's interpreter"
+)
+needs_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and fd.HAVE_TRITON), reason="needs CUDA and triton"
+)
 
 
 def keys_of(seeds, step=0) -> torch.Tensor:
@@ -67,7 +71,7 @@ def rows_of(name: str, rows: int, vocab: int, seed: int) -> torch.Tensor:
         return torch.randn(rows, vocab, generator=g) * 0.05
     if name == "peaked":
         return torch.randn(rows, vocab, generator=g) * 8
-    if name == "bf16_ties":   # bf16 logits tie by the hundred at this vocabulary
+    if name == "bf16_ties":  # bf16 logits tie by the hundred at this vocabulary
         return (torch.randn(rows, vocab, generator=g) * 2 + 1).to(torch.bfloat16)
     if name == "few_values":  # five distinct values: every cut is inside a tie group
         return torch.randint(-2, 3, (rows, vocab), generator=g).float() + 0.5
@@ -114,10 +118,21 @@ def check(logits, k, p, t, lmp, keys, tokens, thr, mass_tol=1e-5):
 # cap 32 with 4 pivots: flat rows need several ladders; cap 8 and 2 rounds: some rows fall back to the
 # whole-row bisection (31 passes: slow in the interpreter, so on two shapes only)
 @needs_interpreter
-@pytest.mark.parametrize(("name", "seed", "cap", "rounds"), [
-    ("normal", 0, 32, 8), ("normal", 1, 32, 8), ("flat", 0, 32, 8), ("peaked", 0, 32, 8),
-    ("bf16_ties", 0, 32, 8), ("bf16_ties", 1, 32, 8), ("few_values", 0, 32, 8), ("minus_inf", 0, 32, 8),
-    ("flat", 1, 8, 2), ("bf16_ties", 2, 8, 2)])
+@pytest.mark.parametrize(
+    ("name", "seed", "cap", "rounds"),
+    [
+        ("normal", 0, 32, 8),
+        ("normal", 1, 32, 8),
+        ("flat", 0, 32, 8),
+        ("peaked", 0, 32, 8),
+        ("bf16_ties", 0, 32, 8),
+        ("bf16_ties", 1, 32, 8),
+        ("few_values", 0, 32, 8),
+        ("minus_inf", 0, 32, 8),
+        ("flat", 1, 8, 2),
+        ("bf16_ties", 2, 8, 2),
+    ],
+)
 def test_fused_matches_the_sort_and_the_race_in_the_interpreter(name, seed, cap, rounds):
     logits = rows_of(name, 12, 200, seed)
     k, p, t, lmp = params(12, 200)
@@ -129,11 +144,16 @@ def test_fused_matches_the_sort_and_the_race_in_the_interpreter(name, seed, cap,
 @needs_interpreter
 def test_fused_degenerate_rows_take_the_argmax():
     logits = torch.randn(4, 50) * 2
-    logits[0] = NEG_INF                       # no finite logit: argmax (0)
-    logits[1, 7] = float("inf")               # +inf: argmax
-    logits[2, ::3] = float("nan")             # NaN tokens are never drawn
-    logits[3, 1:] = NEG_INF                   # one finite token
-    k, p, t, lmp = (torch.full((4,), 50), torch.full((4,), 0.9), torch.full((4,), 0.8), torch.full((4,), NEG_INF))
+    logits[0] = NEG_INF  # no finite logit: argmax (0)
+    logits[1, 7] = float("inf")  # +inf: argmax
+    logits[2, ::3] = float("nan")  # NaN tokens are never drawn
+    logits[3, 1:] = NEG_INF  # one finite token
+    k, p, t, lmp = (
+        torch.full((4,), 50),
+        torch.full((4,), 0.9),
+        torch.full((4,), 0.8),
+        torch.full((4,), NEG_INF),
+    )
     tokens, _ = run_fused(logits, k, p, t, lmp, keys_of(range(4)), cap=16, pivots=4, block=16)
     assert tokens[0] == 0 and tokens[1] == 7 and tokens[3] == 0
     assert tokens[2] % 3 != 0
@@ -176,7 +196,7 @@ def test_static_draw_params_write_then_draw():
     params_ = fd.DrawParams(capacity=8, device=logits.device, cap=32)
     k, p, t, lmp = params(6, 120)
     t = t.clone()
-    t[1] = 0.0                                       # a greedy row among random ones
+    t[1] = 0.0  # a greedy row among random ones
     keys = keys_of(range(6), step=1)
     params_.write(torch.stack([t, p, lmp]), torch.stack([k, keys]))
     first = params_.draw(logits).clone()
@@ -201,11 +221,22 @@ def test_cuda_sampler_fused_matches_legacy():
     g = torch.Generator().manual_seed(3)
     rows, vocab = 128, 151_936
     logits = (torch.randn(rows, vocab, generator=g) * 3).to(torch.bfloat16).cuda()
-    kinds = [dict(temperature=0.8, top_p=0.95), dict(temperature=0.7, top_k=50), dict(temperature=1.0),
-             dict(temperature=0.0), dict(temperature=0.9, top_k=40, top_p=0.9, min_p=0.05)]
+    kinds = [
+        dict(temperature=0.8, top_p=0.95),
+        dict(temperature=0.7, top_k=50),
+        dict(temperature=1.0),
+        dict(temperature=0.0),
+        dict(temperature=0.9, top_k=40, top_p=0.9, min_p=0.05),
+    ]
     for extra in ({}, dict(frequency_penalty=0.4)):
-        seqs = [Sequence(f"r{i}", [1, 2, 3], SamplingParams(**kinds[i % len(kinds)], **extra,
-                                                             seed=i if i % 3 == 0 else None)) for i in range(rows)]
+        seqs = [
+            Sequence(
+                f"r{i}",
+                [1, 2, 3],
+                SamplingParams(**kinds[i % len(kinds)], **extra, seed=i if i % 3 == 0 else None),
+            )
+            for i in range(rows)
+        ]
         for i, s in enumerate(seqs):
             s.output_token_ids.extend(range(i, i + 8))
         fused = Sampler(default_seed=1, fused=True).sample(logits, seqs)
@@ -224,10 +255,10 @@ def test_cuda_draw_params_replay_in_a_graph():
     dp = fd.DrawParams(capacity=rows, device=logits.device)
     k = torch.tensor([vocab, 50, vocab, 20] * 16)
     p = torch.tensor([0.95, 1.0, 1.0, 0.9] * 16)
-    t = torch.tensor([0.8, 0.7, 0.0, 1.0] * 16)       # every fourth row greedy
+    t = torch.tensor([0.8, 0.7, 0.0, 1.0] * 16)  # every fourth row greedy
     lmp = torch.full((rows,), NEG_INF)
     dp.write(torch.stack([t, p, lmp]), torch.stack([k, keys_of(range(rows))]))
-    dp.draw(logits)                                   # compile outside the capture
+    dp.draw(logits)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -21,7 +21,9 @@ from graphcache.engine.sequence import SamplingParams, Sequence
 
 NEG_INF = float("-inf")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
-needs_interpreter = pytest.mark.skipif(not (INTERPRET and rd.HAVE_TRITON), reason="needs triton's interpreter")
+needs_interpreter = pytest.mark.skipif(
+    not (INTERPRET and rd.HAVE_TRITON), reason="needs triton's interpreter"
+)
 
 
 def keys_of(seeds, step=0) -> torch.Tensor:
@@ -35,37 +37,38 @@ def shifted(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
 
 # --- race draw ----------------------------------------------------------------------------------------
 
+
 def test_uniforms_match_host_splitmix_and_stay_inside_zero_one():
     keys = keys_of([0, 1, -1, 2**63 - 1, -(2**63)], step=5)
     u = rd.uniforms(keys, 50)
     for r, key in enumerate(keys.tolist()):
         for i in range(50):
             h = rd.mix64((key & rd.MASK64) + (i + 1) * rd.GAMMA)
-            assert u[r, i].item() == ((h >> 41) + 0.5) * 2.0 ** -23
+            assert u[r, i].item() == ((h >> 41) + 0.5) * 2.0**-23
     assert (u > 0).all() and (u < 1).all()
     # the extremes of the 23 bits: log(-log u) finite at both ends in fp32
-    edge = torch.tensor([0.5 * 2.0 ** -23, (2 ** 23 - 0.5) * 2.0 ** -23])
+    edge = torch.tensor([0.5 * 2.0**-23, (2**23 - 0.5) * 2.0**-23])
     assert torch.isfinite(edge.log().neg().log()).all() and (edge < 1).all()
 
 
 def test_row_keys_differ_by_seed_and_step():
     keys = {rd.row_key(seed, step) for seed in range(-3, 30) for step in range(30)}
     assert len(keys) == 33 * 30
-    assert rd.row_key(5, 0) == rd.row_key(5 + 2**64, 0)   # the seed is taken mod 2^64
+    assert rd.row_key(5, 0) == rd.row_key(5 + 2**64, 0)  # the seed is taken mod 2^64
 
 
 def test_race_draw_matches_the_distribution():
     """Empirical frequencies of 40,000 draws (one key each) against p: a chi-square far below a
     generous bound (fixed keys, so not flaky)."""
     p = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.015, 0.005, 0.0, 0.0])
-    z = p.log()                                        # -inf where p = 0
+    z = p.log()  # -inf where p = 0
     n = 40_000
     drawn = rd.race_draw_torch(z.expand(n, -1).contiguous(), None, keys_of(range(n), step=3))
     counts = torch.bincount(drawn, minlength=p.numel()).double()
-    assert counts[8:].sum() == 0                       # a -inf token is never drawn
+    assert counts[8:].sum() == 0  # a -inf token is never drawn
     expected = n * p[:8].double()
     chi2 = ((counts[:8] - expected) ** 2 / expected).sum().item()
-    assert chi2 < 40, (chi2, counts.tolist())           # 7 degrees of freedom: P(chi2 > 40) ~ 1e-6
+    assert chi2 < 40, (chi2, counts.tolist())  # 7 degrees of freedom: P(chi2 > 40) ~ 1e-6
     # with a threshold: only kept tokens, renormalized
     thr = torch.full((n,), math.log(0.1))
     drawn = rd.race_draw_torch(z.expand(n, -1).contiguous(), thr, keys_of(range(n), step=4))
@@ -81,7 +84,7 @@ def test_race_draw_is_a_function_of_key_and_row_only():
     keys = keys_of([11, 12, 13, 14, 15, 16])
     full = rd.race_draw_torch(z, None, keys)
     for r in range(6):
-        assert rd.race_draw_torch(z[r:r + 1], None, keys[r:r + 1]).item() == full[r].item()
+        assert rd.race_draw_torch(z[r : r + 1], None, keys[r : r + 1]).item() == full[r].item()
     perm = torch.tensor([3, 0, 5, 1, 4, 2])
     assert torch.equal(rd.race_draw_torch(z[perm], None, keys[perm]), full[perm])
     assert len(set(full.tolist())) > 1
@@ -97,9 +100,15 @@ def test_seeded_tokens_do_not_depend_on_batch_position_or_composition():
         return Sequence(rid, [1, 2], SamplingParams(**params))
 
     def token_of_target(order, out_len):
-        params = [dict(temperature=0.9, seed=42, top_p=0.8), dict(temperature=0), dict(temperature=1.0),
-                  dict(temperature=1.3, seed=7, top_k=5), dict(temperature=0.5, min_p=0.1), dict(temperature=1.0),
-                  dict(temperature=2.0, seed=42)]
+        params = [
+            dict(temperature=0.9, seed=42, top_p=0.8),
+            dict(temperature=0),
+            dict(temperature=1.0),
+            dict(temperature=1.3, seed=7, top_k=5),
+            dict(temperature=0.5, min_p=0.1),
+            dict(temperature=1.0),
+            dict(temperature=2.0, seed=42),
+        ]
         seqs = [seq(f"r{i}", **params[i]) for i in order]
         seqs[order.index(0)].output_token_ids = list(range(out_len))
         return Sampler(default_seed=order[-1]).sample(logits[order], seqs)[order.index(0)]
@@ -128,18 +137,25 @@ def test_race_kernel_matches_torch_in_the_interpreter(vocab):
 
 # --- top-k / top-p thresholds --------------------------------------------------------------------------
 
+
 def distributions(vocab: int = 400) -> dict[str, torch.Tensor]:
     """[8, vocab] logits of several shapes."""
     g = torch.Generator().manual_seed(7)
     rows = 8
     flat = torch.randn(rows, vocab, generator=g) * 0.05
-    ties = torch.randint(0, 6, (rows, vocab), generator=g).float()       # many tokens per value
+    ties = torch.randint(0, 6, (rows, vocab), generator=g).float()  # many tokens per value
     masked = torch.randn(rows, vocab, generator=g) * 3
     masked[torch.rand(rows, vocab, generator=g) < 0.7] = NEG_INF
-    masked[3, 1:] = NEG_INF                                                # one finite token
+    masked[3, 1:] = NEG_INF  # one finite token
     masked[3, 0] = 1.5
-    return {"peaked": torch.randn(rows, vocab, generator=g) * 8, "normal": torch.randn(rows, vocab, generator=g) * 2,
-            "flat": flat, "uniform": torch.zeros(rows, vocab), "ties": ties, "minus_inf": masked}
+    return {
+        "peaked": torch.randn(rows, vocab, generator=g) * 8,
+        "normal": torch.randn(rows, vocab, generator=g) * 2,
+        "flat": flat,
+        "uniform": torch.zeros(rows, vocab),
+        "ties": ties,
+        "minus_inf": masked,
+    }
 
 
 def expected_probs(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -153,7 +169,7 @@ def expected_probs(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Ten
 TOP_PS = [0.0, 0.1, 0.9, 0.999, 1.0]
 
 
-@pytest.mark.parametrize("prefix", [1024, 7])       # 7: most top-p rows and top_k 50 need the exact fallback
+@pytest.mark.parametrize("prefix", [1024, 7])  # 7: most top-p rows and top_k 50 need the exact fallback
 @pytest.mark.parametrize("name", ["peaked", "normal", "flat", "uniform", "ties", "minus_inf"])
 def test_thresholds_match_the_full_sort(name, prefix):
     logits = distributions()[name]
@@ -179,7 +195,7 @@ def test_thresholds_mixed_rows_and_the_tie_rule():
     p = torch.tensor([1.0, 0.5, 0.0, 0.3])
     thr = ft.thresholds(z, k, p, prefix=3)
     kept = (z >= thr.view(-1, 1)).tolist()
-    assert kept[0] == [True, True, True, True, False, False]    # top_k 2 cuts inside a tie: all three stay
+    assert kept[0] == [True, True, True, True, False, False]  # top_k 2 cuts inside a tie: all three stay
     assert kept[2] == [True, False, False, False, False, False]  # top_p 0: the top token only
     # exact fallback vs prefix: the same answer for every row
     assert torch.equal(thr, ft.bisect_thresholds(z, torch.where(k > 0, k, 6), p))
@@ -213,12 +229,13 @@ def test_bisect_kernel_matches_torch_in_the_interpreter(name):
 
 # --- on the GPU ------------------------------------------------------------------------------------------
 
+
 def _tie_rule_reference(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """The sort's top-p over the top-k survivors *with every token tied with the k-th value* (the tie rule
     at the top-k cut too), widened to the ties at the final cut, renormalized."""
     vocab = z.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-    kth = torch.stack([z[r].topk(int(k[r])).values[-1] for r in range(z.shape[0])])   # [R]
+    kth = torch.stack([z[r].topk(int(k[r])).values[-1] for r in range(z.shape[0])])  # [R]
     return expected_probs(z.masked_fill(z < kth.view(-1, 1), NEG_INF), None, top_p)
 
 
@@ -227,7 +244,7 @@ def _served_logits(rows=256, vocab=151_936, scale=3.0) -> torch.Tensor:
     return (torch.randn(rows, vocab, generator=g) * scale).to(torch.bfloat16).cuda().float()
 
 
-def _race_scores(z, keys):   # [R, V] the torch path's scores, for near-tie checks
+def _race_scores(z, keys):  # [R, V] the torch path's scores, for near-tie checks
     return z - rd.uniforms(keys, z.shape[-1]).log().neg().log()
 
 
@@ -250,7 +267,7 @@ def test_cuda_race_kernel_matches_torch():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not (torch.cuda.is_available() and rd.HAVE_TRITON), reason="needs CUDA and triton")
-@pytest.mark.parametrize("scale", [3.0, 0.3])     # 0.3: flat rows, the bisection fallback for every top_p row
+@pytest.mark.parametrize("scale", [3.0, 0.3])  # 0.3: flat rows, the bisection fallback for every top_p row
 def test_cuda_thresholds_match_torch_bisection_and_the_sort(scale):
     z = shifted(_served_logits(rows=64, scale=scale), 0.8)
     rows, vocab = z.shape
@@ -282,8 +299,10 @@ def test_cuda_thresholds_match_torch_bisection_and_the_sort(scale):
 def test_cuda_seeded_rows_match_the_cpu():
     """The same seeded row on the CPU and the GPU: the same token (up to an fp32-ulp near tie)."""
     logits = _served_logits(rows=32, vocab=32_000)
-    seqs = [Sequence(f"r{i}", [1], SamplingParams(temperature=0.9, seed=i, top_p=0.95 if i % 2 else 1.0))
-            for i in range(32)]
+    seqs = [
+        Sequence(f"r{i}", [1], SamplingParams(temperature=0.9, seed=i, top_p=0.95 if i % 2 else 1.0))
+        for i in range(32)
+    ]
     gpu = Sampler().sample(logits, seqs)
     cpu = Sampler().sample(logits.cpu(), seqs)
     assert sum(a == b for a, b in zip(gpu, cpu, strict=True)) >= 31

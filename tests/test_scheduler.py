@@ -10,14 +10,19 @@ from graphcache.engine.sched.scheduler import Scheduler
 from graphcache.engine.sequence import SamplingParams, Sequence, SequenceStatus
 
 
-def make(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_step=32, max_model_len=256, prefix_caching=True):
+def make(
+    num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_step=32, max_model_len=256, prefix_caching=True
+):
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
-    return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens_step,
-                     max_model_len=max_model_len)
+    return Scheduler(
+        bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens_step, max_model_len=max_model_len
+    )
 
 
 def seq(rid, n_prompt, max_tokens=8):
-    return Sequence(rid, [(7 * i + len(rid)) % 50 + 1 for i in range(n_prompt)], SamplingParams(max_tokens=max_tokens))
+    return Sequence(
+        rid, [(7 * i + len(rid)) % 50 + 1 for i in range(n_prompt)], SamplingParams(max_tokens=max_tokens)
+    )
 
 
 class FakeKV:
@@ -51,7 +56,7 @@ def step(sched, kv):
 
 
 def run_all(sched, seqs, max_steps=10_000, kv=None):
-    kv = kv or FakeKV(sched)   # pass the same one to later runs: their cache hits read its slots
+    kv = kv or FakeKV(sched)  # pass the same one to later runs: their cache hits read its slots
     for s in seqs:
         sched.add(s)
     plans = []
@@ -92,7 +97,7 @@ def test_decodes_first_then_prefill_chunks_in_leftover_budget():
     kv = FakeKV(sched)
     a = seq("a", 4)
     sched.add(a)
-    step(sched, kv)                            # a prefilled, now decoding
+    step(sched, kv)  # a prefilled, now decoding
     b = seq("b", 40)
     sched.add(b)
     plan = step(sched, kv)
@@ -103,7 +108,7 @@ def test_decodes_first_then_prefill_chunks_in_leftover_budget():
 def test_budgets_respected_with_many_requests():
     sched = make(max_num_seqs=3, max_tokens_step=10, num_blocks=200)
     seqs = [seq(f"r{i}", 5 + 3 * i, max_tokens=4) for i in range(10)]
-    run_all(sched, seqs)   # step() asserts both budgets every step
+    run_all(sched, seqs)  # step() asserts both budgets every step
     assert all(s.num_output_tokens == 4 for s in seqs)
 
 
@@ -120,7 +125,7 @@ def test_preemption_by_recompute_resumes_with_outputs_kept():
             break
         plan = step(sched, kv)
         preempted += plan.preempted
-        for p in plan.preempted:   # the newest running one goes back, blocks freed, outputs kept
+        for p in plan.preempted:  # the newest running one goes back, blocks freed, outputs kept
             assert p.status is SequenceStatus.WAITING and p.block_table == [] and p.num_computed_tokens == 0
             assert sched.waiting[0] is p or p in sched.waiting
     assert preempted and preempted[0] is seqs[2]
@@ -143,7 +148,7 @@ def test_resumed_sequence_reprefills_prompt_plus_outputs():
     while b.status is SequenceStatus.WAITING:
         plan = step(sched, kv)
     resumed = next(s for s in plan.scheduled if s.seq is b)
-    assert resumed.num_tokens == 4 + n_out and resumed.need_logits   # FakeKV verified the readback
+    assert resumed.num_tokens == 4 + n_out and resumed.need_logits  # FakeKV verified the readback
     while sched.has_work():
         step(sched, kv)
     assert b.num_output_tokens == 6
@@ -151,7 +156,7 @@ def test_resumed_sequence_reprefills_prompt_plus_outputs():
 
 def test_sequence_that_can_never_fit_fails_instead_of_spinning():
     sched = make(num_blocks=2, block_size=4, max_tokens_step=64)
-    big = seq("big", 6, max_tokens=10)      # needs 4 blocks eventually, the cache has 2
+    big = seq("big", 6, max_tokens=10)  # needs 4 blocks eventually, the cache has 2
     small = seq("small", 2, max_tokens=2)
     plans = run_all(sched, [big, small])
     assert big.finish_reason == "error" and "num_kv_blocks" in big.error
@@ -159,7 +164,7 @@ def test_sequence_that_can_never_fit_fails_instead_of_spinning():
     assert small.finish_reason == "length"
 
     sched = make(num_blocks=2, block_size=4)
-    huge = seq("huge", 20)                  # prompt alone does not fit: failed at admission
+    huge = seq("huge", 20)  # prompt alone does not fit: failed at admission
     run_all(sched, [huge])
     assert huge.finish_reason == "error"
 
@@ -178,11 +183,12 @@ def test_abort_frees_blocks_at_once():
     assert sched.block_manager.num_used == 0 and not sched.has_work()
     c = seq("c", 3)
     sched.add(c)
-    sched.finish(c, "abort")                 # aborting while still waiting works too
+    sched.finish(c, "abort")  # aborting while still waiting works too
     assert c.finish_reason == "abort" and not sched.waiting
 
 
 # --- prefix caching (FakeKV checks every readback, so a wrongly shared block fails there) ---------
+
 
 def tseq(rid, tokens, max_tokens=4, **params):
     return Sequence(rid, list(tokens), SamplingParams(max_tokens=max_tokens, **params))
@@ -195,7 +201,7 @@ def first_slice(plans, s):
 def test_cached_prefix_skips_compute_and_reports_cached_tokens():
     sched = make(block_size=4)
     kv = FakeKV(sched)
-    shared = list(range(1, 13))                                  # 3 full blocks
+    shared = list(range(1, 13))  # 3 full blocks
     a = tseq("a", shared + [40, 41])
     run_all(sched, kv=kv, seqs=[a])
     b = tseq("b", shared + [42, 43, 44])
@@ -210,13 +216,13 @@ def test_cached_prefix_skips_compute_and_reports_cached_tokens():
 def test_a_fully_cached_prompt_still_computes_its_last_block():
     sched = make(block_size=4)
     kv = FakeKV(sched)
-    prompt = list(range(1, 13))                                  # exactly 3 blocks
+    prompt = list(range(1, 13))  # exactly 3 blocks
     run_all(sched, kv=kv, seqs=[tseq("a", prompt)])
     b = tseq("b", prompt)
     first = first_slice(run_all(sched, kv=kv, seqs=[b]), b)
     # The last block is recomputed into a private block: logits exist and no shared block is written.
     assert (first.start, first.num_tokens, first.need_logits) == (8, 4, True)
-    c = tseq("c", prompt[:9])                                    # 2 full blocks + 1 token
+    c = tseq("c", prompt[:9])  # 2 full blocks + 1 token
     first = first_slice(run_all(sched, kv=kv, seqs=[c]), c)
     assert (first.start, first.num_tokens) == (8, 1)
 
@@ -234,13 +240,16 @@ def test_prompt_logprobs_requests_do_not_use_the_cache():
 def test_identical_prompts_submitted_together_compute_shared_blocks_once():
     sched = make(block_size=4, max_tokens_step=64)
     kv = FakeKV(sched)
-    prompt = list(range(1, 15))                                  # 3 full blocks + 2 tokens
+    prompt = list(range(1, 15))  # 3 full blocks + 2 tokens
     seqs = [tseq(f"n{i}", prompt) for i in range(4)]
     plans = run_all(sched, seqs, kv=kv)
     # Step 1: only the first (the others' next block is being computed); step 2: the rest, 2 tokens each.
     assert [(x.seq.request_id, x.start, x.num_tokens) for x in plans[0].scheduled] == [("n0", 0, 14)]
     assert [(x.seq.request_id, x.start, x.num_tokens) for x in plans[1].scheduled][1:] == [
-        ("n1", 12, 2), ("n2", 12, 2), ("n3", 12, 2)]
+        ("n1", 12, 2),
+        ("n2", 12, 2),
+        ("n3", 12, 2),
+    ]
     prefill = sum(x.num_tokens for p in plans for x in p.scheduled if x.start < 14)
     assert prefill == 14 + 3 * 2
     assert all(s.num_output_tokens == 4 for s in seqs)
@@ -249,15 +258,15 @@ def test_identical_prompts_submitted_together_compute_shared_blocks_once():
 def test_a_waiting_sequence_waits_for_a_chunked_prefill_computing_its_blocks_fcfs():
     sched = make(block_size=4, max_tokens_step=8)
     kv = FakeKV(sched)
-    prompt = list(range(1, 31))                                  # 30 tokens: 4 chunks of 8
+    prompt = list(range(1, 31))  # 30 tokens: 4 chunks of 8
     a, b = tseq("a", prompt), tseq("b", prompt[:28] + [49])
-    other = tseq("other", [33, 34, 35])                          # unrelated, behind b: FCFS keeps it behind
+    other = tseq("other", [33, 34, 35])  # unrelated, behind b: FCFS keeps it behind
     plans = run_all(sched, kv=kv, seqs=[a, b, other])
     b_first, other_first = first_slice(plans, b), first_slice(plans, other)
     step_of = {id(x): i for i, p in enumerate(plans) for x in p.scheduled}
     a_last_prefill = max(i for i, p in enumerate(plans) for x in p.scheduled if x.seq is a and x.start < 30)
-    assert step_of[id(b_first)] > a_last_prefill                 # b waited for a's prefill to land
-    assert (b_first.start, b_first.num_tokens) == (28, 1)        # and then found all 7 of its full blocks
+    assert step_of[id(b_first)] > a_last_prefill  # b waited for a's prefill to land
+    assert (b_first.start, b_first.num_tokens) == (28, 1)  # and then found all 7 of its full blocks
     assert step_of[id(other_first)] >= step_of[id(b_first)]
 
 
@@ -277,7 +286,7 @@ def test_preempted_sequence_finds_its_own_blocks_and_shared_blocks_survive_preem
         plan = step(sched, kv)
         resumed += [x for x in plan.scheduled if x.seq in waiting_before]
     assert not sched.has_work() and sched.num_preemptions > 0
-    assert any(x.start > 0 for x in resumed)                     # re-prefill started after cached blocks
+    assert any(x.start > 0 for x in resumed)  # re-prefill started after cached blocks
     assert all(s.num_output_tokens == 10 and s.finish_reason == "length" for s in seqs)
     assert sched.block_manager.num_free == sched.block_manager.num_usable
 
@@ -291,7 +300,9 @@ def test_prefix_caching_off_computes_everything():
     plans = run_all(sched, seqs, kv=kv)
     assert [(x.start, x.num_tokens) for x in plans[0].scheduled] == [(0, 14)] * 3
     bm = sched.block_manager
-    assert bm.prefix_cache_queries == bm.prefix_cache_hits == 0 and all(s.num_cached_tokens == 0 for s in seqs)
+    assert bm.prefix_cache_queries == bm.prefix_cache_hits == 0 and all(
+        s.num_cached_tokens == 0 for s in seqs
+    )
 
 
 def test_an_error_finish_forgets_the_blocks_it_computed():
@@ -300,7 +311,7 @@ def test_an_error_finish_forgets_the_blocks_it_computed():
     a = tseq("a", list(range(1, 15)))
     sched.add(a)
     step(sched, kv)
-    sched.finish(a, "error", "step failed")                      # as EngineCore._step_failed does
+    sched.finish(a, "error", "step failed")  # as EngineCore._step_failed does
     b = tseq("b", list(range(1, 15)))
     first = first_slice(run_all(sched, kv=kv, seqs=[b]), b)
     assert first.start == 0

@@ -47,12 +47,33 @@ def scrape(base: str) -> dict[str, float]:
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("server")
     port = free_port()
-    env = {**os.environ, "GRAPHCACHE_CACHE_DIR": str(tmp / "cache"), "GRAPHCACHE_ADMIN_TOKEN": TOKEN,
-           "GRAPHCACHE_LOG_FORMAT": "json"}
+    env = {
+        **os.environ,
+        "GRAPHCACHE_CACHE_DIR": str(tmp / "cache"),
+        "GRAPHCACHE_ADMIN_TOKEN": TOKEN,
+        "GRAPHCACHE_LOG_FORMAT": "json",
+    }
     log_path = tmp / "server.log"
-    cmd = [sys.executable, "-m", "graphcache.cli", "serve", "--port", str(port), "--device", "cpu",
-           "--max-num-seqs", "4", "--max-num-batched-tokens", "128", "--capture-sizes", "1,2,4,8,16,32",
-           "--warmup-decode-sizes", "1,2", "--drain-timeout-s", "20"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "graphcache.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "128",
+        "--capture-sizes",
+        "1,2,4,8,16,32",
+        "--warmup-decode-sizes",
+        "1,2",
+        "--drain-timeout-s",
+        "20",
+    ]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
@@ -89,23 +110,42 @@ def test_completions_and_chat_with_openai_client_move_the_metrics(server, client
     base = server[1]
     before = scrape(base)
 
-    done = client.completions.create(model="graphcache-tiny", prompt="Once upon a time", max_tokens=8,
-                                     extra_body={"ignore_eos": True})
+    done = client.completions.create(
+        model="graphcache-tiny", prompt="Once upon a time", max_tokens=8, extra_body={"ignore_eos": True}
+    )
     assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 8
 
-    stream = client.completions.create(model="graphcache-tiny", prompt="Hello", max_tokens=6, stream=True,
-                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model="graphcache-tiny",
+        prompt="Hello",
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     assert chunks[-1].usage.completion_tokens == 6
     assert chunks[-2].choices[0].finish_reason == "length"
 
-    chat = client.chat.completions.create(model="graphcache-tiny", messages=[{"role": "user", "content": "Hi!"}],
-                                          max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model="graphcache-tiny",
+        messages=[{"role": "user", "content": "Hi!"}],
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 5
 
-    parts = list(client.chat.completions.create(
-        model="graphcache-tiny", messages=[{"role": "user", "content": "Hi!"}], max_tokens=5, temperature=0,
-        stream=True, extra_body={"ignore_eos": True}))
+    parts = list(
+        client.chat.completions.create(
+            model="graphcache-tiny",
+            messages=[{"role": "user", "content": "Hi!"}],
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     streamed = "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
     assert streamed == chat.choices[0].message.content  # greedy: streaming and not agree
     assert parts[-1].choices[0].finish_reason == "length"
@@ -115,8 +155,11 @@ def test_completions_and_chat_with_openai_client_move_the_metrics(server, client
     assert after["graphcache_generation_tokens_total"] - before["graphcache_generation_tokens_total"] == 24
     assert after["graphcache_steps_total"] > before["graphcache_steps_total"]
     assert after["graphcache_prompt_tokens_total"] > before["graphcache_prompt_tokens_total"]
-    assert after["graphcache_time_to_first_token_seconds_count"] - \
-        before["graphcache_time_to_first_token_seconds_count"] == 4
+    assert (
+        after["graphcache_time_to_first_token_seconds_count"]
+        - before["graphcache_time_to_first_token_seconds_count"]
+        == 4
+    )
     assert after["graphcache_ready"] == 1
 
 
@@ -126,7 +169,7 @@ def test_openai_client_sees_errors(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="graphcache-tiny", prompt="x", max_tokens=10**9)
     assert info.value.body["code"] == "context_length_exceeded"
-    with pytest.raises(openai.NotFoundError):   # an unknown model is a 404, as OpenAI and vLLM answer
+    with pytest.raises(openai.NotFoundError):  # an unknown model is a 404, as OpenAI and vLLM answer
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
 
 
@@ -136,7 +179,9 @@ def test_admin_warmup_clear_and_metrics_agree(server):
     assert httpx.get(f"{base}/admin/cache", headers={"Authorization": "Bearer nope"}).status_code == 403
     assert httpx.post(f"{base}/admin/clear", headers={"Authorization": "Bearer nope"}).status_code == 403
 
-    r = httpx.post(f"{base}/admin/warmup", headers=AUTH, json={"sizes": [4], "descriptors": ["32:2"]}, timeout=60)
+    r = httpx.post(
+        f"{base}/admin/warmup", headers=AUTH, json={"sizes": [4], "descriptors": ["32:2"]}, timeout=60
+    )
     assert r.status_code == 200, r.text
     report = r.json()
     assert set(report["captured"]) | set(report["cached"]) == {"4:4:decode", "32:2"} and not report["failed"]

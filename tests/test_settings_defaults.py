@@ -15,18 +15,26 @@ def test_cpu_keeps_the_small_defaults():
 
 def test_cuda_takes_the_gpu_defaults_unless_set():
     s = Settings(device="cuda")
-    assert (s.engine.max_num_seqs, s.engine.max_num_batched_tokens) == (GPU_BATCH_DEFAULTS["max_num_seqs"],
-                                                          GPU_BATCH_DEFAULTS["max_num_batched_tokens"])
+    assert (s.engine.max_num_seqs, s.engine.max_num_batched_tokens) == (
+        GPU_BATCH_DEFAULTS["max_num_seqs"],
+        GPU_BATCH_DEFAULTS["max_num_batched_tokens"],
+    )
     s = Settings(device="cuda", max_num_seqs=32)
-    assert (s.engine.max_num_seqs, s.engine.max_num_batched_tokens) == (32, GPU_BATCH_DEFAULTS["max_num_batched_tokens"])
-    s = Settings(device="cuda", max_num_batched_tokens=128)   # rows never exceed an explicit token budget
+    assert (s.engine.max_num_seqs, s.engine.max_num_batched_tokens) == (
+        32,
+        GPU_BATCH_DEFAULTS["max_num_batched_tokens"],
+    )
+    s = Settings(device="cuda", max_num_batched_tokens=128)  # rows never exceed an explicit token budget
     assert (s.engine.max_num_seqs, s.engine.max_num_batched_tokens) == (128, 128)
 
 
 def test_env_counts_as_set(monkeypatch):
     monkeypatch.setenv("GRAPHCACHE_MAX_NUM_SEQS", "16")
     s = Settings(device="cuda")
-    assert (s.engine.max_num_seqs, s.engine.max_num_batched_tokens) == (16, GPU_BATCH_DEFAULTS["max_num_batched_tokens"])
+    assert (s.engine.max_num_seqs, s.engine.max_num_batched_tokens) == (
+        16,
+        GPU_BATCH_DEFAULTS["max_num_batched_tokens"],
+    )
 
 
 def test_auto_follows_the_machine():
@@ -38,8 +46,12 @@ def test_auto_follows_the_machine():
 def test_engine_process_defaults_on_with_cuda_at_tp1_only():
     assert Settings(device="cpu").engine.engine_process is False
     assert Settings(device="cuda").engine.engine_process is True
-    assert Settings(device="cuda", engine_process=False).engine.engine_process is False   # the user's choice wins
-    assert Settings(device="cuda", tensor_parallel_size=2).engine.engine_process is False  # not supported there yet
+    assert (
+        Settings(device="cuda", engine_process=False).engine.engine_process is False
+    )  # the user's choice wins
+    assert (
+        Settings(device="cuda", tensor_parallel_size=2).engine.engine_process is False
+    )  # not supported there yet
     assert Settings(device="auto").engine.engine_process is torch.cuda.is_available()
 
 
@@ -47,6 +59,6 @@ def test_updated_replaces_by_flat_name_and_leaves_the_rest():
     s = Settings(device="cpu", port=8000, cache_max_entries=5)
     t = s.updated(port=9000, cache_max_entries=7)
     assert (t.http.port, t.graph_cache.max_entries, t.http.host) == (9000, 7, s.http.host)
-    assert (s.http.port, s.graph_cache.max_entries) == (8000, 5)   # a copy: the original is unchanged
+    assert (s.http.port, s.graph_cache.max_entries) == (8000, 5)  # a copy: the original is unchanged
     with pytest.raises(TypeError, match="no_such_setting"):
         s.updated(no_such_setting=1)

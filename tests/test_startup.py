@@ -15,14 +15,21 @@ from pathlib import Path
 import pytest
 from graphcache.cli import StartupError, bind_port, check_model_dir
 
-LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
-                "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
-                "max_position_embeddings": 128}
-LIMIT_S = 30   # CI is a busy 2-core machine; the real figure is about a second (a few with torch)
+LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 128,
+}
+LIMIT_S = 30  # CI is a busy 2-core machine; the real figure is about a second (a few with torch)
 
 
-def model_dir(root: Path, *, config: dict | str | None = LLAMA_CONFIG, weights: bool = True,
-              tokenizer: bool = True) -> Path:
+def model_dir(
+    root: Path, *, config: dict | str | None = LLAMA_CONFIG, weights: bool = True, tokenizer: bool = True
+) -> Path:
     """A model directory that passes the file checks (the files are empty: nothing loads them)."""
     path = root / "model"
     path.mkdir()
@@ -39,9 +46,14 @@ def serve(*argv: str) -> tuple[subprocess.CompletedProcess, float]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRAPHCACHE_")}
     t0 = time.monotonic()
     try:
-        out = subprocess.run([sys.executable, "-m", "graphcache.cli", "serve", *argv], capture_output=True,
-                             text=True, timeout=120, env=env)
-    except subprocess.TimeoutExpired as e:   # it went on to load and serve: the bug this file is about
+        out = subprocess.run(
+            [sys.executable, "-m", "graphcache.cli", "serve", *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+    except subprocess.TimeoutExpired as e:  # it went on to load and serve: the bug this file is about
         pytest.fail(f"serve {argv} kept running instead of exiting: {e.stderr!r}")
     return out, time.monotonic() - t0
 
@@ -53,11 +65,12 @@ def assert_refused(out: subprocess.CompletedProcess, seconds: float, *expected: 
     assert len(lines) == 1 and lines[0].startswith("graphcache: "), out.stderr
     for text in expected:
         assert text in lines[0], out.stderr
-    assert "engine loading" not in out.stdout + out.stderr   # the engine never started
+    assert "engine loading" not in out.stdout + out.stderr  # the engine never started
     assert "Traceback" not in out.stderr
 
 
 # --------------------------------------------------------------------------- the process
+
 
 def test_missing_model_directory(tmp_path):
     out, seconds = serve("--model", str(tmp_path / "nope"), "--port", "0")
@@ -95,11 +108,14 @@ def test_port_in_use():
 
 
 def test_bad_setting_still_exits_2_first(tmp_path):
-    out, _ = serve("--model", str(tmp_path / "nope"), "--max-num-seqs", "64", "--max-num-batched-tokens", "32")
+    out, _ = serve(
+        "--model", str(tmp_path / "nope"), "--max-num-seqs", "64", "--max-num-batched-tokens", "32"
+    )
     assert out.returncode == 2 and "invalid setting" in out.stderr and "does not exist" not in out.stderr
 
 
 # --------------------------------------------------------------------------- the checks, in process
+
 
 def test_a_complete_directory_passes(tmp_path):
     check_model_dir(model_dir(tmp_path))
@@ -111,12 +127,15 @@ def test_the_tiny_model_passes(tmp_path):
     check_model_dir(make_default_model(tmp_path / "tiny"))
 
 
-@pytest.mark.parametrize("config, expected", [
-    ("{not json", "not valid JSON"),
-    ("[1, 2]", "not an object"),
-    ({k: v for k, v in LLAMA_CONFIG.items() if k != "hidden_size"}, "lacks 'hidden_size'"),
-    ({**LLAMA_CONFIG, "hidden_size": "wide"}, "malformed field"),
-])
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "not an object"),
+        ({k: v for k, v in LLAMA_CONFIG.items() if k != "hidden_size"}, "lacks 'hidden_size'"),
+        ({**LLAMA_CONFIG, "hidden_size": "wide"}, "malformed field"),
+    ],
+)
 def test_broken_config_json(tmp_path, config, expected):
     with pytest.raises(StartupError, match=expected):
         check_model_dir(model_dir(tmp_path, config=config))
@@ -149,14 +168,19 @@ def test_bin_weights_are_named(tmp_path):
 def test_missing_shards_are_named(tmp_path):
     path = model_dir(tmp_path, weights=False)
     (path / "model-00001-of-00002.safetensors").write_bytes(b"")
-    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
-        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+        )
+    )
     with pytest.raises(StartupError, match="1 shard.*model-00002-of-00002.safetensors.*finish the download"):
         check_model_dir(path)
 
 
 def test_max_model_len_over_the_models_limit(tmp_path):
-    with pytest.raises(StartupError, match="max_model_len 4096 exceeds the model's limit 128.*--max-model-len"):
+    with pytest.raises(
+        StartupError, match="max_model_len 4096 exceeds the model's limit 128.*--max-model-len"
+    ):
         check_model_dir(model_dir(tmp_path), max_model_len=4096)
     check_model_dir(tmp_path / "model", max_model_len=128)
 

@@ -34,7 +34,7 @@ SCHEMA = {
 def validate(obj, schema) -> None:
     try:
         import jsonschema
-    except ImportError:   # by hand: the fields SCHEMA defines
+    except ImportError:  # by hand: the fields SCHEMA defines
         assert set(obj) == {"name", "level", "tags"}
         assert isinstance(obj["name"], str) and len(obj["name"]) <= 12
         assert obj["level"] in (1, 2, 3) and not isinstance(obj["level"], bool)
@@ -54,13 +54,20 @@ def structured(runner):
     return StructuredOutput(runner.tokenizer, runner.vocab_size)
 
 
-def generate(runner, structured: StructuredOutput, spec: StructuredSpec, seed: int, max_tokens: int = 160,
-             prompt: list[int] | None = None) -> tuple[str, Sequence]:
+def generate(
+    runner,
+    structured: StructuredOutput,
+    spec: StructuredSpec,
+    seed: int,
+    max_tokens: int = 160,
+    prompt: list[int] | None = None,
+) -> tuple[str, Sequence]:
     """Drive the model by hand as the engine will: execute, mask, sample (temperature 1, seeded),
     accept; stop on EOS or when the grammar is complete."""
     prompt = prompt or prompt_ids(12, seed=seed)
-    seq = Sequence(f"r{seed}", prompt, SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens,
-                                                      structured=spec))
+    seq = Sequence(
+        f"r{seed}", prompt, SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens, structured=spec)
+    )
     seq.grammar = structured.new_matcher(spec)
     table = Blocks(runner.block_size).table(len(prompt) + max_tokens + 1)
     sampler, eos = Sampler(), set(runner.tokenizer.eos_token_ids)
@@ -78,7 +85,9 @@ def generate(runner, structured: StructuredOutput, spec: StructuredSpec, seed: i
             break
         feed = [token]
     else:
-        pytest.fail(f"no complete output in {max_tokens} tokens: {runner.tokenizer.decode(seq.output_token_ids)!r}")
+        pytest.fail(
+            f"no complete output in {max_tokens} tokens: {runner.tokenizer.decode(seq.output_token_ids)!r}"
+        )
     assert seq.grammar.is_accepting()
     return runner.tokenizer.decode(seq.output_token_ids), seq
 
@@ -117,23 +126,27 @@ def test_lark_grammar_output_matches(runner, structured):
 def test_unconstrained_output_is_not_json(runner, structured):
     """The reference: without the mask the random model does not write valid JSON by itself."""
     seq = Sequence("free", prompt_ids(12), SamplingParams(temperature=1.0, seed=0))
-    logits = runner.execute(StepBatch([StepSeq(seq.prompt_token_ids, 0, Blocks(runner.block_size).table(16),
-                                               need_logits=True)])).logits[:1]
+    logits = runner.execute(
+        StepBatch([StepSeq(seq.prompt_token_ids, 0, Blocks(runner.block_size).table(16), need_logits=True)])
+    ).logits[:1]
     first = runner.tokenizer.decode([int(Sampler().sample_device(logits, [seq])[0])])
     assert not first.lstrip().startswith("{")
 
 
-@pytest.mark.parametrize("spec, param", [
-    (StructuredSpec("json_schema", '{"type": "objekt"}'), "response_format"),
-    (StructuredSpec("json_schema", "{not json"), "response_format"),
-    (StructuredSpec("json_schema", "[1, 2]"), "response_format"),
-    (StructuredSpec("regex", "a(b"), "structured_outputs"),
-    (StructuredSpec("regex", ""), "structured_outputs"),
-    (StructuredSpec("choice", ()), "structured_outputs"),
-    (StructuredSpec("choice", ("a", 3)), "structured_outputs"),
-    (StructuredSpec("grammar", "start: undefined_rule"), "structured_outputs"),
-    (StructuredSpec("structural_tag", "{}"), "structured_outputs"),
-])
+@pytest.mark.parametrize(
+    "spec, param",
+    [
+        (StructuredSpec("json_schema", '{"type": "objekt"}'), "response_format"),
+        (StructuredSpec("json_schema", "{not json"), "response_format"),
+        (StructuredSpec("json_schema", "[1, 2]"), "response_format"),
+        (StructuredSpec("regex", "a(b"), "structured_outputs"),
+        (StructuredSpec("regex", ""), "structured_outputs"),
+        (StructuredSpec("choice", ()), "structured_outputs"),
+        (StructuredSpec("choice", ("a", 3)), "structured_outputs"),
+        (StructuredSpec("grammar", "start: undefined_rule"), "structured_outputs"),
+        (StructuredSpec("structural_tag", "{}"), "structured_outputs"),
+    ],
+)
 def test_invalid_specs_are_client_errors(structured, spec, param):
     with pytest.raises(InvalidRequest) as info:
         structured.check(spec)
@@ -149,8 +162,8 @@ def test_compiled_grammars_are_cached_lru(runner):
     first = so.compiled(a)
     assert so.compiled(a) is first and so.cache_len == 1
     so.compiled(b)
-    so.compiled(a)            # a is now the most recent
-    so.compiled(c)            # evicts b
+    so.compiled(a)  # a is now the most recent
+    so.compiled(c)  # evicts b
     assert so.cache_len == 2 and so.compiled(a) is first
     # A dict schema and its JSON text are distinct keys but compile the same; matchers are independent.
     m1, m2 = so.new_matcher(a), so.new_matcher(a)
@@ -159,7 +172,7 @@ def test_compiled_grammars_are_cached_lru(runner):
 
 def test_apply_masks_only_grammar_rows_in_place_and_padding_ids(runner):
     tok = runner.tokenizer
-    padded = tok.vocab_size + 70    # a model vocab wider than the tokenizer's (padded embedding)
+    padded = tok.vocab_size + 70  # a model vocab wider than the tokenizer's (padded embedding)
     so = StructuredOutput(tok, padded)
     spec = StructuredSpec("choice", ("hello", "help"))
     seqs = [Sequence(str(i), [5], SamplingParams(structured=spec if i != 1 else None)) for i in range(3)]
@@ -168,12 +181,12 @@ def test_apply_masks_only_grammar_rows_in_place_and_padding_ids(runner):
     logits = torch.randn(3, padded, generator=torch.Generator().manual_seed(0))
     before = logits.clone()
     so.apply(logits, seqs)
-    assert torch.equal(logits[1], before[1])                      # no grammar: untouched
+    assert torch.equal(logits[1], before[1])  # no grammar: untouched
     allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
     pieces = [tok.decode([i]) for i in allowed]
     assert pieces and all(p and ("hello".startswith(p) or "help".startswith(p)) for p in pieces), pieces
-    assert torch.equal(torch.isfinite(logits[0]), torch.isfinite(logits[2]))   # same grammar, same mask
-    assert torch.isinf(logits[0, tok.vocab_size:]).all()          # padding ids are never allowed
+    assert torch.equal(torch.isfinite(logits[0]), torch.isfinite(logits[2]))  # same grammar, same mask
+    assert torch.isinf(logits[0, tok.vocab_size :]).all()  # padding ids are never allowed
     assert torch.equal(logits[0][torch.isfinite(logits[0])], before[0][torch.isfinite(logits[0])])
     # Same result when every row has a grammar (the whole-tensor path).
     both = before[[0, 2]].clone()
@@ -190,8 +203,8 @@ def test_eos_only_when_complete_and_done_when_nothing_can_follow(runner, structu
     assert not eos & set(structured.allowed_token_ids(seq))
     for t in tok.encode("yes", add_special_tokens=False):
         assert accept(seq, t)
-    assert eos <= set(structured.allowed_token_ids(seq))   # "yes" is complete: EOS allowed
-    assert not is_done(seq)                                  # ... but "yesterday" may still follow
+    assert eos <= set(structured.allowed_token_ids(seq))  # "yes" is complete: EOS allowed
+    assert not is_done(seq)  # ... but "yesterday" may still follow
     for t in tok.encode("terday", add_special_tokens=False):
         assert accept(seq, t)
     assert is_done(seq) and set(structured.allowed_token_ids(seq)) <= eos
@@ -200,7 +213,7 @@ def test_eos_only_when_complete_and_done_when_nothing_can_follow(runner, structu
     other.grammar = structured.new_matcher(spec)
     assert not accept(other, tok.encode("no", add_special_tokens=False)[0])
     assert not is_done(other) and "broke the output's grammar" in grammar_failure(other)
-    assert accept(Sequence("plain", [5], SamplingParams()), 7)   # no grammar: always accepted
+    assert accept(Sequence("plain", [5], SamplingParams()), 7)  # no grammar: always accepted
 
 
 @pytest.mark.cuda
@@ -222,7 +235,9 @@ def _engine_integrated() -> bool:
     return hasattr(EngineCore, "structured")
 
 
-@pytest.mark.skipif(not _engine_integrated(), reason="EngineCore does not call engine/sample/structured.py yet")
+@pytest.mark.skipif(
+    not _engine_integrated(), reason="EngineCore does not call engine/sample/structured.py yet"
+)
 def test_engine_serves_constrained_requests_alike_with_and_without_async_scheduling():
     """Through EngineCore: constrained requests next to a free one end with "stop" and valid output,
     and async scheduling (which must not overlap grammar steps) changes nothing."""
@@ -231,13 +246,28 @@ def test_engine_serves_constrained_requests_alike_with_and_without_async_schedul
 
     path = tiny_checkpoint("llama")
     pattern = r"[0-9]{3}-[a-z]{2}"
-    reqs = [("j", prompt_ids(8, seed=1), SamplingParams(max_tokens=150, seed=1, structured=StructuredSpec(
-                "json_schema", json.dumps(SCHEMA)))),
-            ("c", prompt_ids(5, seed=2), SamplingParams(max_tokens=20, seed=2, structured=StructuredSpec(
-                "choice", ("alpha", "beta gamma")))),
-            ("r", prompt_ids(6, seed=3), SamplingParams(max_tokens=30, seed=3, structured=StructuredSpec(
-                "regex", pattern))),
-            ("free", prompt_ids(7, seed=4), SamplingParams(max_tokens=12, seed=4, ignore_eos=True))]
+    reqs = [
+        (
+            "j",
+            prompt_ids(8, seed=1),
+            SamplingParams(
+                max_tokens=150, seed=1, structured=StructuredSpec("json_schema", json.dumps(SCHEMA))
+            ),
+        ),
+        (
+            "c",
+            prompt_ids(5, seed=2),
+            SamplingParams(
+                max_tokens=20, seed=2, structured=StructuredSpec("choice", ("alpha", "beta gamma"))
+            ),
+        ),
+        (
+            "r",
+            prompt_ids(6, seed=3),
+            SamplingParams(max_tokens=30, seed=3, structured=StructuredSpec("regex", pattern)),
+        ),
+        ("free", prompt_ids(7, seed=4), SamplingParams(max_tokens=12, seed=4, ignore_eos=True)),
+    ]
     results = []
     for mode in ("off", "on"):
         settings = cpu_settings(path, async_scheduling=mode)
@@ -247,6 +277,10 @@ def test_engine_serves_constrained_requests_alike_with_and_without_async_schedul
     decode = core.runner.tokenizer.decode
     text = {rid: decode(ids) for rid, (ids, _) in results[0].items()}
     assert {rid: reason for rid, (_, reason) in results[0].items()} == {
-        "j": "stop", "c": "stop", "r": "stop", "free": "length"}
+        "j": "stop",
+        "c": "stop",
+        "r": "stop",
+        "free": "length",
+    }
     validate(json.loads(text["j"]), SCHEMA)
     assert text["c"] in ("alpha", "beta gamma") and re.fullmatch(pattern, text["r"])

@@ -13,17 +13,23 @@ from graphcache.model.parallel import TensorParallel, vocab_shard
 from helpers_dist import gloo_group, run_ranks
 from helpers_model import cpu_settings, prompt_ids, tiny_checkpoint
 
-PROMPTS = (prompt_ids(7, seed=1), prompt_ids(5, seed=2))   # two different inputs
-TABLES = ([0, 1], [2, 3])                                   # block_size 4: 8 tokens each
+PROMPTS = (prompt_ids(7, seed=1), prompt_ids(5, seed=2))  # two different inputs
+TABLES = ([0, 1], [2, 3])  # block_size 4: 8 tokens each
 
 
 def _steps(runner: ModelRunner) -> list[torch.Tensor]:
     """A prefill of both prompts, then a decode step of both: [2, V] fp32 logits per step."""
-    prefill = StepBatch([StepSeq(list(p), 0, t, need_logits=True) for p, t in zip(PROMPTS, TABLES, strict=True)])
+    prefill = StepBatch(
+        [StepSeq(list(p), 0, t, need_logits=True) for p, t in zip(PROMPTS, TABLES, strict=True)]
+    )
     first = runner.execute(prefill).logits.float().clone()
     nxt = first.argmax(-1).tolist()
-    decode = StepBatch([StepSeq([nxt[i]], len(p), t, need_logits=True)
-                        for i, (p, t) in enumerate(zip(PROMPTS, TABLES, strict=True))])
+    decode = StepBatch(
+        [
+            StepSeq([nxt[i]], len(p), t, need_logits=True)
+            for i, (p, t) in enumerate(zip(PROMPTS, TABLES, strict=True))
+        ]
+    )
     second = runner.execute(decode).logits.float().clone()
     return [first, second]
 
@@ -33,16 +39,18 @@ def _parity_rank(rank: int, world: int, port: int, paths: list[str], out_dir: st
         tp = TensorParallel.from_group()
         results = {}
         for path in paths:
-            for eager in (True, False):   # eager steps, and the graph cache's (eager-backend) captures
-                runner = ModelRunner(cpu_settings(path, tensor_parallel_size=world, enforce_eager=eager), tp=tp)
-                kv = runner.kv_storage.shape                     # [layers, 2, blocks, bs, K / N, D]
+            for eager in (True, False):  # eager steps, and the graph cache's (eager-backend) captures
+                runner = ModelRunner(
+                    cpu_settings(path, tensor_parallel_size=world, enforce_eager=eager), tp=tp
+                )
+                kv = runner.kv_storage.shape  # [layers, 2, blocks, bs, K / N, D]
                 assert kv[4] == runner.model_config.num_kv_heads // world, kv
                 results[(path, eager)] = _steps(runner)
         torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 
 CHECKPOINTS = {
-    "llama": dict(arch="llama"),                                  # GQA 4 / 2 heads, untied head
+    "llama": dict(arch="llama"),  # GQA 4 / 2 heads, untied head
     # Biased q/k/v, tied embeddings, and a vocabulary of 1027 rows: not divisible by 2 (padded shard).
     "qwen2-odd-vocab": dict(arch="qwen2", model_vocab_size=1027),
 }
@@ -59,15 +67,24 @@ def test_sharded_logits_equal_unsharded(tmp_path):
             for eager in (True, False):
                 for step, (a, b) in enumerate(zip(got[(path, eager)], ref, strict=True)):
                     assert a.shape == b.shape
-                    assert b.abs().max() > 0.1    # real logits, not a vacuous match of zeros
-                    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4,
-                                               msg=lambda m, n=name, r=rank, s=step, e=eager:
-                                               f"{n} rank {r} step {s} eager={e}: {m}")
+                    assert b.abs().max() > 0.1  # real logits, not a vacuous match of zeros
+                    torch.testing.assert_close(
+                        a,
+                        b,
+                        atol=1e-4,
+                        rtol=1e-4,
+                        msg=lambda m, n=name, r=rank, s=step, e=eager: (
+                            f"{n} rank {r} step {s} eager={e}: {m}"
+                        ),
+                    )
 
 
 def test_kv_heads_not_divisible_is_refused_with_the_fix():
-    config = read_config(tiny_checkpoint("llama"))   # 4 heads, 2 KV heads
-    with pytest.raises(ModelLoadError, match="set tensor_parallel_size to a divisor of 2"), torch.device("meta"):
+    config = read_config(tiny_checkpoint("llama"))  # 4 heads, 2 KV heads
+    with (
+        pytest.raises(ModelLoadError, match="set tensor_parallel_size to a divisor of 2"),
+        torch.device("meta"),
+    ):
         LlamaModel(config, tp=TensorParallel(rank=0, size=4))
 
 

@@ -31,8 +31,10 @@ def walks(monkeypatch):
 
 
 def checker() -> RequestChecker:
-    return RequestChecker(EngineLimits(vocab_size=VOCAB, max_model_len=4096, block_size=16, num_usable_blocks=1024),
-                          tokenizer=None)
+    return RequestChecker(
+        EngineLimits(vocab_size=VOCAB, max_model_len=4096, block_size=16, num_usable_blocks=1024),
+        tokenizer=None,
+    )
 
 
 def test_every_choice_shares_one_checked_list_and_the_engine_never_walks_it(walks, monkeypatch):
@@ -44,7 +46,7 @@ def test_every_choice_shares_one_checked_list_and_the_engine_never_walks_it(walk
         return original_new(cls, *args, **kwargs)
 
     monkeypatch.setattr(TokenIds, "__new__", counting_new)
-    allowed = token_ids.unique_token_ids(list(range(VOCAB)) * 2, VOCAB)   # repeats: deduplicated
+    allowed = token_ids.unique_token_ids(list(range(VOCAB)) * 2, VOCAB)  # repeats: deduplicated
     prompt = token_ids.shared_prompt_ids([7, 8, 9], VOCAB)
     assert built[0] == 2 and len(allowed) == VOCAB and isinstance(prompt, TokenIds)
     base = SamplingParams(max_tokens=4, allowed_token_ids=allowed)
@@ -54,9 +56,9 @@ def test_every_choice_shares_one_checked_list_and_the_engine_never_walks_it(walk
     params = [sampling.choice_params(base, i, plan) for i in range(N)]
     for i, p in enumerate(params):
         check.check(Sequence(f"r-{i}", [7, 8, 9], p), prompt_checked=prompt.checked_for(VOCAB))
-    assert walks[0] == 0                                   # no choice walked the 5000 ids again
+    assert walks[0] == 0  # no choice walked the 5000 ids again
     assert all(p.allowed_token_ids is allowed for p in params)
-    assert built[0] == 2                                   # checked once per request, not once per choice
+    assert built[0] == 2  # checked once per request, not once per choice
 
 
 def test_direct_callers_with_plain_lists_are_still_checked():
@@ -87,7 +89,7 @@ def test_token_ids_refuse_what_is_not_an_id_and_survive_pickling():
         TokenIds([VOCAB], VOCAB)
     with pytest.raises(APIError):
         token_ids.unique_token_ids([VOCAB], VOCAB)
-    assert isinstance(token_ids.shared_prompt_ids([VOCAB], VOCAB), list)   # the engine refuses it
+    assert isinstance(token_ids.shared_prompt_ids([VOCAB], VOCAB), list)  # the engine refuses it
     ids = TokenIds([3, 1], VOCAB)
     back = pickle.loads(pickle.dumps(ids))
     assert back == (3, 1) and isinstance(back, TokenIds) and back.vocab_size == VOCAB

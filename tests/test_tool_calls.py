@@ -11,19 +11,40 @@ from graphcache.api.tool_calls import ToolCallStreamParser, check_tools, parse_t
 from graphcache.engine.errors import InvalidRequest
 from test_structured import generate
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 10},
-        "unit": {"type": "string", "enum": ["c", "f"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "integer", "enum": [0, 1, 2]}},
-                                       "required": ["zone"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "unit": {"type": "string", "enum": ["c", "f"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "integer", "enum": [0, 1, 2]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 ONE_CALL = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
-TWO_CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris {x}", "unit": "c"}}\n</tool_call>\n'
-             '<tool_call>\n{"name": "get_time", "arguments": {"zone": 1, "nested": {"a": [1, {"b": "}"}]}}}\n</tool_call>')
+TWO_CALLS = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris {x}", "unit": "c"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {"zone": 1, "nested": {"a": [1, {"b": "}"}]}}}\n</tool_call>'
+)
 
 
 def test_parse_single_call_with_content():
@@ -45,12 +66,16 @@ def test_parse_parallel_calls_keep_raw_arguments():
     assert len({c["id"] for c in calls}) == 2
 
 
-@pytest.mark.parametrize("text", [
-    "just an answer, no tools", "",
-    "<tool_call>\n{not json}\n</tool_call>",
-    '<tool_call>\n{"arguments": {}}\n</tool_call>',          # no name
-    '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>',   # arguments not an object
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "just an answer, no tools",
+        "",
+        "<tool_call>\n{not json}\n</tool_call>",
+        '<tool_call>\n{"arguments": {}}\n</tool_call>',  # no name
+        '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>',  # arguments not an object
+    ],
+)
 def test_no_valid_call_is_all_content(text):
     assert parse_tool_calls(text) == (text, [])
 
@@ -70,10 +95,13 @@ def stream(pieces: list[str]) -> tuple[str, list[dict]]:
     for d in deltas:
         content += d.content
         for tc in d.tool_calls:
-            if "id" in tc:   # the header comes first and once
+            if "id" in tc:  # the header comes first and once
                 assert tc["index"] not in calls and tc["index"] == len(calls) and tc["type"] == "function"
-                calls[tc["index"]] = {"id": tc["id"], "name": tc["function"]["name"],
-                                      "arguments": tc["function"].get("arguments", "")}
+                calls[tc["index"]] = {
+                    "id": tc["id"],
+                    "name": tc["function"]["name"],
+                    "arguments": tc["function"].get("arguments", ""),
+                }
             else:
                 assert set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}
                 calls[tc["index"]]["arguments"] += tc["function"]["arguments"]
@@ -81,9 +109,15 @@ def stream(pieces: list[str]) -> tuple[str, list[dict]]:
     return content, [calls[i] for i in range(len(calls))]
 
 
-TEXTS = [ONE_CALL, TWO_CALLS, "plain text only <tool", "no call, trailing space  \n",
-         "a < b and <tool_c is not a tag\n", '  \n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>  ',
-         '<tool_call>\n{"arguments": {"x": 1}, "name": "f"}\n</tool_call>']
+TEXTS = [
+    ONE_CALL,
+    TWO_CALLS,
+    "plain text only <tool",
+    "no call, trailing space  \n",
+    "a < b and <tool_c is not a tag\n",
+    '  \n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>  ',
+    '<tool_call>\n{"arguments": {"x": 1}, "name": "f"}\n</tool_call>',
+]
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -110,24 +144,30 @@ def test_streaming_announces_name_before_arguments_complete():
 
 # --- tools and tool_choice -----------------------------------------------------------------
 
+
 def test_auto_and_none_constrain_nothing():
     assert tool_choice_spec([WEATHER], "auto") is None
     assert tool_choice_spec([WEATHER], "none") is None
     assert tool_choice_spec(None, None) is None
-    assert check_tools([{"type": "function", "function": {"name": "noargs"}}]) == {"noargs": {"type": "object"}}
+    assert check_tools([{"type": "function", "function": {"name": "noargs"}}]) == {
+        "noargs": {"type": "object"}
+    }
 
 
-@pytest.mark.parametrize("tools, choice, param", [
-    ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
-    ([WEATHER], {"type": "function"}, "tool_choice"),
-    ([WEATHER], "sometimes", "tool_choice"),
-    (None, "required", "tool_choice"),
-    ([WEATHER, WEATHER], "auto", "tools"),
-    ([{"type": "function", "function": {"name": "bad name!"}}], "auto", "tools"),
-    ([{"type": "retrieval"}], "auto", "tools"),
-    ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], "auto", "tools"),
-    ("get_weather", "auto", "tools"),
-])
+@pytest.mark.parametrize(
+    "tools, choice, param",
+    [
+        ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+        ([WEATHER], {"type": "function"}, "tool_choice"),
+        ([WEATHER], "sometimes", "tool_choice"),
+        (None, "required", "tool_choice"),
+        ([WEATHER, WEATHER], "auto", "tools"),
+        ([{"type": "function", "function": {"name": "bad name!"}}], "auto", "tools"),
+        ([{"type": "retrieval"}], "auto", "tools"),
+        ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], "auto", "tools"),
+        ("get_weather", "auto", "tools"),
+    ],
+)
 def test_invalid_tools_and_tool_choice(tools, choice, param):
     with pytest.raises(InvalidRequest) as info:
         tool_choice_spec(tools, choice)
@@ -140,8 +180,11 @@ def runner():
     from helpers_model import cpu_settings, tiny_checkpoint
 
     # Room for the tools system prompt (~480 tokens on the tiny vocabulary) plus the call.
-    return ModelRunner(cpu_settings(tiny_checkpoint("llama"), max_model_len=1024, max_num_batched_tokens=1024,
-                                    num_kv_blocks=512))
+    return ModelRunner(
+        cpu_settings(
+            tiny_checkpoint("llama"), max_model_len=1024, max_num_batched_tokens=1024, num_kv_blocks=512
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +198,9 @@ def structured(runner):
 def test_named_tool_choice_forces_a_parseable_call(runner, structured, seed):
     spec = tool_choice_spec([WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}})
     structured.check(spec, param="tools")
-    prompt = runner.tokenizer.encode_chat([{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER, TIME])
+    prompt = runner.tokenizer.encode_chat(
+        [{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER, TIME]
+    )
     text, _ = generate(runner, structured, spec, seed, max_tokens=120, prompt=prompt)
     content, calls = parse_tool_calls(text)
     assert content is None and len(calls) == 1, text
@@ -188,4 +233,4 @@ def test_single_call_grammar_when_not_parallel(structured):
     call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": 2}}\n</tool_call>'
     for t in structured.ll_tokenizer.tokenize_str(call):
         assert accept(seq, t)
-    assert is_done(seq)   # one call, nothing may follow
+    assert is_done(seq)  # one call, nothing may follow

@@ -26,8 +26,13 @@ from helpers_api import EngineNotNeeded, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-SMALL = {"device": "cpu", "max_num_seqs": 4, "max_num_batched_tokens": 64, "warmup_decode_sizes": [1],
-         "capture_sizes": [1, 2, 4, 8, 16]}
+SMALL = {
+    "device": "cpu",
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 64,
+    "warmup_decode_sizes": [1],
+    "capture_sizes": [1, 2, 4, 8, 16],
+}
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there!"}]
 SECRET_ID = "zz-never-echo-this-id-zz"
 
@@ -64,7 +69,9 @@ async def stand_in(engine, **settings):
 
 def openai_client(app, api_key: str = "unused") -> openai.AsyncOpenAI:
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
-    return openai.AsyncOpenAI(base_url="http://testserver/v1", api_key=api_key, http_client=http, max_retries=0)
+    return openai.AsyncOpenAI(
+        base_url="http://testserver/v1", api_key=api_key, http_client=http, max_retries=0
+    )
 
 
 def error_of(resp: httpx.Response, status: int) -> dict:
@@ -75,6 +82,7 @@ def error_of(resp: httpx.Response, status: int) -> dict:
 
 
 # --------------------------------------------------------------------------- /tokenize, /detokenize
+
 
 async def test_tokenize_prompt_has_vllms_shape_and_the_completions_ids(client, engine):
     r = await client.post("/tokenize", json={"model": engine.model_name, "prompt": "Once upon a time"})
@@ -112,7 +120,7 @@ async def test_tokenize_chat_form_is_what_chat_completions_feeds_the_engine(clie
     assert done.json()["usage"]["prompt_tokens"] == body["count"]
     without = (await client.post("/tokenize", json={"messages": CHAT, "add_generation_prompt": False})).json()
     assert without["tokens"] == engine.tokenizer.encode_chat(CHAT, False)
-    assert body["tokens"][:without["count"]] == without["tokens"] and body["count"] > without["count"]
+    assert body["tokens"][: without["count"]] == without["tokens"] and body["count"] > without["count"]
     # "developer" is "system" to the template, as in /v1/chat/completions.
     dev = [{"role": "developer", "content": "Be brief."}, CHAT[1]]
     assert (await client.post("/tokenize", json={"messages": dev})).json()["tokens"] == body["tokens"]
@@ -140,15 +148,19 @@ async def test_tokenize_refuses_oversized_text_before_tokenizing(client, engine,
     assert "aaaa" not in err["message"]
 
 
-@pytest.mark.parametrize("body, param", [
-    ({}, None),
-    ({"prompt": "x", "messages": CHAT}, None),
-    ({"messages": CHAT, "add_special_tokens": True}, None),
-    ({"prompt": 5}, "prompt"),
-    ({"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
-    ({"messages": []}, "messages"),
-    ({"prompt": "x", "return_token_strs": True}, None),
-], ids=["neither", "both", "chat-add-special", "prompt-type", "flag-type", "no-messages", "token-strs"])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({}, None),
+        ({"prompt": "x", "messages": CHAT}, None),
+        ({"messages": CHAT, "add_special_tokens": True}, None),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+        ({"messages": []}, "messages"),
+        ({"prompt": "x", "return_token_strs": True}, None),
+    ],
+    ids=["neither", "both", "chat-add-special", "prompt-type", "flag-type", "no-messages", "token-strs"],
+)
 async def test_tokenize_bad_bodies_are_400(client, body, param):
     err = error_of(await client.post("/tokenize", json=body), 400)
     assert err["type"] == "invalid_request_error" and err["param"] == param
@@ -160,13 +172,17 @@ async def test_tokenizer_endpoints_check_the_model_without_echo(client):
         assert err["code"] == "model_not_found" and SECRET_ID not in err["message"]
 
 
-@pytest.mark.parametrize("tokens, param", [
-    ([5, -1], "tokens[1]"),
-    ([1024 * 1024], "tokens[0]"),
-    ([5, 6, "7"], "tokens[2]"),
-    ([5, 1.5], "tokens[1]"),
-    ("5 6", "tokens"),
-], ids=["negative", "past-vocab", "string", "float", "not-a-list"])
+@pytest.mark.parametrize(
+    "tokens, param",
+    [
+        ([5, -1], "tokens[1]"),
+        ([1024 * 1024], "tokens[0]"),
+        ([5, 6, "7"], "tokens[2]"),
+        ([5, 1.5], "tokens[1]"),
+        ("5 6", "tokens"),
+    ],
+    ids=["negative", "past-vocab", "string", "float", "not-a-list"],
+)
 async def test_detokenize_bad_ids_are_400(client, tokens, param):
     err = error_of(await client.post("/detokenize", json={"tokens": tokens}), 400)
     assert err["param"] == param and err["type"] == "invalid_request_error"
@@ -187,7 +203,7 @@ async def test_tokenizer_endpoints_wait_for_the_model(cache_dir):
     """While loading, the tokenizer endpoints answer 503 not_ready, like generation."""
     settings = Settings(cache_dir=cache_dir, **SMALL)
     engine = Engine(settings, Metrics())
-    app = create_app(settings, engine=engine)   # lifespan not entered: the engine never starts
+    app = create_app(settings, engine=engine)  # lifespan not entered: the engine never starts
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
         for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [5]})):
             err = error_of(await c.post(path, json=body), 503)
@@ -195,6 +211,7 @@ async def test_tokenizer_endpoints_wait_for_the_model(cache_dir):
 
 
 # --------------------------------------------------------------------------- /v1/models/{id}
+
 
 async def test_models_retrieve_with_the_openai_client(served, engine):
     app = served[1]
@@ -211,8 +228,12 @@ async def test_models_retrieve_with_the_openai_client(served, engine):
 async def test_unknown_model_is_openai_404_without_echo(client, engine):
     r = await client.get(f"/v1/models/{SECRET_ID}")
     err = error_of(r, 404)
-    assert err == {"message": err["message"], "type": "invalid_request_error", "param": None,
-                   "code": "model_not_found"}
+    assert err == {
+        "message": err["message"],
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "model_not_found",
+    }
     assert SECRET_ID not in r.text and engine.model_name in err["message"]
     assert error_of(await client.get("/v1/models/"), 404)["code"] == "model_not_found"
 
@@ -227,10 +248,13 @@ async def test_models_retrieve_takes_ids_with_slashes():
         assert (await client.get("/v1/models/Qwen%2FQwen2.5-0.5B-Instruct")).status_code == 200
         assert error_of(await client.get("/v1/models/Qwen"), 404)["code"] == "model_not_found"
         async with openai_client(app) as oai:
-            assert (await oai.models.retrieve("Qwen/Qwen2.5-0.5B-Instruct")).id == "Qwen/Qwen2.5-0.5B-Instruct"
+            assert (
+                await oai.models.retrieve("Qwen/Qwen2.5-0.5B-Instruct")
+            ).id == "Qwen/Qwen2.5-0.5B-Instruct"
 
 
 # --------------------------------------------------------------------------- /version, /ping, --version
+
 
 async def test_version(client):
     r = await client.get("/version")

@@ -48,39 +48,55 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 NAN = float("nan")
 
 
-def _case(num_heads, num_kv_heads, head_dim, block_size, reqs, *, dtype=torch.float32, pad_tokens=3,
-          spare_blocks=2, seed=0, device=DEVICE):
+def _case(
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    reqs,
+    *,
+    dtype=torch.float32,
+    pad_tokens=3,
+    spare_blocks=2,
+    seed=0,
+    device=DEVICE,
+):
     """reqs: [(query_len, seq_len)] (decode row: (1, L); chunk over a prefix: (n, L > n)).
     Returns (q [T + pad, H, D], k_cache, v_cache, query_start_loc [R + 1] int32, seq_lens [R] int64,
     block_tables [R, B] int64)."""
     gen = torch.Generator().manual_seed(seed)
     per_req = [-(-length // block_size) for _, length in reqs]
-    width = max(per_req) + 2                                     # table entries past every context
+    width = max(per_req) + 2  # table entries past every context
     num_blocks = sum(per_req) + spare_blocks + 1
-    ids = torch.randperm(num_blocks, generator=gen)              # shuffled, non-contiguous block ids
+    ids = torch.randperm(num_blocks, generator=gen)  # shuffled, non-contiguous block ids
     poison = int(ids[-1])
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-    for spare in ids[sum(per_req):].tolist():                    # blocks no context references
+    for spare in ids[sum(per_req) :].tolist():  # blocks no context references
         k_cache[spare] = NAN
         v_cache[spare] = NAN
     tables = torch.full((len(reqs), width), poison, dtype=torch.int64)
     nxt = 0
     for r, ((_, length), nb) in enumerate(zip(reqs, per_req, strict=True)):
-        tables[r, :nb] = ids[nxt:nxt + nb]
+        tables[r, :nb] = ids[nxt : nxt + nb]
         nxt += nb
-        if length % block_size:                                  # slots past the length in the last block
-            k_cache[int(ids[nxt - 1]), length % block_size:] = NAN
-            v_cache[int(ids[nxt - 1]), length % block_size:] = NAN
+        if length % block_size:  # slots past the length in the last block
+            k_cache[int(ids[nxt - 1]), length % block_size :] = NAN
+            v_cache[int(ids[nxt - 1]), length % block_size :] = NAN
     starts = [0]
     for n, _ in reqs:
         starts.append(starts[-1] + n)
     q = torch.randn((starts[-1] + pad_tokens, num_heads, head_dim), generator=gen)
-    q[starts[-1]:] = NAN                                          # padded rows: never read
+    q[starts[-1] :] = NAN  # padded rows: never read
     to = dict(device=device)
-    return (q.to(dtype=dtype, **to), k_cache.to(dtype=dtype, **to), v_cache.to(dtype=dtype, **to),
-            torch.tensor(starts, dtype=torch.int32, **to), torch.tensor([s for _, s in reqs], **to),
-            tables.to(**to))
+    return (
+        q.to(dtype=dtype, **to),
+        k_cache.to(dtype=dtype, **to),
+        v_cache.to(dtype=dtype, **to),
+        torch.tensor(starts, dtype=torch.int32, **to),
+        torch.tensor([s for _, s in reqs], **to),
+        tables.to(**to),
+    )
 
 
 def _reference(q, k_cache, v_cache, starts, seq_lens, tables, scale):
@@ -92,22 +108,33 @@ def _reference(q, k_cache, v_cache, starts, seq_lens, tables, scale):
     for r, length in enumerate(lens):
         s, e = starts[r], starts[r + 1]
         slots = [(tables[r][p // block_size], p % block_size) for p in range(length)]
-        k = torch.stack([k_cache[b, o] for b, o in slots]).double()                     # [L, K, D]
+        k = torch.stack([k_cache[b, o] for b, o in slots]).double()  # [L, K, D]
         v = torch.stack([v_cache[b, o] for b, o in slots]).double()
         for t in range(s, e):
-            pos = length - (e - s) + (t - s)                                             # causal, bottom-right
+            pos = length - (e - s) + (t - s)  # causal, bottom-right
             heads = []
             for h in range(q.shape[1]):
-                w = (k[:pos + 1, h // group] @ q[t, h].double() * scale).softmax(0)      # [pos + 1]
-                heads.append(w @ v[:pos + 1, h // group])
+                w = (k[: pos + 1, h // group] @ q[t, h].double() * scale).softmax(0)  # [pos + 1]
+                heads.append(w @ v[: pos + 1, h // group])
             outs.append(torch.stack(heads))
-    return torch.stack(outs)                                                             # [T, H, D]
+    return torch.stack(outs)  # [T, H, D]
 
 
 def _run(q, k_cache, v_cache, starts, seq_lens, tables, scale, config=None, max_query_len=None):
     out = torch.full_like(q, NAN)
-    unified_attention(q, k_cache, v_cache, out, starts, seq_lens, tables, scale, num_reqs=len(seq_lens),
-                      config=config, max_query_len=max_query_len)
+    unified_attention(
+        q,
+        k_cache,
+        v_cache,
+        out,
+        starts,
+        seq_lens,
+        tables,
+        scale,
+        num_reqs=len(seq_lens),
+        config=config,
+        max_query_len=max_query_len,
+    )
     return out
 
 
@@ -124,7 +151,9 @@ MIXES = {
 @pytest.mark.parametrize("heads", [(4, 4, 64), (8, 2, 64), (7, 1, 128)], ids=lambda h: "H{}K{}D{}".format(*h))
 def test_matches_reference_fp32(heads, block_size, mix):
     reqs = MIXES[mix]
-    q, k_cache, v_cache, starts, seq_lens, tables = _case(*heads, block_size, reqs, seed=block_size + len(mix))
+    q, k_cache, v_cache, starts, seq_lens, tables = _case(
+        *heads, block_size, reqs, seed=block_size + len(mix)
+    )
     scale = heads[2] ** -0.5
     max_q = max(n for n, _ in reqs)
     # a small M and N so several query tiles and K/V tiles are exercised at these tiny sizes
@@ -134,7 +163,7 @@ def test_matches_reference_fp32(heads, block_size, mix):
     ref = _reference(q, k_cache, v_cache, starts, seq_lens, tables, scale)
     assert torch.isfinite(ref).all()
     assert not out[:real].isnan().any()
-    assert out[real:].isnan().all()                             # padded rows untouched
+    assert out[real:].isnan().all()  # padded rows untouched
     torch.testing.assert_close(out[:real].double(), ref, rtol=1e-4, atol=1e-5)
 
 
@@ -158,16 +187,16 @@ def test_reading_past_the_context_would_show():
     q, k_cache, v_cache, starts, seq_lens, tables = _case(4, 2, 16, 16, reqs, seed=3)
     longer = seq_lens + 1
     ref = reference_unified_attention(q, k_cache, v_cache, starts, longer, tables, 0.25, len(reqs))
-    assert ref.isnan().any(dim=2).any(dim=1).all()             # every request's last row hits the poison
+    assert ref.isnan().any(dim=2).any(dim=1).all()  # every request's last row hits the poison
 
 
 def test_fp16():
     reqs = [(1, 50), (6, 40), (1, 129)]
     q, k_cache, v_cache, starts, seq_lens, tables = _case(6, 2, 32, 16, reqs, dtype=torch.float16, seed=5)
-    out = _run(q, k_cache, v_cache, starts, seq_lens, tables, 32 ** -0.5, max_query_len=6)
-    ref = _reference(q, k_cache, v_cache, starts, seq_lens, tables, 32 ** -0.5)
+    out = _run(q, k_cache, v_cache, starts, seq_lens, tables, 32**-0.5, max_query_len=6)
+    ref = _reference(q, k_cache, v_cache, starts, seq_lens, tables, 32**-0.5)
     assert out.dtype == torch.float16
-    torch.testing.assert_close(out[:int(starts[-1])].double(), ref, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(out[: int(starts[-1])].double(), ref, rtol=2e-2, atol=2e-3)
 
 
 def test_bad_block_m_raises():
@@ -202,15 +231,27 @@ def test_cuda_bf16(shape, block_size, mix):
     accumulation), every real row finite, padded rows untouched."""
     gen = torch.Generator().manual_seed(block_size)
     decodes = [(1, int(n)) for n in torch.randint(1, 513, (48,), generator=gen)]
-    reqs = {"decodes": decodes, "mixed": decodes + [(192, 192), (37, 37)],
-            "prefix": decodes[:16] + [(192, 512), (100, 300)]}[mix]
-    q, k_cache, v_cache, starts, seq_lens, tables = _case(*SHAPES[shape], block_size, reqs, dtype=torch.bfloat16,
-                                                          seed=7)
+    reqs = {
+        "decodes": decodes,
+        "mixed": decodes + [(192, 192), (37, 37)],
+        "prefix": decodes[:16] + [(192, 512), (100, 300)],
+    }[mix]
+    q, k_cache, v_cache, starts, seq_lens, tables = _case(
+        *SHAPES[shape], block_size, reqs, dtype=torch.bfloat16, seed=7
+    )
     max_q = max(n for n, _ in reqs)
     out = _run(q, k_cache, v_cache, starts, seq_lens, tables, SHAPES[shape][2] ** -0.5, max_query_len=max_q)
     real = int(starts[-1])
-    ref = reference_unified_attention(q.double(), k_cache.double(), v_cache.double(), starts, seq_lens, tables,
-                                      SHAPES[shape][2] ** -0.5, len(reqs)).double()
+    ref = reference_unified_attention(
+        q.double(),
+        k_cache.double(),
+        v_cache.double(),
+        starts,
+        seq_lens,
+        tables,
+        SHAPES[shape][2] ** -0.5,
+        len(reqs),
+    ).double()
     assert not out[:real].isnan().any()
     assert out[real:].isnan().all()
     assert _rel_err(out[:real], ref) < 1e-2
@@ -221,12 +262,17 @@ def test_cuda_bf16(shape, block_size, mix):
 def test_cuda_graph_replay_with_new_metadata():
     """Captured once with fixed T, R and config; replayed with new starts, lengths and tables."""
     heads, block_size, scale = SHAPES["qwen"], 16, 0.125
-    cases = [_case(*heads, block_size, reqs, dtype=torch.bfloat16, pad_tokens=0, spare_blocks=0, seed=s)
-             for s, reqs in ((1, [(1, 300)] * 8 + [(56, 100)]), (2, [(1, 17)] * 4 + [(30, 30), (27, 400)] + [(1, 5)] * 3))]
+    cases = [
+        _case(*heads, block_size, reqs, dtype=torch.bfloat16, pad_tokens=0, spare_blocks=0, seed=s)
+        for s, reqs in (
+            (1, [(1, 300)] * 8 + [(56, 100)]),
+            (2, [(1, 17)] * 4 + [(30, 30), (27, 400)] + [(1, 5)] * 3),
+        )
+    ]
     width = max(c[5].shape[1] for c in cases)
     num_blocks = max(c[1].shape[0] for c in cases)
     q_s = torch.empty_like(cases[0][0])
-    assert q_s.shape == cases[1][0].shape                        # both 64 tokens
+    assert q_s.shape == cases[1][0].shape  # both 64 tokens
     k_s = torch.zeros((num_blocks, block_size, heads[1], heads[2]), dtype=torch.bfloat16, device="cuda")
     v_s, out_s = torch.zeros_like(k_s), torch.empty_like(q_s)
     starts_s = torch.zeros(10, dtype=torch.int32, device="cuda")
@@ -237,12 +283,12 @@ def test_cuda_graph_replay_with_new_metadata():
     def load(c):
         q, k, v, st, n, t = c
         q_s.copy_(q)
-        k_s[:k.shape[0]].copy_(k)
-        v_s[:v.shape[0]].copy_(v)
+        k_s[: k.shape[0]].copy_(k)
+        v_s[: v.shape[0]].copy_(v)
         starts_s.copy_(st)
         lens_s.copy_(n)
         tables_s.zero_()
-        tables_s[:, :t.shape[1]].copy_(t)
+        tables_s[:, : t.shape[1]].copy_(t)
 
     def call():
         unified_attention(q_s, k_s, v_s, out_s, starts_s, lens_s, tables_s, scale, num_reqs=9, config=config)
@@ -261,13 +307,15 @@ def test_cuda_graph_replay_with_new_metadata():
         out_s.fill_(NAN)
         graph.replay()
         torch.cuda.synchronize()
-        ref = reference_unified_attention(q_s.double(), k_s.double(), v_s.double(), starts_s, lens_s, tables_s,
-                                          scale, 9)
+        ref = reference_unified_attention(
+            q_s.double(), k_s.double(), v_s.double(), starts_s, lens_s, tables_s, scale, 9
+        )
         assert not out_s.isnan().any()
         assert _rel_err(out_s, ref) < 1e-2
 
 
 # ---------------------------------------------------------------------------------- runner / engine
+
 
 def _mixed_steps(runner):
     """Three steps through a runner: two fresh chunks; a decode + a chunk over a cached prefix + a
@@ -278,10 +326,12 @@ def _mixed_steps(runner):
     a, b, c = prompt_ids(12, seed=1), prompt_ids(14, seed=2), prompt_ids(6, seed=3)
     blocks = Blocks(runner.block_size)
     ta, tb, tc = blocks.table(12), blocks.table(14), blocks.table(6)
-    steps = [[StepSeq(a[:7], 0, ta, True), StepSeq(b[:5], 0, tb, False)],
-             [StepSeq([a[7]], 7, ta, True), StepSeq(b[5:12], 5, tb, True), StepSeq(c[:5], 0, tc, True)],
-             [StepSeq([a[8]], 8, ta, True), StepSeq([b[12]], 12, tb, True), StepSeq([c[5]], 5, tc, True)]]
-    return [runner.execute(StepBatch(s)).logits[:len(s)].clone() for s in steps]
+    steps = [
+        [StepSeq(a[:7], 0, ta, True), StepSeq(b[:5], 0, tb, False)],
+        [StepSeq([a[7]], 7, ta, True), StepSeq(b[5:12], 5, tb, True), StepSeq(c[:5], 0, tc, True)],
+        [StepSeq([a[8]], 8, ta, True), StepSeq([b[12]], 12, tb, True), StepSeq([c[5]], 5, tc, True)],
+    ]
+    return [runner.execute(StepBatch(s)).logits[: len(s)].clone() for s in steps]
 
 
 def test_runner_mixed_steps_match_sdpa(monkeypatch):
@@ -313,12 +363,21 @@ def test_cuda_runner_mixed_steps_match_flash():
     from graphcache.engine.worker.runner import ModelRunner
     from helpers_model import cpu_settings, tiny_checkpoint
 
-    path = tiny_checkpoint("qwen2", hidden=256, layers=4, heads=8, kv_heads=2, intermediate=512,
-                           tie_word_embeddings=False)
+    path = tiny_checkpoint(
+        "qwen2", hidden=256, layers=4, heads=8, kv_heads=2, intermediate=512, tie_word_embeddings=False
+    )
     got = {}
     for backend in ("flash", "triton"):
-        runner = ModelRunner(cpu_settings(path, device="cuda", dtype="bfloat16", block_size=16,
-                                          attention_backend=backend, decode_attention_backend="varlen"))
+        runner = ModelRunner(
+            cpu_settings(
+                path,
+                device="cuda",
+                dtype="bfloat16",
+                block_size=16,
+                attention_backend=backend,
+                decode_attention_backend="varlen",
+            )
+        )
         assert runner.attention_kernel == backend
         got[backend] = _mixed_steps(runner)
     for unified, flash in zip(got["triton"], got["flash"], strict=True):
@@ -342,15 +401,25 @@ def test_cuda_engine_greedy_matches_flash(tmp_path):
     from graphcache.metrics import Metrics
     from helpers_model import prompt_ids, tiny_checkpoint
 
-    path = tiny_checkpoint("qwen2", hidden=256, layers=4, heads=8, kv_heads=2, intermediate=512,
-                           tie_word_embeddings=False)
+    path = tiny_checkpoint(
+        "qwen2", hidden=256, layers=4, heads=8, kv_heads=2, intermediate=512, tie_word_embeddings=False
+    )
     prompts = [prompt_ids(20 + 37 * i % 150, seed=i) for i in range(12)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
 
     async def generate(backend):
-        settings = Settings(model=path, cache_dir=tmp_path / backend, device="cuda", dtype="bfloat16",
-                            attention_backend=backend, max_num_seqs=16, max_num_batched_tokens=64,
-                            max_model_len=512, admission="always", capture_time_share=1.0)
+        settings = Settings(
+            model=path,
+            cache_dir=tmp_path / backend,
+            device="cuda",
+            dtype="bfloat16",
+            attention_backend=backend,
+            max_num_seqs=16,
+            max_num_batched_tokens=64,
+            max_model_len=512,
+            admission="always",
+            capture_time_share=1.0,
+        )
         engine = Engine(settings, Metrics())
         engine.start()
         assert engine.wait_ready(600), engine.error
@@ -363,11 +432,12 @@ def test_cuda_engine_greedy_matches_flash(tmp_path):
                     ids += out.token_ids
                     logprobs += out.logprobs or []
                 return ids, logprobs
+
             return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
         finally:
             engine.shutdown()
 
-    near_tie = 0.05   # logprob gap: a few bf16 ulps of logits of this size
+    near_tie = 0.05  # logprob gap: a few bf16 ulps of logits of this size
     flash = asyncio.run(generate("flash"))
     unified = asyncio.run(generate("triton"))
     identical = 0
@@ -380,5 +450,8 @@ def test_cuda_engine_greedy_matches_flash(tmp_path):
         top = want_logprobs[split].top
         assert top[0][1] - top[1][1] < near_tie, (
             f"token {split} differs ({got[split]} vs {want[split]}) where flash's top two were "
-            f"{top[0][1] - top[1][1]:.3f} apart, not a near-tie")
-    assert identical >= len(prompts) * 2 // 3, f"only {identical}/{len(prompts)} requests agree on every token"
+            f"{top[0][1] - top[1][1]:.3f} apart, not a near-tie"
+        )
+    assert identical >= len(prompts) * 2 // 3, (
+        f"only {identical}/{len(prompts)} requests agree on every token"
+    )

@@ -19,11 +19,74 @@ from helpers_api import serving
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-TTFT = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-        80.0, 160.0, 640.0, 2560.0]
-PER_TOKEN = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
-REQUEST = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
-           960.0, 1920.0, 7680.0]
+TTFT = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+PER_TOKEN = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+REQUEST = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 ITERATION = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
 # name -> (type, buckets or None)
@@ -87,14 +150,26 @@ def test_vllm_names_types_labels_and_buckets():
                 assert les[:6] == [1, 2, 5, 10, 20, 50] and les[-2] == 1_000_000
             else:
                 assert les[:-1] == buckets, name
-    reasons = {s.labels["finished_reason"]: s.value for s in fams["vllm:request_success"].samples
-               if s.name == "vllm:request_success_total"}
+    reasons = {
+        s.labels["finished_reason"]: s.value
+        for s in fams["vllm:request_success"].samples
+        if s.name == "vllm:request_success_total"
+    }
     assert reasons == {"stop": 1, "length": 0, "abort": 0, "error": 0}
     # The process collectors, as on prometheus_client's default registry (and so on vLLM's /metrics).
-    assert {"process_resident_memory_bytes", "process_cpu_seconds", "python_gc_collections", "python_info"} <= set(fams)
+    assert {
+        "process_resident_memory_bytes",
+        "process_cpu_seconds",
+        "python_gc_collections",
+        "python_info",
+    } <= set(fams)
     # graphcache's own series are all still there.
-    assert {"graphcache_num_requests_running", "graphcache_time_to_first_token_seconds",
-            "graphcache_requests_finished", "graphcache_prefix_cache_queries"} <= set(fams)
+    assert {
+        "graphcache_num_requests_running",
+        "graphcache_time_to_first_token_seconds",
+        "graphcache_requests_finished",
+        "graphcache_prefix_cache_queries",
+    } <= set(fams)
 
 
 def test_one_two_five_ladder():
@@ -115,10 +190,17 @@ def test_mirrors_follow_graphcache_instruments_and_rebinding():
     m.vllm.observe_first_token(0.2)
     m.bind_model("served")
     text = generate_latest(m.registry).decode()
-    expect = {"vllm:num_requests_running": 3, "vllm:num_requests_waiting": 7, "vllm:kv_cache_usage_perc": 0.25,
-              "vllm:gpu_cache_usage_perc": 0.25, "vllm:prompt_tokens_total": 11, "vllm:generation_tokens_total": 5,
-              "vllm:num_preemptions_total": 2, "vllm:prefix_cache_queries_total": 64,
-              "vllm:prefix_cache_hits_total": 48}
+    expect = {
+        "vllm:num_requests_running": 3,
+        "vllm:num_requests_waiting": 7,
+        "vllm:kv_cache_usage_perc": 0.25,
+        "vllm:gpu_cache_usage_perc": 0.25,
+        "vllm:prompt_tokens_total": 11,
+        "vllm:generation_tokens_total": 5,
+        "vllm:num_preemptions_total": 2,
+        "vllm:prefix_cache_queries_total": 64,
+        "vllm:prefix_cache_hits_total": 48,
+    }
     for name, want in expect.items():
         assert value(text, name, model_name="served", engine="0") == want, name
     # Rebinding drops what was recorded under the old name: no stale series with the default label.
@@ -139,8 +221,11 @@ def test_counted_histogram_matches_prometheus_histogram():
             ref.labels("m", "0").observe(v)
 
     def buckets(family, name):
-        return {(s.name.removeprefix(name), s.labels.get("le")): s.value for s in family.samples
-                if not s.name.endswith("_created")}
+        return {
+            (s.name.removeprefix(name), s.labels.get("le")): s.value
+            for s in family.samples
+            if not s.name.endswith("_created")
+        }
 
     (o,) = ours.collect()
     (r,) = ref.collect()
@@ -187,8 +272,13 @@ def test_request_aborted_in_queue_has_only_e2e_and_lengths():
     m.vllm.observe_finished(seq, now=12.0)
     text = generate_latest(m.registry).decode()
     assert value(text, "vllm:e2e_request_latency_seconds_count") == 1
-    for name in ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
-                 "request_inference_time_seconds", "inter_token_latency_seconds"):
+    for name in (
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_inference_time_seconds",
+        "inter_token_latency_seconds",
+    ):
         assert value(text, f"vllm:{name}_count") == 0, name
     assert value(text, "vllm:request_generation_tokens_sum") == 0
 
@@ -200,9 +290,17 @@ API_KEY = "sk-metrics-test"
 
 @pytest.fixture(scope="module")
 def settings(tmp_path_factory) -> Settings:
-    return Settings(cache_dir=tmp_path_factory.mktemp("cache"), device="cpu", max_num_seqs=4,
-                    max_num_batched_tokens=64, warmup_decode_sizes=[1, 2], capture_sizes=[1, 2, 4],
-                    drain_timeout_s=2.0, served_model_name="tiny-served", api_key=[API_KEY])
+    return Settings(
+        cache_dir=tmp_path_factory.mktemp("cache"),
+        device="cpu",
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        warmup_decode_sizes=[1, 2],
+        capture_sizes=[1, 2, 4],
+        drain_timeout_s=2.0,
+        served_model_name="tiny-served",
+        api_key=[API_KEY],
+    )
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -211,8 +309,13 @@ async def served(settings):
         auth = {"Authorization": f"Bearer {API_KEY}"}
         usages = []
         for i, stream in enumerate((False, False, True)):
-            body = {"model": "tiny-served", "prompt": f"metrics test {i}", "max_tokens": 6, "stream": stream,
-                    "ignore_eos": True}
+            body = {
+                "model": "tiny-served",
+                "prompt": f"metrics test {i}",
+                "max_tokens": 6,
+                "stream": stream,
+                "ignore_eos": True,
+            }
             if stream:
                 body["stream_options"] = {"include_usage": True}
                 async with client.stream("POST", "/v1/completions", json=body, headers=auth) as r:
@@ -226,7 +329,7 @@ async def served(settings):
                 usages.append(r.json()["usage"])
         unauthorized = await client.post("/v1/completions", json={"model": "tiny-served", "prompt": "x"})
         assert unauthorized.status_code == 401
-        scrape = await client.get("/metrics")   # no API key: /metrics stays open like the probes
+        scrape = await client.get("/metrics")  # no API key: /metrics stays open like the probes
         assert scrape.status_code == 200, scrape.text
         yield {"text": scrape.text, "usages": usages}
 
@@ -240,24 +343,34 @@ async def test_served_vllm_series(served):
     assert value(text, "vllm:request_generation_tokens_sum", **labels) == 18
     prompt = sum(u["prompt_tokens"] for u in served["usages"] if u)
     assert value(text, "vllm:request_prompt_tokens_sum", **labels) >= prompt > 0
-    assert value(text, "vllm:prompt_tokens_total", **labels) == value(text, "vllm:request_prompt_tokens_sum", **labels)
+    assert value(text, "vllm:prompt_tokens_total", **labels) == value(
+        text, "vllm:request_prompt_tokens_sum", **labels
+    )
     assert value(text, "vllm:generation_tokens_total", **labels) == 18
     assert value(text, "vllm:time_to_first_token_seconds_count", **labels) == 3
     assert value(text, "vllm:inter_token_latency_seconds_count", **labels) == 3 * 5
     # Per-token latency sums to the decode time; the phases add up: inference = prefill + decode.
     assert value(text, "vllm:inter_token_latency_seconds_sum", **labels) == pytest.approx(
-        value(text, "vllm:request_decode_time_seconds_sum", **labels))
+        value(text, "vllm:request_decode_time_seconds_sum", **labels)
+    )
     assert value(text, "vllm:request_inference_time_seconds_sum", **labels) == pytest.approx(
         value(text, "vllm:request_prefill_time_seconds_sum", **labels)
-        + value(text, "vllm:request_decode_time_seconds_sum", **labels))
+        + value(text, "vllm:request_decode_time_seconds_sum", **labels)
+    )
     # The steps together computed each prompt and each output token fed back (6 outputs: 5 fed back).
     assert value(text, "vllm:iteration_tokens_total_count", **labels) >= 6
-    assert value(text, "vllm:iteration_tokens_total_sum", **labels) == \
-        value(text, "vllm:request_prompt_tokens_sum", **labels) + 3 * 5
+    assert (
+        value(text, "vllm:iteration_tokens_total_sum", **labels)
+        == value(text, "vllm:request_prompt_tokens_sum", **labels) + 3 * 5
+    )
     assert value(text, "vllm:num_requests_running", **labels) == 0
     info = next(f for f in text_string_to_metric_families(text) if f.name == "vllm:cache_config_info")
     (sample,) = info.samples
-    assert sample.value == 1 and int(sample.labels["block_size"]) >= 1 and int(sample.labels["num_gpu_blocks"]) >= 1
+    assert (
+        sample.value == 1
+        and int(sample.labels["block_size"]) >= 1
+        and int(sample.labels["num_gpu_blocks"]) >= 1
+    )
     # graphcache's own series keep counting the same traffic.
     assert value(text, "graphcache_generation_tokens_total") == 18
 
@@ -271,6 +384,9 @@ async def test_served_http_and_process_series(served):
     assert value(text, "http_request_duration_highr_seconds_count") >= 4
     assert value(text, "http_request_duration_seconds_count", handler="/v1/completions", method="POST") >= 4
     # Scrapes and probes are left out of the HTTP series.
-    assert not any(s.labels.get("handler") in ("/metrics", "/health", "/ready")
-                   for f in text_string_to_metric_families(text) for s in f.samples)
+    assert not any(
+        s.labels.get("handler") in ("/metrics", "/health", "/ready")
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    )
     assert value(text, "process_resident_memory_bytes") > 0

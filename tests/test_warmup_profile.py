@@ -23,8 +23,16 @@ from graphcache.metrics import Metrics
 
 TOKEN = "profile-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-SMALL = {"device": "cpu", "max_num_seqs": 4, "max_num_batched_tokens": 64, "warmup_decode_sizes": [1],
-         "capture_sizes": [1, 2, 4, 8, 16], "admin_token": TOKEN, "admission": "always", "capture_time_share": 1.0}
+SMALL = {
+    "device": "cpu",
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 64,
+    "warmup_decode_sizes": [1],
+    "capture_sizes": [1, 2, 4, 8, 16],
+    "admin_token": TOKEN,
+    "admission": "always",
+    "capture_time_share": 1.0,
+}
 # Sequential greedy requests: prefills of 3, 7 and 12 tokens (padded to 4:4, 8:4, 16:4: requests pad to the
 # token size, capped at max_num_seqs' 4) and decodes 1:1:decode.
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17], list(range(20, 32))]
@@ -43,8 +51,9 @@ async def running(settings: Settings):
 
 async def traffic(client: httpx.AsyncClient) -> None:
     for prompt in PROMPTS:
-        r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0,
-                                                       "ignore_eos": True})
+        r = await client.post(
+            "/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        )
         assert r.status_code == 200, r.text
 
 
@@ -77,16 +86,20 @@ def test_uses_survive_eviction_and_clear_and_sort_the_profile():
     for d, n in [(D(8, 2), 3), (D(4, 4, True), 5), (D(16, 1), 1), (D(2, 2, True), 2)]:
         for _ in range(n):
             cache.run(d)
-    assert cache.stats().evictions["entries"] > 0   # 2 entries held, 4 descriptors used
+    assert cache.stats().evictions["entries"] > 0  # 2 entries held, 4 descriptors used
     prof = cache.profile()
     assert prof["version"] == 1
     assert [(p["descriptor"], p["uses"]) for p in prof["descriptors"]] == [
-        ("4:4:decode", 5), ("8:2", 3), ("2:2:decode", 2), ("16:1", 1)]
+        ("4:4:decode", 5),
+        ("8:2", 3),
+        ("2:2:decode", 2),
+        ("16:1", 1),
+    ]
     for p in prof["descriptors"]:
-        assert p["mode"] == "full" and p["bytes"] == 0 and p["capture_ms"] >= 0   # no eager break here
+        assert p["mode"] == "full" and p["bytes"] == 0 and p["capture_ms"] >= 0  # no eager break here
     assert [p["descriptor"] for p in cache.profile(min_uses=3)["descriptors"]] == ["4:4:decode", "8:2"]
     cache.clear()
-    assert cache.profile() == prof   # the traffic is remembered: the cache is not
+    assert cache.profile() == prof  # the traffic is remembered: the cache is not
     assert parse_profile(prof) == [D(4, 4, True), D(8, 2), D(2, 2, True), D(16, 1)]
 
 
@@ -104,31 +117,46 @@ def test_fill_size_gaps_adds_the_unmet_sizes_inside_the_used_span():
         return {"descriptor": desc, "mode": "full", "uses": uses, "bytes": 0, "capture_ms": 1.0}
 
     sizes = CaptureSizes([1, 2, 4, 8, 16, 32, 64])
-    profile = {"version": 1, "descriptors": [
-        item("2:2:decode", 9), item("16:16:decode", 3),            # decode span 2..16: 4 and 8 unmet
-        item("4:4", 7), item("32:8", 2), item("64:8", 1),          # mixed span 4..64, requests capped at 8
-        item("8:8", 0),                                            # held (warmup), not used: no duplicate
-        item("1:1:decode", 0),                                     # unused: does not widen the span
-    ]}
+    profile = {
+        "version": 1,
+        "descriptors": [
+            item("2:2:decode", 9),
+            item("16:16:decode", 3),  # decode span 2..16: 4 and 8 unmet
+            item("4:4", 7),
+            item("32:8", 2),
+            item("64:8", 1),  # mixed span 4..64, requests capped at 8
+            item("8:8", 0),  # held (warmup), not used: no duplicate
+            item("1:1:decode", 0),  # unused: does not widen the span
+        ],
+    }
     filled = fill_size_gaps(profile, sizes)
-    assert filled["descriptors"][:len(profile["descriptors"])] == profile["descriptors"]
-    added = filled["descriptors"][len(profile["descriptors"]):]
+    assert filled["descriptors"][: len(profile["descriptors"])] == profile["descriptors"]
+    added = filled["descriptors"][len(profile["descriptors"]) :]
     assert [p["descriptor"] for p in added] == ["4:4:decode", "8:8:decode", "16:8"]
     assert all(p["uses"] == 0 and p["filled"] and p["mode"] is None for p in added)
     assert parse_profile(filled)[-3:] == [D(4, 4, True), D(8, 8, True), D(16, 8)]
     # Nothing used, or one size per kind: nothing to fill.
     assert fill_size_gaps({"version": 1, "descriptors": [item("8:8:decode", 0)]}, sizes)["descriptors"] == [
-        item("8:8:decode", 0)]
-    assert fill_size_gaps({"version": 1, "descriptors": [item("8:4", 5)]}, sizes)["descriptors"] == [item("8:4", 5)]
+        item("8:8:decode", 0)
+    ]
+    assert fill_size_gaps({"version": 1, "descriptors": [item("8:4", 5)]}, sizes)["descriptors"] == [
+        item("8:4", 5)
+    ]
 
 
-@pytest.mark.parametrize(("data", "part"), [
-    ([], "JSON object"),
-    ({"descriptors": []}, "version"),
-    ({"version": 1}, "descriptors"),
-    ({"version": 1, "descriptors": ["8:8:decode"]}, "descriptors[0]"),
-    ({"version": 1, "descriptors": [{"descriptor": "8:8"}, {"descriptor": "nope"}]}, "descriptors[1].descriptor"),
-])
+@pytest.mark.parametrize(
+    ("data", "part"),
+    [
+        ([], "JSON object"),
+        ({"descriptors": []}, "version"),
+        ({"version": 1}, "descriptors"),
+        ({"version": 1, "descriptors": ["8:8:decode"]}, "descriptors[0]"),
+        (
+            {"version": 1, "descriptors": [{"descriptor": "8:8"}, {"descriptor": "nope"}]},
+            "descriptors[1].descriptor",
+        ),
+    ],
+)
 def test_parse_profile_names_the_bad_part(data, part):
     with pytest.raises(ValueError, match=part.replace("[", r"\[").replace("]", r"\]")):
         parse_profile(data)
@@ -198,8 +226,13 @@ async def test_admin_warmup_accepts_a_profile_and_rejects_bad_ones(cache_dir):
         assert r.status_code == 200, r.text
         assert held(await info(client)) == {"1:1:decode"}
 
-        profile = {"version": 1, "descriptors": [{"descriptor": "16:2", "mode": "breakable", "uses": 9},
-                                                 {"descriptor": "4:4:decode"}]}
+        profile = {
+            "version": 1,
+            "descriptors": [
+                {"descriptor": "16:2", "mode": "breakable", "uses": 9},
+                {"descriptor": "4:4:decode"},
+            ],
+        }
         r = await client.post("/admin/warmup", headers=AUTH, json={"profile": profile})
         assert r.status_code == 200, r.text
         assert set(r.json()["captured"]) == {"16:2", "4:4:decode"}
@@ -208,10 +241,16 @@ async def test_admin_warmup_accepts_a_profile_and_rejects_bad_ones(cache_dir):
         bad = [
             ({"profile": {"version": 2, "descriptors": []}}, "profile"),
             ({"profile": {"version": 1, "descriptors": [{"descriptor": "x"}]}}, "profile"),
-            ({"profile": {"version": 1, "descriptors": [{"descriptor": "8:2"}, {"descriptor": "3:3"}]}},
-             "profile.descriptors[1]"),
-            ({"profile": {"version": 1, "descriptors": [{"descriptor": "16:16:decode"}]}},   # > max_num_seqs
-             "profile.descriptors[0]"),
+            (
+                {"profile": {"version": 1, "descriptors": [{"descriptor": "8:2"}, {"descriptor": "3:3"}]}},
+                "profile.descriptors[1]",
+            ),
+            (
+                {
+                    "profile": {"version": 1, "descriptors": [{"descriptor": "16:16:decode"}]}
+                },  # > max_num_seqs
+                "profile.descriptors[0]",
+            ),
             ({"profile": {"version": 1, "descriptors": []}, "sizes": [1]}, None),
             ({"profile": "8:8"}, "profile"),
         ]
@@ -222,13 +261,19 @@ async def test_admin_warmup_accepts_a_profile_and_rejects_bad_ones(cache_dir):
                 assert r.json()["error"]["param"] == param, (body, r.json())
 
 
-@pytest.mark.parametrize(("content", "expect"), [
-    (json.dumps({"version": 1, "descriptors": [{"descriptor": "8:2"}, {"descriptor": "5:1"}]}), "descriptors[1]"),
-    (json.dumps({"version": 1, "descriptors": [{"descriptor": "8:1"}, {"nope": 1}]}), "descriptors[1]"),
-    (json.dumps({"version": 7, "descriptors": []}), "version"),
-    ("{not json", "cannot be read as JSON"),
-    (None, "cannot be read as JSON"),   # no such file
-])
+@pytest.mark.parametrize(
+    ("content", "expect"),
+    [
+        (
+            json.dumps({"version": 1, "descriptors": [{"descriptor": "8:2"}, {"descriptor": "5:1"}]}),
+            "descriptors[1]",
+        ),
+        (json.dumps({"version": 1, "descriptors": [{"descriptor": "8:1"}, {"nope": 1}]}), "descriptors[1]"),
+        (json.dumps({"version": 7, "descriptors": []}), "version"),
+        ("{not json", "cannot be read as JSON"),
+        (None, "cannot be read as JSON"),  # no such file
+    ],
+)
 def test_bad_profile_file_is_a_startup_error(cache_dir, tmp_path, content, expect):
     path = tmp_path / "bad-profile.json"
     if content is not None:
@@ -249,7 +294,9 @@ async def test_profile_fills_the_size_gaps_traffic_did_not_meet(cache_dir, tmp_p
     warmed with the profile then serves a 7-token prefill (8:4) with no lazy capture."""
     async with running(Settings(cache_dir=cache_dir, **SMALL)) as client:
         for prompt in (PROMPTS[0], PROMPTS[2]):
-            r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0})
+            r = await client.post(
+                "/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0}
+            )
             assert r.status_code == 200, r.text
         bare = (await client.get("/admin/cache/profile?fill_gaps=false", headers=AUTH)).json()
         profile = (await client.get("/admin/cache/profile", headers=AUTH)).json()
@@ -262,7 +309,9 @@ async def test_profile_fills_the_size_gaps_traffic_did_not_meet(cache_dir, tmp_p
     async with running(Settings(cache_dir=cache_dir, warmup_profile=path, **SMALL)) as client:
         start = await info(client)
         assert "8:4" in held(start)
-        r = await client.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 2, "temperature": 0})
+        r = await client.post(
+            "/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 2, "temperature": 0}
+        )
         assert r.status_code == 200, r.text
         served = await info(client)
         assert served["stats"]["captures"] == start["stats"]["captures"]

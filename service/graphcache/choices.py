@@ -10,27 +10,52 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 __all__ = [
-    "ADMISSION_RULES", "ASYNC_SCHEDULING_MODES", "ATTENTION_BACKENDS", "CAPTURE_MODES", "CAPTURE_WARMUPS",
-    "DECODE_ATTENTION_BACKENDS", "DECODE_KERNELS", "DEVICES", "DTYPES", "EVICTION_POLICIES", "FUSED_OPS_MODES",
-    "LAZY_POOLS", "LOG_FORMATS", "LOG_LEVELS", "STEP_MODES", "AdmissionRule", "AsyncScheduling",
-    "AttentionBackend", "CaptureMode", "CaptureWarmup", "DecodeAttentionBackend", "DecodeKernel", "Device",
-    "Dtype", "EvictionPolicy", "FusedOps", "LazyPool", "LogFormat", "LogLevel", "StepMode",
+    "ADMISSION_RULES",
+    "ASYNC_SCHEDULING_MODES",
+    "ATTENTION_BACKENDS",
+    "CAPTURE_MODES",
+    "CAPTURE_WARMUPS",
+    "DECODE_ATTENTION_BACKENDS",
+    "DECODE_KERNELS",
+    "DEVICES",
+    "DTYPES",
+    "EVICTION_POLICIES",
+    "FUSED_OPS_MODES",
+    "LAZY_POOLS",
+    "LOG_FORMATS",
+    "LOG_LEVELS",
+    "STEP_MODES",
+    "AdmissionRule",
+    "AsyncScheduling",
+    "AttentionBackend",
+    "CaptureMode",
+    "CaptureWarmup",
+    "DecodeAttentionBackend",
+    "DecodeKernel",
+    "Device",
+    "Dtype",
+    "EvictionPolicy",
+    "FusedOps",
+    "LazyPool",
+    "LogFormat",
+    "LogLevel",
+    "StepMode",
 ]
 
 # --- model: what runs and which kernels it uses
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 Device = Literal["auto", "cuda", "cpu"]
 AttentionBackend = Literal["auto", "sdpa", "flash", "flash_paged", "triton"]
-DecodeKernel = Literal["triton", "torch", "varlen"]   # what decode_attention_backend=auto resolves to
+DecodeKernel = Literal["triton", "torch", "varlen"]  # what decode_attention_backend=auto resolves to
 DecodeAttentionBackend = Literal["auto", "triton", "torch", "varlen"]
 FusedOps = Literal["auto", "off"]
 
 # --- engine
 AsyncScheduling = Literal["auto", "on", "off"]
-StepMode = Literal["replay", "eager"]   # how a step ran: a graph replay (or capture), or eagerly
+StepMode = Literal["replay", "eager"]  # how a step ran: a graph replay (or capture), or eagerly
 
 # --- graph cache
-CaptureMode = Literal["full", "breakable"]   # one CUDA graph with attention inside, or attention as a break
+CaptureMode = Literal["full", "breakable"]  # one CUDA graph with attention inside, or attention as a break
 AdmissionRule = Literal["auto", "always", "after_n", "never"]
 EvictionPolicy = Literal["lru", "gdsf"]
 LazyPool = Literal["shared", "private"]

@@ -28,8 +28,15 @@ from pydantic import ValidationError
 from graphcache import __version__
 from graphcache.config import Settings
 
-__all__ = ["StartupError", "bind_port", "build_parser", "check_model_dir", "check_tensor_parallel", "main",
-           "settings_from_args"]
+__all__ = [
+    "StartupError",
+    "bind_port",
+    "build_parser",
+    "check_model_dir",
+    "check_tensor_parallel",
+    "main",
+    "settings_from_args",
+]
 
 log = logging.getLogger("graphcache.cli")
 
@@ -41,6 +48,7 @@ DRAIN_BACKSTOP_S = 10.0
 
 
 # --------------------------------------------------------------------------- flags from Settings
+
 
 def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:
     """`int | None` -> (int, True); anything else -> (annotation, False)."""
@@ -59,7 +67,9 @@ def _list_parser(item_type: type, flag: str):
             return [item_type(t) for t in items]
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"{flag} takes comma-separated {item_type.__name__} values, e.g. 1,2,4") from None
+                f"{flag} takes comma-separated {item_type.__name__} values, e.g. 1,2,4"
+            ) from None
+
     return parse
 
 
@@ -89,8 +99,10 @@ def _add_setting_flag(group: argparse._ArgumentGroup, name: str, field) -> None:
         kwargs["type"] = Path
         kwargs["metavar"] = "PATH"
     else:  # a new field type: fail loudly in tests rather than silently dropping the flag
-        raise TypeError(f"cli.py cannot make a flag for setting {name} ({field.annotation}); teach "
-                        "_add_setting_flag this type")
+        raise TypeError(
+            f"cli.py cannot make a flag for setting {name} ({field.annotation}); teach "
+            "_add_setting_flag this type"
+        )
     group.add_argument(flag, **kwargs)
 
 
@@ -103,26 +115,42 @@ def _settings_epilog() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="graphcache", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="graphcache",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="graphcache: an OpenAI-compatible LLM server with a managed CUDA-graph cache.",
-        epilog=_settings_epilog())
-    parser.add_argument("--version", action="version", version=__version__,
-                        help="Print the version (of the installed package) and exit.")
+        epilog=_settings_epilog(),
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=__version__,
+        help="Print the version (of the installed package) and exit.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser("serve", help="Run the HTTP server (OpenAI API, /admin, /metrics, /health, /ready).",
-                           description="Run the HTTP server. The port is bound at once; GET /ready turns 200 "
-                                       "when the model is loaded and the warmup captures are done.")
+    serve = sub.add_parser(
+        "serve",
+        help="Run the HTTP server (OpenAI API, /admin, /metrics, /health, /ready).",
+        description="Run the HTTP server. The port is bound at once; GET /ready turns 200 "
+        "when the model is loaded and the warmup captures are done.",
+    )
     group = serve.add_argument_group("settings")
     for name, field in Settings.flat_fields().items():
         _add_setting_flag(group, name, field)
 
-    tiny = sub.add_parser("make-tiny-model", help="Write the embedded tiny model (random weights) to DIR.",
-                          description="Write a tiny Hugging Face-style model directory (config.json, "
-                                      "model.safetensors, tokenizer.json) for tests and demos.")
+    tiny = sub.add_parser(
+        "make-tiny-model",
+        help="Write the embedded tiny model (random weights) to DIR.",
+        description="Write a tiny Hugging Face-style model directory (config.json, "
+        "model.safetensors, tokenizer.json) for tests and demos.",
+    )
     tiny.add_argument("dir", type=Path, help="Directory to write (created if missing).")
-    tiny.add_argument("--arch", default="llama", help="Architecture of the tiny model: llama, mistral, qwen2 or qwen3 "
-                                                      "(as graphcache.model.tiny supports). [default: llama]")
+    tiny.add_argument(
+        "--arch",
+        default="llama",
+        help="Architecture of the tiny model: llama, mistral, qwen2 or qwen3 "
+        "(as graphcache.model.tiny supports). [default: llama]",
+    )
     tiny.add_argument("--seed", type=int, default=0, help="Seed of the random weights. [default: 0]")
     return parser
 
@@ -136,12 +164,15 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 # --------------------------------------------------------------------------- startup preflight
 
+
 class StartupError(Exception):
     """Serve cannot start: the message is one line, "<what is wrong>; <the fix>"."""
 
 
-MODEL_DIR_HINT = ("pass --model (or GRAPHCACHE_MODEL) a Hugging Face model directory (config.json, "
-                  "*.safetensors, tokenizer.json), or leave it unset to use the embedded tiny model")
+MODEL_DIR_HINT = (
+    "pass --model (or GRAPHCACHE_MODEL) a Hugging Face model directory (config.json, "
+    "*.safetensors, tokenizer.json), or leave it unset to use the embedded tiny model"
+)
 
 
 def check_model_dir(path: Path, max_model_len: int | None = None) -> None:
@@ -157,31 +188,43 @@ def check_model_dir(path: Path, max_model_len: int | None = None) -> None:
     try:
         names = set(os.listdir(path))
     except OSError as e:
-        raise StartupError(f"model directory {where!r} is not readable ({e.strerror or e}); fix its "
-                           f"permissions (e.g. chmod -R a+rX {where}) or run as a user who can read it") from None
+        raise StartupError(
+            f"model directory {where!r} is not readable ({e.strerror or e}); fix its "
+            f"permissions (e.g. chmod -R a+rX {where}) or run as a user who can read it"
+        ) from None
     if "config.json" not in names:
-        raise StartupError(f"model directory {where!r} has no config.json; {MODEL_DIR_HINT} (the directory "
-                           "itself, not its parent: e.g. the snapshot directory huggingface-cli downloaded)")
+        raise StartupError(
+            f"model directory {where!r} has no config.json; {MODEL_DIR_HINT} (the directory "
+            "itself, not its parent: e.g. the snapshot directory huggingface-cli downloaded)"
+        )
     index = path / "model.safetensors.index.json"
     if index.name in names:
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise StartupError(f"{index} is unreadable or malformed ({type(e).__name__}: {e}); "
-                               "re-download it") from None
+            raise StartupError(
+                f"{index} is unreadable or malformed ({type(e).__name__}: {e}); re-download it"
+            ) from None
         missing = [n for n in shards if not (path / n).is_file()]
         if missing:
-            raise StartupError(f"{index.name} in {where!r} lists {len(missing)} shard(s) that are missing, "
-                               f"e.g. {missing[:3]}; finish the download (re-run huggingface-cli download)")
+            raise StartupError(
+                f"{index.name} in {where!r} lists {len(missing)} shard(s) that are missing, "
+                f"e.g. {missing[:3]}; finish the download (re-run huggingface-cli download)"
+            )
     elif not any(n.endswith(".safetensors") for n in names):
         bins = sorted(n for n in names if n.endswith(".bin"))
-        fix = (f"convert {bins[:3]} to safetensors" if bins
-               else "download the model's *.safetensors weights into it")
+        fix = (
+            f"convert {bins[:3]} to safetensors"
+            if bins
+            else "download the model's *.safetensors weights into it"
+        )
         raise StartupError(f"model directory {where!r} has no *.safetensors weights; {fix}")
     if "tokenizer.json" not in names:
-        raise StartupError(f"model directory {where!r} has no tokenizer.json; graphcache needs the fast "
-                           "tokenizer file: download it with the model, or write it with transformers' "
-                           f"AutoTokenizer.from_pretrained(...).save_pretrained({where!r})")
+        raise StartupError(
+            f"model directory {where!r} has no tokenizer.json; graphcache needs the fast "
+            "tokenizer file: download it with the model, or write it with transformers' "
+            f"AutoTokenizer.from_pretrained(...).save_pretrained({where!r})"
+        )
 
     from graphcache.model.config import ModelLoadError, read_config  # imports torch; loads nothing
 
@@ -194,9 +237,11 @@ def check_model_dir(path: Path, max_model_len: int | None = None) -> None:
         if config.sliding_window:
             limit = min(limit, config.sliding_window)
         if max_model_len > limit:
-            raise StartupError(f"max_model_len {max_model_len} exceeds the model's limit {limit} "
-                               "(max_position_embeddings / sliding_window); lower --max-model-len "
-                               "(GRAPHCACHE_MAX_MODEL_LEN) or leave it unset")
+            raise StartupError(
+                f"max_model_len {max_model_len} exceeds the model's limit {limit} "
+                "(max_position_embeddings / sliding_window); lower --max-model-len "
+                "(GRAPHCACHE_MAX_MODEL_LEN) or leave it unset"
+            )
 
 
 def bind_port(host: str, port: int) -> socket.socket:
@@ -205,8 +250,10 @@ def bind_port(host: str, port: int) -> socket.socket:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
-        raise StartupError(f"host {host!r} does not resolve ({e.strerror}); set --host or GRAPHCACHE_HOST "
-                           "to an address of this machine, e.g. 127.0.0.1, or 0.0.0.0 for all") from None
+        raise StartupError(
+            f"host {host!r} does not resolve ({e.strerror}); set --host or GRAPHCACHE_HOST "
+            "to an address of this machine, e.g. 127.0.0.1, or 0.0.0.0 for all"
+        ) from None
     family, _, _, _, address = infos[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -215,15 +262,23 @@ def bind_port(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
-            raise StartupError(f"port {port} on {host} is in use; pick another with --port or GRAPHCACHE_PORT, "
-                               "or stop the process that holds it") from None
+            raise StartupError(
+                f"port {port} on {host} is in use; pick another with --port or GRAPHCACHE_PORT, "
+                "or stop the process that holds it"
+            ) from None
         if e.errno == errno.EACCES:
-            raise StartupError(f"port {port} on {host} needs privileges to bind; pick a port above 1023 with "
-                               "--port or GRAPHCACHE_PORT") from None
+            raise StartupError(
+                f"port {port} on {host} needs privileges to bind; pick a port above 1023 with "
+                "--port or GRAPHCACHE_PORT"
+            ) from None
         if e.errno == errno.EADDRNOTAVAIL:
-            raise StartupError(f"address {host} is not on this machine; set --host or GRAPHCACHE_HOST to one "
-                               "of its addresses, e.g. 127.0.0.1, or 0.0.0.0 for all") from None
-        raise StartupError(f"cannot bind {host}:{port} ({e.strerror or e}); check --host and --port") from None
+            raise StartupError(
+                f"address {host} is not on this machine; set --host or GRAPHCACHE_HOST to one "
+                "of its addresses, e.g. 127.0.0.1, or 0.0.0.0 for all"
+            ) from None
+        raise StartupError(
+            f"cannot bind {host}:{port} ({e.strerror or e}); check --host and --port"
+        ) from None
     sock.set_inheritable(True)
     return sock
 
@@ -249,25 +304,33 @@ def check_tensor_parallel(settings: Settings) -> None:
     size = settings.model.tensor_parallel_size
     if settings.model.path is not None:
         config, where = read_config(settings.model.path), f"model {str(settings.model.path)!r}"
-    else:   # the embedded tiny model, by its shape (not written yet)
+    else:  # the embedded tiny model, by its shape (not written yet)
         shape = DEFAULT_SHAPE
-        config = types.SimpleNamespace(num_heads=shape["heads"], num_kv_heads=shape["kv_heads"],
-                                       intermediate_size=shape["intermediate"])
+        config = types.SimpleNamespace(
+            num_heads=shape["heads"], num_kv_heads=shape["kv_heads"], intermediate_size=shape["intermediate"]
+        )
         where = "the embedded tiny model"
     try:
         check_shardable(config, size)
     except ModelLoadError as e:
-        raise StartupError(f"{where}: {e} (--tensor-parallel-size, GRAPHCACHE_TENSOR_PARALLEL_SIZE)") from None
+        raise StartupError(
+            f"{where}: {e} (--tensor-parallel-size, GRAPHCACHE_TENSOR_PARALLEL_SIZE)"
+        ) from None
     import torch
 
-    wants_cuda = settings.model.device == "cuda" or (settings.model.device == "auto" and torch.cuda.is_available())
+    wants_cuda = settings.model.device == "cuda" or (
+        settings.model.device == "auto" and torch.cuda.is_available()
+    )
     if wants_cuda and torch.cuda.device_count() < size:
-        raise StartupError(f"tensor_parallel_size {size} needs {size} GPUs, torch sees {torch.cuda.device_count()}; "
-                           "lower --tensor-parallel-size (GRAPHCACHE_TENSOR_PARALLEL_SIZE) or make more GPUs "
-                           "visible (CUDA_VISIBLE_DEVICES)")
+        raise StartupError(
+            f"tensor_parallel_size {size} needs {size} GPUs, torch sees {torch.cuda.device_count()}; "
+            "lower --tensor-parallel-size (GRAPHCACHE_TENSOR_PARALLEL_SIZE) or make more GPUs "
+            "visible (CUDA_VISIBLE_DEVICES)"
+        )
 
 
 # --------------------------------------------------------------------------- commands
+
 
 def _serve(settings: Settings) -> int:
     try:
@@ -311,11 +374,20 @@ def _serve(settings: Settings) -> int:
     # The HTTP limits uvicorn lacks (head size and timeout, open connections): api/http_protocol.py.
     http = settings.http
     protocol = guarded_protocol(http.max_header_bytes, http.header_timeout_s, http.max_connections)
-    config = uvicorn.Config(app, host=http.host, port=http.port, log_config=None, access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=http.drain_timeout_s + DRAIN_BACKSTOP_S,
-                            log_level=settings.logging.log_level.lower(), http=protocol,
-                            h11_max_incomplete_event_size=http.max_header_bytes,
-                            timeout_keep_alive=http.header_timeout_s, limit_concurrency=http.max_connections)
+    config = uvicorn.Config(
+        app,
+        host=http.host,
+        port=http.port,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=http.drain_timeout_s + DRAIN_BACKSTOP_S,
+        log_level=settings.logging.log_level.lower(),
+        http=protocol,
+        h11_max_incomplete_event_size=http.max_header_bytes,
+        timeout_keep_alive=http.header_timeout_s,
+        limit_concurrency=http.max_connections,
+    )
     server = DrainingServer(config)
     # uvicorn re-raises the signal that stopped it once it is done; a graceful stop exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -364,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                 # ("http", "admin_token") -> admin_token: the flat name the user set
                 loc = err["loc"][1:] if err["loc"] and err["loc"][0] in Settings.model_fields else err["loc"]
                 where = ".".join(map(str, loc)) or "settings"
-                message = err["msg"].removeprefix("Value error, ")   # never err["input"]: it may be a secret
+                message = err["msg"].removeprefix("Value error, ")  # never err["input"]: it may be a secret
                 print(f"graphcache serve: invalid setting {where}: {message}", file=sys.stderr)
             return 2
         return _serve(settings)

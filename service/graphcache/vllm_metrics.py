@@ -31,16 +31,78 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-ENGINE = "0"                          # the `engine` label: vLLM numbers engine cores; graphcache has one
+ENGINE = "0"  # the `engine` label: vLLM numbers engine cores; graphcache has one
 LABELS = ("model_name", "engine")
 
 # vLLM's buckets.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                         10.0, 20.0, 40.0, 80.0)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+TOKEN_LATENCY_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -63,10 +125,12 @@ TOKEN_COUNT_BUCKETS = one_two_five(1_000_000)
 class CountedHistogram(Collector):
     """A labelled histogram whose observe() records `count` equal observations at once."""
 
-    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], registry: CollectorRegistry):
+    def __init__(
+        self, name: str, documentation: str, buckets: tuple[float, ...], registry: CollectorRegistry
+    ):
         self.name, self.documentation, self.bounds = name, documentation, tuple(float(b) for b in buckets)
         self._lock = threading.Lock()
-        self._series: dict[tuple[str, ...], list] = {}   # label values -> [per-bucket counts (+Inf last), sum]
+        self._series: dict[tuple[str, ...], list] = {}  # label values -> [per-bucket counts (+Inf last), sum]
         registry.register(self)
 
     def labels(self, *values: str) -> _CountedChild:
@@ -79,7 +143,7 @@ class CountedHistogram(Collector):
             self._series.pop(values, None)
 
     def observe(self, values: tuple[str, ...], value: float, count: int) -> None:
-        i = bisect_left(self.bounds, value)   # first bucket whose upper bound (le) is >= value
+        i = bisect_left(self.bounds, value)  # first bucket whose upper bound (le) is >= value
         with self._lock:
             series = self._series[values]
             series[0][i] += count
@@ -125,36 +189,58 @@ class _Mirror(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         m, labels = self.view.metrics, [self.view.model_name, ENGINE]
         for name, doc, source in (
-                ("vllm:num_requests_running", "Number of requests in model execution batches.", m.requests_running),
-                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", m.requests_waiting),
-                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m.kv_usage),
-                ("vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage. DEPRECATED: use "
-                 "vllm:kv_cache_usage_perc instead.", m.kv_usage)):
+            (
+                "vllm:num_requests_running",
+                "Number of requests in model execution batches.",
+                m.requests_running,
+            ),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", m.requests_waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m.kv_usage),
+            (
+                "vllm:gpu_cache_usage_perc",
+                "KV-cache usage. 1 means 100 percent usage. DEPRECATED: use "
+                "vllm:kv_cache_usage_perc instead.",
+                m.kv_usage,
+            ),
+        ):
             family = GaugeMetricFamily(name, doc, labels=LABELS)
             for _, value in _samples(source, ""):
                 family.add_metric(labels, value)
             yield family
         for name, doc, source in (
-                ("vllm:prompt_tokens", "Number of prefill tokens processed.", m.prompt_tokens),
-                ("vllm:generation_tokens", "Number of generation tokens processed.", m.generation_tokens),
-                ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", m.preemptions),
-                ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-                 m.prefix_cache_queries),
-                ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                 m.prefix_cache_hits)):
+            ("vllm:prompt_tokens", "Number of prefill tokens processed.", m.prompt_tokens),
+            ("vllm:generation_tokens", "Number of generation tokens processed.", m.generation_tokens),
+            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", m.preemptions),
+            (
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                m.prefix_cache_queries,
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                m.prefix_cache_hits,
+            ),
+        ):
             family = CounterMetricFamily(name, doc, labels=LABELS)
             for _, value in _samples(source, "_total"):
                 family.add_metric(labels, value)
             yield family
-        success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
-                                      labels=[*LABELS, "finished_reason"])
+        success = CounterMetricFamily(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels=[*LABELS, "finished_reason"],
+        )
         for sample_labels, value in _samples(m.requests_finished, "_total"):
             success.add_metric([*labels, sample_labels["reason"]], value)
         yield success
         config = self.view.cache_config
         if config:
-            info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                                     labels=[*config, "engine"])
+            info = GaugeMetricFamily(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                labels=[*config, "engine"],
+            )
             info.add_metric([*config.values(), ENGINE], 1)
             yield info
 
@@ -166,44 +252,86 @@ class VllmMetrics:
         # metrics: the owning graphcache.metrics.Metrics (untyped here: metrics.py imports this module)
         self.metrics = metrics
         self.model_name = model_name
-        self.cache_config: dict[str, str] = {}   # vllm:cache_config_info labels; empty until the KV cache exists
+        self.cache_config: dict[
+            str, str
+        ] = {}  # vllm:cache_config_info labels; empty until the KV cache exists
         r = registry
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(name, doc, list(LABELS), buckets=buckets, registry=r)
 
         self._histograms: dict[str, Histogram | CountedHistogram] = {
-            "ttft": histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              TTFT_BUCKETS),
-            "itl": CountedHistogram("vllm:inter_token_latency_seconds",
-                                    "Histogram of inter-token latency in seconds.", TOKEN_LATENCY_BUCKETS, r),
-            "tpot": CountedHistogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in "
-                                     "seconds. DEPRECATED: use vllm:inter_token_latency_seconds instead.",
-                                     TOKEN_LATENCY_BUCKETS, r),
-            "request_tpot": histogram("vllm:request_time_per_output_token_seconds",
-                                      "Histogram of time_per_output_token_seconds per request.",
-                                      TOKEN_LATENCY_BUCKETS),
-            "e2e": histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                             REQUEST_LATENCY_BUCKETS),
-            "queue": histogram("vllm:request_queue_time_seconds",
-                               "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS),
-            "inference": histogram("vllm:request_inference_time_seconds",
-                                   "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS),
-            "prefill": histogram("vllm:request_prefill_time_seconds",
-                                 "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS),
-            "decode": histogram("vllm:request_decode_time_seconds",
-                                "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS),
-            "prompt_len": histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
-                                    TOKEN_COUNT_BUCKETS),
-            "generation_len": histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
-                                        TOKEN_COUNT_BUCKETS),
-            "max_generation": histogram("vllm:request_max_num_generation_tokens",
-                                        "Histogram of maximum number of requested generation tokens.",
-                                        TOKEN_COUNT_BUCKETS),
-            "max_tokens": histogram("vllm:request_params_max_tokens",
-                                    "Histogram of the max_tokens request parameter.", TOKEN_COUNT_BUCKETS),
-            "iteration_tokens": histogram("vllm:iteration_tokens_total",
-                                          "Histogram of number of tokens per engine_step.", ITERATION_TOKEN_BUCKETS),
+            "ttft": histogram(
+                "vllm:time_to_first_token_seconds",
+                "Histogram of time to first token in seconds.",
+                TTFT_BUCKETS,
+            ),
+            "itl": CountedHistogram(
+                "vllm:inter_token_latency_seconds",
+                "Histogram of inter-token latency in seconds.",
+                TOKEN_LATENCY_BUCKETS,
+                r,
+            ),
+            "tpot": CountedHistogram(
+                "vllm:time_per_output_token_seconds",
+                "Histogram of time per output token in "
+                "seconds. DEPRECATED: use vllm:inter_token_latency_seconds instead.",
+                TOKEN_LATENCY_BUCKETS,
+                r,
+            ),
+            "request_tpot": histogram(
+                "vllm:request_time_per_output_token_seconds",
+                "Histogram of time_per_output_token_seconds per request.",
+                TOKEN_LATENCY_BUCKETS,
+            ),
+            "e2e": histogram(
+                "vllm:e2e_request_latency_seconds",
+                "Histogram of e2e request latency in seconds.",
+                REQUEST_LATENCY_BUCKETS,
+            ),
+            "queue": histogram(
+                "vllm:request_queue_time_seconds",
+                "Histogram of time spent in WAITING phase for request.",
+                REQUEST_LATENCY_BUCKETS,
+            ),
+            "inference": histogram(
+                "vllm:request_inference_time_seconds",
+                "Histogram of time spent in RUNNING phase for request.",
+                REQUEST_LATENCY_BUCKETS,
+            ),
+            "prefill": histogram(
+                "vllm:request_prefill_time_seconds",
+                "Histogram of time spent in PREFILL phase for request.",
+                REQUEST_LATENCY_BUCKETS,
+            ),
+            "decode": histogram(
+                "vllm:request_decode_time_seconds",
+                "Histogram of time spent in DECODE phase for request.",
+                REQUEST_LATENCY_BUCKETS,
+            ),
+            "prompt_len": histogram(
+                "vllm:request_prompt_tokens", "Number of prefill tokens processed.", TOKEN_COUNT_BUCKETS
+            ),
+            "generation_len": histogram(
+                "vllm:request_generation_tokens",
+                "Number of generation tokens processed.",
+                TOKEN_COUNT_BUCKETS,
+            ),
+            "max_generation": histogram(
+                "vllm:request_max_num_generation_tokens",
+                "Histogram of maximum number of requested generation tokens.",
+                TOKEN_COUNT_BUCKETS,
+            ),
+            "max_tokens": histogram(
+                "vllm:request_params_max_tokens",
+                "Histogram of the max_tokens request parameter.",
+                TOKEN_COUNT_BUCKETS,
+            ),
+            "iteration_tokens": histogram(
+                "vllm:iteration_tokens_total",
+                "Histogram of number of tokens per engine_step.",
+                ITERATION_TOKEN_BUCKETS,
+            ),
         }
         r.register(_Mirror(self))
         self._bind()
@@ -251,7 +379,7 @@ class VllmMetrics:
         n = seq.num_output_tokens
         self.prompt_len.observe(seq.num_prompt_tokens)
         self.generation_len.observe(n)
-        self.max_generation.observe(n)   # one sequence per choice here: its own length is the group's max
+        self.max_generation.observe(n)  # one sequence per choice here: its own length is the group's max
         if seq.params.max_tokens is not None:
             self.max_tokens.observe(seq.params.max_tokens)
         if n > 1 and first is not None and last is not None:

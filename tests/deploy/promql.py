@@ -14,8 +14,25 @@ _MATCHERS = re.compile(r"\{[^{}]*\}")
 _GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^()]*\)")
 _RANGE = re.compile(r"\[[^\]]*\]")
 _IDENT = re.compile(r"(?<![\w:.$])([a-zA-Z_:][a-zA-Z0-9_:]*)(?![\w:])(?!\s*\()")
-_KEYWORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right",
-             "bool", "offset", "inf", "nan", "le", "atan2", "start", "end"}
+_KEYWORDS = {
+    "and",
+    "or",
+    "unless",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "offset",
+    "inf",
+    "nan",
+    "le",
+    "atan2",
+    "start",
+    "end",
+}
 
 
 def metric_names(expr: str) -> set[str]:

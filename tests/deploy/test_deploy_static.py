@@ -62,6 +62,7 @@ def static_samples() -> set[str]:
 
 # --- promtool ---------------------------------------------------------------------------------------
 
+
 def test_promtool_check_config():
     proc = promtool("check", "config", str(PROM / "prometheus.yml"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -93,8 +94,14 @@ def test_alert_coverage_and_labels():
     names = {r["alert"] for r in rules}
     # The issue's list: eviction thrashing, low hit ratio, pool near budget, capture failures, slow TTFT,
     # not ready.
-    assert {"GraphcacheEvictionThrashing", "GraphcacheLowHitRatio", "GraphcachePoolNearBudget",
-            "GraphcacheCaptureFailures", "GraphcacheSlowTimeToFirstToken", "GraphcacheNotReady"} <= names
+    assert {
+        "GraphcacheEvictionThrashing",
+        "GraphcacheLowHitRatio",
+        "GraphcachePoolNearBudget",
+        "GraphcacheCaptureFailures",
+        "GraphcacheSlowTimeToFirstToken",
+        "GraphcacheNotReady",
+    } <= names
     for r in rules:
         assert r["labels"]["severity"] in {"info", "warning", "critical"}, r["alert"]
         assert r["annotations"]["summary"] and r["annotations"]["description"], r["alert"]
@@ -102,11 +109,14 @@ def test_alert_coverage_and_labels():
 
 # --- dashboard --------------------------------------------------------------------------------------
 
+
 def assert_panels_well_formed(dash: dict) -> dict:
     """The shape every shipped Grafana dashboard keeps: a `datasource` variable for Prometheus, every
     panel on it with non-empty queries, inside the 24-column grid. Returns the variables by name."""
     variables = {v["name"]: v for v in dash["templating"]["list"]}
-    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert (
+        variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    )
     for p in dash["panels"]:
         if p["type"] == "row":
             continue
@@ -123,16 +133,29 @@ def test_dashboard_shape():
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids)), "panel ids are unique"
     titles = " | ".join(p["title"] for p in dash["panels"]).lower()
-    for wanted in ("hit ratio", "pool bytes vs budget", "captures", "evictions", "step time by mode",
-                   "time to first token", "time per output token", "queue"):
+    for wanted in (
+        "hit ratio",
+        "pool bytes vs budget",
+        "captures",
+        "evictions",
+        "step time by mode",
+        "time to first token",
+        "time per output token",
+        "queue",
+    ):
         assert wanted in titles, f"dashboard lacks a {wanted!r} panel"
     assert_panels_well_formed(dash)
 
 
 def test_dashboard_quantiles_cover_ttft_and_tpot():
     exprs = [e for _, e in dashboard_exprs()]
-    for metric in ("graphcache_time_to_first_token_seconds_bucket", "graphcache_time_per_output_token_seconds_bucket"):
-        phis = {float(m) for e in exprs if metric in e for m in re.findall(r"histogram_quantile\(([\d.]+)", e)}
+    for metric in (
+        "graphcache_time_to_first_token_seconds_bucket",
+        "graphcache_time_per_output_token_seconds_bucket",
+    ):
+        phis = {
+            float(m) for e in exprs if metric in e for m in re.findall(r"histogram_quantile\(([\d.]+)", e)
+        }
         assert {0.5, 0.99} <= phis, (metric, phis)
     assert any("graphcache_step_seconds_bucket" in e and "mode" in e for e in exprs)
     assert any("graphcache_graph_pool_budget_bytes" in e for e in exprs)
@@ -140,8 +163,10 @@ def test_dashboard_quantiles_cover_ttft_and_tpot():
 
 def test_dashboard_queries_parse_as_promql(tmp_path):
     """promtool parses every dashboard query (as a recording rule), Grafana variables substituted."""
-    rules = [{"record": f"graphcache:dashboard_query_{i}", "expr": grafana_to_promql(e)}
-             for i, (_, e) in enumerate(dashboard_exprs())]
+    rules = [
+        {"record": f"graphcache:dashboard_query_{i}", "expr": grafana_to_promql(e)}
+        for i, (_, e) in enumerate(dashboard_exprs())
+    ]
     f = tmp_path / "dashboard_rules.yml"
     f.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
     proc = promtool("check", "rules", str(f))
@@ -150,31 +175,48 @@ def test_dashboard_queries_parse_as_promql(tmp_path):
 
 # --- metric names: everything queried is exposed ----------------------------------------------------
 
+
 def test_promql_metric_name_extraction():
-    e = ('histogram_quantile(0.95, sum by (le, mode) (rate(graphcache_step_seconds_bucket{job=~"$job", '
-         'mode="replay"}[$__rate_interval]))) / on (instance) group_left graphcache_ready offset 5m > bool 1e3')
+    e = (
+        'histogram_quantile(0.95, sum by (le, mode) (rate(graphcache_step_seconds_bucket{job=~"$job", '
+        'mode="replay"}[$__rate_interval]))) / on (instance) group_left graphcache_ready offset 5m > bool 1e3'
+    )
     assert metric_names(e) == {"graphcache_step_seconds_bucket", "graphcache_ready"}
     assert metric_names('up{job=~".*graphcache.*"} == 0') == {"up"}
-    assert metric_names("sum without (reason) (rate(a_total[10m])) and (rate(b_total[10m]) > 0.05)") == \
-        {"a_total", "b_total"}
+    assert metric_names("sum without (reason) (rate(a_total[10m])) and (rate(b_total[10m]) > 0.05)") == {
+        "a_total",
+        "b_total",
+    }
 
 
 def test_static_exposition_names(static_samples):
     # counters gain _total, histograms _bucket/_sum/_count: the mapping the checks below rely on
-    assert {"graphcache_graph_cache_hits_total", "graphcache_step_seconds_bucket",
-            "graphcache_step_seconds_count", "graphcache_graph_pool_bytes"} <= static_samples
+    assert {
+        "graphcache_graph_cache_hits_total",
+        "graphcache_step_seconds_bucket",
+        "graphcache_step_seconds_count",
+        "graphcache_graph_pool_bytes",
+    } <= static_samples
     assert "graphcache_graph_cache_hits" not in static_samples
 
 
 def test_dashboard_metrics_exist(static_samples):
-    missing = {(title, n) for title, e in dashboard_exprs() for n in metric_names(e)
-               if n not in static_samples and n not in SYNTHETIC}
+    missing = {
+        (title, n)
+        for title, e in dashboard_exprs()
+        for n in metric_names(e)
+        if n not in static_samples and n not in SYNTHETIC
+    }
     assert not missing, f"dashboard queries metrics the server does not expose: {sorted(missing)}"
 
 
 def test_alert_metrics_exist(static_samples):
-    missing = {(r["alert"], n) for r in alert_rules() for n in metric_names(r["expr"])
-               if n not in static_samples and n not in SYNTHETIC}
+    missing = {
+        (r["alert"], n)
+        for r in alert_rules()
+        for n in metric_names(r["expr"])
+        if n not in static_samples and n not in SYNTHETIC
+    }
     assert not missing, f"alerts query metrics the server does not expose: {sorted(missing)}"
 
 
@@ -182,14 +224,21 @@ def test_every_instrument_is_on_the_dashboard(static_samples):
     """Each graphcache_ metric family appears in at least one panel (a new instrument gets a panel). The
     vllm:, process_ and python_ series are on graphcache-vllm-dashboard.json (test_vllm_dashboard.py)."""
     queried = {n for _, e in dashboard_exprs() for n in metric_names(e)}
-    families = {re.sub(r"_(total|bucket|sum|count|created)$", "", n) for n in static_samples
-                if n.startswith("graphcache_")}
-    uncovered = {f for f in families
-                 if not any(q == f or re.fullmatch(re.escape(f) + r"_(total|bucket|sum|count)", q) for q in queried)}
+    families = {
+        re.sub(r"_(total|bucket|sum|count|created)$", "", n)
+        for n in static_samples
+        if n.startswith("graphcache_")
+    }
+    uncovered = {
+        f
+        for f in families
+        if not any(q == f or re.fullmatch(re.escape(f) + r"_(total|bucket|sum|count)", q) for q in queried)
+    }
     assert uncovered <= {"graphcache_graph_backend_info"}, sorted(uncovered)
 
 
 # --- compose and Grafana provisioning ---------------------------------------------------------------
+
 
 class _ComposeLoader(yaml.SafeLoader):
     pass

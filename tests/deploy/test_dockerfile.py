@@ -43,8 +43,12 @@ def only(name: str) -> str:
 def test_hadolint_clean():
     """No findings at any level (info included); a justified exception needs an inline `# hadolint ignore=`."""
     hadolint = require_tool("hadolint")
-    proc = subprocess.run([hadolint, "--no-color", "--failure-threshold", "info", str(DOCKERFILE)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [hadolint, "--no-color", "--failure-threshold", "info", str(DOCKERFILE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -119,19 +123,37 @@ def test_image_install_route(tmp_path):
         else:
             shutil.copy2(src, ctx / entry)
     site = tmp_path / "site"
-    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                          "--no-cache-dir", "--target", str(site), str(ctx)],
-                         capture_output=True, text=True, timeout=300)
+    pip = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-cache-dir",
+            "--target",
+            str(site),
+            str(ctx),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert pip.returncode == 0, pip.stdout + pip.stderr
     (dist,) = site.glob("graphcache-*.dist-info")
     assert "graphcache = graphcache.cli:main" in (dist / "entry_points.txt").read_text()
     out = tmp_path / "tiny"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GRAPHCACHE_", "PYTHON"))}
     env.update(PYTHONPATH=str(site), HOME="/nonexistent", XDG_CACHE_HOME=str(tmp_path / "xdg"))
-    code = ("import sys, graphcache; print(graphcache.__file__); from graphcache.cli import main; "
-            f"sys.argv = ['graphcache', 'make-tiny-model', {str(out)!r}]; main()")
-    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=300)
+    code = (
+        "import sys, graphcache; print(graphcache.__file__); from graphcache.cli import main; "
+        f"sys.argv = ['graphcache', 'make-tiny-model', {str(out)!r}]; main()"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.startswith(str(site)), f"imported the repo, not the installed copy: {run.stdout}"
     assert {"config.json", "tokenizer.json"} <= {p.name for p in out.iterdir()}

@@ -108,6 +108,7 @@ def kinds(objs) -> set[str]:
 
 # --- lint -------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("values", [None, CUSTOM, THIRD], ids=["defaults", "custom", "third"])
 def test_helm_lint_strict(values):
     report = helm.lint(CHART, values, strict=True, namespace="ml", kube_version="v1.30.0")
@@ -126,10 +127,18 @@ def test_chart_metadata(chart):
 
 # --- defaults ---------------------------------------------------------------------------------------
 
+
 def test_defaults_render_expected_objects(chart):
     objs = render(chart)
-    assert kinds(objs) == {"NOTES", "Deployment", "Service", "ServiceAccount", "Secret", "PodDisruptionBudget",
-                           "Pod"}, "ServiceMonitor/HPA/ScaledObject/PVC must be off by default"
+    assert kinds(objs) == {
+        "NOTES",
+        "Deployment",
+        "Service",
+        "ServiceAccount",
+        "Secret",
+        "PodDisruptionBudget",
+        "Pod",
+    }, "ServiceMonitor/HPA/ScaledObject/PVC must be off by default"
     assert objs[("Deployment", "rel-graphcache")]["spec"]["replicas"] == 1
 
 
@@ -144,8 +153,9 @@ def test_defaults_probes(chart):
     c = container(render(chart))
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     assert c["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 300, \
+    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 300, (
         "startup must allow minutes (image pull done, but model load and warmup are slow)"
+    )
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
 
@@ -162,8 +172,13 @@ def test_defaults_env_and_generated_secret(chart):
     token = base64.b64decode(secret["data"][ref["key"]]).decode()
     assert re.fullmatch(r"[A-Za-z0-9]{32}", token)
     # null config values stay out of the env: the server's defaults apply.
-    assert not [n for n in env if n.startswith("GRAPHCACHE_") and n.lower()[11:] in Settings.flat_fields()
-                and n.lower()[11:] not in CHART_MANAGED]
+    assert not [
+        n
+        for n in env
+        if n.startswith("GRAPHCACHE_")
+        and n.lower()[11:] in Settings.flat_fields()
+        and n.lower()[11:] not in CHART_MANAGED
+    ]
 
 
 def test_defaults_security_and_scratch_volumes(chart):
@@ -213,6 +228,7 @@ def test_image_defaults_to_app_version(chart):
 
 # --- custom values ----------------------------------------------------------------------------------
 
+
 def test_custom_gpu_type_and_count(chart):
     res = container(render(chart, CUSTOM))["resources"]
     assert res["limits"]["nvidia.com/mig-3g.71gb"] == 2 and res["requests"]["nvidia.com/mig-3g.71gb"] == 2
@@ -250,7 +266,10 @@ def test_custom_env_parses_as_server_settings(chart, monkeypatch):
     assert s.engine.max_num_seqs == 128 and s.graph_cache.capture_sizes == [1, 2, 4, 8, 16]
     assert s.graph_cache.max_bytes == 8 << 30 and s.graph_cache.admission == "after_n"
     assert s.graph_cache.enforce_eager is False
-    assert s.graph_cache.warmup_descriptors == ["64:8", "8:8:decode"] and s.engine.kv_cache_memory_fraction == 0.8
+    assert (
+        s.graph_cache.warmup_descriptors == ["64:8", "8:8:decode"]
+        and s.engine.kv_cache_memory_fraction == 0.8
+    )
     assert s.http.cors_origins == [] and s.logging.log_level == "debug"
 
 
@@ -290,12 +309,16 @@ def test_custom_servicemonitor_and_keda(chart):
     objs = render(chart, CUSTOM)
     sm = objs[("ServiceMonitor", "rel-graphcache")]
     assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
-    assert sm["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "5s", "scrapeTimeout": "10s"}]
+    assert sm["spec"]["endpoints"] == [
+        {"port": "http", "path": "/metrics", "interval": "5s", "scrapeTimeout": "10s"}
+    ]
     assert sm["spec"]["selector"]["matchLabels"] == objs[("Service", "rel-graphcache")]["spec"]["selector"]
     so = objs[("ScaledObject", "rel-graphcache")]
     trig = so["spec"]["triggers"][0]
     assert trig["type"] == "prometheus"
-    assert trig["metadata"]["query"].startswith("sum(graphcache_num_requests_waiting{"), "a total; KEDA divides"
+    assert trig["metadata"]["query"].startswith("sum(graphcache_num_requests_waiting{"), (
+        "a total; KEDA divides"
+    )
     assert 'namespace="ml"' in trig["metadata"]["query"] and trig["metadata"]["threshold"] == "8"
     assert so["spec"]["scaleTargetRef"]["name"] == "rel-graphcache"
     assert "replicas" not in objs[("Deployment", "rel-graphcache")]["spec"], "the autoscaler owns replicas"
@@ -310,6 +333,7 @@ def test_servicemonitor_toggled_by_flag(chart, flag):
 
 
 # --- third set --------------------------------------------------------------------------------------
+
 
 def test_third_hostpath_hpa_token_value_no_gpu(chart):
     objs = render(chart, THIRD)
@@ -341,17 +365,22 @@ def test_admin_token_off_sets_no_env_and_no_secret(chart):
 
 # --- guards -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("bad", [
-    {"gpu": {"count": 0}},
-    {"config": {"admission": "sometimes"}},
-    {"config": {"host": "127.0.0.1"}},          # chart-managed, not a config key
-    {"config": {"capture_sizes": "1,2,4"}},     # lists are lists, rendered as JSON
-    {"config": {"kv_cache_memory_fraction": 1.5}},
-    {"model": {"source": "s3"}},
-    {"probes": {"readiness": {"path": "ready"}}},
-    {"serviceMonitor": {"interval": "fast"}},
-    {"unknownTopLevel": 1},
-], ids=lambda v: str(v)[:40])
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"gpu": {"count": 0}},
+        {"config": {"admission": "sometimes"}},
+        {"config": {"host": "127.0.0.1"}},  # chart-managed, not a config key
+        {"config": {"capture_sizes": "1,2,4"}},  # lists are lists, rendered as JSON
+        {"config": {"kv_cache_memory_fraction": 1.5}},
+        {"model": {"source": "s3"}},
+        {"probes": {"readiness": {"path": "ready"}}},
+        {"serviceMonitor": {"interval": "fast"}},
+        {"unknownTopLevel": 1},
+    ],
+    ids=lambda v: str(v)[:40],
+)
 def test_schema_rejects(chart, bad):
     with pytest.raises(helm.HelmValuesError):
         chart.validate_schema(bad)
@@ -359,16 +388,20 @@ def test_schema_rejects(chart, bad):
         chart.render(bad, name="rel", namespace="ml")
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"autoscaling": {"enabled": True}, "keda": {"enabled": True}}, "exclusive"),
-    ({"model": {"source": "pvc"}}, "existingClaim"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"autoscaling": {"enabled": True}, "keda": {"enabled": True}}, "exclusive"),
+        ({"model": {"source": "pvc"}}, "existingClaim"),
+    ],
+)
 def test_render_fails_with_a_fix(chart, values, message):
     with pytest.raises(helm.HelmError, match=message):
         chart.render(values, name="rel", namespace="ml")
 
 
 # --- values.yaml documents every setting ------------------------------------------------------------
+
 
 def test_config_keys_are_exactly_the_server_settings():
     values = yaml.safe_load((CHART / "values.yaml").read_text())
@@ -415,6 +448,7 @@ def test_values_documented():
 
 # --- PrometheusRule ---------------------------------------------------------------------------------
 
+
 def test_chart_alerts_copy_matches_deploy():
     """The chart ships deploy/prometheus/alerts.yml as files/alerts.yml (Helm reads files only inside the
     chart); after editing the rules, copy them: cp deploy/prometheus/alerts.yml helm/graphcache/files/."""
@@ -437,21 +471,35 @@ def test_prometheusrule_toggled_by_flag(chart, flag):
 
 # --- API key ----------------------------------------------------------------------------------------
 
+
 def test_api_key_from_existing_secret(chart, monkeypatch):
     """apiKey.existingSecret sets GRAPHCACHE_API_KEY from that Secret (no Secret created, no plain value);
     without it there is no such env var; config.api_key takes no plain key."""
     assert "GRAPHCACHE_API_KEY" not in env_of(container(render(chart)))
     objs = render(chart, {"apiKey": {"existingSecret": "gc-api-keys", "secretKey": "keys"}})
     env = env_of(container(objs))
-    assert env["GRAPHCACHE_API_KEY"] == {"name": "GRAPHCACHE_API_KEY",
-                                         "valueFrom": {"secretKeyRef": {"name": "gc-api-keys", "key": "keys"}}}
+    assert env["GRAPHCACHE_API_KEY"] == {
+        "name": "GRAPHCACHE_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "gc-api-keys", "key": "keys"}},
+    }
     assert ("Secret", "gc-api-keys") not in objs
-    report = helm.lint(CHART, {"apiKey": {"existingSecret": "gc-api-keys"}}, strict=True, namespace="ml",
-                       kube_version="v1.30.0")
+    report = helm.lint(
+        CHART,
+        {"apiKey": {"existingSecret": "gc-api-keys"}},
+        strict=True,
+        namespace="ml",
+        kube_version="v1.30.0",
+    )
     assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == [], report
-    ref = env_of(container(render(chart, {"apiKey": {"existingSecret": "gc-api-keys"}})))["GRAPHCACHE_API_KEY"]
+    ref = env_of(container(render(chart, {"apiKey": {"existingSecret": "gc-api-keys"}})))[
+        "GRAPHCACHE_API_KEY"
+    ]
     assert ref["valueFrom"]["secretKeyRef"] == {"name": "gc-api-keys", "key": "api-key"}
-    for bad in ({"config": {"api_key": "plain-text-key"}}, {"apiKey": {"secretKey": ""}}, {"apiKey": {"value": "k"}}):
+    for bad in (
+        {"config": {"api_key": "plain-text-key"}},
+        {"apiKey": {"secretKey": ""}},
+        {"apiKey": {"value": "k"}},
+    ):
         with pytest.raises(helm.HelmValuesError):
             chart.validate_schema(bad)
     # What the Secret holds is what the server reads: one key, or several comma-separated.
@@ -460,6 +508,7 @@ def test_api_key_from_existing_secret(chart, monkeypatch):
 
 
 # --- warmup profile ---------------------------------------------------------------------------------
+
 
 def test_warmup_profile_from_configmap(chart, monkeypatch):
     """warmupProfile.configMap mounts that ConfigMap's key read-only and points GRAPHCACHE_WARMUP_PROFILE
@@ -474,17 +523,31 @@ def test_warmup_profile_from_configmap(chart, monkeypatch):
     mount = next(m for m in c["volumeMounts"] if m["name"] == "warmup-profile")
     assert mount == {"name": "warmup-profile", "mountPath": "/etc/graphcache/warmup", "readOnly": True}
     volume = next(v for v in pod["volumes"] if v["name"] == "warmup-profile")
-    assert volume["configMap"] == {"name": "gc-profile", "items": [{"key": "profile.json", "path": "profile.json"}]}
+    assert volume["configMap"] == {
+        "name": "gc-profile",
+        "items": [{"key": "profile.json", "path": "profile.json"}],
+    }
     objs = render(chart, {"warmupProfile": {"configMap": "p", "key": "hot.json", "mountPath": "/profiles/"}})
     assert env_of(container(objs))["GRAPHCACHE_WARMUP_PROFILE"]["value"] == "/profiles/hot.json"
-    report = helm.lint(CHART, {"warmupProfile": {"configMap": "gc-profile"}}, strict=True, namespace="ml",
-                       kube_version="v1.30.0")
+    report = helm.lint(
+        CHART,
+        {"warmupProfile": {"configMap": "gc-profile"}},
+        strict=True,
+        namespace="ml",
+        kube_version="v1.30.0",
+    )
     assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == [], report
     with pytest.raises(helm.HelmError, match="exclusive"):
-        chart.render({"warmupProfile": {"configMap": "p"}, "config": {"warmup_profile": "/x.json"}},
-                     name="rel", namespace="ml")
-    for bad in ({"warmupProfile": {"key": ""}}, {"warmupProfile": {"mountPath": "relative"}},
-                {"warmupProfile": {"configMap": "p", "value": "{}"}}):
+        chart.render(
+            {"warmupProfile": {"configMap": "p"}, "config": {"warmup_profile": "/x.json"}},
+            name="rel",
+            namespace="ml",
+        )
+    for bad in (
+        {"warmupProfile": {"key": ""}},
+        {"warmupProfile": {"mountPath": "relative"}},
+        {"warmupProfile": {"configMap": "p", "value": "{}"}},
+    ):
         with pytest.raises(helm.HelmValuesError):
             chart.validate_schema(bad)
     # The env the chart sets is what the server reads.
@@ -497,11 +560,17 @@ def test_warmup_profile_from_configmap(chart, monkeypatch):
 INGRESS = {
     "enabled": True,
     "className": "nginx",
-    "annotations": {"nginx.ingress.kubernetes.io/proxy-buffering": "off",
-                    "cert-manager.io/cluster-issuer": "letsencrypt"},
-    "hosts": [{"host": "llm.example.com", "paths": [{"path": "/v1", "pathType": "Prefix"},
-                                                   {"path": "/health", "pathType": "Exact"}]},
-              {"host": "", "paths": [{"path": "/"}]}],
+    "annotations": {
+        "nginx.ingress.kubernetes.io/proxy-buffering": "off",
+        "cert-manager.io/cluster-issuer": "letsencrypt",
+    },
+    "hosts": [
+        {
+            "host": "llm.example.com",
+            "paths": [{"path": "/v1", "pathType": "Prefix"}, {"path": "/health", "pathType": "Exact"}],
+        },
+        {"host": "", "paths": [{"path": "/"}]},
+    ],
     "tls": [{"secretName": "llm-tls", "hosts": ["llm.example.com"]}],
 }
 
@@ -521,7 +590,10 @@ def test_ingress_routes_hosts_and_paths_to_the_service(chart):
     assert ing["spec"]["tls"] == INGRESS["tls"]
     first, catch_all = ing["spec"]["rules"]
     assert first["host"] == "llm.example.com" and "host" not in catch_all, "host '' = any host: no host field"
-    assert [(p["path"], p["pathType"]) for p in first["http"]["paths"]] == [("/v1", "Prefix"), ("/health", "Exact")]
+    assert [(p["path"], p["pathType"]) for p in first["http"]["paths"]] == [
+        ("/v1", "Prefix"),
+        ("/health", "Exact"),
+    ]
     assert catch_all["http"]["paths"][0]["pathType"] == "Prefix", "pathType defaults to Prefix"
     svc = objs[("Service", "rel-graphcache")]
     port_names = {p["name"] for p in svc["spec"]["ports"]}
@@ -551,8 +623,9 @@ def test_chart_dashboards_match_deploy():
     for name in shipped:
         deploy_copy = CHART.parents[1] / "deploy" / "grafana" / name
         assert deploy_copy.is_file(), f"{name} in the chart has no deploy/grafana/{name}"
-        assert (DASHBOARDS / name).read_bytes() == deploy_copy.read_bytes(), \
+        assert (DASHBOARDS / name).read_bytes() == deploy_copy.read_bytes(), (
             f"cp deploy/grafana/{name} helm/graphcache/dashboards/"
+        )
 
 
 def test_grafana_dashboard_configmap(chart):
@@ -566,8 +639,14 @@ def test_grafana_dashboard_configmap(chart):
     assert set(cm["data"]) == {p.name for p in DASHBOARDS.glob("*.json")}
     for name, text in cm["data"].items():
         assert json.loads(text) == json.loads((CHART.parents[1] / "deploy" / "grafana" / name).read_text())
-    custom = {"enabled": True, "namespace": "monitoring", "label": "dashboards", "labelValue": "llm",
-              "labels": {"team": "ml"}, "annotations": {"grafana_folder": "LLM"}}
+    custom = {
+        "enabled": True,
+        "namespace": "monitoring",
+        "label": "dashboards",
+        "labelValue": "llm",
+        "labels": {"team": "ml"},
+        "annotations": {"grafana_folder": "LLM"},
+    }
     cm = render(chart, {"grafanaDashboard": custom})[("ConfigMap", "rel-graphcache-dashboards")]
     assert cm["metadata"]["namespace"] == "monitoring"
     labels = cm["metadata"]["labels"]
@@ -579,9 +658,15 @@ def test_grafana_dashboard_configmap(chart):
 
 HUB_SHA = "7ae557604adf67be50417f59c2c2f167def9a775"
 HUB = {
-    "model": {"source": "hub", "hub": {"repoId": "Qwen/Qwen2.5-0.5B-Instruct", "revision": HUB_SHA,
-                                       "token": {"existingSecret": "hf-token", "secretKey": "hf"},
-                                       "endpoint": "https://hub-mirror.example.com"}},
+    "model": {
+        "source": "hub",
+        "hub": {
+            "repoId": "Qwen/Qwen2.5-0.5B-Instruct",
+            "revision": HUB_SHA,
+            "token": {"existingSecret": "hf-token", "secretKey": "hf"},
+            "endpoint": "https://hub-mirror.example.com",
+        },
+    },
     "ingress": INGRESS,
     "grafanaDashboard": {"enabled": True},
 }
@@ -601,7 +686,9 @@ def test_hub_model_init_container_fills_an_emptydir(chart):
     objs = render(chart, HUB)
     spec = pod_spec(objs)
     (init,) = spec["initContainers"]
-    assert init["name"] == "hub-download" and init["image"] == container(objs)["image"], "the server's own image"
+    assert init["name"] == "hub-download" and init["image"] == container(objs)["image"], (
+        "the server's own image"
+    )
     assert init["command"][:2] == ["python", "-c"]
     assert init["command"][2] == (CHART / "files" / "hub_download.py").read_text()
     assert init["securityContext"] == container(objs)["securityContext"]
@@ -621,7 +708,9 @@ def test_hub_model_init_container_fills_an_emptydir(chart):
     assert main_mount["readOnly"] is True
     main_env = env_of(container(objs))
     assert main_env["GRAPHCACHE_MODEL"]["value"] == "/models"
-    assert main_env["GRAPHCACHE_SERVED_MODEL_NAME"]["value"] == "Qwen/Qwen2.5-0.5B-Instruct", "the repo id by default"
+    assert main_env["GRAPHCACHE_SERVED_MODEL_NAME"]["value"] == "Qwen/Qwen2.5-0.5B-Instruct", (
+        "the repo id by default"
+    )
     assert "HF_TOKEN" not in main_env, "only the download needs the token"
     assert "PersistentVolumeClaim" not in kinds(objs)
     assert "hub-download" in objs[("NOTES", "")]["text"]
@@ -629,14 +718,21 @@ def test_hub_model_init_container_fills_an_emptydir(chart):
 
 
 def test_hub_model_on_a_created_claim(chart):
-    values = {"model": {"source": "hub", "path": "qwen", "servedModelName": "qwen-small",
-                        "hub": {"repoId": "Qwen/Qwen2.5-0.5B-Instruct", "volume": "pvc", "allowPatterns": []},
-                        "pvc": {"create": True, "size": "30Gi"}}}
+    values = {
+        "model": {
+            "source": "hub",
+            "path": "qwen",
+            "servedModelName": "qwen-small",
+            "hub": {"repoId": "Qwen/Qwen2.5-0.5B-Instruct", "volume": "pvc", "allowPatterns": []},
+            "pvc": {"create": True, "size": "30Gi"},
+        }
+    }
     objs = render(chart, values)
     spec = pod_spec(objs)
     vol = next(v for v in spec["volumes"] if v["name"] == "models")
-    assert vol["persistentVolumeClaim"] == {"claimName": "rel-graphcache-models", "readOnly": False}, \
+    assert vol["persistentVolumeClaim"] == {"claimName": "rel-graphcache-models", "readOnly": False}, (
         "the init container writes the claim"
+    )
     pvc = objs[("PersistentVolumeClaim", "rel-graphcache-models")]
     assert pvc["spec"]["resources"]["requests"]["storage"] == "30Gi"
     env = env_of(spec["initContainers"][0])
@@ -650,26 +746,33 @@ def test_hub_model_on_a_created_claim(chart):
     assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == [], report
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"model": {"source": "hub"}}, "repoId"),
-    ({"model": {"source": "hub", "hub": {"repoId": "a/b", "volume": "pvc"}}}, "existingClaim"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"model": {"source": "hub"}}, "repoId"),
+        ({"model": {"source": "hub", "hub": {"repoId": "a/b", "volume": "pvc"}}}, "existingClaim"),
+    ],
+)
 def test_hub_render_fails_with_a_fix(chart, values, message):
     with pytest.raises(helm.HelmError, match=message):
         chart.render(values, name="rel", namespace="ml")
 
 
-@pytest.mark.parametrize("bad", [
-    {"model": {"hub": {"volume": "s3"}}},
-    {"model": {"hub": {"endpoint": "ftp://mirror"}}},
-    {"model": {"hub": {"repoId": "has spaces/x"}}},
-    {"model": {"hub": {"token": {"value": "hf_plaintext"}}}},
-    {"ingress": {"hosts": [{"host": "a", "paths": [{"path": "no-slash"}]}]}},
-    {"ingress": {"hosts": [{"host": "a", "paths": [{"path": "/", "pathType": "Regex"}]}]}},
-    {"ingress": {"class": "nginx"}},
-    {"grafanaDashboard": {"labels": {"team": 1}}},
-    {"grafanaDashboard": {"label": "not a label"}},
-], ids=lambda v: str(v)[:50])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"model": {"hub": {"volume": "s3"}}},
+        {"model": {"hub": {"endpoint": "ftp://mirror"}}},
+        {"model": {"hub": {"repoId": "has spaces/x"}}},
+        {"model": {"hub": {"token": {"value": "hf_plaintext"}}}},
+        {"ingress": {"hosts": [{"host": "a", "paths": [{"path": "no-slash"}]}]}},
+        {"ingress": {"hosts": [{"host": "a", "paths": [{"path": "/", "pathType": "Regex"}]}]}},
+        {"ingress": {"class": "nginx"}},
+        {"grafanaDashboard": {"labels": {"team": 1}}},
+        {"grafanaDashboard": {"label": "not a label"}},
+    ],
+    ids=lambda v: str(v)[:50],
+)
 def test_schema_rejects_new_sections(chart, bad):
     with pytest.raises(helm.HelmValuesError):
         chart.validate_schema(bad)
@@ -693,19 +796,31 @@ def test_hub_download_script_runs_with_the_rendered_env(chart, tmp_path):
         "    if os.environ.get('FAKE_WITH_CONFIG') == '1':\n"
         "        open(os.path.join(kw['local_dir'], 'config.json'), 'w').write('{}')\n"
         "    json.dump(kw, open(os.environ['FAKE_RECORD'], 'w'))\n"
-        "    return kw['local_dir']\n")
+        "    return kw['local_dir']\n"
+    )
     env = {e["name"]: e["value"] for e in init["env"] if "value" in e}
-    env.update(HUB_LOCAL_DIR=str(tmp_path / "models"), HF_HOME=str(tmp_path / "hf"), PYTHONPATH=str(fake),
-               FAKE_RECORD=str(tmp_path / "call.json"), FAKE_WITH_CONFIG="1", PATH=os.environ["PATH"])
+    env.update(
+        HUB_LOCAL_DIR=str(tmp_path / "models"),
+        HF_HOME=str(tmp_path / "hf"),
+        PYTHONPATH=str(fake),
+        FAKE_RECORD=str(tmp_path / "call.json"),
+        FAKE_WITH_CONFIG="1",
+        PATH=os.environ["PATH"],
+    )
     cmd = [sys.executable, *init["command"][1:]]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     call = json.loads((tmp_path / "call.json").read_text())
-    assert call == {"repo_id": "Qwen/Qwen2.5-0.5B-Instruct", "revision": HUB_SHA,
-                    "local_dir": str(tmp_path / "models"),
-                    "allow_patterns": yaml.safe_load(env["HUB_ALLOW_PATTERNS"])}
+    assert call == {
+        "repo_id": "Qwen/Qwen2.5-0.5B-Instruct",
+        "revision": HUB_SHA,
+        "local_dir": str(tmp_path / "models"),
+        "allow_patterns": yaml.safe_load(env["HUB_ALLOW_PATTERNS"]),
+    }
     assert "config.json" in proc.stdout
     env.update(FAKE_WITH_CONFIG="0", HUB_LOCAL_DIR=str(tmp_path / "empty"), HUB_ALLOW_PATTERNS="[]")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "no config.json" in proc.stderr and "allowPatterns" in proc.stderr
-    assert json.loads((tmp_path / "call.json").read_text())["allow_patterns"] is None, "[] = the whole repository"
+    assert json.loads((tmp_path / "call.json").read_text())["allow_patterns"] is None, (
+        "[] = the whole repository"
+    )

@@ -41,7 +41,9 @@ def test_image_builds_runs_and_serves():
     reason = why_not_here()
     if reason:
         pytest.skip(f"image build not run: {reason}")
-    proc = subprocess.run([sys.executable, str(SCRIPT)], cwd=ROOT, capture_output=True, text=True, timeout=2900)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT)], cwd=ROOT, capture_output=True, text=True, timeout=2900
+    )
     output = proc.stdout + proc.stderr
     if proc.returncode == CANNOT_RUN:
         pytest.skip(f"image build not run: {proc.stderr.strip()[-500:]}")

@@ -53,8 +53,9 @@ def wait_for(check, timeout: float, what: str, proc: subprocess.Popen | None = N
             last = e
         time.sleep(0.25)
     tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
-    pytest.fail(f"timed out waiting for {what} (last error: {last!r}; exit: "
-                f"{proc.poll() if proc else None})\n{tail}")
+    pytest.fail(
+        f"timed out waiting for {what} (last error: {last!r}; exit: {proc.poll() if proc else None})\n{tail}"
+    )
 
 
 def sample_value(exposition: str, name: str) -> float:
@@ -88,16 +89,29 @@ def start_prometheus(tmp: Path, target_port: int) -> dict | None:
     config = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(DEPLOY / "prometheus" / "alerts.yml")],
-        "scrape_configs": [{"job_name": "graphcache", "metrics_path": "/metrics",
-                            "static_configs": [{"targets": [f"127.0.0.1:{target_port}"]}]}],
+        "scrape_configs": [
+            {
+                "job_name": "graphcache",
+                "metrics_path": "/metrics",
+                "static_configs": [{"targets": [f"127.0.0.1:{target_port}"]}],
+            }
+        ],
     }
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
     log = tmp / "prometheus.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([binary, f"--config.file={tmp / 'prometheus.yml'}",
-                                 f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
-                                 "--storage.tsdb.retention.time=1h", "--log.level=warn"],
-                                stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={tmp / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--storage.tsdb.retention.time=1h",
+                "--log.level=warn",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     return {"api": f"http://127.0.0.1:{port}", "proc": proc, "log": log}
 
 
@@ -108,27 +122,49 @@ def stack(tmp_path_factory):
     port = free_port()
     prom = start_prometheus(tmp, port)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRAPHCACHE_")}
-    env.update(GRAPHCACHE_CACHE_DIR=str(tmp / "cache"), GRAPHCACHE_ADMIN_TOKEN=ADMIN_TOKEN,
-               GRAPHCACHE_DEVICE="cpu", GRAPHCACHE_MAX_NUM_SEQS="8", GRAPHCACHE_MAX_CAPTURE_SIZE="8",
-               GRAPHCACHE_LOG_LEVEL="warning")
+    env.update(
+        GRAPHCACHE_CACHE_DIR=str(tmp / "cache"),
+        GRAPHCACHE_ADMIN_TOKEN=ADMIN_TOKEN,
+        GRAPHCACHE_DEVICE="cpu",
+        GRAPHCACHE_MAX_NUM_SEQS="8",
+        GRAPHCACHE_MAX_CAPTURE_SIZE="8",
+        GRAPHCACHE_LOG_LEVEL="warning",
+    )
     log = tmp / "server.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "graphcache.cli", "serve", "--host", "127.0.0.1",
-                                 "--port", str(port)], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "graphcache.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: httpx.get(base + "/ready", timeout=2).status_code == 200, 180, "graphcache /ready",
-                 proc, log)
+        wait_for(
+            lambda: httpx.get(base + "/ready", timeout=2).status_code == 200,
+            180,
+            "graphcache /ready",
+            proc,
+            log,
+        )
         model = httpx.get(base + "/v1/models", timeout=5).json()["data"][0]["id"]
         # Traffic, so the request histograms and token counters have samples.
         for i in range(4):
-            r = httpx.post(base + "/v1/completions", timeout=60,
-                           json={"model": model, "prompt": f"deployment test {i}", "max_tokens": 8})
+            r = httpx.post(
+                base + "/v1/completions",
+                timeout=60,
+                json={"model": model, "prompt": f"deployment test {i}", "max_tokens": 8},
+            )
             assert r.status_code == 200, r.text
-        tokens = sample_value(httpx.get(base + "/metrics", timeout=10).text, "graphcache_generation_tokens_total")
+        tokens = sample_value(
+            httpx.get(base + "/metrics", timeout=10).text, "graphcache_generation_tokens_total"
+        )
         assert tokens > 0
-        yield {"server": {"base": base, "port": port, "proc": proc, "log": log, "tokens": tokens},
-               "prometheus": prom}
+        yield {
+            "server": {"base": base, "port": port, "proc": proc, "log": log, "tokens": tokens},
+            "prometheus": prom,
+        }
     finally:
         stop(proc)
         if prom is not None:
@@ -146,13 +182,22 @@ def prometheus(stack):
     if prom is None:
         require_tool("prometheus")  # skips, naming scripts/ci-deploy-deps.sh
     api, proc, log = prom["api"], prom["proc"], prom["log"]
-    wait_for(lambda: httpx.get(api + "/-/ready", timeout=2).status_code == 200, 60, "prometheus ready", proc, log)
+    wait_for(
+        lambda: httpx.get(api + "/-/ready", timeout=2).status_code == 200, 60, "prometheus ready", proc, log
+    )
     # Two scrapes after the traffic, so rate() over the dashboard's 1m windows has two samples and the
     # token counters are seen after the completions.
     tokens = stack["server"]["tokens"]
-    wait_for(lambda: float(query(api, 'count_over_time(graphcache_ready[1m])')[0]["value"][1]) >= 2
-             and float(query(api, "graphcache_generation_tokens_total")[0]["value"][1]) == tokens,
-             60, "two scrapes of graphcache, the last after the traffic", proc, log)
+    wait_for(
+        lambda: (
+            float(query(api, "count_over_time(graphcache_ready[1m])")[0]["value"][1]) >= 2
+            and float(query(api, "graphcache_generation_tokens_total")[0]["value"][1]) == tokens
+        ),
+        60,
+        "two scrapes of graphcache, the last after the traffic",
+        proc,
+        log,
+    )
     return prom
 
 
@@ -164,6 +209,7 @@ def query(api: str, promql: str) -> list[dict]:
 
 
 # --- Prometheus reads graphcache metrics back -------------------------------------------------------
+
 
 def test_prometheus_scrapes_graphcache(prometheus, server):
     (up,) = query(prometheus["api"], 'up{job="graphcache"}')
@@ -189,8 +235,9 @@ def test_alert_rules_evaluate_on_live_series(prometheus):
         return rules if done and {r["name"] for r in rules} == want else None
 
     rules = wait_for(evaluated, 30, "alert rules evaluated", prometheus["proc"], prometheus["log"])
-    assert {r["name"]: r["health"] for r in rules} == dict.fromkeys(want, "ok"), \
-        {r["name"]: r.get("lastError") for r in rules if r["health"] != "ok"}
+    assert {r["name"]: r["health"] for r in rules} == dict.fromkeys(want, "ok"), {
+        r["name"]: r.get("lastError") for r in rules if r["health"] != "ok"
+    }
     firing = [r["name"] for r in rules if r["state"] == "firing"]
     assert firing == [], f"a healthy server fires no alert: {firing}"
 
@@ -205,6 +252,7 @@ def test_dashboard_queries_return_data(prometheus):
 
 
 # --- names on the live /metrics ---------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def live_samples(server) -> set[str]:
@@ -232,6 +280,7 @@ def test_autoscaling_metric_on_live_server(live_samples):
 
 # --- container and chart health checks against the server ------------------------------------------
 
+
 def test_dockerfile_healthcheck_command(server):
     cmd = json.loads(only("HEALTHCHECK").split("CMD", 1)[1])
     assert cmd[0] == "python"
@@ -252,7 +301,9 @@ def test_chart_probe_paths_answer(server):
 def test_admin_token_from_env_guards_admin(server):
     """The chart passes the Secret as GRAPHCACHE_ADMIN_TOKEN; the server honours it."""
     assert httpx.get(server["base"] + "/admin/cache", timeout=5).status_code in (401, 403)
-    r = httpx.get(server["base"] + "/admin/cache", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10)
+    r = httpx.get(
+        server["base"] + "/admin/cache", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10
+    )
     assert r.status_code == 200, r.text
 
 

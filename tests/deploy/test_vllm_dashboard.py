@@ -53,6 +53,7 @@ def queried_names() -> set[str]:
 
 # --- static -----------------------------------------------------------------------------------------
 
+
 def test_dashboard_shape():
     dash = dashboard()
     assert dash["uid"] == "graphcache-vllm"
@@ -69,13 +70,29 @@ def test_dashboard_queries_what_vllm_dashboards_query():
     def some(pattern: str) -> bool:
         return any(re.search(pattern, e) for e in all_exprs)
 
-    for metric in ("e2e_request_latency_seconds", "time_to_first_token_seconds", "inter_token_latency_seconds",
-                   "time_per_output_token_seconds"):
-        assert some(rf"histogram_quantile\(0\.99, sum by \(le, model_name\) \(rate\(vllm:{metric}_bucket"), metric
-    for counter in ("prompt_tokens_total", "generation_tokens_total", "num_preemptions_total",
-                    "prefix_cache_hits_total", "prefix_cache_queries_total"):
+    for metric in (
+        "e2e_request_latency_seconds",
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "time_per_output_token_seconds",
+    ):
+        assert some(rf"histogram_quantile\(0\.99, sum by \(le, model_name\) \(rate\(vllm:{metric}_bucket"), (
+            metric
+        )
+    for counter in (
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "num_preemptions_total",
+        "prefix_cache_hits_total",
+        "prefix_cache_queries_total",
+    ):
         assert some(rf"rate\(vllm:{counter}\{{model_name=~\"\$model_name\"\}}"), counter
-    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "gpu_cache_usage_perc"):
+    for gauge in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "gpu_cache_usage_perc",
+    ):
         assert some(rf"vllm:{gauge}\{{model_name=~\"\$model_name\"\}}"), gauge
     assert some(r"sum by \(finished_reason\) \(increase\(vllm:request_success_total")
     for phase in ("queue", "prefill", "decode", "inference"):
@@ -85,8 +102,10 @@ def test_dashboard_queries_what_vllm_dashboards_query():
 
 
 def test_dashboard_queries_parse_as_promql(tmp_path):
-    rules = [{"record": f"graphcache:vllm_dashboard_query_{i}", "expr": grafana_to_promql(e)}
-             for i, (_, e) in enumerate(exprs())]
+    rules = [
+        {"record": f"graphcache:vllm_dashboard_query_{i}", "expr": grafana_to_promql(e)}
+        for i, (_, e) in enumerate(exprs())
+    ]
     f = tmp_path / "vllm_dashboard_rules.yml"
     f.write_text(yaml.safe_dump({"groups": [{"name": "vllm-dashboard", "rules": rules}]}))
     proc = promtool("check", "rules", str(f))
@@ -95,10 +114,15 @@ def test_dashboard_queries_parse_as_promql(tmp_path):
 
 def test_every_vllm_family_is_on_the_dashboard():
     exposed = exposed_sample_names(generate_latest(Metrics().registry).decode())
-    families = {re.sub(r"_(total|bucket|sum|count|created)$", "", n) for n in exposed if n.startswith("vllm:")}
+    families = {
+        re.sub(r"_(total|bucket|sum|count|created)$", "", n) for n in exposed if n.startswith("vllm:")
+    }
     queried = queried_names()
-    uncovered = {f for f in families
-                 if not any(q == f or re.fullmatch(re.escape(f) + r"_(total|bucket|sum|count)", q) for q in queried)}
+    uncovered = {
+        f
+        for f in families
+        if not any(q == f or re.fullmatch(re.escape(f) + r"_(total|bucket|sum|count)", q) for q in queried)
+    }
     assert len(families) > 20 and uncovered == set(), sorted(uncovered)
 
 
@@ -112,13 +136,16 @@ def test_dashboard_metrics_exist_on_an_app():
 
     metrics = Metrics()
     metrics.vllm.set_cache_config(block_size=16, num_gpu_blocks=8, cache_dtype="float32")
-    client = TestClient(create_app(Settings(), engine=Stub(), metrics=metrics))   # no lifespan: no engine start
-    assert client.get("/no-such-path").status_code == 404   # measured, as handler "none"
+    client = TestClient(
+        create_app(Settings(), engine=Stub(), metrics=metrics)
+    )  # no lifespan: no engine start
+    assert client.get("/no-such-path").status_code == 404  # measured, as handler "none"
     exposed = exposed_sample_names(client.get("/metrics").text)
     assert queried_names() - exposed == set()
 
 
 # --- live: a graphcache server scraped by Prometheus ------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def model_name(server) -> str:  # noqa: F811
@@ -139,8 +166,11 @@ def test_every_dashboard_query_returns_data(prometheus, model_name):  # noqa: F8
 
 @pytest.mark.slow
 def test_model_name_variable_lists_the_served_model(prometheus, model_name):  # noqa: F811
-    r = httpx.get(prometheus["api"] + "/api/v1/label/model_name/values",
-                  params={"match[]": "vllm:num_requests_running"}, timeout=10)
+    r = httpx.get(
+        prometheus["api"] + "/api/v1/label/model_name/values",
+        params={"match[]": "vllm:num_requests_running"},
+        timeout=10,
+    )
     assert r.status_code == 200 and r.json()["data"] == [model_name]
 
 
@@ -157,7 +187,9 @@ def test_prometheus_holds_the_traffic(prometheus, model_name):  # noqa: F811
     assert reasons == {"stop", "length", "abort", "error"}
     (tokens,) = query(api, f"vllm:generation_tokens_total{sel}")
     (own,) = query(api, "graphcache_generation_tokens_total")
-    assert float(tokens["value"][1]) == float(own["value"][1]) > 0, "the vllm: mirror equals graphcache's count"
+    assert float(tokens["value"][1]) == float(own["value"][1]) > 0, (
+        "the vllm: mirror equals graphcache's count"
+    )
     (http,) = query(api, 'sum(http_requests_total{handler="/v1/completions", method="POST"})')
     assert float(http["value"][1]) == 4
 

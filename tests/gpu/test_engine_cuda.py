@@ -26,10 +26,19 @@ def _settings(tmp: Path, device: str, enforce_eager: bool, async_scheduling: str
     model = os.environ.get("GRAPHCACHE_TEST_MODEL")
     # A token budget <= max capture size keeps mixed (prefill chunk + decode) steps inside capturable
     # descriptors, so replay covers mixed batches, not only uniform decode.
-    return Settings(model=Path(model) if model else None, cache_dir=tmp, device=device,
-                    dtype=os.environ.get("GRAPHCACHE_TEST_DTYPE", "float32"), enforce_eager=enforce_eager,
-                    max_num_seqs=32, max_num_batched_tokens=128, max_model_len=512, admission="always", capture_time_share=1.0,
-                    async_scheduling=async_scheduling)
+    return Settings(
+        model=Path(model) if model else None,
+        cache_dir=tmp,
+        device=device,
+        dtype=os.environ.get("GRAPHCACHE_TEST_DTYPE", "float32"),
+        enforce_eager=enforce_eager,
+        max_num_seqs=32,
+        max_num_batched_tokens=128,
+        max_model_len=512,
+        admission="always",
+        capture_time_share=1.0,
+        async_scheduling=async_scheduling,
+    )
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -73,23 +82,26 @@ async def check_replay_matches_eager(tmp: Path, device: str) -> dict:
     try:
         first = await _generate_all(graph, prompts, "graph1")
         before = (await graph.cache_info())["stats"]
-        second = await _generate_all(graph, prompts, "graph2")    # steady state: everything captured
+        second = await _generate_all(graph, prompts, "graph2")  # steady state: everything captured
         info = await graph.cache_info()
         after = info["stats"]
         steps = graph.stats()["steps_by_mode"]
     finally:
         graph.shutdown()
 
-    if device == "cuda":   # uniform decode runs as one full graph with the Triton kernel inside
+    if device == "cuda":  # uniform decode runs as one full graph with the Triton kernel inside
         assert {e["mode"] for e in info["entries"] if e["descriptor"].endswith(":decode")} == {"full"}, info
     replayed = [e for e in info["entries"] if e["hits"] > 0]
     mixed = [e for e in replayed if not e["descriptor"].endswith(":decode")]
     hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
     steady_ratio = hits / max(hits + misses, 1)
-    result = {"replayed_descriptors": [e["descriptor"] for e in replayed], "mixed_replayed": len(mixed),
-              "steady_hit_ratio": steady_ratio, "overall_hit_ratio": after["hits"] / max(after["hits"] +
-                                                                                         after["misses"], 1),
-              "steps": steps}
+    result = {
+        "replayed_descriptors": [e["descriptor"] for e in replayed],
+        "mixed_replayed": len(mixed),
+        "steady_hit_ratio": steady_ratio,
+        "overall_hit_ratio": after["hits"] / max(after["hits"] + after["misses"], 1),
+        "steps": steps,
+    }
     print(f"\nengine replay vs eager: {result}")
 
     mismatched = [i for i in range(len(prompts)) if first[i] != reference[i] or second[i] != reference[i]]

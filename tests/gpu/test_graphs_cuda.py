@@ -45,7 +45,9 @@ class Workload:
 
     def __init__(self, layers: int = 4, hidden: int = 1024, max_tokens: int = 512) -> None:
         g = torch.Generator("cuda").manual_seed(0)
-        self.w = [torch.randn(hidden, hidden, device="cuda", generator=g) / hidden**0.5 for _ in range(layers)]
+        self.w = [
+            torch.randn(hidden, hidden, device="cuda", generator=g) / hidden**0.5 for _ in range(layers)
+        ]
         self.x = torch.randn(max_tokens, hidden, device="cuda")  # [T_max, H] static input
         self.attn = torch.empty(max_tokens, hidden, device="cuda")
         self.out = torch.empty(max_tokens, hidden, device="cuda")
@@ -162,8 +164,9 @@ def test_capture_pool_bytes_match_allocator_and_reserved_delta():
     gc.collect()
     torch.cuda.empty_cache()
     measured = pool_bytes(pool)
-    snapshot = sum(s["total_size"] for s in torch.cuda.memory_snapshot()
-                   if tuple(s["segment_pool_id"]) == tuple(pool))
+    snapshot = sum(
+        s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == tuple(pool)
+    )
     assert measured == snapshot > 0
     assert abs((torch.cuda.memory_reserved() - before) - measured) <= 2 * MiB
     g.replay()
@@ -175,7 +178,7 @@ def test_cublas_workspace_is_shared_outside_pools_and_survives_eviction():
     w = Workload(hidden=256)
     w.step()
     _primed_quiet_reserved(w)
-    small = capture(lambda: w.step(8), backend="cuda")   # a batch-8 step's activations are ~KiB
+    small = capture(lambda: w.step(8), backend="cuda")  # a batch-8 step's activations are ~KiB
     assert pool_bytes(small.pool) < 8 * MiB, pool_bytes(small.pool) / MiB
     first, second = capture(w.step, backend="cuda"), capture(w.step, backend="cuda")
     first.close()
@@ -183,7 +186,7 @@ def test_cublas_workspace_is_shared_outside_pools_and_survives_eviction():
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    junk = torch.full((256 * MiB // 4,), float("nan"), device="cuda")   # takes whatever was freed
+    junk = torch.full((256 * MiB // 4,), float("nan"), device="cuda")  # takes whatever was freed
     w.check_replay(second.replay)
     del junk
     second.close()
@@ -206,10 +209,16 @@ def test_non_owning_eager_args_do_not_pin_memory():
 
 
 def _cache(w: Workload, **kw) -> GraphCache:
-    knobs = {f.name for f in fields(CachePolicyConfig)}   # the policy's; the other keywords are the store's
-    config = CachePolicyConfig(**{"max_entries": 16, "max_bytes": 64 << 30, **{k: v for k, v in kw.items() if k in knobs}})
-    return GraphCache(lambda d: w.step(d.num_tokens), backend="cuda", config=config,
-                      **{k: v for k, v in kw.items() if k not in knobs})
+    knobs = {f.name for f in fields(CachePolicyConfig)}  # the policy's; the other keywords are the store's
+    config = CachePolicyConfig(
+        **{"max_entries": 16, "max_bytes": 64 << 30, **{k: v for k, v in kw.items() if k in knobs}}
+    )
+    return GraphCache(
+        lambda d: w.step(d.num_tokens),
+        backend="cuda",
+        config=config,
+        **{k: v for k, v in kw.items() if k not in knobs},
+    )
 
 
 def test_cache_replays_correctly_and_reports_allocator_bytes():
@@ -257,9 +266,13 @@ def test_budget_eviction_keeps_memory_under_budget_and_survivors_correct(lazy_po
     for t in (512, 384, 256, 128, 64):
         cache.run(D(t, t, True))
         assert cache.stats().pool_bytes <= cache.config.max_bytes
-        assert cache.info()["allocator_pool_bytes"] >= cache.stats().pool_bytes   # freed pools await empty_cache
+        assert (
+            cache.info()["allocator_pool_bytes"] >= cache.stats().pool_bytes
+        )  # freed pools await empty_cache
     if lazy_pool == "private":
-        assert cache.stats().evictions["bytes"] >= 1   # the shared pool holds ~ the largest: no eviction needed
+        assert (
+            cache.stats().evictions["bytes"] >= 1
+        )  # the shared pool holds ~ the largest: no eviction needed
     last = D(64, 64, True)
     w.check_replay(lambda: cache.run(last), tokens=64)
 
@@ -392,7 +405,7 @@ def test_clear_returns_reserved_memory_to_start_level():
     cache = _cache(w)
     cache.warmup(PINNED[:3])
     cache.run(D(96, 96, True))
-    cache.run(D(200, 200, True))   # both in the shared lazy pool
+    cache.run(D(200, 200, True))  # both in the shared lazy pool
     pool, lazy = cache.policy.pools.shared["pinned"], cache.policy.pools.shared["lazy"]
     held = cache.stats().pool_bytes
     assert held == pool_bytes(pool.handle) + pool_bytes(lazy.handle) == cache.info()["allocator_pool_bytes"]
@@ -420,11 +433,16 @@ def test_evicting_every_pinned_entry_releases_the_pinned_pool():
     for d in PINNED[1:3]:
         w.check_replay(lambda d=d: cache.run(d), tokens=d.num_tokens)
     assert cache.evict(PINNED[1]) and cache.evict(PINNED[2])  # the last one frees the pool
-    assert pool_bytes(pool) == 0 and cache.stats().pool_bytes == 0 and cache.policy.pools.shared["pinned"] is None
+    assert (
+        pool_bytes(pool) == 0
+        and cache.stats().pool_bytes == 0
+        and cache.policy.pools.shared["pinned"] is None
+    )
     assert _quiet_reserved() <= start + 2 * MiB
 
 
 # --- the shared lazy pool (lazy_pool="shared", the default) ---
+
 
 def test_lazy_captures_share_one_pool_and_replay_after_evicting_one():
     """Two lazy captures of different sizes in one pool cost less than their own pools together; both replay
@@ -432,16 +450,16 @@ def test_lazy_captures_share_one_pool_and_replay_after_evicting_one():
     re-used by a later capture) the other still does. Evicting the last returns the pool to the driver."""
     w = Workload()
     start = _primed_quiet_reserved(w)
-    big, small, mid = D(512, 512, True), D(384, 384, True), D(448, 448, True)   # all above 1 MiB a tensor
+    big, small, mid = D(512, 512, True), D(384, 384, True), D(448, 448, True)  # all above 1 MiB a tensor
     probe = _cache(w, lazy_pool="private")
     own = {}
     for d in (big, small):
         probe.run(d)
-        own[d] = probe._entries[d].bytes   # each one's own-pool size
+        own[d] = probe._entries[d].bytes  # each one's own-pool size
     probe.clear()
 
     def check(d: D) -> None:
-        w.x.fill_(float("nan"))   # poisoned, then filled with fresh random input by check_replay
+        w.x.fill_(float("nan"))  # poisoned, then filled with fresh random input by check_replay
         w.check_replay(lambda: cache.run(d), tokens=d.num_tokens)
 
     cache = _cache(w)
@@ -450,19 +468,33 @@ def test_lazy_captures_share_one_pool_and_replay_after_evicting_one():
     assert {e.pool for e in cache.entries()} == {"lazy"} and pool.graphs == 2
     assert cache._entries[big].pool is cache._entries[small].pool is pool
     s = cache.stats()
-    assert s.pool_bytes == s.lazy_pool_bytes == pool_bytes(pool.handle) == cache.info()["allocator_pool_bytes"] > 0
-    assert sum(e.bytes for e in cache.entries()) == s.lazy_pool_bytes   # growths add up to the pool
-    assert s.lazy_pool_bytes < own[big] + own[small], (s.lazy_pool_bytes / MiB, own[big] / MiB, own[small] / MiB)
+    assert (
+        s.pool_bytes
+        == s.lazy_pool_bytes
+        == pool_bytes(pool.handle)
+        == cache.info()["allocator_pool_bytes"]
+        > 0
+    )
+    assert sum(e.bytes for e in cache.entries()) == s.lazy_pool_bytes  # growths add up to the pool
+    assert s.lazy_pool_bytes < own[big] + own[small], (
+        s.lazy_pool_bytes / MiB,
+        own[big] / MiB,
+        own[small] / MiB,
+    )
     for d in (big, small, big):
         check(d)
-    assert cache.evict(big)   # small still holds the pool: nothing returns, the bytes stay counted
+    assert cache.evict(big)  # small still holds the pool: nothing returns, the bytes stay counted
     assert pool_bytes(pool.handle) == s.lazy_pool_bytes == cache.stats().pool_bytes and pool.graphs == 1
     check(small)
-    assert cache.run(mid) == "replay"   # captured into the blocks big left behind
+    assert cache.run(mid) == "replay"  # captured into the blocks big left behind
     for d in (small, mid, small):
         check(d)
-    assert cache.evict(small) and cache.evict(mid)   # the last graph: the pool goes
-    assert cache.policy.pools.shared["lazy"] is None and pool_bytes(pool.handle) == 0 and cache.stats().pool_bytes == 0
+    assert cache.evict(small) and cache.evict(mid)  # the last graph: the pool goes
+    assert (
+        cache.policy.pools.shared["lazy"] is None
+        and pool_bytes(pool.handle) == 0
+        and cache.stats().pool_bytes == 0
+    )
     # Quiet, cuBLAS workspaces released: check()'s eager runs gave the default stream its own 32 MiB
     # workspace since `start` (the H200 run at 23:41 UTC failed on exactly that), which is no pool's.
     assert _quiet_reserved() <= start + 2 * MiB

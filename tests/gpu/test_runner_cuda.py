@@ -21,17 +21,29 @@ REL_TOL = 0.03
 
 
 def _settings(path, **kw):
-    return cpu_settings(path, device="cuda", dtype="bfloat16", block_size=16, num_kv_blocks=512,
-                        max_num_seqs=32, max_num_batched_tokens=256, max_model_len=512,
-                        capture_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256], max_capture_size=256, admission="always",
-                        capture_time_share=1.0, **kw)
+    return cpu_settings(
+        path,
+        device="cuda",
+        dtype="bfloat16",
+        block_size=16,
+        num_kv_blocks=512,
+        max_num_seqs=32,
+        max_num_batched_tokens=256,
+        max_model_len=512,
+        capture_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256],
+        max_capture_size=256,
+        admission="always",
+        capture_time_share=1.0,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
 def path():
     # Qwen2 flavour: qkv bias and GQA both on the captured path; untied head keeps logits ~1-5.
-    return tiny_checkpoint("qwen2", hidden=256, layers=4, heads=8, kv_heads=2, intermediate=512,
-                           tie_word_embeddings=False)
+    return tiny_checkpoint(
+        "qwen2", hidden=256, layers=4, heads=8, kv_heads=2, intermediate=512, tie_word_embeddings=False
+    )
 
 
 def _compare(graph_logits, eager_logits, what):
@@ -52,17 +64,19 @@ def _drive(graph: ModelRunner, eager: ModelRunner, seed: int, num_seqs: int = 20
     prompts = [prompt_ids(n, seed=100 * seed + i) for i, n in enumerate(lens)]
     blocks = Blocks(16)
     tables = [blocks.table(n + 40) for n in lens]
-    tokens = [list(p) for p in prompts]   # running token lists
-    done = [0] * num_seqs                 # tokens in the KV cache
+    tokens = [list(p) for p in prompts]  # running token lists
+    done = [0] * num_seqs  # tokens in the KV cache
     modes, steps = [], 0
 
     def step(active: list[int]):
         nonlocal steps
-        seqs = [StepSeq(tokens[i][done[i]:], done[i], tables[i], True) for i in active]
+        seqs = [StepSeq(tokens[i][done[i] :], done[i], tables[i], True) for i in active]
         graph.out_logits.fill_(float("nan"))  # a replay that skipped the LM head would show
         result = graph.execute(StepBatch(seqs))
         g = result.logits.clone()
-        e = eager.execute(StepBatch([StepSeq(list(s.token_ids), s.start_pos, s.block_table, True) for s in seqs])).logits
+        e = eager.execute(
+            StepBatch([StepSeq(list(s.token_ids), s.start_pos, s.block_table, True) for s in seqs])
+        ).logits
         _compare(g, e, f"step {steps} ({len(active)} seqs, {sum(len(s.token_ids) for s in seqs)} tokens)")
         modes.append(result.mode)
         steps += 1
@@ -80,7 +94,7 @@ def _drive(graph: ModelRunner, eager: ModelRunner, seed: int, num_seqs: int = 20
             new.append(waiting.pop(0))
         step(started + new)
         started += new
-    for size in (num_seqs, num_seqs, 8, 8, 3, 3, 1):   # decode batches: 32/8/4/1 descriptors
+    for size in (num_seqs, num_seqs, 8, 8, 3, 3, 1):  # decode batches: 32/8/4/1 descriptors
         step(list(range(size)))
     return modes
 
@@ -94,20 +108,22 @@ def test_replay_logits_equal_eager_logits(path, seed, mode):
     assert graph.backend == "cuda" and eager.backend == "eager" and graph.dtype == torch.bfloat16
     assert graph.decode_kernel == "triton"
     modes = _drive(graph, eager, seed)
-    assert set(modes) == {"replay"}, modes          # every step fits a capture size
+    assert set(modes) == {"replay"}, modes  # every step fits a capture size
     entries = graph.cache.entries()
     assert {e.mode for e in entries if e.descriptor.endswith(":decode")} == {mode}
-    mixed_mode = "full" if graph.attention_kernel == "triton" else "breakable"   # mixed_capture_mode=full
+    mixed_mode = "full" if graph.attention_kernel == "triton" else "breakable"  # mixed_capture_mode=full
     assert {e.mode for e in entries if not e.descriptor.endswith(":decode")} <= {mixed_mode}
     descs = {e.descriptor for e in entries}
     decode_descs = {d for d in descs if d.endswith(":decode")}
     assert len(descs) >= 3 and {"32:32:decode", "8:8:decode", "4:4:decode"} <= decode_descs, descs
     stats = graph.cache.stats()
-    assert stats.hits >= 3, stats                  # repeated decode sizes replay cached graphs
+    assert stats.hits >= 3, stats  # repeated decode sizes replay cached graphs
 
 
 def test_warmed_up_runner_matches_eager_and_hits(path):
-    graph = ModelRunner(_settings(path, warmup_decode_sizes=[1, 4, 8, 32], warmup_descriptors=["256:32", "128:8"]))
+    graph = ModelRunner(
+        _settings(path, warmup_decode_sizes=[1, 4, 8, 32], warmup_descriptors=["256:32", "128:8"])
+    )
     kv_before = graph.kv_cache.clone()
     report = graph.warmup()
     assert not report.failed and len(report.captured) == 6, report

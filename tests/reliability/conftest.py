@@ -43,8 +43,9 @@ BASE_SETTINGS: dict[str, Any] = {
 
 
 @pytest.fixture(scope="module")
-def server(cache_dir: Path, log_dir: Path, server_settings: dict[str, Any],
-           request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+def server(
+    cache_dir: Path, log_dir: Path, server_settings: dict[str, Any], request: pytest.FixtureRequest
+) -> Iterator[ServerProcess]:
     name = request.module.__name__.rsplit(".", 1)[-1]
     proc = ServerProcess(cache_dir, log_dir, name=name, **{**BASE_SETTINGS, **server_settings})
     try:
@@ -55,13 +56,16 @@ def server(cache_dir: Path, log_dir: Path, server_settings: dict[str, Any],
 
 
 @pytest.fixture
-def server_factory(cache_dir: Path, log_dir: Path,
-                   request: pytest.FixtureRequest) -> Iterator[Callable[..., ServerProcess]]:
+def server_factory(
+    cache_dir: Path, log_dir: Path, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., ServerProcess]]:
     """start(**settings) -> a ready server, stopped at the end of the test whatever happened."""
     started: list[ServerProcess] = []
 
     def start(name: str | None = None, **settings: Any) -> ServerProcess:
-        proc = ServerProcess(cache_dir, log_dir, name=name or request.node.name, **{**BASE_SETTINGS, **settings})
+        proc = ServerProcess(
+            cache_dir, log_dir, name=name or request.node.name, **{**BASE_SETTINGS, **settings}
+        )
         started.append(proc)
         return proc.start()
 

@@ -94,8 +94,13 @@ class ServerProcess:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.name = name
-        self.settings = {"admin_token": ADMIN_TOKEN, "cache_dir": str(cache_dir), "host": "127.0.0.1",
-                         "log_level": "warning", **settings}
+        self.settings = {
+            "admin_token": ADMIN_TOKEN,
+            "cache_dir": str(cache_dir),
+            "host": "127.0.0.1",
+            "log_level": "warning",
+            **settings,
+        }
         self.log_path = log_dir / f"{name}-{self.port}.log"
         self.proc: subprocess.Popen | None = None
 
@@ -115,7 +120,11 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(
             [PYTHON, "-m", "graphcache.cli", "serve", "--port", str(self.port)],
-            cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            cwd=REPO,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             preexec_fn=_die_with_parent,
         )
         try:
@@ -130,8 +139,9 @@ class ServerProcess:
         last = "no answer yet"
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before it was ready:\n"
-                                   f"{self.log_tail()}")
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode} before it was ready:\n{self.log_tail()}"
+                )
             try:
                 response = httpx.get(self.base_url + "/ready", timeout=2.0)
                 if response.status_code == 200:
@@ -205,16 +215,19 @@ class ServerProcess:
         metrics = self.metrics()
         while time.monotonic() < deadline:
             metrics = self.metrics()
-            if (metrics.value("graphcache_num_requests_running") == 0
-                    and metrics.value("graphcache_num_requests_waiting") == 0
-                    and metrics.value("graphcache_kv_cache_usage_ratio") == 0):
+            if (
+                metrics.value("graphcache_num_requests_running") == 0
+                and metrics.value("graphcache_num_requests_waiting") == 0
+                and metrics.value("graphcache_kv_cache_usage_ratio") == 0
+            ):
                 return metrics
             time.sleep(0.1)
         raise AssertionError(
             f"{self.name} not idle within {timeout_s}s: running="
             f"{metrics.value('graphcache_num_requests_running')} waiting="
             f"{metrics.value('graphcache_num_requests_waiting')} kv="
-            f"{metrics.value('graphcache_kv_cache_usage_ratio')}")
+            f"{metrics.value('graphcache_kv_cache_usage_ratio')}"
+        )
 
 
 class Metrics:
@@ -239,13 +252,17 @@ class Metrics:
 
 # --- error bodies ---------------------------------------------------------------------------------------
 
-def assert_clean_error(response: httpx.Response, status: int | tuple[int, ...] | None = None,
-                       check_leaks: bool = True) -> dict:
+
+def assert_clean_error(
+    response: httpx.Response, status: int | tuple[int, ...] | None = None, check_leaks: bool = True
+) -> dict:
     """An OpenAI-shaped JSON error that leaks nothing (check_leaks=False: shape only, for bodies a
     separate, known-failing test checks); returns its `error` object."""
     expected = (status,) if isinstance(status, int) else status
     if expected is not None:
-        assert response.status_code in expected, f"expected {expected}, got {response.status_code}: {response.text[:300]}"
+        assert response.status_code in expected, (
+            f"expected {expected}, got {response.status_code}: {response.text[:300]}"
+        )
     assert 400 <= response.status_code < 600, response.status_code
     if check_leaks:
         assert_no_leak(response.text)
@@ -271,6 +288,7 @@ def completion_body(prompt: str = "hello", max_tokens: int = 8, **extra: Any) ->
 
 # --- an in-process server: the engine object is reachable (failpoints), HTTP is still real ----------
 
+
 class InProcessServer:
     """create_app + uvicorn on a thread, on a free loopback port.
 
@@ -284,8 +302,9 @@ class InProcessServer:
 
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.settings = Settings(cache_dir=cache_dir, host="127.0.0.1", port=self.port, admin_token=ADMIN_TOKEN,
-                                 **settings)
+        self.settings = Settings(
+            cache_dir=cache_dir, host="127.0.0.1", port=self.port, admin_token=ADMIN_TOKEN, **settings
+        )
         self.metrics = Metrics()
         self.app = None
         self._server = None
@@ -310,8 +329,15 @@ class InProcessServer:
         from graphcache.api.app import create_app
 
         self.app = create_app(self.settings, metrics=self.metrics)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_config=None, access_log=False,
-                                lifespan="on", timeout_graceful_shutdown=self.settings.http.drain_timeout_s)
+        config = uvicorn.Config(
+            self.app,
+            host="127.0.0.1",
+            port=self.port,
+            log_config=None,
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=self.settings.http.drain_timeout_s,
+        )
         self._server = uvicorn.Server(config)
         # Not the main thread: uvicorn installs no signal handlers, pytest keeps its own.
         self._thread = threading.Thread(target=self._server.run, name="uvicorn-test", daemon=True)

@@ -25,8 +25,14 @@ def server_settings():
 @pytest.fixture(scope="module")
 def eager_reference(cache_dir, log_dir) -> dict[tuple[str, int], str]:
     """(api, prompt index) -> greedy text from a server that never captures, one request at a time."""
-    ref = ServerProcess(cache_dir, log_dir, name="eager-reference", enforce_eager=True, max_num_seqs=8,
-                        max_num_batched_tokens=256)
+    ref = ServerProcess(
+        cache_dir,
+        log_dir,
+        name="eager-reference",
+        enforce_eager=True,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+    )
     try:
         ref.start()
         texts = {}
@@ -39,7 +45,9 @@ def eager_reference(cache_dir, log_dir) -> dict[tuple[str, int], str]:
                     response = client.post(path, json=body)
                     assert response.status_code == 200, response.text
                     choice = response.json()["choices"][0]
-                    texts[(api, index)] = choice["text"] if api == "completions" else choice["message"]["content"]
+                    texts[(api, index)] = (
+                        choice["text"] if api == "completions" else choice["message"]["content"]
+                    )
         metrics = ref.metrics()
         assert metrics.value("graphcache_steps_total", mode="replay") == 0, "the reference must be eager"
         return texts
@@ -50,12 +58,17 @@ def eager_reference(cache_dir, log_dir) -> dict[tuple[str, int], str]:
 async def admin_loop(server, stop: asyncio.Event) -> list[tuple[str, int, str]]:
     """clear / warmup / inspect, over and over, until told to stop; returns (call, status, body)."""
     calls = []
-    async with httpx.AsyncClient(base_url=server.base_url, headers=server.admin_headers, timeout=30.0) as client:
+    async with httpx.AsyncClient(
+        base_url=server.base_url, headers=server.admin_headers, timeout=30.0
+    ) as client:
         while not stop.is_set():
-            for method, path, body in (("POST", "/admin/clear", None), ("GET", "/admin/cache", None),
-                                       ("POST", "/admin/warmup", {"sizes": [1, 2, 4, 8]}),
-                                       ("POST", "/admin/warmup", {"descriptors": ["16:2", "32:4"]}),
-                                       ("GET", "/admin/cache", None)):
+            for method, path, body in (
+                ("POST", "/admin/clear", None),
+                ("GET", "/admin/cache", None),
+                ("POST", "/admin/warmup", {"sizes": [1, 2, 4, 8]}),
+                ("POST", "/admin/warmup", {"descriptors": ["16:2", "32:4"]}),
+                ("GET", "/admin/cache", None),
+            ):
                 response = await client.request(method, path, json=body)
                 calls.append((f"{method} {path}", response.status_code, response.text[:300]))
                 await asyncio.sleep(0.05)
@@ -68,8 +81,15 @@ async def test_clear_and_warmup_under_load_lose_nothing_and_match_eager(server, 
     stop = asyncio.Event()
     admin = asyncio.create_task(admin_loop(server, stop))
     try:
-        report = await load.run_load(load.LoadConfig(
-            url=server.base_url, concurrency=8, duration_s=8.0, max_tokens=MAX_TOKENS, request_timeout_s=60.0))
+        report = await load.run_load(
+            load.LoadConfig(
+                url=server.base_url,
+                concurrency=8,
+                duration_s=8.0,
+                max_tokens=MAX_TOKENS,
+                request_timeout_s=60.0,
+            )
+        )
     finally:
         stop.set()
         calls = await asyncio.wait_for(admin, timeout=60)
@@ -79,18 +99,25 @@ async def test_clear_and_warmup_under_load_lose_nothing_and_match_eager(server, 
     assert not failed_admin, failed_admin[:5]
     assert sum(1 for c in calls if c[0] == "POST /admin/clear") >= 3, "the admin loop hardly ran"
 
-    mismatches = [(r.api, r.stream, r.prompt_index, r.text, eager_reference[(r.api, r.prompt_index)])
-                  for r in report.completed if r.text != eager_reference[(r.api, r.prompt_index)]]
+    mismatches = [
+        (r.api, r.stream, r.prompt_index, r.text, eager_reference[(r.api, r.prompt_index)])
+        for r in report.completed
+        if r.text != eager_reference[(r.api, r.prompt_index)]
+    ]
     assert not mismatches, f"{len(mismatches)} of {len(report.completed)} differ from eager: {mismatches[:3]}"
 
     after = server.wait_idle()
     # The traffic really ran through graphs, and the clears really dropped them.
-    assert after.value("graphcache_steps_total", mode="replay") > before.value("graphcache_steps_total", mode="replay")
-    assert (after.value("graphcache_graph_evictions_total", reason="clear")
-            > before.value("graphcache_graph_evictions_total", reason="clear"))
+    assert after.value("graphcache_steps_total", mode="replay") > before.value(
+        "graphcache_steps_total", mode="replay"
+    )
+    assert after.value("graphcache_graph_evictions_total", reason="clear") > before.value(
+        "graphcache_graph_evictions_total", reason="clear"
+    )
     assert after.value("graphcache_graph_captures_total") > before.value("graphcache_graph_captures_total")
-    assert (after.value("graphcache_requests_finished_total", reason="error")
-            == before.value("graphcache_requests_finished_total", reason="error"))
+    assert after.value("graphcache_requests_finished_total", reason="error") == before.value(
+        "graphcache_requests_finished_total", reason="error"
+    )
 
 
 @pytest.mark.timeout(60)
@@ -106,17 +133,25 @@ def test_admin_cache_and_metrics_agree_after_the_storm(server):
 async def test_cache_thrash_under_load_matches_eager(server_factory, eager_reference):
     """A cache of 2 entries for a load that needs a dozen shapes: every few steps a capture evicts
     another (LRU), entries are replaced while traffic replays them. Outputs must not notice."""
-    thrash = server_factory(name="cache-thrash", max_num_seqs=8, cache_max_entries=2, warmup_decode_sizes=[],
-                            admission="always")
+    thrash = server_factory(
+        name="cache-thrash", max_num_seqs=8, cache_max_entries=2, warmup_decode_sizes=[], admission="always"
+    )
     before = thrash.metrics()
-    report = await load.run_load(load.LoadConfig(
-        url=thrash.base_url, concurrency=8, duration_s=6.0, max_tokens=MAX_TOKENS, request_timeout_s=60.0))
+    report = await load.run_load(
+        load.LoadConfig(
+            url=thrash.base_url, concurrency=8, duration_s=6.0, max_tokens=MAX_TOKENS, request_timeout_s=60.0
+        )
+    )
     assert report.num_errors == 0, report.error_summary()
-    mismatches = [(r.api, r.stream, r.prompt_index, r.text, eager_reference[(r.api, r.prompt_index)])
-                  for r in report.completed if r.text != eager_reference[(r.api, r.prompt_index)]]
+    mismatches = [
+        (r.api, r.stream, r.prompt_index, r.text, eager_reference[(r.api, r.prompt_index)])
+        for r in report.completed
+        if r.text != eager_reference[(r.api, r.prompt_index)]
+    ]
     assert not mismatches, f"{len(mismatches)} of {len(report.completed)} differ from eager: {mismatches[:3]}"
     after = thrash.wait_idle()
-    evicted = (after.value("graphcache_graph_evictions_total", reason="entries")
-               - before.value("graphcache_graph_evictions_total", reason="entries"))
+    evicted = after.value("graphcache_graph_evictions_total", reason="entries") - before.value(
+        "graphcache_graph_evictions_total", reason="entries"
+    )
     assert evicted >= 5, f"only {evicted} evictions: the cache did not thrash"
     assert after.value("graphcache_graph_cache_entries") <= 2

@@ -35,6 +35,7 @@ def post_raw(client: httpx.Client, path: str, content: bytes, content_type: str 
 
 # --- sizes -----------------------------------------------------------------------------------------
 
+
 @pytest.mark.timeout(60)
 def test_prompt_over_max_model_len_is_400(client):
     error = assert_clean_error(client.post("/v1/completions", json=completion_body("hello " * 1000)), 400)
@@ -52,8 +53,11 @@ def test_prompt_plus_max_tokens_exactly_at_max_model_len_is_served(client):
     response = client.post("/v1/completions", json=completion_body(prompt, MAX_MODEL_LEN - len(prompt)))
     assert response.status_code == 200, response.text
     usage = response.json()["usage"]
-    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == \
-        (100, MAX_MODEL_LEN - 100, MAX_MODEL_LEN)
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
+        100,
+        MAX_MODEL_LEN - 100,
+        MAX_MODEL_LEN,
+    )
     one_over = client.post("/v1/completions", json=completion_body(prompt, MAX_MODEL_LEN - len(prompt) + 1))
     assert_clean_error(one_over, 400)
 
@@ -94,8 +98,10 @@ def test_announced_oversized_body_is_refused_before_it_is_sent(server):
     a body it will refuse anyway. Raw socket, because HTTP clients always send what they announce."""
     host, port = "127.0.0.1", server.port
     with socket.create_connection((host, port), timeout=10) as sock:
-        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {100 * MAX_BODY_BYTES}\r\n\r\n".encode())
+        sock.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {100 * MAX_BODY_BYTES}\r\n\r\n".encode()
+        )
         received = b""
         while chunk := sock.recv(65536):  # the 413 closes the connection: read to the end
             received += chunk
@@ -106,27 +112,60 @@ def test_announced_oversized_body_is_refused_before_it_is_sent(server):
 
 # --- encoding and syntax ---------------------------------------------------------------------------
 
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("path", "content"), [
-    ("/v1/completions", b'{"prompt": "\xff\xfe\xfd", "max_tokens": 4}'),         # invalid UTF-8 in a string
-    ("/v1/completions", b'\xff{"prompt": "hi", "max_tokens": 4}'),                  # invalid UTF-8 before it
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\xc3\x28"}]}'),
-    # Valid JSON, but a lone surrogate is no Unicode text: the tokenizer cannot take it.
-    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 4}'),
-    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 4, "stop": ["\\udfff"]}'),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud83d"}], "max_tokens": 4}'),
-], ids=["bad-utf8-string", "bad-utf8-prefix", "bad-utf8-chat", "lone-surrogate-prompt", "lone-surrogate-stop",
-        "lone-surrogate-chat"])
+@pytest.mark.parametrize(
+    ("path", "content"),
+    [
+        ("/v1/completions", b'{"prompt": "\xff\xfe\xfd", "max_tokens": 4}'),  # invalid UTF-8 in a string
+        ("/v1/completions", b'\xff{"prompt": "hi", "max_tokens": 4}'),  # invalid UTF-8 before it
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\xc3\x28"}]}'),
+        # Valid JSON, but a lone surrogate is no Unicode text: the tokenizer cannot take it.
+        ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 4}'),
+        ("/v1/completions", b'{"prompt": "hi", "max_tokens": 4, "stop": ["\\udfff"]}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud83d"}], "max_tokens": 4}'),
+    ],
+    ids=[
+        "bad-utf8-string",
+        "bad-utf8-prefix",
+        "bad-utf8-chat",
+        "lone-surrogate-prompt",
+        "lone-surrogate-stop",
+        "lone-surrogate-chat",
+    ],
+)
 def test_invalid_utf8_and_lone_surrogates_are_400(client, path, content):
     assert_clean_error(post_raw(client, path, content), 400)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("content", [
-    b"", b"null", b"[]", b"{}", b"42", b'"prompt"', b"{", b'{"prompt": "hi",}', b"{'prompt': 'hi'}",
-    b'{"prompt": "hi", "max_tokens": 4} trailing',
-], ids=["empty", "null", "array", "empty-object", "number", "string", "truncated", "trailing-comma",
-        "single-quotes", "trailing-garbage"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b"null",
+        b"[]",
+        b"{}",
+        b"42",
+        b'"prompt"',
+        b"{",
+        b'{"prompt": "hi",}',
+        b"{'prompt': 'hi'}",
+        b'{"prompt": "hi", "max_tokens": 4} trailing',
+    ],
+    ids=[
+        "empty",
+        "null",
+        "array",
+        "empty-object",
+        "number",
+        "string",
+        "truncated",
+        "trailing-comma",
+        "single-quotes",
+        "trailing-garbage",
+    ],
+)
 def test_empty_or_malformed_json_is_400(client, content):
     assert_clean_error(post_raw(client, "/v1/completions", content), 400)
     assert_clean_error(post_raw(client, "/v1/chat/completions", content), 400)
@@ -137,8 +176,11 @@ def test_empty_or_malformed_json_is_400(client, content):
 def test_deeply_nested_json_is_400_not_a_recursion_error(client, depth):
     """json.loads recurses per level: 30k levels blow Python's stack unless the server guards it."""
     nested = "[" * depth + "]" * depth
-    for body in (f'{{"prompt": {nested}, "max_tokens": 4}}', f'{{"prompt": "hi", "max_tokens": 4, "x": {nested}}}',
-                 nested):
+    for body in (
+        f'{{"prompt": {nested}, "max_tokens": 4}}',
+        f'{{"prompt": "hi", "max_tokens": 4, "x": {nested}}}',
+        nested,
+    ):
         response = post_raw(client, "/v1/completions", body.encode())
         if response.status_code == 200:
             # An unknown field may be ignored (OpenAI does) if it parsed; the answer must then be normal.
@@ -148,7 +190,9 @@ def test_deeply_nested_json_is_400_not_a_recursion_error(client, depth):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "", "application/xml"])
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "application/x-www-form-urlencoded", "", "application/xml"]
+)
 def test_wrong_content_type_is_refused_cleanly(client, content_type):
     response = post_raw(client, "/v1/completions", json.dumps(completion_body()).encode(), content_type)
     if response.status_code == 200:
@@ -181,7 +225,7 @@ WRONG_TYPES = [
     {"prompt": "hi", "top_p": 0},
     {"prompt": "hi", "top_p": 1.5},
     {"prompt": "hi", "top_k": -5},
-    {"prompt": "hi", "seed": -2**63 - 1},
+    {"prompt": "hi", "seed": -(2**63) - 1},
     {"prompt": "hi", "seed": 2**64},
     {"prompt": "hi", "stream": "yes"},
     {"prompt": "hi", "stream": True, "stream_options": "all"},
@@ -230,7 +274,9 @@ def test_wrong_chat_fields_are_400(client, body):
 
 @pytest.mark.timeout(60)
 def test_unknown_model_is_404(client):
-    error = assert_clean_error(client.post("/v1/completions", json=completion_body(max_tokens=4, model="gpt-17")), 404)
+    error = assert_clean_error(
+        client.post("/v1/completions", json=completion_body(max_tokens=4, model="gpt-17")), 404
+    )
     assert error["code"] == "model_not_found"
 
 
@@ -241,8 +287,12 @@ def test_unknown_fields_are_ignored_like_openai(client):
     response = client.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 4
-    chat = {"messages": [{"role": "user", "content": "hi", "unknown": 1}], "max_tokens": 4,
-            "ignore_eos": True, "frobnicate": True}
+    chat = {
+        "messages": [{"role": "user", "content": "hi", "unknown": 1}],
+        "max_tokens": 4,
+        "ignore_eos": True,
+        "frobnicate": True,
+    }
     response = client.post("/v1/chat/completions", json=chat)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 4
@@ -257,6 +307,7 @@ def test_unusual_but_valid_text_is_served(client):
 
 
 # --- routing ---------------------------------------------------------------------------------------
+
 
 @pytest.mark.timeout(60)
 def test_unknown_routes_and_methods_are_clean(client):
@@ -288,6 +339,7 @@ async def test_tiny_top_p_neither_fails_its_batch_nor_kills_the_engine(server):
     must not be able to do either. Accepting (keep only the top token) or refusing (400) is fine.
     Found by this suite (it killed the engine); fixed in cc43034."""
     async with httpx.AsyncClient(base_url=server.base_url, timeout=60.0) as client:
+
         async def bystander() -> httpx.Response:
             return await client.post("/v1/completions", json=completion_body("innocent", 48))
 

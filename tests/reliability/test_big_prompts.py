@@ -25,13 +25,13 @@ from .support import assert_clean_error
 
 FLOOD_CLIENTS = 8
 FLOOD_SECONDS = 4.0
-BIG_CHARS = 1_000_000            # under the 1 MiB body limit, with the JSON around it
+BIG_CHARS = 1_000_000  # under the 1 MiB body limit, with the JSON around it
 STREAM_TOKENS = 64
 PROBE_INTERVAL_S = 0.02
 # Assertion margins (see the module docstring): the old behaviour measured here was 2-17 s at the max.
-MAX_HEALTH_S = 1.0               # slowest /health during the flood
-P90_FACTOR, P90_FLOOR_S = 25.0, 0.15   # p90 under load < max(25 x baseline p50, 150 ms)
-MAX_TOKEN_GAP_S = 1.0            # slowest gap between two events of the unrelated stream
+MAX_HEALTH_S = 1.0  # slowest /health during the flood
+P90_FACTOR, P90_FLOOR_S = 25.0, 0.15  # p90 under load < max(25 x baseline p50, 150 ms)
+MAX_TOKEN_GAP_S = 1.0  # slowest gap between two events of the unrelated stream
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +62,21 @@ def _probe(base_url: str, stop: threading.Event, out: list[float]) -> None:
 def _flood(base_url: str, body: bytes, deadline: float, out: list[httpx.Response]) -> None:
     with httpx.Client(base_url=base_url, timeout=120.0) as client:
         while time.monotonic() < deadline:
-            out.append(client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"}))
+            out.append(
+                client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+            )
 
 
 def _stream(base_url: str, stop: threading.Event, out: list[dict]) -> None:
     """Streams of STREAM_TOKENS, one after another until `stop`: each one's status, usage and gaps."""
-    body = {"prompt": "Once upon a time", "max_tokens": STREAM_TOKENS, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": "Once upon a time",
+        "max_tokens": STREAM_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.Client(base_url=base_url, timeout=120.0) as client:
         while not stop.is_set():
             times, usage, last = [], None, None
@@ -80,8 +88,14 @@ def _stream(base_url: str, stop: threading.Event, out: list[dict]) -> None:
                     last = line[6:]
                     if last != "[DONE]":
                         usage = json.loads(last).get("usage") or usage
-            out.append({"status": response.status_code, "usage": usage, "last": last,
-                        "gaps": [b - a for a, b in zip(times, times[1:], strict=False)]})
+            out.append(
+                {
+                    "status": response.status_code,
+                    "usage": usage,
+                    "last": last,
+                    "gaps": [b - a for a, b in zip(times, times[1:], strict=False)],
+                }
+            )
 
 
 @pytest.mark.timeout(240)
@@ -89,7 +103,7 @@ def test_big_prompt_flood_does_not_freeze_health_or_streams(server):
     max_model_len = httpx.get(server.base_url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
     bound = max_model_len * MAX_CHARS_PER_TOKEN
     over = json.dumps({"prompt": _text(BIG_CHARS), "max_tokens": 4}).encode()
-    under = json.dumps({"prompt": _text(bound - 1), "max_tokens": 4}).encode()   # tokenized, then too long
+    under = json.dumps({"prompt": _text(bound - 1), "max_tokens": 4}).encode()  # tokenized, then too long
     assert len(over) < 1 << 20
 
     rejected_before = server.metrics().value("graphcache_requests_rejected_total", reason="invalid")
@@ -112,8 +126,12 @@ def test_big_prompt_flood_does_not_freeze_health_or_streams(server):
     deadline = time.monotonic() + FLOOD_SECONDS
     prober = threading.Thread(target=_probe, args=(server.base_url, stop, loaded))
     streamer = threading.Thread(target=_stream, args=(server.base_url, stop_streams, streams))
-    flooders = [threading.Thread(target=_flood, args=(server.base_url, over if i % 2 == 0 else under, deadline,
-                                                      responses)) for i in range(FLOOD_CLIENTS)]
+    flooders = [
+        threading.Thread(
+            target=_flood, args=(server.base_url, over if i % 2 == 0 else under, deadline, responses)
+        )
+        for i in range(FLOOD_CLIENTS)
+    ]
     prober.start()
     time.sleep(0.1)
     streamer.start()
@@ -129,11 +147,13 @@ def test_big_prompt_flood_does_not_freeze_health_or_streams(server):
     prober.join(60)
 
     max_gap = max((g for st in streams for g in st["gaps"]), default=0.0)
-    report = (f"/health baseline p50 {base_p50 * 1e3:.1f} ms p99 {_quantile(baseline, 0.99) * 1e3:.1f} ms "
-              f"(n={len(baseline)}); under flood p50 {_quantile(loaded, 0.5) * 1e3:.1f} ms p90 "
-              f"{_quantile(loaded, 0.9) * 1e3:.1f} ms p99 {_quantile(loaded, 0.99) * 1e3:.1f} ms max "
-              f"{max(loaded) * 1e3:.1f} ms (n={len(loaded)}); {len(responses)} big requests in {flood_s:.1f} s; "
-              f"{len(streams)} streams beside it, max gap between events {max_gap * 1e3:.1f} ms")
+    report = (
+        f"/health baseline p50 {base_p50 * 1e3:.1f} ms p99 {_quantile(baseline, 0.99) * 1e3:.1f} ms "
+        f"(n={len(baseline)}); under flood p50 {_quantile(loaded, 0.5) * 1e3:.1f} ms p90 "
+        f"{_quantile(loaded, 0.9) * 1e3:.1f} ms p99 {_quantile(loaded, 0.99) * 1e3:.1f} ms max "
+        f"{max(loaded) * 1e3:.1f} ms (n={len(loaded)}); {len(responses)} big requests in {flood_s:.1f} s; "
+        f"{len(streams)} streams beside it, max gap between events {max_gap * 1e3:.1f} ms"
+    )
     print(report)
 
     assert len(responses) >= FLOOD_CLIENTS, report
@@ -141,7 +161,9 @@ def test_big_prompt_flood_does_not_freeze_health_or_streams(server):
         error = assert_clean_error(response, 400)
         assert error["code"] == "context_length_exceeded", error
     # Refused before reaching the engine's queue: counted as rejections, never as running or waiting.
-    rejected = server.metrics().value("graphcache_requests_rejected_total", reason="invalid") - rejected_before
+    rejected = (
+        server.metrics().value("graphcache_requests_rejected_total", reason="invalid") - rejected_before
+    )
     assert rejected == len(responses), (rejected, len(responses))
     server.wait_idle()
     assert streams, report
@@ -162,9 +184,16 @@ def test_text_over_the_bound_is_refused_before_tokenizing(server):
     with httpx.Client(base_url=server.base_url, timeout=60.0) as client:
         for path, body, param in [
             ("/v1/completions", {"prompt": _text(BIG_CHARS), "max_tokens": 4}, "prompt"),
-            ("/v1/chat/completions", {"messages": [{"role": "user", "content": _text(bound // 2 + 1)},
-                                                   {"role": "user", "content": _text(bound // 2 + 1)}]},
-             "messages"),
+            (
+                "/v1/chat/completions",
+                {
+                    "messages": [
+                        {"role": "user", "content": _text(bound // 2 + 1)},
+                        {"role": "user", "content": _text(bound // 2 + 1)},
+                    ]
+                },
+                "messages",
+            ),
         ]:
             t0 = time.perf_counter()
             response = client.post(path, json=body)

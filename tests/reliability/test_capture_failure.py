@@ -28,8 +28,14 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module")
 def inproc(cache_dir):
     # No warmup: every capture happens while serving, where the failpoint is armed.
-    server = InProcessServer(cache_dir, max_num_seqs=4, max_num_batched_tokens=256, warmup_decode_sizes=[],
-                             admission="always", drain_timeout_s=5.0)
+    server = InProcessServer(
+        cache_dir,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        warmup_decode_sizes=[],
+        admission="always",
+        drain_timeout_s=5.0,
+    )
     try:
         server.start()
         yield server
@@ -56,7 +62,9 @@ def greedy(client: httpx.Client, prompt: str) -> str:
     response = client.post("/v1/completions", json=completion_body(prompt, MAX_TOKENS))
     assert response.status_code == 200, response.text
     body = response.json()
-    assert body["usage"]["completion_tokens"] == MAX_TOKENS and body["choices"][0]["finish_reason"] == "length"
+    assert (
+        body["usage"]["completion_tokens"] == MAX_TOKENS and body["choices"][0]["finish_reason"] == "length"
+    )
     return body["choices"][0]["text"]
 
 
@@ -107,8 +115,13 @@ def test_every_capture_failing_under_load_counts_each_shape_once(inproc):
     steps_before = inproc.engine.stats().get("steps", 0)
     cache.failpoint = failpoint
     try:
-        report = asyncio.run(load.run_load(load.LoadConfig(
-            url=inproc.base_url, concurrency=4, duration_s=4.0, max_tokens=16, request_timeout_s=60.0)))
+        report = asyncio.run(
+            load.run_load(
+                load.LoadConfig(
+                    url=inproc.base_url, concurrency=4, duration_s=4.0, max_tokens=16, request_timeout_s=60.0
+                )
+            )
+        )
     finally:
         cache.failpoint = None
     assert report.num_errors == 0, report.error_summary()
@@ -182,7 +195,9 @@ class DeviceLost:
 
     def __call__(self, batch) -> None:
         time.sleep(0.3)
-        raise torch.AcceleratorError('CUDA error: device lost in File "/work/main/service/engine/worker/runner.py", line 1')
+        raise torch.AcceleratorError(
+            'CUDA error: device lost in File "/work/main/service/engine/worker/runner.py", line 1'
+        )
 
 
 @pytest.mark.timeout(120)
@@ -192,8 +207,12 @@ async def test_engine_death_fails_everything_cleanly_and_liveness_says_so(inproc
     clean 503, and /metrics keeps answering so the death is visible."""
     inproc.engine.step_failpoint = DeviceLost()
     async with httpx.AsyncClient(base_url=inproc.base_url, timeout=30.0) as client:
-        responses = await asyncio.wait_for(asyncio.gather(*(
-            client.post("/v1/completions", json=completion_body(f"doomed {i}", 8)) for i in range(8))), timeout=60)
+        responses = await asyncio.wait_for(
+            asyncio.gather(
+                *(client.post("/v1/completions", json=completion_body(f"doomed {i}", 8)) for i in range(8))
+            ),
+            timeout=60,
+        )
         for i, response in enumerate(responses):
             assert_clean_error(response, (500, 503), check_leaks=False)
             DEATH_BODIES[f"in-flight request {i}"] = response.text
@@ -202,8 +221,11 @@ async def test_engine_death_fails_everything_cleanly_and_liveness_says_so(inproc
         after = await client.post("/v1/completions", json=completion_body(max_tokens=4))
         error = assert_clean_error(after, 503)
         assert error["code"] == "engine_dead"
-        health, ready, metrics = (await client.get("/health"), await client.get("/ready"),
-                                  await client.get("/metrics"))
+        health, ready, metrics = (
+            await client.get("/health"),
+            await client.get("/ready"),
+            await client.get("/metrics"),
+        )
     assert health.status_code == 503 and ready.status_code == 503
     DEATH_BODIES["/health"], DEATH_BODIES["/ready"] = health.text, ready.text
     assert metrics.status_code == 200 and "graphcache_ready 0.0" in metrics.text

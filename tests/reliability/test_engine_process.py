@@ -42,7 +42,9 @@ def _post(server, path: str, body: dict, **kw) -> httpx.Response:
 
 def _stream_text(server, path: str, body: dict) -> tuple[str, list]:
     text, finish = "", []
-    with httpx.stream("POST", server.base_url + path, json={**body, "stream": True}, timeout=60.0) as response:
+    with httpx.stream(
+        "POST", server.base_url + path, json={**body, "stream": True}, timeout=60.0
+    ) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
@@ -67,23 +69,39 @@ def test_greedy_outputs_equal_the_in_process_engine(servers):
         assert answers[0] == answers[1], (path, answers)
         assert _stream_text(child, path, body) == _stream_text(ref, path, body), path
     many = [{**COMPLETION, "prompt": f"prompt number {i}", "n": 2, "logprobs": 2} for i in range(4)]
-    for body in many:   # several choices and logprobs cross the pipe too (values: batching may differ by float noise)
+    for (
+        body
+    ) in many:  # several choices and logprobs cross the pipe too (values: batching may differ by float noise)
         got = [_post(s, "/v1/completions", body).json()["choices"] for s in (child, ref)]
         for a, b in zip(*got, strict=True):
-            assert (a["text"], a["finish_reason"], a["logprobs"]["tokens"]) == \
-                (b["text"], b["finish_reason"], b["logprobs"]["tokens"])
+            assert (a["text"], a["finish_reason"], a["logprobs"]["tokens"]) == (
+                b["text"],
+                b["finish_reason"],
+                b["logprobs"]["tokens"],
+            )
             assert a["logprobs"]["token_logprobs"] == pytest.approx(b["logprobs"]["token_logprobs"], abs=1e-3)
 
 
 def test_bad_input_gets_the_same_4xx_bodies(servers):
     child, ref = servers
     bad = [
-        ("/v1/completions", {"prompt": list(range(1, 6)) * 1000, "max_tokens": 4}),     # longer than the context
-        ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "logit_bias": {"99999999": 1}}),   # id out of range
+        ("/v1/completions", {"prompt": list(range(1, 6)) * 1000, "max_tokens": 4}),  # longer than the context
+        (
+            "/v1/completions",
+            {"prompt": "hi", "max_tokens": 4, "logit_bias": {"99999999": 1}},
+        ),  # id out of range
         ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 10_000}),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "temperature": -1}),
-        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
-            "name": "x", "schema": {"type": "nonsense"}}}}),
+        (
+            "/v1/chat/completions",
+            {
+                **CHAT,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+                },
+            },
+        ),
     ]
     for path, body in bad:
         got = [_post(s, path, body) for s in (child, ref)]
@@ -102,7 +120,9 @@ def test_admin_calls_go_through_the_proxy(servers):
     assert {"1:1:decode", "2:2:decode"} <= {e["descriptor"] for e in info["entries"]}, info
     ref_info = httpx.get(ref.base_url + "/admin/cache", headers=headers, timeout=30).json()
     assert set(info) == set(ref_info)
-    profile = httpx.get(child.base_url + "/admin/cache/profile", params={"min_uses": 0}, headers=headers, timeout=30)
+    profile = httpx.get(
+        child.base_url + "/admin/cache/profile", params={"min_uses": 0}, headers=headers, timeout=30
+    )
     assert profile.status_code == 200 and "descriptors" in json.dumps(profile.json()), profile.text
     cleared = httpx.post(child.base_url + "/admin/clear", headers=headers, timeout=30)
     assert cleared.status_code == 200, cleared.text
@@ -122,12 +142,21 @@ def test_metrics_merge_both_processes_without_duplicates(servers):
     assert not [n for n, c in names.items() if c > 1], names
     types = Counter(line.split()[2] for line in text.splitlines() if line.startswith("# TYPE"))
     assert not [n for n, c in types.items() if c > 1]
-    for name in ("graphcache_steps", "graphcache_generation_tokens", "vllm:num_requests_running",
-                 "vllm:generation_tokens", "http_requests", "process_cpu_seconds", "graphcache_requests_rejected"):
+    for name in (
+        "graphcache_steps",
+        "graphcache_generation_tokens",
+        "vllm:num_requests_running",
+        "vllm:generation_tokens",
+        "http_requests",
+        "process_cpu_seconds",
+        "graphcache_requests_rejected",
+    ):
         assert name in names, name
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
-    assert sum(v for (n, _), v in samples.items() if n == "graphcache_steps_total") > 0   # recorded in the child
-    assert samples[("graphcache_requests_rejected_total", (("reason", "invalid"),))] >= 1   # in the parent
+    assert (
+        sum(v for (n, _), v in samples.items() if n == "graphcache_steps_total") > 0
+    )  # recorded in the child
+    assert samples[("graphcache_requests_rejected_total", (("reason", "invalid"),))] >= 1  # in the parent
     assert samples[("graphcache_ready", ())] == 1
 
 
@@ -147,10 +176,14 @@ async def test_client_disconnect_aborts_in_the_engine_process(servers):
             assert response.status_code == 200
             async for line in response.aiter_lines():
                 if line.startswith("data:"):
-                    break   # the first token arrived: leave
+                    break  # the first token arrived: leave
     await _wait(lambda: engine.stats()["in_flight"] == 0)
-    await _wait(lambda: engine.stats().get("running") == 0
-                and engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks_total"])
+    await _wait(
+        lambda: (
+            engine.stats().get("running") == 0
+            and engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks_total"]
+        )
+    )
 
 
 @pytest.mark.timeout(180)
@@ -180,7 +213,7 @@ async def test_a_killed_engine_process_fails_requests_and_health(cache_dir):
             assert "SIGKILL" in engine.error, engine.error
             admin = await client.get("/admin/cache", headers=server.admin_headers)
             assert admin.status_code == 503 and "SIGKILL" in admin.text
-            assert (await client.get("/metrics")).status_code == 200   # the API's own series still served
+            assert (await client.get("/metrics")).status_code == 200  # the API's own series still served
     finally:
         server.stop()
 
@@ -190,8 +223,12 @@ async def test_sigterm_drains_through_the_engine_process(server_factory):
     drain_timeout = 60.0
     server = server_factory(engine_process=True, drain_timeout_s=drain_timeout, max_num_seqs=4)
     started = [asyncio.Event() for _ in range(4)]
-    tasks = [asyncio.create_task(run_request(server.base_url, stream=i % 2 == 0, max_tokens=120, started=started[i]))
-             for i in range(4)]
+    tasks = [
+        asyncio.create_task(
+            run_request(server.base_url, stream=i % 2 == 0, max_tokens=120, started=started[i])
+        )
+        for i in range(4)
+    ]
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=60)
     await asyncio.sleep(0.2)
     server.terminate()
@@ -241,8 +278,8 @@ def test_outputs_cross_the_pipe_unchanged():
 
     outputs = [
         RequestOutput("plain", "", [17, 4], False, None, 9, 2),
-        RequestOutput("text", "hi", [5], False, None, 3, 1),                             # detokenized in the engine
-        RequestOutput("cached", "", [6], False, None, 32, 1, num_cached_tokens=16),      # first delta
+        RequestOutput("text", "hi", [5], False, None, 3, 1),  # detokenized in the engine
+        RequestOutput("cached", "", [6], False, None, 32, 1, num_cached_tokens=16),  # first delta
         RequestOutput("logprobs", "", [7], False, None, 3, 1, logprobs=[TokenLogprob(7, -0.5, 1)]),
         RequestOutput("done", "", [2], True, "stop", 3, 4, stopped_on_token=True),
         RequestOutput("failed", "", [], True, "error", 3, 0, "boom"),

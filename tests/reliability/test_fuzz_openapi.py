@@ -30,7 +30,12 @@ MAX_EXAMPLES = int(os.environ.get("RELIABILITY_FUZZ_EXAMPLES", "30"))
 @pytest.fixture(scope="module")
 def server_settings():
     # A short context keeps fuzzed generations (chat defaults to the rest of the window) to a few ms.
-    return {"max_model_len": 64, "max_num_seqs": 4, "max_num_batched_tokens": 128, "warmup_decode_sizes": [1, 2, 4]}
+    return {
+        "max_model_len": 64,
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 128,
+        "warmup_decode_sizes": [1, 2, 4],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -51,38 +56,58 @@ def _operations() -> list[tuple[str, str, bool]]:
     """(method, path, takes input) of every operation, read from the app without starting it."""
     spec = create_app(Settings(), engine=_SchemaOnlyEngine(), metrics=Metrics()).openapi()
     methods = ("get", "post", "put", "patch", "delete")
-    return [(method.upper(), path, _breakable(op))
-            for path, item in spec["paths"].items() for method, op in item.items() if method in methods]
+    return [
+        (method.upper(), path, _breakable(op))
+        for path, item in spec["paths"].items()
+        for method, op in item.items()
+        if method in methods
+    ]
 
 
 def _breakable(op: dict) -> bool:
     """Whether an invalid input exists: a body, or a parameter with a constraint. A bare string path
     parameter (/v1/models/{model_id}) accepts every string, so no negative example can be made."""
+
     def constrained(param: dict) -> bool:
         schema = param.get("schema", {})
-        return param.get("in") != "path" or schema.get("type") != "string" or bool(set(schema) - {"type", "title"})
+        return (
+            param.get("in") != "path"
+            or schema.get("type") != "string"
+            or bool(set(schema) - {"type", "title"})
+        )
+
     return bool(op.get("requestBody")) or any(constrained(p) for p in op.get("parameters", []))
 
 
 OPERATIONS = _operations()
 # Negative examples need something to break: operations without a body or parameters have none.
-CASES = [(m, p, GenerationMode.POSITIVE) for m, p, _ in OPERATIONS] + \
-        [(m, p, GenerationMode.NEGATIVE) for m, p, takes_input in OPERATIONS if takes_input]
+CASES = [(m, p, GenerationMode.POSITIVE) for m, p, _ in OPERATIONS] + [
+    (m, p, GenerationMode.NEGATIVE) for m, p, takes_input in OPERATIONS if takes_input
+]
 
 # Known bugs the fuzzer finds, as (method, path, mode) -> reason. Their cases run last: the bug can kill
 # the engine, which must not fail the other operations' cases.
-KNOWN_BUGS: dict[tuple[str, str, GenerationMode], str] = {}  # none now (top_p=5e-324 -> 500: fixed in cc43034)
+KNOWN_BUGS: dict[
+    tuple[str, str, GenerationMode], str
+] = {}  # none now (top_p=5e-324 -> 500: fixed in cc43034)
 CASES.sort(key=lambda case: case in KNOWN_BUGS)
-PARAMS = [pytest.param(*case, id=f"{case[0]} {case[1]} {case[2].value}",
-                       marks=[pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[case])] if case in KNOWN_BUGS else [])
-          for case in CASES]
+PARAMS = [
+    pytest.param(
+        *case,
+        id=f"{case[0]} {case[1]} {case[2].value}",
+        marks=[pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[case])] if case in KNOWN_BUGS else [],
+    )
+    for case in CASES
+]
 
 
 def clean_error_body(ctx, response, case) -> None:
     """4xx/5xx: {"error": {message, type, param, code}} and nothing internal in it."""
     text = response.content.decode("utf-8", errors="replace") if response.content else ""
     for marker in LEAK_MARKERS:
-        assert marker not in text, f"{case.operation.label} {response.status_code} leaks {marker!r}: {text[:300]}"
+        assert marker not in text, (
+            f"{case.operation.label} {response.status_code} leaks {marker!r}: {text[:300]}"
+        )
     if response.status_code < 400:
         return
     body = json.loads(text)
@@ -93,11 +118,20 @@ def clean_error_body(ctx, response, case) -> None:
 
 def test_the_schema_covers_the_api():
     paths = {path for _, path, _ in OPERATIONS}
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/admin/warmup", "/admin/clear",
-            "/admin/cache", "/health", "/ready"} <= paths, paths
+    assert {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/admin/warmup",
+        "/admin/clear",
+        "/admin/cache",
+        "/health",
+        "/ready",
+    } <= paths, paths
 
 
 # --- valid input, fuzzed: the generation path itself (sampler, stop strings, detokenizer) ------------
+
 
 def valid_completion_bodies():
     """Every field within its documented range, so each example must be served (200), however odd."""
@@ -105,8 +139,10 @@ def valid_completion_bodies():
     # tokens + BOS + max_tokens stay within the server's max_model_len of 64.
     text = st.text(st.characters(exclude_categories=["Cs"]), min_size=1, max_size=8)
     return st.fixed_dictionaries(
-        {"prompt": st.one_of(text, st.lists(st.integers(0, 1023), min_size=1, max_size=20)),
-         "max_tokens": st.integers(1, 24)},
+        {
+            "prompt": st.one_of(text, st.lists(st.integers(0, 1023), min_size=1, max_size=20)),
+            "max_tokens": st.integers(1, 24),
+        },
         optional={
             "temperature": st.one_of(st.just(0.0), st.floats(0.0, 2.0)),
             "top_p": st.floats(0.0, 1.0, exclude_min=True),
@@ -126,8 +162,13 @@ def test_valid_sampling_parameters_always_complete(server):
     with httpx.Client(base_url=server.base_url, timeout=60.0) as client:
 
         @given(body=valid_completion_bodies())
-        @settings(max_examples=MAX_EXAMPLES * 2, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=MAX_EXAMPLES * 2,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
         def fuzz(body):
             if body.get("stream"):
                 body["stream_options"] = {"include_usage": True}
@@ -139,7 +180,12 @@ def test_valid_sampling_parameters_always_complete(server):
                 chunks = [json.loads(e) for e in events[:-1]]
                 assert not any("error" in c for c in chunks), (body, chunks)
                 usage = next(c["usage"] for c in chunks if c.get("usage"))
-                finish = [ch["finish_reason"] for c in chunks for ch in c.get("choices", []) if ch.get("finish_reason")]
+                finish = [
+                    ch["finish_reason"]
+                    for c in chunks
+                    for ch in c.get("choices", [])
+                    if ch.get("finish_reason")
+                ]
             else:
                 payload = response.json()
                 usage, finish = payload["usage"], [payload["choices"][0]["finish_reason"]]
@@ -161,8 +207,13 @@ def test_fuzzed_requests_never_5xx_and_errors_are_clean(api_schema, server, meth
     # Derandomized: CI sees the same examples every run (a failure is reproducible, never flaky);
     # set RELIABILITY_FUZZ_EXAMPLES high and run locally for a deeper search.
     @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     def fuzz(case):
         if mode == GenerationMode.POSITIVE and isinstance(case.body, dict) and "model" in case.body:
             # The schema cannot say which model id exists; a random one is a 400 that would hide

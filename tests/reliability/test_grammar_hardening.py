@@ -46,8 +46,16 @@ def tool_body(parameters: dict) -> dict:
 # (path, body, param): each deep enough to overflow an 8 MB native stack.
 DEEP = [
     ("/v1/completions", completion_body(guided_json=ref_chain(1000)), "guided_json"),
-    ("/v1/chat/completions", chat_body(response_format={"type": "json_schema", "json_schema": {
-        "name": "deep", "schema": ref_chain(1000)}}), "response_format"),
+    (
+        "/v1/chat/completions",
+        chat_body(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "deep", "schema": ref_chain(1000)},
+            }
+        ),
+        "response_format",
+    ),
     ("/v1/chat/completions", tool_body(ref_chain(1000)), "tools"),
     ("/v1/completions", completion_body(guided_grammar=rule_chain(5000)), "guided_grammar"),
     ("/v1/completions", completion_body(guided_grammar=rule_chain(5000, gbnf=True)), "guided_grammar"),
@@ -82,10 +90,13 @@ def test_with_the_depth_bound_off_deep_constraints_compile_on_a_big_stack(server
     assert_serving(server)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("guided_grammar", "start: start"),
-    ("guided_json", {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("guided_grammar", "start: start"),
+        ("guided_json", {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}),
+    ],
+)
 def test_unsatisfiable_constraints_are_a_400(server, field, value):
     error = assert_clean_error(post(server, "/v1/completions", completion_body(**{field: value})), 400)
     assert error["param"] == field and "never be satisfied" in error["message"], error
@@ -93,7 +104,7 @@ def test_unsatisfiable_constraints_are_a_400(server, field, value):
 
 def test_a_choice_past_the_parsers_row_limit_is_served(server):
     choices = [f"item{i}" for i in range(2500)]
-    for _ in range(2):   # the second is a cache hit
+    for _ in range(2):  # the second is a cache hit
         response = post(server, "/v1/completions", completion_body(max_tokens=24, guided_choice=choices))
         assert response.status_code == 200, response.text[:300]
         assert response.json()["choices"][0]["text"] in choices
@@ -131,7 +142,7 @@ def bombed_rate(server: ServerProcess, answers: list, round_: int) -> float:
     def bomber(worker: int) -> None:
         n = 0
         while not stop.is_set():
-            n += 1   # a distinct bomb each time: no cache could answer it
+            n += 1  # a distinct bomb each time: no cache could answer it
             m = round_ * 100_000 + worker * 1000 + n
             pattern = f"a{{1000}}{{{1000 + m}}}" if n % 2 else f"x{{{100000 + m}}}"
             response = post(server, "/v1/completions", completion_body(guided_regex=pattern))
@@ -141,7 +152,7 @@ def bombed_rate(server: ServerProcess, answers: list, round_: int) -> float:
     for thread in bombers:
         thread.start()
     try:
-        time.sleep(0.5)   # the bombs are compiling when the stream starts
+        time.sleep(0.5)  # the bombs are compiling when the stream starts
         return stream_rate(server)
     finally:
         stop.set()
@@ -150,11 +161,11 @@ def bombed_rate(server: ServerProcess, answers: list, round_: int) -> float:
 
 
 def test_regex_bombs_are_refused_and_leave_other_streams_at_least_half_their_rate(server):
-    stream_rate(server, 16)   # warm: captures, compiler built
+    stream_rate(server, 16)  # warm: captures, compiler built
     assert_clean_error(post(server, "/v1/completions", completion_body(guided_regex="a{1000}{1000}")), 400)
     assert post(server, "/v1/completions", completion_body(guided_regex="[a-z]+")).status_code == 200
     cached = grammar_cache_bytes(server)
-    assert cached > 0   # the legit constraint is cached, and its bytes are on /metrics
+    assert cached > 0  # the legit constraint is cached, and its bytes are on /metrics
     answers: list[tuple[int, str | None]] = []
     ratios = []
     # The box is shared: a round whose baseline and loaded stream met different outside load can miss by
@@ -164,10 +175,14 @@ def test_regex_bombs_are_refused_and_leave_other_streams_at_least_half_their_rat
         alone = stream_rate(server)
         loaded = bombed_rate(server, answers, round_)
         ratios.append(loaded / alone)
-        print(f"round {round_}: stream alone {alone:.0f} tok/s, with bombs {loaded:.0f} tok/s: {loaded / alone:.0%}")
+        print(
+            f"round {round_}: stream alone {alone:.0f} tok/s, with bombs {loaded:.0f} tok/s: {loaded / alone:.0%}"
+        )
         if ratios[-1] >= 0.5:
             break
     assert answers and all(a == (400, "guided_regex") for a in answers), answers[:5]
-    assert max(ratios) >= 0.5, f"a stream kept {', '.join(f'{r:.0%}' for r in ratios)} of its rate while bombs were sent"
-    assert grammar_cache_bytes(server) == cached   # no bomb is cached
+    assert max(ratios) >= 0.5, (
+        f"a stream kept {', '.join(f'{r:.0%}' for r in ratios)} of its rate while bombs were sent"
+    )
+    assert grammar_cache_bytes(server) == cached  # no bomb is cached
     assert_serving(server)

@@ -25,9 +25,13 @@ MAX_CONNECTIONS = 24
 
 @pytest.fixture(scope="module")
 def server_settings():
-    return {"max_body_bytes": 8 << 20, "http_max_header_bytes": MAX_HEADER_BYTES,
-            "http_header_timeout_s": HEADER_TIMEOUT_S, "http_max_connections": MAX_CONNECTIONS,
-            "max_model_len": 256}
+    return {
+        "max_body_bytes": 8 << 20,
+        "http_max_header_bytes": MAX_HEADER_BYTES,
+        "http_header_timeout_s": HEADER_TIMEOUT_S,
+        "http_max_connections": MAX_CONNECTIONS,
+        "max_model_len": 256,
+    }
 
 
 class HealthPoller:
@@ -67,8 +71,11 @@ def _baseline(base_url: str) -> float:
 
 
 def _worst_health_during(server, body: dict) -> tuple[httpx.Response, float]:
-    with HealthPoller(server.base_url) as poller, httpx.Client(base_url=server.base_url, timeout=120) as client:
-        time.sleep(0.3)   # the poller is running before the big request arrives
+    with (
+        HealthPoller(server.base_url) as poller,
+        httpx.Client(base_url=server.base_url, timeout=120) as client,
+    ):
+        time.sleep(0.3)  # the poller is running before the big request arrives
         response = client.post("/v1/completions", json=body)
         time.sleep(0.3)
     return response, max(poller.latencies)
@@ -81,16 +88,18 @@ def test_big_token_id_lists_with_many_choices_keep_the_loop_responsive(server):
     margin over the idle latency, loose for a busy CI box, far below the stall it guards against."""
     base = _baseline(server.base_url)
     margin = 1.5 + 10 * base
-    allowed = list(range(330_000))   # mostly outside the vocabulary: checked, deduplicated, refused
+    allowed = list(range(330_000))  # mostly outside the vocabulary: checked, deduplicated, refused
     response, worst = _worst_health_during(
-        server, {"prompt": "hi", "max_tokens": 1, "n": 128, "allowed_token_ids": allowed})
+        server, {"prompt": "hi", "max_tokens": 1, "n": 128, "allowed_token_ids": allowed}
+    )
     assert response.status_code == 400 and response.json()["error"]["param"] == "allowed_token_ids"
     assert worst < margin, f"/health took {worst:.2f}s during the request (idle: {base * 1000:.0f} ms)"
 
     # The same list repeated 330 times over the vocabulary's first 1,000 ids is valid: it runs.
     repeated = [i % 1000 for i in range(330_000)]
     response, worst = _worst_health_during(
-        server, {"prompt": "hi", "max_tokens": 1, "n": 128, "allowed_token_ids": repeated})
+        server, {"prompt": "hi", "max_tokens": 1, "n": 128, "allowed_token_ids": repeated}
+    )
     assert response.status_code == 200, response.text
     assert len(response.json()["choices"]) == 128
     assert worst < margin, f"/health took {worst:.2f}s during the request (idle: {base * 1000:.0f} ms)"
@@ -100,10 +109,14 @@ def test_big_token_id_lists_with_many_choices_keep_the_loop_responsive(server):
 def test_a_huge_id_prompt_with_many_choices_is_refused_at_once(server):
     base = _baseline(server.base_url)
     start = time.perf_counter()
-    response, worst = _worst_health_during(server, {"prompt": list(range(300_000)), "max_tokens": 1, "n": 128})
+    response, worst = _worst_health_during(
+        server, {"prompt": list(range(300_000)), "max_tokens": 1, "n": 128}
+    )
     elapsed = time.perf_counter() - start
     err = response.json()["error"]
-    assert response.status_code == 400 and err["param"] == "prompt" and err["code"] == "context_length_exceeded"
+    assert (
+        response.status_code == 400 and err["param"] == "prompt" and err["code"] == "context_length_exceeded"
+    )
     assert worst < 1.5 + 10 * base, f"/health took {worst:.2f}s during the request"
     assert elapsed < 30
 
@@ -134,11 +147,11 @@ def test_a_request_head_past_the_limit_is_a_431(server):
 @pytest.mark.timeout(120)
 def test_an_unfinished_head_is_closed_after_the_timeout(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")   # and never the blank line
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
         start = time.perf_counter()
         assert _recv_all(sock, HEADER_TIMEOUT_S + 20) == b""
         assert time.perf_counter() - start >= HEADER_TIMEOUT_S * 0.5
-    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:   # not even a byte
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:  # not even a byte
         assert _recv_all(sock, HEADER_TIMEOUT_S + 20) == b""
 
 
@@ -146,10 +159,10 @@ def test_an_unfinished_head_is_closed_after_the_timeout(server):
 def test_connections_past_the_limit_are_closed_and_health_recovers(server):
     idle = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(MAX_CONNECTIONS)]
     try:
-        time.sleep(0.3)   # all accepted
+        time.sleep(0.3)  # all accepted
         extra = socket.create_connection(("127.0.0.1", server.port), timeout=10)
         with extra:
-            assert _recv_all(extra, HEADER_TIMEOUT_S / 2) == b""   # closed at once, not held
+            assert _recv_all(extra, HEADER_TIMEOUT_S / 2) == b""  # closed at once, not held
     finally:
         for sock in idle:
             sock.close()

@@ -25,18 +25,24 @@ def server_settings():
 @pytest.mark.timeout(150)
 async def test_preemption_under_kv_pressure_finishes_everything(server):
     before = server.metrics()
-    report = await load.run_load(load.LoadConfig(
-        url=server.base_url, concurrency=8, duration_s=8.0, max_tokens=MAX_TOKENS, request_timeout_s=90.0))
+    report = await load.run_load(
+        load.LoadConfig(
+            url=server.base_url, concurrency=8, duration_s=8.0, max_tokens=MAX_TOKENS, request_timeout_s=90.0
+        )
+    )
 
     assert report.num_errors == 0, report.error_summary()
     assert len(report.completed) >= 8
 
     after = server.wait_idle(timeout_s=30)
-    preempted = after.value("graphcache_num_preemptions_total") - before.value("graphcache_num_preemptions_total")
+    preempted = after.value("graphcache_num_preemptions_total") - before.value(
+        "graphcache_num_preemptions_total"
+    )
     assert preempted > 0, "the KV cache was never exhausted: the test proves nothing"
     assert after.value("graphcache_kv_cache_usage_ratio") == 0
-    finished = (after.value("graphcache_requests_finished_total", reason="length")
-                - before.value("graphcache_requests_finished_total", reason="length"))
+    finished = after.value("graphcache_requests_finished_total", reason="length") - before.value(
+        "graphcache_requests_finished_total", reason="length"
+    )
     assert finished == len(report.completed)
 
     # Recompute after preemption is the same greedy computation: a prompt gives one text, preempted or not.
@@ -60,15 +66,19 @@ async def stream_and_leave(base_url: str, events_before_leaving: int) -> bool:
     """Hang up after that many SSE events; True if it did, False if the stream ended first (under load
     the server merges queued deltas into fewer events, so a whole completion can take fewer)."""
     body = completion_body("leaving under pressure", 200, stream=True)
-    async with httpx.AsyncClient(base_url=base_url, timeout=60.0) as client, \
-            client.stream("POST", "/v1/completions", json=body) as response:
+    async with (
+        httpx.AsyncClient(base_url=base_url, timeout=60.0) as client,
+        client.stream("POST", "/v1/completions", json=body) as response,
+    ):
         assert response.status_code == 200
         seen = 0
         async for line in response.aiter_lines():
             if line.startswith("data:"):
                 data = line.removeprefix("data:").strip()
-                if data == "[DONE]" or any(c.get("finish_reason") for c in json.loads(data).get("choices", ())):
-                    return False   # it finished before this client could leave
+                if data == "[DONE]" or any(
+                    c.get("finish_reason") for c in json.loads(data).get("choices", ())
+                ):
+                    return False  # it finished before this client could leave
                 seen += 1
                 if seen >= events_before_leaving:
                     return True
@@ -81,14 +91,23 @@ async def test_disconnects_while_preempting_leak_no_blocks(server):
     running, preempted or waiting; in every state its blocks must come back."""
     before = server.metrics()
     leavers = [stream_and_leave(server.base_url, 1 + (i % 5) * 8) for i in range(10)]
-    stayers = load.run_load(load.LoadConfig(url=server.base_url, concurrency=6, num_requests=18, duration_s=None,
-                                            max_tokens=MAX_TOKENS, request_timeout_s=90.0))
+    stayers = load.run_load(
+        load.LoadConfig(
+            url=server.base_url,
+            concurrency=6,
+            num_requests=18,
+            duration_s=None,
+            max_tokens=MAX_TOKENS,
+            request_timeout_s=90.0,
+        )
+    )
     *left, report = await asyncio.wait_for(asyncio.gather(*leavers, stayers), timeout=120)
     assert report.num_errors == 0, report.error_summary()
     after = server.wait_idle(timeout_s=30)
     assert after.value("graphcache_kv_cache_usage_ratio") == 0
-    aborted = (after.value("graphcache_requests_finished_total", reason="abort")
-               - before.value("graphcache_requests_finished_total", reason="abort"))
+    aborted = after.value("graphcache_requests_finished_total", reason="abort") - before.value(
+        "graphcache_requests_finished_total", reason="abort"
+    )
     # A client that hung up before the end is an abort; one whose stream ended first is not.
     assert aborted == sum(left) and sum(left) >= 5, (aborted, left)
     assert after.value("graphcache_num_preemptions_total") > before.value("graphcache_num_preemptions_total")

@@ -28,8 +28,11 @@ def server_settings():
 async def one(client: httpx.AsyncClient, stream: bool) -> tuple[int, dict, str, float]:
     """(status, headers, body text, seconds) of one request, the stream read to its end."""
     t0 = time.perf_counter()
-    body = completion_body(max_tokens=MAX_TOKENS, stream=stream,
-                           **({"stream_options": {"include_usage": True}} if stream else {}))
+    body = completion_body(
+        max_tokens=MAX_TOKENS,
+        stream=stream,
+        **({"stream_options": {"include_usage": True}} if stream else {}),
+    )
     async with client.stream("POST", "/v1/completions", json=body) as response:
         text = (await response.aread()).decode()
         return response.status_code, dict(response.headers), text, time.perf_counter() - t0
@@ -38,14 +41,18 @@ async def one(client: httpx.AsyncClient, stream: bool) -> tuple[int, dict, str, 
 @pytest.mark.timeout(120)
 async def test_full_queue_answers_429_with_retry_after_and_never_hangs(server):
     before = server.metrics()
-    async with httpx.AsyncClient(base_url=server.base_url, timeout=60.0,
-                                 limits=httpx.Limits(max_connections=BURST + 2)) as client:
+    async with httpx.AsyncClient(
+        base_url=server.base_url, timeout=60.0, limits=httpx.Limits(max_connections=BURST + 2)
+    ) as client:
         results = await asyncio.wait_for(
-            asyncio.gather(*(one(client, stream=i % 2 == 0) for i in range(BURST))), timeout=90)
+            asyncio.gather(*(one(client, stream=i % 2 == 0) for i in range(BURST))), timeout=90
+        )
 
     accepted = [r for r in results if r[0] == 200]
     refused = [r for r in results if r[0] == 429]
-    assert len(accepted) + len(refused) == BURST, [(r[0], r[2][:200]) for r in results if r[0] not in (200, 429)]
+    assert len(accepted) + len(refused) == BURST, [
+        (r[0], r[2][:200]) for r in results if r[0] not in (200, 429)
+    ]
     assert refused, "a burst of 14 into 1 running + 2 waiting slots must overflow"
     # One may finish while the burst is still arriving, freeing a slot: allow that much slack.
     assert MAX_NUM_SEQS <= len(accepted) <= MAX_NUM_SEQS + MAX_QUEUE + 1, len(accepted)
@@ -62,11 +69,15 @@ async def test_full_queue_answers_429_with_retry_after_and_never_hangs(server):
             assert text.rstrip().endswith("data: [DONE]"), text[-200:]
             assert f'"completion_tokens": {MAX_TOKENS}' in text or f'"completion_tokens":{MAX_TOKENS}' in text
         else:
-            assert httpx.Response(status, content=text.encode()).json()["usage"]["completion_tokens"] == MAX_TOKENS
+            assert (
+                httpx.Response(status, content=text.encode()).json()["usage"]["completion_tokens"]
+                == MAX_TOKENS
+            )
 
     after = server.wait_idle(timeout_s=60)
-    rejected = (after.value("graphcache_requests_rejected_total", reason="queue_full")
-                - before.value("graphcache_requests_rejected_total", reason="queue_full"))
+    rejected = after.value("graphcache_requests_rejected_total", reason="queue_full") - before.value(
+        "graphcache_requests_rejected_total", reason="queue_full"
+    )
     assert rejected == len(refused)
 
 
@@ -83,8 +94,10 @@ async def open_and_hold(port: int, body: dict) -> tuple[asyncio.StreamReader, as
     """A raw request left open: it waits in the queue; closing the writer hangs up on it."""
     payload = json.dumps(body).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
+    )
     await writer.drain()
     return reader, writer
 
@@ -113,12 +126,14 @@ async def test_clients_leaving_the_queue_free_their_slots(server):
         while server.metrics().value("graphcache_num_requests_waiting") > 0:
             assert time.monotonic() < deadline, "hung-up requests still hold their queue slots"
             await asyncio.sleep(0.05)
-        newcomers = await asyncio.gather(*(client.post("/v1/completions", json=completion_body(max_tokens=8))
-                                           for _ in range(MAX_QUEUE)))
+        newcomers = await asyncio.gather(
+            *(client.post("/v1/completions", json=completion_body(max_tokens=8)) for _ in range(MAX_QUEUE))
+        )
         assert [r.status_code for r in newcomers] == [200] * MAX_QUEUE, [r.text[:200] for r in newcomers]
         status, _, _, _ = await running
         assert status == 200
     after = server.wait_idle(timeout_s=30)
-    aborted = (after.value("graphcache_requests_finished_total", reason="abort")
-               - before.value("graphcache_requests_finished_total", reason="abort"))
+    aborted = after.value("graphcache_requests_finished_total", reason="abort") - before.value(
+        "graphcache_requests_finished_total", reason="abort"
+    )
     assert aborted == MAX_QUEUE

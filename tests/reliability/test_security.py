@@ -21,8 +21,11 @@ from helpers_api import EngineNotNeeded
 
 from .support import ADMIN_TOKEN, assert_clean_error, assert_no_leak, completion_body
 
-ADMIN_ENDPOINTS = [("GET", "/admin/cache", None), ("POST", "/admin/clear", None),
-                   ("POST", "/admin/warmup", {"sizes": [1]})]
+ADMIN_ENDPOINTS = [
+    ("GET", "/admin/cache", None),
+    ("POST", "/admin/clear", None),
+    ("POST", "/admin/warmup", {"sizes": [1]}),
+]
 
 
 @pytest.fixture
@@ -37,11 +40,17 @@ def admin_call(client: httpx.Client, method: str, path: str, body, headers: dict
 
 # --- the admin gate, on the real server ------------------------------------------------------------
 
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("method", "path", "body"), ADMIN_ENDPOINTS)
 def test_admin_without_a_token_is_401(client, method, path, body):
-    for headers in ({}, {"Authorization": ""}, {"Authorization": "Bearer"},
-                    {"Authorization": f"Basic {ADMIN_TOKEN}"}, {"Authorization": ADMIN_TOKEN}):
+    for headers in (
+        {},
+        {"Authorization": ""},
+        {"Authorization": "Bearer"},
+        {"Authorization": f"Basic {ADMIN_TOKEN}"},
+        {"Authorization": ADMIN_TOKEN},
+    ):
         response = admin_call(client, method, path, body, headers)
         error = assert_clean_error(response, 401)
         assert error["type"] == "authentication_error"
@@ -51,8 +60,14 @@ def test_admin_without_a_token_is_401(client, method, path, body):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("method", "path", "body"), ADMIN_ENDPOINTS)
 def test_admin_with_a_wrong_token_is_403(client, method, path, body):
-    wrong_tokens = ["wrong", ADMIN_TOKEN[:-1], ADMIN_TOKEN + "x", ADMIN_TOKEN.upper(), "x" * 4096,
-                    ADMIN_TOKEN[:-1] + "é"]
+    wrong_tokens = [
+        "wrong",
+        ADMIN_TOKEN[:-1],
+        ADMIN_TOKEN + "x",
+        ADMIN_TOKEN.upper(),
+        "x" * 4096,
+        ADMIN_TOKEN[:-1] + "é",
+    ]
     for token in wrong_tokens:
         # Bytes: a non-ASCII token must reach the server as raw header bytes (httpx refuses str).
         response = admin_call(client, method, path, body, {"Authorization": f"Bearer {token}".encode()})
@@ -109,6 +124,7 @@ async def test_admin_is_off_without_a_configured_token():
 
 # --- nothing internal in error bodies ----------------------------------------------------------------
 
+
 class _ExplodingTokenizer:
     def encode(self, text, add_special_tokens=True):
         raise RuntimeError('boom in File "/work/main/service/secret.py", line 12 (Traceback follows)')
@@ -128,10 +144,13 @@ class _EngineThatExplodes:
 @pytest.mark.timeout(30)
 async def test_unexpected_exception_is_a_bare_500_without_internals():
     app = create_app(Settings(), engine=_EngineThatExplodes(), metrics=Metrics())
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
-                                 base_url="http://test") as c:
-        for path, body in (("/v1/completions", completion_body()),
-                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app, raise_app_exceptions=False), base_url="http://test"
+    ) as c:
+        for path, body in (
+            ("/v1/completions", completion_body()),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ):
             response = await c.post(path, json=body)
             error = assert_clean_error(response, 500)
             assert "boom" not in response.text and "secret" not in response.text
@@ -146,30 +165,49 @@ def test_error_bodies_of_every_kind_leak_nothing(server, client):
         client.get("/v1/does-not-exist"),
         client.get("/v1/completions"),
         client.post("/v1/completions", content=b"{", headers={"Content-Type": "application/json"}),
-        client.post("/v1/completions", content=b'{"prompt": "\xff"}', headers={"Content-Type": "application/json"}),
+        client.post(
+            "/v1/completions", content=b'{"prompt": "\xff"}', headers={"Content-Type": "application/json"}
+        ),
         client.post("/v1/completions", json={"prompt": 5}),
         client.post("/v1/completions", json=completion_body(max_tokens=10**9)),
         client.post("/v1/completions", json=completion_body(model="../../etc/passwd")),
         client.post("/v1/completions", json=completion_body("hello " * 5000)),
-        client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [{"type": "x"}]}]}),
-        client.post("/v1/completions", content=b"[" * 50_000 + b"]" * 50_000,
-                    headers={"Content-Type": "application/json"}),
+        client.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": [{"type": "x"}]}]}
+        ),
+        client.post(
+            "/v1/completions",
+            content=b"[" * 50_000 + b"]" * 50_000,
+            headers={"Content-Type": "application/json"},
+        ),
         client.post("/admin/warmup", json={"sizes": [10**9]}, headers=server.admin_headers),
-        client.post("/admin/warmup", json={"descriptors": ["not-a-descriptor"]}, headers=server.admin_headers),
-        client.post("/admin/warmup", json={"profile": {"version": 1, "descriptors": "x"}},
-                    headers=server.admin_headers),   # ({} re-runs the configured warmup: a 200)
+        client.post(
+            "/admin/warmup", json={"descriptors": ["not-a-descriptor"]}, headers=server.admin_headers
+        ),
+        client.post(
+            "/admin/warmup",
+            json={"profile": {"version": 1, "descriptors": "x"}},
+            headers=server.admin_headers,
+        ),  # ({} re-runs the configured warmup: a 200)
         client.get("/admin/cache"),
         client.get("/admin/cache", headers={"Authorization": "Bearer wrong"}),
     ]
     for response in responses:
-        assert 400 <= response.status_code < 500, (response.request.url, response.status_code, response.text[:300])
+        assert 400 <= response.status_code < 500, (
+            response.request.url,
+            response.status_code,
+            response.text[:300],
+        )
         assert_clean_error(response)
 
 
 # --- CORS ------------------------------------------------------------------------------------------
 
-PREFLIGHT = {"Origin": "https://evil.example", "Access-Control-Request-Method": "POST",
-             "Access-Control-Request-Headers": "authorization,content-type"}
+PREFLIGHT = {
+    "Origin": "https://evil.example",
+    "Access-Control-Request-Method": "POST",
+    "Access-Control-Request-Headers": "authorization,content-type",
+}
 
 
 @pytest.mark.timeout(60)
@@ -186,8 +224,9 @@ def test_cors_is_off_by_default(client):
 @pytest.mark.timeout(30)
 async def test_cors_allows_only_configured_origins():
     """The lock-down knob works both ways: the listed origin gets CORS headers, another does not."""
-    app = create_app(Settings(cors_origins=["https://app.example"]), engine=_EngineThatExplodes(),
-                     metrics=Metrics())
+    app = create_app(
+        Settings(cors_origins=["https://app.example"]), engine=_EngineThatExplodes(), metrics=Metrics()
+    )
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
         allowed = await c.options("/v1/completions", headers={**PREFLIGHT, "Origin": "https://app.example"})
         assert allowed.headers.get("access-control-allow-origin") == "https://app.example"
@@ -207,6 +246,7 @@ def test_defaults_bind_loopback_only_and_keep_admin_off(monkeypatch):
 
 # --- connection-level abuse ------------------------------------------------------------------------
 
+
 @pytest.mark.timeout(60)
 async def test_half_sent_requests_do_not_starve_other_clients(server):
     """Slowloris-style: 200 connections that send headers but never their body. The event loop must
@@ -215,8 +255,10 @@ async def test_half_sent_requests_do_not_starve_other_clients(server):
     try:
         for _ in range(200):
             _, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 1000\r\n\r\n{"prompt": '
+            )
             await writer.drain()
             writers.append(writer)
         async with httpx.AsyncClient(base_url=server.base_url, timeout=10.0) as client:
@@ -233,14 +275,17 @@ async def test_half_sent_requests_do_not_starve_other_clients(server):
 @pytest.mark.timeout(30)
 def test_client_request_ids_are_echoed_only_when_safe(client):
     """X-Request-ID goes into every log line: a long or odd one is replaced, not trusted."""
-    assert client.get("/v1/models", headers={"X-Request-ID": "trace-42.a_b:c"}).headers["x-request-id"] == \
-        "trace-42.a_b:c"
+    assert (
+        client.get("/v1/models", headers={"X-Request-ID": "trace-42.a_b:c"}).headers["x-request-id"]
+        == "trace-42.a_b:c"
+    )
     for hostile in ("a" * 300, 'x" level=error msg="forged', "id with spaces", "é-unicode"):
         echoed = client.get("/v1/models", headers={"X-Request-ID": hostile.encode()}).headers["x-request-id"]
         assert echoed != hostile and len(echoed) <= 128, echoed
 
 
 # --- log injection and echoed input ------------------------------------------------------------------
+
 
 @pytest.mark.timeout(120)
 def test_a_newline_in_the_path_cannot_forge_a_log_line(server_factory):
@@ -249,11 +294,12 @@ def test_a_newline_in_the_path_cannot_forge_a_log_line(server_factory):
     server = server_factory(name="log-injection", log_level="info", log_format="text")
     forged = '2030-01-01 00:00:00,000 INFO graphcache.access [x]: 10.0.0.9 "POST /admin/clear" 200 0.1ms'
     path = "/v1/whatever-INJECT%0A" + forged.replace(" ", "%20").replace('"', "%22") + "%0D%0A%1B[2J"
-    response = httpx.get(server.base_url + path + "?q=%0Aforged-query", headers={"X-Request-ID": "inject-1"},
-                         timeout=30.0)
+    response = httpx.get(
+        server.base_url + path + "?q=%0Aforged-query", headers={"X-Request-ID": "inject-1"}, timeout=30.0
+    )
     error = assert_clean_error(response, 404)
     assert "INJECT" not in response.text and "forged" not in response.text, error
-    deadline = time.monotonic() + 10          # the access line is written as the response completes
+    deadline = time.monotonic() + 10  # the access line is written as the response completes
     lines: list[str] = []
     while time.monotonic() < deadline and not lines:
         text = server.log_path.read_text(errors="replace")
@@ -267,7 +313,9 @@ def test_a_newline_in_the_path_cannot_forge_a_log_line(server_factory):
 @pytest.mark.timeout(60)
 def test_admin_warmup_does_not_echo_a_bad_descriptor(server, client):
     for descriptor in ("INJECT-descriptor", "7:INJECT", "1:1:INJECT", "123456789:1"):
-        response = client.post("/admin/warmup", json={"descriptors": [descriptor]}, headers=server.admin_headers)
+        response = client.post(
+            "/admin/warmup", json={"descriptors": [descriptor]}, headers=server.admin_headers
+        )
         error = assert_clean_error(response, 400)
         assert error["param"] == "descriptors[0]"
         assert "INJECT" not in response.text and "123456789" not in response.text, response.text

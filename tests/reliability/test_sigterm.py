@@ -17,10 +17,16 @@ import pytest
 from .support import assert_clean_error, completion_body
 
 
-async def run_request(base_url: str, stream: bool, max_tokens: int, started: asyncio.Event | None = None) -> dict:
+async def run_request(
+    base_url: str, stream: bool, max_tokens: int, started: asyncio.Event | None = None
+) -> dict:
     """One request, read to its end; the outcome, classified."""
-    body = completion_body("drain me", max_tokens, stream=stream,
-                           **({"stream_options": {"include_usage": True}} if stream else {}))
+    body = completion_body(
+        "drain me",
+        max_tokens,
+        stream=stream,
+        **({"stream_options": {"include_usage": True}} if stream else {}),
+    )
     outcome: dict = {"stream": stream, "kind": None, "detail": ""}
     try:
         async with httpx.AsyncClient(base_url=base_url, timeout=60.0) as client:
@@ -64,7 +70,12 @@ async def run_request(base_url: str, stream: bool, max_tokens: int, started: asy
                     outcome["kind"], outcome["detail"] = "clean_error", json.dumps(error)[:300]
                     return outcome
                 usage = next((p["usage"] for p in payloads if p.get("usage")), None)
-                finish = [c.get("finish_reason") for p in payloads for c in p.get("choices", []) if c.get("finish_reason")]
+                finish = [
+                    c.get("finish_reason")
+                    for p in payloads
+                    for c in p.get("choices", [])
+                    if c.get("finish_reason")
+                ]
                 ok = usage is not None and usage["completion_tokens"] == max_tokens and finish == ["length"]
                 outcome["kind"] = "finished" if ok else "short"
                 outcome["detail"] = json.dumps({"usage": usage, "finish": finish})
@@ -91,7 +102,9 @@ def assert_clean_exit_log(server) -> None:
     """A graceful stop is not an error: no ERROR record and no traceback in the server's log."""
     text = server.log_path.read_text(errors="replace")
     assert "Traceback" not in text, f"traceback on a clean exit:\n{server.log_tail()}"
-    assert not re.search(r"^\S+ \S+ (ERROR|CRITICAL) ", text, re.MULTILINE), f"ERROR on a clean exit:\n{text[-3000:]}"
+    assert not re.search(r"^\S+ \S+ (ERROR|CRITICAL) ", text, re.MULTILINE), (
+        f"ERROR on a clean exit:\n{text[-3000:]}"
+    )
 
 
 @pytest.mark.timeout(240)
@@ -102,8 +115,12 @@ async def test_sigterm_drains_in_flight_requests_and_exits_zero(server_factory):
     server = server_factory(drain_timeout_s=drain_timeout, max_num_seqs=4)
     # Far beyond the moment of SIGTERM: streams are past their first token, 299 still to come.
     started = [asyncio.Event() for _ in range(6)]
-    tasks = [asyncio.create_task(run_request(server.base_url, stream=i % 2 == 0, max_tokens=300, started=started[i]))
-             for i in range(6)]
+    tasks = [
+        asyncio.create_task(
+            run_request(server.base_url, stream=i % 2 == 0, max_tokens=300, started=started[i])
+        )
+        for i in range(6)
+    ]
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=30)
     await asyncio.sleep(0.2)
 
@@ -131,11 +148,17 @@ async def test_sigterm_past_the_drain_timeout_ends_requests_cleanly(server_facto
     # Two run (they signal started), then four wait in the queue: none can finish 1800 tokens in 1 s.
     # The two are sent first and awaited before the rest, so they are the ones admitted (sent all at
     # once, arrival order decides, and a stream queued behind 1800-token requests never starts in time).
-    tasks = [asyncio.create_task(run_request(server.base_url, stream=i % 2 == 0, max_tokens=1800,
-                                             started=started[i])) for i in range(2)]
+    tasks = [
+        asyncio.create_task(
+            run_request(server.base_url, stream=i % 2 == 0, max_tokens=1800, started=started[i])
+        )
+        for i in range(2)
+    ]
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=30)
-    tasks += [asyncio.create_task(run_request(server.base_url, stream=i % 2 == 0, max_tokens=1800))
-              for i in range(2, 6)]
+    tasks += [
+        asyncio.create_task(run_request(server.base_url, stream=i % 2 == 0, max_tokens=1800))
+        for i in range(2, 6)
+    ]
     await asyncio.sleep(0.3)
 
     t0 = time.monotonic()
@@ -184,7 +207,7 @@ async def test_a_second_signal_during_the_drain_exits_at_once(server_factory, se
     task = asyncio.create_task(run_request(server.base_url, stream=True, max_tokens=1800, started=started))
     try:
         await asyncio.wait_for(started.wait(), timeout=30)
-        server.terminate()                     # the first: the drain begins (it would last 60 s)
+        server.terminate()  # the first: the drain begins (it would last 60 s)
         await asyncio.sleep(1.0)
         assert server.running, f"exited on the first signal:\n{server.log_tail()}"
         t0 = time.monotonic()
@@ -195,6 +218,9 @@ async def test_a_second_signal_during_the_drain_exits_at_once(server_factory, se
         task.cancel()
     assert code == 128 + second, f"exit code {code}:\n{server.log_tail()}"
     assert elapsed < 10, f"took {elapsed:.1f}s to exit after the second signal"
-    lines = [line for line in server.log_path.read_text(errors="replace").splitlines()
-             if f"second {signal.Signals(second).name}" in line]
+    lines = [
+        line
+        for line in server.log_path.read_text(errors="replace").splitlines()
+        if f"second {signal.Signals(second).name}" in line
+    ]
     assert len(lines) == 1, server.log_tail()

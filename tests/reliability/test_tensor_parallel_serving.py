@@ -18,10 +18,16 @@ import pytest
 
 from .support import assert_clean_error, completion_body
 
-LONG_PROMPT = " ".join(["the graph cache keeps captured shapes warm"] * 12)   # > 64 tokens: chunked prefill
+LONG_PROMPT = " ".join(["the graph cache keeps captured shapes warm"] * 12)  # > 64 tokens: chunked prefill
 PROMPTS = ["Once upon a time", "hello hello", LONG_PROMPT]
-SETTINGS = dict(max_num_batched_tokens=64, max_num_seqs=4, warmup_decode_sizes=[1, 2], num_kv_blocks=64,
-                device="cpu", dtype="float32")
+SETTINGS = dict(
+    max_num_batched_tokens=64,
+    max_num_seqs=4,
+    warmup_decode_sizes=[1, 2],
+    num_kv_blocks=64,
+    device="cpu",
+    dtype="float32",
+)
 START_TIMEOUT_S = 240.0
 
 
@@ -63,7 +69,9 @@ def completions(base_url: str) -> list[str]:
 
 def stream_text(client: httpx.Client, prompt: str, max_tokens: int) -> str:
     text = []
-    with client.stream("POST", "/v1/completions", json=completion_body(prompt, max_tokens, stream=True)) as response:
+    with client.stream(
+        "POST", "/v1/completions", json=completion_body(prompt, max_tokens, stream=True)
+    ) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data:") and line[5:].strip() != "[DONE]":
@@ -95,7 +103,7 @@ def test_tp2_server_serves_like_tp1_and_stops_cleanly(server_factory):
         assert client.post("/admin/clear", headers=headers).status_code == 200
         warm = client.post("/admin/warmup", headers=headers, json={"sizes": [4, 2]})
         assert warm.status_code == 200, warm.text
-        assert client.post("/admin/warmup", headers=headers).status_code == 200   # the configured set again
+        assert client.post("/admin/warmup", headers=headers).status_code == 200  # the configured set again
         background.join(120)
         assert streamed and streamed[0].startswith(expected[1])
     info = server.cache_info()

@@ -37,11 +37,17 @@ def require_admin(request: Request) -> None:
     settings = request.app.state.settings
     token = settings.http.admin_token
     if not token:
-        if settings.http.admin_allow_loopback and _is_loopback(request.client.host if request.client else None):
+        if settings.http.admin_allow_loopback and _is_loopback(
+            request.client.host if request.client else None
+        ):
             return
-        raise APIError(403, "Admin endpoints are off: set GRAPHCACHE_ADMIN_TOKEN (--admin-token) and send "
-                            "'Authorization: Bearer <token>', or set GRAPHCACHE_ADMIN_ALLOW_LOOPBACK=true for "
-                            "local clients.", code="admin_disabled")
+        raise APIError(
+            403,
+            "Admin endpoints are off: set GRAPHCACHE_ADMIN_TOKEN (--admin-token) and send "
+            "'Authorization: Bearer <token>', or set GRAPHCACHE_ADMIN_ALLOW_LOOPBACK=true for "
+            "local clients.",
+            code="admin_disabled",
+        )
     # Bytes as received: Starlette decodes header values as Latin-1, so encoding back gives the wire
     # bytes exactly. The configured token is ASCII (Settings refuses others), so a client's UTF-8 and
     # Latin-1 spellings of a non-ASCII token are both simply wrong, never one accepted and one not.
@@ -49,8 +55,12 @@ def require_admin(request: Request) -> None:
     scheme, _, given = header.partition(b" ")
     given = given.strip()
     if scheme.lower() != b"bearer" or not given:
-        raise APIError(401, "Admin endpoints need 'Authorization: Bearer <token>' (GRAPHCACHE_ADMIN_TOKEN).",
-                       code="missing_token", headers={"WWW-Authenticate": "Bearer"})
+        raise APIError(
+            401,
+            "Admin endpoints need 'Authorization: Bearer <token>' (GRAPHCACHE_ADMIN_TOKEN).",
+            code="missing_token",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
     if not hmac.compare_digest(given, token.encode("utf-8")):
         raise APIError(403, "The admin token is wrong.", code="invalid_token")
 
@@ -63,9 +73,12 @@ def _ready_engine(request: Request):
     refused = engine.refusal(admin=True)
     if refused is None:
         return engine
-    if not engine.alive:   # authenticated: the cause may be shown
-        raise APIError(503, f"The engine is dead: {engine.error or 'unknown error'}; restart the server.",
-                       code="engine_dead")
+    if not engine.alive:  # authenticated: the cause may be shown
+        raise APIError(
+            503,
+            f"The engine is dead: {engine.error or 'unknown error'}; restart the server.",
+            code="engine_dead",
+        )
     raise api_error_for(refused)
 
 
@@ -80,29 +93,42 @@ def _descriptors(body: WarmupRequest, settings) -> list[BatchDescriptor]:
     if body.profile is not None:
         try:
             descs = parse_profile(body.profile)
-        except ValueError as e:   # names the part (descriptors[i]...), never echoes the value
+        except ValueError as e:  # names the part (descriptors[i]...), never echoes the value
             raise APIError(400, f"profile: {e}.", param="profile") from None
         for i, d in enumerate(descs):
             if d.num_tokens not in sizes.sizes or d.num_reqs not in sizes.sizes or d.num_reqs > max_reqs:
-                raise APIError(400, f"profile descriptors[{i}] has sizes the server never pads to; tokens and "
-                                    f"requests must each be one of the {allowed}.",
-                               param=f"profile.descriptors[{i}]")
+                raise APIError(
+                    400,
+                    f"profile descriptors[{i}] has sizes the server never pads to; tokens and "
+                    f"requests must each be one of the {allowed}.",
+                    param=f"profile.descriptors[{i}]",
+                )
         return sorted(set(descs), reverse=True)
     for i, s in enumerate(body.sizes):
         if s not in sizes.sizes or s > max_reqs:
-            raise APIError(400, f"sizes[{i}] is not a decode batch size the server pads to; use {allowed}.",
-                           param=f"sizes[{i}]")
+            raise APIError(
+                400,
+                f"sizes[{i}] is not a decode batch size the server pads to; use {allowed}.",
+                param=f"sizes[{i}]",
+            )
         out.append(BatchDescriptor(s, s, True))
     for i, text in enumerate(body.descriptors):
         try:
             d = BatchDescriptor.parse(text[:64])
-        except ValueError:   # its message quotes the text
-            raise APIError(400, f'descriptors[{i}] is not a batch descriptor; write "TOKENS:REQS" or '
-                                f'"TOKENS:REQS:decode", e.g. "64:8" or "8:8:decode".',
-                           param=f"descriptors[{i}]") from None
+        except ValueError:  # its message quotes the text
+            raise APIError(
+                400,
+                f'descriptors[{i}] is not a batch descriptor; write "TOKENS:REQS" or '
+                f'"TOKENS:REQS:decode", e.g. "64:8" or "8:8:decode".',
+                param=f"descriptors[{i}]",
+            ) from None
         if d.num_tokens not in sizes.sizes or d.num_reqs not in sizes.sizes or d.num_reqs > max_reqs:
-            raise APIError(400, f"descriptors[{i}] has sizes the server never pads to; tokens and "
-                                f"requests must each be one of the {allowed}.", param=f"descriptors[{i}]")
+            raise APIError(
+                400,
+                f"descriptors[{i}] has sizes the server never pads to; tokens and "
+                f"requests must each be one of the {allowed}.",
+                param=f"descriptors[{i}]",
+            )
         out.append(d)
     return sorted(set(out), reverse=True)
 
@@ -123,7 +149,9 @@ async def cache_profile(request: Request, min_uses: int = Query(1, ge=0), fill_g
     # On the engine thread, through the engine's admin-call plumbing (as /admin/cache).
     profile = await engine.cache_profile(min_uses)
     if fill_gaps:
-        profile = fill_size_gaps(profile, CaptureSizes(request.app.state.settings.graph_cache.resolved_capture_sizes()))
+        profile = fill_size_gaps(
+            profile, CaptureSizes(request.app.state.settings.graph_cache.resolved_capture_sizes())
+        )
     return profile
 
 

@@ -49,7 +49,9 @@ class BodySizeLimitMiddleware:
     def __init__(self, app, max_bytes: int, on_reject=None) -> None:
         self.app = app
         self.max_bytes = max_bytes
-        self.on_reject = on_reject  # (path, method) -> None: counts refusals answered here, before any handler
+        self.on_reject = (
+            on_reject  # (path, method) -> None: counts refusals answered here, before any handler
+        )
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -59,11 +61,20 @@ class BodySizeLimitMiddleware:
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
             if self.on_reject is not None:
                 self.on_reject(scope["path"], scope.get("method", ""))
-            body = json.dumps(error_body(self._message(), "invalid_request_error",
-                                         code="request_too_large")).encode()
-            await send({"type": "http.response.start", "status": 413, "headers": [
-                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                (b"connection", b"close")]})
+            body = json.dumps(
+                error_body(self._message(), "invalid_request_error", code="request_too_large")
+            ).encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 413,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                        (b"connection", b"close"),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
             return
         seen = 0
@@ -80,8 +91,10 @@ class BodySizeLimitMiddleware:
         await self.app(scope, limited_receive, send)
 
     def _message(self) -> str:
-        return (f"The request body is larger than {self.max_bytes} bytes; send less or raise "
-                "GRAPHCACHE_MAX_BODY_BYTES (--max-body-bytes).")
+        return (
+            f"The request body is larger than {self.max_bytes} bytes; send less or raise "
+            "GRAPHCACHE_MAX_BODY_BYTES (--max-body-bytes)."
+        )
 
 
 def in_process_engine(settings: Settings, metrics: Metrics):
@@ -94,17 +107,25 @@ def in_process_engine(settings: Settings, metrics: Metrics):
 
 def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) -> FastAPI:
     metrics = metrics if metrics is not None else (getattr(engine, "metrics", None) or Metrics())
-    if engine is None:   # engine_process: the step loop in a child process, same interface (engine/loop/process.py)
-        engine = (EngineClient(settings, metrics, setup_logging=setup_logging) if settings.engine.engine_process
-                  else in_process_engine(settings, metrics))
-    if getattr(engine, "model_name", None):   # the vllm: series' model_name label; set before any traffic
+    if (
+        engine is None
+    ):  # engine_process: the step loop in a child process, same interface (engine/loop/process.py)
+        engine = (
+            EngineClient(settings, metrics, setup_logging=setup_logging)
+            if settings.engine.engine_process
+            else in_process_engine(settings, metrics)
+        )
+    if getattr(engine, "model_name", None):  # the vllm: series' model_name label; set before any traffic
         metrics.bind_model(engine.model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()  # returns at once; loading and warmup run on the engine thread
-        log.info("serving on %s:%s; engine loading (GET /ready turns 200 when it is done)",
-                 settings.http.host, settings.http.port)
+        log.info(
+            "serving on %s:%s; engine loading (GET /ready turns 200 when it is done)",
+            settings.http.host,
+            settings.http.port,
+        )
         try:
             yield
         finally:
@@ -121,8 +142,12 @@ def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) 
         if report.get("in_flight"):
             log.info("drained: %s", report)
 
-    app = FastAPI(title="graphcache", version=__version__, lifespan=lifespan,
-                  description="OpenAI-compatible LLM server with a managed CUDA-graph cache.")
+    app = FastAPI(
+        title="graphcache",
+        version=__version__,
+        lifespan=lifespan,
+        description="OpenAI-compatible LLM server with a managed CUDA-graph cache.",
+    )
     app.state.settings = settings
     app.state.engine = engine
     app.state.metrics = metrics
@@ -130,9 +155,9 @@ def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) 
     app.state.started = int(time.time())
 
     install_error_handlers(app, metrics)
-    app.include_router(openai.router)      # /v1/*: behind the API key when one is set (auth.py)
-    app.include_router(tools.guarded)      # /tokenize, /detokenize, /v1/models/{id}: behind it too
-    app.include_router(tools.router)       # /version, /ping: open, like the probes
+    app.include_router(openai.router)  # /v1/*: behind the API key when one is set (auth.py)
+    app.include_router(tools.guarded)  # /tokenize, /detokenize, /v1/models/{id}: behind it too
+    app.include_router(tools.router)  # /version, /ping: open, like the probes
     app.include_router(admin.router)
     app.include_router(exposition.router)
 
@@ -157,16 +182,22 @@ def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) 
             if engine.progress is not None:
                 body["progress"] = engine.progress
             return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
-        return JSONResponse({"status": "draining"}, status_code=503)   # draining, or stopped
+        return JSONResponse({"status": "draining"}, status_code=503)  # draining, or stopped
 
     # Outermost first: request ids wrap everything (so the 413 and 500 carry one), CORS only on request.
     def count_oversized(path: str, method: str) -> None:
         count_rejection(metrics, path, method, 413)
 
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.http.max_body_bytes, on_reject=count_oversized)
+    app.add_middleware(
+        BodySizeLimitMiddleware, max_bytes=settings.http.max_body_bytes, on_reject=count_oversized
+    )
     if settings.http.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=settings.http.cors_origins, allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type", "X-Request-ID"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.http.cors_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", "X-Request-ID"],
+        )
     app.add_middleware(RequestContextMiddleware)
     # HTTP series (http_requests_total, http_request_duration_seconds, ...) as vLLM exposes them, on the
     # server's registry: exposition.py serves them on /metrics; the instrumentator's own endpoint is not used.

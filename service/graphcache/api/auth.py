@@ -50,10 +50,20 @@ def require_api_key(request: Request) -> None:
     scheme, _, given = header.partition(b" ")
     given = given.strip()
     if scheme.lower() != b"bearer" or not given:
-        raise APIError(401, "You did not provide an API key: send 'Authorization: Bearer <key>' with a key of "
-                            "this server (GRAPHCACHE_API_KEY).", type="invalid_request_error",
-                       code="invalid_api_key", headers=_CHALLENGE)
+        raise APIError(
+            401,
+            "You did not provide an API key: send 'Authorization: Bearer <key>' with a key of "
+            "this server (GRAPHCACHE_API_KEY).",
+            type="invalid_request_error",
+            code="invalid_api_key",
+            headers=_CHALLENGE,
+        )
     if not key_matches(given, keys):
-        raise APIError(401, "Incorrect API key provided: send one of this server's keys (GRAPHCACHE_API_KEY) "
-                            "as 'Authorization: Bearer <key>'.", type="invalid_request_error",
-                       code="invalid_api_key", headers=_CHALLENGE)
+        raise APIError(
+            401,
+            "Incorrect API key provided: send one of this server's keys (GRAPHCACHE_API_KEY) "
+            "as 'Authorization: Bearer <key>'.",
+            type="invalid_request_error",
+            code="invalid_api_key",
+            headers=_CHALLENGE,
+        )

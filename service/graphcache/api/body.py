@@ -34,7 +34,7 @@ def _encodable(text: str) -> str:
 
 Text = Annotated[str, AfterValidator(_encodable)]
 
-MAX_UNKNOWN_NAMES_LOGGED = 256       # a client sending random names must not grow the set forever
+MAX_UNKNOWN_NAMES_LOGGED = 256  # a client sending random names must not grow the set forever
 
 _unknown_logged: set[str] = set()
 
@@ -43,8 +43,12 @@ def _log_unknown(model: str, name: str) -> None:
     if name in _unknown_logged or len(_unknown_logged) >= MAX_UNKNOWN_NAMES_LOGGED:
         return
     _unknown_logged.add(name)
-    log.warning("field %r of %s is neither OpenAI's nor vLLM's; it is accepted and has no effect "
-                "(logged once per name)", name[:64], model)
+    log.warning(
+        "field %r of %s is neither OpenAI's nor vLLM's; it is accepted and has no effect "
+        "(logged once per name)",
+        name[:64],
+        model,
+    )
 
 
 class RequestBody(BaseModel):

@@ -24,19 +24,24 @@ __all__ = ["ChatShape", "CompletionShape", "Prompt"]
 @dataclass
 class Prompt:
     ids: list[int]
-    echo_text: str = ""        # what echo prepends to each choice's text
+    echo_text: str = ""  # what echo prepends to each choice's text
 
 
 class _Shape:
-    def __init__(self, body: CompletionRequest | ChatCompletionRequest, base: dict, prompts: list[Prompt],
-                 text_of: TokenText) -> None:
+    def __init__(
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        base: dict,
+        prompts: list[Prompt],
+        text_of: TokenText,
+    ) -> None:
         self.body = body
         self.base = base
         self.prompts = prompts
         self.text_of = text_of
         self.client_logprobs = body.engine_logprobs is not None
-        self.started: set[int] = set()         # sequences whose first chunk went out (echo goes in it)
-        self.offsets: dict[int, int] = {}      # completions: text_offset reached per sequence
+        self.started: set[int] = set()  # sequences whose first chunk went out (echo goes in it)
+        self.offsets: dict[int, int] = {}  # completions: text_offset reached per sequence
 
     def prompt_of(self, k: int) -> Prompt:
         return self.prompts[k // self.body.n]
@@ -68,7 +73,9 @@ class CompletionShape(_Shape):
 
     def _extras(self, choice: dict, k: int, token_ids: list[int], prompt_entries, first: bool) -> dict:
         if self.body.prompt_logprobs is not None and first:
-            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.text_of, self.prompt_of(k).ids, prompt_entries)
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(
+                self.text_of, self.prompt_of(k).ids, prompt_entries
+            )
         if self.body.return_token_ids:
             choice["token_ids"] = token_ids
             if first:
@@ -79,8 +86,11 @@ class CompletionShape(_Shape):
         choices = []
         for k, s in enumerate(kept):
             text = (self.prompt_of(k).echo_text if self.body.echo else "") + s.text
-            logprobs = self._logprobs(k, s.token_ids, s.logprobs, s.prompt_logprobs, True) \
-                if self.client_logprobs else None
+            logprobs = (
+                self._logprobs(k, s.token_ids, s.logprobs, s.prompt_logprobs, True)
+                if self.client_logprobs
+                else None
+            )
             choice = {"index": k, "text": text, "logprobs": logprobs, "finish_reason": s.finish_reason}
             choices.append(self._extras(choice, k, s.token_ids, s.prompt_logprobs, True))
         return {**self.base, "choices": choices, "usage": usage}
@@ -89,12 +99,19 @@ class CompletionShape(_Shape):
         first = k not in self.started
         self.started.add(k)
         text = (self.prompt_of(k).echo_text if first and self.body.echo else "") + out.text
-        logprobs = self._logprobs(k, out.token_ids, out.logprobs, out.prompt_logprobs, first) \
-            if self.client_logprobs else None
+        logprobs = (
+            self._logprobs(k, out.token_ids, out.logprobs, out.prompt_logprobs, first)
+            if self.client_logprobs
+            else None
+        )
         if not (text or out.finished or (logprobs and logprobs["tokens"])):
             return None
-        choice = {"index": k, "text": text, "logprobs": logprobs,
-                  "finish_reason": out.finish_reason if out.finished else None}
+        choice = {
+            "index": k,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": out.finish_reason if out.finished else None,
+        }
         return self._chunk(self._extras(choice, k, out.token_ids, out.prompt_logprobs, first), usage)
 
 
@@ -107,7 +124,7 @@ class ChatShape(_Shape):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.tool_parsers: dict[int, ToolCallStreamParser] = {}   # stream: choice index -> its parser
+        self.tool_parsers: dict[int, ToolCallStreamParser] = {}  # stream: choice index -> its parser
 
     def _logprobs(self, ids: list[int], entries) -> dict | None:
         if not self.client_logprobs:
@@ -123,16 +140,26 @@ class ChatShape(_Shape):
             if self.parse_tools:
                 content, calls = parse_tool_calls(s.text)
                 if calls:
-                    message = {"role": "assistant", "content": (echo + (content or "")) or None, "tool_calls": calls}
+                    message = {
+                        "role": "assistant",
+                        "content": (echo + (content or "")) or None,
+                        "tool_calls": calls,
+                    }
                     finish = _tools_finish(finish)
-            choice = {"index": k, "message": message, "logprobs": self._logprobs(s.token_ids, s.logprobs),
-                      "finish_reason": finish}
+            choice = {
+                "index": k,
+                "message": message,
+                "logprobs": self._logprobs(s.token_ids, s.logprobs),
+                "finish_reason": finish,
+            }
             if self.body.return_token_ids:
                 choice["token_ids"] = s.token_ids
             choices.append(choice)
         body = {**self.base, "object": "chat.completion", "choices": choices, "usage": usage}
         if self.body.prompt_logprobs is not None and kept:
-            body["prompt_logprobs"] = vllm_prompt_logprobs(self.text_of, self.prompts[0].ids, kept[0].prompt_logprobs)
+            body["prompt_logprobs"] = vllm_prompt_logprobs(
+                self.text_of, self.prompts[0].ids, kept[0].prompt_logprobs
+            )
         if self.body.return_token_ids:
             body["prompt_token_ids"] = self.prompts[0].ids
         return body
@@ -142,8 +169,15 @@ class ChatShape(_Shape):
         echo = self.prompts[0].echo_text if self.body.echo else ""
         chunks = []
         for k in range(count):
-            chunk = self._chunk({"index": k, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
-                                 "finish_reason": None}, usage)
+            chunk = self._chunk(
+                {
+                    "index": k,
+                    "delta": {"role": "assistant", "content": echo},
+                    "logprobs": None,
+                    "finish_reason": None,
+                },
+                usage,
+            )
             if k == 0 and self.body.return_token_ids:
                 chunk["prompt_token_ids"] = self.prompts[0].ids
             chunks.append(chunk)
@@ -190,8 +224,14 @@ def _merge(into: ToolCallDelta, more: ToolCallDelta) -> None:
     into.content += more.content
     for entry in more.tool_calls:
         last = into.tool_calls[-1] if into.tool_calls else None
-        if last is not None and last["index"] == entry["index"] and set(entry) == {"index", "function"} \
-                and set(entry["function"]) == {"arguments"}:
-            last["function"]["arguments"] = last["function"].get("arguments", "") + entry["function"]["arguments"]
+        if (
+            last is not None
+            and last["index"] == entry["index"]
+            and set(entry) == {"index", "function"}
+            and set(entry["function"]) == {"arguments"}
+        ):
+            last["function"]["arguments"] = (
+                last["function"].get("arguments", "") + entry["function"]["arguments"]
+            )
         else:
             into.tool_calls.append(entry)

@@ -18,9 +18,15 @@ from graphcache.engine.errors import InvalidRequest
 __all__ = ["structured_constraints"]
 
 
-def structured_constraints(*, response_format: dict[str, Any] | None, guided_json: str | dict[str, Any] | None,
-                           guided_regex: str | None, guided_choice: list[str] | None, guided_grammar: str | None,
-                           structured_outputs: dict[str, Any] | None) -> list[tuple[str, str, Any]]:
+def structured_constraints(
+    *,
+    response_format: dict[str, Any] | None,
+    guided_json: str | dict[str, Any] | None,
+    guided_regex: str | None,
+    guided_choice: list[str] | None,
+    guided_grammar: str | None,
+    structured_outputs: dict[str, Any] | None,
+) -> list[tuple[str, str, Any]]:
     """The output constraints these fields ask for, as (param, kind, value), at most one (else InvalidRequest)."""
     found: list[tuple[str, str, Any]] = []
     rf = response_format
@@ -31,14 +37,20 @@ def structured_constraints(*, response_format: dict[str, Any] | None, guided_jso
         elif kind == "json_schema":
             spec = rf.get("json_schema")
             if not isinstance(spec, dict):
-                raise InvalidRequest('response_format type "json_schema" needs "json_schema": {"name", "schema"}',
-                                     param="response_format")
+                raise InvalidRequest(
+                    'response_format type "json_schema" needs "json_schema": {"name", "schema"}',
+                    param="response_format",
+                )
             schema = spec.get("schema")
-            found.append(("response_format", "json", None) if schema is None
-                         else ("response_format", "json_schema", _schema_text(schema, "response_format")))
+            found.append(
+                ("response_format", "json", None)
+                if schema is None
+                else ("response_format", "json_schema", _schema_text(schema, "response_format"))
+            )
         elif kind != "text":
-            raise InvalidRequest('response_format type must be "text", "json_object" or "json_schema"',
-                                 param="response_format")
+            raise InvalidRequest(
+                'response_format type must be "text", "json_object" or "json_schema"', param="response_format"
+            )
     if guided_json is not None:
         found.append(("guided_json", "json_schema", _schema_text(guided_json, "guided_json")))
     if guided_regex is not None:
@@ -50,8 +62,9 @@ def structured_constraints(*, response_format: dict[str, Any] | None, guided_jso
     if structured_outputs is not None:
         found += _structured_outputs(structured_outputs)
     if len(found) > 1:
-        raise InvalidRequest("only one output constraint per request: " + ", ".join(p for p, _, _ in found),
-                             param=found[1][0])
+        raise InvalidRequest(
+            "only one output constraint per request: " + ", ".join(p for p, _, _ in found), param=found[1][0]
+        )
     return found
 
 
@@ -66,12 +79,17 @@ def _schema_text(schema: Any, param: str) -> str:
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequest("the JSON schema must be an object", param=param)
         return json.dumps(schema)
-    except RecursionError:   # the engine's depth bound (grammar_max_depth) is far below this
+    except RecursionError:  # the engine's depth bound (grammar_max_depth) is far below this
         raise InvalidRequest("the JSON schema is nested too deeply; flatten it", param=param) from None
 
 
-_STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
-                     "json_object": "json"}
+_STRUCTURED_KINDS = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "json_object": "json",
+}
 
 
 def _structured_outputs(so: dict[str, Any]) -> list[tuple[str, str, Any]]:
@@ -82,7 +100,9 @@ def _structured_outputs(so: dict[str, Any]) -> list[tuple[str, str, Any]]:
         if value is None or value is False:
             continue
         if key not in _STRUCTURED_KINDS:
-            raise InvalidRequest(f"structured_outputs supports {', '.join(_STRUCTURED_KINDS)} only", param=param)
+            raise InvalidRequest(
+                f"structured_outputs supports {', '.join(_STRUCTURED_KINDS)} only", param=param
+            )
         kind = _STRUCTURED_KINDS[key]
         if kind == "json_schema":
             value = _schema_text(value, param)

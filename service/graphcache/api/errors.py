@@ -27,8 +27,15 @@ from graphcache.engine.errors import (
 )
 from graphcache.metrics import Metrics
 
-__all__ = ["APIError", "api_error_for", "clip", "count_rejection", "error_body", "error_response",
-           "install_error_handlers"]
+__all__ = [
+    "APIError",
+    "api_error_for",
+    "clip",
+    "count_rejection",
+    "error_body",
+    "error_response",
+    "install_error_handlers",
+]
 
 RETRY_AFTER_S = "1"
 # Caller input quoted in a message is cut to this many characters: enough to find the value in the
@@ -45,6 +52,7 @@ def clip(value: object, limit: int = ECHO_CHARS) -> str:
     if len(text) > limit:
         text = f"{text[:limit]}... ({len(text)} characters)"
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
 
 # The `type` field OpenAI uses for each status class.
 _TYPES = {
@@ -63,8 +71,16 @@ _TYPES = {
 class APIError(Exception):
     """Raised by handlers to answer with an OpenAI-style error; `message` must name the fix."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         message = clip(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.status = status
@@ -83,42 +99,66 @@ def api_error_for(exc: Exception, *, in_flight: bool = False) -> APIError:
     (Engine.drain): a 503 `shutting_down` to retry elsewhere, not a 500 and not a `draining` refusal.
     """
     if in_flight and isinstance(exc, EngineDraining):
-        return APIError(503, "The server is shutting down and the request did not finish within its drain "
-                             "timeout; retry it on another replica.", code="shutting_down",
-                        headers={"Retry-After": RETRY_AFTER_S})
-    if isinstance(exc, InvalidRequest):   # the engine's own validation: the message names the fix
+        return APIError(
+            503,
+            "The server is shutting down and the request did not finish within its drain "
+            "timeout; retry it on another replica.",
+            code="shutting_down",
+            headers={"Retry-After": RETRY_AFTER_S},
+        )
+    if isinstance(exc, InvalidRequest):  # the engine's own validation: the message names the fix
         return APIError(400, exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, QueueFull):
-        return APIError(429, "The server's waiting queue is full; retry after the Retry-After seconds.",
-                        code="queue_full", headers={"Retry-After": RETRY_AFTER_S})
+        return APIError(
+            429,
+            "The server's waiting queue is full; retry after the Retry-After seconds.",
+            code="queue_full",
+            headers={"Retry-After": RETRY_AFTER_S},
+        )
     if isinstance(exc, EngineDraining):
-        return APIError(503, "The server is shutting down and takes no new requests; retry on another replica.",
-                        code="draining", headers={"Retry-After": RETRY_AFTER_S})
+        return APIError(
+            503,
+            "The server is shutting down and takes no new requests; retry on another replica.",
+            code="draining",
+            headers={"Retry-After": RETRY_AFTER_S},
+        )
     if isinstance(exc, EngineNotReady):
-        return APIError(503, "The model is still loading; retry when GET /ready answers 200.",
-                        code="not_ready", headers={"Retry-After": RETRY_AFTER_S})
+        return APIError(
+            503,
+            "The model is still loading; retry when GET /ready answers 200.",
+            code="not_ready",
+            headers={"Retry-After": RETRY_AFTER_S},
+        )
     if isinstance(exc, EngineDead):
-        return APIError(503, "The engine is dead; restart the server (the server log has the error).",
-                        code="engine_dead")
+        return APIError(
+            503, "The engine is dead; restart the server (the server log has the error).", code="engine_dead"
+        )
     raise TypeError(f"not an engine refusal: {type(exc).__name__}") from exc
 
 
-def api_error_for_ended(message: str | None, error_code: str | None, constraint_param: str | None) -> APIError | None:
+def api_error_for_ended(
+    message: str | None, error_code: str | None, constraint_param: str | None
+) -> APIError | None:
     """The 400 for a request the engine ended with an error the request itself caused (its output
     constraint too costly or too complex: engine/errors.py CLIENT_ERROR_CODES), naming the field that
     set the constraint; None for a server-side failure (the caller's 500)."""
     if error_code not in CLIENT_ERROR_CODES:
         return None
-    return APIError(400, message or "The request's output constraint is too complex; simplify it.",
-                    param=constraint_param, code=error_code)
+    return APIError(
+        400,
+        message or "The request's output constraint is too complex; simplify it.",
+        param=constraint_param,
+        code=error_code,
+    )
 
 
 # requests_rejected reason of a refused generation request, by (status, code); others are not counted.
 _REJECTION_REASONS = {429: "queue_full", 400: "invalid", 413: "invalid"}
 
 
-def count_rejection(metrics: Metrics | None, request_path: str, method: str, status: int,
-                    code: str | None = None) -> None:
+def count_rejection(
+    metrics: Metrics | None, request_path: str, method: str, status: int, code: str | None = None
+) -> None:
     """Count a refused generation request (POST /v1/...) in requests_rejected, by a bounded reason."""
     if metrics is None or method != "POST" or not request_path.startswith("/v1/"):
         return
@@ -131,11 +171,19 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
-                   type: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    type: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     err = APIError(status, message, param=param, code=code, type=type, headers=headers)
-    return JSONResponse(error_body(err.message, err.type, err.param, err.code), status_code=status,
-                        headers=headers)
+    return JSONResponse(
+        error_body(err.message, err.type, err.param, err.code), status_code=status, headers=headers
+    )
 
 
 # pydantic puts the branch of a union (and the validators wrapping a type) into an error's loc:
@@ -143,8 +191,29 @@ def error_response(status: int, message: str, *, param: str | None = None, code:
 # "type"), "tagged-union[...]", "nullable[...]", "int". Field names (snake_case identifiers) and list
 # indices are what a caller can find in the body; everything else is such a tag.
 _WHERE = ("body", "query", "path", "header")
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "none", "dict", "list", "tuple", "set",
-                        "frozenset", "any", "decimal", "date", "datetime", "time", "timedelta", "uuid", "url"})
+_TYPE_TAGS = frozenset(
+    {
+        "str",
+        "int",
+        "float",
+        "bool",
+        "bytes",
+        "none",
+        "dict",
+        "list",
+        "tuple",
+        "set",
+        "frozenset",
+        "any",
+        "decimal",
+        "date",
+        "datetime",
+        "time",
+        "timedelta",
+        "uuid",
+        "url",
+    }
+)
 
 
 def _is_tag(part: object) -> bool:
@@ -176,7 +245,7 @@ def _most_specific(errors: list) -> dict:
     if not any(_is_tag(p) for p in loc if p not in _WHERE):
         return first
     field = _clean_loc(loc)
-    branches = [e for e in errors if _clean_loc(tuple(e.get("loc", ())))[:len(field)] == field]
+    branches = [e for e in errors if _clean_loc(tuple(e.get("loc", ())))[: len(field)] == field]
     return max(branches, key=lambda e: len(_clean_loc(tuple(e.get("loc", ())))))  # the first of the deepest
 
 
@@ -206,8 +275,9 @@ def install_error_handlers(app: FastAPI, metrics: Metrics | None = None) -> None
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         _note(request, exc.status, exc.code)
-        return error_response(exc.status, exc.message, param=exc.param, code=exc.code, type=exc.type,
-                              headers=exc.headers)
+        return error_response(
+            exc.status, exc.message, param=exc.param, code=exc.code, type=exc.type, headers=exc.headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -221,7 +291,9 @@ def install_error_handlers(app: FastAPI, metrics: Metrics | None = None) -> None
         if exc.status_code == 404:
             message = "No such route; see /docs for the API."
         elif exc.status_code == 405:
-            message = "This method is not allowed on this route (the Allow header lists those that are); see /docs."
+            message = (
+                "This method is not allowed on this route (the Allow header lists those that are); see /docs."
+            )
         else:
             # FastAPI's own HTTPExceptions (e.g. "There was an error parsing the body") carry safe text.
             message = str(exc.detail) if isinstance(exc.detail, str) else "Invalid request."

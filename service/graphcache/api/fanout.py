@@ -30,7 +30,7 @@ class Sub:
 
     request_id: str
     prompt_index: int
-    prompt_ids: list[int] | TokenIds   # a TokenIds is shared by the prompt's samples (immutable)
+    prompt_ids: list[int] | TokenIds  # a TokenIds is shared by the prompt's samples (immutable)
     params: SamplingParams
 
 
@@ -91,17 +91,27 @@ def usage(samples: list[Sampled]) -> dict:
         cached[s.prompt_index] = min(cached.get(s.prompt_index, s.num_cached_tokens), s.num_cached_tokens)
     prompt = sum(prompt_tokens.values())
     completion = sum(s.completion_tokens for s in samples)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
+    }
 
 
 class Run:
     """One engine request: its outputs, and an abort unless it finished."""
 
-    def __init__(self, engine, sub: Sub, stream: bool, max_tokens_param: str = "max_tokens",
-                 constraint_param: str | None = None) -> None:
+    def __init__(
+        self,
+        engine,
+        sub: Sub,
+        stream: bool,
+        max_tokens_param: str = "max_tokens",
+        constraint_param: str | None = None,
+    ) -> None:
         self.engine = engine
-        self.constraint_param = constraint_param   # the field that set the output constraint, if any
+        self.constraint_param = constraint_param  # the field that set the output constraint, if any
         # stream=False: the engine wakes this request once, at its end, not once per token.
         self.stream = stream
         self.sub = sub
@@ -113,8 +123,13 @@ class Run:
         """The next output; engine refusals become the API errors that say what to do."""
         try:
             if self._it is None:
-                self._it = self.engine.generate(self.sub.request_id, self.sub.prompt_ids, self.sub.params,
-                                                stream=self.stream, max_tokens_param=self.max_tokens_param).__aiter__()
+                self._it = self.engine.generate(
+                    self.sub.request_id,
+                    self.sub.prompt_ids,
+                    self.sub.params,
+                    stream=self.stream,
+                    max_tokens_param=self.max_tokens_param,
+                ).__aiter__()
             out = await self._it.__anext__()
         except (InvalidRequest, QueueFull, EngineNotReady, EngineDead) as e:
             self.finished = True  # not (or no longer) in the engine: nothing to abort
@@ -134,11 +149,15 @@ class Run:
                 stopping = self.engine.refusal()
                 if stopping is not None and self.engine.alive:
                     raise api_error_for(stopping, in_flight=True)
-                raise APIError(500, out.error or "The engine failed on this request; the server log has the "
-                                    "details.", code="engine_error")
+                raise APIError(
+                    500,
+                    out.error or "The engine failed on this request; the server log has the details.",
+                    code="engine_error",
+                )
             if out.finish_reason == "abort":
-                raise APIError(503, "The request was aborted (the server is shutting down); retry.",
-                               code="aborted")
+                raise APIError(
+                    503, "The request was aborted (the server is shutting down); retry.", code="aborted"
+                )
         return out
 
     def abort(self) -> None:
@@ -157,8 +176,14 @@ async def _settle(tasks: list[asyncio.Future]) -> None:
 class FanOut:
     """The sequences of one API request, run together; any failure aborts them all."""
 
-    def __init__(self, engine, subs: list[Sub], stream: bool, max_tokens_param: str = "max_tokens",
-                 constraint_param: str | None = None) -> None:
+    def __init__(
+        self,
+        engine,
+        subs: list[Sub],
+        stream: bool,
+        max_tokens_param: str = "max_tokens",
+        constraint_param: str | None = None,
+    ) -> None:
         self.runs = [Run(engine, s, stream, max_tokens_param, constraint_param) for s in subs]
 
     def abort(self) -> None:
@@ -185,6 +210,7 @@ class FanOut:
         The engine checks each submitted sequence on the event loop (work that grows with its token-id
         lists), so sequences are submitted one per loop turn: with n = 128 the loop still answers
         /health between them instead of stalling for all 128 checks at once."""
+
         async def submitted(run: Run, turn: int) -> RequestOutput:
             for _ in range(turn):
                 await asyncio.sleep(0)
@@ -194,6 +220,7 @@ class FanOut:
 
     async def collect(self, firsts: list[RequestOutput]) -> list[Sampled]:
         """Every sequence to its end, in submission order."""
+
         async def finish(run: Run, out: RequestOutput) -> Sampled:
             sampled = Sampled(run.sub.prompt_index)
             sampled.add(out)
@@ -215,7 +242,7 @@ class FanOut:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in sorted(done, key=lambda t: pending[t]):
                     i = pending.pop(task)
-                    out = task.result()   # an APIError ends the stream; `finally` aborts the rest
+                    out = task.result()  # an APIError ends the stream; `finally` aborts the rest
                     yield i, out
                     if not out.finished:
                         pending[asyncio.ensure_future(self.runs[i].next())] = i

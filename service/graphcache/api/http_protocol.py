@@ -26,8 +26,10 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 __all__ = ["guarded_protocol"]
 
-_431 = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
-        b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
+_431 = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
+    b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
+)
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -41,21 +43,23 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = True
         self._head_timer: asyncio.TimerHandle | None = None
         if len(self.server_state.connections) >= self.max_connections:
-            transport.abort()   # never registered: connection_lost finds nothing to discard
+            transport.abort()  # never registered: connection_lost finds nothing to discard
             return
         super().connection_made(transport)
         self._start_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
-        if self.transport is not None:   # None: refused in connection_made, never set up
+        if self.transport is not None:  # None: refused in connection_made, never set up
             super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if self._in_head:
             if self._head_too_big(data):
-                message = (f"The request head is larger than {self.max_header_bytes} bytes "
-                           "(GRAPHCACHE_HTTP_MAX_HEADER_BYTES).").encode()
+                message = (
+                    f"The request head is larger than {self.max_header_bytes} bytes "
+                    "(GRAPHCACHE_HTTP_MAX_HEADER_BYTES)."
+                ).encode()
                 self.transport.write(_431 % (len(message), message))
                 self.transport.close()
                 return
@@ -68,7 +72,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         the head and a body: then only the bytes up to the blank line count."""
         if self._head_bytes + len(data) <= self.max_header_bytes:
             return False
-        seen = self._tail + data   # the blank line may straddle two reads
+        seen = self._tail + data  # the blank line may straddle two reads
         ends = [i + len(mark) for mark in (b"\r\n\r\n", b"\n\n") if (i := seen.find(mark)) >= 0]
         if not ends:
             return True
@@ -76,7 +80,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        if not self._in_head:   # the next request on a kept-alive connection: its head starts now
+        if not self._in_head:  # the next request on a kept-alive connection: its head starts now
             self._in_head = True
             self._head_bytes = 0
             self._tail = b""
@@ -104,9 +108,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
 
 
-def guarded_protocol(max_header_bytes: int, header_timeout_s: float,
-                     max_connections: int) -> type[GuardedHttpToolsProtocol]:
+def guarded_protocol(
+    max_header_bytes: int, header_timeout_s: float, max_connections: int
+) -> type[GuardedHttpToolsProtocol]:
     """The protocol class with these limits (uvicorn builds one instance per connection)."""
-    return type("GraphcacheHttpProtocol", (GuardedHttpToolsProtocol,), {
-        "max_header_bytes": max_header_bytes, "header_timeout_s": header_timeout_s,
-        "max_connections": max_connections})
+    return type(
+        "GraphcacheHttpProtocol",
+        (GuardedHttpToolsProtocol,),
+        {
+            "max_header_bytes": max_header_bytes,
+            "header_timeout_s": header_timeout_s,
+            "max_connections": max_connections,
+        },
+    )

@@ -60,7 +60,7 @@ def parse_json_text(text: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
     _check_text(text)
     try:
         value = json.loads(text)
-    except RecursionError:   # the C parser guards its own stack: nesting past the interpreter's limit
+    except RecursionError:  # the C parser guards its own stack: nesting past the interpreter's limit
         raise JSONShapeError(f"is nested deeper than {max_depth} levels; flatten it") from None
-    check_json_value(value, max_depth)   # "\ud800" escapes decode to lone surrogates
+    check_json_value(value, max_depth)  # "\ud800" escapes decode to lone surrogates
     return value

@@ -19,7 +19,13 @@ from __future__ import annotations
 
 from graphcache.engine.sequence import TokenLogprob
 
-__all__ = ["TokenText", "chat_logprobs", "completion_logprobs", "extend_completion_logprobs", "vllm_prompt_logprobs"]
+__all__ = [
+    "TokenText",
+    "chat_logprobs",
+    "completion_logprobs",
+    "extend_completion_logprobs",
+    "vllm_prompt_logprobs",
+]
 
 
 class TokenText:
@@ -38,8 +44,9 @@ class TokenText:
         return text
 
 
-def completion_logprobs(text_of: TokenText, ids: list[int], entries: list[TokenLogprob | None] | None,
-                        offset: int = 0) -> tuple[dict, int]:
+def completion_logprobs(
+    text_of: TokenText, ids: list[int], entries: list[TokenLogprob | None] | None, offset: int = 0
+) -> tuple[dict, int]:
     """OpenAI's completions logprobs for `ids` (entries aligned with them; None where unknown) with text
     offsets from `offset`; and the offset after the last token."""
     out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -72,7 +79,9 @@ def _chat_entry(text_of: TokenText, token_id: int, logprob: float) -> dict:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
 
-def chat_logprobs(text_of: TokenText, ids: list[int], entries: list[TokenLogprob] | None, top_k: int) -> list[dict]:
+def chat_logprobs(
+    text_of: TokenText, ids: list[int], entries: list[TokenLogprob] | None, top_k: int
+) -> list[dict]:
     """The `content` list of a chat choice's logprobs: one entry per token with its top_k alternatives."""
     content = []
     for token_id, entry in zip(ids, entries or [], strict=False):
@@ -82,18 +91,24 @@ def chat_logprobs(text_of: TokenText, ids: list[int], entries: list[TokenLogprob
     return content
 
 
-def vllm_prompt_logprobs(text_of: TokenText, ids: list[int],
-                         entries: list[TokenLogprob | None] | None) -> list[dict | None] | None:
+def vllm_prompt_logprobs(
+    text_of: TokenText, ids: list[int], entries: list[TokenLogprob | None] | None
+) -> list[dict | None] | None:
     """vLLM's `prompt_logprobs`: None for the first token, else {"<id>": {logprob, rank, decoded_token}}."""
     if entries is None:
         return None
     out: list[dict | None] = []
-    for entry in entries[:len(ids)]:
+    for entry in entries[: len(ids)]:
         if entry is None:
             out.append(None)
             continue
-        ranked = {str(entry.token_id): {"logprob": entry.logprob, "rank": entry.rank,
-                                        "decoded_token": text_of(entry.token_id)}}
+        ranked = {
+            str(entry.token_id): {
+                "logprob": entry.logprob,
+                "rank": entry.rank,
+                "decoded_token": text_of(entry.token_id),
+            }
+        }
         for rank, (t, lp) in enumerate(entry.top, start=1):
             ranked.setdefault(str(t), {"logprob": lp, "rank": rank, "decoded_token": text_of(t)})
         out.append(ranked)

@@ -57,6 +57,7 @@ router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_
 
 # --------------------------------------------------------------------------- tools and output constraints
 
+
 def template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     """`tools` as the chat template gets them, checked (a 400 naming "tools" otherwise): plain dicts
     without null fields at the tool and function level (a template would print them as "None")."""
@@ -98,9 +99,9 @@ def _constraint(body, tool_spec: StructuredSpec | None = None) -> tuple[Structur
 
 def _compile(engine, spec: StructuredSpec, param: str) -> None:
     checker = engine.checker
-    if checker is None:   # the engine stopped meanwhile: generate() refuses the request
+    if checker is None:  # the engine stopped meanwhile: generate() refuses the request
         return
-    checker.structured.check(spec, param)   # the compiler is built once, under the checker's lock
+    checker.structured.check(spec, param)  # the compiler is built once, under the checker's lock
 
 
 async def _check_constraint(engine, constraint: tuple[StructuredSpec, str] | None) -> None:
@@ -109,10 +110,12 @@ async def _check_constraint(engine, constraint: tuple[StructuredSpec, str] | Non
     compiled grammar is cached, so the engine's own check at submit is a cache hit."""
     if constraint is None:
         return
-    try:   # grammar compiling's own bounded pool belongs in api/executors.py, beside run_input/run_response
+    try:  # grammar compiling's own bounded pool belongs in api/executors.py, beside run_input/run_response
         await asyncio.to_thread(_compile, engine, *constraint)
     except InvalidRequest as e:
         raise api_error_for(e) from None
+
+
 # --------------------------------------------------------------------------- end of tools and constraints
 
 
@@ -121,6 +124,7 @@ class ClientGone(Exception):
 
 
 # --------------------------------------------------------------------------- engine access
+
 
 def serving_engine(request: Request):
     """The engine, if it may take a request now; else the 503 that says why."""
@@ -133,17 +137,27 @@ def serving_engine(request: Request):
 
 def check_model(engine, name: str | None) -> str:
     """The served model's name; another name is a 404 `model_not_found`, as OpenAI and vLLM answer."""
-    if name is not None and name != engine.model_name:   # the caller's name is not echoed back
-        raise APIError(404, f"The requested model does not exist; this server serves '{engine.model_name}' "
-                            "(GET /v1/models).", param="model", code="model_not_found", type="invalid_request_error")
+    if name is not None and name != engine.model_name:  # the caller's name is not echoed back
+        raise APIError(
+            404,
+            f"The requested model does not exist; this server serves '{engine.model_name}' (GET /v1/models).",
+            param="model",
+            code="model_not_found",
+            type="invalid_request_error",
+        )
     return engine.model_name
 
 
 def model_card(request: Request) -> dict:
     """The served model as OpenAI's model object (an entry of GET /v1/models)."""
     engine = request.app.state.engine
-    return {"id": engine.model_name, "object": "model", "created": request.app.state.started,
-            "owned_by": "graphcache", "max_model_len": engine.max_model_len if engine.ready else None}
+    return {
+        "id": engine.model_name,
+        "object": "model",
+        "created": request.app.state.started,
+        "owned_by": "graphcache",
+        "max_model_len": engine.max_model_len if engine.ready else None,
+    }
 
 
 def _checked(body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -162,7 +176,7 @@ def _ids(prefix: str, body) -> tuple[str, str]:
 
 
 def _log_caller(body, rid: str) -> None:
-    if body.user is not None or body.session_id is not None:   # OpenAI's end-user id: kept for abuse tracing
+    if body.user is not None or body.session_id is not None:  # OpenAI's end-user id: kept for abuse tracing
         log.info("request %s: user=%r session_id=%r", rid, body.user, body.session_id)
 
 
@@ -171,8 +185,11 @@ async def _subs(engine, engine_rid: str, prompts: list[Prompt], base, plan: samp
     prompt's ids are checked once, off the event loop, and shared by its samples (token_ids.py)."""
     vocab = token_ids.vocab_size(engine)
     shared = [await run_input(token_ids.shared_prompt_ids, prompt.ids, vocab) for prompt in prompts]
-    return [Sub(f"{engine_rid}-{p * plan.samples + i}", p, shared[p], sampling.choice_params(base, i, plan))
-            for p in range(len(prompts)) for i in range(plan.samples)]
+    return [
+        Sub(f"{engine_rid}-{p * plan.samples + i}", p, shared[p], sampling.choice_params(base, i, plan))
+        for p in range(len(prompts))
+        for i in range(plan.samples)
+    ]
 
 
 async def _wait_disconnect(receive) -> None:
@@ -244,8 +261,9 @@ def _data(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False)
 
 
-async def _serve(request: Request, fan: FanOut, plan: sampling.ChoicePlan, shape: CompletionShape | ChatShape,
-                 stream: bool) -> Response:
+async def _serve(
+    request: Request, fan: FanOut, plan: sampling.ChoicePlan, shape: CompletionShape | ChatShape, stream: bool
+) -> Response:
     receive = request.receive
     try:
         firsts = await _unless_disconnected(receive, fan.start())
@@ -300,25 +318,34 @@ async def _serve(request: Request, fan: FanOut, plan: sampling.ChoicePlan, shape
 
 # --------------------------------------------------------------------------- endpoints
 
+
 @router.get("/models")
 async def models(request: Request) -> dict:
     return {"object": "list", "data": [model_card(request)]}
 
 
-async def _completion_prompt(engine, body: CompletionRequest, index: int, prompt: str | list[int],
-                             batch: bool) -> Prompt:
+async def _completion_prompt(
+    engine, body: CompletionRequest, index: int, prompt: str | list[int], batch: bool
+) -> Prompt:
     param = f"prompt[{index}]" if batch else "prompt"
     if isinstance(prompt, str):
         ids = await encode_prompt(engine, prompt, body.add_special_tokens, param)
     else:
         ids = prompt
-    kept = sampling.truncate_prompt(ids, body.truncate_prompt_tokens, body.truncation_side, engine.max_model_len)
-    if not isinstance(prompt, str):   # length and vocabulary, before echo decodes them or n copies them
-        kept = await run_input(token_ids.check_prompt_ids, kept, token_ids.vocab_size(engine),
-                               engine.max_model_len, param)
+    kept = sampling.truncate_prompt(
+        ids, body.truncate_prompt_tokens, body.truncation_side, engine.max_model_len
+    )
+    if not isinstance(prompt, str):  # length and vocabulary, before echo decodes them or n copies them
+        kept = await run_input(
+            token_ids.check_prompt_ids, kept, token_ids.vocab_size(engine), engine.max_model_len, param
+        )
     echo = ""
-    if body.echo:   # the prompt as sent; a token-id or truncated prompt as its decoding
-        echo = prompt if isinstance(prompt, str) and kept is ids else await run_input(engine.tokenizer.decode, kept)
+    if body.echo:  # the prompt as sent; a token-id or truncated prompt as its decoding
+        echo = (
+            prompt
+            if isinstance(prompt, str) and kept is ids
+            else await run_input(engine.tokenizer.decode, kept)
+        )
     return Prompt(kept, echo)
 
 
@@ -352,10 +379,18 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     plan = sampling.plan(body)
     rid, engine_rid = _ids("cmpl", body)
     _log_caller(body, rid)
-    fan = FanOut(engine, await _subs(engine, engine_rid, prompts, base, plan), body.stream,
-                 constraint_param=constraint[1] if constraint else None)
-    shape = CompletionShape(body, {"id": rid, "object": "text_completion", "created": int(time.time()),
-                                   "model": model}, prompts, TokenText(engine.tokenizer, body.return_tokens_as_token_ids))
+    fan = FanOut(
+        engine,
+        await _subs(engine, engine_rid, prompts, base, plan),
+        body.stream,
+        constraint_param=constraint[1] if constraint else None,
+    )
+    shape = CompletionShape(
+        body,
+        {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model},
+        prompts,
+        TokenText(engine.tokenizer, body.return_tokens_as_token_ids),
+    )
     return await _serve(request, fan, plan, shape, body.stream)
 
 
@@ -368,18 +403,30 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     model = check_model(engine, body.model)
     await _check_constraint(engine, constraint)
     structured = constraint[0] if constraint else None
-    ids = await encode_chat(request, engine, body.messages, body.add_generation_prompt, body.template_kwargs,
-                            tools)
-    ids = sampling.truncate_prompt(ids, body.truncate_prompt_tokens, body.truncation_side, engine.max_model_len)
+    ids = await encode_chat(
+        request, engine, body.messages, body.add_generation_prompt, body.template_kwargs, tools
+    )
+    ids = sampling.truncate_prompt(
+        ids, body.truncate_prompt_tokens, body.truncation_side, engine.max_model_len
+    )
     last = body.messages[-1]
     prompts = [Prompt(ids, last.text() if body.echo and last.role == "assistant" else "")]
     base = await _base_params(engine, body, structured)
     plan = sampling.plan(body)
     rid, engine_rid = _ids("chatcmpl", body)
     _log_caller(body, rid)
-    fan = FanOut(engine, await _subs(engine, engine_rid, prompts, base, plan), body.stream, body.max_tokens_param,
-                 constraint[1] if constraint else None)
-    shape = ChatShape(body, {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-                             "model": model}, prompts, TokenText(engine.tokenizer, body.return_tokens_as_token_ids))
+    fan = FanOut(
+        engine,
+        await _subs(engine, engine_rid, prompts, base, plan),
+        body.stream,
+        body.max_tokens_param,
+        constraint[1] if constraint else None,
+    )
+    shape = ChatShape(
+        body,
+        {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model},
+        prompts,
+        TokenText(engine.tokenizer, body.return_tokens_as_token_ids),
+    )
     shape.parse_tools = body.tools_active
     return await _serve(request, fan, plan, shape, body.stream)

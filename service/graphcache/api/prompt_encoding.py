@@ -54,20 +54,32 @@ def _check_text_size(engine, chars: int, param: str, what: str) -> None:
     rarely more than MAX_CHARS_PER_TOKEN characters)."""
     limit = engine.max_model_len
     if limit is not None and chars > limit * MAX_CHARS_PER_TOKEN:
-        raise APIError(400, f"This model's maximum context length is {limit} tokens; {what} has {chars} "
-                            f"characters, more than the {limit * MAX_CHARS_PER_TOKEN} characters ({MAX_CHARS_PER_TOKEN} "
-                            "per token) that could fit it. Shorten it.", param=param, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens; {what} has {chars} "
+            f"characters, more than the {limit * MAX_CHARS_PER_TOKEN} characters ({MAX_CHARS_PER_TOKEN} "
+            "per token) that could fit it. Shorten it.",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
-async def encode_prompt(engine, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+async def encode_prompt(
+    engine, text: str, add_special_tokens: bool = True, param: str = "prompt"
+) -> list[int]:
     """A prompt string's ids, bounded by size first, tokenized off the event loop."""
     _check_text_size(engine, len(text), param, "the prompt")
     return await run_input(engine.tokenizer.encode, text, add_special_tokens)
 
 
-async def encode_chat(request: Request, engine, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                      template_kwargs: dict[str, Any] | None = None,
-                      tools: list[dict[str, Any]] | None = None) -> list[int]:
+async def encode_chat(
+    request: Request,
+    engine,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
     """A chat's prompt ids through the model's template, bounded by size first, off the event loop.
     template_kwargs: extra variables the template sees (chat_template_kwargs, documents, reasoning_effort);
     tools: template_tools(body.tools). Role "tool" messages and assistant tool_calls go to the template."""
@@ -78,10 +90,19 @@ async def encode_chat(request: Request, engine, messages: list[ChatMessage], add
     allow_special = request.app.state.settings.http.allow_special_tokens_in_chat
     try:
         # The template has its own BOS; content's special-token strings stay plain text.
-        return await run_input(engine.tokenizer.encode_chat, chat, add_generation_prompt,
-                                       allow_special_in_content=allow_special, tools=tools,
-                                       **(template_kwargs or {}))
-    except ChatTemplateError as e:   # the client's messages broke the template's rules: one line, no traceback
+        return await run_input(
+            engine.tokenizer.encode_chat,
+            chat,
+            add_generation_prompt,
+            allow_special_in_content=allow_special,
+            tools=tools,
+            **(template_kwargs or {}),
+        )
+    except ChatTemplateError as e:  # the client's messages broke the template's rules: one line, no traceback
         log.info("chat template refused the messages: %s", e.message)
-        raise APIError(400, f"The chat template refused these messages: {e.message}", param="messages",
-                       code="chat_template_error") from None
+        raise APIError(
+            400,
+            f"The chat template refused these messages: {e.message}",
+            param="messages",
+            code="chat_template_error",
+        ) from None

@@ -36,22 +36,41 @@ from graphcache.api.sampling_fields import (
 from graphcache.engine.errors import InvalidRequest
 
 __all__ = [
-    "DEFAULT_COMPLETION_MAX_TOKENS", "INT64_MAX", "INT64_MIN", "MAX_LOGPROBS", "MAX_SEQUENCES_PER_REQUEST",
-    "MAX_STOP", "REFUSED_CHAT", "REFUSED_COMPLETION", "RESERVED_TEMPLATE_KWARGS", "ChatCompletionRequest",
-    "ChatMessage", "CompletionRequest", "StreamOptions", "TextPart",
+    "DEFAULT_COMPLETION_MAX_TOKENS",
+    "INT64_MAX",
+    "INT64_MIN",
+    "MAX_LOGPROBS",
+    "MAX_SEQUENCES_PER_REQUEST",
+    "MAX_STOP",
+    "REFUSED_CHAT",
+    "REFUSED_COMPLETION",
+    "RESERVED_TEMPLATE_KWARGS",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "StreamOptions",
+    "TextPart",
 ]
 
-DEFAULT_COMPLETION_MAX_TOKENS = 16   # /v1/completions, also for an explicit "max_tokens": null (as OpenAI, vLLM)
+DEFAULT_COMPLETION_MAX_TOKENS = (
+    16  # /v1/completions, also for an explicit "max_tokens": null (as OpenAI, vLLM)
+)
 
 
 class CompletionRequest(SamplingFields):
     prompt: Text | list[SInt] | list[Text] | list[list[SInt]] = Field(
-        ..., description="A string, a list of token ids, or a batch (a list of either).")
-    max_tokens: SInt = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1,
-                             description=f"Tokens to generate (null or absent: {DEFAULT_COMPLETION_MAX_TOKENS}); "
-                                         "prompt + max_tokens <= max_model_len.")
+        ..., description="A string, a list of token ids, or a batch (a list of either)."
+    )
+    max_tokens: SInt = Field(
+        DEFAULT_COMPLETION_MAX_TOKENS,
+        ge=1,
+        description=f"Tokens to generate (null or absent: {DEFAULT_COMPLETION_MAX_TOKENS}); "
+        "prompt + max_tokens <= max_model_len.",
+    )
     echo: SBool = Field(False, description="Prepend the prompt to the text (and its logprobs to logprobs).")
-    logprobs: SInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Logprobs of the sampled token + top k.")
+    logprobs: SInt | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="Logprobs of the sampled token + top k."
+    )
     add_special_tokens: SBool = Field(True, description="Add the model's BOS to a text prompt.")
     prompt_embeds: Any = None
     suffix: Any = ""
@@ -110,23 +129,43 @@ class ChatMessage(RequestBody):
 
 # Names the chat template sees that a request's chat_template_kwargs must not replace (or that would
 # reach encode_chat as its own options, e.g. the special-token guard).
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "messages", "add_generation_prompt", "allow_special_in_content", "tokenize", "bos_token", "eos_token",
-    "pad_token", "tools", "raise_exception", "strftime_now"})
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "add_generation_prompt",
+        "allow_special_in_content",
+        "tokenize",
+        "bos_token",
+        "eos_token",
+        "pad_token",
+        "tools",
+        "raise_exception",
+        "strftime_now",
+    }
+)
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=1024)
-    max_tokens: SInt | None = Field(None, ge=1, description="Deprecated OpenAI name of max_completion_tokens.")
+    max_tokens: SInt | None = Field(
+        None, ge=1, description="Deprecated OpenAI name of max_completion_tokens."
+    )
     max_completion_tokens: SInt | None = Field(None, ge=1, description="Default: the rest of max_model_len.")
     logprobs: SBool = Field(False, description="Return the sampled tokens' logprobs.")
     top_logprobs: SInt = Field(0, ge=0, le=MAX_LOGPROBS, description="With logprobs: the k most likely too.")
     echo: SBool = Field(False, description="Prepend the last message's content if it is the assistant's.")
-    add_generation_prompt: SBool = Field(True, description="End the prompt with the assistant turn's opening.")
-    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra variables for the chat template.")
-    documents: list[dict[str, str]] | None = Field(None, description="The template's `documents` variable (RAG).")
+    add_generation_prompt: SBool = Field(
+        True, description="End the prompt with the assistant turn's opening."
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables for the chat template."
+    )
+    documents: list[dict[str, str]] | None = Field(
+        None, description="The template's `documents` variable (RAG)."
+    )
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = Field(
-        None, description="The template's `reasoning_effort` variable.")
+        None, description="The template's `reasoning_effort` variable."
+    )
     tools: list[dict[str, Any]] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: SBool = True
@@ -181,11 +220,13 @@ class ChatCompletionRequest(SamplingFields):
         self._check_common(1)
         found = self.structured_constraints()
         if self.tools_active and found:
-            raise InvalidRequest(f"tools and {found[0][0]} both constrain the output: send one of them (or "
-                                 'tool_choice "none" to only show the tools to the model)', param=found[0][0])
+            raise InvalidRequest(
+                f"tools and {found[0][0]} both constrain the output: send one of them (or "
+                'tool_choice "none" to only show the tools to the model)',
+                param=found[0][0],
+            )
 
     @property
     def tools_active(self) -> bool:
         """Tools were given and may be called (tool_choice is not "none"): the output is parsed for calls."""
         return bool(self.tools) and self.tool_choice != "none"
-

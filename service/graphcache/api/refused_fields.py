@@ -46,7 +46,10 @@ _REFUSED_COMMON: dict[str, tuple[tuple, str]] = {
     "ec_transfer_params": ((), _NO_DISAGG),
     "vllm_xargs": ((), "no custom extensions are loaded"),
     "logits_processors": ((), "custom logits processors are not loaded (they would run client-chosen code)"),
-    "repetition_detection": ((), "not implemented; bound the output with max_tokens, stop or repetition_penalty"),
+    "repetition_detection": (
+        (),
+        "not implemented; bound the output with max_tokens, stop or repetition_penalty",
+    ),
     "thinking_token_budget": ((-1,), "no reasoning parser"),
     "routed_experts_prompt_start": ((0,), "no mixture-of-experts routing data is returned"),
     "return_token_offsets": ((False,), _RENDER_ONLY),

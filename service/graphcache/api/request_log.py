@@ -26,7 +26,13 @@ from pythonjsonlogger.json import JsonFormatter as _LibraryJsonFormatter
 
 from graphcache.api.errors import clip, error_body
 
-__all__ = ["RequestContextMiddleware", "current_request_id", "escape_controls", "log_unhandled", "setup_logging"]
+__all__ = [
+    "RequestContextMiddleware",
+    "current_request_id",
+    "escape_controls",
+    "log_unhandled",
+    "setup_logging",
+]
 
 # A client-chosen id goes into logs: keep it short and free of newlines/quotes (log injection).
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -70,14 +76,23 @@ class JsonFormatter(_LibraryJsonFormatter):
     default_msec_format = "%s.%03dZ"
 
     def __init__(self) -> None:
-        super().__init__("{asctime}{levelname}{name}{message}{correlation_id}", style="{", rename_fields={
-            "asctime": "ts", "levelname": "level", "name": "logger", "message": "msg",
-            "correlation_id": "request_id", "exc_info": "exc"})
+        super().__init__(
+            "{asctime}{levelname}{name}{message}{correlation_id}",
+            style="{",
+            rename_fields={
+                "asctime": "ts",
+                "levelname": "level",
+                "name": "logger",
+                "message": "msg",
+                "correlation_id": "request_id",
+                "exc_info": "exc",
+            },
+        )
 
     def process_log_record(self, log_data: dict) -> dict:
         log_data["level"] = log_data["level"].lower()
         if log_data.get("request_id") is None:
-            log_data.pop("request_id", None)   # outside a request: no key rather than null
+            log_data.pop("request_id", None)  # outside a request: no key rather than null
         return log_data
 
 
@@ -137,11 +152,19 @@ def log_unhandled(method: str, path: str) -> None:
     log = logging.getLogger("graphcache.api")
     if first:
         _logged_sites.add(site)
-        log.exception("unhandled error on %s %s (its traceback follows, logged once per fault site)", method,
-                      path)
+        log.exception(
+            "unhandled error on %s %s (its traceback follows, logged once per fault site)", method, path
+        )
     else:
-        log.error("unhandled error on %s %s: %s: %s (at %s:%d; traceback logged at its first occurrence)",
-                  method, path, site[0], clip(str(exc), 200), site[1].rsplit("/", 1)[-1], site[2])
+        log.error(
+            "unhandled error on %s %s: %s: %s (at %s:%d; traceback logged at its first occurrence)",
+            method,
+            path,
+            site[0],
+            clip(str(exc), 200),
+            site[1].rsplit("/", 1)[-1],
+            site[2],
+        )
 
 
 class AccessLogMiddleware:
@@ -174,10 +197,22 @@ class AccessLogMiddleware:
             if status:
                 raise  # the response already started; the server closes the connection
             status = 500
-            body = json.dumps(error_body("Internal server error; the server log has the details (see "
-                                         "X-Request-ID).", "server_error")).encode()
-            await send({"type": "http.response.start", "status": 500, "headers": [
-                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            body = json.dumps(
+                error_body(
+                    "Internal server error; the server log has the details (see X-Request-ID).",
+                    "server_error",
+                )
+            ).encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 500,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
         finally:
             client = scope.get("client") or ("-", 0)
@@ -186,10 +221,21 @@ class AccessLogMiddleware:
             # Client-controlled: method, path, query (and the client address). The text formatter
             # escapes control characters in the message; the JSON one escapes by construction.
             access_log.info(
-                '%s "%s %s%s" %s %.1fms', client[0], scope["method"], scope["path"], f"?{query}" if query else "",
-                status or "-", elapsed_ms,
-                extra={"method": scope["method"], "path": scope["path"], "query": query, "status": status,
-                       "latency_ms": round(elapsed_ms, 2), "client": client[0]},
+                '%s "%s %s%s" %s %.1fms',
+                client[0],
+                scope["method"],
+                scope["path"],
+                f"?{query}" if query else "",
+                status or "-",
+                elapsed_ms,
+                extra={
+                    "method": scope["method"],
+                    "path": scope["path"],
+                    "query": query,
+                    "status": status,
+                    "latency_ms": round(elapsed_ms, 2),
+                    "client": client[0],
+                },
             )
 
 
@@ -198,4 +244,6 @@ class RequestContextMiddleware(CorrelationIdMiddleware):
     One class, so the app registers both with one `add_middleware(RequestContextMiddleware)`."""
 
     def __init__(self, app) -> None:
-        super().__init__(app=AccessLogMiddleware(app), header_name="X-Request-ID", validator=is_safe_request_id)
+        super().__init__(
+            app=AccessLogMiddleware(app), header_name="X-Request-ID", validator=is_safe_request_id
+        )

@@ -28,9 +28,9 @@ __all__ = ["ChoicePlan", "bad_words_token_ids", "base_params", "choice_params", 
 class ChoicePlan:
     """How many sequences run per prompt and what the answer keeps of them."""
 
-    n: int                       # choices returned per prompt
-    samples: int                 # sequences generated per prompt (best_of, else n)
-    client_logprobs: bool        # the client asked for logprobs (else they are only used for ranking)
+    n: int  # choices returned per prompt
+    samples: int  # sequences generated per prompt (best_of, else n)
+    client_logprobs: bool  # the client asked for logprobs (else they are only used for ranking)
 
     @property
     def ranks(self) -> bool:
@@ -62,22 +62,38 @@ def truncate_prompt(ids: list[int], keep: int | None, side: str, max_model_len: 
     return ids[-keep:] if side == "left" else ids[:keep]
 
 
-def base_params(body: CompletionRequest | ChatCompletionRequest, bad_words: list[list[int]],
-                structured: StructuredSpec | None) -> SamplingParams:
+def base_params(
+    body: CompletionRequest | ChatCompletionRequest,
+    bad_words: list[list[int]],
+    structured: StructuredSpec | None,
+) -> SamplingParams:
     """The SamplingParams every choice shares (choice_params adds the per-choice part)."""
     logprobs = body.engine_logprobs
     prompt_logprobs = body.prompt_logprobs
     if prompt_logprobs is None and isinstance(body, CompletionRequest) and body.echo and logprobs is not None:
-        prompt_logprobs = logprobs   # echo + logprobs: the prompt's logprobs come first (OpenAI's shape)
+        prompt_logprobs = logprobs  # echo + logprobs: the prompt's logprobs come first (OpenAI's shape)
     return SamplingParams(
-        max_tokens=body.max_new_tokens, temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-        seed=body.seed, stop=list(body.stop or []), stop_token_ids=list(body.stop_token_ids or []),
-        ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-        logit_bias=dict(body.logit_bias or {}), min_tokens=body.min_tokens, min_p=body.min_p,
+        max_tokens=body.max_new_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=max(body.top_k, 0),
+        seed=body.seed,
+        stop=list(body.stop or []),
+        stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=body.ignore_eos,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias=dict(body.logit_bias or {}),
+        min_tokens=body.min_tokens,
+        min_p=body.min_p,
         allowed_token_ids=list(body.allowed_token_ids) if body.allowed_token_ids is not None else None,
-        bad_words_token_ids=bad_words, include_stop_str_in_output=body.include_stop_str_in_output,
-        logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured)
+        bad_words_token_ids=bad_words,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        structured=structured,
+    )
 
 
 def plan(body: CompletionRequest | ChatCompletionRequest) -> ChoicePlan:
@@ -94,7 +110,11 @@ def choice_params(base: SamplingParams, i: int, plan: ChoicePlan) -> SamplingPar
     # The lists are per choice: nothing the engine may touch is shared between two requests. A TokenIds
     # (checked once, immutable) is shared: copying it would make the engine check every copy again.
     allowed = base.allowed_token_ids
-    changes.update(stop=list(base.stop), stop_token_ids=list(base.stop_token_ids), logit_bias=dict(base.logit_bias),
-                   bad_words_token_ids=[list(w) for w in base.bad_words_token_ids],
-                   allowed_token_ids=allowed if allowed is None or isinstance(allowed, TokenIds) else list(allowed))
+    changes.update(
+        stop=list(base.stop),
+        stop_token_ids=list(base.stop_token_ids),
+        logit_bias=dict(base.logit_bias),
+        bad_words_token_ids=[list(w) for w in base.bad_words_token_ids],
+        allowed_token_ids=allowed if allowed is None or isinstance(allowed, TokenIds) else list(allowed),
+    )
     return dataclasses.replace(base, **changes)

@@ -19,14 +19,19 @@ from graphcache.api.body import RequestBody, SBool, SFloat, SInt, Text
 from graphcache.engine.errors import InvalidRequest
 
 __all__ = [
-    "INT64_MAX", "INT64_MIN", "MAX_LOGPROBS", "MAX_SEQUENCES_PER_REQUEST", "MAX_STOP", "SamplingFields",
+    "INT64_MAX",
+    "INT64_MIN",
+    "MAX_LOGPROBS",
+    "MAX_SEQUENCES_PER_REQUEST",
+    "MAX_STOP",
+    "SamplingFields",
     "StreamOptions",
 ]
 
 MAX_STOP = 64
 MAX_STOP_CHARS = 256
-MAX_LOGPROBS = 20                   # logprobs / top_logprobs / prompt_logprobs, as OpenAI
-MAX_SEQUENCES_PER_REQUEST = 128     # prompts x max(n, best_of): each is one engine request
+MAX_LOGPROBS = 20  # logprobs / top_logprobs / prompt_logprobs, as OpenAI
+MAX_SEQUENCES_PER_REQUEST = 128  # prompts x max(n, best_of): each is one engine request
 MAX_BAD_WORDS = 128
 MAX_LOGIT_BIAS = 1024
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -59,13 +64,19 @@ class SamplingFields(RequestBody):
     presence_penalty: SFloat = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: SFloat = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: SFloat = Field(1.0, gt=0.0, le=10.0)
-    logit_bias: dict[str, SFloat] | None = Field(None, description="Token id (a string) -> bias in [-100, 100].")
-    allowed_token_ids: list[Annotated[int, Strict(), Field(ge=0)]] | None = Field(None, min_length=1,
-                                                                                 max_length=1 << 20)
+    logit_bias: dict[str, SFloat] | None = Field(
+        None, description="Token id (a string) -> bias in [-100, 100]."
+    )
+    allowed_token_ids: list[Annotated[int, Strict(), Field(ge=0)]] | None = Field(
+        None, min_length=1, max_length=1 << 20
+    )
     bad_words: list[Text] = Field(default_factory=list, max_length=MAX_BAD_WORDS)
-    truncate_prompt_tokens: SInt | None = Field(None, ge=-1, description="Keep only the last k prompt tokens "
-                                                "(-1: max_model_len).")
-    truncation_side: Literal["left", "right"] = Field("left", description="left keeps the last k, right the first k.")
+    truncate_prompt_tokens: SInt | None = Field(
+        None, ge=-1, description="Keep only the last k prompt tokens (-1: max_model_len)."
+    )
+    truncation_side: Literal["left", "right"] = Field(
+        "left", description="left keeps the last k, right the first k."
+    )
     prompt_logprobs: SInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: dict[str, Any] | None = None
     guided_json: Text | dict[str, Any] | None = None
@@ -75,9 +86,13 @@ class SamplingFields(RequestBody):
     structured_outputs: dict[str, Any] | None = None
     return_tokens_as_token_ids: SBool = Field(False, description='Logprob tokens as "token_id:<id>".')
     return_token_ids: SBool = Field(False, description="Choices carry token_ids (and prompt_token_ids).")
-    request_id: str | None = Field(None, min_length=1, max_length=128, description="The response's id suffix.")
+    request_id: str | None = Field(
+        None, min_length=1, max_length=128, description="The response's id suffix."
+    )
     user: str | None = Field(None, max_length=512, description="Written to the server log with the request.")
-    session_id: str | None = Field(None, max_length=512, description="Written to the server log with the request.")
+    session_id: str | None = Field(
+        None, max_length=512, description="Written to the server log with the request."
+    )
 
     # Refused unless at their defaults (api/refused_fields.py); declared so they are never "unknown".
     use_beam_search: Any = False
@@ -121,7 +136,7 @@ class SamplingFields(RequestBody):
             raise ValueError(f"at most {MAX_LOGIT_BIAS} token biases are allowed")
         out = {}
         for key, bias in v.items():
-            if not key.isascii() or not key.isdigit():   # the key is not echoed
+            if not key.isascii() or not key.isdigit():  # the key is not echoed
                 raise ValueError('keys must be token ids written as decimal strings, e.g. {"50256": -100}')
             if not -100.0 <= bias <= 100.0:
                 raise ValueError("biases must be in [-100, 100]")
@@ -167,18 +182,25 @@ class SamplingFields(RequestBody):
             if self.best_of < self.n:
                 raise InvalidRequest(f"best_of ({self.best_of}) must be >= n ({self.n})", param="best_of")
             if self.stream and self.best_of > self.n:
-                raise InvalidRequest("best_of > n cannot be streamed (the best choices are known only at the end); "
-                                     "set best_of to n or stream=false", param="best_of")
+                raise InvalidRequest(
+                    "best_of > n cannot be streamed (the best choices are known only at the end); "
+                    "set best_of to n or stream=false",
+                    param="best_of",
+                )
         total = num_prompts * self.num_samples
         if total > MAX_SEQUENCES_PER_REQUEST:
-            raise InvalidRequest(f"this request asks for {total} sequences (prompts x {'best_of' if self.best_of else 'n'}"
-                                 f"); at most {MAX_SEQUENCES_PER_REQUEST} are allowed per request: split it",
-                                 param="best_of" if self.best_of else "n")
+            raise InvalidRequest(
+                f"this request asks for {total} sequences (prompts x {'best_of' if self.best_of else 'n'}"
+                f"); at most {MAX_SEQUENCES_PER_REQUEST} are allowed per request: split it",
+                param="best_of" if self.best_of else "n",
+            )
         if self.prompt_logprobs is not None and self.stream:
-            raise InvalidRequest("prompt_logprobs are not available with stream=true", param="prompt_logprobs")
+            raise InvalidRequest(
+                "prompt_logprobs are not available with stream=true", param="prompt_logprobs"
+            )
         if self.min_tokens and self.max_new_tokens is not None and self.min_tokens > self.max_new_tokens:
             raise InvalidRequest("min_tokens must be <= max_tokens", param="min_tokens")
-        self.structured_constraints()   # at most one
+        self.structured_constraints()  # at most one
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -188,6 +210,10 @@ class SamplingFields(RequestBody):
         """The output constraints asked for, as (param, kind, value), at most one (else InvalidRequest).
         kind/value as engine/sequence.py's StructuredSpec."""
         return constraints.structured_constraints(
-            response_format=self.response_format, guided_json=self.guided_json, guided_regex=self.guided_regex,
-            guided_choice=self.guided_choice, guided_grammar=self.guided_grammar,
-            structured_outputs=self.structured_outputs)
+            response_format=self.response_format,
+            guided_json=self.guided_json,
+            guided_regex=self.guided_regex,
+            guided_choice=self.guided_choice,
+            guided_grammar=self.guided_grammar,
+            structured_outputs=self.structured_outputs,
+        )

@@ -37,7 +37,9 @@ def vocab_size(engine) -> int | None:
 
 def _range_error(param: str, vocab: int) -> APIError:
     # The offending value is not echoed: it may be any size.
-    return APIError(400, f"{param} must hold token ids of this model's vocabulary, 0 to {vocab - 1}.", param=param)
+    return APIError(
+        400, f"{param} must hold token ids of this model's vocabulary, 0 to {vocab - 1}.", param=param
+    )
 
 
 def _in_range(ids: Sequence[int], vocab: int | None) -> bool:
@@ -51,7 +53,7 @@ def unique_token_ids(ids: Sequence[int], vocab: int | None, param: str = "allowe
         raise _range_error(param, vocab)
     try:
         return TokenIds(unique, vocab, param)
-    except InvalidRequest as e:   # a negative id with no vocabulary known (protocol.py refuses those first)
+    except InvalidRequest as e:  # a negative id with no vocabulary known (protocol.py refuses those first)
         raise APIError(400, e.message, param=param) from None
 
 
@@ -65,13 +67,19 @@ def shared_prompt_ids(ids: Sequence[int], vocab: int | None) -> TokenIds | list[
         return list(ids)
 
 
-def check_prompt_ids(ids: Sequence[int], vocab: int | None, max_model_len: int | None,
-                     param: str = "prompt") -> list[int]:
+def check_prompt_ids(
+    ids: Sequence[int], vocab: int | None, max_model_len: int | None, param: str = "prompt"
+) -> list[int]:
     """A prompt of token ids as a list, refused when it cannot fit the context window or holds an id
     outside the vocabulary."""
     if max_model_len is not None and len(ids) >= max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-                            f"{len(ids)} tokens; shorten the prompt.", param=param, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{len(ids)} tokens; shorten the prompt.",
+            param=param,
+            code="context_length_exceeded",
+        )
     out = list(ids)
     if not _in_range(out, vocab):
         raise _range_error(param, vocab)

@@ -36,8 +36,16 @@ from graphcache.api.json_limits import JSONShapeError, check_json_value, parse_j
 from graphcache.engine.errors import InvalidRequest
 from graphcache.engine.sequence import StructuredSpec
 
-__all__ = ["TOOL_CALL_END", "TOOL_CALL_START", "ToolCallDelta", "ToolCallStreamParser", "check_history_calls",
-           "check_tools", "parse_tool_calls", "tool_choice_spec"]
+__all__ = [
+    "TOOL_CALL_END",
+    "TOOL_CALL_START",
+    "ToolCallDelta",
+    "ToolCallStreamParser",
+    "check_history_calls",
+    "check_tools",
+    "parse_tool_calls",
+    "tool_choice_spec",
+]
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 # OpenAI's rule for function names (also what keeps them safe inside a grammar literal).
@@ -52,7 +60,11 @@ def new_call_id() -> str:
 
 
 def _call(name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:
-    return {"id": call_id or new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+    return {
+        "id": call_id or new_call_id(),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
 def _parse_block(body: str) -> tuple[str, str] | None:
@@ -74,10 +86,10 @@ def _parse_json_block(body: str) -> tuple[str, str] | None:
     if not isinstance(args, dict):
         return None
     head = _HEAD.match(body)
-    if head is not None:   # the template's layout: keep the model's own arguments text
+    if head is not None:  # the template's layout: keep the model's own arguments text
         raw, end = json.JSONDecoder().raw_decode(body, head.end())
         if raw == args:
-            return obj["name"], body[head.end():end]
+            return obj["name"], body[head.end() : end]
     return obj["name"], json.dumps(args, ensure_ascii=False)
 
 
@@ -147,14 +159,14 @@ class ToolCallStreamParser:
     stream as they arrive; a block in another layout is parsed whole at its `</tool_call>`."""
 
     def __init__(self) -> None:
-        self._buf = ""                 # text not consumed yet
+        self._buf = ""  # text not consumed yet
         self._in_block = False
-        self._block = ""               # the current block's body so far (no markup)
-        self._args_from: int | None = None   # where the arguments value starts in _block (announced)
-        self._args_sent = 0            # chars of the arguments value already sent
+        self._block = ""  # the current block's body so far (no markup)
+        self._args_from: int | None = None  # where the arguments value starts in _block (announced)
+        self._args_sent = 0  # chars of the arguments value already sent
         self._scanner: _ValueScanner | None = None
         self._seen_call = False
-        self._held_ws = ""             # trailing whitespace of content: sent only if more content follows
+        self._held_ws = ""  # trailing whitespace of content: sent only if more content follows
         self.num_calls = 0
 
     @property
@@ -170,23 +182,23 @@ class ToolCallStreamParser:
                 i = self._buf.find(TOOL_CALL_START)
                 if i < 0:
                     keep = _partial_suffix(self._buf, TOOL_CALL_START)
-                    self._emit_content(out, self._buf[:len(self._buf) - keep], final=False)
-                    self._buf = self._buf[len(self._buf) - keep:]
+                    self._emit_content(out, self._buf[: len(self._buf) - keep], final=False)
+                    self._buf = self._buf[len(self._buf) - keep :]
                     return out
                 self._emit_content(out, self._buf[:i], final=False, before_call=True)
-                self._buf = self._buf[i + len(TOOL_CALL_START):]
+                self._buf = self._buf[i + len(TOOL_CALL_START) :]
                 self._in_block, self._block = True, ""
                 self._seen_call = True
                 continue
             j = self._buf.find(TOOL_CALL_END)
-            if j < 0:   # still inside: take all but a possible partial closing tag
+            if j < 0:  # still inside: take all but a possible partial closing tag
                 keep = _partial_suffix(self._buf, TOOL_CALL_END)
-                self._block += self._buf[:len(self._buf) - keep]
-                self._buf = self._buf[len(self._buf) - keep:]
+                self._block += self._buf[: len(self._buf) - keep]
+                self._buf = self._buf[len(self._buf) - keep :]
                 self._advance_block(out)
                 return out
             self._block += self._buf[:j]
-            self._buf = self._buf[j + len(TOOL_CALL_END):]
+            self._buf = self._buf[j + len(TOOL_CALL_END) :]
             self._advance_block(out)
             self._close_block(out)
 
@@ -205,7 +217,7 @@ class ToolCallStreamParser:
     # --- internals -------------------------------------------------------------------------
     def _emit_content(self, out: ToolCallDelta, text: str, final: bool, before_call: bool = False) -> None:
         if self._seen_call or not text and not final:
-            return   # after the first call, text outside blocks is dropped (as in parse_tool_calls)
+            return  # after the first call, text outside blocks is dropped (as in parse_tool_calls)
         text = self._held_ws + text
         if before_call:
             out.content += text.rstrip()
@@ -217,30 +229,36 @@ class ToolCallStreamParser:
             return
         body = text.rstrip()
         out.content += body
-        self._held_ws = text[len(body):]
+        self._held_ws = text[len(body) :]
 
     def _advance_block(self, out: ToolCallDelta) -> None:
         if self._args_from is None:
             head = _HEAD.match(self._block)
-            if head is None or not self._block[head.end():].lstrip()[:1]:
+            if head is None or not self._block[head.end() :].lstrip()[:1]:
                 return
-            if not self._block[head.end():].startswith("{"):
-                return   # not the template's layout: parsed whole at the close
+            if not self._block[head.end() :].startswith("{"):
+                return  # not the template's layout: parsed whole at the close
             self._args_from, self._args_sent = head.end(), 0
             self._scanner = _ValueScanner()
-            out.tool_calls.append({"index": self.num_calls, "id": new_call_id(), "type": "function",
-                                   "function": {"name": head.group(1), "arguments": ""}})
+            out.tool_calls.append(
+                {
+                    "index": self.num_calls,
+                    "id": new_call_id(),
+                    "type": "function",
+                    "function": {"name": head.group(1), "arguments": ""},
+                }
+            )
             self.num_calls += 1
         if self._scanner.done:
             return
-        fresh = self._block[self._args_from + self._args_sent:]
+        fresh = self._block[self._args_from + self._args_sent :]
         n = self._scanner.feed(fresh)
         if n:
             self._args_sent += n
             _add_arguments(out, self.num_calls - 1, fresh[:n])
 
     def _close_block(self, out: ToolCallDelta) -> None:
-        if self._args_from is None:   # never announced: parse the whole block now
+        if self._args_from is None:  # never announced: parse the whole block now
             parsed = _parse_block(self._block)
             if parsed is not None:
                 out.tool_calls.append({"index": self.num_calls, **_call(*parsed)})
@@ -266,6 +284,7 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 # --- tools and tool_choice -----------------------------------------------------------------
 
+
 def check_tools(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
     """Validate OpenAI `tools` ([{"type": "function", "function": {"name", "description"?,
     "parameters"?}}]); returns name -> parameters schema. InvalidRequest(param "tools") otherwise."""
@@ -276,17 +295,25 @@ def check_tools(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]
     schemas: dict[str, dict[str, Any]] = {}
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
-            raise InvalidRequest(f'tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}',
-                                 param="tools")
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(fn, dict)
+        ):
+            raise InvalidRequest(
+                f'tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}', param="tools"
+            )
         name = fn.get("name")
         if not isinstance(name, str) or not FUNCTION_NAME.match(name):
-            raise InvalidRequest(f"tools[{i}].function.name must match ^[A-Za-z0-9_-]{{1,64}}$, got "
-                                 f"{clip(repr(name))}", param="tools")
+            raise InvalidRequest(
+                f"tools[{i}].function.name must match ^[A-Za-z0-9_-]{{1,64}}$, got {clip(repr(name))}",
+                param="tools",
+            )
         if name in schemas:
-            raise InvalidRequest(f"tools[{i}]: function {name!r} is defined twice; give each tool a unique name",
-                                 param="tools")
-        try:   # the template renders the whole tool and the grammar embeds its schema: both recurse
+            raise InvalidRequest(
+                f"tools[{i}]: function {name!r} is defined twice; give each tool a unique name", param="tools"
+            )
+        try:  # the template renders the whole tool and the grammar embeds its schema: both recurse
             check_json_value(tool)
         except JSONShapeError as e:
             raise InvalidRequest(f"tools[{i}] {e}", param="tools") from None
@@ -294,7 +321,9 @@ def check_tools(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]
         if params is None:
             params = {"type": "object"}
         if not isinstance(params, dict):
-            raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
+            raise InvalidRequest(
+                f"tools[{i}].function.parameters must be a JSON schema object", param="tools"
+            )
         schemas[name] = params
     return schemas
 
@@ -307,8 +336,10 @@ def check_history_calls(calls: list[Any]) -> list[Any]:
     for i, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict):
-            raise ValueError(f'tool_calls[{i}] must be {{"type": "function", "function": {{"name": ..., '
-                             '"arguments": ...}}')
+            raise ValueError(
+                f'tool_calls[{i}] must be {{"type": "function", "function": {{"name": ..., '
+                '"arguments": ...}}'
+            )
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise ValueError(f"tool_calls[{i}].function.name must be a non-empty string")
         args = fn.get("arguments")
@@ -318,15 +349,18 @@ def check_history_calls(calls: list[Any]) -> list[Any]:
         except JSONShapeError as e:
             raise ValueError(f"tool_calls[{i}] {e}") from None
         except ValueError:
-            parsed = None   # not JSON: refused below
+            parsed = None  # not JSON: refused below
         if not (isinstance(parsed, dict) or args is None or (isinstance(args, str) and not args.strip())):
-            raise ValueError(f"tool_calls[{i}].function.arguments must be a JSON object (as a string), "
-                             "as the model produced it")
+            raise ValueError(
+                f"tool_calls[{i}].function.arguments must be a JSON object (as a string), "
+                "as the model produced it"
+            )
     return calls
 
 
-def tool_choice_spec(tools: list[dict[str, Any]] | None, tool_choice: Any,
-                     parallel_tool_calls: bool = True) -> StructuredSpec | None:
+def tool_choice_spec(
+    tools: list[dict[str, Any]] | None, tool_choice: Any, parallel_tool_calls: bool = True
+) -> StructuredSpec | None:
     """The constraint that enforces `tool_choice`: None for "auto"/"none"/unset; for "required" a
     grammar of one or more calls (exactly one when parallel_tool_calls is False) to any listed tool;
     for {"type": "function", "function": {"name": N}} exactly one call of N. The grammar is Lark with
@@ -344,19 +378,26 @@ def tool_choice_spec(tools: list[dict[str, Any]] | None, tool_choice: Any,
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
-        raise InvalidRequest('tool_choice must be "none", "auto", "required" or '
-                             '{"type": "function", "function": {"name": ...}}', param="tool_choice")
+        raise InvalidRequest(
+            'tool_choice must be "none", "auto", "required" or '
+            '{"type": "function", "function": {"name": ...}}',
+            param="tool_choice",
+        )
     if name not in schemas:
         listed = clip(", ".join(schemas) or "none", 256)
-        raise InvalidRequest(f"tool_choice names function {clip(repr(name))}, which is not in tools (listed: {listed})",
-                             param="tool_choice")
+        raise InvalidRequest(
+            f"tool_choice names function {clip(repr(name))}, which is not in tools (listed: {listed})",
+            param="tool_choice",
+        )
     return StructuredSpec("grammar", _calls_grammar({name: schemas[name]}, many=False))
 
 
 def _calls_grammar(schemas: dict[str, dict[str, Any]], many: bool) -> str:
     """Lark: the template's exact markup, with each tool's arguments a `%json` rule of its schema."""
-    lines = ['start: call ("\\n" call)*' if many else "start: call",
-             "call: " + " | ".join(f"call_{i}" for i in range(len(schemas)))]
+    lines = [
+        'start: call ("\\n" call)*' if many else "start: call",
+        "call: " + " | ".join(f"call_{i}" for i in range(len(schemas))),
+    ]
     for i, (name, params) in enumerate(schemas.items()):
         head = TOOL_CALL_START + '\n{"name": "' + name + '", "arguments": '
         lines.append(f"call_{i}: {json.dumps(head)} args_{i} {json.dumps('}' + chr(10) + TOOL_CALL_END)}")

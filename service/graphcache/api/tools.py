@@ -29,8 +29,8 @@ from graphcache.engine.errors import DEAD_MESSAGE  # liveness bodies: never the 
 
 __all__ = ["guarded", "router"]
 
-router = APIRouter(tags=["tools"])                                                    # open, like the probes
-guarded = APIRouter(tags=["tools"], dependencies=[Depends(require_api_key)])          # behind the API key
+router = APIRouter(tags=["tools"])  # open, like the probes
+guarded = APIRouter(tags=["tools"], dependencies=[Depends(require_api_key)])  # behind the API key
 
 
 @guarded.post("/tokenize")
@@ -38,8 +38,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     engine = serving_engine(request)
     check_model(engine, body.model)
     if body.messages is not None:
-        tokens = await encode_chat(request, engine, body.messages, body.add_generation_prompt,
-                                   tools=template_tools(body.tools))
+        tokens = await encode_chat(
+            request, engine, body.messages, body.add_generation_prompt, tools=template_tools(body.tools)
+        )
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         tokens = await encode_prompt(engine, body.prompt, add_special)
@@ -52,14 +53,21 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     check_model(engine, body.model)
     limit = engine.max_model_len
     if limit is not None and len(body.tokens) > limit:
-        raise APIError(400, f"This model's maximum context length is {limit} tokens; send at most that many "
-                            "ids per request.", param="tokens", code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens; send at most that many ids per request.",
+            param="tokens",
+            code="context_length_exceeded",
+        )
     tokenizer = engine.tokenizer
     vocab = tokenizer.vocab_size
     for i, t in enumerate(body.tokens):
-        if not 0 <= t < vocab:   # the index, never the value: what the caller sent is not echoed
-            raise APIError(400, f"tokens[{i}] is not a token id of this model's vocabulary (0 to {vocab - 1}).",
-                           param=f"tokens[{i}]")
+        if not 0 <= t < vocab:  # the index, never the value: what the caller sent is not echoed
+            raise APIError(
+                400,
+                f"tokens[{i}] is not a token id of this model's vocabulary (0 to {vocab - 1}).",
+                param=f"tokens[{i}]",
+            )
     text = await run_input(tokenizer.decode, body.tokens, False)
     return {"prompt": text}
 
@@ -68,9 +76,13 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
 async def retrieve_model(model_id: str, request: Request) -> dict:
     """One model by id (the path may hold slashes, as Hugging Face names do)."""
     card = model_card(request)
-    if model_id != card["id"]:   # the caller's id is not echoed back
-        raise APIError(404, f"The model does not exist; this server serves '{card['id']}' (GET /v1/models).",
-                       type="invalid_request_error", code="model_not_found")
+    if model_id != card["id"]:  # the caller's id is not echoed back
+        raise APIError(
+            404,
+            f"The model does not exist; this server serves '{card['id']}' (GET /v1/models).",
+            type="invalid_request_error",
+            code="model_not_found",
+        )
     return card
 
 

@@ -21,13 +21,21 @@ class WarmupRequest(RequestBody):
     """POST /admin/warmup: uniform-decode sizes and/or descriptors "T:R" / "T:R:decode", or a profile
     (GET /admin/cache/profile's output), or nothing (no body, {}): the configured warmup again."""
 
-    sizes: list[SInt] = Field(default_factory=list, max_length=512,
-                              description="Uniform-decode batch sizes to capture (each a capture size).")
-    descriptors: list[str] = Field(default_factory=list, max_length=512,
-                                   description='Descriptors to capture: "TOKENS:REQS" or "TOKENS:REQS:decode".')
+    sizes: list[SInt] = Field(
+        default_factory=list,
+        max_length=512,
+        description="Uniform-decode batch sizes to capture (each a capture size).",
+    )
+    descriptors: list[str] = Field(
+        default_factory=list,
+        max_length=512,
+        description='Descriptors to capture: "TOKENS:REQS" or "TOKENS:REQS:decode".',
+    )
     profile: dict[str, Any] | None = Field(
-        None, description='A profile as GET /admin/cache/profile exports it: {"version": 1, "descriptors": '
-        '[{"descriptor": "T:R[:decode]", ...}]}; its descriptors are captured.')
+        None,
+        description='A profile as GET /admin/cache/profile exports it: {"version": 1, "descriptors": '
+        '[{"descriptor": "T:R[:decode]", ...}]}; its descriptors are captured.',
+    )
 
     @model_validator(mode="after")
     def _one_form(self):
@@ -48,21 +56,34 @@ class TokenizeRequest(RequestBody):
     model: str | None = Field(None, max_length=512, description="Model id from GET /v1/models.")
     prompt: Text | None = Field(None, description="Text to tokenize (the completions form).")
     add_special_tokens: SBool | None = Field(
-        None, description="Prompt form: add the model's BOS/EOS as /v1/completions does (default true).")
-    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=1024,
-                                               description="A chat to render with the model's template and tokenize.")
-    add_generation_prompt: SBool = Field(True, description="Chat form: end with the assistant turn's opening.")
+        None, description="Prompt form: add the model's BOS/EOS as /v1/completions does (default true)."
+    )
+    messages: list[ChatMessage] | None = Field(
+        None,
+        min_length=1,
+        max_length=1024,
+        description="A chat to render with the model's template and tokenize.",
+    )
+    add_generation_prompt: SBool = Field(
+        True, description="Chat form: end with the assistant turn's opening."
+    )
     continue_final_message: SBool = False
     return_token_strs: SBool = False
-    tools: list[dict[str, Any]] | None = Field(None, max_length=128, description="Chat form: OpenAI function tools, "
-                                               "rendered by the template as /v1/chat/completions does.")
+    tools: list[dict[str, Any]] | None = Field(
+        None,
+        max_length=128,
+        description="Chat form: OpenAI function tools, "
+        "rendered by the template as /v1/chat/completions does.",
+    )
 
     @model_validator(mode="after")
     def _one_form(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError('give either "prompt" (text) or "messages" (a chat), not both')
         if self.messages is not None and self.add_special_tokens:
-            raise ValueError("add_special_tokens applies to prompt only: a chat template writes its own special tokens")
+            raise ValueError(
+                "add_special_tokens applies to prompt only: a chat template writes its own special tokens"
+            )
         if self.continue_final_message:
             raise ValueError("continue_final_message is not supported; leave it false")
         if self.return_token_strs:
@@ -76,4 +97,6 @@ class DetokenizeRequest(RequestBody):
     """POST /detokenize: token ids back to text (special tokens included, as vLLM does)."""
 
     model: str | None = Field(None, max_length=512, description="Model id from GET /v1/models.")
-    tokens: list[SInt] = Field(..., description="Token ids, each in the model's vocabulary; at most max_model_len.")
+    tokens: list[SInt] = Field(
+        ..., description="Token ids, each in the model's vocabulary; at most max_model_len."
+    )

@@ -7,8 +7,16 @@ a server error, never a 400.
 
 from __future__ import annotations
 
-__all__ = ["CLIENT_ERROR_CODES", "CONSTRAINT_TOO_COMPLEX", "DEAD_MESSAGE", "EngineDead", "EngineDraining",
-           "EngineNotReady", "InvalidRequest", "QueueFull"]
+__all__ = [
+    "CLIENT_ERROR_CODES",
+    "CONSTRAINT_TOO_COMPLEX",
+    "DEAD_MESSAGE",
+    "EngineDead",
+    "EngineDraining",
+    "EngineNotReady",
+    "InvalidRequest",
+    "QueueFull",
+]
 
 # What clients (request errors, unauthenticated probes) are told when the engine dies. The cause
 # (an exception text that can carry internal paths and device details) goes to the log and to
@@ -46,4 +54,3 @@ class EngineDraining(EngineNotReady):
 
 class EngineDead(Exception):
     """The engine thread hit an unrecoverable error, or was shut down; `Engine.error` says which."""
-

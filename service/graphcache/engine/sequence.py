@@ -50,7 +50,7 @@ class TokenIds(tuple):
     vocab_size: int | None
 
     def __new__(cls, ids: Iterable[int], vocab_size: int | None, param: str = "token ids") -> TokenIds:
-        try:   # operator.index: C speed, refuses floats and strings (a bool becomes its int)
+        try:  # operator.index: C speed, refuses floats and strings (a bool becomes its int)
             values = tuple(map(operator.index, ids))
         except TypeError:
             raise InvalidRequest(f"{param} must hold integer token ids", param=param) from None
@@ -65,7 +65,7 @@ class TokenIds(tuple):
         """Were these ids checked against a vocabulary no larger than `vocab_size`?"""
         return vocab_size is None or (self.vocab_size is not None and self.vocab_size <= vocab_size)
 
-    def __reduce__(self):   # pickled to the engine process with its bound, not checked again there
+    def __reduce__(self):  # pickled to the engine process with its bound, not checked again there
         return (_unpickle_token_ids, (tuple(self), self.vocab_size))
 
 
@@ -81,8 +81,8 @@ class TokenLogprob:
 
     token_id: int
     logprob: float
-    rank: int                                   # 1 = the most likely token
-    top: list[tuple[int, float]] = field(default_factory=list)   # (token id, logprob), most likely first
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), most likely first
 
 
 @dataclass
@@ -93,27 +93,27 @@ class SamplingParams:
     # last few characters only), so many are cheap; the bound keeps a request from making it costly.
     MAX_STOP_STRINGS: ClassVar[int] = 64
 
-    max_tokens: int | None = 16   # None: the rest of the context window (the engine resolves it at submit)
+    max_tokens: int | None = 16  # None: the rest of the context window (the engine resolves it at submit)
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0          # 0 = off
+    top_k: int = 0  # 0 = off
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     # --- sampling controls (applied on the device, batched: sampler.py) -------------------
-    presence_penalty: float = 0.0       # OpenAI: -2..2, subtracted once per token present in the output
-    frequency_penalty: float = 0.0      # OpenAI: -2..2, subtracted per occurrence in the output
-    repetition_penalty: float = 1.0     # vLLM/HF: > 0; prompt + output tokens, logit / p if > 0 else * p
-    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit (-100..100)
-    min_tokens: int = 0                 # EOS and stop_token_ids are masked until this many outputs
-    min_p: float = 0.0                  # drop tokens with prob < min_p * max prob (0 = off)
+    presence_penalty: float = 0.0  # OpenAI: -2..2, subtracted once per token present in the output
+    frequency_penalty: float = 0.0  # OpenAI: -2..2, subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # vLLM/HF: > 0; prompt + output tokens, logit / p if > 0 else * p
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (-100..100)
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many outputs
+    min_p: float = 0.0  # drop tokens with prob < min_p * max prob (0 = off)
     # Only these may be sampled (None = all); a TokenIds (checked once, shared by a request's choices) or a list.
     allowed_token_ids: list[int] | TokenIds | None = None
-    bad_words_token_ids: list[list[int]] = field(default_factory=list)   # token sequences never completed
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # token sequences never completed
     include_stop_str_in_output: bool = False
     # --- log probabilities (raw: log_softmax of the model's logits, before any processing) --
-    logprobs: int | None = None         # None = off; k >= 0: the sampled token's logprob + the top k
+    logprobs: int | None = None  # None = off; k >= 0: the sampled token's logprob + the top k
     prompt_logprobs: int | None = None  # None = off; k >= 0: each prompt token's logprob + the top k (echo)
     # --- structured output (structured.py): None, or what the output must match ------------
     structured: StructuredSpec | None = None
@@ -121,10 +121,13 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise InvalidRequest naming the bad field (the API maps it to 400)."""
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise InvalidRequest(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", param="max_tokens")
+            raise InvalidRequest(
+                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", param="max_tokens"
+            )
         if self.temperature < 0:
-            raise InvalidRequest(f"temperature must be >= 0 (0 = greedy), got {self.temperature}",
-                                 param="temperature")
+            raise InvalidRequest(
+                f"temperature must be >= 0 (0 = greedy), got {self.temperature}", param="temperature"
+            )
         if not 0 < self.top_p <= 1:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
         if self.top_k < 0:
@@ -132,38 +135,51 @@ class SamplingParams:
         if any(not s for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty", param="stop")
         if len(self.stop) > self.MAX_STOP_STRINGS:
-            raise InvalidRequest(f"at most {self.MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}",
-                                 param="stop")
+            raise InvalidRequest(
+                f"at most {self.MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}",
+                param="stop",
+            )
         self._check_ids(self.stop_token_ids, "stop_token_ids")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2 <= value <= 2:
                 raise InvalidRequest(f"{name} must be in [-2, 2], got {value}", param=name)
         if not 0 < self.repetition_penalty < math.inf:
-            raise InvalidRequest(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}",
-                                 param="repetition_penalty")
+            raise InvalidRequest(
+                f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}",
+                param="repetition_penalty",
+            )
         self._check_ids(list(self.logit_bias), "logit_bias")
         for token, bias in self.logit_bias.items():
             if not -100 <= bias <= 100:
-                raise InvalidRequest(f"logit_bias values must be in [-100, 100], got {bias} for token {token}",
-                                     param="logit_bias")
+                raise InvalidRequest(
+                    f"logit_bias values must be in [-100, 100], got {bias} for token {token}",
+                    param="logit_bias",
+                )
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise InvalidRequest(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}", param="min_tokens")
+            raise InvalidRequest(
+                f"min_tokens must be an integer >= 0, got {self.min_tokens!r}", param="min_tokens"
+            )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise InvalidRequest(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
-                                 param="min_tokens")
+            raise InvalidRequest(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+                param="min_tokens",
+            )
         if not 0 <= self.min_p <= 1:
             raise InvalidRequest(f"min_p must be in [0, 1] (0 = off), got {self.min_p}", param="min_p")
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
-                raise InvalidRequest("allowed_token_ids must not be empty (leave it out to allow every token)",
-                                     param="allowed_token_ids")
+                raise InvalidRequest(
+                    "allowed_token_ids must not be empty (leave it out to allow every token)",
+                    param="allowed_token_ids",
+                )
             if not isinstance(self.allowed_token_ids, TokenIds):
                 self._check_ids(self.allowed_token_ids, "allowed_token_ids")
         for word in self.bad_words_token_ids:
             if not word:
-                raise InvalidRequest("each bad word must be a non-empty list of token ids",
-                                     param="bad_words_token_ids")
+                raise InvalidRequest(
+                    "each bad word must be a non-empty list of token ids", param="bad_words_token_ids"
+                )
             self._check_ids(word, "bad_words_token_ids")
 
     def validate_token_ids(self, vocab_size: int) -> None:
@@ -172,13 +188,19 @@ class SamplingParams:
         allowed = self.allowed_token_ids or ()
         if isinstance(allowed, TokenIds) and allowed.checked_for(vocab_size):
             allowed = ()
-        for name, ids in (("logit_bias", self.logit_bias), ("allowed_token_ids", allowed),
-                          ("stop_token_ids", self.stop_token_ids),
-                          ("bad_words_token_ids", [t for word in self.bad_words_token_ids for t in word])):
+        for name, ids in (
+            ("logit_bias", self.logit_bias),
+            ("allowed_token_ids", allowed),
+            ("stop_token_ids", self.stop_token_ids),
+            ("bad_words_token_ids", [t for word in self.bad_words_token_ids for t in word]),
+        ):
             bad = sorted({t for t in ids if not 0 <= t < vocab_size})
             if bad:
-                raise InvalidRequest(f"{name} has token ids outside the vocabulary [0, {vocab_size}): "
-                                     f"{bad[:5]}{' ...' if len(bad) > 5 else ''}", param=name)
+                raise InvalidRequest(
+                    f"{name} has token ids outside the vocabulary [0, {vocab_size}): "
+                    f"{bad[:5]}{' ...' if len(bad) > 5 else ''}",
+                    param=name,
+                )
 
     @staticmethod
     def _check_ids(ids, param: str) -> None:
@@ -197,17 +219,19 @@ class RequestOutput:
     """One streamed delta of a request. The last one has finished=True and a finish_reason."""
 
     request_id: str
-    text: str                      # new text since the previous output
-    token_ids: list[int]           # new token ids since the previous output
+    text: str  # new text since the previous output
+    token_ids: list[int]  # new token ids since the previous output
     finished: bool
-    finish_reason: str | None      # stop | length | abort | error (None until finished)
+    finish_reason: str | None  # stop | length | abort | error (None until finished)
     prompt_tokens: int
     completion_tokens: int
-    error: str | None = None       # message when finish_reason == "error" (safe to show a client)
-    error_code: str | None = None  # set when the request caused its error (engine/errors.py CLIENT_ERROR_CODES)
-    logprobs: list[TokenLogprob] | None = None         # one per token in token_ids (params.logprobs set)
-    prompt_logprobs: list[TokenLogprob | None] | None = None   # first output only; None for prompt token 0
-    num_cached_tokens: int = 0     # prompt tokens whose KV came from the prefix cache
+    error: str | None = None  # message when finish_reason == "error" (safe to show a client)
+    error_code: str | None = (
+        None  # set when the request caused its error (engine/errors.py CLIENT_ERROR_CODES)
+    )
+    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids (params.logprobs set)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first output only; None for prompt token 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     # Final output only: it ended on a stop token or EOS, whose text a consumer that detokenizes leaves out.
     stopped_on_token: bool = False
 
@@ -231,28 +255,28 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_reason: str | None = None
-    error: str | None = None            # why, when finish_reason == "error"
-    error_code: str | None = None       # engine/errors.py CLIENT_ERROR_CODES: the request caused its error
+    error: str | None = None  # why, when finish_reason == "error"
+    error_code: str | None = None  # engine/errors.py CLIENT_ERROR_CODES: the request caused its error
     num_preemptions: int = 0
-    num_inflight: int = 0               # sampled tokens of scheduled steps not appended yet (async scheduling)
-    stream: bool = True                 # False: only the final output (carrying everything) is delivered
+    num_inflight: int = 0  # sampled tokens of scheduled steps not appended yet (async scheduling)
+    stream: bool = True  # False: only the final output (carrying everything) is delivered
     # Detokenizer state: the tokenizer's IncrementalDetokenizer (None once flushed at finish) and the
     # text it released so far (stop strings already cut).
     detokenizer: Any = None
     # Non-streaming and no stop strings: nobody reads text before the end, so the detokenizer
     # runs once over all output ids at finish instead of twice per token on the engine thread.
     defer_text: bool = False
-    stopped_on_token: bool = False      # finished by a stop token / EOS (its text is left out), not a grammar
+    stopped_on_token: bool = False  # finished by a stop token / EOS (its text is left out), not a grammar
     output_text: str = ""
-    num_text_sent: int = 0              # chars of output_text already streamed to the client
-    num_tokens_sent: int = 0            # output tokens already streamed to the client
-    first_scheduled_time: float | None = None   # monotonic time of its first admission (queue time ends)
-    num_cached_tokens: int = 0          # prompt tokens found in the prefix cache at admission
-    output_logprobs: list[TokenLogprob] = field(default_factory=list)   # params.logprobs: one per output token
-    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)   # params.prompt_logprobs
-    cumulative_logprob: float = 0.0     # sum of the sampled tokens' raw logprobs (best_of ranks by it)
-    grammar: Any = None                 # structured.py's matcher for params.structured (engine thread only)
-    compiled_grammar: Any = None        # its compiled grammar, from the submit-time check (copied into grammar)
+    num_text_sent: int = 0  # chars of output_text already streamed to the client
+    num_tokens_sent: int = 0  # output tokens already streamed to the client
+    first_scheduled_time: float | None = None  # monotonic time of its first admission (queue time ends)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # params.logprobs: one per output token
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # params.prompt_logprobs
+    cumulative_logprob: float = 0.0  # sum of the sampled tokens' raw logprobs (best_of ranks by it)
+    grammar: Any = None  # structured.py's matcher for params.structured (engine thread only)
+    compiled_grammar: Any = None  # its compiled grammar, from the submit-time check (copied into grammar)
     # sampler.py's cache, set on first sampling (params do not change once submitted): the row's token
     # is the argmax of its raw logits (greedy, no logits controls), so a batch of such rows skips the rest.
     plain_greedy: bool | None = None
@@ -288,7 +312,7 @@ class Sequence:
         """all_token_ids[start:end] without building the concatenation for decode steps."""
         n_prompt = len(self.prompt_token_ids)
         if start >= n_prompt:
-            return self.output_token_ids[start - n_prompt:end - n_prompt]
+            return self.output_token_ids[start - n_prompt : end - n_prompt]
         return self.all_token_ids[start:end]
 
     def finish(self, reason: str, error: str | None = None, error_code: str | None = None) -> None:
@@ -299,6 +323,8 @@ class Sequence:
         self.error_code = error_code
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
-                f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, "
-                f"blocks={len(self.block_table)})")
+        return (
+            f"Sequence({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, "
+            f"blocks={len(self.block_table)})"
+        )

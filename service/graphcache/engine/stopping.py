@@ -47,15 +47,18 @@ def grammar_failure_code(seq: Sequence) -> str | None:
     return getattr(seq.grammar, "failure_code", None)
 
 
-def check_stop(seq: Sequence, token_id: int, *, eos_token_ids: set[int] | frozenset[int],
-               max_model_len: int) -> str | None:
+def check_stop(
+    seq: Sequence, token_id: int, *, eos_token_ids: set[int] | frozenset[int], max_model_len: int
+) -> str | None:
     """Update `seq`'s text with its newest token (already appended) and return a finish reason or None."""
     params = seq.params
-    num_out = len(seq.output_token_ids)   # runs for every sampled row every step: lengths read once
+    num_out = len(seq.output_token_ids)  # runs for every sampled row every step: lengths read once
     may_stop = num_out >= params.min_tokens
-    if may_stop and (token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids)):
+    if may_stop and (
+        token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids)
+    ):
         seq.stopped_on_token = True
-        return "stop"   # the stop token stays in token ids but adds no text (like OpenAI/vLLM)
+        return "stop"  # the stop token stays in token ids but adds no text (like OpenAI/vLLM)
     detok = seq.detokenizer
     if detok is not None and not seq.defer_text:
         if params.min_tokens and detok.stop:
@@ -64,7 +67,7 @@ def check_stop(seq: Sequence, token_id: int, *, eos_token_ids: set[int] | frozen
             seq.output_text += detok.add([token_id])
         if detok.stopped is not None:
             if params.include_stop_str_in_output:
-                seq.output_text += detok.stopped   # cut by the detokenizer, with everything after it
+                seq.output_text += detok.stopped  # cut by the detokenizer, with everything after it
             return "stop"
     if num_out >= params.max_tokens or len(seq.prompt_token_ids) + num_out >= max_model_len:
         return "length"
@@ -74,12 +77,12 @@ def check_stop(seq: Sequence, token_id: int, *, eos_token_ids: set[int] | frozen
 def sendable_text(seq: Sequence, finished: bool) -> str:
     """Text not yet streamed; on finish, first flush what the detokenizer held back."""
     if finished and seq.detokenizer is not None:
-        if seq.defer_text:   # one pass over the whole output; a final stop token adds no text
+        if seq.defer_text:  # one pass over the whole output; a final stop token adds no text
             ids = seq.output_token_ids
             ids = ids[:-1] if seq.stopped_on_token and ids else ids
             seq.output_text += seq.detokenizer.add(list(ids))
         seq.output_text += seq.detokenizer.finish()
-        seq.detokenizer = None   # flushed once; nothing more will come
-    delta = seq.output_text[seq.num_text_sent:]
+        seq.detokenizer = None  # flushed once; nothing more will come
+    delta = seq.output_text[seq.num_text_sent :]
     seq.num_text_sent = len(seq.output_text)
     return delta

@@ -30,9 +30,13 @@ class Admission:
     def __init__(self, config: CachePolicyConfig, clock: Callable[[], float]) -> None:
         """config: the rule and the budget (validated there); clock: seconds, for the budget's refill."""
         self.rule, self.min_misses = config.admission, config.admission_min_misses
-        self.time_share, self.burst_seconds, self.clock = config.capture_time_share, config.capture_burst_seconds, clock
+        self.time_share, self.burst_seconds, self.clock = (
+            config.capture_time_share,
+            config.capture_burst_seconds,
+            clock,
+        )
         self._misses: Counter[BatchDescriptor] = Counter()
-        self._balance = self.burst_seconds   # capture seconds available now
+        self._balance = self.burst_seconds  # capture seconds available now
         self._refilled_at = clock()
 
     def wants(self, desc: BatchDescriptor) -> bool:
@@ -62,5 +66,10 @@ class Admission:
         self._misses.clear()
 
     def info(self) -> dict:
-        return {"rule": self.rule, "min_misses": self.min_misses, "time_share": self.time_share,
-                "burst_seconds": self.burst_seconds, "balance_seconds": round(self._balance, 6)}
+        return {
+            "rule": self.rule,
+            "min_misses": self.min_misses,
+            "time_share": self.time_share,
+            "burst_seconds": self.burst_seconds,
+            "balance_seconds": round(self._balance, 6),
+        }

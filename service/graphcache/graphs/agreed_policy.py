@@ -27,12 +27,15 @@ class AgreedPolicy:
             return self.agreement.agree(report)
         p = self.policy
         state = fingerprint([list(p.entries), list(p.negative), len(p.journal.decisions)])
-        verdict = self.agreement.agree(CaptureReport(report.ok, report.reason, report.detail, report.bytes,
-                                                     report.seconds, state))
+        verdict = self.agreement.agree(
+            CaptureReport(report.ok, report.reason, report.detail, report.bytes, report.seconds, state)
+        )
         if verdict.diverged:
-            raise RuntimeError(verdict.diverged + "; restart the server (every rank starts from an empty cache), "
-                               "and report it: the runner must apply every step and admin call on all ranks")
+            raise RuntimeError(
+                verdict.diverged + "; restart the server (every rank starts from an empty cache), "
+                "and report it: the runner must apply every step and admin call on all ranks"
+            )
         return verdict
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.policy, name)   # every decision but the agreed inputs is the policy's own
+        return getattr(self.policy, name)  # every decision but the agreed inputs is the policy's own

@@ -37,11 +37,13 @@ __all__ = ["Agreement", "CaptureReport", "Decision", "GroupAgreement", "Verdict"
 class Decision:
     """One decision of the cache, as every rank applies it (small and picklable)."""
 
-    op: str                 # "admit" | "refuse" | "evict" | "pin" | "warmup" | "clear"
-    desc: str = ""          # the descriptor ("8:8:decode"); "" for clear
-    reason: str = ""        # refuse: budget | oom | error; evict: entries | bytes | manual | clear
-    bytes: int = 0          # admit: the agreed size (max over ranks)
-    rank_bytes: tuple[int, ...] = ()   # admit: each rank's measured growth of its pool (a private pool: all of it)
+    op: str  # "admit" | "refuse" | "evict" | "pin" | "warmup" | "clear"
+    desc: str = ""  # the descriptor ("8:8:decode"); "" for clear
+    reason: str = ""  # refuse: budget | oom | error; evict: entries | bytes | manual | clear
+    bytes: int = 0  # admit: the agreed size (max over ranks)
+    rank_bytes: tuple[
+        int, ...
+    ] = ()  # admit: each rank's measured growth of its pool (a private pool: all of it)
     pinned: bool = False
 
 
@@ -50,11 +52,11 @@ class CaptureReport:
     """What one rank saw of a capture step (a pre-check, a capture, or a pool measurement)."""
 
     ok: bool
-    reason: str = ""        # when not ok: "oom" | "error" | "budget"
+    reason: str = ""  # when not ok: "oom" | "error" | "budget"
     detail: str = ""
     bytes: int = 0
     seconds: float = 0.0
-    state: int = 0          # the rank's cache fingerprint before this step
+    state: int = 0  # the rank's cache fingerprint before this step
 
 
 @dataclass(frozen=True)
@@ -64,24 +66,30 @@ class Verdict:
     ok: bool
     reason: str = ""
     detail: str = ""
-    bytes: int = 0                     # max over ranks
-    seconds: float = 0.0               # max over ranks
+    bytes: int = 0  # max over ranks
+    seconds: float = 0.0  # max over ranks
     rank_bytes: tuple[int, ...] = field(default_factory=tuple)
-    diverged: str = ""                 # non-empty: the ranks' caches differ (a bug); every rank raises it
+    diverged: str = ""  # non-empty: the ranks' caches differ (a bug); every rank raises it
 
 
 def decide(reports: list[CaptureReport]) -> Verdict:
     """Rank 0's rule: any failure fails all (first failing rank's reason); sizes are the max."""
     states = {r.state for r in reports}
     if len(states) > 1:
-        return Verdict(False, "error", diverged=f"graph caches diverged across ranks (fingerprints "
-                       f"{[r.state for r in reports]}): a step or admin call reached some ranks only")
+        return Verdict(
+            False,
+            "error",
+            diverged=f"graph caches diverged across ranks (fingerprints "
+            f"{[r.state for r in reports]}): a step or admin call reached some ranks only",
+        )
     rank_bytes = tuple(r.bytes for r in reports)
     for rank, r in enumerate(reports):
         if not r.ok:
             where = f"rank {rank}: " if len(reports) > 1 else ""
             return Verdict(False, r.reason, where + r.detail, max(rank_bytes), rank_bytes=rank_bytes)
-    return Verdict(True, bytes=max(rank_bytes), seconds=max(r.seconds for r in reports), rank_bytes=rank_bytes)
+    return Verdict(
+        True, bytes=max(rank_bytes), seconds=max(r.seconds for r in reports), rank_bytes=rank_bytes
+    )
 
 
 def fingerprint(items: list[Any]) -> int:
@@ -115,6 +123,6 @@ class GroupAgreement(Agreement):
         dist = self._dist
         gathered: list[Any] | None = [None] * self.size if self.rank == 0 else None
         dist.gather_object(report, gathered, dst=self._root, group=self.group)
-        box: list[Any] = [decide(gathered) if gathered is not None else None]   # gathered on rank 0 only
+        box: list[Any] = [decide(gathered) if gathered is not None else None]  # gathered on rank 0 only
         dist.broadcast_object_list(box, src=self._root, group=self.group)
         return box[0]

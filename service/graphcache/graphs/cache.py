@@ -55,12 +55,20 @@ def _failure(e: Exception) -> CaptureReport:
 
 
 class GraphCache:
-    def __init__(self, step_fn: Callable[[BatchDescriptor], None], *, backend: Literal["cuda", "eager"],
-                 config: CachePolicyConfig, debug: bool = False, metrics: Metrics | None = None,
-                 input_tensors: Callable[[BatchDescriptor], list[torch.Tensor]] | None = None,
-                 measure_bytes: Callable[[BatchDescriptor, Any], int] | None = None,
-                 clock: Callable[[], float] = time.perf_counter, agreement: Agreement | None = None,
-                 warm_key: Callable[[BatchDescriptor], Hashable] | None = None) -> None:
+    def __init__(
+        self,
+        step_fn: Callable[[BatchDescriptor], None],
+        *,
+        backend: Literal["cuda", "eager"],
+        config: CachePolicyConfig,
+        debug: bool = False,
+        metrics: Metrics | None = None,
+        input_tensors: Callable[[BatchDescriptor], list[torch.Tensor]] | None = None,
+        measure_bytes: Callable[[BatchDescriptor, Any], int] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        agreement: Agreement | None = None,
+        warm_key: Callable[[BatchDescriptor], Hashable] | None = None,
+    ) -> None:
         """step_fn(desc): one step over the static buffers (what is captured). config: the policy's knobs.
         agreement: how per-rank capture outcomes are agreed with other tensor-parallel ranks
         (agreement.py); None = this process alone. warm_key(desc): the step's kernel family, what must
@@ -77,13 +85,21 @@ class GraphCache:
         self.clock, self.warm_key = clock, warm_key
         self.failpoint: Callable[[BatchDescriptor], None] | None = None  # tests inject capture failures
         self.warmed_up = False
-        self._warmed: set[Hashable] = set()   # kernel families that ran eagerly on the capture stream
+        self._warmed: set[Hashable] = set()  # kernel families that ran eagerly on the capture stream
         self._entries: OrderedDict[BatchDescriptor, CacheEntry] = OrderedDict()  # LRU first
         self._owner: int | None = None
         self.journal = CacheJournal(metrics)
-        policy = CachePolicy(config, backend=backend, entries=self._entries, close=self._close,
-                             journal=self.journal, clock=clock)
-        self.policy: CachePolicy | AgreedPolicy = policy if agreement is None else AgreedPolicy(policy, agreement)
+        policy = CachePolicy(
+            config,
+            backend=backend,
+            entries=self._entries,
+            close=self._close,
+            journal=self.journal,
+            clock=clock,
+        )
+        self.policy: CachePolicy | AgreedPolicy = (
+            policy if agreement is None else AgreedPolicy(policy, agreement)
+        )
         if metrics is not None:
             metrics.graph_backend.labels(backend).set(1)
             metrics.graph_max_entries.set(config.max_entries)
@@ -114,7 +130,8 @@ class GraphCache:
                 raise RuntimeError(
                     f"graph debug: input addresses of {entry.desc} moved since capture ({entry.addresses} -> "
                     f"{now}); the graph would read stale memory. Fix: allocate static buffers once and write "
-                    "into them in place (copy_), never rebind them.")
+                    "into them in place (copy_), never rebind them."
+                )
         entry.last_use = time.time()
         entry.graph.replay()
 
@@ -144,20 +161,22 @@ class GraphCache:
         if verdict.ok:
             try:
                 graph, seconds = self._capture(desc, pool)
-                report = CaptureReport(True, bytes=int(self.measure_bytes(desc, pool.handle)), seconds=seconds)
+                report = CaptureReport(
+                    True, bytes=int(self.measure_bytes(desc, pool.handle)), seconds=seconds
+                )
             except Exception as e:
                 report = _failure(e)
             verdict = policy.agree(report)
         if not verdict.ok:
             if graph is not None:
-                graph.close()   # this rank captured it, another did not: abandoned everywhere
+                graph.close()  # this rank captured it, another did not: abandoned everywhere
             policy.refuse(desc, verdict.reason, verdict.detail)
             self._settle_pool(pool, desc)
             if self.backend == "cuda":
                 torch.cuda.empty_cache()  # give back what the failed capture's pool reserved
             return None
         assert graph is not None
-        size, rank_growth = policy.pools.grow(pool, desc, verdict)   # verdict: max over ranks
+        size, rank_growth = policy.pools.grow(pool, desc, verdict)  # verdict: max over ranks
         entry = CacheEntry(desc, graph, pool, size, verdict.seconds, pinned=pinned)
         if self.debug and self.input_tensors is not None:
             entry.addresses = [t.data_ptr() for t in self.input_tensors(desc)]
@@ -167,8 +186,15 @@ class GraphCache:
             return None
         self._entries[desc] = entry
         policy.admitted(entry, rank_growth, lazy)
-        log.debug("captured %s: %d graphs, %d breaks, %d bytes (%s pool), %.1f ms", desc, graph.num_graphs,
-                  graph.num_breaks, size, kind, entry.capture_seconds * 1e3)
+        log.debug(
+            "captured %s: %d graphs, %d breaks, %d bytes (%s pool), %.1f ms",
+            desc,
+            graph.num_graphs,
+            graph.num_breaks,
+            size,
+            kind,
+            entry.capture_seconds * 1e3,
+        )
         if self.backend == "cuda":
             # Capture runs the eager ops over not-yet-computed inputs (the graphs did not run),
             # so they wrote garbage (e.g. KV slots of this step); one replay makes it right.
@@ -191,8 +217,10 @@ class GraphCache:
         if pool.graphs == 0:
             self.policy.pools.forget(pool)  # its partial graphs were reset: never capture into it again
         else:
-            measured = self.policy.agree(CaptureReport(True, bytes=int(self.measure_bytes(desc, pool.handle))))
-            pool.bytes, pool.rank_bytes = measured.bytes, measured.rank_bytes   # max over ranks; each rank's
+            measured = self.policy.agree(
+                CaptureReport(True, bytes=int(self.measure_bytes(desc, pool.handle)))
+            )
+            pool.bytes, pool.rank_bytes = measured.bytes, measured.rank_bytes  # max over ranks; each rank's
             self.policy.update_gauges()
 
     def _capture(self, desc: BatchDescriptor, pool: GraphPool) -> tuple[BreakableGraph, float]:
@@ -210,8 +238,12 @@ class GraphCache:
                 raise
             # Something in this step still needed its first eager call (a kernel's lazy setup):
             # capture.py has dropped the partial graphs; one more try, warmed up.
-            log.info("capture of %s without a warm-up run failed (%s: %s); retrying after one", desc,
-                     type(e).__name__, e)
+            log.info(
+                "capture of %s without a warm-up run failed (%s: %s); retrying after one",
+                desc,
+                type(e).__name__,
+                e,
+            )
             if pool.graphs == 0:
                 # The failed capture's reset may have released a pool no graph holds: never capture
                 # into a released handle again (pool.py). A shared pool with live graphs stays valid.
@@ -221,8 +253,13 @@ class GraphCache:
         return graph, self.clock() - t0
 
     # --- admin ---
-    def warmup(self, descs: list[BatchDescriptor], *, pin: bool = True,
-               progress: Callable[[int, int, str], None] | None = None) -> WarmupReport:
+    def warmup(
+        self,
+        descs: list[BatchDescriptor],
+        *,
+        pin: bool = True,
+        progress: Callable[[int, int, str], None] | None = None,
+    ) -> WarmupReport:
         """Capture `descs` largest first (the largest sets the pool high-water mark), pinned within
         the policy's pin share."""
         self._check_owner()
@@ -245,11 +282,20 @@ class GraphCache:
                 captured = self._capture_entry(desc, pinned=pin_this)
                 if captured is not None:
                     report.captured.append(str(desc))
-                    log.info("warmup %d/%d %s: %s capture, %.1f ms, %d bytes", i + 1, len(todo), desc,
-                             capture_mode(captured.graph), captured.capture_seconds * 1e3, captured.bytes)
+                    log.info(
+                        "warmup %d/%d %s: %s capture, %.1f ms, %d bytes",
+                        i + 1,
+                        len(todo),
+                        desc,
+                        capture_mode(captured.graph),
+                        captured.capture_seconds * 1e3,
+                        captured.bytes,
+                    )
                 else:
                     report.failed[str(desc)] = policy.negative[desc][0]
-                    log.info("warmup %d/%d %s: not captured (%s)", i + 1, len(todo), desc, policy.negative[desc][0])
+                    log.info(
+                        "warmup %d/%d %s: not captured (%s)", i + 1, len(todo), desc, policy.negative[desc][0]
+                    )
             if progress is not None:
                 progress(i + 1, len(todo), str(desc))
         report.seconds = time.perf_counter() - t0
@@ -294,10 +340,22 @@ class GraphCache:
         """Entries least recently used first (LRU's eviction order; under GDSF the budgets evict
         the unpinned entry with the lowest `priority` first, ties least recently used)."""
         eviction = self.policy.eviction
-        return [EntryInfo(str(e.desc), e.bytes, e.capture_seconds, e.hits, e.last_use, e.pinned,
-                          e.graph.num_graphs, e.graph.num_breaks, e.pool.kind, capture_mode(e.graph),
-                          eviction.priority(e))
-                for e in list(self._entries.values())]
+        return [
+            EntryInfo(
+                str(e.desc),
+                e.bytes,
+                e.capture_seconds,
+                e.hits,
+                e.last_use,
+                e.pinned,
+                e.graph.num_graphs,
+                e.graph.num_breaks,
+                e.pool.kind,
+                capture_mode(e.graph),
+                eviction.priority(e),
+            )
+            for e in list(self._entries.values())
+        ]
 
     def profile(self, min_uses: int = 1) -> dict:
         """The hot set as JSON-able data: every descriptor steps asked for at least `min_uses` times
@@ -311,11 +369,23 @@ class GraphCache:
 
     def stats(self) -> CacheStats:
         s, pools = self.journal.stats, self.policy.pools
-        return CacheStats(s.hits, s.misses, s.captures, s.capture_seconds, dict(s.evictions), dict(s.failures),
-                          self.policy.total_bytes(), len(self._entries), s.padded_tokens, pools.kind_bytes("pinned"),
-                          lazy_pool_bytes=pools.kind_bytes("lazy"),
-                          lazy_captures=s.lazy_captures, stall_seconds=s.stall_seconds,
-                          worst_stall_seconds=s.worst_stall_seconds, deferred=s.deferred)
+        return CacheStats(
+            s.hits,
+            s.misses,
+            s.captures,
+            s.capture_seconds,
+            dict(s.evictions),
+            dict(s.failures),
+            self.policy.total_bytes(),
+            len(self._entries),
+            s.padded_tokens,
+            pools.kind_bytes("pinned"),
+            lazy_pool_bytes=pools.kind_bytes("lazy"),
+            lazy_captures=s.lazy_captures,
+            stall_seconds=s.stall_seconds,
+            worst_stall_seconds=s.worst_stall_seconds,
+            deferred=s.deferred,
+        )
 
     def info(self) -> dict:
         """Everything above as JSON-able data (admin endpoint)."""
@@ -323,21 +393,29 @@ class GraphCache:
         return {
             "backend": self.backend,
             "admission": {**policy.admission.info(), "deferred": s.deferred},
-            "stalls": {"lazy_captures": s.lazy_captures, "seconds": s.stall_seconds,
-                       "worst_seconds": s.worst_stall_seconds},
+            "stalls": {
+                "lazy_captures": s.lazy_captures,
+                "seconds": s.stall_seconds,
+                "worst_seconds": s.worst_stall_seconds,
+            },
             # gdsf_inflation: GDSF's L (the H of the last entry a budget evicted); 0 under lru
             "eviction": {"policy": cfg.eviction_policy, "gdsf_inflation": policy.eviction.inflation},
             "warmed_up": self.warmed_up,
             "budgets": {"max_entries": cfg.max_entries, "max_bytes": cfg.max_bytes},
-            "totals": {"entries": len(self._entries), "pool_bytes": policy.total_bytes(),
-                       "pinned_pool_bytes": policy.pools.kind_bytes("pinned"),
-                       "lazy_pool_bytes": policy.pools.kind_bytes("lazy")},
+            "totals": {
+                "entries": len(self._entries),
+                "pool_bytes": policy.total_bytes(),
+                "pinned_pool_bytes": policy.pools.kind_bytes("pinned"),
+                "lazy_pool_bytes": policy.pools.kind_bytes("lazy"),
+            },
             "lazy_pool": cfg.lazy_pool,
             "entries": [asdict(e) for e in self.entries()],
             # the allocator's own figure for all graph pools, to check the gauge against
             "allocator_pool_bytes": all_graph_pools_bytes() if self.backend == "cuda" else 0,
-            "negative": [{"descriptor": str(d), "reason": r, "detail": t}
-                         for d, (r, t) in list(policy.negative.items())],
+            "negative": [
+                {"descriptor": str(d), "reason": r, "detail": t}
+                for d, (r, t) in list(policy.negative.items())
+            ],
             "stats": asdict(self.stats()),
         }
 
@@ -365,4 +443,5 @@ class GraphCache:
             raise RuntimeError(
                 f"GraphCache is driven from thread {threading.current_thread().name!r} but is owned by thread id "
                 f"{self._owner}: all capture, replay and GPU work must come from one thread (a capture fails if "
-                "another thread issues CUDA calls). Fix: send the request to the engine thread's queue.")
+                "another thread issues CUDA calls). Fix: send the request to the engine thread's queue."
+            )

@@ -45,7 +45,9 @@ class CacheStats:
     entries: int = 0
     padded_tokens: int = 0
     pinned_pool_bytes: int = 0  # part of pool_bytes: the shared pinned pool, allocator-measured
-    lazy_pool_bytes: int = 0  # part of pool_bytes: the shared lazy pool (lazy_pool="shared"), allocator-measured
+    lazy_pool_bytes: int = (
+        0  # part of pool_bytes: the shared lazy pool (lazy_pool="shared"), allocator-measured
+    )
     # Lazy captures (a miss while serving) stall the step that missed: how many, for how long in all,
     # the worst one; and misses served eagerly because lazy captures had used their time share.
     lazy_captures: int = 0

@@ -31,8 +31,16 @@ from typing import Any, Literal
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["BreakableGraph", "CaptureError", "EagerStep", "capture", "capture_stream", "eager_break", "is_capturing",
-           "release_workspaces"]
+__all__ = [
+    "BreakableGraph",
+    "CaptureError",
+    "EagerStep",
+    "capture",
+    "capture_stream",
+    "eager_break",
+    "is_capturing",
+    "release_workspaces",
+]
 
 log = logging.getLogger(__name__)
 Backend = Literal["cuda", "eager"]
@@ -96,8 +104,15 @@ def _non_owning(x: Any) -> Any:
         return x
     storage = x.untyped_storage()
     alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), x.device, storage.nbytes())
-    metadata = {"data_ptr": storage.data_ptr(), "nbytes": storage.nbytes(), "device": x.device,
-                "size": x.shape, "stride": x.stride(), "storage_offset": x.storage_offset(), "dtype": x.dtype}
+    metadata = {
+        "data_ptr": storage.data_ptr(),
+        "nbytes": storage.nbytes(),
+        "device": x.device,
+        "size": x.shape,
+        "stride": x.stride(),
+        "storage_offset": x.storage_offset(),
+        "dtype": x.dtype,
+    }
     return torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata(metadata, alias)
 
 
@@ -108,7 +123,8 @@ def _check_no_tensor(fn: Callable[..., Any], result: Any, backend: Backend) -> N
         if isinstance(leaf, torch.Tensor) and (backend == "eager" or leaf.is_cuda):
             raise CaptureError(
                 f"eager-break op {getattr(fn, '__qualname__', fn)!r} returned a tensor during capture; its address "
-                "would change on every replay. Fix: write into a caller-provided output buffer and return None.")
+                "would change on every replay. Fix: write into a caller-provided output buffer and return None."
+            )
 
 
 class _Capture:
@@ -173,7 +189,7 @@ class _Capture:
 # whose workspace is allocated *outside* any capture (by an eager run of the step on that stream,
 # the "priming" below): it sits in ordinary allocator memory, shared by every graph, freed by none.
 _capture_streams: dict[int, torch.cuda.Stream] = {}
-_primed_streams: set[int] = set()   # streams whose cuBLAS workspaces exist outside every pool
+_primed_streams: set[int] = set()  # streams whose cuBLAS workspaces exist outside every pool
 
 
 def capture_stream() -> torch.cuda.Stream:
@@ -203,8 +219,14 @@ def _replay_call(seg: Any) -> Callable[[], None]:
 class BreakableGraph:
     """A finished capture: segments replayed in order (cuda) or the step re-run (eager)."""
 
-    def __init__(self, backend: Backend, segments: list[Any], *, step: Callable[[], None] | None = None,
-                 pool: Any = None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        segments: list[Any],
+        *,
+        step: Callable[[], None] | None = None,
+        pool: Any = None,
+    ) -> None:
         self.backend, self.pool, self._step = backend, pool, step
         self.segments = segments
         self.timings: dict[str, float] = {}  # where the capture's host time went (capture() fills it)
@@ -239,9 +261,15 @@ class BreakableGraph:
         return f"BreakableGraph(backend={self.backend}, graphs={self.num_graphs}, breaks={self.num_breaks})"
 
 
-def capture(step: Callable[[], None], *, backend: Backend, pool: Any = None,
-            stream: torch.cuda.Stream | None = None, capture_error_mode: str = "thread_local",
-            warmup: bool = False) -> BreakableGraph:
+def capture(
+    step: Callable[[], None],
+    *,
+    backend: Backend,
+    pool: Any = None,
+    stream: torch.cuda.Stream | None = None,
+    capture_error_mode: str = "thread_local",
+    warmup: bool = False,
+) -> BreakableGraph:
     """Capture `step` (reads and writes static buffers only, returns None) as a BreakableGraph.
 
     cuda: every segment on `pool` (default: a fresh private one) and on `stream` (default: the
@@ -254,15 +282,19 @@ def capture(step: Callable[[], None], *, backend: Backend, pool: Any = None,
     capture's time went (warmup run, capture, in seconds of host time).
     """
     if _state.active is not None:
-        raise CaptureError("capture() called inside another capture on this thread; nested captures are "
-                           "not supported. Fix: capture each step separately, one after another.")
+        raise CaptureError(
+            "capture() called inside another capture on this thread; nested captures are "
+            "not supported. Fix: capture each step separately, one after another."
+        )
     if backend == "eager":
         return _capture_eager(step)
     if backend != "cuda":
         raise ValueError(f"unknown capture backend {backend!r}; use 'cuda' or 'eager'")
     if torch.cuda.is_current_stream_capturing():
-        raise CaptureError("capture() called while the current stream is already capturing "
-                           "(inside torch.cuda.graph?). Fix: call it outside any other graph capture.")
+        raise CaptureError(
+            "capture() called while the current stream is already capturing "
+            "(inside torch.cuda.graph?). Fix: call it outside any other graph capture."
+        )
     stream = stream if stream is not None else capture_stream()
     t0 = time.perf_counter()
     stream.wait_stream(torch.cuda.current_stream())  # buffers written on the caller's stream first

@@ -31,11 +31,15 @@ class BatchDescriptor:
         if self.num_tokens < 1 or self.num_reqs < 1:
             raise ValueError(f"descriptor needs positive sizes, got {self.num_tokens}:{self.num_reqs}")
         if self.num_reqs > self.num_tokens:
-            raise ValueError(f"descriptor {self.num_tokens}:{self.num_reqs} has more requests than tokens; "
-                             "every request feeds at least one token")
+            raise ValueError(
+                f"descriptor {self.num_tokens}:{self.num_reqs} has more requests than tokens; "
+                "every request feeds at least one token"
+            )
         if self.uniform_decode and self.num_reqs != self.num_tokens:
-            raise ValueError(f"a decode descriptor feeds one token per request: tokens ({self.num_tokens}) "
-                             f"must equal requests ({self.num_reqs})")
+            raise ValueError(
+                f"a decode descriptor feeds one token per request: tokens ({self.num_tokens}) "
+                f"must equal requests ({self.num_reqs})"
+            )
 
     def __str__(self) -> str:
         base = f"{self.num_tokens}:{self.num_reqs}"
@@ -52,8 +56,10 @@ class BatchDescriptor:
                 return cls(int(parts[0]), int(parts[1]), True)
         except ValueError as e:
             raise ValueError(f"bad batch descriptor {text!r}: {e}") from None
-        raise ValueError(f'bad batch descriptor {text!r}: write "TOKENS:REQS" or "TOKENS:REQS:decode", '
-                         'e.g. "64:8" or "8:8:decode"')
+        raise ValueError(
+            f'bad batch descriptor {text!r}: write "TOKENS:REQS" or "TOKENS:REQS:decode", '
+            'e.g. "64:8" or "8:8:decode"'
+        )
 
 
 class CaptureSizes:
@@ -62,7 +68,9 @@ class CaptureSizes:
     def __init__(self, sizes: Iterable[int]) -> None:
         self.sizes: tuple[int, ...] = tuple(sorted(set(sizes)))
         if not self.sizes or self.sizes[0] < 1:
-            raise ValueError(f"capture sizes must be a non-empty list of positive integers, got {list(sizes)}")
+            raise ValueError(
+                f"capture sizes must be a non-empty list of positive integers, got {list(sizes)}"
+            )
 
     @property
     def max(self) -> int:
@@ -99,9 +107,14 @@ def mixed_buckets(above: int, up_to: int) -> list[int]:
     return sizes
 
 
-def descriptor_for(num_tokens: int, num_reqs: int, uniform_decode: bool,
-                   sizes: CaptureSizes, max_reqs: int | None = None,
-                   mixed_sizes: CaptureSizes | None = None) -> BatchDescriptor | None:
+def descriptor_for(
+    num_tokens: int,
+    num_reqs: int,
+    uniform_decode: bool,
+    sizes: CaptureSizes,
+    max_reqs: int | None = None,
+    mixed_sizes: CaptureSizes | None = None,
+) -> BatchDescriptor | None:
     """The padded descriptor a batch replays under, or None when it is too big (run it eagerly).
 
     sizes: what decode batches pad to; mixed_sizes: what mixed batches pad to (default: sizes;
@@ -116,8 +129,10 @@ def descriptor_for(num_tokens: int, num_reqs: int, uniform_decode: bool,
         raise ValueError(f"batch of {num_tokens} tokens and {num_reqs} requests is impossible")
     if uniform_decode:
         if num_tokens != num_reqs:
-            raise ValueError(f"a uniform-decode batch feeds one token per request, got {num_tokens} tokens "
-                             f"for {num_reqs} requests")
+            raise ValueError(
+                f"a uniform-decode batch feeds one token per request, got {num_tokens} tokens "
+                f"for {num_reqs} requests"
+            )
         padded = sizes.pad(num_reqs)
         return None if padded is None else BatchDescriptor(padded, padded, True)
     padded_tokens = (sizes if mixed_sizes is None else mixed_sizes).pad(num_tokens)

@@ -19,7 +19,7 @@ from graphcache.metrics import Metrics
 __all__ = ["DECISION_LOG_MAX", "CacheJournal"]
 
 log = logging.getLogger(__name__)
-DECISION_LOG_MAX = 100_000   # decisions kept (captures, evictions, refusals: never one per step)
+DECISION_LOG_MAX = 100_000  # decisions kept (captures, evictions, refusals: never one per step)
 
 
 class CacheJournal:
@@ -64,7 +64,7 @@ class CacheJournal:
         s = self.stats
         s.captures += 1
         s.capture_seconds += seconds
-        if lazy:   # the step that missed, and every request in it, waited this long
+        if lazy:  # the step that missed, and every request in it, waited this long
             s.lazy_captures += 1
             s.stall_seconds += seconds
             s.worst_stall_seconds = max(s.worst_stall_seconds, seconds)
@@ -79,8 +79,14 @@ class CacheJournal:
         self.decisions.append(Decision("evict", str(entry.desc), reason))
         if self.metrics is not None:
             self.metrics.graph_evictions.labels(reason).inc()
-        log.info("evicted graph %s (%s, %d bytes, %s pool%s)", entry.desc, reason, entry.bytes, entry.pool.kind,
-                 ", now freed" if freed else "")
+        log.info(
+            "evicted graph %s (%s, %d bytes, %s pool%s)",
+            entry.desc,
+            reason,
+            entry.bytes,
+            entry.pool.kind,
+            ", now freed" if freed else "",
+        )
 
     def deferred(self, desc: BatchDescriptor) -> None:
         self.stats.deferred += 1

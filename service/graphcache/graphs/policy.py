@@ -39,11 +39,18 @@ class CachePolicy:
     """entries: the store's entries, least recently used first (read here; removed only through `close`).
     close(desc): the store drops the entry of `desc` and closes its graph."""
 
-    size = 1   # tensor-parallel ranks that agree its per-rank inputs (agreed_policy.py wraps it for more)
+    size = 1  # tensor-parallel ranks that agree its per-rank inputs (agreed_policy.py wraps it for more)
 
-    def __init__(self, config: CachePolicyConfig, *, backend: str, entries: OrderedDict[BatchDescriptor, CacheEntry],
-                 close: Callable[[BatchDescriptor], CacheEntry], journal: CacheJournal,
-                 clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        config: CachePolicyConfig,
+        *,
+        backend: str,
+        entries: OrderedDict[BatchDescriptor, CacheEntry],
+        close: Callable[[BatchDescriptor], CacheEntry],
+        journal: CacheJournal,
+        clock: Callable[[], float],
+    ) -> None:
         self.config = config
         self.entries, self._close, self.journal = entries, close, journal
         self.admission = Admission(config, clock)
@@ -70,17 +77,23 @@ class CachePolicy:
     def may_pin(self) -> bool:
         """Pinned entries stay within pin_share of each budget, so lazy captures always keep room."""
         pinned = sum(e.pinned for e in list(self.entries.values()))
-        return (pinned < self.config.pin_share * self.config.max_entries
-                and self.pools.kind_bytes("pinned") < self.config.pin_share * self.config.max_bytes)
+        return (
+            pinned < self.config.pin_share * self.config.max_entries
+            and self.pools.kind_bytes("pinned") < self.config.pin_share * self.config.max_bytes
+        )
 
     def make_room(self, desc: BatchDescriptor, kind: PoolKind) -> bool:
         """Evict for the entry budget, then for the byte budget, before a capture. False: no room, and
         `desc` is refused as "budget"."""
         if self._room_for(desc, kind):
             return True
-        self.refuse(desc, "budget", f"no room: {len(self.entries)} entries / {self.total_bytes()} bytes held, "
-                    "and evicting unpinned entries would not make enough (pinned entries are never evicted by "
-                    "the budgets; a shared pool is freed only with its last graph)")
+        self.refuse(
+            desc,
+            "budget",
+            f"no room: {len(self.entries)} entries / {self.total_bytes()} bytes held, "
+            "and evicting unpinned entries would not make enough (pinned entries are never evicted by "
+            "the budgets; a shared pool is freed only with its last graph)",
+        )
         return False
 
     def _room_for(self, desc: BatchDescriptor, kind: PoolKind) -> bool:
@@ -103,7 +116,7 @@ class CachePolicy:
 
         victims = plan_evictions(self.eviction_order(), fits)
         if victims is None:
-            return False   # evicting nothing: no set of victims would make room
+            return False  # evicting nothing: no set of victims would make room
         self.evict_all(victims, "bytes")
         return True
 
@@ -116,7 +129,7 @@ class CachePolicy:
         over = self.total_bytes() + (entry.bytes if pool.kind == "private" else 0) - max_bytes
         order = self.eviction_order()
         victims = plan_evictions(order, lambda freed, dropped: freed >= over)
-        if victims is not None:   # other pools emptied: the capture fits (the usual case: [], it did)
+        if victims is not None:  # other pools emptied: the capture fits (the usual case: [], it did)
             self.evict_all(victims, "bytes")
             return True
         # The capture's own pool never empties while it lives. Refuse it together with the rest of that
@@ -126,23 +139,39 @@ class CachePolicy:
         if len(mates) == pool.graphs - 1:
             self.evict_all(mates, "bytes")
             self.pools.release(pool)
-            self.refuse(desc, "budget", f"capture of {entry.bytes} bytes ({pool.kind} pool) exceeds the "
-                        f"{max_bytes}-byte budget")
+            self.refuse(
+                desc,
+                "budget",
+                f"capture of {entry.bytes} bytes ({pool.kind} pool) exceeds the {max_bytes}-byte budget",
+            )
             return False
         # The pool holds pinned graphs: refusing would not return a byte, so keep the graph and free what
         # can be freed; the over-budget bytes are counted, and lazy captures wait for room.
         self.evict_all(emptied_by(order), "bytes")
-        log.warning("%s capture %s grew its pool by %d bytes to %d bytes held in all, over the %d-byte "
-                    "budget; kept (that pool holds pinned graphs: its memory returns only with them, e.g. on "
-                    "clear())", pool.kind, desc, entry.bytes, self.total_bytes(), max_bytes)
+        log.warning(
+            "%s capture %s grew its pool by %d bytes to %d bytes held in all, over the %d-byte "
+            "budget; kept (that pool holds pinned graphs: its memory returns only with them, e.g. on "
+            "clear())",
+            pool.kind,
+            desc,
+            entry.bytes,
+            self.total_bytes(),
+            max_bytes,
+        )
         return True
 
     def admitted(self, entry: CacheEntry, rank_growth: tuple[int, ...], lazy: bool) -> None:
         """The store holds `entry` now (after the evictions above: its priority starts from the current L)."""
         self.eviction.touch(entry)
-        own = self.pools.size_hints.get(entry.desc, entry.bytes)   # a shared capture's growth may be 0
-        self.journal.admitted(entry, Decision("admit", str(entry.desc), bytes=entry.bytes, rank_bytes=rank_growth,
-                                              pinned=entry.pinned), own, lazy)
+        own = self.pools.size_hints.get(entry.desc, entry.bytes)  # a shared capture's growth may be 0
+        self.journal.admitted(
+            entry,
+            Decision(
+                "admit", str(entry.desc), bytes=entry.bytes, rank_bytes=rank_growth, pinned=entry.pinned
+            ),
+            own,
+            lazy,
+        )
         if lazy:
             self.admission.spend(entry.capture_seconds)
         self.update_gauges()

@@ -44,8 +44,12 @@ class CachePolicyConfig:
     capture_warmup: CaptureWarmup = "per_kernel"
 
     def __post_init__(self) -> None:
-        for name, allowed in (("admission", ADMISSION_RULES), ("eviction_policy", EVICTION_POLICIES),
-                              ("lazy_pool", LAZY_POOLS), ("capture_warmup", CAPTURE_WARMUPS)):
+        for name, allowed in (
+            ("admission", ADMISSION_RULES),
+            ("eviction_policy", EVICTION_POLICIES),
+            ("lazy_pool", LAZY_POOLS),
+            ("capture_warmup", CAPTURE_WARMUPS),
+        ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if not 0 < self.capture_time_share <= 1:

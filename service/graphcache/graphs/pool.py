@@ -30,8 +30,19 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-__all__ = ["POOL_KINDS", "EagerPool", "GraphPool", "PoolKind", "all_graph_pools_bytes", "emptied_by", "new_pool",
-           "plan_evictions", "pool_bytes", "pools_bytes", "reserved_bytes"]
+__all__ = [
+    "POOL_KINDS",
+    "EagerPool",
+    "GraphPool",
+    "PoolKind",
+    "all_graph_pools_bytes",
+    "emptied_by",
+    "new_pool",
+    "plan_evictions",
+    "pool_bytes",
+    "pools_bytes",
+    "reserved_bytes",
+]
 
 _eager_ids = itertools.count(1)
 
@@ -52,7 +63,7 @@ PoolKind = Literal["pinned", "lazy", "private"]
 POOL_KINDS: tuple[str, ...] = ("pinned", "lazy", "private")
 
 
-@dataclass(eq=False)   # compared and hashed by identity: two records are two pools
+@dataclass(eq=False)  # compared and hashed by identity: two records are two pools
 class GraphPool:
     """One pool the cache captures into. kind: "pinned" / "lazy" (shared by every entry of that
     kind) or "private" (one entry's). bytes: allocator-measured after the last capture into it
@@ -64,7 +75,7 @@ class GraphPool:
     handle: Any
     bytes: int = 0
     graphs: int = 0
-    rank_bytes: tuple[int, ...] = ()   # each tensor-parallel rank's own measurement (bytes is their max)
+    rank_bytes: tuple[int, ...] = ()  # each tensor-parallel rank's own measurement (bytes is their max)
 
 
 class _Pooled(Protocol):
@@ -136,8 +147,9 @@ def all_graph_pools_bytes() -> int:
     and tests compare the two, and they differ only if something else captured graphs."""
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return 0
-    return sum(int(seg["total_size"]) for seg in _segments()
-               if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0))
+    return sum(
+        int(seg["total_size"]) for seg in _segments() if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)
+    )
 
 
 def reserved_bytes() -> int:

@@ -55,8 +55,12 @@ class PoolLedger:
         pool.graphs += 1
         pool.bytes, pool.rank_bytes = verdict.bytes, verdict.rank_bytes
         ranks = len(verdict.rank_bytes)
-        rank_before = rank_before if len(rank_before) == ranks else (0,) * ranks   # a fresh pool: nothing before
-        rank_growth = tuple(max(0, now - was) for now, was in zip(verdict.rank_bytes, rank_before, strict=True))
+        rank_before = (
+            rank_before if len(rank_before) == ranks else (0,) * ranks
+        )  # a fresh pool: nothing before
+        rank_growth = tuple(
+            max(0, now - was) for now, was in zip(verdict.rank_bytes, rank_before, strict=True)
+        )
         if fresh:
             self.size_hints[desc] = verdict.bytes  # a capture into an empty pool: its own size
         return max(0, verdict.bytes - before), rank_growth
@@ -101,4 +105,6 @@ class PoolLedger:
         """Each tensor-parallel rank's own measurement of the pools held, in rank order."""
         pools = [p for p in list(self.shared.values()) if p is not None]
         pools += [e.pool for e in list(entries) if e.pool.kind == "private"]
-        return [sum(p.rank_bytes[r] if r < len(p.rank_bytes) else p.bytes for p in pools) for r in range(ranks)]
+        return [
+            sum(p.rank_bytes[r] if r < len(p.rank_bytes) else p.bytes for p in pools) for r in range(ranks)
+        ]

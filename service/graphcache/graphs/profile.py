@@ -25,8 +25,11 @@ PROFILE_VERSION = 1
 PROFILE_MAX_DESCRIPTORS = 4096  # a profile larger than this is not a hot set (and not read)
 
 
-def build_profile(uses: dict[BatchDescriptor, int], captured: dict[BatchDescriptor, tuple[str | None, int, float]],
-                  min_uses: int = 1) -> dict:
+def build_profile(
+    uses: dict[BatchDescriptor, int],
+    captured: dict[BatchDescriptor, tuple[str | None, int, float]],
+    min_uses: int = 1,
+) -> dict:
     """Every descriptor with at least `min_uses` uses (min_uses <= 0 adds those only captured), most used
     first; `captured` holds each one's last capture as (mode, bytes, seconds)."""
     known = set(uses) | (set(captured) if min_uses <= 0 else set())
@@ -35,8 +38,15 @@ def build_profile(uses: dict[BatchDescriptor, int], captured: dict[BatchDescript
     out = []
     for d in hot:
         mode, size, seconds = captured.get(d, (None, 0, 0.0))
-        out.append({"descriptor": str(d), "mode": mode, "uses": uses.get(d, 0), "bytes": size,
-                    "capture_ms": round(seconds * 1e3, 3)})
+        out.append(
+            {
+                "descriptor": str(d),
+                "mode": mode,
+                "uses": uses.get(d, 0),
+                "bytes": size,
+                "capture_ms": round(seconds * 1e3, 3),
+            }
+        )
     return {"version": PROFILE_VERSION, "descriptors": out}
 
 
@@ -59,8 +69,16 @@ def fill_size_gaps(profile: dict, sizes: CaptureSizes) -> dict:
         for t in sizes:
             desc = BatchDescriptor(t, t if decode or cap is None else min(t, cap), decode)
             if lo < t < hi and desc not in held:
-                items.append({"descriptor": str(desc), "mode": None, "uses": 0, "bytes": 0, "capture_ms": 0.0,
-                              "filled": True})
+                items.append(
+                    {
+                        "descriptor": str(desc),
+                        "mode": None,
+                        "uses": 0,
+                        "bytes": 0,
+                        "capture_ms": 0.0,
+                        "filled": True,
+                    }
+                )
     return {**profile, "descriptors": items[:PROFILE_MAX_DESCRIPTORS]}
 
 
@@ -72,13 +90,16 @@ def parse_profile(data: Any) -> list[BatchDescriptor]:
     ("descriptors[3].descriptor") without echoing long input. Whether the server can capture the
     shapes (capture sizes, static buffers) is the caller's check."""
     if not isinstance(data, dict):
-        raise ValueError('a profile is a JSON object {"version": 1, "descriptors": [...]} '
-                         "(GET /admin/cache/profile)")
+        raise ValueError(
+            'a profile is a JSON object {"version": 1, "descriptors": [...]} (GET /admin/cache/profile)'
+        )
     if data.get("version") != PROFILE_VERSION:
         raise ValueError(f'profile "version" must be {PROFILE_VERSION}')
     items = data.get("descriptors")
     if not isinstance(items, list):
-        raise ValueError('profile "descriptors" must be a list of {"descriptor": "TOKENS:REQS[:decode]", ...}')
+        raise ValueError(
+            'profile "descriptors" must be a list of {"descriptor": "TOKENS:REQS[:decode]", ...}'
+        )
     if len(items) > PROFILE_MAX_DESCRIPTORS:
         raise ValueError(f"profile has {len(items)} descriptors, more than {PROFILE_MAX_DESCRIPTORS}")
     out: list[BatchDescriptor] = []
@@ -89,6 +110,8 @@ def parse_profile(data: Any) -> list[BatchDescriptor]:
         try:
             out.append(BatchDescriptor.parse(text[:64]))
         except ValueError:
-            raise ValueError(f'descriptors[{i}].descriptor is not a batch descriptor; write "TOKENS:REQS" or '
-                             '"TOKENS:REQS:decode", e.g. "64:8" or "8:8:decode"') from None
+            raise ValueError(
+                f'descriptors[{i}].descriptor is not a batch descriptor; write "TOKENS:REQS" or '
+                '"TOKENS:REQS:decode", e.g. "64:8" or "8:8:decode"'
+            ) from None
     return out

@@ -21,8 +21,14 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-          "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
 
 
 class ModelLoadError(ValueError):
@@ -31,7 +37,7 @@ class ModelLoadError(ValueError):
 
 @dataclass
 class ModelConfig:
-    architecture: str                  # "llama" | "mistral" | "qwen2" | "qwen3"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -44,11 +50,11 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool                     # Qwen2 always; Llama when attention_bias
-    qk_norm: bool                      # Qwen3: RMSNorm over head_dim on q and k before rotary
+    qkv_bias: bool  # Qwen2 always; Llama when attention_bias
+    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before rotary
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
-    o_bias: bool = False               # Llama attention_bias also biases o_proj
+    o_bias: bool = False  # Llama attention_bias also biases o_proj
     sliding_window: int | None = None  # we attend fully: the runner caps max_model_len to this
 
     @classmethod
@@ -58,10 +64,14 @@ class ModelConfig:
         except ModelLoadError:
             raise
         except KeyError as e:
-            raise ModelLoadError(f"config.json lacks {e.args[0]!r}; re-download config.json or add the field "
-                                 "(it is a Hugging Face config of a Llama-family model)") from None
+            raise ModelLoadError(
+                f"config.json lacks {e.args[0]!r}; re-download config.json or add the field "
+                "(it is a Hugging Face config of a Llama-family model)"
+            ) from None
         except (TypeError, ValueError) as e:
-            raise ModelLoadError(f"config.json has a malformed field ({e}); re-download config.json") from None
+            raise ModelLoadError(
+                f"config.json has a malformed field ({e}); re-download config.json"
+            ) from None
 
     @classmethod
     def _from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -70,7 +80,8 @@ class ModelConfig:
         if arch is None:
             raise ModelLoadError(
                 f"unsupported architecture {archs or hf.get('model_type')!r}; use a model of a supported "
-                f"architecture (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+                f"architecture (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
         if hf.get("hidden_act", "silu") != "silu":
             raise ModelLoadError(f"unsupported hidden_act {hf['hidden_act']!r}; only 'silu' is supported")
         if hf.get("mlp_bias"):
@@ -121,8 +132,9 @@ def _rope_params(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         return theta, None
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelLoadError(f"unsupported rope scaling type {rope_type!r}; supported: "
-                             f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+        raise ModelLoadError(
+            f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
     if rope_type == "default":
         return theta, None
     scaling["rope_type"] = rope_type
@@ -143,9 +155,11 @@ def read_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     cfg_file = path / "config.json"
     if not path.is_dir():
-        raise ModelLoadError(f"model directory {str(path)!r} does not exist; pass a Hugging Face model "
-                             "directory (config.json, *.safetensors, tokenizer.json), or leave model unset "
-                             "to use the embedded tiny model")
+        raise ModelLoadError(
+            f"model directory {str(path)!r} does not exist; pass a Hugging Face model "
+            "directory (config.json, *.safetensors, tokenizer.json), or leave model unset "
+            "to use the embedded tiny model"
+        )
     if not cfg_file.is_file():
         raise ModelLoadError(f"{cfg_file} is missing; a Hugging Face model directory needs config.json")
     config = ModelConfig.from_hf(_read_json(cfg_file))

@@ -46,13 +46,18 @@ import torch
 
 from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
-__all__ = ["HAVE_TRITON", "choose_num_splits", "decode_workspace", "paged_decode_attention",
-           "reference_decode_attention"]
+__all__ = [
+    "HAVE_TRITON",
+    "choose_num_splits",
+    "decode_workspace",
+    "paged_decode_attention",
+    "reference_decode_attention",
+]
 
-BLOCK_N = 64        # tokens per K/V tile (head_dim > 128 uses 32: see _block_n)
-MAX_SPLITS = 32     # choose_num_splits never goes past this
+BLOCK_N = 64  # tokens per K/V tile (head_dim > 128 uses 32: see _block_n)
+MAX_SPLITS = 32  # choose_num_splits never goes past this
 NUM_WARPS = 4
-NUM_STAGES = 2      # software pipelining of the tile loop's loads (GPU only)
+NUM_STAGES = 2  # software pipelining of the tile loop's loads (GPU only)
 _LOG2E = math.log2(math.e)
 
 
@@ -89,23 +94,45 @@ def decode_workspace(max_reqs: int, num_heads: int, head_dim: int, num_splits: i
     checks only numel >= R * REQ_STRIDE of its own num_splits), and all layers can share it: each call's
     stage 2 consumes the partials before the next call on the stream overwrites them. Not written at
     all when num_splits == 1."""
-    return torch.empty(max_reqs * _req_stride(num_heads, head_dim, num_splits), dtype=torch.float32,
-                       device=device)
+    return torch.empty(
+        max_reqs * _req_stride(num_heads, head_dim, num_splits), dtype=torch.float32, device=device
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Kernels. Plain functions here, wrapped with triton.jit on first use (see _kernels).
 
+
 def _decode_stage1(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, ws_ptr, qk_scale,
-    stride_qr, stride_qh,                  # q [R, H, D] (D contiguous)
-    stride_kb, stride_ks, stride_kh,       # k_cache [num_blocks, block_size, K, D] (D contiguous)
-    stride_vb, stride_vs, stride_vh,       # v_cache, same shape
-    stride_btr,                            # block_tables [R_max, B] (B contiguous)
-    stride_or, stride_oh,                  # out [R, H, D] (D contiguous)
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, REQ_STRIDE: tl.constexpr, DIRECT_OUT: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    ws_ptr,
+    qk_scale,
+    stride_qr,
+    stride_qh,  # q [R, H, D] (D contiguous)
+    stride_kb,
+    stride_ks,
+    stride_kh,  # k_cache [num_blocks, block_size, K, D] (D contiguous)
+    stride_vb,
+    stride_vs,
+    stride_vh,  # v_cache, same shape
+    stride_btr,  # block_tables [R_max, B] (B contiguous)
+    stride_or,
+    stride_oh,  # out [R, H, D] (D contiguous)
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    REQ_STRIDE: tl.constexpr,
+    DIRECT_OUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     r = tl.program_id(0)
@@ -115,42 +142,47 @@ def _decode_stage1(
     seq_len = tl.load(seq_lens_ptr + r).to(tl.int32)
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * chunk
-    hi = tl.minimum(seq_len, lo + chunk)          # hi <= lo: empty (short context or padded row)
+    hi = tl.minimum(seq_len, lo + chunk)  # hi <= lo: empty (short context or padded row)
 
-    g = tl.arange(0, GROUP_PAD)                   # [GP] query head within the group
-    d = tl.arange(0, HEAD_DIM_PAD)                # [DP]
-    n = tl.arange(0, BLOCK_N)                     # [BN] token within the tile
-    head = kv_head * GROUP + g                    # [GP] query head (h = kv_head * G + g, as HF's repeat_kv)
+    g = tl.arange(0, GROUP_PAD)  # [GP] query head within the group
+    d = tl.arange(0, HEAD_DIM_PAD)  # [DP]
+    n = tl.arange(0, BLOCK_N)  # [BN] token within the tile
+    head = kv_head * GROUP + g  # [GP] query head (h = kv_head * G + g, as HF's repeat_kv)
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
 
-    q = tl.load(q_ptr + r * stride_qr + head[:, None] * stride_qh + d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)                    # [GP, DP] q dtype
+    q = tl.load(
+        q_ptr + r * stride_qr + head[:, None] * stride_qh + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [GP, DP] q dtype
 
-    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)                      # [GP] running max (log2)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)                                    # [GP] sum of exp2
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)                      # [GP, DP]
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # [GP] running max (log2)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # [GP] sum of exp2
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)  # [GP, DP]
 
     bt_row = bt_ptr + r.to(tl.int64) * stride_btr
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
     for start in range(lo, hi, BLOCK_N):
-        pos = start + n                                                              # [BN] positions
+        pos = start + n  # [BN] positions
         valid = pos < hi
         # Block id per token (a tile may span several blocks or sit inside one; repeats hit L1).
         blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)  # [BN]
-        off = pos % BLOCK_SIZE                                                       # [BN]
+        off = pos % BLOCK_SIZE  # [BN]
         kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_head + blk[:, None] * stride_kb + off[:, None] * stride_ks + d[None, :],
-                    mask=kv_mask, other=0.0)                                         # [BN, DP]
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale        # [GP, BN] fp32, log2
+        k = tl.load(
+            k_head + blk[:, None] * stride_kb + off[:, None] * stride_ks + d[None, :], mask=kv_mask, other=0.0
+        )  # [BN, DP]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GP, BN] fp32, log2
         qk = tl.where(valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))      # finite: every tile holds >= 1 valid token
-        alpha = tl.exp2(m_i - m_new)                 # first tile: exp2(-inf) = 0
-        p = tl.exp2(qk - m_new[:, None])             # [GP, BN], 0 at masked tokens
+        m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every tile holds >= 1 valid token
+        alpha = tl.exp2(m_i - m_new)  # first tile: exp2(-inf) = 0
+        p = tl.exp2(qk - m_new[:, None])  # [GP, BN], 0 at masked tokens
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_head + blk[:, None] * stride_vb + off[:, None] * stride_vs + d[None, :],
-                    mask=kv_mask, other=0.0)                                         # [BN, DP]
+        v = tl.load(
+            v_head + blk[:, None] * stride_vb + off[:, None] * stride_vs + d[None, :], mask=kv_mask, other=0.0
+        )  # [BN, DP]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -158,12 +190,15 @@ def _decode_stage1(
     if DIRECT_OUT:
         # One split: normalise here. Empty (padded row): acc = 0, l = 0 -> zeros.
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + r * stride_or + head[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=gd_mask)
+        tl.store(
+            out_ptr + r * stride_or + head[:, None] * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=gd_mask,
+        )
     else:
         # Partials: acc [H, S, D] then (m, l) [H, S, 2] in this request's workspace block.
         ws = ws_ptr + r.to(tl.int64) * REQ_STRIDE
-        row = head * NUM_SPLITS + split                                              # [GP]
+        row = head * NUM_SPLITS + split  # [GP]
         tl.store(ws + row[:, None] * HEAD_DIM + d[None, :], acc, mask=gd_mask)
         ml = ws + NUM_HEADS * NUM_SPLITS * HEAD_DIM + row * 2
         tl.store(ml, m_i, mask=g_mask)
@@ -171,29 +206,37 @@ def _decode_stage1(
 
 
 def _decode_stage2(
-    ws_ptr, out_ptr, stride_or, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, REQ_STRIDE: tl.constexpr,
+    ws_ptr,
+    out_ptr,
+    stride_or,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    REQ_STRIDE: tl.constexpr,
 ):
     r = tl.program_id(0)
     head = tl.program_id(1)
-    s = tl.arange(0, SPLITS_PAD)                                                     # [SP]
-    d = tl.arange(0, HEAD_DIM_PAD)                                                   # [DP]
+    s = tl.arange(0, SPLITS_PAD)  # [SP]
+    d = tl.arange(0, HEAD_DIM_PAD)  # [DP]
     s_mask = s < NUM_SPLITS
     d_mask = d < HEAD_DIM
 
     ws = ws_ptr + r.to(tl.int64) * REQ_STRIDE
-    row = head * NUM_SPLITS + s                                                      # [SP]
+    row = head * NUM_SPLITS + s  # [SP]
     ml = ws + NUM_HEADS * NUM_SPLITS * HEAD_DIM + row * 2
-    m_s = tl.load(ml, mask=s_mask, other=float("-inf"))                              # [SP] log2 units
-    l_s = tl.load(ml + 1, mask=s_mask, other=0.0)                                    # [SP]
+    m_s = tl.load(ml, mask=s_mask, other=float("-inf"))  # [SP] log2 units
+    l_s = tl.load(ml + 1, mask=s_mask, other=0.0)  # [SP]
     m_max = tl.max(m_s, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)     # all splits empty: avoid -inf - -inf
-    w = tl.where(l_s > 0.0, tl.exp2(m_s - m_max), 0.0)                               # [SP]
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty: avoid -inf - -inf
+    w = tl.where(l_s > 0.0, tl.exp2(m_s - m_max), 0.0)  # [SP]
     l_tot = tl.sum(l_s * w, 0)
-    acc = tl.load(ws + row[:, None] * HEAD_DIM + d[None, :],
-                  mask=s_mask[:, None] & d_mask[None, :], other=0.0)                 # [SP, DP]
-    o = tl.sum(acc * w[:, None], 0) / tl.where(l_tot > 0.0, l_tot, 1.0)              # [DP]
+    acc = tl.load(
+        ws + row[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0
+    )  # [SP, DP]
+    o = tl.sum(acc * w[:, None], 0) / tl.where(l_tot > 0.0, l_tot, 1.0)  # [DP]
     tl.store(out_ptr + r * stride_or + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
@@ -215,9 +258,17 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
-                           scale: float, workspace: torch.Tensor, num_splits: int) -> None:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    workspace: torch.Tensor,
+    num_splits: int,
+) -> None:
     """q [R, H, D]; k_cache, v_cache [num_blocks, block_size, K, D] (q's dtype, D contiguous);
     block_tables [R_max, B] int32/int64 (row-contiguous; rows >= R ignored); seq_lens [R_max] int32/int64
     on q's device (context length including the current token; 0 = padded row -> zeros);
@@ -228,46 +279,87 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_heads % num_kv_heads or k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
-        raise ValueError(f"q {tuple(q.shape)} vs k_cache {tuple(k_cache.shape)} / "
-                         f"v_cache {tuple(v_cache.shape)}")
-    if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1 \
-            or block_tables.stride(1) != 1:
+        raise ValueError(
+            f"q {tuple(q.shape)} vs k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)}"
+        )
+    if (
+        q.stride(2) != 1
+        or out.stride(2) != 1
+        or k_cache.stride(3) != 1
+        or v_cache.stride(3) != 1
+        or block_tables.stride(1) != 1
+    ):
         raise ValueError("q, out, k_cache, v_cache need a contiguous head_dim, block_tables contiguous rows")
     if block_size & (block_size - 1):
         raise ValueError(f"block_size {block_size} must be a power of two")
     req_stride = _req_stride(num_heads, head_dim, num_splits)
     if num_splits > 1 and workspace.numel() < num_reqs * req_stride:
-        raise ValueError(f"workspace holds {workspace.numel() // req_stride} requests, need {num_reqs} "
-                         f"(decode_workspace(..., num_splits={num_splits}))")
+        raise ValueError(
+            f"workspace holds {workspace.numel() // req_stride} requests, need {num_reqs} "
+            f"(decode_workspace(..., num_splits={num_splits}))"
+        )
     stage1, stage2 = _kernels()
     group = num_heads // num_kv_heads
     head_dim_pad = max(16, _next_pow2(head_dim))
     stage1[(num_reqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, workspace, scale * _LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        workspace,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=_block_n(head_dim),
-        NUM_SPLITS=num_splits, REQ_STRIDE=req_stride, DIRECT_OUT=num_splits == 1,
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        GROUP_PAD=max(16, _next_pow2(group)),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=_block_n(head_dim),
+        NUM_SPLITS=num_splits,
+        REQ_STRIDE=req_stride,
+        DIRECT_OUT=num_splits == 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )
     if num_splits == 1:
         return
     stage2[(num_reqs, num_heads)](
-        workspace, out, out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits), REQ_STRIDE=req_stride,
+        workspace,
+        out,
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        NUM_SPLITS=num_splits,
+        SPLITS_PAD=_next_pow2(num_splits),
+        REQ_STRIDE=req_stride,
         num_warps=NUM_WARPS,
     )
 
 
-def reference_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
-                               ) -> torch.Tensor:
+def reference_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Plain torch, fp32 math, one request at a time (tests and benchmarks only: it syncs).
     Same arguments as paged_decode_attention; returns [R, H, D] fp32 (zeros for seq_len 0 rows)."""
     num_reqs, num_heads, head_dim = q.shape
@@ -278,10 +370,9 @@ def reference_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         if length == 0:
             continue
         pos = torch.arange(length, device=q.device)
-        blocks = block_tables[r].long()[pos // block_size]                                  # [L]
-        k = k_cache[blocks, pos % block_size].float().repeat_interleave(group, dim=1)       # [L, H, D]
-        v = v_cache[blocks, pos % block_size].float().repeat_interleave(group, dim=1)       # [L, H, D]
-        scores = torch.einsum("hd,lhd->hl", q[r].float(), k) * scale                       # [H, L]
+        blocks = block_tables[r].long()[pos // block_size]  # [L]
+        k = k_cache[blocks, pos % block_size].float().repeat_interleave(group, dim=1)  # [L, H, D]
+        v = v_cache[blocks, pos % block_size].float().repeat_interleave(group, dim=1)  # [L, H, D]
+        scores = torch.einsum("hd,lhd->hl", q[r].float(), k) * scale  # [H, L]
         out[r] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
     return out
-

@@ -18,8 +18,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["RUNTIME_MODES", "ForwardContext", "RuntimeMode", "current_attention_metadata", "current_forward_context",
-           "current_runtime_mode", "forward_context"]
+__all__ = [
+    "RUNTIME_MODES",
+    "ForwardContext",
+    "RuntimeMode",
+    "current_attention_metadata",
+    "current_forward_context",
+    "current_runtime_mode",
+    "forward_context",
+]
 
 RuntimeMode = Literal["full", "breakable", "eager"]
 RUNTIME_MODES: tuple[str, ...] = ("full", "breakable", "eager")
@@ -27,13 +34,13 @@ RUNTIME_MODES: tuple[str, ...] = ("full", "breakable", "eager")
 
 @dataclass(frozen=True)
 class ForwardContext:
-    attention: Any                  # AttentionMetadata or DecodeMetadata of the step
-    descriptor: Any = None          # the step's BatchDescriptor (graphs/descriptor.py); None for an eager step
+    attention: Any  # AttentionMetadata or DecodeMetadata of the step
+    descriptor: Any = None  # the step's BatchDescriptor (graphs/descriptor.py); None for an eager step
     mode: RuntimeMode = "eager"
 
 
 class _Local(threading.local):
-    context: ForwardContext | None = None   # of the step running on this thread, or None
+    context: ForwardContext | None = None  # of the step running on this thread, or None
 
 
 _local = _Local()
@@ -54,8 +61,10 @@ def forward_context(attention: Any, descriptor: Any = None, mode: RuntimeMode = 
 def current_forward_context() -> ForwardContext:
     ctx = _local.context
     if ctx is None:
-        raise RuntimeError("no forward context on this thread: run the model inside "
-                           "`with forward_context(metadata):` (the runner does this for every step and capture)")
+        raise RuntimeError(
+            "no forward context on this thread: run the model inside "
+            "`with forward_context(metadata):` (the runner does this for every step and capture)"
+        )
     return ctx
 
 

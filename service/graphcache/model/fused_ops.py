@@ -42,30 +42,60 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 # --- kernels ------------------------------------------------------------------------------------------------
-def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro,
-                        n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rmsnorm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    n,
+    eps,
+    HAS_RES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)                      # h + residual, rounded
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # h + residual, rounded
         tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n + eps)
-    y = (xf * inv).to(x.dtype)                                                        # rounded like x32.to(dtype)
+    y = (xf * inv).to(x.dtype)  # rounded like x32.to(dtype)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     tl.store(out_ptr + row * stride_o + cols, (w.to(tl.float32) * y.to(tl.float32)).to(w.dtype), mask=mask)
 
 
-def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
-                   num_q, num_k, half, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rotary_kernel(
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_c,
+    num_q,
+    num_k,
+    half,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     d = tl.arange(0, BLOCK_D)[None, :]
     h = tl.arange(0, BLOCK_H)[:, None]
-    c = tl.load(cos_ptr + pos * stride_c + d, mask=d < half, other=0.0).to(tl.float32)   # cos[:half] == cos[half:]
+    c = tl.load(cos_ptr + pos * stride_c + d, mask=d < half, other=0.0).to(
+        tl.float32
+    )  # cos[:half] == cos[half:]
     s = tl.load(sin_ptr + pos * stride_c + d, mask=d < half, other=0.0).to(tl.float32)
     # out = x * cos + rotate_half(x) * sin, each product and the sum rounded to the model dtype; q, then k
     mask = (h < num_q) & (d < half)
@@ -92,7 +122,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, inter, BLOCK: tl.cons
     g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
     u = tl.load(gu_ptr + row * stride_gu + inter + cols, mask=mask, other=0.0)
     gf = g.to(tl.float32)
-    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)                                       # F.silu, rounded
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # F.silu, rounded
     tl.store(out_ptr + row * stride_o + cols, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
 
 
@@ -113,8 +143,9 @@ def _pow2(x: int) -> int:
 
 
 # --- the ops --------------------------------------------------------------------------------------------------
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, fused: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, N] (a layer's output), residual [T, N] or None (the first layer): returns
     (weight * rmsnorm(x + residual), x + residual), the second being the next residual."""
     if not fused:
@@ -124,24 +155,59 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else x
     res = residual if residual is not None else x
-    _kernels()[0][(t,)](x, res, weight, out, res_out, x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
-                        n, eps, HAS_RES=residual is not None, BLOCK=_pow2(n), num_warps=4 if n <= 2048 else 8)
+    _kernels()[0][(t,)](
+        x,
+        res,
+        weight,
+        out,
+        res_out,
+        x.stride(0),
+        res.stride(0),
+        out.stride(0),
+        res_out.stride(0),
+        n,
+        eps,
+        HAS_RES=residual is not None,
+        BLOCK=_pow2(n),
+        num_warps=4 if n <= 2048 else 8,
+    )
     return out, res_out
 
 
-def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-            fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D], k [T, K, D] (views with a contiguous last dim; rotated in place when fused),
     cos/sin [P, D] in q's dtype, positions [T] int64: rotate-half rotary, as Hugging Face applies it."""
     if not fused:
-        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)   # [T, 1, D]
+        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, D]
         return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
     t, num_q, d = q.shape
     if q.stride(2) != 1 or k.stride(2) != 1 or cos.stride(1) != 1:
         raise ValueError("rotary_ needs the head dimension contiguous")
-    _kernels()[1][(t,)](q, k, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-                        num_q, k.shape[1], d // 2, BLOCK_D=_pow2(d // 2), BLOCK_H=_pow2(max(num_q, k.shape[1])),
-                        num_warps=4)
+    _kernels()[1][(t,)](
+        q,
+        k,
+        cos,
+        sin,
+        positions,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        num_q,
+        k.shape[1],
+        d // 2,
+        BLOCK_D=_pow2(d // 2),
+        BLOCK_H=_pow2(max(num_q, k.shape[1])),
+        num_warps=4,
+    )
     return q, k
 
 
@@ -153,6 +219,7 @@ def silu_mul(gate_up: torch.Tensor, inter: int, fused: bool) -> torch.Tensor:
     t = gate_up.shape[0]
     out = torch.empty((t, inter), dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, _pow2(inter))
-    _kernels()[2][(t, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block,
-                                                   num_warps=4)
+    _kernels()[2][(t, triton.cdiv(inter, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4
+    )
     return out

@@ -84,9 +84,9 @@ class Rotary(nn.Module):
     def build(self, device: torch.device, dtype: torch.dtype) -> None:
         inv_freq = rope_inv_freq(self.config)
         t = torch.arange(self.max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)                      # [P, D/2], fp32 like HF
-        emb = torch.cat([freqs, freqs], dim=-1)               # [P, D] (rotate-half layout)
-        self.cos = emb.cos().to(device=device, dtype=dtype)   # cast like HF casts cos to x.dtype
+        freqs = torch.outer(t, inv_freq)  # [P, D/2], fp32 like HF
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, D] (rotate-half layout)
+        self.cos = emb.cos().to(device=device, dtype=dtype)  # cast like HF casts cos to x.dtype
         self.sin = emb.sin().to(device=device, dtype=dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, fused: bool = False):
@@ -102,20 +102,20 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         # One matmul for q, k and v: rows [q | k | v] (the loader fills the slices).
         self.qkv_proj = column_linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, tp)
-        self.o_proj = row_linear(self.q_size, config.hidden_size, config.o_bias, tp)   # all-reduce at tp > 1
+        self.o_proj = row_linear(self.q_size, config.hidden_size, config.o_bias, tp)  # all-reduce at tp > 1
         self.qk_norm = config.qk_norm
         if config.qk_norm:  # Qwen3: per-head RMSNorm over head_dim, before rotary
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary = rotary
-        self.fused = False   # fused_ops kernels (LlamaModel.use_fused_ops)
+        self.fused = False  # fused_ops kernels (LlamaModel.use_fused_ops)
         # Bound by the runner (bind_kv_cache): [2, num_slots, K, D] = k, v caches as flat slots,
         # plus the k and v halves as views made once here, not per step.
         self.kv_cache: torch.Tensor | None = None
-        self.k_slots: torch.Tensor | None = None   # [num_slots, K, D]
+        self.k_slots: torch.Tensor | None = None  # [num_slots, K, D]
         self.v_slots: torch.Tensor | None = None
         self.k_blocks: torch.Tensor | None = None  # [num_blocks, block_size, K, D] (paged kernels)
         self.v_blocks: torch.Tensor | None = None
@@ -123,11 +123,11 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # positions [T], slot_mapping [T] (cache slot of each token; padded tokens: a scratch slot), x [T, hidden]
         t = x.shape[0]
-        qkv = self.qkv_proj(x)                                           # [T, (H + 2K) * D]
+        qkv = self.qkv_proj(x)  # [T, (H + 2K) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)                     # [T, H, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)                  # [T, K, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)                  # [T, K, D]
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, K, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, K, D]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k, self.fused)
@@ -141,7 +141,7 @@ class Attention(nn.Module):
         # Allocated inside the graph segment, so its address is fixed for every replay; the eager
         # break writes its real rows and returns nothing. Padded rows stay uninitialized: they are
         # row-independent all the way to the (unread) padded logits, see attention.py.
-        out = torch.empty_like(q)                                        # [T, H, D]
+        out = torch.empty_like(q)  # [T, H, D]
         ctx = current_forward_context()
         if ctx.mode == "full":
             # Full runtime mode (uniform decode, or a mixed step on the unified kernel): the kernel reads
@@ -149,19 +149,19 @@ class Attention(nn.Module):
             graph_attention(q, out, self.k_blocks, self.v_blocks, ctx.attention, self.scale)
         else:
             paged_attention(q, k, v, out, self.kv_cache, self.k_blocks, self.v_blocks, self.scale)
-        return self.o_proj(out.view(t, self.q_size))                     # [T, hidden]
+        return self.o_proj(out.view(t, self.q_size))  # [T, hidden]
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.inter = config.intermediate_size // tp.size                              # this rank's share
+        self.inter = config.intermediate_size // tp.size  # this rank's share
         self.gate_up_proj = column_linear(config.hidden_size, 2 * self.inter, False, tp)  # rows [gate | up]
-        self.down_proj = row_linear(self.inter, config.hidden_size, False, tp)        # all-reduce at tp > 1
+        self.down_proj = row_linear(self.inter, config.hidden_size, False, tp)  # all-reduce at tp > 1
         self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        return self.down_proj(silu_mul(self.gate_up_proj(x), self.inter, self.fused))   # via [T, 2I] -> [T, I]
+        return self.down_proj(silu_mul(self.gate_up_proj(x), self.inter, self.fused))  # via [T, 2I] -> [T, I]
 
 
 class DecoderLayer(nn.Module):
@@ -173,19 +173,25 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, tp)
         self.fused = False
 
-    def forward(self, positions: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output (the embeddings for the first, residual None); returns this
         layer's output and the residual stream before it, added at the next norm (one fused kernel)."""
-        h, residual = self.input_norm.add_forward(x, residual, self.fused)   # residual = x + residual
+        h, residual = self.input_norm.add_forward(x, residual, self.fused)  # residual = x + residual
         h = self.attn(positions, slot_mapping, h)
         h, residual = self.post_attn_norm.add_forward(h, residual, self.fused)
         return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, *, max_positions: int | None = None,
-                 tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, *, max_positions: int | None = None, tp: TensorParallel | None = None
+    ) -> None:
         """tp: this process's shard (model/parallel.py); None or size 1 = the whole model, no collectives."""
         super().__init__()
         self.config = config
@@ -193,13 +199,19 @@ class LlamaModel(nn.Module):
         check_shardable(config, tp.size)
         self.rotary = Rotary(config, max_positions or config.max_position_embeddings)
         # At tp > 1 the vocabulary rows are split over the ranks; the head all-gathers the logits.
-        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp) if tp.enabled
-                             else nn.Embedding(config.vocab_size, config.hidden_size))
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+            if tp.enabled
+            else nn.Embedding(config.vocab_size, config.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(config, self.rotary, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fused = False
-        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, tp) if tp.enabled
-                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        self.lm_head = (
+            ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+            if tp.enabled
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
 
     def use_fused_ops(self, on: bool) -> None:
         """Triton kernels for add+RMSNorm, rotary and SiLU*mul (fused_ops.py; CUDA): fewer, larger kernels."""
@@ -220,22 +232,29 @@ class LlamaModel(nn.Module):
             if not kv.is_contiguous():
                 raise ValueError("each layer's KV cache must be contiguous (viewed as flat slots)")
             attn = layer.attn
-            attn.kv_cache = kv.view(2, -1, kv.shape[-2], kv.shape[-1])   # [2, num_slots, K, D]
+            attn.kv_cache = kv.view(2, -1, kv.shape[-2], kv.shape[-1])  # [2, num_slots, K, D]
             attn.k_slots, attn.v_slots = attn.kv_cache.unbind(0)
             attn.k_blocks, attn.v_blocks = kv.unbind(0)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                logits_indices: torch.Tensor, out_logits: torch.Tensor) -> None:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        logits_indices: torch.Tensor,
+        out_logits: torch.Tensor,
+    ) -> None:
         # input_ids [T] int64, positions [T] int64, slot_mapping [T] int64 (KV slot per token),
         # logits_indices [R] int64 (token row per logits row), out_logits [R, V] model dtype, written in place.
-        h, residual = self.embed_tokens(input_ids), None                 # [T, hidden]
+        h, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         for layer in self.layers:
             h, residual = layer(positions, slot_mapping, h, residual)
         # Only the R rows that need logits go through the final norm and the [hidden, V] head.
-        h, _ = self.norm.add_forward(h.index_select(0, logits_indices), residual.index_select(0, logits_indices),
-                                     self.fused)                         # [R, hidden]
+        h, _ = self.norm.add_forward(
+            h.index_select(0, logits_indices), residual.index_select(0, logits_indices), self.fused
+        )  # [R, hidden]
         if self.tp.enabled:
-            self.lm_head.logits_into(h, out_logits)                      # [R, V]: all-gather of [R, V / N]
+            self.lm_head.logits_into(h, out_logits)  # [R, V]: all-gather of [R, V / N]
         else:
-            torch.mm(h, self.lm_head.weight.t(), out=out_logits)         # [R, V], no [R, V] temporary
+            torch.mm(h, self.lm_head.weight.t(), out=out_logits)  # [R, V], no [R, V] temporary

@@ -22,6 +22,7 @@ from graphcache.model.parallel import TensorParallel, vocab_shard
 
 log = logging.getLogger(__name__)
 
+
 def weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -47,7 +48,7 @@ class Target(NamedTuple):
     rows: int = -1
     shard_dim: int | None = None
     start: int = 0
-    full: int = 0     # the checkpoint tensor's size along shard_dim that config.json implies
+    full: int = 0  # the checkpoint tensor's size along shard_dim that config.json implies
 
 
 def _hf_targets(config: ModelConfig, tp: TensorParallel | None = None) -> dict[str, Target]:
@@ -56,7 +57,7 @@ def _hf_targets(config: ModelConfig, tp: TensorParallel | None = None) -> dict[s
     gate/up and columns of down, and its vocabulary rows (model/parallel.py has the split)."""
     tp = tp or TensorParallel.single()
     r, n = tp.rank, tp.size
-    q = config.num_heads * config.head_dim // n                  # this rank's share of each
+    q = config.num_heads * config.head_dim // n  # this rank's share of each
     kv = config.num_kv_heads * config.head_dim // n
     inter = config.intermediate_size // n
 
@@ -81,17 +82,23 @@ def _hf_targets(config: ModelConfig, tp: TensorParallel | None = None) -> dict[s
             t[hf + f"self_attn.q_proj.{kind}"] = split(ours + f"attn.qkv_proj.{kind}", 0, q, 0)
             t[hf + f"self_attn.k_proj.{kind}"] = split(ours + f"attn.qkv_proj.{kind}", q, kv, 0)
             t[hf + f"self_attn.v_proj.{kind}"] = split(ours + f"attn.qkv_proj.{kind}", q + kv, kv, 0)
-        t[hf + "self_attn.o_proj.weight"] = (Target(ours + "attn.o_proj.weight") if n == 1
-                                             else Target(ours + "attn.o_proj.weight", 0, -1, 1, r * q, q * n))
-        if config.o_bias:   # added once after the all-reduce: every rank holds all of it
+        t[hf + "self_attn.o_proj.weight"] = (
+            Target(ours + "attn.o_proj.weight")
+            if n == 1
+            else Target(ours + "attn.o_proj.weight", 0, -1, 1, r * q, q * n)
+        )
+        if config.o_bias:  # added once after the all-reduce: every rank holds all of it
             t[hf + "self_attn.o_proj.bias"] = Target(ours + "attn.o_proj.bias")
         if config.qk_norm:
             t[hf + "self_attn.q_norm.weight"] = Target(ours + "attn.q_norm.weight")
             t[hf + "self_attn.k_norm.weight"] = Target(ours + "attn.k_norm.weight")
         t[hf + "mlp.gate_proj.weight"] = split(ours + "mlp.gate_up_proj.weight", 0, inter, 0)
         t[hf + "mlp.up_proj.weight"] = split(ours + "mlp.gate_up_proj.weight", inter, inter, 0)
-        t[hf + "mlp.down_proj.weight"] = (Target(ours + "mlp.down_proj.weight") if n == 1
-                                          else Target(ours + "mlp.down_proj.weight", 0, -1, 1, r * inter, inter * n))
+        t[hf + "mlp.down_proj.weight"] = (
+            Target(ours + "mlp.down_proj.weight")
+            if n == 1
+            else Target(ours + "mlp.down_proj.weight", 0, -1, 1, r * inter, inter * n)
+        )
         t[hf + "input_layernorm.weight"] = Target(ours + "input_norm.weight")
         t[hf + "post_attention_layernorm.weight"] = Target(ours + "post_attn_norm.weight")
     return t
@@ -103,17 +110,24 @@ def _read(f, hf_name: str, target: Target, dest: torch.Tensor) -> torch.Tensor:
         return f.get_tensor(hf_name)
     sl = f.get_slice(hf_name)
     full, dim = list(sl.get_shape()), target.shard_dim
-    if len(full) != dest.dim() or full[dim] != target.full:   # a slice alone could fit a wrong checkpoint
-        raise ModelLoadError(f"shape mismatch for {hf_name}: checkpoint has {tuple(full)}, config.json implies "
-                             f"{target.full} along dim {dim}; config.json and the weights disagree")
+    if len(full) != dest.dim() or full[dim] != target.full:  # a slice alone could fit a wrong checkpoint
+        raise ModelLoadError(
+            f"shape mismatch for {hf_name}: checkpoint has {tuple(full)}, config.json implies "
+            f"{target.full} along dim {dim}; config.json and the weights disagree"
+        )
     index = [slice(None)] * len(full)
     index[dim] = slice(target.start, target.start + dest.shape[dim])
     return sl[tuple(index)]
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-               *, max_positions: int | None = None,
-               tp: TensorParallel | None = None) -> tuple[LlamaModel, ModelConfig]:
+def load_model(
+    path: str | Path,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    *,
+    max_positions: int | None = None,
+    tp: TensorParallel | None = None,
+) -> tuple[LlamaModel, ModelConfig]:
     """Build the model on `device` in `dtype` and fill it from the directory's safetensors.
 
     max_positions bounds the rotary cos/sin table (default: the config's max_position_embeddings).
@@ -130,7 +144,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     with torch.device("meta"):
         model = LlamaModel(config, max_positions=max_positions, tp=tp).to(dtype)
     model.to_empty(device=device)  # allocated once, already in the target dtype
-    if model.tp.enabled:   # the last vocabulary shard's padding rows are read by no checkpoint tensor
+    if model.tp.enabled:  # the last vocabulary shard's padding rows are read by no checkpoint tensor
         model.embed_tokens.weight.data.zero_()
         model.lm_head.weight.data.zero_()
     params = dict(model.named_parameters())
@@ -142,8 +156,12 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
                 target = targets.get(hf_name)
                 if target is None:
                     if not hf_name.endswith("rotary_emb.inv_freq") and hf_name != "lm_head.weight":
-                        log.warning("ignoring tensor %s from %s (not used by %s)", hf_name, file.name,
-                                    config.architecture)
+                        log.warning(
+                            "ignoring tensor %s from %s (not used by %s)",
+                            hf_name,
+                            file.name,
+                            config.architecture,
+                        )
                     continue
                 param = params[target.name]
                 dest = param.data if target.rows < 0 else param.data.narrow(0, target.offset, target.rows)
@@ -151,12 +169,15 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
                 if tuple(tensor.shape) != tuple(dest.shape):
                     raise ModelLoadError(
                         f"shape mismatch for {hf_name} in {file.name}: checkpoint has {tuple(tensor.shape)}, "
-                        f"config.json implies {tuple(dest.shape)}; config.json and the weights disagree")
+                        f"config.json implies {tuple(dest.shape)}; config.json and the weights disagree"
+                    )
                 dest.copy_(tensor.to(dtype))
                 loaded.add(hf_name)
     missing = [hf for hf in targets if hf not in loaded]
     if missing:
-        raise ModelLoadError(f"{len(missing)} tensors missing from the safetensors in {path}, e.g. {missing[:5]}")
+        raise ModelLoadError(
+            f"{len(missing)} tensors missing from the safetensors in {path}, e.g. {missing[:5]}"
+        )
     if config.tie_word_embeddings:
         model.tie_weights()
     model.init_rotary(device)

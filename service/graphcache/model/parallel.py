@@ -29,8 +29,18 @@ from torch import nn
 
 from graphcache.model.config import ModelConfig, ModelLoadError
 
-__all__ = ["ColumnParallelLinear", "ParallelLMHead", "RowParallelLinear", "TensorParallel", "VocabParallelEmbedding",
-           "check_shardable", "column_linear", "row_linear", "shard_range", "vocab_shard"]
+__all__ = [
+    "ColumnParallelLinear",
+    "ParallelLMHead",
+    "RowParallelLinear",
+    "TensorParallel",
+    "VocabParallelEmbedding",
+    "check_shardable",
+    "column_linear",
+    "row_linear",
+    "shard_range",
+    "vocab_shard",
+]
 
 
 @dataclass(frozen=True)
@@ -49,8 +59,10 @@ class TensorParallel:
     def from_group(cls, group: Any = None) -> TensorParallel:
         """This process's place in `group` (default: the initialized default group)."""
         if not dist.is_initialized():
-            raise RuntimeError("tensor parallelism needs torch.distributed initialized first "
-                               "(torch.distributed.init_process_group(backend='nccl' or 'gloo', ...))")
+            raise RuntimeError(
+                "tensor parallelism needs torch.distributed initialized first "
+                "(torch.distributed.init_process_group(backend='nccl' or 'gloo', ...))"
+            )
         return cls(dist.get_rank(group), dist.get_world_size(group), group)
 
     @property
@@ -66,9 +78,9 @@ class TensorParallel:
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[size, *x.shape]: every rank's x, in rank order."""
         out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
-        if x.device.type == "cuda":   # one NCCL call, capturable
+        if x.device.type == "cuda":  # one NCCL call, capturable
             dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
-        else:                         # gloo has the list form only
+        else:  # gloo has the list form only
             dist.all_gather(list(out.unbind(0)), x.contiguous(), group=self.group)
         return out
 
@@ -91,13 +103,17 @@ def check_shardable(config: ModelConfig, size: int) -> None:
     """ModelLoadError naming the fix when the model cannot be split `size` ways by heads."""
     if size < 1:
         raise ModelLoadError(f"tensor_parallel_size must be >= 1, got {size}")
-    for what, n in (("num_attention_heads", config.num_heads), ("num_key_value_heads", config.num_kv_heads),
-                    ("intermediate_size", config.intermediate_size)):
+    for what, n in (
+        ("num_attention_heads", config.num_heads),
+        ("num_key_value_heads", config.num_kv_heads),
+        ("intermediate_size", config.intermediate_size),
+    ):
         if n % size:
             raise ModelLoadError(
                 f"tensor_parallel_size {size} does not divide the model's {what} ({n}): every rank must hold "
                 f"whole heads (and KV heads: a rank's KV cache stores only its own); set tensor_parallel_size "
-                f"to a divisor of {n}")
+                f"to a divisor of {n}"
+            )
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -131,7 +147,7 @@ class VocabParallelEmbedding(nn.Embedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, dim]
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.vocab_rows)
-        h = F.embedding(local.masked_fill(outside, 0), self.weight)      # [T, dim]
+        h = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, dim]
         h.masked_fill_(outside.unsqueeze(-1), 0)
         return self.tp.all_reduce(h)
 
@@ -149,13 +165,14 @@ class ParallelLMHead(nn.Module):
 
     def logits_into(self, h: torch.Tensor, out: torch.Tensor) -> None:
         # h [R, hidden] -> out [R, V] (written in place), every rank.
-        local = torch.mm(h, self.weight.t())                               # [R, Vp]
-        parts = self.tp.all_gather(local)                                  # [N, R, Vp]
-        full = parts.permute(1, 0, 2).reshape(h.shape[0], -1)              # [R, N * Vp], vocab order
-        out.copy_(full[:, :self.vocab_size])
+        local = torch.mm(h, self.weight.t())  # [R, Vp]
+        parts = self.tp.all_gather(local)  # [N, R, Vp]
+        full = parts.permute(1, 0, 2).reshape(h.shape[0], -1)  # [R, N * Vp], vocab order
+        out.copy_(full[:, : self.vocab_size])
 
 
 # --- builders the decoder uses: plain layers at size 1 (today's exact path), parallel ones above --------
+
 
 def column_linear(in_features: int, out_per_rank: int, bias: bool, tp: TensorParallel) -> nn.Linear:
     if not tp.enabled:

@@ -19,8 +19,12 @@ from typing import Any
 
 import torch
 
-ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHS = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, IM_END]  # ids 0..4
@@ -37,7 +41,7 @@ CHAT_TEMPLATE = (
     "{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}"
     "{{ '\n</tools>\n\nFor each function call, return a json object with function name and arguments '"
     " + 'within <tool_call></tool_call> XML tags:\n<tool_call>\n'"
-    " + '{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    ' + \'{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n\' }}'
     "{% endif %}"
     "{% for message in messages %}"
     "{% if tools and loop.first and message['role'] == 'system' %}"
@@ -50,7 +54,7 @@ CHAT_TEMPLATE = (
     "{% if message['content'] %}{{ '\n' + message['content'] }}{% endif %}"
     "{% for call in message.tool_calls %}"
     "{% if call.function is defined %}{% set call = call.function %}{% endif %}"
-    "{{ '\n<tool_call>\n{\"name\": \"' + call.name + '\", \"arguments\": ' }}"
+    '{{ \'\n<tool_call>\n{"name": "\' + call.name + \'", "arguments": \' }}'
     "{% if call.arguments is string %}{{ call.arguments }}{% else %}{{ call.arguments | tojson }}{% endif %}"
     "{{ '}\n</tool_call>' }}"
     "{% endfor %}"
@@ -62,7 +66,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 # Bump when the default model's recipe changes, so old cache dirs are not reused.
-DEFAULT_MODEL_NAME = "graphcache-tiny-llama-v2"   # v2: the chat template renders tools
+DEFAULT_MODEL_NAME = "graphcache-tiny-llama-v2"  # v2: the chat template renders tools
 DEFAULT_SHAPE = dict(hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384, max_positions=2048)
 
 
@@ -77,24 +81,57 @@ def train_tokenizer(vocab_size: int = 1024):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(corpus_text().splitlines(keepends=True), trainer=trainer)
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))])
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
+    )
     return tok
 
 
-def _hf_config(arch: str, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, inter: int,
-               head_dim: int, max_positions: int, rope_theta: float, rope_scaling: dict | None,
-               tie: bool, bos: int, eos: list[int]) -> dict[str, Any]:
+def _hf_config(
+    arch: str,
+    vocab: int,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    inter: int,
+    head_dim: int,
+    max_positions: int,
+    rope_theta: float,
+    rope_scaling: dict | None,
+    tie: bool,
+    bos: int,
+    eos: list[int],
+) -> dict[str, Any]:
     cfg: dict[str, Any] = {
-        "architectures": [ARCHS[arch]], "model_type": arch, "vocab_size": vocab, "hidden_size": hidden,
-        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "head_dim": head_dim, "hidden_act": "silu",
-        "max_position_embeddings": max_positions, "rms_norm_eps": 1e-6, "rope_theta": rope_theta,
-        "rope_scaling": rope_scaling, "tie_word_embeddings": tie, "bos_token_id": bos, "eos_token_id": eos[0],
-        "pad_token_id": 0, "initializer_range": 0.02, "torch_dtype": "float32", "use_cache": True,
+        "architectures": [ARCHS[arch]],
+        "model_type": arch,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_positions,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "tie_word_embeddings": tie,
+        "bos_token_id": bos,
+        "eos_token_id": eos[0],
+        "pad_token_id": 0,
+        "initializer_range": 0.02,
+        "torch_dtype": "float32",
+        "use_cache": True,
     }
     if arch in ("llama", "qwen3"):
         cfg["attention_bias"] = False
@@ -105,12 +142,23 @@ def _hf_config(arch: str, vocab: int, hidden: int, layers: int, heads: int, kv_h
     return cfg
 
 
-def _random_weights(arch: str, gen: torch.Generator, vocab: int, hidden: int, layers: int, heads: int,
-                    kv_heads: int, inter: int, head_dim: int, tie: bool) -> dict[str, torch.Tensor]:
+def _random_weights(
+    arch: str,
+    gen: torch.Generator,
+    vocab: int,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    inter: int,
+    head_dim: int,
+    tie: bool,
+) -> dict[str, torch.Tensor]:
     """HF-named fp32 weights. Unit-gain linears (std 1/sqrt(fan_in)) and non-trivial norm weights and
     biases: attention patterns are far from uniform, so a wrong mask or a wrong mapping shows."""
+
     def linear(out_f: int, in_f: int) -> torch.Tensor:
-        return torch.randn(out_f, in_f, generator=gen) / in_f ** 0.5
+        return torch.randn(out_f, in_f, generator=gen) / in_f**0.5
 
     def norm(dim: int) -> torch.Tensor:
         return 1.0 + 0.1 * torch.randn(dim, generator=gen)
@@ -151,7 +199,7 @@ def _save_weights(weights: dict[str, torch.Tensor], out: Path, shards: int) -> N
     weight_map = {}
     for s in range(shards):
         file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        part = {n: weights[n] for n in names[s * per:(s + 1) * per]}
+        part = {n: weights[n] for n in names[s * per : (s + 1) * per]}
         save_file(part, str(out / file), metadata=meta)
         weight_map.update(dict.fromkeys(part, file))
     total = sum(t.numel() * t.element_size() for t in weights.values())
@@ -159,12 +207,25 @@ def _save_weights(weights: dict[str, torch.Tensor], out: Path, shards: int) -> N
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def make_tiny_model(dir: str | Path, *, arch: str = "llama", seed: int = 0, hidden: int = 64, layers: int = 2,
-                    heads: int = 4, kv_heads: int = 2, intermediate: int | None = None,
-                    head_dim: int | None = None, vocab_size: int = 1024, max_positions: int = 2048,
-                    rope_theta: float = 10000.0, rope_scaling: dict | None = None,
-                    tie_word_embeddings: bool | None = None, shards: int = 1,
-                    model_vocab_size: int | None = None) -> Path:
+def make_tiny_model(
+    dir: str | Path,
+    *,
+    arch: str = "llama",
+    seed: int = 0,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    head_dim: int | None = None,
+    vocab_size: int = 1024,
+    max_positions: int = 2048,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict | None = None,
+    tie_word_embeddings: bool | None = None,
+    shards: int = 1,
+    model_vocab_size: int | None = None,
+) -> Path:
     """Write a random-weight HF checkpoint of `arch` into `dir` and return its path.
 
     vocab_size is the BPE target; the model's vocab is the trained size rounded up to 64 (like
@@ -184,15 +245,36 @@ def make_tiny_model(dir: str | Path, *, arch: str = "llama", seed: int = 0, hidd
     tie = arch.startswith("qwen") if tie_word_embeddings is None else tie_word_embeddings
     bos = tok.token_to_id(BOS)
     eos = [tok.token_to_id(EOS), tok.token_to_id(IM_END)]
-    cfg = _hf_config(arch, vocab, hidden, layers, heads, kv_heads, inter, head_dim, max_positions, rope_theta,
-                     rope_scaling, tie, bos, eos)
+    cfg = _hf_config(
+        arch,
+        vocab,
+        hidden,
+        layers,
+        heads,
+        kv_heads,
+        inter,
+        head_dim,
+        max_positions,
+        rope_theta,
+        rope_scaling,
+        tie,
+        bos,
+        eos,
+    )
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     gen = torch.Generator().manual_seed(seed)
-    _save_weights(_random_weights(arch, gen, vocab, hidden, layers, heads, kv_heads, inter, head_dim, tie),
-                  out, shards)
-    tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
-               "pad_token": PAD, "add_bos_token": True, "model_max_length": max_positions,
-               "chat_template": CHAT_TEMPLATE}
+    _save_weights(
+        _random_weights(arch, gen, vocab, hidden, layers, heads, kv_heads, inter, head_dim, tie), out, shards
+    )
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "add_bos_token": True,
+        "model_max_length": max_positions,
+        "chat_template": CHAT_TEMPLATE,
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
     gen_cfg = {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": 0, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
@@ -202,8 +284,17 @@ def make_tiny_model(dir: str | Path, *, arch: str = "llama", seed: int = 0, hidd
 def make_default_model(dir: str | Path, *, arch: str = "llama", seed: int = 0) -> Path:
     """The embedded default's shape (DEFAULT_SHAPE) written to `dir`: what `make-tiny-model` should write."""
     s = DEFAULT_SHAPE
-    return make_tiny_model(dir, arch=arch, seed=seed, hidden=s["hidden"], layers=s["layers"], heads=s["heads"],
-                           kv_heads=s["kv_heads"], intermediate=s["intermediate"], max_positions=s["max_positions"])
+    return make_tiny_model(
+        dir,
+        arch=arch,
+        seed=seed,
+        hidden=s["hidden"],
+        layers=s["layers"],
+        heads=s["heads"],
+        kv_heads=s["kv_heads"],
+        intermediate=s["intermediate"],
+        max_positions=s["max_positions"],
+    )
 
 
 def default_model_dir(cache_dir: str | Path, seed: int = 0) -> Path:

@@ -56,7 +56,7 @@ class ChatTemplateError(ValueError):
     def __init__(self, message: str) -> None:
         message = " ".join(str(message).split()) or "the chat template refused these messages"
         if len(message) > MAX_TEMPLATE_MESSAGE_CHARS:
-            message = message[:MAX_TEMPLATE_MESSAGE_CHARS - 3] + "..."
+            message = message[: MAX_TEMPLATE_MESSAGE_CHARS - 3] + "..."
         super().__init__(message)
         self.message = message
 
@@ -73,8 +73,10 @@ class Tokenizer:
         path = Path(path)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
-            raise FileNotFoundError(f"{tok_file} is missing; graphcache needs a fast tokenizer file "
-                                    "(save one with transformers' tokenizer.save_pretrained)")
+            raise FileNotFoundError(
+                f"{tok_file} is missing; graphcache needs a fast tokenizer file "
+                "(save one with transformers' tokenizer.save_pretrained)"
+            )
         self._tok = HFTokenizer.from_file(str(tok_file))
         cfg_file = path / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
@@ -90,13 +92,17 @@ class Tokenizer:
         # Special tokens (control markers), and a copy of the tokenizer that encodes them as plain text
         # (made on first use: only chats whose content holds such a string need it).
         self.special_tokens: dict[str, int] = {
-            t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+            t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
+        }
         self._special_ids = frozenset(self.special_tokens.values())
         self._special_prefixes = frozenset(t[:2] for t in self.special_tokens)
-        self._special_re = re.compile("|".join(re.escape(t) for t in sorted(self.special_tokens, key=len,
-                                                                            reverse=True))) if self.special_tokens else None
+        self._special_re = (
+            re.compile("|".join(re.escape(t) for t in sorted(self.special_tokens, key=len, reverse=True)))
+            if self.special_tokens
+            else None
+        )
         self._plain: HFTokenizer | None = None
-        self._max_id: int | None = None   # the largest id with a token (text_stream computes it once)
+        self._max_id: int | None = None  # the largest id with a token (text_stream computes it once)
 
     # --- vocabulary ---
     @property
@@ -140,7 +146,7 @@ class Tokenizer:
         no BOS/EOS added. Releases the interpreter lock."""
         if self._plain is None:
             plain = HFTokenizer.from_str(self._tok.to_str())
-            plain.encode_special_tokens = True   # a separate object: the shared one is never mutated
+            plain.encode_special_tokens = True  # a separate object: the shared one is never mutated
             self._plain = plain
         return self._plain.encode_batch([text], add_special_tokens=False)[0].ids
 
@@ -154,8 +160,13 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     # --- chat ---
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tokenize: bool = False, **extra: Any) -> str | list[int]:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **extra: Any,
+    ) -> str | list[int]:
         """Render messages ([{"role", "content"}], plus tool messages and assistant tool_calls, see
         `normalize_chat`) to the model's prompt text (or, tokenize=True, its ids by `encode_chat`:
         content's special-token strings as plain text). `tools=[OpenAI tool dicts]` reaches the
@@ -171,17 +182,28 @@ class Tokenizer:
         import jinja2
 
         try:
-            return self._template.render(messages=normalize_chat(messages), add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                         pad_token=self.pad_token or "", **extra)
+            return self._template.render(
+                messages=normalize_chat(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                pad_token=self.pad_token or "",
+                **extra,
+            )
         except _TemplateRaised as e:
             raise ChatTemplateError(e.message) from None
         except jinja2.TemplateError as e:  # undefined attributes, sandbox refusals: caused by the messages
             raise ChatTemplateError(f"the chat template failed on these messages: {e}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
-                    allow_special_in_content: bool = False, tools: list[dict[str, Any]] | None = None,
-                    **extra: Any) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        allow_special_in_content: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        **extra: Any,
+    ) -> list[int]:
         """The prompt ids of a chat: the template's own markers are special tokens; special-token strings
         inside client text (message content, tool calls, tool definitions) are encoded as plain text
         (allow_special_in_content=True: as special tokens, for trusted clients). Releases the
@@ -197,26 +219,29 @@ class Tokenizer:
         first token)."""
         messages = normalize_chat(messages)
         if allow_special_in_content or not any(self.has_special_text(t) for t in _strings((messages, tools))):
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools=tools, **extra),
-                               add_special_tokens=False)
-        tag = str(secrets.randbelow(10 ** 18))
+            return self.encode(
+                self.apply_chat_template(messages, add_generation_prompt, tools=tools, **extra),
+                add_special_tokens=False,
+            )
+        tag = str(secrets.randbelow(10**18))
         originals: list[str] = []
 
         def placeholder(match: re.Match) -> str:
             originals.append(match.group(0))
-            return f"\U000F0000{tag}.{len(originals) - 1}\U000F0001"
+            return f"\U000f0000{tag}.{len(originals) - 1}\U000f0001"
 
         def mask(text: str) -> str:
             return self._special_re.sub(placeholder, text)
 
-        rendered = self.apply_chat_template(_map_strings(messages, mask), add_generation_prompt,
-                                            tools=_map_strings(tools, mask), **extra)
+        rendered = self.apply_chat_template(
+            _map_strings(messages, mask), add_generation_prompt, tools=_map_strings(tools, mask), **extra
+        )
         # Put the special strings back, remembering where client text put them.
         parts: list[str] = []
         content_spans: list[tuple[int, int]] = []
         pos = length = 0
-        for match in re.finditer(f"\U000F0000{tag}\\.(\\d+)\U000F0001", rendered):
-            parts.append(rendered[pos:match.start()])
+        for match in re.finditer(f"\U000f0000{tag}\\.(\\d+)\U000f0001", rendered):
+            parts.append(rendered[pos : match.start()])
             length += match.start() - pos
             original = originals[int(match.group(1))]
             content_spans.append((length, length + len(original)))
@@ -234,7 +259,7 @@ class Tokenizer:
         starts = [a for a, _ in content_spans]
 
         def from_content(start: int, end: int) -> bool:
-            i = bisect.bisect_right(starts, end - 1) - 1   # the last span starting before `end`
+            i = bisect.bisect_right(starts, end - 1) - 1  # the last span starting before `end`
             return i >= 0 and content_spans[i][1] > start
 
         out: list[int] = []
@@ -252,22 +277,33 @@ class Tokenizer:
             if from_content(start, end):
                 tainted = True
                 continue
-            flush(start, i)   # a template marker: it stays special
+            flush(start, i)  # a template marker: it stays special
             out.append(tid)
             region_char, region_tok, tainted = end, i + 1, False
         flush(len(text), len(enc.ids))
         return out
 
-    def detokenizer(self, prompt_ids: list[int] | None = None, stop: list[str] | None = None,
-                    skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+    def detokenizer(
+        self,
+        prompt_ids: list[int] | None = None,
+        stop: list[str] | None = None,
+        skip_special_tokens: bool = True,
+    ) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_ids, stop, skip_special_tokens)
 
-    def text_stream(self, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True) -> TokenTextStream:
+    def text_stream(
+        self, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True
+    ) -> TokenTextStream:
         """Output ids -> text, incrementally, for one sequence after `prompt_ids` (see TokenTextStream)."""
-        if self._max_id is None:   # ids past it (a model's padded vocabulary) decode to nothing
+        if self._max_id is None:  # ids past it (a model's padded vocabulary) decode to nothing
             self._max_id = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
-        return TokenTextStream(self._tok, prompt_ids, skip_special_tokens,
-                               self._special_ids if skip_special_tokens else frozenset(), self._max_id)
+        return TokenTextStream(
+            self._tok,
+            prompt_ids,
+            skip_special_tokens,
+            self._special_ids if skip_special_tokens else frozenset(),
+            self._max_id,
+        )
 
 
 class _TemplateRaised(Exception):
@@ -297,8 +333,10 @@ def normalize_chat(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     except json.JSONDecodeError:
                         args = None
                     if not isinstance(args, dict):
-                        raise ChatTemplateError(f"tool_calls[{i}].function.arguments must be a JSON object "
-                                                "(as a string), as the model produced it")
+                        raise ChatTemplateError(
+                            f"tool_calls[{i}].function.arguments must be a JSON object "
+                            "(as a string), as the model produced it"
+                        )
                     call = {**call, "function": {**fn, "arguments": args}}
                 fixed.append(call)
             m = {**m, "tool_calls": fixed}
@@ -340,10 +378,16 @@ def _compile_template(source: str):
     def raise_exception(message: str):
         raise _TemplateRaised(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
-               sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators=None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = tojson
@@ -370,26 +414,35 @@ class IncrementalDetokenizer:
     `decode(ids, skip_special_tokens)` (test doubles; a sliding-window decode, `WindowTextStream`).
     """
 
-    def __init__(self, tokenizer: Any, prompt_ids: list[int] | None = None,
-                 stop: list[str] | None = None, skip_special_tokens: bool = True) -> None:
-        self._ids_to_text = (tokenizer.text_stream(prompt_ids, skip_special_tokens) if isinstance(tokenizer, Tokenizer)
-                             else WindowTextStream(tokenizer, prompt_ids, skip_special_tokens))
-        self._decoded = ""           # with stop strings: all decoded completion text (may run ahead of `text`)
-        self._emitted: list[str] = []   # the pieces add() and finish() returned
-        self._num_emitted = 0        # their total length
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_ids: list[int] | None = None,
+        stop: list[str] | None = None,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._ids_to_text = (
+            tokenizer.text_stream(prompt_ids, skip_special_tokens)
+            if isinstance(tokenizer, Tokenizer)
+            else WindowTextStream(tokenizer, prompt_ids, skip_special_tokens)
+        )
+        self._decoded = ""  # with stop strings: all decoded completion text (may run ahead of `text`)
+        self._emitted: list[str] = []  # the pieces add() and finish() returned
+        self._num_emitted = 0  # their total length
         self.stop = [s for s in (stop or []) if s]
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         # Shortest first: at one position the regex takes the first alternative that matches.
-        self._stop_re = (re.compile("|".join(re.escape(s) for s in sorted(set(self.stop), key=len)))
-                         if self.stop else None)
-        self._stop_ends_after = 0    # a stop string must end past this many decoded chars (min_tokens)
+        self._stop_re = (
+            re.compile("|".join(re.escape(s) for s in sorted(set(self.stop), key=len))) if self.stop else None
+        )
+        self._stop_ends_after = 0  # a stop string must end past this many decoded chars (min_tokens)
         self.stopped: str | None = None
 
     def add(self, token_ids: list[int], find_stop: bool = True) -> str:
         if self.stopped is not None:
             return ""
         new = self._ids_to_text.add(token_ids)
-        if self._stop_re is None:   # the common streaming case: nothing to hold back or search
+        if self._stop_re is None:  # the common streaming case: nothing to hold back or search
             if new:
                 self._emitted.append(new)
             return new
@@ -421,7 +474,11 @@ class IncrementalDetokenizer:
             pos = max(self._num_emitted - self._hold, self._stop_ends_after - self._hold, 0)
             while (hit := self._stop_re.search(self._decoded, pos)) is not None:
                 at = hit.start()
-                late = [s for s in self.stop if at + len(s) > self._stop_ends_after and self._decoded.startswith(s, at)]
+                late = [
+                    s
+                    for s in self.stop
+                    if at + len(s) > self._stop_ends_after and self._decoded.startswith(s, at)
+                ]
                 if late:
                     self.stopped = min(late, key=len)
                     self._decoded = self._decoded[:at]
@@ -430,7 +487,7 @@ class IncrementalDetokenizer:
         end = len(self._decoded)
         if not final and self.stopped is None and self.stop:
             end = max(end - self._hold, self._num_emitted)
-        delta = self._decoded[self._num_emitted:end]
+        delta = self._decoded[self._num_emitted : end]
         if delta:
             self._emitted.append(delta)
             self._num_emitted += len(delta)
@@ -464,15 +521,21 @@ class TokenTextStream:
       gives, and the stream restarts from there (such text cannot be streamed exactly by anyone).
     """
 
-    def __init__(self, tokenizer: HFTokenizer, prompt_ids: list[int] | None, skip_special_tokens: bool,
-                 silent_ids: frozenset[int], max_id: int) -> None:
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        prompt_ids: list[int] | None,
+        skip_special_tokens: bool,
+        silent_ids: frozenset[int],
+        max_id: int,
+    ) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._silent = silent_ids
         self._max_id = max_id
         context = self._clean_context(self._audible(list(prompt_ids or [])))
-        self._ids = context          # the context, then every output id the stream was given
-        self._clean = len(context)   # ids[:clean] decode to text already returned (a clean boundary)
+        self._ids = context  # the context, then every output id the stream was given
+        self._clean = len(context)  # ids[:clean] decode to text already returned (a clean boundary)
         self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
 
     def _decode(self, ids: list[int]) -> str:
@@ -490,7 +553,7 @@ class TokenTextStream:
         return [i for i in ids if i not in silent and 0 <= i <= max_id]
 
     def add(self, token_ids: list[int]) -> str:
-        if len(token_ids) == 1:   # the per-step case: DecodeStream takes an int faster than a list
+        if len(token_ids) == 1:  # the per-step case: DecodeStream takes an int faster than a list
             new = token_ids[0]
             if new in self._silent or not 0 <= new <= self._max_id:
                 return ""
@@ -502,11 +565,11 @@ class TokenTextStream:
             self._ids += new
         try:
             text = self._stream.step(self._tok, new)
-        except Exception:   # tokenizers raises a plain Exception for InvalidPrefix: the decoder rewrote text
+        except Exception:  # tokenizers raises a plain Exception for InvalidPrefix: the decoder rewrote text
             return self._restart()
         if text is None:
             return ""
-        if len(self._ids) > _MAX_KEPT_IDS:   # only the context before the next pending ids is needed
+        if len(self._ids) > _MAX_KEPT_IDS:  # only the context before the next pending ids is needed
             del self._ids[:-PROMPT_CONTEXT_IDS]
         self._clean = len(self._ids)
         return text
@@ -518,8 +581,8 @@ class TokenTextStream:
     def _restart(self) -> str:
         """Window-decode the ids past the last clean boundary, then start a fresh DecodeStream there."""
         start = max(self._clean - PROMPT_CONTEXT_IDS, 0)
-        text = self._decode(self._ids[start:])[len(self._decode(self._ids[start:self._clean])):]
-        self._ids = self._clean_context(self._ids)   # DecodeStream wants context that decodes clean
+        text = self._decode(self._ids[start:])[len(self._decode(self._ids[start : self._clean])) :]
+        self._ids = self._clean_context(self._ids)  # DecodeStream wants context that decodes clean
         self._clean = len(self._ids)
         self._stream = DecodeStream(ids=self._ids, skip_special_tokens=self._skip)
         return text
@@ -539,14 +602,14 @@ class WindowTextStream:
 
     def add(self, token_ids: list[int], final: bool = False) -> str:
         self._ids.extend(token_ids)
-        prefix_text = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
-        full = self._tok.decode(self._ids[self._prefix:], self._skip)
+        prefix_text = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
+        full = self._tok.decode(self._ids[self._prefix :], self._skip)
         if not final and full.endswith("\ufffd"):
             return ""
         # New ids that decode to nothing still move the window on: else every later step re-decodes
         # a growing tail (O(n^2) per stream).
         self._prefix, self._read = self._read, len(self._ids)
-        return full[len(prefix_text):]
+        return full[len(prefix_text) :]
 
     def finish(self) -> str:
         return self.add([], final=True) if self._read < len(self._ids) else ""

@@ -9,6 +9,7 @@ from __future__ import annotations
 try:
     import triton
     import triton.language as tl
+
     HAVE_TRITON = True
 except ImportError:
     triton = None

@@ -47,7 +47,13 @@ import torch
 
 from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
-__all__ = ["HAVE_TRITON", "UnifiedConfig", "choose_config", "reference_unified_attention", "unified_attention"]
+__all__ = [
+    "HAVE_TRITON",
+    "UnifiedConfig",
+    "choose_config",
+    "reference_unified_attention",
+    "unified_attention",
+]
 
 _LOG2E = math.log2(math.e)
 
@@ -56,6 +62,7 @@ _LOG2E = math.log2(math.e)
 class UnifiedConfig:
     """Tile shape of one launch. block_m: query rows (tokens x packed heads) per program, a power of
     two >= 16; block_n: K/V tokens per inner tile; num_warps / num_stages: Triton's launch knobs."""
+
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
@@ -82,14 +89,34 @@ def choose_config(group: int, head_dim: int, max_query_len: int) -> UnifiedConfi
 
 
 def _unified_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, qk_scale, num_reqs,
-    stride_qt, stride_qh,                  # q [T, H, D] (D contiguous)
-    stride_kb, stride_ks, stride_kh,       # k_cache [num_blocks, block_size, K, D] (D contiguous)
-    stride_vb, stride_vs, stride_vh,       # v_cache, same shape
-    stride_btr,                            # block_tables [R_max, B] (B contiguous)
-    stride_ot, stride_oh,                  # out [T, H, D] (D contiguous)
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    bt_ptr,
+    qk_scale,
+    num_reqs,
+    stride_qt,
+    stride_qh,  # q [T, H, D] (D contiguous)
+    stride_kb,
+    stride_ks,
+    stride_kh,  # k_cache [num_blocks, block_size, K, D] (D contiguous)
+    stride_vb,
+    stride_vs,
+    stride_vh,  # v_cache, same shape
+    stride_btr,  # block_tables [R_max, B] (B contiguous)
+    stride_ot,
+    stride_oh,  # out [T, H, D] (D contiguous)
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # Tiles run last request first: the runner puts decode rows first and chunks last, and a chunk's
     # tiles loop over the longest contexts, so starting them first shortens the launch's tail.
@@ -109,60 +136,68 @@ def _unified_kernel(
     req = lo - 1
     q_start = tl.load(qsl_ptr + req)
     q_len = tl.load(qsl_ptr + req + 1) - q_start
-    local = tile - (q_start // BLOCK_Q + req)          # this tile's index inside its request
-    if local * BLOCK_Q >= q_len:                       # a spare tile index: nothing to do
+    local = tile - (q_start // BLOCK_Q + req)  # this tile's index inside its request
+    if local * BLOCK_Q >= q_len:  # a spare tile index: nothing to do
         return
     seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
-    context = seq_len - q_len                          # positions before this step's first token
+    context = seq_len - q_len  # positions before this step's first token
 
-    m = tl.arange(0, BLOCK_M)                          # [BM] row: token m // G, head m % G
-    d = tl.arange(0, HEAD_DIM_PAD)                     # [DP]
-    n = tl.arange(0, BLOCK_N)                          # [BN] token within a K/V tile
-    tok = local * BLOCK_Q + m // GROUP                 # [BM] token index inside the request
-    head = kv_head * GROUP + m % GROUP                 # [BM] query head (h = kv_head * G + g)
-    row_ok = (m < BLOCK_Q * GROUP) & (tok < q_len)     # [BM]
+    m = tl.arange(0, BLOCK_M)  # [BM] row: token m // G, head m % G
+    d = tl.arange(0, HEAD_DIM_PAD)  # [DP]
+    n = tl.arange(0, BLOCK_N)  # [BN] token within a K/V tile
+    tok = local * BLOCK_Q + m // GROUP  # [BM] token index inside the request
+    head = kv_head * GROUP + m % GROUP  # [BM] query head (h = kv_head * G + g)
+    row_ok = (m < BLOCK_Q * GROUP) & (tok < q_len)  # [BM]
     d_ok = d < HEAD_DIM
     # Masked rows take the tile's last real position, so they see keys like a real row (no -inf rows).
     last_tok = tl.minimum(local * BLOCK_Q + BLOCK_Q, q_len) - 1
     q_pos = context + tl.where(row_ok, tok, last_tok)  # [BM] absolute position of each row
-    kv_end = context + last_tok + 1                    # keys [0, kv_end) cover every row of the tile
-    diag = context + local * BLOCK_Q + 1               # keys [0, diag) are seen by every row of the tile
+    kv_end = context + last_tok + 1  # keys [0, kv_end) cover every row of the tile
+    diag = context + local * BLOCK_Q + 1  # keys [0, diag) are seen by every row of the tile
 
-    row_off = (q_start + tok).to(tl.int64)             # [BM] token row in q / out
-    q = tl.load(q_ptr + row_off[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)                   # [BM, DP] q dtype
+    row_off = (q_start + tok).to(tl.int64)  # [BM] token row in q / out
+    q = tl.load(
+        q_ptr + row_off[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # [BM, DP] q dtype
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)                      # [BM] running max (log2)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)                                    # [BM] sum of exp2
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)                      # [BM, DP]
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # [BM] running max (log2)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # [BM] sum of exp2
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)  # [BM, DP]
 
     bt_row = bt_ptr + req.to(tl.int64) * stride_btr
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
     for start in range(0, kv_end, BLOCK_N):
-        pos = start + n                                                            # [BN]
+        pos = start + n  # [BN]
         valid = pos < kv_end
         blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)  # [BN]
         off = pos % BLOCK_SIZE
         kv_mask = valid[:, None] & d_ok[None, :]
-        k = tl.load(k_head + blk[:, None] * stride_kb + off[:, None] * stride_ks + d[None, :],
-                    mask=kv_mask, other=0.0)                                       # [BN, DP]
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale      # [BM, BN] fp32, log2
-        if start + BLOCK_N > diag:   # only tiles that reach the tile's first row's position need masks
-            seen = valid[None, :] & (pos[None, :] <= q_pos[:, None])               # causal, bottom-right
+        k = tl.load(
+            k_head + blk[:, None] * stride_kb + off[:, None] * stride_ks + d[None, :], mask=kv_mask, other=0.0
+        )  # [BN, DP]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BM, BN] fp32, log2
+        if start + BLOCK_N > diag:  # only tiles that reach the tile's first row's position need masks
+            seen = valid[None, :] & (pos[None, :] <= q_pos[:, None])  # causal, bottom-right
             qk = tl.where(seen, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))      # finite: position 0 is in the first tile of every row
+        m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: position 0 is in the first tile of every row
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])            # [BM, BN], 0 where not seen
+        p = tl.exp2(qk - m_new[:, None])  # [BM, BN], 0 where not seen
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_head + blk[:, None] * stride_vb + off[:, None] * stride_vs + d[None, :],
-                    mask=kv_mask, other=0.0)                                       # [BN, DP]
+        v = tl.load(
+            v_head + blk[:, None] * stride_vb + off[:, None] * stride_vs + d[None, :], mask=kv_mask, other=0.0
+        )  # [BN, DP]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     o = acc / l_i[:, None]
-    tl.store(out_ptr + row_off[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        out_ptr + row_off[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
 
 
 _KERNEL = None
@@ -172,18 +207,29 @@ def _kernel():
     global _KERNEL
     if _KERNEL is None:
         if not HAVE_TRITON:
-            raise RuntimeError("unified_attention needs triton (pip install triton); "
-                               "or set GRAPHCACHE_ATTENTION_BACKEND=flash / sdpa")
+            raise RuntimeError(
+                "unified_attention needs triton (pip install triton); "
+                "or set GRAPHCACHE_ATTENTION_BACKEND=flash / sdpa"
+            )
         # num_reqs changes every step: one compiled variant for all values, not extra ones for
         # num_reqs == 1 or a multiple of 16 (Triton's default integer specialisation).
         _KERNEL = triton.jit(_unified_kernel, do_not_specialize=["num_reqs"])
     return _KERNEL
 
 
-def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                      scale: float, num_reqs: int, config: UnifiedConfig | None = None,
-                      max_query_len: int | None = None) -> None:
+def unified_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    num_reqs: int,
+    config: UnifiedConfig | None = None,
+    max_query_len: int | None = None,
+) -> None:
     """q, out [T, H, D] (T may include padded rows past query_start_loc[num_reqs]: untouched);
     k_cache, v_cache [num_blocks, block_size, K, D] in q's dtype; query_start_loc [>= R + 1] int32/int64,
     seq_lens [>= R] and block_tables [>= R, B] (row-contiguous) on q's device. `config` fixes the tiles
@@ -194,51 +240,87 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         return
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_heads % num_kv_heads or k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
-        raise ValueError(f"q {tuple(q.shape)} vs k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)}")
-    if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1 \
-            or block_tables.stride(1) != 1:
+        raise ValueError(
+            f"q {tuple(q.shape)} vs k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)}"
+        )
+    if (
+        q.stride(2) != 1
+        or out.stride(2) != 1
+        or k_cache.stride(3) != 1
+        or v_cache.stride(3) != 1
+        or block_tables.stride(1) != 1
+    ):
         raise ValueError("q, out, k_cache, v_cache need a contiguous head_dim, block_tables contiguous rows")
     if block_size & (block_size - 1):
         raise ValueError(f"block_size {block_size} must be a power of two")
     group = num_heads // num_kv_heads
     cfg = config or choose_config(group, head_dim, num_tokens if max_query_len is None else max_query_len)
     if cfg.block_m < group or cfg.block_m < 16 or cfg.block_m & (cfg.block_m - 1):
-        raise ValueError(f"block_m {cfg.block_m} must be a power of two >= max(16, heads per KV head {group})")
+        raise ValueError(
+            f"block_m {cfg.block_m} must be a power of two >= max(16, heads per KV head {group})"
+        )
     block_q = cfg.block_m // group
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
     _kernel()[grid](
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale * _LOG2E, num_reqs,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        scale * _LOG2E,
+        num_reqs,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, _next_pow2(head_dim)), BLOCK_SIZE=block_size,
-        BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, _next_pow2(head_dim)),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=cfg.block_m,
+        BLOCK_Q=block_q,
+        BLOCK_N=cfg.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
 
-def reference_unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                                scale: float, num_reqs: int) -> torch.Tensor:
+def reference_unified_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    num_reqs: int,
+) -> torch.Tensor:
     """Plain torch, fp32 masked attention over each request's gathered context, one request at a time
     (tests and benchmarks only: it syncs). Same arguments as unified_attention; returns
     [query_start_loc[num_reqs], H, D] fp32."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    starts = query_start_loc[:num_reqs + 1].tolist()
+    starts = query_start_loc[: num_reqs + 1].tolist()
     out = torch.empty(starts[-1], num_heads, head_dim, dtype=torch.float32, device=q.device)
     for r, length in enumerate(seq_lens[:num_reqs].tolist()):
         s, e = starts[r], starts[r + 1]
         pos = torch.arange(length, device=q.device)
-        blocks = block_tables[r].long()[pos // block_size]                                  # [L]
-        k = k_cache[blocks, pos % block_size].float().repeat_interleave(group, dim=1)       # [L, H, D]
+        blocks = block_tables[r].long()[pos // block_size]  # [L]
+        k = k_cache[blocks, pos % block_size].float().repeat_interleave(group, dim=1)  # [L, H, D]
         v = v_cache[blocks, pos % block_size].float().repeat_interleave(group, dim=1)
-        q_pos = torch.arange(length - (e - s), length, device=q.device)                     # [n]
-        scores = torch.einsum("nhd,lhd->hnl", q[s:e].float(), k) * scale                    # [H, n, L]
+        q_pos = torch.arange(length - (e - s), length, device=q.device)  # [n]
+        scores = torch.einsum("nhd,lhd->hnl", q[s:e].float(), k) * scale  # [H, n, L]
         scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
         out[s:e] = torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
     return out

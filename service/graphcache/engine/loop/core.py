@@ -55,8 +55,14 @@ from graphcache.engine.sequence import RequestOutput, SamplingParams, Sequence
 from graphcache.engine.stopping import sendable_text
 from graphcache.metrics import Metrics
 
-__all__ = ["MAX_CONSECUTIVE_STEP_FAILURES", "STEP_TRACE_FIELDS", "EngineCore", "EngineFailure", "is_device_failure",
-           "write_step_trace"]
+__all__ = [
+    "MAX_CONSECUTIVE_STEP_FAILURES",
+    "STEP_TRACE_FIELDS",
+    "EngineCore",
+    "EngineFailure",
+    "is_device_failure",
+    "write_step_trace",
+]
 
 log = logging.getLogger("graphcache.engine")
 
@@ -68,8 +74,19 @@ STEP_FAILED_MESSAGE = "the model step for this request failed on the server; ret
 
 
 # One record of EngineCore.step_trace (times: perf_counter seconds of the engine's process).
-STEP_TRACE_FIELDS = ("scheduled", "launch", "launched", "complete", "tokens_on_host", "completed", "rows",
-                     "tokens", "sampled", "waiting", "running")
+STEP_TRACE_FIELDS = (
+    "scheduled",
+    "launch",
+    "launched",
+    "complete",
+    "tokens_on_host",
+    "completed",
+    "rows",
+    "tokens",
+    "sampled",
+    "waiting",
+    "running",
+)
 
 
 def write_step_trace(path, records) -> None:
@@ -112,21 +129,22 @@ def _needs_host_history(params: SamplingParams) -> bool:
 @dataclass
 class _InFlight:
     """A launched step whose sampled tokens are not on the host yet."""
+
     plan: SchedulerOutput
     sample_seqs: list[Sequence]
-    tokens: torch.Tensor               # [n] int64 sampled ids, on the device (feeds placeholders)
-    host: torch.Tensor                 # [n] the same on the host (pinned; valid once `ready` is done)
-    ready: torch.cuda.Event | None     # recorded after the copies (CUDA); None on the CPU
-    failed: list[int]                  # rows whose sampling failed: their requests end with an error
+    tokens: torch.Tensor  # [n] int64 sampled ids, on the device (feeds placeholders)
+    host: torch.Tensor  # [n] the same on the host (pinned; valid once `ready` is done)
+    ready: torch.cuda.Event | None  # recorded after the copies (CUDA); None on the CPU
+    failed: list[int]  # rows whose sampling failed: their requests end with an error
     mode: str
     launched_at: float
-    scheduled_at: float                # perf_counter when schedule() began (the step trace)
-    needs_history: bool = False        # a sampled sequence's next sampling reads these tokens on the host
-    launch_end: float = 0.0            # perf_counter when _launch returned (the step trace)
-    logprob_rows: list[int] = field(default_factory=list)     # rows of sample_seqs with params.logprobs set
+    scheduled_at: float  # perf_counter when schedule() began (the step trace)
+    needs_history: bool = False  # a sampled sequence's next sampling reads these tokens on the host
+    launch_end: float = 0.0  # perf_counter when _launch returned (the step trace)
+    logprob_rows: list[int] = field(default_factory=list)  # rows of sample_seqs with params.logprobs set
     sampled_logprobs: Logprobs | None = None  # their tokens' logprobs (host copies, valid once `ready`)
     prompt_spans: list[PromptSpan] = field(default_factory=list)
-    prompt_logprobs: Logprobs | None = None   # the spans' targets, in span order (host copies)
+    prompt_logprobs: Logprobs | None = None  # the spans' targets, in span order (host copies)
 
 
 class EngineCore:
@@ -134,19 +152,30 @@ class EngineCore:
         self.runner = runner
         self.settings = settings
         self.metrics = metrics
-        self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size,
-                                          enable_prefix_caching=settings.engine.enable_prefix_caching)
-        self._prefix_counted = (0, 0)   # block-manager lookup counters already added to the metrics
-        bm = self.block_manager   # the limits never change after load: one snapshot checks every request
-        self.checker = RequestChecker(EngineLimits(runner.vocab_size, runner.max_model_len, bm.block_size, bm.num_usable),
-                                      runner.tokenizer, GrammarLimits.from_settings(settings), metrics,
-                                      grammar_cache=StructuredOutput)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=settings.engine.max_num_seqs,
-                                   max_num_batched_tokens=settings.engine.max_num_batched_tokens,
-                                   max_model_len=runner.max_model_len, eos_token_ids=runner.eos_token_ids)
+        self.block_manager = BlockManager(
+            runner.num_kv_blocks,
+            runner.block_size,
+            enable_prefix_caching=settings.engine.enable_prefix_caching,
+        )
+        self._prefix_counted = (0, 0)  # block-manager lookup counters already added to the metrics
+        bm = self.block_manager  # the limits never change after load: one snapshot checks every request
+        self.checker = RequestChecker(
+            EngineLimits(runner.vocab_size, runner.max_model_len, bm.block_size, bm.num_usable),
+            runner.tokenizer,
+            GrammarLimits.from_settings(settings),
+            metrics,
+            grammar_cache=StructuredOutput,
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=settings.engine.max_num_seqs,
+            max_num_batched_tokens=settings.engine.max_num_batched_tokens,
+            max_model_len=runner.max_model_len,
+            eos_token_ids=runner.eos_token_ids,
+        )
         self.sampler = Sampler(default_seed=settings.model.seed, eos_token_ids=runner.eos_token_ids)
-        self.requests: dict[str, Sequence] = {}   # unfinished requests, by id
-        self._unsent: dict[str, Sequence] = {}    # streams with tokens not in an output yet
+        self.requests: dict[str, Sequence] = {}  # unfinished requests, by id
+        self._unsent: dict[str, Sequence] = {}  # streams with tokens not in an output yet
         # Unfinished requests whose sampling reads their history on the host (_needs_host_history),
         # and those asking for logprobs or prompt logprobs: sets, so a step without any costs nothing per row.
         self._history_seqs: set[Sequence] = set()
@@ -164,7 +193,9 @@ class EngineCore:
         # settings.engine.step_trace: per completed step, (schedule start, launch start, launch end, completion
         # start, tokens on the host, completion end) as perf_counter seconds, then rows scheduled, tokens
         # fed, rows sampled, waiting, running. Bounded: a long-running server keeps the newest.
-        self.step_trace: deque[tuple] | None = deque(maxlen=STEP_TRACE_MAX) if settings.engine.step_trace else None
+        self.step_trace: deque[tuple] | None = (
+            deque(maxlen=STEP_TRACE_MAX) if settings.engine.step_trace else None
+        )
         # Test hook: called with each StepBatch before execute; raise to fail the step.
         self.step_failpoint: Callable[[StepBatch], None] | None = None
 
@@ -201,7 +232,7 @@ class EngineCore:
     def structured(self) -> StructuredOutput:
         """The grammar engine over this model's tokenizer (built lazily: ~1 s for a 150k vocabulary)."""
         structured = self.checker.structured
-        assert isinstance(structured, StructuredOutput)   # this core's checker builds StructuredOutput
+        assert isinstance(structured, StructuredOutput)  # this core's checker builds StructuredOutput
         return structured
 
     def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> RequestOutput | None:
@@ -226,7 +257,7 @@ class EngineCore:
         sequence that step n finished drops what step n+1 computed for it."""
         outputs: list[RequestOutput | None] = []
         if self._pending is not None and self._pending.needs_history:
-            outputs += self._complete_pending()   # its tokens feed the next sampling on the host: no overlap
+            outputs += self._complete_pending()  # its tokens feed the next sampling on the host: no overlap
         t_start = time.perf_counter()
         plan = self.scheduler.schedule()
         outputs += [self._output(seq) for seq in plan.failed]
@@ -241,7 +272,7 @@ class EngineCore:
             try:
                 launched = self._launch(plan, t_start)
             except Exception as exc:
-                early = outputs + self._complete_pending()   # the step in flight still ends properly
+                early = outputs + self._complete_pending()  # the step in flight still ends properly
                 try:
                     return [o for o in early if o is not None] + self._step_failed(plan, exc)
                 except EngineFailure as failure:
@@ -265,37 +296,60 @@ class EngineCore:
         if pending is not None:
             batch.prev_tokens = pending.tokens
         # A decode-rows batch holds no prompt positions: nothing to flag, and its seqs stay unbuilt.
-        spans = (flag_prompt_logits(plan.scheduled, batch.seqs)
-                 if self._prompt_logprob_seqs and batch.rows is None else [])
+        spans = (
+            flag_prompt_logits(plan.scheduled, batch.seqs)
+            if self._prompt_logprob_seqs and batch.rows is None
+            else []
+        )
         if self.step_failpoint is not None:
             self.step_failpoint(batch)
         t0 = time.perf_counter()
         result = self.runner.execute(batch)
         sample_seqs = [s.seq for s in plan.scheduled if s.need_logits]
-        logits = result.logits[:len(sample_seqs)]
-        logprob_rows = ([i for i, seq in enumerate(sample_seqs) if seq.params.logprobs is not None]
-                        if self._logprob_seqs else [])
-        if logprob_rows:   # a copy of their rows: the sampler may process logits in place
+        logits = result.logits[: len(sample_seqs)]
+        logprob_rows = (
+            [i for i, seq in enumerate(sample_seqs) if seq.params.logprobs is not None]
+            if self._logprob_seqs
+            else []
+        )
+        if logprob_rows:  # a copy of their rows: the sampler may process logits in place
             lp_index = to_device(logprob_rows, logits.device)
-            raw = logits.index_select(0, lp_index)                      # [m, V]
-        if self.checker.built_structured is not None:   # after the raw logprob rows were copied: it masks in place
+            raw = logits.index_select(0, lp_index)  # [m, V]
+        if (
+            self.checker.built_structured is not None
+        ):  # after the raw logprob rows were copied: it masks in place
             self.structured.apply(logits, sample_seqs)
         tokens, failed = self._sample(logits, sample_seqs)
         sampled_logprobs = None
         if logprob_rows:
-            k = max(sample_seqs[i].params.logprobs or 0 for i in logprob_rows)   # each set: logprob_rows
+            k = max(sample_seqs[i].params.logprobs or 0 for i in logprob_rows)  # each set: logprob_rows
             sampled_logprobs = token_logprobs(raw, tokens.index_select(0, lp_index), k).to_host()
         prompt_logprobs = prompt_token_logprobs(result.prompt_logits, spans)
         host, ready = tokens, None
-        if tokens.is_cuda:   # small asynchronous copies (logprobs queued above); completion waits on the event
+        if tokens.is_cuda:  # small asynchronous copies (logprobs queued above); completion waits on the event
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
         history = self._history_seqs
         needs_history = bool(history) and not history.isdisjoint(sample_seqs)
-        return _InFlight(plan, sample_seqs, tokens, host, ready, failed, result.mode, t0, scheduled_at,
-                         needs_history, time.perf_counter(), logprob_rows, sampled_logprobs, spans, prompt_logprobs)
+        return _InFlight(
+            plan,
+            sample_seqs,
+            tokens,
+            host,
+            ready,
+            failed,
+            result.mode,
+            t0,
+            scheduled_at,
+            needs_history,
+            time.perf_counter(),
+            logprob_rows,
+            sampled_logprobs,
+            spans,
+            prompt_logprobs,
+        )
 
     def _complete_pending(self) -> list[RequestOutput]:
         """Wait for the step in flight (if any), append its tokens, check stops: its outputs."""
@@ -341,8 +395,21 @@ class EngineCore:
         self.phase_seconds["postprocess"] += t_end - t_done
         if self.step_trace is not None:
             plan, sched = p.plan, self.scheduler
-            self.step_trace.append((p.scheduled_at, p.launched_at, p.launch_end, t0, t_done, t_end, len(plan.scheduled),
-                                    plan.num_tokens, len(p.sample_seqs), len(sched.waiting), len(sched.running)))
+            self.step_trace.append(
+                (
+                    p.scheduled_at,
+                    p.launched_at,
+                    p.launch_end,
+                    t0,
+                    t_done,
+                    t_end,
+                    len(plan.scheduled),
+                    plan.num_tokens,
+                    len(p.sample_seqs),
+                    len(sched.waiting),
+                    len(sched.running),
+                )
+            )
         return outputs
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]]:
@@ -357,12 +424,16 @@ class EngineCore:
             if is_device_failure(exc):
                 raise
             if len(seqs) > 1:
-                log.warning("batched sampling failed (%s: %s); sampling the %d rows one by one",
-                            type(exc).__name__, exc, len(seqs))
+                log.warning(
+                    "batched sampling failed (%s: %s); sampling the %d rows one by one",
+                    type(exc).__name__,
+                    exc,
+                    len(seqs),
+                )
         rows, failed = [], []
         for i, seq in enumerate(seqs):
             try:
-                rows.append(self.sampler.sample_device(logits[i:i + 1], [seq]))
+                rows.append(self.sampler.sample_device(logits[i : i + 1], [seq]))
             except Exception as exc:
                 if is_device_failure(exc):
                     raise
@@ -374,22 +445,39 @@ class EngineCore:
     @staticmethod
     def _sampling_failed(seq: Sequence, exc: Exception) -> None:
         p = seq.params
-        log.error("sampling failed for request %s (temperature=%r top_p=%r top_k=%r seed=%r): %s: %s",
-                  seq.request_id, p.temperature, p.top_p, p.top_k, p.seed, type(exc).__name__, exc, exc_info=exc)
+        log.error(
+            "sampling failed for request %s (temperature=%r top_p=%r top_k=%r seed=%r): %s: %s",
+            seq.request_id,
+            p.temperature,
+            p.top_p,
+            p.top_k,
+            p.seed,
+            type(exc).__name__,
+            exc,
+            exc_info=exc,
+        )
 
     def _step_failed(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         self.consecutive_failures += 1
         ids = [s.seq.request_id for s in plan.scheduled]
-        log.error("step failed (%d in a row) for requests %s: %s: %s", self.consecutive_failures, ids,
-                  type(exc).__name__, exc, exc_info=exc)
+        log.error(
+            "step failed (%d in a row) for requests %s: %s: %s",
+            self.consecutive_failures,
+            ids,
+            type(exc).__name__,
+            exc,
+            exc_info=exc,
+        )
         outputs = []
         for s in plan.scheduled:
             if not s.seq.is_finished:
                 self.scheduler.finish(s.seq, "error", STEP_FAILED_MESSAGE)
                 outputs.append(self._output(s.seq))
         if is_device_failure(exc) or self.consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
-            raise EngineFailure(f"{self.consecutive_failures} failed steps in a row, last: "
-                                f"{type(exc).__name__}: {exc}", [o for o in outputs if o is not None]) from exc
+            raise EngineFailure(
+                f"{self.consecutive_failures} failed steps in a row, last: {type(exc).__name__}: {exc}",
+                [o for o in outputs if o is not None],
+            ) from exc
         return [o for o in outputs if o is not None]
 
     # --- outputs ---------------------------------------------------------------------------
@@ -406,7 +494,7 @@ class EngineCore:
             self._unsent.pop(seq.request_id, None)
             self._record_finish(seq)
         elif not seq.stream:
-            return None   # everything accumulates into the final output
+            return None  # everything accumulates into the final output
         elif seq.num_tokens_sent:
             self._unsent[seq.request_id] = seq
             return None
@@ -427,20 +515,33 @@ class EngineCore:
         if not finished and not new_ids and not text:
             return None
         params = seq.params
-        logprobs = seq.output_logprobs[sent:sent + len(new_ids)] if params.logprobs is not None else None
+        logprobs = seq.output_logprobs[sent : sent + len(new_ids)] if params.logprobs is not None else None
         # The first output is the first with tokens (or the final one): the whole prompt has run by then.
-        prompt_logprobs = list(seq.prompt_logprobs) if sent == 0 and params.prompt_logprobs is not None else None
-        return RequestOutput(seq.request_id, text, new_ids, finished, seq.finish_reason, seq.num_prompt_tokens,
-                             seq.num_output_tokens, seq.error, error_code=seq.error_code, logprobs=logprobs,
-                             prompt_logprobs=prompt_logprobs, num_cached_tokens=seq.num_cached_tokens,
-                             stopped_on_token=finished and seq.stopped_on_token)
+        prompt_logprobs = (
+            list(seq.prompt_logprobs) if sent == 0 and params.prompt_logprobs is not None else None
+        )
+        return RequestOutput(
+            seq.request_id,
+            text,
+            new_ids,
+            finished,
+            seq.finish_reason,
+            seq.num_prompt_tokens,
+            seq.num_output_tokens,
+            seq.error,
+            error_code=seq.error_code,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=seq.num_cached_tokens,
+            stopped_on_token=finished and seq.stopped_on_token,
+        )
 
     def _record_finish(self, seq: Sequence) -> None:
         m = self.metrics
         if m is None:
             return
         now = time.monotonic()
-        m.requests_finished.labels(seq.finish_reason).inc()   # vllm:request_success mirrors it
+        m.requests_finished.labels(seq.finish_reason).inc()  # vllm:request_success mirrors it
         m.e2e.observe(now - seq.arrival_time)
         m.vllm.observe_finished(seq, now)
         if seq.num_output_tokens > 1 and seq.first_token_time is not None and seq.last_token_time is not None:
@@ -451,7 +552,7 @@ class EngineCore:
     # --- state for gauges and stats --------------------------------------------------------
     def update_gauges(self) -> None:
         if self.metrics is not None:
-            bm = self.block_manager   # prefix-cache lookups (tokens) since the last update
+            bm = self.block_manager  # prefix-cache lookups (tokens) since the last update
             queried, hit = bm.prefix_cache_queries, bm.prefix_cache_hits
             self.metrics.prefix_cache_queries.inc(queried - self._prefix_counted[0])
             self.metrics.prefix_cache_hits.inc(hit - self._prefix_counted[1])
@@ -459,7 +560,10 @@ class EngineCore:
             self.metrics.requests_running.set(len(self.scheduler.running))
             self.metrics.requests_waiting.set(len(self.scheduler.waiting))
             self.metrics.kv_usage.set(self.block_manager.usage)
-            if not self.metrics.vllm.cache_config:   # vllm:cache_config_info: the KV cache's shape, once
+            if not self.metrics.vllm.cache_config:  # vllm:cache_config_info: the KV cache's shape, once
                 bm = self.block_manager
-                self.metrics.vllm.set_cache_config(block_size=bm.block_size, num_gpu_blocks=bm.num_blocks,
-                                                   cache_dtype=str(self.runner.dtype).removeprefix("torch."))
+                self.metrics.vllm.set_cache_config(
+                    block_size=bm.block_size,
+                    num_gpu_blocks=bm.num_blocks,
+                    cache_dtype=str(self.runner.dtype).removeprefix("torch."),
+                )

@@ -66,8 +66,21 @@ from graphcache.graphs.cache import warmup_order
 from graphcache.graphs.descriptor import BatchDescriptor
 from graphcache.metrics import Metrics
 
-__all__ = ["DEAD_MESSAGE", "MAX_CONSECUTIVE_STEP_FAILURES", "Engine", "EngineDead", "EngineDraining",
-           "EngineNotReady", "EngineState", "InvalidRequest", "QueueFull", "RequestOutput", "SamplingParams", "StructuredSpec", "TokenLogprob"]
+__all__ = [
+    "DEAD_MESSAGE",
+    "MAX_CONSECUTIVE_STEP_FAILURES",
+    "Engine",
+    "EngineDead",
+    "EngineDraining",
+    "EngineNotReady",
+    "EngineState",
+    "InvalidRequest",
+    "QueueFull",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredSpec",
+    "TokenLogprob",
+]
 
 log = logging.getLogger("graphcache.engine")
 GIL_SWITCH_INTERVAL_S = 0.0005
@@ -76,19 +89,28 @@ WARMUP_SLICE_S = 0.02
 
 
 class Engine(EngineFrontend):
-    def __init__(self, settings: Settings, metrics: Metrics | None = None, *,
-                 runner_factory: Callable[[Settings, Metrics | None], Runner] | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics | None = None,
+        *,
+        runner_factory: Callable[[Settings, Metrics | None], Runner] | None = None,
+    ) -> None:
         super().__init__(settings, metrics)
-        if runner_factory is None and settings.model.tensor_parallel_size > 1:   # rank 0 of N processes it starts
+        if (
+            runner_factory is None and settings.model.tensor_parallel_size > 1
+        ):  # rank 0 of N processes it starts
             runner_factory = TensorParallelRunner.start
-        self._runner_factory: Callable[[Settings, Metrics | None], Runner] = runner_factory or ModelRunner   # tests pass a fake
+        self._runner_factory: Callable[[Settings, Metrics | None], Runner] = (
+            runner_factory or ModelRunner
+        )  # tests pass a fake
         self._inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
-        self._core: EngineCore | None = None    # engine thread: set at load, dropped at exit
-        self._tokenizer: Any = None             # kept after the runner is released
+        self._core: EngineCore | None = None  # engine thread: set at load, dropped at exit
+        self._tokenizer: Any = None  # kept after the runner is released
         self._max_model_len: int | None = None
-        self._outbox: list[tuple[Handle, RequestOutput]] = []   # routed, not yet delivered
-        self._warmups: deque[WarmupJob] = deque()   # admin warmups in progress, oldest first
+        self._outbox: list[tuple[Handle, RequestOutput]] = []  # routed, not yet delivered
+        self._warmups: deque[WarmupJob] = deque()  # admin warmups in progress, oldest first
         self._last_stream_flush = 0.0
         self._stats_refreshed = 0.0
         self.warmup_report: Any = None
@@ -172,7 +194,7 @@ class Engine(EngineFrontend):
     async def _call(self, fn: Callable[[], Any]) -> Any:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        with self._lock:   # the exiting engine thread fails what is queued under this lock: none is lost
+        with self._lock:  # the exiting engine thread fails what is queued under this lock: none is lost
             refused = self.refusal(admin=True)
             if refused is not None:
                 raise refused
@@ -185,7 +207,9 @@ class Engine(EngineFrontend):
         serving: at most WARMUP_SLICE_S of them between two steps while requests run (stats()["warmup"]
         shows the progress); the answer comes when all are done."""
         if descriptors is not None:
-            descriptors = [d if isinstance(d, BatchDescriptor) else BatchDescriptor.parse(str(d)) for d in descriptors]
+            descriptors = [
+                d if isinstance(d, BatchDescriptor) else BatchDescriptor.parse(str(d)) for d in descriptors
+            ]
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         with self._lock:
@@ -239,7 +263,7 @@ class Engine(EngineFrontend):
         except BaseException:
             runner.close()
             raise
-        runner.watch(self.fail)   # tensor parallel: a worker rank that dies kills this engine, even idle
+        runner.watch(self.fail)  # tensor parallel: a worker rank that dies kills this engine, even idle
         core.step_failpoint = self.step_failpoint
         self._core, self._tokenizer, self._max_model_len = core, runner.tokenizer, runner.max_model_len
 
@@ -255,8 +279,13 @@ class Engine(EngineFrontend):
         self.warmup_report = runner.warmup(progress=warmup_progress)
         self.warmup_seconds = time.perf_counter() - t0
         bm = core.block_manager
-        log.info("engine ready: %d KV blocks x %d tokens, max_model_len %d, warmup %.2fs", bm.num_usable,
-                 bm.block_size, runner.max_model_len, self.warmup_seconds)
+        log.info(
+            "engine ready: %d KV blocks x %d tokens, max_model_len %d, warmup %.2fs",
+            bm.num_usable,
+            bm.block_size,
+            runner.max_model_len,
+            self.warmup_seconds,
+        )
         self._refresh_stats(force=True)
         self.progress = None
         self._set_state(EngineState.READY)
@@ -272,7 +301,7 @@ class Engine(EngineFrontend):
                 try:
                     self._route(core.step())
                 except EngineFailure as failure:
-                    self._route(failure.outputs)   # the failed step's requests end with their error first
+                    self._route(failure.outputs)  # the failed step's requests end with their error first
                     raise
             self._stream_due()
             if self._warmups:
@@ -302,14 +331,21 @@ class Engine(EngineFrontend):
     def _handle_command(self, cmd: Any) -> None:
         core = self._loaded_core
         if isinstance(cmd, Add):
-            if cmd.handle.request_id in self._requests:   # else it failed while queued (drain/abort-all)
+            if cmd.handle.request_id in self._requests:  # else it failed while queued (drain/abort-all)
                 try:
                     core.add_request(cmd.handle.seq)
-                except InvalidRequest as exc:   # the core still holds that id: end this request, not the engine
+                except (
+                    InvalidRequest
+                ) as exc:  # the core still holds that id: end this request, not the engine
                     seq = cmd.handle.seq
                     seq.finish("error", exc.message)
-                    self._route([RequestOutput(seq.request_id, "", [], True, "error", seq.num_prompt_tokens, 0,
-                                               exc.message)])
+                    self._route(
+                        [
+                            RequestOutput(
+                                seq.request_id, "", [], True, "error", seq.num_prompt_tokens, 0, exc.message
+                            )
+                        ]
+                    )
         elif isinstance(cmd, Abort):
             self._route([core.abort(cmd.request_id)])
         elif isinstance(cmd, AbortAll):
@@ -348,7 +384,7 @@ class Engine(EngineFrontend):
                 job.report.merge(self._loaded_core.runner.capture([job.todo.popleft()], pin=True))
                 if time.perf_counter() - t0 >= budget:
                     break
-        except Exception as exc:   # admin errors go back to the caller, the engine keeps serving
+        except Exception as exc:  # admin errors go back to the caller, the engine keeps serving
             log.exception("admin warmup failed")
             self._warmups.popleft()
             self._resolve(job, exc=exc)
@@ -405,14 +441,24 @@ class Engine(EngineFrontend):
             except Exception as exc:  # stats must never take the engine down
                 cache_stats = {"error": str(exc)}
         self._stats = {
-            "running": len(core.scheduler.running), "waiting": len(core.scheduler.waiting),
-            "kv_usage": bm.usage, "kv_blocks_total": bm.num_usable, "kv_blocks_free": bm.num_free,
-            "block_size": bm.block_size, "max_model_len": core.scheduler.max_model_len, "steps": core.num_steps,
-            "steps_by_mode": dict(core.steps_by_mode), "preemptions": core.scheduler.num_preemptions,
-            "warmup_seconds": self.warmup_seconds, "cache": cache_stats,
+            "running": len(core.scheduler.running),
+            "waiting": len(core.scheduler.waiting),
+            "kv_usage": bm.usage,
+            "kv_blocks_total": bm.num_usable,
+            "kv_blocks_free": bm.num_free,
+            "block_size": bm.block_size,
+            "max_model_len": core.scheduler.max_model_len,
+            "steps": core.num_steps,
+            "steps_by_mode": dict(core.steps_by_mode),
+            "preemptions": core.scheduler.num_preemptions,
+            "warmup_seconds": self.warmup_seconds,
+            "cache": cache_stats,
             # admin warmups in progress: descriptors captured / asked for, over all of them
-            "warmup": {"jobs": len(self._warmups), "done": sum(j.total - len(j.todo) for j in self._warmups),
-                       "total": sum(j.total for j in self._warmups)},
+            "warmup": {
+                "jobs": len(self._warmups),
+                "done": sum(j.total - len(j.todo) for j in self._warmups),
+                "total": sum(j.total for j in self._warmups),
+            },
         }
 
     # --- endings ---------------------------------------------------------------------------
@@ -432,11 +478,16 @@ class Engine(EngineFrontend):
         core = self._core
         if core is not None:
             self._route(core.abort_all("error", message))
-        for handle in handles:   # queued but never added to the core
+        for handle in handles:  # queued but never added to the core
             if not handle.seq.is_finished:
                 handle.seq.finish("error", message)
-                self._route([RequestOutput(handle.request_id, "", [], True, "error", handle.seq.num_prompt_tokens,
-                                           0, message)])
+                self._route(
+                    [
+                        RequestOutput(
+                            handle.request_id, "", [], True, "error", handle.seq.num_prompt_tokens, 0, message
+                        )
+                    ]
+                )
         while True:
             try:
                 cmd = self._inbox.get_nowait()
@@ -460,7 +511,7 @@ class Engine(EngineFrontend):
         if core.step_trace is not None:
             write_step_trace(self.settings.engine.step_trace, core.step_trace)
         try:
-            core.runner.close()   # tensor parallel: stop the worker ranks
+            core.runner.close()  # tensor parallel: stop the worker ranks
         except Exception:  # noqa: BLE001 - the engine is exiting either way
             log.exception("closing the runner failed")
         del core

@@ -38,27 +38,29 @@ log = logging.getLogger("graphcache.engine")
 
 
 class EngineState(enum.Enum):
-    LOADING = "loading"     # the thread is loading the model and warming up
-    READY = "ready"         # serving
-    DRAINING = "draining"   # serving what is in flight, refusing new requests (SIGTERM)
-    STOPPED = "stopped"     # the thread exited after shutdown()
-    DEAD = "dead"           # the thread exited on an unrecoverable error
+    LOADING = "loading"  # the thread is loading the model and warming up
+    READY = "ready"  # serving
+    DRAINING = "draining"  # serving what is in flight, refusing new requests (SIGTERM)
+    STOPPED = "stopped"  # the thread exited after shutdown()
+    DEAD = "dead"  # the thread exited on an unrecoverable error
 
 
 class EngineFrontend:
     def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
-        if metrics is not None:   # the vllm: series' model_name label, also for engines built outside create_app
+        if (
+            metrics is not None
+        ):  # the vllm: series' model_name label, also for engines built outside create_app
             metrics.bind_model(self.model_name)
-        self._lock = threading.Lock()           # guards _state, _requests, _num_running
+        self._lock = threading.Lock()  # guards _state, _requests, _num_running
         self._state = EngineState.LOADING
         self._requests: dict[str, Handle] = {}
         self._num_running = 0
         self._error: str | None = None
-        self._ready_event = threading.Event()   # set when ready or dead: wait_ready() returns
+        self._ready_event = threading.Event()  # set when ready or dead: wait_ready() returns
         self._stats: dict[str, Any] = {}
-        self.progress: dict[str, Any] | None = None   # while loading: the phase, and warmup n/total
+        self.progress: dict[str, Any] | None = None  # while loading: the phase, and warmup n/total
 
     # --- what the engine implements --------------------------------------------------------
     @property
@@ -110,7 +112,9 @@ class EngineFrontend:
         if state is EngineState.DEAD:
             return EngineDead(DEAD_MESSAGE)
         if state is EngineState.STOPPED:
-            return EngineDead("the engine was shut down") if admin else EngineDraining("the server is shut down")
+            return (
+                EngineDead("the engine was shut down") if admin else EngineDraining("the server is shut down")
+            )
         if state is EngineState.DRAINING and not admin:
             return EngineDraining("the server is shutting down and takes no new requests")
         if state is EngineState.LOADING:
@@ -120,7 +124,7 @@ class EngineFrontend:
     def _set_state(self, state: EngineState) -> None:
         with self._lock:
             if self._state in (EngineState.DEAD, EngineState.STOPPED):
-                return   # final
+                return  # final
             self._state = state
         if self.metrics is not None:
             self.metrics.ready.set(1 if state is EngineState.READY else 0)
@@ -136,8 +140,14 @@ class EngineFrontend:
     def stats(self) -> dict[str, Any]:
         """JSON-able snapshot, refreshed by the step loop (never blocks)."""
         snap = dict(self._stats)
-        snap.update(model=self.model_name, ready=self.ready, alive=self.alive, state=self._state.value,
-                    error=self._error, in_flight=len(self._requests))
+        snap.update(
+            model=self.model_name,
+            ready=self.ready,
+            alive=self.alive,
+            state=self._state.value,
+            error=self._error,
+            in_flight=len(self._requests),
+        )
         return snap
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -161,17 +171,29 @@ class EngineFrontend:
         left = len(self._requests)
         if left and self.alive:
             log.warning("drain timeout (%.1fs): failing %d unfinished requests", timeout, left)
-            self.abort_all("error", f"the server is shutting down; the request did not finish "
-                                     f"within the {timeout:g}s drain timeout")
+            self.abort_all(
+                "error",
+                f"the server is shutting down; the request did not finish "
+                f"within the {timeout:g}s drain timeout",
+            )
             grace = loop.time() + 5.0
             while self._requests and loop.time() < grace and self.alive:
                 await asyncio.sleep(0.02)
         return {"in_flight": in_flight, "finished": in_flight - left, "aborted": left}
 
     # --- requests ----------------------------------------------------------------------------
-    def submit(self, request_id: str, prompt_token_ids: SequenceT[int], params: SamplingParams | None = None, *,
-               loop: Any, outputs: Any, stream: bool = True, max_tokens_param: str = "max_tokens",
-               enforce_max_queue: bool = True) -> Handle:
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: SequenceT[int],
+        params: SamplingParams | None = None,
+        *,
+        loop: Any,
+        outputs: Any,
+        stream: bool = True,
+        max_tokens_param: str = "max_tokens",
+        enforce_max_queue: bool = True,
+    ) -> Handle:
         """Check and admit a request (any thread, no event loop needed); the step loop then delivers its
         outputs with `loop.call_soon_threadsafe(deliver, [(outputs, out), ...])`: an asyncio loop and
         queue, or (in the engine process) a sink that sends them to the API process. Raises at once:
@@ -180,26 +202,41 @@ class EngineFrontend:
         refused = self.refusal()
         if refused is not None or checker is None:
             raise refused or EngineDead(DEAD_MESSAGE)
-        seq = Sequence(request_id, list(prompt_token_ids), params if params is not None else SamplingParams(),
-                       stream=stream)
+        seq = Sequence(
+            request_id,
+            list(prompt_token_ids),
+            params if params is not None else SamplingParams(),
+            stream=stream,
+        )
         prompt_checked = isinstance(prompt_token_ids, TokenIds) and prompt_token_ids.checked_for(
-            checker.limits.vocab_size)
-        checker.check(seq, max_tokens_param, prompt_checked)   # read-only: the limits never change after load
+            checker.limits.vocab_size
+        )
+        checker.check(seq, max_tokens_param, prompt_checked)  # read-only: the limits never change after load
         handle = Handle(request_id, loop, outputs, seq)
         with self._lock:
-            refused = self.refusal()   # again under the lock: death fails everything in _requests
+            refused = self.refusal()  # again under the lock: death fails everything in _requests
             if refused is not None:
                 raise refused
             if request_id in self._requests:
                 raise InvalidRequest(f"request id {request_id!r} is already in flight; use a unique id")
-            if enforce_max_queue and len(self._requests) - self._num_running >= self.settings.engine.max_queue:
+            if (
+                enforce_max_queue
+                and len(self._requests) - self._num_running >= self.settings.engine.max_queue
+            ):
                 raise QueueFull(f"{self.settings.engine.max_queue} requests are already waiting; retry later")
             self._requests[request_id] = handle
         self._enqueue(handle)
         return handle
 
-    def generate(self, request_id: str, prompt_token_ids: SequenceT[int], params: SamplingParams | None = None,
-                 *, stream: bool = True, max_tokens_param: str = "max_tokens") -> AsyncIterator[RequestOutput]:
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: SequenceT[int],
+        params: SamplingParams | None = None,
+        *,
+        stream: bool = True,
+        max_tokens_param: str = "max_tokens",
+    ) -> AsyncIterator[RequestOutput]:
         """Submit a request; iterate the result for its output deltas. Must be called on an event loop.
 
         stream=False delivers a single final output holding all text and token ids (one event-loop
@@ -207,6 +244,13 @@ class EngineFrontend:
         InvalidRequest, QueueFull, EngineNotReady, EngineDraining, EngineDead. Leaving the iteration
         early (client disconnect) aborts the request and frees its KV blocks.
         """
-        handle = self.submit(request_id, prompt_token_ids, params, loop=asyncio.get_running_loop(),
-                             outputs=asyncio.Queue(), stream=stream, max_tokens_param=max_tokens_param)
+        handle = self.submit(
+            request_id,
+            prompt_token_ids,
+            params,
+            loop=asyncio.get_running_loop(),
+            outputs=asyncio.Queue(),
+            stream=stream,
+            max_tokens_param=max_tokens_param,
+        )
         return consume(handle, self.tokenizer, self.abort)

@@ -45,8 +45,18 @@ __all__ = ["EngineClient"]
 
 log = logging.getLogger("graphcache.engine")
 # Exception types an admin call's failure keeps across the pipe; any other becomes a RuntimeError.
-_REMOTE_ERRORS = {cls.__name__: cls for cls in (errors.EngineDead, errors.EngineDraining, errors.EngineNotReady,
-                                                errors.QueueFull, ValueError, KeyError, TypeError)}
+_REMOTE_ERRORS = {
+    cls.__name__: cls
+    for cls in (
+        errors.EngineDead,
+        errors.EngineDraining,
+        errors.EngineNotReady,
+        errors.QueueFull,
+        ValueError,
+        KeyError,
+        TypeError,
+    )
+}
 SHUTDOWN_MESSAGE = "the engine was shut down before the request finished"
 CHILD_MODULE = "graphcache.engine.loop.process_main"
 
@@ -59,13 +69,22 @@ def run_engine_child(*args) -> None:
 
 
 class EngineClient(EngineFrontend):
-    def __init__(self, settings: Settings, metrics: Metrics | None = None, *,
-                 setup_logging: Callable[[str, str], None] | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics | None = None,
+        *,
+        setup_logging: Callable[[str, str], None] | None = None,
+    ) -> None:
         """setup_logging(log_format, log_level): run first in the engine process (module-level: it is
         pickled by name), so its records look like this process's."""
-        if settings.model.tensor_parallel_size > 1:   # Settings refuses it too; a direct caller gets the same fix
-            raise ValueError("engine_process does not support tensor_parallel_size > 1 yet; set "
-                             "GRAPHCACHE_ENGINE_PROCESS=false or GRAPHCACHE_TENSOR_PARALLEL_SIZE=1")
+        if (
+            settings.model.tensor_parallel_size > 1
+        ):  # Settings refuses it too; a direct caller gets the same fix
+            raise ValueError(
+                "engine_process does not support tensor_parallel_size > 1 yet; set "
+                "GRAPHCACHE_ENGINE_PROCESS=false or GRAPHCACHE_TENSOR_PARALLEL_SIZE=1"
+            )
         super().__init__(settings, metrics)
         self._setup_logging = setup_logging
         self._checker: RequestChecker | None = None
@@ -77,7 +96,7 @@ class EngineClient(EngineFrontend):
         self._reader: threading.Thread | None = None
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
-        self._closing = False   # shutdown() asked the child to exit: its end of the pipe closing is no death
+        self._closing = False  # shutdown() asked the child to exit: its end of the pipe closing is no death
 
     # --- what EngineFrontend needs ------------------------------------------------------
     @property
@@ -103,7 +122,7 @@ class EngineClient(EngineFrontend):
         return snap
 
     def _enqueue(self, handle: Handle) -> None:
-        seq = handle.seq   # checked here already (max_tokens resolved): the engine's re-check passes as is
+        seq = handle.seq  # checked here already (max_tokens resolved): the engine's re-check passes as is
         self._send(("add", handle.request_id, seq.prompt_token_ids, seq.params, seq.stream, "max_tokens"))
 
     def abort_all(self, reason: str, error: str) -> None:
@@ -118,7 +137,7 @@ class EngineClient(EngineFrontend):
         try:
             with self._send_lock:
                 self._conn.send(message)
-        except (OSError, ValueError, AttributeError):   # the child is gone: the reader turns us DEAD
+        except (OSError, ValueError, AttributeError):  # the child is gone: the reader turns us DEAD
             pass
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -126,13 +145,17 @@ class EngineClient(EngineFrontend):
         """Spawn the engine process (load, warmup, serve) and return at once."""
         if self._process is not None:
             raise RuntimeError("EngineClient.start() called twice")
-        ctx = multiprocessing.get_context("spawn")   # never fork a process that may hold CUDA or threads
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
         self._conn, child_conn = ctx.Pipe(duplex=True)
         # daemon: the child dies with this process even if shutdown() never runs.
-        self._process = ctx.Process(target=run_engine_child, args=(child_conn, self.settings, self._setup_logging),
-                                    name="graphcache-engine", daemon=True)
+        self._process = ctx.Process(
+            target=run_engine_child,
+            args=(child_conn, self.settings, self._setup_logging),
+            name="graphcache-engine",
+            daemon=True,
+        )
         self._process.start()
-        child_conn.close()   # ours closed: the pipe reads EOF once the child exits, however it exits
+        child_conn.close()  # ours closed: the pipe reads EOF once the child exits, however it exits
         self._reader = threading.Thread(target=self._read, name="graphcache-engine-reader", daemon=True)
         self._reader.start()
 
@@ -160,7 +183,7 @@ class EngineClient(EngineFrontend):
     async def _call(self, name: str, *args: Any) -> Any:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        with self._lock:   # _close fails what is registered under this lock: none is lost
+        with self._lock:  # _close fails what is registered under this lock: none is lost
             refused = self.refusal(admin=True)
             if refused is not None:
                 raise refused
@@ -176,7 +199,9 @@ class EngineClient(EngineFrontend):
     async def warmup(self, descriptors: list[BatchDescriptor] | None = None) -> dict:
         """As Engine.warmup, run by the engine process."""
         if descriptors is not None:
-            descriptors = [d if isinstance(d, BatchDescriptor) else BatchDescriptor.parse(str(d)) for d in descriptors]
+            descriptors = [
+                d if isinstance(d, BatchDescriptor) else BatchDescriptor.parse(str(d)) for d in descriptors
+            ]
         return await self._call("warmup", descriptors)
 
     async def clear_graphs(self) -> dict:
@@ -243,7 +268,11 @@ class EngineClient(EngineFrontend):
         self.progress = progress
         if state == EngineState.DEAD.value:
             self._die(error or "the engine process reported an unrecoverable error")
-        elif state == EngineState.READY.value and self._state is EngineState.LOADING and self._checker is not None:
+        elif (
+            state == EngineState.READY.value
+            and self._state is EngineState.LOADING
+            and self._checker is not None
+        ):
             self._set_state(EngineState.READY)
             self._ready_event.set()
 
@@ -251,7 +280,7 @@ class EngineClient(EngineFrontend):
         with self._lock:
             pending = self._calls.get(call_id)
         if pending is None:
-            return   # the caller was cancelled
+            return  # the caller was cancelled
         loop, future = pending
         exc = None if failure is None else _REMOTE_ERRORS.get(failure[0], RuntimeError)(failure[1])
         settle(loop, future, result, exc)
@@ -283,10 +312,15 @@ class EngineClient(EngineFrontend):
         routed = []
         for handle in handles:
             handle.seq.finish("error", message)
-            routed.append((handle, RequestOutput(handle.request_id, "", [], True, "error",
-                                                 handle.seq.num_prompt_tokens, 0, message)))
+            routed.append(
+                (
+                    handle,
+                    RequestOutput(
+                        handle.request_id, "", [], True, "error", handle.seq.num_prompt_tokens, 0, message
+                    ),
+                )
+            )
         dispatch(routed)
         for loop, future in calls:
             settle(loop, future, None, EngineDead(message))
         self._ready_event.set()
-

@@ -40,7 +40,7 @@ __all__ = ["ADMIN_CALLS", "SNAPSHOT_INTERVAL_S", "main"]
 
 log = logging.getLogger("graphcache.engine")
 SNAPSHOT_INTERVAL_S = 0.25
-STATE_POLL_S = 0.02   # how soon a state change (ready, dead) or a load progress step is pushed
+STATE_POLL_S = 0.02  # how soon a state change (ready, dead) or a load progress step is pushed
 # The Engine coroutines the API process may call by name.
 ADMIN_CALLS = ("warmup", "clear_graphs", "cache_profile", "cache_info")
 
@@ -59,7 +59,7 @@ class PipeSink:
 class EngineServer:
     def __init__(self, conn: Connection, settings: Settings) -> None:
         self.conn = conn
-        self._send_lock = threading.Lock()   # the engine, snapshot and admin threads all send
+        self._send_lock = threading.Lock()  # the engine, snapshot and admin threads all send
         self.metrics = Metrics(process_collectors=False)
         self.engine = Engine(settings, self.metrics)
         self.sink = PipeSink(self.send, self.engine)
@@ -70,13 +70,15 @@ class EngineServer:
         try:
             with self._send_lock:
                 self.conn.send(message)
-        except (OSError, EOFError, ValueError):   # the API process is gone: the reader sees EOF and stops
+        except (OSError, EOFError, ValueError):  # the API process is gone: the reader sees EOF and stops
             pass
 
     def run(self) -> None:
         self.engine.start()
         threading.Thread(target=self.loop.run_forever, name="graphcache-engine-admin", daemon=True).start()
-        snapshots = threading.Thread(target=self._push_snapshots, name="graphcache-engine-snapshots", daemon=True)
+        snapshots = threading.Thread(
+            target=self._push_snapshots, name="graphcache-engine-snapshots", daemon=True
+        )
         snapshots.start()
         try:
             while True:
@@ -109,19 +111,29 @@ class EngineServer:
         else:
             log.error("unknown message from the API process: %r", kind)
 
-    def _add(self, request_id: str, prompt_ids: list[int], params, stream: bool, max_tokens_param: str) -> None:
+    def _add(
+        self, request_id: str, prompt_ids: list[int], params, stream: bool, max_tokens_param: str
+    ) -> None:
         """The API process checked and admitted the request (the queue limit is its to enforce); checking
         again here is cheap and compiles a grammar off the engine thread. A refusal ends the request."""
         try:
-            self.engine.submit(request_id, prompt_ids, params, loop=self.sink, outputs=None, stream=stream,
-                               max_tokens_param=max_tokens_param, enforce_max_queue=False)
+            self.engine.submit(
+                request_id,
+                prompt_ids,
+                params,
+                loop=self.sink,
+                outputs=None,
+                stream=stream,
+                max_tokens_param=max_tokens_param,
+                enforce_max_queue=False,
+            )
         except Exception as exc:  # noqa: BLE001 - whatever refused it, the request must end, not hang
             message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
             refusal = RequestOutput(request_id, "", [], True, "error", len(prompt_ids), 0, message)
             self.send(("out", pack_outputs([refusal]), self.engine.num_running))
 
     def _call(self, call_id: int, name: str, args: tuple) -> None:
-        if name == "metrics_text":   # read-only, thread-safe: answered at once
+        if name == "metrics_text":  # read-only, thread-safe: answered at once
             self._reply(call_id, lambda: generate_latest(self.metrics.registry).decode())
             return
         if name not in ADMIN_CALLS:
@@ -146,7 +158,7 @@ class EngineServer:
         while not self._stopping.wait(STATE_POLL_S):
             state, checker = engine.state, engine.checker
             if state is EngineState.READY and not ready_sent and checker is not None:
-                runner = engine.runner   # None if the engine stopped since
+                runner = engine.runner  # None if the engine stopped since
                 model_path = str(runner.model_path) if runner is not None else ""
                 self.send(("ready", checker.limits, model_path, engine.max_model_len))
                 ready_sent = True
@@ -161,7 +173,9 @@ class EngineServer:
         self.send(("snapshot", engine.state.value, engine.error, engine.progress, engine.stats()))
 
 
-def main(conn: Connection, settings: Settings, setup_logging: Callable[[str, str], None] | None = None) -> None:
+def main(
+    conn: Connection, settings: Settings, setup_logging: Callable[[str, str], None] | None = None
+) -> None:
     """The spawned process's entry point. setup_logging(log_format, log_level): the API process's own
     (api/request_log.py), so both processes log alike to the same stream."""
     # Ctrl-C reaches the whole process group, and systemd's default stop SIGTERMs every process of the

@@ -24,10 +24,11 @@ __all__ = ["EngineLimits", "RequestChecker"]
 @dataclass(frozen=True)
 class EngineLimits:
     """What a request is checked against; plain values, so it crosses a process boundary."""
-    vocab_size: int | None      # the model's logits width (None: unknown, ids are not range-checked)
+
+    vocab_size: int | None  # the model's logits width (None: unknown, ids are not range-checked)
     max_model_len: int
     block_size: int
-    num_usable_blocks: int      # the KV cache: what one sequence could hold at most
+    num_usable_blocks: int  # the KV cache: what one sequence could hold at most
 
     @property
     def max_tokens_capacity(self) -> int:
@@ -43,8 +44,14 @@ class RequestChecker:
     `grammar_cache` (GrammarCache, torch-free, where only checking happens: the API process) or a subclass
     that also masks (the engine's StructuredOutput)."""
 
-    def __init__(self, limits: EngineLimits, tokenizer: Any, grammar_limits: GrammarLimits | None = None,
-                 metrics: Any = None, grammar_cache: type[GrammarCache] = GrammarCache) -> None:
+    def __init__(
+        self,
+        limits: EngineLimits,
+        tokenizer: Any,
+        grammar_limits: GrammarLimits | None = None,
+        metrics: Any = None,
+        grammar_cache: type[GrammarCache] = GrammarCache,
+    ) -> None:
         self.limits = limits
         self.grammar_cache = grammar_cache
         self.tokenizer = tokenizer
@@ -56,10 +63,13 @@ class RequestChecker:
     @property
     def structured(self) -> GrammarCache:
         """The grammar engine over this model's tokenizer (built lazily)."""
-        with self._structured_lock:   # the API compiles off the event loop while the engine thread may build it
+        with (
+            self._structured_lock
+        ):  # the API compiles off the event loop while the engine thread may build it
             if self._structured is None:
-                self._structured = self.grammar_cache(self.tokenizer, self.limits.vocab_size,
-                                                     limits=self.grammar_limits, metrics=self.metrics)
+                self._structured = self.grammar_cache(
+                    self.tokenizer, self.limits.vocab_size, limits=self.grammar_limits, metrics=self.metrics
+                )
         return self._structured
 
     @property
@@ -67,21 +77,30 @@ class RequestChecker:
         """The grammar engine if a constrained request built it already, else None (costs nothing)."""
         return self._structured
 
-    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, param: str = "max_tokens") -> int:
+    def resolve_max_tokens(
+        self, num_prompt_tokens: int, max_tokens: int | None, param: str = "max_tokens"
+    ) -> int:
         """The tokens a request may generate: its own max_tokens checked against the context window,
         or (None) the rest of the window, capped by what the whole KV cache can hold."""
         limit, n = self.limits.max_model_len, num_prompt_tokens
         if n == 0:
             raise InvalidRequest("the prompt is empty; send at least one token", param="prompt")
         if n >= limit:
-            raise InvalidRequest(f"This model's maximum context length is {limit} tokens, but the prompt has "
-                                 f"{n} tokens; shorten the prompt.", param="prompt", code="context_length_exceeded")
+            raise InvalidRequest(
+                f"This model's maximum context length is {limit} tokens, but the prompt has "
+                f"{n} tokens; shorten the prompt.",
+                param="prompt",
+                code="context_length_exceeded",
+            )
         if max_tokens is None:
             return max(1, min(limit, self.limits.max_tokens_capacity) - n)
         if n + max_tokens > limit:
-            raise InvalidRequest(f"This model's maximum context length is {limit} tokens; the prompt has {n} "
-                                 f"and {param}={max_tokens} asks for more. Lower {param} to at most {limit - n}.",
-                                 param=param, code="context_length_exceeded")
+            raise InvalidRequest(
+                f"This model's maximum context length is {limit} tokens; the prompt has {n} "
+                f"and {param}={max_tokens} asks for more. Lower {param} to at most {limit - n}.",
+                param=param,
+                code="context_length_exceeded",
+            )
         return max_tokens
 
     def check(self, seq: Sequence, param: str = "max_tokens", prompt_checked: bool = False) -> None:
@@ -92,7 +111,7 @@ class RequestChecker:
         seq.params.validate()
         if limits.vocab_size is not None:
             seq.params.validate_token_ids(limits.vocab_size)
-        if seq.params.structured is not None:   # an invalid schema, regex or grammar is the client's 400
+        if seq.params.structured is not None:  # an invalid schema, regex or grammar is the client's 400
             # Kept on the sequence: the engine thread copies it and never compiles (nor waits for a compile).
             seq.compiled_grammar = self.structured.check(seq.params.structured)
         seq.params.max_tokens = self.resolve_max_tokens(seq.num_prompt_tokens, seq.params.max_tokens, param)
@@ -101,5 +120,8 @@ class RequestChecker:
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
         total = seq.num_prompt_tokens + seq.params.max_tokens
         if limits.blocks_for(total) > limits.num_usable_blocks:
-            raise InvalidRequest(f"prompt + {param} = {total} tokens needs more KV cache than the server has "
-                                 f"({limits.max_tokens_capacity} tokens); lower {param}", param=param)
+            raise InvalidRequest(
+                f"prompt + {param} = {total} tokens needs more KV cache than the server has "
+                f"({limits.max_tokens_capacity} tokens); lower {param}",
+                param=param,
+            )

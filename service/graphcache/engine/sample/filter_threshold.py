@@ -44,7 +44,7 @@ from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 __all__ = ["PREFIX", "bisect_thresholds", "reference_sort_filter", "thresholds"]
 
 PREFIX = 4096
-_INF_KEY = 0x7F800000   # the fp32 bits of +inf: the largest key of a non-NaN |z|
+_INF_KEY = 0x7F800000  # the fp32 bits of +inf: the largest key of a non-NaN |z|
 _NEG_INF = float("-inf")
 
 
@@ -53,29 +53,32 @@ def _key_to_thr(c: torch.Tensor) -> torch.Tensor:
     return c.to(torch.int32).view(torch.float32).neg()
 
 
-def thresholds(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-               prefix: int = PREFIX) -> torch.Tensor:
+def thresholds(
+    z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, prefix: int = PREFIX
+) -> torch.Tensor:
     """thr [R] fp32 (-inf = keep all) for z [R, V]; top_k [R] int (0 or >= V: off) or None; top_p [R]
     (>= 1: off) or None. `prefix` is a parameter for the tests (a small one exercises the fallback)."""
     rows, vocab = z.shape
     dev = z.device
     width = max(1, min(prefix, vocab))
-    k = _k_or_vocab(top_k, rows, vocab, dev)                           # [R] int64, vocab = off
+    k = _k_or_vocab(top_k, rows, vocab, dev)  # [R] int64, vocab = off
     p = top_p.float() if top_p is not None else torch.ones(rows, device=dev)
-    vals = z.topk(width, dim=-1).values                                # [R, width], descending
+    vals = z.topk(width, dim=-1).values  # [R, width], descending
     k_on = k < vocab
-    thr_k = torch.where(k_on & (k <= width), vals.gather(1, (k.clamp(1, width) - 1).view(-1, 1)).view(-1), _NEG_INF)
-    need = k_on & (k > width)                                          # [R] bool
+    thr_k = torch.where(
+        k_on & (k <= width), vals.gather(1, (k.clamp(1, width) - 1).view(-1, 1)).view(-1), _NEG_INF
+    )
+    need = k_on & (k > width)  # [R] bool
     thr = thr_k
     if top_p is not None:
         p_on = p < 1
-        w = z.exp()                                                    # [R, V]; z <= 0: no overflow
+        w = z.exp()  # [R, V]; z <= 0: no overflow
         if top_k is not None:
             w.masked_fill_(z < thr_k.view(-1, 1), 0)
-        mass = w.sum(dim=-1)                                           # [R]: the top-k survivors' mass
-        w = vals.exp().masked_fill_(vals < thr_k.view(-1, 1), 0)       # [R, width]
-        cum = w.cumsum(dim=-1) / mass.view(-1, 1)                      # non-decreasing
-        j = (cum < p.view(-1, 1)).sum(dim=-1)                          # first index where it reaches top_p
+        mass = w.sum(dim=-1)  # [R]: the top-k survivors' mass
+        w = vals.exp().masked_fill_(vals < thr_k.view(-1, 1), 0)  # [R, width]
+        cum = w.cumsum(dim=-1) / mass.view(-1, 1)  # non-decreasing
+        j = (cum < p.view(-1, 1)).sum(dim=-1)  # first index where it reaches top_p
         thr_p = torch.where(p_on, vals.gather(1, j.clamp(max=width - 1).view(-1, 1)).view(-1), _NEG_INF)
         thr = torch.maximum(thr_k, thr_p)
         need = need | (p_on & (j >= width))
@@ -94,9 +97,9 @@ def _fallback(z: torch.Tensor, k: torch.Tensor, p: torch.Tensor, need: torch.Ten
     if z.is_cuda:
         if HAVE_TRITON:
             return bisect_thresholds_triton(z, k, p, need)
-        return bisect_thresholds(z, k, p)                      # every row: slow, but no sync
+        return bisect_thresholds(z, k, p)  # every row: slow, but no sync
     out = torch.full_like(p, _NEG_INF)
-    rows = need.nonzero().view(-1)                             # the CPU: nothing to wait for
+    rows = need.nonzero().view(-1)  # the CPU: nothing to wait for
     if rows.numel():
         out[rows] = bisect_thresholds(z[rows], k[rows], p[rows])
     return out
@@ -107,9 +110,9 @@ def bisect_thresholds(z: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torc
     c_k = the smallest key with count(key <= c_k) >= k, then c_p = the smallest with
     mass(key <= c_p) >= top_p * mass(key <= c_k). k [R] int64 (>= V: off), p [R] fp32 (>= 1: off)."""
     rows, vocab = z.shape
-    key = z.abs().view(torch.int32)                                    # [R, V]; NaN keys exceed _INF_KEY
+    key = z.abs().view(torch.int32)  # [R, V]; NaN keys exceed _INF_KEY
 
-    def smallest(ok) -> torch.Tensor:   # the smallest c in [0, _INF_KEY] with ok(c) (ok is monotone)
+    def smallest(ok) -> torch.Tensor:  # the smallest c in [0, _INF_KEY] with ok(c) (ok is monotone)
         lo = torch.zeros(rows, dtype=torch.int32, device=z.device)
         hi = torch.full((rows,), _INF_KEY, dtype=torch.int32, device=z.device)
         for _ in range(31):
@@ -120,7 +123,7 @@ def bisect_thresholds(z: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torc
 
     full = torch.full((rows,), _INF_KEY, dtype=torch.int32, device=z.device)
     c_k = torch.where(k < vocab, smallest(lambda c: (key <= c).sum(dim=-1) >= k), full)
-    w = z.exp()                                                        # [R, V]
+    w = z.exp()  # [R, V]
     mass = w.masked_fill(key > c_k.view(-1, 1), 0).sum(dim=-1)
     target = p * mass
     c_p = torch.where(p < 1, smallest(lambda c: w.masked_fill(key > c, 0).sum(dim=-1) >= target), full)
@@ -163,12 +166,12 @@ def _bisect_kernel(z_ptr, k_ptr, p_ptr, need_ptr, thr_ptr, stride_z, vocab, BLOC
         p = tl.load(p_ptr + row)
         base = z_ptr + row * stride_z
         c_k = tl.full((), 2139095040, tl.int32)
-        if k < vocab:                                   # smallest c with count(key <= c) >= k
+        if k < vocab:  # smallest c with count(key <= c) >= k
             c_k = _smallest_key(base, vocab, c_k, k.to(tl.float32), BLOCK, False)
         c_p = tl.full((), 2139095040, tl.int32)
-        if p < 1:                                       # smallest c with mass(key <= c) >= p * mass(key <= c_k)
+        if p < 1:  # smallest c with mass(key <= c) >= p * mass(key <= c_k)
             target = p * _sum_at_or_below(base, vocab, c_k, BLOCK, True)
-            c_p = _smallest_key(base, vocab, c_k, target, BLOCK, True)   # mass(key <= c_k) >= target
+            c_p = _smallest_key(base, vocab, c_k, target, BLOCK, True)  # mass(key <= c_k) >= target
         c = tl.minimum(c_k, c_p)
         tl.store(thr_ptr + row, -(c.to(tl.float32, bitcast=True)))
 
@@ -186,8 +189,9 @@ def _jit_kernel():
     return _KERNEL
 
 
-def bisect_thresholds_triton(z: torch.Tensor, k: torch.Tensor, p: torch.Tensor, need: torch.Tensor,
-                             block: int = 4096) -> torch.Tensor:
+def bisect_thresholds_triton(
+    z: torch.Tensor, k: torch.Tensor, p: torch.Tensor, need: torch.Tensor, block: int = 4096
+) -> torch.Tensor:
     """bisect_thresholds for the rows flagged in need [R] bool, one Triton launch; -inf elsewhere."""
     kernel = _jit_kernel()
     rows, vocab = z.shape
@@ -195,13 +199,24 @@ def bisect_thresholds_triton(z: torch.Tensor, k: torch.Tensor, p: torch.Tensor, 
         z = z.contiguous()
     out = torch.full((rows,), _NEG_INF, dtype=torch.float32, device=z.device)
     if rows:
-        kernel[(rows,)](z, k.to(torch.int64).contiguous(), p.float().contiguous(), need.to(torch.int8), out,
-                        z.stride(0), vocab, BLOCK=min(block, triton.next_power_of_2(vocab)), num_warps=8)
+        kernel[(rows,)](
+            z,
+            k.to(torch.int64).contiguous(),
+            p.float().contiguous(),
+            need.to(torch.int8),
+            out,
+            z.stride(0),
+            vocab,
+            BLOCK=min(block, triton.next_power_of_2(vocab)),
+            num_warps=8,
+        )
     return out
 
 
 # --- the reference: a full sort (tests compare against it) ----------------------------------------
-def reference_sort_filter(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+def reference_sort_filter(
+    z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
     """z [R, V] fp32 with the top-k then top-p filters applied as -inf, by sorting every row (rank-based:
     of tied tokens at the cut, the sort order decides which stay)."""
     sorted_z, order = z.sort(dim=-1, descending=True)

@@ -39,9 +39,9 @@ from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
 __all__ = ["HAVE_TRITON", "DrawParams", "fused_draw"]
 
-CAP = 4096       # candidates per row held in registers for the final bisection
-PIVOTS = 16      # pivots per ladder pass
-ROUNDS = 8       # ladder passes per search before the whole-row bisection
+CAP = 4096  # candidates per row held in registers for the final bisection
+PIVOTS = 16  # pivots per ladder pass
+ROUNDS = 8  # ladder passes per search before the whole-row bisection
 _NEG_INF = float("-inf")
 
 
@@ -56,7 +56,7 @@ def _z_of(x, m, t, log_min_p):
 
 
 def _race_score(z, key, offs):
-    h = key + (offs.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15     # uint64: wraps, >> is logical
+    h = key + (offs.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15  # uint64: wraps, >> is logical
     h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9
     h = (h ^ (h >> 27)) * 0x94D049BB133111EB
     h = h ^ (h >> 31)
@@ -75,7 +75,7 @@ def _race_pass(base, vocab, m, t, log_min_p, thr, key, BLOCK: tl.constexpr):
         mask = offs < vocab
         z = _z_of(tl.load(base + offs, mask=mask, other=float("-inf")), m, t, log_min_p)
         score = tl.where(mask & (z >= thr), _race_score(z, key, offs), float("-inf"))
-        better = score > best                     # strict: a lane's earlier index wins ties
+        better = score > best  # strict: a lane's earlier index wins ties
         best_i = tl.where(better, offs.to(tl.int64), best_i)
         best = tl.where(better, score, best)
     token, _ = _first_argmax(best, best_i, vocab)
@@ -88,8 +88,22 @@ def _first_argmax(best, best_i, vocab):
     return tl.min(tl.where(best == bm, best_i, vocab), axis=0), bm
 
 
-def _ladder(base, vocab, m, t, log_min_p, lo, hi, f_hi, target, p_scale, first,
-            MASS: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
+def _ladder(
+    base,
+    vocab,
+    m,
+    t,
+    log_min_p,
+    lo,
+    hi,
+    f_hi,
+    target,
+    p_scale,
+    first,
+    MASS: tl.constexpr,
+    P: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """One pass: F at P pivots in [lo, hi), the new bracket, its token count, and whether the old
     bracket's tokens all share one value. Returns (lo, hi, f_hi, c_hi_count, n_in, target, tied, tie_value, ok)."""
     ar = tl.arange(0, P)
@@ -99,7 +113,7 @@ def _ladder(base, vocab, m, t, log_min_p, lo, hi, f_hi, target, p_scale, first,
     top = tl.where(hi < float("inf"), hi, 1e-30)
     even = lo + (top - lo) * arf / P
     piv = tl.where(first, tl.maximum(fixed, lo), even)
-    piv = tl.where(ar == 0, lo, piv)                                   # [P] ascending
+    piv = tl.where(ar == 0, lo, piv)  # [P] ascending
     cols = tl.arange(0, BLOCK)
     # per-lane sums and extremes, reduced once after the pass
     cnt_l = tl.zeros([BLOCK, P], tl.float32)
@@ -109,23 +123,25 @@ def _ladder(base, vocab, m, t, log_min_p, lo, hi, f_hi, target, p_scale, first,
     for start in range(0, vocab, BLOCK):
         offs = start + cols
         z = _z_of(tl.load(base + offs, mask=offs < vocab, other=float("-inf")), m, t, log_min_p)
-        ge = z[:, None] >= piv[None, :]                                # [BLOCK, P]
+        ge = z[:, None] >= piv[None, :]  # [BLOCK, P]
         cnt_l += ge.to(tl.float32)
         if MASS:
             mass_l += tl.where(ge, tl.exp(z)[:, None], 0.0)
         inb = (z >= lo) & (z < hi)
         zmax_l = tl.maximum(zmax_l, tl.where(inb, z, float("-inf")))
         zmin_l = tl.minimum(zmin_l, tl.where(inb, z, float("inf")))
-    cnt = tl.sum(cnt_l, axis=0)                                        # [P]
+    cnt = tl.sum(cnt_l, axis=0)  # [P]
     mass = tl.sum(mass_l, axis=0)
     zmax_in = tl.max(zmax_l, axis=0)
     zmin_in = tl.min(zmin_l, axis=0)
     f = mass if MASS else cnt
     f0 = tl.sum(tl.where(ar == 0, f, 0.0), axis=0)
     if MASS:
-        target = tl.where(first, tl.maximum(p_scale * f0, 1e-30), target)   # 1e-30: a float32 literal (below 2**-126 Triton makes it float64)
-    ok = f0 >= target                       # False only when top_k exceeds the finite tokens
-    good = f >= target                      # a prefix of the pivots
+        target = tl.where(
+            first, tl.maximum(p_scale * f0, 1e-30), target
+        )  # 1e-30: a float32 literal (below 2**-126 Triton makes it float64)
+    ok = f0 >= target  # False only when top_k exceeds the finite tokens
+    good = f >= target  # a prefix of the pivots
     j = tl.max(tl.where(good, ar, 0), axis=0)
     has_next = j < P - 1
     new_lo = tl.sum(tl.where(ar == j, piv, 0.0), axis=0)
@@ -136,23 +152,37 @@ def _ladder(base, vocab, m, t, log_min_p, lo, hi, f_hi, target, p_scale, first,
     return new_lo, new_hi, new_f_hi, c_lo, c_next, has_next, target, zmin_in == zmax_in, zmax_in, ok
 
 
-def _search(base, vocab, m, t, log_min_p, lo, target, p_scale,
-            MASS: tl.constexpr, P: tl.constexpr, LBLOCK: tl.constexpr, ROUNDS: tl.constexpr, CAP: tl.constexpr):
+def _search(
+    base,
+    vocab,
+    m,
+    t,
+    log_min_p,
+    lo,
+    target,
+    p_scale,
+    MASS: tl.constexpr,
+    P: tl.constexpr,
+    LBLOCK: tl.constexpr,
+    ROUNDS: tl.constexpr,
+    CAP: tl.constexpr,
+):
     """Ladders until the bracket holds <= CAP tokens. Returns (lo, hi, f_hi, n_in, target, done, value, ok):
     done -> the threshold is `value` (a tie-only bracket); ok False -> no threshold (keep all)."""
     hi = tl.full((), float("inf"), tl.float32)
     f_hi = tl.full((), 0.0, tl.float32)
     c_hi = tl.full((), 0.0, tl.float32)
-    n_in = tl.full((), 2.0 ** 30, tl.float32)
+    n_in = tl.full((), 2.0**30, tl.float32)
     done = tl.full((), 0, tl.int1)
     ok = tl.full((), 1, tl.int1)
     value = tl.full((), float("-inf"), tl.float32)
-    rounds = tl.full((), 0, tl.int32)   # tensors, not Python numbers: loop-carried values keep one type
+    rounds = tl.full((), 0, tl.int32)  # tensors, not Python numbers: loop-carried values keep one type
     while (rounds < ROUNDS) & (n_in > CAP) & (~done) & ok:
         first = rounds == 0
         new_lo, new_hi, new_f_hi, c_lo, c_next, has_next, target, tied, tie_value, ok = _ladder(
-            base, vocab, m, t, log_min_p, lo, hi, f_hi, target, p_scale, first, MASS, P, LBLOCK)
-        done = tied                          # the old bracket's tokens share one value: that is the answer
+            base, vocab, m, t, log_min_p, lo, hi, f_hi, target, p_scale, first, MASS, P, LBLOCK
+        )
+        done = tied  # the old bracket's tokens share one value: that is the answer
         value = tie_value
         c_hi = tl.where(has_next, c_next, c_hi)
         n_in = c_lo - c_hi
@@ -224,10 +254,27 @@ def _bisect_candidates(cz, f_hi, target, MASS: tl.constexpr):
     return -(lo_key.to(tl.float32, bitcast=True))
 
 
-def _fused_kernel(logits_ptr, row_ptr, stride, vocab, temp_ptr, topk_ptr, topp_ptr, lminp_ptr, key_ptr,
-                  sz_ptr, ss_ptr, si_ptr, out_ptr, thr_ptr,
-                  P: tl.constexpr, BLOCK: tl.constexpr, LBLOCK: tl.constexpr, ROUNDS: tl.constexpr,
-                  CAP: tl.constexpr):
+def _fused_kernel(
+    logits_ptr,
+    row_ptr,
+    stride,
+    vocab,
+    temp_ptr,
+    topk_ptr,
+    topp_ptr,
+    lminp_ptr,
+    key_ptr,
+    sz_ptr,
+    ss_ptr,
+    si_ptr,
+    out_ptr,
+    thr_ptr,
+    P: tl.constexpr,
+    BLOCK: tl.constexpr,
+    LBLOCK: tl.constexpr,
+    ROUNDS: tl.constexpr,
+    CAP: tl.constexpr,
+):
     r = tl.program_id(0).to(tl.int64)
     base = logits_ptr + tl.load(row_ptr + r).to(tl.int64) * stride
     t = tl.load(temp_ptr + r)
@@ -253,21 +300,34 @@ def _fused_kernel(logits_ptr, row_ptr, stride, vocab, temp_ptr, topk_ptr, topp_p
     mn = tl.min(mnv, axis=0)
     token = top
     thr = tl.full((), float("-inf"), tl.float32)
-    if (m > float("-inf")) & (m < float("inf")) & (t > 0):   # t <= 0: greedy, the argmax
+    if (m > float("-inf")) & (m < float("inf")) & (t > 0):  # t <= 0: greedy, the argmax
         z_min = tl.math.div_rn(mn - m, t)
         scr = r * CAP
         ci = tl.arange(0, CAP)
         raced = tl.full((), 0, tl.int1)
         if k < vocab:
             lo, hi, f_hi, n_in, target, done, value, ok = _search(
-                base, vocab, m, t, log_min_p, z_min, k.to(tl.float32), 1.0, False, P, LBLOCK, ROUNDS, CAP)
+                base, vocab, m, t, log_min_p, z_min, k.to(tl.float32), 1.0, False, P, LBLOCK, ROUNDS, CAP
+            )
             if ok:
                 if done:
                     thr = value
                 elif n_in <= CAP:
                     race = p >= 1
-                    best, best_i = _compact(base, vocab, m, t, log_min_p, lo, hi, key,
-                                            sz_ptr + scr, ss_ptr + scr, si_ptr + scr, BLOCK)
+                    best, best_i = _compact(
+                        base,
+                        vocab,
+                        m,
+                        t,
+                        log_min_p,
+                        lo,
+                        hi,
+                        key,
+                        sz_ptr + scr,
+                        ss_ptr + scr,
+                        si_ptr + scr,
+                        BLOCK,
+                    )
                     cz = tl.load(sz_ptr + scr + ci, mask=ci < n_in, other=float("-inf"))
                     thr = _bisect_candidates(cz, f_hi, target, False)
                     if race:
@@ -280,16 +340,32 @@ def _fused_kernel(logits_ptr, row_ptr, stride, vocab, temp_ptr, topk_ptr, topp_p
                         token = tl.where(take, cb, best_i)
                         raced = tl.full((), 1, tl.int1)
                 else:
-                    thr = _bisect_row(base, vocab, m, t, log_min_p, float("-inf"), k.to(tl.float32), False, BLOCK)
+                    thr = _bisect_row(
+                        base, vocab, m, t, log_min_p, float("-inf"), k.to(tl.float32), False, BLOCK
+                    )
         if p < 1:
             floor = tl.where(thr > float("-inf"), thr, z_min)
             lo, hi, f_hi, n_in, target, done, value, ok = _search(
-                base, vocab, m, t, log_min_p, floor, tl.full((), 0.0, tl.float32), p, True, P, LBLOCK, ROUNDS, CAP)
+                base,
+                vocab,
+                m,
+                t,
+                log_min_p,
+                floor,
+                tl.full((), 0.0, tl.float32),
+                p,
+                True,
+                P,
+                LBLOCK,
+                ROUNDS,
+                CAP,
+            )
             if done:
                 thr = value
             elif n_in <= CAP:
-                best, best_i = _compact(base, vocab, m, t, log_min_p, lo, hi, key,
-                                        sz_ptr + scr, ss_ptr + scr, si_ptr + scr, BLOCK)
+                best, best_i = _compact(
+                    base, vocab, m, t, log_min_p, lo, hi, key, sz_ptr + scr, ss_ptr + scr, si_ptr + scr, BLOCK
+                )
                 cz = tl.load(sz_ptr + scr + ci, mask=ci < n_in, other=float("-inf"))
                 thr = _bisect_candidates(cz, f_hi, target, True)
                 cs = tl.load(ss_ptr + scr + ci, mask=(ci < n_in), other=float("-inf"))
@@ -317,6 +393,7 @@ class Config:
     bisection, CAP candidates, warps a program. benchmarks/sampler_bench.py times the choices. These
     defaults compile for sm_90 to 128 registers and no spills (ptxas -v), so two 8-warp programs share an
     SM; block 4096 takes 253 registers (one program an SM: half the loads in flight)."""
+
     block = 2048
     lblock = 256
     pivots = PIVOTS
@@ -325,13 +402,34 @@ class Config:
     warps = 8
 
 
-def _launch(grid: int, logits, rows, temperature, top_k, top_p, log_min_p, keys, scratch, out, thr, cfg) -> None:
+def _launch(
+    grid: int, logits, rows, temperature, top_k, top_p, log_min_p, keys, scratch, out, thr, cfg
+) -> None:
     vocab = logits.shape[-1]
     p2 = triton.next_power_of_2(vocab)
     sz, ss, si = scratch
-    _jit_kernel()[(grid,)](logits, rows, logits.stride(0), vocab, temperature, top_k, top_p, log_min_p, keys,
-                           sz, ss, si, out, thr, P=cfg.pivots, BLOCK=min(cfg.block, p2), LBLOCK=min(cfg.lblock, p2),
-                           ROUNDS=cfg.rounds, CAP=cfg.cap, num_warps=cfg.warps)
+    _jit_kernel()[(grid,)](
+        logits,
+        rows,
+        logits.stride(0),
+        vocab,
+        temperature,
+        top_k,
+        top_p,
+        log_min_p,
+        keys,
+        sz,
+        ss,
+        si,
+        out,
+        thr,
+        P=cfg.pivots,
+        BLOCK=min(cfg.block, p2),
+        LBLOCK=min(cfg.lblock, p2),
+        ROUNDS=cfg.rounds,
+        CAP=cfg.cap,
+        num_warps=cfg.warps,
+    )
 
 
 def _jit_kernel():
@@ -362,8 +460,8 @@ class DrawParams:
     def __init__(self, capacity: int, device: torch.device, cap: int = CAP) -> None:
         self.capacity, self.cap = capacity, cap
         pinned = device.type == "cuda"
-        self.host_f = torch.zeros(3, capacity, dtype=torch.float32, pin_memory=pinned)   # T, top_p, log_min_p
-        self.host_i = torch.zeros(3, capacity, dtype=torch.int64, pin_memory=pinned)     # row, top_k, key
+        self.host_f = torch.zeros(3, capacity, dtype=torch.float32, pin_memory=pinned)  # T, top_p, log_min_p
+        self.host_i = torch.zeros(3, capacity, dtype=torch.int64, pin_memory=pinned)  # row, top_k, key
         self.dev_f = torch.zeros(3, capacity, dtype=torch.float32, device=device)
         self.dev_i = torch.zeros(3, capacity, dtype=torch.int64, device=device)
         self.tokens = torch.zeros(capacity, dtype=torch.int64, device=device)
@@ -400,8 +498,20 @@ class DrawParams:
         if n:
             cfg = Config()
             cfg.cap = self.cap
-            _launch(n, logits, self.dev_i[0], self.dev_f[0], self.dev_i[1], self.dev_f[1], self.dev_f[2],
-                    self.dev_i[2], self.scratch.get(self.capacity, self.cap, logits.device), self.tokens, self.thr, cfg)
+            _launch(
+                n,
+                logits,
+                self.dev_i[0],
+                self.dev_f[0],
+                self.dev_i[1],
+                self.dev_f[1],
+                self.dev_f[2],
+                self.dev_i[2],
+                self.scratch.get(self.capacity, self.cap, logits.device),
+                self.tokens,
+                self.thr,
+                cfg,
+            )
         return self.tokens[:n]
 
 
@@ -416,18 +526,30 @@ class DrawScratch:
         b = self.buffers
         if b is None or b[0].shape[0] < rows or b[0].shape[1] != cap or b[0].device != device:
             n = max(rows, 1)
-            b = self.buffers = (torch.empty(n, cap, dtype=torch.float32, device=device),
-                                torch.empty(n, cap, dtype=torch.float32, device=device),
-                                torch.empty(n, cap, dtype=torch.int32, device=device))
+            b = self.buffers = (
+                torch.empty(n, cap, dtype=torch.float32, device=device),
+                torch.empty(n, cap, dtype=torch.float32, device=device),
+                torch.empty(n, cap, dtype=torch.int32, device=device),
+            )
         return b
 
 
 _SCRATCH = DrawScratch()
 
 
-def fused_draw(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-               top_p: torch.Tensor, log_min_p: torch.Tensor, keys: torch.Tensor, *, cfg: Config | None = None,
-               scratch: DrawScratch | None = None, **overrides) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_draw(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    log_min_p: torch.Tensor,
+    keys: torch.Tensor,
+    *,
+    cfg: Config | None = None,
+    scratch: DrawScratch | None = None,
+    **overrides,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One draw per entry of rows [W] (int64 row indices into logits [R, V], any float dtype,
     contiguous last dim): returns (tokens [W] int64, thresholds [W] fp32: keep z >= thr).
 
@@ -440,8 +562,10 @@ def fused_draw(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tens
         cfg = Config()
         for name, value in overrides.items():
             if not hasattr(Config, name):
-                raise TypeError(f"fused_draw: unknown launch setting {name!r} (Config has block, lblock, "
-                                "pivots, rounds, cap, warps)")
+                raise TypeError(
+                    f"fused_draw: unknown launch setting {name!r} (Config has block, lblock, "
+                    "pivots, rounds, cap, warps)"
+                )
             setattr(cfg, name, value)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()

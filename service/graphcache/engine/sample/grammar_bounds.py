@@ -98,7 +98,9 @@ def _longest_chain(edges: dict[str, set[str]], starts: set[str], limit: int | No
             if child is None:
                 stack.pop()
                 on_path.discard(node)
-                best[node] = 1 + max((best.get(c, 0) for c in edges.get(node, ()) if c not in on_path), default=0)
+                best[node] = 1 + max(
+                    (best.get(c, 0) for c in edges.get(node, ()) if c not in on_path), default=0
+                )
                 continue
             if child in on_path or child in best:
                 continue
@@ -112,8 +114,10 @@ def _longest_chain(edges: dict[str, set[str]], starts: set[str], limit: int | No
 # A rule's head at the start of a line: Lark `name:`, `?name:`, `name.2:`; GBNF `name ::=`.
 _RULE_HEAD = re.compile(r"^[ \t]*[?!]?([A-Za-z_][\w-]*)(?:\.-?\d+)?[ \t]*(?:::=|:)", re.MULTILINE)
 # What cannot hold a rule reference: string literals, regexes, comments.
-_NOT_REFERENCES = re.compile(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|/(?:\\.|[^/\\\n])+/[imsx]*'
-                             r"|//[^\n]*|#[^\n]*")
+_NOT_REFERENCES = re.compile(
+    r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|/(?:\\.|[^/\\\n])+/[imsx]*'
+    r"|//[^\n]*|#[^\n]*"
+)
 _WORD = re.compile(r"[A-Za-z_][\w-]*")
 
 
@@ -126,6 +130,6 @@ def grammar_depth(text: str, limit: int | None = None) -> int:
     edges: dict[str, set[str]] = {}
     for i, head in enumerate(heads):
         end = heads[i + 1].start() if i + 1 < len(heads) else len(text)
-        body = _NOT_REFERENCES.sub(" ", text[head.end():end])
+        body = _NOT_REFERENCES.sub(" ", text[head.end() : end])
         edges.setdefault(head.group(1), set()).update(w for w in _WORD.findall(body) if w in names)
     return _longest_chain(edges, set(edges), limit)

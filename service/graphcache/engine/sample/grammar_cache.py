@@ -30,8 +30,13 @@ KINDS = ("json", "json_schema", "regex", "choice", "grammar")
 # schemas, so hits dominate.
 DEFAULT_CACHE_SIZE = GrammarLimits.cache_entries
 # The param an invalid spec is blamed on, by kind, when the caller names none.
-DEFAULT_PARAMS = {"json": "response_format", "json_schema": "response_format", "regex": "structured_outputs",
-                  "choice": "structured_outputs", "grammar": "structured_outputs"}
+DEFAULT_PARAMS = {
+    "json": "response_format",
+    "json_schema": "response_format",
+    "regex": "structured_outputs",
+    "choice": "structured_outputs",
+    "grammar": "structured_outputs",
+}
 
 
 def _llguidance():
@@ -60,29 +65,39 @@ def grammar_source(spec: StructuredSpec, param: str, max_depth: int = GrammarLim
         _bounded("regex group nesting", _group_depth(value), max_depth, param)
         return llg.LLMatcher.grammar_from_regex(value)
     if kind == "choice":
-        if (not isinstance(value, (list, tuple)) or not value
-                or not all(isinstance(c, str) and c for c in value)):
+        if (
+            not isinstance(value, (list, tuple))
+            or not value
+            or not all(isinstance(c, str) and c for c in value)
+        ):
             raise InvalidRequest("choice needs a non-empty list of non-empty strings", param=param)
         # One regex lexeme, not one grammar alternative per choice: the parser allows at most 2,000
         # items in a row (llguidance's max_items_in_row), the lexer's alternation has no such bound.
         return llg.LLMatcher.grammar_from_regex("(?:" + "|".join(re.escape(c) for c in value) + ")")
     if kind == "grammar":
         if not isinstance(value, str) or not value.strip():
-            raise InvalidRequest("a grammar constraint needs the grammar text (Lark or GBNF/EBNF)", param=param)
+            raise InvalidRequest(
+                "a grammar constraint needs the grammar text (Lark or GBNF/EBNF)", param=param
+            )
         _bounded("grammar rule chain", grammar_depth(value, max_depth), max_depth, param)
-        for schema in _embedded_schemas(value):   # `%json {...}` rules (tool calls): bounded as schemas
+        for schema in _embedded_schemas(value):  # `%json {...}` rules (tool calls): bounded as schemas
             _check_schema_depth(schema, param, max_depth)
         try:
-            return llg.grammar_from("grammar", value)   # GBNF is converted to Lark; Lark passes through
+            return llg.grammar_from("grammar", value)  # GBNF is converted to Lark; Lark passes through
         except ValueError as e:
             raise InvalidRequest(f"invalid grammar: {_one_line(str(e))}", param=param) from None
-    raise InvalidRequest(f"unknown structured output kind {kind!r}; use one of {', '.join(KINDS)}", param=param)
+    raise InvalidRequest(
+        f"unknown structured output kind {kind!r}; use one of {', '.join(KINDS)}", param=param
+    )
 
 
 def _bounded(what: str, depth: int, max_depth: int, param: str) -> None:
     if depth > max_depth:
-        raise InvalidRequest(f"the output constraint is too deep: its {what} is at least {depth} levels, over the server's "
-                             f"limit of {max_depth} (grammar_max_depth); flatten it", param=param)
+        raise InvalidRequest(
+            f"the output constraint is too deep: its {what} is at least {depth} levels, over the server's "
+            f"limit of {max_depth} (grammar_max_depth); flatten it",
+            param=param,
+        )
 
 
 def _check_schema_depth(schema: Any, param: str, max_depth: int) -> None:
@@ -118,7 +133,7 @@ def _embedded_schemas(grammar: str) -> list[Any]:
         try:
             found.append(decoder.raw_decode(grammar, match.end())[0])
         except (ValueError, RecursionError):
-            continue   # not JSON: the grammar library reports it
+            continue  # not JSON: the grammar library reports it
     return found
 
 
@@ -131,8 +146,11 @@ def _schema_text(value: Any, param: str, max_depth: int) -> str:
         except json.JSONDecodeError as e:
             raise InvalidRequest(f"the JSON schema is not valid JSON: {e}", param=param) from None
         except RecursionError:
-            raise InvalidRequest(f"the JSON schema is nested too deeply (the server's limit is {max_depth} "
-                                 "levels, grammar_max_depth)", param=param) from None
+            raise InvalidRequest(
+                f"the JSON schema is nested too deeply (the server's limit is {max_depth} "
+                "levels, grammar_max_depth)",
+                param=param,
+            ) from None
         if not isinstance(parsed, (dict, bool)):
             raise InvalidRequest("a JSON schema must be a JSON object", param=param)
         _check_schema_depth(parsed, param, max_depth)
@@ -156,6 +174,7 @@ def _cache_key(spec: StructuredSpec) -> tuple:
 class CompiledGrammar:
     """A cache entry: the compiled matcher in its start state (never advanced; sequences get deep copies,
     which share its lexer), what it is estimated to hold, and its key."""
+
     matcher: Any
     nbytes: int
     key: tuple
@@ -170,26 +189,35 @@ class GrammarCache:
     grammar_cache_bytes gauge follows the cache. Thread-safe for check() from API threads while the
     engine thread makes matchers."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int | None = None, cache_size: int | None = None,
-                 limits: GrammarLimits | None = None, metrics: Any = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int | None = None,
+        cache_size: int | None = None,
+        limits: GrammarLimits | None = None,
+        metrics: Any = None,
+    ) -> None:
         llg = _llguidance()
         self.limits = limits = limits or GrammarLimits()
         self.vocab_size = vocab_size or tokenizer.vocab_size
         # Ids past the tokenizer have no bytes: llguidance never allows them (the padding ids).
         self._mask_vocab = max(self.vocab_size, tokenizer.vocab_size)
-        self._words = -(-self._mask_vocab // 32)   # [words] int32 per row: llguidance's exact mask size
+        self._words = -(-self._mask_vocab // 32)  # [words] int32 per row: llguidance's exact mask size
         self.eos_token_ids = list(tokenizer.eos_token_ids)
-        self.ll_tokenizer = llg.LLTokenizer(tokenizer._tok.to_str(), n_vocab=self._mask_vocab,
-                                            eos_token=self.eos_token_ids or None)
+        self.ll_tokenizer = llg.LLTokenizer(
+            tokenizer._tok.to_str(), n_vocab=self._mask_vocab, eos_token=self.eos_token_ids or None
+        )
         # Short errors (no parser state or grammar text echoed back to the client), lexer fuel bounded:
         # a counted-repetition bomb (a{1000}{1000}) fails in milliseconds instead of seconds of lexing.
         self._ll_limits = llg.LLParserLimits(initial_lexer_fuel=limits.lexer_fuel, verbose_errors=False)
         self._executor = llg.LLExecutor()
-        self._compiler = CompileExecutor(limits.compile_threads, limits.compile_queue, limits.compile_stack_mib)
+        self._compiler = CompileExecutor(
+            limits.compile_threads, limits.compile_queue, limits.compile_stack_mib
+        )
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._cache_size = limits.cache_entries if cache_size is None else cache_size
         self._cache_bytes = 0
-        self._compiling: dict[tuple, Future] = {}   # one compile per key at a time; the others wait on it
+        self._compiling: dict[tuple, Future] = {}  # one compile per key at a time; the others wait on it
         self._lock = threading.Lock()
         self._metrics = metrics
 
@@ -208,12 +236,12 @@ class GrammarCache:
             if hit is not None and not hit.matcher.is_error():
                 self._cache.move_to_end(key)
                 return hit
-            if hit is not None:   # poisoned (a shared lexer went past its limits): compile afresh
+            if hit is not None:  # poisoned (a shared lexer went past its limits): compile afresh
                 self._drop_locked(key)
             waiting = self._compiling.get(key)
             if waiting is None:
                 mine = self._compiling[key] = Future()
-        if waiting is not None:   # the same spec is compiling now: share its result (or its refusal)
+        if waiting is not None:  # the same spec is compiling now: share its result (or its refusal)
             try:
                 return waiting.result()
             except InvalidRequest as e:
@@ -227,10 +255,12 @@ class GrammarCache:
             with self._lock:
                 self._compiling.pop(key, None)
         with self._lock:
-            if entry.nbytes <= self.limits.cache_bytes:   # a larger one serves its own request, uncached
+            if entry.nbytes <= self.limits.cache_bytes:  # a larger one serves its own request, uncached
                 self._cache[key] = entry
                 self._cache_bytes += entry.nbytes
-            while self._cache and (len(self._cache) > self._cache_size or self._cache_bytes > self.limits.cache_bytes):
+            while self._cache and (
+                len(self._cache) > self._cache_size or self._cache_bytes > self.limits.cache_bytes
+            ):
                 self._drop_locked(next(iter(self._cache)))
             self._publish_locked()
         mine.set_result(entry)
@@ -244,20 +274,28 @@ class GrammarCache:
         source = grammar_source(spec, param, self.limits.max_depth)
         try:
             matcher = llg.LLMatcher(self.ll_tokenizer, source, log_level=0, limits=self._ll_limits)
-        except Exception as e:   # misuse-level errors; grammar errors put the matcher in its error state
-            raise InvalidRequest(f"invalid {spec.kind} constraint: {_one_line(str(e))}", param=param) from None
+        except Exception as e:  # misuse-level errors; grammar errors put the matcher in its error state
+            raise InvalidRequest(
+                f"invalid {spec.kind} constraint: {_one_line(str(e))}", param=param
+            ) from None
         if matcher.is_error():
-            raise InvalidRequest(f"invalid {spec.kind} constraint: {_one_line(matcher.get_error())}", param=param)
-        first = matcher.compute_bitmask()   # builds the shared lexer's first states: never on the engine thread
+            raise InvalidRequest(
+                f"invalid {spec.kind} constraint: {_one_line(matcher.get_error())}", param=param
+            )
+        first = (
+            matcher.compute_bitmask()
+        )  # builds the shared lexer's first states: never on the engine thread
         if matcher.is_error():
             raise InvalidRequest(_refusal(spec.kind, matcher), param=param)
         self._probe_one_step(matcher, first, spec.kind, param)
         elapsed_ms = (time.perf_counter() - start) * 1e3
         if elapsed_ms > self.limits.compile_budget_ms:
-            raise InvalidRequest(f"the {spec.kind} constraint is too costly: compiling it and its first masks "
-                                 f"took {elapsed_ms:.0f} ms, over the server's budget of "
-                                 f"{self.limits.compile_budget_ms:g} ms (grammar_compile_budget_ms); simplify it",
-                                 param=param)
+            raise InvalidRequest(
+                f"the {spec.kind} constraint is too costly: compiling it and its first masks "
+                f"took {elapsed_ms:.0f} ms, over the server's budget of "
+                f"{self.limits.compile_budget_ms:g} ms (grammar_compile_budget_ms); simplify it",
+                param=param,
+            )
         heap_after = heap_bytes()
         grown = heap_after - heap_before if heap_before is not None and heap_after is not None else 0
         return CompiledGrammar(matcher, max(grown, len(source)), key)
@@ -324,12 +362,16 @@ def _first_allowed(mask: bytes, skip: set[int]) -> int | None:
 def _refusal(kind: str, matcher: Any) -> str:
     """Why a compiled constraint is refused after its first masks: unsatisfiable, or past the library's limits."""
     if "NoExtension" in matcher.stop_reason() or "NoExtension" in matcher.get_error():
-        return (f"the {kind} constraint can never be satisfied: no output matches it (a rule that only refers "
-                "to itself, a $ref loop, ...); fix the constraint")
-    return (f"the {kind} constraint is past the grammar engine's limits ({_one_line(matcher.get_error())}); "
-            "simplify it (large counted repetitions, thousands of alternatives in one rule, ...)")
+        return (
+            f"the {kind} constraint can never be satisfied: no output matches it (a rule that only refers "
+            "to itself, a $ref loop, ...); fix the constraint"
+        )
+    return (
+        f"the {kind} constraint is past the grammar engine's limits ({_one_line(matcher.get_error())}); "
+        "simplify it (large counted repetitions, thousands of alternatives in one rule, ...)"
+    )
 
 
 def _one_line(message: str, limit: int = 300) -> str:
     message = " ".join(message.split())
-    return message if len(message) <= limit else message[:limit - 3] + "..."
+    return message if len(message) <= limit else message[: limit - 3] + "..."

@@ -30,13 +30,14 @@ from graphcache.engine.errors import QueueFull
 __all__ = ["CompileExecutor", "GrammarLimits", "heap_bytes"]
 
 T = TypeVar("T")
-COMPILE_NICENESS = 10   # added to the compile threads' nice value (Linux schedules threads one by one)
-_STACK_SIZE_LOCK = threading.Lock()   # threading.stack_size is process-wide: set it only around our starts
+COMPILE_NICENESS = 10  # added to the compile threads' nice value (Linux schedules threads one by one)
+_STACK_SIZE_LOCK = threading.Lock()  # threading.stack_size is process-wide: set it only around our starts
 
 
 @dataclass(frozen=True)
 class GrammarLimits:
     """The bounds a constraint compiles and runs under (config.py's grammar_* settings say why each)."""
+
     compile_threads: int = 2
     compile_queue: int = 64
     compile_stack_mib: int = 256
@@ -80,8 +81,10 @@ class CompileExecutor:
             return fn(*args)
         with self._lock:
             if self._in_flight >= self._limit:
-                raise QueueFull(f"{self._limit} output constraints are already compiling or waiting to; retry "
-                                "later (grammar_compile_threads, grammar_compile_queue)")
+                raise QueueFull(
+                    f"{self._limit} output constraints are already compiling or waiting to; retry "
+                    "later (grammar_compile_threads, grammar_compile_queue)"
+                )
             self._in_flight += 1
         future: Future = Future()
         self._jobs.put((fn, args, future))
@@ -107,15 +110,27 @@ class CompileExecutor:
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _mallinfo2() -> Callable[[], _MallInfo2] | None:
     try:
         fn = ctypes.CDLL("libc.so.6").mallinfo2
-    except (OSError, AttributeError):   # not glibc (or glibc < 2.33): no heap measure
+    except (OSError, AttributeError):  # not glibc (or glibc < 2.33): no heap measure
         return None
     fn.restype = _MallInfo2
     return fn

@@ -35,13 +35,13 @@ class SequenceMatcher:
     def __init__(self, matcher: Any, on_error: Any = None) -> None:
         self.matcher = matcher
         self.failure: str | None = None
-        self.failure_code: str | None = None   # CONSTRAINT_TOO_COMPLEX: the client's constraint is at fault
+        self.failure_code: str | None = None  # CONSTRAINT_TOO_COMPLEX: the client's constraint is at fault
         self.watched = False
         self._timed_s = 0.0
         self._timed_n = 0
-        self._on_error = on_error   # called once when the matcher errors (drops the cache entry)
+        self._on_error = on_error  # called once when the matcher errors (drops the cache entry)
 
-    def __getattr__(self, name: str) -> Any:   # is_stopped, is_accepting, get_error, ... of the matcher
+    def __getattr__(self, name: str) -> Any:  # is_stopped, is_accepting, get_error, ... of the matcher
         return getattr(self.matcher, name)
 
     def consume_token(self, token_id: int) -> bool:
@@ -50,7 +50,7 @@ class SequenceMatcher:
             return False
         if self.matcher.consume_token(token_id) and not self.matcher.is_error():
             return True
-        if _REJECTED in self.matcher.get_error():   # a token outside the mask: not the grammar's limits
+        if _REJECTED in self.matcher.get_error():  # a token outside the mask: not the grammar's limits
             self.failure = GRAMMAR_BROKEN
         else:
             self.note_error()
@@ -63,8 +63,11 @@ class SequenceMatcher:
         """If the matcher is in its error state, record why (once)."""
         if self.failure is not None or not self.matcher.is_error():
             return
-        self.failure = ("the output constraint went past the grammar engine's limits while generating ("
-                        + _short(self.matcher.get_error()) + "); simplify the schema, regex or grammar")
+        self.failure = (
+            "the output constraint went past the grammar engine's limits while generating ("
+            + _short(self.matcher.get_error())
+            + "); simplify the schema, regex or grammar"
+        )
         self.failure_code = CONSTRAINT_TOO_COMPLEX
         if self._on_error is not None:
             self._on_error()
@@ -78,12 +81,14 @@ class SequenceMatcher:
         mean_ms = self._timed_s / self._timed_n * 1e3
         self._timed_s, self._timed_n, self.watched = 0.0, 0, False
         if mean_ms > limit_ms and self.failure is None:
-            self.failure = (f"the output constraint's masks cost {mean_ms:.1f} ms per token, over the server's "
-                            f"bound of {limit_ms:g} ms (grammar_mask_ms_per_token); simplify the schema, regex "
-                            "or grammar (large counted repetitions like x{{100000}} are the usual cause)")
+            self.failure = (
+                f"the output constraint's masks cost {mean_ms:.1f} ms per token, over the server's "
+                f"bound of {limit_ms:g} ms (grammar_mask_ms_per_token); simplify the schema, regex "
+                "or grammar (large counted repetitions like x{{100000}} are the usual cause)"
+            )
             self.failure_code = CONSTRAINT_TOO_COMPLEX
 
 
 def _short(message: str, limit: int = 200) -> str:
     message = " ".join(message.split())
-    return message if len(message) <= limit else message[:limit - 3] + "..."
+    return message if len(message) <= limit else message[: limit - 3] + "..."

@@ -37,25 +37,33 @@ ROWS_PER_PASS = 512
 class Logprobs:
     """m chosen tokens' log probabilities; on the device, or (to_host) on the host."""
 
-    logprob: torch.Tensor        # [m] fp32: log p(chosen token)
-    rank: torch.Tensor           # [m] int64: 1 + how many tokens are strictly more likely
-    top_logprobs: torch.Tensor   # [m, k] fp32, most likely first
-    top_ids: torch.Tensor        # [m, k] int64
+    logprob: torch.Tensor  # [m] fp32: log p(chosen token)
+    rank: torch.Tensor  # [m] int64: 1 + how many tokens are strictly more likely
+    top_logprobs: torch.Tensor  # [m, k] fp32, most likely first
+    top_ids: torch.Tensor  # [m, k] int64
 
     def to_host(self) -> Logprobs:
         """Queue the copies to pinned host memory (CUDA; no wait): valid once the stream reaches
         them (the caller records an event after). On the CPU, itself."""
         if not self.logprob.is_cuda:
             return self
-        return Logprobs(*(_pinned_copy(t) for t in (self.logprob, self.rank, self.top_logprobs, self.top_ids)))
+        return Logprobs(
+            *(_pinned_copy(t) for t in (self.logprob, self.rank, self.top_logprobs, self.top_ids))
+        )
 
     def entries(self, token_ids: list[int], ks: list[int]) -> list[TokenLogprob]:
         """Host side: one TokenLogprob per row (row i is token_ids[i]'s), keeping its top ks[i]."""
         logprob, rank = self.logprob.tolist(), self.rank.tolist()
         top_lp, top_ids = self.top_logprobs.tolist(), self.top_ids.tolist()
-        return [TokenLogprob(token_id=t, logprob=logprob[i], rank=rank[i],
-                             top=list(zip(top_ids[i][:k], top_lp[i][:k], strict=True)))
-                for i, (t, k) in enumerate(zip(token_ids, ks, strict=True))]
+        return [
+            TokenLogprob(
+                token_id=t,
+                logprob=logprob[i],
+                rank=rank[i],
+                top=list(zip(top_ids[i][:k], top_lp[i][:k], strict=True)),
+            )
+            for i, (t, k) in enumerate(zip(token_ids, ks, strict=True))
+        ]
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> Logprobs:
@@ -70,27 +78,29 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> Log
     top_ids = torch.empty(m, k, dtype=torch.int64, device=dev)
     for lo in range(0, m, ROWS_PER_PASS):
         hi = min(m, lo + ROWS_PER_PASS)
-        lp = logits[lo:hi].float().log_softmax(dim=-1)                  # [r, V] fp32
-        chosen = lp.gather(1, token_ids[lo:hi].unsqueeze(1))            # [r, 1]
+        lp = logits[lo:hi].float().log_softmax(dim=-1)  # [r, V] fp32
+        chosen = lp.gather(1, token_ids[lo:hi].unsqueeze(1))  # [r, 1]
         logprob[lo:hi] = chosen.squeeze(1)
         rank[lo:hi] = (lp > chosen).sum(dim=-1) + 1
         if k:
-            values, ids = lp.topk(k, dim=-1)                            # sorted, most likely first
+            values, ids = lp.topk(k, dim=-1)  # sorted, most likely first
             top_lp[lo:hi], top_ids[lo:hi] = values, ids
     return Logprobs(logprob, rank, top_lp, top_ids)
 
 
 # --- prompt logprobs: which positions a step computes, and recording them ----------------------
 
+
 @dataclass
 class PromptSpan:
     """Prompt logprob entries one sequence's chunk yields: entries first_entry .. + len(targets),
     entry i = log p(prompt[i] | prompt[:i]), from the logits of fed token `offset` on."""
+
     seq: Sequence
-    num_fed: int          # tokens the sequence fed this step (its rows in StepResult.prompt_logits)
-    offset: int           # first fed token whose logits are used
-    first_entry: int      # prompt index of the first target
-    targets: list[int]    # prompt[first_entry : first_entry + count]
+    num_fed: int  # tokens the sequence fed this step (its rows in StepResult.prompt_logits)
+    offset: int  # first fed token whose logits are used
+    first_entry: int  # prompt index of the first target
+    targets: list[int]  # prompt[first_entry : first_entry + count]
 
 
 def flag_prompt_logits(scheduled: list[ScheduledSeq], step_seqs: list[StepSeq]) -> list[PromptSpan]:
@@ -101,12 +111,14 @@ def flag_prompt_logits(scheduled: list[ScheduledSeq], step_seqs: list[StepSeq]) 
         seq = s.seq
         if seq.params.prompt_logprobs is None:
             continue
-        lo = max(s.start, len(seq.prompt_logprobs) - 1, 0)             # first position still needed
-        hi = min(s.start + s.num_tokens, seq.num_prompt_tokens - 1)    # positions predicting prompt tokens
+        lo = max(s.start, len(seq.prompt_logprobs) - 1, 0)  # first position still needed
+        hi = min(s.start + s.num_tokens, seq.num_prompt_tokens - 1)  # positions predicting prompt tokens
         if lo >= hi:
             continue
         step_seq.prompt_logits = True
-        spans.append(PromptSpan(seq, s.num_tokens, lo - s.start, lo + 1, seq.prompt_token_ids[lo + 1:hi + 1]))
+        spans.append(
+            PromptSpan(seq, s.num_tokens, lo - s.start, lo + 1, seq.prompt_token_ids[lo + 1 : hi + 1])
+        )
     return spans
 
 
@@ -115,8 +127,10 @@ def prompt_token_logprobs(prompt_logits: torch.Tensor | None, spans: list[Prompt
     if not spans:
         return None
     if prompt_logits is None:
-        raise RuntimeError("the runner returned no StepResult.prompt_logits for a step with prompt_logits "
-                           "sequences; the runner must honour StepSeq.prompt_logits")
+        raise RuntimeError(
+            "the runner returned no StepResult.prompt_logits for a step with prompt_logits "
+            "sequences; the runner must honour StepSeq.prompt_logits"
+        )
     rows, targets, base = [], [], 0
     for span in spans:
         rows += range(base + span.offset, base + span.offset + len(span.targets))
@@ -124,15 +138,16 @@ def prompt_token_logprobs(prompt_logits: torch.Tensor | None, spans: list[Prompt
         base += span.num_fed
     dev = prompt_logits.device
     k = max(span.seq.params.prompt_logprobs for span in spans)
-    if len(spans) == 1:   # one contiguous run of rows: a view, not a [m, V] copy
-        chosen = prompt_logits[rows[0]:rows[-1] + 1]
+    if len(spans) == 1:  # one contiguous run of rows: a view, not a [m, V] copy
+        chosen = prompt_logits[rows[0] : rows[-1] + 1]
     else:
-        chosen = prompt_logits.index_select(0, to_device(rows, dev))   # [m, V]
+        chosen = prompt_logits.index_select(0, to_device(rows, dev))  # [m, V]
     return token_logprobs(chosen, to_device(targets, dev), k).to_host()
 
 
-def record_sampled_logprobs(seqs: list[Sequence], lengths: list[int], token_ids: list[int | None],
-                            logprobs: Logprobs) -> None:
+def record_sampled_logprobs(
+    seqs: list[Sequence], lengths: list[int], token_ids: list[int | None], logprobs: Logprobs
+) -> None:
     """Host side, after Scheduler.postprocess: append each sampled token's entry to its sequence if
     postprocess appended the token (lengths: the output lengths before it; a token dropped past a
     finish, or a failed sampling, gets none), so output_logprobs stays aligned with output_token_ids."""
@@ -152,16 +167,20 @@ def record_prompt_logprobs(spans: list[PromptSpan], logprobs: Logprobs) -> None:
     entries = logprobs.entries(targets, ks)
     start = 0
     for span in spans:
-        mine, start = entries[start:start + len(span.targets)], start + len(span.targets)
+        mine, start = entries[start : start + len(span.targets)], start + len(span.targets)
         recorded = span.seq.prompt_logprobs
         if not recorded:
-            recorded.append(None)   # prompt token 0 has no context
-        if span.first_entry > len(recorded):   # positions never computed (a cached prefix?)
-            log.warning("request %s: prompt logprobs %d..%d were not computed (prefix cache hit?); they are None",
-                        span.seq.request_id, len(recorded), span.first_entry - 1)
+            recorded.append(None)  # prompt token 0 has no context
+        if span.first_entry > len(recorded):  # positions never computed (a cached prefix?)
+            log.warning(
+                "request %s: prompt logprobs %d..%d were not computed (prefix cache hit?); they are None",
+                span.seq.request_id,
+                len(recorded),
+                span.first_entry - 1,
+            )
             recorded += [None] * (span.first_entry - len(recorded))
         for i, entry in enumerate(mine):
-            if span.first_entry + i == len(recorded):   # else recorded already
+            if span.first_entry + i == len(recorded):  # else recorded already
                 recorded.append(entry)
 
 

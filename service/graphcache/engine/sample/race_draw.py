@@ -33,12 +33,12 @@ from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 __all__ = ["HAVE_TRITON", "mix64", "race_draw", "race_draw_torch", "row_key", "to_int64", "uniforms"]
 
 MASK64 = (1 << 64) - 1
-GAMMA = 0x9E3779B97F4A7C15   # 2^64 / golden ratio: the SplitMix64 increment
+GAMMA = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: the SplitMix64 increment
 MUL1 = 0xBF58476D1CE4E5B9
 MUL2 = 0x94D049BB133111EB
-_U_BITS = 23                 # see the module docstring
+_U_BITS = 23  # see the module docstring
 _NEG_INF = float("-inf")
-_CHUNK = 32                  # rows per torch step
+_CHUNK = 32  # rows per torch step
 
 
 # --- host side: keys ---------------------------------------------------------------------------------
@@ -72,11 +72,11 @@ def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
 def uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """keys [R] int64 (uint64 bits) -> u [R, vocab] fp32 in (0, 1): u[r, i] from mix64(key_r + (i+1) GAMMA)."""
     i = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device)
-    h = keys.view(-1, 1) + i * to_int64(GAMMA)        # [R, V] int64; wraps mod 2^64 like uint64
+    h = keys.view(-1, 1) + i * to_int64(GAMMA)  # [R, V] int64; wraps mod 2^64 like uint64
     h = (h ^ _shr(h, 30)) * to_int64(MUL1)
     h = (h ^ _shr(h, 27)) * to_int64(MUL2)
     h = h ^ _shr(h, 31)
-    return (_shr(h, 64 - _U_BITS).float() + 0.5) * (2.0 ** -_U_BITS)
+    return (_shr(h, 64 - _U_BITS).float() + 0.5) * (2.0**-_U_BITS)
 
 
 def race_draw_torch(z: torch.Tensor, thr: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
@@ -84,12 +84,12 @@ def race_draw_torch(z: torch.Tensor, thr: torch.Tensor | None, keys: torch.Tenso
     -> [R] int64: argmax_i (z_i - log(-log u_i)) over the kept tokens. A row with nothing kept gets an
     arbitrary index (the caller replaces it)."""
     out = torch.empty(z.shape[0], dtype=torch.int64, device=z.device)
-    for a in range(0, z.shape[0], _CHUNK):   # bounds the [rows, V] int64 temporaries (~40 MB each at 152k)
-        zc = z[a:a + _CHUNK]
-        score = zc - uniforms(keys[a:a + _CHUNK], z.shape[-1]).log().neg().log()
+    for a in range(0, z.shape[0], _CHUNK):  # bounds the [rows, V] int64 temporaries (~40 MB each at 152k)
+        zc = z[a : a + _CHUNK]
+        score = zc - uniforms(keys[a : a + _CHUNK], z.shape[-1]).log().neg().log()
         if thr is not None:
-            score.masked_fill_(zc < thr[a:a + _CHUNK].view(-1, 1), _NEG_INF)
-        out[a:a + _CHUNK] = score.argmax(dim=-1)
+            score.masked_fill_(zc < thr[a : a + _CHUNK].view(-1, 1), _NEG_INF)
+        out[a : a + _CHUNK] = score.argmax(dim=-1)
     return out
 
 
@@ -104,18 +104,18 @@ def _race_kernel(z_ptr, thr_ptr, key_ptr, out_ptr, stride_z, vocab, BLOCK: tl.co
     best_i = tl.full((), 0, tl.int64)
     cols = tl.arange(0, BLOCK)
     for start in range(0, vocab, BLOCK):
-        offs = start + cols                                              # [BLOCK]
+        offs = start + cols  # [BLOCK]
         mask = offs < vocab
         z = tl.load(z_ptr + row * stride_z + offs, mask=mask, other=float("-inf"))
-        h = key + (offs.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15   # uint64: wraps, >> is logical
+        h = key + (offs.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15  # uint64: wraps, >> is logical
         h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9
         h = (h ^ (h >> 27)) * 0x94D049BB133111EB
         h = h ^ (h >> 31)
         u = ((h >> 41).to(tl.float32) + 0.5) * 1.1920928955078125e-07
         score = tl.where(mask & (z >= thr), z - tl.log(-tl.log(u)), float("-inf"))
         m = tl.max(score, axis=0)
-        i = tl.argmax(score, axis=0)                                     # first index of the max
-        better = m > best                                                # earlier blocks win ties
+        i = tl.argmax(score, axis=0)  # first index of the max
+        better = m > best  # earlier blocks win ties
         best_i = tl.where(better, start + i.to(tl.int64), best_i)
         best = tl.where(better, m, best)
     tl.store(out_ptr + row, best_i)
@@ -131,7 +131,9 @@ def _kernel():
     return _KERNEL
 
 
-def race_draw_triton(z: torch.Tensor, thr: torch.Tensor | None, keys: torch.Tensor, block: int = 2048) -> torch.Tensor:
+def race_draw_triton(
+    z: torch.Tensor, thr: torch.Tensor | None, keys: torch.Tensor, block: int = 2048
+) -> torch.Tensor:
     """race_draw_torch in one Triton launch (z [R, V] fp32 with a contiguous last dim)."""
     rows, vocab = z.shape
     if z.stride(1) != 1:
@@ -140,8 +142,9 @@ def race_draw_triton(z: torch.Tensor, thr: torch.Tensor | None, keys: torch.Tens
         thr = torch.full((rows,), _NEG_INF, dtype=torch.float32, device=z.device)
     out = torch.empty(rows, dtype=torch.int64, device=z.device)
     if rows:
-        _kernel()[(rows,)](z, thr.float().contiguous(), keys.contiguous(), out, z.stride(0), vocab,
-                           BLOCK=block, num_warps=8)
+        _kernel()[(rows,)](
+            z, thr.float().contiguous(), keys.contiguous(), out, z.stride(0), vocab, BLOCK=block, num_warps=8
+        )
     return out
 
 

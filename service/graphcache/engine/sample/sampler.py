@@ -73,8 +73,12 @@ def _has_penalty(p: SamplingParams) -> bool:
 
 def _has_controls(p: SamplingParams) -> bool:
     """Logits controls that act every step (min_tokens acts only until that many tokens are out)."""
-    return (_has_penalty(p) or bool(p.logit_bias) or p.allowed_token_ids is not None
-            or bool(p.bad_words_token_ids))
+    return (
+        _has_penalty(p)
+        or bool(p.logit_bias)
+        or p.allowed_token_ids is not None
+        or bool(p.bad_words_token_ids)
+    )
 
 
 def needs_history(params: SamplingParams) -> bool:
@@ -82,8 +86,11 @@ def needs_history(params: SamplingParams) -> bool:
     words of more than one token)? Then a step must not sample it before the previous step's token
     is on the host (no async overlap). Single-token bad words, logit_bias, allowed_token_ids and
     min_p do not."""
-    return (_has_penalty(params) or params.min_tokens > 0
-            or any(len(word) > 1 for word in params.bad_words_token_ids))
+    return (
+        _has_penalty(params)
+        or params.min_tokens > 0
+        or any(len(word) > 1 for word in params.bad_words_token_ids)
+    )
 
 
 def _num_generated(seq: Sequence) -> int:
@@ -98,8 +105,9 @@ class _Controls:
     (the core refuses them, see SamplingParams.validate_token_ids; this only keeps a bad id from
     reaching a device-side index)."""
 
-    def __init__(self, params: SamplingParams, vocab: int, eos_token_ids: frozenset[int],
-                 device: torch.device) -> None:
+    def __init__(
+        self, params: SamplingParams, vocab: int, eos_token_ids: frozenset[int], device: torch.device
+    ) -> None:
         self.vocab, self.device = vocab, device
 
         def in_vocab(t: int) -> bool:
@@ -110,7 +118,9 @@ class _Controls:
         self.bias_values = _to_device(list(bias.values()), torch.float32, device)
         self.allowed = None
         if params.allowed_token_ids is not None:
-            self.allowed = _to_device(sorted({t for t in params.allowed_token_ids if in_vocab(t)}), torch.int64, device)
+            self.allowed = _to_device(
+                sorted({t for t in params.allowed_token_ids if in_vocab(t)}), torch.int64, device
+            )
         words = [list(w) for w in params.bad_words_token_ids if w and all(map(in_vocab, w))]
         self.banned = _to_device(sorted({w[0] for w in words if len(w) == 1}), torch.int64, device)
         # Longer bad words: (the rest of the word, its last token), checked on the host each step.
@@ -126,13 +136,14 @@ def _fused_by_default() -> bool:
 
 
 class Sampler:
-    def __init__(self, default_seed: int | None = None, eos_token_ids: Iterable[int] = (),
-                 fused: bool | None = None) -> None:
+    def __init__(
+        self, default_seed: int | None = None, eos_token_ids: Iterable[int] = (), fused: bool | None = None
+    ) -> None:
         # CUDA random rows: one fused Triton kernel (True) or the torch-composed path (False).
         self.fused = _fused_by_default() if fused is None else fused
         # Unseeded rows' race keys; seeded by settings.model.seed so a server run is repeatable (None: OS entropy).
         self._rng = random.Random(default_seed)
-        self.eos_token_ids = frozenset(eos_token_ids)   # masked with stop_token_ids until min_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)  # masked with stop_token_ids until min_tokens
         # Per request (dies with its Sequence): its static controls on the device.
         self._controls: weakref.WeakKeyDictionary[Sequence, _Controls] = weakref.WeakKeyDictionary()
 
@@ -165,7 +176,7 @@ class Sampler:
         assert logits.shape[0] == len(seqs), (logits.shape, len(seqs))
         # argmax in the model dtype: the same token as over a float copy, without writing [R, V] fp32
         tokens = logits.argmax(dim=-1)
-        if all(map(self._plain_greedy, seqs)):   # one cached flag per row: the common batch costs no more
+        if all(map(self._plain_greedy, seqs)):  # one cached flag per row: the common batch costs no more
             return tokens
         processed = {i for i, s in enumerate(seqs) if self._needs_processing(s)}
         rows = [i for i, s in enumerate(seqs) if i in processed or not _is_greedy(s.params.temperature)]
@@ -174,16 +185,17 @@ class Sampler:
         dev = logits.device
         idx = _to_device(rows, torch.int64, dev)
         work = [seqs[i] for i in rows]
-        if not processed and self._use_fused(logits):   # every row random: drawn from the logits as they are
+        if not processed and self._use_fused(logits):  # every row random: drawn from the logits as they are
             return tokens.index_copy_(0, idx, self._draw_fused(logits, idx, work))
-        x = logits.index_select(0, idx).float()   # [W, V] fp32, ours to modify
+        x = logits.index_select(0, idx).float()  # [W, V] fp32, ours to modify
         if processed:
             x = self._process(x, work, [j for j, i in enumerate(rows) if i in processed])
         random_local = [j for j, s in enumerate(work) if not _is_greedy(s.params.temperature)]
         chosen = x.argmax(dim=-1) if len(random_local) < len(rows) else torch.empty_like(idx)
         if random_local:
-            chosen[_to_device(random_local, torch.int64, dev)] = self._draw(x, [work[j] for j in random_local],
-                                                                          random_local)
+            chosen[_to_device(random_local, torch.int64, dev)] = self._draw(
+                x, [work[j] for j in random_local], random_local
+            )
         return tokens.index_copy_(0, idx, chosen)
 
     @torch.inference_mode()
@@ -196,11 +208,13 @@ class Sampler:
 
     def _process(self, x: torch.Tensor, seqs: list[Sequence], local: list[int]) -> torch.Tensor:
         """x [W, V] fp32 (contiguous, ours) with the controls of seqs[j] applied to x[j] for j in local."""
-        bans = any(p.allowed_token_ids is not None or p.bad_words_token_ids or p.min_tokens
-                   for p in (seqs[j].params for j in local))
+        bans = any(
+            p.allowed_token_ids is not None or p.bad_words_token_ids or p.min_tokens
+            for p in (seqs[j].params for j in local)
+        )
         raw = x.clone() if bans else None
         self._apply_controls(x, [seqs[j] for j in local], local, x.shape[-1])
-        if raw is None:   # penalties and bounded biases never leave a row without a finite logit
+        if raw is None:  # penalties and bounded biases never leave a row without a finite logit
             return x
         # A row with every token banned: its raw logits instead (no distribution to draw from).
         return torch.where(x.amax(dim=-1, keepdim=True) == _NEG_INF, raw, x)
@@ -223,12 +237,18 @@ class Sampler:
         """The fused kernel's per-row parameters on the host: floats [3, n] (temperature, 0 for a greedy
         row; top_p; log(min_p) or -inf), ints [2, n] (top_k, vocab when off; race key). What
         fused_draw.DrawParams.write takes for a captured draw. Draws the unseeded rows' keys."""
-        floats = torch.tensor([[0.0 if _is_greedy(s.params.temperature) else s.params.temperature for s in seqs],
-                               [s.params.top_p for s in seqs],
-                               [math.log(min(s.params.min_p, 1.0)) if s.params.min_p > 0 else _NEG_INF for s in seqs]],
-                              dtype=torch.float32)
-        ints = torch.tensor([[k if 0 < k < vocab else vocab for k in (s.params.top_k for s in seqs)],
-                             self._row_keys(seqs)], dtype=torch.int64)
+        floats = torch.tensor(
+            [
+                [0.0 if _is_greedy(s.params.temperature) else s.params.temperature for s in seqs],
+                [s.params.top_p for s in seqs],
+                [math.log(min(s.params.min_p, 1.0)) if s.params.min_p > 0 else _NEG_INF for s in seqs],
+            ],
+            dtype=torch.float32,
+        )
+        ints = torch.tensor(
+            [[k if 0 < k < vocab else vocab for k in (s.params.top_k for s in seqs)], self._row_keys(seqs)],
+            dtype=torch.int64,
+        )
         return floats, ints
 
     def _draw(self, x: torch.Tensor, seqs: list[Sequence], local: list[int]) -> torch.Tensor:
@@ -239,17 +259,20 @@ class Sampler:
         if len(local) < x.shape[0]:
             x = x.index_select(0, _to_device(local, torch.int64, dev))
         # Filters only when some row asks for one (each costs a top-k of the rows and a pass or two).
-        top_k = [min(max(s.params.top_k, 0), vocab) for s in seqs]   # clamped: the API bounds it below only
+        top_k = [min(max(s.params.top_k, 0), vocab) for s in seqs]  # clamped: the API bounds it below only
         top_p = [s.params.top_p for s in seqs]
         z, thr, top, valid = filtered_logits(
             x,
             temperature=_to_device([s.params.temperature for s in seqs], torch.float32, dev),
             top_k=_to_device(top_k, torch.int64, dev) if any(0 < k < vocab for k in top_k) else None,
             top_p=_to_device(top_p, torch.float32, dev) if any(p < 1 for p in top_p) else None,
-            min_p=(_to_device([s.params.min_p for s in seqs], torch.float32, dev)
-                   if any(s.params.min_p > 0 for s in seqs) else None),
+            min_p=(
+                _to_device([s.params.min_p for s in seqs], torch.float32, dev)
+                if any(s.params.min_p > 0 for s in seqs)
+                else None
+            ),
         )
-        drawn = race_draw(z, thr, _to_device(self._row_keys(seqs), torch.int64, dev))   # [W]
+        drawn = race_draw(z, thr, _to_device(self._row_keys(seqs), torch.int64, dev))  # [W]
         # A row with no distribution (no finite logit, or +inf) takes its argmax, as greedy would.
         return torch.where(valid, drawn, top)
 
@@ -259,8 +282,14 @@ class Sampler:
         is sampled again, e.g. after a preemption, gives the same token). Unseeded: the next 64 bits of
         the Sampler's own generator (settings.model.seed makes a server run repeatable), so that the whole
         batch is one race kernel rather than a race plus a multinomial."""
-        return [to_int64(row_key(s.params.seed, _num_generated(s)) if s.params.seed is not None
-                         else self._rng.getrandbits(64)) for s in seqs]
+        return [
+            to_int64(
+                row_key(s.params.seed, _num_generated(s))
+                if s.params.seed is not None
+                else self._rng.getrandbits(64)
+            )
+            for s in seqs
+        ]
 
     def _apply_controls(self, x: torch.Tensor, seqs: list[Sequence], rows: list[int], vocab: int) -> None:
         """Apply seqs[k]'s controls to x[rows[k]] in place (x: [W, V] fp32, contiguous)."""
@@ -269,7 +298,7 @@ class Sampler:
         allowed_rows, allowed = [], []
         ban_rows, bans = [], []
         bias_rows, bias_ids, bias_values = [], [], []
-        word_bans: list[int] = []          # row * V + id: the last token of a bad word about to complete
+        word_bans: list[int] = []  # row * V + id: the last token of a bad word about to complete
         for row, seq in zip(rows, seqs, strict=True):
             p = seq.params
             if not (p.logit_bias or p.allowed_token_ids is not None or p.bad_words_token_ids or p.min_tokens):
@@ -283,7 +312,7 @@ class Sampler:
                 bans.append(c.banned)
             out = seq.output_token_ids
             for prefix, last in c.bad_words:
-                if len(out) >= len(prefix) and out[len(out) - len(prefix):] == prefix:
+                if len(out) >= len(prefix) and out[len(out) - len(prefix) :] == prefix:
                     word_bans.append(row * vocab + last)
             if _num_generated(seq) < p.min_tokens and c.stop_ids.numel():
                 ban_rows.append(row)
@@ -313,13 +342,13 @@ def _apply_penalties(x: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> 
     penalty * count in the output) and presence (minus penalty once if in the output), on x[rows]."""
     dev, vocab = x.device, x.shape[-1]
     n = len(rows)
-    out_counts = _token_counts([s.output_token_ids for s in seqs], vocab, dev)   # [n, V]
+    out_counts = _token_counts([s.output_token_ids for s in seqs], vocab, dev)  # [n, V]
     seen_out = out_counts > 0
 
     def column(values: list[float]) -> torch.Tensor:
         return _to_device(values, torch.float32, dev).view(n, 1)
 
-    whole = n == x.shape[0]   # every row (the usual case): in place, no gather
+    whole = n == x.shape[0]  # every row (the usual case): in place, no gather
     idx = None if whole else _to_device(rows, torch.int64, dev)
     sub = x if whole else x.index_select(0, idx)
     # Each penalty only when some row has it: each is a few passes over [n, V].
@@ -357,12 +386,17 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
     return counts
 
 
-def _flat_index(rows: Iterable[int], ids: list[torch.Tensor], vocab: int, device: torch.device) -> torch.Tensor:
+def _flat_index(
+    rows: Iterable[int], ids: list[torch.Tensor], vocab: int, device: torch.device
+) -> torch.Tensor:
     """Positions in a row-major [*, vocab] tensor: ids[k] (device int64) in row rows[k]."""
     rows = list(rows)
     lengths = [t.numel() for t in ids]
-    row = torch.repeat_interleave(_to_device(rows, torch.int64, device),
-                                  _to_device(lengths, torch.int64, device), output_size=sum(lengths))
+    row = torch.repeat_interleave(
+        _to_device(rows, torch.int64, device),
+        _to_device(lengths, torch.int64, device),
+        output_size=sum(lengths),
+    )
     return row * vocab + torch.cat(ids)
 
 
@@ -378,9 +412,14 @@ def _to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def filtered_logits(logits: torch.Tensor, *, temperature: torch.Tensor, top_k: torch.Tensor | None,
-                    top_p: torch.Tensor | None, min_p: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+def filtered_logits(
+    logits: torch.Tensor,
+    *,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The filtered distribution of each row as log-weights: (z, thr, top, valid).
 
     z [R, V] fp32 = (logits - row max) / T with NaN and min_p-dropped tokens at -inf; the kept tokens
@@ -390,7 +429,7 @@ def filtered_logits(logits: torch.Tensor, *, temperature: torch.Tensor, top_k: t
     """
     # NaN -> -inf in one pass (a fresh tensor, modified in place below); +inf stays +inf.
     z = logits.float().nan_to_num(nan=_NEG_INF, posinf=float("inf"), neginf=_NEG_INF)
-    row_max, top = z.max(dim=-1, keepdim=True)                       # [R, 1] each, one pass
+    row_max, top = z.max(dim=-1, keepdim=True)  # [R, 1] each, one pass
     # Shift before dividing: every value is <= 0, so a small T can push logits to -inf but never
     # to +inf (softmax is shift-invariant, so the distribution is unchanged).
     temperature = temperature.float().nan_to_num(nan=1.0).clamp_min(MIN_TEMPERATURE).unsqueeze(1)
@@ -403,8 +442,14 @@ def filtered_logits(logits: torch.Tensor, *, temperature: torch.Tensor, top_k: t
     return z, thr, top.view(-1), row_max.view(-1).isfinite()
 
 
-def probs_from_logits(logits: torch.Tensor, *, temperature: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None, min_p: torch.Tensor | None = None) -> torch.Tensor:
+def probs_from_logits(
+    logits: torch.Tensor,
+    *,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Softmax(logits / T) restricted by min_p, then to the top-k, then to the top-p nucleus, per row.
 
     min_p 0 or None = off (drops tokens whose probability is below min_p * the top one's); top_k 0 or
@@ -426,4 +471,3 @@ def _finite_rows(probs: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     bad = ~(probs.isfinite().all(dim=-1, keepdim=True) & (probs.sum(dim=-1, keepdim=True) > 0))
     probs.masked_fill_(bad, 0.0)
     return probs.scatter_(1, top, torch.where(bad, 1.0, probs.gather(1, top)))
-

@@ -59,8 +59,14 @@ class StructuredOutput(GrammarCache):
     """The grammar cache plus masking: apply() sets the ids a sequence's grammar does not allow next to
     -inf in its logits row. One per engine; the engine thread masks while API threads check()."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int | None = None, cache_size: int | None = None,
-                 limits: GrammarLimits | None = None, metrics: Any = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int | None = None,
+        cache_size: int | None = None,
+        limits: GrammarLimits | None = None,
+        metrics: Any = None,
+    ) -> None:
         super().__init__(tokenizer, vocab_size, cache_size, limits, metrics)
         self._shifts: dict[torch.device, torch.Tensor] = {}
 
@@ -73,7 +79,7 @@ class StructuredOutput(GrammarCache):
         if not rows:
             return
         pin = logits.is_cuda
-        bitmask = torch.empty((len(rows), self._words), dtype=torch.int32, pin_memory=pin)   # [G, words]
+        bitmask = torch.empty((len(rows), self._words), dtype=torch.int32, pin_memory=pin)  # [G, words]
         jobs, timed = [], []
         states = [seqs[i].grammar for i in rows]
         for k, state in enumerate(states):
@@ -92,7 +98,7 @@ class StructuredOutput(GrammarCache):
         if shifts is None:
             shifts = self._shifts[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
         vocab = logits.shape[-1]
-        allowed = ((mask.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()   # [G, V]
+        allowed = ((mask.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()  # [G, V]
         if len(rows) == logits.shape[0]:
             logits.masked_fill_(~allowed, float("-inf"))
         else:
@@ -105,7 +111,9 @@ class StructuredOutput(GrammarCache):
         limits, ptr, row_bytes, n = self.limits, bitmask.data_ptr(), self._words * 4, bitmask.shape[0]
         if jobs:
             start = time.perf_counter()
-            self._executor.unsafe_compute_mask_ptr([(state.matcher, k) for state, k in jobs], ptr, row_bytes, n)
+            self._executor.unsafe_compute_mask_ptr(
+                [(state.matcher, k) for state, k in jobs], ptr, row_bytes, n
+            )
             if (time.perf_counter() - start) * 1e3 > limits.mask_ms_per_token:
                 for state, _ in jobs:
                     state.watched = True
@@ -114,7 +122,7 @@ class StructuredOutput(GrammarCache):
             self._executor.unsafe_compute_mask_ptr([(state.matcher, k)], ptr, row_bytes, n)
             state.charge(time.perf_counter() - start, limits.mask_ms_per_token, limits.mask_window)
         for state, _ in (*jobs, *timed):
-            state.note_error()   # a mask past the library's limits: the request ends with why
+            state.note_error()  # a mask past the library's limits: the request ends with why
 
     def allowed_token_ids(self, seq: Sequence) -> list[int]:
         """The ids seq's grammar allows next (tests and debugging; apply() is the fast path)."""

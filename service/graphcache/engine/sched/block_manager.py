@@ -46,18 +46,18 @@ BlockKey = tuple[BlockIdentity | None, tuple[int, ...]]
 class PrefixMatch:
     """The longest usable cached prefix of a sequence (see BlockManager.match_prefix)."""
 
-    blocks: list[int] = field(default_factory=list)   # cached blocks, in token order
-    next_key: BlockKey | None = None   # key of the first full block it could use but missed (None: none)
-    stopped_on_fresh: bool = False     # the next block is cached but registered this step (written by it)
+    blocks: list[int] = field(default_factory=list)  # cached blocks, in token order
+    next_key: BlockKey | None = None  # key of the first full block it could use but missed (None: none)
+    stopped_on_fresh: bool = False  # the next block is cached but registered this step (written by it)
 
 
 @dataclass
 class _SeqChain:
     """Per-sequence registration state: the identity chain of its leading full blocks."""
 
-    chain: list[BlockIdentity] = field(default_factory=list)   # identity of each registered level
-    num_hit: int = 0                  # leading blocks taken from the cache (not computed by this sequence)
-    next_end: int = 0                 # tokens that must be computed before another block can register
+    chain: list[BlockIdentity] = field(default_factory=list)  # identity of each registered level
+    num_hit: int = 0  # leading blocks taken from the cache (not computed by this sequence)
+    next_end: int = 0  # tokens that must be computed before another block can register
 
 
 class BlockManager:
@@ -69,20 +69,20 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._ref = [0] * num_blocks                        # holders of each block
-        self._key: list[BlockKey | None] = [None] * num_blocks   # registration key, None: not registered
-        self._gen = [0] * num_blocks                        # bumped whenever a block leaves the cache
-        self._registered_step = [-1] * num_blocks           # step counter value when registered
-        self._cache: dict[BlockKey, int] = {}               # key -> registered block
+        self._ref = [0] * num_blocks  # holders of each block
+        self._key: list[BlockKey | None] = [None] * num_blocks  # registration key, None: not registered
+        self._gen = [0] * num_blocks  # bumped whenever a block leaves the cache
+        self._registered_step = [-1] * num_blocks  # step counter value when registered
+        self._cache: dict[BlockKey, int] = {}  # key -> registered block
         # Free blocks never registered (FIFO: spreads writes; order does not matter for correctness),
         # then free registered blocks, least recently freed first.
         self._free_plain: deque[int] = deque(range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         # Sequences holding blocks (identity-hashed; an entry lives from admission to free()).
         self._chains: dict[Sequence, _SeqChain] = {}
-        self.step = 0                                       # advanced by the scheduler each schedule()
-        self.prefix_cache_queries = 0                       # tokens looked up at admission
-        self.prefix_cache_hits = 0                          # of those, tokens found in the cache
+        self.step = 0  # advanced by the scheduler each schedule()
+        self.prefix_cache_queries = 0  # tokens looked up at admission
+        self.prefix_cache_hits = 0  # of those, tokens found in the cache
 
     # --- capacity -------------------------------------------------------------------------
     @property
@@ -132,7 +132,7 @@ class BlockManager:
     # --- prefix lookup --------------------------------------------------------------------
     def _block_tokens(self, token_ids: list[int], level: int) -> tuple[int, ...]:
         bs = self.block_size
-        return tuple(token_ids[level * bs:(level + 1) * bs])
+        return tuple(token_ids[level * bs : (level + 1) * bs])
 
     def match_prefix(self, seq: Sequence, max_blocks: int) -> PrefixMatch:
         """The longest run of cached full blocks equal to the start of seq.all_token_ids, at most
@@ -144,7 +144,7 @@ class BlockManager:
         ids = seq.all_token_ids
         parent: BlockIdentity | None = None
         num_full = len(ids) // self.block_size
-        for level in range(min(num_full, max_blocks)):   # past max_blocks this sequence computes anyway
+        for level in range(min(num_full, max_blocks)):  # past max_blocks this sequence computes anyway
             key = (parent, self._block_tokens(ids, level))
             block = self._cache.get(key)
             if block is None or self._registered_step[block] == self.step:
@@ -162,7 +162,7 @@ class BlockManager:
         if state is None:
             return None
         level, bs = len(state.chain), self.block_size
-        if seq.num_tokens < (level + 1) * bs:   # cheap exit for decodes: no full block of known tokens
+        if seq.num_tokens < (level + 1) * bs:  # cheap exit for decodes: no full block of known tokens
             return None
         return (state.chain[-1] if level else None, tuple(seq.token_slice(level * bs, (level + 1) * bs)))
 
@@ -184,19 +184,24 @@ class BlockManager:
             raise RuntimeError(f"{seq.request_id} already holds blocks; take_cached only at admission")
         for block in blocks:
             if self._key[block] is None:
-                raise RuntimeError(f"block {block} is not cached (match_prefix and take_cached must be in one step)")
+                raise RuntimeError(
+                    f"block {block} is not cached (match_prefix and take_cached must be in one step)"
+                )
             if self._ref[block] == 0:
                 del self._free_cached[block]
             self._ref[block] += 1
             seq.block_table.append(block)
         if self.enable_prefix_caching:
-            self._chains[seq] = _SeqChain([(b, self._gen[b]) for b in blocks], num_hit=len(blocks),
-                                          next_end=(len(blocks) + 1) * self.block_size)
+            self._chains[seq] = _SeqChain(
+                [(b, self._gen[b]) for b in blocks],
+                num_hit=len(blocks),
+                next_end=(len(blocks) + 1) * self.block_size,
+            )
 
     def _pop_free(self) -> int:
         if self._free_plain:
             return self._free_plain.popleft()
-        block, _ = self._free_cached.popitem(last=False)   # least recently freed cached block
+        block, _ = self._free_cached.popitem(last=False)  # least recently freed cached block
         self._unregister(block)
         return block
 
@@ -205,14 +210,16 @@ class BlockManager:
         if key is not None:
             del self._cache[key]
             self._key[block] = None
-            self._gen[block] += 1   # identities naming this incarnation (its children's keys) go stale
+            self._gen[block] += 1  # identities naming this incarnation (its children's keys) go stale
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow `seq.block_table` to cover `num_tokens` tokens (a no-op if it already does)."""
         missing = self.blocks_missing(seq, num_tokens)
         if missing > self.num_free:
-            raise RuntimeError(f"out of KV blocks: {seq.request_id} needs {missing}, {self.num_free} free "
-                               "(the scheduler must check can_allocate first)")
+            raise RuntimeError(
+                f"out of KV blocks: {seq.request_id} needs {missing}, {self.num_free} free "
+                "(the scheduler must check can_allocate first)"
+            )
         for _ in range(missing):
             block = self._pop_free()
             self._ref[block] = 1
@@ -228,7 +235,7 @@ class BlockManager:
             return
         state = self._chains.get(seq)
         if state is not None and num_computed < state.next_end:
-            return   # most calls (decodes inside a block) end here: this runs for every scheduled sequence
+            return  # most calls (decodes inside a block) end here: this runs for every scheduled sequence
         bs = self.block_size
         num_full = min(num_computed, seq.num_tokens, len(seq.block_table) * bs) // bs
         if state is None:
@@ -264,11 +271,13 @@ class BlockManager:
         order = reversed(seq.block_table) if self.enable_prefix_caching else seq.block_table
         for block in order:
             if self._ref[block] <= 0:
-                raise RuntimeError(f"block {block} freed by {seq.request_id} but nobody holds it (double free)")
+                raise RuntimeError(
+                    f"block {block} freed by {seq.request_id} but nobody holds it (double free)"
+                )
             self._ref[block] -= 1
             if self._ref[block] == 0:
                 if self._key[block] is not None:
-                    self._free_cached[block] = None   # most recently freed: evicted last
+                    self._free_cached[block] = None  # most recently freed: evicted last
                 else:
                     self._free_plain.append(block)
         n = len(seq.block_table)

@@ -52,8 +52,8 @@ from graphcache.engine.stopping import (
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    failed: list[Sequence] = field(default_factory=list)   # finished with error: can never fit
-    grown: list[Sequence] = field(default_factory=list)    # running sequences that got a block this step
+    failed: list[Sequence] = field(default_factory=list)  # finished with error: can never fit
+    grown: list[Sequence] = field(default_factory=list)  # running sequences that got a block this step
     # Every scheduled sequence feeds one token, the one the step in flight samples for it (async
     # scheduling's steady decode): the step can go to the runner as persistent-row changes.
     all_fed_in_flight: bool = True
@@ -77,8 +77,11 @@ class SchedulerOutput:
         prev_row = _PrevRows(prev_sampled)
         if self.all_fed_in_flight and prev_sampled is not None and self.scheduled:
             rows = DecodeRows(keys, [(seq.key, seq.block_table) for seq in self.grown])
-            return StepBatch(rows=rows, build=lambda: [_step_seq(s, prev_row) for s in self.scheduled],
-                             build_one=lambda i: _step_seq(self.scheduled[i], prev_row))
+            return StepBatch(
+                rows=rows,
+                build=lambda: [_step_seq(s, prev_row) for s in self.scheduled],
+                build_one=lambda i: _step_seq(self.scheduled[i], prev_row),
+            )
         return StepBatch([_step_seq(s, prev_row) for s in self.scheduled], keys=keys)
 
 
@@ -112,8 +115,15 @@ def _step_seq(s: ScheduledSeq, prev_row: _PrevRows) -> StepSeq:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token per sequence)")
         self.block_manager = block_manager
@@ -122,7 +132,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []     # admission order: the last one is the newest
+        self.running: list[Sequence] = []  # admission order: the last one is the newest
         self.num_preemptions = 0
 
     # --- queue management -----------------------------------------------------------------
@@ -136,7 +146,9 @@ class Scheduler:
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def finish(self, seq: Sequence, reason: str, error: str | None = None, error_code: str | None = None) -> None:
+    def finish(
+        self, seq: Sequence, reason: str, error: str | None = None, error_code: str | None = None
+    ) -> None:
         """Finish `seq` wherever it is and free its blocks at once. An error (a failed step among
         them) drops the prefix-cache entries of the blocks it computed: their step may not have run."""
         if seq in self.running:
@@ -144,13 +156,13 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq, keep_cached=reason != "error")
-        seq.grammar = None   # the matcher's memory goes with the request
+        seq.grammar = None  # the matcher's memory goes with the request
         seq.finish(reason, error, error_code)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
-        seq.num_computed_tokens = 0      # recompute: re-prefill prompt + outputs on resume
+        seq.num_computed_tokens = 0  # recompute: re-prefill prompt + outputs on resume
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -162,8 +174,12 @@ class Scheduler:
 
     def _fail_too_big(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> None:
         bm = self.block_manager
-        self.finish(seq, "error", f"request needs {bm.blocks_for(num_tokens)} KV blocks for {num_tokens} tokens "
-                    f"but the cache has {bm.num_usable}; raise num_kv_blocks or lower max_model_len")
+        self.finish(
+            seq,
+            "error",
+            f"request needs {bm.blocks_for(num_tokens)} KV blocks for {num_tokens} tokens "
+            f"but the cache has {bm.num_usable}; raise num_kv_blocks or lower max_model_len",
+        )
         out.failed.append(seq)
 
     # --- the step plan --------------------------------------------------------------------
@@ -178,13 +194,13 @@ class Scheduler:
         # This loop and the next run for every running sequence every step (up to max_num_seqs rows):
         # they read each sequence's lengths once and inline the checks, since the
         # host's time per step grows with these rows.
-        decodes: list[tuple[Sequence, int]] = []   # (sequence, tokens known incl. in flight)
+        decodes: list[tuple[Sequence, int]] = []  # (sequence, tokens known incl. in flight)
         prefills: list[tuple[Sequence, int]] = []
         max_len = self.max_model_len
         for s in self.running:
             inflight, num_out = s.num_inflight, len(s.output_token_ids)
             total = len(s.prompt_token_ids) + num_out + inflight
-            if inflight:   # the token in flight ends it: scheduling it again would compute past its end
+            if inflight:  # the token in flight ends it: scheduling it again would compute past its end
                 limit = s.params.max_tokens
                 if (limit is not None and num_out + inflight >= limit) or total >= max_len:
                     continue
@@ -194,14 +210,14 @@ class Scheduler:
         for seq, total in decodes + prefills:
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:   # preempted earlier in this loop
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(total - seq.num_computed_tokens, budget)
             target = seq.num_computed_tokens + n
-            if target > len(seq.block_table) * capacity_per_block:   # most decodes skip this: room left
+            if target > len(seq.block_table) * capacity_per_block:  # most decodes skip this: room left
                 while not bm.can_allocate(seq, target):
                     victim = next((s for s in reversed(self.running) if id(s) not in scheduled_ids), None)
-                    assert victim is not None   # seq itself is running and not scheduled yet
+                    assert victim is not None  # seq itself is running and not scheduled yet
                     if victim is seq and len(self.running) == 1:
                         # Alone in the cache and still no room: it never fits. Fail, don't spin.
                         self._fail_too_big(seq, target, out)
@@ -218,7 +234,7 @@ class Scheduler:
             budget -= n
 
         # 2. Waiting: admit FCFS into what is left, unless this step had to preempt.
-        promised: set | None = None   # next full-block keys of running sequences (built on first need)
+        promised: set | None = None  # next full-block keys of running sequences (built on first need)
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_inflight:
@@ -232,7 +248,7 @@ class Scheduler:
                     promised = {k for r in self.running if (k := bm.next_key(r)) is not None}
                 if match.stopped_on_fresh or match.next_key in promised:
                     break  # in-flight sharing: its next block is being computed; take it from the cache later
-            num_cached = len(match.blocks) * bm.block_size      # always < seq.num_tokens
+            num_cached = len(match.blocks) * bm.block_size  # always < seq.num_tokens
             n = min(seq.num_tokens - num_cached, budget)
             target = num_cached + n
             if not bm.can_admit(match.blocks, target):
@@ -270,7 +286,9 @@ class Scheduler:
         than block_size tokens of a batched prefill step, which cost next to nothing."""
         if not self._uses_prefix_cache(seq):
             return PrefixMatch()
-        return self.block_manager.match_prefix(seq, max_blocks=(seq.num_tokens - 1) // self.block_manager.block_size)
+        return self.block_manager.match_prefix(
+            seq, max_blocks=(seq.num_tokens - 1) // self.block_manager.block_size
+        )
 
     def _commit(self, out: SchedulerOutput, seq: Sequence, n: int, target: int, need_logits: bool) -> None:
         """Schedule n tokens of seq: their K/V count as computed from now on, and a token to sample
@@ -309,20 +327,24 @@ class Scheduler:
                 continue
             changed.append(seq)
             if token is None:
-                self.finish(seq, "error", "sampling the next token for this request failed on the server; "
-                                          "retry the request, or with other sampling parameters")
+                self.finish(
+                    seq,
+                    "error",
+                    "sampling the next token for this request failed on the server; "
+                    "retry the request, or with other sampling parameters",
+                )
                 continue
             seq.output_token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.last_token_time = now
-            grammar = seq.grammar   # None for most: the grammar calls are skipped inline (a per-row loop)
+            grammar = seq.grammar  # None for most: the grammar calls are skipped inline (a per-row loop)
             if grammar is not None and not grammar_accepts(seq, token):
                 self.finish(seq, "error", grammar_failure(seq), grammar_failure_code(seq))
                 continue
             reason = check_stop(seq, token, eos_token_ids=eos, max_model_len=max_len)
             if reason is None and grammar is not None and grammar_done(seq):
-                reason = "stop"   # structured output complete: only EOS could follow
+                reason = "stop"  # structured output complete: only EOS could follow
             if reason is not None:
                 self.finish(seq, reason)
         return changed

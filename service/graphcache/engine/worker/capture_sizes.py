@@ -19,10 +19,15 @@ from __future__ import annotations
 from graphcache.config import Settings
 from graphcache.graphs.descriptor import CaptureSizes, mixed_buckets
 
-__all__ = ["EAGER_HOST_SECONDS_PER_LAYER", "GEMM_FLOPS_PER_SECOND", "host_bound_buckets", "resolve_capture_sizes"]
+__all__ = [
+    "EAGER_HOST_SECONDS_PER_LAYER",
+    "GEMM_FLOPS_PER_SECOND",
+    "host_bound_buckets",
+    "resolve_capture_sizes",
+]
 
-EAGER_HOST_SECONDS_PER_LAYER = 0.5e-3   # an eager step's host launches per decoder layer (0.5B: ~13 ms / 24)
-GEMM_FLOPS_PER_SECOND = 400e12          # bf16 GEMMs of a few thousand rows on the H200
+EAGER_HOST_SECONDS_PER_LAYER = 0.5e-3  # an eager step's host launches per decoder layer (0.5B: ~13 ms / 24)
+GEMM_FLOPS_PER_SECOND = 400e12  # bf16 GEMMs of a few thousand rows on the H200
 
 
 def host_bound_buckets(buckets: list[int], *, decoder_params: int, num_layers: int) -> list[int]:
@@ -31,8 +36,9 @@ def host_bound_buckets(buckets: list[int], *, decoder_params: int, num_layers: i
     return [b for b in buckets if 2 * decoder_params * b / GEMM_FLOPS_PER_SECOND <= launch_seconds]
 
 
-def resolve_capture_sizes(settings: Settings, *, graphs: bool, decoder_params: int,
-                          num_layers: int) -> tuple[CaptureSizes, CaptureSizes]:
+def resolve_capture_sizes(
+    settings: Settings, *, graphs: bool, decoder_params: int, num_layers: int
+) -> tuple[CaptureSizes, CaptureSizes]:
     """(sizes, mixed_sizes): what decode steps pad to, and what mixed steps pad to (sizes plus the
     buckets above them, never past max_num_batched_tokens: no step is bigger). graphs: the runner
     captures real CUDA graphs (the default buckets apply only then); decoder_params: this rank's
@@ -42,8 +48,9 @@ def resolve_capture_sizes(settings: Settings, *, graphs: bool, decoder_params: i
     if settings.graph_cache.mixed_capture_sizes is not None:
         buckets = [b for b in settings.graph_cache.mixed_capture_sizes if sizes.max < b <= limit]
     elif graphs:
-        buckets = host_bound_buckets(mixed_buckets(sizes.max, limit), decoder_params=decoder_params,
-                                     num_layers=num_layers)
+        buckets = host_bound_buckets(
+            mixed_buckets(sizes.max, limit), decoder_params=decoder_params, num_layers=num_layers
+        )
     else:
         buckets = []
     return sizes, CaptureSizes([*sizes, *buckets])

@@ -61,16 +61,23 @@ CPU_KV_CACHE_MAX_BYTES = 1 << 30  # default CPU KV cache stops here: CPU RAM is 
 
 def resolve_device(setting: str) -> torch.device:
     if setting == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device=cuda but torch sees no CUDA GPU; use device=auto or cpu, or install a "
-                           "CUDA build of torch")
+        raise RuntimeError(
+            "device=cuda but torch sees no CUDA GPU; use device=auto or cpu, or install a CUDA build of torch"
+        )
     if setting == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(setting)
 
 
 class ModelRunner:
-    def __init__(self, settings: Settings, metrics: Metrics | None = None, *, tp: TensorParallel | None = None,
-                 graph_cache_factory: Callable[..., GraphCache] = GraphCache) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics | None = None,
+        *,
+        tp: TensorParallel | None = None,
+        graph_cache_factory: Callable[..., GraphCache] = GraphCache,
+    ) -> None:
         """tp: this process's tensor-parallel shard (a rank of a group of settings.model.tensor_parallel_size
         processes, each running this runner on the same batches: docs/TENSOR_PARALLEL.md). None = the
         whole model in this process. graph_cache_factory: how the GraphCache is built (a TP rank passes
@@ -81,17 +88,28 @@ class ModelRunner:
             raise RuntimeError(
                 f"ModelRunner got tensor_parallel_size={s.model.tensor_parallel_size} but a shard of a group of "
                 f"{tp.size}: build the runner of each rank with tp=TensorParallel.from_group(), or let the Engine "
-                "start the ranks (engine/worker/tp_runner.py, docs/TENSOR_PARALLEL.md)")
+                "start the ranks (engine/worker/tp_runner.py, docs/TENSOR_PARALLEL.md)"
+            )
         self.device = resolve_device(s.model.device)
         self.device_type = self.device.type
-        self.dtype = resolve_dtype("bfloat16" if s.model.dtype == "auto" and self.device.type == "cuda"
-                                   else "float32" if s.model.dtype == "auto" else s.model.dtype)
-        path = s.model.path if s.model.path is not None else default_model_dir(s.model.cache_dir, seed=s.model.seed)
+        self.dtype = resolve_dtype(
+            "bfloat16"
+            if s.model.dtype == "auto" and self.device.type == "cuda"
+            else "float32"
+            if s.model.dtype == "auto"
+            else s.model.dtype
+        )
+        path = (
+            s.model.path
+            if s.model.path is not None
+            else default_model_dir(s.model.cache_dir, seed=s.model.seed)
+        )
         self.model_path = path
         self.tokenizer = Tokenizer(path)
         self.max_model_len = self._max_model_len(read_config(path))
-        self.model, self.model_config = load_model(path, self.dtype, self.device, max_positions=self.max_model_len,
-                                                   tp=tp)
+        self.model, self.model_config = load_model(
+            path, self.dtype, self.device, max_positions=self.max_model_len, tp=tp
+        )
         c = self.model_config
         # One Triton kernel each for add+RMSNorm, rotary and SiLU*mul instead of ~35 small torch kernels a layer.
         self.fused_ops = s.model.fused_ops == "auto" and self.device.type == "cuda" and HAVE_FUSED_TRITON
@@ -103,35 +121,69 @@ class ModelRunner:
         eos = self.tokenizer.eos_token_ids or self.model_config.eos_token_ids
         self.eos_token_ids = frozenset(eos or ())
         self.backend = "cuda" if self.device.type == "cuda" and not s.graph_cache.enforce_eager else "eager"
-        decoder_params = sum(p.numel() for name, p in self.model.named_parameters() if ".layers." in f".{name}")
-        self.sizes, self.mixed_sizes = resolve_capture_sizes(s, graphs=self.backend == "cuda",
-                                                             decoder_params=decoder_params, num_layers=c.num_layers)
+        decoder_params = sum(
+            p.numel() for name, p in self.model.named_parameters() if ".layers." in f".{name}"
+        )
+        self.sizes, self.mixed_sizes = resolve_capture_sizes(
+            s, graphs=self.backend == "cuda", decoder_params=decoder_params, num_layers=c.num_layers
+        )
         self._warmup_descs = self._warmup_descriptors()
         self._alloc_buffers()
         self.num_kv_blocks = self._agree_min(self._num_kv_blocks())
         self._alloc_kv_cache()
-        self.attention_kernel = select_attention_kernel(self.device, self.dtype, c.head_dim, self.block_size,
-                                                        s.model.attention_backend)
-        self._planner = AttentionPlanner(kernel=self.attention_kernel, block_size=self.block_size,
-                                         max_blocks_per_seq=self.max_blocks_per_seq, num_heads=self.num_heads,
-                                         num_kv_heads=self.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype,
-                                         device=self.device)
-        self.decode_kernel = select_decode_kernel(self.device, self.dtype, c.head_dim, self.block_size,
-                                                  s.model.decode_attention_backend)
+        self.attention_kernel = select_attention_kernel(
+            self.device, self.dtype, c.head_dim, self.block_size, s.model.attention_backend
+        )
+        self._planner = AttentionPlanner(
+            kernel=self.attention_kernel,
+            block_size=self.block_size,
+            max_blocks_per_seq=self.max_blocks_per_seq,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=c.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.decode_kernel = select_decode_kernel(
+            self.device, self.dtype, c.head_dim, self.block_size, s.model.decode_attention_backend
+        )
         self._alloc_decode()
-        self.inputs = InputBatch(max_tokens=self.max_tokens, max_reqs=self.max_reqs,
-                                 max_blocks_per_seq=self.max_blocks_per_seq, block_size=self.block_size,
-                                 max_model_len=self.max_model_len, scratch_slot=self.scratch_slot,
-                                 planner=self._planner, decode_metadata=self.decode_metadata, device=self.device)
+        self.inputs = InputBatch(
+            max_tokens=self.max_tokens,
+            max_reqs=self.max_reqs,
+            max_blocks_per_seq=self.max_blocks_per_seq,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            scratch_slot=self.scratch_slot,
+            planner=self._planner,
+            decode_metadata=self.decode_metadata,
+            device=self.device,
+        )
         # Mixed graphs with attention inside need the unified kernel (its grid fixed by the descriptor).
-        self._mixed_in_graph = s.graph_cache.mixed_capture_mode == "full" and self.attention_kernel == "triton"
+        self._mixed_in_graph = (
+            s.graph_cache.mixed_capture_mode == "full" and self.attention_kernel == "triton"
+        )
         self._mixed_graph_md: dict[int, AttentionMetadata] = {}
-        self.cache = graph_cache_factory(self._step_fn, backend=self.backend, config=policy_config_from(s.graph_cache),
-                                         debug=s.graph_cache.graph_debug, metrics=metrics, input_tensors=self._input_tensors,
-                                         warm_key=self._kernel_family)
-        log.info("model %s (%s) on %s %s: max_model_len %d, %d KV blocks x %d tokens, backend %s", path,
-                 self.model_config.architecture, self.device, str(self.dtype).removeprefix("torch."),
-                 self.max_model_len, self.num_kv_blocks, self.block_size, self.backend)
+        self.cache = graph_cache_factory(
+            self._step_fn,
+            backend=self.backend,
+            config=policy_config_from(s.graph_cache),
+            debug=s.graph_cache.graph_debug,
+            metrics=metrics,
+            input_tensors=self._input_tensors,
+            warm_key=self._kernel_family,
+        )
+        log.info(
+            "model %s (%s) on %s %s: max_model_len %d, %d KV blocks x %d tokens, backend %s",
+            path,
+            self.model_config.architecture,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            self.max_model_len,
+            self.num_kv_blocks,
+            self.block_size,
+            self.backend,
+        )
 
     # --- sizing -------------------------------------------------------------------------
     def _max_model_len(self, config) -> int:
@@ -140,14 +192,16 @@ class ModelRunner:
             limit = min(limit, config.sliding_window)
         wanted = self.settings.engine.max_model_len
         if wanted is not None and wanted > limit:
-            raise ModelLoadError(f"max_model_len {wanted} exceeds the model's limit {limit} "
-                                 "(max_position_embeddings / sliding_window); lower max_model_len")
+            raise ModelLoadError(
+                f"max_model_len {wanted} exceeds the model's limit {limit} "
+                "(max_position_embeddings / sliding_window); lower max_model_len"
+            )
         return wanted or limit
 
     def _warmup_descriptors(self) -> list[BatchDescriptor]:
         s = self.settings
         if s.graph_cache.warmup_profile is not None:
-            return self._load_warmup_profile(s.graph_cache.warmup_profile)   # exactly the profile's set
+            return self._load_warmup_profile(s.graph_cache.warmup_profile)  # exactly the profile's set
         decode = s.graph_cache.warmup_decode_sizes
         if decode is None:
             decode = [n for n in self.sizes if n <= s.engine.max_num_seqs]
@@ -157,9 +211,13 @@ class ModelRunner:
         if mixed is None:
             mixed = buckets
         elif any(n not in buckets for n in mixed):
-            raise ValueError(f"warmup_mixed_sizes {mixed} must be mixed buckets in use {buckets} (mixed_capture_sizes "
-                             "above max_capture_size, up to max_num_batched_tokens)")
-        pad_reqs = self.sizes.pad(s.engine.max_num_seqs) or s.engine.max_num_seqs   # descriptor_for's R cap (max_reqs)
+            raise ValueError(
+                f"warmup_mixed_sizes {mixed} must be mixed buckets in use {buckets} (mixed_capture_sizes "
+                "above max_capture_size, up to max_num_batched_tokens)"
+            )
+        pad_reqs = (
+            self.sizes.pad(s.engine.max_num_seqs) or s.engine.max_num_seqs
+        )  # descriptor_for's R cap (max_reqs)
         descs += [BatchDescriptor(n, min(n, pad_reqs), False) for n in mixed]
         descs += [BatchDescriptor.parse(d) for d in s.graph_cache.warmup_descriptors]
         return descs
@@ -181,22 +239,32 @@ class ModelRunner:
         max_reqs = self.sizes.pad(self.settings.engine.max_num_seqs) or self.sizes.max
         for i, d in enumerate(descs):
             tokens = self.sizes if d.uniform_decode else self.mixed_sizes
-            if d.num_tokens not in tokens.sizes or d.num_reqs not in self.sizes.sizes or d.num_reqs > max_reqs:
-                raise ValueError(f"{where}: descriptors[{i}] {d} has sizes this server never pads to; tokens must "
-                                 f"be one of the capture sizes {list(tokens)}, requests one of {list(self.sizes)} "
-                                 f"(up to {max_reqs}); export the profile again from a server with these settings")
+            if (
+                d.num_tokens not in tokens.sizes
+                or d.num_reqs not in self.sizes.sizes
+                or d.num_reqs > max_reqs
+            ):
+                raise ValueError(
+                    f"{where}: descriptors[{i}] {d} has sizes this server never pads to; tokens must "
+                    f"be one of the capture sizes {list(tokens)}, requests one of {list(self.sizes)} "
+                    f"(up to {max_reqs}); export the profile again from a server with these settings"
+                )
         log.info("warmup profile %s: %d descriptors", path, len(descs))
         return descs
 
     def _alloc_buffers(self) -> None:
         s, dev = self.settings, self.device
         max_reqs = self.sizes.pad(s.engine.max_num_seqs) or s.engine.max_num_seqs
-        self.max_tokens = max([s.engine.max_num_batched_tokens, self.mixed_sizes.max]
-                              + [d.num_tokens for d in self._warmup_descs])
+        self.max_tokens = max(
+            [s.engine.max_num_batched_tokens, self.mixed_sizes.max]
+            + [d.num_tokens for d in self._warmup_descs]
+        )
         self.max_reqs = min(self.max_tokens, max([max_reqs] + [d.num_reqs for d in self._warmup_descs]))
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         # [R_max, V] in the model dtype: the LM head writes straight into it.
-        self.out_logits = torch.zeros(self.max_reqs, self.model_config.vocab_size, dtype=self.dtype, device=dev)
+        self.out_logits = torch.zeros(
+            self.max_reqs, self.model_config.vocab_size, dtype=self.dtype, device=dev
+        )
 
     def _alloc_decode(self) -> None:
         """Static state of the decode kernels: the split workspace (triton) or a positions table
@@ -207,10 +275,16 @@ class ModelRunner:
         self._decode_positions = None
         self._decode_in_graph = self.settings.graph_cache.decode_capture_mode == "full"
         if self.decode_kernel == "triton":
-            splits = max(choose_num_splits(r, self.num_kv_heads, self.max_model_len) for r in [1, *self.sizes])
-            self._decode_workspace = decode_workspace(self.max_reqs, self.num_heads, c.head_dim, splits, self.device)
+            splits = max(
+                choose_num_splits(r, self.num_kv_heads, self.max_model_len) for r in [1, *self.sizes]
+            )
+            self._decode_workspace = decode_workspace(
+                self.max_reqs, self.num_heads, c.head_dim, splits, self.device
+            )
         elif self.decode_kernel == "torch":
-            self._decode_positions = torch.arange(self.max_blocks_per_seq * self.block_size, device=self.device)
+            self._decode_positions = torch.arange(
+                self.max_blocks_per_seq * self.block_size, device=self.device
+            )
 
     def decode_metadata(self, num_reqs: int) -> DecodeMetadata:
         """The decode attention metadata of a (padded) batch of num_reqs: static views only."""
@@ -219,9 +293,15 @@ class ModelRunner:
             splits = 1
             if self.decode_kernel == "triton":
                 splits = choose_num_splits(num_reqs, self.num_kv_heads, self.max_model_len)
-            md = DecodeMetadata(self.decode_kernel, self._decode_in_graph, self.inputs.block_tables.dev[:num_reqs],
-                                self.inputs.seq_lens.dev[:num_reqs], splits, self._decode_workspace,
-                                self._decode_positions)
+            md = DecodeMetadata(
+                self.decode_kernel,
+                self._decode_in_graph,
+                self.inputs.block_tables.dev[:num_reqs],
+                self.inputs.seq_lens.dev[:num_reqs],
+                splits,
+                self._decode_workspace,
+                self._decode_positions,
+            )
             self._decode_md[num_reqs] = md
         return md
 
@@ -244,9 +324,11 @@ class ModelRunner:
         else:
             blocks = min(s.engine.max_num_seqs * one_seq, CPU_KV_CACHE_MAX_BYTES // per_block)
         if blocks < one_seq:
-            raise RuntimeError(f"KV cache of {blocks} blocks cannot hold one sequence of max_model_len "
-                               f"{self.max_model_len} ({one_seq} blocks); lower max_model_len or raise "
-                               "kv_cache_memory_fraction / num_kv_blocks")
+            raise RuntimeError(
+                f"KV cache of {blocks} blocks cannot hold one sequence of max_model_len "
+                f"{self.max_model_len} ({one_seq} blocks); lower max_model_len or raise "
+                "kv_cache_memory_fraction / num_kv_blocks"
+            )
         return blocks
 
     def _agree_min(self, blocks: int) -> int:
@@ -263,31 +345,48 @@ class ModelRunner:
         # Zero-filled, not empty: masked positions get softmax weight 0, and 0 * NaN would still be NaN.
         # One block more than the block manager knows of: block num_kv_blocks is the scratch block
         # that padded tokens write (their K/V may be garbage; nothing ever reads it).
-        self.kv_storage = torch.zeros(c.num_layers, 2, self.num_kv_blocks + 1, self.block_size, self.num_kv_heads,
-                                      c.head_dim, dtype=self.dtype, device=self.device)   # this rank's KV heads
-        self.kv_cache = self.kv_storage[:, :, :self.num_kv_blocks]  # [layers, 2, blocks, bs, K, D]: usable blocks
+        self.kv_storage = torch.zeros(
+            c.num_layers,
+            2,
+            self.num_kv_blocks + 1,
+            self.block_size,
+            self.num_kv_heads,
+            c.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )  # this rank's KV heads
+        self.kv_cache = self.kv_storage[
+            :, :, : self.num_kv_blocks
+        ]  # [layers, 2, blocks, bs, K, D]: usable blocks
         self.scratch_slot = self.num_kv_blocks * self.block_size
         self.model.bind_kv_cache([self.kv_storage[i] for i in range(c.num_layers)])
 
     # --- the step function the cache captures ---------------------------------------------
     def _run_model(self, num_tokens: int, num_reqs: int) -> None:
         i = self.inputs
-        self.model(i.input_ids.dev[:num_tokens], i.positions.dev[:num_tokens], i.slot_mapping.dev[:num_tokens],
-                   i.logits_indices.dev[:num_reqs], self.out_logits[:num_reqs])
+        self.model(
+            i.input_ids.dev[:num_tokens],
+            i.positions.dev[:num_tokens],
+            i.slot_mapping.dev[:num_tokens],
+            i.logits_indices.dev[:num_reqs],
+            self.out_logits[:num_reqs],
+        )
 
     def _step_fn(self, desc: BatchDescriptor) -> None:
         if desc.num_tokens > self.max_tokens or desc.num_reqs > self.max_reqs:
-            raise ValueError(f"descriptor {desc} exceeds the static buffers ({self.max_tokens} tokens, "
-                             f"{self.max_reqs} requests); raise max_num_batched_tokens / max_num_seqs")
+            raise ValueError(
+                f"descriptor {desc} exceeds the static buffers ({self.max_tokens} tokens, "
+                f"{self.max_reqs} requests); raise max_num_batched_tokens / max_num_seqs"
+            )
         md: AttentionMetadata | DecodeMetadata
         if self._decode_path(desc.uniform_decode):
             # The decode metadata depends on the descriptor alone, so a capture outside a step (under
             # the empty context) records the same kernels a step would: full mode puts them in the graph.
             md = self.decode_metadata(desc.num_reqs)
         elif self._mixed_in_graph:
-            md = self.mixed_graph_metadata(desc.num_reqs)   # the same: static views over R padded rows
+            md = self.mixed_graph_metadata(desc.num_reqs)  # the same: static views over R padded rows
         else:
-            md = current_attention_metadata()   # the step's (or, in warmup, the empty) mixed layout
+            md = current_attention_metadata()  # the step's (or, in warmup, the empty) mixed layout
         with forward_context(md, desc, self._graph_mode(desc.uniform_decode)):
             self._run_model(desc.num_tokens, desc.num_reqs)
 
@@ -304,9 +403,12 @@ class ModelRunner:
         md = self._mixed_graph_md.get(num_reqs)
         if md is None:
             i = self.inputs
-            md = self._planner.plan_in_graph(num_reqs=num_reqs, query_start_loc=i.cu_seqlens.dev[:num_reqs + 1],
-                                             seq_lens=i.seq_lens.dev[:num_reqs],
-                                             block_tables=i.block_tables.dev[:num_reqs])
+            md = self._planner.plan_in_graph(
+                num_reqs=num_reqs,
+                query_start_loc=i.cu_seqlens.dev[: num_reqs + 1],
+                seq_lens=i.seq_lens.dev[:num_reqs],
+                block_tables=i.block_tables.dev[:num_reqs],
+            )
             self._mixed_graph_md[num_reqs] = md
         return md
 
@@ -319,8 +421,17 @@ class ModelRunner:
 
     def _input_tensors(self, desc: BatchDescriptor) -> list[torch.Tensor]:
         t, r, i = desc.num_tokens, desc.num_reqs, self.inputs
-        return [i.input_ids.dev[:t], i.positions.dev[:t], i.logits_indices.dev[:r], self.out_logits[:r],
-                i.slot_mapping.dev[:t], i.seq_lens.dev, i.block_tables.dev, i.cu_seqlens.dev, self.kv_cache]
+        return [
+            i.input_ids.dev[:t],
+            i.positions.dev[:t],
+            i.logits_indices.dev[:r],
+            self.out_logits[:r],
+            i.slot_mapping.dev[:t],
+            i.seq_lens.dev,
+            i.block_tables.dev,
+            i.cu_seqlens.dev,
+            self.kv_cache,
+        ]
 
     # --- one step ------------------------------------------------------------------------
     def execute(self, batch: StepBatch) -> StepResult:
@@ -331,20 +442,29 @@ class ModelRunner:
         if num_reqs == 0:
             raise ValueError("empty batch")
         if num_tokens > self.max_tokens or num_reqs > self.max_reqs:
-            raise ValueError(f"batch of {num_tokens} tokens / {num_reqs} requests exceeds the runner's buffers "
-                             f"({self.max_tokens} / {self.max_reqs}); keep max_num_batched_tokens and "
-                             "max_num_seqs in the scheduler equal to the settings")
+            raise ValueError(
+                f"batch of {num_tokens} tokens / {num_reqs} requests exceeds the runner's buffers "
+                f"({self.max_tokens} / {self.max_reqs}); keep max_num_batched_tokens and "
+                "max_num_seqs in the scheduler equal to the settings"
+            )
         uniform = batch.uniform_decode
         # Prompt logprobs need logits at every fed position: an eager step on the general layout.
         prompt_logits = batch.wants_prompt_logits
         eager = self.settings.graph_cache.enforce_eager or prompt_logits
-        desc = None if eager else descriptor_for(num_tokens, num_reqs, uniform, self.sizes, self.max_reqs,
-                                                     self.mixed_sizes)
+        desc = (
+            None
+            if eager
+            else descriptor_for(num_tokens, num_reqs, uniform, self.sizes, self.max_reqs, self.mixed_sizes)
+        )
         pad_tokens = desc.num_tokens if desc else num_tokens
         pad_reqs = desc.num_reqs if desc else num_reqs
         try:
-            layout = self.inputs.prepare(batch, decode=self._decode_path(uniform) and not prompt_logits,
-                                         pad_tokens=pad_tokens, pad_reqs=pad_reqs)
+            layout = self.inputs.prepare(
+                batch,
+                decode=self._decode_path(uniform) and not prompt_logits,
+                pad_tokens=pad_tokens,
+                pad_reqs=pad_reqs,
+            )
             md, num_logits = layout.metadata, layout.num_logits
             with forward_context(md, desc, "eager" if desc is None else self._graph_mode(uniform)):
                 if prompt_logits:
@@ -355,7 +475,7 @@ class ModelRunner:
                 else:
                     mode = self.cache.run(desc, real_tokens=num_tokens)
         except BaseException:
-            self.inputs.invalidate()   # the buffers may hold half a step: the next step lays its rows out anew
+            self.inputs.invalidate()  # the buffers may hold half a step: the next step lays its rows out anew
             raise
         return StepResult(self.out_logits[:num_logits], mode)
 
@@ -370,24 +490,42 @@ class ModelRunner:
         static buffers: their count is up to the whole step's tokens)."""
         i, num_reqs, num_tokens = self.inputs, layout.num_reqs, layout.num_tokens
         extra = torch.tensor(layout.prompt_rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        indices = torch.cat([i.logits_indices.dev[:num_reqs], extra])                  # [R + E]
-        out = torch.empty(num_reqs + len(layout.prompt_rows), self.model_config.vocab_size, dtype=self.dtype,
-                          device=self.device)
-        self.model(i.input_ids.dev[:num_tokens], i.positions.dev[:num_tokens], i.slot_mapping.dev[:num_tokens],
-                   indices, out)
-        return StepResult(out[:layout.num_logits], "eager", prompt_logits=out[num_reqs:])
+        indices = torch.cat([i.logits_indices.dev[:num_reqs], extra])  # [R + E]
+        out = torch.empty(
+            num_reqs + len(layout.prompt_rows),
+            self.model_config.vocab_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.model(
+            i.input_ids.dev[:num_tokens],
+            i.positions.dev[:num_tokens],
+            i.slot_mapping.dev[:num_tokens],
+            indices,
+            out,
+        )
+        return StepResult(out[: layout.num_logits], "eager", prompt_logits=out[num_reqs:])
 
     # --- captures outside a step (warmup, admin) --------------------------------------------
-    def capture(self, descriptors: list[BatchDescriptor], *, pin: bool = True,
-                progress: Callable[[int, int, str], None] | None = None) -> WarmupReport:
+    def capture(
+        self,
+        descriptors: list[BatchDescriptor],
+        *,
+        pin: bool = True,
+        progress: Callable[[int, int, str], None] | None = None,
+    ) -> WarmupReport:
         """Capture `descriptors` now, outside any step (pinned by default). The captured run and the
         replay after it attend to nothing and write K/V only to the scratch slot: every token is
         pointed there and every logits row at token 0 first, so stale buffers from the last step
         can reach no real slot and no index is out of range for any descriptor."""
-        too_big = [str(d) for d in descriptors if d.num_tokens > self.max_tokens or d.num_reqs > self.max_reqs]
+        too_big = [
+            str(d) for d in descriptors if d.num_tokens > self.max_tokens or d.num_reqs > self.max_reqs
+        ]
         if too_big:
-            raise ValueError(f"descriptors {too_big} exceed the static buffers ({self.max_tokens} tokens, "
-                             f"{self.max_reqs} requests); raise max_num_batched_tokens / max_num_seqs")
+            raise ValueError(
+                f"descriptors {too_big} exceed the static buffers ({self.max_tokens} tokens, "
+                f"{self.max_reqs} requests); raise max_num_batched_tokens / max_num_seqs"
+            )
         self.inputs.point_at_scratch()
         with forward_context(AttentionMetadata.empty()):
             return self.cache.warmup(descriptors, pin=pin, progress=progress)

@@ -63,14 +63,14 @@ STOP_TIMEOUT_S = 30.0
 class RankLost(RuntimeError):
     """A tensor-parallel rank died, failed a step, or split from rank 0: the engine cannot go on."""
 
-    fatal = True   # EngineCore: like a device fault, the engine dies at once (requests end with errors)
+    fatal = True  # EngineCore: like a device fault, the engine dies at once (requests end with errors)
 
 
 @dataclass
 class _Worker:
     rank: int
-    process: Any            # multiprocessing.Process (spawn)
-    conn: Any               # rank 0's end of its pipe
+    process: Any  # multiprocessing.Process (spawn)
+    conn: Any  # rank 0's end of its pipe
 
     def describe_exit(self) -> str:
         """Why the worker is gone: what it said on the pipe last, else its exit code."""
@@ -85,21 +85,26 @@ class _Worker:
         return said or self.exit_text()
 
     def exit_text(self) -> str:
-        self.process.join(5.0)   # reap it: exitcode is None until then
+        self.process.join(5.0)  # reap it: exitcode is None until then
         code = self.process.exitcode
         deadline = time.monotonic() + 1.0
-        while code is None and time.monotonic() < deadline:   # another thread may be reaping it right now
+        while code is None and time.monotonic() < deadline:  # another thread may be reaping it right now
             time.sleep(0.01)
             code = self.process.exitcode
-        how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else \
-            f"exited with code {code}"
+        how = (
+            f"was killed by {signal.Signals(-code).name}"
+            if code is not None and code < 0
+            else f"exited with code {code}"
+        )
         return f"tensor-parallel rank {self.rank} (pid {self.process.pid}) {how}"
 
     def expect(self, status: str, deadline: float) -> None:
         """A start-up message from the worker: RankLost if it says something else, dies or is late."""
         said, detail = self.reply(status, deadline)
         if said != status:
-            raise RankLost(f"tensor-parallel rank {self.rank} said {said!r} ({detail!r}) instead of {status!r}")
+            raise RankLost(
+                f"tensor-parallel rank {self.rank} said {said!r} ({detail!r}) instead of {status!r}"
+            )
 
     def reply(self, op: str, deadline: float) -> tuple[str, Any]:
         """The worker's answer to an admin command, watching the process; RankLost if it died or is late."""
@@ -115,11 +120,13 @@ class _Worker:
             if not self.process.is_alive():
                 break
         if self.process.is_alive():
-            raise RankLost(f"tensor-parallel rank {self.rank} did not answer {op} within {COLLECTIVE_TIMEOUT_S:.0f} s")
+            raise RankLost(
+                f"tensor-parallel rank {self.rank} did not answer {op} within {COLLECTIVE_TIMEOUT_S:.0f} s"
+            )
         raise RankLost(self.describe_exit())
 
 
-DEATH_GRACE_S = 2.0   # after a failed step: how long a dying worker may take to be seen dead
+DEATH_GRACE_S = 2.0  # after a failed step: how long a dying worker may take to be seen dead
 
 
 class TensorParallelRunner:
@@ -129,15 +136,22 @@ class TensorParallelRunner:
         self.runner = runner
         self.size = runner.tp.size
         # Rank 0's facts (the Runner Protocol's), fixed at load; every rank's equal but for its shard of the heads.
-        self.tokenizer, self.model_path, self.model_config = runner.tokenizer, runner.model_path, runner.model_config
-        self.num_kv_blocks, self.block_size, self.max_model_len = runner.num_kv_blocks, runner.block_size, \
-            runner.max_model_len
+        self.tokenizer, self.model_path, self.model_config = (
+            runner.tokenizer,
+            runner.model_path,
+            runner.model_config,
+        )
+        self.num_kv_blocks, self.block_size, self.max_model_len = (
+            runner.num_kv_blocks,
+            runner.block_size,
+            runner.max_model_len,
+        )
         self.vocab_size, self.eos_token_ids = runner.vocab_size, runner.eos_token_ids
         self.device_type, self.dtype = runner.device_type, runner.dtype
         self.metrics = metrics
         self.cache = _AgreedCache(self)
         self._workers = workers
-        self._broken: str | None = None          # why this runner cannot run another step
+        self._broken: str | None = None  # why this runner cannot run another step
         self._on_fatal: Callable[[str], None] | None = None
         self._closing = False
         self._watcher = threading.Thread(target=self._watch_workers, name="graphcache-tp-watch", daemon=True)
@@ -149,25 +163,32 @@ class TensorParallelRunner:
         """Spawn ranks 1..N-1, load rank 0's shard with them, wait until every rank is loaded."""
         size = settings.model.tensor_parallel_size
         model = settings.model.path
-        if model is None:   # made once, here: the ranks must not race to write the same files
+        if model is None:  # made once, here: the ranks must not race to write the same files
             model = default_model_dir(settings.model.cache_dir, seed=settings.model.seed)
             settings = settings.updated(model=model)
-        check_shardable(read_config(model), size)   # before any process starts
+        check_shardable(read_config(model), size)  # before any process starts
         port, ctx = free_port(), mp.get_context("spawn")
         workers: list[_Worker] = []
         runner = None
         try:
             for rank in range(1, size):
                 parent, child = ctx.Pipe()
-                process = ctx.Process(target=worker_main, args=(rank, settings, port, child), daemon=True,
-                                      name=f"graphcache-tp-rank{rank}")
+                process = ctx.Process(
+                    target=worker_main,
+                    args=(rank, settings, port, child),
+                    daemon=True,
+                    name=f"graphcache-tp-rank{rank}",
+                )
                 process.start()
                 child.close()
                 workers.append(_Worker(rank, process, parent))
-            log.info("tensor parallel: %d ranks (workers pids %s); loading rank 0's shard", size,
-                     [w.process.pid for w in workers])
+            log.info(
+                "tensor parallel: %d ranks (workers pids %s); loading rank 0's shard",
+                size,
+                [w.process.pid for w in workers],
+            )
             deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
-            for w in workers:   # every worker reached the rendezvous (rank 0 cannot leave it once in)
+            for w in workers:  # every worker reached the rendezvous (rank 0 cannot leave it once in)
                 w.expect("joining", deadline)
             runner = build_rank_runner(settings, 0, port, metrics)
             for w in workers:
@@ -202,7 +223,9 @@ class TensorParallelRunner:
             ended = connection.wait([w.process.sentinel for w in self._workers], timeout=DEATH_GRACE_S)
             # is_alive() alone can miss it: the watcher thread may be reaping that process right now.
             dead = [w for w in self._workers if w.process.sentinel in ended or not w.process.is_alive()]
-            reason = dead[0].describe_exit() if dead else f"the step failed on rank 0: {type(exc).__name__}: {exc}"
+            reason = (
+                dead[0].describe_exit() if dead else f"the step failed on rank 0: {type(exc).__name__}: {exc}"
+            )
             raise self._break(reason) from exc
 
     # --- admin (engine thread) -------------------------------------------------------------
@@ -212,18 +235,27 @@ class TensorParallelRunner:
     def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> WarmupReport:
         return self._admin("warmup", (), lambda: self.runner.warmup(progress=progress))
 
-    def capture(self, descriptors: list[BatchDescriptor], *, pin: bool = True,
-                progress: Callable[[int, int, str], None] | None = None) -> WarmupReport:
+    def capture(
+        self,
+        descriptors: list[BatchDescriptor],
+        *,
+        pin: bool = True,
+        progress: Callable[[int, int, str], None] | None = None,
+    ) -> WarmupReport:
         descs = list(descriptors)
-        return self._admin("capture", (descs, pin), lambda: self.runner.capture(descs, pin=pin, progress=progress))
+        return self._admin(
+            "capture", (descs, pin), lambda: self.runner.capture(descs, pin=pin, progress=progress)
+        )
 
     def rank_decision_logs(self) -> list[list[Decision]]:
         """Every rank's cache decision log, rank order (equal when the ranks agree: the test hook)."""
-        return self._admin("decisions", (), lambda: self.runner.cache.decision_log(), compare=False,
-                           collect=True)
+        return self._admin(
+            "decisions", (), lambda: self.runner.cache.decision_log(), compare=False, collect=True
+        )
 
-    def _admin(self, op: str, args: tuple, local: Callable[[], Any], *, compare: bool = True,
-               collect: bool = False) -> Any:
+    def _admin(
+        self, op: str, args: tuple, local: Callable[[], Any], *, compare: bool = True, collect: bool = False
+    ) -> Any:
         """Send `op` to every worker, run `local` on rank 0, then check every worker did the same: the
         same summary, or the same error. collect=True returns [rank 0's, worker 1's, ...] results."""
         if self._broken is not None:
@@ -233,20 +265,25 @@ class TensorParallelRunner:
         result = None
         try:
             result = local()
-        except Exception as exc:   # an admin error; the workers must have met the same one
+        except Exception as exc:  # an admin error; the workers must have met the same one
             error = exc
         deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
         try:
             replies = [w.reply(op, deadline) for w in self._workers]
         except RankLost as lost:
             raise self._break(str(lost)) from error
-        mine = ("error", f"{type(error).__name__}: {error}") if error is not None else \
-            ("ok", _summary(op, result))
+        mine = (
+            ("error", f"{type(error).__name__}: {error}")
+            if error is not None
+            else ("ok", _summary(op, result))
+        )
         if compare:
             split = [(w.rank, r) for w, r in zip(self._workers, replies, strict=True) if r != mine]
             if split:
                 rank, theirs = split[0]
-                raise self._break(f"tensor-parallel ranks split on {op}: rank 0 {mine!r}, rank {rank} {theirs!r}")
+                raise self._break(
+                    f"tensor-parallel ranks split on {op}: rank 0 {mine!r}, rank {rank} {theirs!r}"
+                )
         if error is not None:
             raise error
         if collect:
@@ -256,7 +293,7 @@ class TensorParallelRunner:
 
     # --- failure and shutdown ---------------------------------------------------------------
     def _send(self, command: tuple) -> None:
-        data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)   # once, whatever the rank count
+        data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)  # once, whatever the rank count
         for w in self._workers:
             try:
                 w.conn.send_bytes(data)
@@ -293,7 +330,7 @@ class _AgreedCache:
 
     def __init__(self, tp: TensorParallelRunner) -> None:
         self._tp = tp
-        self._published = -1   # decision-log length the rank gauge was computed at
+        self._published = -1  # decision-log length the rank gauge was computed at
 
     def clear(self) -> ClearReport:
         return self._tp._admin("clear", (), lambda: self._tp.runner.cache.clear())
@@ -301,8 +338,13 @@ class _AgreedCache:
     def evict(self, desc: BatchDescriptor) -> bool:
         return self._tp._admin("evict", (desc,), lambda: self._tp.runner.cache.evict(desc))
 
-    def warmup(self, descs: list[BatchDescriptor], *, pin: bool = True,
-               progress: Callable[[int, int, str], None] | None = None) -> WarmupReport:
+    def warmup(
+        self,
+        descs: list[BatchDescriptor],
+        *,
+        pin: bool = True,
+        progress: Callable[[int, int, str], None] | None = None,
+    ) -> WarmupReport:
         return self._tp.capture(descs, pin=pin, progress=progress)
 
     # Reads: rank 0's cache, whose state equals every rank's.
@@ -329,8 +371,15 @@ class _AgreedCache:
         pool = self._tp.runner.cache.rank_pool_bytes()
         info["tensor_parallel"] = {
             "size": self._tp.size,
-            "ranks": [{"rank": r, "pool_bytes": pool[r], "decisions": len(log_r), "decision_digest": fingerprint(log_r)}
-                      for r, log_r in enumerate(logs)],
+            "ranks": [
+                {
+                    "rank": r,
+                    "pool_bytes": pool[r],
+                    "decisions": len(log_r),
+                    "decision_digest": fingerprint(log_r),
+                }
+                for r, log_r in enumerate(logs)
+            ],
         }
         return info
 
@@ -370,7 +419,9 @@ def _stop_workers(workers: list[_Worker], *, graceful: bool) -> None:
         w.process.join(max(0.0, deadline - time.monotonic()))
         if w.process.is_alive():
             if graceful:
-                log.warning("tensor-parallel rank %d did not stop within %.0f s; killing it", w.rank, STOP_TIMEOUT_S)
+                log.warning(
+                    "tensor-parallel rank %d did not stop within %.0f s; killing it", w.rank, STOP_TIMEOUT_S
+                )
             w.process.kill()
             w.process.join(5.0)
         w.conn.close()
@@ -379,4 +430,3 @@ def _stop_workers(workers: list[_Worker], *, graceful: bool) -> None:
 def _leave_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-

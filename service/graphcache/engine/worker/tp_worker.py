@@ -45,7 +45,14 @@ from graphcache.graphs.cache import GraphCache
 from graphcache.metrics import Metrics
 from graphcache.model.parallel import TensorParallel
 
-__all__ = ["COLLECTIVE_TIMEOUT_S", "apply_admin", "build_rank_runner", "execute_payload", "free_port", "worker_main"]
+__all__ = [
+    "COLLECTIVE_TIMEOUT_S",
+    "apply_admin",
+    "build_rank_runner",
+    "execute_payload",
+    "free_port",
+    "worker_main",
+]
 
 log = logging.getLogger("graphcache.tp")
 
@@ -65,7 +72,9 @@ def device_type(settings: Settings) -> str:
     return resolve_device(settings.model.device).type
 
 
-def build_rank_runner(settings: Settings, rank: int, port: int, metrics: Metrics | None = None) -> ModelRunner:
+def build_rank_runner(
+    settings: Settings, rank: int, port: int, metrics: Metrics | None = None
+) -> ModelRunner:
     """Join the group of settings.model.tensor_parallel_size ranks and load this rank's shard: NCCL for the
     model's collectives on CUDA (rank r on GPU r), gloo on the CPU; cache agreements run on a gloo group
     (host-side objects, never inside a CUDA stream or capture). Every rank must call this together."""
@@ -73,13 +82,24 @@ def build_rank_runner(settings: Settings, rank: int, port: int, metrics: Metrics
     on_cuda = device_type(settings) == "cuda"
     if on_cuda:
         torch.cuda.set_device(rank)
-    elif "OMP_NUM_THREADS" not in os.environ:   # N ranks share the host's cores: no oversubscription
+    elif "OMP_NUM_THREADS" not in os.environ:  # N ranks share the host's cores: no oversubscription
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    dist.init_process_group("nccl" if on_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)) if on_cuda else None
-    return ModelRunner(settings, metrics, tp=TensorParallel.from_group(),
-                       graph_cache_factory=partial(GraphCache, agreement=GroupAgreement(control)))
+    dist.init_process_group(
+        "nccl" if on_cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    control = (
+        dist.new_group(backend="gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)) if on_cuda else None
+    )
+    return ModelRunner(
+        settings,
+        metrics,
+        tp=TensorParallel.from_group(),
+        graph_cache_factory=partial(GraphCache, agreement=GroupAgreement(control)),
+    )
 
 
 def apply_admin(runner: ModelRunner, op: str, args: tuple) -> Any:
@@ -105,8 +125,10 @@ def worker_main(rank: int, settings: Settings, port: int, conn: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        logging.basicConfig(level=settings.logging.log_level.upper(),
-                            format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=settings.logging.log_level.upper(),
+            format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s",
+        )
         # Rank 0 joins the rendezvous only once every worker got this far: a worker that fails sooner
         # (an import, a bad setting) is reported at once instead of after the rendezvous timeout.
         _send(conn, ("joining", os.getpid()))
@@ -123,7 +145,7 @@ def worker_main(rank: int, settings: Settings, port: int, conn: Any) -> None:
     # os._exit frees the communicator's resources with the process.
     if dist.is_initialized() and dist.get_backend() != "nccl":
         dist.destroy_process_group()
-    os._exit(code)   # no interpreter teardown: nothing of ours is left to flush, and torch's can hang
+    os._exit(code)  # no interpreter teardown: nothing of ours is left to flush, and torch's can hang
 
 
 def _serve(runner: ModelRunner, rank: int, conn: Any) -> int:
@@ -140,7 +162,7 @@ def _serve(runner: ModelRunner, rank: int, conn: Any) -> int:
         if op == "execute":
             batch, rows = args
             try:
-                if rows:   # placeholder inputs: the ids rank 0's previous step sampled, from its device
+                if rows:  # placeholder inputs: the ids rank 0's previous step sampled, from its device
                     batch.prev_tokens = torch.empty(rows, dtype=torch.int64, device=device)
                     dist.broadcast(batch.prev_tokens, src=0)
                 runner.execute(batch)
@@ -151,7 +173,9 @@ def _serve(runner: ModelRunner, rank: int, conn: Any) -> int:
             continue
         try:
             reply = ("ok", apply_admin(runner, op, args))
-        except Exception as exc:   # rank 0 compares: the same error on every rank is an admin error, not a split
+        except (
+            Exception
+        ) as exc:  # rank 0 compares: the same error on every rank is an admin error, not a split
             log.warning("%s failed on rank %d: %s: %s", op, rank, type(exc).__name__, exc)
             reply = ("error", f"{type(exc).__name__}: {exc}")
         if not _send(conn, reply):
@@ -174,4 +198,3 @@ def execute_payload(batch: StepBatch, rows_only: bool) -> tuple[StepBatch, int]:
     prev = batch.prev_tokens
     payload = StepBatch(None if rows_only else batch.seqs, rows=batch.rows, keys=batch.keys)
     return payload, 0 if prev is None else int(prev.numel())
-
