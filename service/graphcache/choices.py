@@ -40,6 +40,10 @@ __all__ = [
     "LogFormat",
     "LogLevel",
     "StepMode",
+    "REASONING_PARSERS",
+    "TOOL_CALL_PARSERS",
+    "ReasoningParserName",
+    "ToolCallParserName",
 ]
 
 # --- model: what runs and which kernels it uses
@@ -61,6 +65,10 @@ EvictionPolicy = Literal["lru", "gdsf"]
 LazyPool = Literal["shared", "private"]
 CaptureWarmup = Literal["per_kernel", "always"]
 
+# --- API: how a chat answer's text is read back into tool calls and reasoning
+ToolCallParserName = Literal["hermes", "llama3_json", "mistral"]
+ReasoningParserName = Literal["none", "deepseek_r1", "qwen3"]
+
 # --- logging
 LogFormat = Literal["text", "json"]
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -80,3 +88,5 @@ LAZY_POOLS: tuple[str, ...] = get_args(LazyPool)
 CAPTURE_WARMUPS: tuple[str, ...] = get_args(CaptureWarmup)
 LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)
 LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
+TOOL_CALL_PARSERS: tuple[str, ...] = get_args(ToolCallParserName)
+REASONING_PARSERS: tuple[str, ...] = get_args(ReasoningParserName)

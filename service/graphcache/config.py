@@ -45,6 +45,8 @@ from graphcache.choices import (
     LazyPool,
     LogFormat,
     LogLevel,
+    ReasoningParserName,
+    ToolCallParserName,
 )
 
 __all__ = [
@@ -470,6 +472,18 @@ class HttpSettings(SettingsSection):
         False,
         description="Encode special-token strings inside chat message content as control tokens. Off: "
         "content is always plain text, so a user cannot open a fake system turn (set only for trusted clients).",
+    )
+    tool_call_parser: ToolCallParserName = Field(
+        "hermes",
+        description='How chat answers are read back into tool_calls (and what tool_choice "required" or a '
+        "named function forces): hermes (<tool_call> blocks: Qwen, Hermes), llama3_json (JSON calls, "
+        "optionally after <|python_tag|>: Llama 3.1-3.3), mistral ([TOOL_CALLS] [...]). Match the model's chat template.",
+    )
+    reasoning_parser: ReasoningParserName = Field(
+        "none",
+        description="Split a chat answer's <think>...</think> into reasoning_content: deepseek_r1 (the "
+        "template opens <think>, so text before </think> is reasoning) or qwen3 (reasoning only inside "
+        "<think>...</think>); none keeps all text in content.",
     )
 
     @field_validator("admin_token")

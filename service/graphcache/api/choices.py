@@ -4,8 +4,9 @@ Both shapes take the same inputs: the sequences' accumulated outputs (fanout.Sam
 delta of sequence k, whose choice index is k (streams never rank: best_of > n is not streamed).
 Honoured presentation fields: echo, logprobs / top_logprobs (logprobs.py), prompt_logprobs,
 return_token_ids, return_tokens_as_token_ids, stream_options (include_usage, continuous_usage_stats),
-and for chats with tools the calls the model made (api/tool_calls.py), as `tool_calls` and streamed
-tool_call deltas.
+and for chats the reasoning split off into `reasoning_content` (api/reasoning.py, with a
+reasoning_parser) and, with tools, the calls the model made (api/tool_parsers/, the tool_call_parser
+setting's format), as `tool_calls` and streamed tool_call deltas.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 from graphcache.api.fanout import Sampled
 from graphcache.api.logprobs import TokenText, chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from graphcache.api.protocol import ChatCompletionRequest, CompletionRequest
-from graphcache.api.tool_calls import ToolCallDelta, ToolCallStreamParser, parse_tool_calls
+from graphcache.api.reasoning import ReasoningStream, split_reasoning
+from graphcache.api.tool_parsers import ToolCallDelta, ToolCallFormat, ToolCallStream, tool_call_format
 from graphcache.engine.sequence import RequestOutput
 
 __all__ = ["ChatShape", "CompletionShape", "Prompt"]
@@ -116,15 +118,21 @@ class CompletionShape(_Shape):
 
 
 class ChatShape(_Shape):
-    """Chat choices. With `parse_tools` (tools given, tool_choice not "none") a whole answer's text is
-    parsed into `tool_calls` and a stream's deltas go through one ToolCallStreamParser per choice;
-    a choice that called tools and stopped on its own finishes with "tool_calls"."""
+    """Chat choices. With a `reasoning_parser` other than "none" the reasoning is split off first into
+    `reasoning_content`. With `parse_tools` (tools given, tool_choice not "none") a whole answer's
+    content is parsed into `tool_calls` by `tool_format` and a stream's deltas go through one of its
+    stream parsers per choice; a choice that called tools and stopped on its own finishes with
+    "tool_calls". A call cut off by max_tokens is dropped from a whole answer (the complete calls
+    before it stay) and finishes "length"."""
 
     parse_tools = False
+    tool_format: ToolCallFormat = tool_call_format("hermes")
+    reasoning_parser = "none"
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.tool_parsers: dict[int, ToolCallStreamParser] = {}  # stream: choice index -> its parser
+        self.tool_parsers: dict[int, ToolCallStream] = {}  # stream: choice index -> its parser
+        self.reasoning: dict[int, ReasoningStream] = {}  # stream: choice index -> its splitter
 
     def _logprobs(self, ids: list[int], entries) -> dict | None:
         if not self.client_logprobs:
@@ -135,10 +143,13 @@ class ChatShape(_Shape):
         choices = []
         for k, s in enumerate(kept):
             echo = self.prompt_of(k).echo_text if self.body.echo else ""
-            message: dict = {"role": "assistant", "content": echo + s.text}
+            text, reasoning = s.text, None
+            if self.reasoning_parser != "none":
+                reasoning, text = split_reasoning(self.reasoning_parser, text)
+            message: dict = {"role": "assistant", "content": echo + text}
             finish = s.finish_reason
             if self.parse_tools:
-                content, calls = parse_tool_calls(s.text)
+                content, calls = self.tool_format.parse(text)
                 if calls:
                     message = {
                         "role": "assistant",
@@ -146,6 +157,10 @@ class ChatShape(_Shape):
                         "tool_calls": calls,
                     }
                     finish = _tools_finish(finish)
+            if self.reasoning_parser != "none":
+                if not message["content"] and reasoning is not None:
+                    message["content"] = None  # all of it was reasoning
+                message["reasoning_content"] = reasoning
             choice = {
                 "index": k,
                 "message": message,
@@ -186,15 +201,29 @@ class ChatShape(_Shape):
     def _delta(self, k: int, out: RequestOutput) -> tuple[dict, str | None]:
         """Choice k's delta for `out`, and its finish_reason (None until it finishes)."""
         finish = out.finish_reason if out.finished else None
+        text, reasoning = out.text, ""
+        if self.reasoning_parser != "none":
+            splitter = self.reasoning.setdefault(k, ReasoningStream(self.reasoning_parser))
+            split = splitter.feed(text)
+            if out.finished:
+                rest = splitter.finish()
+                split.reasoning, split.content = (
+                    split.reasoning + rest.reasoning,
+                    split.content + rest.content,
+                )
+            text, reasoning = split.content, split.reasoning
         if not self.parse_tools:
-            return ({"content": out.text} if out.text else {}), finish
-        parser = self.tool_parsers.setdefault(k, ToolCallStreamParser())
-        found = parser.feed(out.text)
+            delta = {"content": text} if text else {}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            return delta, finish
+        parser = self.tool_parsers.setdefault(k, self.tool_format.stream())
+        found = parser.feed(text)
         if out.finished:
             _merge(found, parser.finish())
             if parser.called_tools:
                 finish = _tools_finish(finish)
-        delta: dict = {}
+        delta = {"reasoning_content": reasoning} if reasoning else {}
         if found.content:
             delta["content"] = found.content
         if found.tool_calls:

@@ -46,6 +46,7 @@ from graphcache.api.fanout import FanOut, Sampled, Sub, best_of, usage
 from graphcache.api.logprobs import TokenText
 from graphcache.api.prompt_encoding import encode_chat, encode_prompt
 from graphcache.api.protocol import ChatCompletionRequest, CompletionRequest
+from graphcache.api.tool_parsers import tool_call_format
 from graphcache.engine.errors import InvalidRequest
 from graphcache.engine.sequence import StructuredSpec
 
@@ -74,13 +75,15 @@ def template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] |
     return out
 
 
-def _tool_spec(body: ChatCompletionRequest) -> StructuredSpec | None:
+def _tool_spec(body: ChatCompletionRequest, tool_call_parser: str = "hermes") -> StructuredSpec | None:
     """The constraint tool_choice puts on the output: "required" or a named function force the call
     markup (api/tool_calls.py); "auto", "none" or no tools constrain nothing."""
     if not body.tools_active:
         return None
     try:
-        return tool_calls.tool_choice_spec(body.tools, body.tool_choice, body.parallel_tool_calls)
+        return tool_calls.tool_choice_spec(
+            body.tools, body.tool_choice, body.parallel_tool_calls, tool_call_format(tool_call_parser)
+        )
     except InvalidRequest as e:
         raise api_error_for(e) from None
 
@@ -398,7 +401,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     _checked(body)
     tools = template_tools(body.tools)
-    constraint = _constraint(body, _tool_spec(body))
+    api_settings = request.app.state.settings.http
+    constraint = _constraint(body, _tool_spec(body, api_settings.tool_call_parser))
     engine = serving_engine(request)
     model = check_model(engine, body.model)
     await _check_constraint(engine, constraint)
@@ -429,4 +433,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         TokenText(engine.tokenizer, body.return_tokens_as_token_ids),
     )
     shape.parse_tools = body.tools_active
+    shape.tool_format = tool_call_format(api_settings.tool_call_parser)
+    shape.reasoning_parser = api_settings.reasoning_parser
     return await _serve(request, fan, plan, shape, body.stream)
