@@ -213,7 +213,7 @@ class ChatShape(_Shape):
                 )
             text, reasoning = split.content, split.reasoning
         if not self.parse_tools:
-            delta = {"content": text} if text else {}
+            delta: dict = {"content": text} if text else {}
             if reasoning:
                 delta["reasoning_content"] = reasoning
             return delta, finish

@@ -38,7 +38,8 @@ class ToolCallDelta:
 class ToolCallStream(Protocol):
     """One choice's streaming parser: feed() each text delta, finish() once at the end."""
 
-    num_calls: int
+    @property
+    def num_calls(self) -> int: ...
 
     @property
     def called_tools(self) -> bool: ...

@@ -218,6 +218,7 @@ class ToolCallStreamParser:
                 }
             )
             self.num_calls += 1
+        assert self._scanner is not None  # set with _args_from
         if self._scanner.done:
             return
         fresh = self._block[self._args_from + self._args_sent :]
