@@ -13,7 +13,7 @@ import pytest_asyncio
 from graphcache.api.tool_calls import tool_choice_spec
 from graphcache.api.tool_parsers import tool_call_format
 from graphcache.choices import TOOL_CALL_PARSERS
-from helpers_parsers import MESSAGES, MODEL, TOOLS, client_of, pieces, scripted_app, streamed, use
+from helpers_parsers import MESSAGES, MODEL, TIME, TOOLS, client_of, pieces, scripted_app, streamed, use
 
 WEATHER_ARGS = {"city": 'Pa"ris {x}', "days": 3}
 TIME_ARGS = {"zone": "CET", "nested": {"a": [1, {"b": "}"}], "ok": True}}
@@ -187,3 +187,55 @@ async def test_cut_off_parallel_calls_keep_the_complete_one(app, parser, stream)
             ("get_weather", WEATHER_ARGS)
         ]
         assert answer.choices[0].finish_reason == "length"
+
+
+# --------------------------------------------------------------------------- grammars on the tiny model
+
+CITY_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                "days": {"type": "integer", "enum": [1, 2]},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def runner():
+    from graphcache.engine.worker.runner import ModelRunner
+    from helpers_model import cpu_settings, tiny_checkpoint
+
+    return ModelRunner(cpu_settings(tiny_checkpoint("llama"), max_model_len=512, num_kv_blocks=128))
+
+
+@pytest.mark.parametrize("parser", TOOL_CALL_PARSERS)
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_tool_choice_makes_the_random_model_write_the_family_markup(runner, parser, choice):
+    """The grammar a tool_choice compiles to (llguidance, on the tiny model's tokenizer) forces text
+    that the same family's parser reads back as a valid call, whole and streamed."""
+    from graphcache.engine.sample.structured import StructuredOutput
+    from test_structured import generate
+
+    structured = StructuredOutput(runner.tokenizer, runner.vocab_size)
+    fmt = tool_call_format(parser)
+    spec = tool_choice_spec([CITY_TOOL, TIME], choice, False, fmt)
+    structured.check(spec, param="tools")
+    text, _ = generate(runner, structured, spec, 5, max_tokens=150)
+    content, calls = fmt.parse(text)
+    assert content is None and len(calls) == 1, text
+    name, args = names_and_args(calls)[0]
+    if name == "get_weather":
+        assert args["city"] in ("Paris", "Oslo") and args["days"] in (1, 2), text
+    else:
+        assert name == "get_time" and isinstance(args, dict), text
+    assert stream_all(parser, list(text))[1] == [
+        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls
+    ]
