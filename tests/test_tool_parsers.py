@@ -239,3 +239,34 @@ def test_tool_choice_makes_the_random_model_write_the_family_markup(runner, pars
     assert stream_all(parser, list(text))[1] == [
         {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls
     ]
+
+
+@pytestmark_async
+@pytest.mark.parametrize("parser", TOOL_CALL_PARSERS)
+async def test_a_history_with_a_call_and_its_result_renders_in_each_template(app, parser):
+    """The family's template renders the earlier call and its result; the answer after it is content."""
+    engine, served = app
+    use(served, CASES[parser][0], tool_call_parser=parser)
+    engine.script = (pieces("It is sunny in Paris."), "stop")
+    history = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call12345",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call12345", "content": "sunny, 21C"},
+    ]
+    answer = await client_of(served).chat.completions.create(
+        model=MODEL, messages=history, tools=TOOLS, max_tokens=50
+    )
+    assert answer.choices[0].message.content == "It is sunny in Paris."
+    assert not answer.choices[0].message.tool_calls and answer.choices[0].finish_reason == "stop"
+    prompt = served.state.engine.tokenizer.decode(engine.prompts[-1], False)
+    assert "sunny, 21C" in prompt and '"city": "Paris"' in prompt

@@ -65,8 +65,7 @@ class Llama3JsonStream:
     """Holds the answer's start until its first visible character says calls ("{") or content."""
 
     def __init__(self) -> None:
-        self._head = ""
-        self._all = ""  # everything fed: the content if the calls turn out to be none
+        self._all = ""  # everything fed: the content while undecided, or if no call comes of it
         self._mode: str | None = None  # None: undecided; "content"; "calls"
         self._calls = JsonCallsStream(read_calls)
 
@@ -87,18 +86,17 @@ class Llama3JsonStream:
         if self._mode == "calls":
             self._calls.feed_calls(text, out)
             return out
-        self._head += text
-        rest = self._head.lstrip()
+        rest = self._all.lstrip()
         if not rest or (PYTHON_TAG.startswith(rest) and rest != PYTHON_TAG):
             return out  # nothing visible yet, or maybe the tag
-        start = _calls_start(self._head)
+        start = _calls_start(self._all)
         if start is None and rest.startswith(PYTHON_TAG) and not rest[len(PYTHON_TAG) :].strip():
             return out  # the tag, and what follows it not seen yet
         if start is None:
-            self._mode, out.content = "content", self._head
+            self._mode, out.content = "content", self._all
         else:
             self._mode = "calls"
-            self._calls.feed_calls(self._head[start:], out)
+            self._calls.feed_calls(self._all[start:], out)
         return out
 
     def finish(self) -> ToolCallDelta:
@@ -108,7 +106,7 @@ class Llama3JsonStream:
             if not self._calls.called_tools:
                 out.content = self._all
         elif self._mode is None:
-            out.content = self._head
+            out.content = self._all
         return out
 
 
