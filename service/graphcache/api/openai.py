@@ -151,12 +151,33 @@ def check_model(engine, name: str | None) -> str:
 def model_card(request: Request) -> dict:
     """The served model as OpenAI's model object (an entry of GET /v1/models)."""
     engine = request.app.state.engine
+    created = request.app.state.started
     return {
         "id": engine.model_name,
         "object": "model",
-        "created": request.app.state.started,
+        "created": created,
         "owned_by": "graphcache",
+        # vLLM's card: root is the checkpoint served (the model id where no path is configured), parent
+        # the base model of an adapter (none: no LoRA here), permission one open ModelPermission.
+        "root": str(engine.settings.model.path or engine.model_name),
+        "parent": None,
         "max_model_len": engine.max_model_len if engine.ready else None,
+        "permission": [
+            {
+                "id": f"modelperm-{engine.model_name}",
+                "object": "model_permission",
+                "created": created,
+                "allow_create_engine": False,
+                "allow_sampling": True,
+                "allow_logprobs": True,
+                "allow_search_indices": False,
+                "allow_view": True,
+                "allow_fine_tuning": False,
+                "organization": "*",
+                "group": None,
+                "is_blocking": False,
+            }
+        ],
     }
 
 
@@ -316,6 +337,14 @@ async def _serve(
     return OpenAIEventStream(events(), on_close=fan.abort)
 
 
+def _observe_n(request: Request, n: int, num_prompts: int) -> None:
+    """vllm:request_params_n, once per prompt (vLLM serves each prompt of a batch as its own request)."""
+    metrics = getattr(request.app.state, "metrics", None)
+    if metrics is not None:
+        for _ in range(num_prompts):
+            metrics.vllm.observe_request_n(n)
+
+
 # --------------------------------------------------------------------------- endpoints
 
 
@@ -391,6 +420,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         prompts,
         TokenText(engine.tokenizer, body.return_tokens_as_token_ids),
     )
+    _observe_n(request, plan.n, len(prompts))
     return await _serve(request, fan, plan, shape, body.stream)
 
 
@@ -429,4 +459,5 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         TokenText(engine.tokenizer, body.return_tokens_as_token_ids),
     )
     shape.parse_tools = body.tools_active
+    _observe_n(request, plan.n, len(prompts))
     return await _serve(request, fan, plan, shape, body.stream)
