@@ -471,6 +471,20 @@ class HttpSettings(SettingsSection):
         description="Encode special-token strings inside chat message content as control tokens. Off: "
         "content is always plain text, so a user cannot open a fake system turn (set only for trusted clients).",
     )
+    chat_template: Annotated[str | None, BlankIsUnset] = Field(
+        None,
+        description="The chat template for every chat request without its own: a file path (.jinja) "
+        "or the jinja template itself. Unset: the model's (chat_template.jinja or tokenizer_config.json, "
+        "else ChatML).",
+    )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_or_file(cls, v: str | None) -> str | None:
+        # A value without jinja markers names a file: a typo is refused at start, not on the first chat.
+        if v is not None and "{" not in v and not Path(v).expanduser().is_file():
+            raise ValueError(f"{v!r} is not a readable file (nor a jinja template); fix the path")
+        return v
 
     @field_validator("admin_token")
     @classmethod

@@ -112,6 +112,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | TokenIds | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # token sequences never completed
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # False: special tokens' text stays in the output text
     # --- log probabilities (raw: log_softmax of the model's logits, before any processing) --
     logprobs: int | None = None  # None = off; k >= 0: the sampled token's logprob + the top k
     prompt_logprobs: int | None = None  # None = off; k >= 0: each prompt token's logprob + the top k (echo)

@@ -214,7 +214,9 @@ class EngineCore:
         # A stream without stop strings needs no text here: its consumer detokenizes (Engine._stream,
         # off the step loop, several tokens per call when it falls behind); its outputs carry ids only.
         if tokenizer is not None and not (seq.stream and not seq.params.stop):
-            seq.detokenizer = tokenizer.detokenizer(seq.prompt_token_ids, seq.params.stop)
+            seq.detokenizer = tokenizer.detokenizer(
+                seq.prompt_token_ids, seq.params.stop, seq.params.skip_special_tokens
+            )
             # Non-streaming and no stop strings: nobody reads text before the end.
             seq.defer_text = not seq.stream and not seq.params.stop
         if seq.params.structured is not None:
