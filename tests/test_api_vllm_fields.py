@@ -17,6 +17,8 @@ import pytest
 import pytest_asyncio
 from graphcache.config import Settings
 from helpers_api import serving
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -250,3 +252,25 @@ async def test_skip_special_tokens_false_keeps_their_text(served):
     )
     text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
     assert text == marker * 2, json.dumps(text)
+
+
+# --------------------------------------------------------------------------- vllm:request_params_n
+
+
+def _n_series(app) -> tuple[float, float]:
+    text = generate_latest(app.state.metrics.registry).decode()
+    found = {
+        s.name: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name.startswith("vllm:request_params_n_") and s.labels.get("model_name") == MODEL
+    }
+    return found["vllm:request_params_n_count"], found["vllm:request_params_n_sum"]
+
+
+async def test_request_params_n_counts_each_prompt_with_its_n(served):
+    oai, app = served
+    count, total = _n_series(app)
+    await oai.completions.create(model=MODEL, prompt=[TEXT, "Hello"], n=2, max_tokens=1)
+    await oai.chat.completions.create(model=MODEL, messages=CHAT, n=3, max_tokens=1)
+    assert _n_series(app) == (count + 3, total + 2 * 2 + 3)

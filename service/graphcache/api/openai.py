@@ -307,6 +307,7 @@ async def _serve(
     except BaseException:
         fan.abort()
         raise
+    _observe_n(request, plan.n, len(fan.runs) // plan.samples)  # admitted: one per prompt, as vLLM counts
 
     if not stream:
         try:
@@ -439,7 +440,6 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         prompts,
         TokenText(engine.tokenizer, body.return_tokens_as_token_ids),
     )
-    _observe_n(request, plan.n, len(prompts))
     return await _serve(request, fan, plan, shape, body.stream)
 
 
@@ -485,5 +485,4 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         TokenText(engine.tokenizer, body.return_tokens_as_token_ids),
     )
     shape.parse_tools = body.tools_active
-    _observe_n(request, plan.n, len(prompts))
     return await _serve(request, fan, plan, shape, body.stream)
