@@ -41,8 +41,8 @@ class FakeTokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return "".join(f"<{i}>" for i in ids)
 
-    def detokenizer(self, prompt_ids=None, stop=None):
-        return IncrementalDetokenizer(self, prompt_ids, stop)
+    def detokenizer(self, prompt_ids=None, stop=None, skip_special_tokens=True):
+        return IncrementalDetokenizer(self, prompt_ids, stop, skip_special_tokens)
 
 
 class FakeCache:

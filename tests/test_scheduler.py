@@ -145,10 +145,14 @@ def test_resumed_sequence_reprefills_prompt_plus_outputs():
     while not any(p is b for p in step(sched, kv).preempted):
         pass
     n_out = b.num_output_tokens
+    assert sched.num_recomputed_tokens == 0
     while b.status is SequenceStatus.WAITING:
         plan = step(sched, kv)
     resumed = next(s for s in plan.scheduled if s.seq is b)
     assert resumed.num_tokens == 4 + n_out and resumed.need_logits  # FakeKV verified the readback
+    # vllm:prompt_tokens_recomputed: the KV preemption freed (all but the newest, unfed token) is
+    # computed again; nothing came from a prefix cache.
+    assert sched.num_recomputed_tokens == 4 + n_out - 1 and b.num_freed_computed == 0
     while sched.has_work():
         step(sched, kv)
     assert b.num_output_tokens == 6

@@ -115,6 +115,22 @@ VLLM_SERIES = {
     "vllm:request_generation_tokens": ("histogram", "1-2-5"),
     "vllm:request_max_num_generation_tokens": ("histogram", "1-2-5"),
     "vllm:request_params_max_tokens": ("histogram", "1-2-5"),
+    "vllm:request_params_n": ("histogram", [1, 2, 5, 10, 20]),
+    "vllm:request_prefill_kv_computed_tokens": ("histogram", "1-2-5"),
+    "vllm:prompt_tokens_cached": ("counter", None),
+    "vllm:prompt_tokens_by_source": ("counter", None),
+    "vllm:prompt_tokens_recomputed": ("counter", None),
+    "vllm:engine_sleep_state": ("gauge", None),
+    "vllm:external_prefix_cache_queries": ("counter", None),
+    "vllm:external_prefix_cache_hits": ("counter", None),
+    "vllm:mm_cache_queries": ("counter", None),
+    "vllm:mm_cache_hits": ("counter", None),
+}
+# The label each series adds to model_name and engine.
+EXTRA_LABEL = {
+    "vllm:request_success": "finished_reason",
+    "vllm:prompt_tokens_by_source": "source",
+    "vllm:engine_sleep_state": "sleep_state",
 }
 
 
@@ -139,7 +155,7 @@ def test_vllm_names_types_labels_and_buckets():
         f = fams[name]
         assert f.type == kind, name
         label_sets = {frozenset(k for k in s.labels if k != "le") for s in f.samples}
-        want = {"model_name", "engine"} | ({"finished_reason"} if name == "vllm:request_success" else set())
+        want = {"model_name", "engine"} | ({EXTRA_LABEL[name]} if name in EXTRA_LABEL else set())
         assert label_sets == {frozenset(want)}, (name, label_sets)
         assert {s.labels["model_name"] for s in f.samples} == {"org/model-x"}
         assert {s.labels["engine"] for s in f.samples} == {"0"}
@@ -156,6 +172,10 @@ def test_vllm_names_types_labels_and_buckets():
         if s.name == "vllm:request_success_total"
     }
     assert reasons == {"stop": 1, "length": 0, "abort": 0, "error": 0}
+    sources = {s.labels["source"] for s in fams["vllm:prompt_tokens_by_source"].samples}
+    assert sources == {"local_compute", "local_cache_hit", "external_kv_transfer"}
+    sleep = {s.labels["sleep_state"]: s.value for s in fams["vllm:engine_sleep_state"].samples}
+    assert sleep == {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
     # The process collectors, as on prometheus_client's default registry (and so on vLLM's /metrics).
     assert {
         "process_resident_memory_bytes",
@@ -373,6 +393,21 @@ async def test_served_vllm_series(served):
     )
     # graphcache's own series keep counting the same traffic.
     assert value(text, "graphcache_generation_tokens_total") == 18
+    # n per request (three requests of n = 1), and the prompt tokens split by where their KV came from.
+    assert value(text, "vllm:request_params_n_count", **labels) == 3
+    assert value(text, "vllm:request_params_n_sum", **labels) == 3
+    computed = value(text, "vllm:prompt_tokens_by_source_total", source="local_compute", **labels)
+    cached = value(text, "vllm:prompt_tokens_by_source_total", source="local_cache_hit", **labels)
+    assert value(text, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer", **labels) == 0
+    assert computed + cached == value(text, "vllm:prompt_tokens_total", **labels)
+    assert value(text, "vllm:prompt_tokens_cached_total", **labels) == cached
+    assert value(text, "vllm:request_prefill_kv_computed_tokens_sum", **labels) == computed > 0
+    assert value(text, "vllm:request_prefill_kv_computed_tokens_count", **labels) == 3
+    assert value(text, "vllm:prompt_tokens_recomputed_total", **labels) == 0  # nothing was preempted
+    assert value(text, "vllm:engine_sleep_state", sleep_state="awake", **labels) == 1
+    for name in ("external_prefix_cache", "mm_cache"):
+        for kind in ("queries", "hits"):
+            assert value(text, f"vllm:{name}_{kind}_total", **labels) == 0
 
 
 @pytest.mark.asyncio(loop_scope="module")

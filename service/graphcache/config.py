@@ -486,6 +486,21 @@ class HttpSettings(SettingsSection):
         "<think>...</think>); none keeps all text in content.",
     )
 
+    chat_template: Annotated[str | None, BlankIsUnset] = Field(
+        None,
+        description="The chat template for every chat request without its own: a file path (.jinja) "
+        "or the jinja template itself. Unset: the model's (chat_template.jinja or tokenizer_config.json, "
+        "else ChatML).",
+    )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_or_file(cls, v: str | None) -> str | None:
+        # A value without jinja markers names a file: a typo is refused at start, not on the first chat.
+        if v is not None and "{" not in v and not Path(v).expanduser().is_file():
+            raise ValueError(f"{v!r} is not a readable file (nor a jinja template); fix the path")
+        return v
+
     @field_validator("admin_token")
     @classmethod
     def _ascii_token(cls, v: str | None) -> str | None:

@@ -10,7 +10,13 @@ Two kinds of series:
   usage, token counters, preemptions, finishes by reason, prefix-cache lookups) are read from those
   instruments at scrape time, so the engine records once and the two names can never disagree;
 - histograms graphcache lacks or buckets differently: recorded here, per step (iteration tokens), per
-  first token (TTFT) and per finished request (phase times, lengths, per-token latency).
+  first token (TTFT) and per finished request (phase times, lengths, per-token latency, prefill KV
+  computed);
+- the counters and gauges every vLLM server registers that have no graphcache twin: prompt tokens by
+  source (computed / prefix cache / external, the last always 0), cached and recomputed prompt tokens,
+  the engine's sleep state (always awake), and the external (KV connector) and multi-modal caches' lookups
+  (0: this server has neither). vllm:request_params_n is recorded by the API (the engine sees each
+  choice as its own sequence); api/exposition.py serves the API process's copy.
 
 Per-token latency (inter_token_latency_seconds, and time_per_output_token_seconds, its name before
 vLLM 0.11 that dashboards still query) is recorded once per request with a count: its n-1 gaps between
@@ -26,7 +32,7 @@ from bisect import bisect_left
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -104,6 +110,11 @@ REQUEST_LATENCY_BUCKETS = (
     7680.0,
 )
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
+# vllm:prompt_tokens_by_source's `source` values; external_kv_transfer stays 0 (no KV connector here).
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+# vllm:engine_sleep_state's `sleep_state` values; this server never sleeps, so awake is always 1.
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 
 
 def one_two_five(limit: int) -> tuple[int, ...]:
@@ -333,20 +344,81 @@ class VllmMetrics:
                 ITERATION_TOKEN_BUCKETS,
             ),
         }
+        self._histograms["n"] = histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS
+        )
+        self._histograms["prefill_kv_computed"] = histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            TOKEN_COUNT_BUCKETS,
+        )
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, list(LABELS), registry=r)
+
+        # Counters recorded here (vLLM's names; prometheus_client adds the `_total` sample suffix).
+        # The external (KV connector) and multi-modal caches do not exist in this server: their
+        # counters are declared, as on every vLLM server, and stay 0.
+        self._counters: dict[str, Counter] = {
+            "prompt_tokens_cached": counter(
+                "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
+            ),
+            "prompt_tokens_recomputed": counter(
+                "vllm:prompt_tokens_recomputed", "Number of cached tokens recomputed for forward pass."
+            ),
+            "external_prefix_cache_queries": counter(
+                "vllm:external_prefix_cache_queries",
+                "External prefix cache queries from KV connector cross-instance cache sharing, "
+                "in terms of number of queried tokens.",
+            ),
+            "external_prefix_cache_hits": counter(
+                "vllm:external_prefix_cache_hits",
+                "External prefix cache hits from KV connector cross-instance cache sharing, "
+                "in terms of number of cached tokens.",
+            ),
+            "mm_cache_queries": counter(
+                "vllm:mm_cache_queries", "Multi-modal cache queries, in terms of number of queried items."
+            ),
+            "mm_cache_hits": counter(
+                "vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items."
+            ),
+        }
+        self._by_source = Counter(
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source.",
+            [*LABELS, "source"],
+            registry=r,
+        )
+        self._sleep_state = Gauge(
+            "vllm:engine_sleep_state",
+            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
+            "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+            [*LABELS, "sleep_state"],
+            registry=r,
+        )
         r.register(_Mirror(self))
         self._bind()
 
     def _bind(self) -> None:
         for key, family in self._histograms.items():
             setattr(self, key, family.labels(self.model_name, ENGINE))
+        for key, counter in self._counters.items():
+            setattr(self, key, counter.labels(self.model_name, ENGINE))
+        self.by_source = {s: self._by_source.labels(self.model_name, ENGINE, s) for s in PROMPT_SOURCES}
+        for state in SLEEP_STATES:
+            self._sleep_state.labels(self.model_name, ENGINE, state).set(1 if state == "awake" else 0)
 
     def bind_model(self, model_name: str) -> None:
         """Label every series with `model_name` from now on. Call before traffic: what was recorded
         under the old name is dropped, so no stale series lingers."""
         if model_name == self.model_name:
             return
-        for family in self._histograms.values():
+        for family in [*self._histograms.values(), *self._counters.values()]:
             family.remove(self.model_name, ENGINE)
+        for source in PROMPT_SOURCES:
+            self._by_source.remove(self.model_name, ENGINE, source)
+        for state in SLEEP_STATES:
+            self._sleep_state.remove(self.model_name, ENGINE, state)
         self.model_name = model_name
         self._bind()
 
@@ -361,6 +433,23 @@ class VllmMetrics:
 
     def observe_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
+
+    def observe_prompt(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        """A request's prompt is prefilled: `num_cached_tokens` of it came from the prefix cache, the
+        rest was computed (vLLM's split, counted once per request as its first token comes)."""
+        self.prompt_tokens_cached.inc(num_cached_tokens)
+        self.by_source["local_cache_hit"].inc(num_cached_tokens)
+        self.by_source["local_compute"].inc(num_prompt_tokens - num_cached_tokens)
+
+    def observe_recomputed(self, num_tokens: int) -> None:
+        """`num_tokens` tokens whose KV had been computed once were computed again (re-prefill after
+        preemption by recompute: the KV freed then and not found in the prefix cache on return)."""
+        self.prompt_tokens_recomputed.inc(num_tokens)
+
+    def observe_request_n(self, n: int) -> None:
+        """An API request asked for `n` choices (recorded where the request is parsed: the engine sees
+        each choice as its own sequence)."""
+        self.n.observe(n)
 
     def observe_finished(self, seq, now: float) -> None:
         """A finished Sequence's phase times and lengths (vLLM's definitions: queue = arrival -> first
@@ -378,6 +467,7 @@ class VllmMetrics:
             self.decode.observe(last - first)
         n = seq.num_output_tokens
         self.prompt_len.observe(seq.num_prompt_tokens)
+        self.prefill_kv_computed.observe(seq.num_prompt_tokens - seq.num_cached_tokens)
         self.generation_len.observe(n)
         self.max_generation.observe(n)  # one sequence per choice here: its own length is the group's max
         if seq.params.max_tokens is not None:

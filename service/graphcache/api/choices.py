@@ -93,7 +93,13 @@ class CompletionShape(_Shape):
                 if self.client_logprobs
                 else None
             )
-            choice = {"index": k, "text": text, "logprobs": logprobs, "finish_reason": s.finish_reason}
+            choice = {
+                "index": k,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": s.finish_reason,
+                "stop_reason": s.stop_reason,
+            }
             choices.append(self._extras(choice, k, s.token_ids, s.prompt_logprobs, True))
         return {**self.base, "choices": choices, "usage": usage}
 
@@ -113,6 +119,7 @@ class CompletionShape(_Shape):
             "text": text,
             "logprobs": logprobs,
             "finish_reason": out.finish_reason if out.finished else None,
+            "stop_reason": out.stop_reason if out.finished else None,
         }
         return self._chunk(self._extras(choice, k, out.token_ids, out.prompt_logprobs, first), usage)
 
@@ -166,6 +173,7 @@ class ChatShape(_Shape):
                 "message": message,
                 "logprobs": self._logprobs(s.token_ids, s.logprobs),
                 "finish_reason": finish,
+                "stop_reason": s.stop_reason,
             }
             if self.body.return_token_ids:
                 choice["token_ids"] = s.token_ids
@@ -190,6 +198,7 @@ class ChatShape(_Shape):
                     "delta": {"role": "assistant", "content": echo},
                     "logprobs": None,
                     "finish_reason": None,
+                    "stop_reason": None,
                 },
                 usage,
             )
@@ -235,7 +244,13 @@ class ChatShape(_Shape):
         delta, finish = self._delta(k, out)
         if not (delta or out.finished or (logprobs and logprobs["content"])):
             return None
-        choice = {"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        choice = {
+            "index": k,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "stop_reason": out.stop_reason if out.finished else None,
+        }
         if self.body.return_token_ids:
             choice["token_ids"] = out.token_ids
         return self._chunk(choice, usage)

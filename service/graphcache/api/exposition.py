@@ -31,8 +31,9 @@ __all__ = ["API_FAMILIES", "merge_expositions", "router"]
 router = APIRouter()
 log = logging.getLogger("graphcache.api")
 
-# Families the API process records itself (refusals before admission, readiness as it answers /ready).
-API_FAMILIES = frozenset({"graphcache_requests_rejected", "graphcache_ready"})
+# Families the API process records itself (refusals before admission, readiness as it answers /ready,
+# the n of each request: the engine sees each choice as its own sequence).
+API_FAMILIES = frozenset({"graphcache_requests_rejected", "graphcache_ready", "vllm:request_params_n"})
 # A scrape never waits longer than this for the engine process (a busy step loop answers in milliseconds).
 ENGINE_SCRAPE_TIMEOUT_S = 5.0
 

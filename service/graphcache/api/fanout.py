@@ -44,6 +44,7 @@ class Sampled:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     num_cached_tokens: int = 0
@@ -57,6 +58,7 @@ class Sampled:
             self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.finish_reason = out.finish_reason
+            self.stop_reason = out.stop_reason
         self.prompt_tokens = out.prompt_tokens
         self.completion_tokens = out.completion_tokens
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)

@@ -154,12 +154,33 @@ def check_model(engine, name: str | None) -> str:
 def model_card(request: Request) -> dict:
     """The served model as OpenAI's model object (an entry of GET /v1/models)."""
     engine = request.app.state.engine
+    created = request.app.state.started
     return {
         "id": engine.model_name,
         "object": "model",
-        "created": request.app.state.started,
+        "created": created,
         "owned_by": "graphcache",
+        # vLLM's card: root is the checkpoint served (the model id where no path is configured), parent
+        # the base model of an adapter (none: no LoRA here), permission one open ModelPermission.
+        "root": str(request.app.state.settings.model.path or engine.model_name),
+        "parent": None,
         "max_model_len": engine.max_model_len if engine.ready else None,
+        "permission": [
+            {
+                "id": f"modelperm-{engine.model_name}",
+                "object": "model_permission",
+                "created": created,
+                "allow_create_engine": False,
+                "allow_sampling": True,
+                "allow_logprobs": True,
+                "allow_search_indices": False,
+                "allow_view": True,
+                "allow_fine_tuning": False,
+                "organization": "*",
+                "group": None,
+                "is_blocking": False,
+            }
+        ],
     }
 
 
@@ -259,6 +280,19 @@ class OpenAIEventStream(EventSourceResponse):
             self.on_close()
 
 
+def _echo_only_sample(s: Sampled) -> Sampled:
+    """A collected sample without its generated token (ChoicePlan.prompt_only)."""
+    return dataclasses.replace(
+        s,
+        parts=[],
+        token_ids=[],
+        logprobs=[],
+        completion_tokens=0,
+        finish_reason="length",
+        stop_reason=None,
+    )
+
+
 def _data(obj: Any) -> str:
     """One event's payload; OpenAIEventStream frames it as `data: <json>\n\n`."""
     return json.dumps(obj, ensure_ascii=False)
@@ -276,6 +310,7 @@ async def _serve(
     except BaseException:
         fan.abort()
         raise
+    _observe_n(request, plan.n, len(fan.runs) // plan.samples)  # admitted: one per prompt, as vLLM counts
 
     if not stream:
         try:
@@ -284,6 +319,8 @@ async def _serve(
             return Response(status_code=499)
         finally:
             fan.abort()
+        if plan.prompt_only:
+            samples = [_echo_only_sample(s) for s in samples]
         kept = best_of(samples, plan.n) if plan.ranks else samples
         # Token texts for logprobs are decoded off the event loop (thousands of decode calls at most).
         return JSONResponse(await run_response(shape.full, kept, usage(samples)))
@@ -292,6 +329,8 @@ async def _serve(
     continuous = shape.body.continuous_usage
 
     async def events() -> AsyncIterator[str]:
+        if plan.prompt_only:
+            firsts[:] = [sampling.echo_only(out) for out in firsts]
         merged = fan.merged(firsts)
         try:
             for k, out in enumerate(firsts):
@@ -303,6 +342,8 @@ async def _serve(
                 if chunk is not None:
                     yield _data(chunk)
             async for k, out in merged:
+                if plan.prompt_only:
+                    out = sampling.echo_only(out)
                 samples[k].add(out)
                 chunk = shape.chunk(k, out, usage(samples) if continuous else None)
                 if chunk is not None:
@@ -317,6 +358,14 @@ async def _serve(
         yield "[DONE]"
 
     return OpenAIEventStream(events(), on_close=fan.abort)
+
+
+def _observe_n(request: Request, n: int, num_prompts: int) -> None:
+    """vllm:request_params_n, once per prompt (vLLM serves each prompt of a batch as its own request)."""
+    metrics = getattr(request.app.state, "metrics", None)
+    if metrics is not None:
+        for _ in range(num_prompts):
+            metrics.vllm.observe_request_n(n)
 
 
 # --------------------------------------------------------------------------- endpoints
@@ -408,7 +457,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     await _check_constraint(engine, constraint)
     structured = constraint[0] if constraint else None
     ids = await encode_chat(
-        request, engine, body.messages, body.add_generation_prompt, body.template_kwargs, tools
+        request,
+        engine,
+        body.messages,
+        body.add_generation_prompt,
+        body.template_kwargs,
+        tools,
+        chat_template=body.chat_template,
+        continue_final_message=body.continue_final_message,
     )
     ids = sampling.truncate_prompt(
         ids, body.truncate_prompt_tokens, body.truncation_side, engine.max_model_len

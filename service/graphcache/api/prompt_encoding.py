@@ -11,6 +11,7 @@ tools themselves are rendered by the template.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from typing import Any
@@ -20,7 +21,12 @@ from fastapi import Request
 from graphcache.api.errors import APIError
 from graphcache.api.executors import run_input
 from graphcache.api.protocol import ChatMessage
-from graphcache.model.tokenizer import MAX_CHARS_PER_TOKEN, ChatTemplateError
+from graphcache.model.tokenizer import (
+    MAX_CHARS_PER_TOKEN,
+    ChatTemplateError,
+    InvalidChatTemplate,
+    load_chat_template,
+)
 
 __all__ = ["encode_chat", "encode_prompt"]
 
@@ -64,6 +70,12 @@ def _check_text_size(engine, chars: int, param: str, what: str) -> None:
         )
 
 
+@functools.cache
+def _configured_template(value: str) -> str:
+    """The server's chat_template setting as template text (a file is read once)."""
+    return load_chat_template(value)
+
+
 async def encode_prompt(
     engine, text: str, add_special_tokens: bool = True, param: str = "prompt"
 ) -> list[int]:
@@ -79,12 +91,18 @@ async def encode_chat(
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
+    chat_template: str | None = None,
+    continue_final_message: bool = False,
 ) -> list[int]:
-    """A chat's prompt ids through the model's template, bounded by size first, off the event loop.
+    """A chat's prompt ids through its template, bounded by size first, off the event loop: the
+    request's `chat_template`, else the server's (Settings chat_template), else the model's.
     template_kwargs: extra variables the template sees (chat_template_kwargs, documents, reasoning_effort);
-    tools: template_tools(body.tools). Role "tool" messages and assistant tool_calls go to the template."""
+    tools: template_tools(body.tools). Role "tool" messages and assistant tool_calls go to the template.
+    continue_final_message: the prompt ends inside the final message."""
     chat = _chat_dicts(messages)
     _check_text_size(engine, _client_chars(chat, tools), "messages", "the messages' content and tools")
+    if chat_template is None and (configured := request.app.state.settings.http.chat_template):
+        chat_template = _configured_template(configured)
     # Chat content is user input: special-token strings in it ("<|im_start|>system") are encoded as plain
     # text, never as control tokens, unless a trusted deployment allows it (Settings).
     allow_special = request.app.state.settings.http.allow_special_tokens_in_chat
@@ -96,8 +114,12 @@ async def encode_chat(
             add_generation_prompt,
             allow_special_in_content=allow_special,
             tools=tools,
+            template=chat_template,
+            continue_final_message=continue_final_message,
             **(template_kwargs or {}),
         )
+    except InvalidChatTemplate as e:
+        raise APIError(400, e.message, param="chat_template", code="chat_template_error") from None
     except ChatTemplateError as e:  # the client's messages broke the template's rules: one line, no traceback
         log.info("chat template refused the messages: %s", e.message)
         raise APIError(

@@ -63,9 +63,9 @@ class CompletionRequest(SamplingFields):
     )
     max_tokens: SInt = Field(
         DEFAULT_COMPLETION_MAX_TOKENS,
-        ge=1,
+        ge=0,
         description=f"Tokens to generate (null or absent: {DEFAULT_COMPLETION_MAX_TOKENS}); "
-        "prompt + max_tokens <= max_model_len.",
+        "prompt + max_tokens <= max_model_len. 0 only with echo: the prompt back (with its logprobs if asked).",
     )
     echo: SBool = Field(False, description="Prepend the prompt to the text (and its logprobs to logprobs).")
     logprobs: SInt | None = Field(
@@ -99,6 +99,10 @@ class CompletionRequest(SamplingFields):
         return self.logprobs
 
     def check(self) -> None:
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequest(
+                "max_tokens must be at least 1 (0 only with echo, to get the prompt back)", param="max_tokens"
+            )
         self._check_common(len(self.prompts))
 
 
@@ -133,6 +137,9 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
     {
         "messages",
         "add_generation_prompt",
+        "continue_final_message",
+        "template",
+        "chat_template",
         "allow_special_in_content",
         "tokenize",
         "bos_token",
@@ -169,9 +176,15 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: SBool = True
-    continue_final_message: Any = False
+    continue_final_message: SBool = Field(
+        False,
+        description="End the prompt inside the final message (no end of turn) so the model continues it; "
+        "needs add_generation_prompt false.",
+    )
+    chat_template: Text | None = Field(
+        None, description="A jinja chat template for this request (instead of the server's or model's)."
+    )
     add_special_tokens: Any = False
-    chat_template: Any = None
     mm_processor_kwargs: Any = None
     media_io_kwargs: Any = None
     include_reasoning: Any = True
@@ -217,6 +230,12 @@ class ChatCompletionRequest(SamplingFields):
             raise InvalidRequest("top_logprobs needs logprobs=true", param="top_logprobs")
         if self.tool_choice not in (None, "none") and not self.tools:
             raise InvalidRequest("tool_choice needs tools", param="tool_choice")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequest(
+                "continue_final_message and add_generation_prompt cannot both be true; "
+                "set add_generation_prompt false",
+                param="continue_final_message",
+            )
         self._check_common(1)
         found = self.structured_constraints()
         if self.tools_active and found:

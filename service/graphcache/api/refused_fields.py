@@ -34,8 +34,10 @@ _REFUSED_COMMON: dict[str, tuple[tuple, str]] = {
     "use_beam_search": ((False,), _NO_BEAM),
     "length_penalty": ((1.0, 1), "it only weighs beam search, which is not implemented"),
     "watermarking": ((False,), "no output watermarking"),
-    "skip_special_tokens": ((True,), "special tokens are always left out of the text"),
-    "spaces_between_special_tokens": ((True,), "special tokens are always left out of the text"),
+    "spaces_between_special_tokens": (
+        (True,),
+        "special tokens are left out of the text, or (skip_special_tokens false) joined as the tokenizer decodes them",
+    ),
     "logprob_token_ids": ((), "logprobs of chosen token ids are not computed; use logprobs / top_logprobs"),
     "guided_decoding_backend": ((), "the server has one structured-output backend"),
     "guided_whitespace_pattern": ((), "the JSON grammar's whitespace rule is fixed"),
@@ -63,9 +65,7 @@ REFUSED_COMPLETION: dict[str, tuple[tuple, str]] = {
 }
 REFUSED_CHAT: dict[str, tuple[tuple, str]] = {
     **_REFUSED_COMMON,
-    "continue_final_message": ((False,), "the chat template always closes the last message"),
     "add_special_tokens": ((False,), "the chat template writes the model's special tokens itself"),
-    "chat_template": ((), "per-request templates are not accepted; the model's own template is used"),
     "mm_processor_kwargs": ((), "this server is text-only"),
     "media_io_kwargs": ((), "this server is text-only"),
     "include_reasoning": ((True,), "no reasoning parser: reasoning text stays in the content"),

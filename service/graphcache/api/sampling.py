@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from graphcache.api.executors import run_input
 from graphcache.api.protocol import INT64_MAX, INT64_MIN, ChatCompletionRequest, CompletionRequest
-from graphcache.engine.sequence import SamplingParams, StructuredSpec, TokenIds
+from graphcache.engine.sequence import RequestOutput, SamplingParams, StructuredSpec, TokenIds
 
 __all__ = ["ChoicePlan", "bad_words_token_ids", "base_params", "choice_params", "plan", "truncate_prompt"]
 
@@ -31,6 +31,9 @@ class ChoicePlan:
     n: int  # choices returned per prompt
     samples: int  # sequences generated per prompt (best_of, else n)
     client_logprobs: bool  # the client asked for logprobs (else they are only used for ranking)
+    # echo with max_tokens 0: the answer is the prompt alone (and its logprobs). The engine runs one token
+    # to compute the prompt's logprobs; echo_only() drops that token from every output.
+    prompt_only: bool = False
 
     @property
     def ranks(self) -> bool:
@@ -73,7 +76,7 @@ def base_params(
     if prompt_logprobs is None and isinstance(body, CompletionRequest) and body.echo and logprobs is not None:
         prompt_logprobs = logprobs  # echo + logprobs: the prompt's logprobs come first (OpenAI's shape)
     return SamplingParams(
-        max_tokens=body.max_new_tokens,
+        max_tokens=1 if body.max_new_tokens == 0 else body.max_new_tokens,  # 0: see ChoicePlan.prompt_only
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=max(body.top_k, 0),
@@ -90,6 +93,7 @@ def base_params(
         allowed_token_ids=list(body.allowed_token_ids) if body.allowed_token_ids is not None else None,
         bad_words_token_ids=bad_words,
         include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         structured=structured,
@@ -97,7 +101,27 @@ def base_params(
 
 
 def plan(body: CompletionRequest | ChatCompletionRequest) -> ChoicePlan:
-    return ChoicePlan(n=body.n, samples=body.num_samples, client_logprobs=body.engine_logprobs is not None)
+    return ChoicePlan(
+        n=body.n,
+        samples=body.num_samples,
+        client_logprobs=body.engine_logprobs is not None,
+        prompt_only=body.max_new_tokens == 0,
+    )
+
+
+def echo_only(out: RequestOutput) -> RequestOutput:
+    """`out` without its generated token (ChoicePlan.prompt_only): no text, ids or logprobs of its own, no
+    completion tokens; it finishes as "length" (max_tokens 0 reached at once), as vLLM answers."""
+    return dataclasses.replace(
+        out,
+        text="",
+        token_ids=[],
+        logprobs=[] if out.logprobs is not None else None,
+        completion_tokens=0,
+        finish_reason="length" if out.finished else None,
+        stop_reason=None,
+        stopped_on_token=False,
+    )
 
 
 def choice_params(base: SamplingParams, i: int, plan: ChoicePlan) -> SamplingParams:

@@ -55,6 +55,7 @@ class SamplingFields(RequestBody):
     stop: Text | list[Text] | None = Field(None, description=f"Up to {MAX_STOP} stop strings.")
     stop_token_ids: list[Annotated[int, Strict(), Field(ge=0)]] | None = Field(None, max_length=64)
     include_stop_str_in_output: SBool = False
+    skip_special_tokens: SBool = Field(True, description="False: keep special tokens' text in the output.")
     ignore_eos: SBool = Field(False, description="Keep generating past end-of-sequence tokens.")
     min_tokens: SInt = Field(0, ge=0, description="End-of-sequence and stop_token_ids are masked until then.")
     n: SInt = Field(1, ge=1, description="Choices per prompt.")
@@ -98,7 +99,6 @@ class SamplingFields(RequestBody):
     use_beam_search: Any = False
     length_penalty: Any = 1.0
     watermarking: Any = False
-    skip_special_tokens: Any = True
     spaces_between_special_tokens: Any = True
     logprob_token_ids: Any = None
     guided_decoding_backend: Any = None

@@ -112,6 +112,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | TokenIds | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # token sequences never completed
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # False: special tokens' text stays in the output text
     # --- log probabilities (raw: log_softmax of the model's logits, before any processing) --
     logprobs: int | None = None  # None = off; k >= 0: the sampled token's logprob + the top k
     prompt_logprobs: int | None = None  # None = off; k >= 0: each prompt token's logprob + the top k (echo)
@@ -234,6 +235,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     # Final output only: it ended on a stop token or EOS, whose text a consumer that detokenizes leaves out.
     stopped_on_token: bool = False
+    # Final output only: the stop string or stop token id that ended it (None for EOS, length, ...).
+    stop_reason: int | str | None = None
 
 
 class SequenceStatus(enum.Enum):
@@ -258,6 +261,7 @@ class Sequence:
     error: str | None = None  # why, when finish_reason == "error"
     error_code: str | None = None  # engine/errors.py CLIENT_ERROR_CODES: the request caused its error
     num_preemptions: int = 0
+    num_freed_computed: int = 0  # tokens whose KV the last preemption freed (computed again on return)
     num_inflight: int = 0  # sampled tokens of scheduled steps not appended yet (async scheduling)
     stream: bool = True  # False: only the final output (carrying everything) is delivered
     # Detokenizer state: the tokenizer's IncrementalDetokenizer (None once flushed at finish) and the
@@ -266,6 +270,7 @@ class Sequence:
     # Non-streaming and no stop strings: nobody reads text before the end, so the detokenizer
     # runs once over all output ids at finish instead of twice per token on the engine thread.
     defer_text: bool = False
+    stop_reason: int | str | None = None  # the stop string or stop token id that finished it
     stopped_on_token: bool = False  # finished by a stop token / EOS (its text is left out), not a grammar
     output_text: str = ""
     num_text_sent: int = 0  # chars of output_text already streamed to the client

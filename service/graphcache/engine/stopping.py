@@ -58,6 +58,9 @@ def check_stop(
         token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids)
     ):
         seq.stopped_on_token = True
+        # stop_reason names a client's stop token; EOS (checked first, as vLLM does) leaves it None.
+        if params.ignore_eos or token_id not in eos_token_ids:
+            seq.stop_reason = token_id
         return "stop"  # the stop token stays in token ids but adds no text (like OpenAI/vLLM)
     detok = seq.detokenizer
     if detok is not None and not seq.defer_text:
@@ -66,6 +69,7 @@ def check_stop(
         else:
             seq.output_text += detok.add([token_id])
         if detok.stopped is not None:
+            seq.stop_reason = detok.stopped
             if params.include_stop_str_in_output:
                 seq.output_text += detok.stopped  # cut by the detokenizer, with everything after it
             return "stop"

@@ -6,6 +6,9 @@ Chat templates render with jinja2 the way transformers does (sandboxed, trim_blo
 rendered from a template already hold their special tokens: encode them with
 add_special_tokens=False (apply_chat_template(tokenize=True) does). A template that refuses the
 messages (`raise_exception`, or a template error on them) raises `ChatTemplateError`: a client error.
+A chat may bring its own template (`template=`, compiled in the same sandbox and cached by its text; one
+that does not compile raises `InvalidChatTemplate`), and may continue its final message
+(`continue_final_message`: the prompt ends inside that message, as transformers' option does).
 
 Encoding never holds the interpreter lock: `encode` goes through the library's batch call, which
 releases it (the plain `Tokenizer.encode` of tokenizers holds it for the whole call, ~1-2 s per MB,
@@ -22,6 +25,7 @@ prompt's last ids), one per sequence, with stop strings handled here on top (`In
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import re
 import secrets
@@ -59,6 +63,21 @@ class ChatTemplateError(ValueError):
             message = message[: MAX_TEMPLATE_MESSAGE_CHARS - 3] + "..."
         super().__init__(message)
         self.message = message
+
+
+class InvalidChatTemplate(ChatTemplateError):
+    """A template given with the chat (not the model's own) does not compile: the template is the cause."""
+
+
+def load_chat_template(value: str) -> str:
+    """A configured chat template: the text of the file `value` names, else `value` itself when it
+    reads as jinja (holds "{{" or "{%"). Anything else is a path that does not exist: ValueError naming it."""
+    path = Path(value).expanduser()
+    if "{" not in value and path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"chat_template {value!r} is neither a readable file nor a jinja template; fix the path")
 
 
 def _token_str(value: Any) -> str | None:
@@ -165,6 +184,9 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        *,
+        template: str | None = None,
+        continue_final_message: bool = False,
         **extra: Any,
     ) -> str | list[int]:
         """Render messages ([{"role", "content"}], plus tool messages and assistant tool_calls, see
@@ -174,16 +196,32 @@ class Tokenizer:
 
         Raises ChatTemplateError when the template refuses the messages (`raise_exception`, or any
         template error while rendering them). A template that does not compile is a server problem
-        and raises jinja2's TemplateSyntaxError as it is."""
+        and raises jinja2's TemplateSyntaxError as it is; `template` (the chat's own, else the model's is
+        used) that does not compile raises InvalidChatTemplate. continue_final_message: the prompt stops
+        right after the final message's content, so the model continues that message."""
         if tokenize:
-            return self.encode_chat(messages, add_generation_prompt, **extra)
-        if self._template is None:
-            self._template = _compile_template(self.chat_template)
+            return self.encode_chat(
+                messages,
+                add_generation_prompt,
+                template=template,
+                continue_final_message=continue_final_message,
+                **extra,
+            )
         import jinja2
 
+        if template is not None:
+            try:
+                compiled = _compile_cached(template)
+            except jinja2.TemplateSyntaxError as e:
+                raise InvalidChatTemplate(f"chat_template does not compile: {e}") from None
+        else:
+            if self._template is None:
+                self._template = _compile_template(self.chat_template)
+            compiled = self._template
+        messages = normalize_chat(messages)
         try:
-            return self._template.render(
-                messages=normalize_chat(messages),
+            rendered = compiled.render(
+                messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
@@ -194,6 +232,7 @@ class Tokenizer:
             raise ChatTemplateError(e.message) from None
         except jinja2.TemplateError as e:  # undefined attributes, sandbox refusals: caused by the messages
             raise ChatTemplateError(f"the chat template failed on these messages: {e}") from None
+        return _cut_after_final(rendered, messages) if continue_final_message else rendered
 
     def encode_chat(
         self,
@@ -202,6 +241,8 @@ class Tokenizer:
         *,
         allow_special_in_content: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        template: str | None = None,
+        continue_final_message: bool = False,
         **extra: Any,
     ) -> list[int]:
         """The prompt ids of a chat: the template's own markers are special tokens; special-token strings
@@ -218,6 +259,7 @@ class Tokenizer:
         sentencepiece-style `prepend_scheme: first` tokenizer may start such a stretch with a different
         first token)."""
         messages = normalize_chat(messages)
+        extra = {"template": template, "continue_final_message": continue_final_message, **extra}
         if allow_special_in_content or not any(self.has_special_text(t) for t in _strings((messages, tools))):
             return self.encode(
                 self.apply_chat_template(messages, add_generation_prompt, tools=tools, **extra),
@@ -366,6 +408,27 @@ def _map_strings(value: Any, fn) -> Any:
     if isinstance(value, (list, tuple)):
         return [_map_strings(v, fn) for v in value]
     return value
+
+
+def _cut_after_final(rendered: str, messages: list[dict[str, Any]]) -> str:
+    """`rendered` up to the end of the final message's content (its last occurrence: the template may
+    repeat it earlier, never after). Templates that strip content are matched on the stripped text."""
+    content = messages[-1].get("content") if messages else None
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if not isinstance(content, str) or not content.strip():
+        raise ChatTemplateError("continue_final_message needs a final message with text content")
+    for text in (content, content.strip()):
+        at = rendered.rfind(text)
+        if at >= 0:
+            return rendered[: at + len(text)]
+    raise ChatTemplateError("the chat template does not render the final message's content as sent")
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_cached(source: str):
+    """Chats' own templates, compiled once per distinct text (clients resend the same one)."""
+    return _compile_template(source)
 
 
 def _compile_template(source: str):

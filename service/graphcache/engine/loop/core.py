@@ -158,6 +158,7 @@ class EngineCore:
             enable_prefix_caching=settings.engine.enable_prefix_caching,
         )
         self._prefix_counted = (0, 0)  # block-manager lookup counters already added to the metrics
+        self._recomputed_counted = 0  # scheduler.num_recomputed_tokens already added to the metrics
         bm = self.block_manager  # the limits never change after load: one snapshot checks every request
         self.checker = RequestChecker(
             EngineLimits(runner.vocab_size, runner.max_model_len, bm.block_size, bm.num_usable),
@@ -213,7 +214,9 @@ class EngineCore:
         # A stream without stop strings needs no text here: its consumer detokenizes (Engine._stream,
         # off the step loop, several tokens per call when it falls behind); its outputs carry ids only.
         if tokenizer is not None and not (seq.stream and not seq.params.stop):
-            seq.detokenizer = tokenizer.detokenizer(seq.prompt_token_ids, seq.params.stop)
+            seq.detokenizer = tokenizer.detokenizer(
+                seq.prompt_token_ids, seq.params.stop, seq.params.skip_special_tokens
+            )
             # Non-streaming and no stop strings: nobody reads text before the end.
             seq.defer_text = not seq.stream and not seq.params.stop
         if seq.params.structured is not None:
@@ -389,6 +392,7 @@ class EngineCore:
                     m.ttft.observe(now - seq.arrival_time)
                     m.vllm.observe_first_token(now - seq.arrival_time)
                     m.prompt_tokens.inc(seq.num_prompt_tokens)
+                    m.vllm.observe_prompt(seq.num_prompt_tokens, seq.num_cached_tokens)
         outputs = [out for seq in changed if (out := self._output(seq)) is not None]
         t_end = time.perf_counter()
         self.phase_seconds["sample"] += t_done - t0
@@ -534,6 +538,7 @@ class EngineCore:
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=seq.num_cached_tokens,
             stopped_on_token=finished and seq.stopped_on_token,
+            stop_reason=seq.stop_reason if finished else None,
         )
 
     def _record_finish(self, seq: Sequence) -> None:
@@ -557,6 +562,9 @@ class EngineCore:
             self.metrics.prefix_cache_queries.inc(queried - self._prefix_counted[0])
             self.metrics.prefix_cache_hits.inc(hit - self._prefix_counted[1])
             self._prefix_counted = (queried, hit)
+            recomputed = self.scheduler.num_recomputed_tokens
+            self.metrics.vllm.observe_recomputed(recomputed - self._recomputed_counted)
+            self._recomputed_counted = recomputed
             self.metrics.requests_running.set(len(self.scheduler.running))
             self.metrics.requests_waiting.set(len(self.scheduler.waiting))
             self.metrics.kv_usage.set(self.block_manager.usage)

@@ -176,7 +176,9 @@ async def consume(
     assert queue is not None, "consume() runs on the asyncio side, whose handles carry an outputs queue"
     detok = None
     if seq.stream and not seq.params.stop and tokenizer is not None:
-        detok = tokenizer.detokenizer(seq.prompt_token_ids)
+        detok = tokenizer.detokenizer(
+            seq.prompt_token_ids, skip_special_tokens=seq.params.skip_special_tokens
+        )
     try:
         while True:
             out: RequestOutput = await queue.get()

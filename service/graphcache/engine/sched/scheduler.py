@@ -134,6 +134,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is the newest
         self.num_preemptions = 0
+        self.num_recomputed_tokens = (
+            0  # tokens computed again after preemption (vllm:prompt_tokens_recomputed)
+        )
 
     # --- queue management -----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -162,6 +165,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
+        seq.num_freed_computed = seq.num_computed_tokens
         seq.num_computed_tokens = 0  # recompute: re-prefill prompt + outputs on resume
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -259,6 +263,9 @@ class Scheduler:
             if first_admission:
                 seq.first_scheduled_time = time.monotonic()
                 seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
+            elif seq.num_freed_computed:  # back from preemption: what the prefix cache lost is recomputed
+                self.num_recomputed_tokens += max(0, seq.num_freed_computed - num_cached)
+                seq.num_freed_computed = 0
             self.running.append(seq)
             if self._uses_prefix_cache(seq):
                 bm.record_lookup(seq.num_tokens, num_cached)
