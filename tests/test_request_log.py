@@ -180,3 +180,66 @@ def test_text_format_escapes_any_logger_message_but_keeps_tracebacks(captured_lo
     assert "failed on /p\\r\\n" in text
     assert "Traceback (most recent call last)" in text and "ValueError: boom" in text
     assert not any(line.startswith("FAKE") for line in text.splitlines())
+
+
+async def _post(app, path: str, body: dict, request_id: str) -> httpx.Response:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        return await client.post(path, json=body, headers={"X-Request-ID": request_id})
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+async def test_a_4xx_logs_one_info_line_with_its_reason_and_request_id(captured_logs, log_format):
+    logs = captured_logs(log_format)
+    app = create_app(Settings(), engine=EngineNotNeeded(), metrics=Metrics())
+    body = {"model": "m", "prompt": "SECRET-PROMPT-TEXT", "temperature": "hot"}
+    response = await _post(app, "/v1/completions", body, "rid-400")
+    assert response.status_code == 400
+    error = response.json()["error"]
+    text = logs.getvalue()
+    if log_format == "json":
+        records = [json.loads(line) for line in text.splitlines()]
+        refusals = [r for r in records if r["msg"].startswith("refused ")]
+        assert len(refusals) == 1, records
+        assert refusals[0]["level"] == "info" and refusals[0]["request_id"] == "rid-400"
+        assert refusals[0]["status"] == 400 and refusals[0]["param"] == error["param"] == "temperature"
+        assert refusals[0]["reason"] == error["message"]
+    else:
+        refusals = [line for line in text.splitlines() if " refused " in line]
+        assert len(refusals) == 1, text
+        assert " INFO " in refusals[0] and "[rid-400]" in refusals[0]
+        assert f"refused POST /v1/completions with 400: {error['message']} (param temperature)" in refusals[0]
+    assert "SECRET-PROMPT-TEXT" not in text  # the request body is never logged
+
+
+async def test_the_4xx_reason_is_clipped(captured_logs):
+    from graphcache.api.request_log import MAX_REASON_CHARS, log_refusal
+
+    logs = captured_logs("json")
+    long_body = json.dumps({"error": {"message": "x" * 10_000, "param": None, "code": "c"}}).encode()
+    log_refusal("POST", "/v1/x", 400, long_body)
+    log_refusal("POST", "/v1/x", 404, b"not json")
+    first, second = (json.loads(line) for line in logs.getvalue().splitlines())
+    assert len(first["msg"]) < MAX_REASON_CHARS + 100 and first["code"] == "c"
+    assert second["reason"] == "-" and second["status"] == 404
+
+
+async def test_probes_and_scrapes_log_at_debug(captured_logs):
+    logs = captured_logs("text")
+    app = create_app(Settings(), engine=EngineNotNeeded(), metrics=Metrics())
+    for path in ("/health", "/ping", "/version"):
+        assert (await _get(app, path)).status_code == 200
+    assert access_lines(logs.getvalue()) == []
+    logging.getLogger().setLevel("DEBUG")
+    assert (await _get(app, "/ping")).status_code == 200
+    assert len(access_lines(logs.getvalue())) == 1  # still there for whoever asks for DEBUG
+
+
+def test_json_logs_drop_uvicorns_colour_copy(captured_logs):
+    logs = captured_logs("json")
+    logging.getLogger("uvicorn.error").info(
+        "Started server process [%d]",
+        1,
+        extra={"color_message": "Started server process [\x1b[36m%d\x1b[0m]"},
+    )
+    record = json.loads(logs.getvalue())
+    assert "color_message" not in record and record["msg"] == "Started server process [1]"

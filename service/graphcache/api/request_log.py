@@ -27,6 +27,7 @@ from pythonjsonlogger.json import JsonFormatter as _LibraryJsonFormatter
 from graphcache.api.errors import clip, error_body
 
 __all__ = [
+    "PROBE_PATHS",
     "RequestContextMiddleware",
     "current_request_id",
     "escape_controls",
@@ -38,6 +39,14 @@ __all__ = [
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 access_log = logging.getLogger("graphcache.access")
+refusal_log = logging.getLogger("graphcache.api")
+
+# Probes and scrapes: polled every few seconds by orchestrators and Prometheus, so their access lines
+# go out at DEBUG; at INFO they would bury the traffic.
+PROBE_PATHS = frozenset({"/health", "/ready", "/metrics", "/ping", "/version"})
+# A 4xx's reason comes from its error body (ours, small); never more than this is kept or logged.
+MAX_ERROR_BODY_BYTES = 8192
+MAX_REASON_CHARS = 300
 
 
 def current_request_id() -> str | None:
@@ -91,6 +100,7 @@ class JsonFormatter(_LibraryJsonFormatter):
 
     def process_log_record(self, log_data: dict) -> dict:
         log_data["level"] = log_data["level"].lower()
+        log_data.pop("color_message", None)  # uvicorn's copy of msg with ANSI colours: noise in JSON
         if log_data.get("request_id") is None:
             log_data.pop("request_id", None)  # outside a request: no key rather than null
         return log_data
@@ -167,6 +177,28 @@ def log_unhandled(method: str, path: str) -> None:
         )
 
 
+def log_refusal(method: str, path: str, status: int, response_body: bytes) -> None:
+    """One INFO line for a 4xx: its status, and the reason and param from the error body this server
+    sent (the request id rides on every record). Never the request's body; the reason is clipped."""
+    reason, param, code = "-", None, None
+    try:
+        error = json.loads(response_body)["error"]
+        reason = clip(error.get("message") or "-", MAX_REASON_CHARS)
+        param, code = error.get("param"), error.get("code")
+    except (ValueError, KeyError, TypeError, AttributeError):  # not our error shape (or clipped)
+        pass
+    refusal_log.info(
+        "refused %s %s with %d: %s%s%s",
+        method,
+        path,
+        status,
+        reason,
+        f" (param {clip(param, 80)})" if param else "",
+        f" [code {clip(code, 80)}]" if code else "",
+        extra={"status": status, "reason": reason, "param": param, "code": code},
+    )
+
+
 class AccessLogMiddleware:
     """The access line and the 500 for an unhandled exception. Pure ASGI (BaseHTTPMiddleware would
     buffer streams and hide disconnects). Runs inside the correlation-id middleware, so the id is set
@@ -181,11 +213,16 @@ class AccessLogMiddleware:
             return
         start = time.perf_counter()
         status = 0
+        error_body_seen = bytearray()  # a 4xx's body, to log its reason (bounded)
 
         async def send_noting_status(message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and 400 <= status < 500:
+                room = MAX_ERROR_BODY_BYTES - len(error_body_seen)
+                if room > 0:
+                    error_body_seen.extend(message.get("body", b"")[:room])
             await send(message)
 
         try:
@@ -218,9 +255,12 @@ class AccessLogMiddleware:
             client = scope.get("client") or ("-", 0)
             query = scope.get("query_string", b"").decode("latin-1")  # raw, as sent (percent-encoded)
             elapsed_ms = (time.perf_counter() - start) * 1000
+            if 400 <= status < 500:
+                log_refusal(scope["method"], scope["path"], status, bytes(error_body_seen))
             # Client-controlled: method, path, query (and the client address). The text formatter
             # escapes control characters in the message; the JSON one escapes by construction.
-            access_log.info(
+            access_log.log(
+                logging.DEBUG if scope["path"] in PROBE_PATHS else logging.INFO,
                 '%s "%s %s%s" %s %.1fms',
                 client[0],
                 scope["method"],
