@@ -243,3 +243,17 @@ def test_json_logs_drop_uvicorns_colour_copy(captured_logs):
     )
     record = json.loads(logs.getvalue())
     assert "color_message" not in record and record["msg"] == "Started server process [1]"
+
+
+def test_an_image_part_is_named_as_openais_but_not_served_here(caplog, monkeypatch):
+    from graphcache.api import body
+    from graphcache.api.protocol import ChatMessage
+    from pydantic import ValidationError
+
+    monkeypatch.setattr(body, "_unknown_logged", set())
+    part = {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}
+    with caplog.at_level(logging.WARNING, logger="graphcache.api"), pytest.raises(ValidationError):
+        ChatMessage.model_validate({"role": "user", "content": [part]})
+    (message,) = [r.getMessage() for r in caplog.records if "image_url" in r.getMessage()]
+    assert "an OpenAI content part (image input) this server does not support" in message
+    assert "neither OpenAI's nor vLLM's" not in message
