@@ -34,6 +34,16 @@ def _encodable(text: str) -> str:
 
 Text = Annotated[str, AfterValidator(_encodable)]
 
+
+class FieldError(ValueError):
+    """A cross-field rule's failure in a model validator, naming the field to fix: pydantic gives a
+    model validator's error no location, so the 400's `param` comes from here (api/errors.py)."""
+
+    def __init__(self, message: str, *, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 MAX_UNKNOWN_NAMES_LOGGED = 256  # a client sending random names must not grow the set forever
 
 _unknown_logged: set[str] = set()
