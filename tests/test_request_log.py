@@ -188,7 +188,7 @@ async def _post(app, path: str, body: dict, request_id: str) -> httpx.Response:
 
 
 @pytest.mark.parametrize("log_format", ["text", "json"])
-async def test_a_4xx_logs_one_info_line_with_its_reason_and_request_id(captured_logs, log_format):
+async def test_a_4xx_access_line_says_why_at_info_with_the_request_id(captured_logs, log_format):
     logs = captured_logs(log_format)
     app = create_app(Settings(), engine=EngineNotNeeded(), metrics=Metrics())
     body = {"model": "m", "prompt": "SECRET-PROMPT-TEXT", "temperature": "hot"}
@@ -198,29 +198,28 @@ async def test_a_4xx_logs_one_info_line_with_its_reason_and_request_id(captured_
     text = logs.getvalue()
     if log_format == "json":
         records = [json.loads(line) for line in text.splitlines()]
-        refusals = [r for r in records if r["msg"].startswith("refused ")]
-        assert len(refusals) == 1, records
-        assert refusals[0]["level"] == "info" and refusals[0]["request_id"] == "rid-400"
-        assert refusals[0]["status"] == 400 and refusals[0]["param"] == error["param"] == "temperature"
-        assert refusals[0]["reason"] == error["message"]
+        access = [r for r in records if r["logger"] == "graphcache.access"]
+        assert len(access) == 1, records
+        assert access[0]["level"] == "info" and access[0]["request_id"] == "rid-400"
+        assert access[0]["status"] == 400 and access[0]["param"] == error["param"] == "temperature"
+        assert access[0]["reason"] == error["message"] and access[0]["reason"] in access[0]["msg"]
     else:
-        refusals = [line for line in text.splitlines() if " refused " in line]
-        assert len(refusals) == 1, text
-        assert " INFO " in refusals[0] and "[rid-400]" in refusals[0]
-        assert f"refused POST /v1/completions with 400: {error['message']} (param temperature)" in refusals[0]
+        lines = access_lines(text)
+        assert len(lines) == 1, text
+        assert " INFO " in lines[0] and "[rid-400]" in lines[0]
+        assert '"POST /v1/completions" 400' in lines[0]
+        assert f"refused: {error['message']} (param temperature)" in lines[0]
     assert "SECRET-PROMPT-TEXT" not in text  # the request body is never logged
 
 
-async def test_the_4xx_reason_is_clipped(captured_logs):
-    from graphcache.api.request_log import MAX_REASON_CHARS, log_refusal
+def test_the_4xx_reason_is_clipped_and_anything_else_is_a_dash():
+    from graphcache.api.request_log import MAX_REASON_CHARS, refusal_reason
 
-    logs = captured_logs("json")
     long_body = json.dumps({"error": {"message": "x" * 10_000, "param": None, "code": "c"}}).encode()
-    log_refusal("POST", "/v1/x", 400, long_body)
-    log_refusal("POST", "/v1/x", 404, b"not json")
-    first, second = (json.loads(line) for line in logs.getvalue().splitlines())
-    assert len(first["msg"]) < MAX_REASON_CHARS + 100 and first["code"] == "c"
-    assert second["reason"] == "-" and second["status"] == 404
+    clipped = refusal_reason(long_body)
+    assert len(clipped["reason"]) < MAX_REASON_CHARS + 40 and clipped["code"] == "c"
+    assert refusal_reason(b"not json") == {"reason": "-", "param": None, "code": None}
+    assert refusal_reason(b'{"error": "flat"}')["reason"] == "-"
 
 
 async def test_probes_and_scrapes_log_at_debug(captured_logs):
@@ -229,9 +228,13 @@ async def test_probes_and_scrapes_log_at_debug(captured_logs):
     for path in ("/health", "/ping", "/version"):
         assert (await _get(app, path)).status_code == 200
     assert access_lines(logs.getvalue()) == []
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        assert (await client.post("/health")).status_code == 405
+    (refused,) = access_lines(logs.getvalue())  # a refused probe is still said at INFO
+    assert '"POST /health" 405' in refused and " INFO " in refused
     logging.getLogger().setLevel("DEBUG")
     assert (await _get(app, "/ping")).status_code == 200
-    assert len(access_lines(logs.getvalue())) == 1  # still there for whoever asks for DEBUG
+    assert len(access_lines(logs.getvalue())) == 2  # still there for whoever asks for DEBUG
 
 
 def test_json_logs_drop_uvicorns_colour_copy(captured_logs):

@@ -39,7 +39,6 @@ __all__ = [
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 access_log = logging.getLogger("graphcache.access")
-refusal_log = logging.getLogger("graphcache.api")
 
 # Probes and scrapes: polled every few seconds by orchestrators and Prometheus, so their access lines
 # go out at DEBUG; at INFO they would bury the traffic.
@@ -177,25 +176,26 @@ def log_unhandled(method: str, path: str) -> None:
         )
 
 
-def log_refusal(method: str, path: str, status: int, response_body: bytes) -> None:
-    """One INFO line for a 4xx: its status, and the reason and param from the error body this server
-    sent (the request id rides on every record). Never the request's body; the reason is clipped."""
-    reason, param, code = "-", None, None
+def refusal_reason(response_body: bytes) -> dict:
+    """A 4xx's reason, param and code, read from the error body this server sent (never the request's
+    body); the reason clipped. Not our error shape (or cut short): reason "-"."""
     try:
         error = json.loads(response_body)["error"]
-        reason = clip(error.get("message") or "-", MAX_REASON_CHARS)
-        param, code = error.get("param"), error.get("code")
-    except (ValueError, KeyError, TypeError, AttributeError):  # not our error shape (or clipped)
-        pass
-    refusal_log.info(
-        "refused %s %s with %d: %s%s%s",
-        method,
-        path,
-        status,
-        reason,
-        f" (param {clip(param, 80)})" if param else "",
-        f" [code {clip(code, 80)}]" if code else "",
-        extra={"status": status, "reason": reason, "param": param, "code": code},
+        return {
+            "reason": clip(error.get("message") or "-", MAX_REASON_CHARS),
+            "param": error.get("param"),
+            "code": error.get("code"),
+        }
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return {"reason": "-", "param": None, "code": None}
+
+
+def _refusal_suffix(refusal: dict) -> str:
+    param, code = refusal["param"], refusal["code"]
+    return (
+        f" refused: {refusal['reason']}"
+        + (f" (param {clip(param, 80)})" if param else "")
+        + (f" [code {clip(code, 80)}]" if code else "")
     )
 
 
@@ -255,19 +255,22 @@ class AccessLogMiddleware:
             client = scope.get("client") or ("-", 0)
             query = scope.get("query_string", b"").decode("latin-1")  # raw, as sent (percent-encoded)
             elapsed_ms = (time.perf_counter() - start) * 1000
-            if 400 <= status < 500:
-                log_refusal(scope["method"], scope["path"], status, bytes(error_body_seen))
+            # A 4xx's line says why (one line a request, so the reason sits with its request id);
+            # a probe's or scrape's line goes out at DEBUG unless it was refused.
+            refusal = refusal_reason(bytes(error_body_seen)) if 400 <= status < 500 else None
+            quiet = scope["path"] in PROBE_PATHS and refusal is None
             # Client-controlled: method, path, query (and the client address). The text formatter
             # escapes control characters in the message; the JSON one escapes by construction.
             access_log.log(
-                logging.DEBUG if scope["path"] in PROBE_PATHS else logging.INFO,
-                '%s "%s %s%s" %s %.1fms',
+                logging.DEBUG if quiet else logging.INFO,
+                '%s "%s %s%s" %s %.1fms%s',
                 client[0],
                 scope["method"],
                 scope["path"],
                 f"?{query}" if query else "",
                 status or "-",
                 elapsed_ms,
+                _refusal_suffix(refusal) if refusal else "",
                 extra={
                     "method": scope["method"],
                     "path": scope["path"],
@@ -275,6 +278,7 @@ class AccessLogMiddleware:
                     "status": status,
                     "latency_ms": round(elapsed_ms, 2),
                     "client": client[0],
+                    **(refusal or {}),
                 },
             )
 
