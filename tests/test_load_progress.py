@@ -7,7 +7,9 @@ import json
 import logging
 import threading
 
+import httpx
 import torch
+from graphcache.api.app import create_app
 from graphcache.config import Settings
 from graphcache.engine.loop.engine import Engine
 from graphcache.metrics import Metrics
@@ -52,7 +54,7 @@ def test_load_model_reports_each_shard_and_logs_it(tmp_path, caplog):
     assert seen == []
 
 
-def test_ready_body_shows_the_weight_progress_while_loading():
+async def test_ready_body_shows_the_weight_progress_while_loading():
     reached, release = threading.Event(), threading.Event()
 
     def loading_runner(settings, metrics):
@@ -65,14 +67,21 @@ def test_ready_body_shows_the_weight_progress_while_loading():
         raise RuntimeError("stop here; this test only looks at the progress")
 
     e = Engine(Settings(), Metrics(), runner_factory=loading_runner)
+    app = create_app(e.settings, engine=e)
     e.start()
     try:
         assert reached.wait(30)
-        assert e.progress == {
-            "phase": "loading weights 3/8",
-            "done": 3,
-            "total": 8,
-            "file": "model-00003-of-00008.safetensors",
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            r = await client.get("/ready")
+        assert r.status_code == 503
+        assert r.json() == {
+            "status": "loading",
+            "progress": {
+                "phase": "loading weights 3/8",
+                "done": 3,
+                "total": 8,
+                "file": "model-00003-of-00008.safetensors",
+            },
         }
     finally:
         release.set()
