@@ -472,6 +472,7 @@ async def test_repeated_step_failures_kill_the_engine_and_fail_everyone():
                 break
             await asyncio.sleep(0.01)
         assert not e.alive and "device broken" in e.error
+        assert e.load_error is None  # it served first: a run-time death, for liveness, not a failed load
         with pytest.raises(EngineDead) as info:
             e.generate("late", [1], SamplingParams())
         assert str(info.value) == DEAD_MESSAGE
@@ -491,6 +492,7 @@ async def test_load_failure_marks_dead():
     e.start()
     assert not e.wait_ready(10)
     assert not e.alive and "config.json" in e.error
+    assert e.load_error is not None and "no config.json in /nowhere" in e.load_error  # serve exits on it
     with pytest.raises(EngineDead):
         e.generate("r", [1], SamplingParams())
     e.shutdown()

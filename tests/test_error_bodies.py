@@ -219,3 +219,29 @@ async def test_requests_cut_by_the_drain_timeout_are_503_shutting_down(tmp_path)
     assert metrics.registry.get_sample_value(
         "graphcache_requests_rejected_total", {"reason": "draining"}
     ) in (None, 0)
+
+
+# --------------------------------------------------------------------------- cross-field rules name their field
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}},
+            "stream_options",
+        ),
+        ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "messages"),
+        ("/tokenize", {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ],
+)
+async def test_a_cross_field_400_names_its_param(path, body, param):
+    app = create_app(Settings(), engine=EngineNotNeeded(), metrics=Metrics())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        r = await client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert not error["message"].startswith(f"{param}: {param}")

@@ -180,3 +180,83 @@ def test_text_format_escapes_any_logger_message_but_keeps_tracebacks(captured_lo
     assert "failed on /p\\r\\n" in text
     assert "Traceback (most recent call last)" in text and "ValueError: boom" in text
     assert not any(line.startswith("FAKE") for line in text.splitlines())
+
+
+async def _post(app, path: str, body: dict, request_id: str) -> httpx.Response:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        return await client.post(path, json=body, headers={"X-Request-ID": request_id})
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+async def test_a_4xx_access_line_says_why_at_info_with_the_request_id(captured_logs, log_format):
+    logs = captured_logs(log_format)
+    app = create_app(Settings(), engine=EngineNotNeeded(), metrics=Metrics())
+    body = {"model": "m", "prompt": "SECRET-PROMPT-TEXT", "temperature": "hot"}
+    response = await _post(app, "/v1/completions", body, "rid-400")
+    assert response.status_code == 400
+    error = response.json()["error"]
+    text = logs.getvalue()
+    if log_format == "json":
+        records = [json.loads(line) for line in text.splitlines()]
+        access = [r for r in records if r["logger"] == "graphcache.access"]
+        assert len(access) == 1, records
+        assert access[0]["level"] == "info" and access[0]["request_id"] == "rid-400"
+        assert access[0]["status"] == 400 and access[0]["param"] == error["param"] == "temperature"
+        assert access[0]["reason"] == error["message"] and access[0]["reason"] in access[0]["msg"]
+    else:
+        lines = access_lines(text)
+        assert len(lines) == 1, text
+        assert " INFO " in lines[0] and "[rid-400]" in lines[0]
+        assert '"POST /v1/completions" 400' in lines[0]
+        assert f"refused: {error['message']} (param temperature)" in lines[0]
+    assert "SECRET-PROMPT-TEXT" not in text  # the request body is never logged
+
+
+def test_the_4xx_reason_is_clipped_and_anything_else_is_a_dash():
+    from graphcache.api.request_log import MAX_REASON_CHARS, refusal_reason
+
+    long_body = json.dumps({"error": {"message": "x" * 10_000, "param": None, "code": "c"}}).encode()
+    clipped = refusal_reason(long_body)
+    assert len(clipped["reason"]) < MAX_REASON_CHARS + 40 and clipped["code"] == "c"
+    assert refusal_reason(b"not json") == {"reason": "-", "param": None, "code": None}
+    assert refusal_reason(b'{"error": "flat"}')["reason"] == "-"
+
+
+async def test_probes_and_scrapes_log_at_debug(captured_logs):
+    logs = captured_logs("text")
+    app = create_app(Settings(), engine=EngineNotNeeded(), metrics=Metrics())
+    for path in ("/health", "/ping", "/version"):
+        assert (await _get(app, path)).status_code == 200
+    assert access_lines(logs.getvalue()) == []
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        assert (await client.post("/health")).status_code == 405
+    (refused,) = access_lines(logs.getvalue())  # a refused probe is still said at INFO
+    assert '"POST /health" 405' in refused and " INFO " in refused
+    logging.getLogger().setLevel("DEBUG")
+    assert (await _get(app, "/ping")).status_code == 200
+    assert len(access_lines(logs.getvalue())) == 2  # still there for whoever asks for DEBUG
+
+
+def test_json_logs_drop_uvicorns_colour_copy(captured_logs):
+    logs = captured_logs("json")
+    logging.getLogger("uvicorn.error").info(
+        "Started server process [%d]",
+        1,
+        extra={"color_message": "Started server process [\x1b[36m%d\x1b[0m]"},
+    )
+    record = json.loads(logs.getvalue())
+    assert "color_message" not in record and record["msg"] == "Started server process [1]"
+
+
+def test_an_image_part_is_named_as_openais_but_not_served_here(caplog, monkeypatch):
+    from graphcache.api import body
+    from graphcache.api.protocol import ChatMessage
+    from pydantic import ValidationError
+
+    monkeypatch.setattr(body, "_unknown_logged", set())
+    part = {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}
+    with caplog.at_level(logging.WARNING, logger="graphcache.api"), pytest.raises(ValidationError):
+        ChatMessage.model_validate({"role": "user", "content": [part]})
+    (message,) = [r.getMessage() for r in caplog.records if "image_url" in r.getMessage()]
+    assert "an OpenAI content part (image input) this server does not support" in message
+    assert "neither OpenAI's nor vLLM's" not in message

@@ -5,6 +5,7 @@ admin warmup/clear agreeing with the metrics, the admin gate, and a clean SIGTER
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -104,6 +105,23 @@ def test_health_and_model(server, client):
     assert httpx.get(f"{server[1]}/health").json() == {"status": "ok"}
     models = client.models.list()
     assert [m.id for m in models.data] == ["graphcache-tiny"]
+
+
+def test_json_log_has_no_ansi_no_probe_lines_at_info_and_the_weight_progress(server):
+    """The server has answered /ready polls and /metrics scrapes by now (the fixture polled /ready)."""
+    base, log_path = server[1], server[2]
+    assert httpx.get(f"{base}/metrics", timeout=10).status_code == 200
+    httpx.get(
+        f"{base}/v1/models", timeout=10
+    )  # traffic, logged at INFO, so the log is flushed past the probes
+    text = log_path.read_text()
+    assert "\x1b" not in text and "\\u001b" not in text  # no ANSI escape, raw or JSON-escaped
+    records = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    assert not any("color_message" in r for r in records)
+    access = [r for r in records if r["logger"] == "graphcache.access"]
+    assert any(r["path"] == "/v1/models" and r["level"] == "info" for r in access), access
+    assert not [r for r in access if r["path"] in ("/ready", "/metrics", "/health")], access  # DEBUG only
+    assert any(r["msg"].startswith("loaded weights 1/1 (model.safetensors)") for r in records)
 
 
 def test_completions_and_chat_with_openai_client_move_the_metrics(server, client):

@@ -25,6 +25,9 @@ LLAMA_CONFIG = {
     "max_position_embeddings": 128,
 }
 LIMIT_S = 30  # CI is a busy 2-core machine; the real figure is about a second (a few with torch)
+# A failed load imports torch and starts the engine (a spawned process in engine-process mode): about
+# 7 s here, and a busy CI box may take several times that; the bound is on exiting at all.
+LOAD_FAILURE_LIMIT_S = 120
 
 
 def model_dir(
@@ -50,7 +53,7 @@ def serve(*argv: str) -> tuple[subprocess.CompletedProcess, float]:
             [sys.executable, "-m", "graphcache.cli", "serve", *argv],
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=180,  # past LOAD_FAILURE_LIMIT_S: a slow exit fails on the bound, a hang here
             env=env,
         )
     except subprocess.TimeoutExpired as e:  # it went on to load and serve: the bug this file is about
@@ -199,3 +202,63 @@ def test_bind_port_owns_the_port_and_names_the_fix():
 def test_bind_port_unknown_host():
     with pytest.raises(StartupError, match="GRAPHCACHE_HOST"):
         bind_port("no-such-host.invalid", 0)
+
+
+# --------------------------------------------------------------------------- a load that fails after binding
+# The port is bound and the engine starts; the model then fails to load. serve must exit (3) with one
+# line naming the cause, in-process and in engine-process mode, not answer /health forever.
+
+
+def assert_load_failed(out: subprocess.CompletedProcess, seconds: float, *expected: str) -> None:
+    assert out.returncode == 3, (out.returncode, out.stderr[-2000:])
+    assert seconds < LOAD_FAILURE_LIMIT_S, seconds
+    ours = [line for line in out.stderr.splitlines() if line.startswith("graphcache: ")]
+    assert len(ours) == 1, out.stderr[-2000:]
+    assert ours[0].startswith("graphcache: the engine failed to load the model: "), ours
+    for text in expected:
+        assert text in ours[0], ours
+    assert out.stderr.strip().splitlines()[-1] == ours[0]  # the last word, where an operator looks
+
+
+ENGINE_MODES = [
+    pytest.param("--no-engine-process", id="in-process"),
+    pytest.param("--engine-process", id="engine-process"),
+]
+
+
+@pytest.mark.parametrize("mode", ENGINE_MODES)
+def test_cuda_device_without_a_gpu_exits(mode):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: --device cuda loads")
+    out, seconds = serve("--device", "cuda", "--port", "0", mode)
+    assert_load_failed(out, seconds, "device=cuda but torch sees no CUDA GPU", "set --device auto or cpu")
+
+
+@pytest.mark.parametrize("mode", ENGINE_MODES)
+def test_truncated_weights_exit(tmp_path, mode):
+    from graphcache.model.tiny import make_default_model
+
+    path = make_default_model(tmp_path / "tiny")
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    out, seconds = serve("--model", str(path), "--device", "cpu", "--port", "0", mode)
+    assert_load_failed(
+        out, seconds, "model.safetensors is not a readable safetensors file", "download it again"
+    )
+
+
+@pytest.mark.parametrize("mode", ENGINE_MODES)
+def test_max_model_len_over_the_embedded_models_limit_exits(mode):
+    out, seconds = serve("--max-model-len", "1000000", "--device", "cpu", "--port", "0", mode)
+    assert_load_failed(out, seconds, "max_model_len 1000000 exceeds the model's limit", "--max-model-len")
+
+
+def test_load_failure_line_is_one_bounded_line_with_a_fix():
+    from graphcache.cli import MAX_CAUSE_CHARS, load_failure_line
+
+    line = load_failure_line("model load failed: OSError: disk gone\nmore\nlines")
+    assert "\n" not in line and "OSError: disk gone" in line and "traceback" in line
+    assert "model load failed" not in line
+    long = load_failure_line("model load failed: " + "x" * 5000 + "; fix it")
+    assert len(long) < MAX_CAUSE_CHARS + 100 and long.endswith("; fix it")  # the fix survives the clip

@@ -151,13 +151,13 @@ async def test_tokenize_refuses_oversized_text_before_tokenizing(client, engine,
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({}, None),
-        ({"prompt": "x", "messages": CHAT}, None),
-        ({"messages": CHAT, "add_special_tokens": True}, None),
+        ({}, "prompt"),
+        ({"prompt": "x", "messages": CHAT}, "messages"),
+        ({"messages": CHAT, "add_special_tokens": True}, "add_special_tokens"),
         ({"prompt": 5}, "prompt"),
         ({"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
         ({"messages": []}, "messages"),
-        ({"prompt": "x", "return_token_strs": True}, None),
+        ({"prompt": "x", "return_token_strs": True}, "return_token_strs"),
     ],
     ids=["neither", "both", "chat-add-special", "prompt-type", "flag-type", "no-messages", "token-strs"],
 )

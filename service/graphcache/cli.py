@@ -45,6 +45,11 @@ SECRET_FIELDS = {"admin_token", "api_key"}
 # Past drain_timeout_s the engine fails what is left and handlers answer; uvicorn cuts connections
 # only if that has not happened this much later (engine grace 5 s + slack).
 DRAIN_BACKSTOP_S = 10.0
+# Exit codes of serve: 2 a setting or the preflight refused to start (nothing loaded, nothing bound);
+# 3 the engine failed to load after the port was bound (a supervisor restarts or reports it).
+EXIT_REFUSED = 2
+EXIT_LOAD_FAILED = 3
+MAX_CAUSE_CHARS = 600
 
 
 # --------------------------------------------------------------------------- flags from Settings
@@ -337,7 +342,7 @@ def _serve(settings: Settings) -> int:
         sock = _preflight(settings)
     except StartupError as e:
         print(f"graphcache: {e}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     port = sock.getsockname()[1]
     if port != settings.http.port:  # port 0: the one the OS picked, so logs and /admin say the real port
         settings = settings.updated(port=port)
@@ -361,6 +366,13 @@ def _serve(settings: Settings) -> int:
             # From the signal on, requests arriving on open keep-alive connections get 503.
             app.state.engine.stop_accepting()
             super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            # A model that fails to load leaves nothing to serve: exit (non-zero, below) rather than
+            # answer /health forever, so systemd, `docker run --restart` and Kubernetes see the failure.
+            if app.state.engine.load_error is not None:
+                self.should_exit = True
+            return await super().on_tick(counter)
 
         async def shutdown(self, sockets=None) -> None:
             # The engine drains while uvicorn waits for open connections: requests still running at
@@ -393,10 +405,27 @@ def _serve(settings: Settings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: sys.exit(0))
     server.run(sockets=[sock])
+    load_error = app.state.engine.load_error
+    if load_error is not None:
+        print(f"graphcache: {load_failure_line(load_error)}", file=sys.stderr)
+        return EXIT_LOAD_FAILED
     if not server.started:
         log.error("the server did not start on %s:%s (see the errors above)", settings.http.host, port)
         return 1
     return 0
+
+
+def load_failure_line(error: str) -> str:
+    """The engine's load error as the one line serve exits with: the cause (the exception's message,
+    which names the fix where the loader knows it), its first line only, bounded."""
+    cause = (error.strip().splitlines() or ["unknown cause"])[0]
+    cause = cause.removeprefix("model load failed: ")
+    if len(cause) > MAX_CAUSE_CHARS:  # the middle goes: the start says what failed, the end the fix
+        half = MAX_CAUSE_CHARS // 2
+        cause = f"{cause[:half]} ... {cause[-half:]}"
+    if ";" not in cause:  # the message names no fix: point at the traceback logged above
+        cause += "; the log above has the traceback: fix its cause and start again"
+    return f"the engine failed to load the model: {cause}"
 
 
 def _exit_now(sig: int) -> None:

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from graphcache import __version__
 from graphcache.api import admin, exposition, openai, tools
 from graphcache.api.errors import count_rejection, error_body, install_error_handlers
-from graphcache.api.request_log import RequestContextMiddleware, setup_logging
+from graphcache.api.request_log import PROBE_PATHS, RequestContextMiddleware, setup_logging
 from graphcache.config import Settings
 from graphcache.engine.errors import DEAD_MESSAGE  # probes: never the exception text
 from graphcache.engine.loop.frontend import EngineState
@@ -34,7 +34,7 @@ from graphcache.metrics import Metrics
 __all__ = ["create_app"]
 
 # Paths kept out of the HTTP metrics: scrapes and probes would drown the traffic (vLLM leaves out the same).
-UNMEASURED_PATHS = ["/metrics", "/health", "/ready", "/ping", "/version"]
+UNMEASURED_PATHS = sorted(PROBE_PATHS)
 
 log = logging.getLogger("graphcache.api")
 

@@ -34,15 +34,40 @@ def _encodable(text: str) -> str:
 
 Text = Annotated[str, AfterValidator(_encodable)]
 
+
+class FieldError(ValueError):
+    """A cross-field rule's failure in a model validator, naming the field to fix: pydantic gives a
+    model validator's error no location, so the 400's `param` comes from here (api/errors.py)."""
+
+    def __init__(self, message: str, *, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 MAX_UNKNOWN_NAMES_LOGGED = 256  # a client sending random names must not grow the set forever
 
 _unknown_logged: set[str] = set()
+# OpenAI's non-text content parts, by the field that carries each: OpenAI's, but not served here.
+OPENAI_UNSUPPORTED_PARTS = {
+    "image_url": "image input",
+    "input_audio": "audio input",
+    "file": "file input",
+}
 
 
 def _log_unknown(model: str, name: str) -> None:
     if name in _unknown_logged or len(_unknown_logged) >= MAX_UNKNOWN_NAMES_LOGGED:
         return
     _unknown_logged.add(name)
+    if name in OPENAI_UNSUPPORTED_PARTS:
+        log.warning(
+            "field %r of %s is an OpenAI content part (%s) this server does not support: it serves "
+            "text only (logged once per name)",
+            name,
+            model,
+            OPENAI_UNSUPPORTED_PARTS[name],
+        )
+        return
     log.warning(
         "field %r of %s is neither OpenAI's nor vLLM's; it is accepted and has no effect "
         "(logged once per name)",

@@ -255,6 +255,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "Invalid request.", None
     first = _most_specific(errors)
     param = _param_of(tuple(first.get("loc", ())))
+    named = getattr((first.get("ctx") or {}).get("error"), "param", None)  # body.FieldError's field
+    if param is None and isinstance(named, str):
+        return str(first.get("msg", "invalid value")).removeprefix("Value error, "), named
     if first.get("type") == "json_invalid":
         return "The request body is not valid JSON.", None
     if first.get("type") == "missing" and param is None:

@@ -27,6 +27,7 @@ from pythonjsonlogger.json import JsonFormatter as _LibraryJsonFormatter
 from graphcache.api.errors import clip, error_body
 
 __all__ = [
+    "PROBE_PATHS",
     "RequestContextMiddleware",
     "current_request_id",
     "escape_controls",
@@ -38,6 +39,13 @@ __all__ = [
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 access_log = logging.getLogger("graphcache.access")
+
+# Probes and scrapes: polled every few seconds by orchestrators and Prometheus, so their access lines
+# go out at DEBUG; at INFO they would bury the traffic.
+PROBE_PATHS = frozenset({"/health", "/ready", "/metrics", "/ping", "/version"})
+# A 4xx's reason comes from its error body (ours, small); never more than this is kept or logged.
+MAX_ERROR_BODY_BYTES = 8192
+MAX_REASON_CHARS = 300
 
 
 def current_request_id() -> str | None:
@@ -91,6 +99,7 @@ class JsonFormatter(_LibraryJsonFormatter):
 
     def process_log_record(self, log_data: dict) -> dict:
         log_data["level"] = log_data["level"].lower()
+        log_data.pop("color_message", None)  # uvicorn's copy of msg with ANSI colours: noise in JSON
         if log_data.get("request_id") is None:
             log_data.pop("request_id", None)  # outside a request: no key rather than null
         return log_data
@@ -167,6 +176,29 @@ def log_unhandled(method: str, path: str) -> None:
         )
 
 
+def refusal_reason(response_body: bytes) -> dict:
+    """A 4xx's reason, param and code, read from the error body this server sent (never the request's
+    body); the reason clipped. Not our error shape (or cut short): reason "-"."""
+    try:
+        error = json.loads(response_body)["error"]
+        return {
+            "reason": clip(error.get("message") or "-", MAX_REASON_CHARS),
+            "param": error.get("param"),
+            "code": error.get("code"),
+        }
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return {"reason": "-", "param": None, "code": None}
+
+
+def _refusal_suffix(refusal: dict) -> str:
+    param, code = refusal["param"], refusal["code"]
+    return (
+        f" refused: {refusal['reason']}"
+        + (f" (param {clip(param, 80)})" if param else "")
+        + (f" [code {clip(code, 80)}]" if code else "")
+    )
+
+
 class AccessLogMiddleware:
     """The access line and the 500 for an unhandled exception. Pure ASGI (BaseHTTPMiddleware would
     buffer streams and hide disconnects). Runs inside the correlation-id middleware, so the id is set
@@ -181,11 +213,16 @@ class AccessLogMiddleware:
             return
         start = time.perf_counter()
         status = 0
+        error_body_seen = bytearray()  # a 4xx's body, to log its reason (bounded)
 
         async def send_noting_status(message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and 400 <= status < 500:
+                room = MAX_ERROR_BODY_BYTES - len(error_body_seen)
+                if room > 0:
+                    error_body_seen.extend(message.get("body", b"")[:room])
             await send(message)
 
         try:
@@ -218,16 +255,22 @@ class AccessLogMiddleware:
             client = scope.get("client") or ("-", 0)
             query = scope.get("query_string", b"").decode("latin-1")  # raw, as sent (percent-encoded)
             elapsed_ms = (time.perf_counter() - start) * 1000
+            # A 4xx's line says why (one line a request, so the reason sits with its request id);
+            # a probe's or scrape's line goes out at DEBUG unless it was refused.
+            refusal = refusal_reason(bytes(error_body_seen)) if 400 <= status < 500 else None
+            quiet = scope["path"] in PROBE_PATHS and refusal is None
             # Client-controlled: method, path, query (and the client address). The text formatter
             # escapes control characters in the message; the JSON one escapes by construction.
-            access_log.info(
-                '%s "%s %s%s" %s %.1fms',
+            access_log.log(
+                logging.DEBUG if quiet else logging.INFO,
+                '%s "%s %s%s" %s %.1fms%s',
                 client[0],
                 scope["method"],
                 scope["path"],
                 f"?{query}" if query else "",
                 status or "-",
                 elapsed_ms,
+                _refusal_suffix(refusal) if refusal else "",
                 extra={
                     "method": scope["method"],
                     "path": scope["path"],
@@ -235,6 +278,7 @@ class AccessLogMiddleware:
                     "status": status,
                     "latency_ms": round(elapsed_ms, 2),
                     "client": client[0],
+                    **(refusal or {}),
                 },
             )
 

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, Strict, field_validator, model_validator
 
 from graphcache.api import constraints
-from graphcache.api.body import RequestBody, SBool, SFloat, SInt, Text
+from graphcache.api.body import FieldError, RequestBody, SBool, SFloat, SInt, Text
 from graphcache.engine.errors import InvalidRequest
 
 __all__ = [
@@ -160,7 +160,7 @@ class SamplingFields(RequestBody):
     @model_validator(mode="after")
     def _no_stream_options_without_stream(self):
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream=true")
+            raise FieldError("stream_options is only allowed with stream=true", param="stream_options")
         return self
 
     @property

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from graphcache.api.body import RequestBody, SBool, SInt, Text
+from graphcache.api.body import FieldError, RequestBody, SBool, SInt, Text
 from graphcache.api.protocol import ChatMessage
 
 __all__ = ["DetokenizeRequest", "TokenizeRequest", "WarmupRequest"]
@@ -40,7 +40,7 @@ class WarmupRequest(RequestBody):
     @model_validator(mode="after")
     def _one_form(self):
         if self.profile is not None and (self.sizes or self.descriptors):
-            raise ValueError('give "profile", or "sizes" and/or "descriptors", not both')
+            raise FieldError('give "profile", or "sizes" and/or "descriptors", not both', param="profile")
         return self
 
     @property
@@ -79,17 +79,28 @@ class TokenizeRequest(RequestBody):
     @model_validator(mode="after")
     def _one_form(self):
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError('give either "prompt" (text) or "messages" (a chat), not both')
+            raise FieldError(
+                'give either "prompt" (text) or "messages" (a chat), not both',
+                param="messages" if self.messages is not None else "prompt",
+            )
         if self.messages is not None and self.add_special_tokens:
-            raise ValueError(
-                "add_special_tokens applies to prompt only: a chat template writes its own special tokens"
+            raise FieldError(
+                "add_special_tokens applies to prompt only: a chat template writes its own special tokens",
+                param="add_special_tokens",
             )
         if self.continue_final_message:
-            raise ValueError("continue_final_message is not supported; leave it false")
+            raise FieldError(
+                "continue_final_message is not supported; leave it false", param="continue_final_message"
+            )
         if self.return_token_strs:
-            raise ValueError("return_token_strs is not supported; detokenize ids with POST /detokenize")
+            raise FieldError(
+                "return_token_strs is not supported; detokenize ids with POST /detokenize",
+                param="return_token_strs",
+            )
         if self.tools and self.messages is None:
-            raise ValueError("tools apply to the messages form only; send messages, or drop tools")
+            raise FieldError(
+                "tools apply to the messages form only; send messages, or drop tools", param="tools"
+            )
         return self
 
 

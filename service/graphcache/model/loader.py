@@ -8,8 +8,11 @@ fewer kernels. Every failure names the file or tensor and what would fix it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import logging
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -21,6 +24,23 @@ from graphcache.model.llama import LlamaModel
 from graphcache.model.parallel import TensorParallel, vocab_shard
 
 log = logging.getLogger(__name__)
+
+# (weight files done, weight files in all, the file just read), called after each weight file. A
+# context variable, so the engine sets it around building its runner and no layer in between passes it.
+ShardProgress = Callable[[int, int, str], None]
+_shard_progress: contextvars.ContextVar[ShardProgress | None] = contextvars.ContextVar(
+    "graphcache_shard_progress", default=None
+)
+
+
+@contextlib.contextmanager
+def reporting_shards(callback: ShardProgress) -> Iterator[None]:
+    """While open, load_model calls `callback` after each weight file it reads (on this thread)."""
+    token = _shard_progress.set(callback)
+    try:
+        yield
+    finally:
+        _shard_progress.reset(token)
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -120,6 +140,43 @@ def _read(f, hf_name: str, target: Target, dest: torch.Tensor) -> torch.Tensor:
     return sl[tuple(index)]
 
 
+def _load_file(
+    file: Path,
+    targets: dict[str, Target],
+    params: dict[str, torch.nn.Parameter],
+    dtype: torch.dtype,
+    config: ModelConfig,
+    loaded: set[str],
+) -> None:
+    """Copy one safetensors file's tensors into their parameters; adds their names to `loaded`."""
+    try:
+        handle = safe_open(str(file), framework="pt", device="cpu")
+    except Exception as e:  # safetensors' own error type: a short file or a bad header
+        raise ModelLoadError(
+            f"{file} is not a readable safetensors file ({type(e).__name__}: {e}); it is truncated "
+            "or corrupt: download it again"
+        ) from e
+    with handle as f:
+        for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            target = targets.get(hf_name)
+            if target is None:
+                if not hf_name.endswith("rotary_emb.inv_freq") and hf_name != "lm_head.weight":
+                    log.warning(
+                        "ignoring tensor %s from %s (not used by %s)", hf_name, file.name, config.architecture
+                    )
+                continue
+            param = params[target.name]
+            dest = param.data if target.rows < 0 else param.data.narrow(0, target.offset, target.rows)
+            tensor = _read(f, hf_name, target, dest)
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise ModelLoadError(
+                    f"shape mismatch for {hf_name} in {file.name}: checkpoint has {tuple(tensor.shape)}, "
+                    f"config.json implies {tuple(dest.shape)}; config.json and the weights disagree"
+                )
+            dest.copy_(tensor.to(dtype))
+            loaded.add(hf_name)
+
+
 def load_model(
     path: str | Path,
     dtype: str | torch.dtype = "float32",
@@ -150,29 +207,13 @@ def load_model(
     params = dict(model.named_parameters())
     targets = _hf_targets(config, model.tp)
     loaded: set[str] = set()
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                target = targets.get(hf_name)
-                if target is None:
-                    if not hf_name.endswith("rotary_emb.inv_freq") and hf_name != "lm_head.weight":
-                        log.warning(
-                            "ignoring tensor %s from %s (not used by %s)",
-                            hf_name,
-                            file.name,
-                            config.architecture,
-                        )
-                    continue
-                param = params[target.name]
-                dest = param.data if target.rows < 0 else param.data.narrow(0, target.offset, target.rows)
-                tensor = _read(f, hf_name, target, dest)
-                if tuple(tensor.shape) != tuple(dest.shape):
-                    raise ModelLoadError(
-                        f"shape mismatch for {hf_name} in {file.name}: checkpoint has {tuple(tensor.shape)}, "
-                        f"config.json implies {tuple(dest.shape)}; config.json and the weights disagree"
-                    )
-                dest.copy_(tensor.to(dtype))
-                loaded.add(hf_name)
+    progress = _shard_progress.get()
+    log.info("loading %d weight file(s) from %s", len(files), path)
+    for done, file in enumerate(files, start=1):
+        _load_file(file, targets, params, dtype, config, loaded)
+        log.info("loaded weights %d/%d (%s)", done, len(files), file.name)
+        if progress is not None:
+            progress(done, len(files), file.name)
     missing = [hf for hf in targets if hf not in loaded]
     if missing:
         raise ModelLoadError(

@@ -257,7 +257,18 @@ class Engine(EngineFrontend):
     def _load(self) -> None:
         self.progress = {"phase": "loading model"}
         log.info("loading model %s", self.settings.model.path or "(the embedded tiny model)")
-        runner = self._runner_factory(self.settings, self.metrics)
+        from graphcache.model.loader import reporting_shards  # torch: the engine thread has it anyway
+
+        def shard_progress(done: int, total: int, name: str) -> None:  # /ready's body while loading
+            self.progress = {
+                "phase": f"loading weights {done}/{total}",
+                "done": done,
+                "total": total,
+                "file": name,
+            }
+
+        with reporting_shards(shard_progress):
+            runner = self._runner_factory(self.settings, self.metrics)
         try:
             core = EngineCore(runner, self.settings, self.metrics)
         except BaseException:

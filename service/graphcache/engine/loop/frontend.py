@@ -58,6 +58,7 @@ class EngineFrontend:
         self._requests: dict[str, Handle] = {}
         self._num_running = 0
         self._error: str | None = None
+        self._was_ready = False  # a death before the first READY is a failed load, not a run-time fault
         self._ready_event = threading.Event()  # set when ready or dead: wait_ready() returns
         self._stats: dict[str, Any] = {}
         self.progress: dict[str, Any] | None = None  # while loading: the phase, and warmup n/total
@@ -102,6 +103,14 @@ class EngineFrontend:
         return self._error
 
     @property
+    def load_error(self) -> str | None:
+        """Why the engine died before it ever served (the model or warmup failed to load); None while
+        loading, once it has served, or after a run-time death (liveness covers that one)."""
+        if self._state is EngineState.DEAD and not self._was_ready:
+            return self._error or "the engine died while loading the model"
+        return None
+
+    @property
     def num_running(self) -> int:
         """Requests in the running batch, as of the last step."""
         return self._num_running
@@ -126,6 +135,7 @@ class EngineFrontend:
             if self._state in (EngineState.DEAD, EngineState.STOPPED):
                 return  # final
             self._state = state
+            self._was_ready = self._was_ready or state is EngineState.READY
         if self.metrics is not None:
             self.metrics.ready.set(1 if state is EngineState.READY else 0)
 

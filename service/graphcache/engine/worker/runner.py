@@ -62,7 +62,8 @@ CPU_KV_CACHE_MAX_BYTES = 1 << 30  # default CPU KV cache stops here: CPU RAM is 
 def resolve_device(setting: str) -> torch.device:
     if setting == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(
-            "device=cuda but torch sees no CUDA GPU; use device=auto or cpu, or install a CUDA build of torch"
+            "device=cuda but torch sees no CUDA GPU; set --device auto or cpu (GRAPHCACHE_DEVICE), "
+            "or install a CUDA build of torch"
         )
     if setting == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -194,7 +195,8 @@ class ModelRunner:
         if wanted is not None and wanted > limit:
             raise ModelLoadError(
                 f"max_model_len {wanted} exceeds the model's limit {limit} "
-                "(max_position_embeddings / sliding_window); lower max_model_len"
+                "(max_position_embeddings / sliding_window); lower --max-model-len "
+                "(GRAPHCACHE_MAX_MODEL_LEN) or leave it unset"
             )
         return wanted or limit
 
