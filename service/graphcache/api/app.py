@@ -49,9 +49,8 @@ class BodySizeLimitMiddleware:
     def __init__(self, app, max_bytes: int, on_reject=None) -> None:
         self.app = app
         self.max_bytes = max_bytes
-        self.on_reject = (
-            on_reject  # (path, method) -> None: counts refusals answered here, before any handler
-        )
+        # (path, method) -> None: counts refusals answered here, before any handler
+        self.on_reject = on_reject
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -107,9 +106,8 @@ def in_process_engine(settings: Settings, metrics: Metrics):
 
 def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) -> FastAPI:
     metrics = metrics if metrics is not None else (getattr(engine, "metrics", None) or Metrics())
-    if (
-        engine is None
-    ):  # engine_process: the step loop in a child process, same interface (engine/loop/process.py)
+    # engine_process: the step loop in a child process, same interface (engine/loop/process.py)
+    if engine is None:
         engine = (
             EngineClient(settings, metrics, setup_logging=setup_logging)
             if settings.engine.engine_process
