@@ -30,6 +30,11 @@ def main() -> None:
     ap.add_argument("--mode", default="graph", choices=["graph", "eager"])
     ap.add_argument("--top", type=int, default=35)
     ap.add_argument("--out", type=Path, default=Path("profile.txt"))
+    ap.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="warn at each host-device sync (torch.cuda.set_sync_debug_mode)",
+    )
     known, rest = ap.parse_known_args()
     args = ot.build_parser().parse_args(rest)
     if args.smoke:
@@ -39,6 +44,10 @@ def main() -> None:
     original = Engine._thread_main
 
     def profiled(self: Engine) -> None:
+        if known.sync_debug:
+            import torch
+
+            torch.cuda.set_sync_debug_mode("warn")
         prof.enable()
         try:
             original(self)

@@ -1,6 +1,7 @@
-"""Sampling one step on the device: GPU time of `Sampler.sample_device`, the fused kernel
-(engine/sample/fused_draw.py) against the torch-composed path (GRAPHCACHE_SAMPLER=legacy), side by side,
-and what each piece of the torch path costs.
+"""Sampling one step on the device: GPU and host time of `Sampler.sample_device` on its three paths side
+by side (legacy: the torch-composed threshold path; fused: engine/sample/fused_draw.py; nucleus: the
+rejection sampler, engine/sample/nucleus_draw.py, the default for rows without top-k), and what each
+piece of the torch path costs.
 
     python benchmarks/sampler_bench.py --rows 256 --vocab 151936      # Qwen2.5-0.5B shape
     python benchmarks/sampler_bench.py --rows 256 --vocab 128256      # the 8B shape
@@ -8,7 +9,8 @@ and what each piece of the torch path costs.
 Table 1, by sampling parameters (median GPU ms of --iters calls, CUDA events; bf16 logits randn * 3):
 greedy; temperature only; top_p 0.9; top_k 50; top_k 50 + top_p 0.9; seeded; half seeded; top_p 0.9
 on flat logits (logits / 10: long nuclei); the realistic mix (T 0.8, top_p 0.95, a quarter seeded).
-Columns: legacy, fused, and fused minus greedy (the issue's goal: <= 0.3 ms at 256 rows).
+Columns: legacy, fused, nucleus (GPU ms, and the host ms of the call), and nucleus minus greedy (the
+goal: <= 0.3 ms at 256 rows). Rows with top_k take legacy (or fused) in the nucleus sampler too.
 
 Table 2, the pieces of the legacy path for the top_p 0.9 rows, and the predicted floor of each
 (bytes / 4.8 TB/s; 256 x 151,936: bf16 logits 78 MB = 16 us a pass, fp32 156 MB = 32 us a pass):
@@ -34,6 +36,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the graphcache package
@@ -43,6 +46,7 @@ from graphcache.engine.sample import fused_draw as fd  # noqa: E402
 from graphcache.engine.sample import sampler as sm  # noqa: E402
 from graphcache.engine.sample.filter_threshold import thresholds  # noqa: E402
 from graphcache.engine.sample.logprobs import token_logprobs  # noqa: E402
+from graphcache.engine.sample.nucleus_draw import nucleus_draw  # noqa: E402
 from graphcache.engine.sample.race_draw import race_draw  # noqa: E402
 from graphcache.engine.sample.sampler import Sampler  # noqa: E402
 from graphcache.engine.sequence import SamplingParams, Sequence  # noqa: E402
@@ -62,16 +66,25 @@ CASES = {
 
 
 def gpu_ms(fn, iters: int) -> float:
-    times = []
+    return timed(fn, iters)[0]
+
+
+def timed(fn, iters: int) -> tuple[float, float]:
+    """(median GPU ms, median host ms of the call itself: what the engine thread spends launching)."""
+    gpu, host = [], []
     for i in range(iters + 3):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
         a.record()
+        t0 = time.perf_counter()
         fn()
+        t1 = time.perf_counter()
         b.record()
         b.synchronize()
         if i >= 3:
-            times.append(a.elapsed_time(b))
-    return statistics.median(times)
+            gpu.append(a.elapsed_time(b))
+            host.append((t1 - t0) * 1e3)
+    return statistics.median(gpu), statistics.median(host)
 
 
 def seqs_of(make, rows: int) -> list[Sequence]:
@@ -79,20 +92,23 @@ def seqs_of(make, rows: int) -> list[Sequence]:
 
 
 def by_case(logits, flat, rows: int, iters: int) -> list[dict]:
-    legacy, fused = Sampler(default_seed=0, fused=False), Sampler(default_seed=0, fused=True)
+    samplers = {
+        "legacy": Sampler(default_seed=0, fused=False, nucleus=False),
+        "fused": Sampler(default_seed=0, fused=True, nucleus=False),
+        "nucleus": Sampler(default_seed=0),
+    }
     out = []
     cases = [(name, logits, seqs_of(make, rows)) for name, make in CASES.items()]
     cases.append(
         ("top_p 0.9, flat logits (long nuclei)", flat, seqs_of(CASES["temperature 0.8, top_p 0.9"], rows))
     )
     for name, x, seqs in cases:
-        out.append(
-            {
-                "case": name,
-                "legacy_ms": gpu_ms(lambda x=x, s=seqs: legacy.sample_device(x, s), iters),
-                "fused_ms": gpu_ms(lambda x=x, s=seqs: fused.sample_device(x, s), iters),
-            }
-        )
+        row: dict = {"case": name}
+        for label, sampler in samplers.items():
+            row[f"{label}_ms"], row[f"{label}_host_ms"] = timed(
+                lambda x=x, s=seqs, sm=sampler: sm.sample_device(x, s), iters
+            )
+        out.append(row)
     return out
 
 
@@ -187,11 +203,47 @@ def sweep(logits, flat, rows: int, iters: int) -> list[dict]:
     return out
 
 
+NUCLEUS_SWEEP = [
+    dict(block=4096, warps=16),
+    dict(block=2048, warps=8),
+    dict(block=2048, warps=16),
+    dict(block=8192, warps=16),
+    dict(block=4096, warps=32),
+    dict(block=8192, warps=32),
+]
+
+
+def nucleus_sweep(logits, flat, rows: int, iters: int) -> list[dict]:
+    """nucleus_draw alone for top_p 0.9 and 0.95 (normal and flat rows) and temperature only, by launch setting."""
+    dev = logits.device
+    idx = torch.arange(rows, device=dev)
+    t = torch.full((rows,), 0.8, device=dev)
+    keys = torch.arange(rows, dtype=torch.int64, device=dev) * 7919
+    lmp = torch.full((rows,), float("-inf"), device=dev)
+    out = []
+    for setting in NUCLEUS_SWEEP:
+
+        def run(x, p, s=setting):
+            return nucleus_draw(x, idx, t, torch.full((rows,), p, device=dev), lmp, keys, **s)
+
+        out.append(
+            {
+                "setting": ", ".join(f"{a}={b}" for a, b in setting.items()),
+                "top_p 0.9": gpu_ms(lambda: run(logits, 0.9), iters),
+                "top_p 0.95": gpu_ms(lambda: run(logits, 0.95), iters),
+                "top_p 0.9 flat": gpu_ms(lambda: run(flat, 0.9), iters),
+                "temperature": gpu_ms(lambda: run(logits, 1.0), iters),
+            }
+        )
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--no-sweep", action="store_true", help="skip the launch-setting sweeps")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -199,11 +251,27 @@ def main() -> int:
     logits = (torch.randn(args.rows, args.vocab, device=dev, generator=g) * 3).to(torch.bfloat16)
     flat = logits / 10
     cases = by_case(logits, flat, args.rows, args.iters)
-    greedy = cases[0]["fused_ms"]
+    greedy = cases[0]["nucleus_ms"]
     print(f"{args.rows} rows x {args.vocab} vocab, bf16 logits, {torch.cuda.get_device_name()}")
-    print(f"{'case':<44} {'legacy ms':>10} {'fused ms':>9} {'fused - greedy':>15}")
+    print("GPU ms (host ms of the call), median; nucleus = the default path")
+    print(f"{'case':<42} {'legacy':>15} {'fused':>15} {'nucleus':>15} {'nucleus-greedy':>15}")
     for r in cases:
-        print(f"{r['case']:<44} {r['legacy_ms']:10.3f} {r['fused_ms']:9.3f} {r['fused_ms'] - greedy:15.3f}")
+        cols = " ".join(
+            f"{r[f'{k}_ms']:7.3f} ({r[f'{k}_host_ms']:5.2f})" for k in ("legacy", "fused", "nucleus")
+        )
+        print(f"{r['case']:<42} {cols} {r['nucleus_ms'] - greedy:15.3f}")
+    if args.no_sweep:
+        if args.out:
+            args.out.write_text(json.dumps({"cases": cases}, indent=1))
+        return 0
+    nswept = nucleus_sweep(logits, flat, args.rows, args.iters)
+    print(
+        f"\nnucleus_draw alone by launch setting (GPU ms)\n{'setting':<24} {'p0.9':>7} {'p0.95':>7} {'flat':>7} {'temp':>7}"
+    )
+    for r in nswept:
+        print(
+            f"{r['setting']:<24} {r['top_p 0.9']:7.3f} {r['top_p 0.95']:7.3f} {r['top_p 0.9 flat']:7.3f} {r['temperature']:7.3f}"
+        )
     parts = pieces(logits, args.rows, args.iters)
     print(f"\npieces of the legacy path (top_p 0.9 rows)\n{'piece':<52} {'GPU ms':>8}")
     for r in parts:
@@ -217,7 +285,9 @@ def main() -> int:
             f"{r['setting']:<28} {r['top_p']:7.3f} {r['top_p flat']:7.3f} {r['top_k+top_p']:7.3f} {r['temperature']:7.3f}"
         )
     if args.out:
-        args.out.write_text(json.dumps({"cases": cases, "pieces": parts, "sweep": swept}, indent=1))
+        args.out.write_text(
+            json.dumps({"cases": cases, "pieces": parts, "sweep": swept, "nucleus_sweep": nswept}, indent=1)
+        )
     return 0
 
 

@@ -30,7 +30,7 @@ import torch
 
 from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
-__all__ = ["HAVE_TRITON", "mix64", "race_draw", "race_draw_torch", "row_key", "to_int64", "uniforms"]
+__all__ = ["HAVE_TRITON", "mix64", "shr64", "race_draw", "race_draw_torch", "row_key", "to_int64", "uniforms"]
 
 MASK64 = (1 << 64) - 1
 GAMMA = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: the SplitMix64 increment
@@ -64,7 +64,7 @@ def to_int64(key: int) -> int:
 
 
 # --- torch path (CPU, and the reference) ----------------------------------------------------------
-def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+def shr64(x: torch.Tensor, s: int) -> torch.Tensor:
     """Logical right shift of int64 bits (torch's >> is arithmetic: mask off the copied sign bits)."""
     return (x >> s) & ((1 << (64 - s)) - 1)
 
@@ -73,10 +73,10 @@ def uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """keys [R] int64 (uint64 bits) -> u [R, vocab] fp32 in (0, 1): u[r, i] from mix64(key_r + (i+1) GAMMA)."""
     i = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device)
     h = keys.view(-1, 1) + i * to_int64(GAMMA)  # [R, V] int64; wraps mod 2^64 like uint64
-    h = (h ^ _shr(h, 30)) * to_int64(MUL1)
-    h = (h ^ _shr(h, 27)) * to_int64(MUL2)
-    h = h ^ _shr(h, 31)
-    return (_shr(h, 64 - _U_BITS).float() + 0.5) * (2.0**-_U_BITS)
+    h = (h ^ shr64(h, 30)) * to_int64(MUL1)
+    h = (h ^ shr64(h, 27)) * to_int64(MUL2)
+    h = h ^ shr64(h, 31)
+    return (shr64(h, 64 - _U_BITS).float() + 0.5) * (2.0**-_U_BITS)
 
 
 def race_draw_torch(z: torch.Tensor, thr: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:

@@ -6,21 +6,21 @@ Sampling is batched over the rows that need it. A row goes one of three ways:
   - random: controls, then temperature -> min_p -> top-k -> top-p, then a draw.
 Every step is row-wise, so a row's token never depends on which other requests share the batch.
 
-The filters never sort the vocabulary: temperature and min_p act on z = (logits - max) / T, and
-top-k / top-p become one threshold per row (keep z >= thr), found from a bounded torch.topk per row
-with an exact bisection fallback for long nuclei (filter_threshold.py). The draw is one exponential
-race for the whole batch (race_draw.py, a Triton kernel on CUDA): token = argmax z_i - log E_i over
-the kept tokens, with E_i = -log u_i and u_i a hash of (row key, i). No softmax and no sampling state:
-a seeded row's key is a function of (seed, tokens it generated so far), so its tokens depend only on
-its seed and its own logits (not on the batch, the device's RNG or earlier calls); unseeded rows take
-keys from the Sampler's host generator, seeded by settings.model.seed.
+Rows without top-k (temperature, min_p, top-p: what most clients send) take nucleus_draw.py: one
+Triton launch on CUDA that races first and checks the nucleus after (rejection sampling), two or three
+passes over each row, straight from the model-dtype logits when the row has no logits controls; its
+torch twin on the CPU. The draw is an exponential race (race_draw.py): token = argmax z_i - log E_i
+over the kept tokens, with E_i = -log u_i and u_i a hash of (row key, i). No softmax and no sampling
+state: a seeded row's key is a function of (seed, tokens it generated so far), so its tokens depend
+only on its seed and its own logits (not on the batch, the device's RNG or earlier calls); unseeded
+rows take keys from the Sampler's host generator, seeded by settings.model.seed.
 
-The filters and the draw are the torch composition above (filtered_logits -> filter_threshold ->
-race_draw), on the CPU and on CUDA. GRAPHCACHE_SAMPLER=fused (or Sampler(fused=True)) runs them on CUDA
-as one Triton kernel (fused_draw.py) with the same kept set and the same race, straight from the
-model-dtype logits for rows without logits controls. It is not the default: on the H200 at 256 x 151,936
-it is faster for temperature-only and seeded rows (1.06 / 1.38 ms against 1.19 / 1.68) but slower with
-top-p or top-k (3.85 against 2.20 ms at top_p 0.9; the realistic mix 4.91 against 3.19), BENCHMARKS.md.
+Rows with top-k keep a threshold path that never sorts the vocabulary: temperature and min_p act on
+z = (logits - max) / T, and top-k / top-p become one threshold per row (keep z >= thr), found from a
+bounded torch.topk per row with an exact bisection fallback for long nuclei (filter_threshold.py),
+then the race (filtered_logits -> filter_threshold -> race_draw). GRAPHCACHE_SAMPLER=fused (or
+Sampler(fused=True)) runs that as one Triton kernel (fused_draw.py), not the default: slower than
+the torch composition with top-k on the H200 (BENCHMARKS.md).
 
 Logits controls (vLLM's order, all on the device, batched, never a Python loop over the vocabulary):
 allowed_token_ids -> bad words -> min_tokens -> logit_bias -> repetition, frequency and presence
@@ -54,6 +54,7 @@ import torch
 
 from graphcache.engine.sample.filter_threshold import thresholds
 from graphcache.engine.sample.fused_draw import HAVE_TRITON, fused_draw
+from graphcache.engine.sample.nucleus_draw import nucleus_draw
 from graphcache.engine.sample.race_draw import race_draw, row_key, to_int64
 from graphcache.engine.sequence import SamplingParams, Sequence
 
@@ -69,6 +70,10 @@ def _is_greedy(temperature: float) -> bool:
 
 def _has_penalty(p: SamplingParams) -> bool:
     return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+
+
+def _top_k_on(p: SamplingParams, vocab: int) -> bool:
+    return 0 < p.top_k < vocab
 
 
 def _has_controls(p: SamplingParams) -> bool:
@@ -137,9 +142,15 @@ def _fused_by_default() -> bool:
 
 class Sampler:
     def __init__(
-        self, default_seed: int | None = None, eos_token_ids: Iterable[int] = (), fused: bool | None = None
+        self,
+        default_seed: int | None = None,
+        eos_token_ids: Iterable[int] = (),
+        fused: bool | None = None,
+        nucleus: bool = True,
     ) -> None:
-        # CUDA random rows: one fused Triton kernel (True) or the torch-composed path (False).
+        # Random rows without top-k: the rejection sampler (nucleus_draw.py; False only to compare paths).
+        self.nucleus = nucleus
+        # CUDA random rows with top-k: one fused Triton kernel (True) or the torch-composed path (False).
         self.fused = _fused_by_default() if fused is None else fused
         # Unseeded rows' race keys; seeded by settings.model.seed so a server run is repeatable (None: OS entropy).
         self._rng = random.Random(default_seed)
@@ -182,11 +193,14 @@ class Sampler:
         rows = [i for i, s in enumerate(seqs) if i in processed or not _is_greedy(s.params.temperature)]
         if not rows:
             return tokens
-        dev = logits.device
+        dev, vocab = logits.device, logits.shape[-1]
         idx = _to_device(rows, torch.int64, dev)
         work = [seqs[i] for i in rows]
-        if not processed and self._use_fused(logits):  # every row random: drawn from the logits as they are
-            return tokens.index_copy_(0, idx, self._draw_fused(logits, idx, work))
+        if not processed:  # every row random: drawn from the logits as they are, no fp32 copy
+            if self.nucleus and not any(_top_k_on(s.params, vocab) for s in work):
+                return tokens.index_copy_(0, idx, self._draw_nucleus(logits, idx, work))
+            if self._use_fused(logits):
+                return tokens.index_copy_(0, idx, self._draw_fused(logits, idx, work))
         x = logits.index_select(0, idx).float()  # [W, V] fp32, ours to modify
         if processed:
             x = self._process(x, work, [j for j, i in enumerate(rows) if i in processed])
@@ -233,6 +247,23 @@ class Sampler:
         tokens, _ = fused_draw(logits, rows, f[0], i[0], f[1], f[2], i[1])
         return tokens
 
+    def _draw_nucleus(self, logits: torch.Tensor, rows: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """One draw per entry of rows [W] (indices into logits [R, V], any float dtype) for rows without
+        top-k: nucleus_draw.py's rejection sampler, one launch on CUDA. Two uploads, no sync."""
+        floats = torch.tensor(
+            [
+                [s.params.temperature for s in seqs],
+                [s.params.top_p for s in seqs],
+                [math.log(min(s.params.min_p, 1.0)) if s.params.min_p > 0 else _NEG_INF for s in seqs],
+            ],
+            dtype=torch.float32,
+        )
+        keys = torch.tensor(self._row_keys(seqs), dtype=torch.int64)
+        if logits.is_cuda:
+            floats = floats.pin_memory().to(logits.device, non_blocking=True)
+            keys = keys.pin_memory().to(logits.device, non_blocking=True)
+        return nucleus_draw(logits, rows, floats[0], floats[1], floats[2], keys)
+
     def draw_params(self, seqs: list[Sequence], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused kernel's per-row parameters on the host: floats [3, n] (temperature, 0 for a greedy
         row; top_p; log(min_p) or -inf), ints [2, n] (top_k, vocab when off; race key). What
@@ -254,6 +285,8 @@ class Sampler:
     def _draw(self, x: torch.Tensor, seqs: list[Sequence], local: list[int]) -> torch.Tensor:
         """One draw per random row: x[local[k]] belongs to seqs[k]; [len(seqs)] int64."""
         dev, vocab = x.device, x.shape[-1]
+        if self.nucleus and not any(_top_k_on(s.params, vocab) for s in seqs):
+            return self._draw_nucleus(x, _to_device(local, torch.int64, dev), seqs)
         if self._use_fused(x):
             return self._draw_fused(x, _to_device(local, torch.int64, dev), seqs)
         if len(local) < x.shape[0]:

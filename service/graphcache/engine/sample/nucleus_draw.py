@@ -1,0 +1,314 @@
+"""Temperature, min_p and top-p sampling by rejection: one Triton program per row, no threshold search.
+
+Why: finding the top-p threshold first (a top-k prefix, then a bisection for flat rows) costs a
+dozen launches and passes per step; drawing first and checking after costs two or three passes over
+the row in one launch. The draw is race_draw.py's exponential race (token = argmax z_i - log E_i, E_i
+from a counter hash of (key, i)), so a seeded row's tokens depend only on its seed and its logits.
+
+z = (x - max) / T with NaN -> -inf, and z < log(min_p) -> -inf. The nucleus is the set
+{i : mass(z_j > z_i) < top_p * mass(all)} (mass = sum exp(z)): the smallest top set reaching top_p,
+with every token tied at the cut kept (the same set as filter_threshold.py's threshold). The top
+token is always in it (its mass above is 0), whatever top_p is.
+
+Per row:
+  1. a pass for the max (the argmax too: greedy rows and rows with no finite max take it);
+  2. a pass for the race over every kept token (candidate c) and their total mass;
+  3. rows with top_p < 1: a pass for mass(z_j > z_c). Below top_p * mass: c is in the nucleus, done.
+     Else c and everything below it are outside: race again over z > z_c with the next round's key
+     (fresh randomness), and check again.
+Why this draws from the nucleus exactly: each round draws from the distribution restricted to a set
+that contains the whole nucleus; a draw inside is accepted, so the accepted token has the nucleus'
+distribution (rejection sampling with a shrinking proposal). Each rejection removes on average half
+the mass still outside, so rows need ~1 + log2(1/(1 - top_p)) rounds at most in expectation; after
+ROUNDS rejections (flat rows at a tiny top_p) the threshold is found exactly by bisection on the bits
+of |z| (31 passes) and the race runs over z >= thr.
+
+The torch function is the CPU path and the kernel's reference; both take the same steps with the same
+keys, so they draw the same tokens up to fp32 summation order at the nucleus' edge and the last ulp of
+the logs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphcache.engine.sample.race_draw import GAMMA, MASK64, mix64, shr64, to_int64, uniforms
+from graphcache.model.triton_support import HAVE_TRITON, tl, triton
+
+__all__ = ["HAVE_TRITON", "ROUNDS", "nucleus_draw", "nucleus_draw_torch", "round_key"]
+
+ROUNDS = 32  # rejections before the exact threshold (a row reaching it: a flat row at a tiny top_p)
+ROUND_GAMMA = 0xD1B54A32D192ED03  # odd, unrelated to GAMMA: keys of later rounds
+_CHUNK = 32  # rows per torch step: bounds the [rows, V] temporaries
+_NEG_INF = float("-inf")
+
+
+def round_key(key: int, r: int) -> int:
+    """The race key of rejection round r (round 0: the row's own key, so a row without top_p draws
+    exactly race_draw's token)."""
+    return key & MASK64 if r == 0 else mix64(key + r * ROUND_GAMMA)
+
+
+# --- torch path (CPU, and the reference) ----------------------------------------------------------
+def _round_keys(keys: torch.Tensor, r: int) -> torch.Tensor:
+    """round_key on an int64 tensor of uint64 bits."""
+    if r == 0:
+        return keys
+    h = keys + to_int64((r * ROUND_GAMMA) & MASK64)
+    h = (h ^ shr64(h, 30)) * to_int64(0xBF58476D1CE4E5B9)
+    h = (h ^ shr64(h, 27)) * to_int64(0x94D049BB133111EB)
+    return h ^ shr64(h, 31)
+
+
+def _race(z: torch.Tensor, keep: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """argmax over kept tokens of z - log(-log u): [R] int64 (the first index on ties)."""
+    score = z - uniforms(keys, z.shape[-1]).log().neg().log()
+    return score.masked_fill_(~keep, _NEG_INF).argmax(dim=-1)
+
+
+def _exact_threshold(z: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """[R] the largest v with mass(z >= v) >= target, by bisection on the fp32 bits of -z (z <= 0)."""
+    bits = (-z).contiguous().view(torch.int32)  # ordered like -z; -inf -> 0x7F800000
+    w = z.exp()
+    lo = torch.zeros(z.shape[0], dtype=torch.int32, device=z.device)
+    hi = torch.full((z.shape[0],), 0x7F800000, dtype=torch.int32, device=z.device)
+    for _ in range(31):
+        mid = lo + (hi - lo) // 2
+        good = (w * (bits <= mid.view(-1, 1))).sum(dim=-1) >= target
+        hi = torch.where(good, mid, hi)
+        lo = torch.where(good, lo, mid + 1)
+    return lo.view(torch.float32).neg()
+
+
+def nucleus_draw_torch(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    log_min_p: torch.Tensor,
+    keys: torch.Tensor,
+    rounds: int = ROUNDS,
+) -> torch.Tensor:
+    """logits [R, V] (any float dtype); per row temperature [R] (<= 0: greedy), top_p [R] (>= 1: off),
+    log_min_p [R] (-inf: off), keys [R] int64 (uint64 bits) -> tokens [R] int64."""
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    for a in range(0, logits.shape[0], _CHUNK):
+        s = slice(a, a + _CHUNK)
+        out[s] = _draw_chunk(logits[s], temperature[s], top_p[s], log_min_p[s], keys[s], rounds)
+    return out
+
+
+def _draw_chunk(x, temperature, top_p, log_min_p, keys, rounds):
+    x = x.float().nan_to_num(nan=_NEG_INF, posinf=float("inf"), neginf=_NEG_INF)
+    m, top = x.max(dim=-1)
+    t = temperature.float().view(-1, 1)
+    z = (x - m.view(-1, 1)) / t.clamp_min(1e-30)
+    z.masked_fill_(z < log_min_p.float().view(-1, 1), _NEG_INF)
+    w = z.exp()
+    target = top_p.float() * w.sum(dim=-1)
+    token = _race(z, z > _NEG_INF, keys)
+    pending = top_p < 1  # rows still checking their candidate
+    for r in range(rounds + 1):
+        if not bool(pending.any()):
+            break
+        zc = z.gather(1, token.view(-1, 1))  # [R, 1]
+        above = (w * (z > zc)).sum(dim=-1)
+        inside = (above < target) | (above == 0)
+        pending &= ~inside
+        if r == rounds or not bool(pending.any()):
+            break
+        drawn = _race(z, z > zc, _round_keys(keys, r + 1))
+        token = torch.where(pending, drawn, token)
+    if bool(pending.any()):  # the exact threshold for rows that ran out of rounds
+        thr = _exact_threshold(z, target)
+        drawn = _race(z, z >= thr.view(-1, 1), _round_keys(keys, rounds + 1))
+        token = torch.where(pending, drawn, token)
+    random_row = (temperature > 0) & m.isfinite()
+    return torch.where(random_row, token, top)
+
+
+# --- Triton path -------------------------------------------------------------------------------------
+# Literal constants: a jitted function may not read module globals that are not constexpr.
+# 0x9E3779B97F4A7C15 = GAMMA; 1.1920928955078125e-07 = 2^-23; 41 = 64 - 23 (race_draw.py's uniforms).
+def _z_block(base, offs, mask, m, t, lmp):
+    x = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    x = tl.where(x != x, float("-inf"), x)
+    z = tl.math.div_rn(x - m, t)
+    return tl.where(z < lmp, float("-inf"), z)
+
+
+def _race_block(z, key, offs):
+    h = key + (offs.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15  # uint64: wraps, >> is logical
+    h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9
+    h = (h ^ (h >> 27)) * 0x94D049BB133111EB
+    h = h ^ (h >> 31)
+    u = ((h >> 41).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+    return z - tl.log(-tl.log(u))
+
+
+def _race_above(base, vocab, m, t, lmp, floor, key, STRICT: tl.constexpr, BLOCK: tl.constexpr):
+    """(the winner of the race over z > floor (STRICT) or z >= floor, the first index on ties; the
+    mass of every kept token, sum exp(z), summed in the same pass)."""
+    cols = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.full([BLOCK], 2147483647, tl.int32)
+    mass = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + cols
+        mask = offs < vocab
+        z = _z_block(base, offs, mask, m, t, lmp)
+        mass += tl.exp(z)
+        if STRICT:
+            kept = z > floor
+        else:
+            kept = z >= floor
+        score = tl.where(kept, _race_block(z, key, offs), float("-inf"))
+        better = score > best  # strict: a lane's earlier index wins ties
+        best_i = tl.where(better, offs, best_i)
+        best = tl.where(better, score, best)
+    top = tl.max(best, axis=0)
+    return tl.min(tl.where(best == top, best_i, 2147483647), axis=0), tl.sum(mass, axis=0)
+
+
+def _mass(base, vocab, m, t, lmp, floor, BLOCK: tl.constexpr):
+    """sum exp(z) over z > floor."""
+    cols = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + cols
+        z = _z_block(base, offs, offs < vocab, m, t, lmp)
+        acc += tl.where(z > floor, tl.exp(z), 0.0)
+    return tl.sum(acc, axis=0)
+
+
+def _mass_at_or_below_key(base, vocab, m, t, lmp, c, BLOCK: tl.constexpr):
+    """sum exp(z) over the tokens whose key (the fp32 bits of -z) is <= c."""
+    cols = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + cols
+        z = _z_block(base, offs, offs < vocab, m, t, lmp)
+        acc += tl.where((-z).to(tl.int32, bitcast=True) <= c, tl.exp(z), 0.0)
+    return tl.sum(acc, axis=0)
+
+
+def _round_key_of(key, r):
+    h = key + r.to(tl.uint64) * 0xD1B54A32D192ED03
+    h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9
+    h = (h ^ (h >> 27)) * 0x94D049BB133111EB
+    return h ^ (h >> 31)
+
+
+def _nucleus_kernel(
+    x_ptr, rows_ptr, stride_x, vocab, t_ptr, p_ptr, lmp_ptr, key_ptr, out_ptr,
+    BLOCK: tl.constexpr, ROUNDS: tl.constexpr,
+):  # fmt: skip
+    w = tl.program_id(0)
+    base = x_ptr + tl.load(rows_ptr + w) * stride_x
+    t = tl.load(t_ptr + w)
+    p = tl.load(p_ptr + w)
+    lmp = tl.load(lmp_ptr + w)
+    key = tl.load(key_ptr + w).to(tl.uint64, bitcast=True)
+    cols = tl.arange(0, BLOCK)
+    # 1. the max and its first index
+    mx = tl.full([BLOCK], float("-inf"), tl.float32)
+    mi = tl.full([BLOCK], 2147483647, tl.int32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + cols
+        x = tl.load(base + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+        x = tl.where(x != x, float("-inf"), x)
+        better = x > mx
+        mi = tl.where(better, offs, mi)
+        mx = tl.where(better, x, mx)
+    m = tl.max(mx, axis=0)
+    token = tl.min(tl.where(mx == m, mi, 2147483647), axis=0)
+    if (t > 0) & (m > float("-inf")) & (m < float("inf")):
+        # 2. the first candidate (and the total mass, for top_p)
+        token, total = _race_above(base, vocab, m, t, lmp, float("-inf"), key, True, BLOCK)
+        if p < 1:
+            target = p * total
+            r = 0
+            pending = 1
+            while pending != 0:
+                zc = tl.math.div_rn(tl.load(base + token).to(tl.float32) - m, t)
+                above = _mass(base, vocab, m, t, lmp, zc, BLOCK)
+                if (above < target) | (above == 0):
+                    pending = 0
+                elif r == ROUNDS:
+                    # 3b. out of rounds: the exact threshold, then the race over z >= thr
+                    lo = tl.full((), 0, tl.int32)
+                    hi = tl.full((), 2139095040, tl.int32)  # the fp32 bits of +inf
+                    for _ in range(31):
+                        mid = lo + (hi - lo) // 2
+                        good = _mass_at_or_below_key(base, vocab, m, t, lmp, mid, BLOCK) >= target
+                        hi = tl.where(good, mid, hi)
+                        lo = tl.where(good, lo, mid + 1)
+                    thr = -(lo.to(tl.float32, bitcast=True))
+                    token, _ = _race_above(
+                        base, vocab, m, t, lmp, thr, _round_key_of(key, r + 1), False, BLOCK
+                    )
+                    pending = 0
+                else:
+                    # 3a. c and all below it are outside the nucleus: draw again above it
+                    r += 1
+                    token, _ = _race_above(base, vocab, m, t, lmp, zc, _round_key_of(key, r), True, BLOCK)
+    tl.store(out_ptr + w, token.to(tl.int64))
+
+
+_KERNEL = None
+
+
+def _jit_kernel():
+    """Jit the helpers, then the kernel (it finds them as this module's globals)."""
+    global _KERNEL, _z_block, _race_block, _race_above, _mass, _mass_at_or_below_key, _round_key_of
+    if _KERNEL is None:
+        _z_block = triton.jit(_z_block)
+        _race_block = triton.jit(_race_block)
+        _race_above = triton.jit(_race_above)
+        _mass = triton.jit(_mass)
+        _mass_at_or_below_key = triton.jit(_mass_at_or_below_key)
+        _round_key_of = triton.jit(_round_key_of)
+        _KERNEL = triton.jit(_nucleus_kernel)
+    return _KERNEL
+
+
+def nucleus_draw(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    log_min_p: torch.Tensor,
+    keys: torch.Tensor,
+    *,
+    rounds: int = ROUNDS,
+    block: int = 4096,
+    warps: int = 16,
+) -> torch.Tensor:
+    """tokens [W] int64: one draw per entry of rows [W] (int64 indices into logits [R, V], any float
+    dtype); the parameters are per entry, [W] each (see nucleus_draw_torch). On CUDA one launch, no
+    host sync, no allocation but the output (graph-capturable); elsewhere the torch path."""
+    if not (logits.is_cuda and HAVE_TRITON):
+        x = logits.index_select(0, rows)
+        return nucleus_draw_torch(x, temperature, top_p, log_min_p, keys, rounds)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    n, vocab = rows.numel(), logits.shape[-1]
+    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    if n:
+        _jit_kernel()[(n,)](
+            logits,
+            rows,
+            logits.stride(0),
+            vocab,
+            temperature,
+            top_p,
+            log_min_p,
+            keys,
+            out,
+            BLOCK=min(block, triton.next_power_of_2(vocab)),
+            ROUNDS=rounds,
+            num_warps=warps,
+        )
+    return out
+
+
+assert GAMMA == 0x9E3779B97F4A7C15  # the kernel's literal

@@ -1,0 +1,159 @@
+"""The rejection sampler (engine/sample/nucleus_draw.py): its torch path against the sorted nucleus (the
+distribution of many draws, the kept set on every row), its Triton kernel against the torch path (in
+Triton's interpreter on the CPU, on bf16 logits of the served shape on CUDA)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from graphcache.engine.sample import nucleus_draw as nd
+from graphcache.engine.sample import race_draw as rd
+from test_sampling_fused import NEG_INF, rows_of, sort_threshold, z_of
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
+needs_interpreter = pytest.mark.skipif(
+    not (INTERPRET and nd.HAVE_TRITON), reason="needs triton's interpreter"
+)
+needs_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and nd.HAVE_TRITON), reason="needs CUDA and triton"
+)
+
+
+def keys_of(seeds, step=0) -> torch.Tensor:
+    return torch.tensor([rd.to_int64(rd.row_key(s, step)) for s in seeds], dtype=torch.int64)
+
+
+def params(rows: int):
+    p = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.0, 0.8, 0.999, 1.0, 0.05, 0.7, 1.0, 0.3])[:rows]
+    t = torch.tensor([0.8, 1.0, 0.5, 1.3, 0.8, 0.7, 1.0, 0.9, 2.0, 0.6, 1.0, 0.8])[:rows]
+    lmp = torch.tensor([NEG_INF] * 9 + [-3.0, -1.0, NEG_INF])[:rows]
+    return t, p, lmp
+
+
+def nucleus_mask(logits, t, p, lmp) -> torch.Tensor:
+    """[R, V] bool: the tokens of each row's nucleus, by sorting (test_sampling_fused.sort_threshold)."""
+    z = z_of(logits.float(), t, lmp)
+    thr = sort_threshold(z, torch.full((z.shape[0],), z.shape[1]), p)
+    return (z >= thr.view(-1, 1)) & (z > NEG_INF)
+
+
+@pytest.mark.parametrize("name", ["normal", "flat", "peaked", "bf16_ties", "few_values", "minus_inf"])
+def test_torch_draws_stay_inside_the_nucleus(name):
+    logits = rows_of(name, 12, 300, seed=3)
+    t, p, lmp = params(12)
+    inside = nucleus_mask(logits, t, p, lmp)
+    for step in range(20):
+        tokens = nd.nucleus_draw_torch(logits, t, p, lmp, keys_of(range(12), step))
+        assert inside.gather(1, tokens.view(-1, 1)).all(), (name, step)
+
+
+def test_torch_draws_follow_the_nucleus_distribution():
+    """4,000 draws per row (one key each) against softmax(z) over the nucleus: total variation small."""
+    logits = rows_of("normal", 4, 64, seed=5) * 0.5
+    t = torch.tensor([1.0, 0.7, 1.0, 1.5])
+    p = torch.tensor([0.9, 0.5, 1.0, 0.2])
+    lmp = torch.tensor([NEG_INF, NEG_INF, -2.0, NEG_INF])
+    z = z_of(logits, t, lmp)
+    want = z.masked_fill(~nucleus_mask(logits, t, p, lmp), NEG_INF).softmax(dim=-1)
+    n = 4000
+    counts = torch.zeros(4, 64)
+    for s in range(n):
+        tokens = nd.nucleus_draw_torch(logits, t, p, lmp, keys_of([s * 4 + r for r in range(4)]))
+        counts[torch.arange(4), tokens] += 1
+    tv = 0.5 * (counts / n - want).abs().sum(dim=-1)
+    assert (tv < 0.05).all(), tv
+
+
+def test_without_top_p_it_is_the_race():
+    logits = rows_of("normal", 6, 500, seed=1)
+    t = torch.full((6,), 0.8)
+    keys = keys_of(range(6), 4)
+    tokens = nd.nucleus_draw_torch(logits, t, torch.ones(6), torch.full((6,), NEG_INF), keys)
+    assert torch.equal(tokens, rd.race_draw_torch(z_of(logits, t, torch.full((6,), NEG_INF)), None, keys))
+
+
+def test_degenerate_and_greedy_rows_take_the_argmax():
+    x = torch.randn(4, 50)
+    x[0] = NEG_INF
+    x[1, 7] = float("inf")
+    x[2, 3] = float("nan")
+    t = torch.tensor([0.8, 0.8, 0.0, 0.8])
+    tokens = nd.nucleus_draw_torch(x, t, torch.full((4,), 0.9), torch.full((4,), NEG_INF), keys_of(range(4)))
+    assert tokens[1] == 7
+    assert tokens[2] == x[2].nan_to_num(nan=NEG_INF).argmax()
+
+
+def test_rows_out_of_rounds_take_the_exact_threshold():
+    """Flat rows at a tiny top_p with no rejection rounds: every row goes to the bisection."""
+    logits = rows_of("flat", 8, 400, seed=2)
+    t, p, lmp = torch.full((8,), 1.0), torch.full((8,), 0.01), torch.full((8,), NEG_INF)
+    inside = nucleus_mask(logits, t, p, lmp)
+    for step in range(5):
+        tokens = nd.nucleus_draw_torch(logits, t, p, lmp, keys_of(range(8), step), rounds=0)
+        assert inside.gather(1, tokens.view(-1, 1)).all()
+
+
+def run_kernel(logits, t, p, lmp, keys, **kw):
+    d = logits.device
+    rows = torch.arange(logits.shape[0], dtype=torch.int64, device=d)
+    return nd.nucleus_draw(logits, rows, t.to(d), p.to(d), lmp.to(d), keys.to(d), **kw).cpu()
+
+
+def assert_same_draws(logits, t, p, lmp, keys, got, rounds=nd.ROUNDS, min_equal=0.9):
+    """The kernel's tokens: always inside the nucleus, and the torch path's token on most rows (they part
+    only where fp32 summation order moves a token across the nucleus' edge)."""
+    want = nd.nucleus_draw_torch(logits.cpu(), t, p, lmp, keys, rounds)
+    assert nucleus_mask(logits.cpu(), t, p, lmp).gather(1, got.view(-1, 1)).all()
+    assert (got == want).float().mean() >= min_equal, (got, want)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    ("name", "rounds"), [("normal", 32), ("bf16_ties", 32), ("minus_inf", 32), ("flat", 0)]
+)
+def test_kernel_matches_torch_in_the_interpreter(name, rounds):
+    logits = rows_of(name, 12, 300, seed=7)
+    t, p, lmp = params(12)
+    if rounds == 0:
+        p = torch.full((12,), 0.02)
+    keys = keys_of(range(12), 2)
+    got = run_kernel(logits, t, p, lmp, keys, rounds=rounds, block=64, warps=1)
+    assert_same_draws(logits, t, p, lmp, keys, got, rounds)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("scale", [3.0, 0.05])
+def test_cuda_kernel_matches_torch_on_the_served_shape(scale):
+    g = torch.Generator().manual_seed(11)
+    logits = (torch.randn(48, 151936, generator=g) * scale).to(torch.bfloat16)
+    t = torch.full((48,), 0.8)
+    p = torch.tensor([0.95, 0.9, 1.0, 0.5] * 12)
+    lmp = torch.full((48,), NEG_INF)
+    keys = keys_of(range(48), 9)
+    got = run_kernel(logits.cuda(), t, p, lmp, keys)
+    assert_same_draws(logits, t, p, lmp, keys, got)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_kernel_replays_in_a_graph():
+    """Captured once, replayed with new logits written into the same buffer: the torch path's tokens."""
+    logits = torch.empty(16, 4096, device="cuda", dtype=torch.bfloat16).fill_(float("nan"))
+    t, p, lmp = torch.full((16,), 0.9), torch.full((16,), 0.9), torch.full((16,), NEG_INF)
+    keys = keys_of(range(16), 1)
+    d = [x.cuda() for x in (t, p, lmp, keys)]
+    rows = torch.arange(16, device="cuda")
+    nd.nucleus_draw(logits, rows, *d)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = nd.nucleus_draw(logits, rows, *d)
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        x = (torch.randn(16, 4096, generator=g) * 3).to(torch.bfloat16)
+        logits.copy_(x)
+        out.fill_(-1)
+        graph.replay()
+        assert_same_draws(x, t, p, lmp, keys, out.cpu())
