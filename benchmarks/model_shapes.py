@@ -3,6 +3,9 @@
   qwen05b  Qwen2.5-0.5B (config.json of Qwen/Qwen2.5-0.5B): 24 layers, hidden 896, 14/2 heads, vocab 151936.
   llama8b  Llama-3-8B (config.json of meta-llama/Meta-Llama-3-8B): 32 layers, hidden 4096, 32/8 heads,
            intermediate 14336, vocab 128256, rope theta 500000, 8192 positions; bf16, ~16 GB.
+  qwen3moe Qwen3-30B-A3B's layer (config.json of Qwen/Qwen3-30B-A3B: hidden 2048, 32/4 heads of 128, 128
+           experts of 768 rows, top-8, vocab 151936) with 16 of its 48 layers: bf16, ~21 GB, ~10.6B weights
+           of which ~1.1B run per token (the expert GEMMs are the real model's, the step a third of it).
   tiny     the embedded default shape (graphcache.model.tiny.DEFAULT_SHAPE): CPU smoke runs.
 
 Every shape comes from graphcache.model.tiny.make_tiny_model (its tokenizer, config and weight names);
@@ -47,12 +50,29 @@ SHAPES = {
         tie_word_embeddings=False,
         model_vocab_size=128256,
     ),
+    "qwen3moe": dict(
+        arch="qwen3_moe",
+        hidden=2048,
+        layers=16,
+        heads=32,
+        kv_heads=4,
+        intermediate=6144,
+        head_dim=128,
+        max_positions=40960,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+        model_vocab_size=151936,
+        experts=128,
+        experts_per_tok=8,
+        moe_intermediate=768,
+    ),
     "tiny": dict(
         arch="llama", hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384, max_positions=2048
     ),
 }
 # Shapes whose fp32 weights would not fit a quick CPU write: drawn on the GPU in bf16.
-ON_DEVICE = {"llama8b"}
+ON_DEVICE = {"llama8b", "qwen3moe"}
+MOE_KEYS = ("experts", "experts_per_tok", "moe_intermediate")  # make_tiny_model's sparse-MLP arguments
 
 
 def make_model(shape: str, out: Path) -> Path:
@@ -88,6 +108,8 @@ def _make_on_device(tiny, out: Path, kwargs: dict) -> None:
     import torch
 
     small = dict(kwargs, layers=1, intermediate=64, model_vocab_size=None)
+    if "experts" in kwargs:
+        small.update(experts=2, experts_per_tok=1, moe_intermediate=16)
     tiny.make_tiny_model(out, seed=0, **small)
     (out / "model.safetensors").unlink()
     cfg = json.loads((out / "config.json").read_text())
@@ -98,8 +120,15 @@ def _make_on_device(tiny, out: Path, kwargs: dict) -> None:
         intermediate_size=kwargs["intermediate"],
         torch_dtype="bfloat16",
     )
-    if kwargs["arch"] in ("qwen2", "qwen3"):
+    if kwargs["arch"] in ("qwen2", "qwen3", "qwen3_moe"):
         cfg["max_window_layers"] = kwargs["layers"]
+    moe = {k: kwargs[k] for k in MOE_KEYS if k in kwargs} or None
+    if moe and kwargs["arch"] == "mixtral":  # the real experts (the stand-in had two small ones)
+        cfg.update(num_local_experts=moe["experts"], intermediate_size=moe["moe_intermediate"])
+    elif moe:
+        cfg.update(num_experts=moe["experts"], moe_intermediate_size=moe["moe_intermediate"])
+    if moe:
+        cfg["num_experts_per_tok"] = moe["experts_per_tok"]
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     gen = torch.Generator(device="cuda").manual_seed(0)
     with torch.device("cuda"):
@@ -114,6 +143,7 @@ def _make_on_device(tiny, out: Path, kwargs: dict) -> None:
             kwargs["intermediate"],
             kwargs["head_dim"],
             kwargs["tie_word_embeddings"],
+            moe,
         )
     weights = {name: w.to(torch.bfloat16).cpu() for name, w in weights.items()}
     torch.cuda.empty_cache()

@@ -90,6 +90,13 @@ for p in ${PHASES:-tests pool capture}; do
     # Mixed steps past 256 tokens at both shapes: eager vs breakable vs full graphs, capture s, pool MiB, padding.
     big_steps) phase big_steps 420 python3 benchmarks/big_steps.py --make-model qwen05b:/tmp/qwen05b \
                --make-model llama8b:/tmp/llama8b --out "$OUT/big_steps.json" ${BIG_STEPS_ARGS:-} ;;
+    # Mixture of experts: the grouped-GEMM and MoE-model GPU tests alone.
+    moe_tests) phase moe_tests 300 python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu/test_moe_cuda.py \
+               -rs --durations=10 ;;
+    # A Qwen3-30B-A3B-layer MoE (16 layers, 128 experts, top-8; ~21 GB bf16, written on the GPU first) offline,
+    # graph and eager, nano and realistic workloads.
+    moe)     phase moe "${MOE_TIMEOUT:-540}" python3 benchmarks/offline_throughput.py --make-model qwen3moe:/tmp/qwen3moe \
+               --modes "${MOE_MODES:-graph,eager}" --workload "${MOE_WORKLOADS:-nano,realistic}" --out "$OUT/moe.json" ;;
     *) echo "unknown phase $p" ;;
   esac
 done

@@ -53,6 +53,8 @@ CHECKPOINTS = {
     "llama": dict(arch="llama"),  # GQA 4 / 2 heads, untied head
     # Biased q/k/v, tied embeddings, and a vocabulary of 1027 rows: not divisible by 2 (padded shard).
     "qwen2-odd-vocab": dict(arch="qwen2", model_vocab_size=1027),
+    # Experts split by their intermediate rows, the router replicated (model/moe.py).
+    "qwen3_moe": dict(arch="qwen3_moe"),
 }
 
 

@@ -13,12 +13,15 @@ from typing import Any
 
 import torch
 
-# HF `architectures[0]` -> our name. All four share one decoder; they differ in biases and norms.
+# HF `architectures[0]` -> our name. All share one decoder; they differ in biases, norms and (the last
+# two) a sparse mixture-of-experts MLP (model/moe.py).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {
@@ -37,7 +40,7 @@ class ModelLoadError(ValueError):
 
 @dataclass
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "qwen3_moe" | "mixtral"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -56,6 +59,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     o_bias: bool = False  # Llama attention_bias also biases o_proj
     sliding_window: int | None = None  # we attend fully: the runner caps max_model_len to this
+    # Mixture of experts (qwen3_moe, mixtral); num_experts 0 = every layer's MLP is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k experts per token
+    moe_intermediate_size: int = 0  # each expert's gate/up rows
+    norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1 (Mixtral always)
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is sparse; the others use intermediate_size
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -91,7 +100,7 @@ class ModelConfig:
         theta, scaling = _rope_params(hf)
         attention_bias = bool(hf.get("attention_bias", False))
         window = hf.get("sliding_window")
-        if arch == "qwen2" or arch == "qwen3":
+        if arch in ("qwen2", "qwen3", "qwen3_moe"):
             # Qwen configs carry a sliding_window value but only use it when use_sliding_window is true.
             window = window if hf.get("use_sliding_window") else None
         eos = hf.get("eos_token_id")
@@ -110,12 +119,46 @@ class ModelConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or attention_bias,
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             bos_token_id=hf.get("bos_token_id"),
-            o_bias=arch in ("llama", "qwen3") and attention_bias,
+            o_bias=arch in ("llama", "qwen3", "qwen3_moe") and attention_bias,
             sliding_window=int(window) if window else None,
+            **_moe_params(arch, hf),
         )
+
+
+def _moe_params(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's expert fields from a Qwen3-MoE or Mixtral config.json ({} for a dense model).
+
+    Qwen3-MoE: layer i is sparse unless it is in mlp_only_layers or (i + 1) % decoder_sparse_step != 0
+    (dense layers keep intermediate_size); transformers 5 writes num_experts as num_local_experts.
+    Mixtral: every layer is sparse, its experts have intermediate_size rows, top-k weights renormalized."""
+    if arch not in ("qwen3_moe", "mixtral"):
+        return {}
+    layers = int(hf["num_hidden_layers"])
+    if arch == "mixtral":
+        experts, inter, norm = int(hf.get("num_local_experts", 8)), int(hf["intermediate_size"]), True
+        sparse = tuple(range(layers))
+    else:
+        experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+        inter, norm = int(hf["moe_intermediate_size"]), bool(hf.get("norm_topk_prob", False))
+        step = int(hf.get("decoder_sparse_step") or 1)
+        dense = {int(i) for i in hf.get("mlp_only_layers") or ()}
+        sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+    top_k = int(hf.get("num_experts_per_tok", 2))
+    if sparse and not 0 < top_k <= experts:
+        raise ModelLoadError(
+            f"config.json routes each token to num_experts_per_tok={top_k} of {experts} experts; it must be "
+            "between 1 and the number of experts: re-download config.json"
+        )
+    return dict(
+        num_experts=experts if sparse else 0,
+        num_experts_per_tok=top_k if sparse else 0,
+        moe_intermediate_size=inter if sparse else 0,
+        norm_topk_prob=norm,
+        moe_layers=sparse,
+    )
 
 
 def _rope_params(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

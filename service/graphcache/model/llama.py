@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a flat token layout.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3; Qwen3-MoE and Mixtral with the sparse
+MLP of moe.py) over a flat token layout.
 
 No batch dimension: all sequences' tokens of a step are concatenated, T tokens in all, and the
 paged attention op (attention.py) splits them per request from the per-step metadata. Every
@@ -20,6 +21,7 @@ from graphcache.model.attention import graph_attention, paged_attention
 from graphcache.model.config import ModelConfig
 from graphcache.model.forward_context import current_forward_context
 from graphcache.model.fused_ops import add_rmsnorm, rotary_, silu_mul
+from graphcache.model.moe import SparseMoE
 from graphcache.model.parallel import (
     ParallelLMHead,
     TensorParallel,
@@ -165,12 +167,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: Rotary, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, rotary: Rotary, tp: TensorParallel, index: int = 0) -> None:
         super().__init__()
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = Attention(config, rotary, tp)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, tp)
+        self.mlp: nn.Module = SparseMoE(config, tp) if index in config.moe_layers else MLP(config, tp)
         self.fused = False
 
     def forward(
@@ -204,7 +206,9 @@ class LlamaModel(nn.Module):
             if tp.enabled
             else nn.Embedding(config.vocab_size, config.hidden_size)
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary, tp) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.rotary, tp, i) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fused = False
         self.lm_head = (
@@ -218,6 +222,12 @@ class LlamaModel(nn.Module):
         for m in self.modules():
             if hasattr(m, "fused"):
                 m.fused = on
+
+    def active_decoder_params(self) -> int:
+        """The decoder layers' weights one token runs through: all of them for a dense model; of a sparse
+        MLP only its top-k experts' (what a step's GEMM time scales with)."""
+        total = sum(p.numel() for p in self.layers.parameters())
+        return total - sum(m.inactive_params() for m in self.layers.modules() if isinstance(m, SparseMoE))
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.embed_tokens.weight

@@ -1,8 +1,9 @@
 """Hugging Face model directory -> (LlamaModel, ModelConfig).
 
-Reads config.json for the Llama family (Llama 2/3, Qwen2/2.5, Qwen3, Mistral), then streams the
-safetensors weights (one file, or shards listed in model.safetensors.index.json) into our fused
-modules: q/k/v go into one qkv_proj, gate/up into one gate_up_proj, so the forward pass launches
+Reads config.json for the Llama family (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, Qwen3-MoE, Mixtral),
+then streams the safetensors weights (one file, or shards listed in model.safetensors.index.json) into
+our fused modules: q/k/v go into one qkv_proj, gate/up into one gate_up_proj, and a sparse layer's
+per-expert tensors into two stacked expert parameters (model/moe.py), so the forward pass launches
 fewer kernels. Every failure names the file or tensor and what would fix it.
 """
 
@@ -112,15 +113,48 @@ def _hf_targets(config: ModelConfig, tp: TensorParallel | None = None) -> dict[s
         if config.qk_norm:
             t[hf + "self_attn.q_norm.weight"] = Target(ours + "attn.q_norm.weight")
             t[hf + "self_attn.k_norm.weight"] = Target(ours + "attn.k_norm.weight")
-        t[hf + "mlp.gate_proj.weight"] = split(ours + "mlp.gate_up_proj.weight", 0, inter, 0)
-        t[hf + "mlp.up_proj.weight"] = split(ours + "mlp.gate_up_proj.weight", inter, inter, 0)
-        t[hf + "mlp.down_proj.weight"] = (
-            Target(ours + "mlp.down_proj.weight")
-            if n == 1
-            else Target(ours + "mlp.down_proj.weight", 0, -1, 1, r * inter, inter * n)
-        )
+        if i in config.moe_layers:
+            t.update(_expert_targets(config, hf, ours + "mlp.", tp))
+        else:
+            t[hf + "mlp.gate_proj.weight"] = split(ours + "mlp.gate_up_proj.weight", 0, inter, 0)
+            t[hf + "mlp.up_proj.weight"] = split(ours + "mlp.gate_up_proj.weight", inter, inter, 0)
+            t[hf + "mlp.down_proj.weight"] = (
+                Target(ours + "mlp.down_proj.weight")
+                if n == 1
+                else Target(ours + "mlp.down_proj.weight", 0, -1, 1, r * inter, inter * n)
+            )
         t[hf + "input_layernorm.weight"] = Target(ours + "input_norm.weight")
         t[hf + "post_attention_layernorm.weight"] = Target(ours + "post_attn_norm.weight")
+    return t
+
+
+def _expert_targets(config: ModelConfig, hf: str, ours: str, tp: TensorParallel) -> dict[str, Target]:
+    """A sparse layer's router and per-expert tensors (Qwen3-MoE: mlp.gate, mlp.experts.N.{gate,up,down}_proj;
+    Mixtral: block_sparse_moe.gate, block_sparse_moe.experts.N.{w1,w3,w2}) -> rows of the stacked expert
+    parameters of model/moe.py: expert e's gate and up at rows e*2I and e*2I + I of [E * 2I, H], its down
+    at rows e*H of [E * H, I]. At tp > 1 a rank reads its I/N gate/up rows and down columns of each."""
+    r, n = tp.rank, tp.size
+    inter, hidden = config.moe_intermediate_size // n, config.hidden_size
+    if config.architecture == "mixtral":
+        prefix, names = hf + "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        prefix, names = hf + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    gate_up, down = ours + "experts_gate_up", ours + "experts_down"
+    t = {prefix + "gate.weight": Target(ours + "router")}
+    for e in range(config.num_experts):
+        ex = f"{prefix}experts.{e}."
+        for half, name in enumerate(names[:2]):  # gate, then up
+            rows = e * 2 * inter + half * inter
+            t[f"{ex}{name}.weight"] = (
+                Target(gate_up, rows, inter)
+                if n == 1
+                else Target(gate_up, rows, inter, 0, r * inter, inter * n)
+            )
+        t[f"{ex}{names[2]}.weight"] = (
+            Target(down, e * hidden, hidden)
+            if n == 1
+            else Target(down, e * hidden, hidden, 1, r * inter, inter * n)
+        )
     return t
 
 

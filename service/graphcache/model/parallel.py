@@ -107,6 +107,8 @@ def check_shardable(config: ModelConfig, size: int) -> None:
         ("num_attention_heads", config.num_heads),
         ("num_key_value_heads", config.num_kv_heads),
         ("intermediate_size", config.intermediate_size),
+        # 0 (divisible) for a dense model; the CLI's preflight passes a dense shape without the field
+        ("moe_intermediate_size", getattr(config, "moe_intermediate_size", 0)),
     ):
         if n % size:
             raise ModelLoadError(

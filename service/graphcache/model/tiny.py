@@ -24,7 +24,10 @@ ARCHS = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
+MOE_ARCHS = ("qwen3_moe", "mixtral")
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, IM_END]  # ids 0..4
@@ -109,7 +112,9 @@ def _hf_config(
     tie: bool,
     bos: int,
     eos: list[int],
+    moe: dict[str, int] | None = None,
 ) -> dict[str, Any]:
+    """moe (qwen3_moe / mixtral): experts, experts_per_tok, moe_intermediate (every layer sparse)."""
     cfg: dict[str, Any] = {
         "architectures": [ARCHS[arch]],
         "model_type": arch,
@@ -133,12 +138,27 @@ def _hf_config(
         "torch_dtype": "float32",
         "use_cache": True,
     }
-    if arch in ("llama", "qwen3"):
+    if arch in ("llama", "qwen3", "qwen3_moe"):
         cfg["attention_bias"] = False
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         cfg["sliding_window"] = None
-    if arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "qwen3_moe"):
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=layers)
+    if arch == "qwen3_moe" and moe:
+        cfg.update(
+            num_experts=moe["experts"],
+            num_experts_per_tok=moe["experts_per_tok"],
+            moe_intermediate_size=moe["moe_intermediate"],
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    if arch == "mixtral" and moe:  # a Mixtral expert has intermediate_size rows
+        cfg.update(
+            num_local_experts=moe["experts"],
+            num_experts_per_tok=moe["experts_per_tok"],
+            intermediate_size=moe["moe_intermediate"],
+        )
     return cfg
 
 
@@ -153,9 +173,11 @@ def _random_weights(
     inter: int,
     head_dim: int,
     tie: bool,
+    moe: dict[str, int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """HF-named fp32 weights. Unit-gain linears (std 1/sqrt(fan_in)) and non-trivial norm weights and
-    biases: attention patterns are far from uniform, so a wrong mask or a wrong mapping shows."""
+    biases: attention patterns are far from uniform, so a wrong mask or a wrong mapping shows. moe: as
+    _hf_config's; every layer gets a router and per-expert tensors under the arch's names."""
 
     def linear(out_f: int, in_f: int) -> torch.Tensor:
         return torch.randn(out_f, in_f, generator=gen) / in_f**0.5
@@ -173,17 +195,37 @@ def _random_weights(
         if arch == "qwen2":
             for name, rows in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
                 w[p + f"self_attn.{name}_proj.bias"] = 0.1 * torch.randn(rows * head_dim, generator=gen)
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3_moe"):
             w[p + "self_attn.q_norm.weight"] = norm(head_dim)
             w[p + "self_attn.k_norm.weight"] = norm(head_dim)
         w[p + "self_attn.o_proj.weight"] = linear(hidden, heads * head_dim)
         w[p + "post_attention_layernorm.weight"] = norm(hidden)
+        if arch in MOE_ARCHS and moe:
+            w.update(_expert_weights(arch, p, linear, hidden, moe))
+            continue
         w[p + "mlp.gate_proj.weight"] = linear(inter, hidden)
         w[p + "mlp.up_proj.weight"] = linear(inter, hidden)
         w[p + "mlp.down_proj.weight"] = linear(hidden, inter)
     w["model.norm.weight"] = norm(hidden)
     if not tie:
         w["lm_head.weight"] = linear(vocab, hidden)
+    return w
+
+
+def _expert_weights(
+    arch: str, prefix: str, linear, hidden: int, moe: dict[str, int]
+) -> dict[str, torch.Tensor]:
+    """One sparse layer's router and experts, named as the released checkpoints name them."""
+    inter = moe["moe_intermediate"]
+    if arch == "mixtral":
+        p, names = prefix + "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        p, names = prefix + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    w = {p + "gate.weight": linear(moe["experts"], hidden)}
+    for e in range(moe["experts"]):
+        w[f"{p}experts.{e}.{names[0]}.weight"] = linear(inter, hidden)
+        w[f"{p}experts.{e}.{names[1]}.weight"] = linear(inter, hidden)
+        w[f"{p}experts.{e}.{names[2]}.weight"] = linear(hidden, inter)
     return w
 
 
@@ -225,6 +267,9 @@ def make_tiny_model(
     tie_word_embeddings: bool | None = None,
     shards: int = 1,
     model_vocab_size: int | None = None,
+    experts: int = 8,
+    experts_per_tok: int = 2,
+    moe_intermediate: int | None = None,
 ) -> Path:
     """Write a random-weight HF checkpoint of `arch` into `dir` and return its path.
 
@@ -232,7 +277,9 @@ def make_tiny_model(
     real checkpoints, the embedding may be larger than the tokenizer). tie_word_embeddings
     defaults to True for Qwen (as in small Qwen releases), False otherwise. model_vocab_size
     widens the embedding and LM head to a real model's size (e.g. 151936 for Qwen2.5) so
-    benchmarks pay for the real output layer; ids past the tokenizer decode to nothing."""
+    benchmarks pay for the real output layer; ids past the tokenizer decode to nothing. experts,
+    experts_per_tok and moe_intermediate (default intermediate) shape the sparse MLP of every layer of the
+    mixture-of-experts archs (qwen3_moe, mixtral)."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
     out = Path(dir)
@@ -245,6 +292,11 @@ def make_tiny_model(
     tie = arch.startswith("qwen") if tie_word_embeddings is None else tie_word_embeddings
     bos = tok.token_to_id(BOS)
     eos = [tok.token_to_id(EOS), tok.token_to_id(IM_END)]
+    moe = (
+        dict(experts=experts, experts_per_tok=experts_per_tok, moe_intermediate=moe_intermediate or inter)
+        if arch in MOE_ARCHS
+        else None
+    )
     cfg = _hf_config(
         arch,
         vocab,
@@ -260,11 +312,14 @@ def make_tiny_model(
         tie,
         bos,
         eos,
+        moe,
     )
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     gen = torch.Generator().manual_seed(seed)
     _save_weights(
-        _random_weights(arch, gen, vocab, hidden, layers, heads, kv_heads, inter, head_dim, tie), out, shards
+        _random_weights(arch, gen, vocab, hidden, layers, heads, kv_heads, inter, head_dim, tie, moe),
+        out,
+        shards,
     )
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -51,6 +51,7 @@ from graphcache.model.decode_attention import choose_num_splits, decode_workspac
 from graphcache.model.forward_context import RuntimeMode, current_attention_metadata, forward_context
 from graphcache.model.fused_ops import HAVE_TRITON as HAVE_FUSED_TRITON
 from graphcache.model.loader import load_model
+from graphcache.model.moe import moe_kernel_variant
 from graphcache.model.parallel import TensorParallel
 from graphcache.model.tiny import default_model_dir
 from graphcache.model.tokenizer import Tokenizer
@@ -122,9 +123,7 @@ class ModelRunner:
         eos = self.tokenizer.eos_token_ids or self.model_config.eos_token_ids
         self.eos_token_ids = frozenset(eos or ())
         self.backend = "cuda" if self.device.type == "cuda" and not s.graph_cache.enforce_eager else "eager"
-        decoder_params = sum(
-            p.numel() for name, p in self.model.named_parameters() if ".layers." in f".{name}"
-        )
+        decoder_params = self.model.active_decoder_params()
         self.sizes, self.mixed_sizes = resolve_capture_sizes(
             s, graphs=self.backend == "cuda", decoder_params=decoder_params, num_layers=c.num_layers
         )
@@ -416,10 +415,12 @@ class ModelRunner:
 
     def _kernel_family(self, desc: BatchDescriptor) -> tuple:
         """What a descriptor's step must set up once (graph cache's capture_warmup=per_kernel): uniform
-        decode compiles the decode kernel once per split-KV count; everything else shares its kernels."""
+        decode compiles the decode kernel once per split-KV count; everything else shares its kernels. A
+        mixture-of-experts model's expert kernels add their tile variant for the step's token count."""
+        moe = moe_kernel_variant(self.model_config, desc.num_tokens)
         if self._decode_path(desc.uniform_decode):
-            return ("decode", self.decode_metadata(desc.num_reqs).num_splits)
-        return ("mixed",)
+            return ("decode", self.decode_metadata(desc.num_reqs).num_splits, *moe)
+        return ("mixed", *moe)
 
     def _input_tensors(self, desc: BatchDescriptor) -> list[torch.Tensor]:
         t, r, i = desc.num_tokens, desc.num_reqs, self.inputs
