@@ -222,9 +222,11 @@ def nucleus_sweep(logits, flat, rows: int, iters: int) -> list[dict]:
     lmp = torch.full((rows,), float("-inf"), device=dev)
     out = []
     for setting in NUCLEUS_SWEEP:
+        steps = torch.full((rows,), -1, dtype=torch.int64, device=dev)
 
-        def run(x, p, s=setting):
-            return nucleus_draw(x, idx, t, torch.full((rows,), p, device=dev), lmp, keys, **s)
+        def run(x, p, s=setting, steps=steps):
+            params = torch.stack([t, torch.full((rows,), p, device=dev), lmp], dim=1)
+            return nucleus_draw(x, idx, params, keys, steps, **s)
 
         out.append(
             {

@@ -95,10 +95,25 @@ def test_rows_out_of_rounds_take_the_exact_threshold():
         assert inside.gather(1, tokens.view(-1, 1)).all()
 
 
+def packed(t, p, lmp, keys, device):
+    """nucleus_draw's per-row inputs: params [W, 3], keys [W], steps [W] (-1: the keys are the race keys)."""
+    params = torch.stack([t.float(), p.float(), lmp.float()], dim=1).to(device)
+    return params, keys.to(device), torch.full_like(keys, -1).to(device)
+
+
 def run_kernel(logits, t, p, lmp, keys, **kw):
     d = logits.device
     rows = torch.arange(logits.shape[0], dtype=torch.int64, device=d)
-    return nd.nucleus_draw(logits, rows, t.to(d), p.to(d), lmp.to(d), keys.to(d), **kw).cpu()
+    return nd.nucleus_draw(logits, rows, *packed(t, p, lmp, keys, d), **kw).cpu()
+
+
+def test_seeded_keys_mix_the_step_as_row_key_does():
+    seeds, steps = [0, 1, 2**63 + 5, 12345], [0, 7, 3, 1000]
+    base = torch.tensor([rd.to_int64(rd.mix64(s)) for s in seeds])
+    got = nd.step_keys(base, torch.tensor(steps))
+    want = torch.tensor([rd.to_int64(rd.row_key(s, n)) for s, n in zip(seeds, steps, strict=True)])
+    assert torch.equal(got, want)
+    assert torch.equal(nd.step_keys(base, torch.full((4,), -1)), base)
 
 
 def assert_same_draws(logits, t, p, lmp, keys, got, rounds=nd.ROUNDS, min_equal=0.9):
@@ -123,6 +138,18 @@ def test_kernel_matches_torch_in_the_interpreter(name, rounds):
     assert_same_draws(logits, t, p, lmp, keys, got, rounds)
 
 
+@needs_interpreter
+def test_kernel_mixes_seeded_keys_like_torch_in_the_interpreter():
+    logits = rows_of("normal", 6, 200, seed=8)
+    t, p, lmp = params(6)
+    base = torch.tensor([rd.to_int64(rd.mix64(s)) for s in range(6)])
+    steps = torch.tensor([0, 3, -1, 9, 1, -1])
+    params_, _, _ = packed(t, p, lmp, base, "cpu")
+    got = nd.nucleus_draw(logits, torch.arange(6), params_, base, steps, block=64, warps=1)
+    want = nd.nucleus_draw_torch(logits, t, p, lmp, nd.step_keys(base, steps))
+    assert (got == want).float().mean() >= 0.8, (got, want)
+
+
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("scale", [3.0, 0.05])
@@ -144,7 +171,7 @@ def test_cuda_kernel_replays_in_a_graph():
     logits = torch.empty(16, 4096, device="cuda", dtype=torch.bfloat16).fill_(float("nan"))
     t, p, lmp = torch.full((16,), 0.9), torch.full((16,), 0.9), torch.full((16,), NEG_INF)
     keys = keys_of(range(16), 1)
-    d = [x.cuda() for x in (t, p, lmp, keys)]
+    d = packed(t, p, lmp, keys, "cuda")
     rows = torch.arange(16, device="cuda")
     nd.nucleus_draw(logits, rows, *d)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()

@@ -285,6 +285,7 @@ class Sequence:
     # sampler.py's cache, set on first sampling (params do not change once submitted): the row's token
     # is the argmax of its raw logits (greedy, no logits controls), so a batch of such rows skips the rest.
     plain_greedy: bool | None = None
+    draw_row: Any = None  # sampler.py's cache of the request's static draw parameters
     # Unique for the process's lifetime (id() is not: a freed object's id comes back): the runner's
     # persistent decode rows are keyed by it (batch.DecodeRows).
     key: int = field(default_factory=itertools.count().__next__, init=False, repr=False)

@@ -35,7 +35,7 @@ import torch
 from graphcache.engine.sample.race_draw import GAMMA, MASK64, mix64, shr64, to_int64, uniforms
 from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
-__all__ = ["HAVE_TRITON", "ROUNDS", "nucleus_draw", "nucleus_draw_torch", "round_key"]
+__all__ = ["HAVE_TRITON", "ROUNDS", "nucleus_draw", "nucleus_draw_torch", "round_key", "step_keys"]
 
 ROUNDS = 32  # rejections before the exact threshold (a row reaching it: a flat row at a tiny top_p)
 ROUND_GAMMA = 0xD1B54A32D192ED03  # odd, unrelated to GAMMA: keys of later rounds
@@ -80,6 +80,16 @@ def _exact_threshold(z: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return lo.view(torch.float32).neg()
 
 
+def step_keys(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Each row's race key: keys[r] itself where steps[r] < 0 (an unseeded row's random key), else
+    race_draw.row_key's mix for a seeded row: mix64(keys[r] + (steps[r] + 1) * GAMMA), keys[r] being
+    mix64(seed). int64 tensors of uint64 bits; the kernel does the same."""
+    h = keys + (steps + 1) * to_int64(GAMMA)
+    h = (h ^ shr64(h, 30)) * to_int64(0xBF58476D1CE4E5B9)
+    h = (h ^ shr64(h, 27)) * to_int64(0x94D049BB133111EB)
+    return torch.where(steps < 0, keys, h ^ shr64(h, 31))
+
+
 def nucleus_draw_torch(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -89,7 +99,7 @@ def nucleus_draw_torch(
     rounds: int = ROUNDS,
 ) -> torch.Tensor:
     """logits [R, V] (any float dtype); per row temperature [R] (<= 0: greedy), top_p [R] (>= 1: off),
-    log_min_p [R] (-inf: off), keys [R] int64 (uint64 bits) -> tokens [R] int64."""
+    log_min_p [R] (-inf: off), keys [R] int64 (the race keys, uint64 bits) -> tokens [R] int64."""
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     for a in range(0, logits.shape[0], _CHUNK):
         s = slice(a, a + _CHUNK)
@@ -199,15 +209,21 @@ def _round_key_of(key, r):
 
 
 def _nucleus_kernel(
-    x_ptr, rows_ptr, stride_x, vocab, t_ptr, p_ptr, lmp_ptr, key_ptr, out_ptr,
+    x_ptr, rows_ptr, stride_x, vocab, params_ptr, key_ptr, step_ptr, out_ptr,
     BLOCK: tl.constexpr, ROUNDS: tl.constexpr,
 ):  # fmt: skip
     w = tl.program_id(0)
     base = x_ptr + tl.load(rows_ptr + w) * stride_x
-    t = tl.load(t_ptr + w)
-    p = tl.load(p_ptr + w)
-    lmp = tl.load(lmp_ptr + w)
+    t = tl.load(params_ptr + 3 * w)
+    p = tl.load(params_ptr + 3 * w + 1)
+    lmp = tl.load(params_ptr + 3 * w + 2)
     key = tl.load(key_ptr + w).to(tl.uint64, bitcast=True)
+    step = tl.load(step_ptr + w)
+    if step >= 0:  # a seeded row: race_draw.row_key from mix64(seed) and the step
+        h = key + (step + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
+        h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB
+        key = h ^ (h >> 31)
     cols = tl.arange(0, BLOCK)
     # 1. the max and its first index
     mx = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -274,21 +290,22 @@ def _jit_kernel():
 def nucleus_draw(
     logits: torch.Tensor,
     rows: torch.Tensor,
-    temperature: torch.Tensor,
-    top_p: torch.Tensor,
-    log_min_p: torch.Tensor,
+    params: torch.Tensor,
     keys: torch.Tensor,
+    steps: torch.Tensor,
     *,
     rounds: int = ROUNDS,
     block: int = 4096,
     warps: int = 16,
 ) -> torch.Tensor:
     """tokens [W] int64: one draw per entry of rows [W] (int64 indices into logits [R, V], any float
-    dtype); the parameters are per entry, [W] each (see nucleus_draw_torch). On CUDA one launch, no
-    host sync, no allocation but the output (graph-capturable); elsewhere the torch path."""
+    dtype). Per entry: params [W, 3] fp32 (temperature, <= 0: greedy; top_p, >= 1: off; log(min_p),
+    -inf: off), keys [W] int64 and steps [W] int64 (step_keys: the race key is keys itself where the
+    step is < 0, else row_key's mix of keys = mix64(seed) and the step). On CUDA one launch, no host
+    sync, no allocation but the output (graph-capturable); elsewhere the torch path."""
     if not (logits.is_cuda and HAVE_TRITON):
-        x = logits.index_select(0, rows)
-        return nucleus_draw_torch(x, temperature, top_p, log_min_p, keys, rounds)
+        x, p = logits.index_select(0, rows), params.float()
+        return nucleus_draw_torch(x, p[:, 0], p[:, 1], p[:, 2], step_keys(keys, steps), rounds)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     n, vocab = rows.numel(), logits.shape[-1]
@@ -299,10 +316,9 @@ def nucleus_draw(
             rows,
             logits.stride(0),
             vocab,
-            temperature,
-            top_p,
-            log_min_p,
+            params.contiguous(),
             keys,
+            steps,
             out,
             BLOCK=min(block, triton.next_power_of_2(vocab)),
             ROUNDS=rounds,

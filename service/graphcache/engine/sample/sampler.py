@@ -55,7 +55,7 @@ import torch
 from graphcache.engine.sample.filter_threshold import thresholds
 from graphcache.engine.sample.fused_draw import HAVE_TRITON, fused_draw
 from graphcache.engine.sample.nucleus_draw import nucleus_draw
-from graphcache.engine.sample.race_draw import race_draw, row_key, to_int64
+from graphcache.engine.sample.race_draw import mix64, race_draw, row_key, to_int64
 from graphcache.engine.sequence import SamplingParams, Sequence
 
 # Temperatures below this are greedy: logits / 1e-300 overflows, and sampling at such a
@@ -249,20 +249,34 @@ class Sampler:
 
     def _draw_nucleus(self, logits: torch.Tensor, rows: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """One draw per entry of rows [W] (indices into logits [R, V], any float dtype) for rows without
-        top-k: nucleus_draw.py's rejection sampler, one launch on CUDA. Two uploads, no sync."""
-        floats = torch.tensor(
-            [
-                [s.params.temperature for s in seqs],
-                [s.params.top_p for s in seqs],
-                [math.log(min(s.params.min_p, 1.0)) if s.params.min_p > 0 else _NEG_INF for s in seqs],
-            ],
-            dtype=torch.float32,
+        top-k: nucleus_draw.py's rejection sampler, one launch on CUDA. Per row only a cached tuple is
+        read on the host (the keys of unseeded rows come from one draw of the generator, a seeded
+        row's key is mixed from its step on the device); two uploads, no sync."""
+        n = len(seqs)
+        draw_rows = [s.draw_row or self._draw_row(s) for s in seqs]
+        params = torch.tensor([r[0] for r in draw_rows], dtype=torch.float32)  # [W, 3]
+        ints = torch.empty(2, n, dtype=torch.int64)  # keys, steps
+        ints[0] = torch.frombuffer(
+            bytearray(self._rng.getrandbits(64 * n).to_bytes(8 * n, "little")), dtype=torch.int64
         )
-        keys = torch.tensor(self._row_keys(seqs), dtype=torch.int64)
+        ints[1] = -1
+        for j, (r, s) in enumerate(zip(draw_rows, seqs, strict=True)):
+            if r[1] is not None:
+                ints[0, j], ints[1, j] = r[1], _num_generated(s)
         if logits.is_cuda:
-            floats = floats.pin_memory().to(logits.device, non_blocking=True)
-            keys = keys.pin_memory().to(logits.device, non_blocking=True)
-        return nucleus_draw(logits, rows, floats[0], floats[1], floats[2], keys)
+            params = params.pin_memory().to(logits.device, non_blocking=True)
+            ints = ints.pin_memory().to(logits.device, non_blocking=True)
+        return nucleus_draw(logits, rows, params, ints[0], ints[1])
+
+    @staticmethod
+    def _draw_row(seq: Sequence) -> tuple[tuple[float, float, float], int | None]:
+        """A request's static draw parameters, cached on it: ((temperature, top_p, log(min_p) or -inf),
+        mix64(seed) as int64 or None)."""
+        p = seq.params
+        log_min_p = math.log(min(p.min_p, 1.0)) if p.min_p > 0 else _NEG_INF
+        seed_key = None if p.seed is None else to_int64(mix64(p.seed))
+        seq.draw_row = ((p.temperature, p.top_p, log_min_p), seed_key)
+        return seq.draw_row
 
     def draw_params(self, seqs: list[Sequence], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused kernel's per-row parameters on the host: floats [3, n] (temperature, 0 for a greedy
