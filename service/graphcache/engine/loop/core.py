@@ -416,6 +416,12 @@ class EngineCore:
             )
         return outputs
 
+    def warm_sampler(self) -> None:
+        """Compile the sampler's kernels before the first request (CUDA only; Sampler.warmup)."""
+        vocab, dtype = self.runner.vocab_size, self.runner.dtype
+        if self.runner.device_type == "cuda" and vocab and isinstance(dtype, torch.dtype):
+            self.sampler.warmup(vocab, dtype, torch.device("cuda"))
+
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]]:
         """Sample the batch on the device: ([n] int64 ids, rows whose sampling failed). The sampler
         does not raise for validated parameters; if it raises anyway, each row is sampled alone, so a

@@ -288,6 +288,7 @@ class Engine(EngineFrontend):
         self.progress = {"phase": "warmup", "done": 0, "total": None}
         t0 = time.perf_counter()
         self.warmup_report = runner.warmup(progress=warmup_progress)
+        core.warm_sampler()
         self.warmup_seconds = time.perf_counter() - t0
         bm = core.block_manager
         log.info(

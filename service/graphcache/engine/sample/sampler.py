@@ -176,6 +176,22 @@ class Sampler:
         p = seq.params
         return _has_controls(p) or _num_generated(seq) < p.min_tokens
 
+    @torch.inference_mode()
+    def warmup(self, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Compile the Triton draw kernels now, not in the first sampled step (a compile there stalls
+        every running request for about a second): one draw on each path on random logits (top-p rows
+        from model-dtype logits, from processed fp32 logits, and a top-k row's threshold path)."""
+        if device.type != "cuda" or not HAVE_TRITON:
+            return
+        x = torch.randn(2, vocab, device=device).to(dtype)
+        for params in (
+            SamplingParams(temperature=0.8, top_p=0.9),
+            SamplingParams(temperature=0.8, top_p=0.9, logit_bias={0: 1.0}),
+            SamplingParams(temperature=0.8, top_k=5, top_p=0.9),
+        ):
+            self.sample_device(x[:1], [Sequence("sampler-warmup", [0], params)])
+        torch.cuda.synchronize(device)
+
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """One token per row of `logits` [len(seqs), V] (row i belongs to seqs[i]), on the host."""
         return self.sample_device(logits, seqs).tolist()
