@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from graphcache.cli import build_parser, main, settings_from_args
@@ -71,7 +70,9 @@ def test_list_bool_optional_and_choice_flags(tmp_path):
     assert s.graph_cache.capture_sizes == [1, 2, 8] and s.graph_cache.warmup_decode_sizes == []
     assert s.graph_cache.warmup_descriptors == ["64:8", "8:8:decode"]
     assert s.http.cors_origins == ["https://a.example", "https://b.example"]
-    assert s.graph_cache.enforce_eager is True and s.engine.max_model_len == 64 and s.model.path == str(tmp_path)
+    assert (
+        s.graph_cache.enforce_eager is True and s.engine.max_model_len == 64 and s.model.path == str(tmp_path)
+    )
     assert s.graph_cache.admission == "after_n" and s.http.drain_timeout_s == 1.5
     assert parse("--no-enforce-eager").graph_cache.enforce_eager is False
 

@@ -94,7 +94,9 @@ def test_the_setting(tmp_path, monkeypatch):
     assert Settings().model.generation_config == "vllm"
     write_generation_config(tmp_path, temperature=0.5)
     assert Settings(generation_config=str(tmp_path)).model.generation_config == str(tmp_path)
-    with pytest.raises(ValidationError, match="neither auto, vllm nor a directory holding a generation_config"):
+    with pytest.raises(
+        ValidationError, match="neither auto, vllm nor a directory holding a generation_config"
+    ):
         Settings(generation_config=str(tmp_path / "nope"))
 
 

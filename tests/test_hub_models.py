@@ -69,7 +69,9 @@ def test_org_name_without_such_a_directory_is_a_hub_id(spec, tmp_path, monkeypat
     assert served_name(spec) == spec  # clients load the tokenizer by this name
 
 
-@pytest.mark.parametrize("spec", ["/no/such/dir", "./org/name", "../x", "~/no-such-model", "a/b/c", "bare", "org/"])
+@pytest.mark.parametrize(
+    "spec", ["/no/such/dir", "./org/name", "../x", "~/no-such-model", "a/b/c", "bare", "org/"]
+)
 def test_a_path_that_does_not_exist_is_an_error_naming_it(spec, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ModelSourceError) as e:
@@ -185,7 +187,9 @@ def test_download_from_a_hub_writes_the_cache_and_reports_progress(tmp_path, tin
     folder = lines[-1]
     assert folder.endswith(COMMIT)
     # Only the files the server reads: config, generation config, tokenizer files and the weights.
-    assert sorted(p.name for p in (hf_home / "hub" / "models--org--tiny-model" / "snapshots" / COMMIT).iterdir()) == [
+    assert sorted(
+        p.name for p in (hf_home / "hub" / "models--org--tiny-model" / "snapshots" / COMMIT).iterdir()
+    ) == [
         "config.json",
         "generation_config.json",
         "model.safetensors",
@@ -211,7 +215,9 @@ def test_download_from_a_hub_writes_the_cache_and_reports_progress(tmp_path, tin
 )
 def test_hub_errors_name_the_fix(tmp_path, tiny, repo, revision, expected):
     with FakeHub({REPO: tiny}, gated=("org/gated",)) as hub:
-        out = resolve_in_subprocess(repo, pythonpath_env(hub_env(tmp_path / "hf", HF_ENDPOINT=hub.url)), revision)
+        out = resolve_in_subprocess(
+            repo, pythonpath_env(hub_env(tmp_path / "hf", HF_ENDPOINT=hub.url)), revision
+        )
     assert out.returncode == 3, out.stdout + out.stderr[-2000:]
     line = out.stdout.strip().splitlines()[-1]
     for text in expected:
@@ -305,7 +311,16 @@ def test_serve_a_hub_id_from_the_offline_cache(hf_home, tmp_path):
     env = pythonpath_env(hub_env(hf_home, HF_HUB_OFFLINE="1", GRAPHCACHE_CACHE_DIR=str(tmp_path / "gc")))
     log_path = tmp_path / "server.log"
     proc, url = start_server(
-        [REPO, "--device", "cpu", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--no-engine-process"],
+        [
+            REPO,
+            "--device",
+            "cpu",
+            "--max-num-seqs",
+            "4",
+            "--max-num-batched-tokens",
+            "64",
+            "--no-engine-process",
+        ],
         env,
         log_path,
     )
@@ -331,9 +346,22 @@ def test_serve_a_hub_id_from_the_offline_cache(hf_home, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["--no-engine-process", "--engine-process"])
 def test_serve_a_hub_id_missing_offline_exits_naming_the_fix(tmp_path, mode):
-    env = pythonpath_env(hub_env(tmp_path / "hf", HF_HUB_OFFLINE="1", GRAPHCACHE_CACHE_DIR=str(tmp_path / "gc")))
+    env = pythonpath_env(
+        hub_env(tmp_path / "hf", HF_HUB_OFFLINE="1", GRAPHCACHE_CACHE_DIR=str(tmp_path / "gc"))
+    )
     out = subprocess.run(
-        [sys.executable, "-m", "graphcache.cli", "serve", "org/not-cached", "--device", "cpu", "--port", "0", mode],
+        [
+            sys.executable,
+            "-m",
+            "graphcache.cli",
+            "serve",
+            "org/not-cached",
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+            mode,
+        ],
         capture_output=True,
         text=True,
         timeout=LOAD_LIMIT_S,

@@ -147,7 +147,10 @@ def test_broken_config_json(tmp_path, config, expected):
 @pytest.mark.parametrize(
     "change, expected",
     [
-        ({"architectures": ["GPT2LMHeadModel"]}, ["unsupported architecture", "GPT2LMHeadModel", "Qwen3ForCausalLM"]),
+        (
+            {"architectures": ["GPT2LMHeadModel"]},
+            ["unsupported architecture", "GPT2LMHeadModel", "Qwen3ForCausalLM"],
+        ),
         (
             {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
             ["unsupported rope scaling type 'yarn'", "rope_scaling", "default, linear, llama3"],

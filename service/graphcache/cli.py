@@ -4,7 +4,9 @@
 (Settings.flat_fields()), with the field's description as help, so flags, env vars (GRAPHCACHE_*) and
 defaults never drift. Precedence: flag > env > default. Lists are comma-separated on the command line
 (`--capture-sizes 1,2,4,8`, `--warmup-decode-sizes ""` for none) and in env
-(`GRAPHCACHE_CAPTURE_SIZES=1,2,4,8`; JSON such as '[1,2,4,8]' works there too).
+(`GRAPHCACHE_CAPTURE_SIZES=1,2,4,8`; JSON such as '[1,2,4,8]' works there too). `serve MODEL` takes the
+model positionally, as `vllm serve` does: a local directory or a hub id (model/source.py), the same
+setting as --model.
 """
 
 from __future__ import annotations

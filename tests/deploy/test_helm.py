@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import os
 import re
-from pathlib import Path
 
 import pytest
 import yaml
