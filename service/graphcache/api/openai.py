@@ -416,10 +416,12 @@ def _checked_token_controls(body, vocab: int | None) -> list[int] | None:
 def _room(engine, num_prompt_tokens: int) -> int | None:
     """Tokens a request may generate after its prompt: the context window, capped by the KV cache."""
     window = engine.max_model_len
+    if window is None:
+        return None
     checker = engine.checker
     if checker is not None:
         window = min(window, checker.limits.max_tokens_capacity)
-    return None if window is None else window - num_prompt_tokens
+    return window - num_prompt_tokens
 
 
 async def _base_params(engine, body, structured: StructuredSpec | None, num_prompt_tokens: int | None = None):

@@ -16,6 +16,7 @@ preflight classifies the model before anything heavy is imported.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
@@ -118,7 +119,11 @@ def fetch_hub_model(repo_id: str, revision: str | None, progress: DownloadProgre
 
     reporter = _Reporter(repo_id, progress)
     t0 = time.monotonic()
-    log.info("model %s (revision %s): fetching from the Hugging Face hub cache", repo_id, revision or "main")
+    log.info(
+        "model %s (revision %s): from the Hugging Face cache, downloading what it lacks",
+        repo_id,
+        revision or "main",
+    )
     try:
         folder = Path(
             snapshot_download(
@@ -152,12 +157,12 @@ def fetch_hub_model(repo_id: str, revision: str | None, progress: DownloadProgre
         raise ModelSourceError(hub_error_message(exc, repo_id, revision)) from exc
     reporter.finish()
     log.info(
-        "model %s: %d files (%.1f MB downloaded) ready in %.1fs at %s",
+        "model %s: ready in %.1fs at %s (%d files fetched, %.1f MB)",
         repo_id,
-        reporter.files_seen,
-        reporter.bytes_done / 1e6,
         time.monotonic() - t0,
         folder,
+        reporter.files_seen,
+        reporter.bytes_done / 1e6,
     )
     return folder
 
@@ -265,37 +270,50 @@ class _Reporter:
         self.repo_id = repo_id
         self.progress = progress
         self._lock = threading.Lock()
-        self._file_bars: dict[int, tuple[int, int]] = {}  # bar id -> (done, total)
-        self._byte_bars: dict[int, tuple[int, int]] = {}
+        # Bars by number (never id(): a finished call's bars are freed and their ids reused).
+        self._file_bars: dict[int, tuple[int, int]] = {}  # bar -> (done, total)
+        self._byte_bars: dict[int, tuple[int, int, int]] = {}  # bar -> (call, done, total)
+        self.bar_numbers = itertools.count()
         self._logged = time.monotonic()
         self._last_files_done = 0
+        self._calls = 0
 
     @property
     def files_seen(self) -> int:
         return sum(total for _, total in self._file_bars.values())
 
+    def _bytes(self) -> tuple[int, int]:
+        """(done, total) over the snapshot_download calls. Each call has two byte bars counting the same
+        bytes, transfer and reconstruction: the larger done, and the smaller known total (the transfer bar
+        pads its own past the bytes seen so far)."""
+        done = total = 0
+        for call in {c for c, _, _ in self._byte_bars.values()}:
+            bars = [(d, t) for c, d, t in self._byte_bars.values() if c == call]
+            done += max(d for d, _ in bars)
+            total += min((t for _, t in bars if t > 0), default=0)
+        return done, total
+
     @property
     def bytes_done(self) -> int:
-        # The largest byte bar: the transfer and the reconstruction bars count the same bytes.
-        return max((done for done, _ in self._byte_bars.values()), default=0)
+        return self._bytes()[0]
 
     def snapshot(self) -> dict[str, Any]:
         files = self._file_bars.values()
-        byte_total = max((total for _, total in self._byte_bars.values()), default=0)
+        bytes_done, bytes_total = self._bytes()
         return {
             "files_done": sum(done for done, _ in files),
             "files_total": sum(total for _, total in files),
-            "bytes_done": self.bytes_done,
-            "bytes_total": byte_total,
+            "bytes_done": bytes_done,
+            "bytes_total": bytes_total,
         }
 
-    def update(self, bar: Any) -> None:
+    def update(self, bar: Any, key: int, call: int) -> None:
         done, total = int(bar.n or 0), int(bar.total or 0)
         with self._lock:
             if getattr(bar, "unit", "it") == "B":
-                self._byte_bars[id(bar)] = (done, total)
+                self._byte_bars[key] = (call, done, total)
             else:
-                self._file_bars[id(bar)] = (done, total)
+                self._file_bars[key] = (done, total)
             report = self.snapshot()
             now = time.monotonic()
             due = now - self._logged >= LOG_EVERY_S or report["files_done"] != self._last_files_done
@@ -309,32 +327,35 @@ class _Reporter:
                     report["bytes_done"] / 1e6,
                     report["bytes_total"] / 1e6,
                 )
-        if self.progress is not None:
-            self.progress(report)
+            if self.progress is not None:  # under the lock: reports arrive in order, the last is the latest
+                self.progress(report)
 
     def finish(self) -> None:
-        if self.progress is not None:
-            with self._lock:
-                report = self.snapshot()
-            self.progress(report)
+        with self._lock:
+            if self.progress is not None:
+                self.progress(self.snapshot())
 
     def bar_class(self) -> type:
-        """A tqdm class whose bars report here and print nothing (the log has the progress)."""
+        """A tqdm class for one snapshot_download call whose bars report here and print nothing (the log
+        has the progress)."""
         from tqdm.std import tqdm
 
         reporter = self
+        self._calls += 1
+        call = self._calls
 
         class ReportingBar(tqdm):
             def __init__(self, *args: Any, **kwargs: Any) -> None:
                 kwargs.pop("name", None)  # huggingface_hub's own bar class takes a group name
                 kwargs["disable"] = False  # a disabled tqdm counts nothing
                 kwargs["file"] = _Discard()
+                self.report_key = next(reporter.bar_numbers)
                 super().__init__(*args, **kwargs)
-                reporter.update(self)
+                reporter.update(self, self.report_key, call)
 
             def update(self, n: float | None = 1) -> bool | None:
                 shown = super().update(n)
-                reporter.update(self)
+                reporter.update(self, self.report_key, call)
                 return shown
 
         return ReportingBar
