@@ -308,7 +308,8 @@ def wait_ready(proc: subprocess.Popen, url: str, log_path) -> None:
 
 
 @pytest.mark.slow
-def test_serve_a_hub_id_from_the_offline_cache(hf_home, tmp_path):
+@pytest.mark.parametrize("mode", ["--no-engine-process", "--engine-process"])
+def test_serve_a_hub_id_from_the_offline_cache(hf_home, tmp_path, mode):
     env = pythonpath_env(hub_env(hf_home, HF_HUB_OFFLINE="1", GRAPHCACHE_CACHE_DIR=str(tmp_path / "gc")))
     log_path = tmp_path / "server.log"
     proc, url = start_server(
@@ -320,7 +321,7 @@ def test_serve_a_hub_id_from_the_offline_cache(hf_home, tmp_path):
             "4",
             "--max-num-batched-tokens",
             "64",
-            "--no-engine-process",
+            mode,
         ],
         env,
         log_path,
