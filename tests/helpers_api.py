@@ -22,6 +22,7 @@ class EngineNotNeeded:
     model_name = "test"
     max_model_len = 64
     metrics = None
+    generation_defaults: dict = {}  # read by GET /v1/models, never written
 
     def __getattr__(self, name):
         raise AssertionError(f"the engine was reached ({name}) for a request that should be refused")

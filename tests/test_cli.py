@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from graphcache.cli import build_parser, main, settings_from_args
@@ -71,7 +70,9 @@ def test_list_bool_optional_and_choice_flags(tmp_path):
     assert s.graph_cache.capture_sizes == [1, 2, 8] and s.graph_cache.warmup_decode_sizes == []
     assert s.graph_cache.warmup_descriptors == ["64:8", "8:8:decode"]
     assert s.http.cors_origins == ["https://a.example", "https://b.example"]
-    assert s.graph_cache.enforce_eager is True and s.engine.max_model_len == 64 and s.model.path == tmp_path
+    assert (
+        s.graph_cache.enforce_eager is True and s.engine.max_model_len == 64 and s.model.path == str(tmp_path)
+    )
     assert s.graph_cache.admission == "after_n" and s.http.drain_timeout_s == 1.5
     assert parse("--no-enforce-eager").graph_cache.enforce_eager is False
 
@@ -119,7 +120,9 @@ def test_every_flat_env_name_reaches_its_section(monkeypatch):
     """Each GRAPHCACHE_<NAME> lands in the field its flag sets, whatever section holds it (and whatever
     that field is called there): env and flag agree for every setting."""
     for name, value, section, field, expected in [
-        ("MODEL", "/models/m", "model", "path", Path("/models/m")),
+        ("MODEL", "/models/m", "model", "path", "/models/m"),
+        ("REVISION", "v1.0", "model", "revision", "v1.0"),
+        ("GENERATION_CONFIG", "vllm", "model", "generation_config", "vllm"),
         ("TENSOR_PARALLEL_SIZE", "1", "model", "tensor_parallel_size", 1),
         ("MAX_NUM_SEQS", "7", "engine", "max_num_seqs", 7),
         ("ENGINE_PROCESS", "false", "engine", "engine_process", False),

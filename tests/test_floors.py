@@ -128,13 +128,22 @@ def test_scheduler_floor_imports_no_torch():
     assert out.stdout.strip() == "False", "importing the scheduler pulled in torch"
 
 
+# The model modules the API process needs, none of them importing torch: the tokenizer, the model
+# setting's classification (served name, CLI preflight) and the generation defaults it applies.
+HTTP_FLOOR_MODEL_MODULES = {
+    "graphcache.model.tokenizer",
+    "graphcache.model.source",
+    "graphcache.model.generation_defaults",
+}
+
+
 def test_http_floor_imports_no_torch():
     """With the engine in its own process the API process only does HTTP, tokenizing and detokenizing:
     importing the app must load neither torch nor the model code."""
     code = (
         "import sys, graphcache.api.app, graphcache.cli; "
-        "print('torch' in sys.modules, any(m.startswith('graphcache.model.') and m != 'graphcache.model.tokenizer' "
-        "for m in sys.modules))"
+        "print('torch' in sys.modules, any(m.startswith('graphcache.model.') and m not in "
+        f"{sorted(HTTP_FLOOR_MODEL_MODULES)!r} for m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

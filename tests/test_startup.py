@@ -144,6 +144,29 @@ def test_broken_config_json(tmp_path, config, expected):
         check_model_dir(model_dir(tmp_path, config=config))
 
 
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (
+            {"architectures": ["GPT2LMHeadModel"]},
+            ["unsupported architecture", "GPT2LMHeadModel", "Qwen3ForCausalLM"],
+        ),
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+            ["unsupported rope scaling type 'yarn'", "rope_scaling", "default, linear, llama3"],
+        ),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, ["'dynamic'", "default, linear, llama3"]),
+    ],
+)
+def test_what_cannot_be_served_is_one_line_naming_what_can(tmp_path, change, expected):
+    with pytest.raises(StartupError) as e:
+        check_model_dir(model_dir(tmp_path, config={**LLAMA_CONFIG, **change}))
+    line = str(e.value)
+    assert "\n" not in line, line
+    for text in expected:
+        assert text in line, line
+
+
 def test_a_file_is_not_a_model_directory(tmp_path):
     (tmp_path / "model.gguf").write_bytes(b"")
     with pytest.raises(StartupError, match="is a file, not a directory"):

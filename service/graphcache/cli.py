@@ -4,7 +4,9 @@
 (Settings.flat_fields()), with the field's description as help, so flags, env vars (GRAPHCACHE_*) and
 defaults never drift. Precedence: flag > env > default. Lists are comma-separated on the command line
 (`--capture-sizes 1,2,4,8`, `--warmup-decode-sizes ""` for none) and in env
-(`GRAPHCACHE_CAPTURE_SIZES=1,2,4,8`; JSON such as '[1,2,4,8]' works there too).
+(`GRAPHCACHE_CAPTURE_SIZES=1,2,4,8`; JSON such as '[1,2,4,8]' works there too). `serve MODEL` takes the
+model positionally, as `vllm serve` does: a local directory or a hub id (model/source.py), the same
+setting as --model.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pydantic import ValidationError
 
 from graphcache import __version__
 from graphcache.config import Settings
+from graphcache.model.source import ModelSourceError, model_source
 
 __all__ = [
     "StartupError",
@@ -34,6 +37,7 @@ __all__ = [
     "build_parser",
     "check_model_dir",
     "check_tensor_parallel",
+    "local_model_dir",
     "main",
     "settings_from_args",
 ]
@@ -139,6 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the HTTP server. The port is bound at once; GET /ready turns 200 "
         "when the model is loaded and the warmup captures are done.",
     )
+    serve.add_argument(
+        "model_arg",
+        nargs="?",
+        metavar="MODEL",
+        default=None,
+        help="The model, as `vllm serve MODEL` takes it: a Hugging Face model directory, or a hub id "
+        "(org/name, fetched into the Hugging Face cache; see --revision). The same setting as --model "
+        "(GRAPHCACHE_MODEL); unset: the embedded tiny model.",
+    )
     group = serve.add_argument_group("settings")
     for name, field in Settings.flat_fields().items():
         _add_setting_flag(group, name, field)
@@ -161,10 +174,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    """Flags given on the command line override env, which overrides defaults."""
+    """Flags given on the command line override env, which overrides defaults. The positional MODEL is
+    the model setting, like --model; both given and different is a StartupError."""
     flat = Settings.flat_fields()
     overrides = {k: v for k, v in vars(args).items() if k in flat}
+    positional = getattr(args, "model_arg", None)
+    if positional is not None:
+        flag = overrides.get("model")
+        if flag is not None and not _same_model(flag, positional):
+            raise StartupError(
+                f"MODEL {positional!r} and --model {flag!r} name different models; pass the model once "
+                "(MODEL or --model)"
+            )
+        overrides["model"] = positional
     return Settings(**overrides)
+
+
+def _same_model(a: str, b: str) -> bool:
+    """The same text, or the same existing directory written two ways (./m and m)."""
+    if a == b:
+        return True
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
 
 
 # --------------------------------------------------------------------------- startup preflight
@@ -175,8 +206,8 @@ class StartupError(Exception):
 
 
 MODEL_DIR_HINT = (
-    "pass --model (or GRAPHCACHE_MODEL) a Hugging Face model directory (config.json, "
-    "*.safetensors, tokenizer.json), or leave it unset to use the embedded tiny model"
+    "pass MODEL (--model, GRAPHCACHE_MODEL) a Hugging Face model directory (config.json, "
+    "*.safetensors, tokenizer.json) or a hub id (org/name), or leave it unset to use the embedded tiny model"
 )
 
 
@@ -288,12 +319,25 @@ def bind_port(host: str, port: int) -> socket.socket:
     return sock
 
 
+def local_model_dir(settings: Settings) -> Path | None:
+    """The local model directory the settings name, or None for the embedded tiny model and for a hub id
+    (fetched and checked by the engine at start, so /ready can report the download). A path that does
+    not exist is a StartupError naming it."""
+    if settings.model.path is None:
+        return None
+    try:
+        return model_source(settings.model.path).local
+    except ModelSourceError as e:
+        raise StartupError(str(e)) from None
+
+
 def _preflight(settings: Settings) -> socket.socket:
     """Everything that would make serve fail and can be found without loading the model, in order:
-    the model directory (when --model is set; the embedded tiny model needs no check), then the port.
-    Returns the bound socket."""
-    if settings.model.path is not None:
-        check_model_dir(settings.model.path, settings.engine.max_model_len)
+    the model directory (when the model is a local directory; the embedded tiny model needs no check, a
+    hub id is fetched by the engine), then the port. Returns the bound socket."""
+    local = local_model_dir(settings)
+    if local is not None:
+        check_model_dir(local, settings.engine.max_model_len)
     if settings.model.tensor_parallel_size > 1:
         check_tensor_parallel(settings)
     return bind_port(settings.http.host, settings.http.port)
@@ -301,26 +345,31 @@ def _preflight(settings: Settings) -> socket.socket:
 
 def check_tensor_parallel(settings: Settings) -> None:
     """The model splits tensor_parallel_size ways (whole heads, KV heads and MLP columns per rank), and
-    on CUDA there are that many GPUs. Raises StartupError."""
+    on CUDA there are that many GPUs (a hub model's split is checked by the engine once it is fetched).
+    Raises StartupError."""
     from graphcache.model.config import ModelLoadError, read_config
     from graphcache.model.parallel import check_shardable
     from graphcache.model.tiny import DEFAULT_SHAPE
 
     size = settings.model.tensor_parallel_size
-    if settings.model.path is not None:
-        config, where = read_config(settings.model.path), f"model {str(settings.model.path)!r}"
-    else:  # the embedded tiny model, by its shape (not written yet)
-        shape = DEFAULT_SHAPE
-        config = types.SimpleNamespace(
-            num_heads=shape["heads"], num_kv_heads=shape["kv_heads"], intermediate_size=shape["intermediate"]
-        )
-        where = "the embedded tiny model"
-    try:
-        check_shardable(config, size)
-    except ModelLoadError as e:
-        raise StartupError(
-            f"{where}: {e} (--tensor-parallel-size, GRAPHCACHE_TENSOR_PARALLEL_SIZE)"
-        ) from None
+    local = local_model_dir(settings)
+    if local is not None or settings.model.path is None:
+        if local is not None:
+            config, where = read_config(local), f"model {str(settings.model.path)!r}"
+        else:  # the embedded tiny model, by its shape (not written yet)
+            shape = DEFAULT_SHAPE
+            config = types.SimpleNamespace(
+                num_heads=shape["heads"],
+                num_kv_heads=shape["kv_heads"],
+                intermediate_size=shape["intermediate"],
+            )
+            where = "the embedded tiny model"
+        try:
+            check_shardable(config, size)
+        except ModelLoadError as e:
+            raise StartupError(
+                f"{where}: {e} (--tensor-parallel-size, GRAPHCACHE_TENSOR_PARALLEL_SIZE)"
+            ) from None
     import torch
 
     wants_cuda = settings.model.device == "cuda" or (
@@ -460,6 +509,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         try:
             settings = settings_from_args(args)
+        except StartupError as e:
+            print(f"graphcache serve: {e}", file=sys.stderr)
+            return 2
         except ValidationError as e:
             for err in e.errors():
                 # ("http", "admin_token") -> admin_token: the flat name the user set

@@ -99,8 +99,14 @@ def _is_ascii_token(v: str) -> bool:
     return v.isascii() and v.isprintable() and v == v.strip()
 
 
+def _path_text(v: object) -> object:
+    # A directory given as a Path (tests, Settings(model=tmp_path)) is kept as its text; a hub id is text.
+    return os.fspath(v) if isinstance(v, os.PathLike) else v
+
+
 CommaList = BeforeValidator(_list_text)
 BlankIsUnset = BeforeValidator(_blank_is_unset)
+PathText = BeforeValidator(_path_text)
 
 
 # --------------------------------------------------------------------------- sections
@@ -116,14 +122,27 @@ class SettingsSection(BaseModel):
 class ModelSettings(SettingsSection):
     """What model runs, where, and which kernels run it: the runner and the model loader read these."""
 
-    path: Annotated[Path | None, BlankIsUnset] = Field(
+    path: Annotated[str | None, BlankIsUnset, PathText] = Field(
         None,
         alias="model",
-        description="Hugging Face model directory (config.json, *.safetensors, "
-        "tokenizer.json). Unset: the embedded tiny model, created on first use under cache_dir.",
+        description="The model: a Hugging Face model directory (config.json, *.safetensors, tokenizer.json) "
+        "or a hub id (org/name, fetched into the Hugging Face cache at start: HF_HOME, HF_TOKEN, "
+        "HF_HUB_OFFLINE apply). Also `graphcache serve MODEL`. Unset: the embedded tiny model, created on "
+        "first use under cache_dir.",
+    )
+    revision: Annotated[str | None, BlankIsUnset] = Field(
+        None,
+        description="Branch, tag or commit of a hub model (a commit makes restarts reproducible); "
+        "default: the repository's default branch. Not used for a local directory.",
     )
     served_model_name: Annotated[str | None, BlankIsUnset] = Field(
-        None, description="Model id in the API; default: the directory name."
+        None, description="Model id in the API; default: the hub id, or the directory's name."
+    )
+    generation_config: str = Field(
+        "auto",
+        description="Sampling defaults for requests that leave a field out: auto = the model's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), vllm = "
+        "none (the API's own defaults), or a directory holding a generation_config.json (docs/API.md).",
     )
     dtype: Dtype = Field("auto", description="auto = bfloat16 on CUDA, float32 on CPU.")
     device: Device = Field("auto", description="auto = cuda when available.")
@@ -154,6 +173,17 @@ class ModelSettings(SettingsSection):
         description="auto = on CUDA, one Triton kernel each for residual add + RMSNorm, rotary and "
         "SiLU*mul (a decode step is mostly tiny kernels); off = the PyTorch ops (A/B runs).",
     )
+
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config(cls, v: str) -> str:
+        # A directory is checked at start, not on the first request.
+        v = v.strip()
+        if v in ("auto", "vllm") or (Path(v).expanduser() / "generation_config.json").is_file():
+            return v
+        raise ValueError(
+            f"{v!r} is neither auto, vllm nor a directory holding a generation_config.json; fix the path"
+        )
 
 
 class EngineSettings(SettingsSection):

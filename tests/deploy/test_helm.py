@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import os
 import re
-from pathlib import Path
 
 import pytest
 import yaml
@@ -261,7 +260,7 @@ def test_custom_env_parses_as_server_settings(chart, monkeypatch):
         if name.startswith("GRAPHCACHE_") and "value" in e:
             monkeypatch.setenv(name, e["value"])
     s = Settings()
-    assert s.model.path == Path("/models/Qwen2.5-0.5B-Instruct") and s.model.served_model_name == "qwen"
+    assert s.model.path == "/models/Qwen2.5-0.5B-Instruct" and s.model.served_model_name == "qwen"
     assert s.http.host == "0.0.0.0" and s.http.port == 8000
     assert s.engine.max_num_seqs == 128 and s.graph_cache.capture_sizes == [1, 2, 4, 8, 16]
     assert s.graph_cache.max_bytes == 8 << 30 and s.graph_cache.admission == "after_n"

@@ -165,6 +165,9 @@ def model_card(request: Request) -> dict:
         "root": str(request.app.state.settings.model.path or engine.model_name),
         "parent": None,
         "max_model_len": engine.max_model_len if engine.ready else None,
+        # The sampling defaults a request gets for the fields it leaves out (--generation-config: the
+        # model's generation_config.json by default); {} = the API's own; null until the model is loaded.
+        "generation_defaults": dict(engine.generation_defaults) if engine.ready else None,
         "permission": [
             {
                 "id": f"modelperm-{engine.model_name}",
@@ -410,11 +413,26 @@ def _checked_token_controls(body, vocab: int | None) -> list[int] | None:
     return token_ids.unique_token_ids(body.allowed_token_ids, vocab)
 
 
-async def _base_params(engine, body, structured: StructuredSpec | None):
-    """The SamplingParams every choice shares, its token-id controls checked off the event loop."""
+def _room(engine, num_prompt_tokens: int) -> int | None:
+    """Tokens a request may generate after its prompt: the context window, capped by the KV cache."""
+    window = engine.max_model_len
+    if window is None:
+        return None
+    checker = engine.checker
+    if checker is not None:
+        window = min(window, checker.limits.max_tokens_capacity)
+    return window - num_prompt_tokens
+
+
+async def _base_params(engine, body, structured: StructuredSpec | None, num_prompt_tokens: int | None = None):
+    """The SamplingParams every choice shares, its token-id controls checked off the event loop, the
+    model's generation defaults filling the fields the request left out."""
     allowed = await run_input(_checked_token_controls, body, token_ids.vocab_size(engine))
     bad_words = await sampling.bad_words_token_ids(engine.tokenizer, body.bad_words)
-    return dataclasses.replace(sampling.base_params(body, bad_words, structured), allowed_token_ids=allowed)
+    defaults = engine.generation_defaults
+    room = _room(engine, num_prompt_tokens) if num_prompt_tokens is not None and defaults else None
+    base = sampling.base_params(body, bad_words, structured, defaults, room)
+    return dataclasses.replace(base, allowed_token_ids=allowed)
 
 
 @router.post("/completions")
@@ -471,7 +489,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     )
     last = body.messages[-1]
     prompts = [Prompt(ids, last.text() if body.echo and last.role == "assistant" else "")]
-    base = await _base_params(engine, body, structured)
+    base = await _base_params(engine, body, structured, len(ids))
     plan = sampling.plan(body)
     rid, engine_rid = _ids("chatcmpl", body)
     _log_caller(body, rid)

@@ -9,19 +9,32 @@ Honoured fields land here (protocol.py declares them, openai.py wires the result
   * n / best_of / seed: choice i of a prompt runs with seed + i (wrapped into int64, as vLLM's
     parallel sampling does), so seeded choices differ and each is reproducible;
   * best_of > n ranks choices by cumulative logprob: the engine is asked for logprobs (k=0) even if the
-    client did not ask, and they are left out of the answer (`ChoicePlan.client_logprobs`).
+    client did not ask, and they are left out of the answer (`ChoicePlan.client_logprobs`);
+  * the model's generation defaults (--generation-config: temperature, top_p, top_k, min_p, penalties,
+    max_tokens) fill the fields a request leaves out or sends as null; a value it sends wins.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from graphcache.api.executors import run_input
 from graphcache.api.protocol import INT64_MAX, INT64_MIN, ChatCompletionRequest, CompletionRequest
 from graphcache.engine.sequence import RequestOutput, SamplingParams, StructuredSpec, TokenIds
 
-__all__ = ["ChoicePlan", "bad_words_token_ids", "base_params", "choice_params", "plan", "truncate_prompt"]
+__all__ = [
+    "ChoicePlan",
+    "bad_words_token_ids",
+    "base_params",
+    "choice_params",
+    "default_max_tokens",
+    "defaults_taken",
+    "plan",
+    "truncate_prompt",
+]
 
 
 @dataclass(frozen=True)
@@ -65,31 +78,67 @@ def truncate_prompt(ids: list[int], keep: int | None, side: str, max_model_len: 
     return ids[-keep:] if side == "left" else ids[:keep]
 
 
+def defaults_taken(
+    body: CompletionRequest | ChatCompletionRequest, defaults: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The generation defaults (request field -> value, engine.generation_defaults) this request takes:
+    those of the fields it left out or sent as null (null is dropped before validation, so neither is in
+    model_fields_set). A chat request sets max_tokens with either of its two names."""
+    given = set(body.model_fields_set)
+    if "max_completion_tokens" in given:
+        given.add("max_tokens")
+    return {field: value for field, value in defaults.items() if field not in given}
+
+
+def default_max_tokens(requested: int | None, default: int | None, room: int | None) -> int | None:
+    """max_tokens where the request set none and the model's generation config has max_new_tokens: the
+    smaller of it and the request's own default (completions: 16; chat, None: the rest of the context,
+    `room` tokens), as vLLM takes it. room < 1 leaves the default alone: the engine's check then names
+    the prompt that fills the context."""
+    if default is None:
+        return requested
+    if requested is not None:
+        return min(requested, default)
+    if room is not None and room >= 1:
+        return min(default, room)
+    return default
+
+
 def base_params(
     body: CompletionRequest | ChatCompletionRequest,
     bad_words: list[list[int]],
     structured: StructuredSpec | None,
+    defaults: Mapping[str, Any] | None = None,
+    room: int | None = None,
 ) -> SamplingParams:
-    """The SamplingParams every choice shares (choice_params adds the per-choice part)."""
+    """The SamplingParams every choice shares (choice_params adds the per-choice part). `defaults`: the
+    model's generation defaults, applied to the fields the request left out; `room`: tokens left in the
+    context after the prompt (chat), which bounds a max_tokens taken from them."""
     logprobs = body.engine_logprobs
     prompt_logprobs = body.prompt_logprobs
     if prompt_logprobs is None and isinstance(body, CompletionRequest) and body.echo and logprobs is not None:
         prompt_logprobs = logprobs  # echo + logprobs: the prompt's logprobs come first (OpenAI's shape)
+    taken = defaults_taken(body, defaults or {})
+
+    def field(name: str) -> Any:
+        return taken.get(name, getattr(body, name))
+
+    max_tokens = default_max_tokens(body.max_new_tokens, taken.get("max_tokens"), room)
     return SamplingParams(
-        max_tokens=1 if body.max_new_tokens == 0 else body.max_new_tokens,  # 0: see ChoicePlan.prompt_only
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=max(body.top_k, 0),
+        max_tokens=1 if max_tokens == 0 else max_tokens,  # 0: see ChoicePlan.prompt_only
+        temperature=field("temperature"),
+        top_p=field("top_p"),
+        top_k=max(field("top_k"), 0),
         seed=body.seed,
         stop=list(body.stop or []),
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty,
+        presence_penalty=field("presence_penalty"),
+        frequency_penalty=field("frequency_penalty"),
+        repetition_penalty=field("repetition_penalty"),
         logit_bias=dict(body.logit_bias or {}),
         min_tokens=body.min_tokens,
-        min_p=body.min_p,
+        min_p=field("min_p"),
         allowed_token_ids=list(body.allowed_token_ids) if body.allowed_token_ids is not None else None,
         bad_words_token_ids=bad_words,
         include_stop_str_in_output=body.include_stop_str_in_output,

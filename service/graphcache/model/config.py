@@ -176,7 +176,8 @@ def _rope_params(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(
-            f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            f"unsupported rope scaling type {rope_type!r} (config.json rope_scaling); supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)} (serve a model whose rope scaling is one of them)"
         )
     if rope_type == "default":
         return theta, None

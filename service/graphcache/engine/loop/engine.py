@@ -65,6 +65,7 @@ from graphcache.engine.worker.tp_runner import TensorParallelRunner
 from graphcache.graphs.cache import warmup_order
 from graphcache.graphs.descriptor import BatchDescriptor
 from graphcache.metrics import Metrics
+from graphcache.model.source import fetch_hub_model, model_source
 
 __all__ = [
     "DEAD_MESSAGE",
@@ -254,9 +255,33 @@ class Engine(EngineFrontend):
         finally:
             self._release_device()
 
+    def _fetched_settings(self) -> Settings:
+        """The settings the runner loads from: a hub id fetched into the Hugging Face cache (/ready says
+        "downloading" meanwhile) and replaced by its snapshot directory, the served name kept; a local
+        directory or the embedded model as they are."""
+        model = self.settings.model
+        if model.path is None:
+            return self.settings
+        source = model_source(model.path)
+        if not source.is_hub:
+            if model.revision:
+                log.warning(
+                    "revision %r is ignored: model %s is a local directory", model.revision, model.path
+                )
+            return self.settings
+        repo = source.spec
+        self.progress = {"phase": "downloading", "model": repo}
+
+        def download_progress(report: dict[str, Any]) -> None:  # /ready's body while downloading
+            self.progress = {"phase": "downloading", "model": repo, **report}
+
+        folder = fetch_hub_model(repo, model.revision, download_progress)
+        return self.settings.updated(model=str(folder), served_model_name=self.model_name)
+
     def _load(self) -> None:
+        settings = self._fetched_settings()
         self.progress = {"phase": "loading model"}
-        log.info("loading model %s", self.settings.model.path or "(the embedded tiny model)")
+        log.info("loading model %s", settings.model.path or "(the embedded tiny model)")
         from graphcache.model.loader import reporting_shards  # torch: the engine thread has it anyway
 
         def shard_progress(done: int, total: int, name: str) -> None:  # /ready's body while loading
@@ -268,12 +293,20 @@ class Engine(EngineFrontend):
             }
 
         with reporting_shards(shard_progress):
-            runner = self._runner_factory(self.settings, self.metrics)
+            runner = self._runner_factory(settings, self.metrics)
         try:
-            core = EngineCore(runner, self.settings, self.metrics)
+            core = EngineCore(runner, settings, self.metrics)
+            self._set_generation_defaults(str(runner.model_path))
         except BaseException:
             runner.close()
             raise
+        if self.generation_defaults:
+            log.info(
+                "sampling defaults from generation_config.json (--generation-config %s): %s; a request's "
+                "own value wins; --generation-config vllm ignores them",
+                settings.model.generation_config,
+                ", ".join(f"{k}={v}" for k, v in self.generation_defaults.items()),
+            )
         runner.watch(self.fail)  # tensor parallel: a worker rank that dies kills this engine, even idle
         core.step_failpoint = self.step_failpoint
         self._core, self._tokenizer, self._max_model_len = core, runner.tokenizer, runner.max_model_len

@@ -31,6 +31,8 @@ from graphcache.engine.loop.messages import Handle, consume
 from graphcache.engine.loop.request_check import RequestChecker
 from graphcache.engine.sequence import RequestOutput, SamplingParams, Sequence, TokenIds
 from graphcache.metrics import Metrics
+from graphcache.model.generation_defaults import generation_defaults
+from graphcache.model.source import served_name
 
 __all__ = ["EngineFrontend", "EngineState"]
 
@@ -49,6 +51,7 @@ class EngineFrontend:
     def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
+        self._model_name: str | None = None
         if (
             metrics is not None
         ):  # the vllm: series' model_name label, also for engines built outside create_app
@@ -62,6 +65,9 @@ class EngineFrontend:
         self._ready_event = threading.Event()  # set when ready or dead: wait_ready() returns
         self._stats: dict[str, Any] = {}
         self.progress: dict[str, Any] | None = None  # while loading: the phase, and warmup n/total
+        # Request-field defaults from the model's generation_config.json (--generation-config), set once
+        # loaded: a request that leaves a field out gets its default here (api/sampling.py).
+        self.generation_defaults: dict[str, Any] = {}
 
     # --- what the engine implements --------------------------------------------------------
     @property
@@ -141,11 +147,22 @@ class EngineFrontend:
 
     @property
     def model_name(self) -> str:
-        if self.settings.model.served_model_name:
-            return self.settings.model.served_model_name
-        if self.settings.model.path is not None:
-            return Path(self.settings.model.path).name
-        return "graphcache-tiny"
+        """The served model id: --served-model-name, else the hub id or the directory's name (the
+        model setting is classified once: every request compares its model field with this)."""
+        if self._model_name is None:
+            model = self.settings.model
+            if model.served_model_name:
+                self._model_name = model.served_model_name
+            elif model.path is not None:
+                self._model_name = served_name(model.path)
+            else:
+                self._model_name = "graphcache-tiny"
+        return self._model_name
+
+    def _set_generation_defaults(self, model_dir: Path | str | None) -> None:
+        """The sampling defaults of --generation-config for the loaded model (its directory): read once
+        the model is loaded, before requests are admitted."""
+        self.generation_defaults = generation_defaults(self.settings.model.generation_config, model_dir)
 
     def stats(self) -> dict[str, Any]:
         """JSON-able snapshot, refreshed by the step loop (never blocks)."""

@@ -260,6 +260,8 @@ class EngineClient(EngineFrontend):
 
     def _on_ready(self, limits: EngineLimits, tokenizer_dir: str, max_model_len: int) -> None:
         self._tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
+        # The engine process read the same file at load (a malformed one failed the load there).
+        self._set_generation_defaults(tokenizer_dir or None)
         self._checker = RequestChecker(limits, self._tokenizer, GrammarLimits.from_settings(self.settings))
         self._max_model_len = max_model_len
 

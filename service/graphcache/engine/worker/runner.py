@@ -101,8 +101,9 @@ class ModelRunner:
             if s.model.dtype == "auto"
             else s.model.dtype
         )
+        # A local directory: a hub id was fetched by the engine, which passes its snapshot directory.
         path = (
-            s.model.path
+            Path(s.model.path).expanduser()
             if s.model.path is not None
             else default_model_dir(s.model.cache_dir, seed=s.model.seed)
         )

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import connection
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -162,10 +163,11 @@ class TensorParallelRunner:
     def start(cls, settings: Settings, metrics: Metrics | None = None) -> TensorParallelRunner:
         """Spawn ranks 1..N-1, load rank 0's shard with them, wait until every rank is loaded."""
         size = settings.model.tensor_parallel_size
-        model = settings.model.path
-        if model is None:  # made once, here: the ranks must not race to write the same files
+        if settings.model.path is None:  # made once, here: the ranks must not race to write the same files
             model = default_model_dir(settings.model.cache_dir, seed=settings.model.seed)
-            settings = settings.updated(model=model)
+            settings = settings.updated(model=str(model))
+        else:  # a local directory (the engine fetched a hub id already)
+            model = Path(settings.model.path).expanduser()
         check_shardable(read_config(model), size)  # before any process starts
         port, ctx = free_port(), mp.get_context("spawn")
         workers: list[_Worker] = []
