@@ -1,7 +1,7 @@
-"""Sampling one step on the device: GPU and host time of `Sampler.sample_device` on its three paths side
-by side (legacy: the torch-composed threshold path; fused: engine/sample/fused_draw.py; nucleus: the
-rejection sampler, engine/sample/nucleus_draw.py, the default for rows without top-k), and what each
-piece of the torch path costs.
+"""Sampling one step on the device: GPU and host time of `Sampler.sample_device` on its two paths side
+by side (legacy: the torch-composed threshold path; nucleus: the rejection sampler,
+engine/sample/nucleus_draw.py, the default for rows without top-k), and what each piece of the torch
+path costs.
 
     python benchmarks/sampler_bench.py --rows 256 --vocab 151936      # Qwen2.5-0.5B shape
     python benchmarks/sampler_bench.py --rows 256 --vocab 128256      # the 8B shape
@@ -9,8 +9,8 @@ piece of the torch path costs.
 Table 1, by sampling parameters (median GPU ms of --iters calls, CUDA events; bf16 logits randn * 3):
 greedy; temperature only; top_p 0.9; top_k 50; top_k 50 + top_p 0.9; seeded; half seeded; top_p 0.9
 on flat logits (logits / 10: long nuclei); the realistic mix (T 0.8, top_p 0.95, a quarter seeded).
-Columns: legacy, fused, nucleus (GPU ms, and the host ms of the call), and nucleus minus greedy (the
-goal: <= 0.3 ms at 256 rows). Rows with top_k take legacy (or fused) in the nucleus sampler too.
+Columns: legacy, nucleus (GPU ms, and the host ms of the call), and nucleus minus greedy (the goal:
+<= 0.3 ms at 256 rows). Rows with top_k take legacy in the nucleus sampler too.
 
 Table 2, the pieces of the legacy path for the top_p 0.9 rows, and the predicted floor of each
 (bytes / 4.8 TB/s; 256 x 151,936: bf16 logits 78 MB = 16 us a pass, fp32 156 MB = 32 us a pass):
@@ -23,11 +23,7 @@ Table 2, the pieces of the legacy path for the top_p 0.9 rows, and the predicted
   draw          race_draw: one fp32 read pass                                   156 MB -> ~32 us
   logprobs      token_logprobs(k=5): log_softmax fp32 write + topk               ~0.5 GB -> ~100 us
   host sync     tokens .tolist(): a [R] int64 copy and a stream sync           ~10 us (latency)
-Table 3: fused_draw alone by launch setting (Config: block, lblock, pivots, cap, warps), to pick the
-defaults from one run.
-The fused kernel's floor: top_p alone reads the bf16 row 3 times (max; one ladder; compaction + race):
-48 us, plus the ladder's arithmetic (16 pivots x count and mass per token, ~2 G fp32 ops, ~30-60 us);
-top_k + top_p: 5 passes, 80 us; temperature only: 2 passes, 32 us.
+Table 3: nucleus_draw alone by launch setting (block, warps), to pick the defaults from one run.
 """
 
 from __future__ import annotations
@@ -42,8 +38,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the graphcache package
 
 import torch  # noqa: E402
-from graphcache.engine.sample import fused_draw as fd  # noqa: E402
 from graphcache.engine.sample import sampler as sm  # noqa: E402
+from graphcache.engine.sample.controls import apply_penalties  # noqa: E402
 from graphcache.engine.sample.filter_threshold import thresholds  # noqa: E402
 from graphcache.engine.sample.logprobs import token_logprobs  # noqa: E402
 from graphcache.engine.sample.nucleus_draw import nucleus_draw  # noqa: E402
@@ -93,8 +89,7 @@ def seqs_of(make, rows: int) -> list[Sequence]:
 
 def by_case(logits, flat, rows: int, iters: int) -> list[dict]:
     samplers = {
-        "legacy": Sampler(default_seed=0, fused=False, nucleus=False),
-        "fused": Sampler(default_seed=0, fused=True, nucleus=False),
+        "legacy": Sampler(default_seed=0, nucleus=False),
         "nucleus": Sampler(default_seed=0),
     }
     out = []
@@ -141,7 +136,7 @@ def pieces(logits, rows: int, iters: int) -> list[dict]:
         },
         {
             "piece": "penalties (frequency + presence, 64 tokens a row)",
-            "ms": gpu_ms(lambda: sm._apply_penalties(x.clone(), list(range(rows)), pen), iters),
+            "ms": gpu_ms(lambda: apply_penalties(x.clone(), list(range(rows)), pen), iters),
         },
         {
             "piece": "threshold (top_p 0.9: topk prefix + passes)",
@@ -155,52 +150,6 @@ def pieces(logits, rows: int, iters: int) -> list[dict]:
         {"piece": "host sync (tokens .tolist())", "ms": gpu_ms(lambda: tokens.tolist(), iters)},
         {"piece": "(x.clone(): one fp32 read+write, for scale)", "ms": gpu_ms(lambda: x.clone(), iters)},
     ]
-
-
-SWEEP = [
-    dict(),
-    dict(block=1024),
-    dict(block=1024, warps=4),
-    dict(block=4096),
-    dict(block=4096, warps=16),
-    dict(warps=16),
-    dict(lblock=128),
-    dict(lblock=512),
-    dict(pivots=8),
-    dict(pivots=32, lblock=128),
-    dict(cap=2048),
-    dict(cap=1024, block=1024, lblock=128, warps=4),
-]
-
-
-def sweep(logits, flat, rows: int, iters: int) -> list[dict]:
-    """fused_draw alone for top_p 0.9 (normal and flat rows), top_k 50 + top_p 0.9, and temperature only,
-    by launch setting (Config's defaults first)."""
-    dev = logits.device
-    vocab = logits.shape[-1]
-    idx = torch.arange(rows, device=dev)
-    t = torch.full((rows,), 0.8, device=dev)
-    keys = torch.arange(rows, dtype=torch.int64, device=dev) * 7919
-    lmp = torch.full((rows,), float("-inf"), device=dev)
-    off_k = torch.full((rows,), vocab, dtype=torch.int64, device=dev)
-    k50 = torch.full((rows,), 50, dtype=torch.int64, device=dev)
-    p9, p1 = torch.full((rows,), 0.9, device=dev), torch.ones(rows, device=dev)
-    out = []
-    for setting in SWEEP:
-
-        def run(x, k, p, s=setting):
-            return fd.fused_draw(x, idx, t, k, p, lmp, keys, **s)
-
-        out.append(
-            {
-                "setting": ", ".join(f"{a}={b}" for a, b in setting.items()) or "defaults",
-                "top_p": gpu_ms(lambda: run(logits, off_k, p9), iters),
-                "top_p flat": gpu_ms(lambda: run(flat, off_k, p9), iters),
-                "top_k+top_p": gpu_ms(lambda: run(logits, k50, p9), iters),
-                "temperature": gpu_ms(lambda: run(logits, off_k, p1), iters),
-            }
-        )
-    return out
 
 
 NUCLEUS_SWEEP = [
@@ -256,11 +205,9 @@ def main() -> int:
     greedy = cases[0]["nucleus_ms"]
     print(f"{args.rows} rows x {args.vocab} vocab, bf16 logits, {torch.cuda.get_device_name()}")
     print("GPU ms (host ms of the call), median; nucleus = the default path")
-    print(f"{'case':<42} {'legacy':>15} {'fused':>15} {'nucleus':>15} {'nucleus-greedy':>15}")
+    print(f"{'case':<42} {'legacy':>15} {'nucleus':>15} {'nucleus-greedy':>15}")
     for r in cases:
-        cols = " ".join(
-            f"{r[f'{k}_ms']:7.3f} ({r[f'{k}_host_ms']:5.2f})" for k in ("legacy", "fused", "nucleus")
-        )
+        cols = " ".join(f"{r[f'{k}_ms']:7.3f} ({r[f'{k}_host_ms']:5.2f})" for k in ("legacy", "nucleus"))
         print(f"{r['case']:<42} {cols} {r['nucleus_ms'] - greedy:15.3f}")
     if args.no_sweep:
         if args.out:
@@ -278,18 +225,8 @@ def main() -> int:
     print(f"\npieces of the legacy path (top_p 0.9 rows)\n{'piece':<52} {'GPU ms':>8}")
     for r in parts:
         print(f"{r['piece']:<52} {r['ms']:8.3f}")
-    swept = sweep(logits, flat, args.rows, args.iters)
-    print(
-        f"\nfused_draw alone by launch setting (GPU ms)\n{'setting':<28} {'top_p':>7} {'flat':>7} {'k+p':>7} {'temp':>7}"
-    )
-    for r in swept:
-        print(
-            f"{r['setting']:<28} {r['top_p']:7.3f} {r['top_p flat']:7.3f} {r['top_k+top_p']:7.3f} {r['temperature']:7.3f}"
-        )
     if args.out:
-        args.out.write_text(
-            json.dumps({"cases": cases, "pieces": parts, "sweep": swept, "nucleus_sweep": nswept}, indent=1)
-        )
+        args.out.write_text(json.dumps({"cases": cases, "pieces": parts, "nucleus_sweep": nswept}, indent=1))
     return 0
 
 

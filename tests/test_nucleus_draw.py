@@ -10,7 +10,7 @@ import pytest
 import torch
 from graphcache.engine.sample import nucleus_draw as nd
 from graphcache.engine.sample import race_draw as rd
-from test_sampling_fused import NEG_INF, rows_of, sort_threshold, z_of
+from helpers_sampling import NEG_INF, keys_of, rows_of, sort_threshold, z_of
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
 needs_interpreter = pytest.mark.skipif(
@@ -21,10 +21,6 @@ needs_cuda = pytest.mark.skipif(
 )
 
 
-def keys_of(seeds, step=0) -> torch.Tensor:
-    return torch.tensor([rd.to_int64(rd.row_key(s, step)) for s in seeds], dtype=torch.int64)
-
-
 def params(rows: int):
     p = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.0, 0.8, 0.999, 1.0, 0.05, 0.7, 1.0, 0.3])[:rows]
     t = torch.tensor([0.8, 1.0, 0.5, 1.3, 0.8, 0.7, 1.0, 0.9, 2.0, 0.6, 1.0, 0.8])[:rows]
@@ -33,7 +29,7 @@ def params(rows: int):
 
 
 def nucleus_mask(logits, t, p, lmp) -> torch.Tensor:
-    """[R, V] bool: the tokens of each row's nucleus, by sorting (test_sampling_fused.sort_threshold)."""
+    """[R, V] bool: the tokens of each row's nucleus, by sorting (helpers_sampling.sort_threshold)."""
     z = z_of(logits.float(), t, lmp)
     thr = sort_threshold(z, torch.full((z.shape[0],), z.shape[1]), p)
     return (z >= thr.view(-1, 1)) & (z > NEG_INF)

@@ -1,6 +1,7 @@
-"""vLLM's sampling controls (sampler.py, stopping.py, SamplingParams.validate): each control against a
-plain per-token reference written here, on varied non-zero logits; greedy and random rows; seeded rows
-independent of the batch; min_tokens, bad words, many stop strings and include_stop_str_in_output."""
+"""vLLM's sampling controls (controls.py, sampler.py, stopping.py, SamplingParams.validate): each control
+against a plain per-token reference written here, on varied non-zero logits; greedy and random rows;
+seeded rows independent of the batch; min_tokens, bad words, many stop strings and
+include_stop_str_in_output."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import math
 import pytest
 import torch
 from graphcache.engine.errors import InvalidRequest
-from graphcache.engine.sample.sampler import Sampler, needs_history, probs_from_logits
+from graphcache.engine.sample.controls import needs_history
+from graphcache.engine.sample.sampler import Sampler, probs_from_logits
 from graphcache.engine.sequence import SamplingParams, Sequence
 from graphcache.engine.stopping import check_stop
 from helpers_stopping import feed as feed_tokens

@@ -101,7 +101,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    # --- sampling controls (applied on the device, batched: sampler.py) -------------------
+    # --- sampling controls (applied on the device, batched: controls.py) ------------------
     presence_penalty: float = 0.0  # OpenAI: -2..2, subtracted once per token present in the output
     frequency_penalty: float = 0.0  # OpenAI: -2..2, subtracted per occurrence in the output
     repetition_penalty: float = 1.0  # vLLM/HF: > 0; prompt + output tokens, logit / p if > 0 else * p

@@ -36,6 +36,7 @@ from graphcache.config import Settings
 from graphcache.engine.batch import Runner, StepBatch
 from graphcache.engine.errors import InvalidRequest
 from graphcache.engine.loop.request_check import EngineLimits, RequestChecker
+from graphcache.engine.sample.controls import needs_history
 from graphcache.engine.sample.grammar_compiler import GrammarLimits
 from graphcache.engine.sample.logprobs import (
     Logprobs,
@@ -47,7 +48,7 @@ from graphcache.engine.sample.logprobs import (
     to_device,
     token_logprobs,
 )
-from graphcache.engine.sample.sampler import Sampler, needs_history
+from graphcache.engine.sample.sampler import Sampler
 from graphcache.engine.sample.structured import StructuredOutput
 from graphcache.engine.sched.block_manager import BlockManager
 from graphcache.engine.sched.scheduler import Scheduler, SchedulerOutput
