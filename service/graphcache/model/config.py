@@ -56,6 +56,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     o_bias: bool = False  # Llama attention_bias also biases o_proj
     sliding_window: int | None = None  # we attend fully: the runner caps max_model_len to this
+    # config.json's quantization_config (older compressed-tensors: compression_config), as written;
+    # model/quantization.py reads it. None = 16-bit weights.
+    quantization_config: dict[str, Any] | None = None
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -115,7 +118,17 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             o_bias=arch in ("llama", "qwen3") and attention_bias,
             sliding_window=int(window) if window else None,
+            quantization_config=_quantization_config(hf),
         )
+
+
+def _quantization_config(hf: dict[str, Any]) -> dict[str, Any] | None:
+    qc = hf.get("quantization_config") or hf.get("compression_config")
+    if qc is not None and not isinstance(qc, dict):
+        raise ModelLoadError(
+            f"config.json quantization_config is a {type(qc).__name__}, not an object; re-download it"
+        )
+    return qc
 
 
 def _rope_params(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

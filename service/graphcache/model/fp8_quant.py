@@ -1,0 +1,129 @@
+"""FP8 E4M3 quantization of rows: a scale per row (or per group of columns) so the row's largest |value|
+maps to 448, the largest finite E4M3 number.
+
+One rule serves three callers:
+  activations  x [T, K] -> (xq [T, K] fp8, scale [T, 1] fp32), every step (dynamic per-token scales)
+  weights      w [N, K] -> (wq [N, K] fp8, scale [N, 1] fp32), once at load (--quantization fp8)
+  groups       x [T, K] -> (xq, scale [T, K / 128]): per token and 128-column group, for block-scaled weights
+with xq * scale ~= x. The scale is amax / 448, floored at MIN_SCALE so an all-zero row divides by
+something (its xq is all zeros either way), and xq = clamp(x / scale, -448, 448) rounded to nearest.
+
+On CUDA the activation quantization is one Triton kernel per call (a torch version is ~5 kernels: abs,
+amax, divide, clamp, cast, a measurable share of a batch-1 decode step with 4 of them a layer). It
+computes exactly what the torch version computes (fp32 amax, IEEE division, the same cast), so the CPU
+path and its tests check the GPU's numerics; tests/gpu/test_fp8_cuda.py compares the two bit for bit.
+Rows are independent: a padded row's garbage never reaches a real row (the graphs rely on that).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphcache.model.triton_support import HAVE_TRITON, tl, triton
+
+__all__ = ["FP8", "FP8_MAX", "MIN_SCALE", "quantize_groups", "quantize_rows"]
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+# The smallest scale: an all-zero row still divides by a normal number. vLLM's floor too.
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+
+
+def _quantize_torch(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    t, k = x.shape
+    xg = x.float().reshape(t, k // group, group)  # [T, G, group]
+    scale = (xg.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_(min=MIN_SCALE)  # [T, G, 1]
+    xq = (xg / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8).reshape(t, k)
+    return xq, scale.view(t, k // group)
+
+
+def _quantize_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    stride_x,
+    stride_q,
+    rows,
+    group,
+    min_scale,
+    BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+):
+    # One program per (row, group). Two passes over the group (amax, then quantize) unless it fits one
+    # block; the second pass reads the row again from L2. Scales go out group-major: s[g * rows + row].
+    row = tl.program_id(0)
+    g = tl.program_id(1)
+    start = g * group
+    cols = tl.arange(0, BLOCK)
+    if ONE_PASS:
+        mask = cols < group
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=0)
+    else:
+        running = tl.zeros([BLOCK], dtype=tl.float32)
+        for off in range(0, group, BLOCK):
+            mask = off + cols < group
+            x = tl.load(x_ptr + row * stride_x + start + off + cols, mask=mask, other=0.0).to(tl.float32)
+            running = tl.maximum(running, tl.abs(x))
+        amax = tl.max(running, axis=0)
+    scale = tl.maximum(tl.math.div_rn(amax, 448.0), min_scale)
+    tl.store(s_ptr + g * rows + row, scale)
+    if ONE_PASS:
+        q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
+        tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        for off in range(0, group, BLOCK):
+            mask = off + cols < group
+            x = tl.load(x_ptr + row * stride_x + start + off + cols, mask=mask, other=0.0).to(tl.float32)
+            q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
+            tl.store(q_ptr + row * stride_q + start + off + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+_KERNEL = None
+ONE_PASS_MAX = 8192  # groups up to this many columns are held in registers in one pass
+
+
+def _quantize_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    global _KERNEL
+    if _KERNEL is None:
+        _KERNEL = triton.jit(_quantize_kernel)
+    t, k = x.shape
+    groups = k // group
+    xq = torch.empty((t, k), dtype=FP8, device=x.device)
+    scale = torch.empty((groups, t), dtype=torch.float32, device=x.device)  # group-major, see below
+    one_pass = group <= ONE_PASS_MAX
+    block = triton.next_power_of_2(group) if one_pass else 2048
+    _KERNEL[(t, groups)](
+        x,
+        xq,
+        scale,
+        x.stride(0),
+        xq.stride(0),
+        t,
+        group,
+        MIN_SCALE,
+        BLOCK=block,
+        ONE_PASS=one_pass,
+        num_warps=4 if block <= 2048 else 8,
+    )
+    # [T, G] with the token dimension contiguous (what block-scaled GEMMs read); at G = 1 it is [T, 1].
+    return xq, scale.t()
+
+
+def _quantize(x: torch.Tensor, group: int, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dim() != 2 or x.shape[1] % group:
+        raise ValueError(f"quantize wants [rows, K] with K a multiple of {group}, got {tuple(x.shape)}")
+    if fused and x.stride(1) == 1:
+        return _quantize_triton(x, group)
+    return _quantize_torch(x, group)
+
+
+def quantize_rows(x: torch.Tensor, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] -> (xq [R, K] fp8, scale [R, 1] fp32) with xq * scale ~= x, one scale per row.
+    fused: the Triton kernel (CUDA; the same numbers as the torch ops)."""
+    return _quantize(x, x.shape[-1], fused and HAVE_TRITON)
+
+
+def quantize_groups(x: torch.Tensor, group: int, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] -> (xq [R, K] fp8, scale [R, K / group] fp32): one scale per row and `group` columns."""
+    return _quantize(x, group, fused and HAVE_TRITON)
