@@ -27,7 +27,7 @@ from graphcache.engine.loop.engine import Engine, SamplingParams
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.metrics import Metrics
 from graphcache.model.config import ModelLoadError
-from graphcache.model.fp8_block import _block_mm_emulated, _block_mm_triton
+from graphcache.model.fp8_gemm import _block_scaled_triton, emulated_mm, row_scaled_mm
 from graphcache.model.fp8_linear import Fp8Linear
 from graphcache.model.fp8_quant import FP8, MIN_SCALE, _quantize_torch, _quantize_triton, quantize_rows
 from graphcache.model.loader import load_model
@@ -146,16 +146,22 @@ def test_fp8_linear_multiplies_the_quantized_operands():
         assert ((got - exact).norm() / exact.norm()).item() < 0.08
 
 
-def test_block_kernel_computes_the_emulated_product():
-    gen = torch.Generator().manual_seed(2)
-    for m, n, k in ((5, 200, 256), (20, 64, 384)):
-        xq = (torch.randn(m, k, generator=gen) * 40).clamp(-448, 448).to(FP8)
-        wq = (torch.randn(n, k, generator=gen) * 40).clamp(-448, 448).to(FP8)
-        sa = torch.rand(m, k // 128, generator=gen) + 0.1
-        sw = torch.rand(-(-n // 128), k // 128, generator=gen) + 0.1
-        want = _block_mm_emulated(xq, wq, sa, sw, (128, 128), torch.float32)
-        got = _block_mm_triton(xq, wq, sa.t().contiguous().t(), sw, (128, 128), torch.float32)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3 * want.abs().max().item())
+@pytest.mark.parametrize("m,n,k", [(1, 200, 256), (5, 64, 384), (20, 96, 128)])
+def test_triton_gemms_compute_the_emulated_products(m, n, k):
+    gen = torch.Generator().manual_seed(m)
+    xq = (torch.randn(m, k, generator=gen) * 40).clamp(-448, 448).to(FP8)
+    wq = (torch.randn(n, k, generator=gen) * 40).clamp(-448, 448).to(FP8)
+    # row scales: [T, 1] as the quantization kernel leaves them (token dim contiguous), [N, 1]
+    sa, sw = torch.rand(1, m, generator=gen).t() + 0.1, torch.rand(n, 1, generator=gen) + 0.1
+    want = emulated_mm(xq, wq, sa, sw, torch.float32)
+    got = row_scaled_mm(xq, wq, sa, sw, torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    # 128x128 block scales: [T, K / 128] token-major, [ceil(N / 128), K / 128]
+    sa = torch.rand(k // 128, m, generator=gen).t() + 0.1
+    sw = torch.rand(-(-n // 128), k // 128, generator=gen) + 0.1
+    want = emulated_mm(xq, wq, sa, sw, torch.float32, (128, 128))
+    got = _block_scaled_triton(xq, wq, sa, sw, (128, 128), torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
 # --- loading what was published -------------------------------------------------------------------------------

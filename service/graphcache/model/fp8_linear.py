@@ -8,8 +8,9 @@ FP8 GEMM that applies both scales to the fp32 accumulator:
 
   per-row scales   torch._scaled_mm(xq [T, K], W.t() [K, N], scale_a [T, 1], scale_b [1, N], out bf16)
                    (W.t() of the row-major [N, K] weight is the column-major operand _scaled_mm wants;
-                   its rowwise-scaled kernels need K and N multiples of 16, any T, bf16 output)
-  block scales     fp8_block.py's Triton GEMM (x per token and 128 columns, W per 128x128 block)
+                   its rowwise-scaled kernels need K and N multiples of 16, any T, bf16 output); small
+                   batches (decode) take fp8_gemm.py's Triton kernel with narrow tiles instead
+  block scales     fp8_gemm.py's Triton kernel (x per token and 128 columns, W per 128x128 block)
 
 Everything is static-shaped and host-sync free, so the layers sit inside the captured graphs. On the CPU
 (no FP8 GEMM is assumed there) the same quantized operands are dequantized to fp32 and multiplied: the
@@ -25,9 +26,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphcache.model.fp8_block import block_fp8_mm
+from graphcache.model import fp8_gemm
+from graphcache.model.fp8_gemm import block_scaled_mm, emulated_mm, row_scaled_mm
 from graphcache.model.fp8_quant import FP8, quantize_groups, quantize_rows
 from graphcache.model.parallel import RowParallelLinear, TensorParallel
+from graphcache.model.triton_support import HAVE_TRITON
 
 __all__ = ["Fp8Linear", "fp8_mm"]
 
@@ -36,10 +39,11 @@ def fp8_mm(
     xq: torch.Tensor, w: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """(xq [T, K] fp8 * scale_a [T, 1]) @ (w [N, K] fp8 * scale_b [N, 1]).T -> [T, N] out_dtype."""
-    row_scales = scale_b.view(1, -1)  # [1, N]
-    if xq.is_cuda:
-        return torch._scaled_mm(xq, w.t(), scale_a=scale_a, scale_b=row_scales, out_dtype=out_dtype)
-    return ((xq.float() @ w.float().t()) * scale_a * row_scales).to(out_dtype)
+    if not xq.is_cuda:
+        return emulated_mm(xq, w, scale_a, scale_b, out_dtype)
+    if HAVE_TRITON and xq.shape[0] <= fp8_gemm.ROW_SCALED_MAX_ROWS:
+        return row_scaled_mm(xq, w, scale_a, scale_b, out_dtype)
+    return torch._scaled_mm(xq, w.t(), scale_a=scale_a, scale_b=scale_b.view(1, -1), out_dtype=out_dtype)
 
 
 class Fp8Linear(nn.Module):
@@ -116,7 +120,7 @@ class Fp8Linear(nn.Module):
             y = fp8_mm(xq, self.weight, scale_a, self.weight_scale, x.dtype)
         else:
             xq, scale_a = quantize_groups(x, self.block[1], self.fused)  # [T, K] fp8, [T, K / bk]
-            y = block_fp8_mm(xq, self.weight, scale_a, self.weight_scale_inv, self.block, x.dtype)
+            y = block_scaled_mm(xq, self.weight, scale_a, self.weight_scale_inv, self.block, x.dtype)
         if self.tp is not None:
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
