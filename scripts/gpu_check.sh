@@ -90,6 +90,14 @@ for p in ${PHASES:-tests pool capture}; do
     # Mixed steps past 256 tokens at both shapes: eager vs breakable vs full graphs, capture s, pool MiB, padding.
     big_steps) phase big_steps 420 python3 benchmarks/big_steps.py --make-model qwen05b:/tmp/qwen05b \
                --make-model llama8b:/tmp/llama8b --out "$OUT/big_steps.json" ${BIG_STEPS_ARGS:-} ;;
+    # FP8 (issue 25): the Llama-3-8B shape in bf16 and with --quantization fp8: full-graph decode at batch 1 and 256,
+    # logits error and greedy agreement against bf16, the GEMM kernels and the Triton decode tile sweep.
+    fp8) phase fp8 420 python3 benchmarks/fp8_bench.py --make-model llama8b:/tmp/llama8b --out "$OUT/fp8.json" ${FP8_ARGS:-} ;;
+    # The FP8 GPU tests alone (kernels vs the CPU emulation, graph replay vs eager).
+    tests_fp8) phase tests_fp8 300 python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu/test_fp8_cuda.py -rs ;;
+    # Offline throughput of the 8B shape, nano workload, graph mode: bf16, then --quantization fp8.
+    fp8_offline) for q in auto fp8; do GRAPHCACHE_QUANTIZATION=$q phase fp8_offline_$q 400 python3 benchmarks/offline_throughput.py \
+               --make-model llama8b:/tmp/llama8b --modes graph --workload nano --out "$OUT/fp8_offline_$q.json"; done ;;
     *) echo "unknown phase $p" ;;
   esac
 done

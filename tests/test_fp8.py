@@ -17,6 +17,7 @@ outliers to protect and no structure to average it out, so this is a ceiling for
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import pytest
@@ -310,6 +311,17 @@ def test_unsupported_quantization_is_a_one_line_startup_error(root, bf16, name):
     assert (qc.get("quant_method") if name in ("awq", "gptq", "bitsandbytes") else "") in message
 
 
+def test_serve_refuses_an_unsupported_method_before_loading(root, bf16):
+    """`graphcache serve`'s startup check (cli.check_model_dir) says it in one line, exit 2, nothing loaded."""
+    from graphcache.cli import StartupError, check_model_dir
+
+    path = write_fp8_checkpoint(bf16, root / "refused-at-start", quantization_config=REFUSED["gptq"])
+    with pytest.raises(StartupError, match="quant_method 'gptq'; supported: quant_method fp8") as e:
+        check_model_dir(path, None)
+    assert "\n" not in str(e.value)
+    check_model_dir(write_fp8_checkpoint(bf16, root / "accepted-at-start"), None)
+
+
 def test_a_config_that_disagrees_with_the_weights_names_both(root, bf16):
     """quantization_config says FP8 but the projections are bf16 (or the ignore list splits a fused layer)."""
     lying = root / "lying"
@@ -401,3 +413,24 @@ def test_tensor_parallel_ranks_hold_their_shards_of_the_fp8_layers(checkpoints, 
                 assert torch.equal(w, want), f"{path} rank {rank} {name}"
             rel = (logits - want_logits).norm(dim=-1) / want_logits.norm(dim=-1)
             assert rel.max() < REL_MAX / 2, f"{path} rank {rank}: {rel}"
+
+
+# --- the benchmark the GPU run uses -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_fp8_bench_smoke(tmp_path):
+    """benchmarks/fp8_bench.py end to end on the CPU (tiny model): the H200 run (scripts/gpu_check.sh fp8)
+    breaks here first."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import fp8_bench
+
+    out = tmp_path / "fp8.json"
+    assert fp8_bench.main(["--smoke", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["batch"] for r in report["decode"]] == [1, 4]
+    assert 0 < report["logits"]["rel_error_mean"] < REL_MEAN
+    assert report["greedy"]["sequences"] == 2

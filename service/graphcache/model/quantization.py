@@ -32,6 +32,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import nn
 
+from graphcache.choices import QUANTIZATIONS
 from graphcache.model.config import ModelConfig, ModelLoadError
 from graphcache.model.fp8_linear import Fp8Linear
 
@@ -109,8 +110,8 @@ def resolve_quantization(config: ModelConfig, requested: str = "auto") -> Fp8Sch
     """The checkpoint's scheme (config.json quantization_config), or quantize-on-load for `requested`
     "fp8" on a 16-bit checkpoint; None: no quantization. ModelLoadError names what is supported."""
     qc = config.quantization_config
-    if requested not in ("auto", "fp8"):
-        raise ModelLoadError(f"unknown quantization {requested!r}; use auto or fp8")
+    if requested not in QUANTIZATIONS:
+        raise ModelLoadError(f"unknown quantization {requested!r}; use one of {', '.join(QUANTIZATIONS)}")
     if qc is None:
         return Fp8Scheme("--quantization fp8", on_load=True) if requested == "fp8" else None
     method = qc.get("quant_method")
