@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from graphcache.engine.batch import StepBatch, StepSeq  # noqa: E402
 from graphcache.model import fp8_gemm  # noqa: E402
 from graphcache.model.fp8_gemm import row_scaled_mm  # noqa: E402
-from graphcache.model.fp8_quant import quantize_rows  # noqa: E402
+from graphcache.model.fp8_quant import quantize_rows, quantize_weight  # noqa: E402
 from graphcache.model.tiny import default_model_dir  # noqa: E402
 
 from benchmarks.decode_step import fill, make_runner, time_steps  # noqa: E402
@@ -216,7 +216,7 @@ def gemm_table() -> list[dict]:
     rows = []
     for name, (n, k) in GEMM_SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-        wq, sw = quantize_rows(w)
+        wq, sw = quantize_weight(w)
         for m in GEMM_ROWS:
             rows.append(gemm_row(name, w, wq, sw, m))
             print(json.dumps(rows[-1]), flush=True)
@@ -224,7 +224,7 @@ def gemm_table() -> list[dict]:
 
 
 def tile_row(name: str, n: int, k: int, tile: tuple[int, int, int, int]) -> dict:
-    wq, sw = quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5)
+    wq, sw = quantize_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5)
     xq, sa = quantize_rows(torch.randn(1, k, device="cuda", dtype=torch.bfloat16), fused=True)
     fp8_gemm.DECODE_TILE = tile
     us = graph_us(lambda: row_scaled_mm(xq, wq, sa, sw, torch.bfloat16))

@@ -28,9 +28,16 @@ from graphcache.engine.loop.engine import Engine, SamplingParams
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.metrics import Metrics
 from graphcache.model.config import ModelLoadError
-from graphcache.model.fp8_gemm import _block_scaled_triton, emulated_mm, row_scaled_mm
+from graphcache.model.fp8_gemm import _block_scaled_triton, emulated_mm, fused_row_scaled_mm, row_scaled_mm
 from graphcache.model.fp8_linear import Fp8Linear
-from graphcache.model.fp8_quant import FP8, MIN_SCALE, _quantize_torch, _quantize_triton, quantize_rows
+from graphcache.model.fp8_quant import (
+    FP8,
+    MIN_SCALE,
+    _quantize_torch,
+    _quantize_triton,
+    quantize_rows,
+    quantize_weight,
+)
 from graphcache.model.loader import load_model
 from graphcache.model.parallel import TensorParallel
 from helpers_dist import gloo_group, run_ranks
@@ -162,6 +169,19 @@ def test_triton_gemms_compute_the_emulated_products(m, n, k):
     sw = torch.rand(-(-n // 128), k // 128, generator=gen) + 0.1
     want = emulated_mm(xq, wq, sa, sw, torch.float32, (128, 128))
     got = _block_scaled_triton(xq, wq, sa, sw, (128, 128), torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 200, 256), (16, 96, 640)])
+def test_decode_kernel_quantizes_x_as_quantize_rows_does(m, n, k):
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(m, k, generator=gen) * torch.logspace(-2, 2, m).unsqueeze(1)
+    wq, sw = quantize_weight(torch.randn(n, k, generator=gen))
+    # Under Triton's interpreter both kernels share its fp8 rounding slips (_interpreter_rounding_slip); the
+    # GPU test compares this kernel with quantize_rows + row_scaled_mm bit for bit.
+    xq, sa = _quantize_triton(x, k)
+    want = emulated_mm(xq, wq, sa, sw, torch.float32)
+    got = fused_row_scaled_mm(x, wq, sw, torch.float32)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 

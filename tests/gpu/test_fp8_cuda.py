@@ -19,9 +19,9 @@ import torch
 from graphcache.engine.batch import StepBatch, StepSeq
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.model import fp8_gemm
-from graphcache.model.fp8_gemm import block_scaled_mm, emulated_mm
+from graphcache.model.fp8_gemm import block_scaled_mm, emulated_mm, fused_row_scaled_mm, row_scaled_mm
 from graphcache.model.fp8_linear import Fp8Linear, fp8_mm
-from graphcache.model.fp8_quant import FP8, quantize_groups, quantize_rows
+from graphcache.model.fp8_quant import FP8, quantize_groups, quantize_rows, quantize_weight
 from helpers_fp8 import bf16_copy, write_fp8_checkpoint
 from helpers_model import Blocks, cpu_settings, prompt_ids, tiny_checkpoint
 
@@ -56,7 +56,7 @@ def test_fp8_mm_equals_the_emulation(m):
     assert fp8_gemm.ROW_SCALED_MAX_ROWS == 16
     n, k = 768, 1024
     w = torch.randn(n, k, device="cuda") / 30
-    wq, sw = quantize_rows(w)
+    wq, sw = quantize_weight(w)
     for seed in (0, 1):  # two different inputs
         torch.manual_seed(seed)
         x = (torch.randn(m, k, device="cuda") * (1 + 10 * seed)).bfloat16()
@@ -66,6 +66,21 @@ def test_fp8_mm_equals_the_emulation(m):
         want = emulated_mm(xq, wq, sa, sw, torch.bfloat16)
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_decode_kernel_equals_quantize_then_gemm(m):
+    """The decode GEMM quantizes x itself: the same bits as the quantization kernel, then the same product."""
+    n, k = 4096, 14336
+    wq, sw = quantize_weight(torch.randn(n, k, device="cuda") / 100)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        x = (torch.randn(m, k, device="cuda") * (1 + 10 * seed)).bfloat16()
+        xq, sa = quantize_rows(x, fused=True)
+        want = row_scaled_mm(xq, wq, sa, sw, torch.bfloat16)
+        _poison()
+        got = fused_row_scaled_mm(x, wq, sw, torch.bfloat16)
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("m", [1, 9, 100])

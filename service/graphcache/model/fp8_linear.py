@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from graphcache.model import fp8_gemm
-from graphcache.model.fp8_gemm import block_scaled_mm, emulated_mm, row_scaled_mm
-from graphcache.model.fp8_quant import FP8, quantize_groups, quantize_rows
+from graphcache.model.fp8_gemm import block_scaled_mm, emulated_mm, fused_row_scaled_mm, row_scaled_mm
+from graphcache.model.fp8_quant import FP8, quantize_groups, quantize_rows, quantize_weight
 from graphcache.model.parallel import RowParallelLinear, TensorParallel
 from graphcache.model.triton_support import HAVE_TRITON
 
@@ -98,7 +98,7 @@ class Fp8Linear(nn.Module):
     def quantized(cls, linear: nn.Linear) -> Fp8Linear:
         """`linear`'s weight quantized with one scale per output row (amax / 448); the bias is kept."""
         fp8 = cls.like(linear)
-        wq, scale = quantize_rows(linear.weight.data)
+        wq, scale = quantize_weight(linear.weight.data)
         fp8.weight.data.copy_(wq)
         fp8.weight_scale.data.copy_(scale)
         if linear.bias is not None and fp8.bias is not None:
@@ -115,7 +115,9 @@ class Fp8Linear(nn.Module):
         return w * s[: self.out_features, : self.in_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
-        if self.block is None:
+        if self.block is None and self._quantizes_in_gemm(x):
+            y = fused_row_scaled_mm(x, self.weight, self.weight_scale, x.dtype)  # decode: one kernel
+        elif self.block is None:
             xq, scale_a = quantize_rows(x, self.fused)  # [T, K] fp8, [T, 1]
             y = fp8_mm(xq, self.weight, scale_a, self.weight_scale, x.dtype)
         else:
@@ -124,6 +126,17 @@ class Fp8Linear(nn.Module):
         if self.tp is not None:
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+    def _quantizes_in_gemm(self, x: torch.Tensor) -> bool:
+        """Decode-sized steps on CUDA with the fused kernels on: fp8_gemm's kernel quantizes x itself."""
+        rows = x.shape[0]
+        return (
+            self.fused
+            and x.is_cuda
+            and HAVE_TRITON
+            and rows <= fp8_gemm.ROW_SCALED_MAX_ROWS
+            and x.stride(1) == 1
+        )
 
     def extra_repr(self) -> str:
         scales = "per-row scales" if self.block is None else f"{self.block[0]}x{self.block[1]} block scales"
