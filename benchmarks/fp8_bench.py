@@ -13,9 +13,10 @@ per-token activation scales; an FP8 checkpoint of the same weights loads to the 
   greedy  G random prompts, N tokens generated greedily by each model: the fraction of tokens that agree,
           of sequences equal to the end, and the mean length of the common prefix
   gemm    (CUDA) per Llama-3-8B linear shape [N, K] and batch rows M: bf16 torch.mm, FP8 through
-          torch._scaled_mm and through the Triton row-scaled kernel (each with the per-token activation
-          quantization), the quantization alone; microseconds per call from CUDA-graph replays, and the
-          Triton decode tile sweep at M = 1 (fp8_gemm.DECODE_TILE; the fastest is printed)
+          torch._scaled_mm and through the Triton row-scaled kernel (each after the per-token activation
+          quantization kernel), the decode kernel that quantizes x itself (M <= 16: what decode runs),
+          the quantization alone; microseconds per call from CUDA-graph replays; and the decode kernel's
+          tile sweep at M = 1 (fp8_gemm.DECODE_TILE; the fastest per shape is printed)
 Random weights give near-Gaussian logits (std ~1 over 128k ids): top-2 margins are small, so all-position
 agreement understates what a trained model keeps; the margin > 1 figure is the meaningful one.
 """
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the 
 import torch  # noqa: E402
 from graphcache.engine.batch import StepBatch, StepSeq  # noqa: E402
 from graphcache.model import fp8_gemm  # noqa: E402
-from graphcache.model.fp8_gemm import row_scaled_mm  # noqa: E402
+from graphcache.model.fp8_gemm import fused_row_scaled_mm, row_scaled_mm  # noqa: E402
 from graphcache.model.fp8_quant import quantize_rows, quantize_weight  # noqa: E402
 from graphcache.model.tiny import default_model_dir  # noqa: E402
 
@@ -208,6 +209,7 @@ def gemm_row(name: str, w: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, m: 
         "bf16_us": graph_us(lambda: torch.mm(x, w.t())),
         "fp8_scaled_mm_us": graph_us(scaled_mm),
         "fp8_triton_us": graph_us(triton_mm),
+        "fp8_fused_us": graph_us(lambda: fused_row_scaled_mm(x, wq, sw, torch.bfloat16)) if m <= 16 else None,
         "quantize_us": graph_us(lambda: quantize_rows(x, fused=True)),
     }
 
@@ -225,14 +227,14 @@ def gemm_table() -> list[dict]:
 
 def tile_row(name: str, n: int, k: int, tile: tuple[int, int, int, int]) -> dict:
     wq, sw = quantize_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5)
-    xq, sa = quantize_rows(torch.randn(1, k, device="cuda", dtype=torch.bfloat16), fused=True)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     fp8_gemm.DECODE_TILE = tile
-    us = graph_us(lambda: row_scaled_mm(xq, wq, sa, sw, torch.bfloat16))
+    us = graph_us(lambda: fused_row_scaled_mm(x, wq, sw, torch.bfloat16))
     return {"layer": name, "tile": list(tile), "us": us, "weight_gb_s": n * k / us / 1e3}
 
 
 def tile_sweep() -> list[dict]:
-    """The Triton row-scaled kernel at M = 1 with each candidate DECODE_TILE, per 8B shape (GEMM alone)."""
+    """The decode kernel (quantization fused) at M = 1 with each candidate DECODE_TILE, per 8B shape."""
     saved = fp8_gemm.DECODE_TILE
     try:
         return [tile_row(name, n, k, tile) for name, (n, k) in GEMM_SHAPES.items() for tile in DECODE_TILES]
@@ -301,11 +303,14 @@ def main(argv: list[str] | None = None) -> int:
         f"sequences equal {gr['sequences_equal']:.2f}, common prefix {gr['common_prefix_mean']:.1f} tokens"
     )
     if "gemm" in report:
-        print(f"\n{'layer':<13} {'M':>4} {'bf16 us':>8} {'_scaled_mm':>10} {'triton':>8} {'quant':>7}")
+        print(
+            f"\n{'layer':<13} {'M':>4} {'bf16 us':>8} {'_scaled_mm':>10} {'triton':>8} {'fused':>7} {'quant':>7}"
+        )
         for r in report["gemm"]:
+            fused = f"{r['fp8_fused_us']:7.1f}" if r["fp8_fused_us"] is not None else f"{'':>7}"
             print(
                 f"{r['layer']:<13} {r['m']:>4} {r['bf16_us']:8.1f} {r['fp8_scaled_mm_us']:10.1f} "
-                f"{r['fp8_triton_us']:8.1f} {r['quantize_us']:7.1f}"
+                f"{r['fp8_triton_us']:8.1f} {fused} {r['quantize_us']:7.1f}"
             )
         for name in GEMM_SHAPES:
             best = min((r for r in report["tile_sweep"] if r["layer"] == name), key=lambda r: r["us"])
