@@ -357,6 +357,17 @@ def test_a_config_that_disagrees_with_the_weights_names_both(root, bf16):
         load_model(split, "float32", "cpu")
 
 
+def test_fp8_weights_without_a_quantization_config_are_refused(root, checkpoints):
+    """E.g. ModelOpt's checkpoints, whose scheme is in hf_quant_config.json rather than config.json."""
+    path = root / "no-config"
+    write_fp8_checkpoint(checkpoints["ct-channel"].parent / "bf16", path)
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["quantization_config"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="no quantization_config"):
+        load_model(path, "float32", "cpu")
+
+
 def test_ignored_layers_stay_16_bit(root, bf16):
     path = write_fp8_checkpoint(bf16, root / "ignore-down", ignore=("lm_head", "re:.*down_proj$"))
     model, _ = load_model(path, "float32", "cpu")

@@ -116,8 +116,8 @@ def _quantize_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.T
         ONE_PASS=one_pass,
         num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16,
     )
-    # [T, G] with the token dimension contiguous (what block-scaled GEMMs read); at G = 1 it is [T, 1].
-    return xq, scale.t()
+    # [T, G] with the token dimension contiguous (what block-scaled GEMMs read); at G = 1 a plain [T, 1].
+    return xq, scale.view(t, 1) if groups == 1 else scale.t()
 
 
 def _quantize(x: torch.Tensor, group: int, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:

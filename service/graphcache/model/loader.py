@@ -186,7 +186,7 @@ def _load_file(
                     f"shape mismatch for {hf_name} in {file.name}: checkpoint has {tuple(tensor.shape)}, "
                     f"config.json implies {tuple(dest.shape)}; config.json and the weights disagree"
                 )
-            check_checkpoint_dtype(hf_name, tensor, dest)
+            check_checkpoint_dtype(hf_name, tensor, dest, scheme)
             dest.copy_(tensor.to(dest.dtype))  # the model dtype, or FP8 weights and fp32 scales as they are
             loaded.add(hf_name)
 

@@ -347,9 +347,16 @@ def scale_targets(targets: Mapping[str, T], layers: list[str], scheme: Fp8Scheme
     return out
 
 
-def check_checkpoint_dtype(hf_name: str, tensor: torch.Tensor, dest: torch.Tensor) -> None:
+def check_checkpoint_dtype(
+    hf_name: str, tensor: torch.Tensor, dest: torch.Tensor, scheme: Fp8Scheme | None
+) -> None:
     """A float8 checkpoint tensor may only load into an FP8 weight, and an FP8 weight only from float8."""
     fp8_in, fp8_dest = tensor.dtype in _FP8_DTYPES, dest.dtype in _FP8_DTYPES
+    if fp8_in and scheme is None:
+        raise _unsupported(
+            f"{hf_name} is {tensor.dtype} but config.json has no quantization_config (a ModelOpt "
+            "hf_quant_config.json is not read)"
+        )
     if fp8_in and not fp8_dest:
         raise _unsupported(
             f"{hf_name} is {tensor.dtype} in the checkpoint, but only the decoder's projections can be FP8 "
