@@ -129,14 +129,8 @@ class Fp8Linear(nn.Module):
 
     def _quantizes_in_gemm(self, x: torch.Tensor) -> bool:
         """Decode-sized steps on CUDA with the fused kernels on: fp8_gemm's kernel quantizes x itself."""
-        rows = x.shape[0]
-        return (
-            self.fused
-            and x.is_cuda
-            and HAVE_TRITON
-            and rows <= fp8_gemm.ROW_SCALED_MAX_ROWS
-            and x.stride(1) == 1
-        )
+        small = x.shape[0] <= min(fp8_gemm.ROW_SCALED_MAX_ROWS, 16)  # the kernel's one 16-row tile
+        return self.fused and x.is_cuda and HAVE_TRITON and small and x.stride(1) == 1
 
     def extra_repr(self) -> str:
         scales = "per-row scales" if self.block is None else f"{self.block[0]}x{self.block[1]} block scales"
