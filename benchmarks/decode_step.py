@@ -46,8 +46,15 @@ MODES = {  # mode -> Settings overrides
 
 
 def make_runner(
-    model: Path, mode: str, max_reqs: int, ctx: int, device: str = "cuda", max_model_len: int = 4096
+    model: Path,
+    mode: str,
+    max_reqs: int,
+    ctx: int,
+    device: str = "cuda",
+    max_model_len: int = 4096,
+    **overrides,
 ) -> ModelRunner:
+    """overrides: more settings by flat name (e.g. quantization="fp8")."""
     s = Settings(
         model=model,
         device=device,
@@ -58,7 +65,7 @@ def make_runner(
         warmup_decode_sizes=[],
         admission="always",
         capture_time_share=1.0,
-        **MODES[mode],
+        **{**MODES[mode], **overrides},
     )
     # admission always, no capture-time budget: the first timed steps capture every batch (under the
     # server's defaults a capture after the first may be deferred, and replay_ms finds no entry)

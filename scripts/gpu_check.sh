@@ -97,6 +97,14 @@ for p in ${PHASES:-tests pool capture}; do
     # graph and eager, nano and realistic workloads.
     moe)     phase moe "${MOE_TIMEOUT:-540}" python3 benchmarks/offline_throughput.py --make-model qwen3moe:/tmp/qwen3moe \
                --modes "${MOE_MODES:-graph,eager}" --workload "${MOE_WORKLOADS:-nano,realistic}" --out "$OUT/moe.json" ;;
+    # FP8 (issue 25): the Llama-3-8B shape in bf16 and with --quantization fp8: full-graph decode at batch 1 and 256,
+    # logits error and greedy agreement against bf16, the GEMM kernels and the Triton decode tile sweep.
+    fp8) phase fp8 420 python3 benchmarks/fp8_bench.py --make-model llama8b:/tmp/llama8b --out "$OUT/fp8.json" ${FP8_ARGS:-} ;;
+    # The FP8 GPU tests alone (kernels vs the CPU emulation, graph replay vs eager).
+    tests_fp8) phase tests_fp8 300 python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu/test_fp8_cuda.py -rs ;;
+    # Offline throughput of the 8B shape, nano workload, graph mode: bf16, then --quantization fp8.
+    fp8_offline) for q in auto fp8; do GRAPHCACHE_QUANTIZATION=$q phase fp8_offline_$q 400 python3 benchmarks/offline_throughput.py \
+               --make-model llama8b:/tmp/llama8b --modes graph --workload nano --out "$OUT/fp8_offline_$q.json"; done ;;
     *) echo "unknown phase $p" ;;
   esac
 done

@@ -169,6 +169,17 @@ def test_top_k_above_expert_count_is_refused():
         ModelConfig.from_hf(hf)
 
 
+def test_a_quantized_moe_checkpoint_is_refused_in_one_line():
+    """The experts' FP8 scales are not read: such a checkpoint would load wrong, so it is refused."""
+    from graphcache.model.quantization import resolve_quantization
+
+    hf = json.loads((moe_checkpoint("qwen3_moe") / "config.json").read_text())
+    hf["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    with pytest.raises(ModelLoadError, match="quantized mixture-of-experts checkpoint .*; supported:") as e:
+        resolve_quantization(ModelConfig.from_hf(hf))
+    assert "\n" not in str(e.value)
+
+
 def test_missing_expert_tensor_is_named(tmp_path):
     from safetensors.torch import load_file, save_file
 

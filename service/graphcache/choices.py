@@ -24,6 +24,7 @@ __all__ = [
     "LAZY_POOLS",
     "LOG_FORMATS",
     "LOG_LEVELS",
+    "QUANTIZATIONS",
     "STEP_MODES",
     "AdmissionRule",
     "AsyncScheduling",
@@ -39,6 +40,7 @@ __all__ = [
     "LazyPool",
     "LogFormat",
     "LogLevel",
+    "Quantization",
     "StepMode",
     "REASONING_PARSERS",
     "TOOL_CALL_PARSERS",
@@ -53,6 +55,7 @@ AttentionBackend = Literal["auto", "sdpa", "flash", "flash_paged", "triton"]
 DecodeKernel = Literal["triton", "torch", "varlen"]  # what decode_attention_backend=auto resolves to
 DecodeAttentionBackend = Literal["auto", "triton", "torch", "varlen"]
 FusedOps = Literal["auto", "off"]
+Quantization = Literal["auto", "fp8"]  # auto: as the checkpoint is; fp8: FP8 projections (quantized on load)
 
 # --- engine
 AsyncScheduling = Literal["auto", "on", "off"]
@@ -79,6 +82,7 @@ ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 DECODE_KERNELS: tuple[str, ...] = get_args(DecodeKernel)
 DECODE_ATTENTION_BACKENDS: tuple[str, ...] = get_args(DecodeAttentionBackend)
 FUSED_OPS_MODES: tuple[str, ...] = get_args(FusedOps)
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 ASYNC_SCHEDULING_MODES: tuple[str, ...] = get_args(AsyncScheduling)
 STEP_MODES: tuple[str, ...] = get_args(StepMode)
 CAPTURE_MODES: tuple[str, ...] = get_args(CaptureMode)

@@ -263,9 +263,11 @@ def check_model_dir(path: Path, max_model_len: int | None = None) -> None:
         )
 
     from graphcache.model.config import ModelLoadError, read_config  # imports torch; loads nothing
+    from graphcache.model.quantization import resolve_quantization
 
     try:
         config = read_config(path)
+        resolve_quantization(config)  # an unsupported quantization_config, before anything loads
     except ModelLoadError as e:
         raise StartupError(f"model {where!r}: {e}") from None
     if max_model_len is not None:

@@ -45,6 +45,7 @@ from graphcache.choices import (
     LazyPool,
     LogFormat,
     LogLevel,
+    Quantization,
     ReasoningParserName,
     ToolCallParserName,
 )
@@ -145,6 +146,12 @@ class ModelSettings(SettingsSection):
         "none (the API's own defaults), or a directory holding a generation_config.json (docs/API.md).",
     )
     dtype: Dtype = Field("auto", description="auto = bfloat16 on CUDA, float32 on CPU.")
+    quantization: Quantization = Field(
+        "auto",
+        description="auto = as the checkpoint is (FP8 checkpoints in the fp8 or compressed-tensors format "
+        "serve in FP8); fp8 = quantize a bf16/fp16 checkpoint's linear layers to FP8 on load (per-channel "
+        "weight scales, per-token activation scales; CUDA needs compute capability 8.9+).",
+    )
     device: Device = Field("auto", description="auto = cuda when available.")
     cache_dir: Path = Field(
         Path.home() / ".cache" / "graphcache", description="Where the tiny model is written."

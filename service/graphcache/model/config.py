@@ -65,6 +65,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # each expert's gate/up rows
     norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1 (Mixtral always)
     moe_layers: tuple[int, ...] = ()  # the layers whose MLP is sparse; the others use intermediate_size
+    # config.json's quantization_config (older compressed-tensors: compression_config), as written;
+    # model/quantization.py reads it. None = 16-bit weights.
+    quantization_config: dict[str, Any] | None = None
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -124,6 +127,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             o_bias=arch in ("llama", "qwen3", "qwen3_moe") and attention_bias,
             sliding_window=int(window) if window else None,
+            quantization_config=_quantization_config(hf),
             **_moe_params(arch, hf),
         )
 
@@ -159,6 +163,15 @@ def _moe_params(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
         norm_topk_prob=norm,
         moe_layers=sparse,
     )
+
+
+def _quantization_config(hf: dict[str, Any]) -> dict[str, Any] | None:
+    qc = hf.get("quantization_config") or hf.get("compression_config")
+    if qc is not None and not isinstance(qc, dict):
+        raise ModelLoadError(
+            f"config.json quantization_config is a {type(qc).__name__}, not an object; re-download it"
+        )
+    return qc
 
 
 def _rope_params(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

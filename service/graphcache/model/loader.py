@@ -23,6 +23,14 @@ from safetensors import safe_open
 from graphcache.model.config import ModelConfig, ModelLoadError, read_config, resolve_dtype
 from graphcache.model.llama import LlamaModel
 from graphcache.model.parallel import TensorParallel, vocab_shard
+from graphcache.model.quantization import (
+    Fp8Scheme,
+    check_checkpoint_dtype,
+    fp8_layers,
+    quantize_on_load,
+    resolve_quantization,
+    scale_targets,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +78,7 @@ class Target(NamedTuple):
     shard_dim: int | None = None
     start: int = 0
     full: int = 0  # the checkpoint tensor's size along shard_dim that config.json implies
+    broadcast: bool = False  # a one-element checkpoint tensor fills every row (a per-tensor FP8 scale)
 
 
 def _hf_targets(config: ModelConfig, tp: TensorParallel | None = None) -> dict[str, Target]:
@@ -178,9 +187,9 @@ def _load_file(
     file: Path,
     targets: dict[str, Target],
     params: dict[str, torch.nn.Parameter],
-    dtype: torch.dtype,
     config: ModelConfig,
     loaded: set[str],
+    scheme: Fp8Scheme | None = None,
 ) -> None:
     """Copy one safetensors file's tensors into their parameters; adds their names to `loaded`."""
     try:
@@ -194,6 +203,8 @@ def _load_file(
         for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
             target = targets.get(hf_name)
             if target is None:
+                if scheme is not None and scheme.unused(hf_name):  # static activation / KV-cache scales
+                    continue
                 if not hf_name.endswith("rotary_emb.inv_freq") and hf_name != "lm_head.weight":
                     log.warning(
                         "ignoring tensor %s from %s (not used by %s)", hf_name, file.name, config.architecture
@@ -202,12 +213,15 @@ def _load_file(
             param = params[target.name]
             dest = param.data if target.rows < 0 else param.data.narrow(0, target.offset, target.rows)
             tensor = _read(f, hf_name, target, dest)
+            if target.broadcast and tensor.numel() == 1:
+                tensor = tensor.reshape(()).expand(dest.shape)
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ModelLoadError(
                     f"shape mismatch for {hf_name} in {file.name}: checkpoint has {tuple(tensor.shape)}, "
                     f"config.json implies {tuple(dest.shape)}; config.json and the weights disagree"
                 )
-            dest.copy_(tensor.to(dtype))
+            check_checkpoint_dtype(hf_name, tensor, dest, scheme)
+            dest.copy_(tensor.to(dest.dtype))  # the model dtype, or FP8 weights and fp32 scales as they are
             loaded.add(hf_name)
 
 
@@ -218,15 +232,19 @@ def load_model(
     *,
     max_positions: int | None = None,
     tp: TensorParallel | None = None,
+    quantization: str = "auto",
 ) -> tuple[LlamaModel, ModelConfig]:
     """Build the model on `device` in `dtype` and fill it from the directory's safetensors.
 
     max_positions bounds the rotary cos/sin table (default: the config's max_position_embeddings).
     tp: this process's tensor-parallel shard (model/parallel.py): it reads only its slices of the same
     checkpoint every rank reads. None = the whole model.
+    quantization: "auto" (as config.json's quantization_config says) or "fp8" (FP8 projections, quantized
+    on load if the checkpoint is 16-bit): model/quantization.py.
     Returns (LlamaModel, ModelConfig); the config is the whole model's (heads etc. before the split)."""
     path = Path(path)
     config = read_config(path)
+    scheme = resolve_quantization(config, quantization)
     dtype = resolve_dtype(dtype)
     device = torch.device(device)
     files = weight_files(path)
@@ -234,17 +252,20 @@ def load_model(
     # billions of weights that are overwritten right after.
     with torch.device("meta"):
         model = LlamaModel(config, max_positions=max_positions, tp=tp).to(dtype)
+    targets = _hf_targets(config, model.tp)
+    fp8 = fp8_layers(model, targets, scheme, dtype, device) if scheme is not None else []
+    if scheme is not None:
+        targets |= scale_targets(targets, fp8, scheme)
     model.to_empty(device=device)  # allocated once, already in the target dtype
     if model.tp.enabled:  # the last vocabulary shard's padding rows are read by no checkpoint tensor
         model.embed_tokens.weight.data.zero_()
         model.lm_head.weight.data.zero_()
     params = dict(model.named_parameters())
-    targets = _hf_targets(config, model.tp)
     loaded: set[str] = set()
     progress = _shard_progress.get()
     log.info("loading %d weight file(s) from %s", len(files), path)
     for done, file in enumerate(files, start=1):
-        _load_file(file, targets, params, dtype, config, loaded)
+        _load_file(file, targets, params, config, loaded, scheme)
         log.info("loaded weights %d/%d (%s)", done, len(files), file.name)
         if progress is not None:
             progress(done, len(files), file.name)
@@ -253,6 +274,8 @@ def load_model(
         raise ModelLoadError(
             f"{len(missing)} tensors missing from the safetensors in {path}, e.g. {missing[:5]}"
         )
+    if scheme is not None and scheme.on_load:
+        quantize_on_load(model, fp8)
     if config.tie_word_embeddings:
         model.tie_weights()
     model.init_rotary(device)

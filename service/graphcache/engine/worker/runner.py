@@ -111,7 +111,12 @@ class ModelRunner:
         self.tokenizer = Tokenizer(path)
         self.max_model_len = self._max_model_len(read_config(path))
         self.model, self.model_config = load_model(
-            path, self.dtype, self.device, max_positions=self.max_model_len, tp=tp
+            path,
+            self.dtype,
+            self.device,
+            max_positions=self.max_model_len,
+            tp=tp,
+            quantization=s.model.quantization,
         )
         c = self.model_config
         # One Triton kernel each for add+RMSNorm, rotary and SiLU*mul instead of ~35 small torch kernels a layer.

@@ -1,0 +1,179 @@
+"""FP8 on a real GPU (compute capability 8.9+; the lent H200): the kernels compute what the CPU emulation
+computes, and an FP8 model's logits through graph replay equal its eager logits.
+Run: pytest -m cuda tests/gpu/test_fp8_cuda.py
+
+- The Triton activation quantization equals the torch ops bit for bit (scales and FP8 bytes).
+- fp8_mm (Triton at <= ROW_SCALED_MAX_ROWS rows, torch._scaled_mm above) and the block-scaled Triton GEMM
+  equal fp8_gemm.emulated_mm on the same operands within one bf16 rounding of the output (rtol 1e-2),
+  for two different inputs each, with the allocator's free memory poisoned with NaN before each call
+  (an output the kernel did not write would show).
+- Graph replay vs eager runner, decode batches on both GEMM paths, for a compressed-tensors
+  checkpoint, a 128x128 block checkpoint and --quantization fp8: the bf16 tolerance of
+  tests/gpu/test_runner_cuda.py (3% of the largest logit; argmax equal where the top-2 gap is clear).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from graphcache.engine.batch import StepBatch, StepSeq
+from graphcache.engine.worker.runner import ModelRunner
+from graphcache.model import fp8_gemm
+from graphcache.model.fp8_gemm import block_scaled_mm, emulated_mm, fused_row_scaled_mm, row_scaled_mm
+from graphcache.model.fp8_linear import Fp8Linear, fp8_mm
+from graphcache.model.fp8_quant import FP8, quantize_groups, quantize_rows, quantize_weight
+from helpers_fp8 import bf16_copy, write_fp8_checkpoint
+from helpers_model import Blocks, cpu_settings, prompt_ids, tiny_checkpoint
+
+pytestmark = pytest.mark.cuda
+REL_TOL = 0.03
+
+
+def _poison() -> None:
+    """Fill the caching allocator's free blocks with NaN, so an output nobody wrote shows."""
+    free = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    if free > 0:
+        torch.empty(free // 4, dtype=torch.float32, device="cuda").fill_(float("nan"))
+
+
+@pytest.mark.parametrize(
+    "rows,k,group", [(1, 4096, 4096), (7, 14336, 14336), (33, 1024, 1024), (5, 4096, 128)]
+)
+def test_quantization_kernel_is_bit_exact(rows, k, group):
+    x = (torch.randn(rows, k, device="cuda") * 3).bfloat16()
+    x[0, :17] = 0  # zeros, and (rows > 1) a whole zero row
+    if rows > 1:
+        x[1] = 0
+    want_q, want_s = quantize_groups(x, group, fused=False)
+    _poison()
+    got_q, got_s = quantize_groups(x, group, fused=True)
+    assert torch.equal(got_s, want_s)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 64, 300])  # 16 | 17: the Triton kernel | torch._scaled_mm
+def test_fp8_mm_equals_the_emulation(m):
+    assert fp8_gemm.ROW_SCALED_MAX_ROWS == 16
+    n, k = 768, 1024
+    w = torch.randn(n, k, device="cuda") / 30
+    wq, sw = quantize_weight(w)
+    for seed in (0, 1):  # two different inputs
+        torch.manual_seed(seed)
+        x = (torch.randn(m, k, device="cuda") * (1 + 10 * seed)).bfloat16()
+        xq, sa = quantize_rows(x, fused=True)
+        _poison()
+        got = fp8_mm(xq, wq, sa, sw, torch.bfloat16)
+        want = emulated_mm(xq, wq, sa, sw, torch.bfloat16)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_decode_kernel_equals_quantize_then_gemm(m):
+    """The decode GEMM quantizes x itself: the same bits as the quantization kernel, then the same product."""
+    n, k = 4096, 14336
+    wq, sw = quantize_weight(torch.randn(n, k, device="cuda") / 100)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        x = (torch.randn(m, k, device="cuda") * (1 + 10 * seed)).bfloat16()
+        xq, sa = quantize_rows(x, fused=True)
+        want = row_scaled_mm(xq, wq, sa, sw, torch.bfloat16)
+        _poison()
+        got = fused_row_scaled_mm(x, wq, sw, torch.bfloat16)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("m", [1, 9, 100])
+def test_block_scaled_gemm_equals_the_emulation(m):
+    n, k = 640, 1024
+    wq = (torch.randn(n, k, device="cuda") * 40).clamp(-448, 448).to(FP8)
+    sw = torch.rand(n // 128, k // 128, device="cuda") / 100
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        xq, sa = quantize_groups((torch.randn(m, k, device="cuda") * (1 + seed)).bfloat16(), 128, fused=True)
+        _poison()
+        got = block_scaled_mm(xq, wq, sa, sw, (128, 128), torch.bfloat16)
+        want = emulated_mm(xq, wq, sa, sw, torch.bfloat16, (128, 128))
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+def test_fp8_linear_on_cuda_equals_the_cpu_emulation():
+    linear = torch.nn.Linear(512, 384, bias=True).bfloat16()
+    gpu = Fp8Linear.quantized(linear.cuda())
+    gpu.fused = True
+    cpu = Fp8Linear.quantized(linear.cpu())
+    for m in (1, 40):
+        x = torch.randn(m, 512).bfloat16()
+        torch.testing.assert_close(gpu(x.cuda()).float().cpu(), cpu(x).float(), rtol=1e-2, atol=2e-2)
+
+
+# --- graph replay vs eager ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8cuda")
+    # head_dim 128 and intermediate 512: every fused part is whole 128x128 blocks
+    src = bf16_copy(
+        tiny_checkpoint("llama", hidden=256, layers=4, heads=2, kv_heads=1, intermediate=512, head_dim=128),
+        root / "bf16",
+    )
+    return {
+        "ct-channel": (write_fp8_checkpoint(src, root / "ct", strategy="channel"), {}),
+        "fp8-block": (write_fp8_checkpoint(src, root / "blk", layout="fp8", strategy="block"), {}),
+        "on-load": (src, {"quantization": "fp8"}),
+    }
+
+
+def _settings(path, **kw):
+    return cpu_settings(
+        path,
+        device="cuda",
+        dtype="bfloat16",
+        block_size=16,
+        num_kv_blocks=256,
+        max_num_seqs=32,
+        max_num_batched_tokens=256,
+        max_model_len=256,
+        capture_sizes=[1, 2, 4, 8, 16, 24, 32],
+        max_capture_size=32,
+        **kw,
+    )
+
+
+def _compare(graph_logits, eager_logits, what):
+    graph_logits, eager_logits = graph_logits.float(), eager_logits.float()
+    assert torch.isfinite(graph_logits).all(), f"{what}: non-finite logits from replay"
+    tol = REL_TOL * eager_logits.abs().max().item()
+    err = (graph_logits - eager_logits).abs().max().item()
+    assert err <= tol, f"{what}: max |graph - eager| = {err:.4f} > {tol:.4f}"
+    top2 = eager_logits.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > tol
+    assert torch.equal(graph_logits.argmax(-1)[clear], eager_logits.argmax(-1)[clear]), what
+
+
+@pytest.mark.parametrize("name", ["ct-channel", "fp8-block", "on-load"])
+def test_fp8_graph_replay_equals_eager(checkpoints, name):
+    path, kw = checkpoints[name]
+    graph = ModelRunner(_settings(path, **kw))
+    eager = ModelRunner(_settings(path, enforce_eager=True, **kw))
+    assert any(isinstance(m, Fp8Linear) for m in graph.model.modules())
+    for num_seqs in (1, 3, 20):  # 20 rows: past ROW_SCALED_MAX_ROWS, the _scaled_mm path
+        blocks = Blocks(16)
+        prompts = [prompt_ids(6 + i, seed=100 * num_seqs + i) for i in range(num_seqs)]
+        tables = [blocks.table(len(p) + 8) for p in prompts]
+        tokens = [list(p) for p in prompts]
+        for i, (p, t) in enumerate(zip(prompts, tables, strict=True)):  # prefills, one at a time on both
+            graph.execute(StepBatch([StepSeq(list(p), 0, t, True)]))
+            tokens[i].append(int(eager.execute(StepBatch([StepSeq(list(p), 0, t, True)])).logits[0].argmax()))
+        for step in range(4):
+            seqs = [StepSeq([tokens[i][-1]], len(tokens[i]) - 1, tables[i], True) for i in range(num_seqs)]
+            graph.out_logits.fill_(float("nan"))
+            result = graph.execute(StepBatch(seqs))
+            assert result.mode == "replay", f"{name}: decode step {step} ran {result.mode}"
+            g = result.logits.clone()
+            e = eager.execute(StepBatch(seqs)).logits
+            _compare(g, e, f"{name}: {num_seqs} seqs, step {step}")
+            for i, t in enumerate(e.argmax(-1).tolist()):
+                tokens[i].append(t)
