@@ -30,10 +30,14 @@ REL_TOL = 0.03
 
 
 def _poison() -> None:
-    """Fill the caching allocator's free blocks with NaN, so an output nobody wrote shows."""
-    free = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    if free > 0:
-        torch.empty(free // 4, dtype=torch.float32, device="cuda").fill_(float("nan"))
+    """Fill free blocks of the caching allocator with NaN (blocks of several sizes, at most 1 GiB: one
+    block the size of everything reserved fails when earlier tests left the reserve fragmented), so an
+    output nobody wrote shows."""
+    junk = [
+        torch.full((n,), float("nan"), device="cuda") for n in (1 << 12, 1 << 16, 1 << 20) for _ in range(8)
+    ]
+    junk.append(torch.full((1 << 28,), float("nan"), device="cuda"))
+    del junk
 
 
 @pytest.mark.parametrize(

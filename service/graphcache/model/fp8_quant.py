@@ -41,7 +41,10 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _quantize_torch(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     t, k = x.shape
     xg = x.float().reshape(t, k // group, group)  # [T, G, group]
-    scale = (xg.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_(min=MIN_SCALE)  # [T, G, 1]
+    amax = xg.abs().amax(dim=-1, keepdim=True)  # [T, G, 1]
+    # Divided by a tensor, not a Python scalar: CUDA torch turns a scalar divisor into a multiply by its
+    # reciprocal (1 ulp off), the Triton kernel divides exactly (div_rn), and the CPU divides exactly too.
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_(min=MIN_SCALE)
     xq = (xg * (1.0 / scale)).clamp_(-FP8_MAX, FP8_MAX).to(FP8).reshape(t, k)
     return xq, scale.view(t, k // group)
 
