@@ -1,4 +1,4 @@
-"""Streaming detokenization cost per output token on the CPU (model/tokenizer.py IncrementalDetokenizer).
+"""Streaming detokenization cost per output token on the CPU (model/detokenizer.py IncrementalDetokenizer).
 
     PYTHONPATH=service python benchmarks/detokenize_bench.py [--tokens 2000] [--repeats 7]
 
@@ -21,8 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the graphcache package
 
+from graphcache.model.detokenizer import IncrementalDetokenizer  # noqa: E402
 from graphcache.model.tiny import corpus_text, make_tiny_model  # noqa: E402
-from graphcache.model.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
+from graphcache.model.tokenizer import Tokenizer  # noqa: E402
 
 MULTILINGUAL = "Привет, мир. こんにちは世界。你好 😀🚀👍🏽 ©®™ ≤≥ مرحبا\n"
 

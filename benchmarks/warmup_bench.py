@@ -38,7 +38,7 @@ from graphcache.engine.batch import StepBatch, StepSeq  # noqa: E402
 from graphcache.engine.worker.runner import ModelRunner  # noqa: E402
 from graphcache.graphs.descriptor import BatchDescriptor  # noqa: E402
 from graphcache.graphs.pool import pool_bytes  # noqa: E402
-from graphcache.model.attention import AttentionMetadata  # noqa: E402
+from graphcache.model.attention_metadata import AttentionMetadata  # noqa: E402
 from graphcache.model.forward_context import forward_context  # noqa: E402
 
 from benchmarks.offline_throughput import make_qwen05b  # noqa: E402

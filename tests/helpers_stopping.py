@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from graphcache.engine.sequence import Sequence
 from graphcache.engine.stopping import check_stop, sendable_text
-from graphcache.model.tokenizer import IncrementalDetokenizer
+from graphcache.model.detokenizer import IncrementalDetokenizer
 
 
 class CharTokenizer:

@@ -1,4 +1,4 @@
-"""Streaming detokenization through tokenizers' DecodeStream (model/tokenizer.py TokenTextStream):
+"""Streaming detokenization through tokenizers' DecodeStream (model/detokenizer.py TokenTextStream):
 for random id sequences (ids that split multi-byte characters, special tokens, ids past the
 vocabulary) the streamed pieces concatenate to exactly the text a whole decode gives, with and
 without skip_special_tokens, in any chunking, after no prompt or a long one; a sentencepiece-style
@@ -10,8 +10,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from graphcache.model.detokenizer import PROMPT_CONTEXT_IDS
 from graphcache.model.tiny import corpus_text
-from graphcache.model.tokenizer import PROMPT_CONTEXT_IDS, Tokenizer
+from graphcache.model.tokenizer import Tokenizer
 from helpers_model import tiny_checkpoint
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers

@@ -28,7 +28,7 @@ from graphcache.engine.loop.engine import (
 )
 from graphcache.graphs.cache import WarmupReport
 from graphcache.metrics import Metrics
-from graphcache.model.tokenizer import IncrementalDetokenizer
+from graphcache.model.detokenizer import IncrementalDetokenizer
 
 VOCAB = 64
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from graphcache.model.chat_template import DEFAULT_CHAT_TEMPLATE
 from graphcache.model.tiny import BOS, CHAT_TEMPLATE, make_tiny_model, train_tokenizer
-from graphcache.model.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
+from graphcache.model.tokenizer import Tokenizer
 from helpers_model import tiny_checkpoint
 
 TEXTS = [
@@ -202,7 +203,7 @@ TOOL_CHAT = [
 
 
 def test_chat_with_tools_renders_hermes_like_transformers(tok):
-    from graphcache.model.tokenizer import normalize_chat
+    from graphcache.model.chat_template import normalize_chat
     from transformers import AutoTokenizer
 
     text = tok.apply_chat_template(TOOL_CHAT, tools=[WEATHER_TOOL])
@@ -271,7 +272,7 @@ def test_special_strings_in_tools_and_tool_calls_stay_plain_text(tok):
 
 
 def test_tool_call_arguments_must_be_a_json_object(tok):
-    from graphcache.model.tokenizer import ChatTemplateError
+    from graphcache.model.chat_template import ChatTemplateError
 
     msgs = [
         {

@@ -21,12 +21,8 @@ from fastapi import Request
 from graphcache.api.errors import APIError
 from graphcache.api.executors import run_input
 from graphcache.api.protocol import ChatMessage
-from graphcache.model.tokenizer import (
-    MAX_CHARS_PER_TOKEN,
-    ChatTemplateError,
-    InvalidChatTemplate,
-    load_chat_template,
-)
+from graphcache.model.chat_template import ChatTemplateError, InvalidChatTemplate, load_chat_template
+from graphcache.model.tokenizer import MAX_CHARS_PER_TOKEN
 
 __all__ = ["encode_chat", "encode_prompt"]
 

@@ -11,7 +11,7 @@ min_tokens (vLLM semantics): stop and EOS ids do not stop a sequence with fewer 
 outputs (the sampler also masks them until then), and stop strings are looked for only once it
 has more than min_tokens outputs (a stop string must end in text of a later token).
 
-Text comes from the tokenizer's IncrementalDetokenizer (model/tokenizer.py): add(ids) returns only
+Text comes from the tokenizer's IncrementalDetokenizer (model/detokenizer.py): add(ids) returns only
 text that is safe to emit (no split UTF-8 character, no tail that may still grow into a stop
 string), cuts a stop string and what follows, and sets `.stopped`; finish() flushes.
 """

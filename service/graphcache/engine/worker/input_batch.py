@@ -31,7 +31,7 @@ import torch
 from graphcache.engine.batch import StepBatch, StepSeq
 from graphcache.engine.worker.decode_rows import PersistentRows
 from graphcache.engine.worker.staging import StagingBuffer
-from graphcache.model.attention import AttentionMetadata, AttentionPlanner, DecodeMetadata
+from graphcache.model.attention_metadata import AttentionMetadata, AttentionPlanner, DecodeMetadata
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,13 +39,8 @@ from graphcache.graphs.descriptor import BatchDescriptor, descriptor_for
 from graphcache.graphs.policy_config import policy_config_from
 from graphcache.graphs.profile import parse_profile
 from graphcache.metrics import Metrics
-from graphcache.model.attention import (
-    AttentionMetadata,
-    AttentionPlanner,
-    DecodeMetadata,
-    select_attention_kernel,
-    select_decode_kernel,
-)
+from graphcache.model.attention import select_attention_kernel, select_decode_kernel
+from graphcache.model.attention_metadata import AttentionMetadata, AttentionPlanner, DecodeMetadata
 from graphcache.model.config import ModelLoadError, read_config, resolve_dtype
 from graphcache.model.decode_attention import choose_num_splits, decode_workspace
 from graphcache.model.forward_context import RuntimeMode, current_attention_metadata, forward_context
