@@ -18,10 +18,11 @@ Per row:
      (fresh randomness), and check again.
 Why this draws from the nucleus exactly: each round draws from the distribution restricted to a set
 that contains the whole nucleus; a draw inside is accepted, so the accepted token has the nucleus'
-distribution (rejection sampling with a shrinking proposal). Each rejection removes on average half
-the mass still outside, so rows need ~1 + log2(1/(1 - top_p)) rounds at most in expectation; after
-ROUNDS rejections (flat rows at a tiny top_p) the threshold is found exactly by bisection on the bits
-of |z| (31 passes) and the race runs over z >= thr.
+distribution (rejection sampling with a shrinking proposal). The first draw lands outside with
+probability 1 - (the nucleus' mass), about 1 - top_p, and each rejection removes on average half of the
+mass still outside, so a row at top_p 0.95 takes one round 95% of the time and few follow even at a
+small top_p; after ROUNDS rejections (flat rows at a tiny top_p) the threshold is found exactly by
+bisection on the bits of |z| (31 passes) and the race runs over z >= thr.
 
 The torch function is the CPU path and the kernel's reference; both take the same steps with the same
 keys, so they draw the same tokens up to fp32 summation order at the nucleus' edge and the last ulp of
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from graphcache.engine.sample.race_draw import GAMMA, MASK64, mix64, shr64, to_int64, uniforms
+from graphcache.engine.sample.race_draw import GAMMA, MASK64, mix64, mix64_tensor, to_int64, uniforms
 from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
 __all__ = ["HAVE_TRITON", "ROUNDS", "nucleus_draw", "nucleus_draw_torch", "round_key", "step_keys"]
@@ -52,12 +53,7 @@ def round_key(key: int, r: int) -> int:
 # --- torch path (CPU, and the reference) ----------------------------------------------------------
 def _round_keys(keys: torch.Tensor, r: int) -> torch.Tensor:
     """round_key on an int64 tensor of uint64 bits."""
-    if r == 0:
-        return keys
-    h = keys + to_int64((r * ROUND_GAMMA) & MASK64)
-    h = (h ^ shr64(h, 30)) * to_int64(0xBF58476D1CE4E5B9)
-    h = (h ^ shr64(h, 27)) * to_int64(0x94D049BB133111EB)
-    return h ^ shr64(h, 31)
+    return keys if r == 0 else mix64_tensor(keys + to_int64((r * ROUND_GAMMA) & MASK64))
 
 
 def _race(z: torch.Tensor, keep: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -84,10 +80,7 @@ def step_keys(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """Each row's race key: keys[r] itself where steps[r] < 0 (an unseeded row's random key), else
     race_draw.row_key's mix for a seeded row: mix64(keys[r] + (steps[r] + 1) * GAMMA), keys[r] being
     mix64(seed). int64 tensors of uint64 bits; the kernel does the same."""
-    h = keys + (steps + 1) * to_int64(GAMMA)
-    h = (h ^ shr64(h, 30)) * to_int64(0xBF58476D1CE4E5B9)
-    h = (h ^ shr64(h, 27)) * to_int64(0x94D049BB133111EB)
-    return torch.where(steps < 0, keys, h ^ shr64(h, 31))
+    return torch.where(steps < 0, keys, mix64_tensor(keys + (steps + 1) * to_int64(GAMMA)))
 
 
 def nucleus_draw_torch(
@@ -146,11 +139,15 @@ def _z_block(base, offs, mask, m, t, lmp):
     return tl.where(z < lmp, float("-inf"), z)
 
 
-def _race_block(z, key, offs):
-    h = key + (offs.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15  # uint64: wraps, >> is logical
+def _mix(h):
+    """mix64 on uint64 values (they wrap; >> is logical)."""
     h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9
     h = (h ^ (h >> 27)) * 0x94D049BB133111EB
-    h = h ^ (h >> 31)
+    return h ^ (h >> 31)
+
+
+def _race_block(z, key, offs):
+    h = _mix(key + (offs.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15)
     u = ((h >> 41).to(tl.float32) + 0.5) * 1.1920928955078125e-07
     return z - tl.log(-tl.log(u))
 
@@ -202,10 +199,7 @@ def _mass_at_or_below_key(base, vocab, m, t, lmp, c, BLOCK: tl.constexpr):
 
 
 def _round_key_of(key, r):
-    h = key + r.to(tl.uint64) * 0xD1B54A32D192ED03
-    h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9
-    h = (h ^ (h >> 27)) * 0x94D049BB133111EB
-    return h ^ (h >> 31)
+    return _mix(key + r.to(tl.uint64) * 0xD1B54A32D192ED03)
 
 
 def _nucleus_kernel(
@@ -220,10 +214,7 @@ def _nucleus_kernel(
     key = tl.load(key_ptr + w).to(tl.uint64, bitcast=True)
     step = tl.load(step_ptr + w)
     if step >= 0:  # a seeded row: race_draw.row_key from mix64(seed) and the step
-        h = key + (step + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
-        h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9
-        h = (h ^ (h >> 27)) * 0x94D049BB133111EB
-        key = h ^ (h >> 31)
+        key = _mix(key + (step + 1).to(tl.uint64) * 0x9E3779B97F4A7C15)
     cols = tl.arange(0, BLOCK)
     # 1. the max and its first index
     mx = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -275,8 +266,9 @@ _KERNEL = None
 
 def _jit_kernel():
     """Jit the helpers, then the kernel (it finds them as this module's globals)."""
-    global _KERNEL, _z_block, _race_block, _race_above, _mass, _mass_at_or_below_key, _round_key_of
+    global _KERNEL, _mix, _z_block, _race_block, _race_above, _mass, _mass_at_or_below_key, _round_key_of
     if _KERNEL is None:
+        _mix = triton.jit(_mix)
         _z_block = triton.jit(_z_block)
         _race_block = triton.jit(_race_block)
         _race_above = triton.jit(_race_above)

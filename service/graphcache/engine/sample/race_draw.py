@@ -30,7 +30,17 @@ import torch
 
 from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
-__all__ = ["HAVE_TRITON", "mix64", "shr64", "race_draw", "race_draw_torch", "row_key", "to_int64", "uniforms"]
+__all__ = [
+    "HAVE_TRITON",
+    "mix64",
+    "mix64_tensor",
+    "shr64",
+    "race_draw",
+    "race_draw_torch",
+    "row_key",
+    "to_int64",
+    "uniforms",
+]
 
 MASK64 = (1 << 64) - 1
 GAMMA = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: the SplitMix64 increment
@@ -69,13 +79,17 @@ def shr64(x: torch.Tensor, s: int) -> torch.Tensor:
     return (x >> s) & ((1 << (64 - s)) - 1)
 
 
+def mix64_tensor(h: torch.Tensor) -> torch.Tensor:
+    """mix64 on an int64 tensor of uint64 bits (+ and * wrap like uint64)."""
+    h = (h ^ shr64(h, 30)) * to_int64(MUL1)
+    h = (h ^ shr64(h, 27)) * to_int64(MUL2)
+    return h ^ shr64(h, 31)
+
+
 def uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """keys [R] int64 (uint64 bits) -> u [R, vocab] fp32 in (0, 1): u[r, i] from mix64(key_r + (i+1) GAMMA)."""
     i = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device)
-    h = keys.view(-1, 1) + i * to_int64(GAMMA)  # [R, V] int64; wraps mod 2^64 like uint64
-    h = (h ^ shr64(h, 30)) * to_int64(MUL1)
-    h = (h ^ shr64(h, 27)) * to_int64(MUL2)
-    h = h ^ shr64(h, 31)
+    h = mix64_tensor(keys.view(-1, 1) + i * to_int64(GAMMA))  # [R, V] int64; wraps mod 2^64 like uint64
     return (shr64(h, 64 - _U_BITS).float() + 0.5) * (2.0**-_U_BITS)
 
 
