@@ -55,6 +55,24 @@ def cpu_settings(model: Path, **overrides) -> Settings:
     return Settings(**base)
 
 
+def cuda_settings(model: Path, **overrides) -> Settings:
+    """cpu_settings for the GPU tests' tiny runners: bf16 on CUDA, 16-token KV blocks, captures up to 256
+    tokens (the overrides change any of it)."""
+    base = dict(
+        device="cuda",
+        dtype="bfloat16",
+        block_size=16,
+        num_kv_blocks=512,
+        max_num_seqs=32,
+        max_num_batched_tokens=256,
+        max_model_len=512,
+        capture_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256],
+        max_capture_size=256,
+    )
+    base.update(overrides)
+    return cpu_settings(model, **base)
+
+
 @torch.no_grad()
 def hf_logits(
     path: Path, ids: list[int], dtype: torch.dtype = torch.float32, device: str = "cpu"

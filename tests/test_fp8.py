@@ -28,7 +28,7 @@ from graphcache.engine.loop.engine import Engine, SamplingParams
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.metrics import Metrics
 from graphcache.model.config import ModelLoadError
-from graphcache.model.fp8_gemm import _block_scaled_triton, emulated_mm, fused_row_scaled_mm, row_scaled_mm
+from graphcache.model.fp8_gemm import _launch_gemm, emulated_mm, fused_row_scaled_mm, row_scaled_mm
 from graphcache.model.fp8_linear import Fp8Linear
 from graphcache.model.fp8_quant import (
     FP8,
@@ -168,7 +168,7 @@ def test_triton_gemms_compute_the_emulated_products(m, n, k):
     sa = torch.rand(k // 128, m, generator=gen).t() + 0.1
     sw = torch.rand(-(-n // 128), k // 128, generator=gen) + 0.1
     want = emulated_mm(xq, wq, sa, sw, torch.float32, (128, 128))
-    got = _block_scaled_triton(xq, wq, sa, sw, (128, 128), torch.float32)
+    got = _launch_gemm(xq, wq, sa, sw, (128, 128), torch.float32)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 

@@ -15,22 +15,14 @@ import pytest
 import torch
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.model.moe import experts_reference, route
-from helpers_model import cpu_settings, tiny_checkpoint
+from helpers_cuda import poison_allocator
+from helpers_model import cuda_settings, tiny_checkpoint
 
 from gpu.test_runner_cuda import _drive
 
 pytestmark = pytest.mark.cuda
 QWEN3_30B = dict(e=128, k=8, hidden=2048, inter=768)  # one Qwen3-30B-A3B MoE layer
 SMALL = dict(e=8, k=2, hidden=200, inter=72)  # odd sizes: masked column and reduction tiles
-
-
-def _poison_allocator() -> None:
-    """Fill free blocks of the caching allocator (small and large pools) with NaN."""
-    junk = [
-        torch.full((n,), float("nan"), device="cuda") for n in (1 << 12, 1 << 16, 1 << 20) for _ in range(8)
-    ]
-    junk.append(torch.full((1 << 28,), float("nan"), device="cuda"))
-    del junk
 
 
 def _inputs(t: int, e: int, k: int, hidden: int, inter: int, dtype: torch.dtype, seed: int):
@@ -60,7 +52,7 @@ def test_fused_experts_match_reference(dtype, shape, t):
     for seed in (0, 1):
         args = _inputs(t, **dims, dtype=dtype, seed=seed)
         want = experts_reference(*args)
-        _poison_allocator()
+        poison_allocator()
         got = fused_experts(*args)
         _check(got, want, dtype, f"{shape} T={t} seed={seed}")
 
@@ -103,19 +95,8 @@ def test_moe_model_replay_equals_eager(arch):
         moe_intermediate=128,
         tie_word_embeddings=False,
     )
-    settings = dict(
-        device="cuda",
-        dtype="float32",
-        block_size=16,
-        num_kv_blocks=512,
-        max_num_seqs=32,
-        max_num_batched_tokens=256,
-        max_model_len=512,
-        capture_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256],
-        max_capture_size=256,
-    )
-    graph = ModelRunner(cpu_settings(path, decode_capture_mode="full", **settings))
-    eager = ModelRunner(cpu_settings(path, enforce_eager=True, **settings))
+    graph = ModelRunner(cuda_settings(path, dtype="float32", decode_capture_mode="full"))
+    eager = ModelRunner(cuda_settings(path, dtype="float32", enforce_eager=True))
     assert graph.backend == "cuda" and type(graph.model.layers[0].mlp).__name__ == "SparseMoE"
     modes = _drive(graph, eager, seed=1)
     assert set(modes) == {"replay"}, modes

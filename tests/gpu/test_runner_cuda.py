@@ -14,28 +14,10 @@ import torch
 from graphcache.engine.batch import StepBatch, StepSeq
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.graphs.descriptor import BatchDescriptor
-from helpers_model import Blocks, cpu_settings, prompt_ids, tiny_checkpoint
+from helpers_cuda import assert_replay_close
+from helpers_model import Blocks, cuda_settings, prompt_ids, tiny_checkpoint
 
 pytestmark = pytest.mark.cuda
-REL_TOL = 0.03
-
-
-def _settings(path, **kw):
-    return cpu_settings(
-        path,
-        device="cuda",
-        dtype="bfloat16",
-        block_size=16,
-        num_kv_blocks=512,
-        max_num_seqs=32,
-        max_num_batched_tokens=256,
-        max_model_len=512,
-        capture_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256],
-        max_capture_size=256,
-        admission="always",
-        capture_time_share=1.0,
-        **kw,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -44,17 +26,6 @@ def path():
     return tiny_checkpoint(
         "qwen2", hidden=256, layers=4, heads=8, kv_heads=2, intermediate=512, tie_word_embeddings=False
     )
-
-
-def _compare(graph_logits, eager_logits, what):
-    graph_logits, eager_logits = graph_logits.float(), eager_logits.float()
-    assert torch.isfinite(graph_logits).all(), f"{what}: non-finite logits from replay"
-    tol = REL_TOL * eager_logits.abs().max().item()
-    err = (graph_logits - eager_logits).abs().max().item()
-    assert err <= tol, f"{what}: max |graph - eager| = {err:.4f} > {tol:.4f}"
-    top2 = eager_logits.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > tol
-    assert torch.equal(graph_logits.argmax(-1)[clear], eager_logits.argmax(-1)[clear]), what
 
 
 def _drive(graph: ModelRunner, eager: ModelRunner, seed: int, num_seqs: int = 20):
@@ -77,7 +48,9 @@ def _drive(graph: ModelRunner, eager: ModelRunner, seed: int, num_seqs: int = 20
         e = eager.execute(
             StepBatch([StepSeq(list(s.token_ids), s.start_pos, s.block_table, True) for s in seqs])
         ).logits
-        _compare(g, e, f"step {steps} ({len(active)} seqs, {sum(len(s.token_ids) for s in seqs)} tokens)")
+        assert_replay_close(
+            g, e, f"step {steps} ({len(active)} seqs, {sum(len(s.token_ids) for s in seqs)} tokens)"
+        )
         modes.append(result.mode)
         steps += 1
         for row, i in enumerate(active):
@@ -103,8 +76,8 @@ def _drive(graph: ModelRunner, eager: ModelRunner, seed: int, num_seqs: int = 20
 def test_replay_logits_equal_eager_logits(path, seed, mode):
     """Graph replay (decode: the Triton kernel, in the graph or as the break) against an eager runner
     whose decode steps use the independent FlashAttention varlen kernel."""
-    graph = ModelRunner(_settings(path, decode_capture_mode=mode))
-    eager = ModelRunner(_settings(path, enforce_eager=True, decode_attention_backend="varlen"))
+    graph = ModelRunner(cuda_settings(path, decode_capture_mode=mode))
+    eager = ModelRunner(cuda_settings(path, enforce_eager=True, decode_attention_backend="varlen"))
     assert graph.backend == "cuda" and eager.backend == "eager" and graph.dtype == torch.bfloat16
     assert graph.decode_kernel == "triton"
     modes = _drive(graph, eager, seed)
@@ -122,13 +95,13 @@ def test_replay_logits_equal_eager_logits(path, seed, mode):
 
 def test_warmed_up_runner_matches_eager_and_hits(path):
     graph = ModelRunner(
-        _settings(path, warmup_decode_sizes=[1, 4, 8, 32], warmup_descriptors=["256:32", "128:8"])
+        cuda_settings(path, warmup_decode_sizes=[1, 4, 8, 32], warmup_descriptors=["256:32", "128:8"])
     )
     kv_before = graph.kv_cache.clone()
     report = graph.warmup()
     assert not report.failed and len(report.captured) == 6, report
     assert torch.equal(graph.kv_cache, kv_before)  # warmup captures write no KV slot
-    eager = ModelRunner(_settings(path, enforce_eager=True))
+    eager = ModelRunner(cuda_settings(path, enforce_eager=True))
     misses = graph.cache.stats().misses
     _drive(graph, eager, seed=3, num_seqs=12)
     assert graph.cache.stats().hits > 0 and BatchDescriptor(8, 8, True) in graph.cache
@@ -137,8 +110,8 @@ def test_warmed_up_runner_matches_eager_and_hits(path):
 
 def test_admin_warmup_between_steps_keeps_logits(path):
     """A capture requested between steps (admin warmup) must not touch the running sequences' KV."""
-    graph = ModelRunner(_settings(path))
-    eager = ModelRunner(_settings(path, enforce_eager=True))
+    graph = ModelRunner(cuda_settings(path))
+    eager = ModelRunner(cuda_settings(path, enforce_eager=True))
     ids = prompt_ids(30, seed=9)
     table = Blocks(16).table(40)
     for r in (graph, eager):
@@ -146,4 +119,4 @@ def test_admin_warmup_between_steps_keeps_logits(path):
     graph.capture([BatchDescriptor(64, 4), BatchDescriptor(2, 2, True)])
     g = graph.execute(StepBatch([StepSeq([ids[29]], 29, table, True)])).logits.clone()
     e = eager.execute(StepBatch([StepSeq([ids[29]], 29, table, True)])).logits
-    _compare(g, e, "decode after admin warmup")
+    assert_replay_close(g, e, "decode after admin warmup")

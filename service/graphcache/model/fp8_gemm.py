@@ -128,33 +128,45 @@ def _tiles(m: int, block_k: int | None) -> tuple[int, int, int, int, int]:
     return 128, 128, block_k or 128, 8, 3
 
 
-def row_scaled_mm(
-    xq: torch.Tensor, w: torch.Tensor, scale_a: torch.Tensor, scale_w: torch.Tensor, out_dtype: torch.dtype
+def _launch_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    scale_a: torch.Tensor | None,
+    scale_w: torch.Tensor,
+    block: tuple[int, int] | None,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """xq [T, K] fp8 with scale_a [T, 1], w [N, K] fp8 with scale_w [N, 1] -> [T, N] (Triton, CUDA)."""
-    m, k = xq.shape
+    """The one GEMM kernel on a [T, K] x w [N, K] -> [T, N]. scale_a None: a is the 16-bit x, quantized per
+    row inside the kernel (QUANT_A); block None: row scales, else [bn, bk] block scales (BLOCK_SCALES)."""
+    m, k = a.shape
     n = w.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
-    block_m, block_n, block_k, warps, stages = _tiles(m, None)
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    block_m, block_n, block_k, warps, stages = _tiles(m, None if block is None else block[1])
+    if scale_a is None:  # the kernel computes a's scales: sa_ptr is unused, its strides 0
+        sa, stride_sa_g, stride_sa_m = scale_w, 0, 0
+    elif block is None:  # scale_a [T, 1]
+        sa, stride_sa_g, stride_sa_m = scale_a, 0, scale_a.stride(0)
+    else:  # scale_a [T, K / bk]
+        sa, stride_sa_g, stride_sa_m = scale_a, scale_a.stride(1), scale_a.stride(0)
     _kernel()[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
-        xq,
+        a,
         w,
         out,
-        scale_a,
+        sa,
         scale_w,
         m,
         n,
         k,
-        xq.stride(0),
+        a.stride(0),
         w.stride(0),
         out.stride(0),
-        0,
-        scale_a.stride(0),
+        stride_sa_g,
+        stride_sa_m,
         scale_w.stride(0),
         MIN_SCALE,
-        QUANT_A=False,
-        BLOCK_SCALES=False,
-        GROUP_N=1,
+        QUANT_A=scale_a is None,
+        BLOCK_SCALES=block is not None,
+        GROUP_N=1 if block is None else block[0],
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -162,6 +174,13 @@ def row_scaled_mm(
         num_stages=stages,
     )
     return out
+
+
+def row_scaled_mm(
+    xq: torch.Tensor, w: torch.Tensor, scale_a: torch.Tensor, scale_w: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """xq [T, K] fp8 with scale_a [T, 1], w [N, K] fp8 with scale_w [N, 1] -> [T, N] (Triton, CUDA)."""
+    return _launch_gemm(xq, w, scale_a, scale_w, None, out_dtype)
 
 
 def fused_row_scaled_mm(
@@ -169,40 +188,11 @@ def fused_row_scaled_mm(
 ) -> torch.Tensor:
     """x [T, K] 16-bit (T <= 16), w [N, K] fp8 with scale_w [N, 1] -> [T, N]: x quantized per token inside
     the GEMM (Triton, CUDA); the same numbers as quantize_rows then row_scaled_mm."""
-    m, k = x.shape
-    n = w.shape[0]
-    if m > 16 or x.stride(1) != 1:
+    if x.shape[0] > 16 or x.stride(1) != 1:
         raise ValueError(
             f"fused_row_scaled_mm takes at most 16 rows with contiguous columns, got {tuple(x.shape)}"
         )
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    block_m, block_n, block_k, warps, stages = _tiles(m, None)
-    _kernel()[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
-        x,
-        w,
-        out,
-        scale_w,  # unused: the kernel computes x's scales
-        scale_w,
-        m,
-        n,
-        k,
-        x.stride(0),
-        w.stride(0),
-        out.stride(0),
-        0,
-        0,
-        scale_w.stride(0),
-        MIN_SCALE,
-        QUANT_A=True,
-        BLOCK_SCALES=False,
-        GROUP_N=1,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=warps,
-        num_stages=stages,
-    )
-    return out
+    return _launch_gemm(x, w, None, scale_w, None, out_dtype)
 
 
 def block_scaled_mm(
@@ -217,47 +207,7 @@ def block_scaled_mm(
     the Triton kernel on CUDA, the fp32 emulation elsewhere."""
     if not xq.is_cuda:
         return emulated_mm(xq, w, scale_a, scale_w, out_dtype, block)
-    return _block_scaled_triton(xq, w, scale_a, scale_w, block, out_dtype)
-
-
-def _block_scaled_triton(
-    xq: torch.Tensor,
-    w: torch.Tensor,
-    scale_a: torch.Tensor,
-    scale_w: torch.Tensor,
-    block: tuple[int, int],
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    m, k = xq.shape
-    n = w.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
-    block_m, block_n, block_k, warps, stages = _tiles(m, block[1])
-    _kernel()[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
-        xq,
-        w,
-        out,
-        scale_a,
-        scale_w,
-        m,
-        n,
-        k,
-        xq.stride(0),
-        w.stride(0),
-        out.stride(0),
-        scale_a.stride(1),
-        scale_a.stride(0),
-        scale_w.stride(0),
-        MIN_SCALE,
-        QUANT_A=False,
-        BLOCK_SCALES=True,
-        GROUP_N=block[0],
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=warps,
-        num_stages=stages,
-    )
-    return out
+    return _launch_gemm(xq, w, scale_a, scale_w, block, out_dtype)
 
 
 def emulated_mm(

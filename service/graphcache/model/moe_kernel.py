@@ -262,6 +262,18 @@ def _pow2(x: int) -> int:
 _TILE_ELEMENTS = 8192
 
 
+def _tile_args(blocks: MoeBlocks, dtype: torch.dtype) -> dict[str, int | str]:
+    """The tile constexprs and launch options both grouped GEMMs take."""
+    return dict(
+        BLOCK_M=blocks.m,
+        BLOCK_N=blocks.n,
+        BLOCK_K=blocks.k,
+        PRECISION="ieee" if dtype == torch.float32 else "tf32",  # fp32 models: exact fp32 products
+        num_warps=blocks.warps,
+        num_stages=blocks.stages,
+    )
+
+
 # --- the ops --------------------------------------------------------------------------------------------------
 def align_by_expert(
     ids: torch.Tensor, num_experts: int, block_m: int
@@ -345,7 +357,7 @@ def fused_experts(
     kernels = _kernels()
     sorted_ids, block_expert, num_padded = align_by_expert(ids.reshape(-1), num_experts, blocks.m)
     num_blocks = block_expert.numel()
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models: exact fp32 products
+    tiles = _tile_args(blocks, x.dtype)
     h = torch.empty((n, inter), dtype=x.dtype, device=x.device)  # [N, I], row a = assignment a
     kernels[3][(num_blocks, triton.cdiv(inter, blocks.n))](
         x,
@@ -362,12 +374,7 @@ def fused_experts(
         w_gate_up.stride(1),
         h.stride(0),
         TOP_K=top_k,
-        BLOCK_M=blocks.m,
-        BLOCK_N=blocks.n,
-        BLOCK_K=blocks.k,
-        PRECISION=precision,
-        num_warps=blocks.warps,
-        num_stages=blocks.stages,
+        **tiles,
     )
     out = torch.empty((n, hidden), dtype=x.dtype, device=x.device)  # [T * k, H]
     kernels[4][(num_blocks, triton.cdiv(hidden, blocks.n))](
@@ -385,11 +392,6 @@ def fused_experts(
         w_down.stride(0),
         w_down.stride(1),
         out.stride(0),
-        BLOCK_M=blocks.m,
-        BLOCK_N=blocks.n,
-        BLOCK_K=blocks.k,
-        PRECISION=precision,
-        num_warps=blocks.warps,
-        num_stages=blocks.stages,
+        **tiles,
     )
     return out.view(t, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)

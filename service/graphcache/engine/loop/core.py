@@ -36,7 +36,7 @@ from graphcache.config import Settings
 from graphcache.engine.batch import Runner, StepBatch
 from graphcache.engine.errors import InvalidRequest
 from graphcache.engine.loop.request_check import EngineLimits, RequestChecker
-from graphcache.engine.sample.controls import needs_history
+from graphcache.engine.sample.controls import needs_history, to_device
 from graphcache.engine.sample.grammar_compiler import GrammarLimits
 from graphcache.engine.sample.logprobs import (
     Logprobs,
@@ -45,7 +45,6 @@ from graphcache.engine.sample.logprobs import (
     prompt_token_logprobs,
     record_prompt_logprobs,
     record_sampled_logprobs,
-    to_device,
     token_logprobs,
 )
 from graphcache.engine.sample.sampler import Sampler
@@ -317,7 +316,7 @@ class EngineCore:
             else []
         )
         if logprob_rows:  # a copy of their rows: the sampler may process logits in place
-            lp_index = to_device(logprob_rows, logits.device)
+            lp_index = to_device(logprob_rows, torch.int64, logits.device)
             raw = logits.index_select(0, lp_index)  # [m, V]
         if (
             self.checker.built_structured is not None

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from graphcache.engine.batch import ScheduledSeq, StepSeq
+from graphcache.engine.sample.controls import to_device
 from graphcache.engine.sequence import Sequence, TokenLogprob
 
 log = logging.getLogger("graphcache.engine")
@@ -141,8 +142,8 @@ def prompt_token_logprobs(prompt_logits: torch.Tensor | None, spans: list[Prompt
     if len(spans) == 1:  # one contiguous run of rows: a view, not a [m, V] copy
         chosen = prompt_logits[rows[0] : rows[-1] + 1]
     else:
-        chosen = prompt_logits.index_select(0, to_device(rows, dev))  # [m, V]
-    return token_logprobs(chosen, to_device(targets, dev), k).to_host()
+        chosen = prompt_logits.index_select(0, to_device(rows, torch.int64, dev))  # [m, V]
+    return token_logprobs(chosen, to_device(targets, torch.int64, dev), k).to_host()
 
 
 def record_sampled_logprobs(
@@ -182,15 +183,6 @@ def record_prompt_logprobs(spans: list[PromptSpan], logprobs: Logprobs) -> None:
         for i, entry in enumerate(mine):
             if span.first_entry + i == len(recorded):  # else recorded already
                 recorded.append(entry)
-
-
-def to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """A small host list of ids as an int64 tensor on `device`, without a stream-wide wait on CUDA
-    (pinned memory, non_blocking)."""
-    host = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
