@@ -1,8 +1,8 @@
 """Batch descriptors: string round trip, validation, padding to capture sizes."""
 
 import pytest
-from graphcache.config import default_capture_sizes
 from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes, descriptor_for
+from graphcache.settings.graph_cache import default_capture_sizes
 
 
 def test_str_parse_round_trip():

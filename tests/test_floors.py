@@ -1,4 +1,4 @@
-"""The package's floors: cli > api > engine > model > graphs > config/metrics > choices/vllm_metrics. Each module imports
+"""The package's floors: cli > api > engine > model > graphs > config/metrics > settings > choices/vllm_metrics. Each module imports
 only graphcache modules of lower floors (or of its own package); no function-level import dodges a
 cycle; and the CPU-only scheduler floor pulls in no torch.
 
@@ -18,21 +18,22 @@ import graphcache
 
 PACKAGE = Path(graphcache.__file__).parent
 FLOORS = {
-    "__main__": 6,
-    "cli": 5,
-    "api": 4,
-    "engine": 3,
-    "model": 2,
-    "graphs": 1,
-    "config": 0,
-    "metrics": 0,
+    "__main__": 7,
+    "cli": 6,
+    "api": 5,
+    "engine": 4,
+    "model": 3,
+    "graphs": 2,
+    "config": 1,
+    "metrics": 1,
+    "settings": 0,
     "choices": -1,
     "vllm_metrics": -1,
 }
 
 
 def _floor(module: str) -> tuple[str, int]:
-    """graphcache.engine.loop.core -> ("engine", 3)."""
+    """graphcache.engine.loop.core -> ("engine", 4)."""
     top = module.split(".")[1] if "." in module else "__init__"
     return top, FLOORS.get(top, -1)
 

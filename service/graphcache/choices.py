@@ -1,6 +1,6 @@
 """The closed sets of values the server knows, each declared once, torch-free, below every floor.
 
-config.py validates settings against these Literals; the code that acts on a value imports the same
+settings/ validates settings against these Literals; the code that acts on a value imports the same
 Literal (for its annotations) and its tuple (for checks, metric labels, loops), so a new backend or
 policy is added here and nowhere else.
 """

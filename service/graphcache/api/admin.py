@@ -4,7 +4,7 @@ All are commands on the engine's inbox, run on the engine thread between steps, 
 requests in flight keep going. Auth (the README states the choice):
   * admin_token set: `Authorization: Bearer <token>` required; 401 without it, 403 when
     wrong; the header's bytes as received compared with hmac.compare_digest (constant time).
-    The token must be ASCII (config.py refuses others at start): header values are Latin-1
+    The token must be ASCII (settings/http.py refuses others at start): header values are Latin-1
     on the wire, while clients such as curl send what the shell gives them (UTF-8).
   * no token: admin is off (403 naming GRAPHCACHE_ADMIN_TOKEN), unless
     admin_allow_loopback lets clients on 127.0.0.1/::1 in. Behind a proxy on the same host

@@ -7,7 +7,7 @@ or with a wrong key, the answer is a 401 in OpenAI's shape (`code: invalid_api_k
 /ping and /version stay open; /admin/* keeps its own token (admin.py). No keys: the API is open.
 
 The key is compared as the header's bytes (Starlette decodes header values as Latin-1, so encoding
-back gives the wire bytes; keys are ASCII, config.py refuses others) against every configured key,
+back gives the wire bytes; keys are ASCII, settings/http.py refuses others) against every configured key,
 without stopping at the first match, and through SHA-256 digests, so neither which key matched nor
 any key's length shows in the time taken. As a router dependency, the check runs before the body is
 validated, so a caller without a key learns nothing from validation errors; only a body that is not

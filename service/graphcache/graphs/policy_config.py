@@ -59,5 +59,5 @@ class CachePolicyConfig:
 
 
 def policy_config_from(graph_cache: Any) -> CachePolicyConfig:
-    """The policy of a `graphcache.config.GraphCacheSettings` (settings.graph_cache)."""
+    """The policy of a `graphcache.settings.graph_cache.GraphCacheSettings` (settings.graph_cache)."""
     return CachePolicyConfig(**{f.name: getattr(graph_cache, f.name) for f in fields(CachePolicyConfig)})

@@ -185,7 +185,7 @@ class GrammarCache:
     the API process validates constraints with it; structured.py's StructuredOutput adds the masks.
 
     tokenizer: model/tokenizer.py's Tokenizer; vocab_size: the model's logits width (>= or <= the
-    tokenizer's); limits: GrammarLimits (config.py's grammar_* settings); metrics: the Metrics whose
+    tokenizer's); limits: GrammarLimits (settings/grammar.py's grammar_* settings); metrics: the Metrics whose
     grammar_cache_bytes gauge follows the cache. Thread-safe for check() from API threads while the
     engine thread makes matchers."""
 

@@ -36,7 +36,7 @@ _STACK_SIZE_LOCK = threading.Lock()  # threading.stack_size is process-wide: set
 
 @dataclass(frozen=True)
 class GrammarLimits:
-    """The bounds a constraint compiles and runs under (config.py's grammar_* settings say why each)."""
+    """The bounds a constraint compiles and runs under (settings/grammar.py's grammar_* settings say why each)."""
 
     compile_threads: int = 2
     compile_queue: int = 64

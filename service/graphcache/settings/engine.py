@@ -1,0 +1,72 @@
+"""EngineSettings (`settings.engine`): batch limits, the KV cache and the step loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from graphcache.choices import AsyncScheduling
+from graphcache.settings.section import SettingsSection
+
+__all__ = ["EngineSettings"]
+
+
+class EngineSettings(SettingsSection):
+    """Batch limits, the KV cache and the step loop: the scheduler, the block manager and the engine."""
+
+    max_num_seqs: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description="Requests running at once (decode batch size). "
+        "Default 64 on the CPU, 256 on CUDA (GPU_BATCH_DEFAULTS).",
+    )
+    max_num_batched_tokens: int = Field(
+        1024,
+        ge=16,
+        description="Tokens in one step (prefill chunks + decodes). "
+        "Default 1024 on the CPU, 8192 on CUDA (GPU_BATCH_DEFAULTS).",
+    )
+    max_model_len: int | None = Field(
+        None, ge=16, description="Prompt + output tokens; default: the model's."
+    )
+    block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
+    num_kv_blocks: int | None = Field(
+        None,
+        ge=2,
+        description="KV blocks; default: from kv_cache_memory_fraction "
+        "on CUDA, enough for max_num_seqs full sequences on CPU.",
+    )
+    kv_cache_memory_fraction: float = Field(
+        0.5, gt=0, lt=1, description="Share of free GPU memory for the KV cache."
+    )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Share the KV of full blocks between requests with the same prefix (automatic prefix "
+        "caching): a new request computes only what is not cached. Off: every prompt is computed in full.",
+    )
+    max_queue: int = Field(1024, ge=1, description="Waiting requests before new ones get 429.")
+    engine_process: bool = Field(
+        False,
+        description="Run the engine's step loop in a child process (HTTP, tokenizing and detokenizing stay "
+        "in the server process), so the two do not share one interpreter lock. Default: on with CUDA at "
+        "tensor_parallel_size 1 (H200, 64 streaming clients: +24% tok/s, BENCHMARKS.md §8.5), off on the CPU. "
+        "Not with tensor_parallel_size > 1 yet (docs/ARCHITECTURE.md).",
+    )
+    step_trace: Path | None = Field(
+        None,
+        description="Benchmarks: keep a timing record of the last 100,000 steps and write it to this "
+        "file (JSON lines) when the engine stops (benchmarks/step_trace.py reads it).",
+    )
+    stream_interval_ms: float = Field(
+        20.0,
+        ge=0,
+        description="Streams get new tokens at most this often (first and last tokens at once); "
+        "0 = every step. Fewer, larger chunks keep the event loop ahead of a large batch.",
+    )
+    async_scheduling: AsyncScheduling = Field(
+        "auto",
+        description="Schedule and prepare step n+1 while the GPU runs step n (auto = on with CUDA). "
+        "Greedy outputs are the same either way; a request that stops at step n wastes one step of work.",
+    )

@@ -1,0 +1,93 @@
+"""ModelSettings (`settings.model`): what model runs, where, and which kernels run it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, field_validator
+
+from graphcache.choices import (
+    AttentionBackend,
+    DecodeAttentionBackend,
+    Device,
+    Dtype,
+    FusedOps,
+    Quantization,
+)
+from graphcache.settings.section import BlankIsUnset, PathText, SettingsSection
+
+__all__ = ["ModelSettings"]
+
+
+class ModelSettings(SettingsSection):
+    """What model runs, where, and which kernels run it: the runner and the model loader read these."""
+
+    path: Annotated[str | None, BlankIsUnset, PathText] = Field(
+        None,
+        alias="model",
+        description="The model: a Hugging Face model directory (config.json, *.safetensors, tokenizer.json) "
+        "or a hub id (org/name, fetched into the Hugging Face cache at start: HF_HOME, HF_TOKEN, "
+        "HF_HUB_OFFLINE apply). Also `graphcache serve MODEL`. Unset: the embedded tiny model, created on "
+        "first use under cache_dir.",
+    )
+    revision: Annotated[str | None, BlankIsUnset] = Field(
+        None,
+        description="Branch, tag or commit of a hub model (a commit makes restarts reproducible); "
+        "default: the repository's default branch. Not used for a local directory.",
+    )
+    served_model_name: Annotated[str | None, BlankIsUnset] = Field(
+        None, description="Model id in the API; default: the hub id, or the directory's name."
+    )
+    generation_config: str = Field(
+        "auto",
+        description="Sampling defaults for requests that leave a field out: auto = the model's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), vllm = "
+        "none (the API's own defaults), or a directory holding a generation_config.json (docs/API.md).",
+    )
+    dtype: Dtype = Field("auto", description="auto = bfloat16 on CUDA, float32 on CPU.")
+    quantization: Quantization = Field(
+        "auto",
+        description="auto = as the checkpoint is (FP8 checkpoints in the fp8 or compressed-tensors format "
+        "serve in FP8); fp8 = quantize a bf16/fp16 checkpoint's linear layers to FP8 on load (per-channel "
+        "weight scales, per-token activation scales; CUDA needs compute capability 8.9+).",
+    )
+    device: Device = Field("auto", description="auto = cuda when available.")
+    cache_dir: Path = Field(
+        Path.home() / ".cache" / "graphcache", description="Where the tiny model is written."
+    )
+    seed: int = Field(0, description="Seed for random weights of the tiny model and the default sampler.")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="GPUs one model is split over (tensor parallelism: heads, MLP and vocabulary "
+        "sharded, one process per GPU, started by the server itself; gloo processes on the CPU). Must divide the "
+        "model's attention heads, KV heads and intermediate size (docs/TENSOR_PARALLEL.md).",
+    )
+    attention_backend: AttentionBackend = Field(
+        "auto",
+        description="Attention kernel: auto picks the fastest that runs here; the others force one "
+        "(A/B runs) and fail at start if it cannot run.",
+    )
+    decode_attention_backend: DecodeAttentionBackend = Field(
+        "auto",
+        description="Kernel of uniform-decode steps: auto = triton on CUDA (paged split-KV), torch on CPU; "
+        "varlen = the general attention kernel, as for mixed batches.",
+    )
+    fused_ops: FusedOps = Field(
+        "auto",
+        description="auto = on CUDA, one Triton kernel each for residual add + RMSNorm, rotary and "
+        "SiLU*mul (a decode step is mostly tiny kernels); off = the PyTorch ops (A/B runs).",
+    )
+
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config(cls, v: str) -> str:
+        # A directory is checked at start, not on the first request.
+        v = v.strip()
+        if v in ("auto", "vllm") or (Path(v).expanduser() / "generation_config.json").is_file():
+            return v
+        raise ValueError(
+            f"{v!r} is neither auto, vllm nor a directory holding a generation_config.json; fix the path"
+        )
