@@ -14,6 +14,10 @@ phase() {  # name, timeout seconds, command...
   timeout "$t" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
   echo "--- $name rc=$rc"; tail -n "${TAIL:-25}" "$OUT/$name.log"
 }
+old_bench_files() {  # this tree's benchmark files into the old tree (.old), with the old engine's module paths
+  cp benchmarks/offline_throughput.py benchmarks/workloads.py benchmarks/model_shapes.py benchmarks/step_trace.py \
+     .old/benchmarks/ && sed -i -E 's/graphcache\.engine\.(loop|sched|worker|sample)\./graphcache.engine./g' .old/benchmarks/*.py
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
 for p in ${PHASES:-tests pool capture}; do
@@ -65,13 +69,11 @@ for p in ${PHASES:-tests pool capture}; do
     realistic) phase realistic 540 python3 benchmarks/offline_throughput.py --make-model qwen05b:/tmp/qwen05b \
                --modes "${REALISTIC_MODES:-graph,eager}" --workload nano,realistic --out "$OUT/realistic.json" ;;
     # The same workloads on the old tree (.old): this tree's benchmark files are copied in (they use only its engine APIs).
-    realistic_old) cp benchmarks/offline_throughput.py benchmarks/workloads.py benchmarks/model_shapes.py \
-               benchmarks/step_trace.py .old/benchmarks/ && sed -i -E 's/graphcache\.engine\.(loop|sched|worker|sample)\./graphcache.engine./g' \
-               .old/benchmarks/*.py && (cd .old && phase realistic_old 540 python3 \
+    realistic_old) old_bench_files && (cd .old && phase realistic_old 540 python3 \
                benchmarks/offline_throughput.py --make-model qwen05b:/tmp/qwen05b --modes "${REALISTIC_MODES:-graph,eager}" \
                --workload nano,realistic --out "$OUT/realistic_old.json") ;;
-    # The 8B shape on the old tree (run realistic_old first: it copies the benchmark files in).
-    realistic_llama8b_old) (cd .old && phase realistic_llama8b_old 590 python3 benchmarks/offline_throughput.py \
+    # The 8B shape on the old tree.
+    realistic_llama8b_old) old_bench_files && (cd .old && phase realistic_llama8b_old 590 python3 benchmarks/offline_throughput.py \
                --make-model llama8b:/tmp/llama8b --modes "${REALISTIC_MODES:-graph}" --workload "${REALISTIC8_WORKLOADS:-realistic}" \
                --out "$OUT/realistic_llama8b_old.json") ;;
     # Both workloads on a Llama-3-8B-shaped random bf16 checkpoint (written on the GPU first, about a minute).
