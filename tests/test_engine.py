@@ -681,3 +681,29 @@ async def test_step_trace_records_every_step_and_is_written_at_stop(tmp_path):
         assert times == sorted(times), r
         assert r["rows"] >= r["sampled"] >= 1 and r["tokens"] >= r["rows"]
     assert sum(r["sampled"] for r in records) == 15  # 3 requests x 5 tokens
+
+
+def test_engine_start_compiles_the_sampler_kernels_on_cuda(monkeypatch):
+    """On CUDA the sampler's Triton kernels compile at warmup (Sampler.warmup), not in the first
+    sampled step, where the compile would stall every running request."""
+    from graphcache.engine.sample.sampler import Sampler
+
+    calls = []
+    monkeypatch.setattr(
+        Sampler, "warmup", lambda self, vocab, dtype, device: calls.append((vocab, dtype, device))
+    )
+
+    class CudaShapedRunner(FakeRunner):
+        def __init__(self, settings, metrics=None):
+            super().__init__(settings, metrics)
+            self.device_type, self.dtype, self.vocab_size = "cuda", torch.bfloat16, VOCAB
+
+    engine = start_engine(lambda s, m: CudaShapedRunner(s, m))
+    try:
+        assert calls == [(VOCAB, torch.bfloat16, torch.device("cuda"))]
+    finally:
+        engine.shutdown()
+    calls.clear()
+    cpu = start_engine(fake_factory())  # the CPU compiles nothing
+    cpu.shutdown()
+    assert calls == []
