@@ -23,7 +23,7 @@ def load(path: Path) -> list[dict]:
 
 def records_of(trace) -> list[dict]:
     """EngineCore.step_trace (tuples) as dicts."""
-    from graphcache.engine.loop.core import STEP_TRACE_FIELDS
+    from graphcache.engine.loop.step_trace import STEP_TRACE_FIELDS
 
     return [dict(zip(STEP_TRACE_FIELDS, rec, strict=True)) for rec in trace]
 

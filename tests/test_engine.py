@@ -663,7 +663,7 @@ async def test_step_trace_records_every_step_and_is_written_at_stop(tmp_path):
     (benchmarks/step_trace.py summarizes it)."""
     import json
 
-    from graphcache.engine.loop.core import STEP_TRACE_FIELDS
+    from graphcache.engine.loop.step_trace import STEP_TRACE_FIELDS
 
     path = tmp_path / "steps.jsonl"
     e = start_engine(fake_factory(), step_trace=path)

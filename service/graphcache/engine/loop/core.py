@@ -5,10 +5,10 @@
 (engine.py) calls it in a loop on its thread and delivers the outputs; tests call it directly.
 nano-vllm's `LLMEngine.step` and vLLM v1's `EngineCore.step` are the models.
 
-Failure isolation: an exception in a step ends only that step's requests (finish_reason "error",
-a message safe for clients); a request whose own sampling fails ends alone. A device fault, or
-MAX_CONSECUTIVE_STEP_FAILURES failed steps in a row, raises `EngineFailure`: the caller must stop
-using this core (the Engine marks itself dead).
+Failure isolation (failures.py): an exception in a step ends only that step's requests; a request
+whose own sampling fails ends alone; a device fault, or MAX_CONSECUTIVE_STEP_FAILURES failed steps in
+a row, raises `EngineFailure`. The outputs of the requests a step advanced are built by
+RequestOutputs (outputs.py); settings.engine.step_trace records each step's timing (step_trace.py).
 
 Log probabilities (engine/sample/logprobs.py) are computed on the device in the step that produced the
 logits, and reach the host with the sampled tokens: a sampled token's for params.logprobs, and
@@ -23,7 +23,6 @@ step in flight completes before the next is scheduled.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import deque
@@ -35,7 +34,16 @@ import torch
 from graphcache.config import Settings
 from graphcache.engine.batch import Runner, StepBatch
 from graphcache.engine.errors import InvalidRequest
+from graphcache.engine.loop.failures import (
+    MAX_CONSECUTIVE_STEP_FAILURES,
+    STEP_FAILED_MESSAGE,
+    EngineFailure,
+    is_device_failure,
+    sample_isolating_failures,
+)
+from graphcache.engine.loop.outputs import RequestOutputs
 from graphcache.engine.loop.request_check import EngineLimits, RequestChecker
+from graphcache.engine.loop.step_trace import STEP_TRACE_MAX
 from graphcache.engine.sample.controls import needs_history, to_device
 from graphcache.engine.sample.grammar_compiler import GrammarLimits
 from graphcache.engine.sample.logprobs import (
@@ -52,71 +60,11 @@ from graphcache.engine.sample.structured import StructuredOutput
 from graphcache.engine.sched.block_manager import BlockManager
 from graphcache.engine.sched.scheduler import Scheduler, SchedulerOutput
 from graphcache.engine.sequence import RequestOutput, SamplingParams, Sequence
-from graphcache.engine.stopping import sendable_text
 from graphcache.metrics import Metrics
 
-__all__ = [
-    "MAX_CONSECUTIVE_STEP_FAILURES",
-    "STEP_TRACE_FIELDS",
-    "EngineCore",
-    "EngineFailure",
-    "is_device_failure",
-    "write_step_trace",
-]
+__all__ = ["EngineCore"]
 
 log = logging.getLogger("graphcache.engine")
-
-# Consecutive failed steps before the core gives up (one bad step is survivable: its requests fail,
-# the rest keep going; a run of them means the device or the model is broken).
-MAX_CONSECUTIVE_STEP_FAILURES = 3
-STEP_TRACE_MAX = 100_000
-STEP_FAILED_MESSAGE = "the model step for this request failed on the server; retry the request"
-
-
-# One record of EngineCore.step_trace (times: perf_counter seconds of the engine's process).
-STEP_TRACE_FIELDS = (
-    "scheduled",
-    "launch",
-    "launched",
-    "complete",
-    "tokens_on_host",
-    "completed",
-    "rows",
-    "tokens",
-    "sampled",
-    "waiting",
-    "running",
-)
-
-
-def write_step_trace(path, records) -> None:
-    """settings.engine.step_trace: one JSON object per step (STEP_TRACE_FIELDS), oldest first. Never raises:
-    the engine is stopping when it writes, and a benchmark's missing file says enough."""
-    try:
-        with open(path, "w") as f:
-            for rec in records:
-                f.write(json.dumps(dict(zip(STEP_TRACE_FIELDS, rec, strict=True))) + "\n")
-    except OSError as exc:
-        log.error("could not write the step trace to %s: %s", path, exc)
-
-
-class EngineFailure(RuntimeError):
-    """The core cannot go on (device fault, or repeated step failures); the cause is chained.
-    `outputs`: the final outputs of the failed step's requests, still to be delivered."""
-
-    def __init__(self, message: str, outputs: list[RequestOutput]) -> None:
-        super().__init__(message)
-        self.outputs = outputs
-
-
-def is_device_failure(exc: BaseException) -> bool:
-    """A fault of the device itself (lost GPU, illegal address): the CUDA context is poisoned and
-    every later step would fail too. Decided by type: torch raises AcceleratorError for CUDA errors.
-    A runner's exception with `fatal = True` counts too (a lost tensor-parallel rank: engine/worker/tp_runner.py)."""
-    if getattr(exc, "fatal", False) is True:
-        return True
-    accelerator_error = getattr(torch, "AcceleratorError", None)
-    return accelerator_error is not None and isinstance(exc, accelerator_error)
 
 
 def _needs_host_history(params: SamplingParams) -> bool:
@@ -176,7 +124,7 @@ class EngineCore:
         )
         self.sampler = Sampler(default_seed=settings.model.seed, eos_token_ids=runner.eos_token_ids)
         self.requests: dict[str, Sequence] = {}  # unfinished requests, by id
-        self._unsent: dict[str, Sequence] = {}  # streams with tokens not in an output yet
+        self.outputs = RequestOutputs(metrics)
         # Unfinished requests whose sampling reads their history on the host (_needs_host_history),
         # and those asking for logprobs or prompt logprobs: sets, so a step without any costs nothing per row.
         self._history_seqs: set[Sequence] = set()
@@ -322,7 +270,7 @@ class EngineCore:
             self.checker.built_structured is not None
         ):  # after the raw logprob rows were copied: it masks in place
             self.structured.apply(logits, sample_seqs)
-        tokens, failed = self._sample(logits, sample_seqs)
+        tokens, failed = sample_isolating_failures(self.sampler, logits, sample_seqs)
         sampled_logprobs = None
         if logprob_rows:
             k = max(sample_seqs[i].params.logprobs or 0 for i in logprob_rows)  # each set: logprob_rows
@@ -422,51 +370,6 @@ class EngineCore:
         if self.runner.device_type == "cuda" and vocab and isinstance(dtype, torch.dtype):
             self.sampler.warmup(vocab, dtype, torch.device("cuda"))
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]]:
-        """Sample the batch on the device: ([n] int64 ids, rows whose sampling failed). The sampler
-        does not raise for validated parameters; if it raises anyway, each row is sampled alone, so a
-        request whose row fails ends by itself (its id is a stand-in 0, dropped at completion) and
-        neither fails the requests batched with it nor counts toward engine failure. A device fault
-        is not any one request's: it raises."""
-        try:
-            return self.sampler.sample_device(logits, seqs), []
-        except Exception as exc:
-            if is_device_failure(exc):
-                raise
-            if len(seqs) > 1:
-                log.warning(
-                    "batched sampling failed (%s: %s); sampling the %d rows one by one",
-                    type(exc).__name__,
-                    exc,
-                    len(seqs),
-                )
-        rows, failed = [], []
-        for i, seq in enumerate(seqs):
-            try:
-                rows.append(self.sampler.sample_device(logits[i : i + 1], [seq]))
-            except Exception as exc:
-                if is_device_failure(exc):
-                    raise
-                self._sampling_failed(seq, exc)
-                failed.append(i)
-                rows.append(torch.zeros(1, dtype=torch.int64, device=logits.device))
-        return torch.cat(rows), failed
-
-    @staticmethod
-    def _sampling_failed(seq: Sequence, exc: Exception) -> None:
-        p = seq.params
-        log.error(
-            "sampling failed for request %s (temperature=%r top_p=%r top_k=%r seed=%r): %s: %s",
-            seq.request_id,
-            p.temperature,
-            p.top_p,
-            p.top_k,
-            p.seed,
-            type(exc).__name__,
-            exc,
-            exc_info=exc,
-        )
-
     def _step_failed(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         self.consecutive_failures += 1
         ids = [s.seq.request_id for s in plan.scheduled]
@@ -492,73 +395,18 @@ class EngineCore:
 
     # --- outputs ---------------------------------------------------------------------------
     def _output(self, seq: Sequence) -> RequestOutput | None:
-        """What `seq` has not streamed yet (None: nothing to send now); on finish, retire it.
-        A stream's first output is made at once (time to first token); later ones wait in
-        `_unsent` for stream_outputs(), so the step loop does not build one per token."""
-        finished = seq.is_finished
-        if finished:
+        """What `seq` has not streamed yet (None: nothing to send now); on finish, retire it."""
+        if seq.is_finished:
             self.requests.pop(seq.request_id, None)
             self._history_seqs.discard(seq)
             self._logprob_seqs.discard(seq)
             self._prompt_logprob_seqs.discard(seq)
-            self._unsent.pop(seq.request_id, None)
-            self._record_finish(seq)
-        elif not seq.stream:
-            return None  # everything accumulates into the final output
-        elif seq.num_tokens_sent:
-            self._unsent[seq.request_id] = seq
-            return None
-        return self._delta(seq, finished)
+        return self.outputs.output(seq)
 
     def stream_outputs(self) -> list[RequestOutput]:
         """The outputs of every stream that got tokens since its last output (the Engine calls this
         at most every stream_interval_ms; a final output always carries what was not sent)."""
-        unsent, self._unsent = self._unsent, {}
-        return [out for seq in unsent.values() if (out := self._delta(seq, False)) is not None]
-
-    @staticmethod
-    def _delta(seq: Sequence, finished: bool) -> RequestOutput | None:
-        sent = seq.num_tokens_sent
-        new_ids = seq.output_token_ids[sent:]
-        seq.num_tokens_sent = seq.num_output_tokens
-        text = sendable_text(seq, finished)
-        if not finished and not new_ids and not text:
-            return None
-        params = seq.params
-        logprobs = seq.output_logprobs[sent : sent + len(new_ids)] if params.logprobs is not None else None
-        # The first output is the first with tokens (or the final one): the whole prompt has run by then.
-        prompt_logprobs = (
-            list(seq.prompt_logprobs) if sent == 0 and params.prompt_logprobs is not None else None
-        )
-        return RequestOutput(
-            seq.request_id,
-            text,
-            new_ids,
-            finished,
-            seq.finish_reason,
-            seq.num_prompt_tokens,
-            seq.num_output_tokens,
-            seq.error,
-            error_code=seq.error_code,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            num_cached_tokens=seq.num_cached_tokens,
-            stopped_on_token=finished and seq.stopped_on_token,
-            stop_reason=seq.stop_reason if finished else None,
-        )
-
-    def _record_finish(self, seq: Sequence) -> None:
-        m = self.metrics
-        if m is None:
-            return
-        now = time.monotonic()
-        m.requests_finished.labels(seq.finish_reason).inc()  # vllm:request_success mirrors it
-        m.e2e.observe(now - seq.arrival_time)
-        m.vllm.observe_finished(seq, now)
-        if seq.num_output_tokens > 1 and seq.first_token_time is not None and seq.last_token_time is not None:
-            # Mean time between output tokens of this request (per request, not per token: a
-            # histogram observation per token costs ~1 ms a step at batch 256).
-            m.tpot.observe((seq.last_token_time - seq.first_token_time) / (seq.num_output_tokens - 1))
+        return self.outputs.stream_outputs()
 
     # --- state for gauges and stats --------------------------------------------------------
     def update_gauges(self) -> None:

@@ -38,12 +38,8 @@ from graphcache.engine.errors import (
     InvalidRequest,
     QueueFull,
 )
-from graphcache.engine.loop.core import (
-    MAX_CONSECUTIVE_STEP_FAILURES,
-    EngineCore,
-    EngineFailure,
-    write_step_trace,
-)
+from graphcache.engine.loop.core import EngineCore
+from graphcache.engine.loop.failures import MAX_CONSECUTIVE_STEP_FAILURES, EngineFailure
 from graphcache.engine.loop.frontend import EngineFrontend, EngineState
 from graphcache.engine.loop.messages import (
     Abort,
@@ -59,6 +55,7 @@ from graphcache.engine.loop.messages import (
     settle,
 )
 from graphcache.engine.loop.request_check import RequestChecker
+from graphcache.engine.loop.step_trace import write_step_trace
 from graphcache.engine.sequence import RequestOutput, SamplingParams, StructuredSpec, TokenLogprob
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.engine.worker.tp_runner import TensorParallelRunner

@@ -16,6 +16,8 @@ token that sequence fed (StepResult.prompt_logits).
 
 Captures outside a step (warmup, admin) go through `capture()`, which points every token at the
 scratch slot and runs under an empty attention context itself, so they write no real KV slot.
+The KV cache's size and storage come from engine/worker/kv_cache.py, the descriptors captured at
+start from engine/worker/warmup_plan.py.
 Each step's attention metadata, descriptor and runtime mode reach the model through the forward context
 (model/forward_context.py), set around the step. The runner returns the step's mode in its
 StepResult; step metrics are the engine's, graph-cache metrics the GraphCache's.
@@ -23,7 +25,6 @@ StepResult; step metrics are the engine's, graph-cache metrics the GraphCache's.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -34,10 +35,16 @@ from graphcache.config import Settings
 from graphcache.engine.batch import StepBatch, StepMode, StepResult
 from graphcache.engine.worker.capture_sizes import resolve_capture_sizes
 from graphcache.engine.worker.input_batch import InputBatch, StepLayout
+from graphcache.engine.worker.kv_cache import (
+    agree_min_blocks,
+    alloc_kv_storage,
+    kv_block_bytes,
+    num_kv_blocks,
+)
+from graphcache.engine.worker.warmup_plan import warmup_descriptors
 from graphcache.graphs.cache import GraphCache, WarmupReport
 from graphcache.graphs.descriptor import BatchDescriptor, descriptor_for
 from graphcache.graphs.policy_config import policy_config_from
-from graphcache.graphs.profile import parse_profile
 from graphcache.metrics import Metrics
 from graphcache.model.attention import select_attention_kernel, select_decode_kernel
 from graphcache.model.attention_metadata import AttentionMetadata, AttentionPlanner, DecodeMetadata
@@ -52,7 +59,6 @@ from graphcache.model.tiny import default_model_dir
 from graphcache.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-CPU_KV_CACHE_MAX_BYTES = 1 << 30  # default CPU KV cache stops here: CPU RAM is shared with everything
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -128,9 +134,8 @@ class ModelRunner:
         self.sizes, self.mixed_sizes = resolve_capture_sizes(
             s, graphs=self.backend == "cuda", decoder_params=decoder_params, num_layers=c.num_layers
         )
-        self._warmup_descs = self._warmup_descriptors()
+        self._warmup_descs = warmup_descriptors(s, self.sizes, self.mixed_sizes)
         self._alloc_buffers()
-        self.num_kv_blocks = self._agree_min(self._num_kv_blocks())
         self._alloc_kv_cache()
         self.attention_kernel = select_attention_kernel(
             self.device, self.dtype, c.head_dim, self.block_size, s.model.attention_backend
@@ -200,60 +205,6 @@ class ModelRunner:
             )
         return wanted or limit
 
-    def _warmup_descriptors(self) -> list[BatchDescriptor]:
-        s = self.settings
-        if s.graph_cache.warmup_profile is not None:
-            return self._load_warmup_profile(s.graph_cache.warmup_profile)  # exactly the profile's set
-        decode = s.graph_cache.warmup_decode_sizes
-        if decode is None:
-            decode = [n for n in self.sizes if n <= s.engine.max_num_seqs]
-        descs = [BatchDescriptor(n, n, True) for n in decode]
-        mixed = s.graph_cache.warmup_mixed_sizes
-        buckets = [n for n in self.mixed_sizes if n > self.sizes.max]
-        if mixed is None:
-            mixed = buckets
-        elif any(n not in buckets for n in mixed):
-            raise ValueError(
-                f"warmup_mixed_sizes {mixed} must be mixed buckets in use {buckets} (mixed_capture_sizes "
-                "above max_capture_size, up to max_num_batched_tokens)"
-            )
-        pad_reqs = (
-            self.sizes.pad(s.engine.max_num_seqs) or s.engine.max_num_seqs
-        )  # descriptor_for's R cap (max_reqs)
-        descs += [BatchDescriptor(n, min(n, pad_reqs), False) for n in mixed]
-        descs += [BatchDescriptor.parse(d) for d in s.graph_cache.warmup_descriptors]
-        return descs
-
-    def _load_warmup_profile(self, path: Path) -> list[BatchDescriptor]:
-        """The descriptors of a GRAPHCACHE_WARMUP_PROFILE file (GET /admin/cache/profile's output). Each
-        must be a shape a step pads to (tokens and requests capture sizes, requests within max_num_seqs'
-        padded size), so none grows the static buffers; anything else fails the start, naming the file
-        and the entry."""
-        where = f"warmup_profile {str(path)!r} (GRAPHCACHE_WARMUP_PROFILE)"
-        try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{where} cannot be read as JSON: {type(e).__name__}: {e}") from None
-        try:
-            descs = parse_profile(data)
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
-        max_reqs = self.sizes.pad(self.settings.engine.max_num_seqs) or self.sizes.max
-        for i, d in enumerate(descs):
-            tokens = self.sizes if d.uniform_decode else self.mixed_sizes
-            if (
-                d.num_tokens not in tokens.sizes
-                or d.num_reqs not in self.sizes.sizes
-                or d.num_reqs > max_reqs
-            ):
-                raise ValueError(
-                    f"{where}: descriptors[{i}] {d} has sizes this server never pads to; tokens must "
-                    f"be one of the capture sizes {list(tokens)}, requests one of {list(self.sizes)} "
-                    f"(up to {max_reqs}); export the profile again from a server with these settings"
-                )
-        log.info("warmup profile %s: %d descriptors", path, len(descs))
-        return descs
-
     def _alloc_buffers(self) -> None:
         s, dev = self.settings, self.device
         max_reqs = self.sizes.pad(s.engine.max_num_seqs) or s.engine.max_num_seqs
@@ -310,56 +261,22 @@ class ModelRunner:
     def _decode_path(self, uniform_decode: bool) -> bool:
         return uniform_decode and self.decode_kernel != "varlen"
 
-    def _kv_block_bytes(self) -> int:
-        c = self.model_config
-        return c.num_layers * 2 * self.block_size * self.num_kv_heads * c.head_dim * self.dtype.itemsize
-
-    def _num_kv_blocks(self) -> int:
-        s = self.settings
-        per_block = self._kv_block_bytes()
-        if s.engine.num_kv_blocks is not None:
-            return s.engine.num_kv_blocks
-        one_seq = self.max_blocks_per_seq
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            blocks = int(free * s.engine.kv_cache_memory_fraction) // per_block
-        else:
-            blocks = min(s.engine.max_num_seqs * one_seq, CPU_KV_CACHE_MAX_BYTES // per_block)
-        if blocks < one_seq:
-            raise RuntimeError(
-                f"KV cache of {blocks} blocks cannot hold one sequence of max_model_len "
-                f"{self.max_model_len} ({one_seq} blocks); lower max_model_len or raise "
-                "kv_cache_memory_fraction / num_kv_blocks"
-            )
-        return blocks
-
-    def _agree_min(self, blocks: int) -> int:
-        """The smallest KV cache over the ranks: rank 0's block manager hands out blocks for all of them
-        (each rank sized its own from its free memory). Every rank calls this at the same point of start-up."""
-        if not self.tp.enabled:
-            return blocks
-        t = torch.tensor([blocks], dtype=torch.int64, device=self.device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.tp.group)
-        return int(t.item())
-
     def _alloc_kv_cache(self) -> None:
+        """Size the KV cache (engine/worker/kv_cache.py), allocate it and bind it to the model's layers."""
         c = self.model_config
-        # Zero-filled, not empty: masked positions get softmax weight 0, and 0 * NaN would still be NaN.
-        # One block more than the block manager knows of: block num_kv_blocks is the scratch block
-        # that padded tokens write (their K/V may be garbage; nothing ever reads it).
-        self.kv_storage = torch.zeros(
-            c.num_layers,
-            2,
-            self.num_kv_blocks + 1,
-            self.block_size,
-            self.num_kv_heads,
-            c.head_dim,
-            dtype=self.dtype,
+        blocks = num_kv_blocks(
+            self.settings,
+            block_bytes=kv_block_bytes(c, self.block_size, self.num_kv_heads, self.dtype),
+            max_blocks_per_seq=self.max_blocks_per_seq,
+            max_model_len=self.max_model_len,
             device=self.device,
-        )  # this rank's KV heads
-        self.kv_cache = self.kv_storage[
-            :, :, : self.num_kv_blocks
-        ]  # [layers, 2, blocks, bs, K, D]: usable blocks
+        )
+        self.num_kv_blocks = agree_min_blocks(blocks, self.tp, self.device)
+        self.kv_storage = alloc_kv_storage(
+            c, self.num_kv_blocks, self.block_size, self.num_kv_heads, self.dtype, self.device
+        )  # this rank's KV heads, one scratch block past the usable ones
+        # [layers, 2, blocks, bs, K, D]: the usable blocks
+        self.kv_cache = self.kv_storage[:, :, : self.num_kv_blocks]
         self.scratch_slot = self.num_kv_blocks * self.block_size
         self.model.bind_kv_cache([self.kv_storage[i] for i in range(c.num_layers)])
 

@@ -1,0 +1,77 @@
+"""The descriptors a runner captures at start: from the settings' sizes, or exactly a saved profile's.
+
+Without a profile: the decode capture sizes up to max_num_seqs (or warmup_decode_sizes), the mixed
+buckets above the largest decode size (or warmup_mixed_sizes), then any explicit warmup_descriptors.
+With GRAPHCACHE_WARMUP_PROFILE (GET /admin/cache/profile's output) the file's set alone, each entry
+checked to be a shape a step pads to, so a stale profile fails the start instead of growing the
+static buffers. The runner (runner.py) sizes its buffers to cover whichever set this returns.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from graphcache.config import Settings
+from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes
+from graphcache.graphs.profile import parse_profile
+
+__all__ = ["load_warmup_profile", "warmup_descriptors"]
+
+log = logging.getLogger(__name__)
+
+
+def warmup_descriptors(
+    settings: Settings, sizes: CaptureSizes, mixed_sizes: CaptureSizes
+) -> list[BatchDescriptor]:
+    """The configured warmup set. sizes: what decode steps pad to; mixed_sizes: what mixed steps pad to."""
+    s = settings
+    if s.graph_cache.warmup_profile is not None:  # exactly the profile's set
+        return load_warmup_profile(s.graph_cache.warmup_profile, sizes, mixed_sizes, s.engine.max_num_seqs)
+    decode = s.graph_cache.warmup_decode_sizes
+    if decode is None:
+        decode = [n for n in sizes if n <= s.engine.max_num_seqs]
+    descs = [BatchDescriptor(n, n, True) for n in decode]
+    mixed = s.graph_cache.warmup_mixed_sizes
+    buckets = [n for n in mixed_sizes if n > sizes.max]
+    if mixed is None:
+        mixed = buckets
+    elif any(n not in buckets for n in mixed):
+        raise ValueError(
+            f"warmup_mixed_sizes {mixed} must be mixed buckets in use {buckets} (mixed_capture_sizes "
+            "above max_capture_size, up to max_num_batched_tokens)"
+        )
+    pad_reqs = sizes.pad(s.engine.max_num_seqs) or s.engine.max_num_seqs  # descriptor_for's R cap (max_reqs)
+    descs += [BatchDescriptor(n, min(n, pad_reqs), False) for n in mixed]
+    descs += [BatchDescriptor.parse(d) for d in s.graph_cache.warmup_descriptors]
+    return descs
+
+
+def load_warmup_profile(
+    path: Path, sizes: CaptureSizes, mixed_sizes: CaptureSizes, max_num_seqs: int
+) -> list[BatchDescriptor]:
+    """The descriptors of a GRAPHCACHE_WARMUP_PROFILE file (GET /admin/cache/profile's output). Each
+    must be a shape a step pads to (tokens and requests capture sizes, requests within max_num_seqs'
+    padded size), so none grows the static buffers; anything else fails the start, naming the file
+    and the entry."""
+    where = f"warmup_profile {str(path)!r} (GRAPHCACHE_WARMUP_PROFILE)"
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{where} cannot be read as JSON: {type(e).__name__}: {e}") from None
+    try:
+        descs = parse_profile(data)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    max_reqs = sizes.pad(max_num_seqs) or sizes.max
+    for i, d in enumerate(descs):
+        tokens = sizes if d.uniform_decode else mixed_sizes
+        if d.num_tokens not in tokens.sizes or d.num_reqs not in sizes.sizes or d.num_reqs > max_reqs:
+            raise ValueError(
+                f"{where}: descriptors[{i}] {d} has sizes this server never pads to; tokens must "
+                f"be one of the capture sizes {list(tokens)}, requests one of {list(sizes)} "
+                f"(up to {max_reqs}); export the profile again from a server with these settings"
+            )
+    log.info("warmup profile %s: %d descriptors", path, len(descs))
+    return descs
