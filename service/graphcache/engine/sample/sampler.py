@@ -39,8 +39,8 @@ import torch
 
 from graphcache.engine.sample.controls import LogitsControls, has_controls, num_generated, to_device
 from graphcache.engine.sample.filter_threshold import thresholds
-from graphcache.engine.sample.nucleus_draw import nucleus_draw
-from graphcache.engine.sample.race_draw import mix64, race_draw, row_key, to_int64
+from graphcache.engine.sample.nucleus_draw import nucleus_draw, step_keys
+from graphcache.engine.sample.race_draw import mix64, race_draw, to_int64
 from graphcache.engine.sequence import SamplingParams, Sequence
 from graphcache.model.triton_support import HAVE_TRITON
 
@@ -144,23 +144,33 @@ class Sampler:
     def _draw_nucleus(self, logits: torch.Tensor, rows: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """One draw per entry of rows [W] (indices into logits [R, V], any float dtype) for rows without
         top-k: nucleus_draw.py's rejection sampler, one launch on CUDA. Per row only a cached tuple is
-        read on the host (the keys of unseeded rows come from one draw of the generator, a seeded
-        row's key is mixed from its step on the device); two uploads, no sync."""
-        n = len(seqs)
-        draw_rows = [s.draw_row or self._draw_row(s) for s in seqs]
-        params = torch.tensor([r[0] for r in draw_rows], dtype=torch.float32)  # [W, 3]
-        ints = torch.empty(2, n, dtype=torch.int64)  # keys, steps
-        ints[0] = torch.frombuffer(
-            bytearray(self._rng.getrandbits(64 * n).to_bytes(8 * n, "little")), dtype=torch.int64
-        )
-        ints[1] = -1
-        for j, (r, s) in enumerate(zip(draw_rows, seqs, strict=True)):
-            if r[1] is not None:
-                ints[0, j], ints[1, j] = r[1], num_generated(s)
+        read on the host; two uploads, no sync."""
+        params = torch.tensor(
+            [(s.draw_row or self._draw_row(s))[0] for s in seqs], dtype=torch.float32
+        )  # [W, 3]
+        ints = self._key_parts(seqs)  # [2, W]: keys, steps
         if logits.is_cuda:
             params = params.pin_memory().to(logits.device, non_blocking=True)
             ints = ints.pin_memory().to(logits.device, non_blocking=True)
         return nucleus_draw(logits, rows, params, ints[0], ints[1])
+
+    def _key_parts(self, seqs: list[Sequence]) -> torch.Tensor:
+        """[2, W] int64 on the host: each row's race key before nucleus_draw.step_keys mixes it, and its
+        step. Unseeded rows: 64 bits of the Sampler's own generator (one draw for the batch; settings.model.seed
+        makes a server run repeatable) and step -1 (the key as it is). Seeded rows: mix64(seed), cached on
+        the request, and the tokens generated so far, so a seeded request's tokens depend on nothing but its
+        seed and its own logits (and a step sampled again, e.g. after a preemption, gives the same token)."""
+        n = len(seqs)
+        ints = torch.empty(2, n, dtype=torch.int64)
+        ints[0] = torch.frombuffer(
+            bytearray(self._rng.getrandbits(64 * n).to_bytes(8 * n, "little")), dtype=torch.int64
+        )
+        ints[1] = -1
+        for j, s in enumerate(seqs):
+            seed_key = (s.draw_row or self._draw_row(s))[1]
+            if seed_key is not None:
+                ints[0, j], ints[1, j] = seed_key, num_generated(s)
+        return ints
 
     @staticmethod
     def _draw_row(seq: Sequence) -> tuple[tuple[float, float, float], int | None]:
@@ -193,24 +203,12 @@ class Sampler:
                 else None
             ),
         )
-        drawn = race_draw(z, thr, to_device(self._row_keys(seqs), torch.int64, dev))  # [W]
+        ints = self._key_parts(seqs)
+        if dev.type == "cuda":
+            ints = ints.pin_memory().to(dev, non_blocking=True)
+        drawn = race_draw(z, thr, step_keys(ints[0], ints[1]))  # [W]
         # A row with no distribution (no finite logit, or +inf) takes its argmax, as greedy would.
         return torch.where(valid, drawn, top)
-
-    def _row_keys(self, seqs: list[Sequence]) -> list[int]:
-        """Each row's 64-bit race key (as int64). Seeded: from (seed, tokens generated so far) only, so
-        a seeded request's tokens depend on nothing but its seed and its own logits (and a step that
-        is sampled again, e.g. after a preemption, gives the same token). Unseeded: the next 64 bits of
-        the Sampler's own generator (settings.model.seed makes a server run repeatable), so that the whole
-        batch is one race kernel rather than a race plus a multinomial."""
-        return [
-            to_int64(
-                row_key(s.params.seed, num_generated(s))
-                if s.params.seed is not None
-                else self._rng.getrandbits(64)
-            )
-            for s in seqs
-        ]
 
 
 def filtered_logits(
