@@ -13,10 +13,10 @@ per-token activation scales; an FP8 checkpoint of the same weights loads to the 
   greedy  G random prompts, N tokens generated greedily by each model: the fraction of tokens that agree,
           of sequences equal to the end, and the mean length of the common prefix
   gemm    (CUDA) per Llama-3-8B linear shape [N, K] and batch rows M: bf16 torch.mm, FP8 through
-          torch._scaled_mm and through the Triton row-scaled kernel (each after the per-token activation
-          quantization kernel), the decode kernel that quantizes x itself (M <= 16: what decode runs),
-          the quantization alone; microseconds per call from CUDA-graph replays; and the decode kernel's
-          tile sweep at M = 1 (fp8_gemm.DECODE_TILE; the fastest per shape is printed)
+          torch._scaled_mm after the per-token activation quantization kernel (what M > 16 runs), the
+          weight-only decode kernel (M <= 16: what decode runs), the quantization alone; microseconds
+          per call from CUDA-graph replays over weight copies that overflow the L2 (every call reads
+          HBM). benchmarks/fp8_gemv_sweep.py sweeps the decode kernel's designs and tiles.
 Random weights give near-Gaussian logits (std ~1 over 128k ids): top-2 margins are small, so all-position
 agreement understates what a trained model keeps; the margin > 1 figure is the meaningful one.
 """
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the 
 import torch  # noqa: E402
 from graphcache.engine.batch import StepBatch, StepSeq  # noqa: E402
 from graphcache.model import fp8_gemm  # noqa: E402
-from graphcache.model.fp8_gemm import fused_row_scaled_mm, row_scaled_mm  # noqa: E402
+from graphcache.model.fp8_gemm import weight_only_mm  # noqa: E402
 from graphcache.model.fp8_quant import quantize_rows, quantize_weight  # noqa: E402
 from graphcache.model.tiny import default_model_dir  # noqa: E402
 
@@ -51,14 +51,7 @@ GEMM_SHAPES = {
     "down_proj": (4096, 14336),
 }
 GEMM_ROWS = (1, 8, 16, 32, 64, 256)
-DECODE_TILES = [
-    (16, 256, 4, 4),
-    (32, 128, 4, 4),
-    (32, 256, 4, 4),
-    (32, 512, 4, 3),
-    (64, 128, 4, 4),
-    (64, 256, 4, 4),
-]
+L2_BYTES = 50 * 2**20
 MARGIN = 1.0
 
 
@@ -166,14 +159,17 @@ def run_model(model: Path, quantization: str, args) -> dict:
 # --- GEMM kernels -------------------------------------------------------------------------------------------
 
 
-def graph_us(fn, reps: int = 20) -> float:
-    """Microseconds per fn() from replays of a CUDA graph holding `reps` calls (no launch gaps counted)."""
-    fn()
+def graph_us(fns: list, reps: int = 20) -> float:
+    """Microseconds per call from replays of a CUDA graph holding `reps` rounds of the calls fns[i]()
+    (one per weight copy; no launch gaps counted)."""
+    for fn in fns:
+        fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for _ in range(reps):
-            fn()
+            for fn in fns:
+                fn()
     g.replay()
     times = []
     for _ in range(5):
@@ -182,35 +178,36 @@ def graph_us(fn, reps: int = 20) -> float:
         g.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
+        times.append(a.elapsed_time(b) * 1e3 / (reps * len(fns)))
     g.reset()
     return statistics.median(times)
 
 
-def gemm_row(name: str, w: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, m: int) -> dict:
-    """One shape at m rows: bf16 mm, FP8 via _scaled_mm and via Triton (each with the activation
-    quantization), and the quantization alone."""
-    n, k = w.shape
+def gemm_row(name: str, ws: list, qs: list, m: int) -> dict:
+    """One shape at m rows over the weight copies ws (bf16) and qs (fp8, scales): bf16 mm, FP8 via
+    _scaled_mm (with the activation quantization), the weight-only kernel, the quantization alone."""
+    n, k = ws[0].shape
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    reps = max(1, 20 // len(ws))
 
-    def scaled_mm():
+    def scaled_mm(wq, sw):
         xq, sa = quantize_rows(x, fused=True)
         return torch._scaled_mm(xq, wq.t(), scale_a=sa, scale_b=sw.view(1, -1), out_dtype=torch.bfloat16)
 
-    def triton_mm():
-        xq, sa = quantize_rows(x, fused=True)
-        return row_scaled_mm(xq, wq, sa, sw, torch.bfloat16)
+    def each(fn, copies):
+        return graph_us([lambda c=c: fn(*c) for c in copies], reps)
 
     return {
         "layer": name,
         "n": n,
         "k": k,
         "m": m,
-        "bf16_us": graph_us(lambda: torch.mm(x, w.t())),
-        "fp8_scaled_mm_us": graph_us(scaled_mm),
-        "fp8_triton_us": graph_us(triton_mm),
-        "fp8_fused_us": graph_us(lambda: fused_row_scaled_mm(x, wq, sw, torch.bfloat16)) if m <= 16 else None,
-        "quantize_us": graph_us(lambda: quantize_rows(x, fused=True)),
+        "bf16_us": each(lambda w: torch.mm(x, w.t()), [(w,) for w in ws]),
+        "fp8_scaled_mm_us": each(scaled_mm, qs),
+        "fp8_weight_only_us": each(lambda wq, sw: weight_only_mm(x, wq, sw, torch.bfloat16), qs)
+        if m <= fp8_gemm.WEIGHT_ONLY_MAX_ROWS
+        else None,
+        "quantize_us": graph_us([lambda: quantize_rows(x, fused=True)], reps),
     }
 
 
@@ -218,28 +215,14 @@ def gemm_table() -> list[dict]:
     rows = []
     for name, (n, k) in GEMM_SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-        wq, sw = quantize_weight(w)
+        copies = max(1, -(-4 * L2_BYTES // (n * k)))  # fp8 bytes of all copies > 4x the L2
+        ws = [(w * (1 + 0.01 * i)).contiguous() for i in range(copies)]
+        qs = [quantize_weight(wi) for wi in ws]
         for m in GEMM_ROWS:
-            rows.append(gemm_row(name, w, wq, sw, m))
+            rows.append(gemm_row(name, ws, qs, m))
             print(json.dumps(rows[-1]), flush=True)
+        del ws, qs
     return rows
-
-
-def tile_row(name: str, n: int, k: int, tile: tuple[int, int, int, int]) -> dict:
-    wq, sw = quantize_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5)
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    fp8_gemm.DECODE_TILE = tile
-    us = graph_us(lambda: fused_row_scaled_mm(x, wq, sw, torch.bfloat16))
-    return {"layer": name, "tile": list(tile), "us": us, "weight_gb_s": n * k / us / 1e3}
-
-
-def tile_sweep() -> list[dict]:
-    """The decode kernel (quantization fused) at M = 1 with each candidate DECODE_TILE, per 8B shape."""
-    saved = fp8_gemm.DECODE_TILE
-    try:
-        return [tile_row(name, n, k, tile) for name, (n, k) in GEMM_SHAPES.items() for tile in DECODE_TILES]
-    finally:
-        fp8_gemm.DECODE_TILE = saved
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--greedy-prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--no-gemm", action="store_true", help="skip the GEMM kernel table and tile sweep")
+    ap.add_argument("--no-gemm", action="store_true", help="skip the GEMM kernel table")
     ap.add_argument("--smoke", action="store_true", help="CPU, the embedded tiny model, a few steps")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -283,12 +266,11 @@ def main(argv: list[str] | None = None) -> int:
         ],
         "logits": logits_stats(fp8["logits"], ref["logits"]),
         "greedy": greedy_stats(fp8["greedy"], ref["greedy"]),
-        "row_scaled_max_rows": fp8_gemm.ROW_SCALED_MAX_ROWS,
+        "weight_only_max_rows": fp8_gemm.WEIGHT_ONLY_MAX_ROWS,
         "decode_tile": list(fp8_gemm.DECODE_TILE),
     }
     if not args.no_gemm:
         report["gemm"] = gemm_table()
-        report["tile_sweep"] = tile_sweep()
     print(f"\n{'batch':>5} {'bf16 ms':>9} {'fp8 ms':>9} {'fp8/bf16':>9}")
     for r in report["decode"]:
         print(f"{r['batch']:>5} {r['bf16_ms']:9.3f} {r['fp8_ms']:9.3f} {r['ratio']:9.3f}")
@@ -303,19 +285,12 @@ def main(argv: list[str] | None = None) -> int:
         f"sequences equal {gr['sequences_equal']:.2f}, common prefix {gr['common_prefix_mean']:.1f} tokens"
     )
     if "gemm" in report:
-        print(
-            f"\n{'layer':<13} {'M':>4} {'bf16 us':>8} {'_scaled_mm':>10} {'triton':>8} {'fused':>7} {'quant':>7}"
-        )
+        print(f"\n{'layer':<13} {'M':>4} {'bf16 us':>8} {'_scaled_mm':>10} {'w-only':>7} {'quant':>7}")
         for r in report["gemm"]:
-            fused = f"{r['fp8_fused_us']:7.1f}" if r["fp8_fused_us"] is not None else f"{'':>7}"
+            wo = f"{r['fp8_weight_only_us']:7.1f}" if r["fp8_weight_only_us"] is not None else f"{'':>7}"
             print(
-                f"{r['layer']:<13} {r['m']:>4} {r['bf16_us']:8.1f} {r['fp8_scaled_mm_us']:10.1f} "
-                f"{r['fp8_triton_us']:8.1f} {fused} {r['quantize_us']:7.1f}"
-            )
-        for name in GEMM_SHAPES:
-            best = min((r for r in report["tile_sweep"] if r["layer"] == name), key=lambda r: r["us"])
-            print(
-                f"tile sweep {name}: best {best['tile']} {best['us']:.1f} us ({best['weight_gb_s']:.0f} GB/s)"
+                f"{r['layer']:<13} {r['m']:>4} {r['bf16_us']:8.1f} {r['fp8_scaled_mm_us']:10.1f} {wo} "
+                f"{r['quantize_us']:7.1f}"
             )
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))

@@ -183,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top", type=int, default=25, help="kernels listed per step (totals cover all)")
     ap.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s")
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 TFLOP/s")
+    ap.add_argument(
+        "--quantization", default="auto", help="as serve's --quantization (fp8: quantized on load)"
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, small steps")
     ap.add_argument("--out", type=Path)
     return ap
@@ -216,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         args.ctx,
         device=device,
         max_model_len=min(4096, cfg["max_position_embeddings"]),
+        quantization=args.quantization,
     )
     built = steps(runner, args, cfg["vocab_size"])
     out = {}
@@ -225,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         attn = attention_bound_us(cfg, rows, peak, bw)
         out[kind] = {"rows": table, "attention_bound_us": attn, "tokens": sum(q for q, _ in rows)}
         print(
-            f"\n=== {model.name}: {kind} step, {len(rows)} rows, {out[kind]['tokens']} tokens "
+            f"\n=== {model.name} ({args.quantization}): {kind} step, {len(rows)} rows, {out[kind]['tokens']} tokens "
             f"({'CUDA kernels' if cuda else 'CPU operators (smoke)'}, us per step)"
         )
         print(render(kind, table, attn, args.top))

@@ -78,7 +78,8 @@ for p in ${PHASES:-tests pool capture}; do
                --out "$OUT/realistic_llama8b_old.json") ;;
     # Both workloads on a Llama-3-8B-shaped random bf16 checkpoint (written on the GPU first, about a minute).
     realistic_llama8b) phase realistic_llama8b 590 python3 benchmarks/offline_throughput.py --make-model llama8b:/tmp/llama8b \
-               --modes "${REALISTIC_MODES:-graph,eager}" --workload nano,realistic --out "$OUT/realistic_llama8b.json" ;;
+               --modes "${REALISTIC_MODES:-graph,eager}" --workload "${REALISTIC8_WORKLOADS:-nano,realistic}" \
+               --out "$OUT/realistic_llama8b.json" ;;
     # One decode step, wall vs GPU, at the Llama-3-8B shape.
     decode_step_llama8b) phase decode_step_llama8b 500 python3 benchmarks/decode_step.py --make-model llama8b:/tmp/llama8b \
                --modes "${DECODE_MODES:-full,eager}" --out "$OUT/decode_step_llama8b.json" ;;
@@ -87,8 +88,10 @@ for p in ${PHASES:-tests pool capture}; do
                --rates "${OPEN_LOOP_RATES:-2,8,32,inf}" --out "$OUT/open_loop_$m.json" --log "$OUT/open_loop_${m}_server.log" \
                ${OPEN_LOOP_ARGS:-} ;;
     # Per-kernel CUDA time of a decode, a mixed and a prefill step against its roofline bound, at both shapes.
-    kernel_table) for m in ${KERNEL_TABLE_MODELS:-qwen05b llama8b}; do TAIL=${TAIL:-120} phase kernel_table_$m 300 \
-               python3 benchmarks/kernel_table.py --make-model "$m:/tmp/$m" --out "$OUT/kernel_table_$m.json"; done ;;
+    # KERNEL_TABLE_ARGS: other step shapes (--decode-rows 1 --kinds decode, --quantization fp8); KERNEL_TABLE_TAG names them.
+    kernel_table) for m in ${KERNEL_TABLE_MODELS:-qwen05b llama8b}; do TAIL=${TAIL:-120} phase kernel_table_$m${KERNEL_TABLE_TAG:-} 300 \
+               python3 benchmarks/kernel_table.py --make-model "$m:/tmp/$m" ${KERNEL_TABLE_ARGS:-} \
+               --out "$OUT/kernel_table_$m${KERNEL_TABLE_TAG:-}.json"; done ;;
     # Mixed steps past 256 tokens at both shapes: eager vs breakable vs full graphs, capture s, pool MiB, padding.
     big_steps) phase big_steps 420 python3 benchmarks/big_steps.py --make-model qwen05b:/tmp/qwen05b \
                --make-model llama8b:/tmp/llama8b --out "$OUT/big_steps.json" ${BIG_STEPS_ARGS:-} ;;
@@ -102,6 +105,8 @@ for p in ${PHASES:-tests pool capture}; do
     # FP8 (issue 25): the Llama-3-8B shape in bf16 and with --quantization fp8: full-graph decode at batch 1 and 256,
     # logits error and greedy agreement against bf16, the GEMM kernels and the Triton decode tile sweep.
     fp8) phase fp8 420 python3 benchmarks/fp8_bench.py --make-model llama8b:/tmp/llama8b --out "$OUT/fp8.json" ${FP8_ARGS:-} ;;
+    # Decode-sized FP8 GEMM designs (fp8 dot with x quantized inside, W dequantized to bf16, FMA, split K) per 8B shape.
+    fp8_sweep) TAIL=${TAIL:-60} phase fp8_sweep 300 python3 benchmarks/fp8_gemv_sweep.py --out "$OUT/fp8_sweep.json" ;;
     # The FP8 GPU tests alone (kernels vs the CPU emulation, graph replay vs eager).
     tests_fp8) phase tests_fp8 300 python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu/test_fp8_cuda.py -rs ;;
     # Offline throughput of the 8B shape, nano workload, graph mode: bf16, then --quantization fp8.

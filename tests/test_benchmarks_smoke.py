@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import kernel_table, offline_throughput, open_loop, workloads  # noqa: E402
+from benchmarks import fp8_gemv_sweep, kernel_table, offline_throughput, open_loop, workloads  # noqa: E402
 
 
 def test_realistic_workload_shape():
@@ -83,3 +83,18 @@ def test_kernel_table_smoke(tmp_path):
     for kind in ("decode", "prefill"):
         classes = {r["class"] for r in steps[kind]["rows"]}
         assert "gemm" in classes and steps[kind]["attention_bound_us"] > 0
+
+
+def test_kernel_table_takes_fp8(tmp_path):
+    out = tmp_path / "kernels.json"
+    assert (
+        kernel_table.main(["--smoke", "--kinds", "decode", "--quantization", "fp8", "--out", str(out)]) == 0
+    )
+
+
+def test_fp8_gemv_sweep_smoke(tmp_path):
+    """Every design's kernel in Triton's interpreter, checked against its exact product (exit 0)."""
+    out = tmp_path / "sweep.json"
+    assert fp8_gemv_sweep.main(["--smoke", "--out", str(out)]) == 0
+    designs = {r["design"] for r in json.loads(out.read_text())}
+    assert {"quant", "prequant", "dequant", "fma", "split"} <= designs

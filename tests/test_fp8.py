@@ -28,7 +28,7 @@ from graphcache.engine.loop.engine import Engine, SamplingParams
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.metrics import Metrics
 from graphcache.model.config import ModelLoadError
-from graphcache.model.fp8_gemm import _launch_gemm, emulated_mm, fused_row_scaled_mm, row_scaled_mm
+from graphcache.model.fp8_gemm import WEIGHT_ONLY_MAX_ROWS, _launch_gemm, emulated_mm, weight_only_mm
 from graphcache.model.fp8_linear import Fp8Linear
 from graphcache.model.fp8_quant import (
     FP8,
@@ -143,9 +143,9 @@ def test_fp8_linear_multiplies_the_quantized_operands():
         linear.bias.copy_(torch.randn(48, generator=gen))
     fp8 = Fp8Linear.quantized(linear)
     for x in (
-        torch.randn(5, 64, generator=gen),
-        torch.randn(3, 64, generator=gen) * 50,
-    ):  # two different inputs
+        torch.randn(WEIGHT_ONLY_MAX_ROWS + 4, 64, generator=gen),
+        torch.randn(WEIGHT_ONLY_MAX_ROWS + 1, 64, generator=gen) * 50,
+    ):  # two different inputs, past the decode sizes: x quantized per token (W8A8)
         xq, sa = quantize_rows(x)
         want = (xq.float() * sa) @ fp8.dequantized_weight().t() + linear.bias
         got = fp8(x)
@@ -154,35 +154,41 @@ def test_fp8_linear_multiplies_the_quantized_operands():
         assert ((got - exact).norm() / exact.norm()).item() < 0.08
 
 
+def test_fp8_linear_leaves_decode_sized_inputs_unquantized():
+    """Up to WEIGHT_ONLY_MAX_ROWS rows x is multiplied as it is by the dequantized W (what the GPU's
+    weight-only decode kernel computes), on every device."""
+    gen = torch.Generator().manual_seed(2)
+    linear = torch.nn.Linear(64, 48, bias=True)
+    fp8 = Fp8Linear.quantized(linear)
+    for x in (torch.randn(1, 64, generator=gen), torch.randn(WEIGHT_ONLY_MAX_ROWS, 64, generator=gen) * 50):
+        want = x @ fp8.dequantized_weight().t() + linear.bias
+        torch.testing.assert_close(fp8(x), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        exact = linear(x)
+        assert ((fp8(x) - exact).norm() / exact.norm()).item() < 0.05  # W's rounding alone
+
+
 @pytest.mark.parametrize("m,n,k", [(1, 200, 256), (5, 64, 384), (20, 96, 128)])
-def test_triton_gemms_compute_the_emulated_products(m, n, k):
+def test_block_scaled_kernel_computes_the_emulated_product(m, n, k):
     gen = torch.Generator().manual_seed(m)
     xq = (torch.randn(m, k, generator=gen) * 40).clamp(-448, 448).to(FP8)
     wq = (torch.randn(n, k, generator=gen) * 40).clamp(-448, 448).to(FP8)
-    # row scales: [T, 1] as the quantization kernel leaves them (token dim contiguous), [N, 1]
-    sa, sw = torch.rand(1, m, generator=gen).t() + 0.1, torch.rand(n, 1, generator=gen) + 0.1
-    want = emulated_mm(xq, wq, sa, sw, torch.float32)
-    got = row_scaled_mm(xq, wq, sa, sw, torch.float32)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
     # 128x128 block scales: [T, K / 128] token-major, [ceil(N / 128), K / 128]
     sa = torch.rand(k // 128, m, generator=gen).t() + 0.1
     sw = torch.rand(-(-n // 128), k // 128, generator=gen) + 0.1
     want = emulated_mm(xq, wq, sa, sw, torch.float32, (128, 128))
-    got = _launch_gemm(xq, wq, sa, sw, (128, 128), torch.float32)
+    got = _launch_gemm(xq, wq, sa, sw, (128, 128), torch.float32)  # the kernel, interpreted on the CPU
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 200, 256), (16, 96, 640)])
-def test_decode_kernel_quantizes_x_as_quantize_rows_does(m, n, k):
+def test_weight_only_kernel_multiplies_x_by_the_dequantized_weight(m, n, k):
+    # fp16 x: Triton's interpreter (this CPU path) multiplies bf16 wrongly; the GPU test runs bf16.
     gen = torch.Generator().manual_seed(k)
-    x = torch.randn(m, k, generator=gen) * torch.logspace(-2, 2, m).unsqueeze(1)
+    x = (torch.randn(m, k, generator=gen) * torch.logspace(-2, 2, m).unsqueeze(1)).half()
     wq, sw = quantize_weight(torch.randn(n, k, generator=gen))
-    # Under Triton's interpreter both kernels share its fp8 rounding slips (_interpreter_rounding_slip); the
-    # GPU test compares this kernel with quantize_rows + row_scaled_mm bit for bit.
-    xq, sa = _quantize_triton(x, k)
-    want = emulated_mm(xq, wq, sa, sw, torch.float32)
-    got = fused_row_scaled_mm(x, wq, sw, torch.float32)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    want = weight_only_mm(x, wq, sw, torch.float32, kernel=False)  # the fp32 product
+    got = _launch_gemm(x, wq, None, sw, None, torch.float32)  # the kernel, interpreted on the CPU
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
 
 
 # --- loading what was published -------------------------------------------------------------------------------

@@ -1,20 +1,22 @@
-"""FP8 GEMMs in Triton: block-scaled weights (any batch), and row-scaled weights for small batches.
+"""FP8 GEMMs in Triton: block-scaled weights (any batch), and row-scaled weights at decode batch sizes.
 
-Both take xq [T, K] FP8 (quantized per token, or per token and bk columns) and W [N, K] FP8 row-major,
-and scale the fp32 accumulator:
+W [N, K] is FP8 row-major. One kernel, two modes:
 
-  row scales    y[t, n] = sa[t] * sw[n] * (xq[t] . W[n])
-                The decode path (T <= ROW_SCALED_MAX_ROWS): narrow N tiles give every SM its share of W
-                to stream, where _scaled_mm's large-tile kernels leave most SMs idle at T = 1. The
-                decode kernel also quantizes x itself (`fused_row_scaled_mm`: each program reads x's rows
-                once for their amax, then scales each tile by the reciprocal, fp8_quant.py's rule), which
-                saves a quantization launch per layer and step: 4 of a layer's ~12 decode kernels.
-  block scales  y[t, n] = sum over k-blocks j of sa[t, j] * sw[n // bn, j] * (xq[t, j] . W[n, j])
+  block scales  xq [T, K] FP8 (quantized per token and bk columns):
+                y[t, n] = sum over k-blocks j of sa[t, j] * sw[n // bn, j] * (xq[t, j] . W[n, j])
                 DeepSeek-style `weight_block_size` [bn, bk] checkpoints: the K tile is bk wide, so every
                 tile product has one scale pair, applied before it is accumulated.
+  weight only   (`weight_only_mm`, T <= 16 rows, row-scaled W) x stays in 16 bits:
+                y[t, n] = sw[n] * (x[t] . W[n]), W's tiles widened to x's dtype in registers (exact:
+                every E4M3 value is a bf16 and an fp16 value), multiplied on the 16-bit tensor cores.
+Larger row-scaled batches go to torch._scaled_mm (fp8_linear.fp8_mm). Why weight only at <= 16 rows:
+the GEMM is bound by reading W there, so FP8 tensor cores buy nothing, while quantizing x first costs a
+pass over x before the first product (every program needs the row's amax). The narrow N tiles give
+every SM its share of W to stream, where _scaled_mm's large-tile kernels leave most SMs idle at T = 1.
+benchmarks/fp8_gemv_sweep.py times the designs (BENCHMARKS.md §13).
 
-On the CPU the dequantized operands are multiplied in fp32 (`emulated`: the same sums up to fp32
-rounding order); tests/test_fp8.py checks the kernels against it under Triton's interpreter and
+On the CPU the dequantized operands are multiplied in fp32 (`emulated_mm`, and weight_only_mm's own
+fallback: the same sums up to fp32 rounding order); tests/test_fp8.py checks the kernels against it under Triton's interpreter and
 tests/gpu/test_fp8_cuda.py on the GPU.
 """
 
@@ -22,14 +24,16 @@ from __future__ import annotations
 
 import torch
 
-from graphcache.model.fp8_quant import MIN_SCALE
-from graphcache.model.triton_support import tl, triton
+from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
-__all__ = ["ROW_SCALED_MAX_ROWS", "block_scaled_mm", "emulated_mm", "fused_row_scaled_mm", "row_scaled_mm"]
+__all__ = [
+    "WEIGHT_ONLY_MAX_ROWS",
+    "block_scaled_mm",
+    "emulated_mm",
+    "weight_only_mm",
+]
 
-# Batches up to this many rows take the Triton row-scaled kernel on CUDA, larger ones torch._scaled_mm
-# (fp8_linear.fp8_mm). 0 = always _scaled_mm; benchmarks/fp8_bench.py measures both.
-ROW_SCALED_MAX_ROWS = 16
+WEIGHT_ONLY_MAX_ROWS = 16  # the decode kernel's one BLOCK_M tile: steps of up to 16 rows leave x unquantized
 
 
 def _fp8_mm_kernel(
@@ -47,18 +51,15 @@ def _fp8_mm_kernel(
     stride_sa_g,
     stride_sa_m,
     stride_sb_n,
-    min_scale,
-    QUANT_A: tl.constexpr,
     BLOCK_SCALES: tl.constexpr,
     GROUP_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # a [M, K] fp8 row-major, b [N, K] fp8 row-major (read as [K, N] tiles), c [M, N] written.
-    # BLOCK_SCALES: sa [M, K / BLOCK_K] (strides stride_sa_m, stride_sa_g), sb [ceil(N / GROUP_N), K / BLOCK_K];
-    # else sa [M] (stride_sa_m), sb [N] (stride_sb_n). QUANT_A (row scales only): a is the 16-bit x [M, K],
-    # quantized here per row (sa_ptr unused).
+    # b [N, K] fp8 row-major (read as [K, N] tiles), c [M, N] written. BLOCK_SCALES: a [M, K] fp8 with
+    # sa [M, K / BLOCK_K] (strides stride_sa_m, stride_sa_g), sb [ceil(N / GROUP_N), K / BLOCK_K]. Else
+    # (weight only): a is the 16-bit x [M, K], b's tiles are widened to its dtype, sb [N]; sa_ptr unused.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -68,34 +69,21 @@ def _fp8_mm_kernel(
     n_mask = offs_n < N
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None]
-    if QUANT_A:  # the rows' amax -> scale (amax / 448, floored) and its reciprocal, as fp8_quant.py
-        running = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-        for j in range(0, tl.cdiv(K, BLOCK_K)):
-            k_mask = offs_k < K - j * BLOCK_K
-            x = tl.load(a_ptrs + j * BLOCK_K, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            running = tl.maximum(running, tl.abs(x.to(tl.float32)))
-        sa = tl.maximum(tl.math.div_rn(tl.max(running, axis=1), 448.0), min_scale)  # [BLOCK_M]
-        inv = tl.math.div_rn(1.0, sa)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for j in range(0, tl.cdiv(K, BLOCK_K)):
         k_mask = offs_k < K - j * BLOCK_K
         a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if QUANT_A:
-            a = tl.clamp(a.to(tl.float32) * inv[:, None], -448.0, 448.0).to(b_ptr.dtype.element_ty)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if BLOCK_SCALES:
             sa = tl.load(sa_ptr + offs_m * stride_sa_m + j * stride_sa_g, mask=m_mask, other=0.0)
             sb = tl.load(sb_ptr + (offs_n // GROUP_N) * stride_sb_n + j, mask=n_mask, other=0.0)
             acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
         else:
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b.to(a.dtype), acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if not BLOCK_SCALES:
-        if not QUANT_A:
-            sa = tl.load(sa_ptr + offs_m * stride_sa_m, mask=m_mask, other=0.0)
-        sb = tl.load(sb_ptr + offs_n * stride_sb_n, mask=n_mask, other=0.0)
-        acc = acc * sa[:, None] * sb[None, :]
+        acc = acc * tl.load(sb_ptr + offs_n * stride_sb_n, mask=n_mask, other=0.0)[None, :]
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -112,9 +100,9 @@ def _kernel():
     return _KERNEL
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) of row-scaled steps of at most 16 rows, bound by streaming W:
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of GEMMs of at most 16 rows, bound by streaming W:
 # N tiles narrow enough that the grid covers the H200's 132 SMs (N = 4096: 128 tiles), K tiles wide enough
-# to keep loads in flight. benchmarks/fp8_bench.py --sweep times alternatives on the 8B shapes.
+# to keep loads in flight. benchmarks/fp8_gemv_sweep.py times alternatives on the 8B shapes.
 DECODE_TILE = (32, 256, 4, 4)
 
 
@@ -136,16 +124,14 @@ def _launch_gemm(
     block: tuple[int, int] | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The one GEMM kernel on a [T, K] x w [N, K] -> [T, N]. scale_a None: a is the 16-bit x, quantized per
-    row inside the kernel (QUANT_A); block None: row scales, else [bn, bk] block scales (BLOCK_SCALES)."""
+    """The one GEMM kernel on a [T, K] x w [N, K] -> [T, N]. block None: weight only (a is the 16-bit x,
+    scale_a None, scale_w [N, 1]); else [bn, bk] block scales (a fp8, scale_a [T, K / bk])."""
     m, k = a.shape
     n = w.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     block_m, block_n, block_k, warps, stages = _tiles(m, None if block is None else block[1])
-    if scale_a is None:  # the kernel computes a's scales: sa_ptr is unused, its strides 0
+    if block is None or scale_a is None:  # weight only: sa_ptr is unused, its strides 0
         sa, stride_sa_g, stride_sa_m = scale_w, 0, 0
-    elif block is None:  # scale_a [T, 1]
-        sa, stride_sa_g, stride_sa_m = scale_a, 0, scale_a.stride(0)
     else:  # scale_a [T, K / bk]
         sa, stride_sa_g, stride_sa_m = scale_a, scale_a.stride(1), scale_a.stride(0)
     _kernel()[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
@@ -163,8 +149,6 @@ def _launch_gemm(
         stride_sa_g,
         stride_sa_m,
         scale_w.stride(0),
-        MIN_SCALE,
-        QUANT_A=scale_a is None,
         BLOCK_SCALES=block is not None,
         GROUP_N=1 if block is None else block[0],
         BLOCK_M=block_m,
@@ -176,23 +160,19 @@ def _launch_gemm(
     return out
 
 
-def row_scaled_mm(
-    xq: torch.Tensor, w: torch.Tensor, scale_a: torch.Tensor, scale_w: torch.Tensor, out_dtype: torch.dtype
+def weight_only_mm(
+    x: torch.Tensor, w: torch.Tensor, scale_w: torch.Tensor, out_dtype: torch.dtype, kernel: bool = True
 ) -> torch.Tensor:
-    """xq [T, K] fp8 with scale_a [T, 1], w [N, K] fp8 with scale_w [N, 1] -> [T, N] (Triton, CUDA)."""
-    return _launch_gemm(xq, w, scale_a, scale_w, None, out_dtype)
-
-
-def fused_row_scaled_mm(
-    x: torch.Tensor, w: torch.Tensor, scale_w: torch.Tensor, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """x [T, K] 16-bit (T <= 16), w [N, K] fp8 with scale_w [N, 1] -> [T, N]: x quantized per token inside
-    the GEMM (Triton, CUDA); the same numbers as quantize_rows then row_scaled_mm."""
-    if x.shape[0] > 16 or x.stride(1) != 1:
-        raise ValueError(
-            f"fused_row_scaled_mm takes at most 16 rows with contiguous columns, got {tuple(x.shape)}"
-        )
-    return _launch_gemm(x, w, None, scale_w, None, out_dtype)
+    """x [T, K] (T <= WEIGHT_ONLY_MAX_ROWS), w [N, K] fp8 with scale_w [N, 1] -> [T, N] = x @ (w * scale_w).T,
+    x not quantized. kernel: the Triton kernel where it applies (CUDA, bf16 or fp16 x with contiguous
+    columns: W widened in registers, 16-bit products, fp32 sums); otherwise the fp32 product of the
+    dequantized W (the CPU path, and the reference)."""
+    if x.shape[0] > WEIGHT_ONLY_MAX_ROWS:
+        raise ValueError(f"weight_only_mm takes at most {WEIGHT_ONLY_MAX_ROWS} rows, got {tuple(x.shape)}")
+    sixteen_bits = x.dtype in (torch.bfloat16, torch.float16)
+    if kernel and x.is_cuda and HAVE_TRITON and sixteen_bits and x.stride(1) == 1:
+        return _launch_gemm(x, w, None, scale_w, None, out_dtype)
+    return ((x.float() @ w.float().t()) * scale_w.view(1, -1)).to(out_dtype)
 
 
 def block_scaled_mm(
@@ -218,7 +198,8 @@ def emulated_mm(
     out_dtype: torch.dtype,
     block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """The product any of the kernels computes, from the dequantized operands in fp32 (the CPU path)."""
+    """What the W8A8 GEMMs compute (_scaled_mm, the block-scaled kernel), from the dequantized operands in
+    fp32 (the CPU path)."""
     if block is None:
         return ((xq.float() @ w.float().t()) * scale_a * scale_w.view(1, -1)).to(out_dtype)
     bn, bk = block

@@ -1,4 +1,5 @@
-"""Fp8Linear: y = x @ W.T (+ b) with W stored in FP8 E4M3, the activations quantized per token each step.
+"""Fp8Linear: y = x @ W.T (+ b) with W stored in FP8 E4M3, the activations quantized per token each step
+(decode-sized steps excepted: below).
 
 W8A8 as vLLM and TensorRT-LLM serve FP8 checkpoints on Hopper: the weight [N, K] is FP8 with a scale per
 output row (a per-tensor scale of a checkpoint is expanded to every row, which also lets the loader
@@ -8,13 +9,16 @@ FP8 GEMM that applies both scales to the fp32 accumulator:
 
   per-row scales   torch._scaled_mm(xq [T, K], W.t() [K, N], scale_a [T, 1], scale_b [1, N], out bf16)
                    (W.t() of the row-major [N, K] weight is the column-major operand _scaled_mm wants;
-                   its rowwise-scaled kernels need K and N multiples of 16, any T, bf16 output); small
-                   batches (decode) take fp8_gemm.py's Triton kernel with narrow tiles instead
+                   its rowwise-scaled kernels need K and N multiples of 16, any T, bf16 output)
+  decode steps     (<= WEIGHT_ONLY_MAX_ROWS rows, per-row scales) fp8_gemm.weight_only_mm: x is not quantized,
+                   W is widened to x's 16 bits in registers (a GEMM of so few rows is bound by reading W,
+                   and quantizing x first would cost a pass over it); on every device, so the CPU computes
+                   what the GPU does
   block scales     fp8_gemm.py's Triton kernel (x per token and 128 columns, W per 128x128 block)
 
 Everything is static-shaped and host-sync free, so the layers sit inside the captured graphs. On the CPU
-(no FP8 GEMM is assumed there) the same quantized operands are dequantized to fp32 and multiplied: the
-CPU tests check the quantization numerics a GPU computes, up to fp32 summation order.
+(no FP8 GEMM is assumed there) the same operands are dequantized to fp32 and multiplied: the CPU tests
+check the numerics a GPU computes, up to fp32 summation order.
 
 Tensor parallel: a column-parallel Fp8Linear holds its rows of W and of the row scales (a shard of
 whole rows, like the bf16 layer); a row-parallel one holds its K columns and all N row scales, and
@@ -27,10 +31,9 @@ import torch
 from torch import nn
 
 from graphcache.model import fp8_gemm
-from graphcache.model.fp8_gemm import block_scaled_mm, emulated_mm, fused_row_scaled_mm, row_scaled_mm
+from graphcache.model.fp8_gemm import block_scaled_mm, emulated_mm, weight_only_mm
 from graphcache.model.fp8_quant import FP8, quantize_groups, quantize_rows, quantize_weight
 from graphcache.model.parallel import RowParallelLinear, TensorParallel
-from graphcache.model.triton_support import HAVE_TRITON
 
 __all__ = ["Fp8Linear", "fp8_mm"]
 
@@ -41,8 +44,6 @@ def fp8_mm(
     """(xq [T, K] fp8 * scale_a [T, 1]) @ (w [N, K] fp8 * scale_b [N, 1]).T -> [T, N] out_dtype."""
     if not xq.is_cuda:
         return emulated_mm(xq, w, scale_a, scale_b, out_dtype)
-    if HAVE_TRITON and xq.shape[0] <= fp8_gemm.ROW_SCALED_MAX_ROWS:
-        return row_scaled_mm(xq, w, scale_a, scale_b, out_dtype)
     return torch._scaled_mm(xq, w.t(), scale_a=scale_a, scale_b=scale_b.view(1, -1), out_dtype=out_dtype)
 
 
@@ -115,8 +116,8 @@ class Fp8Linear(nn.Module):
         return w * s[: self.out_features, : self.in_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
-        if self.block is None and self._quantizes_in_gemm(x):
-            y = fused_row_scaled_mm(x, self.weight, self.weight_scale, x.dtype)  # decode: one kernel
+        if self.block is None and x.shape[0] <= fp8_gemm.WEIGHT_ONLY_MAX_ROWS:  # decode: x not quantized
+            y = weight_only_mm(x, self.weight, self.weight_scale, x.dtype, kernel=self.fused)
         elif self.block is None:
             xq, scale_a = quantize_rows(x, self.fused)  # [T, K] fp8, [T, 1]
             y = fp8_mm(xq, self.weight, scale_a, self.weight_scale, x.dtype)
@@ -126,11 +127,6 @@ class Fp8Linear(nn.Module):
         if self.tp is not None:
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
-
-    def _quantizes_in_gemm(self, x: torch.Tensor) -> bool:
-        """Decode-sized steps on CUDA with the fused kernels on: fp8_gemm's kernel quantizes x itself."""
-        small = x.shape[0] <= min(fp8_gemm.ROW_SCALED_MAX_ROWS, 16)  # the kernel's one 16-row tile
-        return self.fused and x.is_cuda and HAVE_TRITON and small and x.stride(1) == 1
 
     def extra_repr(self) -> str:
         scales = "per-row scales" if self.block is None else f"{self.block[0]}x{self.block[1]} block scales"

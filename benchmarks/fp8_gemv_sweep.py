@@ -1,0 +1,252 @@
+"""Decode-sized FP8 GEMMs (M <= 16 rows) on the Llama-3-8B linear shapes: which kernel design streams W fastest.
+
+  python benchmarks/fp8_gemv_sweep.py --out sweep.json      # CUDA (H200): the whole sweep, ~2-3 min
+  python benchmarks/fp8_gemv_sweep.py --smoke               # CPU: Triton's interpreter, each design once
+
+At M <= 16 a GEMM is bound by reading W once (W [N, K] fp8: N * K bytes over ~4.8 TB/s), so each
+design is timed per shape and reported as weight GB/s. Weights rotate over enough copies (> 4x the
+50 MB L2) that every call reads HBM; calls are replays of one CUDA graph (no launch gaps counted,
+the gaps between kernels of a graph are). Designs, each a tile sweep (BLOCK_N, BLOCK_K, warps, stages):
+  quant    fp8 x fp8 tl.dot, x quantized per row inside the kernel (what fp8_gemm's decode path runs)
+  prequant fp8 x fp8 tl.dot on an x quantized before (what a producer kernel that quantizes would leave)
+  dequant  W converted to bf16 in registers, bf16 tl.dot with x as it is: no activation quantization
+  fma      (M = 1) W converted to fp32, multiply-add and a sum over K: no tensor cores
+  split    dequant with K split over SPLIT_K programs, fp32 atomics into a zeroed buffer (+ zero, cast)
+against torch.mm on bf16 weights (cuBLAS; the bf16 decode's GEMMs) and torch._scaled_mm (rowwise).
+Every design's output is checked against the fp32 product of the same operands first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
+if "--smoke" in sys.argv:  # before triton is imported: the kernel runs in Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+from graphcache.model.fp8_quant import MIN_SCALE, quantize_rows, quantize_weight  # noqa: E402
+from graphcache.model.triton_support import tl, triton  # noqa: E402
+
+from benchmarks.fp8_bench import graph_us  # noqa: E402
+
+SHAPES = {
+    "qkv_proj": (6144, 4096),
+    "o_proj": (4096, 4096),
+    "gate_up_proj": (28672, 4096),
+    "down_proj": (4096, 14336),
+}
+MODES = {"quant": 0, "dequant": 1, "fma": 2, "prequant": 3}
+L2_BYTES = 50 * 2**20
+
+
+@triton.jit(do_not_specialize=["M"])
+def _sweep_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    sw_ptr,
+    sa_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    min_scale,
+    MODE: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # x [M, K] bf16, w [N, K] fp8 row-major read as [BLOCK_K, BLOCK_N] tiles, sw [N] fp32; out [M, N]
+    # (bf16, or fp32 accumulated atomically when SPLIT_K > 1). K % (BLOCK_K * SPLIT_K) == 0 assumed.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    k_len = K // SPLIT_K
+    k0 = pid_k * k_len
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k0 + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + k0 + offs_k[:, None]
+    if MODE == 0:
+        running = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for j in range(0, K // BLOCK_K):
+            xa = tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + j * BLOCK_K + offs_k[None, :], mask=m_mask[:, None]
+            )
+            running = tl.maximum(running, tl.abs(xa.to(tl.float32)))
+        sa = tl.maximum(tl.max(running, axis=1) / 448.0, min_scale)
+        inv = 1.0 / sa
+    if MODE == 2:
+        acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        x1_ptrs = x_ptr + k0 + offs_k
+        for _ in range(0, k_len // BLOCK_K):
+            x1 = tl.load(x1_ptrs).to(tl.float32)
+            w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
+            acc1 += tl.sum(w.to(tl.float32) * x1[:, None], axis=0)
+            x1_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        sw = tl.load(sw_ptr + offs_n, mask=n_mask, other=0.0)
+        tl.store(out_ptr + offs_n, (acc1 * sw).to(out_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, k_len // BLOCK_K):
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
+            if MODE == 3:
+                acc = tl.dot(x, w, acc)
+            elif MODE == 0:
+                xq = tl.clamp(x.to(tl.float32) * inv[:, None], -448.0, 448.0).to(w_ptr.dtype.element_ty)
+                acc = tl.dot(xq, w, acc)
+            else:
+                acc = tl.dot(x, w.to(x.dtype), acc)  # e4m3 values are exact in bf16 (and fp16)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        sw = tl.load(sw_ptr + offs_n, mask=n_mask, other=0.0)
+        acc = acc * sw[None, :]
+        if MODE == 0:
+            acc = acc * sa[:, None]
+        if MODE == 3:
+            acc = acc * tl.load(sa_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
+        o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        o_mask = m_mask[:, None] & n_mask[None, :]
+        if SPLIT_K == 1:
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+        else:
+            tl.atomic_add(o_ptrs, acc, mask=o_mask)
+
+
+def launch(x, wq, sw, mode: str, tile, split: int = 1, sa=None, out_dtype=None) -> torch.Tensor:
+    """prequant: x is already fp8 with scales sa [M] (the other designs take the 16-bit x)."""
+    m, k = x.shape
+    n = wq.shape[0]
+    block_n, block_k, warps, stages = tile
+    out_dtype = out_dtype or x.dtype
+    out = (
+        torch.zeros((m, n), dtype=torch.float32, device=x.device)
+        if split > 1
+        else torch.empty((m, n), dtype=out_dtype, device=x.device)
+    )
+    _sweep_kernel[(triton.cdiv(n, block_n), split)](
+        x, wq, out, sw, sw if sa is None else sa, m, n, k, x.stride(0), wq.stride(0), out.stride(0), MIN_SCALE,
+        MODE=MODES[mode], SPLIT_K=split, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out.to(out_dtype) if split > 1 else out
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+def sweep_shape(name, n, k, rows, tiles, splits, cuda: bool) -> list[dict]:
+    dev = "cuda" if cuda else "cpu"
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
+    copies = max(1, -(-4 * L2_BYTES // (n * k))) if cuda else 1
+    ws = [(w * (1 + 0.01 * i)).contiguous() for i in range(copies)]
+    qs = [quantize_weight(wi) for wi in ws]
+    out: list[dict] = []
+    for m in rows:
+        # Triton's interpreter multiplies bf16 wrongly (numpy has no bf16): fp16 operands there.
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16 if cuda else torch.float16)
+        out += sweep_rows(name, x, ws, qs, tiles, splits, cuda)
+    return out
+
+
+def sweep_rows(name, x, ws, qs, tiles, splits, cuda: bool) -> list[dict]:
+    """Every design on x [M, K] against the rotating weights ws (bf16) / qs (fp8, scales)."""
+    (m, k), n, copies, out = x.shape, ws[0].shape[0], len(ws), []
+    wd = (qs[0][0].float() * qs[0][1]).t()
+    ref = x.float() @ wd
+    xq, sa = quantize_rows(x.float())
+    ref_quant = (xq.float() * sa) @ wd  # what the quant designs compute: x rounded to fp8 per row
+
+    def record(design, tile, fn, split=1):
+        err = rel_err(fn(0), ref_quant if design in ("quant", "prequant", "scaled_mm") else ref)
+        us = graph_us([lambda i=i: fn(i) for i in range(copies)], reps=max(1, 24 // copies)) if cuda else 0.0
+        row = {"layer": name, "n": n, "k": k, "m": m, "design": design, "tile": tile, "split": split,
+               "us": us, "weight_gb_s": n * k / us / 1e3 if us else 0.0, "rel_err": err}  # fmt: skip
+        out.append(row)
+        print(json.dumps(row), flush=True)
+
+    if cuda:
+        record("bf16_mm", None, lambda i: torch.mm(x, ws[i].t()))
+        record("scaled_mm", None, lambda i: _scaled(x, *qs[i]))
+    for mode, tile in itertools.product(("quant", "dequant", "fma"), tiles):
+        if mode == "fma" and (m != 1 or tile[0] > 64):
+            continue
+        record(mode, list(tile), lambda i, mode=mode, tile=tile: launch(x, qs[i][0], qs[i][1], mode, tile))
+    # prequant: x quantized before (by the kernel that produced it, in a design that fuses it there)
+    xq8, sa8 = quantize_rows(x, fused=cuda)
+    for tile in tiles:
+        record(
+            "prequant",
+            list(tile),
+            lambda i, t=tile: launch(xq8, *qs[i], "prequant", t, sa=sa8.view(-1), out_dtype=x.dtype),
+        )
+    for split, tile in itertools.product(splits, tiles[:3]):
+        if k % (tile[1] * split) == 0:
+            record("split", list(tile), lambda i, s=split, t=tile: launch(x, *qs[i], "dequant", t, s), split)
+    return out
+
+
+def _scaled(x, wq, sw):
+    xq, sa = quantize_rows(x, fused=True)
+    return torch._scaled_mm(xq, wq.t(), scale_a=sa, scale_b=sw.view(1, -1), out_dtype=torch.bfloat16)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,16")
+    ap.add_argument("--smoke", action="store_true", help="CPU interpreter, one small shape, two tiles")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.smoke
+    rows = [int(r) for r in args.rows.split(",")]
+    if cuda:
+        tiles = [(32, 256, 4, 4), (32, 128, 4, 4)]  # fp8_gemm.DECODE_TILE first (the split designs use 3)
+        tiles += [
+            (bn, bk, w, s) for bn in (16, 32, 64) for bk in (256, 512) for w, s in ((4, 4), (4, 6), (8, 3))
+        ]
+        tiles = list(dict.fromkeys(tiles))
+        splits, shapes = (2, 4), SHAPES
+    else:
+        tiles, splits, shapes, rows = [(16, 32, 4, 2), (32, 64, 4, 2)], (2,), {"tiny": (64, 256)}, [1, 3]
+    results = []
+    for name, (n, k) in shapes.items():
+        results += sweep_shape(name, n, k, rows, tiles, splits, cuda)
+    # Triton's interpreter rounds some values to fp8 unlike the GPU (tests/test_fp8.py's rounding slips):
+    # on the CPU the quant design is held to 15%, elsewhere every design to 5% of its exact product.
+    bad = [r for r in results if not r["rel_err"] < (0.15 if "quant" in r["design"] and not cuda else 0.05)]
+    print(f"\n{'layer':<13} {'M':>3} {'design':<10} {'best tile':<20} {'us':>7} {'GB/s':>6}  (bf16_mm us)")
+    for name in shapes:
+        for m in rows:
+            mine = [r for r in results if r["layer"] == name and r["m"] == m]
+            base = next((r["us"] for r in mine if r["design"] == "bf16_mm"), 0.0)
+            for design in ("scaled_mm", "quant", "prequant", "dequant", "fma", "split"):
+                cand = [r for r in mine if r["design"] == design and r not in bad]
+                if cand:
+                    b = min(cand, key=lambda r: r["us"] or r["rel_err"])
+                    tile = f"{b['tile']}" + (f"/{b['split']}" if b["split"] > 1 else "")
+                    print(
+                        f"{name:<13} {m:>3} {design:<10} {tile:<20} {b['us']:7.1f} {b['weight_gb_s']:6.0f}  ({base:.1f})"
+                    )
+    print(f"{len(bad)} of {len(results)} runs over 5% error" + (f": {bad[:3]}" if bad else ""))
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
