@@ -237,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--no-gemm", action="store_true", help="skip the GEMM kernel table")
+    ap.add_argument(
+        "--decode-tile",
+        help="BLOCK_N,BLOCK_K,warps,stages of the weight-only decode kernel (fp8_gemm.DECODE_TILE) for this run",
+    )
     ap.add_argument("--smoke", action="store_true", help="CPU, the embedded tiny model, a few steps")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -250,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         if model is None:
             raise SystemExit("give --model DIR or --make-model SHAPE:DIR (e.g. llama8b:/tmp/llama8b)")
     args.batches = [int(b) for b in str(args.batches).split(",")]
+    if args.decode_tile:
+        fp8_gemm.DECODE_TILE = tuple(int(v) for v in args.decode_tile.split(","))
     ref, fp8 = run_model(model, "auto", args), run_model(model, "fp8", args)
     report = {
         "model": str(model),

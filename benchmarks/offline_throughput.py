@@ -348,14 +348,23 @@ def apply_smoke(args: argparse.Namespace) -> None:
 
 
 def kind_table(rows: list[dict]) -> str:
-    """Steps by kind per (mode, workload): count and mean ms (step_trace.by_kind), markdown."""
-    head = "| mode | workload | " + " | ".join(f"{k} steps | {k} ms" for k in step_trace.KINDS) + " |"
+    """Steps by kind per (mode, workload): count, mean ms and, as launch/wait, the host's launch and its
+    wait for the tokens (step_trace.by_kind), markdown. A kind whose launch exceeds its ms is host-bound."""
+    head = (
+        "| mode | workload | "
+        + " | ".join(f"{k} steps | {k} ms (launch/wait)" for k in step_trace.KINDS)
+        + " |"
+    )
     lines = [head, "|---" * (2 + 2 * len(step_trace.KINDS)) + "|"]
     for r in rows:
         cells = []
         for k in step_trace.KINDS:
             s = r["by_kind"].get(k)
-            cells += [str(s["steps"]), f"{s['ms']:.2f}"] if s else ["0", ""]
+            cells += (
+                [str(s["steps"]), f"{s['ms']:.2f} ({s['launch_ms']:.2f}/{s['wait_ms']:.2f})"]
+                if s
+                else ["0", ""]
+            )
         lines.append(f"| {r['mode']} | {r['workload']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
