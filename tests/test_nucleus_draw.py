@@ -135,27 +135,6 @@ def test_kernel_matches_torch_in_the_interpreter(name, rounds):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("name", ["normal", "minus_inf", "bf16_ties"])
-def test_split_passes_combine_like_one_pass_in_the_interpreter(name):
-    """Rows split in 5 slices (the last one short): the partial maxima, race winners and masses combine to
-    the torch path's draws (the first index among equal maxima and scores, as one pass picks)."""
-    assert nd.split(300, 12, 64, 4096) == (5, 64)
-    logits = rows_of(name, 12, 300, seed=9)
-    t, p, lmp = params(12)
-    keys = keys_of(range(12), 4)
-    got = run_kernel(logits, t, p, lmp, keys, block=64, warps=1, slice_block=64, slice_warps=1, programs=4096)
-    assert_same_draws(logits, t, p, lmp, keys, got)
-
-
-def test_split_fills_the_gpu_with_whole_blocks():
-    for vocab, rows in ((151936, 1), (151936, 84), (151936, 256), (128256, 512), (300, 3)):
-        slices, length = nd.split(vocab, rows, 2048, 1024)
-        assert 1 <= slices <= nd.MAX_SLICES and length % 2048 == 0
-        assert (slices - 1) * length < vocab <= slices * length  # none empty, all covered
-        assert slices == 1 or rows * slices <= 1024 + rows  # about `programs` programs, no more
-
-
-@needs_interpreter
 def test_kernel_mixes_seeded_keys_like_torch_in_the_interpreter():
     logits = rows_of("normal", 6, 200, seed=8)
     t, p, lmp = params(6)

@@ -1,4 +1,4 @@
-"""Temperature, min_p and top-p sampling by rejection: three Triton launches, no threshold search.
+"""Temperature, min_p and top-p sampling by rejection: one Triton program per row, no threshold search.
 
 Why: finding the top-p threshold first (a top-k prefix, then a bisection for flat rows) costs a
 dozen launches and passes per step; drawing first and checking after costs two or three passes over
@@ -24,12 +24,6 @@ mass still outside, so a row at top_p 0.95 takes one round 95% of the time and f
 small top_p; after ROUNDS rejections (flat rows at a tiny top_p) the threshold is found exactly by
 bisection on the bits of |z| (31 passes) and the race runs over z >= thr.
 
-On CUDA passes 1 and 2 run split: each row's vocabulary in `slices` parts, one program each (a launch
-per pass, partial maxima and partial race winners and masses in small buffers), so a batch of few rows
-still fills the GPU and the hash-heavy race pass is spread over many SMs; a third launch, a program per
-row, combines the partials (the first index among equal maxima or scores, as one pass would pick) and
-runs step 3 and any further rounds.
-
 The torch function is the CPU path and the kernel's reference; both take the same steps with the same
 keys, so they draw the same tokens up to fp32 summation order at the nucleus' edge and the last ulp of
 the logs.
@@ -42,16 +36,7 @@ import torch
 from graphcache.engine.sample.race_draw import GAMMA, MASK64, mix64, mix64_tensor, to_int64, uniforms
 from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
-__all__ = [
-    "HAVE_TRITON",
-    "MAX_SLICES",
-    "ROUNDS",
-    "nucleus_draw",
-    "nucleus_draw_torch",
-    "round_key",
-    "split",
-    "step_keys",
-]
+__all__ = ["HAVE_TRITON", "ROUNDS", "nucleus_draw", "nucleus_draw_torch", "round_key", "step_keys"]
 
 ROUNDS = 32  # rejections before the exact threshold (a row reaching it: a flat row at a tiny top_p)
 ROUND_GAMMA = 0xD1B54A32D192ED03  # odd, unrelated to GAMMA: keys of later rounds
@@ -167,16 +152,16 @@ def _race_block(z, key, offs):
     return z - tl.log(-tl.log(u))
 
 
-def _race_span(base, lo, hi, m, t, lmp, floor, key, STRICT: tl.constexpr, BLOCK: tl.constexpr):
-    """Over the tokens lo <= i < hi: (the best race score over z > floor (STRICT) or z >= floor, its
-    index, the first on ties; the mass of every kept token, sum exp(z), summed in the same pass)."""
+def _race_above(base, vocab, m, t, lmp, floor, key, STRICT: tl.constexpr, BLOCK: tl.constexpr):
+    """(the winner of the race over z > floor (STRICT) or z >= floor, the first index on ties; the
+    mass of every kept token, sum exp(z), summed in the same pass)."""
     cols = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = tl.full([BLOCK], 2147483647, tl.int32)
     mass = tl.zeros([BLOCK], tl.float32)
-    for start in range(lo, hi, BLOCK):
+    for start in range(0, vocab, BLOCK):
         offs = start + cols
-        mask = offs < hi
+        mask = offs < vocab
         z = _z_block(base, offs, mask, m, t, lmp)
         mass += tl.exp(z)
         if STRICT:
@@ -188,7 +173,7 @@ def _race_span(base, lo, hi, m, t, lmp, floor, key, STRICT: tl.constexpr, BLOCK:
         best_i = tl.where(better, offs, best_i)
         best = tl.where(better, score, best)
     top = tl.max(best, axis=0)
-    return top, tl.min(tl.where(best == top, best_i, 2147483647), axis=0), tl.sum(mass, axis=0)
+    return tl.min(tl.where(best == top, best_i, 2147483647), axis=0), tl.sum(mass, axis=0)
 
 
 def _mass(base, vocab, m, t, lmp, floor, BLOCK: tl.constexpr):
@@ -217,87 +202,36 @@ def _round_key_of(key, r):
     return _mix(key + r.to(tl.uint64) * 0xD1B54A32D192ED03)
 
 
-def _row_key(key_ptr, step_ptr, w):
-    """Row w's race key: keys[w], or for a seeded row (step >= 0) race_draw.row_key's mix of it."""
-    key = tl.load(key_ptr + w).to(tl.uint64, bitcast=True)
-    step = tl.load(step_ptr + w)
-    if step >= 0:
-        key = _mix(key + (step + 1).to(tl.uint64) * 0x9E3779B97F4A7C15)
-    return key
-
-
-def _slice_max_kernel(x_ptr, rows_ptr, stride_x, vocab, slice_len, max_ptr, idx_ptr, BLOCK: tl.constexpr):
-    # Pass 1 on program (w, s): the max of row w's slice s and its first index -> max/idx [w * S + s].
-    w, sl, n = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
-    base = x_ptr + tl.load(rows_ptr + w) * stride_x
-    lo = sl * slice_len
-    hi = tl.minimum(lo + slice_len, vocab)
-    cols = tl.arange(0, BLOCK)
-    mx = tl.full([BLOCK], float("-inf"), tl.float32)
-    mi = tl.full([BLOCK], 2147483647, tl.int32)
-    for start in range(lo, hi, BLOCK):
-        offs = start + cols
-        x = tl.load(base + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
-        x = tl.where(x != x, float("-inf"), x)
-        better = x > mx
-        mi = tl.where(better, offs, mi)
-        mx = tl.where(better, x, mx)
-    m = tl.max(mx, axis=0)
-    tl.store(max_ptr + w * n + sl, m)
-    tl.store(idx_ptr + w * n + sl, tl.min(tl.where(mx == m, mi, 2147483647), axis=0))
-
-
-def _slice_race_kernel(
-    x_ptr, rows_ptr, stride_x, vocab, slice_len, params_ptr, key_ptr, step_ptr, max_ptr,
-    score_ptr, idx_ptr, mass_ptr, MAX_SLICES: tl.constexpr, BLOCK: tl.constexpr,
+def _nucleus_kernel(
+    x_ptr, rows_ptr, stride_x, vocab, params_ptr, key_ptr, step_ptr, out_ptr,
+    BLOCK: tl.constexpr, ROUNDS: tl.constexpr,
 ):  # fmt: skip
-    # Pass 2 on program (w, s): the race over row w's slice s with the row's max -> its best score, index
-    # and mass at [w * S + s] (rows that take the argmax: -inf, int max, 0).
-    w, sl, n = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
-    slices = tl.arange(0, MAX_SLICES)
-    m = tl.max(tl.load(max_ptr + w * n + slices, mask=slices < n, other=float("-inf")), axis=0)
-    t = tl.load(params_ptr + 3 * w)
-    lmp = tl.load(params_ptr + 3 * w + 2)
-    best, best_i, mass = float("-inf"), 2147483647, 0.0
-    if (t > 0) & (m > float("-inf")) & (m < float("inf")):
-        base = x_ptr + tl.load(rows_ptr + w) * stride_x
-        lo = sl * slice_len
-        best, best_i, mass = _race_span(
-            base, lo, tl.minimum(lo + slice_len, vocab), m, t, lmp, float("-inf"),
-            _row_key(key_ptr, step_ptr, w), True, BLOCK,
-        )  # fmt: skip
-    tl.store(score_ptr + w * n + sl, best)
-    tl.store(idx_ptr + w * n + sl, best_i)
-    tl.store(mass_ptr + w * n + sl, mass)
-
-
-def _first_best(ptr, idx_ptr, w, n, MAX_SLICES: tl.constexpr):
-    """(the largest of row w's n partials, the smallest index among the partials equal to it)."""
-    slices = tl.arange(0, MAX_SLICES)
-    v = tl.load(ptr + w * n + slices, mask=slices < n, other=float("-inf"))
-    i = tl.load(idx_ptr + w * n + slices, mask=slices < n, other=2147483647)
-    top = tl.max(v, axis=0)
-    return top, tl.min(tl.where(v == top, i, 2147483647), axis=0)
-
-
-def _finish_kernel(
-    x_ptr, rows_ptr, stride_x, vocab, params_ptr, key_ptr, step_ptr, out_ptr, n_slices,
-    max_ptr, max_idx_ptr, score_ptr, score_idx_ptr, mass_ptr,
-    MAX_SLICES: tl.constexpr, BLOCK: tl.constexpr, ROUNDS: tl.constexpr,
-):  # fmt: skip
-    # A program per row: the partials of passes 1 and 2 combined, then (top_p < 1) step 3 and its rounds.
     w = tl.program_id(0)
     base = x_ptr + tl.load(rows_ptr + w) * stride_x
     t = tl.load(params_ptr + 3 * w)
     p = tl.load(params_ptr + 3 * w + 1)
     lmp = tl.load(params_ptr + 3 * w + 2)
-    m, token = _first_best(max_ptr, max_idx_ptr, w, n_slices, MAX_SLICES)
+    key = tl.load(key_ptr + w).to(tl.uint64, bitcast=True)
+    step = tl.load(step_ptr + w)
+    if step >= 0:  # a seeded row: race_draw.row_key from mix64(seed) and the step
+        key = _mix(key + (step + 1).to(tl.uint64) * 0x9E3779B97F4A7C15)
+    cols = tl.arange(0, BLOCK)
+    # 1. the max and its first index
+    mx = tl.full([BLOCK], float("-inf"), tl.float32)
+    mi = tl.full([BLOCK], 2147483647, tl.int32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + cols
+        x = tl.load(base + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+        x = tl.where(x != x, float("-inf"), x)
+        better = x > mx
+        mi = tl.where(better, offs, mi)
+        mx = tl.where(better, x, mx)
+    m = tl.max(mx, axis=0)
+    token = tl.min(tl.where(mx == m, mi, 2147483647), axis=0)
     if (t > 0) & (m > float("-inf")) & (m < float("inf")):
-        _, token = _first_best(score_ptr, score_idx_ptr, w, n_slices, MAX_SLICES)
-        slices = tl.arange(0, MAX_SLICES)
-        total = tl.sum(tl.load(mass_ptr + w * n_slices + slices, mask=slices < n_slices, other=0.0), axis=0)
+        # 2. the first candidate (and the total mass, for top_p)
+        token, total = _race_above(base, vocab, m, t, lmp, float("-inf"), key, True, BLOCK)
         if p < 1:
-            key = _row_key(key_ptr, step_ptr, w)
             target = p * total
             r = 0
             pending = 1
@@ -316,56 +250,33 @@ def _finish_kernel(
                         hi = tl.where(good, mid, hi)
                         lo = tl.where(good, lo, mid + 1)
                     thr = -(lo.to(tl.float32, bitcast=True))
-                    _, token, _ = _race_span(
-                        base, 0, vocab, m, t, lmp, thr, _round_key_of(key, r + 1), False, BLOCK
+                    token, _ = _race_above(
+                        base, vocab, m, t, lmp, thr, _round_key_of(key, r + 1), False, BLOCK
                     )
                     pending = 0
                 else:
                     # 3a. c and all below it are outside the nucleus: draw again above it
                     r += 1
-                    _, token, _ = _race_span(
-                        base, 0, vocab, m, t, lmp, zc, _round_key_of(key, r), True, BLOCK
-                    )
+                    token, _ = _race_above(base, vocab, m, t, lmp, zc, _round_key_of(key, r), True, BLOCK)
     tl.store(out_ptr + w, token.to(tl.int64))
 
 
-MAX_SLICES = 128  # parts a row's vocabulary is split into, at most (a constexpr: no compile per batch)
-_KERNELS: tuple | None = None
+_KERNEL = None
 
 
-def _jit_kernels():
-    """Jit the helpers, then the kernels (they find them as this module's globals)."""
-    global _KERNELS, _mix, _z_block, _race_block, _race_span, _mass, _mass_at_or_below_key, _round_key_of
-    global _row_key, _first_best
-    if _KERNELS is None:
+def _jit_kernel():
+    """Jit the helpers, then the kernel (it finds them as this module's globals)."""
+    global _KERNEL, _mix, _z_block, _race_block, _race_above, _mass, _mass_at_or_below_key, _round_key_of
+    if _KERNEL is None:
         _mix = triton.jit(_mix)
         _z_block = triton.jit(_z_block)
         _race_block = triton.jit(_race_block)
-        _race_span = triton.jit(_race_span)
+        _race_above = triton.jit(_race_above)
         _mass = triton.jit(_mass)
         _mass_at_or_below_key = triton.jit(_mass_at_or_below_key)
         _round_key_of = triton.jit(_round_key_of)
-        _row_key = triton.jit(_row_key)
-        _first_best = triton.jit(_first_best)
-        # The slice length and count follow the batch's rows: not specialized on (no compile per batch).
-        _KERNELS = (
-            triton.jit(_slice_max_kernel, do_not_specialize=["slice_len"]),
-            triton.jit(_slice_race_kernel, do_not_specialize=["slice_len"]),
-            triton.jit(_finish_kernel, do_not_specialize=["n_slices"]),
-        )
-    return _KERNELS
-
-
-def split(vocab: int, rows: int, block: int, programs: int) -> tuple[int, int]:
-    """(slices, slice_len) for the split passes: about `programs` programs over the batch, each slice a
-    whole number of blocks, at most MAX_SLICES a row, none empty."""
-    want = max(1, min(MAX_SLICES, _cdiv(programs, max(rows, 1)), _cdiv(vocab, block)))
-    slice_len = _cdiv(_cdiv(vocab, want), block) * block
-    return _cdiv(vocab, slice_len), slice_len
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+        _KERNEL = triton.jit(_nucleus_kernel)
+    return _KERNEL
 
 
 def nucleus_draw(
@@ -378,16 +289,12 @@ def nucleus_draw(
     rounds: int = ROUNDS,
     block: int = 4096,
     warps: int = 16,
-    slice_block: int = 2048,
-    slice_warps: int = 8,
-    programs: int = 1024,
 ) -> torch.Tensor:
     """tokens [W] int64: one draw per entry of rows [W] (int64 indices into logits [R, V], any float
     dtype). Per entry: params [W, 3] fp32 (temperature, <= 0: greedy; top_p, >= 1: off; log(min_p),
     -inf: off), keys [W] int64 and steps [W] int64 (step_keys: the race key is keys itself where the
-    step is < 0, else row_key's mix of keys = mix64(seed) and the step). On CUDA three launches (block,
-    warps: the per-row launch; slice_block, slice_warps, programs: the split passes), no host sync, no
-    allocation but the output and the partials (graph-capturable); elsewhere the torch path."""
+    step is < 0, else row_key's mix of keys = mix64(seed) and the step). On CUDA one launch, no host
+    sync, no allocation but the output (graph-capturable); elsewhere the torch path."""
     if not (logits.is_cuda and HAVE_TRITON):
         x, p = logits.index_select(0, rows), params.float()
         return nucleus_draw_torch(x, p[:, 0], p[:, 1], p[:, 2], step_keys(keys, steps), rounds)
@@ -395,27 +302,20 @@ def nucleus_draw(
         logits = logits.contiguous()
     n, vocab = rows.numel(), logits.shape[-1]
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
-    if not n:
-        return out
-    slice_max, slice_race, finish = _jit_kernels()
-    params = params.contiguous()
-    slice_block = min(slice_block, triton.next_power_of_2(vocab))
-    slices, slice_len = split(vocab, n, slice_block, programs)
-    part_f = torch.empty(3, n * slices, dtype=torch.float32, device=logits.device)  # max, score, mass
-    part_i = torch.empty(2, n * slices, dtype=torch.int32, device=logits.device)  # their indices
-    slice_max[(n, slices)](
-        logits, rows, logits.stride(0), vocab, slice_len, part_f[0], part_i[0],
-        BLOCK=slice_block, num_warps=slice_warps,
-    )  # fmt: skip
-    slice_race[(n, slices)](
-        logits, rows, logits.stride(0), vocab, slice_len, params, keys, steps, part_f[0],
-        part_f[1], part_i[1], part_f[2], MAX_SLICES=MAX_SLICES, BLOCK=slice_block, num_warps=slice_warps,
-    )  # fmt: skip
-    finish[(n,)](
-        logits, rows, logits.stride(0), vocab, params, keys, steps, out, slices,
-        part_f[0], part_i[0], part_f[1], part_i[1], part_f[2],
-        MAX_SLICES=MAX_SLICES, BLOCK=min(block, triton.next_power_of_2(vocab)), ROUNDS=rounds, num_warps=warps,
-    )  # fmt: skip
+    if n:
+        _jit_kernel()[(n,)](
+            logits,
+            rows,
+            logits.stride(0),
+            vocab,
+            params.contiguous(),
+            keys,
+            steps,
+            out,
+            BLOCK=min(block, triton.next_power_of_2(vocab)),
+            ROUNDS=rounds,
+            num_warps=warps,
+        )
     return out
 
 
