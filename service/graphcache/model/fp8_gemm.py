@@ -8,7 +8,8 @@ W [N, K] is FP8 row-major. One kernel, two modes:
                 tile product has one scale pair, applied before it is accumulated.
   weight only   (`weight_only_mm`, T <= 16 rows, row-scaled W) x stays in 16 bits:
                 y[t, n] = sw[n] * (x[t] . W[n]), W's tiles widened to x's dtype in registers (exact:
-                every E4M3 value is a bf16 and an fp16 value), multiplied on the 16-bit tensor cores.
+                every E4M3 value is a bf16 and an fp16 value), multiplied on the 16-bit tensor cores;
+                at one row (ONE_ROW) multiply-adds in fp32 instead, with no 16-row MMA tile to fill.
 Larger row-scaled batches go to torch._scaled_mm (fp8_linear.fp8_mm). Why weight only at <= 16 rows:
 the GEMM is bound by reading W there, so FP8 tensor cores buy nothing, while quantizing x first costs a
 pass over x before the first product (every program needs the row's amax). The narrow N tiles give
@@ -52,6 +53,7 @@ def _fp8_mm_kernel(
     stride_sa_m,
     stride_sb_n,
     BLOCK_SCALES: tl.constexpr,
+    ONE_ROW: tl.constexpr,
     GROUP_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -60,6 +62,8 @@ def _fp8_mm_kernel(
     # b [N, K] fp8 row-major (read as [K, N] tiles), c [M, N] written. BLOCK_SCALES: a [M, K] fp8 with
     # sa [M, K / BLOCK_K] (strides stride_sa_m, stride_sa_g), sb [ceil(N / GROUP_N), K / BLOCK_K]. Else
     # (weight only): a is the 16-bit x [M, K], b's tiles are widened to its dtype, sb [N]; sa_ptr unused.
+    # ONE_ROW (weight only, M = 1): no tensor cores, a multiply-add per weight and a sum over each K tile
+    # (at one row a 16-row MMA tile is 15/16 padding and its shared-memory round trip the cost).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -69,23 +73,34 @@ def _fp8_mm_kernel(
     n_mask = offs_n < N
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for j in range(0, tl.cdiv(K, BLOCK_K)):
-        k_mask = offs_k < K - j * BLOCK_K
-        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if BLOCK_SCALES:
-            sa = tl.load(sa_ptr + offs_m * stride_sa_m + j * stride_sa_g, mask=m_mask, other=0.0)
-            sb = tl.load(sb_ptr + (offs_n // GROUP_N) * stride_sb_n + j, mask=n_mask, other=0.0)
-            acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
-        else:
-            acc = tl.dot(a, b.to(a.dtype), acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    if not BLOCK_SCALES:
-        acc = acc * tl.load(sb_ptr + offs_n * stride_sb_n, mask=n_mask, other=0.0)[None, :]
-    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    if ONE_ROW:
+        row = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for j in range(0, tl.cdiv(K, BLOCK_K)):
+            k_mask = offs_k < K - j * BLOCK_K
+            x = tl.load(a_ptr + j * BLOCK_K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            row += tl.sum(b.to(tl.float32) * x[:, None], axis=0)
+            b_ptrs += BLOCK_K
+        row = row * tl.load(sb_ptr + offs_n * stride_sb_n, mask=n_mask, other=0.0)
+        tl.store(c_ptr + offs_n, row.to(c_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for j in range(0, tl.cdiv(K, BLOCK_K)):
+            k_mask = offs_k < K - j * BLOCK_K
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if BLOCK_SCALES:
+                sa = tl.load(sa_ptr + offs_m * stride_sa_m + j * stride_sa_g, mask=m_mask, other=0.0)
+                sb = tl.load(sb_ptr + (offs_n // GROUP_N) * stride_sb_n + j, mask=n_mask, other=0.0)
+                acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+            else:
+                acc = tl.dot(a, b.to(a.dtype), acc)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        if not BLOCK_SCALES:
+            acc = acc * tl.load(sb_ptr + offs_n * stride_sb_n, mask=n_mask, other=0.0)[None, :]
+        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 _KERNEL = None
@@ -104,10 +119,16 @@ def _kernel():
 # N tiles narrow enough that the grid covers the H200's 132 SMs (N = 4096: 128 tiles), K tiles wide enough
 # to keep loads in flight. benchmarks/fp8_gemv_sweep.py times alternatives on the 8B shapes.
 DECODE_TILE = (32, 256, 4, 4)
+# The same for one row (ONE_ROW): narrower N tiles, longer K tiles (BENCHMARKS.md §13: 82.7 us a layer of the
+# 8B shape against 107.2 for DECODE_TILE's MMA path and 116 for cuBLAS bf16).
+ONE_ROW_TILE = (8, 1024, 8, 3)
 
 
 def _tiles(m: int, block_k: int | None) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); block_k: the weight's scale block (block scales)."""
+    if m == 1 and block_k is None:
+        block_n, k, warps, stages = ONE_ROW_TILE
+        return 1, block_n, k, warps, stages
     if m <= 16:
         block_n, k, warps, stages = DECODE_TILE
         return 16, block_n, block_k or k, warps, stages
@@ -150,6 +171,7 @@ def _launch_gemm(
         stride_sa_m,
         scale_w.stride(0),
         BLOCK_SCALES=block is not None,
+        ONE_ROW=block is None and m == 1,
         GROUP_N=1 if block is None else block[0],
         BLOCK_M=block_m,
         BLOCK_N=block_n,
