@@ -17,8 +17,8 @@ every SM its share of W to stream, where _scaled_mm's large-tile kernels leave m
 benchmarks/fp8_gemv_sweep.py times the designs (BENCHMARKS.md §13).
 
 On the CPU the dequantized operands are multiplied in fp32 (`emulated_mm`, and weight_only_mm's own
-fallback: the same sums up to fp32 rounding order); tests/test_fp8.py checks the kernels against it under Triton's interpreter and
-tests/gpu/test_fp8_cuda.py on the GPU.
+fallback: the same sums up to fp32 rounding order); tests/test_fp8.py checks the kernels against it
+under Triton's interpreter and tests/gpu/test_fp8_cuda.py on the GPU.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def _launch_gemm(
     n = w.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     block_m, block_n, block_k, warps, stages = _tiles(m, None if block is None else block[1])
-    if block is None or scale_a is None:  # weight only: sa_ptr is unused, its strides 0
+    if block is None:  # weight only: sa_ptr is unused, its strides 0
         sa, stride_sa_g, stride_sa_m = scale_w, 0, 0
     else:  # scale_a [T, K / bk]
         sa, stride_sa_g, stride_sa_m = scale_a, scale_a.stride(1), scale_a.stride(0)
@@ -188,7 +188,7 @@ def weight_only_mm(
     """x [T, K] (T <= WEIGHT_ONLY_MAX_ROWS), w [N, K] fp8 with scale_w [N, 1] -> [T, N] = x @ (w * scale_w).T,
     x not quantized. kernel: the Triton kernel where it applies (CUDA, bf16 or fp16 x with contiguous
     columns: W widened in registers, 16-bit products, fp32 sums); otherwise the fp32 product of the
-    dequantized W (the CPU path, and the reference)."""
+    dequantized W (the CPU path and the reference; on CUDA with the fused kernels off, a slow debug path)."""
     if x.shape[0] > WEIGHT_ONLY_MAX_ROWS:
         raise ValueError(f"weight_only_mm takes at most {WEIGHT_ONLY_MAX_ROWS} rows, got {tuple(x.shape)}")
     sixteen_bits = x.dtype in (torch.bfloat16, torch.float16)
