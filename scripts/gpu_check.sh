@@ -103,7 +103,7 @@ for p in ${PHASES:-tests pool capture}; do
     moe)     phase moe "${MOE_TIMEOUT:-540}" python3 benchmarks/offline_throughput.py --make-model qwen3moe:/tmp/qwen3moe \
                --modes "${MOE_MODES:-graph,eager}" --workload "${MOE_WORKLOADS:-nano,realistic}" --out "$OUT/moe.json" ;;
     # FP8 (issue 25): the Llama-3-8B shape in bf16 and with --quantization fp8: full-graph decode at batch 1 and 256,
-    # logits error and greedy agreement against bf16, the GEMM kernels and the Triton decode tile sweep.
+    # logits error and greedy agreement against bf16, the GEMM kernels (fp8_sweep: the decode kernel's designs).
     fp8) phase fp8 420 python3 benchmarks/fp8_bench.py --make-model llama8b:/tmp/llama8b --out "$OUT/fp8.json" ${FP8_ARGS:-} ;;
     # Decode-sized FP8 GEMM designs (fp8 dot with x quantized inside, W dequantized to bf16, FMA, split K) per 8B shape.
     fp8_sweep) TAIL=${TAIL:-60} phase fp8_sweep 300 python3 benchmarks/fp8_gemv_sweep.py --out "$OUT/fp8_sweep.json" ;;

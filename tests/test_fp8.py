@@ -2,8 +2,9 @@
 vLLM/HF `fp8` config, tests/helpers_fp8.py writes them from a bf16 checkpoint) and `--quantization fp8`
 load through the real loader; the FP8 model's logits stay within a stated bound of the bf16 source's.
 
-The CPU runs the same quantized operands as a GPU (activations per token, weights per row, tensor or
-block), multiplied in fp32 instead of on FP8 tensor cores (model/fp8_linear.py).
+The CPU runs the same quantized operands as a GPU (activations per token past 16 rows and unquantized up
+to 16, weights per row, tensor or block), multiplied in fp32 instead of on FP8 tensor cores
+(model/fp8_linear.py).
 
 Error bound, per position of a 48-token prompt through a 4-layer, hidden-128 random Llama, FP8 against
 its bf16 source (both computed in fp32, so only the FP8 rounding differs; logits have std ~1):
