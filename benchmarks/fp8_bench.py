@@ -207,17 +207,23 @@ def gemm_row(name: str, ws: list, qs: list, m: int) -> dict:
         "fp8_weight_only_us": each(lambda wq, sw: weight_only_mm(x, wq, sw, torch.bfloat16), qs)
         if m <= fp8_gemm.WEIGHT_ONLY_MAX_ROWS
         else None,
-        "quantize_us": graph_us([lambda: quantize_rows(x, fused=True)], reps),
+        "quantize_us": graph_us([lambda: quantize_rows(x, fused=True)]),  # no weight: 20 calls a replay
     }
+
+
+def weight_copies(n: int, k: int, device: str = "cuda") -> tuple[list, list]:
+    """(ws, qs): copies of a random [N, K] bf16 weight and their FP8 quantization (wq, scale), enough of
+    them on CUDA that their fp8 bytes exceed 4x the L2 (replays cycling them read HBM every call)."""
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5
+    copies = max(1, -(-4 * L2_BYTES // (n * k))) if device == "cuda" else 1
+    ws = [(w * (1 + 0.01 * i)).contiguous() for i in range(copies)]
+    return ws, [quantize_weight(wi) for wi in ws]
 
 
 def gemm_table() -> list[dict]:
     rows = []
     for name, (n, k) in GEMM_SHAPES.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-        copies = max(1, -(-4 * L2_BYTES // (n * k)))  # fp8 bytes of all copies > 4x the L2
-        ws = [(w * (1 + 0.01 * i)).contiguous() for i in range(copies)]
-        qs = [quantize_weight(wi) for wi in ws]
+        ws, qs = weight_copies(n, k)
         for m in GEMM_ROWS:
             rows.append(gemm_row(name, ws, qs, m))
             print(json.dumps(rows[-1]), flush=True)

@@ -6,15 +6,15 @@
 At M <= 16 a GEMM is bound by reading W once (W [N, K] fp8: N * K bytes over ~4.8 TB/s), so each
 design is timed per shape and reported as weight GB/s. Weights rotate over enough copies (> 4x the
 50 MB L2) that every call reads HBM; calls are replays of one CUDA graph (no launch gaps counted,
-the gaps between kernels of a graph are). Designs, each a tile sweep (BLOCK_N, BLOCK_K, warps, stages):
-  quant    fp8 x fp8 tl.dot, x quantized per row inside the kernel (what fp8_gemm's decode path runs)
+the gaps between kernels of a graph are). Designs, each a tile sweep (BLOCK_N, BLOCK_K, warps, stages),
+against torch.mm on bf16 weights (cuBLAS; the bf16 decode's GEMMs) and torch._scaled_mm (rowwise):
+  quant    fp8 x fp8 tl.dot, x quantized per row inside the kernel (the decode path before this sweep)
   prequant fp8 x fp8 tl.dot on an x quantized before (what a producer kernel that quantizes would leave)
-  dequant  W converted to bf16 in registers, bf16 tl.dot with x as it is: no activation quantization
-  fma      (M = 1) W converted to fp32, multiply-add and a sum over K: no tensor cores
+  dequant  W converted to bf16 in registers, bf16 tl.dot with x as it is (fp8_gemm's path up to 16 rows)
+  fma      (M = 1) W converted to fp32, multiply-add and a sum over K, no tensor cores (fp8_gemm's ONE_ROW)
   split    dequant with K split over SPLIT_K programs, fp32 atomics into a zeroed buffer (+ zero, cast)
-(M = 1: every design; more rows: dequant only, to fit one device call.) The last lines name
-the dequant tile with the least summed time over the four shapes at M = 1: fp8_gemm.DECODE_TILE's pick.
-against torch.mm on bf16 weights (cuBLAS; the bf16 decode's GEMMs) and torch._scaled_mm (rowwise).
+M = 1 runs every design, more rows dequant only (to fit one device call). The last lines name the
+dequant tile with the least summed time over the four shapes at M = 1 (fp8_gemm.DECODE_TILE's pick).
 Every design's output is checked against the fp32 product of the same operands first.
 """
 
@@ -32,10 +32,10 @@ if "--smoke" in sys.argv:  # before triton is imported: the kernel runs in Trito
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
-from graphcache.model.fp8_quant import MIN_SCALE, quantize_rows, quantize_weight  # noqa: E402
+from graphcache.model.fp8_quant import MIN_SCALE, quantize_rows  # noqa: E402
 from graphcache.model.triton_support import tl, triton  # noqa: E402
 
-from benchmarks.fp8_bench import graph_us  # noqa: E402
+from benchmarks.fp8_bench import graph_us, weight_copies  # noqa: E402
 
 SHAPES = {
     "qkv_proj": (6144, 4096),
@@ -44,7 +44,6 @@ SHAPES = {
     "down_proj": (4096, 14336),
 }
 MODES = {"quant": 0, "dequant": 1, "fma": 2, "prequant": 3}
-L2_BYTES = 50 * 2**20
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -153,10 +152,7 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 def sweep_shape(name, n, k, rows, plan: dict, cuda: bool) -> list[dict]:
     dev = "cuda" if cuda else "cpu"
-    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
-    copies = max(1, -(-4 * L2_BYTES // (n * k))) if cuda else 1
-    ws = [(w * (1 + 0.01 * i)).contiguous() for i in range(copies)]
-    qs = [quantize_weight(wi) for wi in ws]
+    ws, qs = weight_copies(n, k, dev)
     out: list[dict] = []
     for m in rows:
         # Triton's interpreter multiplies bf16 wrongly (numpy has no bf16): fp16 operands there.

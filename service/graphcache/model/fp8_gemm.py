@@ -171,7 +171,7 @@ def _launch_gemm(
         stride_sa_m,
         scale_w.stride(0),
         BLOCK_SCALES=block is not None,
-        ONE_ROW=block is None and m == 1,
+        ONE_ROW=block_m == 1,  # _tiles' one-row tile: weight only at M = 1
         GROUP_N=1 if block is None else block[0],
         BLOCK_M=block_m,
         BLOCK_N=block_n,
