@@ -247,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
         "--decode-tile",
         help="BLOCK_N,BLOCK_K,warps,stages of the weight-only decode kernel (fp8_gemm.DECODE_TILE) for this run",
     )
+    ap.add_argument(
+        "--one-row-tile",
+        help="BLOCK_N,BLOCK_K,warps,stages of the one-row decode kernel (fp8_gemm.ONE_ROW_TILE) for this run",
+    )
     ap.add_argument("--smoke", action="store_true", help="CPU, the embedded tiny model, a few steps")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -262,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     args.batches = [int(b) for b in str(args.batches).split(",")]
     if args.decode_tile:
         fp8_gemm.DECODE_TILE = tuple(int(v) for v in args.decode_tile.split(","))
+    if args.one_row_tile:
+        fp8_gemm.ONE_ROW_TILE = tuple(int(v) for v in args.one_row_tile.split(","))
     ref, fp8 = run_model(model, "auto", args), run_model(model, "fp8", args)
     report = {
         "model": str(model),
@@ -280,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         "greedy": greedy_stats(fp8["greedy"], ref["greedy"]),
         "weight_only_max_rows": fp8_gemm.WEIGHT_ONLY_MAX_ROWS,
         "decode_tile": list(fp8_gemm.DECODE_TILE),
+        "one_row_tile": list(fp8_gemm.ONE_ROW_TILE),
     }
     if not args.no_gemm:
         report["gemm"] = gemm_table()

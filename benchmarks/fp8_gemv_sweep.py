@@ -11,7 +11,9 @@ against torch.mm on bf16 weights (cuBLAS; the bf16 decode's GEMMs) and torch._sc
   quant    fp8 x fp8 tl.dot, x quantized per row inside the kernel (the decode path before this sweep)
   prequant fp8 x fp8 tl.dot on an x quantized before (what a producer kernel that quantizes would leave)
   dequant  W converted to bf16 in registers, bf16 tl.dot with x as it is (fp8_gemm's path up to 16 rows)
-  fma      (M = 1) W converted to fp32, multiply-add and a sum over K, no tensor cores (fp8_gemm's ONE_ROW)
+  fma      (M = 1) W converted to fp32, multiply-add and a sum over each K tile, no tensor cores
+  fma2     (M = 1) fma with a [BLOCK_N, BLOCK_K] fp32 accumulator summed once after the loop (no
+           cross-warp reduction, so no barrier, inside the loop) (fp8_gemm's ONE_ROW)
   split    dequant with K split over SPLIT_K programs, fp32 atomics into a zeroed buffer (+ zero, cast)
 M = 1 runs every design, more rows dequant only (to fit one device call). The last lines name the
 dequant tile with the least summed time over the four shapes at M = 1 (fp8_gemm.DECODE_TILE's pick).
@@ -43,7 +45,7 @@ SHAPES = {
     "gate_up_proj": (28672, 4096),
     "down_proj": (4096, 14336),
 }
-MODES = {"quant": 0, "dequant": 1, "fma": 2, "prequant": 3}
+MODES = {"quant": 0, "dequant": 1, "fma": 2, "prequant": 3, "fma2": 4}
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -99,6 +101,18 @@ def _sweep_kernel(
             w_ptrs += BLOCK_K
         sw = tl.load(sw_ptr + offs_n, mask=n_mask, other=0.0)
         tl.store(out_ptr + offs_n, (acc1 * sw).to(out_ptr.dtype.element_ty), mask=n_mask)
+    elif MODE == 4:
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        x2_ptrs = x_ptr + k0 + offs_k
+        w2_ptrs = w_ptr + offs_n[:, None] * stride_wn + k0 + offs_k[None, :]
+        for _ in range(0, k_len // BLOCK_K):
+            x2 = tl.load(x2_ptrs).to(tl.float32)
+            w2 = tl.load(w2_ptrs, mask=n_mask[:, None], other=0.0)
+            acc2 += w2.to(tl.float32) * x2[None, :]
+            x2_ptrs += BLOCK_K
+            w2_ptrs += BLOCK_K
+        sw = tl.load(sw_ptr + offs_n, mask=n_mask, other=0.0)
+        tl.store(out_ptr + offs_n, (tl.sum(acc2, axis=1) * sw).to(out_ptr.dtype.element_ty), mask=n_mask)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for _ in range(0, k_len // BLOCK_K):
@@ -182,7 +196,7 @@ def sweep_rows(name, x, ws, qs, plan: dict, cuda: bool) -> list[dict]:
 
     for design, variants in plan.items():
         for tile, split in variants:
-            if (design == "fma" and m != 1) or k % ((tile[1] if tile else 1) * split):
+            if (design.startswith("fma") and m != 1) or k % ((tile[1] if tile else 1) * split):
                 continue
             row = {"layer": name, "n": n, "k": k, "m": m, "design": design, "tile": tile, "split": split}
             try:
@@ -204,10 +218,16 @@ def plan_of(cuda: bool) -> dict:
     """{design: [(tile, split)]}: tile = (BLOCK_N, BLOCK_K, warps, stages)."""
     if not cuda:
         two = [((16, 32, 4, 2), 1), ((32, 64, 4, 2), 1)]
-        return {"quant": two, "prequant": two, "dequant": two, "fma": two, "split": [((16, 32, 4, 2), 2)]}
+        return {
+            "quant": two, "prequant": two, "dequant": two, "fma": two, "fma2": two,
+            "split": [((16, 32, 4, 2), 2)],
+        }  # fmt: skip
     now = (32, 256, 4, 4)  # fp8_gemm.DECODE_TILE before this sweep
     dot = [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (256, 512) for w, st in ((4, 4), (8, 3))]
     fma = [(bn, bk, w, 3) for bn in (8, 16, 32) for bk in (512, 1024) for w in (4, 8)]
+    # A [BLOCK_N, BLOCK_K] accumulator: 8-32 fp32 registers a thread at these tiles.
+    fma2 = [(bn, bk, w, st) for bn, bk in ((4, 1024), (4, 2048), (8, 512), (8, 1024), (16, 512))
+            for w in (4, 8) for st in (2, 3)]  # fmt: skip
     return {
         "bf16_mm": [(None, 1)],
         "scaled_mm": [(None, 1)],
@@ -215,6 +235,7 @@ def plan_of(cuda: bool) -> dict:
         "prequant": [(now, 1), ((64, 256, 8, 3), 1)],
         "dequant": [(t, 1) for t in dot],
         "fma": [(t, 1) for t in fma],
+        "fma2": [(t, 1) for t in fma2],
         "split": [(t, s) for t in ((16, 256, 4, 4), now, (64, 256, 4, 4)) for s in (2, 4)],
     }
 
@@ -227,12 +248,15 @@ def _scaled(x, wq, sw):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,16")
+    ap.add_argument("--designs", help="comma-separated: only these designs (default: all)")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, one small shape, two tiles")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
     rows = [int(r) for r in args.rows.split(",")] if cuda else [1, 3]
     plan, shapes = plan_of(cuda), SHAPES if cuda else {"tiny": (64, 256)}
+    if args.designs:
+        plan = {d: v for d, v in plan.items() if d in args.designs.split(",")}
     results = []
     for name, (n, k) in shapes.items():
         results += sweep_shape(name, n, k, [r for r in rows if r == 1], plan, cuda)

@@ -106,7 +106,8 @@ for p in ${PHASES:-tests pool capture}; do
     # logits error and greedy agreement against bf16, the GEMM kernels (fp8_sweep: the decode kernel's designs).
     fp8) phase fp8 420 python3 benchmarks/fp8_bench.py --make-model llama8b:/tmp/llama8b --out "$OUT/fp8.json" ${FP8_ARGS:-} ;;
     # Decode-sized FP8 GEMM designs (fp8 dot with x quantized inside, W dequantized to bf16, FMA, split K) per 8B shape.
-    fp8_sweep) TAIL=${TAIL:-60} phase fp8_sweep 300 python3 benchmarks/fp8_gemv_sweep.py --out "$OUT/fp8_sweep.json" ;;
+    fp8_sweep) TAIL=${TAIL:-60} phase fp8_sweep 300 python3 benchmarks/fp8_gemv_sweep.py --out "$OUT/fp8_sweep.json" \
+               ${FP8_SWEEP_ARGS:-} ;;
     # The FP8 GPU tests alone (kernels vs the CPU emulation, graph replay vs eager).
     tests_fp8) phase tests_fp8 300 python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu/test_fp8_cuda.py -rs ;;
     # Offline throughput of the 8B shape, nano workload, graph mode: bf16, then --quantization fp8.

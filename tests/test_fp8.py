@@ -29,7 +29,13 @@ from graphcache.engine.loop.engine import Engine, SamplingParams
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.metrics import Metrics
 from graphcache.model.config import ModelLoadError
-from graphcache.model.fp8_gemm import WEIGHT_ONLY_MAX_ROWS, _launch_gemm, emulated_mm, weight_only_mm
+from graphcache.model.fp8_gemm import (
+    WEIGHT_ONLY_MAX_ROWS,
+    _launch_gemm,
+    emulated_mm,
+    weight_only_mm,
+    weight_only_silu_mul,
+)
 from graphcache.model.fp8_linear import Fp8Linear
 from graphcache.model.fp8_quant import (
     FP8,
@@ -39,6 +45,7 @@ from graphcache.model.fp8_quant import (
     quantize_rows,
     quantize_weight,
 )
+from graphcache.model.fused_ops import silu_mul
 from graphcache.model.loader import load_model
 from graphcache.model.parallel import TensorParallel
 from helpers_dist import gloo_group, run_ranks
@@ -190,6 +197,30 @@ def test_weight_only_kernel_multiplies_x_by_the_dequantized_weight(m, n, k):
     want = weight_only_mm(x, wq, sw, torch.float32, kernel=False)  # the fp32 product
     got = _launch_gemm(x, wq, None, sw, None, torch.float32)  # the kernel, interpreted on the CPU
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("m,inter,k", [(1, 100, 256), (5, 48, 384)])
+def test_gated_weight_only_kernel_is_silu_mul_of_the_product(m, inter, k):
+    """The gate_up GEMM with silu(gate) * up in its epilogue (one row: multiply-adds; more: the MMA path)
+    equals silu_mul of the plain kernel's [T, 2I] output, each factor rounded to x's dtype."""
+    gen = torch.Generator().manual_seed(inter)
+    x = (torch.randn(m, k, generator=gen) * 3).half()  # fp16: the interpreter's bf16 products are wrong
+    wq, sw = quantize_weight(torch.randn(2 * inter, k, generator=gen))
+    plain = _launch_gemm(x, wq, None, sw, None, torch.float16)  # [T, 2I], the kernel interpreted
+    want = silu_mul(plain, inter, fused=False)
+    got = _launch_gemm(x, wq, None, sw, None, torch.float16, gated=True)
+    assert got.shape == (m, inter)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
+    cpu = weight_only_silu_mul(x, wq, sw, torch.float16)  # the CPU path: the fp32 product, then silu_mul
+    torch.testing.assert_close(cpu, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+def test_fp8_mlp_applies_silu_mul_like_the_unfused_layers():
+    """Fp8Linear.silu_mul_forward is silu_mul(layer(x)) at decode sizes and beyond them."""
+    gen = torch.Generator().manual_seed(5)
+    fp8 = Fp8Linear.quantized(torch.nn.Linear(64, 96, bias=False))
+    for x in (torch.randn(1, 64, generator=gen), torch.randn(WEIGHT_ONLY_MAX_ROWS + 3, 64, generator=gen)):
+        torch.testing.assert_close(fp8.silu_mul_forward(x, 48), silu_mul(fp8(x), 48, fused=False))
 
 
 # --- loading what was published -------------------------------------------------------------------------------

@@ -19,9 +19,10 @@ import torch
 from graphcache.engine.batch import StepBatch, StepSeq
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.model import fp8_gemm
-from graphcache.model.fp8_gemm import block_scaled_mm, emulated_mm, weight_only_mm
+from graphcache.model.fp8_gemm import block_scaled_mm, emulated_mm, weight_only_mm, weight_only_silu_mul
 from graphcache.model.fp8_linear import Fp8Linear, fp8_mm
 from graphcache.model.fp8_quant import FP8, quantize_groups, quantize_rows, quantize_weight
+from graphcache.model.fused_ops import silu_mul
 from helpers_cuda import assert_replay_close, poison_allocator
 from helpers_fp8 import bf16_copy, write_fp8_checkpoint
 from helpers_model import Blocks, cuda_settings, prompt_ids, tiny_checkpoint
@@ -74,6 +75,21 @@ def test_weight_only_kernel_equals_the_fp32_product(m):
         got = weight_only_mm(x, wq, sw, dtype)
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_gated_weight_only_kernel_equals_silu_mul_of_the_product(m):
+    """The gate_up GEMM with the activation in its epilogue at the 8B shape: silu_mul of the plain kernel."""
+    inter, k = 14336, 4096
+    wq, sw = quantize_weight(torch.randn(2 * inter, k, device="cuda") / 100)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        x = (torch.randn(m, k, device="cuda") * (1 + 10 * seed)).bfloat16()
+        want = silu_mul(weight_only_mm(x, wq, sw, torch.bfloat16), inter, fused=True)
+        poison_allocator()
+        got = weight_only_silu_mul(x, wq, sw, torch.bfloat16)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("m", [1, 9, 100])

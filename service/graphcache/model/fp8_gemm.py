@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from graphcache.model.fused_ops import silu_mul
 from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "block_scaled_mm",
     "emulated_mm",
     "weight_only_mm",
+    "weight_only_silu_mul",
 ]
 
 WEIGHT_ONLY_MAX_ROWS = 16  # the decode kernel's one BLOCK_M tile: steps of up to 16 rows leave x unquantized
@@ -54,6 +56,7 @@ def _fp8_mm_kernel(
     stride_sb_n,
     BLOCK_SCALES: tl.constexpr,
     ONE_ROW: tl.constexpr,
+    GATED: tl.constexpr,
     GROUP_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -62,8 +65,11 @@ def _fp8_mm_kernel(
     # b [N, K] fp8 row-major (read as [K, N] tiles), c [M, N] written. BLOCK_SCALES: a [M, K] fp8 with
     # sa [M, K / BLOCK_K] (strides stride_sa_m, stride_sa_g), sb [ceil(N / GROUP_N), K / BLOCK_K]. Else
     # (weight only): a is the 16-bit x [M, K], b's tiles are widened to its dtype, sb [N]; sa_ptr unused.
-    # ONE_ROW (weight only, M = 1): no tensor cores, a multiply-add per weight and a sum over each K tile
-    # (at one row a 16-row MMA tile is 15/16 padding and its shared-memory round trip the cost).
+    # GATED (weight only): b is [2N, K] = [gate | up] and c [M, N] = silu(x . gate) * (x . up), each
+    # factor rounded to c's dtype first as silu_mul does (the [M, 2N] GEMM output is never written).
+    # ONE_ROW (weight only, M = 1): no tensor cores, a multiply-add per weight into a [BLOCK_N, BLOCK_K]
+    # fp32 accumulator summed once after the loop (at one row a 16-row MMA tile is 15/16 padding and its
+    # shared-memory round trip the cost; a sum per K tile would put a cross-warp reduction in the loop).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -71,20 +77,26 @@ def _fp8_mm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None]
+    up_rows = N * stride_bn  # GATED: the up half starts N rows down
     if ONE_ROW:
-        row = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        w_ptrs = b_ptr + offs_n[:, None] * stride_bn + offs_k[None, :]  # [BLOCK_N, BLOCK_K], K contiguous
         for j in range(0, tl.cdiv(K, BLOCK_K)):
             k_mask = offs_k < K - j * BLOCK_K
-            x = tl.load(a_ptr + j * BLOCK_K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            row += tl.sum(b.to(tl.float32) * x[:, None], axis=0)
-            b_ptrs += BLOCK_K
-        row = row * tl.load(sb_ptr + offs_n * stride_sb_n, mask=n_mask, other=0.0)
-        tl.store(c_ptr + offs_n, row.to(c_ptr.dtype.element_ty), mask=n_mask)
+            w_mask = n_mask[:, None] & k_mask[None, :]
+            x = tl.load(a_ptr + j * BLOCK_K + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+            acc_g += tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
+            if GATED:
+                acc_u += tl.load(w_ptrs + up_rows, mask=w_mask, other=0.0).to(tl.float32) * x
+            w_ptrs += BLOCK_K
+        row = tl.sum(acc_g, axis=1)[None, :]  # [1, BLOCK_N]
+        row_u = tl.sum(acc_u, axis=1)[None, :]
     else:
+        a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
+        b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for j in range(0, tl.cdiv(K, BLOCK_K)):
             k_mask = offs_k < K - j * BLOCK_K
             a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -95,12 +107,21 @@ def _fp8_mm_kernel(
                 acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
             else:
                 acc = tl.dot(a, b.to(a.dtype), acc)
+                if GATED:
+                    b_up = tl.load(b_ptrs + up_rows, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                    acc_up = tl.dot(a, b_up.to(a.dtype), acc_up)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
-        if not BLOCK_SCALES:
-            acc = acc * tl.load(sb_ptr + offs_n * stride_sb_n, mask=n_mask, other=0.0)[None, :]
-        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        row, row_u = acc, acc_up
+    if not BLOCK_SCALES:
+        row = row * tl.load(sb_ptr + offs_n * stride_sb_n, mask=n_mask, other=0.0)[None, :]
+    if GATED:
+        row_u = row_u * tl.load(sb_ptr + (offs_n + N) * stride_sb_n, mask=n_mask, other=0.0)[None, :]
+        g = row.to(c_ptr.dtype.element_ty).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(c_ptr.dtype.element_ty).to(tl.float32)  # F.silu, rounded
+        row = act * row_u.to(c_ptr.dtype.element_ty).to(tl.float32)
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, row.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 _KERNEL = None
@@ -144,11 +165,13 @@ def _launch_gemm(
     scale_w: torch.Tensor,
     block: tuple[int, int] | None,
     out_dtype: torch.dtype,
+    gated: bool = False,
 ) -> torch.Tensor:
     """The one GEMM kernel on a [T, K] x w [N, K] -> [T, N]. block None: weight only (a is the 16-bit x,
-    scale_a None, scale_w [N, 1]); else [bn, bk] block scales (a fp8, scale_a [T, K / bk])."""
+    scale_a None, scale_w [N, 1]); else [bn, bk] block scales (a fp8, scale_a [T, K / bk]). gated (weight
+    only): w is [gate | up], [2N, K], and the result silu(gate) * up, [T, N]."""
     m, k = a.shape
-    n = w.shape[0]
+    n = w.shape[0] // 2 if gated else w.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     block_m, block_n, block_k, warps, stages = _tiles(m, None if block is None else block[1])
     if block is None:  # weight only: sa_ptr is unused, its strides 0
@@ -172,6 +195,7 @@ def _launch_gemm(
         scale_w.stride(0),
         BLOCK_SCALES=block is not None,
         ONE_ROW=block_m == 1,  # _tiles' one-row tile: weight only at M = 1
+        GATED=gated,
         GROUP_N=1 if block is None else block[0],
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -191,10 +215,30 @@ def weight_only_mm(
     dequantized W (the CPU path and the reference; on CUDA with the fused kernels off, a slow debug path)."""
     if x.shape[0] > WEIGHT_ONLY_MAX_ROWS:
         raise ValueError(f"weight_only_mm takes at most {WEIGHT_ONLY_MAX_ROWS} rows, got {tuple(x.shape)}")
-    sixteen_bits = x.dtype in (torch.bfloat16, torch.float16)
-    if kernel and x.is_cuda and HAVE_TRITON and sixteen_bits and x.stride(1) == 1:
+    if _runs_kernel(x, kernel):
         return _launch_gemm(x, w, None, scale_w, None, out_dtype)
     return ((x.float() @ w.float().t()) * scale_w.view(1, -1)).to(out_dtype)
+
+
+def weight_only_silu_mul(
+    x: torch.Tensor, w: torch.Tensor, scale_w: torch.Tensor, out_dtype: torch.dtype, kernel: bool = True
+) -> torch.Tensor:
+    """silu_mul of weight_only_mm(x, w, ...): w [2I, K] fp8 = [gate | up] -> [T, I] = silu(gate) * up, each
+    factor rounded to out_dtype as fused_ops.silu_mul rounds it. The kernel applies the activation to its
+    accumulators (one launch less a layer, and the [T, 2I] product is never written)."""
+    if x.shape[0] > WEIGHT_ONLY_MAX_ROWS:
+        raise ValueError(
+            f"weight_only_silu_mul takes at most {WEIGHT_ONLY_MAX_ROWS} rows, got {tuple(x.shape)}"
+        )
+    if _runs_kernel(x, kernel):
+        return _launch_gemm(x, w, None, scale_w, None, out_dtype, gated=True)
+    return silu_mul(weight_only_mm(x, w, scale_w, out_dtype, kernel=False), w.shape[0] // 2, fused=False)
+
+
+def _runs_kernel(x: torch.Tensor, kernel: bool) -> bool:
+    """Whether the weight-only Triton kernel takes x (CUDA, 16-bit, contiguous columns)."""
+    sixteen_bits = x.dtype in (torch.bfloat16, torch.float16)
+    return kernel and x.is_cuda and HAVE_TRITON and sixteen_bits and x.stride(1) == 1
 
 
 def block_scaled_mm(

@@ -31,8 +31,9 @@ import torch
 from torch import nn
 
 from graphcache.model import fp8_gemm
-from graphcache.model.fp8_gemm import block_scaled_mm, emulated_mm, weight_only_mm
+from graphcache.model.fp8_gemm import block_scaled_mm, emulated_mm, weight_only_mm, weight_only_silu_mul
 from graphcache.model.fp8_quant import FP8, quantize_groups, quantize_rows, quantize_weight
+from graphcache.model.fused_ops import silu_mul
 from graphcache.model.parallel import RowParallelLinear, TensorParallel
 
 __all__ = ["Fp8Linear", "fp8_mm"]
@@ -127,6 +128,14 @@ class Fp8Linear(nn.Module):
         if self.tp is not None:
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+    def silu_mul_forward(self, x: torch.Tensor, inter: int) -> torch.Tensor:
+        """fused_ops.silu_mul(self(x), inter) for a [gate | up] layer: x [T, K] -> [T, inter]. At decode
+        sizes the activation runs in the GEMM's epilogue (fp8_gemm.weight_only_silu_mul: one kernel)."""
+        plain = self.block is None and self.bias is None and self.tp is None
+        if plain and x.shape[0] <= fp8_gemm.WEIGHT_ONLY_MAX_ROWS and 2 * inter == self.out_features:
+            return weight_only_silu_mul(x, self.weight, self.weight_scale, x.dtype, kernel=self.fused)
+        return silu_mul(self(x), inter, self.fused)
 
     def extra_repr(self) -> str:
         scales = "per-row scales" if self.block is None else f"{self.block[0]}x{self.block[1]} block scales"

@@ -20,6 +20,7 @@ from torch import nn
 from graphcache.model.attention import graph_attention, paged_attention
 from graphcache.model.config import ModelConfig
 from graphcache.model.forward_context import current_forward_context
+from graphcache.model.fp8_linear import Fp8Linear
 from graphcache.model.fused_ops import add_rmsnorm, rotary_, silu_mul
 from graphcache.model.moe import SparseMoE
 from graphcache.model.parallel import (
@@ -163,6 +164,8 @@ class MLP(nn.Module):
         self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        if isinstance(self.gate_up_proj, Fp8Linear):  # decode sizes: the activation in the GEMM's epilogue
+            return self.down_proj(self.gate_up_proj.silu_mul_forward(x, self.inter))
         return self.down_proj(silu_mul(self.gate_up_proj(x), self.inter, self.fused))  # via [T, 2I] -> [T, I]
 
 
