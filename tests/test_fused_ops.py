@@ -19,7 +19,7 @@ if INTERPRET:
 
 pytest.importorskip("triton")
 
-from graphcache.model.fused_ops import add_rmsnorm, rotary_, silu_mul  # noqa: E402
+from graphcache.model.fused_ops import add_rmsnorm, rotary_, rotary_cache_, silu_mul  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 # Triton's interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even, as torch does), so bf16
@@ -72,6 +72,40 @@ def test_rotary_in_place_matches_torch(dtype, head_dim):
     got_q, got_k = rotary_(*views(buf), cos, sin, pos, fused=True)
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
     assert torch.equal(buf[:, (h + k_heads) * head_dim :], qkv[:, (h + k_heads) * head_dim :])  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [16, 24])
+def test_rotary_with_the_cache_write_matches_rotary_then_index_copy(dtype, head_dim):
+    """One kernel for rotary and the k/v slot writes: the same q, k and cache as the three ops it replaces,
+    on NaN-poisoned caches (slots no token maps to stay poisoned)."""
+    gen = torch.Generator().manual_seed(4)
+    t, h, k_heads, positions, slots = 5, 4, 2, 64, 11
+    angles = torch.outer(torch.arange(positions).float(), torch.rand(head_dim // 2, generator=gen))
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos().to(DEVICE, dtype), emb.sin().to(DEVICE, dtype)
+    for seed in (0, 1):  # two different inputs through the same caches
+        qkv = torch.randn(t, (h + 2 * k_heads) * head_dim, generator=gen).to(DEVICE, dtype) * (1 + seed)
+        pos = torch.randperm(positions, generator=gen)[:t].to(DEVICE)
+        slot_mapping = torch.randperm(slots, generator=gen)[:t].to(DEVICE)
+
+        def split(buf):  # q, k, v as the model takes them: strided views into the qkv projection
+            q = buf[:, : h * head_dim].view(t, h, head_dim)
+            k = buf[:, h * head_dim : (h + k_heads) * head_dim].view(t, k_heads, head_dim)
+            return q, k, buf[:, (h + k_heads) * head_dim :].view(t, k_heads, head_dim)
+
+        caches = []
+        for fused in (False, True):
+            kc = torch.full((slots, k_heads, head_dim), float("nan"), device=DEVICE, dtype=dtype)
+            vc = torch.full_like(kc, float("nan"))
+            q, k = rotary_cache_(*split(qkv.clone()), cos, sin, pos, slot_mapping, kc, vc, fused=fused)
+            caches.append((q.clone(), k.clone(), kc, vc))
+        (wq, wk, wkc, wvc), (gq, gk, gkc, gvc) = caches
+        assert torch.equal(gq, wq) and torch.equal(gk, wk)
+        assert torch.allclose(gkc, wkc, rtol=0, atol=0, equal_nan=True)  # bit-equal where written
+        assert torch.allclose(gvc, wvc, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(gvc[slot_mapping], split(qkv)[2])  # v copied as it is
+        assert torch.isnan(gkc).sum() == (slots - t) * k_heads * head_dim  # the other slots untouched
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -7,6 +7,7 @@ by chunk/neg/cat, three multiply-adds for q and again for k), the residual adds 
 Here each is one kernel:
   add_rmsnorm   residual = x + residual; out = weight * rmsnorm(residual)   (one row per program)
   rotary_       q, k rotated in place by the cos/sin of each token's position
+  rotary_cache_ rotary_, and the rotated k and v written to their KV-cache slots
   silu_mul      silu(gate) * up of the [T, 2I] gate_up projection
 
 Numerics follow the PyTorch ops (and so Hugging Face's modeling code) rounding for rounding: the
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
-__all__ = ["HAVE_TRITON", "add_rmsnorm", "rotary_", "silu_mul"]
+__all__ = ["HAVE_TRITON", "add_rmsnorm", "rotary_", "rotary_cache_", "silu_mul"]
 
 
 # --- PyTorch references (the CPU path) -------------------------------------------------------------------
@@ -75,17 +76,26 @@ def _add_rmsnorm_kernel(
 def _rotary_kernel(
     q_ptr,
     k_ptr,
+    v_ptr,
     cos_ptr,
     sin_ptr,
     pos_ptr,
+    slot_ptr,
+    kc_ptr,
+    vc_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
     stride_kh,
+    stride_vt,
+    stride_vh,
     stride_c,
+    stride_cs,
+    stride_ch,
     num_q,
     num_k,
     half,
+    WRITE_KV: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -111,8 +121,19 @@ def _rotary_kernel(
     x1 = tl.load(p1, mask=mask, other=0.0)
     x2 = tl.load(p1 + half, mask=mask, other=0.0)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(p1, ((a * c).to(dt).to(tl.float32) + (-b * s).to(dt).to(tl.float32)).to(dt), mask=mask)
-    tl.store(p1 + half, ((b * c).to(dt).to(tl.float32) + (a * s).to(dt).to(tl.float32)).to(dt), mask=mask)
+    k1 = ((a * c).to(dt).to(tl.float32) + (-b * s).to(dt).to(tl.float32)).to(dt)
+    k2 = ((b * c).to(dt).to(tl.float32) + (a * s).to(dt).to(tl.float32)).to(dt)
+    tl.store(p1, k1, mask=mask)
+    tl.store(p1 + half, k2, mask=mask)
+    if WRITE_KV:  # the rotated k and v into this token's cache slot ([num_slots, K, D] caches)
+        slot = tl.load(slot_ptr + t)
+        kc = kc_ptr + slot * stride_cs + h * stride_ch + d
+        tl.store(kc, k1, mask=mask)
+        tl.store(kc + half, k2, mask=mask)
+        pv = v_ptr + t * stride_vt + h * stride_vh + d
+        vc = vc_ptr + slot * stride_cs + h * stride_ch + d
+        tl.store(vc, tl.load(pv, mask=mask, other=0.0), mask=mask)
+        tl.store(vc + half, tl.load(pv + half, mask=mask, other=0.0), mask=mask)
 
 
 def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, inter, BLOCK: tl.constexpr):
@@ -187,28 +208,69 @@ def rotary_(
     if not fused:
         c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, D]
         return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+    _launch_rotary(q, k, cos, sin, positions, None)
+    return q, k
+
+
+def rotary_cache_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_slots: torch.Tensor,
+    v_slots: torch.Tensor,
+    fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotary_ on q and k, then k and v [T, K, D] written to their cache slots: k_slots[slot_mapping[t]]
+    = k[t] (k_slots, v_slots [num_slots, K, D]; slot_mapping [T] int64). Fused: one kernel for all of it,
+    where the ops it replaces are three (rotary and two index_copy_), each a launch of a decode layer."""
+    if not fused:
+        q, k = rotary_(q, k, cos, sin, positions, False)
+        k_slots.index_copy_(0, slot_mapping, k)
+        v_slots.index_copy_(0, slot_mapping, v)
+        return q, k
+    if v.stride(2) != 1 or k_slots.stride() != v_slots.stride() or k_slots.stride(2) != 1:
+        raise ValueError("rotary_cache_ needs v's head dimension contiguous and k/v caches of one layout")
+    _launch_rotary(q, k, cos, sin, positions, (v, slot_mapping, k_slots, v_slots))
+    return q, k
+
+
+def _launch_rotary(q, k, cos, sin, positions, cache) -> None:
+    """The rotary kernel, in place; cache (v, slot_mapping, k_slots, v_slots) or None: also the slot writes."""
     t, num_q, d = q.shape
     if q.stride(2) != 1 or k.stride(2) != 1 or cos.stride(1) != 1:
         raise ValueError("rotary_ needs the head dimension contiguous")
+    v, slots, kc, vc = cache if cache is not None else (k, positions, k, k)  # unread without WRITE_KV
     _kernels()[1][(t,)](
         q,
         k,
+        v,
         cos,
         sin,
         positions,
+        slots,
+        kc,
+        vc,
         q.stride(0),
         q.stride(1),
         k.stride(0),
         k.stride(1),
+        v.stride(0),
+        v.stride(1),
         cos.stride(0),
+        kc.stride(0),
+        kc.stride(1),
         num_q,
         k.shape[1],
         d // 2,
+        WRITE_KV=cache is not None,
         BLOCK_D=_pow2(d // 2),
         BLOCK_H=_pow2(max(num_q, k.shape[1])),
         num_warps=4,
     )
-    return q, k
 
 
 def silu_mul(gate_up: torch.Tensor, inter: int, fused: bool) -> torch.Tensor:

@@ -21,7 +21,7 @@ from graphcache.model.attention import graph_attention, paged_attention
 from graphcache.model.config import ModelConfig
 from graphcache.model.forward_context import current_forward_context
 from graphcache.model.fp8_linear import Fp8Linear
-from graphcache.model.fused_ops import add_rmsnorm, rotary_, silu_mul
+from graphcache.model.fused_ops import add_rmsnorm, rotary_cache_, silu_mul
 from graphcache.model.moe import SparseMoE
 from graphcache.model.parallel import (
     ParallelLMHead,
@@ -92,9 +92,11 @@ class Rotary(nn.Module):
         self.cos = emb.cos().to(device=device, dtype=dtype)  # cast like HF casts cos to x.dtype
         self.sin = emb.sin().to(device=device, dtype=dtype)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, fused: bool = False):
-        # positions [T]; q [T, H, D]; k [T, K, D]; fused: rotated in place by one kernel (fused_ops.py)
-        return rotary_(q, k, self.cos, self.sin, positions, fused)
+    def forward(self, positions, q, k, v, slot_mapping, k_slots, v_slots, fused: bool = False):
+        """positions [T]; q [T, H, D]; k, v [T, K, D]: q and k rotated, then k and v written to their
+        cache slots (k_slots, v_slots [num_slots, K, D] at slot_mapping [T]); fused: all of it one kernel,
+        in place (fused_ops.rotary_cache_). Returns (q, k) rotated."""
+        return rotary_cache_(q, k, v, self.cos, self.sin, positions, slot_mapping, k_slots, v_slots, fused)
 
 
 class Attention(nn.Module):
@@ -133,14 +135,13 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, K, D]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k, self.fused)
         if self.kv_cache is None:
             raise RuntimeError("KV cache not bound: call LlamaModel.bind_kv_cache() (the runner does)")
-        # KV write here, in the graph segment, over all T (padded) rows: capturable because
-        # slot_mapping is a static buffer, and free on the host at replay. Padded rows all land on
-        # the runner's scratch slot, which no sequence owns and attention never reads.
-        self.k_slots.index_copy_(0, slot_mapping, k)
-        self.v_slots.index_copy_(0, slot_mapping, v)
+        # Rotary, then the KV write (one kernel when fused), here in the graph segment, over all T
+        # (padded) rows: capturable because slot_mapping is a static buffer, and free on the host at
+        # replay. Padded rows all land on the runner's scratch slot, which no sequence owns and
+        # attention never reads.
+        q, k = self.rotary(positions, q, k, v, slot_mapping, self.k_slots, self.v_slots, self.fused)
         # Allocated inside the graph segment, so its address is fixed for every replay; the eager
         # break writes its real rows and returns nothing. Padded rows stay uninitialized: they are
         # row-independent all the way to the (unread) padded logits, see attention.py.
