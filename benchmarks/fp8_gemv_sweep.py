@@ -15,6 +15,8 @@ against torch.mm on bf16 weights (cuBLAS; the bf16 decode's GEMMs) and torch._sc
   fma2     (M = 1) fma with a [BLOCK_N, BLOCK_K] fp32 accumulator summed once after the loop (no
            cross-warp reduction, so no barrier, inside the loop) (fp8_gemm's ONE_ROW)
   split    dequant with K split over SPLIT_K programs, fp32 atomics into a zeroed buffer (+ zero, cast)
+  prod     fp8_gemm's own kernel (weight_only_mm) with its one-row tile set to the variant's
+  gated    (gate_up, M = 1) the same with silu(gate) * up in its epilogue (weight_only_silu_mul)
 M = 1 runs every design, more rows dequant only (to fit one device call). The last lines name the
 dequant tile with the least summed time over the four shapes at M = 1 (fp8_gemm.DECODE_TILE's pick).
 Every design's output is checked against the fp32 product of the same operands first.
@@ -34,6 +36,7 @@ if "--smoke" in sys.argv:  # before triton is imported: the kernel runs in Trito
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
+from graphcache.model import fp8_gemm  # noqa: E402
 from graphcache.model.fp8_quant import MIN_SCALE, quantize_rows  # noqa: E402
 from graphcache.model.triton_support import tl, triton  # noqa: E402
 
@@ -186,6 +189,11 @@ def sweep_rows(name, x, ws, qs, plan: dict, cuda: bool) -> list[dict]:
     xq8, sa8 = quantize_rows(x, fused=cuda)  # prequant's input: x quantized before (by its producer)
 
     def call(design, tile, split, i):
+        if design in ("prod", "gated"):
+            attr = "GATED_ONE_ROW_TILE" if design == "gated" else "ONE_ROW_TILE"
+            setattr(fp8_gemm, attr, tile)
+            mm = fp8_gemm.weight_only_silu_mul if design == "gated" else fp8_gemm.weight_only_mm
+            return mm(x, *qs[i], x.dtype)
         if design == "bf16_mm":
             return torch.mm(x, ws[i].t())
         if design == "scaled_mm":
@@ -198,12 +206,16 @@ def sweep_rows(name, x, ws, qs, plan: dict, cuda: bool) -> list[dict]:
         for tile, split in variants:
             if (design.startswith("fma") and m != 1) or k % ((tile[1] if tile else 1) * split):
                 continue
+            if design == "gated" and name not in ("gate_up_proj", "tiny"):
+                continue
             row = {"layer": name, "n": n, "k": k, "m": m, "design": design, "tile": tile, "split": split}
             try:
                 got = call(design, tile, split, 0)
-                row["rel_err"] = rel_err(
-                    got, ref_quant if design in ("quant", "prequant", "scaled_mm") else ref
-                )
+                want = ref_quant if design in ("quant", "prequant", "scaled_mm") else ref
+                if design == "gated":  # silu(gate) * up of the fp32 product
+                    g, u = ref.split(n // 2, dim=-1)
+                    want = torch.nn.functional.silu(g) * u
+                row["rel_err"] = rel_err(got, want)
                 fns = [lambda i=i, d=design, t=tile, s=split: call(d, t, s, i) for i in range(copies)]
                 row["us"] = graph_us(fns, reps=max(1, 24 // copies)) if cuda else 0.0
             except Exception as exc:  # noqa: BLE001 - a variant the GPU cannot run is a result too
@@ -220,12 +232,14 @@ def plan_of(cuda: bool) -> dict:
         two = [((16, 32, 4, 2), 1), ((32, 64, 4, 2), 1)]
         return {
             "quant": two, "prequant": two, "dequant": two, "fma": two, "fma2": two,
-            "split": [((16, 32, 4, 2), 2)],
+            "split": [((16, 32, 4, 2), 2)], "prod": two, "gated": two,
         }  # fmt: skip
     now = (32, 256, 4, 4)  # fp8_gemm.DECODE_TILE before this sweep
     dot = [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (256, 512) for w, st in ((4, 4), (8, 3))]
     fma = [(bn, bk, w, 3) for bn in (8, 16, 32) for bk in (512, 1024) for w in (4, 8)]
     # A [BLOCK_N, BLOCK_K] accumulator: 8-32 fp32 registers a thread at these tiles.
+    gated = [(2, 1024, 4, 2), (4, 1024, 4, 2), (4, 1024, 4, 3), (4, 1024, 8, 2), (4, 2048, 8, 2),
+             (8, 1024, 8, 3), (8, 512, 4, 2), (2, 2048, 4, 2)]  # fmt: skip
     fma2 = [(bn, bk, w, st) for bn, bk in ((4, 1024), (4, 2048), (8, 512), (8, 1024), (16, 512))
             for w in (4, 8) for st in (2, 3)]  # fmt: skip
     return {
@@ -236,6 +250,8 @@ def plan_of(cuda: bool) -> dict:
         "dequant": [(t, 1) for t in dot],
         "fma": [(t, 1) for t in fma],
         "fma2": [(t, 1) for t in fma2],
+        "prod": [(t, 1) for t in ((4, 1024, 4, 2), (4, 1024, 4, 3), (8, 1024, 8, 3))],
+        "gated": [(t, 1) for t in gated],
         "split": [(t, s) for t in ((16, 256, 4, 4), now, (64, 256, 4, 4)) for s in (2, 4)],
     }
 

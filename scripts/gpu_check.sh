@@ -25,6 +25,8 @@ for p in ${PHASES:-tests pool capture}; do
     # Every file with cuda-marked tests (grep -l "mark.cuda" tests/*.py tests/*/*.py), found afresh each run.
     tests)   phase tests 420 python3 -m pytest -q -m cuda -p no:cacheprovider \
                $(grep -l "mark.cuda" tests/*.py tests/*/*.py) -rs --durations=15 ${PYTEST_ARGS:-} ;;
+    # The cuda tests of the files named in $TEST_FILES only (a quicker check of what a change touched).
+    tests_some) phase tests_some 420 python3 -m pytest -q -m cuda -p no:cacheprovider ${TEST_FILES:?name test files} -rs ;;
     sampler) phase sampler 120 python3 benchmarks/sampler_bench.py --out "$OUT/sampler.json" ;;
     kernels) phase kernels 200 python3 benchmarks/decode_attention_bench.py ;;
     mixed_attn) phase mixed_attn 300 python3 benchmarks/mixed_attention_bench.py ${MIXED_ATTN_ARGS:-} ;;
@@ -77,9 +79,11 @@ for p in ${PHASES:-tests pool capture}; do
                --make-model llama8b:/tmp/llama8b --modes "${REALISTIC_MODES:-graph}" --workload "${REALISTIC8_WORKLOADS:-realistic}" \
                --out "$OUT/realistic_llama8b_old.json") ;;
     # Both workloads on a Llama-3-8B-shaped random bf16 checkpoint (written on the GPU first, about a minute).
-    realistic_llama8b) phase realistic_llama8b 590 python3 benchmarks/offline_throughput.py --make-model llama8b:/tmp/llama8b \
-               --modes "${REALISTIC_MODES:-graph,eager}" --workload "${REALISTIC8_WORKLOADS:-nano,realistic}" \
-               --out "$OUT/realistic_llama8b.json" ;;
+    # REALISTIC8_ARGS: more offline_throughput flags (--max-num-seqs 512 --realistic-requests 512); REALISTIC8_TAG names the run.
+    realistic_llama8b) phase realistic_llama8b${REALISTIC8_TAG:-} 590 python3 benchmarks/offline_throughput.py \
+               --make-model llama8b:/tmp/llama8b --modes "${REALISTIC_MODES:-graph,eager}" \
+               --workload "${REALISTIC8_WORKLOADS:-nano,realistic}" --out "$OUT/realistic_llama8b${REALISTIC8_TAG:-}.json" \
+               ${REALISTIC8_ARGS:-} ;;
     # One decode step, wall vs GPU, at the Llama-3-8B shape.
     decode_step_llama8b) phase decode_step_llama8b 500 python3 benchmarks/decode_step.py --make-model llama8b:/tmp/llama8b \
                --modes "${DECODE_MODES:-full,eager}" --out "$OUT/decode_step_llama8b.json" ;;

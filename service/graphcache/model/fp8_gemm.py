@@ -140,15 +140,17 @@ def _kernel():
 # N tiles narrow enough that the grid covers the H200's 132 SMs (N = 4096: 128 tiles), K tiles wide enough
 # to keep loads in flight. benchmarks/fp8_gemv_sweep.py times alternatives on the 8B shapes.
 DECODE_TILE = (32, 256, 4, 4)
-# The same for one row (ONE_ROW): narrower N tiles, longer K tiles (BENCHMARKS.md §13: 82.7 us a layer of the
-# 8B shape against 107.2 for DECODE_TILE's MMA path and 116 for cuBLAS bf16).
-ONE_ROW_TILE = (8, 1024, 8, 3)
+# The same for one row (ONE_ROW): narrower N tiles, longer K tiles (BENCHMARKS.md §14: 74.6 us a layer of the
+# 8B shape, the four GEMMs summed, against 79.2 at (8, 1024, 8, 3) and 116 for cuBLAS bf16).
+ONE_ROW_TILE = (4, 1024, 4, 2)
+# One row of the gated gate_up GEMM: each program streams BLOCK_N rows of gate and as many of up.
+GATED_ONE_ROW_TILE = (4, 1024, 4, 2)
 
 
-def _tiles(m: int, block_k: int | None) -> tuple[int, int, int, int, int]:
+def _tiles(m: int, block_k: int | None, gated: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); block_k: the weight's scale block (block scales)."""
     if m == 1 and block_k is None:
-        block_n, k, warps, stages = ONE_ROW_TILE
+        block_n, k, warps, stages = GATED_ONE_ROW_TILE if gated else ONE_ROW_TILE
         return 1, block_n, k, warps, stages
     if m <= 16:
         block_n, k, warps, stages = DECODE_TILE
@@ -173,7 +175,7 @@ def _launch_gemm(
     m, k = a.shape
     n = w.shape[0] // 2 if gated else w.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    block_m, block_n, block_k, warps, stages = _tiles(m, None if block is None else block[1])
+    block_m, block_n, block_k, warps, stages = _tiles(m, None if block is None else block[1], gated)
     if block is None:  # weight only: sa_ptr is unused, its strides 0
         sa, stride_sa_g, stride_sa_m = scale_w, 0, 0
     else:  # scale_a [T, K / bk]
