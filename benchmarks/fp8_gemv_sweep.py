@@ -17,7 +17,9 @@ against torch.mm on bf16 weights (cuBLAS; the bf16 decode's GEMMs) and torch._sc
   split    dequant with K split over SPLIT_K programs, fp32 atomics into a zeroed buffer (+ zero, cast)
   prod     fp8_gemm's own kernel (weight_only_mm) with its one-row tile set to the variant's
   gated    (gate_up, M = 1) the same with silu(gate) * up in its epilogue (weight_only_silu_mul)
-M = 1 runs every design, more rows dequant only (to fit one device call). The last lines name the
+--chain: the four GEMMs of a layer back to back as the model runs them at one row (qkv -> o -> gate_up with
+its activation -> down -> the next layer's qkv: each reads the one before), per layer, with and without
+programmatic dependent launch (fp8_gemm.PDL). M = 1 runs every design, more rows dequant only (to fit one device call). The last lines name the
 dequant tile with the least summed time over the four shapes at M = 1 (fp8_gemm.DECODE_TILE's pick).
 Every design's output is checked against the fp32 product of the same operands first.
 """
@@ -226,6 +228,36 @@ def sweep_rows(name, x, ws, qs, plan: dict, cuda: bool) -> list[dict]:
     return out
 
 
+def chain_us(layers: int = 32) -> list[dict]:
+    """us per layer of `layers` layers' four one-row GEMMs in one CUDA graph (each layer its own weights,
+    enough copies to overflow the L2), data flowing layer to layer, PDL off and on."""
+    qs = {name: weight_copies(n, k)[1] for name, (n, k) in SHAPES.items()}
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        h = x
+        for i in range(layers):
+            qkv = fp8_gemm.weight_only_mm(h, *qs["qkv_proj"][i % len(qs["qkv_proj"])], h.dtype)
+            o = fp8_gemm.weight_only_mm(qkv[:, :4096], *qs["o_proj"][i % len(qs["o_proj"])], h.dtype)
+            act = fp8_gemm.weight_only_silu_mul(o, *qs["gate_up_proj"][i % len(qs["gate_up_proj"])], h.dtype)
+            h = fp8_gemm.weight_only_mm(act, *qs["down_proj"][i % len(qs["down_proj"])], h.dtype)
+        return h
+
+    out = []
+    for pdl in (False, True):
+        fp8_gemm.PDL = pdl
+        row = {"design": "chain", "pdl": pdl, "layers": layers}
+        try:
+            row["out"] = run().float().norm().item()
+            row["us_per_layer"] = graph_us([run], reps=2) / layers
+        except Exception as exc:  # noqa: BLE001 - PDL may not launch on this Triton or driver
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    fp8_gemm.PDL = False
+    return out
+
+
 def plan_of(cuda: bool) -> dict:
     """{design: [(tile, split)]}: tile = (BLOCK_N, BLOCK_K, warps, stages)."""
     if not cuda:
@@ -265,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,16")
     ap.add_argument("--designs", help="comma-separated: only these designs (default: all)")
+    ap.add_argument("--chain", action="store_true", help="also time a layer's four GEMMs in a chain (CUDA)")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, one small shape, two tiles")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -312,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(bad)} of {len(ran)} runs over their error bound, {len(failed)} variants failed"
         + (f": {bad[:3]}" if bad else "")
     )
+    if args.chain and cuda:
+        results += chain_us()
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     return 1 if bad else 0

@@ -23,7 +23,10 @@ def load(path: Path) -> list[dict]:
 
 def records_of(trace) -> list[dict]:
     """EngineCore.step_trace (tuples) as dicts."""
-    from graphcache.engine.loop.step_trace import STEP_TRACE_FIELDS
+    try:
+        from graphcache.engine.loop.step_trace import STEP_TRACE_FIELDS
+    except ImportError:  # the old tree of the A-B phases (gpu_check.sh realistic*_old): one engine module
+        from graphcache.engine.core import STEP_TRACE_FIELDS
 
     return [dict(zip(STEP_TRACE_FIELDS, rec, strict=True)) for rec in trace]
 

@@ -188,7 +188,9 @@ def test_block_scaled_kernel_computes_the_emulated_product(m, n, k):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 200, 256), (16, 96, 640)])
+@pytest.mark.parametrize(
+    "m,n,k", [(1, 200, 256), (1, 72, 2048), (16, 96, 640), (16, 96, 512)]
+)  # ragged and even K
 def test_weight_only_kernel_multiplies_x_by_the_dequantized_weight(m, n, k):
     # fp16 x: Triton's interpreter (this CPU path) multiplies bf16 wrongly; the GPU test runs bf16.
     gen = torch.Generator().manual_seed(k)
@@ -199,7 +201,7 @@ def test_weight_only_kernel_multiplies_x_by_the_dequantized_weight(m, n, k):
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("m,inter,k", [(1, 100, 256), (5, 48, 384)])
+@pytest.mark.parametrize("m,inter,k", [(1, 100, 256), (1, 36, 1024), (5, 48, 384), (5, 48, 512)])
 def test_gated_weight_only_kernel_is_silu_mul_of_the_product(m, inter, k):
     """The gate_up GEMM with silu(gate) * up in its epilogue (one row: multiply-adds; more: the MMA path)
     equals silu_mul of the plain kernel's [T, 2I] output, each factor rounded to x's dtype."""

@@ -57,6 +57,8 @@ def _fp8_mm_kernel(
     BLOCK_SCALES: tl.constexpr,
     ONE_ROW: tl.constexpr,
     GATED: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
     GROUP_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -78,17 +80,26 @@ def _fp8_mm_kernel(
     m_mask = offs_m < M
     n_mask = offs_n < N
     up_rows = N * stride_bn  # GATED: the up half starts N rows down
+    if USE_PDL:  # launched before the previous kernel ended: wait for its writes (x), let the next one in
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if ONE_ROW:
         acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         w_ptrs = b_ptr + offs_n[:, None] * stride_bn + offs_k[None, :]  # [BLOCK_N, BLOCK_K], K contiguous
+        x_ptrs = a_ptr + offs_k
         for j in range(0, tl.cdiv(K, BLOCK_K)):
-            k_mask = offs_k < K - j * BLOCK_K
-            w_mask = n_mask[:, None] & k_mask[None, :]
-            x = tl.load(a_ptr + j * BLOCK_K + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+            if EVEN_K:  # no mask along K (every real shape): nothing keeps the loads from 16-byte vectors
+                w_mask = n_mask[:, None]
+                x = tl.load(x_ptrs).to(tl.float32)[None, :]
+            else:
+                k_mask = offs_k < K - j * BLOCK_K
+                w_mask = n_mask[:, None] & k_mask[None, :]
+                x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
             acc_g += tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
             if GATED:
                 acc_u += tl.load(w_ptrs + up_rows, mask=w_mask, other=0.0).to(tl.float32) * x
+            x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         row = tl.sum(acc_g, axis=1)[None, :]  # [1, BLOCK_N]
         row_u = tl.sum(acc_u, axis=1)[None, :]
@@ -98,9 +109,15 @@ def _fp8_mm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for j in range(0, tl.cdiv(K, BLOCK_K)):
-            k_mask = offs_k < K - j * BLOCK_K
-            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if EVEN_K:
+                a_mask = m_mask[:, None]
+                b_mask = n_mask[None, :]
+            else:
+                k_mask = offs_k < K - j * BLOCK_K
+                a_mask = m_mask[:, None] & k_mask[None, :]
+                b_mask = k_mask[:, None] & n_mask[None, :]
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
             if BLOCK_SCALES:
                 sa = tl.load(sa_ptr + offs_m * stride_sa_m + j * stride_sa_g, mask=m_mask, other=0.0)
                 sb = tl.load(sb_ptr + (offs_n // GROUP_N) * stride_sb_n + j, mask=n_mask, other=0.0)
@@ -108,7 +125,7 @@ def _fp8_mm_kernel(
             else:
                 acc = tl.dot(a, b.to(a.dtype), acc)
                 if GATED:
-                    b_up = tl.load(b_ptrs + up_rows, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                    b_up = tl.load(b_ptrs + up_rows, mask=b_mask, other=0.0)
                     acc_up = tl.dot(a, b_up.to(a.dtype), acc_up)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
@@ -143,6 +160,9 @@ DECODE_TILE = (32, 256, 4, 4)
 # The same for one row (ONE_ROW): narrower N tiles, longer K tiles (BENCHMARKS.md §14: 74.6 us a layer of the
 # 8B shape, the four GEMMs summed, against 79.2 at (8, 1024, 8, 3) and 116 for cuBLAS bf16).
 ONE_ROW_TILE = (4, 1024, 4, 2)
+# Programmatic dependent launch of the weight-only kernels (an experiment of benchmarks/fp8_gemv_sweep.py:
+# a kernel starts while the previous one drains; off until measured).
+PDL = False
 # One row of the gated gate_up GEMM: each program streams BLOCK_N rows of gate and as many of up.
 GATED_ONE_ROW_TILE = (4, 1024, 4, 2)
 
@@ -198,6 +218,9 @@ def _launch_gemm(
         BLOCK_SCALES=block is not None,
         ONE_ROW=block_m == 1,  # _tiles' one-row tile: weight only at M = 1
         GATED=gated,
+        EVEN_K=k % block_k == 0,
+        USE_PDL=PDL and block is None,
+        launch_pdl=PDL and block is None,
         GROUP_N=1 if block is None else block[0],
         BLOCK_M=block_m,
         BLOCK_N=block_n,
