@@ -13,10 +13,12 @@ so the largest kept z is 0 and w = exp(z) neither overflows nor underflows where
 whose w underflows to 0 has odds below 2^-126 against the top one and never wins).
 
 E_i = -log u_i, u_i from a 32-bit counter hash of (key, i), one per token (hash32): the row's 64-bit
-key splits into words k0 (low) and k1 (high) once per row; per token x = i * 0x9E3779B9 + k0 (mod 2^32,
-a bijection of i), then Wellons' lowbias32 finalizer (hash-prospector's [16 21f0aaad 15 735a2d97 15])
-with k1 xored in at its middle, so both words pass through a multiply. For a fixed key, distinct tokens
-get distinct hashes (every step is a bijection of 32-bit words). u = (top 23 bits of the hash + 0.5) /
+key splits into words k0 (low) and k1 (high) once per row; per token x = (i * 0x9E3779B9 + k0) ^ k1
+(mod 2^32), then Wellons' triple32 finalizer (hash-prospector's [17 ed5ad4bb 11 ac4c1b51 15 31848bab
+14]: three rounds of xorshift and odd multiply), so both key words pass through every multiply (xored in after
+one multiply, keys one bit apart in k1 give streams with correlation -0.5; the two-multiply lowbias32
+leaves such structure in the top bits too). For a fixed key, distinct tokens get distinct hashes
+(every step is a bijection of 32-bit words). u = (top 23 bits of the hash + 0.5) /
 2^23, built as the fp32 1.m (those 23 bits as the mantissa) minus (1 - 2^-24): exact, so u is in (0, 1)
 on both ends (with 24 bits the largest, 1 - 2^-25, rounds to 1.0 and log 1 is 0), and the CPU and the
 GPU compute the same u bit for bit. The resolution (2^-23) truncates Exp(1) at 16.6: an event of
@@ -69,8 +71,9 @@ GAMMA = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: the SplitMix64 increment
 MUL1 = 0xBF58476D1CE4E5B9
 MUL2 = 0x94D049BB133111EB
 STEP32 = 0x9E3779B9  # 2^32 / golden ratio, odd: the per-token counter step
-H1 = 0x21F0AAAD  # lowbias32's multipliers (see the module docstring)
-H2 = 0x735A2D97
+H1 = 0xED5AD4BB  # triple32's multipliers (see the module docstring)
+H2 = 0xAC4C1B51
+H3 = 0x31848BAB
 _U_BITS = 23  # see the module docstring
 _ONE_BITS = 0x3F800000  # the fp32 bits of 1.0: OR in 23 mantissa bits for 1.m in [1, 2)
 _U_OFFSET = 1.0 - 2.0**-24  # 1.m - this = (m + 0.5) / 2^23, exactly
@@ -106,12 +109,11 @@ def to_int64(key: int) -> int:
 def hash32(key: int, i: int) -> int:
     """Token i's 32-bit hash under a 64-bit key (Python ints): the reference for the tensor and kernel forms."""
     k0, k1 = key & MASK32, (key >> 32) & MASK32
-    x = (i * STEP32 + k0) & MASK32
-    x ^= x >> 16
-    x = (x * H1) & MASK32
-    x ^= (x >> 15) ^ k1
-    x = (x * H2) & MASK32
-    return x ^ (x >> 15)
+    x = ((i * STEP32 + k0) & MASK32) ^ k1
+    x = ((x ^ (x >> 17)) * H1) & MASK32
+    x = ((x ^ (x >> 11)) * H2) & MASK32
+    x = ((x ^ (x >> 15)) * H3) & MASK32
+    return x ^ (x >> 14)
 
 
 # --- torch path (CPU, and the reference) ----------------------------------------------------------
@@ -133,12 +135,11 @@ def hash32_tensor(keys: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
     2^64 and its low 32 bits are kept."""
     k0 = (keys & MASK32).view(-1, 1)  # [R, 1]
     k1 = shr64(keys, 32).view(-1, 1)
-    x = (i * STEP32 + k0) & MASK32  # [R, V]
-    x = x ^ (x >> 16)
-    x = (x * H1) & MASK32
-    x = x ^ (x >> 15) ^ k1
-    x = (x * H2) & MASK32
-    return x ^ (x >> 15)
+    x = ((i * STEP32 + k0) & MASK32) ^ k1  # [R, V]
+    x = ((x ^ (x >> 17)) * H1) & MASK32
+    x = ((x ^ (x >> 11)) * H2) & MASK32
+    x = ((x ^ (x >> 15)) * H3) & MASK32
+    return x ^ (x >> 14)
 
 
 def uniform_of_hash(h: torch.Tensor) -> torch.Tensor:
@@ -178,7 +179,7 @@ def race_draw_torch(z: torch.Tensor, thr: torch.Tensor | None, keys: torch.Tenso
 
 # --- Triton path -------------------------------------------------------------------------------------
 # The constants are literals: a jitted function may not read module globals that are not constexpr.
-# 0x9E3779B9 = STEP32, 0x21F0AAAD = H1, 0x735A2D97 = H2, 9 = 32 - _U_BITS, 0x3F800000 = _ONE_BITS,
+# 0x9E3779B9 = STEP32, 0xED5AD4BB = H1, 0xAC4C1B51 = H2, 0x31848BAB = H3, 9 = 32 - _U_BITS, 0x3F800000 = _ONE_BITS,
 # 0.999999940395355224609375 = _U_OFFSET (1 - 2^-24), 1.4426950408889634 = LOG2E.
 def _split_key(key):
     """A row's int64 key -> its words (k0, k1) as uint32 scalars."""
@@ -188,12 +189,11 @@ def _split_key(key):
 
 def _uniform(k0, k1, offs):
     """u [BLOCK] fp32 of the tokens offs [BLOCK] int32: hash32 and uniform_of_hash (uint32 ops wrap)."""
-    x = offs.to(tl.uint32) * 0x9E3779B9 + k0
-    x = x ^ (x >> 16)
-    x = x * 0x21F0AAAD
-    x = x ^ (x >> 15) ^ k1
-    x = x * 0x735A2D97
-    x = x ^ (x >> 15)
+    x = (offs.to(tl.uint32) * 0x9E3779B9 + k0) ^ k1
+    x = (x ^ (x >> 17)) * 0xED5AD4BB
+    x = (x ^ (x >> 11)) * 0xAC4C1B51
+    x = (x ^ (x >> 15)) * 0x31848BAB
+    x = x ^ (x >> 14)
     return ((x >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - 0.999999940395355224609375
 
 
@@ -295,5 +295,5 @@ def race_draw(z: torch.Tensor, thr: torch.Tensor | None, keys: torch.Tensor) -> 
 
 
 # the kernel's literals
-assert (STEP32, H1, H2, _ONE_BITS) == (0x9E3779B9, 0x21F0AAAD, 0x735A2D97, 0x3F800000)
+assert (STEP32, H1, H2, H3, _ONE_BITS) == (0x9E3779B9, 0xED5AD4BB, 0xAC4C1B51, 0x31848BAB, 0x3F800000)
 assert _U_OFFSET == 0.999999940395355224609375
