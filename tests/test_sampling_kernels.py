@@ -153,9 +153,9 @@ def test_seeded_tokens_do_not_depend_on_batch_position_or_composition():
 
 def _uniform_probe(key_ptr, offs_ptr, out_ptr, N: tl.constexpr):
     """u of the tokens offs [N] under one key, from race_draw's jitted helpers."""
-    k0, k1 = rd._split_key(tl.load(key_ptr))
+    k0, k1 = rd.key_words_tl(tl.load(key_ptr))
     offs = tl.load(offs_ptr + tl.arange(0, N))
-    tl.store(out_ptr + tl.arange(0, N), rd._uniform(k0, k1, offs))
+    tl.store(out_ptr + tl.arange(0, N), rd.uniform_tl(k0, k1, offs))
 
 
 @needs_interpreter

@@ -47,16 +47,16 @@ from graphcache.engine.sample.race_draw import (
     GAMMA,
     MASK64,
     WARPS,
-    _better,
-    _clock,
-    _split_key,
-    _weight,
-    _winner,
+    beats_tl,
+    clock_tl,
     clocks,
+    key_words_tl,
     mix64,
     mix64_tensor,
     to_int64,
+    weight_tl,
     weights,
+    winner_tl,
 )
 from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
@@ -156,7 +156,7 @@ def _draw_chunk(x, temperature, top_p, log_min_p, keys, rounds):
 # --- Triton path -------------------------------------------------------------------------------------
 # Literal constants: a jitted function may not read module globals that are not constexpr.
 # 0x9E3779B97F4A7C15 = GAMMA, 0xD1B54A32D192ED03 = ROUND_GAMMA, -3.4028234663852886e38 = _FLOOR.
-# The race's helpers (_split_key, _clock, _weight, _better, _winner) are race_draw.py's; _jit_kernel
+# The race's helpers (key_words_tl, clock_tl, weight_tl, beats_tl, winner_tl) are race_draw.py's; _jit_kernel
 # rebinds the imported names to their jitted forms.
 def _z_block(base, offs, mask, m, rt):
     """z = (x - m) * rt [BLOCK] fp32 (NaN stays NaN: every compare on it is false)."""
@@ -174,7 +174,7 @@ def _mix(h):
 def _race_above(base, vocab, m, rt, floor, key, STRICT: tl.constexpr, BLOCK: tl.constexpr):
     """(the winner of the race over z > floor (STRICT) or z >= floor, the first index on ties; the
     mass of those tokens, sum exp(z), summed in the same pass)."""
-    k0, k1 = _split_key(key)
+    k0, k1 = key_words_tl(key)
     cols = tl.arange(0, BLOCK)
     best_w = tl.zeros([BLOCK], tl.float32)  # each lane's best (w, E, index), as in race_draw's kernel
     best_e = tl.full([BLOCK], 1.0, tl.float32)
@@ -187,14 +187,14 @@ def _race_above(base, vocab, m, rt, floor, key, STRICT: tl.constexpr, BLOCK: tl.
             kept = z > floor
         else:
             kept = z >= floor
-        w = tl.where(kept, _weight(z), 0.0)
+        w = tl.where(kept, weight_tl(z), 0.0)
         mass += w
-        e = _clock(k0, k1, offs)
-        better = _better(w, e, best_w, best_e)  # strict: a lane's earlier index wins ties
+        e = clock_tl(k0, k1, offs)
+        better = beats_tl(w, e, best_w, best_e)  # strict: a lane's earlier index wins ties
         best_w = tl.where(better, w, best_w)
         best_e = tl.where(better, e, best_e)
         best_i = tl.where(better, offs, best_i)
-    return _winner(best_w, best_e, best_i), tl.sum(mass, axis=0)
+    return winner_tl(best_w, best_e, best_i), tl.sum(mass, axis=0)
 
 
 def _mass(base, vocab, m, rt, floor, BLOCK: tl.constexpr):
@@ -204,7 +204,7 @@ def _mass(base, vocab, m, rt, floor, BLOCK: tl.constexpr):
     for start in range(0, vocab, BLOCK):
         offs = start + cols
         z = _z_block(base, offs, offs < vocab, m, rt)
-        acc += tl.where(z > floor, _weight(z), 0.0)
+        acc += tl.where(z > floor, weight_tl(z), 0.0)
     return tl.sum(acc, axis=0)
 
 
@@ -216,12 +216,12 @@ def _mass_at_or_below_key(base, vocab, m, rt, zlo, c, BLOCK: tl.constexpr):
         offs = start + cols
         z = _z_block(base, offs, offs < vocab, m, rt)
         below = ((-z).to(tl.int32, bitcast=True) <= c) & (z >= zlo)
-        acc += tl.where(below, _weight(z), 0.0)
+        acc += tl.where(below, weight_tl(z), 0.0)
     return tl.sum(acc, axis=0)
 
 
 def _round_key_of(key, r):
-    """round_key (r >= 1) of the row's key (uint64 bits) as int64, what _split_key takes."""
+    """round_key (r >= 1) of the row's key (uint64 bits) as int64, what key_words_tl takes."""
     return _mix(key + r.to(tl.uint64) * 0xD1B54A32D192ED03).to(tl.int64, bitcast=True)
 
 
@@ -290,7 +290,7 @@ def _jit_kernel():
     """Jit the helpers, then the kernel (it finds them as this module's globals)."""
     global _KERNEL, _mix, _z_block, _race_above, _mass, _mass_at_or_below_key, _round_key_of
     if _KERNEL is None:
-        globals().update(race_draw.jit_helpers())  # _split_key, _clock, _weight, _better, _winner
+        globals().update(race_draw.jit_helpers())  # key_words_tl, clock_tl, weight_tl, beats_tl, winner_tl
         _mix = triton.jit(_mix)
         _z_block = triton.jit(_z_block)
         _race_above = triton.jit(_race_above)

@@ -47,22 +47,29 @@ from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
 __all__ = [
     "BLOCK",
-    "LOG2E",
-    "clocks",
     "HAVE_TRITON",
+    "LOG2E",
     "WARPS",
+    "beats_tl",
+    "clock_tl",
+    "clocks",
     "hash32",
     "hash32_tensor",
-    "uniform_of_hash",
+    "jit_helpers",
+    "key_words_tl",
     "mix64",
     "mix64_tensor",
-    "shr64",
     "race_draw",
     "race_draw_torch",
     "row_key",
+    "shr64",
     "to_int64",
+    "uniform_of_hash",
+    "uniform_tl",
     "uniforms",
+    "weight_tl",
     "weights",
+    "winner_tl",
 ]
 
 MASK64 = (1 << 64) - 1
@@ -178,16 +185,17 @@ def race_draw_torch(z: torch.Tensor, thr: torch.Tensor | None, keys: torch.Tenso
 
 
 # --- Triton path -------------------------------------------------------------------------------------
+# The *_tl helpers are jitted by jit_helpers (nucleus_draw.py's kernel calls them too).
 # The constants are literals: a jitted function may not read module globals that are not constexpr.
 # 0x9E3779B9 = STEP32, 0xED5AD4BB = H1, 0xAC4C1B51 = H2, 0x31848BAB = H3, 9 = 32 - _U_BITS, 0x3F800000 = _ONE_BITS,
 # 0.999999940395355224609375 = _U_OFFSET (1 - 2^-24), 1.4426950408889634 = LOG2E.
-def _split_key(key):
+def key_words_tl(key):
     """A row's int64 key -> its words (k0, k1) as uint32 scalars."""
     key = key.to(tl.uint64, bitcast=True)
     return key.to(tl.uint32), (key >> 32).to(tl.uint32)
 
 
-def _uniform(k0, k1, offs):
+def uniform_tl(k0, k1, offs):
     """u [BLOCK] fp32 of the tokens offs [BLOCK] int32: hash32 and uniform_of_hash (uint32 ops wrap)."""
     x = (offs.to(tl.uint32) * 0x9E3779B9 + k0) ^ k1
     x = (x ^ (x >> 17)) * 0xED5AD4BB
@@ -197,22 +205,22 @@ def _uniform(k0, k1, offs):
     return ((x >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - 0.999999940395355224609375
 
 
-def _clock(k0, k1, offs):
+def clock_tl(k0, k1, offs):
     """E = -log u [BLOCK] fp32: the race's exponential clocks."""
-    return -tl.log(_uniform(k0, k1, offs))
+    return -tl.log(uniform_tl(k0, k1, offs))
 
 
-def _weight(z):
+def weight_tl(z):
     """exp(z) [BLOCK] as exp2(z * LOG2E): ex2 alone (tl.exp adds a range fix for results below 2^-126)."""
     return tl.math.exp2(z * 1.4426950408889634)
 
 
-def _better(w, e, best_w, best_e):
+def beats_tl(w, e, best_w, best_e):
     """[BLOCK] bool: w / e beats best_w / best_e, by cross products (no division per token)."""
     return w * best_e > best_w * e
 
 
-def _winner(best_w, best_e, best_i):
+def winner_tl(best_w, best_e, best_i):
     """The index of the largest best_w / best_e over the lanes, the first on ties; 0 where no lane has
     a positive weight (nothing kept)."""
     ratio = tl.math.div_rn(best_w, best_e)  # [BLOCK]: once per lane, not per token
@@ -223,7 +231,7 @@ def _winner(best_w, best_e, best_i):
 
 def _race_kernel(z_ptr, thr_ptr, key_ptr, out_ptr, stride_z, vocab, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    k0, k1 = _split_key(tl.load(key_ptr + row))
+    k0, k1 = key_words_tl(tl.load(key_ptr + row))
     thr = tl.load(thr_ptr + row)
     cols = tl.arange(0, BLOCK)
     best_w = tl.zeros([BLOCK], tl.float32)  # each lane's best (w, E, index); (0, 1): nothing yet
@@ -232,13 +240,13 @@ def _race_kernel(z_ptr, thr_ptr, key_ptr, out_ptr, stride_z, vocab, BLOCK: tl.co
     for start in range(0, vocab, BLOCK):
         offs = start + cols  # [BLOCK]
         z = tl.load(z_ptr + row * stride_z + offs, mask=offs < vocab, other=float("-inf"))
-        w = tl.where(z >= thr, _weight(z), 0.0)
-        e = _clock(k0, k1, offs)
-        better = _better(w, e, best_w, best_e)  # strict: a lane's earlier index wins ties
+        w = tl.where(z >= thr, weight_tl(z), 0.0)
+        e = clock_tl(k0, k1, offs)
+        better = beats_tl(w, e, best_w, best_e)  # strict: a lane's earlier index wins ties
         best_w = tl.where(better, w, best_w)
         best_e = tl.where(better, e, best_e)
         best_i = tl.where(better, offs, best_i)
-    tl.store(out_ptr + row, _winner(best_w, best_e, best_i).to(tl.int64))
+    tl.store(out_ptr + row, winner_tl(best_w, best_e, best_i).to(tl.int64))
 
 
 _KERNEL = None
@@ -249,7 +257,7 @@ def jit_helpers() -> dict:
     """The race's helpers, jitted once, by name: nucleus_draw.py's kernel calls them too (a jitted
     function finds what it calls among its module's globals, so nucleus_draw copies them into its own)."""
     if not _HELPERS:
-        for name in ("_split_key", "_uniform", "_clock", "_weight", "_better", "_winner"):
+        for name in ("key_words_tl", "uniform_tl", "clock_tl", "weight_tl", "beats_tl", "winner_tl"):
             _HELPERS[name] = globals()[name] = triton.jit(globals()[name])
     return _HELPERS
 
