@@ -39,9 +39,10 @@ def sort_threshold(z: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.T
 
 
 def z_of(logits: torch.Tensor, t: torch.Tensor, log_min_p: torch.Tensor) -> torch.Tensor:
-    """[R, V] fp32: (logits - row max) / T with NaN and the tokens below log(min_p) at -inf."""
+    """[R, V] fp32: (logits - row max) * (1 / T) (as the sampler scales) with NaN and the tokens below
+    log(min_p) at -inf."""
     x = logits.float().nan_to_num(nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF)
-    z = (x - x.max(dim=-1, keepdim=True).values) / t.view(-1, 1)
+    z = (x - x.max(dim=-1, keepdim=True).values) * (1.0 / t.float().view(-1, 1))
     return z.masked_fill(z < log_min_p.view(-1, 1), NEG_INF)
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from graphcache.engine.sample import nucleus_draw as nd
 from graphcache.engine.sample import race_draw as rd
+from graphcache.engine.sample.sampler import filtered_logits
 from helpers_sampling import NEG_INF, keys_of, rows_of, sort_threshold, z_of
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
@@ -63,11 +64,15 @@ def test_torch_draws_follow_the_nucleus_distribution():
 
 
 def test_without_top_p_it_is_the_race():
+    """A row without top_p draws race_draw's token from the threshold path's z (filtered_logits): the
+    same token whichever path the batch sends the row down."""
     logits = rows_of("normal", 6, 500, seed=1)
-    t = torch.full((6,), 0.8)
+    t = torch.tensor([0.8, 0.3, 1.0, 1.7, 0.8, 0.05])
     keys = keys_of(range(6), 4)
-    tokens = nd.nucleus_draw_torch(logits, t, torch.ones(6), torch.full((6,), NEG_INF), keys)
-    assert torch.equal(tokens, rd.race_draw_torch(z_of(logits, t, torch.full((6,), NEG_INF)), None, keys))
+    lmp = torch.tensor([NEG_INF] * 4 + [-2.0, NEG_INF])
+    tokens = nd.nucleus_draw_torch(logits, t, torch.ones(6), lmp, keys)
+    z, _, _, _ = filtered_logits(logits, temperature=t, top_k=None, top_p=None, min_p=lmp.exp())
+    assert torch.equal(tokens, rd.race_draw_torch(z, None, keys))
 
 
 def test_degenerate_and_greedy_rows_take_the_argmax():
@@ -144,6 +149,68 @@ def test_kernel_mixes_seeded_keys_like_torch_in_the_interpreter():
     got = nd.nucleus_draw(logits, torch.arange(6), params_, base, steps, block=64, warps=1)
     want = nd.nucleus_draw_torch(logits, t, p, lmp, nd.step_keys(base, steps))
     assert (got == want).float().mean() >= 0.8, (got, want)
+
+
+def poisoned_rows(vocab: int = 200) -> torch.Tensor:
+    """[8, vocab]: NaN and +-inf scattered in finite rows, and rows with no distribution."""
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(8, vocab, generator=g) * 3
+    x[0, ::7] = float("nan")
+    x[1, ::3] = NEG_INF
+    x[2] = NEG_INF  # nothing finite: token 0, as torch's argmax
+    x[3] = float("nan")
+    x[4, 17] = float("inf")  # overflow: the argmax
+    x[5, 1::2] = float("nan")
+    x[5, ::2] = NEG_INF
+    x[5, 10] = 1.0  # one finite token
+    x[6, 5:] = x[6, :5].max() - 40  # a peak of five tokens over a far tail
+    return x
+
+
+@needs_interpreter
+def test_kernel_matches_torch_on_poisoned_rows_in_the_interpreter():
+    x = poisoned_rows()
+    t = torch.tensor([0.8, 1.0, 0.8, 0.8, 0.8, 0.7, 1.2, 0.5])
+    p = torch.tensor([0.9, 0.5, 0.9, 1.0, 0.9, 0.1, 0.999, 0.8])
+    lmp = torch.tensor([NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, -2.0])
+    keys = keys_of(range(8), 3)
+    for step in range(3):
+        keys = keys_of(range(8), step)
+        got = run_kernel(x, t, p, lmp, keys, block=64, warps=1)
+        assert torch.equal(got, nd.nucleus_draw_torch(x, t, p, lmp, keys)), step
+        assert got[2] == 0 and got[3] == 0 and got[4] == 17 and got[5] == 10
+        assert not x[0, got[0]].isnan() and x[1, got[1]] > NEG_INF and got[6] < 5
+
+
+@needs_interpreter
+def test_kernel_round_zero_is_the_race_kernel_in_the_interpreter():
+    """A row without top_p: nucleus_draw's kernel draws the race kernel's token from filtered_logits' z."""
+    logits = rows_of("normal", 6, 300, seed=4)
+    t = torch.tensor([0.8, 0.3, 1.0, 1.7, 0.8, 0.05])
+    lmp = torch.tensor([NEG_INF] * 4 + [-2.0, NEG_INF])
+    keys = keys_of(range(6), 6)
+    got = run_kernel(logits, t, torch.ones(6), lmp, keys, block=64, warps=1)
+    z, _, _, _ = filtered_logits(logits, temperature=t, top_k=None, top_p=None, min_p=lmp.exp())
+    assert torch.equal(got, rd.race_draw_triton(z, None, keys, block=64, warps=1))
+
+
+@needs_interpreter
+def test_kernel_draws_follow_the_nucleus_distribution_in_the_interpreter():
+    """2,000 kernel draws per row (one launch, a key per copy) against softmax(z) over the nucleus."""
+    logits = rows_of("normal", 3, 32, seed=6) * 0.5
+    t = torch.tensor([1.0, 0.7, 1.5])
+    p = torch.tensor([0.9, 0.5, 0.3])
+    lmp = torch.full((3,), NEG_INF)
+    z = z_of(logits, t, lmp)
+    want = z.masked_fill(~nucleus_mask(logits, t, p, lmp), NEG_INF).softmax(dim=-1)
+    n = 2000
+    rows = torch.arange(3).repeat(n)  # [3n]: copy k of row r at k * 3 + r
+    keys = keys_of(range(3 * n), 1)
+    params, _, steps = packed(t[rows], p[rows], lmp[rows], keys, "cpu")
+    tokens = nd.nucleus_draw(logits, rows, params, keys, steps, block=32, warps=1)
+    counts = torch.zeros(3, 32).index_put_((rows, tokens), torch.ones(3 * n), accumulate=True)
+    tv = 0.5 * (counts / n - want).abs().sum(dim=-1)
+    assert (tv < 0.06).all(), tv
 
 
 @pytest.mark.cuda

@@ -2,10 +2,12 @@
 
 Why: finding the top-p threshold first (a top-k prefix, then a bisection for flat rows) costs a
 dozen launches and passes per step; drawing first and checking after costs two or three passes over
-the row in one launch. The draw is race_draw.py's exponential race (token = argmax z_i - log E_i, E_i
+the row in one launch. The draw is race_draw.py's exponential race (token = argmax exp(z_i) / E_i, E_i
 from a counter hash of (key, i)), so a seeded row's tokens depend only on its seed and its logits.
 
-z = (x - max) / T with NaN -> -inf, and z < log(min_p) -> -inf. The nucleus is the set
+z = (x - max) * (1 / T), the reciprocal once per row (a multiply per token, not a division; the
+threshold path's filtered_logits scales the same way, so both paths see the same z). The kept tokens
+are those with z >= log(min_p) (NaN and -inf logits never are). The nucleus is the set
 {i : mass(z_j > z_i) < top_p * mass(all)} (mass = sum exp(z)): the smallest top set reaching top_p,
 with every token tied at the cut kept (the same set as filter_threshold.py's threshold). The top
 token is always in it (its mass above is 0), whatever top_p is.
@@ -24,16 +26,38 @@ mass still outside, so a row at top_p 0.95 takes one round 95% of the time and f
 small top_p; after ROUNDS rejections (flat rows at a tiny top_p) the threshold is found exactly by
 bisection on the bits of |z| (31 passes) and the race runs over z >= thr.
 
+Per token the kernel's passes are cheap on purpose (they are its whole cost: the memory traffic is a
+few microseconds): the max pass needs no NaN fix (NaN > max is false), later passes fold NaN, -inf and
+min_p into one compare (z >= the row's floor is false for all three), exp(z) is ex2 of z * log2(e),
+and the race's clock is race_draw's 32-bit hash and one log.
+
 The torch function is the CPU path and the kernel's reference; both take the same steps with the same
 keys, so they draw the same tokens up to fp32 summation order at the nucleus' edge and the last ulp of
-the logs.
+exp, log and the race's comparison. The kernel's race (block, warps and per-lane comparisons) is
+race_draw's, so a row without top_p draws exactly race_draw's token on the GPU too.
 """
 
 from __future__ import annotations
 
 import torch
 
-from graphcache.engine.sample.race_draw import GAMMA, MASK64, mix64, mix64_tensor, to_int64, uniforms
+from graphcache.engine.sample import race_draw
+from graphcache.engine.sample.race_draw import (
+    BLOCK,
+    GAMMA,
+    MASK64,
+    WARPS,
+    beats_tl,
+    clock_tl,
+    clocks,
+    key_words_tl,
+    mix64,
+    mix64_tensor,
+    to_int64,
+    weight_tl,
+    weights,
+    winner_tl,
+)
 from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
 __all__ = ["HAVE_TRITON", "ROUNDS", "nucleus_draw", "nucleus_draw_torch", "round_key", "step_keys"]
@@ -42,6 +66,7 @@ ROUNDS = 32  # rejections before the exact threshold (a row reaching it: a flat 
 ROUND_GAMMA = 0xD1B54A32D192ED03  # odd, unrelated to GAMMA: keys of later rounds
 _CHUNK = 32  # rows per torch step: bounds the [rows, V] temporaries
 _NEG_INF = float("-inf")
+_FLOOR = -3.4028234663852886e38  # -FLT_MAX: z >= it keeps every finite z (and no -inf or NaN)
 
 
 def round_key(key: int, r: int) -> int:
@@ -56,16 +81,15 @@ def _round_keys(keys: torch.Tensor, r: int) -> torch.Tensor:
     return keys if r == 0 else mix64_tensor(keys + to_int64((r * ROUND_GAMMA) & MASK64))
 
 
-def _race(z: torch.Tensor, keep: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """argmax over kept tokens of z - log(-log u): [R] int64 (the first index on ties)."""
-    score = z - uniforms(keys, z.shape[-1]).log().neg().log()
-    return score.masked_fill_(~keep, _NEG_INF).argmax(dim=-1)
+def _race(w: torch.Tensor, keep: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """argmax over kept tokens of w / E (race_draw_torch's draw): [R] int64, the first index on ties."""
+    return (torch.where(keep, w, 0.0) / clocks(keys, w.shape[-1])).argmax(dim=-1)
 
 
-def _exact_threshold(z: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """[R] the largest v with mass(z >= v) >= target, by bisection on the fp32 bits of -z (z <= 0)."""
-    bits = (-z).contiguous().view(torch.int32)  # ordered like -z; -inf -> 0x7F800000
-    w = z.exp()
+def _exact_threshold(z: torch.Tensor, w: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """[R] the largest v with mass(z >= v) >= target, by bisection on the fp32 bits of -z (z <= 0);
+    w [R, V]: exp(z) of the kept tokens, 0 elsewhere."""
+    bits = (-z).contiguous().view(torch.int32)  # ordered like -z
     lo = torch.zeros(z.shape[0], dtype=torch.int32, device=z.device)
     hi = torch.full((z.shape[0],), 0x7F800000, dtype=torch.int32, device=z.device)
     for _ in range(31):
@@ -103,12 +127,12 @@ def nucleus_draw_torch(
 def _draw_chunk(x, temperature, top_p, log_min_p, keys, rounds):
     x = x.float().nan_to_num(nan=_NEG_INF, posinf=float("inf"), neginf=_NEG_INF)
     m, top = x.max(dim=-1)
-    t = temperature.float().view(-1, 1)
-    z = (x - m.view(-1, 1)) / t.clamp_min(1e-30)
-    z.masked_fill_(z < log_min_p.float().view(-1, 1), _NEG_INF)
-    w = z.exp()
+    rt = 1.0 / temperature.float().clamp_min(1e-30).view(-1, 1)  # [R, 1]; greedy rows: replaced below
+    z = (x - m.view(-1, 1)) * rt
+    kept = z >= log_min_p.float().clamp_min(_FLOOR).view(-1, 1)  # [R, V]: not -inf, not below min_p
+    w = torch.where(kept, weights(z), 0.0)  # [R, V]: exp(z) of the kept tokens, 0 elsewhere
     target = top_p.float() * w.sum(dim=-1)
-    token = _race(z, z > _NEG_INF, keys)
+    token = _race(w, kept, keys)
     pending = top_p < 1  # rows still checking their candidate
     for r in range(rounds + 1):
         if not bool(pending.any()):
@@ -119,11 +143,11 @@ def _draw_chunk(x, temperature, top_p, log_min_p, keys, rounds):
         pending &= ~inside
         if r == rounds or not bool(pending.any()):
             break
-        drawn = _race(z, z > zc, _round_keys(keys, r + 1))
+        drawn = _race(w, z > zc, _round_keys(keys, r + 1))
         token = torch.where(pending, drawn, token)
     if bool(pending.any()):  # the exact threshold for rows that ran out of rounds
-        thr = _exact_threshold(z, target)
-        drawn = _race(z, z >= thr.view(-1, 1), _round_keys(keys, rounds + 1))
+        thr = _exact_threshold(z, w, target)
+        drawn = _race(w, z >= thr.view(-1, 1), _round_keys(keys, rounds + 1))
         token = torch.where(pending, drawn, token)
     random_row = (temperature > 0) & m.isfinite()
     return torch.where(random_row, token, top)
@@ -131,75 +155,74 @@ def _draw_chunk(x, temperature, top_p, log_min_p, keys, rounds):
 
 # --- Triton path -------------------------------------------------------------------------------------
 # Literal constants: a jitted function may not read module globals that are not constexpr.
-# 0x9E3779B97F4A7C15 = GAMMA; 1.1920928955078125e-07 = 2^-23; 41 = 64 - 23 (race_draw.py's uniforms).
-def _z_block(base, offs, mask, m, t, lmp):
+# 0x9E3779B97F4A7C15 = GAMMA, 0xD1B54A32D192ED03 = ROUND_GAMMA, -3.4028234663852886e38 = _FLOOR.
+# The race's helpers (key_words_tl, clock_tl, weight_tl, beats_tl, winner_tl) are race_draw.py's; _jit_kernel
+# rebinds the imported names to their jitted forms.
+def _z_block(base, offs, mask, m, rt):
+    """z = (x - m) * rt [BLOCK] fp32 (NaN stays NaN: every compare on it is false)."""
     x = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32)
-    x = tl.where(x != x, float("-inf"), x)
-    z = tl.math.div_rn(x - m, t)
-    return tl.where(z < lmp, float("-inf"), z)
+    return (x - m) * rt
 
 
 def _mix(h):
-    """mix64 on uint64 values (they wrap; >> is logical)."""
+    """mix64 on uint64 values (they wrap; >> is logical): per row only (keys), never per token."""
     h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9
     h = (h ^ (h >> 27)) * 0x94D049BB133111EB
     return h ^ (h >> 31)
 
 
-def _race_block(z, key, offs):
-    h = _mix(key + (offs.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15)
-    u = ((h >> 41).to(tl.float32) + 0.5) * 1.1920928955078125e-07
-    return z - tl.log(-tl.log(u))
-
-
-def _race_above(base, vocab, m, t, lmp, floor, key, STRICT: tl.constexpr, BLOCK: tl.constexpr):
+def _race_above(base, vocab, m, rt, floor, key, STRICT: tl.constexpr, BLOCK: tl.constexpr):
     """(the winner of the race over z > floor (STRICT) or z >= floor, the first index on ties; the
-    mass of every kept token, sum exp(z), summed in the same pass)."""
+    mass of those tokens, sum exp(z), summed in the same pass)."""
+    k0, k1 = key_words_tl(key)
     cols = tl.arange(0, BLOCK)
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_w = tl.zeros([BLOCK], tl.float32)  # each lane's best (w, E, index), as in race_draw's kernel
+    best_e = tl.full([BLOCK], 1.0, tl.float32)
     best_i = tl.full([BLOCK], 2147483647, tl.int32)
     mass = tl.zeros([BLOCK], tl.float32)
     for start in range(0, vocab, BLOCK):
         offs = start + cols
-        mask = offs < vocab
-        z = _z_block(base, offs, mask, m, t, lmp)
-        mass += tl.exp(z)
+        z = _z_block(base, offs, offs < vocab, m, rt)
         if STRICT:
             kept = z > floor
         else:
             kept = z >= floor
-        score = tl.where(kept, _race_block(z, key, offs), float("-inf"))
-        better = score > best  # strict: a lane's earlier index wins ties
+        w = tl.where(kept, weight_tl(z), 0.0)
+        mass += w
+        e = clock_tl(k0, k1, offs)
+        better = beats_tl(w, e, best_w, best_e)  # strict: a lane's earlier index wins ties
+        best_w = tl.where(better, w, best_w)
+        best_e = tl.where(better, e, best_e)
         best_i = tl.where(better, offs, best_i)
-        best = tl.where(better, score, best)
-    top = tl.max(best, axis=0)
-    return tl.min(tl.where(best == top, best_i, 2147483647), axis=0), tl.sum(mass, axis=0)
+    return winner_tl(best_w, best_e, best_i), tl.sum(mass, axis=0)
 
 
-def _mass(base, vocab, m, t, lmp, floor, BLOCK: tl.constexpr):
-    """sum exp(z) over z > floor."""
+def _mass(base, vocab, m, rt, floor, BLOCK: tl.constexpr):
+    """sum exp(z) over z > floor (floor: a kept token's z, so the min_p floor is implied)."""
     cols = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], tl.float32)
     for start in range(0, vocab, BLOCK):
         offs = start + cols
-        z = _z_block(base, offs, offs < vocab, m, t, lmp)
-        acc += tl.where(z > floor, tl.exp(z), 0.0)
+        z = _z_block(base, offs, offs < vocab, m, rt)
+        acc += tl.where(z > floor, weight_tl(z), 0.0)
     return tl.sum(acc, axis=0)
 
 
-def _mass_at_or_below_key(base, vocab, m, t, lmp, c, BLOCK: tl.constexpr):
-    """sum exp(z) over the tokens whose key (the fp32 bits of -z) is <= c."""
+def _mass_at_or_below_key(base, vocab, m, rt, zlo, c, BLOCK: tl.constexpr):
+    """sum exp(z) over the kept tokens (z >= zlo) whose key (the fp32 bits of -z) is <= c."""
     cols = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], tl.float32)
     for start in range(0, vocab, BLOCK):
         offs = start + cols
-        z = _z_block(base, offs, offs < vocab, m, t, lmp)
-        acc += tl.where((-z).to(tl.int32, bitcast=True) <= c, tl.exp(z), 0.0)
+        z = _z_block(base, offs, offs < vocab, m, rt)
+        below = ((-z).to(tl.int32, bitcast=True) <= c) & (z >= zlo)
+        acc += tl.where(below, weight_tl(z), 0.0)
     return tl.sum(acc, axis=0)
 
 
 def _round_key_of(key, r):
-    return _mix(key + r.to(tl.uint64) * 0xD1B54A32D192ED03)
+    """round_key (r >= 1) of the row's key (uint64 bits) as int64, what key_words_tl takes."""
+    return _mix(key + r.to(tl.uint64) * 0xD1B54A32D192ED03).to(tl.int64, bitcast=True)
 
 
 def _nucleus_kernel(
@@ -210,34 +233,35 @@ def _nucleus_kernel(
     base = x_ptr + tl.load(rows_ptr + w) * stride_x
     t = tl.load(params_ptr + 3 * w)
     p = tl.load(params_ptr + 3 * w + 1)
-    lmp = tl.load(params_ptr + 3 * w + 2)
+    zlo = tl.maximum(tl.load(params_ptr + 3 * w + 2), -3.4028234663852886e38)  # the kept floor
     key = tl.load(key_ptr + w).to(tl.uint64, bitcast=True)
     step = tl.load(step_ptr + w)
     if step >= 0:  # a seeded row: race_draw.row_key from mix64(seed) and the step
         key = _mix(key + (step + 1).to(tl.uint64) * 0x9E3779B97F4A7C15)
     cols = tl.arange(0, BLOCK)
-    # 1. the max and its first index
+    # 1. the max and its first index (NaN > mx is false: NaN is never the max, no fix needed)
     mx = tl.full([BLOCK], float("-inf"), tl.float32)
-    mi = tl.full([BLOCK], 2147483647, tl.int32)
+    mi = tl.zeros([BLOCK], tl.int32)  # 0: a row with no number above -inf takes token 0, as torch's argmax
     for start in range(0, vocab, BLOCK):
         offs = start + cols
         x = tl.load(base + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
-        x = tl.where(x != x, float("-inf"), x)
         better = x > mx
         mi = tl.where(better, offs, mi)
         mx = tl.where(better, x, mx)
     m = tl.max(mx, axis=0)
     token = tl.min(tl.where(mx == m, mi, 2147483647), axis=0)
     if (t > 0) & (m > float("-inf")) & (m < float("inf")):
+        rt = tl.math.div_rn(1.0, t)  # once per row: the passes multiply
         # 2. the first candidate (and the total mass, for top_p)
-        token, total = _race_above(base, vocab, m, t, lmp, float("-inf"), key, True, BLOCK)
+        key0 = key.to(tl.int64, bitcast=True)
+        token, total = _race_above(base, vocab, m, rt, zlo, key0, False, BLOCK)
         if p < 1:
             target = p * total
             r = 0
             pending = 1
             while pending != 0:
-                zc = tl.math.div_rn(tl.load(base + token).to(tl.float32) - m, t)
-                above = _mass(base, vocab, m, t, lmp, zc, BLOCK)
+                zc = (tl.load(base + token).to(tl.float32) - m) * rt
+                above = _mass(base, vocab, m, rt, zc, BLOCK)
                 if (above < target) | (above == 0):
                     pending = 0
                 elif r == ROUNDS:
@@ -246,18 +270,16 @@ def _nucleus_kernel(
                     hi = tl.full((), 2139095040, tl.int32)  # the fp32 bits of +inf
                     for _ in range(31):
                         mid = lo + (hi - lo) // 2
-                        good = _mass_at_or_below_key(base, vocab, m, t, lmp, mid, BLOCK) >= target
+                        good = _mass_at_or_below_key(base, vocab, m, rt, zlo, mid, BLOCK) >= target
                         hi = tl.where(good, mid, hi)
                         lo = tl.where(good, lo, mid + 1)
                     thr = -(lo.to(tl.float32, bitcast=True))
-                    token, _ = _race_above(
-                        base, vocab, m, t, lmp, thr, _round_key_of(key, r + 1), False, BLOCK
-                    )
+                    token, _ = _race_above(base, vocab, m, rt, thr, _round_key_of(key, r + 1), False, BLOCK)
                     pending = 0
                 else:
                     # 3a. c and all below it are outside the nucleus: draw again above it
                     r += 1
-                    token, _ = _race_above(base, vocab, m, t, lmp, zc, _round_key_of(key, r), True, BLOCK)
+                    token, _ = _race_above(base, vocab, m, rt, zc, _round_key_of(key, r), True, BLOCK)
     tl.store(out_ptr + w, token.to(tl.int64))
 
 
@@ -266,11 +288,11 @@ _KERNEL = None
 
 def _jit_kernel():
     """Jit the helpers, then the kernel (it finds them as this module's globals)."""
-    global _KERNEL, _mix, _z_block, _race_block, _race_above, _mass, _mass_at_or_below_key, _round_key_of
+    global _KERNEL, _mix, _z_block, _race_above, _mass, _mass_at_or_below_key, _round_key_of
     if _KERNEL is None:
+        globals().update(race_draw.jit_helpers())  # key_words_tl, clock_tl, weight_tl, beats_tl, winner_tl
         _mix = triton.jit(_mix)
         _z_block = triton.jit(_z_block)
-        _race_block = triton.jit(_race_block)
         _race_above = triton.jit(_race_above)
         _mass = triton.jit(_mass)
         _mass_at_or_below_key = triton.jit(_mass_at_or_below_key)
@@ -287,14 +309,16 @@ def nucleus_draw(
     steps: torch.Tensor,
     *,
     rounds: int = ROUNDS,
-    block: int = 4096,
-    warps: int = 16,
+    block: int = BLOCK,
+    warps: int = WARPS,
 ) -> torch.Tensor:
     """tokens [W] int64: one draw per entry of rows [W] (int64 indices into logits [R, V], any float
     dtype). Per entry: params [W, 3] fp32 (temperature, <= 0: greedy; top_p, >= 1: off; log(min_p),
     -inf: off), keys [W] int64 and steps [W] int64 (step_keys: the race key is keys itself where the
     step is < 0, else row_key's mix of keys = mix64(seed) and the step). On CUDA one launch, no host
-    sync, no allocation but the output (graph-capturable); elsewhere the torch path."""
+    sync, no allocation but the output (graph-capturable); elsewhere the torch path. block and warps
+    other than race_draw's BLOCK and WARPS are for benchmarks: a near tie may then resolve otherwise
+    than race_draw's kernel would."""
     if not (logits.is_cuda and HAVE_TRITON):
         x, p = logits.index_select(0, rows), params.float()
         return nucleus_draw_torch(x, p[:, 0], p[:, 1], p[:, 2], step_keys(keys, steps), rounds)
@@ -320,3 +344,5 @@ def nucleus_draw(
 
 
 assert GAMMA == 0x9E3779B97F4A7C15  # the kernel's literal
+assert ROUND_GAMMA == 0xD1B54A32D192ED03
+assert _FLOOR == -3.4028234663852886e38 == -torch.finfo(torch.float32).max

@@ -10,8 +10,8 @@ Every step is row-wise, so a row's token never depends on which other requests s
 Rows without top-k (temperature, min_p, top-p: what most clients send) take nucleus_draw.py: one
 Triton launch on CUDA that races first and checks the nucleus after (rejection sampling), two or three
 passes over each row, straight from the model-dtype logits when the row has no logits controls; its
-torch twin on the CPU. The draw is an exponential race (race_draw.py): token = argmax z_i - log E_i
-over the kept tokens, with E_i = -log u_i and u_i a hash of (row key, i). No softmax and no sampling
+torch twin on the CPU. The draw is an exponential race (race_draw.py): token = argmax exp(z_i) / E_i
+over the kept tokens, with E_i = -log u_i and u_i a 32-bit hash of (row key, i). No softmax and no sampling
 state: a seeded row's key is a function of (seed, tokens it generated so far), so its tokens depend
 only on its seed and its own logits (not on the batch, the device's RNG or earlier calls); unseeded
 rows take keys from the Sampler's host generator, seeded by settings.model.seed.
@@ -221,7 +221,7 @@ def filtered_logits(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The filtered distribution of each row as log-weights: (z, thr, top, valid).
 
-    z [R, V] fp32 = (logits - row max) / T with NaN and min_p-dropped tokens at -inf; the kept tokens
+    z [R, V] fp32 = (logits - row max) * (1 / T) with NaN and min_p-dropped tokens at -inf; the kept tokens
     are those with z >= thr [R] (top-k then top-p, filter_threshold.py; None: no such filter); top [R]
     int64: the argmax; valid [R] bool: the row has a finite max (else z is NaN and the row is one-hot
     on top). softmax(z where kept) is the row's distribution; the race draw uses z as it is.
@@ -229,10 +229,11 @@ def filtered_logits(
     # NaN -> -inf in one pass (a fresh tensor, modified in place below); +inf stays +inf.
     z = logits.float().nan_to_num(nan=_NEG_INF, posinf=float("inf"), neginf=_NEG_INF)
     row_max, top = z.max(dim=-1, keepdim=True)  # [R, 1] each, one pass
-    # Shift before dividing: every value is <= 0, so a small T can push logits to -inf but never
-    # to +inf (softmax is shift-invariant, so the distribution is unchanged).
+    # Shift before scaling: every value is <= 0, so a small T can push logits to -inf but never
+    # to +inf (softmax is shift-invariant, so the distribution is unchanged). Times the fp32 reciprocal
+    # of T, as nucleus_draw.py scales: a row takes the same z, hence the same token, on either path.
     temperature = temperature.float().nan_to_num(nan=1.0).clamp_min(MIN_TEMPERATURE).unsqueeze(1)
-    z.sub_(row_max).div_(temperature)
+    z.sub_(row_max).mul_(1.0 / temperature)
     if min_p is not None:
         # p_i < min_p * p_max  <=>  exp(z_i - z_max) < min_p  <=>  z_i < log(min_p) (z_max is 0 here);
         # log(0) = -inf drops nothing, and the top token (0 >= log(min_p <= 1)) always stays.
