@@ -68,8 +68,10 @@ for p in ${PHASES:-tests pool capture}; do
     soak)    phase soak $(( ${SOAK_DURATION:-300} + 280 )) python3 benchmarks/soak.py --make-qwen05b /tmp/qwen05b \
                --duration "${SOAK_DURATION:-300}" --out "$OUT/soak.json" --log-dir "$OUT" ${SOAK_ARGS:-} ;;
     # Realistic offline traffic (lognormal lengths, sampling, 2x max_num_seqs requests) next to nano's, graph and eager, steps by kind.
-    realistic) phase realistic 540 python3 benchmarks/offline_throughput.py --make-model qwen05b:/tmp/qwen05b \
-               --modes "${REALISTIC_MODES:-graph,eager}" --workload nano,realistic --out "$OUT/realistic.json" ;;
+    # REALISTIC_ARGS / REALISTIC_WORKLOADS / REALISTIC_TAG: other flags, workloads and a name for the run.
+    realistic) phase realistic${REALISTIC_TAG:-} 540 python3 benchmarks/offline_throughput.py --make-model qwen05b:/tmp/qwen05b \
+               --modes "${REALISTIC_MODES:-graph,eager}" --workload "${REALISTIC_WORKLOADS:-nano,realistic}" \
+               --out "$OUT/realistic${REALISTIC_TAG:-}.json" ${REALISTIC_ARGS:-} ;;
     # The same workloads on the old tree (.old): this tree's benchmark files are copied in (they use only its engine APIs).
     realistic_old) old_bench_files && (cd .old && phase realistic_old 540 python3 \
                benchmarks/offline_throughput.py --make-model qwen05b:/tmp/qwen05b --modes "${REALISTIC_MODES:-graph,eager}" \
