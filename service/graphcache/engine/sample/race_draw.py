@@ -85,8 +85,9 @@ _U_BITS = 23  # see the module docstring
 _ONE_BITS = 0x3F800000  # the fp32 bits of 1.0: OR in 23 mantissa bits for 1.m in [1, 2)
 _U_OFFSET = 1.0 - 2.0**-24  # 1.m - this = (m + 0.5) / 2^23, exactly
 LOG2E = 1.4426950408889634  # exp(z) = exp2(z * LOG2E): ex2 is one instruction on the GPU
-BLOCK = 4096  # the kernels' vocabulary block and warps (nucleus_draw's defaults too: see the docstring)
-WARPS = 16
+BLOCK = 8192  # the kernels' vocabulary block and warps (nucleus_draw's defaults too: see the docstring); the
+# fastest of the launch settings sampler_bench times on the H200 (BENCHMARKS.md §14)
+WARPS = 32
 _NEG_INF = float("-inf")
 _CHUNK = 32  # rows per torch step
 
