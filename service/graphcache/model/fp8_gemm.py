@@ -10,11 +10,15 @@ W [N, K] is FP8 row-major. One kernel, two modes:
                 y[t, n] = sw[n] * (x[t] . W[n]), W's tiles widened to x's dtype in registers (exact:
                 every E4M3 value is a bf16 and an fp16 value), multiplied on the 16-bit tensor cores;
                 at one row (ONE_ROW) multiply-adds in fp32 instead, with no 16-row MMA tile to fill.
+                `weight_only_silu_mul`: the same on a [gate | up] weight, silu(gate) * up applied to the
+                accumulators (the MLP's activation without a launch of its own).
 Larger row-scaled batches go to torch._scaled_mm (fp8_linear.fp8_mm). Why weight only at <= 16 rows:
 the GEMM is bound by reading W there, so FP8 tensor cores buy nothing, while quantizing x first costs a
 pass over x before the first product (every program needs the row's amax). The narrow N tiles give
 every SM its share of W to stream, where _scaled_mm's large-tile kernels leave most SMs idle at T = 1.
-benchmarks/fp8_gemv_sweep.py times the designs (BENCHMARKS.md §13).
+Loads are masked along K only where K is not a multiple of the K tile (no served shape): the mask kept
+the one-row kernel's loads from streaming W at full speed (BENCHMARKS.md §14). benchmarks/fp8_gemv_sweep.py
+times the designs (§13, §14).
 
 On the CPU the dequantized operands are multiplied in fp32 (`emulated_mm`, and weight_only_mm's own
 fallback: the same sums up to fp32 rounding order); tests/test_fp8.py checks the kernels against it
