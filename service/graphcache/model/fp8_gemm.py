@@ -161,14 +161,16 @@ def _kernel():
 # N tiles narrow enough that the grid covers the H200's 132 SMs (N = 4096: 128 tiles), K tiles wide enough
 # to keep loads in flight. benchmarks/fp8_gemv_sweep.py times alternatives on the 8B shapes.
 DECODE_TILE = (32, 256, 4, 4)
-# The same for one row (ONE_ROW): narrower N tiles, longer K tiles (BENCHMARKS.md §14: 74.6 us a layer of the
+# The same for one row (ONE_ROW): narrower N tiles, longer K tiles (BENCHMARKS.md §14: 74.1 us a layer of the
 # 8B shape, the four GEMMs summed, against 79.2 at (8, 1024, 8, 3) and 116 for cuBLAS bf16).
 ONE_ROW_TILE = (4, 1024, 4, 2)
-# Programmatic dependent launch of the weight-only kernels (an experiment of benchmarks/fp8_gemv_sweep.py:
-# a kernel starts while the previous one drains; off until measured).
-PDL = False
-# One row of the gated gate_up GEMM: each program streams BLOCK_N rows of gate and as many of up.
+# One row of the gated gate_up GEMM: each program streams BLOCK_N rows of gate and as many of up (in the
+# sweep with K masks, 38.7 us at this tile and 37.0 at (2, 1024, 4, 2): not yet re-measured without them).
 GATED_ONE_ROW_TILE = (4, 1024, 4, 2)
+# Programmatic dependent launch of the weight-only kernels (a kernel starts while the previous one drains):
+# -2.4% on a chain of the four one-row GEMMs alone (BENCHMARKS.md §14); off, as in the model they sit between
+# kernels that do not use it and no cuda test runs with it on.
+PDL = False
 
 
 def _tiles(m: int, block_k: int | None, gated: bool = False) -> tuple[int, int, int, int, int]:
