@@ -19,8 +19,8 @@ against torch.mm on bf16 weights (cuBLAS; the bf16 decode's GEMMs) and torch._sc
   gated    (gate_up, M = 1) the same with silu(gate) * up in its epilogue (weight_only_silu_mul)
 --chain: the four GEMMs of a layer back to back as the model runs them at one row (qkv -> o -> gate_up with
 its activation -> down -> the next layer's qkv: each reads the one before), per layer, with and without
-programmatic dependent launch (fp8_gemm.PDL). M = 1 runs every design, more rows dequant only (to fit one device call). The last lines name the
-dequant tile with the least summed time over the four shapes at M = 1 (fp8_gemm.DECODE_TILE's pick).
+programmatic dependent launch (fp8_gemm.PDL). M = 1 runs every design, more rows dequant only (to fit one
+device call). The last lines name the dequant tile with the least summed time over the four shapes at M = 1 (fp8_gemm.DECODE_TILE's pick).
 Every design's output is checked against the fp32 product of the same operands first.
 """
 
@@ -248,7 +248,8 @@ def chain_us(layers: int = 32) -> list[dict]:
         fp8_gemm.PDL = pdl
         row = {"design": "chain", "pdl": pdl, "layers": layers}
         try:
-            row["out"] = run().float().norm().item()
+            # No output check: without norms the values fall to 0 within a few layers (silu(g) * u is
+            # quadratic near 0), and no kernel's time depends on its values.
             row["us_per_layer"] = graph_us([run], reps=2) / layers
         except Exception as exc:  # noqa: BLE001 - PDL may not launch on this Triton or driver
             row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
