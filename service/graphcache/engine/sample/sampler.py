@@ -166,10 +166,19 @@ class Sampler:
             bytearray(self._rng.getrandbits(64 * n).to_bytes(8 * n, "little")), dtype=torch.int64
         )
         ints[1] = -1
+        # Seeded rows gathered in Python lists and written with one indexed copy: a tensor element
+        # assignment per row cost ~4 us of host time each, ~0.5 ms a step at 256 rows a quarter seeded.
+        seeded, seed_keys, steps = [], [], []
         for j, s in enumerate(seqs):
             seed_key = (s.draw_row or self._draw_row(s))[1]
             if seed_key is not None:
-                ints[0, j], ints[1, j] = seed_key, num_generated(s)
+                seeded.append(j)
+                seed_keys.append(seed_key)
+                steps.append(num_generated(s))
+        if seeded:
+            rows = torch.tensor(seeded)
+            ints[0, rows] = torch.tensor(seed_keys, dtype=torch.int64)
+            ints[1, rows] = torch.tensor(steps, dtype=torch.int64)
         return ints
 
     @staticmethod
