@@ -285,6 +285,7 @@ class Sequence:
     # sampler.py's cache, set on first sampling (params do not change once submitted): the row's token
     # is the argmax of its raw logits (greedy, no logits controls), so a batch of such rows skips the rest.
     plain_greedy: bool | None = None
+    steady_controls: bool | None = None  # sampler.py's cache: logits controls that act every step
     draw_row: Any = None  # sampler.py's cache of the request's static draw parameters
     # Unique for the process's lifetime (id() is not: a freed object's id comes back): the runner's
     # persistent decode rows are keyed by it (batch.DecodeRows).

