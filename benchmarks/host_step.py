@@ -10,7 +10,11 @@ pass (graph replay or eager) is skipped and the logits buffer is left as it is (
 fixed row). Per phase: EngineCore.phase_seconds, median over --steps decode steps; "inputs" is the part
 of "execute" spent building the batch and preparing the runner's inputs (persistent decode rows: constant).
 
-    python benchmarks/host_step.py --batch 256 [--profile 25]
+--sampling realistic: every request samples as the realistic workload does (temperature 0.8, top_p 0.95,
+every fourth seeded), with the draw kernel stubbed (on the CPU it would be the torch twin's compute): the
+host work of a sampled step.
+
+    python benchmarks/host_step.py --batch 256 [--sampling realistic] [--profile 25]
 """
 
 from __future__ import annotations
@@ -64,7 +68,22 @@ def time_inputs(runner: ModelRunner) -> None:
         rows.apply = timed(rows.apply)
 
 
-def setup(batch: int, ctx: int, block_size: int, steps: int) -> EngineCore:
+def sampling_params(sampling: str, i: int, max_tokens: int) -> SamplingParams:
+    if sampling == "greedy":
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    seed = i if i % 4 == 0 else None  # benchmarks/workloads.py's realistic mix
+    return SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=seed, ignore_eos=True)
+
+
+def stub_draw_kernel() -> None:
+    """The nucleus draw as a launch would cost the host: an output tensor, no work (the CPU's torch twin
+    would otherwise be the step's time)."""
+    from graphcache.engine.sample import sampler
+
+    sampler.nucleus_draw = lambda logits, rows, params, keys, steps: torch.zeros_like(rows)
+
+
+def setup(batch: int, ctx: int, block_size: int, steps: int, sampling: str = "greedy") -> EngineCore:
     max_len = ctx + steps + 64
     blocks = batch * (-(-max_len // block_size)) + 8
     settings = cpu_settings(
@@ -87,7 +106,7 @@ def setup(batch: int, ctx: int, block_size: int, steps: int) -> EngineCore:
             Sequence(
                 f"r{i}",
                 [(i * 7919 + j) % 30000 + 5 for j in range(ctx)],
-                SamplingParams(max_tokens=steps + 32, temperature=0.0, ignore_eos=True),
+                sampling_params(sampling, i, steps + 32),
             )
         )
     while core.scheduler.waiting or any(not s.output_token_ids for s in core.scheduler.running):  # prefill
@@ -101,12 +120,15 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--sampling", default="greedy", choices=["greedy", "realistic"])
     ap.add_argument(
         "--profile", type=int, default=0, help="cProfile the steps: print N functions by own time"
     )
     args = ap.parse_args()
     torch.set_num_threads(1)
-    core = setup(args.batch, args.ctx, args.block_size, args.steps)
+    if args.sampling != "greedy":
+        stub_draw_kernel()
+    core = setup(args.batch, args.ctx, args.block_size, args.steps, args.sampling)
     time_inputs(core.runner)
     per_phase = {k: [] for k in (*PHASES, "inputs", "step")}
     prof = cProfile.Profile() if args.profile else None
