@@ -69,6 +69,8 @@ def build_workloads(args, vocab: int) -> dict[str, list[workloads.Request]]:
                 (args.min_output, args.max_output),
                 args.seed,
                 args.temperature,
+                args.top_p,
+                args.seeded_every,
             )
         elif name == "realistic":
             shape = workloads.RealisticShape(prompt_cap=args.prompt_cap, output_cap=args.output_cap)
@@ -304,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--temperature", type=float, default=0.0, help="nano: 0 = greedy (default, same for all modes)"
     )
+    ap.add_argument("--top-p", type=float, default=1.0, help="nano: top_p of every request")
+    ap.add_argument("--seeded-every", type=int, default=0, help="nano: every k-th request seeded (0: none)")
     ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     ap.add_argument("--max-num-seqs", type=int, default=256)

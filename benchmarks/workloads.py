@@ -55,11 +55,20 @@ def nano(
     out_range: tuple[int, int],
     seed: int,
     temperature: float = 0.0,
+    top_p: float = 1.0,
+    seeded_every: int = 0,
 ) -> list[Request]:
-    """The same prompts and lengths as offline_throughput.workload (same draws, same order)."""
+    """The same prompts and lengths as offline_throughput.workload (same draws, same order). seeded_every k
+    > 0: every k-th request carries a seed (the sampler's per-row generator path), as in realistic."""
     rng = random.Random(seed)
     prompts = [random_prompt(rng, rng.randint(*in_range), vocab) for _ in range(n)]
-    return [Request(p, rng.randint(*out_range), temperature) for p in prompts]
+    lengths = [rng.randint(*out_range) for _ in prompts]
+    return [
+        Request(
+            p, m, temperature, top_p, seed * 100_003 + i if seeded_every and i % seeded_every == 0 else None
+        )
+        for i, (p, m) in enumerate(zip(prompts, lengths, strict=True))
+    ]
 
 
 def realistic(n: int, vocab: int, seed: int, shape: RealisticShape = RealisticShape()) -> list[Request]:
