@@ -76,10 +76,10 @@ for p in ${PHASES:-tests pool capture}; do
     realistic_old) old_bench_files && (cd .old && phase realistic_old 540 python3 \
                benchmarks/offline_throughput.py --make-model qwen05b:/tmp/qwen05b --modes "${REALISTIC_MODES:-graph,eager}" \
                --workload nano,realistic --out "$OUT/realistic_old.json") ;;
-    # The 8B shape on the old tree.
+    # The 8B shape on the old tree; REALISTIC8_OLD_ARGS: more flags (--realistic-requests 1024).
     realistic_llama8b_old) old_bench_files && (cd .old && phase realistic_llama8b_old 590 python3 benchmarks/offline_throughput.py \
                --make-model llama8b:/tmp/llama8b --modes "${REALISTIC_MODES:-graph}" --workload "${REALISTIC8_WORKLOADS:-realistic}" \
-               --out "$OUT/realistic_llama8b_old.json") ;;
+               --out "$OUT/realistic_llama8b_old.json" ${REALISTIC8_OLD_ARGS:-}) ;;
     # Both workloads on a Llama-3-8B-shaped random bf16 checkpoint (written on the GPU first, about a minute).
     # REALISTIC8_ARGS: more offline_throughput flags (--max-num-seqs 512 --realistic-requests 512); REALISTIC8_TAG names the run.
     realistic_llama8b) phase realistic_llama8b${REALISTIC8_TAG:-} 590 python3 benchmarks/offline_throughput.py \
