@@ -18,6 +18,7 @@ outliers to protect and no structure to average it out, so this is a ceiling for
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 
@@ -28,6 +29,7 @@ from graphcache.engine.batch import StepBatch, StepSeq
 from graphcache.engine.loop.engine import Engine, SamplingParams
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.metrics import Metrics
+from graphcache.model import fp8_gemm
 from graphcache.model.config import ModelLoadError
 from graphcache.model.fp8_gemm import (
     WEIGHT_ONLY_MAX_ROWS,
@@ -235,6 +237,9 @@ def test_fp8_mlp_applies_silu_mul_like_the_unfused_layers():
 # rounds it: equal bit for bit.
 NORM_TOL = 2e-3  # fp16: fused against add_rmsnorm + the GEMM, a share of the largest output
 EXACT_TOL = 1e-3  # fp16: fused against the fp32 product of g * rmsnorm(h), ditto
+# fp16 logits of SHAPE's 4 layers, folded against not, a share of the largest logit (measured: 1.2e-3 llama,
+# 6e-4 qwen2 and qwen3)
+FOLD_LOGITS_TOL = 5e-3
 
 
 def _norm_operands(k: int, n: int, has_res: bool, seed: int):
@@ -280,6 +285,44 @@ def test_norm_folded_gemm_composes_where_the_kernel_does_not_run():
             assert torch.equal(h, want_h) and torch.equal(y, mm(normed, wq, sw, torch.float16, kernel=False))
     with pytest.raises(ValueError, match="one-row"):
         _launch_gemm(x.expand(2, -1), wq, None, sw, None, torch.float16, norm=(None, g, x, 1e-6))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # qwen2: a qkv bias; qwen3: q/k norms
+def test_fp8_decode_at_one_row_folds_the_norms_into_the_gemms(arch, monkeypatch):
+    """An FP8 model's one-row decode steps with the fused ops on (Triton's interpreter; fp16, whose products it
+    computes right), the one-row kernels let onto the CPU: the folded norms give add_rmsnorm + GEMM's logits.
+    Both fold into llama's and qwen3's qkv and gate_up GEMMs; qwen2's qkv has a bias, so only gate_up."""
+    path = tiny_checkpoint(arch, **SHAPE)
+    runner = ModelRunner(cpu_settings(path, quantization="fp8", dtype="float16", enforce_eager=True))
+    monkeypatch.setattr(fp8_gemm, "_runs_kernel", lambda x, kernel: kernel and x.dtype == torch.float16)
+    for tile in ("ONE_ROW_TILE", "GATED_ONE_ROW_TILE"):  # wider N tiles, fewer programs to interpret
+        monkeypatch.setattr(fp8_gemm, tile, (32, 128, 4, 2))  # (K = 128 and 384: no K masks)
+    launch, folded = fp8_gemm._launch_gemm, []  # per one-row GEMM launched: whether the norm was folded in
+
+    def spy(*args, **kwargs):
+        folded.append(inspect.signature(launch).bind(*args, **kwargs).arguments.get("norm") is not None)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(fp8_gemm, "_launch_gemm", spy)
+    prompt, fed = prompt_ids(9, seed=3), prompt_ids(3, seed=4)  # the tokens fed: the same in both runs
+
+    def decode(fold: bool, table: list[int]) -> torch.Tensor:  # [3, V] fp32
+        monkeypatch.setattr(fp8_gemm, "FOLD_NORM", fold)
+        runner.model.use_fused_ops(False)  # the prefill in torch ops: the same KV cache for both runs
+        runner.execute(StepBatch([StepSeq(list(prompt), 0, table, True)]))
+        runner.model.use_fused_ops(True)
+        steps = [StepSeq([t], len(prompt) + i, table, True) for i, t in enumerate(fed)]
+        logits = torch.stack([runner.execute(StepBatch([s])).logits[0].float() for s in steps])
+        runner.model.use_fused_ops(False)
+        return logits
+
+    want = decode(False, [0, 1, 2])
+    assert len(folded) == 4 * SHAPE["layers"] * len(fed) and not any(folded)  # the four GEMMs, none folded
+    folded.clear()
+    got = decode(True, [5, 4, 3])
+    assert sum(folded) == (1 if arch == "qwen2" else 2) * SHAPE["layers"] * len(fed)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=0, atol=FOLD_LOGITS_TOL * want.abs().max().item())
 
 
 # --- loading what was published -------------------------------------------------------------------------------

@@ -13,9 +13,12 @@ Run: pytest -m cuda tests/gpu/test_fp8_cuda.py
 - Graph replay vs eager runner, decode batches on both GEMM paths, for a compressed-tensors
   checkpoint, a 128x128 block checkpoint and --quantization fp8: the bf16 tolerance of
   tests/gpu/test_runner_cuda.py (3% of the largest logit; argmax equal where the top-2 gap is clear).
+  At one row, replay with the norms folded against replay without them, to the same tolerance.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
@@ -212,3 +215,44 @@ def test_fp8_graph_replay_equals_eager(checkpoints, name):
             assert_replay_close(g, e, f"{name}: {num_seqs} seqs, step {step}")
             for i, t in enumerate(e.argmax(-1).tolist()):
                 tokens[i].append(t)
+
+
+@pytest.mark.parametrize("name", ["ct-channel", "on-load"])  # per-row scales: the one-row kernels
+def test_fp8_graph_replay_at_one_row_equals_with_and_without_the_folded_norms(checkpoints, name, monkeypatch):
+    """One sequence's decode steps through graph replay, the norms folded into the qkv and gate_up GEMMs
+    (fp8_gemm.FOLD_NORM, read at capture) against add_rmsnorm's kernel and the GEMM: the replay tolerance."""
+    path, kw = checkpoints[name]
+    folded = ModelRunner(_settings(path, **kw))
+    plain = ModelRunner(_settings(path, **kw))
+    launch, norms = fp8_gemm._launch_gemm, []  # per one-row GEMM launched in Python: the norm folded in?
+
+    def spy(*args, **kwargs):
+        bound = inspect.signature(launch).bind(*args, **kwargs).arguments
+        if bound["a"].shape[0] == 1:
+            norms.append(bound.get("norm") is not None)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(fp8_gemm, "_launch_gemm", spy)
+
+    def execute(runner: ModelRunner, batch: StepBatch):
+        with monkeypatch.context() as m:
+            m.setattr(fp8_gemm, "FOLD_NORM", runner is folded)
+            return runner.execute(batch)
+
+    prompt, table = prompt_ids(11, seed=7), Blocks(16).table(11 + 8)
+    prefill = StepBatch([StepSeq(list(prompt), 0, table, True)])
+    execute(folded, prefill)
+    tokens = list(prompt) + [int(execute(plain, prefill).logits[0].argmax())]
+    for step in range(4):
+        batch = StepBatch([StepSeq([tokens[-1]], len(tokens) - 1, table, True)])
+        norms.clear()
+        f = execute(folded, batch)
+        assert f.mode == "replay", f"{name}: decode step {step} ran {f.mode}"
+        f_logits = f.logits.clone()
+        if step == 0:  # captured on this miss (and maybe warmed up eagerly): of the 4 GEMMs a layer, 2 folded
+            assert 2 * sum(norms) == len(norms) > 0, norms
+        norms.clear()
+        p = execute(plain, batch)
+        assert p.mode == "replay" and not any(norms)
+        assert_replay_close(f_logits, p.logits, f"{name}: step {step}")
+        tokens.append(int(p.logits[0].argmax()))
