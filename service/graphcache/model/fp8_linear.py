@@ -13,7 +13,8 @@ FP8 GEMM that applies both scales to the fp32 accumulator:
   decode steps     (<= WEIGHT_ONLY_MAX_ROWS rows, per-row scales) fp8_gemm.weight_only_mm: x is not quantized,
                    W is widened to x's 16 bits in registers (a GEMM of so few rows is bound by reading W,
                    and quantizing x first would cost a pass over it); on every device, so the CPU computes
-                   what the GPU does
+                   what the GPU does. At one row on CUDA, add_rmsnorm_forward also runs the decoder layer's
+                   add + RMSNorm before qkv and gate_up inside the GEMM (fp8_gemm.weight_only_add_rmsnorm_mm)
   block scales     fp8_gemm.py's Triton kernel (x per token and 128 columns, W per 128x128 block)
 
 Everything is static-shaped and host-sync free, so the layers sit inside the captured graphs. On the CPU
