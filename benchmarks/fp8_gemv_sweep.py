@@ -19,8 +19,7 @@ against torch.mm on bf16 weights (cuBLAS; the bf16 decode's GEMMs) and torch._sc
   gated    (gate_up, M = 1) the same with silu(gate) * up in its epilogue (weight_only_silu_mul)
 --chain: the four GEMMs of a layer back to back as the model runs them at one row (qkv -> o -> gate_up with
 its activation -> down -> the next layer's qkv: each reads the one before), per layer, with and without
-programmatic dependent launch (fp8_gemm.PDL); then with the layer's two add + RMSNorms, their own kernels
-against folded into the qkv and gate_up GEMMs (fp8_gemm.FOLD_NORM). M = 1 runs every design, more rows dequant only (to fit one
+programmatic dependent launch (fp8_gemm.PDL). M = 1 runs every design, more rows dequant only (to fit one
 device call). The last lines name the dequant tile with the least summed time over the four shapes at M = 1 (fp8_gemm.DECODE_TILE's pick).
 Every design's output is checked against the fp32 product of the same operands first.
 """
@@ -257,38 +256,6 @@ def chain_us(layers: int = 32) -> list[dict]:
         out.append(row)
         print(json.dumps(row), flush=True)
     fp8_gemm.PDL = False
-    return out + chain_norms_us(qs, x, layers)
-
-
-def chain_norms_us(qs: dict, x: torch.Tensor, layers: int) -> list[dict]:
-    """The chain with the layer's two add + RMSNorms before qkv and gate_up, as the model runs them at one
-    row: add_rmsnorm's kernel, then the GEMM (fp8_gemm.FOLD_NORM off) against the norm folded into the
-    GEMM's prologue (on). us per layer, PDL off."""
-    g = torch.rand(x.shape[1], device=x.device, dtype=x.dtype) + 0.5  # the norms' weight
-
-    def run():
-        h, residual = x, None
-        for i in range(layers):
-            w = {name: q[i % len(q)] for name, q in qs.items()}
-            qkv, residual = fp8_gemm.weight_only_add_rmsnorm_mm(h, residual, g, 1e-5, *w["qkv_proj"], h.dtype)
-            o = fp8_gemm.weight_only_mm(qkv[:, :4096], *w["o_proj"], h.dtype)
-            act, residual = fp8_gemm.weight_only_add_rmsnorm_mm(
-                o, residual, g, 1e-5, *w["gate_up_proj"], h.dtype, gated=True
-            )
-            h = fp8_gemm.weight_only_mm(act, *w["down_proj"], h.dtype)
-        return h
-
-    out = []
-    for fold in (False, True):
-        fp8_gemm.FOLD_NORM = fold
-        row = {"design": "chain_norms", "fold_norm": fold, "layers": layers}
-        try:
-            row["us_per_layer"] = graph_us([run], reps=2) / layers
-        except Exception as exc:  # noqa: BLE001 - report, and leave the flag as the model wants it
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-        out.append(row)
-        print(json.dumps(row), flush=True)
-    fp8_gemm.FOLD_NORM = True
     return out
 
 

@@ -18,7 +18,6 @@ outliers to protect and no structure to average it out, so this is a ceiling for
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import logging
 
@@ -29,13 +28,11 @@ from graphcache.engine.batch import StepBatch, StepSeq
 from graphcache.engine.loop.engine import Engine, SamplingParams
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.metrics import Metrics
-from graphcache.model import fp8_gemm
 from graphcache.model.config import ModelLoadError
 from graphcache.model.fp8_gemm import (
     WEIGHT_ONLY_MAX_ROWS,
     _launch_gemm,
     emulated_mm,
-    weight_only_add_rmsnorm_mm,
     weight_only_mm,
     weight_only_silu_mul,
 )
@@ -48,7 +45,7 @@ from graphcache.model.fp8_quant import (
     quantize_rows,
     quantize_weight,
 )
-from graphcache.model.fused_ops import add_rmsnorm, silu_mul
+from graphcache.model.fused_ops import silu_mul
 from graphcache.model.loader import load_model
 from graphcache.model.parallel import TensorParallel
 from helpers_dist import gloo_group, run_ranks
@@ -226,103 +223,6 @@ def test_fp8_mlp_applies_silu_mul_like_the_unfused_layers():
     fp8 = Fp8Linear.quantized(torch.nn.Linear(64, 96, bias=False))
     for x in (torch.randn(1, 64, generator=gen), torch.randn(WEIGHT_ONLY_MAX_ROWS + 3, 64, generator=gen)):
         torch.testing.assert_close(fp8.silu_mul_forward(x, 48), silu_mul(fp8(x), 48, fused=False))
-
-
-# --- the add + RMSNorm folded into the one-row GEMM ---------------------------------------------------------------
-# The fused kernel computes W . (g * h) * rsqrt(mean(h^2) + eps) in fp32, where add_rmsnorm then the GEMM rounds
-# rmsnorm(h) and g * rmsnorm(h) to x's dtype first. In fp16 (these tests; the interpreter's bf16 is wrong) the two
-# differ by at most 1.2e-3 of the largest output over the cases below, the fused one being the closer to the
-# fp32 product (at most 6e-4 of the largest output: about the output's own rounding). In bf16 (the GPU test) a
-# torch emulation of both at the 8B shapes differs by at most 7e-3. h = x + residual is rounded as torch's add
-# rounds it: equal bit for bit.
-NORM_TOL = 2e-3  # fp16: fused against add_rmsnorm + the GEMM, a share of the largest output
-EXACT_TOL = 1e-3  # fp16: fused against the fp32 product of g * rmsnorm(h), ditto
-# fp16 logits of SHAPE's 4 layers, folded against not, a share of the largest logit (measured: 1.2e-3 llama,
-# 6e-4 qwen2 and qwen3)
-FOLD_LOGITS_TOL = 5e-3
-
-
-def _norm_operands(k: int, n: int, has_res: bool, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    x = (torch.randn(1, k, generator=gen) * 3).half()
-    res = (torch.randn(1, k, generator=gen) * 2).half() if has_res else None
-    g = (torch.rand(k, generator=gen) + 0.5).half()  # a norm weight far from 1
-    wq, sw = quantize_weight(torch.randn(n, k, generator=gen))
-    return x, res, g, wq, sw
-
-
-@pytest.mark.parametrize("has_res", [True, False])  # False: the first layer (h = x)
-@pytest.mark.parametrize(
-    "k,n,gated",
-    [(256, 200, False), (2048, 72, False), (300, 64, True), (1024, 36, True)],  # ragged and even K
-)
-def test_norm_folded_kernel_is_add_rmsnorm_then_the_product(k, n, gated, has_res):
-    eps = 1e-5
-    x, res, g, wq, sw = _norm_operands(k, n, has_res, seed=k + n)
-    res_out = torch.full_like(x, float("nan")) if has_res else x
-    got = _launch_gemm(x, wq, None, sw, None, torch.float16, gated, (res, g, res_out, eps))  # interpreted
-    normed, h = add_rmsnorm(x, res, g, eps, fused=False)
-    assert torch.equal(res_out, h)  # every column written (NaN-poisoned), x + residual rounded as torch does
-    want = _launch_gemm(normed, wq, None, sw, None, torch.float16, gated)  # the unfused composition
-    assert got.shape == want.shape == (1, n // 2 if gated else n)
-    assert torch.isfinite(got).all()
-    top = want.float().abs().max().item()
-    torch.testing.assert_close(got.float(), want.float(), rtol=NORM_TOL, atol=NORM_TOL * top)
-    hf = h.float()  # the fp32 product of g * rmsnorm(h), nothing rounded before the GEMM
-    exact = (g.float() * hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)) @ (wq.float() * sw).t()
-    if gated:
-        exact = silu_mul(exact, n // 2, fused=False)
-    torch.testing.assert_close(got.float(), exact, rtol=EXACT_TOL, atol=EXACT_TOL * top)
-
-
-def test_norm_folded_gemm_composes_where_the_kernel_does_not_run():
-    """weight_only_add_rmsnorm_mm on the CPU (and off, or past one row): add_rmsnorm, then the product."""
-    x, res, g, wq, sw = _norm_operands(64, 96, True, seed=3)
-    for gated, mm in ((False, weight_only_mm), (True, weight_only_silu_mul)):
-        for r in (res, None):
-            y, h = weight_only_add_rmsnorm_mm(x, r, g, 1e-6, wq, sw, torch.float16, gated)
-            normed, want_h = add_rmsnorm(x, r, g, 1e-6, fused=False)
-            assert torch.equal(h, want_h) and torch.equal(y, mm(normed, wq, sw, torch.float16, kernel=False))
-    with pytest.raises(ValueError, match="one-row"):
-        _launch_gemm(x.expand(2, -1), wq, None, sw, None, torch.float16, norm=(None, g, x, 1e-6))
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # qwen2: a qkv bias; qwen3: q/k norms
-def test_fp8_decode_at_one_row_folds_the_norms_into_the_gemms(arch, monkeypatch):
-    """An FP8 model's one-row decode steps with the fused ops on (Triton's interpreter; fp16, whose products it
-    computes right), the one-row kernels let onto the CPU: the folded norms give add_rmsnorm + GEMM's logits.
-    Both fold into llama's and qwen3's qkv and gate_up GEMMs; qwen2's qkv has a bias, so only gate_up."""
-    path = tiny_checkpoint(arch, **SHAPE)
-    runner = ModelRunner(cpu_settings(path, quantization="fp8", dtype="float16", enforce_eager=True))
-    monkeypatch.setattr(fp8_gemm, "_runs_kernel", lambda x, kernel: kernel and x.dtype == torch.float16)
-    for tile in ("ONE_ROW_TILE", "GATED_ONE_ROW_TILE"):  # wider N tiles, fewer programs to interpret
-        monkeypatch.setattr(fp8_gemm, tile, (32, 128, 4, 2))  # (K = 128 and 384: no K masks)
-    launch, folded = fp8_gemm._launch_gemm, []  # per one-row GEMM launched: whether the norm was folded in
-
-    def spy(*args, **kwargs):
-        folded.append(inspect.signature(launch).bind(*args, **kwargs).arguments.get("norm") is not None)
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(fp8_gemm, "_launch_gemm", spy)
-    prompt, fed = prompt_ids(9, seed=3), prompt_ids(3, seed=4)  # the tokens fed: the same in both runs
-
-    def decode(fold: bool, table: list[int]) -> torch.Tensor:  # [3, V] fp32
-        monkeypatch.setattr(fp8_gemm, "FOLD_NORM", fold)
-        runner.model.use_fused_ops(False)  # the prefill in torch ops: the same KV cache for both runs
-        runner.execute(StepBatch([StepSeq(list(prompt), 0, table, True)]))
-        runner.model.use_fused_ops(True)
-        steps = [StepSeq([t], len(prompt) + i, table, True) for i, t in enumerate(fed)]
-        logits = torch.stack([runner.execute(StepBatch([s])).logits[0].float() for s in steps])
-        runner.model.use_fused_ops(False)
-        return logits
-
-    want = decode(False, [0, 1, 2])
-    assert len(folded) == 4 * SHAPE["layers"] * len(fed) and not any(folded)  # the four GEMMs, none folded
-    folded.clear()
-    got = decode(True, [5, 4, 3])
-    assert sum(folded) == (1 if arch == "qwen2" else 2) * SHAPE["layers"] * len(fed)
-    assert torch.isfinite(got).all()
-    torch.testing.assert_close(got, want, rtol=0, atol=FOLD_LOGITS_TOL * want.abs().max().item())
 
 
 # --- loading what was published -------------------------------------------------------------------------------

@@ -7,34 +7,22 @@ Run: pytest -m cuda tests/gpu/test_fp8_cuda.py
   weight-only decode kernel (<= WEIGHT_ONLY_MAX_ROWS rows) its fp32 fallback, on the same operands within
   one bf16 rounding of the output (rtol 1e-2), for two different inputs each, with the allocator's free
   memory poisoned with NaN before each call (an output the kernel did not write would show).
-- The one-row GEMM with add + RMSNorm folded into its prologue (qkv, gated gate_up at the 8B shapes) equals
-  add_rmsnorm's kernel then the GEMM within 1.5e-2 of the largest output (the norm's bf16 roundings the
-  fold skips), and its new residual x + residual bit for bit.
 - Graph replay vs eager runner, decode batches on both GEMM paths, for a compressed-tensors
   checkpoint, a 128x128 block checkpoint and --quantization fp8: the bf16 tolerance of
   tests/gpu/test_runner_cuda.py (3% of the largest logit; argmax equal where the top-2 gap is clear).
-  At one row, replay with the norms folded against replay without them, to the same tolerance.
 """
 
 from __future__ import annotations
-
-import inspect
 
 import pytest
 import torch
 from graphcache.engine.batch import StepBatch, StepSeq
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.model import fp8_gemm
-from graphcache.model.fp8_gemm import (
-    block_scaled_mm,
-    emulated_mm,
-    weight_only_add_rmsnorm_mm,
-    weight_only_mm,
-    weight_only_silu_mul,
-)
+from graphcache.model.fp8_gemm import block_scaled_mm, emulated_mm, weight_only_mm, weight_only_silu_mul
 from graphcache.model.fp8_linear import Fp8Linear, fp8_mm
 from graphcache.model.fp8_quant import FP8, quantize_groups, quantize_rows, quantize_weight
-from graphcache.model.fused_ops import add_rmsnorm, silu_mul
+from graphcache.model.fused_ops import silu_mul
 from helpers_cuda import assert_replay_close, poison_allocator
 from helpers_fp8 import bf16_copy, write_fp8_checkpoint
 from helpers_model import Blocks, cuda_settings, prompt_ids, tiny_checkpoint
@@ -119,38 +107,6 @@ def test_block_scaled_gemm_equals_the_emulation(m):
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("has_res", [True, False])
-@pytest.mark.parametrize("name,n,gated", [("qkv_proj", 6144, False), ("gate_up_proj", 28672, True)])
-def test_norm_folded_gemm_equals_add_rmsnorm_then_the_gemm(name, n, gated, has_res):
-    """add_rmsnorm folded into the one-row GEMM at the 8B shapes (hidden 4096), bf16: the fused-ops composition
-    (add_rmsnorm's kernel, then the one-row GEMM) within 1.5e-2 of the largest output, the fp32 product of
-    g * rmsnorm(h) within 1e-2, h = x + residual bit for bit. (A torch emulation of the fold differs from the
-    composition by at most 7e-3 of the largest output at these shapes: the composition rounds rmsnorm(h) and
-    g * rmsnorm(h) to bf16 before the GEMM, the fold does not; gated, silu * up rounds three times more.)"""
-    k, eps = 4096, 1e-5
-    wq, sw = quantize_weight(torch.randn(n, k, device="cuda") / 100)
-    for seed in (0, 1):
-        torch.manual_seed(seed)
-        x = (torch.randn(1, k, device="cuda") * (1 + 10 * seed)).bfloat16()
-        res = (torch.randn(1, k, device="cuda") * 3).bfloat16() if has_res else None
-        g = (torch.rand(k, device="cuda") + 0.5).bfloat16()
-        assert fp8_gemm.folds_norm(x, res, g)
-        normed, want_h = add_rmsnorm(x, res, g, eps, fused=True)
-        mm = weight_only_silu_mul if gated else weight_only_mm
-        want = mm(normed, wq, sw, torch.bfloat16)
-        poison_allocator()
-        got, h = weight_only_add_rmsnorm_mm(x, res, g, eps, wq, sw, torch.bfloat16, gated)
-        assert torch.equal(h, want_h) and (has_res or h is x)
-        assert got.shape == want.shape and torch.isfinite(got).all()
-        top = want.float().abs().max().item()
-        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1.5e-2 * top)
-        hf = h.float()
-        exact = (g.float() * hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)) @ (wq.float() * sw).t()
-        if gated:
-            exact = silu_mul(exact, n // 2, fused=False)
-        torch.testing.assert_close(got.float(), exact, rtol=1e-2, atol=1e-2 * top)
-
-
 def test_fp8_linear_on_cuda_equals_the_cpu_emulation():
     linear = torch.nn.Linear(512, 384, bias=True).bfloat16()
     gpu = Fp8Linear.quantized(linear.cuda())
@@ -215,44 +171,3 @@ def test_fp8_graph_replay_equals_eager(checkpoints, name):
             assert_replay_close(g, e, f"{name}: {num_seqs} seqs, step {step}")
             for i, t in enumerate(e.argmax(-1).tolist()):
                 tokens[i].append(t)
-
-
-@pytest.mark.parametrize("name", ["ct-channel", "on-load"])  # per-row scales: the one-row kernels
-def test_fp8_graph_replay_at_one_row_equals_with_and_without_the_folded_norms(checkpoints, name, monkeypatch):
-    """One sequence's decode steps through graph replay, the norms folded into the qkv and gate_up GEMMs
-    (fp8_gemm.FOLD_NORM, read at capture) against add_rmsnorm's kernel and the GEMM: the replay tolerance."""
-    path, kw = checkpoints[name]
-    folded = ModelRunner(_settings(path, **kw))
-    plain = ModelRunner(_settings(path, **kw))
-    launch, norms = fp8_gemm._launch_gemm, []  # per one-row GEMM launched in Python: the norm folded in?
-
-    def spy(*args, **kwargs):
-        bound = inspect.signature(launch).bind(*args, **kwargs).arguments
-        if bound["a"].shape[0] == 1:
-            norms.append(bound.get("norm") is not None)
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(fp8_gemm, "_launch_gemm", spy)
-
-    def execute(runner: ModelRunner, batch: StepBatch):
-        with monkeypatch.context() as m:
-            m.setattr(fp8_gemm, "FOLD_NORM", runner is folded)
-            return runner.execute(batch)
-
-    prompt, table = prompt_ids(11, seed=7), Blocks(16).table(11 + 8)
-    prefill = StepBatch([StepSeq(list(prompt), 0, table, True)])
-    execute(folded, prefill)
-    tokens = list(prompt) + [int(execute(plain, prefill).logits[0].argmax())]
-    for step in range(4):
-        batch = StepBatch([StepSeq([tokens[-1]], len(tokens) - 1, table, True)])
-        norms.clear()
-        f = execute(folded, batch)
-        assert f.mode == "replay", f"{name}: decode step {step} ran {f.mode}"
-        f_logits = f.logits.clone()
-        if step == 0:  # captured on this miss (and maybe warmed up eagerly): of the 4 GEMMs a layer, 2 folded
-            assert 2 * sum(norms) == len(norms) > 0, norms
-        norms.clear()
-        p = execute(plain, batch)
-        assert p.mode == "replay" and not any(norms)
-        assert_replay_close(f_logits, p.logits, f"{name}: step {step}")
-        tokens.append(int(p.logits[0].argmax()))

@@ -12,9 +12,6 @@ W [N, K] is FP8 row-major. One kernel, two modes:
                 at one row (ONE_ROW) multiply-adds in fp32 instead, with no 16-row MMA tile to fill.
                 `weight_only_silu_mul`: the same on a [gate | up] weight, silu(gate) * up applied to the
                 accumulators (the MLP's activation without a launch of its own).
-                `weight_only_add_rmsnorm_mm` (one row): the decoder layer's add + RMSNorm before the
-                GEMM folded into its prologue, y = sw * (W . (g * h)) * rsqrt(mean(h^2) + eps) with
-                h = x + residual, which the kernel also writes (the norm without a launch of its own).
 Larger row-scaled batches go to torch._scaled_mm (fp8_linear.fp8_mm). Why weight only at <= 16 rows:
 the GEMM is bound by reading W there, so FP8 tensor cores buy nothing, while quantizing x first costs a
 pass over x before the first product (every program needs the row's amax). The narrow N tiles give
@@ -32,15 +29,13 @@ from __future__ import annotations
 
 import torch
 
-from graphcache.model.fused_ops import add_rmsnorm, silu_mul
+from graphcache.model.fused_ops import silu_mul
 from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
 __all__ = [
     "WEIGHT_ONLY_MAX_ROWS",
     "block_scaled_mm",
     "emulated_mm",
-    "folds_norm",
-    "weight_only_add_rmsnorm_mm",
     "weight_only_mm",
     "weight_only_silu_mul",
 ]
@@ -54,9 +49,6 @@ def _fp8_mm_kernel(
     c_ptr,
     sa_ptr,
     sb_ptr,
-    res_ptr,
-    g_ptr,
-    res_out_ptr,
     M,
     N,
     K,
@@ -66,12 +58,9 @@ def _fp8_mm_kernel(
     stride_sa_g,
     stride_sa_m,
     stride_sb_n,
-    eps,
     BLOCK_SCALES: tl.constexpr,
     ONE_ROW: tl.constexpr,
     GATED: tl.constexpr,
-    NORM: tl.constexpr,
-    HAS_RES: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
     GROUP_N: tl.constexpr,
@@ -87,10 +76,6 @@ def _fp8_mm_kernel(
     # ONE_ROW (weight only, M = 1): no tensor cores, a multiply-add per weight into a [BLOCK_N, BLOCK_K]
     # fp32 accumulator summed once after the loop (at one row a 16-row MMA tile is 15/16 padding and its
     # shared-memory round trip the cost; a sum per K tile would put a cross-warp reduction in the loop).
-    # NORM (ONE_ROW): the product's x is g * rmsnorm(h), h = a (+ the residual res [1, K] if HAS_RES) and
-    # g [K] the norm's weight: every program reads all of h's row anyway, so each sums its squares itself
-    # and scales its outputs by rsqrt(mean + eps) after the loop (W . (g * h) * r = W . (g * h * r)); the
-    # programs of pid_n 0 write h to res_out [1, K] (the next residual). No kernel of its own for the norm.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -106,38 +91,22 @@ def _fp8_mm_kernel(
         acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         w_ptrs = b_ptr + offs_n[:, None] * stride_bn + offs_k[None, :]  # [BLOCK_N, BLOCK_K], K contiguous
-        sq = tl.zeros((BLOCK_K,), dtype=tl.float32)  # NORM: h's squares, summed after the loop
+        x_ptrs = a_ptr + offs_k
         for j in range(0, tl.cdiv(K, BLOCK_K)):
-            k_offs = j * BLOCK_K + offs_k
             if EVEN_K:  # no mask along K (every real shape): nothing keeps the loads from 16-byte vectors
-                k_mask = offs_k < BLOCK_K  # all true (and constant over the tile): NORM's loads, store
                 w_mask = n_mask[:, None]
-                x = tl.load(a_ptr + k_offs)
+                x = tl.load(x_ptrs).to(tl.float32)[None, :]
             else:
                 k_mask = offs_k < K - j * BLOCK_K
                 w_mask = n_mask[:, None] & k_mask[None, :]
-                x = tl.load(a_ptr + k_offs, mask=k_mask, other=0.0)
-            if HAS_RES:  # h = x + residual, rounded to x's dtype as torch's 16-bit add rounds it
-                r = tl.load(res_ptr + k_offs, mask=k_mask, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-                if pid_n == 0:  # one program column writes h; all read only x and res, never res_out
-                    tl.store(res_out_ptr + k_offs, x, mask=k_mask)  # (a branch: the interpreter refuses
-                    # a mask of k_mask & a scalar, the GPU takes either)
-            xf = x.to(tl.float32)
-            if NORM:
-                sq += xf * xf
-                xf = xf * tl.load(g_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)
-            x = xf[None, :]  # [1, BLOCK_K]
+                x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
             acc_g += tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
             if GATED:
                 acc_u += tl.load(w_ptrs + up_rows, mask=w_mask, other=0.0).to(tl.float32) * x
+            x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         row = tl.sum(acc_g, axis=1)[None, :]  # [1, BLOCK_N]
         row_u = tl.sum(acc_u, axis=1)[None, :]
-        if NORM:  # rmsnorm's one scale of the row, on the sums instead of every x (K: the whole row)
-            inv = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
-            row = row * inv
-            row_u = row_u * inv
     else:
         a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
         b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None]
@@ -202,9 +171,6 @@ GATED_ONE_ROW_TILE = (4, 1024, 4, 2)
 # -2.4% on a chain of the four one-row GEMMs alone (BENCHMARKS.md §14); off, as in the model they sit between
 # kernels that do not use it and no cuda test runs with it on.
 PDL = False
-# The add + RMSNorm before a one-row GEMM folded into its prologue (weight_only_add_rmsnorm_mm): on; off
-# runs add_rmsnorm's kernel, then the GEMM (an A/B switch for benchmarks and tests, read at capture).
-FOLD_NORM = True
 
 
 def _tiles(m: int, block_k: int | None, gated: bool = False) -> tuple[int, int, int, int, int]:
@@ -228,13 +194,10 @@ def _launch_gemm(
     block: tuple[int, int] | None,
     out_dtype: torch.dtype,
     gated: bool = False,
-    norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """The one GEMM kernel on a [T, K] x w [N, K] -> [T, N]. block None: weight only (a is the 16-bit x,
     scale_a None, scale_w [N, 1]); else [bn, bk] block scales (a fp8, scale_a [T, K / bk]). gated (weight
-    only): w is [gate | up], [2N, K], and the result silu(gate) * up, [T, N]. norm (weight only, one row):
-    (residual [1, K] or None, g [K], res_out [1, K], eps): the product of g * rmsnorm(a + residual), and
-    a + residual written to res_out (unwritten when residual is None)."""
+    only): w is [gate | up], [2N, K], and the result silu(gate) * up, [T, N]."""
     m, k = a.shape
     n = w.shape[0] // 2 if gated else w.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
@@ -243,18 +206,12 @@ def _launch_gemm(
         sa, stride_sa_g, stride_sa_m = scale_w, 0, 0
     else:  # scale_a [T, K / bk]
         sa, stride_sa_g, stride_sa_m = scale_a, scale_a.stride(1), scale_a.stride(0)
-    if norm is not None and block_m != 1:
-        raise ValueError(f"the norm prologue is the one-row weight-only kernel's, got a {tuple(a.shape)}")
-    residual, g, res_out, eps = norm if norm is not None else (None, a, a, 0.0)  # unread without NORM
     _kernel()[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
         a,
         w,
         out,
         sa,
         scale_w,
-        a if residual is None else residual,
-        g,
-        res_out,
         m,
         n,
         k,
@@ -264,12 +221,9 @@ def _launch_gemm(
         stride_sa_g,
         stride_sa_m,
         scale_w.stride(0),
-        eps,
         BLOCK_SCALES=block is not None,
         ONE_ROW=block_m == 1,  # _tiles' one-row tile: weight only at M = 1
         GATED=gated,
-        NORM=norm is not None,
-        HAS_RES=residual is not None,
         EVEN_K=k % block_k == 0,
         USE_PDL=PDL and block is None,
         launch_pdl=PDL and block is None,
@@ -310,44 +264,6 @@ def weight_only_silu_mul(
     if _runs_kernel(x, kernel):
         return _launch_gemm(x, w, None, scale_w, None, out_dtype, gated=True)
     return silu_mul(weight_only_mm(x, w, scale_w, out_dtype, kernel=False), w.shape[0] // 2, fused=False)
-
-
-def weight_only_add_rmsnorm_mm(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    w: torch.Tensor,
-    scale_w: torch.Tensor,
-    out_dtype: torch.dtype,
-    gated: bool = False,
-    kernel: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fused_ops.add_rmsnorm, then weight_only_mm (gated: weight_only_silu_mul) of the normed row, at one
-    row: x [1, K], residual [1, K] or None (the first layer: h = x), norm_weight [K] -> (y [1, N] (gated:
-    [1, N / 2]), h = x + residual [1, K], the next residual; x itself when residual is None).
-    The kernel (kernel, and where weight_only_mm's applies) folds the norm into the GEMM's prologue: one
-    launch instead of two, and the normed row is never written. It computes W . (g * h) * rsqrt(mean(h^2)
-    + eps) in fp32, where the composition rounds rmsnorm(h) and g * rmsnorm(h) to x's dtype first: the
-    same up to those two roundings of the GEMM's input (h itself is rounded as torch's add rounds it).
-    Elsewhere (the CPU, more rows, the kernels off, FOLD_NORM off) the composition itself: add_rmsnorm (its
-    Triton kernel where kernel is set on CUDA), then the product as weight_only_mm computes it there."""
-    if folds_norm(x, residual, norm_weight, kernel):
-        res_out = x if residual is None else torch.empty_like(x)  # a fresh buffer: never one it reads
-        y = _launch_gemm(x, w, None, scale_w, None, out_dtype, gated, (residual, norm_weight, res_out, eps))
-        return y, res_out
-    h, res_out = add_rmsnorm(x, residual, norm_weight, eps, kernel and x.is_cuda and HAVE_TRITON)
-    mm = weight_only_silu_mul if gated else weight_only_mm
-    return mm(h, w, scale_w, out_dtype, kernel=kernel), res_out
-
-
-def folds_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, kernel: bool = True
-) -> bool:
-    """Whether weight_only_add_rmsnorm_mm runs its one kernel on these operands (else the composition)."""
-    res_fits = residual is None or (residual.dtype == x.dtype and residual.stride(1) == 1)
-    one_row = FOLD_NORM and x.shape[0] == 1
-    return one_row and _runs_kernel(x, kernel) and res_fits and norm_weight.is_contiguous()
 
 
 def _runs_kernel(x: torch.Tensor, kernel: bool) -> bool:

@@ -13,8 +13,7 @@ FP8 GEMM that applies both scales to the fp32 accumulator:
   decode steps     (<= WEIGHT_ONLY_MAX_ROWS rows, per-row scales) fp8_gemm.weight_only_mm: x is not quantized,
                    W is widened to x's 16 bits in registers (a GEMM of so few rows is bound by reading W,
                    and quantizing x first would cost a pass over it); on every device, so the CPU computes
-                   what the GPU does. At one row on CUDA, add_rmsnorm_forward also runs the decoder layer's
-                   add + RMSNorm before qkv and gate_up inside the GEMM (fp8_gemm.weight_only_add_rmsnorm_mm)
+                   what the GPU does
   block scales     fp8_gemm.py's Triton kernel (x per token and 128 columns, W per 128x128 block)
 
 Everything is static-shaped and host-sync free, so the layers sit inside the captured graphs. On the CPU
@@ -28,29 +27,16 @@ all-reduces its partial outputs before the bias, as RowParallelLinear does (mode
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 from torch import nn
 
 from graphcache.model import fp8_gemm
-from graphcache.model.fp8_gemm import (
-    block_scaled_mm,
-    emulated_mm,
-    weight_only_add_rmsnorm_mm,
-    weight_only_mm,
-    weight_only_silu_mul,
-)
+from graphcache.model.fp8_gemm import block_scaled_mm, emulated_mm, weight_only_mm, weight_only_silu_mul
 from graphcache.model.fp8_quant import FP8, quantize_groups, quantize_rows, quantize_weight
-from graphcache.model.fused_ops import add_rmsnorm, silu_mul
+from graphcache.model.fused_ops import silu_mul
 from graphcache.model.parallel import RowParallelLinear, TensorParallel
 
 __all__ = ["Fp8Linear", "fp8_mm"]
-
-
-class RMSNormLike(Protocol):  # llama.RMSNorm (not imported: llama imports this module)
-    weight: torch.Tensor
-    eps: float
 
 
 def fp8_mm(
@@ -150,30 +136,6 @@ class Fp8Linear(nn.Module):
         if plain and x.shape[0] <= fp8_gemm.WEIGHT_ONLY_MAX_ROWS and 2 * inter == self.out_features:
             return weight_only_silu_mul(x, self.weight, self.weight_scale, x.dtype, kernel=self.fused)
         return silu_mul(self(x), inter, self.fused)
-
-    def add_rmsnorm_forward(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm: RMSNormLike,
-        fused_norm: bool,
-        silu_mul_inter: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm.add_forward(x, residual, fused_norm) into this layer (silu_mul_forward when silu_mul_inter
-        is set): x, residual [T, K] -> (y [T, N] or [T, inter], x + residual [T, K]). At one row with the
-        fused ops on, one kernel (fp8_gemm.weight_only_add_rmsnorm_mm: the add and the norm in the GEMM's
-        prologue); otherwise the two steps as they run unfused. Which one depends only on shapes and flags,
-        so a captured graph holds one or the other for good."""
-        # tp None: not row-parallel, so x holds all K columns the norm sums over (a column-parallel shard too)
-        plain = self.block is None and self.bias is None and self.tp is None
-        gated = silu_mul_inter is not None
-        fits = not gated or 2 * silu_mul_inter == self.out_features
-        if plain and fits and fused_norm and fp8_gemm.folds_norm(x, residual, norm.weight, self.fused):
-            return weight_only_add_rmsnorm_mm(
-                x, residual, norm.weight, norm.eps, self.weight, self.weight_scale, x.dtype, gated
-            )
-        h, residual = add_rmsnorm(x, residual, norm.weight, norm.eps, fused_norm)
-        return (self(h) if silu_mul_inter is None else self.silu_mul_forward(h, silu_mul_inter)), residual
 
     def extra_repr(self) -> str:
         scales = "per-row scales" if self.block is None else f"{self.block[0]}x{self.block[1]} block scales"

@@ -127,12 +127,8 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # positions [T], slot_mapping [T] (cache slot of each token; padded tokens: a scratch slot), x [T, hidden]
-        return self.attend(positions, slot_mapping, self.qkv_proj(x))
-
-    def attend(self, positions: torch.Tensor, slot_mapping: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """Attention from the qkv projection's output [T, (H + 2K) * D] (DecoderLayer may compute it with
-        the norm before it folded in) -> o_proj's [T, hidden]."""
-        t = qkv.shape[0]
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (H + 2K) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, K, D]
@@ -192,21 +188,10 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output (the embeddings for the first, residual None); returns this
         layer's output and the residual stream before it, added at the next norm (one fused kernel)."""
-        qkv_proj = self.attn.qkv_proj
-        if isinstance(qkv_proj, Fp8Linear):  # the norm may fold into the GEMM (one-row decode: one kernel)
-            qkv, residual = qkv_proj.add_rmsnorm_forward(x, residual, self.input_norm, self.fused)
-            h = self.attn.attend(positions, slot_mapping, qkv)
-        else:
-            h, residual = self.input_norm.add_forward(x, residual, self.fused)  # residual = x + residual
-            h = self.attn(positions, slot_mapping, h)
-        mlp = self.mlp
-        if isinstance(mlp, MLP) and isinstance(mlp.gate_up_proj, Fp8Linear):  # the same for gate_up
-            act, residual = mlp.gate_up_proj.add_rmsnorm_forward(
-                h, residual, self.post_attn_norm, self.fused, mlp.inter
-            )  # [T, inter] = silu(gate) * up
-            return mlp.down_proj(act), residual
+        h, residual = self.input_norm.add_forward(x, residual, self.fused)  # residual = x + residual
+        h = self.attn(positions, slot_mapping, h)
         h, residual = self.post_attn_norm.add_forward(h, residual, self.fused)
-        return mlp(h), residual
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
