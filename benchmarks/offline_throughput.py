@@ -5,7 +5,8 @@ Workloads (benchmarks/workloads.py; --workload nano,realistic runs both on one m
              lengths 100-1024 (seed 0), greedy.
   realistic  ShareGPT-like lognormal lengths (prompt median 220, sigma 0.9, cap 2048; output median
              200, sigma 0.75, cap 1024), temperature 0.8, top_p 0.95, every fourth request seeded,
-             2 x --max-num-seqs requests, so prompt chunks join decode rows through the run.
+             2 x max_num_seqs requests (the device's default unless --max-num-seqs), so prompt chunks
+             join decode rows through the run.
 Random token ids, ignore_eos, so every request produces exactly its output length. The engine runs
 in-process (no HTTP): Engine + ModelRunner, all requests submitted at once, the clock running from
 submission to the last token (after load, warmup and a short warm request, like nano-vllm's
@@ -74,26 +75,31 @@ def build_workloads(args, vocab: int) -> dict[str, list[workloads.Request]]:
             )
         elif name == "realistic":
             shape = workloads.RealisticShape(prompt_cap=args.prompt_cap, output_cap=args.output_cap)
-            out[name] = workloads.realistic(
-                args.realistic_requests or 2 * args.max_num_seqs, vocab, args.seed, shape
-            )
+            n = args.realistic_requests or 2 * (args.max_num_seqs or default_max_num_seqs(args))
+            out[name] = workloads.realistic(n, vocab, args.seed, shape)
         else:
             raise SystemExit(f"unknown workload {name!r}; use nano, realistic")
         print(f"workload {name}: {workloads.describe(out[name])}", file=sys.stderr)
     return out
 
 
+def default_max_num_seqs(args) -> int:
+    """The running sequences the engine takes on this device when --max-num-seqs is not given."""
+    return engine_settings(args, enforce_eager=False).engine.max_num_seqs
+
+
 def engine_settings(args, enforce_eager: bool) -> Settings:
+    """The engine's settings; batch limits left unset (None) take the server's defaults for the device."""
+    limits = dict(max_num_seqs=args.max_num_seqs, max_capture_size=args.max_capture_size)
     return Settings(
         model=args.model,
         device=args.device,
         dtype=args.dtype,
         enforce_eager=enforce_eager,
-        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
-        max_queue=max(args.num_seqs, 1024),
-        max_capture_size=args.max_capture_size,
+        max_queue=max(args.num_seqs, 2048),
+        **{k: v for k, v in limits.items() if v is not None},
     )
 
 
@@ -298,7 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--min-output", type=int, default=100)
     ap.add_argument("--max-output", type=int, default=1024)
     ap.add_argument(
-        "--realistic-requests", type=int, default=0, help="realistic: requests (0 = 2 x --max-num-seqs)"
+        "--realistic-requests",
+        type=int,
+        default=0,
+        help="realistic: requests (0 = 2 x max_num_seqs, the flag's or the device default's)",
     )
     ap.add_argument("--prompt-cap", type=int, default=2048, help="realistic: longest prompt")
     ap.add_argument("--output-cap", type=int, default=1024, help="realistic: longest output")
@@ -310,10 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seeded-every", type=int, default=0, help="nano: every k-th request seeded (0: none)")
     ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, help="default: the server's for the device (config.py)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--max-capture-size", type=int, default=256)
+    ap.add_argument("--max-capture-size", type=int, help="default: the server's for the device")
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--hf-cache", default="static", choices=["static", "dynamic"])
     ap.add_argument(

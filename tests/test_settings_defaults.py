@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from graphcache import config
 from graphcache.config import GPU_BATCH_DEFAULTS, Settings
 
 
@@ -37,9 +38,11 @@ def test_env_counts_as_set(monkeypatch):
     )
 
 
-def test_auto_follows_the_machine():
+def test_auto_follows_the_machine():  # the real probe: this machine's device
     s = Settings(device="auto")
-    expected = (256, 8192) if torch.cuda.is_available() else (64, 1024)
+    memory = config.gpu_memory_bytes()
+    large = memory is not None and memory >= config.LARGE_GPU_BYTES
+    expected = (64, 1024) if memory is None else (512 if large else 256, 8192)
     assert (s.engine.max_num_seqs, s.engine.max_num_batched_tokens) == expected
 
 
@@ -62,3 +65,43 @@ def test_updated_replaces_by_flat_name_and_leaves_the_rest():
     assert (s.http.port, s.graph_cache.max_entries) == (8000, 5)  # a copy: the original is unchanged
     with pytest.raises(TypeError, match="no_such_setting"):
         s.updated(no_such_setting=1)
+
+
+@pytest.fixture
+def gpu_of(monkeypatch):
+    """Pretend the first CUDA device has this many GiB (config.gpu_memory_bytes is the only probe)."""
+
+    def set_memory(gib: float) -> None:
+        monkeypatch.setattr(config, "gpu_memory_bytes", lambda: int(gib * 2**30))
+
+    return set_memory
+
+
+def test_large_gpus_run_twice_the_sequences_with_decode_graphs_to_match(gpu_of):
+    gpu_of(141)  # H200
+    s = Settings(device="auto")
+    assert (s.engine.max_num_seqs, s.engine.max_num_batched_tokens) == (512, 8192)
+    assert s.graph_cache.max_capture_size == 512
+    assert config.LARGE_GPU_BYTES > 48 * 2**30  # an L40S (48 GB) keeps the 256 defaults
+    gpu_of(48)
+    s = Settings(device="cuda")
+    assert (s.engine.max_num_seqs, s.graph_cache.max_capture_size) == (256, 256)
+
+
+def test_what_the_user_sets_wins_on_a_large_gpu(gpu_of):
+    gpu_of(80)  # H100
+    s = Settings(device="cuda", max_num_seqs=128)
+    assert (s.engine.max_num_seqs, s.graph_cache.max_capture_size) == (128, 256)  # never below 256
+    s = Settings(device="cuda", max_capture_size=64)
+    assert (s.engine.max_num_seqs, s.graph_cache.max_capture_size) == (512, 64)
+    s = Settings(device="cuda", max_num_seqs=1024)  # captures stop at the measured 512
+    assert s.graph_cache.max_capture_size == 512
+    s = Settings(device="cuda", max_num_batched_tokens=300)  # rows never exceed an explicit token budget
+    assert (s.engine.max_num_seqs, s.graph_cache.max_capture_size) == (300, 300)
+    assert Settings(device="cpu").engine.max_num_seqs == 64  # the CPU is never probed
+
+
+def test_no_cuda_means_no_gpu_defaults_under_auto(gpu_of, monkeypatch):
+    monkeypatch.setattr(config, "gpu_memory_bytes", lambda: None)
+    s = Settings(device="auto")
+    assert (s.engine.max_num_seqs, s.graph_cache.max_capture_size) == (64, 256)

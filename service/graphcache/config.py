@@ -32,11 +32,25 @@ from graphcache.settings.log import LoggingSettings
 from graphcache.settings.model import ModelSettings
 from graphcache.settings.section import SettingsSection
 
-__all__ = ["GPU_BATCH_DEFAULTS", "SECTIONS", "Settings"]
+__all__ = [
+    "GPU_BATCH_DEFAULTS",
+    "LARGE_GPU_BYTES",
+    "LARGE_GPU_DEFAULTS",
+    "SECTIONS",
+    "Settings",
+    "gpu_memory_bytes",
+]
 
 # Batch limits for CUDA devices when the user sets none: the offline benchmark's (BENCHMARKS.md: 33k output
 # tok/s for a 0.5B model on the H200 at 256 / 8192; the CPU defaults 64 / 1024 leave it idle).
 GPU_BATCH_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192}
+# GPUs with this much memory or more (H100 80 GB, H200 141 GB, MI300) run twice the sequences, with decode
+# graphs up to as many rows (max_capture_size): on the H200 the realistic workload's output tok/s rose from
+# 36,582 to 60,261 at 0.5B and the 8B shape reached 11,000 against the old tree's 4,743 (BENCHMARKS.md §15),
+# where 256 rows leave the GPU waiting on the host (0.5B) or halve the rows each weight read serves (8B).
+# vLLM raises its max_num_seqs on these GPUs too (to 1024; 512 is what was measured here).
+LARGE_GPU_BYTES = 70 * 2**30
+LARGE_GPU_DEFAULTS = {"max_num_seqs": 512, "max_capture_size": 512}
 
 
 SECTIONS: dict[str, type[SettingsSection]] = {
@@ -155,25 +169,32 @@ class Settings(BaseSettings):
 
     def _gpu_defaults(self) -> None:
         """On CUDA, engine settings not set by the user take their GPU defaults: the batch limits
-        GPU_BATCH_DEFAULTS (measured on the H200; the CPU defaults would leave a GPU mostly idle), and
+        GPU_BATCH_DEFAULTS (measured on the H200; the CPU defaults would leave a GPU mostly idle), raised to
+        LARGE_GPU_DEFAULTS (max_num_seqs and max_capture_size) on GPUs of LARGE_GPU_BYTES or more, and
         engine_process on at tensor parallel size 1 (the step loop outruns one interpreter shared with the
         HTTP server). The device is probed only when it matters: device=auto and at least one of these left
         to its default."""
         engine, given = self.engine, self.engine.model_fields_set
         unset = [f for f in GPU_BATCH_DEFAULTS if f not in given]
+        capture_unset = "max_capture_size" not in self.graph_cache.model_fields_set
         process = "engine_process" not in given and self.model.tensor_parallel_size == 1
-        if (not unset and not process) or self.model.device == "cpu":
+        if (not unset and not process and not capture_unset) or self.model.device == "cpu":
             return
-        if self.model.device == "auto":
-            import torch  # config floor: only the probe needs it, and only here
-
-            if not torch.cuda.is_available():
-                return
+        memory = gpu_memory_bytes()
+        if self.model.device == "auto" and memory is None:
+            return
+        large = memory is not None and memory >= LARGE_GPU_BYTES
+        defaults = {**GPU_BATCH_DEFAULTS, **(LARGE_GPU_DEFAULTS if large else {})}
         for name in unset:
-            value = GPU_BATCH_DEFAULTS[name]
+            value = defaults[name]
             if name == "max_num_seqs":  # never more rows than an explicit token budget allows
                 value = min(value, engine.max_num_batched_tokens)
             object.__setattr__(engine, name, value)
+        if large and capture_unset:  # decode graphs for every row count the scheduler may run
+            size = max(
+                self.graph_cache.max_capture_size, min(engine.max_num_seqs, defaults["max_capture_size"])
+            )
+            object.__setattr__(self.graph_cache, "max_capture_size", size)
         if process:
             object.__setattr__(engine, "engine_process", True)
 
@@ -191,3 +212,13 @@ class Settings(BaseSettings):
         return self.model_copy(
             update={name: getattr(self, name).model_copy(update=update) for name, update in sections.items()}
         )
+
+
+def gpu_memory_bytes() -> int | None:
+    """The first CUDA device's memory in bytes, None without CUDA (torch is imported only here: the config
+    floor does not need it otherwise)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(0).total_memory)

@@ -20,7 +20,7 @@ class EngineSettings(SettingsSection):
         ge=1,
         le=4096,
         description="Requests running at once (decode batch size). "
-        "Default 64 on the CPU, 256 on CUDA (GPU_BATCH_DEFAULTS).",
+        "Default 64 on the CPU, 256 on CUDA, 512 on GPUs of 70 GiB or more (config.py's GPU defaults).",
     )
     max_num_batched_tokens: int = Field(
         1024,

@@ -40,7 +40,12 @@ class GraphCacheSettings(SettingsSection):
         description="Padded batch sizes (tokens) that may be captured; "
         "default: 1,2,4,8..256 by 8, then by 16 up to max_capture_size.",
     )
-    max_capture_size: int = Field(256, ge=1, description="Largest capture size; bigger batches run eagerly.")
+    max_capture_size: int = Field(
+        256,
+        ge=1,
+        description="Largest capture size; bigger batches run eagerly. Default 256; on GPUs of 70 GiB or "
+        "more, max_num_seqs up to 512 (config.py's GPU defaults).",
+    )
     # --- mixed steps above max_capture_size: coarse buckets (graphs/descriptor.py mixed_buckets,
     # engine/worker/capture_sizes.py for the default rule, benchmarks/big_steps.py for its measurements) ---
     mixed_capture_sizes: Annotated[list[int] | None, CommaList] = Field(
