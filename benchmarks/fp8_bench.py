@@ -251,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
         "--one-row-tile",
         help="BLOCK_N,BLOCK_K,warps,stages of the one-row decode kernel (fp8_gemm.ONE_ROW_TILE) for this run",
     )
+    ap.add_argument(
+        "--no-rope-in-gemm",
+        action="store_true",
+        help="rotary and the KV write as a kernel of their own after the one-token qkv GEMM (fp8_gemm.ROPE_IN_GEMM off)",
+    )
     ap.add_argument("--smoke", action="store_true", help="CPU, the embedded tiny model, a few steps")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -268,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         fp8_gemm.DECODE_TILE = tuple(int(v) for v in args.decode_tile.split(","))
     if args.one_row_tile:
         fp8_gemm.ONE_ROW_TILE = tuple(int(v) for v in args.one_row_tile.split(","))
+    fp8_gemm.ROPE_IN_GEMM = not args.no_rope_in_gemm
     ref, fp8 = run_model(model, "auto", args), run_model(model, "fp8", args)
     report = {
         "model": str(model),
@@ -287,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         "weight_only_max_rows": fp8_gemm.WEIGHT_ONLY_MAX_ROWS,
         "decode_tile": list(fp8_gemm.DECODE_TILE),
         "one_row_tile": list(fp8_gemm.ONE_ROW_TILE),
+        "rope_in_gemm": fp8_gemm.ROPE_IN_GEMM,
     }
     if not args.no_gemm:
         report["gemm"] = gemm_table()

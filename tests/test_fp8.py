@@ -31,9 +31,12 @@ from graphcache.metrics import Metrics
 from graphcache.model.config import ModelLoadError
 from graphcache.model.fp8_gemm import (
     WEIGHT_ONLY_MAX_ROWS,
+    RopeArgs,
     _launch_gemm,
     emulated_mm,
+    folds_rope,
     weight_only_mm,
+    weight_only_qkv_rope,
     weight_only_silu_mul,
 )
 from graphcache.model.fp8_linear import Fp8Linear
@@ -45,7 +48,7 @@ from graphcache.model.fp8_quant import (
     quantize_rows,
     quantize_weight,
 )
-from graphcache.model.fused_ops import silu_mul
+from graphcache.model.fused_ops import rotary_cache_, silu_mul
 from graphcache.model.loader import load_model
 from graphcache.model.parallel import TensorParallel
 from helpers_dist import gloo_group, run_ranks
@@ -215,6 +218,43 @@ def test_gated_weight_only_kernel_is_silu_mul_of_the_product(m, inter, k):
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
     cpu = weight_only_silu_mul(x, wq, sw, torch.float16)  # the CPU path: the fp32 product, then silu_mul
     torch.testing.assert_close(cpu, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+def _rope_case(heads: int, kv_heads: int, d: int, k: int, seed: int):
+    """One token's qkv operands, a rotary table and NaN-poisoned caches [2, slots, K, D]: fp16 (the
+    interpreter's bf16 products are wrong; the GPU test runs bf16)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(1, k, generator=gen) * 2).half()
+    wq, sw = quantize_weight(torch.randn((heads + 2 * kv_heads) * d, k, generator=gen))
+    angles = torch.outer(torch.arange(64.0), torch.rand(d // 2, generator=gen) * 3)
+    emb = torch.cat([angles, angles], dim=-1)
+    caches = torch.full((2, 9, kv_heads, d), float("nan"), dtype=torch.float16)
+    rope = RopeArgs(
+        torch.tensor([37]), emb.cos().half(), emb.sin().half(), torch.tensor([5]), caches[0], caches[1],
+        heads, kv_heads, d,
+    )  # fmt: skip
+    return x, wq, sw, rope, caches
+
+
+@pytest.mark.parametrize("heads,kv_heads,d,k", [(4, 2, 16, 256), (6, 2, 8, 512), (2, 2, 32, 256)])
+def test_qkv_kernel_rotates_and_writes_the_cache_as_the_two_steps_do(heads, kv_heads, d, k):
+    """The one-token qkv GEMM with rotary and the KV write in its epilogue (ROPE) leaves what the plain
+    GEMM, then rotary_cache_, leave: q and k rotated in its output, k and v in the token's slot, every
+    other slot untouched (still NaN)."""
+    x, wq, sw, rope, caches = _rope_case(heads, kv_heads, d, k, seed=d + k)
+    assert folds_rope(x, wq, rope, kernel=True) is False  # the CPU takes the two steps in production
+    got = weight_only_qkv_rope(x, wq, sw, torch.float16, rope)  # the kernel, interpreted on the CPU
+    got_caches = caches.clone()
+    caches.fill_(float("nan"))
+    plain = _launch_gemm(x, wq, None, sw, None, torch.float16)  # the plain one-row kernel, interpreted
+    q, kk, v = plain.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, kk, v = q.view(1, heads, d), kk.view(1, kv_heads, d), v.view(1, kv_heads, d)
+    q, kk = rotary_cache_(q, kk, v, rope.cos, rope.sin, rope.positions, rope.slot_mapping, *caches, False)
+    want = torch.cat([q.flatten(), kk.flatten(), v.flatten()]).view(1, -1)
+    tol = dict(rtol=2e-3, atol=2e-3 * want.abs().max().item())
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(got_caches[:, 5], caches[:, 5], **tol)
+    assert got_caches[:, [s for s in range(9) if s != 5]].isnan().all()
 
 
 def test_fp8_mlp_applies_silu_mul_like_the_unfused_layers():

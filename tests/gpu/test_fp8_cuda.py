@@ -19,10 +19,18 @@ import torch
 from graphcache.engine.batch import StepBatch, StepSeq
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.model import fp8_gemm
-from graphcache.model.fp8_gemm import block_scaled_mm, emulated_mm, weight_only_mm, weight_only_silu_mul
+from graphcache.model.fp8_gemm import (
+    RopeArgs,
+    block_scaled_mm,
+    emulated_mm,
+    folds_rope,
+    weight_only_mm,
+    weight_only_qkv_rope,
+    weight_only_silu_mul,
+)
 from graphcache.model.fp8_linear import Fp8Linear, fp8_mm
 from graphcache.model.fp8_quant import FP8, quantize_groups, quantize_rows, quantize_weight
-from graphcache.model.fused_ops import silu_mul
+from graphcache.model.fused_ops import rotary_cache_, silu_mul
 from helpers_cuda import assert_replay_close, poison_allocator
 from helpers_fp8 import bf16_copy, write_fp8_checkpoint
 from helpers_model import Blocks, cuda_settings, prompt_ids, tiny_checkpoint
@@ -90,6 +98,63 @@ def test_gated_weight_only_kernel_equals_silu_mul_of_the_product(m):
         got = weight_only_silu_mul(x, wq, sw, torch.bfloat16)
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+def test_qkv_kernel_with_rotary_equals_the_gemm_then_rotary_cache():
+    """The one-token qkv GEMM with rotary and the KV write in its epilogue, at the 8B shape (32 / 8 heads of
+    128), bf16, against the plain one-row GEMM then fused_ops.rotary_cache_: the same output (q, k rotated),
+    the same k and v in the token's slot, every other slot still NaN."""
+    heads, kv_heads, d, k = 32, 8, 128, 4096
+    wq, sw = quantize_weight(torch.randn((heads + 2 * kv_heads) * d, k, device="cuda") / 100)
+    angles = torch.outer(torch.arange(4096.0, device="cuda"), torch.rand(d // 2, device="cuda"))
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+    for seed, (pos, slot) in enumerate(((3, 11), (4000, 0))):
+        torch.manual_seed(seed)
+        x = (torch.randn(1, k, device="cuda") * (1 + 10 * seed)).bfloat16()
+        caches = torch.full((2, 64, kv_heads, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+        want_caches = caches.clone()
+        positions = torch.tensor([pos], device="cuda")
+        slots = torch.tensor([slot], device="cuda")
+        plain = weight_only_mm(x, wq, sw, torch.bfloat16)
+        q, kk, v = (t.view(1, -1, d) for t in plain.split([heads * d, kv_heads * d, kv_heads * d], dim=-1))
+        rotary_cache_(q, kk, v, cos, sin, positions, slots, want_caches[0], want_caches[1], True)  # in place
+        rope = RopeArgs(positions, cos, sin, slots, caches[0], caches[1], heads, kv_heads, d)
+        assert folds_rope(x, wq, rope)
+        poison_allocator()
+        got = weight_only_qkv_rope(x, wq, sw, torch.bfloat16, rope)
+        assert torch.isfinite(got).all()
+        tol = dict(rtol=1e-2, atol=1e-2 * plain.abs().max().item())
+        torch.testing.assert_close(got, plain, **tol)
+        torch.testing.assert_close(caches[:, slot], want_caches[:, slot], **tol)
+        assert caches[:, [s for s in range(64) if s != slot]].isnan().all()
+
+
+def test_one_token_decode_with_rotary_in_the_gemm_equals_the_two_kernels(checkpoints, monkeypatch):
+    """At one row the FP8 model rotates q and k and writes the cache inside the qkv GEMM; its logits, step
+    after step (so each step reads the KV the fold wrote), equal those of the same model with the fold off
+    (fp8_gemm.ROPE_IN_GEMM), within the replay tolerance."""
+    path, kw = checkpoints["ct-channel"]
+    calls, kernel = [], fp8_gemm.weight_only_qkv_rope
+    monkeypatch.setattr(fp8_gemm, "weight_only_qkv_rope", lambda *args: calls.append(1) or kernel(*args))
+    fold = ModelRunner(_settings(path, enforce_eager=True, **kw))
+    two = ModelRunner(_settings(path, enforce_eager=True, **kw))
+    blocks, prompt = Blocks(16), prompt_ids(9, seed=7)
+    table = blocks.table(len(prompt) + 8)
+    fold.execute(StepBatch([StepSeq(list(prompt), 0, table, True)]))
+    tokens = [
+        *prompt,
+        int(two.execute(StepBatch([StepSeq(list(prompt), 0, table, True)])).logits[0].argmax()),
+    ]
+    for step in range(5):
+        seq = [StepSeq([tokens[-1]], len(tokens) - 1, table, True)]
+        monkeypatch.setattr(fp8_gemm, "ROPE_IN_GEMM", True)
+        got = fold.execute(StepBatch(seq)).logits.clone()
+        monkeypatch.setattr(fp8_gemm, "ROPE_IN_GEMM", False)
+        want = two.execute(StepBatch(seq)).logits
+        assert_replay_close(got, want, f"decode step {step}")
+        tokens.append(int(want[0].argmax()))
+    assert len(calls) == 5 * len(fold.model.layers)  # the fold ran: once a layer a step, for `fold` only
 
 
 @pytest.mark.parametrize("m", [1, 9, 100])

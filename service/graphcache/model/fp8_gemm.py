@@ -27,6 +27,8 @@ under Triton's interpreter and tests/gpu/test_fp8_cuda.py on the GPU.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from graphcache.model.fused_ops import silu_mul
@@ -34,6 +36,9 @@ from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
 __all__ = [
     "WEIGHT_ONLY_MAX_ROWS",
+    "RopeArgs",
+    "folds_rope",
+    "weight_only_qkv_rope",
     "block_scaled_mm",
     "emulated_mm",
     "weight_only_mm",
@@ -58,9 +63,22 @@ def _fp8_mm_kernel(
     stride_sa_g,
     stride_sa_m,
     stride_sb_n,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    kc_ptr,
+    vc_ptr,
+    stride_cos,
+    stride_cs,
+    stride_ch,
+    rope_heads,
+    q_heads,
     BLOCK_SCALES: tl.constexpr,
     ONE_ROW: tl.constexpr,
     GATED: tl.constexpr,
+    ROPE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
     GROUP_N: tl.constexpr,
@@ -76,14 +94,22 @@ def _fp8_mm_kernel(
     # ONE_ROW (weight only, M = 1): no tensor cores, a multiply-add per weight into a [BLOCK_N, BLOCK_K]
     # fp32 accumulator summed once after the loop (at one row a 16-row MMA tile is 15/16 padding and its
     # shared-memory round trip the cost; a sum per K tile would put a cross-warp reduction in the loop).
+    # ROPE (ONE_ROW, GATED off): b is the qkv weight [(H + 2K) * D, K] and c its [1, N] output with q and k
+    # rotated and k, v also written to their cache slots (what fused_ops.rotary_cache_ does after the GEMM).
+    # Each program streams 2 x BLOCK_N rows, like GATED: in a q or k head the dims d and d + D/2 that rotary
+    # pairs, in a v head 2 x BLOCK_N consecutive rows (rope_heads = H + K, q_heads = H, D = HEAD_DIM).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROPE:
+        offs_n, up, is_rope, head, dim = _rope_rows(pid_n, rope_heads, HEAD_DIM, BLOCK_N)
+        up_rows = up * stride_bn
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        up_rows = N * stride_bn  # GATED: the up half starts N rows down
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    up_rows = N * stride_bn  # GATED: the up half starts N rows down
     if USE_PDL:  # launched before the previous kernel ended: wait for its writes (x), let the next one in
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -101,7 +127,7 @@ def _fp8_mm_kernel(
                 w_mask = n_mask[:, None] & k_mask[None, :]
                 x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
             acc_g += tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
-            if GATED:
+            if GATED or ROPE:
                 acc_u += tl.load(w_ptrs + up_rows, mask=w_mask, other=0.0).to(tl.float32) * x
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
@@ -136,21 +162,76 @@ def _fp8_mm_kernel(
         row, row_u = acc, acc_up
     if not BLOCK_SCALES:
         row = row * tl.load(sb_ptr + offs_n * stride_sb_n, mask=n_mask, other=0.0)[None, :]
-    if GATED:
-        row_u = row_u * tl.load(sb_ptr + (offs_n + N) * stride_sb_n, mask=n_mask, other=0.0)[None, :]
-        g = row.to(c_ptr.dtype.element_ty).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(c_ptr.dtype.element_ty).to(tl.float32)  # F.silu, rounded
-        row = act * row_u.to(c_ptr.dtype.element_ty).to(tl.float32)
-    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, row.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    if ROPE:
+        row_u = row_u * tl.load(sb_ptr + (offs_n + up) * stride_sb_n)[None, :]
+        _rope_store(
+            c_ptr, row, row_u, offs_n, up, is_rope, head, dim, pos_ptr, cos_ptr, sin_ptr, slot_ptr, kc_ptr,
+            vc_ptr, stride_cos, stride_cs, stride_ch, rope_heads, q_heads, HEAD_DIM,
+        )  # fmt: skip
+    else:
+        if GATED:
+            row_u = row_u * tl.load(sb_ptr + (offs_n + N) * stride_sb_n, mask=n_mask, other=0.0)[None, :]
+            g = row.to(c_ptr.dtype.element_ty).to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(c_ptr.dtype.element_ty).to(tl.float32)  # F.silu, rounded
+            row = act * row_u.to(c_ptr.dtype.element_ty).to(tl.float32)
+        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, row.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _rope_rows(pid, rope_heads, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A ROPE program's rows: (first-half rows [BLOCK_N], the second half's offset (D / 2 in a q or k head,
+    BLOCK_N in a v head), is_rope [BLOCK_N] (a q or k program), its head, its dims [BLOCK_N] in the head)."""
+    per_head = HEAD_DIM // 2 // BLOCK_N  # programs a rotated head
+    lanes = tl.arange(0, BLOCK_N)
+    n_rope = rope_heads * per_head
+    head = pid // per_head
+    dim = (pid % per_head) * BLOCK_N + lanes
+    is_rope = (lanes * 0 + pid) < n_rope  # as a tensor: the interpreter takes no scalar in a mask
+    v_base = rope_heads * HEAD_DIM + (pid - n_rope) * 2 * BLOCK_N
+    offs = tl.where(is_rope, head * HEAD_DIM + dim, v_base + lanes)
+    up = tl.where(pid < n_rope, HEAD_DIM // 2, BLOCK_N)
+    return offs, up, is_rope, head, dim
+
+
+def _rope_store(
+    c_ptr, a, b, offs, up, is_rope, head, dim, pos_ptr, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr,
+    stride_cos, stride_cs, stride_ch, rope_heads, q_heads, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """a, b [1, BLOCK_N] fp32: the rows offs and offs + up. Rotated (q, k) as fused_ops' rotary kernel
+    rounds (each product and the sum in c's dtype, from the GEMM's rounded outputs) or as they are (v),
+    into c, and k, v into the token's cache slot ([num_slots, K, D] caches, slot_mapping[0])."""
+    dt = c_ptr.dtype.element_ty
+    a = a.to(dt).to(tl.float32)
+    b = b.to(dt).to(tl.float32)
+    pos = tl.load(pos_ptr)
+    rot = is_rope[None, :]
+    c = tl.load(cos_ptr + pos * stride_cos + dim[None, :]).to(tl.float32)  # cos[:D/2] == cos[D/2:]
+    s = tl.load(sin_ptr + pos * stride_cos + dim[None, :]).to(tl.float32)
+    a_out = tl.where(rot, (a * c).to(dt).to(tl.float32) + (-b * s).to(dt).to(tl.float32), a).to(dt)
+    b_out = tl.where(rot, (b * c).to(dt).to(tl.float32) + (a * s).to(dt).to(tl.float32), b).to(dt)
+    rows = offs[None, :]
+    tl.store(c_ptr + rows, a_out)
+    tl.store(c_ptr + rows + up, b_out)
+    slot = tl.load(slot_ptr)
+    is_k = rot & ((dim[None, :] * 0 + head) >= q_heads)
+    kc = kc_ptr + slot * stride_cs + (head - q_heads) * stride_ch + dim[None, :]
+    tl.store(kc, a_out, mask=is_k)
+    tl.store(kc + HEAD_DIM // 2, b_out, mask=is_k)
+    rel = rows - rope_heads * HEAD_DIM  # v rows: their place in the v heads
+    rel_b = rel + up
+    is_v = ~rot
+    tl.store(vc_ptr + slot * stride_cs + (rel // HEAD_DIM) * stride_ch + rel % HEAD_DIM, a_out, mask=is_v)
+    tl.store(vc_ptr + slot * stride_cs + (rel_b // HEAD_DIM) * stride_ch + rel_b % HEAD_DIM, b_out, mask=is_v)
 
 
 _KERNEL = None
 
 
 def _kernel():
-    global _KERNEL
+    global _KERNEL, _rope_rows, _rope_store
     if _KERNEL is None:
+        _rope_rows = triton.jit(_rope_rows)  # the kernel finds its helpers as this module's globals
+        _rope_store = triton.jit(_rope_store)
         # The batch rows (and the block scales' stride, = rows) vary per step: not specialized on, so a new
         # batch size never compiles (nor compiles inside a graph capture).
         _KERNEL = triton.jit(_fp8_mm_kernel, do_not_specialize=["M", "stride_sa_g"])
@@ -167,16 +248,25 @@ ONE_ROW_TILE = (4, 1024, 4, 2)
 # One row of the gated gate_up GEMM: each program streams BLOCK_N rows of gate and as many of up (in the
 # sweep with K masks, 38.7 us at this tile and 37.0 at (2, 1024, 4, 2): not yet re-measured without them).
 GATED_ONE_ROW_TILE = (4, 1024, 4, 2)
+# One row of the qkv GEMM with rotary and the KV write in its epilogue (ROPE): BLOCK_N rows a half, so a
+# program streams 4 rows like ONE_ROW_TILE.
+ROPE_ONE_ROW_TILE = (2, 1024, 4, 2)
 # Programmatic dependent launch of the weight-only kernels (a kernel starts while the previous one drains):
 # -2.4% on a chain of the four one-row GEMMs alone (BENCHMARKS.md §14); off, as in the model they sit between
 # kernels that do not use it and no cuda test runs with it on.
 PDL = False
+# Rotary and the KV write in the one-token qkv GEMM's epilogue (weight_only_qkv_rope); False runs the GEMM,
+# then fused_ops.rotary_cache_ (an A/B switch for benchmarks and tests, read when a forward runs or is captured).
+ROPE_IN_GEMM = True
 
 
-def _tiles(m: int, block_k: int | None, gated: bool = False) -> tuple[int, int, int, int, int]:
+def _tiles(
+    m: int, block_k: int | None, gated: bool = False, rope: bool = False
+) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); block_k: the weight's scale block (block scales)."""
     if m == 1 and block_k is None:
-        block_n, k, warps, stages = GATED_ONE_ROW_TILE if gated else ONE_ROW_TILE
+        tile = ROPE_ONE_ROW_TILE if rope else GATED_ONE_ROW_TILE if gated else ONE_ROW_TILE
+        block_n, k, warps, stages = tile
         return 1, block_n, k, warps, stages
     if m <= 16:
         block_n, k, warps, stages = DECODE_TILE
@@ -194,6 +284,7 @@ def _launch_gemm(
     block: tuple[int, int] | None,
     out_dtype: torch.dtype,
     gated: bool = False,
+    rope: RopeArgs | None = None,
 ) -> torch.Tensor:
     """The one GEMM kernel on a [T, K] x w [N, K] -> [T, N]. block None: weight only (a is the 16-bit x,
     scale_a None, scale_w [N, 1]); else [bn, bk] block scales (a fp8, scale_a [T, K / bk]). gated (weight
@@ -201,12 +292,19 @@ def _launch_gemm(
     m, k = a.shape
     n = w.shape[0] // 2 if gated else w.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    block_m, block_n, block_k, warps, stages = _tiles(m, None if block is None else block[1], gated)
+    block_m, block_n, block_k, warps, stages = _tiles(
+        m, None if block is None else block[1], gated, rope is not None
+    )
+    if rope is None:  # the rotary operands are unread: any tensor, zeros
+        pos, cos, sin, slots, kc, vc, heads, q_heads, head_dim = a, a, a, a, a, a, 0, 0, 2
+    else:
+        pos, cos, sin, slots, kc, vc, heads, q_heads, head_dim = rope.operands()
     if block is None:  # weight only: sa_ptr is unused, its strides 0
         sa, stride_sa_g, stride_sa_m = scale_w, 0, 0
     else:  # scale_a [T, K / bk]
         sa, stride_sa_g, stride_sa_m = scale_a, scale_a.stride(1), scale_a.stride(0)
-    _kernel()[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+    rows_a_program = 2 * block_n if rope is not None else block_n  # ROPE: two halves of BLOCK_N rows
+    _kernel()[(triton.cdiv(m, block_m), triton.cdiv(n, rows_a_program))](
         a,
         w,
         out,
@@ -221,9 +319,22 @@ def _launch_gemm(
         stride_sa_g,
         stride_sa_m,
         scale_w.stride(0),
+        pos,
+        cos,
+        sin,
+        slots,
+        kc,
+        vc,
+        cos.stride(0),
+        kc.stride(0),
+        kc.stride(1) if kc.dim() > 1 else 0,
+        heads,
+        q_heads,
         BLOCK_SCALES=block is not None,
         ONE_ROW=block_m == 1,  # _tiles' one-row tile: weight only at M = 1
         GATED=gated,
+        ROPE=rope is not None,
+        HEAD_DIM=head_dim,
         EVEN_K=k % block_k == 0,
         USE_PDL=PDL and block is None,
         launch_pdl=PDL and block is None,
@@ -264,6 +375,49 @@ def weight_only_silu_mul(
     if _runs_kernel(x, kernel):
         return _launch_gemm(x, w, None, scale_w, None, out_dtype, gated=True)
     return silu_mul(weight_only_mm(x, w, scale_w, out_dtype, kernel=False), w.shape[0] // 2, fused=False)
+
+
+@dataclass(frozen=True)
+class RopeArgs:
+    """What fused_ops.rotary_cache_ takes after the qkv GEMM of one token: positions and slot_mapping [1]
+    int64, cos / sin [P, D], k_slots / v_slots [num_slots, K, D] (one layout, D contiguous), and this
+    rank's heads (the GEMM's rows are [q | k | v] heads of head_dim)."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor
+    k_slots: torch.Tensor
+    v_slots: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def operands(self) -> tuple:
+        """The kernel's rotary arguments: tensors, then rotated heads, q heads, head_dim."""
+        tensors = (self.positions, self.cos, self.sin, self.slot_mapping, self.k_slots, self.v_slots)
+        return (*tensors, self.num_heads + self.num_kv_heads, self.num_heads, self.head_dim)
+
+
+def weight_only_qkv_rope(
+    x: torch.Tensor, w: torch.Tensor, scale_w: torch.Tensor, out_dtype: torch.dtype, rope: RopeArgs
+) -> torch.Tensor:
+    """weight_only_mm of one token's qkv (x [1, K], w [(H + 2K) * D, K]), then fused_ops.rotary_cache_ on
+    its q, k, v, in one kernel (folds_rope must hold): the [1, N] result holds q and k rotated, and k, v are
+    in their cache slots, as the two steps leave them (the same roundings: bit for bit, given the GEMM's
+    sums). One launch a layer less at batch 1."""
+    return _launch_gemm(x, w, None, scale_w, None, out_dtype, rope=rope)
+
+
+def folds_rope(x: torch.Tensor, w: torch.Tensor, rope: RopeArgs, kernel: bool = True) -> bool:
+    """Whether weight_only_qkv_rope takes these operands: one token on the kernel path, w's rows the heads'
+    and the caches and tables in the rotary kernel's layout."""
+    d, kc, vc = rope.head_dim, rope.k_slots, rope.v_slots
+    rows = (rope.num_heads + 2 * rope.num_kv_heads) * d
+    layout = kc.stride() == vc.stride() and kc.dim() == 3 and kc.stride(2) == 1 and rope.cos.stride(1) == 1
+    halves = d % (2 * ROPE_ONE_ROW_TILE[0]) == 0
+    one_token = ROPE_IN_GEMM and x.shape[0] == 1
+    return one_token and _runs_kernel(x, kernel) and w.shape[0] == rows and layout and halves
 
 
 def _runs_kernel(x: torch.Tensor, kernel: bool) -> bool:

@@ -137,6 +137,17 @@ class Fp8Linear(nn.Module):
             return weight_only_silu_mul(x, self.weight, self.weight_scale, x.dtype, kernel=self.fused)
         return silu_mul(self(x), inter, self.fused)
 
+    def folds_rope(self, x: torch.Tensor, rope: fp8_gemm.RopeArgs) -> bool:
+        """Whether qkv_rope_forward runs its one kernel here (fp8_gemm.folds_rope, fused ops on, per-row
+        scales, no bias, not row-parallel)."""
+        plain = self.block is None and self.bias is None and self.tp is None
+        return self.fused and plain and fp8_gemm.folds_rope(x, self.weight, rope)
+
+    def qkv_rope_forward(self, x: torch.Tensor, rope: fp8_gemm.RopeArgs) -> torch.Tensor:
+        """self(x) for the qkv layer of one token with rotary and the KV write done by the GEMM's epilogue
+        (fp8_gemm.weight_only_qkv_rope; folds_rope must hold): [1, K] -> [1, (H + 2K) * D]."""
+        return fp8_gemm.weight_only_qkv_rope(x, self.weight, self.weight_scale, x.dtype, rope)
+
     def extra_repr(self) -> str:
         scales = "per-row scales" if self.block is None else f"{self.block[0]}x{self.block[1]} block scales"
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, {scales}"

@@ -20,6 +20,7 @@ from torch import nn
 from graphcache.model.attention import graph_attention, paged_attention
 from graphcache.model.config import ModelConfig
 from graphcache.model.forward_context import current_forward_context
+from graphcache.model.fp8_gemm import RopeArgs
 from graphcache.model.fp8_linear import Fp8Linear
 from graphcache.model.fused_ops import add_rmsnorm, rotary_cache_, silu_mul
 from graphcache.model.moe import SparseMoE
@@ -128,20 +129,23 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # positions [T], slot_mapping [T] (cache slot of each token; padded tokens: a scratch slot), x [T, hidden]
         t = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (H + 2K) * D]
+        if self.kv_cache is None:
+            raise RuntimeError("KV cache not bound: call LlamaModel.bind_kv_cache() (the runner does)")
+        rope = self._rope_in_gemm(positions, slot_mapping, x)
+        # [T, (H + 2K) * D]; with rope, q and k come rotated and k, v are already in the cache
+        qkv = self.qkv_proj(x) if rope is None else self.qkv_proj.qkv_rope_forward(x, rope)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, K, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, K, D]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.kv_cache is None:
-            raise RuntimeError("KV cache not bound: call LlamaModel.bind_kv_cache() (the runner does)")
         # Rotary, then the KV write (one kernel when fused), here in the graph segment, over all T
         # (padded) rows: capturable because slot_mapping is a static buffer, and free on the host at
         # replay. Padded rows all land on the runner's scratch slot, which no sequence owns and
         # attention never reads.
-        q, k = self.rotary(positions, q, k, v, slot_mapping, self.k_slots, self.v_slots, self.fused)
+        if rope is None:
+            q, k = self.rotary(positions, q, k, v, slot_mapping, self.k_slots, self.v_slots, self.fused)
         # Allocated inside the graph segment, so its address is fixed for every replay; the eager
         # break writes its real rows and returns nothing. Padded rows stay uninitialized: they are
         # row-independent all the way to the (unread) padded logits, see attention.py.
@@ -154,6 +158,19 @@ class Attention(nn.Module):
         else:
             paged_attention(q, k, v, out, self.kv_cache, self.k_blocks, self.v_blocks, self.scale)
         return self.o_proj(out.view(t, self.q_size))  # [T, hidden]
+
+    def _rope_in_gemm(self, positions: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor):
+        """RopeArgs when the FP8 qkv GEMM also rotates and writes the cache (one token, fused ops on, no
+        q/k norm between the two), else None. Depends on shapes and flags only: fixed for a captured graph."""
+        qkv = self.qkv_proj
+        if x.shape[0] != 1 or not self.fused or self.qk_norm or not isinstance(qkv, Fp8Linear):
+            return None
+        assert self.k_slots is not None and self.v_slots is not None
+        rope = RopeArgs(
+            positions, self.rotary.cos, self.rotary.sin, slot_mapping, self.k_slots, self.v_slots,
+            self.num_heads, self.num_kv_heads, self.head_dim,
+        )  # fmt: skip
+        return rope if qkv.folds_rope(x, rope) else None
 
 
 class MLP(nn.Module):
