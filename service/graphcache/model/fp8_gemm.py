@@ -12,6 +12,8 @@ W [N, K] is FP8 row-major. One kernel, two modes:
                 at one row (ONE_ROW) multiply-adds in fp32 instead, with no 16-row MMA tile to fill.
                 `weight_only_silu_mul`: the same on a [gate | up] weight, silu(gate) * up applied to the
                 accumulators (the MLP's activation without a launch of its own).
+                `weight_only_qkv_rope` (one token): the qkv GEMM with rotary and the KV cache write in
+                its epilogue (fp8_rope.py; the attention's rotary kernel without a launch of its own).
 Larger row-scaled batches go to torch._scaled_mm (fp8_linear.fp8_mm). Why weight only at <= 16 rows:
 the GEMM is bound by reading W there, so FP8 tensor cores buy nothing, while quantizing x first costs a
 pass over x before the first product (every program needs the row's amax). The narrow N tiles give
@@ -27,10 +29,10 @@ under Triton's interpreter and tests/gpu/test_fp8_cuda.py on the GPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from graphcache.model import fp8_rope
+from graphcache.model.fp8_rope import RopeArgs
 from graphcache.model.fused_ops import silu_mul
 from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
@@ -178,60 +180,15 @@ def _fp8_mm_kernel(
         tl.store(c_ptrs, row.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _rope_rows(pid, rope_heads, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A ROPE program's rows: (first-half rows [BLOCK_N], the second half's offset (D / 2 in a q or k head,
-    BLOCK_N in a v head), is_rope [BLOCK_N] (a q or k program), its head, its dims [BLOCK_N] in the head)."""
-    per_head = HEAD_DIM // 2 // BLOCK_N  # programs a rotated head
-    lanes = tl.arange(0, BLOCK_N)
-    n_rope = rope_heads * per_head
-    head = pid // per_head
-    dim = (pid % per_head) * BLOCK_N + lanes
-    is_rope = (lanes * 0 + pid) < n_rope  # as a tensor: the interpreter takes no scalar in a mask
-    v_base = rope_heads * HEAD_DIM + (pid - n_rope) * 2 * BLOCK_N
-    offs = tl.where(is_rope, head * HEAD_DIM + dim, v_base + lanes)
-    up = tl.where(pid < n_rope, HEAD_DIM // 2, BLOCK_N)
-    return offs, up, is_rope, head, dim
-
-
-def _rope_store(
-    c_ptr, a, b, offs, up, is_rope, head, dim, pos_ptr, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr,
-    stride_cos, stride_cs, stride_ch, rope_heads, q_heads, HEAD_DIM: tl.constexpr,
-):  # fmt: skip
-    """a, b [1, BLOCK_N] fp32: the rows offs and offs + up. Rotated (q, k) as fused_ops' rotary kernel
-    rounds (each product and the sum in c's dtype, from the GEMM's rounded outputs) or as they are (v),
-    into c, and k, v into the token's cache slot ([num_slots, K, D] caches, slot_mapping[0])."""
-    dt = c_ptr.dtype.element_ty
-    a = a.to(dt).to(tl.float32)
-    b = b.to(dt).to(tl.float32)
-    pos = tl.load(pos_ptr)
-    rot = is_rope[None, :]
-    c = tl.load(cos_ptr + pos * stride_cos + dim[None, :]).to(tl.float32)  # cos[:D/2] == cos[D/2:]
-    s = tl.load(sin_ptr + pos * stride_cos + dim[None, :]).to(tl.float32)
-    a_out = tl.where(rot, (a * c).to(dt).to(tl.float32) + (-b * s).to(dt).to(tl.float32), a).to(dt)
-    b_out = tl.where(rot, (b * c).to(dt).to(tl.float32) + (a * s).to(dt).to(tl.float32), b).to(dt)
-    rows = offs[None, :]
-    tl.store(c_ptr + rows, a_out)
-    tl.store(c_ptr + rows + up, b_out)
-    slot = tl.load(slot_ptr)
-    is_k = rot & ((dim[None, :] * 0 + head) >= q_heads)
-    kc = kc_ptr + slot * stride_cs + (head - q_heads) * stride_ch + dim[None, :]
-    tl.store(kc, a_out, mask=is_k)
-    tl.store(kc + HEAD_DIM // 2, b_out, mask=is_k)
-    rel = rows - rope_heads * HEAD_DIM  # v rows: their place in the v heads
-    rel_b = rel + up
-    is_v = ~rot
-    tl.store(vc_ptr + slot * stride_cs + (rel // HEAD_DIM) * stride_ch + rel % HEAD_DIM, a_out, mask=is_v)
-    tl.store(vc_ptr + slot * stride_cs + (rel_b // HEAD_DIM) * stride_ch + rel_b % HEAD_DIM, b_out, mask=is_v)
-
-
 _KERNEL = None
+_rope_rows = _rope_store = None  # fp8_rope's helpers, jitted with the kernel
 
 
 def _kernel():
     global _KERNEL, _rope_rows, _rope_store
     if _KERNEL is None:
-        _rope_rows = triton.jit(_rope_rows)  # the kernel finds its helpers as this module's globals
-        _rope_store = triton.jit(_rope_store)
+        _rope_rows = triton.jit(fp8_rope.rope_rows)  # the kernel finds its helpers as this module's globals
+        _rope_store = triton.jit(fp8_rope.rope_store)
         # The batch rows (and the block scales' stride, = rows) vary per step: not specialized on, so a new
         # batch size never compiles (nor compiles inside a graph capture).
         _KERNEL = triton.jit(_fp8_mm_kernel, do_not_specialize=["M", "stride_sa_g"])
@@ -375,28 +332,6 @@ def weight_only_silu_mul(
     if _runs_kernel(x, kernel):
         return _launch_gemm(x, w, None, scale_w, None, out_dtype, gated=True)
     return silu_mul(weight_only_mm(x, w, scale_w, out_dtype, kernel=False), w.shape[0] // 2, fused=False)
-
-
-@dataclass(frozen=True)
-class RopeArgs:
-    """What fused_ops.rotary_cache_ takes after the qkv GEMM of one token: positions and slot_mapping [1]
-    int64, cos / sin [P, D], k_slots / v_slots [num_slots, K, D] (one layout, D contiguous), and this
-    rank's heads (the GEMM's rows are [q | k | v] heads of head_dim)."""
-
-    positions: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    slot_mapping: torch.Tensor
-    k_slots: torch.Tensor
-    v_slots: torch.Tensor
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-
-    def operands(self) -> tuple:
-        """The kernel's rotary arguments: tensors, then rotated heads, q heads, head_dim."""
-        tensors = (self.positions, self.cos, self.sin, self.slot_mapping, self.k_slots, self.v_slots)
-        return (*tensors, self.num_heads + self.num_kv_heads, self.num_heads, self.head_dim)
 
 
 def weight_only_qkv_rope(
