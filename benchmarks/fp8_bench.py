@@ -257,9 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         help="rotary and the KV write as a kernel of their own after the one-token qkv GEMM (fp8_gemm.ROPE_IN_GEMM off)",
     )
     ap.add_argument(
-        "--pdl",
+        "--no-pdl",
         action="store_true",
-        help="programmatic dependent launch of the weight-only GEMMs (fp8_gemm.PDL on) for this run",
+        help="no programmatic dependent launch of the weight-only GEMMs (fp8_gemm.PDL off) for this run",
     )
     ap.add_argument("--smoke", action="store_true", help="CPU, the embedded tiny model, a few steps")
     ap.add_argument("--out", type=Path)
@@ -279,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.one_row_tile:
         fp8_gemm.ONE_ROW_TILE = tuple(int(v) for v in args.one_row_tile.split(","))
     fp8_gemm.ROPE_IN_GEMM = not args.no_rope_in_gemm
-    fp8_gemm.PDL = fp8_gemm.PDL or args.pdl
+    if args.no_pdl:
+        fp8_gemm.PDL = False
     ref, fp8 = run_model(model, "auto", args), run_model(model, "fp8", args)
     report = {
         "model": str(model),
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode_tile": list(fp8_gemm.DECODE_TILE),
         "one_row_tile": list(fp8_gemm.ONE_ROW_TILE),
         "rope_in_gemm": fp8_gemm.ROPE_IN_GEMM,
-        "pdl": fp8_gemm.PDL,
+        "pdl": fp8_gemm.PDL is not False and args.device == "cuda",
     }
     if not args.no_gemm:
         report["gemm"] = gemm_table()

@@ -29,6 +29,8 @@ under Triton's interpreter and tests/gpu/test_fp8_cuda.py on the GPU.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from graphcache.model import fp8_rope
@@ -208,10 +210,11 @@ GATED_ONE_ROW_TILE = (4, 1024, 4, 2)
 # One row of the qkv GEMM with rotary and the KV write in its epilogue (ROPE): BLOCK_N rows a half, so a
 # program streams 4 rows like ONE_ROW_TILE.
 ROPE_ONE_ROW_TILE = (2, 1024, 4, 2)
-# Programmatic dependent launch of the weight-only kernels (a kernel starts while the previous one drains):
-# -2.4% on a chain of the four one-row GEMMs alone (BENCHMARKS.md §14); off, as in the model they sit between
-# kernels that do not use it and no cuda test runs with it on.
-PDL = False
+# Programmatic dependent launch of the weight-only kernels (a kernel is launched while the one before it
+# drains, and waits in griddepcontrol.wait for its writes): None = on where the GPU has it (compute
+# capability 9.0+; the instructions do not exist before Hopper). The 8B FP8 decode at batch 1 took 3.30-3.45
+# ms with it against 3.54-3.57 without (BENCHMARKS.md §15). True / False force it (benchmarks' A/B).
+PDL: bool | None = None
 # Rotary and the KV write in the one-token qkv GEMM's epilogue (weight_only_qkv_rope); False runs the GEMM,
 # then fused_ops.rotary_cache_ (an A/B switch for benchmarks and tests, read when a forward runs or is captured).
 ROPE_IN_GEMM = True
@@ -261,6 +264,7 @@ def _launch_gemm(
     else:  # scale_a [T, K / bk]
         sa, stride_sa_g, stride_sa_m = scale_a, scale_a.stride(1), scale_a.stride(0)
     rows_a_program = 2 * block_n if rope is not None else block_n  # ROPE: two halves of BLOCK_N rows
+    use_pdl = block is None and _pdl_on(a.device)
     _kernel()[(triton.cdiv(m, block_m), triton.cdiv(n, rows_a_program))](
         a,
         w,
@@ -293,8 +297,8 @@ def _launch_gemm(
         ROPE=rope is not None,
         HEAD_DIM=head_dim,
         EVEN_K=k % block_k == 0,
-        USE_PDL=PDL and block is None,
-        launch_pdl=PDL and block is None,
+        USE_PDL=use_pdl,
+        launch_pdl=use_pdl,
         GROUP_N=1 if block is None else block[0],
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -303,6 +307,16 @@ def _launch_gemm(
         num_stages=stages,
     )
     return out
+
+
+@functools.cache
+def _has_pdl(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _pdl_on(device: torch.device) -> bool:
+    """PDL, or where it is None, whether the device has programmatic dependent launch."""
+    return _has_pdl(device) if PDL is None else PDL
 
 
 def weight_only_mm(

@@ -20,8 +20,8 @@ from torch import nn
 from graphcache.model.attention import graph_attention, paged_attention
 from graphcache.model.config import ModelConfig
 from graphcache.model.forward_context import current_forward_context
-from graphcache.model.fp8_rope import RopeArgs
 from graphcache.model.fp8_linear import Fp8Linear
+from graphcache.model.fp8_rope import RopeArgs
 from graphcache.model.fused_ops import add_rmsnorm, rotary_cache_, silu_mul
 from graphcache.model.moe import SparseMoE
 from graphcache.model.parallel import (
