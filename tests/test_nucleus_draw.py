@@ -407,13 +407,14 @@ def test_cuda_kernel_top_k_rows_match_torch_on_the_served_shape(scale):
     k = torch.tensor([20, 50, 40, 0] * 63 + [20, 5000, 1, 0])
     keys = keys_of(range(256), 9)
     tk = top_k_logits(logits, k)
-    on = ((k > 0) & (k < 151936)).nonzero().view(-1).cuda()
+    x = logits.cuda()
+    on = ((k > 0) & (k < 151936)).nonzero().view(-1)
     got_tk = torch.full((256,), NEG_INF, device="cuda")
-    for group in (on[k[on.cpu()] <= 4096], on[k[on.cpu()] > 4096]):
-        kk = k[group.cpu()].cuda()
-        got_tk[group] = nd.kth_logits(logits.cuda(), group, kk, int(kk.max()))
+    for group in (on[k[on] <= 4096], on[k[on] > 4096]):  # as the sampler groups them
+        g_ = group.cuda()
+        got_tk[g_] = nd.kth_logits(x, g_, k[group].cuda(), int(k[group].max()))
     assert torch.equal(got_tk.cpu(), tk)
-    got = run_kernel(logits.cuda(), t, p, lmp, keys, tk=tk)
+    got = run_kernel(x, t, p, lmp, keys, tk=tk)
     assert_same_draws(logits, t, p, lmp, keys, got, k=k)
 
 
