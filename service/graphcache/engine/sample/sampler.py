@@ -90,7 +90,8 @@ class Sampler:
     def warmup(self, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
         """Compile the Triton draw kernels now, not in the first sampled step (a compile there stalls
         every running request for about a second): one draw on each path on random logits (top-p rows
-        from model-dtype logits, from processed fp32 logits, and a top-k row)."""
+        and top-k rows, whose params carry a 4th column, each from model-dtype logits and from processed
+        fp32 logits)."""
         if device.type != "cuda" or not HAVE_TRITON:
             return
         x = torch.randn(2, vocab, device=device).to(dtype)
@@ -98,6 +99,7 @@ class Sampler:
             SamplingParams(temperature=0.8, top_p=0.9),
             SamplingParams(temperature=0.8, top_p=0.9, logit_bias={0: 1.0}),
             SamplingParams(temperature=0.8, top_k=5, top_p=0.9),
+            SamplingParams(temperature=0.8, top_k=5, top_p=0.9, logit_bias={0: 1.0}),
         ):
             self.sample_device(x[:1], [Sequence("sampler-warmup", [0], params)])
         torch.cuda.synchronize(device)
@@ -150,8 +152,10 @@ class Sampler:
         the host; two uploads, no sync (a third upload and a bounded torch.topk when rows have top-k)."""
         vocab = logits.shape[-1]
         cached = [s.draw_row or self._draw_row(s) for s in seqs]
-        params = torch.tensor([c[0] for c in cached], dtype=torch.float32)  # [W, 4]; column 3 -inf
+        params = torch.tensor([c[0] for c in cached], dtype=torch.float32)  # [W, 3]
         top_k = [(j, c[2]) for j, c in enumerate(cached) if 0 < c[2] < vocab]
+        if top_k:  # the k-th largest logits' column, filled on the device (-inf: no top-k); else [W, 3]
+            params = torch.cat([params, torch.full((len(seqs), 1), _NEG_INF)], dim=1)
         ints = self._key_parts(seqs)  # [2, W]: keys, steps
         if logits.is_cuda:
             params = params.pin_memory().to(logits.device, non_blocking=True)
@@ -207,14 +211,13 @@ class Sampler:
         return ints
 
     @staticmethod
-    def _draw_row(seq: Sequence) -> tuple[tuple[float, float, float, float], int | None, int]:
-        """A request's static draw parameters, cached on it: ((temperature, top_p, log(min_p) or -inf,
-        -inf: nucleus_draw's top-k column, filled per step on the device), mix64(seed) as int64 or None,
-        top_k (0: off; on where 0 < top_k < V))."""
+    def _draw_row(seq: Sequence) -> tuple[tuple[float, float, float], int | None, int]:
+        """A request's static draw parameters, cached on it: ((temperature, top_p, log(min_p) or -inf),
+        mix64(seed) as int64 or None, top_k (0: off; on where 0 < top_k < V))."""
         p = seq.params
         log_min_p = math.log(min(p.min_p, 1.0)) if p.min_p > 0 else _NEG_INF
         seed_key = None if p.seed is None else to_int64(mix64(p.seed))
-        seq.draw_row = ((p.temperature, p.top_p, log_min_p, _NEG_INF), seed_key, max(p.top_k, 0))
+        seq.draw_row = ((p.temperature, p.top_p, log_min_p), seed_key, max(p.top_k, 0))
         return seq.draw_row
 
     def _draw(self, x: torch.Tensor, seqs: list[Sequence], local: list[int]) -> torch.Tensor:
