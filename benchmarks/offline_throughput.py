@@ -2,7 +2,9 @@
 
 Workloads (benchmarks/workloads.py; --workload nano,realistic runs both on one model load per mode):
   nano       nano-vllm's benchmark shape: 256 requests, random prompt lengths 100-1024 and output
-             lengths 100-1024 (seed 0), greedy.
+             lengths 100-1024 (seed 0), greedy; --temperature, --top-p, --top-k and --seeded-every
+             sample instead (e.g. --temperature 0.7 --top-p 0.8 --top-k 20, Qwen's generation_config,
+             times top-k decode steps against greedy ones; the hf mode takes --temperature only).
   realistic  ShareGPT-like lognormal lengths (prompt median 220, sigma 0.9, cap 2048; output median
              200, sigma 0.75, cap 1024), temperature 0.8, top_p 0.95, every fourth request seeded,
              2 x max_num_seqs requests (the device's default unless --max-num-seqs), so prompt chunks
@@ -72,6 +74,7 @@ def build_workloads(args, vocab: int) -> dict[str, list[workloads.Request]]:
                 args.temperature,
                 args.top_p,
                 args.seeded_every,
+                args.top_k,
             )
         elif name == "realistic":
             shape = workloads.RealisticShape(prompt_cap=args.prompt_cap, output_cap=args.output_cap)
@@ -114,7 +117,12 @@ async def _run_engine(
     async def one(i: int) -> int:
         r = requests[i]
         params = SamplingParams(
-            max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p, seed=r.seed, ignore_eos=True
+            max_tokens=r.max_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            seed=r.seed,
+            ignore_eos=True,
         )
         n = 0
         # stream=False: one output per request, so the benchmark measures the engine, not 256
@@ -316,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--temperature", type=float, default=0.0, help="nano: 0 = greedy (default, same for all modes)"
     )
     ap.add_argument("--top-p", type=float, default=1.0, help="nano: top_p of every request")
+    ap.add_argument("--top-k", type=int, default=0, help="nano: top_k of every request (0: off)")
     ap.add_argument("--seeded-every", type=int, default=0, help="nano: every k-th request seeded (0: none)")
     ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])

@@ -1,16 +1,18 @@
 """Sampling one step on the device: GPU and host time of `Sampler.sample_device` on its two paths side
 by side (legacy: the torch-composed threshold path; nucleus: the rejection sampler,
-engine/sample/nucleus_draw.py, the default for rows without top-k), and what each piece of the torch
+engine/sample/nucleus_draw.py, the default for every random row), and what each piece of the torch
 path costs.
 
     python benchmarks/sampler_bench.py --rows 256 --vocab 151936      # Qwen2.5-0.5B shape
     python benchmarks/sampler_bench.py --rows 256 --vocab 128256      # the 8B shape
 
 Table 1, by sampling parameters (median GPU ms of --iters calls, CUDA events; bf16 logits randn * 3):
-greedy; temperature only; top_p 0.9; top_k 50; top_k 50 + top_p 0.9; seeded; half seeded; top_p 0.9
-on flat logits (logits / 10: long nuclei); the realistic mix (T 0.8, top_p 0.95, a quarter seeded).
-Columns: legacy, nucleus (GPU ms, and the host ms of the call), and nucleus minus greedy (the goal:
-<= 0.3 ms at 256 rows). Rows with top_k take legacy in the nucleus sampler too.
+greedy; temperature only; top_p 0.9; top_k 50; top_k 50 + top_p 0.9; Qwen's generation_config (T 0.7,
+top_k 20, top_p 0.8); seeded; half seeded; top_p 0.9 on flat logits (logits / 10: long nuclei); the
+realistic mix (T 0.8, top_p 0.95, a quarter seeded). Columns: legacy, nucleus (GPU ms, and the host ms
+of the call), and nucleus minus greedy (the goal: <= 0.3 ms at 256 rows). Rows with top_k take the
+nucleus sampler too: a torch.topk of their rows for the k-th largest logit (nucleus_draw.kth_logits,
+its own line in table 2), then the same launch.
 
 Table 2, the pieces of the legacy path for the top_p 0.9 rows, and the predicted floor of each
 (bytes / 4.8 TB/s; 256 x 151,936: bf16 logits 78 MB = 16 us a pass, fp32 156 MB = 32 us a pass):
@@ -23,6 +25,7 @@ Table 2, the pieces of the legacy path for the top_p 0.9 rows, and the predicted
   draw          race_draw: one fp32 read pass                                   156 MB -> ~32 us
   logprobs      token_logprobs(k=5): log_softmax fp32 write + topk               ~0.5 GB -> ~100 us
   host sync     tokens .tolist(): a [R] int64 copy and a stream sync           ~10 us (latency)
+  kth_logits    (nucleus path) top_k 50's threshold: index_select, nan_to_num, topk(50), gather
 Table 3: nucleus_draw alone by launch setting (block, warps), to pick the defaults from one run.
 """
 
@@ -42,7 +45,7 @@ from graphcache.engine.sample import sampler as sm  # noqa: E402
 from graphcache.engine.sample.controls import apply_penalties  # noqa: E402
 from graphcache.engine.sample.filter_threshold import thresholds  # noqa: E402
 from graphcache.engine.sample.logprobs import token_logprobs  # noqa: E402
-from graphcache.engine.sample.nucleus_draw import nucleus_draw  # noqa: E402
+from graphcache.engine.sample.nucleus_draw import kth_logits, nucleus_draw  # noqa: E402
 from graphcache.engine.sample.race_draw import race_draw  # noqa: E402
 from graphcache.engine.sample.sampler import Sampler  # noqa: E402
 from graphcache.engine.sequence import SamplingParams, Sequence  # noqa: E402
@@ -53,6 +56,7 @@ CASES = {
     "temperature 0.8, top_p 0.9": lambda i: dict(temperature=0.8, top_p=0.9),
     "temperature 0.8, top_k 50": lambda i: dict(temperature=0.8, top_k=50),
     "temperature 0.8, top_k 50, top_p 0.9": lambda i: dict(temperature=0.8, top_k=50, top_p=0.9),
+    "Qwen: T 0.7, top_k 20, top_p 0.8": lambda i: dict(temperature=0.7, top_k=20, top_p=0.8),
     "temperature 0.8, seeded": lambda i: dict(temperature=0.8, seed=i),
     "temperature 0.8, half seeded": lambda i: dict(temperature=0.8, seed=i if i % 2 else None),
     "realistic: T 0.8, top_p 0.95, 1/4 seeded": lambda i: dict(
@@ -125,6 +129,7 @@ def pieces(logits, rows: int, iters: int) -> list[dict]:
     for i, s in enumerate(pen):
         s.output_token_ids.extend(range(i, i + 64))
     tokens = logits.argmax(dim=-1)
+    k50 = torch.full((rows,), 50, dtype=torch.int64, device=dev)
     return [
         {
             "piece": "copy (index_select + float)",
@@ -148,6 +153,10 @@ def pieces(logits, rows: int, iters: int) -> list[dict]:
             "ms": gpu_ms(lambda: token_logprobs(logits, tokens, 5), iters),
         },
         {"piece": "host sync (tokens .tolist())", "ms": gpu_ms(lambda: tokens.tolist(), iters)},
+        {
+            "piece": "kth_logits (nucleus path: top_k 50's threshold)",
+            "ms": gpu_ms(lambda: kth_logits(logits, idx, k50, 50), iters),
+        },
         {"piece": "(x.clone(): one fp32 read+write, for scale)", "ms": gpu_ms(lambda: x.clone(), iters)},
     ]
 

@@ -1,6 +1,7 @@
 """Benchmark workloads: what each request asks for (token-id prompt, output length, sampling).
 
-nano      nano-vllm's benchmark: prompt and output lengths uniform in 100-1024, one temperature for all.
+nano      nano-vllm's benchmark: prompt and output lengths uniform in 100-1024, one temperature (and
+          top_p, top_k) for all.
 realistic ShareGPT-like traffic. Prompt lengths lognormal, median 220 tokens, sigma 0.9 (the middle
           half 120-400, a tail to the 2,048 cap, which 0.7% of draws reach); output lengths lognormal,
           median 200, sigma 0.75 (middle half 120-330, capped at 1,024, 1.5% of draws); both floored at 16.
@@ -27,6 +28,7 @@ class Request:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    top_k: int = 0  # 0 = off
 
 
 @dataclass(frozen=True)
@@ -57,15 +59,22 @@ def nano(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seeded_every: int = 0,
+    top_k: int = 0,
 ) -> list[Request]:
     """The same prompts and lengths as offline_throughput.workload (same draws, same order). seeded_every k
-    > 0: every k-th request carries a seed (the sampler's per-row generator path), as in realistic."""
+    > 0: every k-th request carries a seed (the sampler's per-row generator path), as in realistic.
+    top_k > 0: every request's top_k (0: off)."""
     rng = random.Random(seed)
     prompts = [random_prompt(rng, rng.randint(*in_range), vocab) for _ in range(n)]
     lengths = [rng.randint(*out_range) for _ in prompts]
     return [
         Request(
-            p, m, temperature, top_p, seed * 100_003 + i if seeded_every and i % seeded_every == 0 else None
+            p,
+            m,
+            temperature,
+            top_p,
+            seed * 100_003 + i if seeded_every and i % seeded_every == 0 else None,
+            top_k,
         )
         for i, (p, m) in enumerate(zip(prompts, lengths, strict=True))
     ]

@@ -31,6 +31,10 @@ def test_realistic_workload_shape():
         [r.prompt for r in nano],
         [r.max_tokens for r in nano],
     )
+    assert {r.top_k for r in nano} == {0} and {r.top_k for r in reqs} == {0}  # off unless asked
+    sampled = workloads.nano(5, 1024, (10, 20), (3, 9), seed=0, temperature=0.7, top_p=0.8, top_k=20)
+    assert {(r.temperature, r.top_p, r.top_k) for r in sampled} == {(0.7, 0.8, 20)}
+    assert [r.prompt for r in sampled] == [r.prompt for r in nano]
 
 
 @pytest.mark.slow

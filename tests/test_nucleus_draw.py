@@ -96,16 +96,118 @@ def test_rows_out_of_rounds_take_the_exact_threshold():
         assert inside.gather(1, tokens.view(-1, 1)).all()
 
 
+# --- top-k: one more floor on the kept tokens (the row's k-th largest logit, kth_logits) -------------
+TOP_K = torch.tensor([5, 8, 20, 1, 3, 50, 300, 10, 2, 40, 7, 0])  # 300 = the vocabulary, 0: both off
+
+
+def top_k_logits(logits, k) -> torch.Tensor:
+    """[R] fp32: nucleus_draw's top-k column as the sampler fills it, kth_logits for the rows with
+    0 < k < V and -inf for the others."""
+    vocab = logits.shape[1]
+    out = torch.full((logits.shape[0],), NEG_INF)
+    rows = ((k > 0) & (k < vocab)).nonzero().view(-1)
+    if rows.numel():
+        out[rows] = nd.kth_logits(logits, rows, k[rows], int(k[rows].max()))
+    return out
+
+
+def filtered_mask(logits, t, p, lmp, k) -> torch.Tensor:
+    """[R, V] bool: the tokens the threshold path keeps (filtered_logits: min_p, top-k, then top-p)."""
+    z, thr, _, _ = filtered_logits(logits.float(), temperature=t, top_k=k, top_p=p, min_p=lmp.exp())
+    return (z >= thr.view(-1, 1)) & (z > NEG_INF)
+
+
+@pytest.mark.parametrize("name", ["normal", "flat", "peaked", "bf16_ties", "few_values", "minus_inf"])
+def test_torch_top_k_draws_stay_inside_the_filtered_set(name):
+    logits = rows_of(name, 12, 300, seed=3)
+    t, p, lmp = params(12)
+    inside = filtered_mask(logits, t, p, lmp, TOP_K)
+    tk = top_k_logits(logits, TOP_K)
+    for step in range(20):
+        tokens = nd.nucleus_draw_torch(logits, t, p, lmp, keys_of(range(12), step), top_k_logit=tk)
+        assert inside.gather(1, tokens.view(-1, 1)).all(), (name, step)
+    one = logits[TOP_K == 1].float()  # top_k 1: the max (any token tied with it)
+    assert (one.gather(1, tokens[TOP_K == 1].view(-1, 1)) == one.max(dim=-1, keepdim=True).values).all()
+
+
+def test_kth_logits_is_the_kth_largest_with_nan_as_minus_inf():
+    x = poisoned_rows()
+    k = torch.tensor([3, 5, 4, 2, 6, 1, 3, 10])
+    got = nd.kth_logits(x, torch.arange(8), k, 10)
+    x_ = x.nan_to_num(nan=NEG_INF, neginf=NEG_INF, posinf=float("inf"))
+    want = x_.sort(dim=-1, descending=True).values.gather(1, (k - 1).view(-1, 1))
+    assert torch.equal(got, want.view(-1))
+    assert got[0].isfinite() and got[3] == NEG_INF and got[5] == 1.0  # torch.topk alone: NaN first
+    bf = x.to(torch.bfloat16)
+    assert torch.equal(
+        nd.kth_logits(bf, torch.tensor([6, 0]), k[[6, 0]], 3), want.view(-1)[[6, 0]].bfloat16().float()
+    )
+
+
+def test_torch_top_k_draws_follow_the_filtered_distribution():
+    """4,000 draws per row (one key each) against softmax(z) over filtered_logits' kept set: top-k alone,
+    with top_p, with min_p, with both."""
+    logits = rows_of("normal", 5, 64, seed=5) * 0.5
+    t = torch.tensor([1.0, 0.7, 1.0, 1.5, 0.9])
+    p = torch.tensor([1.0, 0.8, 1.0, 0.9, 0.6])
+    lmp = torch.tensor([NEG_INF, NEG_INF, -1.5, -2.0, NEG_INF])
+    k = torch.tensor([6, 20, 12, 9, 30])
+    z = z_of(logits, t, lmp)
+    want = z.masked_fill(~filtered_mask(logits, t, p, lmp, k), NEG_INF).softmax(dim=-1)
+    n = 4000
+    rows = torch.arange(5).repeat(n)  # [5n]: copy s of row r at s * 5 + r
+    tk = top_k_logits(logits, k)[rows]
+    tokens = nd.nucleus_draw_torch(
+        logits[rows], t[rows], p[rows], lmp[rows], keys_of(range(5 * n)), top_k_logit=tk
+    )
+    counts = torch.zeros(5, 64).index_put_((rows, tokens), torch.ones(5 * n), accumulate=True)
+    tv = 0.5 * (counts / n - want).abs().sum(dim=-1)
+    assert (tv < 0.05).all(), tv
+    assert ((counts > 0).sum(dim=-1) <= (want > 0).sum(dim=-1)).all()
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    """Ten tokens tied at the top and top_k 3: all ten are kept (the threshold path's tie rule)."""
+    x = torch.zeros(1, 64)
+    x[0, 10:20] = 2.0
+    x[0, 30] = 1.9
+    k = torch.tensor([3])
+    assert filtered_mask(x, torch.ones(1), torch.ones(1), torch.full((1,), NEG_INF), k).sum() == 10
+    rows = torch.zeros(600, dtype=torch.int64)
+    tk = top_k_logits(x, k)[rows]
+    one, off = torch.ones(600), torch.full((600,), NEG_INF)
+    tokens = nd.nucleus_draw_torch(x[rows], one, one, off, keys_of(range(600)), top_k_logit=tk)
+    assert set(tokens.tolist()) == set(range(10, 20))
+
+
+def test_top_k_at_or_above_the_vocabulary_is_off():
+    """kth_logits at k = V is the row's smallest logit: every token stays, the draws are those without."""
+    logits = rows_of("normal", 6, 50, seed=9)
+    t, p, lmp = params(6)
+    tk = nd.kth_logits(logits, torch.arange(6), torch.full((6,), 50), 50)
+    for step in range(5):
+        keys = keys_of(range(6), step)
+        want = nd.nucleus_draw_torch(logits, t, p, lmp, keys)
+        assert torch.equal(nd.nucleus_draw_torch(logits, t, p, lmp, keys, top_k_logit=tk), want)
+        assert torch.equal(
+            nd.nucleus_draw_torch(logits, t, p, lmp, keys, top_k_logit=torch.full((6,), NEG_INF)), want
+        )
+
+
 def packed(t, p, lmp, keys, device):
     """nucleus_draw's per-row inputs: params [W, 3], keys [W], steps [W] (-1: the keys are the race keys)."""
     params = torch.stack([t.float(), p.float(), lmp.float()], dim=1).to(device)
     return params, keys.to(device), torch.full_like(keys, -1).to(device)
 
 
-def run_kernel(logits, t, p, lmp, keys, **kw):
+def run_kernel(logits, t, p, lmp, keys, tk=None, **kw):
+    """The kernel's draws (params [W, 4] with tk, the top-k column; [W, 3] without)."""
     d = logits.device
     rows = torch.arange(logits.shape[0], dtype=torch.int64, device=d)
-    return nd.nucleus_draw(logits, rows, *packed(t, p, lmp, keys, d), **kw).cpu()
+    params_, keys_, steps = packed(t, p, lmp, keys, d)
+    if tk is not None:
+        params_ = torch.cat([params_, tk.float().view(-1, 1).to(d)], dim=1)
+    return nd.nucleus_draw_triton(logits, rows, params_, keys_, steps, **kw).cpu()
 
 
 def test_seeded_keys_mix_the_step_as_row_key_does():
@@ -117,12 +219,17 @@ def test_seeded_keys_mix_the_step_as_row_key_does():
     assert torch.equal(nd.step_keys(base, torch.full((4,), -1)), base)
 
 
-def assert_same_draws(logits, t, p, lmp, keys, got, rounds=nd.ROUNDS, min_equal=0.9):
-    """The kernel's tokens: always inside the nucleus, and the torch path's token on most rows (they part
-    only where fp32 summation order moves a token across the nucleus' edge)."""
-    want = nd.nucleus_draw_torch(logits.cpu(), t, p, lmp, keys, rounds)
-    assert nucleus_mask(logits.cpu(), t, p, lmp).gather(1, got.view(-1, 1)).all()
+def assert_same_draws(logits, t, p, lmp, keys, got, rounds=nd.ROUNDS, min_equal=0.9, k=None):
+    """The kernel's tokens: always inside the nucleus (with top-k k: filtered_logits' kept set), and the
+    torch path's token on most rows (they part only where fp32 summation order moves a token across the
+    nucleus' edge)."""
+    x = logits.cpu()
+    tk = None if k is None else top_k_logits(x, k)
+    want = nd.nucleus_draw_torch(x, t, p, lmp, keys, rounds, top_k_logit=tk)
+    inside = nucleus_mask(x, t, p, lmp) if k is None else filtered_mask(x, t, p, lmp, k)
+    assert inside.gather(1, got.view(-1, 1)).all()
     assert (got == want).float().mean() >= min_equal, (got, want)
+    return want
 
 
 @needs_interpreter
@@ -146,7 +253,7 @@ def test_kernel_mixes_seeded_keys_like_torch_in_the_interpreter():
     base = torch.tensor([rd.to_int64(rd.mix64(s)) for s in range(6)])
     steps = torch.tensor([0, 3, -1, 9, 1, -1])
     params_, _, _ = packed(t, p, lmp, base, "cpu")
-    got = nd.nucleus_draw(logits, torch.arange(6), params_, base, steps, block=64, warps=1)
+    got = nd.nucleus_draw_triton(logits, torch.arange(6), params_, base, steps, block=64, warps=1)
     want = nd.nucleus_draw_torch(logits, t, p, lmp, nd.step_keys(base, steps))
     assert (got == want).float().mean() >= 0.8, (got, want)
 
@@ -183,6 +290,62 @@ def test_kernel_matches_torch_on_poisoned_rows_in_the_interpreter():
 
 
 @needs_interpreter
+@pytest.mark.parametrize("name", ["normal", "bf16_ties", "few_values", "minus_inf"])
+def test_kernel_top_k_rows_match_torch_in_the_interpreter(name):
+    """Top-k rows (alone, with top_p, with min_p) mixed with top-p-only, greedy and seeded rows; the
+    kth_logits column as the sampler fills it; bf16 ties and few_values put the k-th inside a tie group."""
+    logits = rows_of(name, 12, 300, seed=7)
+    t, p, lmp = params(12)
+    t[4] = 0.0  # a greedy row with top_k 3
+    tk = top_k_logits(logits, TOP_K)
+    base = keys_of(range(12), 2)
+    steps = torch.tensor([-1, 4, -1, 0, -1, 7, -1, -1, 2, -1, 1, -1])  # seeded rows mix (key, step)
+    params_ = torch.stack([t, p, lmp, tk], dim=1)
+    got = nd.nucleus_draw_triton(logits, torch.arange(12), params_, base, steps, block=64, warps=1)
+    keys = nd.step_keys(base, steps)
+    want = assert_same_draws(logits, t, p, lmp, keys, got, k=TOP_K)
+    top_k_only = (TOP_K > 0) & (TOP_K < 300) & (p >= 1)
+    assert torch.equal(got[top_k_only], want[top_k_only])  # round 0 only: the race, exactly
+    assert got[4] == logits[4].float().argmax()  # greedy
+    assert logits[3, got[3]] == logits[3].max()  # top_k 1: the max (a token tied with it, for ties)
+    # the rows without top-k draw exactly what the kernel draws without the column
+    no_k = tk == NEG_INF
+    without = nd.nucleus_draw_triton(logits, torch.arange(12), params_[:, :3], base, steps, block=64, warps=1)
+    assert torch.equal(got[no_k], without[no_k])
+
+
+@needs_interpreter
+def test_kernel_keeps_every_token_tied_with_the_kth_in_the_interpreter():
+    x = torch.zeros(1, 64)
+    x[0, 10:20] = 2.0
+    x[0, 30] = 1.9
+    rows = torch.zeros(120, dtype=torch.int64)
+    tk = top_k_logits(x, torch.tensor([3]))
+    one, off = torch.ones(120), torch.full((120,), NEG_INF)
+    got = run_kernel(x[rows], one, one, off, keys_of(range(120)), tk=tk[rows], block=64, warps=1)
+    assert set(got.tolist()) == set(range(10, 20))
+
+
+@needs_interpreter
+def test_kernel_top_k_on_poisoned_rows_matches_torch_in_the_interpreter():
+    x = poisoned_rows()
+    t = torch.tensor([0.8, 1.0, 0.8, 0.8, 0.8, 0.7, 1.2, 0.5])
+    p = torch.tensor([0.9, 1.0, 0.9, 1.0, 0.9, 0.1, 0.999, 0.8])
+    lmp = torch.tensor([NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, -2.0])
+    k = torch.tensor([3, 5, 4, 2, 6, 3, 10, 4])
+    tk = top_k_logits(x, k)
+    inside = filtered_mask(x, t, p, lmp, k)
+    for step in range(3):
+        keys = keys_of(range(8), step)
+        got = run_kernel(x, t, p, lmp, keys, tk=tk, block=64, warps=1)
+        assert torch.equal(got, nd.nucleus_draw_torch(x, t, p, lmp, keys, top_k_logit=tk)), step
+        assert got[2] == 0 and got[3] == 0 and got[4] == 17 and got[5] == 10
+        assert not x[0, got[0]].isnan() and x[1, got[1]] > NEG_INF and got[6] < 5
+        ok = torch.tensor([0, 1, 6, 7])  # the rows with a distribution
+        assert inside[ok].gather(1, got[ok].view(-1, 1)).all()
+
+
+@needs_interpreter
 def test_kernel_round_zero_is_the_race_kernel_in_the_interpreter():
     """A row without top_p: nucleus_draw's kernel draws the race kernel's token from filtered_logits' z."""
     logits = rows_of("normal", 6, 300, seed=4)
@@ -207,6 +370,8 @@ def test_kernel_draws_follow_the_nucleus_distribution_in_the_interpreter():
     rows = torch.arange(3).repeat(n)  # [3n]: copy k of row r at k * 3 + r
     keys = keys_of(range(3 * n), 1)
     params, _, steps = packed(t[rows], p[rows], lmp[rows], keys, "cpu")
+    # nucleus_draw, not nucleus_draw_triton: 6,000 programs take minutes in the interpreter, so on the
+    # CPU this is the torch twin's distribution (the kernel == torch tests cover the kernel here)
     tokens = nd.nucleus_draw(logits, rows, params, keys, steps, block=32, warps=1)
     counts = torch.zeros(3, 32).index_put_((rows, tokens), torch.ones(3 * n), accumulate=True)
     tv = 0.5 * (counts / n - want).abs().sum(dim=-1)
@@ -225,6 +390,32 @@ def test_cuda_kernel_matches_torch_on_the_served_shape(scale):
     keys = keys_of(range(48), 9)
     got = run_kernel(logits.cuda(), t, p, lmp, keys)
     assert_same_draws(logits, t, p, lmp, keys, got)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("scale", [3.0, 0.05])
+def test_cuda_kernel_top_k_rows_match_torch_on_the_served_shape(scale):
+    """256 rows x 151936 bf16, as a served decode step sends them (Qwen's top_k 20 + top_p 0.8, top_k 50
+    alone, + min_p, top_p only, a wide k): kth_logits on the GPU is the CPU's value, the draws stay
+    inside filtered_logits' kept set and match the torch path's."""
+    g = torch.Generator().manual_seed(13)
+    logits = (torch.randn(256, 151936, generator=g) * scale).to(torch.bfloat16)
+    t = torch.tensor([0.7, 0.8, 1.0, 0.8] * 64)
+    p = torch.tensor([0.8, 1.0, 0.95, 0.9] * 64)
+    lmp = torch.tensor([NEG_INF, NEG_INF, -3.0, NEG_INF] * 64)
+    k = torch.tensor([20, 50, 40, 0] * 63 + [20, 5000, 1, 0])
+    keys = keys_of(range(256), 9)
+    tk = top_k_logits(logits, k)
+    x = logits.cuda()
+    on = ((k > 0) & (k < 151936)).nonzero().view(-1)
+    got_tk = torch.full((256,), NEG_INF, device="cuda")
+    for group in (on[k[on] <= 4096], on[k[on] > 4096]):  # as the sampler groups them
+        g_ = group.cuda()
+        got_tk[g_] = nd.kth_logits(x, g_, k[group].cuda(), int(k[group].max()))
+    assert torch.equal(got_tk.cpu(), tk)
+    got = run_kernel(x, t, p, lmp, keys, tk=tk)
+    assert_same_draws(logits, t, p, lmp, keys, got, k=k)
 
 
 @pytest.mark.cuda

@@ -216,3 +216,58 @@ def test_unfiltered_rows_skip_the_sort_and_match_the_filtered_path():
         assert torch.allclose(fast, slow, atol=1e-6), (fast - slow).abs().max()
         assert torch.allclose(fast.sum(-1), torch.ones(5))
         assert fast[3].argmax() == logits[3].argmax() and fast[3].max() == 1
+
+
+def test_top_k_rows_take_the_nucleus_sampler_and_match_the_threshold_path(monkeypatch):
+    """A batch of top-k rows (alone, with top_p, with min_p, with a logits control, Qwen's top_k 20 +
+    top_p 0.8) beside a top-p-only and a greedy row: nucleus_draw draws every random row, the top-k ones
+    with their k-th largest logit in params' 4th column, and each row's tokens follow the same
+    distribution as the threshold path's (Sampler(nucleus=False)) and filtered_logits' softmax."""
+    from graphcache.engine.sample import sampler as sampler_mod
+    from graphcache.engine.sample.sampler import filtered_logits
+
+    vocab, n = 48, 3000
+    base = torch.randn(1, vocab, generator=torch.Generator().manual_seed(4)) * 1.5
+    kinds = [
+        dict(temperature=1.0, top_k=5),
+        dict(temperature=0.7, top_k=20, top_p=0.8),
+        dict(temperature=1.2, top_k=12, min_p=0.1),
+        dict(temperature=0.9, top_k=8, top_p=0.9, logit_bias={int(base.argmin()): 8.0}),  # processed
+        dict(temperature=0.8, top_p=0.9),
+        dict(temperature=0.0),
+    ]
+    seqs = [seq(f"r{i}", **kinds[i % len(kinds)]) for i in range(n * len(kinds))]
+    logits = base.repeat(len(seqs), 1)
+    seen = []
+    real = sampler_mod.nucleus_draw
+
+    def spy(logits_, rows, params, keys, steps):
+        seen.append(params.clone())
+        return real(logits_, rows, params, keys, steps)
+
+    monkeypatch.setattr(sampler_mod, "nucleus_draw", spy)
+    got = torch.tensor(Sampler(default_seed=0).sample(logits, seqs)).view(n, len(kinds))
+    (params,) = seen  # one launch: controls or not, top-k or not
+    assert params.shape == (len(seqs) - n, 4)  # every random row, a top-k column
+    tk = params[:, 3].view(n, len(kinds) - 1)
+    assert (tk[:, 4] == float("-inf")).all() and tk[:, :4].isfinite().all()
+    assert tk[0, 0] == base[0].topk(5).values[-1] and tk[0, 1] == base[0].topk(20).values[-1]
+    monkeypatch.undo()
+    ref = torch.tensor(Sampler(default_seed=1, nucleus=False).sample(logits, seqs)).view(n, len(kinds))
+    assert (got[:, 5] == base.argmax()).all() and (ref[:, 5] == base.argmax()).all()
+    for j, kind in enumerate(kinds[:5]):
+        x = base.clone()
+        for token, bias in kind.get("logit_bias", {}).items():
+            x[0, token] += bias
+        z, thr, _, _ = filtered_logits(
+            x,
+            temperature=torch.tensor([kind["temperature"]]),
+            top_k=torch.tensor([kind.get("top_k", 0)]),
+            top_p=torch.tensor([kind.get("top_p", 1.0)]),
+            min_p=torch.tensor([kind.get("min_p", 0.0)]),
+        )
+        want = z.masked_fill(z < thr.view(-1, 1), float("-inf")).softmax(dim=-1)[0]
+        for tokens in (got[:, j], ref[:, j]):
+            freq = torch.bincount(tokens, minlength=vocab) / n
+            assert (freq[want == 0] == 0).all(), (j, kind)  # never outside the kept set
+            assert 0.5 * (freq - want).abs().sum() < 0.06, (j, kind)

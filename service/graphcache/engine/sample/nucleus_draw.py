@@ -1,4 +1,5 @@
-"""Temperature, min_p and top-p sampling by rejection: one Triton program per row, no threshold search.
+"""Temperature, min_p, top-k and top-p sampling by rejection: one Triton program per row, no threshold
+search.
 
 Why: finding the top-p threshold first (a top-k prefix, then a bisection for flat rows) costs a
 dozen launches and passes per step; drawing first and checking after costs two or three passes over
@@ -7,10 +8,16 @@ from a counter hash of (key, i)), so a seeded row's tokens depend only on its se
 
 z = (x - max) * (1 / T), the reciprocal once per row (a multiply per token, not a division; the
 threshold path's filtered_logits scales the same way, so both paths see the same z). The kept tokens
-are those with z >= log(min_p) (NaN and -inf logits never are). The nucleus is the set
-{i : mass(z_j > z_i) < top_p * mass(all)} (mass = sum exp(z)): the smallest top set reaching top_p,
-with every token tied at the cut kept (the same set as filter_threshold.py's threshold). The top
-token is always in it (its mass above is 0), whatever top_p is.
+are those with z >= floor (NaN and -inf logits never are), floor = max(log(min_p), z_k), where
+z_k = (t_k - max) * (1 / T) is the z of the row's k-th largest logit t_k (kth_logits: a bounded
+torch.topk before the launch, NaN counted as -inf; t_k -inf: no top-k), computed with z's own arithmetic,
+so the k-th token itself and every token tied with it are kept. That is filtered_logits' set: min_p,
+then the k largest (the k-th largest z of the min_p survivors is z_k when at least k survive, else every
+survivor stays, as here where z_k < log(min_p)). The nucleus is the set
+{i kept : mass(z_j > z_i) < top_p * mass(kept)} (mass = sum exp(z) over kept tokens): the smallest top
+set reaching top_p of the kept tokens' renormalized mass, with every token tied at the cut kept (the
+same set as filter_threshold.py's threshold). The top token is always in it (its mass above is 0),
+whatever top_p is.
 
 Per row:
   1. a pass for the max (the argmax too: greedy rows and rows with no finite max take it);
@@ -60,7 +67,16 @@ from graphcache.engine.sample.race_draw import (
 )
 from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
-__all__ = ["HAVE_TRITON", "ROUNDS", "nucleus_draw", "nucleus_draw_torch", "round_key", "step_keys"]
+__all__ = [
+    "HAVE_TRITON",
+    "ROUNDS",
+    "kth_logits",
+    "nucleus_draw",
+    "nucleus_draw_torch",
+    "nucleus_draw_triton",
+    "round_key",
+    "step_keys",
+]
 
 ROUNDS = 32  # rejections before the exact threshold (a row reaching it: a flat row at a tiny top_p)
 ROUND_GAMMA = 0xD1B54A32D192ED03  # odd, unrelated to GAMMA: keys of later rounds
@@ -107,6 +123,16 @@ def step_keys(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     return torch.where(steps < 0, keys, mix64_tensor(keys + (steps + 1) * to_int64(GAMMA)))
 
 
+def kth_logits(logits: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, kmax: int) -> torch.Tensor:
+    """[n] fp32: the k[i]-th largest logit of row rows[i] of logits [R, V] (NaN counted as -inf, as
+    filtered_logits counts it: torch.topk would rank NaN first), k [n] int64 in [1, kmax], kmax <= V
+    (known on the host). One bounded torch.topk of the selected rows: no sync. nucleus_draw's top-k
+    threshold (params' 4th column)."""
+    x = logits.index_select(0, rows).nan_to_num_(nan=_NEG_INF, posinf=float("inf"), neginf=_NEG_INF)
+    vals = x.topk(kmax, dim=-1, sorted=True).values  # [n, kmax], descending
+    return vals.gather(1, (k - 1).view(-1, 1)).view(-1).float()
+
+
 def nucleus_draw_torch(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -114,22 +140,31 @@ def nucleus_draw_torch(
     log_min_p: torch.Tensor,
     keys: torch.Tensor,
     rounds: int = ROUNDS,
+    top_k_logit: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits [R, V] (any float dtype); per row temperature [R] (<= 0: greedy), top_p [R] (>= 1: off),
-    log_min_p [R] (-inf: off), keys [R] int64 (the race keys, uint64 bits) -> tokens [R] int64."""
+    log_min_p [R] (-inf: off), keys [R] int64 (the race keys, uint64 bits), top_k_logit [R] (the row's
+    k-th largest logit, kth_logits: tokens below it are dropped; -inf or None: no top-k) -> tokens [R]
+    int64."""
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     for a in range(0, logits.shape[0], _CHUNK):
         s = slice(a, a + _CHUNK)
-        out[s] = _draw_chunk(logits[s], temperature[s], top_p[s], log_min_p[s], keys[s], rounds)
+        tk = None if top_k_logit is None else top_k_logit[s]
+        out[s] = _draw_chunk(logits[s], temperature[s], top_p[s], log_min_p[s], keys[s], rounds, tk)
     return out
 
 
-def _draw_chunk(x, temperature, top_p, log_min_p, keys, rounds):
+def _draw_chunk(x, temperature, top_p, log_min_p, keys, rounds, top_k_logit=None):
     x = x.float().nan_to_num(nan=_NEG_INF, posinf=float("inf"), neginf=_NEG_INF)
     m, top = x.max(dim=-1)
     rt = 1.0 / temperature.float().clamp_min(1e-30).view(-1, 1)  # [R, 1]; greedy rows: replaced below
     z = (x - m.view(-1, 1)) * rt
-    kept = z >= log_min_p.float().clamp_min(_FLOOR).view(-1, 1)  # [R, V]: not -inf, not below min_p
+    floor = log_min_p.float().clamp_min(_FLOOR).view(-1, 1)  # [R, 1]
+    if top_k_logit is not None:  # the k-th token's z, by z's arithmetic: it and its ties stay
+        tk = top_k_logit.float().view(-1, 1)
+        # -inf (no top-k) leaves the floor as it is (not max(floor, -inf * rt): NaN where rt is 0)
+        floor = torch.where(tk > _NEG_INF, torch.maximum(floor, (tk - m.view(-1, 1)) * rt), floor)
+    kept = z >= floor  # [R, V]: not -inf, not below min_p or the k-th largest
     w = torch.where(kept, weights(z), 0.0)  # [R, V]: exp(z) of the kept tokens, 0 elsewhere
     target = top_p.float() * w.sum(dim=-1)
     token = _race(w, kept, keys)
@@ -227,13 +262,13 @@ def _round_key_of(key, r):
 
 def _nucleus_kernel(
     x_ptr, rows_ptr, stride_x, vocab, params_ptr, key_ptr, step_ptr, out_ptr,
-    BLOCK: tl.constexpr, ROUNDS: tl.constexpr,
+    BLOCK: tl.constexpr, ROUNDS: tl.constexpr, NPARAMS: tl.constexpr,
 ):  # fmt: skip
     w = tl.program_id(0)
     base = x_ptr + tl.load(rows_ptr + w) * stride_x
-    t = tl.load(params_ptr + 3 * w)
-    p = tl.load(params_ptr + 3 * w + 1)
-    zlo = tl.maximum(tl.load(params_ptr + 3 * w + 2), -3.4028234663852886e38)  # the kept floor
+    t = tl.load(params_ptr + NPARAMS * w)
+    p = tl.load(params_ptr + NPARAMS * w + 1)
+    zlo = tl.maximum(tl.load(params_ptr + NPARAMS * w + 2), -3.4028234663852886e38)  # the kept floor
     key = tl.load(key_ptr + w).to(tl.uint64, bitcast=True)
     step = tl.load(step_ptr + w)
     if step >= 0:  # a seeded row: race_draw.row_key from mix64(seed) and the step
@@ -252,6 +287,10 @@ def _nucleus_kernel(
     token = tl.min(tl.where(mx == m, mi, 2147483647), axis=0)
     if (t > 0) & (m > float("-inf")) & (m < float("inf")):
         rt = tl.math.div_rn(1.0, t)  # once per row: the passes multiply
+        if NPARAMS == 4:  # top-k: the k-th largest logit's z, as _z_block computes it (-inf: off)
+            tk = tl.load(params_ptr + NPARAMS * w + 3)
+            if tk > float("-inf"):  # a row without top-k keeps its floor untouched
+                zlo = tl.maximum(zlo, (tk - m) * rt)
         # 2. the first candidate (and the total mass, for top_p)
         key0 = key.to(tl.int64, bitcast=True)
         token, total = _race_above(base, vocab, m, rt, zlo, key0, False, BLOCK)
@@ -313,15 +352,32 @@ def nucleus_draw(
     warps: int = WARPS,
 ) -> torch.Tensor:
     """tokens [W] int64: one draw per entry of rows [W] (int64 indices into logits [R, V], any float
-    dtype). Per entry: params [W, 3] fp32 (temperature, <= 0: greedy; top_p, >= 1: off; log(min_p),
-    -inf: off), keys [W] int64 and steps [W] int64 (step_keys: the race key is keys itself where the
-    step is < 0, else row_key's mix of keys = mix64(seed) and the step). On CUDA one launch, no host
+    dtype). Per entry: params [W, 4] fp32 (temperature, <= 0: greedy; top_p, >= 1: off; log(min_p),
+    -inf: off; the row's k-th largest logit, kth_logits, -inf: no top-k; [W, 3]: no row has top-k),
+    keys [W] int64 and steps [W] int64 (step_keys: the race key is keys itself where the step is < 0,
+    else row_key's mix of keys = mix64(seed) and the step). On CUDA one launch, no host
     sync, no allocation but the output (graph-capturable); elsewhere the torch path. block and warps
     other than race_draw's BLOCK and WARPS are for benchmarks: a near tie may then resolve otherwise
     than race_draw's kernel would."""
     if not (logits.is_cuda and HAVE_TRITON):
         x, p = logits.index_select(0, rows), params.float()
-        return nucleus_draw_torch(x, p[:, 0], p[:, 1], p[:, 2], step_keys(keys, steps), rounds)
+        tk = p[:, 3] if p.shape[1] > 3 else None
+        return nucleus_draw_torch(x, p[:, 0], p[:, 1], p[:, 2], step_keys(keys, steps), rounds, tk)
+    return nucleus_draw_triton(logits, rows, params, keys, steps, rounds=rounds, block=block, warps=warps)
+
+
+def nucleus_draw_triton(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    params: torch.Tensor,
+    keys: torch.Tensor,
+    steps: torch.Tensor,
+    *,
+    rounds: int = ROUNDS,
+    block: int = BLOCK,
+    warps: int = WARPS,
+) -> torch.Tensor:
+    """nucleus_draw's launch on any device: CUDA, or CPU tensors under TRITON_INTERPRET=1 (the tests)."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     n, vocab = rows.numel(), logits.shape[-1]
@@ -338,6 +394,7 @@ def nucleus_draw(
             out,
             BLOCK=min(block, triton.next_power_of_2(vocab)),
             ROUNDS=rounds,
+            NPARAMS=params.shape[1],
             num_warps=warps,
         )
     return out

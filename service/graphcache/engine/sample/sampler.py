@@ -7,20 +7,22 @@ Sampling is batched over the rows that need it. A row goes one of three ways:
   - random: controls, then temperature -> min_p -> top-k -> top-p, then a draw.
 Every step is row-wise, so a row's token never depends on which other requests share the batch.
 
-Rows without top-k (temperature, min_p, top-p: what most clients send) take nucleus_draw.py: one
-Triton launch on CUDA that races first and checks the nucleus after (rejection sampling), two or three
-passes over each row, straight from the model-dtype logits when the row has no logits controls; its
-torch twin on the CPU. The draw is an exponential race (race_draw.py): token = argmax exp(z_i) / E_i
-over the kept tokens, with E_i = -log u_i and u_i a 32-bit hash of (row key, i). No softmax and no sampling
-state: a seeded row's key is a function of (seed, tokens it generated so far), so its tokens depend
+Random rows (temperature, min_p, top-k, top-p) take nucleus_draw.py: one Triton launch on CUDA that
+races first and checks the nucleus after (rejection sampling), two or three passes over each row,
+straight from the model-dtype logits when the row has no logits controls; its torch twin on the CPU.
+Top-k is one more floor on the kept tokens there: each top-k row's k-th largest logit, from one bounded
+torch.topk of those rows before the launch (nucleus_draw.kth_logits; no sync). The draw is an
+exponential race (race_draw.py): token = argmax exp(z_i) / E_i over the kept tokens, with E_i = -log u_i
+and u_i a 32-bit hash of (row key, i). No softmax and no sampling state: a seeded row's key is a function of (seed, tokens it generated so far), so its tokens depend
 only on its seed and its own logits (not on the batch, the device's RNG or earlier calls); unseeded
 rows take keys from the Sampler's host generator, seeded by settings.model.seed.
 
-Rows with top-k take a threshold path that never sorts the vocabulary: temperature and min_p act on
-z = (logits - max) / T, and top-k / top-p become one threshold per row (keep z >= thr), found from a
-bounded torch.topk per row with an exact bisection fallback for long nuclei (filter_threshold.py),
-then the race (filtered_logits -> filter_threshold -> race_draw). It stays torch-composed: on the
-H200 that beat a single fused Triton kernel for top-k rows (BENCHMARKS.md §12).
+With Sampler(nucleus=False) (to compare paths) random rows take the threshold path instead, which
+never sorts the vocabulary: temperature and min_p act on z = (logits - max) / T, and top-k / top-p become
+one threshold per row (keep z >= thr), found from a bounded torch.topk per row with an exact bisection
+fallback for long nuclei (filter_threshold.py), then the race (filtered_logits -> filter_threshold ->
+race_draw). Both paths keep the same tokens: min_p, then the k largest (every token tied with the k-th
+too), then the top-p nucleus of those, renormalized; NaN logits never.
 
 No validated parameters make sampling raise or produce NaN: the top token always survives the
 min_p, top-k and top-p filters (top_p 1e-300 is 0.0 in float32), a temperature too small to divide
@@ -38,8 +40,8 @@ from collections.abc import Iterable
 import torch
 
 from graphcache.engine.sample.controls import LogitsControls, has_controls, num_generated, to_device
-from graphcache.engine.sample.filter_threshold import thresholds
-from graphcache.engine.sample.nucleus_draw import nucleus_draw, step_keys
+from graphcache.engine.sample.filter_threshold import PREFIX, thresholds
+from graphcache.engine.sample.nucleus_draw import kth_logits, nucleus_draw, step_keys
 from graphcache.engine.sample.race_draw import mix64, race_draw, to_int64
 from graphcache.engine.sequence import SamplingParams, Sequence
 from graphcache.model.triton_support import HAVE_TRITON
@@ -54,10 +56,6 @@ def _is_greedy(temperature: float) -> bool:
     return not temperature >= MIN_TEMPERATURE
 
 
-def _top_k_on(p: SamplingParams, vocab: int) -> bool:
-    return 0 < p.top_k < vocab
-
-
 class Sampler:
     def __init__(
         self,
@@ -65,7 +63,7 @@ class Sampler:
         eos_token_ids: Iterable[int] = (),
         nucleus: bool = True,
     ) -> None:
-        # Random rows without top-k: the rejection sampler (nucleus_draw.py; False only to compare paths).
+        # Random rows: the rejection sampler (nucleus_draw.py; False only to compare paths).
         self.nucleus = nucleus
         # Unseeded rows' race keys; seeded by settings.model.seed so a server run is repeatable (None: OS entropy).
         self._rng = random.Random(default_seed)
@@ -92,7 +90,8 @@ class Sampler:
     def warmup(self, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
         """Compile the Triton draw kernels now, not in the first sampled step (a compile there stalls
         every running request for about a second): one draw on each path on random logits (top-p rows
-        from model-dtype logits, from processed fp32 logits, and a top-k row's threshold path)."""
+        and top-k rows, whose params carry a 4th column, each from model-dtype logits and from processed
+        fp32 logits)."""
         if device.type != "cuda" or not HAVE_TRITON:
             return
         x = torch.randn(2, vocab, device=device).to(dtype)
@@ -100,6 +99,7 @@ class Sampler:
             SamplingParams(temperature=0.8, top_p=0.9),
             SamplingParams(temperature=0.8, top_p=0.9, logit_bias={0: 1.0}),
             SamplingParams(temperature=0.8, top_k=5, top_p=0.9),
+            SamplingParams(temperature=0.8, top_k=5, top_p=0.9, logit_bias={0: 1.0}),
         ):
             self.sample_device(x[:1], [Sequence("sampler-warmup", [0], params)])
         torch.cuda.synchronize(device)
@@ -121,11 +121,11 @@ class Sampler:
         rows = [i for i, s in enumerate(seqs) if i in processed or not _is_greedy(s.params.temperature)]
         if not rows:
             return tokens
-        dev, vocab = logits.device, logits.shape[-1]
+        dev = logits.device
         idx = to_device(rows, torch.int64, dev)
         work = [seqs[i] for i in rows]
-        # every row random and none with top-k: drawn from the logits as they are, no fp32 copy
-        if not processed and self.nucleus and not any(_top_k_on(s.params, vocab) for s in work):
+        # every row random, none with controls: drawn from the logits as they are, no fp32 copy
+        if not processed and self.nucleus:
             return tokens.index_copy_(0, idx, self._draw_nucleus(logits, idx, work))
         x = logits.index_select(0, idx).float()  # [W, V] fp32, ours to modify
         if processed:
@@ -147,17 +147,41 @@ class Sampler:
         return self.controls.apply(x, seqs, local) if local else x
 
     def _draw_nucleus(self, logits: torch.Tensor, rows: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """One draw per entry of rows [W] (indices into logits [R, V], any float dtype) for rows without
-        top-k: nucleus_draw.py's rejection sampler, one launch on CUDA. Per row only a cached tuple is
-        read on the host; two uploads, no sync."""
-        params = torch.tensor(
-            [(s.draw_row or self._draw_row(s))[0] for s in seqs], dtype=torch.float32
-        )  # [W, 3]
+        """One draw per entry of rows [W] (indices into logits [R, V], any float dtype):
+        nucleus_draw.py's rejection sampler, one launch on CUDA. Per row only a cached tuple is read on
+        the host; two uploads, no sync (a third upload and a bounded torch.topk when rows have top-k)."""
+        vocab = logits.shape[-1]
+        cached = [s.draw_row or self._draw_row(s) for s in seqs]
+        params = torch.tensor([c[0] for c in cached], dtype=torch.float32)  # [W, 3]
+        top_k = [(j, c[2]) for j, c in enumerate(cached) if 0 < c[2] < vocab]
+        if top_k:  # the k-th largest logits' column, filled on the device (-inf: no top-k); else [W, 3]
+            params = torch.cat([params, torch.full((len(seqs), 1), _NEG_INF)], dim=1)
         ints = self._key_parts(seqs)  # [2, W]: keys, steps
         if logits.is_cuda:
             params = params.pin_memory().to(logits.device, non_blocking=True)
             ints = ints.pin_memory().to(logits.device, non_blocking=True)
+        if top_k:
+            self._top_k_column(params, logits, rows, top_k)
         return nucleus_draw(logits, rows, params, ints[0], ints[1])
+
+    @staticmethod
+    def _top_k_column(
+        params: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor, top_k: list[tuple[int, int]]
+    ) -> None:
+        """params[j, 3] = the k-th largest logit of row rows[j] for each (j, k) in top_k (1 <= k < V), on
+        the device: one upload and one torch.topk of those rows at their largest k. Rows with k above
+        filter_threshold.PREFIX (rare: a topk that wide costs about a sort) take a topk of their own, so
+        one of them does not widen every top-k row's."""
+        top_k.sort(key=lambda jk: jk[1] > PREFIX)  # stable: the wide ones last
+        narrow = sum(k <= PREFIX for _, k in top_k)
+        pos_k = torch.tensor(list(zip(*top_k, strict=True)), dtype=torch.int64)  # [2, n]: positions, k
+        if logits.is_cuda:
+            pos_k = pos_k.pin_memory().to(logits.device, non_blocking=True)
+        column = params[:, 3]  # a view: index_copy_ writes params
+        for a, b in ((0, narrow), (narrow, len(top_k))):
+            if a < b:
+                pos, kmax = pos_k[0, a:b], max(k for _, k in top_k[a:b])
+                column.index_copy_(0, pos, kth_logits(logits, rows.index_select(0, pos), pos_k[1, a:b], kmax))
 
     def _key_parts(self, seqs: list[Sequence]) -> torch.Tensor:
         """[2, W] int64 on the host: each row's race key before nucleus_draw.step_keys mixes it, and its
@@ -187,19 +211,19 @@ class Sampler:
         return ints
 
     @staticmethod
-    def _draw_row(seq: Sequence) -> tuple[tuple[float, float, float], int | None]:
+    def _draw_row(seq: Sequence) -> tuple[tuple[float, float, float], int | None, int]:
         """A request's static draw parameters, cached on it: ((temperature, top_p, log(min_p) or -inf),
-        mix64(seed) as int64 or None)."""
+        mix64(seed) as int64 or None, top_k (0: off; on where 0 < top_k < V))."""
         p = seq.params
         log_min_p = math.log(min(p.min_p, 1.0)) if p.min_p > 0 else _NEG_INF
         seed_key = None if p.seed is None else to_int64(mix64(p.seed))
-        seq.draw_row = ((p.temperature, p.top_p, log_min_p), seed_key)
+        seq.draw_row = ((p.temperature, p.top_p, log_min_p), seed_key, max(p.top_k, 0))
         return seq.draw_row
 
     def _draw(self, x: torch.Tensor, seqs: list[Sequence], local: list[int]) -> torch.Tensor:
         """One draw per random row: x[local[k]] belongs to seqs[k]; [len(seqs)] int64."""
         dev, vocab = x.device, x.shape[-1]
-        if self.nucleus and not any(_top_k_on(s.params, vocab) for s in seqs):
+        if self.nucleus:
             return self._draw_nucleus(x, to_device(local, torch.int64, dev), seqs)
         if len(local) < x.shape[0]:
             x = x.index_select(0, to_device(local, torch.int64, dev))
