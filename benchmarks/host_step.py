@@ -12,9 +12,10 @@ of "execute" spent building the batch and preparing the runner's inputs (persist
 
 --sampling realistic: every request samples as the realistic workload does (temperature 0.8, top_p 0.95,
 every fourth seeded), with the draw kernel stubbed (on the CPU it would be the torch twin's compute): the
-host work of a sampled step.
+host work of a sampled step. --sampling topk: top_k 50 at temperature 0.8; the k-th-logit torch.topk is not
+stubbed, so on the CPU its compute (~2.8 ms at 256 rows of the tiny model's 1,024 logits) dominates the step.
 
-    python benchmarks/host_step.py --batch 256 [--sampling realistic] [--profile 25]
+    python benchmarks/host_step.py --batch 256 [--sampling realistic|topk] [--profile 25]
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ def time_inputs(runner: ModelRunner) -> None:
 def sampling_params(sampling: str, i: int, max_tokens: int) -> SamplingParams:
     if sampling == "greedy":
         return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    if sampling == "topk":  # top_k 50 at temperature 0.8 (the nucleus path's top-k floor)
+        return SamplingParams(max_tokens=max_tokens, temperature=0.8, top_k=50, ignore_eos=True)
     seed = i if i % 4 == 0 else None  # benchmarks/workloads.py's realistic mix
     return SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=seed, ignore_eos=True)
 
@@ -120,7 +123,7 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--sampling", default="greedy", choices=["greedy", "realistic"])
+    ap.add_argument("--sampling", default="greedy", choices=["greedy", "realistic", "topk"])
     ap.add_argument(
         "--profile", type=int, default=0, help="cProfile the steps: print N functions by own time"
     )
