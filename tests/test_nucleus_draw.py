@@ -258,6 +258,11 @@ def test_kernel_mixes_seeded_keys_like_torch_in_the_interpreter():
     assert (got == want).float().mean() >= 0.8, (got, want)
 
 
+# poisoned_rows' temperatures and log(min_p) (the last row drops tokens under e^-2 of its top's probability)
+POISONED_T = torch.tensor([0.8, 1.0, 0.8, 0.8, 0.8, 0.7, 1.2, 0.5])
+POISONED_LOG_MIN_P = torch.tensor([NEG_INF] * 7 + [-2.0])
+
+
 def poisoned_rows(vocab: int = 200) -> torch.Tensor:
     """[8, vocab]: NaN and +-inf scattered in finite rows, and rows with no distribution."""
     g = torch.Generator().manual_seed(12)
@@ -277,10 +282,9 @@ def poisoned_rows(vocab: int = 200) -> torch.Tensor:
 @needs_interpreter
 def test_kernel_matches_torch_on_poisoned_rows_in_the_interpreter():
     x = poisoned_rows()
-    t = torch.tensor([0.8, 1.0, 0.8, 0.8, 0.8, 0.7, 1.2, 0.5])
+    t = POISONED_T
     p = torch.tensor([0.9, 0.5, 0.9, 1.0, 0.9, 0.1, 0.999, 0.8])
-    lmp = torch.tensor([NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, -2.0])
-    keys = keys_of(range(8), 3)
+    lmp = POISONED_LOG_MIN_P
     for step in range(3):
         keys = keys_of(range(8), step)
         got = run_kernel(x, t, p, lmp, keys, block=64, warps=1)
@@ -329,9 +333,9 @@ def test_kernel_keeps_every_token_tied_with_the_kth_in_the_interpreter():
 @needs_interpreter
 def test_kernel_top_k_on_poisoned_rows_matches_torch_in_the_interpreter():
     x = poisoned_rows()
-    t = torch.tensor([0.8, 1.0, 0.8, 0.8, 0.8, 0.7, 1.2, 0.5])
+    t = POISONED_T
     p = torch.tensor([0.9, 1.0, 0.9, 1.0, 0.9, 0.1, 0.999, 0.8])
-    lmp = torch.tensor([NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, -2.0])
+    lmp = POISONED_LOG_MIN_P
     k = torch.tensor([3, 5, 4, 2, 6, 3, 10, 4])
     tk = top_k_logits(x, k)
     inside = filtered_mask(x, t, p, lmp, k)
