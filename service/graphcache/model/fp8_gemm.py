@@ -248,14 +248,15 @@ def _launch_gemm(
 ) -> torch.Tensor:
     """The one GEMM kernel on a [T, K] x w [N, K] -> [T, N]. block None: weight only (a is the 16-bit x,
     scale_a None, scale_w [N, 1]); else [bn, bk] block scales (a fp8, scale_a [T, K / bk]). gated (weight
-    only): w is [gate | up], [2N, K], and the result silu(gate) * up, [T, N]."""
+    only): w is [gate | up], [2N, K], and the result silu(gate) * up, [T, N]. rope (weight only, one token):
+    w is the qkv weight and the result its output with q, k rotated, k and v written to the cache."""
     m, k = a.shape
     n = w.shape[0] // 2 if gated else w.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     block_m, block_n, block_k, warps, stages = _tiles(
         m, None if block is None else block[1], gated, rope is not None
     )
-    if rope is None:  # the rotary operands are unread: any tensor, zeros
+    if rope is None:  # the rotary operands are unread without ROPE: any tensor (a), any ints
         pos, cos, sin, slots, kc, vc, heads, q_heads, head_dim = a, a, a, a, a, a, 0, 0, 2
     else:
         pos, cos, sin, slots, kc, vc, heads, q_heads, head_dim = rope.operands()
