@@ -12,8 +12,8 @@ of "execute" spent building the batch and preparing the runner's inputs (persist
 
 --sampling realistic: every request samples as the realistic workload does (temperature 0.8, top_p 0.95,
 every fourth seeded), with the draw kernel stubbed (on the CPU it would be the torch twin's compute): the
-host work of a sampled step. --sampling topk: top_k 50 at temperature 0.8; the k-th-logit torch.topk is not
-stubbed, so on the CPU its compute (~2.8 ms at 256 rows of the tiny model's 1,024 logits) dominates the step.
+host work of a sampled step. --sampling topk: top_k 50 at temperature 0.8, the same stub (k is one more
+column of the draw's parameters; the kernel finds the k-th largest logit itself).
 
     python benchmarks/host_step.py --batch 256 [--sampling realistic|topk] [--profile 25]
 """

@@ -96,19 +96,8 @@ def test_rows_out_of_rounds_take_the_exact_threshold():
         assert inside.gather(1, tokens.view(-1, 1)).all()
 
 
-# --- top-k: one more floor on the kept tokens (the row's k-th largest logit, kth_logits) -------------
+# --- top-k: one more floor on the kept tokens (the row's k-th largest logit: kth_logits on the torch path) --
 TOP_K = torch.tensor([5, 8, 20, 1, 3, 50, 300, 10, 2, 40, 7, 0])  # 300 = the vocabulary, 0: both off
-
-
-def top_k_logits(logits, k) -> torch.Tensor:
-    """[R] fp32: nucleus_draw's top-k column as the sampler fills it, kth_logits for the rows with
-    0 < k < V and -inf for the others."""
-    vocab = logits.shape[1]
-    out = torch.full((logits.shape[0],), NEG_INF)
-    rows = ((k > 0) & (k < vocab)).nonzero().view(-1)
-    if rows.numel():
-        out[rows] = nd.kth_logits(logits, rows, k[rows], int(k[rows].max()))
-    return out
 
 
 def filtered_mask(logits, t, p, lmp, k) -> torch.Tensor:
@@ -122,7 +111,7 @@ def test_torch_top_k_draws_stay_inside_the_filtered_set(name):
     logits = rows_of(name, 12, 300, seed=3)
     t, p, lmp = params(12)
     inside = filtered_mask(logits, t, p, lmp, TOP_K)
-    tk = top_k_logits(logits, TOP_K)
+    tk = nd.kth_logits(logits, TOP_K)
     for step in range(20):
         tokens = nd.nucleus_draw_torch(logits, t, p, lmp, keys_of(range(12), step), top_k_logit=tk)
         assert inside.gather(1, tokens.view(-1, 1)).all(), (name, step)
@@ -133,15 +122,15 @@ def test_torch_top_k_draws_stay_inside_the_filtered_set(name):
 def test_kth_logits_is_the_kth_largest_with_nan_as_minus_inf():
     x = poisoned_rows()
     k = torch.tensor([3, 5, 4, 2, 6, 1, 3, 10])
-    got = nd.kth_logits(x, torch.arange(8), k, 10)
+    got = nd.kth_logits(x, k)
     x_ = x.nan_to_num(nan=NEG_INF, neginf=NEG_INF, posinf=float("inf"))
     want = x_.sort(dim=-1, descending=True).values.gather(1, (k - 1).view(-1, 1))
     assert torch.equal(got, want.view(-1))
     assert got[0].isfinite() and got[3] == NEG_INF and got[5] == 1.0  # torch.topk alone: NaN first
     bf = x.to(torch.bfloat16)
-    assert torch.equal(
-        nd.kth_logits(bf, torch.tensor([6, 0]), k[[6, 0]], 3), want.view(-1)[[6, 0]].bfloat16().float()
-    )
+    assert torch.equal(nd.kth_logits(bf[[6, 0]], k[[6, 0]]), want.view(-1)[[6, 0]].bfloat16().float())
+    off = nd.kth_logits(x, torch.tensor([0, 200, 201, -1, 1, 199, 0, 0]))  # on where 1 <= k < V
+    assert (off[[0, 1, 2, 3, 6, 7]] == NEG_INF).all() and off[4] == x_[4].max() and off[5] == x_[5].min()
 
 
 def test_torch_top_k_draws_follow_the_filtered_distribution():
@@ -156,7 +145,7 @@ def test_torch_top_k_draws_follow_the_filtered_distribution():
     want = z.masked_fill(~filtered_mask(logits, t, p, lmp, k), NEG_INF).softmax(dim=-1)
     n = 4000
     rows = torch.arange(5).repeat(n)  # [5n]: copy s of row r at s * 5 + r
-    tk = top_k_logits(logits, k)[rows]
+    tk = nd.kth_logits(logits, k)[rows]
     tokens = nd.nucleus_draw_torch(
         logits[rows], t[rows], p[rows], lmp[rows], keys_of(range(5 * n)), top_k_logit=tk
     )
@@ -174,23 +163,29 @@ def test_top_k_keeps_every_token_tied_with_the_kth():
     k = torch.tensor([3])
     assert filtered_mask(x, torch.ones(1), torch.ones(1), torch.full((1,), NEG_INF), k).sum() == 10
     rows = torch.zeros(600, dtype=torch.int64)
-    tk = top_k_logits(x, k)[rows]
+    tk = nd.kth_logits(x, k)[rows]
     one, off = torch.ones(600), torch.full((600,), NEG_INF)
     tokens = nd.nucleus_draw_torch(x[rows], one, one, off, keys_of(range(600)), top_k_logit=tk)
     assert set(tokens.tolist()) == set(range(10, 20))
 
 
 def test_top_k_at_or_above_the_vocabulary_is_off():
-    """kth_logits at k = V is the row's smallest logit: every token stays, the draws are those without."""
+    """A top-k floor at the row's smallest logit (what k = V would mean) keeps every token, and
+    nucleus_draw takes k = 0 and k >= V as off: the draws are those without a top-k column."""
     logits = rows_of("normal", 6, 50, seed=9)
     t, p, lmp = params(6)
-    tk = nd.kth_logits(logits, torch.arange(6), torch.full((6,), 50), 50)
+    smallest = logits.min(dim=-1).values
     for step in range(5):
         keys = keys_of(range(6), step)
         want = nd.nucleus_draw_torch(logits, t, p, lmp, keys)
-        assert torch.equal(nd.nucleus_draw_torch(logits, t, p, lmp, keys, top_k_logit=tk), want)
+        assert torch.equal(nd.nucleus_draw_torch(logits, t, p, lmp, keys, top_k_logit=smallest), want)
         assert torch.equal(
             nd.nucleus_draw_torch(logits, t, p, lmp, keys, top_k_logit=torch.full((6,), NEG_INF)), want
+        )
+        params_, keys_, steps = packed(t, p, lmp, keys, "cpu")
+        k = torch.tensor([[0.0], [50.0], [51.0], [1e6], [0.0], [50.0]])
+        assert torch.equal(
+            nd.nucleus_draw(logits, torch.arange(6), torch.cat([params_, k], 1), keys_, steps), want
         )
 
 
@@ -200,13 +195,13 @@ def packed(t, p, lmp, keys, device):
     return params, keys.to(device), torch.full_like(keys, -1).to(device)
 
 
-def run_kernel(logits, t, p, lmp, keys, tk=None, **kw):
-    """The kernel's draws (params [W, 4] with tk, the top-k column; [W, 3] without)."""
+def run_kernel(logits, t, p, lmp, keys, k=None, **kw):
+    """The kernel's draws (params [W, 4] with k, the top-k column; [W, 3] without)."""
     d = logits.device
     rows = torch.arange(logits.shape[0], dtype=torch.int64, device=d)
     params_, keys_, steps = packed(t, p, lmp, keys, d)
-    if tk is not None:
-        params_ = torch.cat([params_, tk.float().view(-1, 1).to(d)], dim=1)
+    if k is not None:
+        params_ = torch.cat([params_, k.float().view(-1, 1).to(d)], dim=1)
     return nd.nucleus_draw_triton(logits, rows, params_, keys_, steps, **kw).cpu()
 
 
@@ -224,7 +219,7 @@ def assert_same_draws(logits, t, p, lmp, keys, got, rounds=nd.ROUNDS, min_equal=
     torch path's token on most rows (they part only where fp32 summation order moves a token across the
     nucleus' edge)."""
     x = logits.cpu()
-    tk = None if k is None else top_k_logits(x, k)
+    tk = None if k is None else nd.kth_logits(x, k)
     want = nd.nucleus_draw_torch(x, t, p, lmp, keys, rounds, top_k_logit=tk)
     inside = nucleus_mask(x, t, p, lmp) if k is None else filtered_mask(x, t, p, lmp, k)
     assert inside.gather(1, got.view(-1, 1)).all()
@@ -301,10 +296,9 @@ def test_kernel_top_k_rows_match_torch_in_the_interpreter(name):
     logits = rows_of(name, 12, 300, seed=7)
     t, p, lmp = params(12)
     t[4] = 0.0  # a greedy row with top_k 3
-    tk = top_k_logits(logits, TOP_K)
     base = keys_of(range(12), 2)
     steps = torch.tensor([-1, 4, -1, 0, -1, 7, -1, -1, 2, -1, 1, -1])  # seeded rows mix (key, step)
-    params_ = torch.stack([t, p, lmp, tk], dim=1)
+    params_ = torch.stack([t, p, lmp, TOP_K.float()], dim=1)
     got = nd.nucleus_draw_triton(logits, torch.arange(12), params_, base, steps, block=64, warps=1)
     keys = nd.step_keys(base, steps)
     want = assert_same_draws(logits, t, p, lmp, keys, got, k=TOP_K)
@@ -313,7 +307,7 @@ def test_kernel_top_k_rows_match_torch_in_the_interpreter(name):
     assert got[4] == logits[4].float().argmax()  # greedy
     assert logits[3, got[3]] == logits[3].max()  # top_k 1: the max (a token tied with it, for ties)
     # the rows without top-k draw exactly what the kernel draws without the column
-    no_k = tk == NEG_INF
+    no_k = (TOP_K == 0) | (TOP_K >= 300)
     without = nd.nucleus_draw_triton(logits, torch.arange(12), params_[:, :3], base, steps, block=64, warps=1)
     assert torch.equal(got[no_k], without[no_k])
 
@@ -324,9 +318,8 @@ def test_kernel_keeps_every_token_tied_with_the_kth_in_the_interpreter():
     x[0, 10:20] = 2.0
     x[0, 30] = 1.9
     rows = torch.zeros(120, dtype=torch.int64)
-    tk = top_k_logits(x, torch.tensor([3]))
     one, off = torch.ones(120), torch.full((120,), NEG_INF)
-    got = run_kernel(x[rows], one, one, off, keys_of(range(120)), tk=tk[rows], block=64, warps=1)
+    got = run_kernel(x[rows], one, one, off, keys_of(range(120)), k=torch.full((120,), 3), block=64, warps=1)
     assert set(got.tolist()) == set(range(10, 20))
 
 
@@ -337,11 +330,11 @@ def test_kernel_top_k_on_poisoned_rows_matches_torch_in_the_interpreter():
     p = torch.tensor([0.9, 1.0, 0.9, 1.0, 0.9, 0.1, 0.999, 0.8])
     lmp = POISONED_LOG_MIN_P
     k = torch.tensor([3, 5, 4, 2, 6, 3, 10, 4])
-    tk = top_k_logits(x, k)
+    tk = nd.kth_logits(x, k)
     inside = filtered_mask(x, t, p, lmp, k)
     for step in range(3):
         keys = keys_of(range(8), step)
-        got = run_kernel(x, t, p, lmp, keys, tk=tk, block=64, warps=1)
+        got = run_kernel(x, t, p, lmp, keys, k=k, block=64, warps=1)
         assert torch.equal(got, nd.nucleus_draw_torch(x, t, p, lmp, keys, top_k_logit=tk)), step
         assert got[2] == 0 and got[3] == 0 and got[4] == 17 and got[5] == 10
         assert not x[0, got[0]].isnan() and x[1, got[1]] > NEG_INF and got[6] < 5
@@ -401,8 +394,8 @@ def test_cuda_kernel_matches_torch_on_the_served_shape(scale):
 @pytest.mark.parametrize("scale", [3.0, 0.05])
 def test_cuda_kernel_top_k_rows_match_torch_on_the_served_shape(scale):
     """256 rows x 151936 bf16, as a served decode step sends them (Qwen's top_k 20 + top_p 0.8, top_k 50
-    alone, + min_p, top_p only, a wide k): kth_logits on the GPU is the CPU's value, the draws stay
-    inside filtered_logits' kept set and match the torch path's."""
+    alone, + min_p, top_p only, a wide k, k 1): the draws stay inside filtered_logits' kept set and
+    match the torch path's (test_kth_select checks the select's values on this shape)."""
     g = torch.Generator().manual_seed(13)
     logits = (torch.randn(256, 151936, generator=g) * scale).to(torch.bfloat16)
     t = torch.tensor([0.7, 0.8, 1.0, 0.8] * 64)
@@ -410,15 +403,7 @@ def test_cuda_kernel_top_k_rows_match_torch_on_the_served_shape(scale):
     lmp = torch.tensor([NEG_INF, NEG_INF, -3.0, NEG_INF] * 64)
     k = torch.tensor([20, 50, 40, 0] * 63 + [20, 5000, 1, 0])
     keys = keys_of(range(256), 9)
-    tk = top_k_logits(logits, k)
-    x = logits.cuda()
-    on = ((k > 0) & (k < 151936)).nonzero().view(-1)
-    got_tk = torch.full((256,), NEG_INF, device="cuda")
-    for group in (on[k[on] <= 4096], on[k[on] > 4096]):  # as the sampler groups them
-        g_ = group.cuda()
-        got_tk[g_] = nd.kth_logits(x, g_, k[group].cuda(), int(k[group].max()))
-    assert torch.equal(got_tk.cpu(), tk)
-    got = run_kernel(x, t, p, lmp, keys, tk=tk)
+    got = run_kernel(logits.cuda(), t, p, lmp, keys, k=k)
     assert_same_draws(logits, t, p, lmp, keys, got, k=k)
 
 

@@ -9,8 +9,8 @@ from a counter hash of (key, i)), so a seeded row's tokens depend only on its se
 z = (x - max) * (1 / T), the reciprocal once per row (a multiply per token, not a division; the
 threshold path's filtered_logits scales the same way, so both paths see the same z). The kept tokens
 are those with z >= floor (NaN and -inf logits never are), floor = max(log(min_p), z_k), where
-z_k = (t_k - max) * (1 / T) is the z of the row's k-th largest logit t_k (kth_logits: a bounded
-torch.topk before the launch, NaN counted as -inf; t_k -inf: no top-k), computed with z's own arithmetic,
+z_k = (t_k - max) * (1 / T) is the z of the row's k-th largest logit t_k (NaN counted as -inf; found in
+the kernel by kth_select.py's radix select, after the max pass; t_k -inf: no top-k), computed with z's own arithmetic,
 so the k-th token itself and every token tied with it are kept. That is filtered_logits' set: min_p,
 then the k largest (the k-th largest z of the min_p survivors is z_k when at least k survive, else every
 survivor stays, as here where z_k < log(min_p)). The nucleus is the set
@@ -20,7 +20,8 @@ same set as filter_threshold.py's threshold). The top token is always in it (its
 whatever top_p is.
 
 Per row:
-  1. a pass for the max (the argmax too: greedy rows and rows with no finite max take it);
+  1. a pass for the max (the argmax too: greedy rows and rows with no finite max take it); top-k rows
+     then find t_k (kth_select.py: from the lanes' maxima, then usually one or two passes);
   2. a pass for the race over every kept token (candidate c) and their total mass;
   3. rows with top_p < 1: a pass for mass(z_j > z_c). Below top_p * mass: c is in the nucleus, done.
      Else c and everything below it are outside: race again over z > z_c with the next round's key
@@ -48,7 +49,8 @@ from __future__ import annotations
 
 import torch
 
-from graphcache.engine.sample import race_draw
+from graphcache.engine.sample import kth_select, race_draw
+from graphcache.engine.sample.kth_select import kth_largest_tl, kth_logits, lane_max_tl, low_bit
 from graphcache.engine.sample.race_draw import (
     BLOCK,
     GAMMA,
@@ -70,7 +72,6 @@ from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 __all__ = [
     "HAVE_TRITON",
     "ROUNDS",
-    "kth_logits",
     "nucleus_draw",
     "nucleus_draw_torch",
     "nucleus_draw_triton",
@@ -121,16 +122,6 @@ def step_keys(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     race_draw.row_key's mix for a seeded row: mix64(keys[r] + (steps[r] + 1) * GAMMA), keys[r] being
     mix64(seed). int64 tensors of uint64 bits; the kernel does the same."""
     return torch.where(steps < 0, keys, mix64_tensor(keys + (steps + 1) * to_int64(GAMMA)))
-
-
-def kth_logits(logits: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, kmax: int) -> torch.Tensor:
-    """[n] fp32: the k[i]-th largest logit of row rows[i] of logits [R, V] (NaN counted as -inf, as
-    filtered_logits counts it: torch.topk would rank NaN first), k [n] int64 in [1, kmax], kmax <= V
-    (known on the host). One bounded torch.topk of the selected rows: no sync. nucleus_draw's top-k
-    threshold (params' 4th column)."""
-    x = logits.index_select(0, rows).nan_to_num_(nan=_NEG_INF, posinf=float("inf"), neginf=_NEG_INF)
-    vals = x.topk(kmax, dim=-1, sorted=True).values  # [n, kmax], descending
-    return vals.gather(1, (k - 1).view(-1, 1)).view(-1).float()
 
 
 def nucleus_draw_torch(
@@ -191,8 +182,8 @@ def _draw_chunk(x, temperature, top_p, log_min_p, keys, rounds, top_k_logit=None
 # --- Triton path -------------------------------------------------------------------------------------
 # Literal constants: a jitted function may not read module globals that are not constexpr.
 # 0x9E3779B97F4A7C15 = GAMMA, 0xD1B54A32D192ED03 = ROUND_GAMMA, -3.4028234663852886e38 = _FLOOR.
-# The race's helpers (key_words_tl, clock_tl, weight_tl, beats_tl, winner_tl) are race_draw.py's; _jit_kernel
-# rebinds the imported names to their jitted forms.
+# The race's helpers (key_words_tl, clock_tl, weight_tl, beats_tl, winner_tl) are race_draw.py's, the top-k
+# select's (lane_max_tl, kth_largest_tl) kth_select.py's; _jit_kernel rebinds the imported names to their jitted forms.
 def _z_block(base, offs, mask, m, rt):
     """z = (x - m) * rt [BLOCK] fp32 (NaN stays NaN: every compare on it is false)."""
     x = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32)
@@ -262,7 +253,7 @@ def _round_key_of(key, r):
 
 def _nucleus_kernel(
     x_ptr, rows_ptr, stride_x, vocab, params_ptr, key_ptr, step_ptr, out_ptr,
-    BLOCK: tl.constexpr, ROUNDS: tl.constexpr, NPARAMS: tl.constexpr,
+    BLOCK: tl.constexpr, ROUNDS: tl.constexpr, NPARAMS: tl.constexpr, LOW_BIT: tl.constexpr,
 ):  # fmt: skip
     w = tl.program_id(0)
     base = x_ptr + tl.load(rows_ptr + w) * stride_x
@@ -273,24 +264,19 @@ def _nucleus_kernel(
     step = tl.load(step_ptr + w)
     if step >= 0:  # a seeded row: race_draw.row_key from mix64(seed) and the step
         key = _mix(key + (step + 1).to(tl.uint64) * 0x9E3779B97F4A7C15)
-    cols = tl.arange(0, BLOCK)
-    # 1. the max and its first index (NaN > mx is false: NaN is never the max, no fix needed)
-    mx = tl.full([BLOCK], float("-inf"), tl.float32)
-    mi = tl.zeros([BLOCK], tl.int32)  # 0: a row with no number above -inf takes token 0, as torch's argmax
-    for start in range(0, vocab, BLOCK):
-        offs = start + cols
-        x = tl.load(base + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
-        better = x > mx
-        mi = tl.where(better, offs, mi)
-        mx = tl.where(better, x, mx)
+    # 1. the max and its first index (NaN is never the max; a row with no number above -inf takes
+    # token 0, as torch's argmax); each lane's max stays for the top-k select
+    mx, mi = lane_max_tl(base, vocab, BLOCK)
     m = tl.max(mx, axis=0)
     token = tl.min(tl.where(mx == m, mi, 2147483647), axis=0)
     if (t > 0) & (m > float("-inf")) & (m < float("inf")):
         rt = tl.math.div_rn(1.0, t)  # once per row: the passes multiply
-        if NPARAMS == 4:  # top-k: the k-th largest logit's z, as _z_block computes it (-inf: off)
-            tk = tl.load(params_ptr + NPARAMS * w + 3)
-            if tk > float("-inf"):  # a row without top-k keeps its floor untouched
-                zlo = tl.maximum(zlo, (tk - m) * rt)
+        if NPARAMS == 4:  # top-k: the k-th largest logit's z, as _z_block computes it
+            k = tl.load(params_ptr + NPARAMS * w + 3).to(tl.int32)
+            if (k > 0) & (k < vocab):  # a row without top-k keeps its floor untouched
+                tk = kth_largest_tl(base, vocab, mx, m, k, BLOCK, LOW_BIT)
+                if tk > float("-inf"):  # fewer than k numbers: every one stays
+                    zlo = tl.maximum(zlo, (tk - m) * rt)
         # 2. the first candidate (and the total mass, for top_p)
         key0 = key.to(tl.int64, bitcast=True)
         token, total = _race_above(base, vocab, m, rt, zlo, key0, False, BLOCK)
@@ -330,6 +316,7 @@ def _jit_kernel():
     global _KERNEL, _mix, _z_block, _race_above, _mass, _mass_at_or_below_key, _round_key_of
     if _KERNEL is None:
         globals().update(race_draw.jit_helpers())  # key_words_tl, clock_tl, weight_tl, beats_tl, winner_tl
+        globals().update(kth_select.jit_helpers())  # kth_largest_tl, lane_max_tl
         _mix = triton.jit(_mix)
         _z_block = triton.jit(_z_block)
         _race_above = triton.jit(_race_above)
@@ -353,7 +340,7 @@ def nucleus_draw(
 ) -> torch.Tensor:
     """tokens [W] int64: one draw per entry of rows [W] (int64 indices into logits [R, V], any float
     dtype). Per entry: params [W, 4] fp32 (temperature, <= 0: greedy; top_p, >= 1: off; log(min_p),
-    -inf: off; the row's k-th largest logit, kth_logits, -inf: no top-k; [W, 3]: no row has top-k),
+    -inf: off; top_k, off unless 1 <= top_k < V; [W, 3]: no row has top-k),
     keys [W] int64 and steps [W] int64 (step_keys: the race key is keys itself where the step is < 0,
     else row_key's mix of keys = mix64(seed) and the step). On CUDA one launch, no host
     sync, no allocation but the output (graph-capturable); elsewhere the torch path. block and warps
@@ -361,7 +348,7 @@ def nucleus_draw(
     than race_draw's kernel would."""
     if not (logits.is_cuda and HAVE_TRITON):
         x, p = logits.index_select(0, rows), params.float()
-        tk = p[:, 3] if p.shape[1] > 3 else None
+        tk = kth_logits(x, p[:, 3]) if p.shape[1] > 3 else None
         return nucleus_draw_torch(x, p[:, 0], p[:, 1], p[:, 2], step_keys(keys, steps), rounds, tk)
     return nucleus_draw_triton(logits, rows, params, keys, steps, rounds=rounds, block=block, warps=warps)
 
@@ -395,6 +382,7 @@ def nucleus_draw_triton(
             BLOCK=min(block, triton.next_power_of_2(vocab)),
             ROUNDS=rounds,
             NPARAMS=params.shape[1],
+            LOW_BIT=low_bit(logits.dtype),
             num_warps=warps,
         )
     return out

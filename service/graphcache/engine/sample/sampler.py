@@ -10,8 +10,8 @@ Every step is row-wise, so a row's token never depends on which other requests s
 Random rows (temperature, min_p, top-k, top-p) take nucleus_draw.py: one Triton launch on CUDA that
 races first and checks the nucleus after (rejection sampling), two or three passes over each row,
 straight from the model-dtype logits when the row has no logits controls; its torch twin on the CPU.
-Top-k is one more floor on the kept tokens there: each top-k row's k-th largest logit, from one bounded
-torch.topk of those rows before the launch (nucleus_draw.kth_logits; no sync). The draw is an
+Top-k is one more floor on the kept tokens there: each top-k row's k-th largest logit, which the kernel
+finds by radix select (kth_select.py; the host uploads k). The draw is an
 exponential race (race_draw.py): token = argmax exp(z_i) / E_i over the kept tokens, with E_i = -log u_i
 and u_i a 32-bit hash of (row key, i). No softmax and no sampling state: a seeded row's key is a function of (seed, tokens it generated so far), so its tokens depend
 only on its seed and its own logits (not on the batch, the device's RNG or earlier calls); unseeded
@@ -40,8 +40,8 @@ from collections.abc import Iterable
 import torch
 
 from graphcache.engine.sample.controls import LogitsControls, has_controls, num_generated, to_device
-from graphcache.engine.sample.filter_threshold import PREFIX, thresholds
-from graphcache.engine.sample.nucleus_draw import kth_logits, nucleus_draw, step_keys
+from graphcache.engine.sample.filter_threshold import thresholds
+from graphcache.engine.sample.nucleus_draw import nucleus_draw, step_keys
 from graphcache.engine.sample.race_draw import mix64, race_draw, to_int64
 from graphcache.engine.sequence import SamplingParams, Sequence
 from graphcache.model.triton_support import HAVE_TRITON
@@ -149,39 +149,18 @@ class Sampler:
     def _draw_nucleus(self, logits: torch.Tensor, rows: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """One draw per entry of rows [W] (indices into logits [R, V], any float dtype):
         nucleus_draw.py's rejection sampler, one launch on CUDA. Per row only a cached tuple is read on
-        the host; two uploads, no sync (a third upload and a bounded torch.topk when rows have top-k)."""
-        vocab = logits.shape[-1]
+        the host; two uploads, no sync. Top-k rows add a 4th params column, k itself: the kernel finds
+        the k-th largest logit."""
         cached = [s.draw_row or self._draw_row(s) for s in seqs]
-        params = torch.tensor([c[0] for c in cached], dtype=torch.float32)  # [W, 3]
-        top_k = [(j, c[2]) for j, c in enumerate(cached) if 0 < c[2] < vocab]
-        if top_k:  # the k-th largest logits' column, filled on the device (-inf: no top-k); else [W, 3]
-            params = torch.cat([params, torch.full((len(seqs), 1), _NEG_INF)], dim=1)
+        if any(c[2] for c in cached):
+            params = torch.tensor([(*c[0], c[2]) for c in cached], dtype=torch.float32)  # [W, 4]
+        else:
+            params = torch.tensor([c[0] for c in cached], dtype=torch.float32)  # [W, 3]
         ints = self._key_parts(seqs)  # [2, W]: keys, steps
         if logits.is_cuda:
             params = params.pin_memory().to(logits.device, non_blocking=True)
             ints = ints.pin_memory().to(logits.device, non_blocking=True)
-        if top_k:
-            self._top_k_column(params, logits, rows, top_k)
         return nucleus_draw(logits, rows, params, ints[0], ints[1])
-
-    @staticmethod
-    def _top_k_column(
-        params: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor, top_k: list[tuple[int, int]]
-    ) -> None:
-        """params[j, 3] = the k-th largest logit of row rows[j] for each (j, k) in top_k (1 <= k < V), on
-        the device: one upload and one torch.topk of those rows at their largest k. Rows with k above
-        filter_threshold.PREFIX (rare: a topk that wide costs about a sort) take a topk of their own, so
-        one of them does not widen every top-k row's."""
-        top_k.sort(key=lambda jk: jk[1] > PREFIX)  # stable: the wide ones last
-        narrow = sum(k <= PREFIX for _, k in top_k)
-        pos_k = torch.tensor(list(zip(*top_k, strict=True)), dtype=torch.int64)  # [2, n]: positions, k
-        if logits.is_cuda:
-            pos_k = pos_k.pin_memory().to(logits.device, non_blocking=True)
-        column = params[:, 3]  # a view: index_copy_ writes params
-        for a, b in ((0, narrow), (narrow, len(top_k))):
-            if a < b:
-                pos, kmax = pos_k[0, a:b], max(k for _, k in top_k[a:b])
-                column.index_copy_(0, pos, kth_logits(logits, rows.index_select(0, pos), pos_k[1, a:b], kmax))
 
     def _key_parts(self, seqs: list[Sequence]) -> torch.Tensor:
         """[2, W] int64 on the host: each row's race key before nucleus_draw.step_keys mixes it, and its
@@ -213,11 +192,12 @@ class Sampler:
     @staticmethod
     def _draw_row(seq: Sequence) -> tuple[tuple[float, float, float], int | None, int]:
         """A request's static draw parameters, cached on it: ((temperature, top_p, log(min_p) or -inf),
-        mix64(seed) as int64 or None, top_k (0: off; on where 0 < top_k < V))."""
+        mix64(seed) as int64 or None, top_k (0: off; on where 0 < top_k < V; capped at 2^24, where fp32
+        still holds every integer, far above any vocabulary))."""
         p = seq.params
         log_min_p = math.log(min(p.min_p, 1.0)) if p.min_p > 0 else _NEG_INF
         seed_key = None if p.seed is None else to_int64(mix64(p.seed))
-        seq.draw_row = ((p.temperature, p.top_p, log_min_p), seed_key, max(p.top_k, 0))
+        seq.draw_row = ((p.temperature, p.top_p, log_min_p), seed_key, min(max(p.top_k, 0), 1 << 24))
         return seq.draw_row
 
     def _draw(self, x: torch.Tensor, seqs: list[Sequence], local: list[int]) -> torch.Tensor:
