@@ -12,9 +12,12 @@ top_k 20, top_p 0.8); seeded; half seeded; top_p 0.9 on flat logits (logits / 10
 realistic mix (T 0.8, top_p 0.95, a quarter seeded). Columns: legacy, nucleus (GPU ms, and the host ms
 of the call), and nucleus minus greedy (the goal: <= 0.3 ms at 256 rows). Rows with top_k take the
 nucleus sampler too: the same launch finds their k-th largest logit by radix select (kth_select.py;
-the select alone is its own line in table 2, beside the torch.topk it replaced).
+the select alone is its own line in table 4, beside the torch.topk it replaced).
 
-Table 2, the pieces of the legacy path for the top_p 0.9 rows, and the predicted floor of each
+Table 2: nucleus_draw alone per case, its inputs already on the device: the GPU time a sampled step adds
+where the host keeps ahead of the GPU (against greedy's argmax).
+Table 3: nucleus_draw alone by launch setting (block, warps), to pick the defaults from one run.
+Table 4, the pieces of the legacy path for the top_p 0.9 rows, and the predicted floor of each
 (bytes / 4.8 TB/s; 256 x 151,936: bf16 logits 78 MB = 16 us a pass, fp32 156 MB = 32 us a pass):
   copy          index_select + .float(): read bf16, write fp32                  234 MB -> ~49 us
   temperature   nan_to_num, max, sub_, div_ (4 fp32 read+write passes, 1 read) ~1.1 GB -> ~230 us
@@ -27,7 +30,6 @@ Table 2, the pieces of the legacy path for the top_p 0.9 rows, and the predicted
   host sync     tokens .tolist(): a [R] int64 copy and a stream sync           ~10 us (latency)
   kth_logits    top_k 50's k-th logit in torch: index_select, nan_to_num, topk(50), gather
   kth select    the same value by the kernel's radix select (a max pass, then about two passes)
-Table 3: nucleus_draw alone by launch setting (block, warps), to pick the defaults from one run.
 """
 
 from __future__ import annotations
@@ -110,6 +112,28 @@ def by_case(logits, flat, rows: int, iters: int) -> list[dict]:
                 lambda x=x, s=seqs, sm=sampler: sm.sample_device(x, s), iters
             )
         out.append(row)
+    return out
+
+
+def kernel_by_case(logits, flat, rows: int, iters: int) -> list[dict]:
+    """nucleus_draw alone per case (its inputs uploaded once, as the sampler lays them out): the GPU
+    time a sampled decode step adds where the host keeps ahead (greedy: the argmax it replaces)."""
+    dev = logits.device
+    idx = torch.arange(rows, device=dev)
+    out = [{"case": "greedy (logits.argmax)", "ms": gpu_ms(lambda: logits.argmax(dim=-1), iters)}]
+    cases = [(name, logits, make) for name, make in CASES.items() if name != "greedy"]
+    cases.append(("top_p 0.9, flat logits (long nuclei)", flat, CASES["temperature 0.8, top_p 0.9"]))
+    for name, x, make in cases:
+        host = torch.frombuffer(Sampler(default_seed=0)._draw_inputs(seqs_of(make, rows)), dtype=torch.uint8)
+        d = host.to(dev)
+        params = d[: 16 * rows].view(torch.float32).view(rows, 4)
+        keys, steps = d[16 * rows : 24 * rows].view(torch.int64), d[24 * rows :].view(torch.int64)
+        out.append(
+            {
+                "case": name,
+                "ms": gpu_ms(lambda x=x, p=params, k=keys, s=steps: nucleus_draw(x, idx, p, k, s), iters),
+            }
+        )
     return out
 
 
@@ -209,7 +233,7 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--no-sweep", action="store_true", help="skip the launch-setting sweeps")
+    ap.add_argument("--no-sweep", action="store_true", help="skip tables 3 and 4")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -224,9 +248,13 @@ def main() -> int:
     for r in cases:
         cols = " ".join(f"{r[f'{k}_ms']:7.3f} ({r[f'{k}_host_ms']:5.2f})" for k in ("legacy", "nucleus"))
         print(f"{r['case']:<42} {cols} {r['nucleus_ms'] - greedy:15.3f}")
+    kernel = kernel_by_case(logits, flat, args.rows, args.iters)
+    print(f"\nnucleus_draw alone, inputs on the device (GPU ms)\n{'case':<42} {'GPU ms':>8} {'- greedy':>8}")
+    for r in kernel:
+        print(f"{r['case']:<42} {r['ms']:8.3f} {r['ms'] - kernel[0]['ms']:8.3f}")
     if args.no_sweep:
         if args.out:
-            args.out.write_text(json.dumps({"cases": cases}, indent=1))
+            args.out.write_text(json.dumps({"cases": cases, "kernel": kernel}, indent=1))
         return 0
     nswept = nucleus_sweep(logits, flat, args.rows, args.iters)
     print(
@@ -241,7 +269,9 @@ def main() -> int:
     for r in parts:
         print(f"{r['piece']:<52} {r['ms']:8.3f}")
     if args.out:
-        args.out.write_text(json.dumps({"cases": cases, "pieces": parts, "nucleus_sweep": nswept}, indent=1))
+        args.out.write_text(
+            json.dumps({"cases": cases, "kernel": kernel, "pieces": parts, "nucleus_sweep": nswept}, indent=1)
+        )
     return 0
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import random
+import struct
 from collections.abc import Iterable
 
 import torch
@@ -50,6 +51,9 @@ from graphcache.model.triton_support import HAVE_TRITON
 # temperature is argmax anyway. (Also catches NaN, which validation's `< 0` check lets through.)
 MIN_TEMPERATURE = 1e-5
 _NEG_INF = float("-inf")
+_PARAMS_ROW = struct.Struct("<4f")  # a row of nucleus_draw's params
+_INT64 = struct.Struct("<q")
+_FLT_MAX = 3.4028234663852886e38
 
 
 def _is_greedy(temperature: float) -> bool:
@@ -67,6 +71,7 @@ class Sampler:
         self.nucleus = nucleus
         # Unseeded rows' race keys; seeded by settings.model.seed so a server run is repeatable (None: OS entropy).
         self._rng = random.Random(default_seed)
+        self._arange: dict[torch.device, torch.Tensor] = {}  # _all_rows' cache, per device
         self.controls = LogitsControls(eos_token_ids)
 
     @staticmethod
@@ -113,20 +118,19 @@ class Sampler:
         """Like sample(), as a [len(seqs)] int64 tensor on the logits' device, without waiting for
         the GPU: host values reach the device through pinned, asynchronous copies."""
         assert logits.shape[0] == len(seqs), (logits.shape, len(seqs))
-        # argmax in the model dtype: the same token as over a float copy, without writing [R, V] fp32
-        tokens = logits.argmax(dim=-1)
         if all(map(self._plain_greedy, seqs)):  # one cached flag per row: the common batch costs no more
-            return tokens
+            # argmax in the model dtype: the same token as over a float copy, without writing [R, V] fp32
+            return logits.argmax(dim=-1)
         processed = {i for i, s in enumerate(seqs) if self._needs_processing(s)}
+        if not processed and self.nucleus:
+            # No row has controls: every row in one launch straight from the logits, greedy rows
+            # (temperature 0 in their parameters) taking the kernel's argmax; no fp32 copy, no scatter.
+            return self._draw_nucleus(logits, self._all_rows(len(seqs), logits.device), seqs)
+        tokens = logits.argmax(dim=-1)
         rows = [i for i, s in enumerate(seqs) if i in processed or not _is_greedy(s.params.temperature)]
-        if not rows:
-            return tokens
         dev = logits.device
         idx = to_device(rows, torch.int64, dev)
         work = [seqs[i] for i in rows]
-        # every row random, none with controls: drawn from the logits as they are, no fp32 copy
-        if not processed and self.nucleus:
-            return tokens.index_copy_(0, idx, self._draw_nucleus(logits, idx, work))
         x = logits.index_select(0, idx).float()  # [W, V] fp32, ours to modify
         if processed:
             x = self.controls.apply(x, work, [j for j, i in enumerate(rows) if i in processed])
@@ -146,21 +150,40 @@ class Sampler:
         local = [i for i, s in enumerate(seqs) if self._needs_processing(s)]
         return self.controls.apply(x, seqs, local) if local else x
 
+    def _all_rows(self, n: int, device: torch.device) -> torch.Tensor:
+        """arange(n) on device, from one cached tensor (no upload a step)."""
+        rows = self._arange.get(device)
+        if rows is None or rows.numel() < n:
+            rows = self._arange[device] = torch.arange(max(n, 1024), device=device)
+        return rows[:n]
+
     def _draw_nucleus(self, logits: torch.Tensor, rows: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """One draw per entry of rows [W] (indices into logits [R, V], any float dtype):
-        nucleus_draw.py's rejection sampler, one launch on CUDA. Per row only a cached tuple is read on
-        the host; two uploads, no sync. Top-k rows add a 4th params column, k itself: the kernel finds
-        the k-th largest logit."""
-        cached = [s.draw_row or self._draw_row(s) for s in seqs]
-        if any(c[2] for c in cached):
-            params = torch.tensor([(*c[0], c[2]) for c in cached], dtype=torch.float32)  # [W, 4]
-        else:
-            params = torch.tensor([c[0] for c in cached], dtype=torch.float32)  # [W, 3]
-        ints = self._key_parts(seqs)  # [2, W]: keys, steps
+        nucleus_draw.py's rejection sampler, one launch on CUDA. Its inputs travel as one upload of one
+        host buffer, built from bytes cached on each request (only seeded rows are written one by one),
+        with no sync: the host cost of a sampled step stays near a greedy one's."""
+        n = len(seqs)
+        host = torch.frombuffer(self._draw_inputs(seqs), dtype=torch.uint8)  # [32 W] bytes
         if logits.is_cuda:
-            params = params.pin_memory().to(logits.device, non_blocking=True)
-            ints = ints.pin_memory().to(logits.device, non_blocking=True)
-        return nucleus_draw(logits, rows, params, ints[0], ints[1])
+            host = host.pin_memory().to(logits.device, non_blocking=True)
+        params = host[: 16 * n].view(torch.float32).view(n, 4)  # temperature, top_p, log(min_p), top_k
+        keys = host[16 * n : 24 * n].view(torch.int64)
+        steps = host[24 * n :].view(torch.int64)
+        return nucleus_draw(logits, rows, params, keys, steps)
+
+    def _draw_inputs(self, seqs: list[Sequence]) -> bytearray:
+        """nucleus_draw's per-row inputs as bytes: params [W, 4] fp32, then keys [W] and steps [W] int64
+        (what _key_parts holds, laid out for one upload)."""
+        n = len(seqs)
+        cached = [s.draw_row or self._draw_row(s) for s in seqs]
+        buf = bytearray(b"".join([c[0] for c in cached]))
+        buf += self._rng.getrandbits(64 * n).to_bytes(8 * n, "little")  # unseeded rows' keys
+        buf += b"\xff" * (8 * n)  # step -1: the key as it is
+        for j, c in enumerate(cached):
+            if c[1] is not None:  # seeded: mix64(seed), and the tokens generated so far
+                _INT64.pack_into(buf, 16 * n + 8 * j, c[1])
+                _INT64.pack_into(buf, 24 * n + 8 * j, num_generated(seqs[j]))
+        return buf
 
     def _key_parts(self, seqs: list[Sequence]) -> torch.Tensor:
         """[2, W] int64 on the host: each row's race key before nucleus_draw.step_keys mixes it, and its
@@ -190,14 +213,20 @@ class Sampler:
         return ints
 
     @staticmethod
-    def _draw_row(seq: Sequence) -> tuple[tuple[float, float, float], int | None, int]:
-        """A request's static draw parameters, cached on it: ((temperature, top_p, log(min_p) or -inf),
-        mix64(seed) as int64 or None, top_k (0: off; on where 0 < top_k < V; capped at 2^24, where fp32
-        still holds every integer, far above any vocabulary))."""
+    def _draw_row(seq: Sequence) -> tuple[bytes, int | None]:
+        """A request's static draw parameters, cached on it: (its params row as nucleus_draw takes it,
+        4 fp32 bytes-packed: temperature (0 when greedy), top_p, log(min_p) or -inf, top_k (0: off; on
+        where 0 < top_k < V; capped at 2^24, where fp32 still holds every integer, far above any
+        vocabulary)), and mix64(seed) as int64 or None."""
         p = seq.params
+        # greedy: 0; above fp32's range: inf, as a float tensor would hold it (struct.pack raises)
+        temperature = (
+            0.0 if _is_greedy(p.temperature) else p.temperature if p.temperature <= _FLT_MAX else math.inf
+        )
         log_min_p = math.log(min(p.min_p, 1.0)) if p.min_p > 0 else _NEG_INF
+        top_k = min(max(p.top_k, 0), 1 << 24)
         seed_key = None if p.seed is None else to_int64(mix64(p.seed))
-        seq.draw_row = ((p.temperature, p.top_p, log_min_p), seed_key, min(max(p.top_k, 0), 1 << 24))
+        seq.draw_row = (_PARAMS_ROW.pack(temperature, p.top_p, log_min_p, top_k), seed_key)
         return seq.draw_row
 
     def _draw(self, x: torch.Tensor, seqs: list[Sequence], local: list[int]) -> torch.Tensor:
