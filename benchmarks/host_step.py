@@ -83,7 +83,7 @@ def stub_draw_kernel() -> None:
     would otherwise be the step's time)."""
     from graphcache.engine.sample import sampler
 
-    sampler.nucleus_draw = lambda logits, rows, params, keys, steps: torch.zeros_like(rows)
+    sampler.nucleus_draw = lambda logits, rows, params, keys, steps, **kw: torch.zeros_like(rows)
 
 
 def setup(batch: int, ctx: int, block_size: int, steps: int, sampling: str = "greedy") -> EngineCore:

@@ -124,16 +124,16 @@ def kernel_by_case(logits, flat, rows: int, iters: int) -> list[dict]:
     cases = [(name, logits, make) for name, make in CASES.items() if name != "greedy"]
     cases.append(("top_p 0.9, flat logits (long nuclei)", flat, CASES["temperature 0.8, top_p 0.9"]))
     for name, x, make in cases:
-        host = torch.frombuffer(Sampler(default_seed=0)._draw_inputs(seqs_of(make, rows)), dtype=torch.uint8)
-        d = host.to(dev)
+        seqs = seqs_of(make, rows)
+        top_k = any(q.params.top_k > 0 for q in seqs)  # as the sampler tells the kernel
+        d = torch.frombuffer(Sampler(default_seed=0)._draw_inputs(seqs), dtype=torch.uint8).to(dev)
         params = d[: 16 * rows].view(torch.float32).view(rows, 4)
         keys, steps = d[16 * rows : 24 * rows].view(torch.int64), d[24 * rows :].view(torch.int64)
-        out.append(
-            {
-                "case": name,
-                "ms": gpu_ms(lambda x=x, p=params, k=keys, s=steps: nucleus_draw(x, idx, p, k, s), iters),
-            }
-        )
+
+        def draw(x=x, p=params, k=keys, s=steps, top_k=top_k):
+            return nucleus_draw(x, idx, p, k, s, top_k=top_k)
+
+        out.append({"case": name, "ms": gpu_ms(draw, iters)})
     return out
 
 

@@ -241,9 +241,9 @@ def test_top_k_rows_take_the_nucleus_sampler_and_match_the_threshold_path(monkey
     seen = []
     real = sampler_mod.nucleus_draw
 
-    def spy(logits_, rows, params, keys, steps):
+    def spy(logits_, rows, params, keys, steps, **kw):
         seen.append(params.clone())
-        return real(logits_, rows, params, keys, steps)
+        return real(logits_, rows, params, keys, steps, **kw)
 
     monkeypatch.setattr(sampler_mod, "nucleus_draw", spy)
     got = torch.tensor(Sampler(default_seed=0).sample(logits, seqs)).view(n, len(kinds))

@@ -91,41 +91,57 @@ def _pick_digit(hist, above, k):
     return d, tl.sum(tl.where(idx == d, at_or_above - h, 0), axis=0)
 
 
-def kth_largest_tl(base, vocab, lane_max, m, k, BLOCK: tl.constexpr, LOW_BIT: tl.constexpr):
-    """The k-th largest (fp32, NaN as -inf) of the row at base [vocab] (1 <= k < vocab), given lane_max
-    [BLOCK] (each lane's max over offsets lane, lane + BLOCK, ...; -inf past vocab) and the row's max m."""
+def _lane_bound(m1, m2, m3, k, LOW_BIT: tl.constexpr):
+    """The order key of the k-th largest of the lanes' top three values m1, m2, m3 [BLOCK] each, by
+    digits over registers (k <= 3 * BLOCK): an element's key, its low bits filled."""
+    keys1, keys2, keys3 = order_key_tl(m1), order_key_tl(m2), order_key_tl(m3)
+    kl = tl.full((), 0, tl.uint32)
+    above = tl.full((), 0, tl.int32)
+    for i in tl.static_range(8 - LOW_BIT // 4):
+        shift = tl.full((), 28 - 4 * i, tl.int32)
+        hist = tl.histogram(_digit_bins(keys1, keys1 == keys1, kl, shift), 32)
+        hist += tl.histogram(_digit_bins(keys2, keys2 == keys2, kl, shift), 32)
+        hist += tl.histogram(_digit_bins(keys3, keys3 == keys3, kl, shift), 32)
+        d, above = _pick_digit(hist, above, k)
+        kl = kl | (d.to(tl.uint32) << shift.to(tl.uint32))
+    return _fill_low(kl, tl.full((), 28 - 4 * (7 - LOW_BIT // 4), tl.int32))
+
+
+def kth_largest_tl(base, vocab, m1, m2, m3, m, k, BLOCK: tl.constexpr, LOW_BIT: tl.constexpr):
+    """The k-th largest (fp32, NaN as -inf) of the row at base [vocab] (1 <= k < vocab), given each
+    lane's three largest values m1 >= m2 >= m3 [BLOCK] (lane_top3_tl) and the row's max m."""
     km = order_key_tl(m)
-    # 1. a lower bound: the k-th largest lane max, by the same digits over registers
+    # 1. the k-th largest of the lanes' top three: a lower bound (k values at or above it), and the
+    # answer itself when no lane's third value is above it (every value above it is then one of
+    # those, fewer than k)
     kl = tl.full((), 0, tl.uint32)  # below every key: no bound
-    if k <= BLOCK:
-        lane_keys = order_key_tl(lane_max)
-        above = tl.full((), 0, tl.int32)
-        for i in tl.static_range(8 - LOW_BIT // 4):
-            shift = tl.full((), 28 - 4 * i, tl.int32)
-            hist = tl.histogram(_digit_bins(lane_keys, lane_keys == lane_keys, kl, shift), 32)
-            d, above = _pick_digit(hist, above, k)
-            kl = kl | (d.to(tl.uint32) << shift.to(tl.uint32))
-    # 2. the digits where the bound and the max agree are every candidate's
-    shift = tl.full((), 28, tl.int32)
-    while (shift + 4 > LOW_BIT) & ((kl >> shift.to(tl.uint32)) == (km >> shift.to(tl.uint32))):
-        shift -= 4
-    result = m  # the bound is the max: the k-th largest is the max
-    if shift + 4 > LOW_BIT:
-        # 3. the rest, a pass over the row per digit
-        s = shift.to(tl.uint32)
-        prefix = ((km >> s) >> 4) << 4 << s
-        above = tl.full((), 0, tl.int32)
-        cols = tl.arange(0, BLOCK)
-        while shift + 4 > LOW_BIT:
-            hist = tl.zeros([32], tl.int32)
-            for start in range(0, vocab, BLOCK):
-                offs = start + cols
-                x = tl.load(base + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
-                hist += tl.histogram(_digit_bins(order_key_tl(x), offs < vocab, prefix, shift), 32)
-            d, above = _pick_digit(hist, above, k)
-            prefix = prefix | (d.to(tl.uint32) << shift.to(tl.uint32))
+    exact = k < 0
+    if k <= 3 * BLOCK:
+        kl = _lane_bound(m1, m2, m3, k, LOW_BIT)
+        exact = tl.max(m3, axis=0) <= _key_value(kl)
+    result = _key_value(kl)
+    if not exact:
+        # 2. the digits where the bound and the max agree are every candidate's
+        shift = tl.full((), 28, tl.int32)
+        while (shift + 4 > LOW_BIT) & ((kl >> shift.to(tl.uint32)) == (km >> shift.to(tl.uint32))):
             shift -= 4
-        result = _key_value(_fill_low(prefix, shift + 4))
+        result = m  # the bound is the max: the k-th largest is the max
+        if shift + 4 > LOW_BIT:
+            # 3. the rest, a pass over the row per digit
+            s = shift.to(tl.uint32)
+            prefix = ((km >> s) >> 4) << 4 << s
+            above = tl.full((), 0, tl.int32)
+            cols = tl.arange(0, BLOCK)
+            while shift + 4 > LOW_BIT:
+                hist = tl.zeros([32], tl.int32)
+                for start in range(0, vocab, BLOCK):
+                    offs = start + cols
+                    x = tl.load(base + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+                    hist += tl.histogram(_digit_bins(order_key_tl(x), offs < vocab, prefix, shift), 32)
+                d, above = _pick_digit(hist, above, k)
+                prefix = prefix | (d.to(tl.uint32) << shift.to(tl.uint32))
+                shift -= 4
+            result = _key_value(_fill_low(prefix, shift + 4))
     return result
 
 
@@ -144,6 +160,25 @@ def lane_max_tl(base, vocab, BLOCK: tl.constexpr):
     return mx, mi
 
 
+def lane_top3_tl(base, vocab, BLOCK: tl.constexpr):
+    """lane_max_tl's (max, first offset), with each lane's second and third largest values between
+    them (-inf where the lane has fewer; a tie counts each time): (m1, m2, m3, index of m1)."""
+    cols = tl.arange(0, BLOCK)
+    m1 = tl.full([BLOCK], float("-inf"), tl.float32)
+    m2 = tl.full([BLOCK], float("-inf"), tl.float32)
+    m3 = tl.full([BLOCK], float("-inf"), tl.float32)
+    mi = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + cols
+        x = tl.load(base + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+        b1, b2 = x > m1, x > m2
+        m3 = tl.where(b2, m2, tl.where(x > m3, x, m3))
+        m2 = tl.where(b1, m1, tl.where(b2, x, m2))
+        mi = tl.where(b1, offs, mi)
+        m1 = tl.where(b1, x, m1)
+    return m1, m2, m3, mi
+
+
 def _kth_kernel(x_ptr, rows_ptr, stride_x, vocab, k_ptr, out_ptr, BLOCK: tl.constexpr, LOW_BIT: tl.constexpr):
     """One row per program: out[w] = kth_largest_tl of row rows[w] at k[w] (-inf where 1 <= k < V fails)."""
     w = tl.program_id(0)
@@ -151,8 +186,8 @@ def _kth_kernel(x_ptr, rows_ptr, stride_x, vocab, k_ptr, out_ptr, BLOCK: tl.cons
     k = tl.load(k_ptr + w).to(tl.int32)
     result = tl.full((), float("-inf"), tl.float32)
     if (k > 0) & (k < vocab):
-        mx, _ = lane_max_tl(base, vocab, BLOCK)
-        result = kth_largest_tl(base, vocab, mx, tl.max(mx, axis=0), k, BLOCK, LOW_BIT)
+        m1, m2, m3, _ = lane_top3_tl(base, vocab, BLOCK)
+        result = kth_largest_tl(base, vocab, m1, m2, m3, tl.max(m1, axis=0), k, BLOCK, LOW_BIT)
     tl.store(out_ptr + w, result)
 
 
@@ -165,9 +200,9 @@ def jit_helpers() -> dict:
     where a jitted function looks up what it calls)."""
     global _KERNEL
     if not _HELPERS:
-        for name in ("order_key_tl", "_key_value", "_fill_low", "_digit_bins", "_pick_digit"):
+        for name in ("order_key_tl", "_key_value", "_fill_low", "_digit_bins", "_pick_digit", "_lane_bound"):
             globals()[name] = triton.jit(globals()[name])
-        for name in ("kth_largest_tl", "lane_max_tl"):
+        for name in ("kth_largest_tl", "lane_max_tl", "lane_top3_tl"):
             _HELPERS[name] = globals()[name] = triton.jit(globals()[name])
         _KERNEL = triton.jit(_kth_kernel)
     return _HELPERS

@@ -50,7 +50,7 @@ from __future__ import annotations
 import torch
 
 from graphcache.engine.sample import kth_select, race_draw
-from graphcache.engine.sample.kth_select import kth_largest_tl, kth_logits, lane_max_tl, low_bit
+from graphcache.engine.sample.kth_select import kth_largest_tl, kth_logits, lane_max_tl, lane_top3_tl, low_bit
 from graphcache.engine.sample.race_draw import (
     BLOCK,
     GAMMA,
@@ -183,7 +183,7 @@ def _draw_chunk(x, temperature, top_p, log_min_p, keys, rounds, top_k_logit=None
 # Literal constants: a jitted function may not read module globals that are not constexpr.
 # 0x9E3779B97F4A7C15 = GAMMA, 0xD1B54A32D192ED03 = ROUND_GAMMA, -3.4028234663852886e38 = _FLOOR.
 # The race's helpers (key_words_tl, clock_tl, weight_tl, beats_tl, winner_tl) are race_draw.py's, the top-k
-# select's (lane_max_tl, kth_largest_tl) kth_select.py's; _jit_kernel rebinds the imported names to their jitted forms.
+# select's (lane_max_tl, lane_top3_tl, kth_largest_tl) kth_select.py's; _jit_kernel rebinds the imported names to their jitted forms.
 def _z_block(base, offs, mask, m, rt):
     """z = (x - m) * rt [BLOCK] fp32 (NaN stays NaN: every compare on it is false)."""
     x = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32)
@@ -253,7 +253,8 @@ def _round_key_of(key, r):
 
 def _nucleus_kernel(
     x_ptr, rows_ptr, stride_x, vocab, params_ptr, key_ptr, step_ptr, out_ptr,
-    BLOCK: tl.constexpr, ROUNDS: tl.constexpr, NPARAMS: tl.constexpr, LOW_BIT: tl.constexpr,
+    BLOCK: tl.constexpr, ROUNDS: tl.constexpr, NPARAMS: tl.constexpr, TOP_K: tl.constexpr,
+    LOW_BIT: tl.constexpr,
 ):  # fmt: skip
     w = tl.program_id(0)
     base = x_ptr + tl.load(rows_ptr + w) * stride_x
@@ -265,16 +266,19 @@ def _nucleus_kernel(
     if step >= 0:  # a seeded row: race_draw.row_key from mix64(seed) and the step
         key = _mix(key + (step + 1).to(tl.uint64) * 0x9E3779B97F4A7C15)
     # 1. the max and its first index (NaN is never the max; a row with no number above -inf takes
-    # token 0, as torch's argmax); each lane's max stays for the top-k select
-    mx, mi = lane_max_tl(base, vocab, BLOCK)
+    # token 0, as torch's argmax); with top-k rows, each lane's top three stay for the select
+    if TOP_K:
+        mx, m2, m3, mi = lane_top3_tl(base, vocab, BLOCK)
+    else:
+        mx, mi = lane_max_tl(base, vocab, BLOCK)
     m = tl.max(mx, axis=0)
     token = tl.min(tl.where(mx == m, mi, 2147483647), axis=0)
     if (t > 0) & (m > float("-inf")) & (m < float("inf")):
         rt = tl.math.div_rn(1.0, t)  # once per row: the passes multiply
-        if NPARAMS == 4:  # top-k: the k-th largest logit's z, as _z_block computes it
+        if TOP_K:  # the k-th largest logit's z, as _z_block computes it
             k = tl.load(params_ptr + NPARAMS * w + 3).to(tl.int32)
             if (k > 0) & (k < vocab):  # a row without top-k keeps its floor untouched
-                tk = kth_largest_tl(base, vocab, mx, m, k, BLOCK, LOW_BIT)
+                tk = kth_largest_tl(base, vocab, mx, m2, m3, m, k, BLOCK, LOW_BIT)
                 if tk > float("-inf"):  # fewer than k numbers: every one stays
                     zlo = tl.maximum(zlo, (tk - m) * rt)
         # 2. the first candidate (and the total mass, for top_p)
@@ -316,7 +320,7 @@ def _jit_kernel():
     global _KERNEL, _mix, _z_block, _race_above, _mass, _mass_at_or_below_key, _round_key_of
     if _KERNEL is None:
         globals().update(race_draw.jit_helpers())  # key_words_tl, clock_tl, weight_tl, beats_tl, winner_tl
-        globals().update(kth_select.jit_helpers())  # kth_largest_tl, lane_max_tl
+        globals().update(kth_select.jit_helpers())  # kth_largest_tl, lane_max_tl, lane_top3_tl
         _mix = triton.jit(_mix)
         _z_block = triton.jit(_z_block)
         _race_above = triton.jit(_race_above)
@@ -337,10 +341,12 @@ def nucleus_draw(
     rounds: int = ROUNDS,
     block: int = BLOCK,
     warps: int = WARPS,
+    top_k: bool | None = None,
 ) -> torch.Tensor:
     """tokens [W] int64: one draw per entry of rows [W] (int64 indices into logits [R, V], any float
     dtype). Per entry: params [W, 4] fp32 (temperature, <= 0: greedy; top_p, >= 1: off; log(min_p),
-    -inf: off; top_k, off unless 1 <= top_k < V; [W, 3]: no row has top-k),
+    -inf: off; top_k, off unless 1 <= top_k < V; [W, 3]: no row has top-k; top_k=False: the 4th column
+    is 0 on every row, so the kernel skips what top-k needs),
     keys [W] int64 and steps [W] int64 (step_keys: the race key is keys itself where the step is < 0,
     else row_key's mix of keys = mix64(seed) and the step). On CUDA one launch, no host
     sync, no allocation but the output (graph-capturable); elsewhere the torch path. block and warps
@@ -348,9 +354,11 @@ def nucleus_draw(
     than race_draw's kernel would."""
     if not (logits.is_cuda and HAVE_TRITON):
         x, p = logits.index_select(0, rows), params.float()
-        tk = kth_logits(x, p[:, 3]) if p.shape[1] > 3 else None
+        tk = kth_logits(x, p[:, 3]) if p.shape[1] > 3 and top_k is not False else None
         return nucleus_draw_torch(x, p[:, 0], p[:, 1], p[:, 2], step_keys(keys, steps), rounds, tk)
-    return nucleus_draw_triton(logits, rows, params, keys, steps, rounds=rounds, block=block, warps=warps)
+    return nucleus_draw_triton(
+        logits, rows, params, keys, steps, rounds=rounds, block=block, warps=warps, top_k=top_k
+    )
 
 
 def nucleus_draw_triton(
@@ -363,6 +371,7 @@ def nucleus_draw_triton(
     rounds: int = ROUNDS,
     block: int = BLOCK,
     warps: int = WARPS,
+    top_k: bool | None = None,
 ) -> torch.Tensor:
     """nucleus_draw's launch on any device: CUDA, or CPU tensors under TRITON_INTERPRET=1 (the tests)."""
     if logits.stride(-1) != 1:
@@ -382,6 +391,7 @@ def nucleus_draw_triton(
             BLOCK=min(block, triton.next_power_of_2(vocab)),
             ROUNDS=rounds,
             NPARAMS=params.shape[1],
+            TOP_K=params.shape[1] == 4 if top_k is None else top_k,
             LOW_BIT=low_bit(logits.dtype),
             num_warps=warps,
         )

@@ -169,7 +169,8 @@ class Sampler:
         params = host[: 16 * n].view(torch.float32).view(n, 4)  # temperature, top_p, log(min_p), top_k
         keys = host[16 * n : 24 * n].view(torch.int64)
         steps = host[24 * n :].view(torch.int64)
-        return nucleus_draw(logits, rows, params, keys, steps)
+        top_k = any(s.draw_row[2] for s in seqs)  # else the kernel skips the lanes' top three and the select
+        return nucleus_draw(logits, rows, params, keys, steps, top_k=top_k)
 
     def _draw_inputs(self, seqs: list[Sequence]) -> bytearray:
         """nucleus_draw's per-row inputs as bytes: params [W, 4] fp32, then keys [W] and steps [W] int64
@@ -213,11 +214,11 @@ class Sampler:
         return ints
 
     @staticmethod
-    def _draw_row(seq: Sequence) -> tuple[bytes, int | None]:
+    def _draw_row(seq: Sequence) -> tuple[bytes, int | None, bool]:
         """A request's static draw parameters, cached on it: (its params row as nucleus_draw takes it,
         4 fp32 bytes-packed: temperature (0 when greedy), top_p, log(min_p) or -inf, top_k (0: off; on
         where 0 < top_k < V; capped at 2^24, where fp32 still holds every integer, far above any
-        vocabulary)), and mix64(seed) as int64 or None."""
+        vocabulary)), mix64(seed) as int64 or None, and whether top_k is on (> 0)."""
         p = seq.params
         # greedy: 0; above fp32's range: inf, as a float tensor would hold it (struct.pack raises)
         temperature = (
@@ -226,7 +227,7 @@ class Sampler:
         log_min_p = math.log(min(p.min_p, 1.0)) if p.min_p > 0 else _NEG_INF
         top_k = min(max(p.top_k, 0), 1 << 24)
         seed_key = None if p.seed is None else to_int64(mix64(p.seed))
-        seq.draw_row = (_PARAMS_ROW.pack(temperature, p.top_p, log_min_p, top_k), seed_key)
+        seq.draw_row = (_PARAMS_ROW.pack(temperature, p.top_p, log_min_p, top_k), seed_key, top_k > 0)
         return seq.draw_row
 
     def _draw(self, x: torch.Tensor, seqs: list[Sequence], local: list[int]) -> torch.Tensor:
