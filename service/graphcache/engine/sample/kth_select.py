@@ -3,22 +3,24 @@ inside that kernel by radix select, and its torch twin (the CPU path and the ref
 
 Why in the kernel: a torch.topk of the top-k rows before the launch cost a decode step at 256 rows
 about 0.9 ms (index_select, nan_to_num, a multi-kernel topk and a gather, with their host launches:
-BENCHMARKS.md §15), three times the budget for all of sampling. Inside the kernel it is a few cheap
-passes over a row the kernel reads anyway, and the host only uploads k.
+BENCHMARKS.md §15), three times the budget for all of sampling. Inside the kernel it costs a row a few
+register passes after the max pass it shares (~0.05 ms at 256 rows, §16), and the host only uploads k.
 
 The select works on order keys: uint32s ordered as the fp32 values (flip every bit of a negative
 float, the sign bit of a positive one), NaN mapped to -inf first. A digit is 4 bits; for each digit,
 from the top, a 16-bin histogram (tl.histogram) of the keys that match the prefix found so far picks
-the digit where the count of keys at or above it reaches k. Two bounds cut the passes over memory:
-  - the kernel's max pass leaves each lane's max in registers (BLOCK lanes); the k-th largest of those
-    (the same digits, over registers: no memory read) is a lower bound L, since k lanes hold a value
-    at or above it. Every key in [key(L), key(max)] shares the digits where those two keys agree, so
-    the passes over the row start at the first digit where they differ (for bf16 logits of a random
-    or a real model at k 20-50: one or two passes);
-  - logits of a 16-bit dtype widen to fp32 with their low 13 (fp16) or 16 (bf16) bits fixed by the
-    sign, so the digits stop above LOW_BIT and those bits are filled in (_fill_low).
-Where k exceeds BLOCK there is no lane bound and the select reads the row once per digit (4 passes
-for bf16): rare, and still one launch.
+the digit where the count of keys at or above it reaches k.
+
+Most rows need no pass of their own: the kernel's max pass keeps each lane's three largest values in
+registers (lane_top3_tl; BLOCK lanes, each over offsets lane, lane + BLOCK, ...). The k-th largest of
+those 3 * BLOCK values, L (the digits over registers), is a lower bound, since k values of the row are
+at or above it; and it is the answer when no lane's third value exceeds it, since every value above it
+is then one of the collected ones, fewer than k. A lane with three values above L is what the check
+cannot clear (at 151,936 tokens over 8,192 lanes and k 50, about 1 row in 3,400). Then the select
+reads the row once per remaining digit, starting at the first digit where L and the max differ (every
+candidate lies between them); without a bound (k above 3 * BLOCK) from the top. Logits of a 16-bit
+dtype widen to fp32 with their low 13 (fp16) or 16 (bf16) bits fixed by the sign, so the digits stop
+above LOW_BIT and those bits are filled in (_fill_low).
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ same set as filter_threshold.py's threshold). The top token is always in it (its
 whatever top_p is.
 
 Per row:
-  1. a pass for the max (the argmax too: greedy rows and rows with no finite max take it); top-k rows
-     then find t_k (kth_select.py: from the lanes' maxima, then usually one or two passes);
+  1. a pass for the max (the argmax too: greedy rows and rows with no finite max take it); with top-k
+     rows it keeps each lane's top three, from which kth_select.py finds t_k (passes of its own only
+     in the rare row where a lane has three values above it);
   2. a pass for the race over every kept token (candidate c) and their total mass;
   3. rows with top_p < 1: a pass for mass(z_j > z_c). Below top_p * mass: c is in the nucleus, done.
      Else c and everything below it are outside: race again over z > z_c with the next round's key
