@@ -3,6 +3,8 @@ the logits controls in controls.py).
 
 Sampling is batched over the rows that need it. A row goes one of three ways:
   - greedy, no logits controls: argmax of the model-dtype logits (no fp32 [R, V] copy): the fast path;
+    beside random rows and no controls, the draw kernel's argmax in the same launch (the same token;
+    NaN, which torch's argmax ranks first, the kernel never takes);
   - greedy with controls: argmax of the processed fp32 logits;
   - random: controls, then temperature -> min_p -> top-k -> top-p, then a draw.
 Every step is row-wise, so a row's token never depends on which other requests share the batch.
