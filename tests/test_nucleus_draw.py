@@ -313,6 +313,23 @@ def test_kernel_top_k_rows_match_torch_in_the_interpreter(name):
 
 
 @needs_interpreter
+def test_kernel_without_top_k_code_draws_as_with_it_in_the_interpreter():
+    """The sampler's params always have the top-k column; top_k=False (no row has top-k) compiles the
+    kernel without the lanes' top three and the select: the same draws, greedy rows included."""
+    logits = rows_of("normal", 12, 300, seed=5)
+    t, p, lmp = params(12)
+    t[[2, 7]] = 0.0  # greedy rows: the kernel's argmax
+    params_ = torch.stack([t, p, lmp, torch.zeros(12)], dim=1)
+    base, steps = keys_of(range(12), 3), torch.full((12,), -1)
+    rows = torch.arange(12)
+    off = nd.nucleus_draw_triton(logits, rows, params_, base, steps, block=64, warps=1, top_k=False)
+    on = nd.nucleus_draw_triton(logits, rows, params_, base, steps, block=64, warps=1, top_k=True)
+    three = nd.nucleus_draw_triton(logits, rows, params_[:, :3], base, steps, block=64, warps=1)
+    assert torch.equal(off, on) and torch.equal(off, three)
+    assert off[2] == logits[2].argmax() and off[7] == logits[7].argmax()
+
+
+@needs_interpreter
 def test_kernel_keeps_every_token_tied_with_the_kth_in_the_interpreter():
     x = torch.zeros(1, 64)
     x[0, 10:20] = 2.0
