@@ -161,22 +161,32 @@ class Sampler:
 
     def _draw_nucleus(self, logits: torch.Tensor, rows: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """One draw per entry of rows [W] (indices into logits [R, V], any float dtype):
-        nucleus_draw.py's rejection sampler, one launch on CUDA. Its inputs travel as one upload of one
-        host buffer, built from bytes cached on each request (only seeded rows are written one by one),
-        with no sync: the host cost of a sampled step stays near a greedy one's."""
-        n = len(seqs)
-        host = torch.frombuffer(self._draw_inputs(seqs), dtype=torch.uint8)  # [32 W] bytes
-        if logits.is_cuda:
-            host = host.pin_memory().to(logits.device, non_blocking=True)
-        params = host[: 16 * n].view(torch.float32).view(n, 4)  # temperature, top_p, log(min_p), top_k
-        keys = host[16 * n : 24 * n].view(torch.int64)
-        steps = host[24 * n :].view(torch.int64)
+        nucleus_draw.py's rejection sampler, one launch on CUDA, no sync: the host cost of a sampled
+        step stays near a greedy one's."""
+        params, keys, steps = self._draw_tensors(seqs, logits.device)
         top_k = any(s.draw_row[2] for s in seqs)  # else the kernel skips the lanes' top three and the select
         return nucleus_draw(logits, rows, params, keys, steps, top_k=top_k)
 
+    def _draw_tensors(
+        self, seqs: list[Sequence], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(params [W, 4] fp32, keys [W], steps [W] int64) on device: _draw_inputs' buffer in one upload
+        (pinned, non_blocking on CUDA), viewed in three parts."""
+        n = len(seqs)
+        host = torch.frombuffer(self._draw_inputs(seqs), dtype=torch.uint8)  # [32 W] bytes
+        if device.type == "cuda":
+            host = host.pin_memory().to(device, non_blocking=True)
+        params = host[: 16 * n].view(torch.float32).view(n, 4)  # temperature, top_p, log(min_p), top_k
+        return params, host[16 * n : 24 * n].view(torch.int64), host[24 * n :].view(torch.int64)
+
     def _draw_inputs(self, seqs: list[Sequence]) -> bytearray:
-        """nucleus_draw's per-row inputs as bytes: params [W, 4] fp32, then keys [W] and steps [W] int64
-        (what _key_parts holds, laid out for one upload)."""
+        """The per-row draw inputs as bytes, built from bytes cached on each request (only seeded rows are
+        written one by one): params [W, 4] fp32, then keys [W] and steps [W] int64, each row's race key
+        before nucleus_draw.step_keys mixes it, and its step. Unseeded rows: 64 bits of the Sampler's own
+        generator (one draw for the batch; settings.model.seed makes a server run repeatable) and step -1
+        (the key as it is). Seeded rows: mix64(seed), cached on the request, and the tokens generated so
+        far, so a seeded request's tokens depend on nothing but its seed and its own logits (and a step
+        sampled again, e.g. after a preemption, gives the same token)."""
         n = len(seqs)
         cached = [s.draw_row or self._draw_row(s) for s in seqs]
         buf = bytearray(b"".join([c[0] for c in cached]))
@@ -187,33 +197,6 @@ class Sampler:
                 _INT64.pack_into(buf, 16 * n + 8 * j, c[1])
                 _INT64.pack_into(buf, 24 * n + 8 * j, num_generated(seqs[j]))
         return buf
-
-    def _key_parts(self, seqs: list[Sequence]) -> torch.Tensor:
-        """[2, W] int64 on the host: each row's race key before nucleus_draw.step_keys mixes it, and its
-        step. Unseeded rows: 64 bits of the Sampler's own generator (one draw for the batch; settings.model.seed
-        makes a server run repeatable) and step -1 (the key as it is). Seeded rows: mix64(seed), cached on
-        the request, and the tokens generated so far, so a seeded request's tokens depend on nothing but its
-        seed and its own logits (and a step sampled again, e.g. after a preemption, gives the same token)."""
-        n = len(seqs)
-        ints = torch.empty(2, n, dtype=torch.int64)
-        ints[0] = torch.frombuffer(
-            bytearray(self._rng.getrandbits(64 * n).to_bytes(8 * n, "little")), dtype=torch.int64
-        )
-        ints[1] = -1
-        # Seeded rows gathered in Python lists and written with one indexed copy: a tensor element
-        # assignment per row cost ~4 us of host time each, ~0.5 ms a step at 256 rows a quarter seeded.
-        seeded, seed_keys, steps = [], [], []
-        for j, s in enumerate(seqs):
-            seed_key = (s.draw_row or self._draw_row(s))[1]
-            if seed_key is not None:
-                seeded.append(j)
-                seed_keys.append(seed_key)
-                steps.append(num_generated(s))
-        if seeded:
-            rows = torch.tensor(seeded)
-            ints[0, rows] = torch.tensor(seed_keys, dtype=torch.int64)
-            ints[1, rows] = torch.tensor(steps, dtype=torch.int64)
-        return ints
 
     @staticmethod
     def _draw_row(seq: Sequence) -> tuple[bytes, int | None, bool]:
@@ -253,10 +236,8 @@ class Sampler:
                 else None
             ),
         )
-        ints = self._key_parts(seqs)
-        if dev.type == "cuda":
-            ints = ints.pin_memory().to(dev, non_blocking=True)
-        drawn = race_draw(z, thr, step_keys(ints[0], ints[1]))  # [W]
+        _, keys, steps = self._draw_tensors(seqs, dev)
+        drawn = race_draw(z, thr, step_keys(keys, steps))  # [W]
         # A row with no distribution (no finite logit, or +inf) takes its argmax, as greedy would.
         return torch.where(valid, drawn, top)
 
