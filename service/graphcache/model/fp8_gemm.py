@@ -118,21 +118,34 @@ def _fp8_mm_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if ONE_ROW:
-        acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        w_ptrs = b_ptr + offs_n[:, None] * stride_bn + offs_k[None, :]  # [BLOCK_N, BLOCK_K], K contiguous
-        x_ptrs = a_ptr + offs_k
+        # Accumulators [BLOCK_N, BLOCK_K / 8]: each thread sums its own 8 products along K before adding
+        # them in, so a thread keeps one fp32 per row and 8 K values, not eight (a [BLOCK_N, BLOCK_K]
+        # accumulator held 65 registers a thread at (4, 1024, 4), this 40: 12 programs an SM instead of 7,
+        # so every N tile of a 4096-row weight is resident at once and more of W is in flight).
+        acc_g = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+        # W and x in one register layout: 8 K values a thread for both (8 bytes of W, 16 of x), so x [1,
+        # BLOCK_K] broadcasts over W's rows in registers and the sum over a thread's 8 is in registers too.
+        # Left to itself the compiler gives W 16 a thread and x 8, and converts x through shared memory with
+        # two barriers every K tile. The layouts only agree where every warp lies along K, BLOCK_K a multiple
+        # of 8 x 32 x num_warps (1024 at 4 warps; at 512 / 4 or 1024 / 8 the conversion is back:
+        # scripts/fp8_one_row_sass.py prints the K loop's instructions and the registers).
+        offs_k8 = tl.max_contiguous(offs_k, 8)
+        w_ptrs = b_ptr + offs_n[:, None] * stride_bn + offs_k8[None, :]  # [BLOCK_N, BLOCK_K], K contiguous
+        x_ptrs = a_ptr + offs_k8[None, :]  # [1, BLOCK_K]
         for j in range(0, tl.cdiv(K, BLOCK_K)):
-            if EVEN_K:  # no mask along K (every real shape): nothing keeps the loads from 16-byte vectors
+            if EVEN_K:  # no mask along K (every real shape): nothing keeps the loads from full vectors
                 w_mask = n_mask[:, None]
-                x = tl.load(x_ptrs).to(tl.float32)[None, :]
+                x = tl.load(x_ptrs).to(tl.float32)
             else:
                 k_mask = offs_k < K - j * BLOCK_K
                 w_mask = n_mask[:, None] & k_mask[None, :]
-                x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-            acc_g += tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
+                x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
+            prod_g = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x  # [BLOCK_N, BLOCK_K]
+            acc_g += tl.sum(tl.reshape(prod_g, (BLOCK_N, BLOCK_K // 8, 8)), axis=2)
             if GATED or ROPE:
-                acc_u += tl.load(w_ptrs + up_rows, mask=w_mask, other=0.0).to(tl.float32) * x
+                prod_u = tl.load(w_ptrs + up_rows, mask=w_mask, other=0.0).to(tl.float32) * x
+                acc_u += tl.sum(tl.reshape(prod_u, (BLOCK_N, BLOCK_K // 8, 8)), axis=2)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         row = tl.sum(acc_g, axis=1)[None, :]  # [1, BLOCK_N]
@@ -201,14 +214,15 @@ def _kernel():
 # N tiles narrow enough that the grid covers the H200's 132 SMs (N = 4096: 128 tiles), K tiles wide enough
 # to keep loads in flight. benchmarks/fp8_gemv_sweep.py times alternatives on the 8B shapes.
 DECODE_TILE = (32, 256, 4, 4)
-# The same for one row (ONE_ROW): narrower N tiles, longer K tiles (BENCHMARKS.md §14: 74.1 us a layer of the
-# 8B shape, the four GEMMs summed, against 79.2 at (8, 1024, 8, 3) and 116 for cuBLAS bf16).
-ONE_ROW_TILE = (4, 1024, 4, 2)
-# One row of the gated gate_up GEMM: each program streams BLOCK_N rows of gate and as many of up (in the
-# sweep with K masks, 38.7 us at this tile and 37.0 at (2, 1024, 4, 2): not yet re-measured without them).
+# The same for one row (ONE_ROW): narrower N tiles, longer K tiles. BENCHMARKS.md §17, us on the H200: o_proj
+# 6.6 and down_proj 16.1 at this tile, 7.9 and 21.3 at (4, 1024, 4, 2); (2, 2048, 4, 2) and (8, 1024, 4, 2)
+# in between.
+ONE_ROW_TILE = (2, 1024, 4, 2)
+# One row of the gated gate_up GEMM: each program streams BLOCK_N rows of gate and as many of up (§17: 30.2
+# us at this tile, 30.7-32.1 at (2, 2048), (4, 2048), (8, 1024), 37.5 at (2, 1024)).
 GATED_ONE_ROW_TILE = (4, 1024, 4, 2)
 # One row of the qkv GEMM with rotary and the KV write in its epilogue (ROPE): BLOCK_N rows a half, so a
-# program streams 4 rows like ONE_ROW_TILE.
+# program streams 4 rows (the plain kernel at 4 rows: qkv_proj 9.0 us in §17, 9.2 at 2, 8.7 at (2, 2048)).
 ROPE_ONE_ROW_TILE = (2, 1024, 4, 2)
 # Programmatic dependent launch of the weight-only kernels (a kernel is launched while the one before it
 # drains, and waits in griddepcontrol.wait for its writes): None = on where the GPU has it (compute
