@@ -94,7 +94,9 @@ def main() -> int:
         tile = tuple(int(v) for v in sys.argv[sys.argv.index("--tile") + 1].split(","))
     kernel = compile_one_row(tile, gated="--gated" in sys.argv)
     n, ops = loop_mix(sass(kernel))
-    print(f"triton {triton.__version__}, tile {tile}: {registers(kernel)} registers a thread, K loop: {n} instructions")
+    print(
+        f"triton {triton.__version__}, tile {tile}: {registers(kernel)} registers a thread, K loop: {n} instructions"
+    )
     print(", ".join(f"{op} {c}" for op, c in ops.most_common()))
     through_shared = sum(ops[op] for op in ("STS", "LDS", "BAR"))
     print(f"shared-memory and barrier instructions in the loop: {through_shared}")
