@@ -6,6 +6,9 @@
   qwen3moe Qwen3-30B-A3B's layer (config.json of Qwen/Qwen3-30B-A3B: hidden 2048, 32/4 heads of 128, 128
            experts of 768 rows, top-8, vocab 151936) with 16 of its 48 layers: bf16, ~21 GB, ~10.6B weights
            of which ~1.1B run per token (the expert GEMMs are the real model's, the step a third of it).
+  mixtral  Mixtral-8x7B's layer (config.json of mistralai/Mixtral-8x7B-v0.1: hidden 4096, 32/8 heads of 128, 8
+           experts of 14336 rows, top-2, vocab 32000) with 8 of its 32 layers: bf16, ~24 GB, ~11.8B weights of
+           which ~3.3B run per token.
   tiny     the embedded default shape (graphcache.model.tiny.DEFAULT_SHAPE): CPU smoke runs.
 
 Every shape comes from graphcache.model.tiny.make_tiny_model (its tokenizer, config and weight names);
@@ -66,12 +69,28 @@ SHAPES = {
         experts_per_tok=8,
         moe_intermediate=768,
     ),
+    "mixtral": dict(
+        arch="mixtral",
+        hidden=4096,
+        layers=8,
+        heads=32,
+        kv_heads=8,
+        intermediate=14336,
+        head_dim=128,
+        max_positions=32768,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+        model_vocab_size=32000,
+        experts=8,
+        experts_per_tok=2,
+        moe_intermediate=14336,
+    ),
     "tiny": dict(
         arch="llama", hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384, max_positions=2048
     ),
 }
 # Shapes whose fp32 weights would not fit a quick CPU write: drawn on the GPU in bf16.
-ON_DEVICE = {"llama8b", "qwen3moe"}
+ON_DEVICE = {"llama8b", "qwen3moe", "mixtral"}
 MOE_KEYS = ("experts", "experts_per_tok", "moe_intermediate")  # make_tiny_model's sparse-MLP arguments
 
 

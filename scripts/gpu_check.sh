@@ -106,7 +106,9 @@ for p in ${PHASES:-tests pool capture}; do
                -rs --durations=10 ;;
     # A Qwen3-30B-A3B-layer MoE (16 layers, 128 experts, top-8; ~21 GB bf16, written on the GPU first) offline,
     # graph and eager, nano and realistic workloads.
-    moe)     phase moe "${MOE_TIMEOUT:-540}" python3 benchmarks/offline_throughput.py --make-model qwen3moe:/tmp/qwen3moe \
+    # MOE_SHAPE: qwen3moe (default) or mixtral (benchmarks/model_shapes.py).
+    moe)     phase moe "${MOE_TIMEOUT:-540}" python3 benchmarks/offline_throughput.py \
+               --make-model "${MOE_SHAPE:-qwen3moe}:/tmp/${MOE_SHAPE:-qwen3moe}" \
                --modes "${MOE_MODES:-graph,eager}" --workload "${MOE_WORKLOADS:-nano,realistic}" --out "$OUT/moe.json" ;;
     # FP8 (issue 25): the Llama-3-8B shape in bf16 and with --quantization fp8: full-graph decode at batch 1 and 256,
     # logits error and greedy agreement against bf16, the GEMM kernels (fp8_sweep: the decode kernel's designs).
