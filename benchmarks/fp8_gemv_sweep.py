@@ -271,10 +271,10 @@ def plan_of(cuda: bool) -> dict:
     dot = [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (256, 512) for w, st in ((4, 4), (8, 3))]
     fma = [(bn, bk, w, 3) for bn in (8, 16, 32) for bk in (512, 1024) for w in (4, 8)]
     # A [BLOCK_N, BLOCK_K] accumulator: 8-32 fp32 registers a thread at these tiles.
-    # fp8_gemm's one-row kernel: 4 warps, BLOCK_K a multiple of 1024 (W and x share one layout, see there).
-    one_row = [(2, 1024, 4, 2), (4, 1024, 4, 2), (8, 1024, 4, 2), (2, 2048, 4, 2), (4, 2048, 4, 2)]
     fma2 = [(bn, bk, w, st) for bn, bk in ((4, 1024), (4, 2048), (8, 512), (8, 1024), (16, 512))
             for w in (4, 8) for st in (2, 3)]  # fmt: skip
+    # fp8_gemm's one-row kernel: 4 warps, BLOCK_K a multiple of 1024 (W and x share one layout, see there).
+    one_row = [(2, 1024, 4, 2), (4, 1024, 4, 2), (8, 1024, 4, 2), (2, 2048, 4, 2), (4, 2048, 4, 2)]
     return {
         "bf16_mm": [(None, 1)],
         "scaled_mm": [(None, 1)],
