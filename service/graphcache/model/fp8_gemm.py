@@ -95,8 +95,8 @@ def _fp8_mm_kernel(
     # (weight only): a is the 16-bit x [M, K], b's tiles are widened to its dtype, sb [N]; sa_ptr unused.
     # GATED (weight only): b is [2N, K] = [gate | up] and c [M, N] = silu(x . gate) * (x . up), each
     # factor rounded to c's dtype first as silu_mul does (the [M, 2N] GEMM output is never written).
-    # ONE_ROW (weight only, M = 1): no tensor cores, a multiply-add per weight into a [BLOCK_N, BLOCK_K]
-    # fp32 accumulator summed once after the loop (at one row a 16-row MMA tile is 15/16 padding and its
+    # ONE_ROW (weight only, M = 1): no tensor cores, a multiply-add per weight into fp32 accumulators
+    # summed across threads once after the loop (at one row a 16-row MMA tile is 15/16 padding and its
     # shared-memory round trip the cost; a sum per K tile would put a cross-warp reduction in the loop).
     # ROPE (ONE_ROW, GATED off): b is the qkv weight [(H + 2K) * D, K] and c its [1, N] output with q and k
     # rotated and k, v also written to their cache slots (what fused_ops.rotary_cache_ does after the GEMM).
