@@ -127,9 +127,7 @@ def kernel_by_case(logits, flat, rows: int, iters: int) -> list[dict]:
     for name, x, make in cases:
         seqs = seqs_of(make, rows)
         top_k = any(q.params.top_k > 0 for q in seqs)  # as the sampler tells the kernel
-        d = torch.frombuffer(Sampler(default_seed=0)._draw_inputs(seqs), dtype=torch.uint8).to(dev)
-        params = d[: 16 * rows].view(torch.float32).view(rows, 4)
-        keys, steps = d[16 * rows : 24 * rows].view(torch.int64), d[24 * rows :].view(torch.int64)
+        params, keys, steps = Sampler(default_seed=0)._draw_tensors(seqs, dev)  # the sampler's one upload
 
         def draw(x=x, p=params, k=keys, s=steps, top_k=top_k):
             return nucleus_draw(x, idx, p, k, s, top_k=top_k)
