@@ -17,7 +17,7 @@ import logging
 import openai
 import pytest
 import pytest_asyncio
-from graphcache.api import protocol
+from graphcache.api import prompt_encoding, protocol
 from graphcache.config import Settings
 from graphcache.engine.errors import QueueFull
 from graphcache.engine.sequence import SamplingParams, StructuredSpec
@@ -32,6 +32,7 @@ SMALL = {
     "warmup_decode_sizes": [],
     "capture_sizes": [1, 2, 4, 8, 16],
     "drain_timeout_s": 2.0,
+    "trust_request_chat_template": True,  # the chat_template field reaches the template, as vLLM's flag lets it
 }
 
 # The field names of vLLM's request models (vllm/entrypoints/openai/protocol.py of the guided_* era and
@@ -215,13 +216,25 @@ def rec(served, monkeypatch):
     engine = served[1].state.engine
     recorder = Recorder(engine)
     monkeypatch.setattr(engine, "generate", recorder.generate)
-    encode_chat = engine.tokenizer.encode_chat
+    encode_job = prompt_encoding.encode_job
 
-    def recording_encode_chat(messages, add_generation_prompt=True, **kw):
-        recorder.chat_kwargs.append({"add_generation_prompt": add_generation_prompt, **kw})
-        return encode_chat(messages, add_generation_prompt, **kw)
+    def recording_encode_job(
+        template, messages, add_generation_prompt, continue_final_message, variables, max_chars
+    ):
+        recorder.chat_kwargs.append(
+            {
+                "template": template,
+                "add_generation_prompt": add_generation_prompt,
+                "continue_final_message": continue_final_message,
+                **variables,
+            }
+        )
+        return encode_job(
+            template, messages, add_generation_prompt, continue_final_message, variables, max_chars
+        )
 
-    monkeypatch.setattr(engine.tokenizer, "encode_chat", recording_encode_chat)
+    # The render job a chat sends to its template worker: what the template will see.
+    monkeypatch.setattr(prompt_encoding, "encode_job", recording_encode_job)
     return recorder
 
 

@@ -29,6 +29,7 @@ SMALL = {
     "warmup_decode_sizes": [],
     "capture_sizes": [1, 2, 4, 8, 16],
     "drain_timeout_s": 2.0,
+    "trust_request_chat_template": True,  # vLLM's --trust-request-chat-template: request templates render
 }
 MODEL = "graphcache-tiny"
 TEXT = "Once upon a time"

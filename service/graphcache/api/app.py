@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from graphcache import __version__
 from graphcache.api import admin, exposition, openai, tools
 from graphcache.api.errors import count_rejection, error_body, install_error_handlers
+from graphcache.api.prompt_encoding import render_pools
 from graphcache.api.request_log import PROBE_PATHS, RequestContextMiddleware, setup_logging
 from graphcache.config import Settings
 from graphcache.engine.errors import DEAD_MESSAGE  # probes: never the exception text
@@ -119,6 +120,9 @@ def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()  # returns at once; loading and warmup run on the engine thread
+        pools = render_pools(app)
+        # A chat-template worker starts while the model loads, so the first chat does not wait for it.
+        warming = asyncio.create_task(pools["model"].warm())
         log.info(
             "serving on %s:%s; engine loading (GET /ready turns 200 when it is done)",
             settings.http.host,
@@ -130,6 +134,9 @@ def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) 
             # `graphcache serve` drained already (on SIGTERM, while uvicorn waited for open
             # connections); an embedding app that did not gets the same drain here.
             await drain()
+            warming.cancel()
+            for pool in pools.values():
+                await pool.close()
             await asyncio.to_thread(engine.shutdown)
             log.info("engine stopped")
 

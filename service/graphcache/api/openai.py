@@ -22,13 +22,12 @@ engine frees their KV blocks at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -40,6 +39,7 @@ from starlette.responses import Response
 from graphcache.api import sampling, token_ids, tool_calls
 from graphcache.api.auth import require_api_key
 from graphcache.api.choices import ChatShape, CompletionShape, Prompt
+from graphcache.api.disconnect import ClientGone, unless_disconnected
 from graphcache.api.errors import APIError, api_error_for, error_body
 from graphcache.api.executors import run_input, run_response
 from graphcache.api.fanout import FanOut, Sampled, Sub, best_of, usage
@@ -120,10 +120,6 @@ async def _check_constraint(engine, constraint: tuple[StructuredSpec, str] | Non
 
 
 # --------------------------------------------------------------------------- end of tools and constraints
-
-
-class ClientGone(Exception):
-    """The client disconnected before the answer was ready."""
 
 
 # --------------------------------------------------------------------------- engine access
@@ -219,33 +215,6 @@ async def _subs(engine, engine_rid: str, prompts: list[Prompt], base, plan: samp
     ]
 
 
-async def _wait_disconnect(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(receive, aw: Awaitable) -> Any:
-    """Await `aw`; if the client disconnects first, cancel it and raise ClientGone.
-
-    The cancelled task is awaited before returning, so whatever it was iterating (an async
-    generator) is idle again and can be closed.
-    """
-    task = asyncio.ensure_future(aw)
-    watcher = asyncio.ensure_future(_wait_disconnect(receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone = watcher.done() and not watcher.cancelled() and watcher.exception() is None
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-    if gone and not (task.done() and not task.cancelled() and task.exception() is None):
-        raise ClientGone
-    return task.result()
-
-
 # sse-starlette watches for SIGTERM and cancels every open stream at once; here a SIGTERM drains instead
 # (cli.py: in-flight streams finish, or end with an error event and [DONE] at drain_timeout_s), so its
 # automatic drain is off for the whole process (left on, tests/reliability/test_sigterm.py's drain test
@@ -306,7 +275,7 @@ async def _serve(
 ) -> Response:
     receive = request.receive
     try:
-        firsts = await _unless_disconnected(receive, fan.start())
+        firsts = await unless_disconnected(receive, fan.start())
     except ClientGone:
         fan.abort()
         return Response(status_code=499)  # nobody reads it; keeps the access log honest
@@ -317,7 +286,7 @@ async def _serve(
 
     if not stream:
         try:
-            samples = await _unless_disconnected(receive, fan.collect(firsts))
+            samples = await unless_disconnected(receive, fan.collect(firsts))
         except ClientGone:
             return Response(status_code=499)
         finally:
@@ -481,7 +450,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         body.add_generation_prompt,
         body.template_kwargs,
         tools,
-        chat_template=body.chat_template,
+        chat_template=body.request_template,
         continue_final_message=body.continue_final_message,
     )
     ids = sampling.truncate_prompt(

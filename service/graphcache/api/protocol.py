@@ -139,7 +139,6 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
         "add_generation_prompt",
         "continue_final_message",
         "template",
-        "chat_template",
         "allow_special_in_content",
         "tokenize",
         "bos_token",
@@ -150,6 +149,20 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
         "strftime_now",
     }
 )
+
+
+def check_template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:
+    """chat_template_kwargs: template variable names, none of them one the server sets. "chat_template"
+    is the request's template (vLLM's other spelling of the chat_template field); it must be text."""
+    if v is not None:
+        clash = sorted(k for k in v if k in RESERVED_TEMPLATE_KWARGS)
+        if clash:
+            raise ValueError(f"{', '.join(clash)}: reserved names, set by the server; rename them")
+        if not all(k.isidentifier() for k in v):
+            raise ValueError("keys must be identifiers (template variable names)")
+        if not isinstance(v.get("chat_template", ""), str):
+            raise ValueError("chat_template must be a jinja template (text)")
+    return v
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -195,13 +208,12 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None:
-            clash = sorted(k for k in v if k in RESERVED_TEMPLATE_KWARGS)
-            if clash:
-                raise ValueError(f"{', '.join(clash)}: reserved names, set by the server; rename them")
-            if not all(k.isidentifier() for k in v):
-                raise ValueError("keys must be identifiers (template variable names)")
-        return v
+        return check_template_kwargs(v)
+
+    @property
+    def request_template(self) -> str | None:
+        """The chat's own template: chat_template, or chat_template_kwargs' "chat_template" (vLLM takes both)."""
+        return self.chat_template or (self.chat_template_kwargs or {}).get("chat_template")
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -218,7 +230,7 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def template_kwargs(self) -> dict[str, Any]:
         """Extra variables for the chat template (vLLM passes documents and reasoning_effort the same way)."""
-        extra = dict(self.chat_template_kwargs or {})
+        extra = {k: v for k, v in (self.chat_template_kwargs or {}).items() if k != "chat_template"}
         if self.documents is not None:
             extra.setdefault("documents", self.documents)
         if self.reasoning_effort is not None:

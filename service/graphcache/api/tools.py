@@ -39,7 +39,13 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     check_model(engine, body.model)
     if body.messages is not None:
         tokens = await encode_chat(
-            request, engine, body.messages, body.add_generation_prompt, tools=template_tools(body.tools)
+            request,
+            engine,
+            body.messages,
+            body.add_generation_prompt,
+            body.template_kwargs,
+            template_tools(body.tools),
+            chat_template=body.request_template,
         )
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from graphcache.api.body import FieldError, RequestBody, SBool, SInt, Text
-from graphcache.api.protocol import ChatMessage
+from graphcache.api.protocol import ChatMessage, check_template_kwargs
 
 __all__ = ["DetokenizeRequest", "TokenizeRequest", "WarmupRequest"]
 
@@ -69,6 +69,28 @@ class TokenizeRequest(RequestBody):
     )
     continue_final_message: SBool = False
     return_token_strs: SBool = False
+    chat_template: Text | None = Field(
+        None,
+        description="Chat form: a jinja chat template for this request (needs trust_request_chat_template).",
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Chat form: extra variables for the chat template."
+    )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_template_kwargs(v)
+
+    @property
+    def request_template(self) -> str | None:
+        """The chat's own template, as ChatCompletionRequest.request_template."""
+        return self.chat_template or (self.chat_template_kwargs or {}).get("chat_template")
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        return {k: v for k, v in (self.chat_template_kwargs or {}).items() if k != "chat_template"}
+
     tools: list[dict[str, Any]] | None = Field(
         None,
         max_length=128,
@@ -101,6 +123,11 @@ class TokenizeRequest(RequestBody):
             raise FieldError(
                 "tools apply to the messages form only; send messages, or drop tools", param="tools"
             )
+        for name in ("chat_template", "chat_template_kwargs"):
+            if getattr(self, name) is not None and self.messages is None:
+                raise FieldError(
+                    f"{name} applies to the messages form only; send messages, or drop it", param=name
+                )
         return self
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,11 +31,13 @@ __all__ = [
     "MAX_TEMPLATE_MESSAGE_CHARS",
     "ChatTemplateError",
     "InvalidChatTemplate",
+    "TemplateLimitError",
     "compile_chat_template",
     "compile_client_template",
     "load_chat_template",
     "normalize_chat",
     "render_chat",
+    "set_text_limit",
 ]
 
 # A chat template's own error message, as the client sees it (one line, at most this long).
@@ -84,12 +87,76 @@ def load_chat_template(value: str) -> str:
     raise ValueError(f"chat_template {value!r} is neither a readable file nor a jinja template; fix the path")
 
 
+# The sandbox refuses an operator whose result would pass these sizes before computing it: a 169-byte
+# template can ask for `7 ** 10000000` (seconds of one uninterruptible C call) or `'a' * 10**8`
+# (hundreds of MB). Integers past INT_BITS_LIMIT bits cannot even be printed (Python's 4,300-digit
+# limit is about 14,000 bits). Text and sequences are bounded by the render's size limit
+# (`set_text_limit`), which the caller sets from the context window; DEFAULT_TEXT_LIMIT until then.
+INT_BITS_LIMIT = 8192
+DEFAULT_TEXT_LIMIT = 1 << 22
+
+
+# The widths and precisions of %-format fields ("%08d", "%.3f", "%-20s").
+_FORMAT_FIELD = re.compile(r"%[-+ #0]*\d*(?:\.\d+)?")
+
+
+class TemplateLimitError(Exception):
+    """A template asked for a result past one of the sandbox's size limits."""
+
+
+def _length(value: Any) -> int | None:
+    return len(value) if isinstance(value, str | list | tuple) else None
+
+
+def _make_environment() -> type:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        """transformers' sandbox, plus size checks on the operators that grow results
+        multiplicatively (`*`, `**`) or by doubling (`+` on text or lists in a loop)."""
+
+        intercepted_binops = frozenset({"*", "**", "+", "%"})
+        text_limit = DEFAULT_TEXT_LIMIT
+
+        def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+            if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
+                if abs(left) > 1 and right * abs(left).bit_length() > INT_BITS_LIMIT:
+                    raise TemplateLimitError(f"`**` would give an integer past {INT_BITS_LIMIT} bits")
+            elif operator == "*":
+                self._check_product(left, right)
+            elif operator == "%" and isinstance(left, str):
+                widths = [int(n) for field in _FORMAT_FIELD.findall(left) for n in re.findall(r"\d+", field)]
+                if widths and max(widths) > self.text_limit:
+                    raise TemplateLimitError(f"`%` would format a field past {self.text_limit} characters")
+            elif operator == "+":
+                a, b = _length(left), _length(right)
+                if a is not None and b is not None and a + b > self.text_limit:
+                    raise TemplateLimitError(f"`+` would build a value past {self.text_limit} items")
+            return super().call_binop(context, operator, left, right)
+
+        def _check_product(self, left: Any, right: Any) -> None:
+            if isinstance(left, int) and isinstance(right, int):
+                if abs(left).bit_length() + abs(right).bit_length() > INT_BITS_LIMIT:
+                    raise TemplateLimitError(f"`*` would give an integer past {INT_BITS_LIMIT} bits")
+                return
+            for seq, count in ((left, right), (right, left)):
+                size = _length(seq)
+                if size is not None and isinstance(count, int) and size * count > self.text_limit:
+                    raise TemplateLimitError(f"`*` would build a value past {self.text_limit} items")
+
+    return BoundedSandbox
+
+
+def set_text_limit(compiled: jinja2.Template, limit: int) -> None:
+    """The size bound (characters, list items) the template's operators may build up to."""
+    compiled.environment.text_limit = limit  # type: ignore[attr-defined]
+
+
 def compile_chat_template(source: str) -> jinja2.Template:
-    """The model's own template, compiled in transformers' sandbox. A template that does not compile
-    is a server problem: jinja2's TemplateSyntaxError, as it is."""
+    """The model's own template, compiled in transformers' sandbox (with the size checks above). A
+    template that does not compile is a server problem: jinja2's TemplateSyntaxError, as it is."""
     try:
         from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError as e:  # pragma: no cover - jinja2 ships with transformers and the server deps
         raise RuntimeError("chat templates need jinja2: pip install jinja2") from e
 
@@ -107,7 +174,7 @@ def compile_chat_template(source: str) -> jinja2.Template:
             x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
         )
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = _make_environment()(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -128,7 +195,13 @@ def compile_client_template(source: str) -> jinja2.Template:
     try:
         return _compile_cached(source)
     except jinja2.TemplateSyntaxError as e:
-        raise InvalidChatTemplate(f"chat_template does not compile: {e}") from None
+        raise InvalidChatTemplate(f"chat_template does not compile: {e} (line {e.lineno})") from None
+    except RecursionError:  # thousands of nested blocks overflow the parser
+        raise InvalidChatTemplate("chat_template does not compile: it nests too deeply") from None
+    except MemoryError:  # the caller's limit (render_worker.py names it)
+        raise
+    except Exception as e:
+        raise InvalidChatTemplate(f"chat_template does not compile: {type(e).__name__}: {e}") from None
 
 
 def render_chat(
@@ -140,10 +213,8 @@ def render_chat(
 ) -> str:
     """The prompt text of `messages` (normalized by `normalize_chat` first) under `compiled`;
     `variables` (bos_token, tools, ...) reach the template as they are. Raises ChatTemplateError when
-    the template refuses the messages (`raise_exception`, or any template error while rendering
-    them). continue_final_message: the text stops right after the final message's content."""
-    import jinja2
-
+    the template refuses the messages (`raise_exception`, any error while rendering them, or a
+    sandbox size limit). continue_final_message: the text stops right after the final message's content."""
     messages = normalize_chat(messages)
     try:
         rendered = compiled.render(
@@ -151,9 +222,22 @@ def render_chat(
         )
     except _TemplateRaised as e:
         raise ChatTemplateError(e.message) from None
-    except jinja2.TemplateError as e:  # undefined attributes, sandbox refusals: caused by the messages
-        raise ChatTemplateError(f"the chat template failed on these messages: {e}") from None
+    except TemplateLimitError as e:
+        raise ChatTemplateError(f"the chat template passed a size limit: {e}") from None
+    except RecursionError:
+        raise ChatTemplateError("the chat template recursed too deeply") from None
+    except MemoryError:  # the caller's limit (render_worker.py names it)
+        raise
+    except Exception as e:  # undefined attributes, sandbox refusals, 1/0, type errors in filters
+        raise ChatTemplateError(f"the chat template failed on these messages: {_describe(e)}") from None
     return _cut_after_final(rendered, messages) if continue_final_message else rendered
+
+
+def _describe(e: Exception) -> str:
+    """A template error as the client sees it: jinja's own errors by message, others by type too."""
+    import jinja2
+
+    return str(e) if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: {e}"
 
 
 def normalize_chat(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -22,6 +22,7 @@ import bisect
 import json
 import re
 import secrets
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +32,13 @@ from graphcache.model.chat_template import (
     DEFAULT_CHAT_TEMPLATE,
     compile_chat_template,
     compile_client_template,
+    load_chat_template,
     normalize_chat,
     render_chat,
 )
 from graphcache.model.detokenizer import IncrementalDetokenizer, TokenTextStream
 
-__all__ = ["MAX_CHARS_PER_TOKEN", "Tokenizer"]
+__all__ = ["MAX_CHARS_PER_TOKEN", "PreparedChat", "Tokenizer"]
 
 # Text longer than max_model_len * MAX_CHARS_PER_TOKEN characters cannot fit the context window and is
 # refused before it is tokenized (api/openai.py). Real tokenizers average 3-6 characters per token on
@@ -50,6 +52,18 @@ def _token_str(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value
+
+
+@dataclass(frozen=True)
+class PreparedChat:
+    """A chat ready for its template: messages and tools with client special-token strings masked.
+    tag None: nothing was masked (the usual case); else placeholders `\\U000f0000{tag}.{i}\\U000f0001`
+    stand for originals[i]."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    tag: str | None = None
+    originals: list[str] = field(default_factory=list)
 
 
 class Tokenizer:
@@ -68,7 +82,7 @@ class Tokenizer:
         self.eos_token = _token_str(cfg.get("eos_token"))
         self.pad_token = _token_str(cfg.get("pad_token"))
         self.bos_token_id = self.token_to_id(self.bos_token)
-        self.chat_template = self._find_chat_template(path, cfg)
+        self.chat_template, self.chat_template_origin = self._find_chat_template(path, cfg)
         self.eos_token_ids = self._find_eos_ids(path)
         self._template = None  # compiled lazily: jinja2 is only needed for chat
         # The batch calls release the interpreter lock; encode_batch_fast (tokenizers >= 0.21) skips offsets.
@@ -109,15 +123,39 @@ class Tokenizer:
         return list(dict.fromkeys(ids))  # dedupe, keep order
 
     @staticmethod
-    def _find_chat_template(path: Path, cfg: dict[str, Any]) -> str:
+    def _find_chat_template(path: Path, cfg: dict[str, Any]) -> tuple[str, str]:
+        """The model's chat template and where it came from (for errors)."""
         jinja_file = path / "chat_template.jinja"  # transformers >= 4.50 saves it beside the config
         if jinja_file.is_file():
-            return jinja_file.read_text()
+            return jinja_file.read_text(), str(jinja_file)
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: take "default"
             named = {t["name"]: t["template"] for t in template}
             template = named.get("default") or next(iter(named.values()), None)
-        return template or DEFAULT_CHAT_TEMPLATE
+        if template:
+            return template, str(path / "tokenizer_config.json")
+        return DEFAULT_CHAT_TEMPLATE, "the built-in ChatML template"
+
+    def check_chat_template(self, configured: str | None = None) -> None:
+        """Compile the template chats will render with now: `configured` (the server's chat_template
+        setting: a file or the template itself), else the model's. One that does not compile fails the
+        start in one line naming it, instead of answering every chat with an error."""
+        import jinja2
+
+        if configured is not None:
+            source = load_chat_template(configured)
+            origin = configured if "{" not in configured else "the chat_template setting"
+        else:
+            source, origin = self.chat_template, self.chat_template_origin
+        fix = "fix the template" + ("" if configured else ", or serve with --chat-template FILE")
+        try:
+            compile_chat_template(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(
+                f"the chat template in {origin} does not compile: {e.message} (template line {e.lineno}); {fix}"
+            ) from None
+        except RecursionError:
+            raise ValueError(f"the chat template in {origin} nests too deeply to compile; {fix}") from None
 
     # --- text <-> ids ---
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -183,11 +221,17 @@ class Tokenizer:
             messages,
             add_generation_prompt,
             continue_final_message,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-            pad_token=self.pad_token or "",
+            **self.template_variables(),
             **extra,
         )
+
+    def template_variables(self) -> dict[str, str]:
+        """The special-token names every chat template sees, as transformers passes them."""
+        return {
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+            "pad_token": self.pad_token or "",
+        }
 
     def encode_chat(
         self,
@@ -213,13 +257,30 @@ class Tokenizer:
         (the same per-stretch encoding the library does between special tokens; only a
         sentencepiece-style `prepend_scheme: first` tokenizer may start such a stretch with a different
         first token)."""
+        prepared = self.prepare_chat(messages, tools, allow_special_in_content)
+        rendered = self.apply_chat_template(
+            prepared.messages,
+            add_generation_prompt,
+            tools=prepared.tools,
+            template=template,
+            continue_final_message=continue_final_message,
+            **extra,
+        )
+        return self.encode_rendered(rendered, prepared)
+
+    def prepare_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        allow_special_in_content: bool = False,
+    ) -> PreparedChat:
+        """The chat as the template should see it: normalized (`normalize_chat`), and with each
+        special-token string in client text swapped for a random placeholder, so the template sees no
+        marker it did not write (unless allow_special_in_content: trusted clients). Render
+        `prepared.messages` and `prepared.tools`, then `encode_rendered`."""
         messages = normalize_chat(messages)
-        extra = {"template": template, "continue_final_message": continue_final_message, **extra}
         if allow_special_in_content or not any(self.has_special_text(t) for t in _strings((messages, tools))):
-            return self.encode(
-                self.apply_chat_template(messages, add_generation_prompt, tools=tools, **extra),
-                add_special_tokens=False,
-            )
+            return PreparedChat(messages, tools)
         tag = str(secrets.randbelow(10**18))
         originals: list[str] = []
 
@@ -230,17 +291,21 @@ class Tokenizer:
         def mask(text: str) -> str:
             return self._special_re.sub(placeholder, text)
 
-        rendered = self.apply_chat_template(
-            _map_strings(messages, mask), add_generation_prompt, tools=_map_strings(tools, mask), **extra
-        )
+        return PreparedChat(_map_strings(messages, mask), _map_strings(tools, mask), tag, originals)
+
+    def encode_rendered(self, rendered: str, prepared: PreparedChat) -> list[int]:
+        """The ids of a chat rendered from `prepared`: the template's markers are special tokens, the
+        special-token strings of client text are plain text."""
+        if prepared.tag is None:
+            return self.encode(rendered, add_special_tokens=False)
         # Put the special strings back, remembering where client text put them.
         parts: list[str] = []
         content_spans: list[tuple[int, int]] = []
         pos = length = 0
-        for match in re.finditer(f"\U000f0000{tag}\\.(\\d+)\U000f0001", rendered):
+        for match in re.finditer(f"\U000f0000{prepared.tag}\\.(\\d+)\U000f0001", rendered):
             parts.append(rendered[pos : match.start()])
             length += match.start() - pos
-            original = originals[int(match.group(1))]
+            original = prepared.originals[int(match.group(1))]
             content_spans.append((length, length + len(original)))
             parts.append(original)
             length += len(original)

@@ -93,10 +93,35 @@ class HttpSettings(SettingsSection):
         "else ChatML).",
     )
 
+    trust_request_chat_template: bool = Field(
+        False,
+        description="Accept a chat request's own jinja template (chat_template, or chat_template_kwargs"
+        ".chat_template). Off: such requests get 400, as vLLM's default (a template is code the server runs).",
+    )
+    chat_template_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="Longest a chat template may take to render one chat; past it the rendering process "
+        "is killed and the request gets 400.",
+    )
+    chat_template_memory_mb: int = Field(
+        512,
+        ge=64,
+        description="Address space of each chat-template rendering process (MB); a render past it gets 400.",
+    )
+    chat_template_workers: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="Chat-template rendering processes for the model's template (and as many again, "
+        "started on first use, for request templates when trust_request_chat_template is on).",
+    )
+
     @field_validator("chat_template")
     @classmethod
     def _template_or_file(cls, v: str | None) -> str | None:
-        # A value without jinja markers names a file: a typo is refused at start, not on the first chat.
+        # A value without jinja markers names a file: a typo is refused at start, not on the first chat
+        # (one that does not compile is refused when the engine loads: Tokenizer.check_chat_template).
         if v is not None and "{" not in v and not Path(v).expanduser().is_file():
             raise ValueError(f"{v!r} is not a readable file (nor a jinja template); fix the path")
         return v

@@ -110,6 +110,7 @@ class ModelRunner:
         )
         self.model_path = path
         self.tokenizer = Tokenizer(path)
+        self.tokenizer.check_chat_template(s.http.chat_template)
         self.max_model_len = self._max_model_len(read_config(path))
         self.model, self.model_config = load_model(
             path,
