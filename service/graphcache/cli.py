@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import errno
 import json
 import logging
@@ -20,8 +21,11 @@ import os
 import signal
 import socket
 import sys
+import threading
+import time
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -49,6 +53,12 @@ SECRET_FIELDS = {"admin_token", "api_key"}
 # Past drain_timeout_s the engine fails what is left and handlers answer; uvicorn cuts connections
 # only if that has not happened this much later (engine grace 5 s + slack).
 DRAIN_BACKSTOP_S = 10.0
+# The whole stop, from the first signal, ends by drain_timeout_s + DRAIN_BACKSTOP_S + this, whatever
+# is still running (ExitWatchdog): the app's shutdown (the engine joined) fits in it when nothing hangs.
+SHUTDOWN_SLACK_S = 5.0
+# Once the app has shut down (engine stopped, logs written), what is left is the event loop's and the
+# interpreter's teardown, which join worker threads; past this the process exits without them.
+EXIT_JOIN_GRACE_S = 3.0
 # Exit codes of serve: 2 a setting or the preflight refused to start (nothing loaded, nothing bound);
 # 3 the engine failed to load after the port was bound (a supervisor restarts or reports it).
 EXIT_REFUSED = 2
@@ -408,12 +418,36 @@ def _serve(settings: Settings) -> int:
     log.info("listening on http://%s:%d (bound before loading the model)", settings.http.host, port)
     app = create_app(settings)
 
+    # The stop ends in time whatever worker threads do: the event loop and the interpreter join them
+    # as they exit, and one stuck in a long computation (a chat template rendering for minutes, a
+    # grammar compiling) would keep the process alive after the drain, forever.
+    stopping: dict[str, Any] = {"signal": None, "shut_down": False, "code": None}
+
+    def watchdog_exit_code() -> int:
+        """The exit code when the watchdog ends the process: the one serve decided, or the one it
+        would decide (a load failure, with its line), or 0 once the app shut down (only threads were
+        left); a shutdown that did not finish is not graceful: 128 + the signal, as a kill."""
+        if stopping["code"] is not None:
+            return stopping["code"]
+        load_error = app.state.engine.load_error
+        if load_error is not None:
+            print(f"graphcache: {load_failure_line(load_error)}", file=sys.stderr)
+            return EXIT_LOAD_FAILED
+        if stopping["shut_down"]:
+            return 0
+        return 128 + (stopping["signal"] or signal.SIGTERM)
+
+    watchdog = ExitWatchdog(watchdog_exit_code)
+    stop_deadline_s = settings.http.drain_timeout_s + DRAIN_BACKSTOP_S + SHUTDOWN_SLACK_S
+
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             if self.should_exit:
                 # A second SIGINT/SIGTERM while draining (Ctrl-C twice, `kill` twice): whoever sent it
                 # wants out now, in-flight requests or not. No drain, no engine join: exit at once.
                 _exit_now(sig)
+            stopping["signal"] = sig
+            watchdog.arm(stop_deadline_s, f"the stop did not finish within {stop_deadline_s:.0f}s")
             # From the signal on, requests arriving on open keep-alive connections get 503.
             app.state.engine.stop_accepting()
             super().handle_exit(sig, frame)
@@ -426,6 +460,8 @@ def _serve(settings: Settings) -> int:
             return await super().on_tick(counter)
 
         async def shutdown(self, sockets=None) -> None:
+            # A stop for a failed load has no signal: its deadline starts here.
+            watchdog.arm(stop_deadline_s, f"the stop did not finish within {stop_deadline_s:.0f}s")
             # The engine drains while uvicorn waits for open connections: requests still running at
             # drain_timeout_s are ended by the engine with an error their handlers send cleanly
             # (an error body, or an SSE error event and [DONE]), so the connections close by
@@ -433,6 +469,12 @@ def _serve(settings: Settings) -> int:
             drain = asyncio.create_task(app.state.drain())
             await super().shutdown(sockets)
             await drain
+            # The engine is stopped and the logs written; what is left joins worker threads.
+            stopping["shut_down"] = True
+            watchdog.arm(
+                EXIT_JOIN_GRACE_S,
+                f"worker threads still ran {EXIT_JOIN_GRACE_S:.0f}s after the server shut down",
+            )
 
     # The HTTP limits uvicorn lacks (head size and timeout, open connections): api/http_protocol.py.
     http = settings.http
@@ -458,11 +500,14 @@ def _serve(settings: Settings) -> int:
     server.run(sockets=[sock])
     load_error = app.state.engine.load_error
     if load_error is not None:
+        stopping["code"] = EXIT_LOAD_FAILED  # the line below is printed once, by whoever exits
         print(f"graphcache: {load_failure_line(load_error)}", file=sys.stderr)
         return EXIT_LOAD_FAILED
     if not server.started:
         log.error("the server did not start on %s:%s (see the errors above)", settings.http.host, port)
+        stopping["code"] = 1
         return 1
+    stopping["code"] = 0
     return 0
 
 
@@ -487,10 +532,110 @@ def _exit_now(sig: int) -> None:
     except ValueError:
         name = f"signal {sig}"
     log.warning("second %s during shutdown: exiting now; requests still in flight are cut", name)
-    for handler in logging.getLogger().handlers:
-        handler.flush()
-    sys.stderr.flush()
+    _flush_output()
     os._exit(128 + sig)
+
+
+def _flush_output() -> None:
+    """What os._exit would lose: buffered log records and stdout/stderr."""
+    for handler in logging.getLogger().handlers:
+        with contextlib.suppress(Exception):
+            handler.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
+MAX_THREADS_NAMED = 12
+
+
+def running_threads() -> str:
+    """The other threads of this process, each with where it is now ("graphcache-input_0 at
+    sandbox.py:412 in call"): what a stop that overran waited for, in one line."""
+    frames = sys._current_frames()
+    me = threading.get_ident()
+    named = []
+    for thread in threading.enumerate():
+        if thread.ident == me or thread.ident is None:
+            continue
+        frame = frames.get(thread.ident)
+        where = (
+            f" at {Path(frame.f_code.co_filename).name}:{frame.f_lineno} in {frame.f_code.co_name}"
+            if frame is not None
+            else ""
+        )
+        named.append(f"{thread.name}{where}")
+    if len(named) > MAX_THREADS_NAMED:
+        named = [*named[:MAX_THREADS_NAMED], f"and {len(named) - MAX_THREADS_NAMED} more"]
+    return ", ".join(named) or "no other thread"
+
+
+class ExitWatchdog:
+    """Ends the process at a deadline, whatever its threads are doing.
+
+    Python joins worker threads as it exits: asyncio's default executor (asyncio.to_thread: grammar
+    compiles) when the event loop closes, concurrent.futures' pools (api/executors.py: tokenizing,
+    chat templates) at interpreter exit. Neither can interrupt a thread, so one stuck in a long
+    computation keeps a stopped server alive for as long as it runs. Armed when the server stops, a
+    daemon thread waits for the earliest deadline armed; past it, it logs which threads still run,
+    flushes the logs and calls os._exit with exit_code()'s code. A process that ends in time never
+    hears from it (a daemon thread ends with the process). `exit` is _hard_exit but in tests."""
+
+    def __init__(self, exit_code: Callable[[], int], exit: Callable[[int], Any] | None = None) -> None:
+        self._exit_code = exit_code
+        self._exit = exit if exit is not None else _hard_exit
+        # RLock (Condition's default): arm() runs in a signal handler too, maybe over another arm().
+        self._cond = threading.Condition()
+        self._deadline: float | None = None
+        self._why = ""
+        self._thread: threading.Thread | None = None
+
+    @property
+    def deadline(self) -> float | None:
+        """The time.monotonic() at which the process ends; None while not armed."""
+        return self._deadline
+
+    def arm(self, seconds: float, why: str) -> None:
+        """End the process `seconds` from now (logging `why`), or at the deadline armed already if that
+        is earlier: arming never postpones the end."""
+        deadline = time.monotonic() + seconds
+        with self._cond:
+            if self._deadline is not None and self._deadline <= deadline:
+                return
+            self._deadline, self._why = deadline, why
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._wait, name="graphcache-exit-watchdog", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _wait(self) -> None:
+        with self._cond:
+            while (left := self._deadline - time.monotonic()) > 0:  # type: ignore[operator]
+                self._cond.wait(left)
+            why = self._why
+        try:
+            code = self._exit_code()
+        except Exception:  # noqa: BLE001 - the process must end all the same
+            log.exception("the exit code could not be decided; exiting 1")
+            code = 1
+        log.warning("%s; exiting now (code %d) without waiting for: %s", why, code, running_threads())
+        self._exit(code)
+
+
+def _hard_exit(code: int) -> None:
+    """os._exit(code) after what it would skip and the stop needs: a child process the stop did not
+    join (the engine process, when the shutdown itself hung; multiprocessing's exit hook would end
+    it) is killed, and the logs are flushed."""
+    if "multiprocessing" in sys.modules:
+        import multiprocessing
+
+        for child in multiprocessing.active_children():
+            with contextlib.suppress(Exception):
+                child.kill()
+    _flush_output()
+    os._exit(code)
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:

@@ -103,6 +103,9 @@ class ServerProcess:
         }
         self.log_path = log_dir / f"{name}-{self.port}.log"
         self.proc: subprocess.Popen | None = None
+        # What runs `serve --port N`: a test may swap in a script that patches the server, then calls
+        # graphcache.cli.main() (`python -c SCRIPT serve ...` passes `serve ...` as sys.argv[1:]).
+        self.command = [PYTHON, "-m", "graphcache.cli"]
 
     @property
     def admin_headers(self) -> dict[str, str]:
@@ -119,7 +122,7 @@ class ServerProcess:
         env.setdefault("OMP_NUM_THREADS", "1")
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(
-            [PYTHON, "-m", "graphcache.cli", "serve", "--port", str(self.port)],
+            [*self.command, "serve", "--port", str(self.port)],
             cwd=REPO,
             env=env,
             stdout=self._log,

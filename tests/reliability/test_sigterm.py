@@ -9,6 +9,7 @@ import asyncio
 import json
 import re
 import signal
+import threading
 import time
 
 import httpx
@@ -101,9 +102,15 @@ async def new_request_after_sigterm(base_url: str) -> str:
     return f"unexpected {response.status_code}: {response.text[:200]}"
 
 
+# The exit watchdog's line (cli.ExitWatchdog): the stop outlasted its deadline and left threads behind.
+WATCHDOG_LINE = "without waiting for"
+
+
 def assert_clean_exit_log(server) -> None:
-    """A graceful stop is not an error: no ERROR record and no traceback in the server's log."""
+    """A graceful stop is not an error: no ERROR record and no traceback in the server's log, and the
+    exit watchdog had nothing to cut short."""
     text = server.log_path.read_text(errors="replace")
+    assert WATCHDOG_LINE not in text, f"the exit watchdog fired on a clean exit:\n{server.log_tail()}"
     assert "Traceback" not in text, f"traceback on a clean exit:\n{server.log_tail()}"
     assert not re.search(r"^\S+ \S+ (ERROR|CRITICAL) ", text, re.MULTILINE), (
         f"ERROR on a clean exit:\n{text[-3000:]}"
@@ -227,3 +234,210 @@ async def test_a_second_signal_during_the_drain_exits_at_once(server_factory, se
         if f"second {signal.Signals(second).name}" in line
     ]
     assert len(lines) == 1, server.log_tail()
+
+
+# --- a stop that worker threads cannot hold up -------------------------------------------------------
+# Python joins worker threads as it exits (asyncio's default executor, the API's concurrent.futures
+# pools), and no thread can be interrupted: one stuck in a long computation (a chat template rendering
+# for minutes, a grammar compiling) once kept a stopped server alive 90 s past SIGTERM (issue 35).
+# Whatever runs, the process ends by drain_timeout_s + DRAIN_BACKSTOP_S (uvicorn's wait for open
+# connections) + SHUTDOWN_SLACK_S; the margin is for a busy 2-core CI machine.
+STOP_MARGIN_S = 5.0
+# Nested loops: 10^10 iterations of jinja, hours of pure Python, wherever the template renders.
+ENDLESS_TEMPLATE = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+def stop_bound(drain_timeout: float) -> float:
+    from graphcache.cli import DRAIN_BACKSTOP_S, SHUTDOWN_SLACK_S
+
+    return drain_timeout + DRAIN_BACKSTOP_S + SHUTDOWN_SLACK_S + STOP_MARGIN_S
+
+
+async def post_in_background(base_url: str, path: str, body: dict) -> asyncio.Task:
+    """The request, sent; still unanswered a second later (the test fails if it was answered)."""
+
+    async def send() -> str:
+        try:
+            async with httpx.AsyncClient(base_url=base_url, timeout=120.0) as client:
+                response = await client.post(path, json=body)
+            return f"{response.status_code}: {response.text[:300]}"
+        except httpx.HTTPError as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    task = asyncio.create_task(send())
+    await asyncio.sleep(1.5)
+    assert not task.done(), f"{path} was answered at once, nothing in flight: {task.result()}"
+    return task
+
+
+async def sigterm_and_time_the_exit(server, drain_timeout: float) -> tuple[int | None, float]:
+    t0 = time.monotonic()
+    server.terminate()
+    code = await asyncio.to_thread(server.wait_exit, stop_bound(drain_timeout) + 30)
+    return code, time.monotonic() - t0
+
+
+@pytest.mark.timeout(180)
+async def test_sigterm_exits_in_time_while_a_chat_template_renders(server_factory):
+    """The issue's case: a request whose own chat template runs for hours is rendering at SIGTERM.
+    Where the template renders (a thread of the API, a worker process) is not this test's business:
+    the process ends within the bound, exit code 0. The trust and timeout settings let the template
+    be accepted and keep rendering (unknown GRAPHCACHE_* settings are ignored)."""
+    drain_timeout = 1.0
+    server = server_factory(
+        drain_timeout_s=drain_timeout,
+        max_num_seqs=2,
+        trust_request_chat_template=True,
+        chat_template_timeout_s=600,
+    )
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "chat_template": ENDLESS_TEMPLATE,
+    }
+    request = await post_in_background(server.base_url, "/v1/chat/completions", body)
+    try:
+        code, elapsed = await sigterm_and_time_the_exit(server, drain_timeout)
+    finally:
+        request.cancel()
+    assert code is not None, f"still running {elapsed:.0f}s after SIGTERM:\n{server.log_tail()}"
+    assert elapsed < stop_bound(drain_timeout), f"took {elapsed:.1f}s to exit:\n{server.log_tail()}"
+    assert code == 0, f"exit code {code}:\n{server.log_tail()}"
+
+
+# Serve with a route that occupies a thread of the API's input pool (spinning in pure Python, as a
+# template renders) and one of asyncio's default executor (blocked, as a grammar compile in C may be)
+# for good: the two joins Python makes on its way out, each held forever.
+STUCK_THREADS_SERVER = """
+import asyncio, sys, threading
+import graphcache.api.app as app_module
+from graphcache.api.executors import run_input
+
+create_app = app_module.create_app
+forever = threading.Event()
+
+def spin():
+    while not forever.is_set():
+        pass
+
+def patched_create_app(*args, **kwargs):
+    app = create_app(*args, **kwargs)
+
+    @app.post("/test/stuck-threads")
+    async def stuck_threads():
+        await asyncio.gather(run_input(spin), asyncio.to_thread(forever.wait))
+
+    return app
+
+app_module.create_app = patched_create_app
+from graphcache.cli import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.timeout(180)
+async def test_sigterm_exits_in_time_whatever_worker_threads_do(cache_dir, log_dir):
+    from .conftest import BASE_SETTINGS
+    from .support import PYTHON, ServerProcess
+
+    drain_timeout = 1.0
+    settings = {**BASE_SETTINGS, "drain_timeout_s": drain_timeout, "log_level": "info"}
+    server = ServerProcess(cache_dir, log_dir, name="stuck-threads", **settings)
+    server.command = [PYTHON, "-c", STUCK_THREADS_SERVER]
+    try:
+        server.start()
+        request = await post_in_background(server.base_url, "/test/stuck-threads", {})
+        try:
+            code, elapsed = await sigterm_and_time_the_exit(server, drain_timeout)
+        finally:
+            request.cancel()
+    finally:
+        server.kill()
+    assert code is not None, f"still running {elapsed:.0f}s after SIGTERM:\n{server.log_tail()}"
+    assert elapsed < stop_bound(drain_timeout), f"took {elapsed:.1f}s to exit:\n{server.log_tail()}"
+    # The app shut down (engine stopped) before the watchdog ended the wait for the threads: graceful.
+    assert code == 0, f"exit code {code}:\n{server.log_tail()}"
+    text = server.log_path.read_text(errors="replace")
+    lines = [line for line in text.splitlines() if WATCHDOG_LINE in line]
+    assert len(lines) == 1, server.log_tail()
+    assert "graphcache-input" in lines[0], lines[0]  # who held the exit (and where: the line says)
+    assert text.index("engine stopped") < text.index(WATCHDOG_LINE)  # the engine's shutdown ran first
+
+
+# --- the watchdog itself -------------------------------------------------------------------------------
+
+
+class Exits:
+    """ExitWatchdog's exit, recorded instead of ending pytest."""
+
+    def __init__(self) -> None:
+        self.codes: list[tuple[int, float]] = []
+        self.done = threading.Event()
+
+    def __call__(self, code: int) -> None:
+        self.codes.append((code, time.monotonic()))
+        self.done.set()
+
+
+@pytest.mark.timeout(30)
+def test_the_watchdog_exits_at_its_deadline_with_the_code_of_that_moment(caplog):
+    from graphcache.cli import ExitWatchdog
+
+    exits, state = Exits(), {"code": 7}
+    watchdog = ExitWatchdog(lambda: state["code"], exit=exits)
+    t0 = time.monotonic()
+    watchdog.arm(0.5, "test deadline")
+    state["code"] = 3  # read when it fires, not when armed
+    assert exits.done.wait(10)
+    code, at = exits.codes[0]
+    elapsed = at - t0
+    assert code == 3 and 0.5 <= elapsed < 5, (code, elapsed)
+    assert "test deadline; exiting now (code 3)" in caplog.text
+
+
+@pytest.mark.timeout(30)
+def test_arming_again_never_postpones_the_exit_but_may_advance_it():
+    from graphcache.cli import ExitWatchdog
+
+    exits = Exits()
+    watchdog = ExitWatchdog(lambda: 0, exit=exits)
+    t0 = time.monotonic()
+    watchdog.arm(60, "far")
+    far = watchdog.deadline
+    watchdog.arm(120, "farther")  # later: ignored
+    assert watchdog.deadline == far
+    watchdog.arm(0.3, "near")  # earlier: the waiting thread wakes for it
+    assert exits.done.wait(10)
+    assert exits.codes[0][1] - t0 < 5, exits.codes
+
+
+@pytest.mark.timeout(30)
+def test_the_watchdog_exits_1_when_the_code_cannot_be_decided():
+    from graphcache.cli import ExitWatchdog
+
+    def broken() -> int:
+        raise RuntimeError("no engine")
+
+    exits = Exits()
+    ExitWatchdog(broken, exit=exits).arm(0.1, "test")
+    assert exits.done.wait(10) and exits.codes[0][0] == 1
+
+
+def test_running_threads_names_each_thread_and_where_it_is():
+    from graphcache.cli import running_threads
+
+    release = threading.Event()
+
+    def held_here() -> None:
+        release.wait(30)
+
+    thread = threading.Thread(target=held_here, name="test-held-thread", daemon=True)
+    thread.start()
+    try:
+        line = running_threads()
+    finally:
+        release.set()
+        thread.join(10)
+    assert "\n" not in line
+    assert "test-held-thread at threading.py:" in line and " in wait" in line, line  # Event.wait's frame
+    assert threading.current_thread().name not in line, line  # the caller is not a thread it waits for
