@@ -9,7 +9,9 @@ file-armed capture failpoint and a memory sampler) with a small KV cache (--num-
 text prompts of mixed length, ignore_eos, so the right token count is known), and some streams are
 left after a few chunks (client disconnect); --structured-share of them carry an output constraint
 (guided_regex / guided_json / guided_choice / response_format, and now and then a regex bomb, which
-must be a clean 400), the soak:
+must be a clean 400) and --template-share of the chats their own chat_template (the server trusts
+request templates; now and then a hostile one: past the sandbox's size limits, the render time limit
+or the memory limit, which must be a clean 400), the soak:
   * every --admin-period s: arms the failpoint (every capture fails, the step runs eagerly) for half
     the period, disarms it, POST /admin/clear (pool bytes must drop to 0), POST /admin/warmup {} (pool
     bytes must come back to the baseline pinned at startup);
@@ -82,6 +84,21 @@ STRUCTURED = [
     ),
 ]
 BOMB = ("guided_regex", "a{1000}{1000}")  # refused (400) in well under a second, never cached
+# Chats of the template mix bring their own chat_template (the server trusts request templates); a few
+# are hostile and must be clean 400s while everything else is served: one the sandbox refuses at once,
+# one that runs into the render time limit (its worker is killed), one past the memory limit.
+TEMPLATES = [
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "{% for m in messages %}[{{ m['role']|upper }}] {{ m['content']|trim }}\n{% endfor %}[ASSISTANT] ",
+    "{{ bos_token }}{% for m in messages %}{% if loop.first %}### {% endif %}{{ m['content'] }}{% endfor %}\n",
+]
+HOSTILE_TEMPLATES = [
+    "{{ 7 ** 10000000 }}",
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+]
+TEMPLATE_TIMEOUT_S = 2.0
 WORDS = [
     "graph",
     "cache",
@@ -126,6 +143,8 @@ class Server:
             GRAPHCACHE_ENFORCE_EAGER="true" if eager else "false",
             GRAPHCACHE_SOAK_FAIL_CAPTURES=str(self.fail_file),
             GRAPHCACHE_SOAK_STATS=str(self.stats_file),
+            GRAPHCACHE_TRUST_REQUEST_CHAT_TEMPLATE="true",
+            GRAPHCACHE_CHAT_TEMPLATE_TIMEOUT_S=str(TEMPLATE_TIMEOUT_S),
             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "service"), os.environ.get("PYTHONPATH")])),
         )
         if args.model:
@@ -285,6 +304,8 @@ def make_body(rng: random.Random, args, long: bool = False) -> tuple[dict, bool]
         field, value = BOMB if rng.random() < 0.05 else rng.choice(STRUCTURED)
         if field != "response_format" or chat:
             body[field] = value
+    if chat and rng.random() < args.template_share:
+        body["chat_template"] = rng.choice(HOSTILE_TEMPLATES if rng.random() < 0.05 else TEMPLATES)
     if chat:
         body["messages"] = [
             {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(max(1, n // 2)))}
@@ -455,6 +476,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=0.2,
         help="share of requests with an output constraint (a few of them regex bombs); 0 = none",
+    )
+    ap.add_argument(
+        "--template-share",
+        type=float,
+        default=0.2,
+        help="share of chats with their own chat_template (a few of them hostile); 0 = none",
     )
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--rss-margin", type=float, default=0.10, help="allowed RSS growth over the first minute")
