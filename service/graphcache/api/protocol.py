@@ -52,9 +52,8 @@ __all__ = [
     "TextPart",
 ]
 
-DEFAULT_COMPLETION_MAX_TOKENS = (
-    16  # /v1/completions, also for an explicit "max_tokens": null (as OpenAI, vLLM)
-)
+# /v1/completions, also for an explicit "max_tokens": null (as OpenAI, vLLM)
+DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
 class CompletionRequest(SamplingFields):

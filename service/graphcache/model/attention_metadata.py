@@ -75,9 +75,8 @@ class AttentionMetadata:
     # flash and triton paths: every request in one call
     cu_seqlens_q: torch.Tensor | None = None  # [R + 1] int32 token offsets (= query_start_loc)
     cu_seqlens_k: torch.Tensor | None = None  # flash: [R + 1] int32 offsets into the gathered context
-    context_slots: torch.Tensor | None = (
-        None  # "flash": [sum(seq_lens)] int64 slots of every request's context
-    )
+    # "flash": [sum(seq_lens)] int64 slots of every request's context
+    context_slots: torch.Tensor | None = None
     block_table: torch.Tensor | None = None  # "flash_paged": [R, B] int32 block ids; "triton": int64
     seqused_k: torch.Tensor | None = None  # "flash_paged": [R] int32 context lengths; "triton": int64
     num_reqs: int = 0  # "triton": R
