@@ -129,7 +129,7 @@ def replay_ms(runner: ModelRunner, batch: int, steps: int) -> float:
     """GPU time of the cached capture's replay alone (no input upload, no sampling): what the cache adds
     over a plain graph of the same step."""
     desc = BatchDescriptor(runner.sizes.pad(batch), runner.sizes.pad(batch), True)
-    graph = runner.cache._entries[desc].graph
+    graph = runner.cache.store.get(desc).graph
     with forward_context(runner.decode_metadata(desc.num_reqs)):  # what a breakable replay's breaks read
         return gpu_median_ms(graph.replay, steps)
 

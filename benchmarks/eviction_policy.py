@@ -36,7 +36,7 @@ from graphcache.choices import EVICTION_POLICIES  # noqa: E402
 from graphcache.graphs.cache import GraphCache  # noqa: E402
 from graphcache.graphs.capture import is_capturing  # noqa: E402
 from graphcache.graphs.descriptor import BatchDescriptor  # noqa: E402
-from graphcache.graphs.policy_config import CachePolicyConfig  # noqa: E402
+from graphcache.graphs.policy.config import CachePolicyConfig  # noqa: E402
 
 MiB = 1 << 20
 DECODE_SIZES = [1, 2, 4, *range(8, 513, 8)]  # 67 uniform-decode capture sizes

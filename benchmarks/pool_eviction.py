@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the 
 from graphcache.graphs.cache import GraphCache  # noqa: E402
 from graphcache.graphs.capture import capture, eager_break, release_workspaces  # noqa: E402
 from graphcache.graphs.descriptor import BatchDescriptor  # noqa: E402
-from graphcache.graphs.policy_config import CachePolicyConfig  # noqa: E402
+from graphcache.graphs.policy.config import CachePolicyConfig  # noqa: E402
 from graphcache.graphs.pool import pool_bytes  # noqa: E402
 
 MiB = 1 << 20
@@ -126,7 +126,7 @@ def run_cache_mode(work: Workload, sizes: list[int], lazy_pool: str) -> dict:
     cache.warmup(descs, pin=False)
     after_capture = reserved() - base
     reported = cache.stats().pool_bytes
-    measured = sum(pool_bytes(h) for h in {cache._entries[d].pool.handle for d in descs})
+    measured = sum(pool_bytes(h) for h in {cache.store.get(d).pool.handle for d in descs})
     times = [e.capture_seconds * 1e3 for e in cache.entries()]
     cache.evict(descs[0])
     after_one = reserved() - base
@@ -181,16 +181,16 @@ def run_pinned_mode(work: Workload, sizes: list[int]) -> dict:
     after_capture = reserved() - base
     pinned = cache.stats().pinned_pool_bytes
     pinned_equals_allocator = (
-        pinned == pool_bytes(cache.policy.pools.shared["pinned"].handle) == cache.stats().pool_bytes
+        pinned == pool_bytes(cache.store.pools.shared["pinned"].handle) == cache.stats().pool_bytes
     )
     times = [e.capture_seconds * 1e3 for e in cache.entries()]
     growth = {e.descriptor: e.bytes / MiB for e in cache.entries()}
     for d in lazy:
         cache.run(d)  # lazily admitted: one private pool each
     after_lazy = reserved() - base
-    lazy_bytes = [cache._entries[d].bytes for d in lazy]
+    lazy_bytes = [cache.store.get(d).bytes for d in lazy]
     lazy_equals_allocator = all(
-        cache._entries[d].bytes == pool_bytes(cache._entries[d].pool.handle) for d in lazy
+        cache.store.get(d).bytes == pool_bytes(cache.store.get(d).pool.handle) for d in lazy
     )
     cache.evict(lazy[0])  # the largest lazily admitted entry
     after_one = reserved() - base

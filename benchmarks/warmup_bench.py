@@ -75,7 +75,8 @@ def warmup_rows(runner: ModelRunner, cprofile: int = 0) -> tuple[float, list[dic
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(cprofile)
     rows = []
-    for desc, entry in runner.cache._entries.items():
+    for entry in runner.cache.store.entries():
+        desc = entry.desc
         t = entry.graph.timings
         rows.append(
             {
@@ -116,7 +117,7 @@ def pool_rows(model: Path, batches: list[int], max_num_seqs: int) -> list[dict]:
     for b in batches:
         desc = BatchDescriptor(runner.sizes.pad(b), runner.sizes.pad(b), True)
         runner.capture([desc], pin=False)  # a private pool, as a lazy capture gets
-        ours = runner.cache._entries[desc].bytes
+        ours = runner.cache.store.get(desc).bytes
         plain = plain_pool_bytes(runner, desc)
         rows.append({"batch": b, "ours_bytes": ours, "plain_bytes": plain, "over_mib": (ours - plain) / MiB})
         print(json.dumps(rows[-1]), flush=True)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 
-from graphcache.graphs.agreement import Agreement, CaptureReport, GroupAgreement, decide
 from graphcache.graphs.cache import GraphCache
 from graphcache.graphs.descriptor import BatchDescriptor as D
-from graphcache.graphs.policy_config import CachePolicyConfig
-from graphcache.graphs.profile import parse_profile
+from graphcache.graphs.policy.agreement import Agreement, CaptureReport, GroupAgreement, decide
+from graphcache.graphs.policy.config import CachePolicyConfig
+from graphcache.graphs.policy.profile import parse_profile
 from helpers_dist import gloo_group, run_ranks
 
 FAILS_ON_RANK_1 = D(16, 4)
@@ -51,7 +51,7 @@ def _decisions_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         rank_bytes: list = []  # (the cache's per-rank figures, what this rank's pools hold): per rank, not compared
 
         def own_pools():
-            return sum(held[h] for h in {e.pool.handle for e in cache._entries.values()})
+            return sum(held[h] for h in {e.pool.handle for e in cache.store.entries()})
 
         def step(desc):
             trace.append([str(desc), cache.run(desc, real_tokens=desc.num_tokens)])

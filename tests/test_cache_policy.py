@@ -3,12 +3,12 @@ agreement wrapper, and the forward context that carries the step's descriptor an
 
 import pytest
 from graphcache.config import Settings
-from graphcache.graphs.agreed_policy import AgreedPolicy
-from graphcache.graphs.agreement import Agreement, CaptureReport, decide
 from graphcache.graphs.cache import GraphCache
 from graphcache.graphs.descriptor import BatchDescriptor as D
-from graphcache.graphs.policy import CachePolicy
-from graphcache.graphs.policy_config import CachePolicyConfig, policy_config_from
+from graphcache.graphs.policy.agreed_policy import AgreedPolicy
+from graphcache.graphs.policy.agreement import Agreement, CaptureReport, decide
+from graphcache.graphs.policy.config import CachePolicyConfig, policy_config_from
+from graphcache.graphs.policy.policy import CachePolicy
 from graphcache.model.forward_context import (
     current_attention_metadata,
     current_forward_context,
@@ -66,7 +66,7 @@ def test_store_takes_a_plain_policy_alone_and_wraps_it_for_an_agreement():
     assert type(alone.policy) is CachePolicy and alone.policy.size == 1
     agreed = GraphCache(lambda d: None, backend="eager", config=config, agreement=Agreement())
     assert isinstance(agreed.policy, AgreedPolicy) and agreed.policy.config is config
-    assert agreed.run(D(4, 4, True)) == "replay" and agreed.policy.pools.live("lazy") is not None
+    assert agreed.run(D(4, 4, True)) == "replay" and agreed.store.pools.live("lazy") is not None
 
 
 def test_agreed_policy_raises_when_the_ranks_diverged():

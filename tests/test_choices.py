@@ -12,7 +12,7 @@ import graphcache
 import graphcache.choices as choices
 import pytest
 from graphcache.config import Settings
-from graphcache.graphs.policy_config import CachePolicyConfig
+from graphcache.graphs.policy.config import CachePolicyConfig
 
 PACKAGE = Path(graphcache.__file__).parent
 SETS = {frozenset(v) for name, v in vars(choices).items() if name.isupper() and isinstance(v, tuple)}

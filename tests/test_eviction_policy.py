@@ -11,8 +11,8 @@ import pytest
 from graphcache.graphs.cache import GraphCache
 from graphcache.graphs.capture import is_capturing
 from graphcache.graphs.descriptor import BatchDescriptor as D
-from graphcache.graphs.eviction import MIN_SIZE_BYTES
-from graphcache.graphs.policy_config import CachePolicyConfig
+from graphcache.graphs.policy.config import CachePolicyConfig
+from graphcache.graphs.policy.eviction import MIN_SIZE_BYTES
 
 MiB = 1 << 20
 

@@ -10,7 +10,7 @@ import torch
 from graphcache.graphs.cache import GraphCache
 from graphcache.graphs.capture import eager_break, is_capturing
 from graphcache.graphs.descriptor import BatchDescriptor as D
-from graphcache.graphs.policy_config import CachePolicyConfig
+from graphcache.graphs.policy.config import CachePolicyConfig
 from graphcache.metrics import Metrics
 
 KNOBS = {f.name for f in fields(CachePolicyConfig)}  # the policy's; the other keywords are the store's
@@ -283,12 +283,12 @@ def pools_of(cache):
 
 def shared(cache, kind):
     """The shared pool record of `kind` ("pinned" | "lazy"), None when there is none."""
-    return cache.policy.pools.shared[kind]
+    return cache.store.pools.shared[kind]
 
 
 def truth(cache):
     """What the fake allocator holds for the pools the cache's graphs live in."""
-    return sum(cache.fake_pools.held[p] for p in {e.pool.handle for e in cache._entries.values()})
+    return sum(cache.fake_pools.held[p] for p in {e.pool.handle for e in cache.store.entries()})
 
 
 def test_pinned_entries_share_one_pool_and_count_its_growth():
@@ -301,12 +301,12 @@ def test_pinned_entries_share_one_pool_and_count_its_growth():
         "4:4:decode": ("pinned", 0),
         "2:2:decode": ("pinned", 30),
     }
-    assert len({cache._entries[d].pool for d in (a8, b4, c2)}) == 1
+    assert len({cache.store.get(d).pool for d in (a8, b4, c2)}) == 1
     s = cache.stats()
     assert s.pinned_pool_bytes == 130 == s.pool_bytes == rep.pool_bytes
     assert cache.run(x6) == "replay"  # lazily admitted: the (new) lazy pool, its full size
     assert pools_of(cache)["6:6:decode"] == ("lazy", 50)
-    assert cache._entries[x6].pool is not cache._entries[a8].pool
+    assert cache.store.get(x6).pool is not cache.store.get(a8).pool
     assert cache.stats().pool_bytes == 130 + 50 and cache.stats().pinned_pool_bytes == 130
     assert cache.info()["totals"] == {
         "entries": 4,
@@ -374,7 +374,7 @@ def test_failed_pinned_capture_keeps_accounting_and_pool():
     rep = cache.warmup([a8, b4, c2])
     assert rep.failed == {"4:4:decode": "error"} and rep.captured == ["8:8:decode", "2:2:decode"]
     assert cache.stats().pinned_pool_bytes == 100 and cache.stats().failures["error"] == 1
-    assert len({cache._entries[d].pool for d in (a8, c2)}) == 1
+    assert len({cache.store.get(d).pool for d in (a8, c2)}) == 1
     # failing the first pinned capture leaves no pool behind
     cache, _ = make(sizes={a8: 100})
     cache.failpoint = _fail_on(None, torch.OutOfMemoryError("injected"))
@@ -436,9 +436,9 @@ def test_warmup_pins_at_most_its_share_of_the_budgets():
 
 def _record_warmups(monkeypatch, fail_without_warmup=frozenset()):
     """Patch the cache's capture() to record (descriptor, warmup) and fail cold captures of some descs."""
-    import graphcache.graphs.cache as cache_mod
+    import graphcache.graphs.backend as backend_mod
 
-    seen, real = [], cache_mod.capture
+    seen, real = [], backend_mod.capture
 
     def fake(step, *, backend, pool=None, warmup=False):
         seen.append(warmup)
@@ -446,7 +446,7 @@ def _record_warmups(monkeypatch, fail_without_warmup=frozenset()):
             raise RuntimeError("operation not permitted when stream is capturing")
         return real(step, backend=backend, pool=pool, warmup=warmup)
 
-    monkeypatch.setattr(cache_mod, "capture", fake)
+    monkeypatch.setattr(backend_mod, "capture", fake)
     return seen
 
 
@@ -538,7 +538,7 @@ def test_capture_time_budget_defers_lazy_captures_and_reports_stalls():
 
 def test_no_warmed_retry_at_tensor_parallel(monkeypatch):
     """At tp > 1 a retry on one rank would run the step's collectives alone: the failure is agreed instead."""
-    from graphcache.graphs.agreement import Agreement, decide
+    from graphcache.graphs.policy.agreement import Agreement, decide
 
     class TwoRanks(Agreement):
         size = 2
@@ -569,14 +569,14 @@ def test_lazy_entries_share_one_pool_and_count_its_growth():
         "4:4:decode": ("lazy", 0),
         "2:2:decode": ("lazy", 30),
     }
-    assert len({cache._entries[d].pool for d in (a8, b4, c2)}) == 1
+    assert len({cache.store.get(d).pool for d in (a8, b4, c2)}) == 1
     s = cache.stats()
     assert s.lazy_pool_bytes == s.pool_bytes == 130 == truth(cache) and s.pinned_pool_bytes == 0
     assert cache.rank_pool_bytes() == [130]  # one process: its own measurement is the total
     assert m.registry.get_sample_value("graphcache_graph_pool_bytes") == 130
     assert cache.info()["totals"]["lazy_pool_bytes"] == 130
     # size hints stay each descriptor's own-pool size: known only for a8, captured into the empty pool
-    assert cache.policy.pools.size_hints == {a8: 100}
+    assert cache.store.pools.size_hints == {a8: 100}
     profile = {p["descriptor"]: p["bytes"] for p in cache.profile()["descriptors"] if p["mode"]}
     assert profile == {"8:8:decode": 100, "4:4:decode": 0, "2:2:decode": 30}
 
@@ -594,7 +594,7 @@ def test_evicting_every_lazy_entry_drops_the_pool_and_never_reuses_its_handle():
     cache.run(x6)
     fresh = shared(cache, "lazy")
     assert fresh is not first and fresh.handle != first.handle
-    assert pools_of(cache) == {"6:6:decode": ("lazy", 80)} and cache.policy.pools.size_hints[x6] == 80
+    assert pools_of(cache) == {"6:6:decode": ("lazy", 80)} and cache.store.pools.size_hints[x6] == 80
 
 
 def test_entry_budget_in_the_lazy_pool_evicts_without_counting_freed_bytes():
@@ -643,7 +643,7 @@ def test_no_eviction_when_evicting_everything_would_not_make_room():
         cache.run(y1)
         cache.warmup([a8])
         assert cache.stats().pool_bytes == 140
-        cache.policy.pools.size_hints[x6] = 100  # known from an earlier capture
+        cache.store.pools.size_hints[x6] = 100  # known from an earlier capture
         assert cache.run(x6) == "eager"
         s = cache.stats()
         assert s.failures["budget"] == 1 and sum(s.evictions.values()) == 0 and y1 in cache
@@ -699,25 +699,25 @@ def test_failed_lazy_capture_leaves_the_shared_pool_consistent():
     cache, _ = make(runner=r, sizes={a8: 100, b4: 60, c2: 130})
     cache.run(a8)
     pool = shared(cache, "lazy")
-    cache.step_fn = fail_capturing(c2)
+    cache.store.step_fn = fail_capturing(c2)
     assert cache.run(c2) == "eager" and cache.stats().failures["error"] == 1
     # The pool still serves a8; what the failed capture reserved there is re-measured and stays counted.
     assert shared(cache, "lazy") is pool and pool.graphs == 1
     assert cache.stats().pool_bytes == 130 == truth(cache)
-    cache.step_fn = r.step
+    cache.store.step_fn = r.step
     assert cache.run(b4) == "replay" and pools_of(cache)["4:4:decode"] == ("lazy", 0)
     assert shared(cache, "lazy") is pool and pool.graphs == 2
     # A failure in the first capture of a lazy pool leaves no pool behind.
     cache, _ = make(runner=r, sizes={a8: 100})
-    cache.step_fn = fail_capturing(a8)
+    cache.store.step_fn = fail_capturing(a8)
     assert cache.run(a8) == "eager"
     assert shared(cache, "lazy") is None and cache.stats().pool_bytes == 0 and len(cache) == 0
 
 
 def test_warmed_retry_keeps_a_live_lazy_pool_and_renews_an_empty_ones_handle(monkeypatch):
-    import graphcache.graphs.cache as cache_mod
+    import graphcache.graphs.backend as backend_mod
 
-    handles, real = [], cache_mod.capture
+    handles, real = [], backend_mod.capture
 
     def fake(step, *, backend, pool=None, warmup=False):
         handles.append(pool)
@@ -725,7 +725,7 @@ def test_warmed_retry_keeps_a_live_lazy_pool_and_renews_an_empty_ones_handle(mon
             raise RuntimeError("operation not permitted when stream is capturing")
         return real(step, backend=backend, pool=pool, warmup=warmup)
 
-    monkeypatch.setattr(cache_mod, "capture", fake)
+    monkeypatch.setattr(backend_mod, "capture", fake)
     fail_cold = False
     cache, _ = make(warm_key=lambda d: d.num_tokens >= 4)  # two kernel families
     cache.run(D(1, 1, True))  # family False, warm capture: the lazy pool's first graph

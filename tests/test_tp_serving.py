@@ -19,8 +19,8 @@ from graphcache.config import Settings
 from graphcache.engine.loop.engine import Engine, EngineDead
 from graphcache.engine.sequence import SamplingParams
 from graphcache.engine.worker.tp_runner import TensorParallelRunner
-from graphcache.graphs.agreement import Decision
 from graphcache.graphs.descriptor import BatchDescriptor as D
+from graphcache.graphs.policy.agreement import Decision
 from graphcache.metrics import Metrics
 
 LOAD_TIMEOUT_S = 300.0

@@ -17,8 +17,8 @@ from graphcache.engine.loop.engine import Engine
 from graphcache.graphs.cache import GraphCache
 from graphcache.graphs.descriptor import BatchDescriptor as D
 from graphcache.graphs.descriptor import CaptureSizes
-from graphcache.graphs.policy_config import CachePolicyConfig
-from graphcache.graphs.profile import fill_size_gaps, parse_profile
+from graphcache.graphs.policy.config import CachePolicyConfig
+from graphcache.graphs.policy.profile import fill_size_gaps, parse_profile
 from graphcache.metrics import Metrics
 
 TOKEN = "profile-admin-token"

@@ -21,7 +21,7 @@ from graphcache.graphs.capture import (
     release_workspaces,
 )
 from graphcache.graphs.descriptor import BatchDescriptor as D
-from graphcache.graphs.policy_config import CachePolicyConfig
+from graphcache.graphs.policy.config import CachePolicyConfig
 from graphcache.graphs.pool import pool_bytes
 
 pytestmark = pytest.mark.cuda
@@ -227,7 +227,7 @@ def test_cache_replays_correctly_and_reports_allocator_bytes():
     before = _primed_quiet_reserved(w)
     d = D(512, 512, True)
     assert cache.run(d) == "replay"
-    entry = cache._entries[d]
+    entry = cache.store.get(d)
     assert entry.bytes == pool_bytes(entry.pool.handle) > 0
     assert cache.stats().pool_bytes == entry.bytes
     gc.collect()
@@ -246,7 +246,7 @@ def test_eviction_drops_reserved_memory():
     w.check_replay(lambda: cache.run(descs[1]), tokens=256)
     gc.collect()
     torch.cuda.empty_cache()
-    held = cache._entries[descs[0]].bytes
+    held = cache.store.get(descs[0]).bytes
     reserved = torch.cuda.memory_reserved()
     assert cache.evict(descs[0])
     assert torch.cuda.memory_reserved() <= reserved - held, "evicting a per-entry pool freed nothing"
@@ -286,7 +286,7 @@ def test_capture_error_in_cache_then_next_capture_works():
         if is_capturing() and d.num_tokens == 256:
             raise RuntimeError("injected capture failure")
 
-    cache.step_fn = step
+    cache.store.step_fn = step
     assert cache.run(D(256, 256, True)) == "eager"
     assert cache.stats().failures["error"] == 1
     d = D(512, 512, True)
@@ -303,7 +303,7 @@ def test_oom_during_capture_is_survived_counted_and_remembered():
             torch.empty(1 << 46, dtype=torch.uint8, device="cuda")  # 64 TiB: only while capturing
         w.step(d.num_tokens)
 
-    cache.step_fn = step
+    cache.store.step_fn = step
     oom = D(256, 256, True)
     assert cache.run(oom) == "eager"
     assert cache.stats().failures["oom"] == 1
@@ -341,19 +341,19 @@ def test_pinned_warmup_uses_far_less_memory_than_private_entries():
     private.warmup(PINNED, pin=False)  # one pool per entry
     assert {e.pool for e in private.entries()} == {"private"}
     private_bytes = private.stats().pool_bytes
-    assert private_bytes == sum(pool_bytes(e.pool.handle) for e in private._entries.values())
+    assert private_bytes == sum(pool_bytes(e.pool.handle) for e in private.store.entries())
     private.clear()
     assert _primed_quiet_reserved(w) <= start + 2 * MiB
 
     cache = _cache(w)
     rep = cache.warmup(PINNED)  # pinned: one shared pool
     assert len(rep.captured) == len(PINNED) and {e.pool for e in cache.entries()} == {"pinned"}
-    pool = cache.policy.pools.shared["pinned"]
-    assert all(cache._entries[d].pool is pool for d in PINNED)
+    pool = cache.store.pools.shared["pinned"]
+    assert all(cache.store.get(d).pool is pool for d in PINNED)
     s = cache.stats()
     assert s.pool_bytes == s.pinned_pool_bytes == pool_bytes(pool.handle) > 0
     assert sum(e.bytes for e in cache.entries()) == s.pinned_pool_bytes  # growth per capture adds up
-    largest = cache._entries[PINNED[0]].bytes
+    largest = cache.store.get(PINNED[0]).bytes
     assert s.pinned_pool_bytes <= largest + 8 * MiB, "the pinned pool should hold ~ the largest capture"
     assert s.pinned_pool_bytes * 2 <= private_bytes, (s.pinned_pool_bytes, private_bytes)
     gc.collect()
@@ -382,7 +382,7 @@ def test_pinned_graphs_replay_correctly_after_private_captures_and_evictions():
     cache.run(lazy[2])  # evicts lazy[0] (LRU among unpinned): its pool is released
     assert lazy[0] not in cache and cache.stats().evictions["entries"] == 1
     check_pinned()
-    held = cache._entries[lazy[1]].bytes
+    held = cache.store.get(lazy[1]).bytes
     gc.collect()
     torch.cuda.empty_cache()
     reserved = torch.cuda.memory_reserved()
@@ -395,7 +395,7 @@ def test_pinned_graphs_replay_correctly_after_private_captures_and_evictions():
     w.check_replay(lambda: cache.run(lazy[3]), tokens=96)
     assert all(d in cache for d in PINNED[::2])
     assert cache.stats().pinned_pool_bytes == pinned_bytes  # lazy captures never touch it
-    assert {cache._entries[d].pool for d in lazy[2:]}.isdisjoint({cache.policy.pools.shared["pinned"]})
+    assert {cache.store.get(d).pool for d in lazy[2:]}.isdisjoint({cache.store.pools.shared["pinned"]})
 
 
 def test_clear_returns_reserved_memory_to_start_level():
@@ -406,7 +406,7 @@ def test_clear_returns_reserved_memory_to_start_level():
     cache.warmup(PINNED[:3])
     cache.run(D(96, 96, True))
     cache.run(D(200, 200, True))  # both in the shared lazy pool
-    pool, lazy = cache.policy.pools.shared["pinned"], cache.policy.pools.shared["lazy"]
+    pool, lazy = cache.store.pools.shared["pinned"], cache.store.pools.shared["lazy"]
     held = cache.stats().pool_bytes
     assert held == pool_bytes(pool.handle) + pool_bytes(lazy.handle) == cache.info()["allocator_pool_bytes"]
     rep = cache.clear()
@@ -414,7 +414,7 @@ def test_clear_returns_reserved_memory_to_start_level():
     assert pool_bytes(pool.handle) == 0 == pool_bytes(lazy.handle) and cache.stats().pool_bytes == 0
     assert _quiet_reserved() <= start + 2 * MiB
     cache.warmup(PINNED[:2])  # a fresh pinned pool after clear works
-    assert cache.policy.pools.shared["pinned"].handle != pool.handle
+    assert cache.store.pools.shared["pinned"].handle != pool.handle
     w.check_replay(lambda: cache.run(PINNED[1]), tokens=PINNED[1].num_tokens)
     cache.clear()
     assert _quiet_reserved() <= start + 2 * MiB
@@ -426,7 +426,7 @@ def test_evicting_every_pinned_entry_releases_the_pinned_pool():
     start = _quiet_reserved()
     cache = _cache(w)
     cache.warmup(PINNED[:3])
-    pool = cache.policy.pools.shared["pinned"].handle
+    pool = cache.store.pools.shared["pinned"].handle
     held = cache.stats().pinned_pool_bytes
     assert cache.evict(PINNED[0])  # the largest: its blocks stay in the shared pool
     assert pool_bytes(pool) == held == cache.stats().pool_bytes
@@ -434,9 +434,7 @@ def test_evicting_every_pinned_entry_releases_the_pinned_pool():
         w.check_replay(lambda d=d: cache.run(d), tokens=d.num_tokens)
     assert cache.evict(PINNED[1]) and cache.evict(PINNED[2])  # the last one frees the pool
     assert (
-        pool_bytes(pool) == 0
-        and cache.stats().pool_bytes == 0
-        and cache.policy.pools.shared["pinned"] is None
+        pool_bytes(pool) == 0 and cache.stats().pool_bytes == 0 and cache.store.pools.shared["pinned"] is None
     )
     assert _quiet_reserved() <= start + 2 * MiB
 
@@ -455,7 +453,7 @@ def test_lazy_captures_share_one_pool_and_replay_after_evicting_one():
     own = {}
     for d in (big, small):
         probe.run(d)
-        own[d] = probe._entries[d].bytes  # each one's own-pool size
+        own[d] = probe.store.get(d).bytes  # each one's own-pool size
     probe.clear()
 
     def check(d: D) -> None:
@@ -464,9 +462,9 @@ def test_lazy_captures_share_one_pool_and_replay_after_evicting_one():
 
     cache = _cache(w)
     assert cache.run(big) == "replay" and cache.run(small) == "replay"
-    pool = cache.policy.pools.shared["lazy"]
+    pool = cache.store.pools.shared["lazy"]
     assert {e.pool for e in cache.entries()} == {"lazy"} and pool.graphs == 2
-    assert cache._entries[big].pool is cache._entries[small].pool is pool
+    assert cache.store.get(big).pool is cache.store.get(small).pool is pool
     s = cache.stats()
     assert (
         s.pool_bytes
@@ -491,7 +489,7 @@ def test_lazy_captures_share_one_pool_and_replay_after_evicting_one():
         check(d)
     assert cache.evict(small) and cache.evict(mid)  # the last graph: the pool goes
     assert (
-        cache.policy.pools.shared["lazy"] is None
+        cache.store.pools.shared["lazy"] is None
         and pool_bytes(pool.handle) == 0
         and cache.stats().pool_bytes == 0
     )

@@ -21,7 +21,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from graphcache.api.errors import APIError, api_error_for
 from graphcache.api.utility_requests import WarmupRequest
 from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes
-from graphcache.graphs.profile import fill_size_gaps, parse_profile
+from graphcache.graphs.policy.profile import fill_size_gaps, parse_profile
 
 __all__ = ["router"]
 
@@ -144,7 +144,7 @@ async def cache_profile(request: Request, min_uses: int = Query(1, ge=0), fill_g
     """The hot set learned from traffic: {"version": 1, "descriptors": [{descriptor, mode, uses, bytes,
     capture_ms}]}, most used first; save it and start with GRAPHCACHE_WARMUP_PROFILE=<file>, or POST it
     to /admin/warmup as {"profile": ...}. fill_gaps (default on) appends the capture sizes inside the
-    span traffic used that it happened not to meet (graphs/profile.py: fill_size_gaps)."""
+    span traffic used that it happened not to meet (graphs/policy/profile.py: fill_size_gaps)."""
     engine = _ready_engine(request)
     # On the engine thread, through the engine's admin-call plumbing (as /admin/cache).
     profile = await engine.cache_profile(min_uses)

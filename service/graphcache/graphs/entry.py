@@ -24,7 +24,7 @@ class CacheEntry:
     hits: int = 0
     last_use: float = field(default_factory=time.time)
     addresses: list[int] | None = None  # debug mode: input data_ptrs at capture
-    priority: float = 0.0  # GDSF's H (graphs/eviction.py); unused under LRU
+    priority: float = 0.0  # GDSF's H (graphs/policy/eviction.py); unused under LRU
 
 
 def capture_mode(graph: BreakableGraph) -> CaptureMode:

@@ -13,20 +13,19 @@ graph on it was reset. While any graph lives the pool only grows; it never shrin
 A handle whose pool fell to 0 must not be captured into again (the allocator asserts
 that an existing pool still has users), so a dropped pool's handle is never reused.
 
-On the eager backend a pool is an `EagerPool`: identity only (tests' `measure_bytes`
-hooks tell pools apart by it), no memory.
+On the eager backend a pool is an `EagerPool` (backend.py makes them): identity only (tests'
+`measure_bytes` hooks tell pools apart by it), no memory.
 
-`GraphPool` is the cache's record of one pool (kind, handle, measured bytes, live graphs) and
-`plan_evictions` the rule that follows from the lifetimes above: evicting a graph frees its
-pool's bytes only if it was the pool's last one.
+`GraphPool` is the store's record of one pool (kind, handle, measured bytes, live graphs). What
+follows from the lifetimes above for eviction (a graph frees its pool's bytes only if it was the
+pool's last one) is the policy's rule: policy/budget.py `plan_evictions`.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 
@@ -36,15 +35,10 @@ __all__ = [
     "GraphPool",
     "PoolKind",
     "all_graph_pools_bytes",
-    "emptied_by",
-    "new_pool",
-    "plan_evictions",
     "pool_bytes",
     "pools_bytes",
     "reserved_bytes",
 ]
-
-_eager_ids = itertools.count(1)
 
 
 @dataclass(frozen=True)
@@ -52,11 +46,6 @@ class EagerPool:
     """Stand-in pool of the eager backend: a distinct identity, no memory."""
 
     id: int
-
-
-def new_pool(backend: str) -> Any:
-    """A fresh private pool handle on cuda; a fresh `EagerPool` on the eager backend."""
-    return torch.cuda.graph_pool_handle() if backend == "cuda" else EagerPool(next(_eager_ids))
 
 
 PoolKind = Literal["pinned", "lazy", "private"]
@@ -76,44 +65,6 @@ class GraphPool:
     bytes: int = 0
     graphs: int = 0
     rank_bytes: tuple[int, ...] = ()  # each tensor-parallel rank's own measurement (bytes is their max)
-
-
-class _Pooled(Protocol):
-    pool: GraphPool
-
-
-def plan_evictions(candidates: Sequence[_Pooled], fits: Callable[[int, set[GraphPool]], bool]) -> list | None:
-    """Which of `candidates` (evictable entries, in the eviction policy's order) to evict for `fits`.
-
-    fits(freed, dropped) says whether the budget holds once `freed` bytes went back, `dropped`
-    being the pools emptied for it (a capture into a shared pool needs less while that pool lives).
-    Evicting an entry frees its pool's bytes only when it was the pool's last graph (pool.graphs
-    counts them all: pinned entries and a capture being admitted are never candidates, so their
-    pools never empty here). The shortest prefix of `candidates` that fits is taken, less those
-    entries whose pool it does not empty: evicting them would free nothing. [] when it already fits;
-    None when evicting every candidate would not do: then nothing should be evicted."""
-    left: dict[GraphPool, int] = {}
-    dropped: set[GraphPool] = set()
-    freed = 0
-    if fits(freed, dropped):
-        return []
-    for i, entry in enumerate(candidates):
-        pool = entry.pool
-        left[pool] = left.get(pool, pool.graphs) - 1
-        if left[pool] == 0:
-            dropped.add(pool)
-            freed += pool.bytes
-            if fits(freed, dropped):
-                return [e for e in candidates[: i + 1] if e.pool in dropped]
-    return None
-
-
-def emptied_by(candidates: Sequence[_Pooled]) -> list:
-    """Those of `candidates` whose pool evicting all of them would empty (the ones that free bytes)."""
-    count: dict[GraphPool, int] = {}
-    for e in candidates:
-        count[e.pool] = count.get(e.pool, 0) + 1
-    return [e for e in candidates if count[e.pool] == e.pool.graphs]
 
 
 def _segments() -> list[dict]:

@@ -1,8 +1,9 @@
-"""PoolLedger: which pool a capture goes into, and the bytes every pool holds (graphs/pool.py measures).
+"""PoolLedger: the store's books of its pools: which pool a capture of a kind goes into, and the bytes
+every pool holds (graphs/pool.py measures).
 
-Pinned entries share one "pinned" pool; lazily admitted (unpinned) entries share one "lazy" pool
-(lazy_pool="shared") or get a "private" pool each (lazy_pool="private": evicting one returns exactly
-its bytes). A shared pool's record is made with its first capture and dropped with its last graph;
+Pinned entries share one "pinned" pool; lazily admitted (unpinned) entries share one "lazy" pool, or
+get a "private" pool each (evicting one returns exactly its bytes); which kind a capture takes is the
+policy's call. A shared pool's record is made with its first capture and dropped with its last graph;
 its handle is never captured into again (pool.py). Total bytes = pinned pool + lazy pool + every
 private pool. A shared entry's bytes are its pool's growth during its capture (0 when the pool had
 room); size hints are each descriptor's own-pool size, measured when it was captured into an empty pool.
@@ -12,25 +13,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from graphcache.graphs.agreement import Verdict
+from graphcache.graphs.backend import CaptureBackend
 from graphcache.graphs.descriptor import BatchDescriptor
 from graphcache.graphs.entry import CacheEntry
-from graphcache.graphs.pool import GraphPool, PoolKind, new_pool
+from graphcache.graphs.pool import GraphPool, PoolKind
 
 __all__ = ["PoolLedger"]
 
 
 class PoolLedger:
-    def __init__(self, backend: str, lazy_pool: str) -> None:
-        self.backend, self.lazy_pool = backend, lazy_pool
+    def __init__(self, backend: CaptureBackend) -> None:
+        self.backend = backend
         # The shared pools by kind: each made on its first capture, dropped with its last graph.
         self.shared: dict[str, GraphPool | None] = {"pinned": None, "lazy": None}
         self.size_hints: dict[BatchDescriptor, int] = {}  # measured bytes of past captures (own pool)
-
-    def kind_for(self, pinned: bool) -> PoolKind:
-        if pinned:
-            return "pinned"
-        return "lazy" if self.lazy_pool == "shared" else "private"
 
     def live(self, kind: str) -> GraphPool | None:
         """The shared pool of `kind` while it holds graphs; None for "private" and for a dropped pool."""
@@ -40,30 +36,30 @@ class PoolLedger:
         """The pool a capture of `kind` goes into: the live shared one, else a fresh one."""
         pool = self.shared.get(kind)
         if pool is None:
-            pool = GraphPool(kind, new_pool(self.backend))
+            pool = GraphPool(kind, self.backend.new_pool())
             if kind != "private":
                 self.shared[kind] = pool
         return pool
 
-    def grow(self, pool: GraphPool, desc: BatchDescriptor, verdict: Verdict) -> tuple[int, tuple[int, ...]]:
-        """A capture of `desc` into `pool` was agreed, its pool measured at `verdict.bytes` (the max over
-        ranks). Counts the graph and the pool's memory now, whatever happens to the entry (it stays until
-        the pool's last graph goes). Returns the entry's size (its pool's growth; a private pool's growth
-        is all of it) and each rank's own growth (the per-rank gauge sums them: a shared pool's whole size
-        per entry would count it once per entry)."""
+    def grow(
+        self, pool: GraphPool, desc: BatchDescriptor, size: int, rank_bytes: tuple[int, ...]
+    ) -> tuple[int, tuple[int, ...]]:
+        """A capture of `desc` into `pool` is held, its pool measured at `size` bytes (at tensor parallel
+        the max over ranks; rank_bytes: each rank's figure). Counts the graph and the pool's memory now,
+        whatever happens to the entry (it stays until the pool's last graph goes). Returns the entry's size
+        (its pool's growth; a private pool's growth is all of it) and each rank's own growth (the per-rank
+        gauge sums them: a shared pool's whole size per entry would count it once per entry)."""
         fresh, before, rank_before = pool.graphs == 0, pool.bytes, pool.rank_bytes
         pool.graphs += 1
-        pool.bytes, pool.rank_bytes = verdict.bytes, verdict.rank_bytes
-        ranks = len(verdict.rank_bytes)
+        pool.bytes, pool.rank_bytes = size, rank_bytes
+        ranks = len(rank_bytes)
         rank_before = (
             rank_before if len(rank_before) == ranks else (0,) * ranks
         )  # a fresh pool: nothing before
-        rank_growth = tuple(
-            max(0, now - was) for now, was in zip(verdict.rank_bytes, rank_before, strict=True)
-        )
+        rank_growth = tuple(max(0, now - was) for now, was in zip(rank_bytes, rank_before, strict=True))
         if fresh:
-            self.size_hints[desc] = verdict.bytes  # a capture into an empty pool: its own size
-        return max(0, verdict.bytes - before), rank_growth
+            self.size_hints[desc] = size  # a capture into an empty pool: its own size
+        return max(0, size - before), rank_growth
 
     def release(self, pool: GraphPool) -> bool:
         """One graph of `pool` was dropped. True when it was the last: the pool is freeable now (its
@@ -77,10 +73,6 @@ class PoolLedger:
     def forget(self, pool: GraphPool) -> None:
         if self.shared.get(pool.kind) is pool:
             self.shared[pool.kind] = None
-
-    def reset(self) -> None:
-        """clear(): every entry was dropped, so the shared pools already went with their last graphs."""
-        self.shared = dict.fromkeys(self.shared)
 
     def size_hint(self, desc: BatchDescriptor) -> int:
         """Expected bytes of a capture of `desc`: its own past size, else the largest past

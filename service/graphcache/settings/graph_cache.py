@@ -27,7 +27,7 @@ def default_capture_sizes(max_size: int) -> list[int]:
 
 class GraphCacheSettings(SettingsSection):
     """What is captured and how the cache keeps it: the runner and GraphCache. The policy fields are named as
-    CachePolicyConfig's (graphs/policy_config.py), which is built from this section by name."""
+    CachePolicyConfig's (graphs/policy/config.py), which is built from this section by name."""
 
     enforce_eager: bool = Field(False, description="Never capture; every step runs eagerly.")
     decode_capture_mode: CaptureMode = Field(

@@ -44,7 +44,7 @@ from graphcache.engine.worker.kv_cache import (
 from graphcache.engine.worker.warmup_plan import warmup_descriptors
 from graphcache.graphs.cache import GraphCache, WarmupReport
 from graphcache.graphs.descriptor import BatchDescriptor, descriptor_for
-from graphcache.graphs.policy_config import policy_config_from
+from graphcache.graphs.policy.config import policy_config_from
 from graphcache.metrics import Metrics
 from graphcache.model.attention import select_attention_kernel, select_decode_kernel
 from graphcache.model.attention_metadata import AttentionMetadata, AttentionPlanner, DecodeMetadata

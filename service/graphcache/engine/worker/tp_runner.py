@@ -47,9 +47,9 @@ from graphcache.engine.worker.tp_worker import (
     free_port,
     worker_main,
 )
-from graphcache.graphs.agreement import Decision, fingerprint
 from graphcache.graphs.cache_reports import CacheStats, ClearReport, EntryInfo, WarmupReport
 from graphcache.graphs.descriptor import BatchDescriptor
+from graphcache.graphs.policy.agreement import Decision, fingerprint
 from graphcache.metrics import Metrics
 from graphcache.model.config import read_config
 from graphcache.model.parallel import check_shardable

@@ -40,8 +40,8 @@ import torch.distributed as dist
 from graphcache.config import Settings
 from graphcache.engine.batch import StepBatch
 from graphcache.engine.worker.runner import ModelRunner, resolve_device
-from graphcache.graphs.agreement import GroupAgreement
 from graphcache.graphs.cache import GraphCache
+from graphcache.graphs.policy.agreement import GroupAgreement
 from graphcache.metrics import Metrics
 from graphcache.model.parallel import TensorParallel
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from graphcache.config import Settings
 from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes
-from graphcache.graphs.profile import parse_profile
+from graphcache.graphs.policy.profile import parse_profile
 
 __all__ = ["load_warmup_profile", "warmup_descriptors"]
 

@@ -1,5 +1,5 @@
 """CacheJournal: what the graph cache did, kept three ways: the counters (`stats()`), the Prometheus
-metrics, and the decision log (at tensor parallel equal on every rank: graphs/agreement.py); plus the
+metrics, and the decision log (at tensor parallel equal on every rank: policy/agreement.py); plus the
 traffic profile (uses per descriptor and each one's last capture), which survives eviction and clear."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from collections import Counter, deque
 from collections.abc import Iterable
 
 from graphcache.choices import CAPTURE_MODES
-from graphcache.graphs.agreement import Decision
 from graphcache.graphs.cache_reports import CacheStats
 from graphcache.graphs.descriptor import BatchDescriptor
 from graphcache.graphs.entry import CacheEntry, capture_mode
-from graphcache.graphs.profile import build_profile
+from graphcache.graphs.policy.agreement import Decision
+from graphcache.graphs.policy.profile import build_profile
 from graphcache.metrics import Metrics
 
 __all__ = ["DECISION_LOG_MAX", "CacheJournal"]

@@ -25,7 +25,7 @@ __all__ = ["CachePolicyConfig", "policy_config_from"]
 class CachePolicyConfig:
     """max_entries / max_bytes: the budgets (entries held; allocator-measured pool bytes).
     admission, admission_min_misses, capture_time_share, capture_burst_seconds: which misses while
-    serving may capture (graphs/admission.py). eviction_policy: "lru" | "gdsf" (graphs/eviction.py).
+    serving may capture (policy/admission.py). eviction_policy: "lru" | "gdsf" (policy/eviction.py).
     pin_share: warmup pins at most this share of each budget. lazy_pool: where unpinned entries are
     captured, "shared" (one lazy pool) or "private" (one pool each; graphs/pool_ledger.py).
     capture_warmup: "always" runs the step eagerly before every capture; "per_kernel" only before the

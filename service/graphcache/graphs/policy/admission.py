@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from graphcache.graphs.descriptor import BatchDescriptor
-from graphcache.graphs.policy_config import CachePolicyConfig
+from graphcache.graphs.policy.config import CachePolicyConfig
 
 __all__ = ["Admission"]
 
