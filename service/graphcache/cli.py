@@ -476,9 +476,18 @@ def _serve(settings: Settings) -> int:
                 f"worker threads still ran {EXIT_JOIN_GRACE_S:.0f}s after the server shut down",
             )
 
-    # The HTTP limits uvicorn lacks (head size and timeout, open connections): api/http_protocol.py.
+    # The HTTP limits uvicorn lacks (head size and timeout, body deadline, slow connections per client,
+    # open connections): api/http_protocol.py.
     http = settings.http
-    protocol = guarded_protocol(http.max_header_bytes, http.header_timeout_s, http.max_connections)
+    protocol = guarded_protocol(
+        http.max_header_bytes,
+        http.header_timeout_s,
+        http.max_connections,
+        body_timeout_s=http.body_timeout_s,
+        slow_grace_s=http.slow_grace_s,
+        max_slow_per_client=http.max_slow_per_client,
+        max_body_bytes=http.max_body_bytes,
+    )
     config = uvicorn.Config(
         app,
         host=http.host,

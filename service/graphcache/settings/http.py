@@ -58,12 +58,38 @@ class HttpSettings(SettingsSection):
         "request head (and an idle keep-alive connection stays open); slower ones are closed, so half-open "
         "connections cannot pile up.",
     )
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        alias="http_body_timeout_s",
+        description="Seconds a request body may take to arrive after its head; a slower one gets 408 and "
+        "its connection is closed, so clients trickling bodies cannot hold connections. Raise it with "
+        "max_body_bytes for big bodies over slow links (the default takes 1 MiB at ~35 KB/s).",
+    )
+    slow_grace_s: float = Field(
+        2.0,
+        gt=0,
+        alias="http_slow_grace_s",
+        description="A connection still sending a request head or body this many seconds into it is "
+        "slow, and counts against http_max_slow_per_client.",
+    )
+    max_slow_per_client: int = Field(
+        32,
+        ge=1,
+        alias="http_max_slow_per_client",
+        description="Slow connections one client (peer IP; an IPv6 /64) may hold; one more that turns "
+        "slow is closed (408 in its body). Behind a proxy or NAT every client has its address: keep "
+        "the proxy buffering request bodies (nginx does by default), or raise this toward "
+        "http_max_connections (which turns the bound off) at the price of one client holding more.",
+    )
     max_connections: int = Field(
         1000,
         ge=1,
         alias="http_max_connections",
-        description="Open connections at most; past it new requests get "
-        "503 at once. Keep it below the process's file-descriptor limit (`ulimit -n`).",
+        description="Open connections at most; past it a new connection takes the place of the one "
+        "waiting longest on its client (a head, body or next request not arriving), and is closed "
+        "when every one is being answered; requests past it get 503. Keep it below the process's "
+        "file-descriptor limit (`ulimit -n`).",
     )
     cors_origins: Annotated[list[str], CommaList] = Field(
         default_factory=list, description="CORS allowed origins; empty = CORS off."
