@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import gc
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -141,7 +142,12 @@ class EngineFrontend:
             if self._state in (EngineState.DEAD, EngineState.STOPPED):
                 return  # final
             self._state = state
+            first_ready = state is EngineState.READY and not self._was_ready
             self._was_ready = self._was_ready or state is EngineState.READY
+        if first_ready:
+            # Loading and warmup leave a large heap that lives as long as the process; frozen, it is out
+            # of every later collection, whose full passes otherwise stall requests 0.5-0.9 s on a CPU.
+            gc.freeze()
         if self.metrics is not None:
             self.metrics.ready.set(1 if state is EngineState.READY else 0)
 
