@@ -525,6 +525,9 @@ def load_failure_line(error: str) -> str:
     which names the fix where the loader knows it), its first line only, bounded."""
     cause = (error.strip().splitlines() or ["unknown cause"])[0]
     cause = cause.removeprefix("model load failed: ")
+    # Our own load errors say what is wrong and the fix; their type name adds nothing.
+    for known in ("ModelLoadError: ", "ModelSourceError: "):
+        cause = cause.removeprefix(known)
     if len(cause) > MAX_CAUSE_CHARS:  # the middle goes: the start says what failed, the end the fix
         half = MAX_CAUSE_CHARS // 2
         cause = f"{cause[:half]} ... {cause[-half:]}"

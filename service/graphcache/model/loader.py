@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 import json
 import logging
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -55,7 +56,14 @@ def reporting_shards(callback: ShardProgress) -> Iterator[None]:
 def weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(
+                f"{index} is unreadable or malformed ({type(e).__name__}: {e}); download it again"
+            ) from None
+        if not all(isinstance(n, str) for n in names):
+            raise ModelLoadError(f"{index} maps tensors to non-file names; download it again")
         missing = [n for n in names if not (path / n).is_file()]
         if missing:
             raise ModelLoadError(f"{index.name} lists shards that are missing from {path}: {missing[:5]}")
@@ -183,6 +191,88 @@ def _read(f, hf_name: str, target: Target, dest: torch.Tensor) -> torch.Tensor:
     return sl[tuple(index)]
 
 
+def _open(file: Path):
+    """safe_open(file), or ModelLoadError: a short file or a bad header fails here, before any data is read."""
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as e:  # safetensors' own error type: a short file or a bad header
+        raise ModelLoadError(
+            f"{file} is not a readable safetensors file ({type(e).__name__}: {e}); it is truncated "
+            "or corrupt: download it again"
+        ) from None
+
+
+def _checkpoint_shape(target: Target, param: torch.Tensor) -> tuple[int, ...]:
+    """The shape config.json implies for the checkpoint tensor that loads into `target` of `param`: the
+    rows it fills, whole along a sharded dimension (a rank reads its slice of the full tensor)."""
+    dest = param if target.rows < 0 else param.narrow(0, target.offset, target.rows)
+    shape = list(dest.shape)
+    if target.shard_dim is not None:
+        shape[target.shard_dim] = target.full
+    return tuple(shape)
+
+
+# The safetensors header's dtype names (those torch has).
+_HEADER_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def check_checkpoint(
+    path: Path,
+    files: list[Path],
+    targets: dict[str, Target],
+    params: dict[str, torch.nn.Parameter],
+    scheme: Fp8Scheme | None = None,
+) -> None:
+    """Before any weight is allocated (params may be on the meta device), from the safetensors headers
+    alone (no tensor data is read): every file's header is readable (a truncated or corrupt file fails
+    here), each tensor has the shape config.json implies and a dtype its parameter takes (as loading
+    checks them, in the same order), and every tensor config.json implies is in one of the files.
+    ModelLoadError names the file, the tensor and both shapes."""
+    found: dict[str, tuple[Path, tuple[int, ...], str]] = {}
+    for file in files:
+        with _open(file) as f:
+            for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if hf_name in targets:
+                    header = f.get_slice(hf_name)
+                    found[hf_name] = (file, tuple(header.get_shape()), header.get_dtype())
+    for hf_name, (file, shape, dtype) in found.items():
+        target = targets[hf_name]
+        param = params[target.name]
+        expected = _checkpoint_shape(target, param)
+        if shape != expected and not (target.broadcast and math.prod(shape) == 1):
+            raise ModelLoadError(
+                f"shape mismatch for {hf_name} in {file}: checkpoint has {shape}, config.json implies "
+                f"{expected}; config.json and the weights disagree: download both again (the same revision)"
+            )
+        if dtype in _HEADER_DTYPES:
+            check_checkpoint_dtype(
+                hf_name, torch.empty(0, dtype=_HEADER_DTYPES[dtype], device="meta"), param, scheme
+            )
+    missing = [hf for hf in targets if hf not in found]
+    if missing:
+        first = missing[0]
+        shape = _checkpoint_shape(targets[first], params[targets[first].name])
+        others = "".join(f", {name}" for name in missing[1:3])
+        raise ModelLoadError(
+            f"{len(missing)} tensors missing from the safetensors in {path}, e.g. {first} (config.json "
+            f"implies shape {shape}){others}; the download is incomplete or config.json is not this "
+            "checkpoint's: download the model again"
+        )
+
+
 def _load_file(
     file: Path,
     targets: dict[str, Target],
@@ -192,14 +282,7 @@ def _load_file(
     scheme: Fp8Scheme | None = None,
 ) -> None:
     """Copy one safetensors file's tensors into their parameters; adds their names to `loaded`."""
-    try:
-        handle = safe_open(str(file), framework="pt", device="cpu")
-    except Exception as e:  # safetensors' own error type: a short file or a bad header
-        raise ModelLoadError(
-            f"{file} is not a readable safetensors file ({type(e).__name__}: {e}); it is truncated "
-            "or corrupt: download it again"
-        ) from e
-    with handle as f:
+    with _open(file) as f:
         for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
             target = targets.get(hf_name)
             if target is None:
@@ -256,6 +339,9 @@ def load_model(
     fp8 = fp8_layers(model, targets, scheme, dtype, device) if scheme is not None else []
     if scheme is not None:
         targets |= scale_targets(targets, fp8, scheme)
+    # The checkpoint against config.json, from the safetensors headers: a mismatch, a missing tensor or
+    # a truncated file is refused before the model's memory is allocated.
+    check_checkpoint(path, files, targets, dict(model.named_parameters()), scheme)
     model.to_empty(device=device)  # allocated once, already in the target dtype
     if model.tp.enabled:  # the last vocabulary shard's padding rows are read by no checkpoint tensor
         model.embed_tokens.weight.data.zero_()
