@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from graphcache.choices import AsyncScheduling
-from graphcache.settings.section import SettingsSection
+from graphcache.settings.section import BlankIsUnset, SettingsSection
 
 __all__ = ["EngineSettings"]
 
@@ -70,3 +72,28 @@ class EngineSettings(SettingsSection):
         description="Schedule and prepare step n+1 while the GPU runs step n (auto = on with CUDA). "
         "Greedy outputs are the same either way; a request that stops at step n wastes one step of work.",
     )
+    speculative_config: Annotated[str | None, BlankIsUnset] = Field(
+        None,
+        description="Speculative decoding, as vLLM's --speculative-config: one JSON object, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or '
+        '\'{"method": "draft_model", "model": "DIR or org/name", "num_speculative_tokens": 4}\' '
+        "(keys: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, model, "
+        "disable_by_batch_size; engine/spec/config.py). Unset: off.",
+    )
+
+    @field_validator("speculative_config")
+    @classmethod
+    def _one_json_object(cls, v: str | None) -> str | None:
+        # Only the JSON's shape here: its keys are checked by engine/spec/config.py, on the engine's floor.
+        if v is None:
+            return None
+        try:
+            value = json.loads(v)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"not JSON ({e.msg} at character {e.pos}); pass one JSON object, e.g. "
+                '\'{"method": "ngram", "num_speculative_tokens": 4}\''
+            ) from None
+        if not isinstance(value, dict):
+            raise ValueError(f"a JSON {type(value).__name__}, not an object; pass one JSON object ({{...}})")
+        return v
