@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from graphcache.api.answer_json import Lazy, render
 from graphcache.api.fanout import Sampled
 from graphcache.api.logprobs import TokenText, chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from graphcache.api.protocol import ChatCompletionRequest, CompletionRequest
@@ -60,6 +61,25 @@ class _Shape:
     def opening(self, count: int, usage: dict | None) -> list[dict]:
         return []
 
+    def heavy_chunk(self, k: int) -> bool:
+        """Whether sequence k's next chunk may be large (built on the response pool: answer_json.chunk_data)."""
+        return False
+
+    def choice(self, k: int, s: Sampled) -> dict:
+        raise NotImplementedError
+
+    def answer(self, kept: list[Sampled], usage: dict, choices: list[dict] | Lazy) -> dict:
+        raise NotImplementedError
+
+    def full(self, kept: list[Sampled], usage: dict) -> dict:
+        """The whole answer for the `kept` sequences."""
+        return self.answer(kept, usage, [self.choice(k, s) for k, s in enumerate(kept)])
+
+    def render(self, kept: list[Sampled], usage: dict) -> bytes:
+        """full()'s JSON as JSONResponse writes it, built and rendered a choice at a time (api/answer_json.py):
+        on the response pool, never on the event loop."""
+        return render(self.answer(kept, usage, Lazy(self.choice(k, s) for k, s in enumerate(kept))))
+
 
 class CompletionShape(_Shape):
     def _logprobs(self, k: int, ids: list[int], entries, prompt_entries, first: bool) -> dict:
@@ -84,23 +104,26 @@ class CompletionShape(_Shape):
                 choice["prompt_token_ids"] = self.prompt_of(k).ids
         return choice
 
-    def full(self, kept: list[Sampled], usage: dict) -> dict:
-        choices = []
-        for k, s in enumerate(kept):
-            text = (self.prompt_of(k).echo_text if self.body.echo else "") + s.text
-            logprobs = (
-                self._logprobs(k, s.token_ids, s.logprobs, s.prompt_logprobs, True)
-                if self.client_logprobs
-                else None
-            )
-            choice = {
-                "index": k,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": s.finish_reason,
-                "stop_reason": s.stop_reason,
-            }
-            choices.append(self._extras(choice, k, s.token_ids, s.prompt_logprobs, True))
+    def heavy_chunk(self, k: int) -> bool:
+        return self.body.echo and self.client_logprobs and k not in self.started  # the prompt's logprobs
+
+    def choice(self, k: int, s: Sampled) -> dict:
+        text = (self.prompt_of(k).echo_text if self.body.echo else "") + s.text
+        logprobs = (
+            self._logprobs(k, s.token_ids, s.logprobs, s.prompt_logprobs, True)
+            if self.client_logprobs
+            else None
+        )
+        choice = {
+            "index": k,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": s.finish_reason,
+            "stop_reason": s.stop_reason,
+        }
+        return self._extras(choice, k, s.token_ids, s.prompt_logprobs, True)
+
+    def answer(self, kept: list[Sampled], usage: dict, choices: list[dict] | Lazy) -> dict:
         return {**self.base, "choices": choices, "usage": usage}
 
     def chunk(self, k: int, out: RequestOutput, usage: dict | None) -> dict | None:
@@ -146,38 +169,38 @@ class ChatShape(_Shape):
             return None
         return {"content": chat_logprobs(self.text_of, ids, entries, self.body.top_logprobs)}
 
-    def full(self, kept: list[Sampled], usage: dict) -> dict:
-        choices = []
-        for k, s in enumerate(kept):
-            echo = self.prompt_of(k).echo_text if self.body.echo else ""
-            text, reasoning = s.text, None
-            if self.reasoning_parser != "none":
-                reasoning, text = split_reasoning(self.reasoning_parser, text)
-            message: dict = {"role": "assistant", "content": echo + text}
-            finish = s.finish_reason
-            if self.parse_tools:
-                content, calls = self.tool_format.parse(text)
-                if calls:
-                    message = {
-                        "role": "assistant",
-                        "content": (echo + (content or "")) or None,
-                        "tool_calls": calls,
-                    }
-                    finish = _tools_finish(finish)
-            if self.reasoning_parser != "none":
-                if not message["content"] and reasoning is not None:
-                    message["content"] = None  # all of it was reasoning
-                message["reasoning_content"] = reasoning
-            choice = {
-                "index": k,
-                "message": message,
-                "logprobs": self._logprobs(s.token_ids, s.logprobs),
-                "finish_reason": finish,
-                "stop_reason": s.stop_reason,
-            }
-            if self.body.return_token_ids:
-                choice["token_ids"] = s.token_ids
-            choices.append(choice)
+    def choice(self, k: int, s: Sampled) -> dict:
+        echo = self.prompt_of(k).echo_text if self.body.echo else ""
+        text, reasoning = s.text, None
+        if self.reasoning_parser != "none":
+            reasoning, text = split_reasoning(self.reasoning_parser, text)
+        message: dict = {"role": "assistant", "content": echo + text}
+        finish = s.finish_reason
+        if self.parse_tools:
+            content, calls = self.tool_format.parse(text)
+            if calls:
+                message = {
+                    "role": "assistant",
+                    "content": (echo + (content or "")) or None,
+                    "tool_calls": calls,
+                }
+                finish = _tools_finish(finish)
+        if self.reasoning_parser != "none":
+            if not message["content"] and reasoning is not None:
+                message["content"] = None  # all of it was reasoning
+            message["reasoning_content"] = reasoning
+        choice = {
+            "index": k,
+            "message": message,
+            "logprobs": self._logprobs(s.token_ids, s.logprobs),
+            "finish_reason": finish,
+            "stop_reason": s.stop_reason,
+        }
+        if self.body.return_token_ids:
+            choice["token_ids"] = s.token_ids
+        return choice
+
+    def answer(self, kept: list[Sampled], usage: dict, choices: list[dict] | Lazy) -> dict:
         body = {**self.base, "object": "chat.completion", "choices": choices, "usage": usage}
         if self.body.prompt_logprobs is not None and kept:
             body["prompt_logprobs"] = vllm_prompt_logprobs(

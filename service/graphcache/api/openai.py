@@ -4,7 +4,8 @@ A request is validated (protocol.py: every field of vLLM's requests is honoured 
 naming it), bounded by size (text over max_model_len * MAX_CHARS_PER_TOKEN characters is refused before
 tokenizing), tokenized (prompt_encoding.py: off the event loop, by calls that release the interpreter lock,
 so neither the loop nor the engine thread stalls), turned into one engine request per sequence (sampling.py,
-fanout.py: n, best_of and batched prompts), checked against the engine's limits, then submitted.
+fanout.py: n, best_of and batched prompts), its answer's size bounded (answer_size.py: a 400 past
+MAX_ANSWER_BYTES, before anything runs), checked against the engine's limits, then submitted.
 Chat content is encoded so that special-token strings in it stay plain text (`Tokenizer.encode_chat`);
 a chat template's `raise_exception` is a 400 on "messages". Tools (OpenAI function tools), role "tool"
 messages and earlier assistant tool_calls are rendered by the template; tool_choice "required" or a
@@ -31,12 +32,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 from sse_starlette.sse import AppStatus
 from starlette.responses import Response
 
-from graphcache.api import sampling, token_ids, tool_calls
+from graphcache.api import answer_json, sampling, token_ids, tool_calls
+from graphcache.api.answer_size import check_answer_size
 from graphcache.api.auth import require_api_key
 from graphcache.api.choices import ChatShape, CompletionShape, Prompt
 from graphcache.api.disconnect import ClientGone, unless_disconnected
@@ -294,8 +295,11 @@ async def _serve(
         if plan.prompt_only:
             samples = [_echo_only_sample(s) for s in samples]
         kept = best_of(samples, plan.n) if plan.ranks else samples
-        # Token texts for logprobs are decoded off the event loop (thousands of decode calls at most).
-        return JSONResponse(await run_response(shape.full, kept, usage(samples)))
+        # Built, rendered and its logprobs freed on the response pool, a choice at a time (answer_json.py):
+        # up to MAX_ANSWER_BYTES (answer_size.py) of JSON, and the loop keeps answering meanwhile.
+        return await run_response(
+            answer_json.answer_response, shape, kept, usage(samples), [*samples, *firsts]
+        )
 
     samples = [Sampled(run.sub.prompt_index) for run in fan.runs]
     continuous = shape.body.continuous_usage
@@ -309,10 +313,10 @@ async def _serve(
                 samples[k].add(out)
             for chunk in shape.opening(len(samples), usage(samples) if continuous else None):
                 yield _data(chunk)
-            for k, out in enumerate(firsts):
-                chunk = shape.chunk(k, out, usage(samples) if continuous else None)
-                if chunk is not None:
-                    yield _data(chunk)
+            for k, out in enumerate(firsts):  # echo's prompt logprobs: built on the response pool
+                data = await answer_json.chunk_data(shape, k, out, usage(samples) if continuous else None)
+                if data is not None:
+                    yield data
             async for k, out in merged:
                 if plan.prompt_only:
                     out = sampling.echo_only(out)
@@ -416,6 +420,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     prompts = [await _completion_prompt(engine, body, i, p, batch) for i, p in enumerate(body.prompts)]
     base = await _base_params(engine, body, structured)
     plan = sampling.plan(body)
+    check_answer_size(body, plan, base, prompts, engine.max_model_len)
     rid, engine_rid = _ids("cmpl", body)
     _log_caller(body, rid)
     fan = FanOut(
@@ -460,6 +465,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     prompts = [Prompt(ids, last.text() if body.echo and last.role == "assistant" else "")]
     base = await _base_params(engine, body, structured, len(ids))
     plan = sampling.plan(body)
+    check_answer_size(body, plan, base, prompts, engine.max_model_len)
     rid, engine_rid = _ids("chatcmpl", body)
     _log_caller(body, rid)
     fan = FanOut(
