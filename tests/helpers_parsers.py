@@ -10,7 +10,8 @@ outside a grammar (and a grammar and tools cannot be sent together)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+import random
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,12 @@ from graphcache.metrics import Metrics
 from helpers_api import serving
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
-SMALL = {"device": "cpu", "max_num_seqs": 4, "max_num_batched_tokens": 128, "warmup_decode_sizes": [1]}
+SMALL: dict[str, Any] = {
+    "device": "cpu",
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 128,
+    "warmup_decode_sizes": [1],
+}
 
 WEATHER = {
     "type": "function",
@@ -83,17 +89,29 @@ class ScriptedEngine(Engine):
 
 @contextlib.asynccontextmanager
 async def scripted_app(cache_dir: Path) -> AsyncIterator[tuple[ScriptedEngine, Any]]:
-    settings = Settings(cache_dir=cache_dir, **SMALL)
+    settings = Settings(**{"cache_dir": cache_dir, **SMALL})  # flat fields, as Settings takes them
     engine = ScriptedEngine(settings)
     async with serving(settings, engine) as (_, app):
         yield engine, app
 
 
-def use(app: Any, template: str, tool_call_parser: str = "hermes", reasoning_parser: str = "none") -> None:
+def use(
+    app: Any,
+    template: str,
+    tool_call_parser: str = "hermes",
+    reasoning_parser: str = "none",
+    opens_thinking: bool = False,
+) -> None:
     """Serve with the chat template file `template` and the given parsers (what --chat-template,
-    --tool-call-parser and --reasoning-parser set at start)."""
+    --tool-call-parser and --reasoning-parser set at start). `opens_thinking`: the template's generation
+    prompt ends with `<think>\n`, as the Qwen3 thinking models' (Qwen3-*-Thinking-2507) and Qwen3.5's do."""
     tokenizer = app.state.engine.tokenizer
-    tokenizer.chat_template = (TEMPLATES / template).read_text()
+    text = (TEMPLATES / template).read_text()
+    if opens_thinking:
+        generation_prompt = "{{- '<|im_start|>assistant\\n' }}"
+        assert text.count(generation_prompt) == 1
+        text = text.replace(generation_prompt, "{{- '<|im_start|>assistant\\n<think>\\n' }}")
+    tokenizer.chat_template = text
     tokenizer._template = None  # compiled again on next use
     app.state.settings.http.tool_call_parser = tool_call_parser
     app.state.settings.http.reasoning_parser = reasoning_parser
@@ -111,6 +129,56 @@ def pieces(text: str, size: int = 3) -> list[str]:
     return [text[i : i + size] for i in range(0, len(text), size)]
 
 
+def chunkings(text: str, seed: int = 0, randoms: int = 12) -> Iterator[list[str]]:
+    """Ways a stream may deliver `text`: whole, a character at a time, cut in two at every position,
+    and `randoms` random chunkings (pieces of 1 to 9 characters)."""
+    yield [text]
+    yield list(text)
+    for i in range(1, len(text)):
+        yield [text[:i], text[i:]]
+    rng = random.Random(seed)
+    for _ in range(randoms):
+        parts, i = [], 0
+        while i < len(text):
+            size = rng.randint(1, 9)
+            parts.append(text[i : i + size])
+            i += size
+        yield parts
+
+
+def run_stream(parser: str, parts: Sequence[str]) -> tuple[str, list[dict[str, Any]]]:
+    """Feed the parts to a fresh stream parser of the tool_call_parser `parser`: (content, calls as
+    {"id", "name", "arguments"} by index). Checks the delta shapes: a call's first entry carries its
+    index (the next one), id, type and whole name; later entries only arguments."""
+    from graphcache.api.tool_parsers import tool_call_format
+
+    stream = tool_call_format(parser).stream()
+    content = ""
+    calls: list[dict[str, Any]] = []
+    for delta in [*(stream.feed(p) for p in parts), stream.finish()]:
+        content += delta.content
+        for entry in delta.tool_calls:
+            if "id" in entry:
+                assert entry["index"] == len(calls) and entry["type"] == "function", entry
+                fn = entry["function"]
+                calls.append({"id": entry["id"], "name": fn["name"], "arguments": fn["arguments"]})
+            else:
+                assert set(entry) == {"index", "function"} and set(entry["function"]) == {"arguments"}
+                calls[entry["index"]]["arguments"] += entry["function"]["arguments"]
+    assert stream.called_tools == bool(calls) and stream.num_calls == len(calls)
+    return content, calls
+
+
+def whole_calls(parser: str, text: str, cut: bool = False) -> tuple[str | None, list[dict[str, Any]]]:
+    """The whole-answer parse, its calls as {"id", "name", "arguments"}."""
+    from graphcache.api.tool_parsers import tool_call_format
+
+    content, calls = tool_call_format(parser).parse(text, cut=cut)
+    for call in calls:
+        assert call["type"] == "function" and set(call) == {"id", "type", "function"}
+    return content, [{"id": c["id"], **c["function"]} for c in calls]
+
+
 async def streamed(oai: openai.AsyncOpenAI, **fields: Any) -> dict[str, Any]:
     """A streamed chat through the client, reassembled: content, reasoning, calls by index, finish."""
     out: dict[str, Any] = {"content": "", "reasoning": "", "calls": {}, "finish": None}
@@ -119,7 +187,9 @@ async def streamed(oai: openai.AsyncOpenAI, **fields: Any) -> dict[str, Any]:
         for choice in chunk.choices:
             delta = choice.delta
             out["content"] += delta.content or ""
-            out["reasoning"] += getattr(delta, "reasoning_content", None) or ""
+            reasoning = getattr(delta, "reasoning", None)
+            assert reasoning == getattr(delta, "reasoning_content", None), delta  # both names, same text
+            out["reasoning"] += reasoning or ""
             for entry in delta.tool_calls or []:
                 call = out["calls"].get(entry.index)
                 if call is None:

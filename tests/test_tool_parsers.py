@@ -1,8 +1,11 @@
 """Tool-call parsers per model family (api/tool_parsers/): hermes, llama3_json and mistral read a whole
-answer and a stream of it into the same calls at every split of the text; a last call cut off by
-max_tokens is dropped and the complete calls before it are kept; and through the official openai
-client, with each family's real chat template rendering the tools, the answers come back as tool_calls,
-streamed and not. tool_choice grammars force each family's own markup."""
+answer and a stream of it into the same content and calls at every chunking of the text; a last call
+cut off by max_tokens keeps the arguments it had, streamed or not, while one the model left open and
+stopped is content in the whole answer (the one place a stream, which cannot take a call back, differs);
+a streamed call is announced only with its whole name, whatever the key order; and through the official
+openai client, with each family's real chat template rendering the tools, the answers come back as
+tool_calls, streamed and not. tool_choice grammars force each family's own markup. vLLM's own cases for
+these parsers are in test_vllm_parser_cases.py."""
 
 from __future__ import annotations
 
@@ -13,7 +16,20 @@ import pytest_asyncio
 from graphcache.api.tool_calls import tool_choice_spec
 from graphcache.api.tool_parsers import tool_call_format
 from graphcache.choices import TOOL_CALL_PARSERS
-from helpers_parsers import MESSAGES, MODEL, TIME, TOOLS, client_of, pieces, scripted_app, streamed, use
+from helpers_parsers import (
+    MESSAGES,
+    MODEL,
+    TIME,
+    TOOLS,
+    chunkings,
+    client_of,
+    pieces,
+    run_stream,
+    scripted_app,
+    streamed,
+    use,
+    whole_calls,
+)
 
 WEATHER_ARGS = {"city": 'Pa"ris {x}', "days": 3}
 TIME_ARGS = {"zone": "CET", "nested": {"a": [1, {"b": "}"}], "ok": True}}
@@ -55,17 +71,8 @@ assert set(CASES) == set(TOOL_CALL_PARSERS)
 
 def stream_all(parser: str, parts: list[str]) -> tuple[str, list[dict]]:
     """Feed the parts to a fresh stream parser: (content, calls as {"name", "arguments"} by index)."""
-    stream = tool_call_format(parser).stream()
-    content, calls = "", []
-    for delta in [*(stream.feed(p) for p in parts), stream.finish()]:
-        content += delta.content
-        for entry in delta.tool_calls:
-            if "id" in entry:
-                assert entry["index"] == len(calls)
-                calls.append({"name": entry["function"]["name"], "arguments": entry["function"]["arguments"]})
-            else:
-                calls[entry["index"]]["arguments"] += entry["function"]["arguments"]
-    return content, calls
+    content, calls = run_stream(parser, parts)
+    return content, [{"name": c["name"], "arguments": c["arguments"]} for c in calls]
 
 
 def names_and_args(calls: list[dict]) -> list[tuple[str, dict]]:
@@ -82,37 +89,131 @@ def test_whole_answer_parses_into_calls(parser):
 
 
 @pytest.mark.parametrize("parser", TOOL_CALL_PARSERS)
-def test_cut_off_last_call_is_dropped_and_complete_calls_kept(parser):
+def test_call_cut_off_by_max_tokens_keeps_the_arguments_it_had(parser):
     _, _, cut, content = CASES[parser]
-    found_content, calls = tool_call_format(parser).parse(cut)
+    found_content, calls = whole_calls(parser, cut, cut=True)
     assert found_content == content
-    assert names_and_args(calls) == [("get_weather", WEATHER_ARGS)]
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        ("get_weather", json.dumps(WEATHER_ARGS)),
+        ("get_time", '{"zone": "C'),
+    ]
+
+
+@pytest.mark.parametrize("parser", TOOL_CALL_PARSERS)
+def test_call_left_open_by_a_model_that_stopped_is_content(parser):
+    """Not cut by max_tokens: the model stopped inside its call, which is broken. The whole answer
+    keeps the complete call and gives the broken one's text as content (mistral drops the rest of a
+    list that held calls); a stream, which announced the call before it broke, keeps it: the one
+    difference between the two."""
+    _, _, cut, content = CASES[parser]
+    found_content, calls = whole_calls(parser, cut)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", WEATHER_ARGS)]
+    if parser == "mistral":
+        assert found_content == content
+    else:
+        key = "parameters" if parser == "llama3_json" else "arguments"
+        assert found_content is not None and found_content.endswith(f'"get_time", "{key}": {{"zone": "C')
+    assert [c["name"] for c in stream_all(parser, [cut])[1]] == ["get_weather", "get_time"]
 
 
 @pytest.mark.parametrize("parser", TOOL_CALL_PARSERS)
 @pytest.mark.parametrize("which", ["whole", "cut"])
-def test_streaming_agrees_with_whole_parse_at_every_split(parser, which):
+def test_streaming_agrees_with_whole_parse_at_every_chunking(parser, which):
     _, text, cut, _ = CASES[parser]
     text = text if which == "whole" else cut
-    content, calls = tool_call_format(parser).parse(text)
-    expected = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls]
-    splits = [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text), pieces(text, 5)]
-    for parts in splits:
-        got_content, got_calls = stream_all(parser, parts)
-        assert got_content == (content or ""), parts
-        if which == "whole":
-            assert got_calls == expected, parts
-        else:  # a stream already announced the cut call; its arguments stop where the text did
-            assert got_calls[:1] == expected and len(got_calls) == 2, parts
-            assert got_calls[1]["name"] == "get_time", parts
-            assert '{"zone": "C"}'.startswith(got_calls[1]["arguments"]), got_calls[1]
+    content, calls = whole_calls(parser, text, cut=which == "cut")
+    expected = [{"name": c["name"], "arguments": c["arguments"]} for c in calls]
+    for parts in chunkings(text):
+        assert stream_all(parser, parts) == (content or "", expected), parts
+
+
+# Each family's call with its keys the other way round ("arguments" before "name"), and arguments
+# that mention a "name" of their own: cut anywhere, the stream names the call only once its name is
+# whole, never "g" or "get_" or "John".
+REVERSED = {
+    "hermes": '<tool_call>\n{"arguments": {"name": "John", "n": [1]}, "name": "get_weather"}\n</tool_call>',
+    "llama3_json": '{"parameters": {"name": "John", "n": [1]}, "name": "get_weather"}',
+    "mistral": '[TOOL_CALLS] [{"arguments": {"name": "John", "n": [1]}, "name": "get_weather"}]',
+}
+
+
+@pytest.mark.parametrize("parser", TOOL_CALL_PARSERS)
+def test_a_streamed_call_is_named_only_when_its_name_is_complete(parser):
+    text = REVERSED[parser]
+    for parts in chunkings(text):
+        stream = tool_call_format(parser).stream()
+        for delta in [*(stream.feed(p) for p in parts), stream.finish()]:
+            for entry in delta.tool_calls:
+                if "id" in entry:
+                    assert entry["function"]["name"] == "get_weather", (parts, entry)
+        assert stream.num_calls == 1
+    assert whole_calls(parser, text)[1][0]["arguments"] == '{"name": "John", "n": [1]}'
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "content", "calls"),
+    [
+        # Granite 4: arguments as a JSON string holding the object; text between calls is content
+        (
+            "hermes",
+            'Here: <tool_call> {"name": "f", "arguments": "{\\"x\\": [1, 2]}"} </tool_call> and then '
+            '<tool_call> {"name": "g", "arguments": {}} </tool_call> done.',
+            "Here:  and then  done.",
+            [("f", '{"x": [1, 2]}'), ("g", "{}")],
+        ),
+        # a block that is no call stays text; the other block is still a call
+        (
+            "hermes",
+            '<tool_call>{"oops": 1}</tool_call>\n<tool_call>{"name": "g", "arguments": {}}</tool_call>',
+            '<tool_call>{"oops": 1}</tool_call>',
+            [("g", "{}")],
+        ),
+        # llama3_json: a call after prose, the python tag and ";" glue dropped, prose kept
+        (
+            "llama3_json",
+            'Checking. <|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "arguments": {}}\nDone.',
+            "Checking. Done.",
+            [("f", '{"a": 1}'), ("g", "{}")],
+        ),
+        # llama3_json: a JSON object that is no call is content, its inner braces start nothing
+        (
+            "llama3_json",
+            'Use {"a": {"name": "f", "parameters": {}}} here.',
+            'Use {"a": {"name": "f", "parameters": {}}} here.',
+            [],
+        ),
+        # mistral v11, with the [ARGS] marker of v13 tokenizers
+        (
+            "mistral",
+            'Sure.[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g{}',
+            "Sure.",
+            [("f", '{"a": 1}'), ("g", "{}")],
+        ),
+        # mistral: what follows the marker is no call: content, without the marker
+        ("mistral", "I think [TOOL_CALLS] is not for me.", "I think  is not for me.", []),
+        ("mistral", "[TOOL_CALLS] {not json}", " {not json}", []),
+    ],
+)
+def test_family_layouts(parser, text, content, calls):
+    found_content, found = whole_calls(parser, text)
+    assert (found_content, [(c["name"], c["arguments"]) for c in found]) == (content, calls)
+    for parts in chunkings(text):
+        got_content, got = stream_all(parser, parts)
+        assert (got_content, [(c["name"], c["arguments"]) for c in got]) == (content or "", calls), parts
+
+
+def test_mistral_call_ids_are_nine_letters_and_digits():
+    _, calls = whole_calls("mistral", '[TOOL_CALLS]f{"a": 1}[TOOL_CALLS]g{}')
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)
+    assert len({c["id"] for c in calls}) == 2
 
 
 @pytest.mark.parametrize("parser", TOOL_CALL_PARSERS)
 @pytest.mark.parametrize("text", ["just an answer", "", "{not json at all", "[1, 2] is a list"])
 def test_plain_answers_stay_content(parser, text):
     assert tool_call_format(parser).parse(text) == (text, [])
-    assert stream_all(parser, list(text)) == (text, [])
+    for parts in chunkings(text):
+        assert stream_all(parser, parts) == (text, [])
 
 
 @pytest.mark.parametrize("parser", TOOL_CALL_PARSERS)
@@ -167,7 +268,9 @@ async def test_parallel_calls_through_the_openai_client(app, parser, stream):
 @pytestmark_async
 @pytest.mark.parametrize("parser", TOOL_CALL_PARSERS)
 @pytest.mark.parametrize("stream", [False, True])
-async def test_cut_off_parallel_calls_keep_the_complete_one(app, parser, stream):
+async def test_cut_off_parallel_calls_agree_streamed_and_not(app, parser, stream):
+    """Cut by max_tokens inside the second call: both shapes give the complete call and the cut one
+    with the arguments it had, and finish "length"."""
     engine, served = app
     template, _, cut, content = CASES[parser]
     use(served, template, tool_call_parser=parser)
@@ -176,17 +279,15 @@ async def test_cut_off_parallel_calls_keep_the_complete_one(app, parser, stream)
     fields = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 40}
     if stream:
         got = await streamed(oai, **fields)
-        first = got["calls"][0]
-        assert (first["name"], json.loads(first["arguments"])) == ("get_weather", WEATHER_ARGS)
+        calls = [(c["name"], c["arguments"]) for _, c in sorted(got["calls"].items())]
         assert got["content"] == (content or "") and got["finish"] == "length"
     else:
         answer = await oai.chat.completions.create(**fields)
         message = answer.choices[0].message
         assert message.content == content
-        assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
-            ("get_weather", WEATHER_ARGS)
-        ]
+        calls = [(c.function.name, c.function.arguments) for c in message.tool_calls]
         assert answer.choices[0].finish_reason == "length"
+    assert calls == [("get_weather", json.dumps(WEATHER_ARGS)), ("get_time", '{"zone": "C')]
 
 
 # --------------------------------------------------------------------------- grammars on the tiny model

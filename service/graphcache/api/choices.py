@@ -4,8 +4,8 @@ Both shapes take the same inputs: the sequences' accumulated outputs (fanout.Sam
 delta of sequence k, whose choice index is k (streams never rank: best_of > n is not streamed).
 Honoured presentation fields: echo, logprobs / top_logprobs (logprobs.py), prompt_logprobs,
 return_token_ids, return_tokens_as_token_ids, stream_options (include_usage, continuous_usage_stats),
-and for chats the reasoning split off into `reasoning_content` (api/reasoning.py, with a
-reasoning_parser) and, with tools, the calls the model made (api/tool_parsers/, the tool_call_parser
+and for chats the reasoning split off into `reasoning` and `reasoning_content` (api/reasoning.py,
+with a reasoning_parser) and, with tools, the calls the model made (api/tool_parsers/, the tool_call_parser
 setting's format), as `tool_calls` and streamed tool_call deltas.
 """
 
@@ -149,11 +149,11 @@ class CompletionShape(_Shape):
 
 class ChatShape(_Shape):
     """Chat choices. With a `reasoning_parser` other than "none" the reasoning is split off first into
-    `reasoning_content`. With `parse_tools` (tools given, tool_choice not "none") a whole answer's
-    content is parsed into `tool_calls` by `tool_format` and a stream's deltas go through one of its
-    stream parsers per choice; a choice that called tools and stopped on its own finishes with
-    "tool_calls". A call cut off by max_tokens is dropped from a whole answer (the complete calls
-    before it stay) and finishes "length"."""
+    `reasoning` and `reasoning_content` (the same text: vLLM's current name and its earlier one). With
+    `parse_tools` (tools given, tool_choice not "none") a whole answer's content is parsed into
+    `tool_calls` by `tool_format` and a stream's deltas go through one of its stream parsers per
+    choice; a choice that called tools and stopped on its own finishes with "tool_calls". A call cut
+    off by max_tokens keeps the arguments it had, as its stream sent them, and finishes "length"."""
 
     parse_tools = False
     tool_format: ToolCallFormat = tool_call_format("hermes")
@@ -163,6 +163,15 @@ class ChatShape(_Shape):
         super().__init__(*args, **kwargs)
         self.tool_parsers: dict[int, ToolCallStream] = {}  # stream: choice index -> its parser
         self.reasoning: dict[int, ReasoningStream] = {}  # stream: choice index -> its splitter
+        self._prompt_tail: str | None = None
+
+    def _reasoning_context(self) -> tuple[str, dict | None]:
+        """What the reasoning parser reads of the request: the prompt's last tokens as text (a template
+        that ends it with `<think>` or `</think>`) and the template kwargs (enable_thinking)."""
+        if self._prompt_tail is None:
+            self._prompt_tail = self.text_of.tokenizer.decode(self.prompts[0].ids[-8:], False)
+        body = self.body
+        return self._prompt_tail, body.template_kwargs if isinstance(body, ChatCompletionRequest) else None
 
     def _logprobs(self, ids: list[int], entries) -> dict | None:
         if not self.client_logprobs:
@@ -173,11 +182,11 @@ class ChatShape(_Shape):
         echo = self.prompt_of(k).echo_text if self.body.echo else ""
         text, reasoning = s.text, None
         if self.reasoning_parser != "none":
-            reasoning, text = split_reasoning(self.reasoning_parser, text)
+            reasoning, text = split_reasoning(self.reasoning_parser, text, *self._reasoning_context())
         message: dict = {"role": "assistant", "content": echo + text}
         finish = s.finish_reason
         if self.parse_tools:
-            content, calls = self.tool_format.parse(text)
+            content, calls = self.tool_format.parse(text, cut=s.finish_reason == "length")
             if calls:
                 message = {
                     "role": "assistant",
@@ -188,7 +197,7 @@ class ChatShape(_Shape):
         if self.reasoning_parser != "none":
             if not message["content"] and reasoning is not None:
                 message["content"] = None  # all of it was reasoning
-            message["reasoning_content"] = reasoning
+            message["reasoning"] = message["reasoning_content"] = reasoning
         choice = {
             "index": k,
             "message": message,
@@ -235,7 +244,11 @@ class ChatShape(_Shape):
         finish = out.finish_reason if out.finished else None
         text, reasoning = out.text, ""
         if self.reasoning_parser != "none":
-            splitter = self.reasoning.setdefault(k, ReasoningStream(self.reasoning_parser))
+            splitter = self.reasoning.get(k)
+            if splitter is None:
+                splitter = self.reasoning[k] = ReasoningStream(
+                    self.reasoning_parser, *self._reasoning_context()
+                )
             split = splitter.feed(text)
             if out.finished:
                 rest = splitter.finish()
@@ -247,7 +260,7 @@ class ChatShape(_Shape):
         if not self.parse_tools:
             delta: dict = {"content": text} if text else {}
             if reasoning:
-                delta["reasoning_content"] = reasoning
+                delta["reasoning"] = delta["reasoning_content"] = reasoning
             return delta, finish
         parser = self.tool_parsers.setdefault(k, self.tool_format.stream())
         found = parser.feed(text)
@@ -255,7 +268,7 @@ class ChatShape(_Shape):
             _merge(found, parser.finish())
             if parser.called_tools:
                 finish = _tools_finish(finish)
-        delta = {"reasoning_content": reasoning} if reasoning else {}
+        delta = {"reasoning": reasoning, "reasoning_content": reasoning} if reasoning else {}
         if found.content:
             delta["content"] = found.content
         if found.tool_calls:

@@ -1,23 +1,37 @@
 """What every tool-call parser gives (one module per model family beside this one, chosen by the
 `tool_call_parser` setting): a finished output's calls, a streaming parser, and the call markup a
 tool_choice grammar forces. Calls are OpenAI's: {"id", "type": "function", "function": {"name",
-"arguments": JSON text}}; stream deltas first carry a call's index, id, type and name, then fragments
-of its arguments."""
+"arguments": JSON text}}; stream deltas first carry a call's index, id, type and complete name, then
+fragments of its arguments.
+
+Each family has one state machine, run in two modes: a stream (`eager`: a call is announced as soon
+as its name is complete and its arguments have begun, and its arguments follow as they arrive) and a
+whole answer (`parse_whole`: the same machine over the whole text, deciding each call when its object
+closes). So a whole answer and any chunking of its stream give the same content and calls; they differ
+only where a call's JSON breaks after the stream announced it (a stream cannot take a call back).
+
+Content is the text outside the calls, as the model wrote it; when there are calls, its trailing
+whitespace is dropped (and all-whitespace content is None), so a stream holds trailing whitespace back
+until more text follows it."""
 
 from __future__ import annotations
 
 import secrets
+import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 __all__ = [
+    "ContentSink",
     "ToolCallDelta",
     "ToolCallFormat",
     "ToolCallStream",
     "add_arguments",
     "new_call",
     "new_call_id",
+    "new_mistral_call_id",
+    "parse_whole",
     "partial_suffix",
 ]
 
@@ -46,7 +60,7 @@ class ToolCallStream(Protocol):
 
     def feed(self, text: str) -> ToolCallDelta: ...
 
-    def finish(self) -> ToolCallDelta: ...
+    def finish(self, cut: bool = False) -> ToolCallDelta: ...
 
 
 @dataclass(frozen=True)
@@ -56,7 +70,7 @@ class ToolCallFormat:
     arguments object + `call_tail`."""
 
     name: str
-    parse: Callable[[str], tuple[str | None, list[dict[str, Any]]]]
+    parse: Callable[..., tuple[str | None, list[dict[str, Any]]]]  # (text, cut=False)
     stream: Callable[[], ToolCallStream]
     prefix: str
     call_head: str
@@ -70,6 +84,14 @@ class ToolCallFormat:
 
 def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
+
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+def new_mistral_call_id() -> str:
+    """Mistral's templates and mistral_common refuse a history call whose id is not 9 letters or digits."""
+    return "".join(secrets.choice(_ALNUM) for _ in range(9))
 
 
 def new_call(name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:
@@ -95,3 +117,39 @@ def partial_suffix(text: str, tag: str) -> int:
         if text.endswith(tag[:n]):
             return n
     return 0
+
+
+class ContentSink:
+    """The content a parser lets through: trailing whitespace is held until more text follows it, and
+    at the end sent only when there were no calls (content with calls is right-stripped)."""
+
+    def __init__(self) -> None:
+        self._held = ""
+
+    def add(self, out: ToolCallDelta, text: str) -> None:
+        if not text:
+            return
+        text = self._held + text
+        body = text.rstrip()
+        out.content += body
+        self._held = text[len(body) :]
+
+    def finish(self, out: ToolCallDelta, called: bool) -> None:
+        if not called:
+            out.content += self._held
+        self._held = ""
+
+
+def parse_whole(stream: ToolCallStream, text: str, cut: bool) -> tuple[str | None, list[dict[str, Any]]]:
+    """A whole answer through a family's machine (made with eager=False): (content, calls). No calls:
+    (content, []) with the content as it is; calls: (content or None, calls). `cut`: the answer was cut
+    by max_tokens, so a call still open at its end is kept with the arguments it had."""
+    first, last = stream.feed(text), stream.finish(cut)
+    calls: list[dict[str, Any]] = []
+    for entry in first.tool_calls + last.tool_calls:
+        if "id" in entry:
+            calls.append(new_call(entry["function"]["name"], entry["function"]["arguments"], entry["id"]))
+        else:
+            calls[entry["index"]]["function"]["arguments"] += entry["function"]["arguments"]
+    content = first.content + last.content
+    return (content or None, calls) if calls else (content, [])

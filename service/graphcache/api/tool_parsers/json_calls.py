@@ -1,140 +1,136 @@
-"""The machinery the JSON-call families (llama3_json.py, mistral.py) share: read a run of call
-objects that may still be incomplete, check them, and stream them as OpenAI tool_call deltas.
+"""What the families share between reading a call's JSON (json_scan.py) and the deltas a client gets:
+when a call is announced, and which of its arguments text goes out.
 
-A family gives a `reader`: the text after its start marker -> (the call objects read so far, the last
-one possibly partial, as partial-json-parser completes it; how many of them are complete). Arguments
-are sent as `json.dumps(arguments)` of the parsed object, so streamed fragments add up to exactly what
-the complete parse gives: while a call is open, what is sent is the part of the partial object's dump
-that cannot change any more (the dump minus its closing brackets and quotes, and no further than it
-agrees with the previous dump); the rest goes when the call's object is complete.
+A `Call` wraps the reader of one call object. In a stream (`eager`) it is announced once the reader is
+`ready` (its name complete, its arguments begun) and its arguments then go out as they are read; in a
+whole answer it is decided when its object closes (a call if it is ready then), or at the end of the
+text when the answer was cut by max_tokens. Arguments are the model's own text, so what a stream sent
+adds up to exactly the whole answer's arguments.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
-from partial_json_parser import Allow
-from partial_json_parser import loads as partial_loads
+from graphcache.api.tool_parsers.base import ToolCallDelta, add_arguments
+from graphcache.api.tool_parsers.json_scan import CallObject, JsonObjectScanner
 
-from graphcache.api.tool_parsers.base import ToolCallDelta, add_arguments, new_call_id
-
-__all__ = ["CallsReader", "JsonCallsStream", "call_of", "dump_arguments", "read_partial"]
-
-# What the last, unfinished value may be completed from: a partial number ("1" of "12") is left out,
-# as its dump could still change into something it is not a prefix of ("1" -> "1e5" -> 100000.0).
-PARTIAL = Allow.ALL & ~Allow.NUM
-CLOSERS = '}]"'
-
-CallsReader = Callable[[str], tuple[list[Any], int]]
+__all__ = ["Call", "Calls", "NamedArguments", "Reader"]
 
 
-def read_partial(text: str) -> Any:
-    """partial-json-parser's completion of an unfinished JSON value; None if it cannot be read."""
-    try:
-        return partial_loads(text, PARTIAL)
-    except Exception:  # its errors are not one class: any unreadable prefix is "nothing yet"
-        return None
-
-
-def dump_arguments(args: dict[str, Any]) -> str:
-    return json.dumps(args, ensure_ascii=False)
-
-
-def call_of(obj: Any) -> tuple[str, str] | None:
-    """(name, arguments JSON) of a complete call object {"name", "arguments" or "parameters"}, or
-    None when it is not one."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # some models write the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return None
-    return (obj["name"], dump_arguments(args)) if isinstance(args, dict) else None
-
-
-def _arguments(obj: dict[str, Any]) -> Any:
-    return obj.get("arguments", obj.get("parameters"))
-
-
-class JsonCallsStream:
-    """Streams the calls in the text that follows a family's start marker (the family's own stream
-    class finds the marker and hands over the rest with feed_calls)."""
-
-    def __init__(self, reader: CallsReader) -> None:
-        self._reader = reader
-        self._text = ""
-        self._sent: list[str] = []  # arguments text sent, per announced call
-        self._stable: list[str] = []  # the previous dump's settled part, per announced call
-        self._closed: list[bool] = []
-        self.num_calls = 0
+class Reader(Protocol):
+    @property
+    def text(self) -> str: ...
 
     @property
-    def called_tools(self) -> bool:
-        return self.num_calls > 0
+    def done(self) -> bool: ...
 
-    def feed_calls(self, text: str, out: ToolCallDelta, final: bool = False) -> None:
-        self._text += text
-        calls, complete = self._reader(self._text)
-        for i, obj in enumerate(calls):
-            done = i < complete
-            if not isinstance(obj, dict):
-                return
-            if i >= self.num_calls and not self._announce(obj, done, out):
-                return
-            if not self._closed[i]:
-                self._advance(i, obj, done, out)
-            if not done and not final:
-                return
+    @property
+    def broken(self) -> bool: ...
 
-    def _announce(self, obj: dict[str, Any], done: bool, out: ToolCallDelta) -> bool:
-        # The name is complete once a key after it is there (or the object closed).
-        has_args = "arguments" in obj or "parameters" in obj
-        if not isinstance(obj.get("name"), str) or not (has_args or done):
-            return False
-        if done and call_of(obj) is None:
-            return False  # a complete object that is not a call: never announced
-        out.tool_calls.append(
-            {
-                "index": self.num_calls,
-                "id": new_call_id(),
-                "type": "function",
-                "function": {"name": obj["name"], "arguments": ""},
-            }
-        )
-        self.num_calls += 1
-        self._sent.append("")
-        self._stable.append("")
-        self._closed.append(False)
+    def feed(self, piece: str) -> int: ...
+
+    def name(self) -> str | None: ...
+
+    def arguments(self) -> str | None: ...
+
+    def arguments_since(self, sent: int) -> str: ...
+
+    def ready(self) -> bool: ...
+
+
+class NamedArguments:
+    """Mistral's v11 layout, `name{...}`: the name is read before the arguments object, which this
+    reads."""
+
+    def __init__(self, name: str) -> None:
+        self.scan = JsonObjectScanner()
+        self._name = name
+
+    def feed(self, piece: str) -> int:
+        return self.scan.feed(piece)
+
+    @property
+    def text(self) -> str:
+        return self.scan.text
+
+    @property
+    def done(self) -> bool:
+        return self.scan.done
+
+    @property
+    def broken(self) -> bool:
+        return self.scan.error
+
+    def name(self) -> str | None:
+        return self._name
+
+    def arguments(self) -> str | None:
+        return self.scan.text or None
+
+    def arguments_since(self, sent: int) -> str:
+        return self.scan.text[sent:]
+
+    def ready(self) -> bool:
+        return not self.scan.error and bool(self.scan.text[1:].strip())
+
+
+class Call:
+    """One call object being read: its reader, the index it was announced with, the arguments sent."""
+
+    def __init__(self, reader: Reader | None = None) -> None:
+        self.reader: Reader = reader if reader is not None else CallObject()
+        self.index: int | None = None
+        self.sent = 0
+
+
+class Calls:
+    """The calls of one answer: announcing them and sending their arguments."""
+
+    def __init__(self, eager: bool, new_id: Callable[[], str]) -> None:
+        self.eager = eager
+        self.count = 0
+        self._new_id = new_id
+
+    def advance(self, out: ToolCallDelta, call: Call) -> None:
+        """More of the call's text was read: a stream announces it once ready and sends new arguments."""
+        if call.index is None and self.eager and call.reader.ready():
+            self._announce(out, call)
+        if call.index is not None:
+            self._send(out, call)
+
+    def close(self, out: ToolCallDelta, call: Call) -> bool:
+        """The call's object closed: whether it is a call (if not, its text is content)."""
+        return self.end(out, call, True)
+
+    def end(self, out: ToolCallDelta, call: Call, cut: bool) -> bool:
+        """The text ended inside the call's object: a call if a stream announced it, or if the answer
+        was `cut` by max_tokens and the call is ready."""
+        if call.index is None:
+            if not (cut and call.reader.ready()):
+                return False
+            self._announce(out, call)
+        self._send(out, call)
         return True
 
-    def _advance(self, i: int, obj: dict[str, Any], done: bool, out: ToolCallDelta) -> None:
-        sent = self._sent[i]
-        if done:
-            parsed = call_of(obj)
-            final = parsed[1] if parsed is not None else sent
-            more = final[len(sent) :] if final.startswith(sent) else ""
-            self._closed[i] = True
-        else:
-            args = _arguments(obj)
-            if not isinstance(args, dict):
-                return
-            dump = dump_arguments(args).rstrip(CLOSERS)
-            settled = _common_prefix(dump, self._stable[i]) if self._stable[i] else dump
-            self._stable[i] = dump
-            more = settled[len(sent) :] if len(settled) > len(sent) and settled.startswith(sent) else ""
+    def _announce(self, out: ToolCallDelta, call: Call) -> None:
+        name = call.reader.name()
+        assert name is not None  # ready() checked it
+        call.index = self.count
+        self.count += 1
+        out.tool_calls.append(
+            {
+                "index": call.index,
+                "id": self._new_id(),
+                "type": "function",
+                "function": {"name": name, "arguments": ""},
+            }
+        )
+
+    def _send(self, out: ToolCallDelta, call: Call) -> None:
+        assert call.index is not None
+        more = call.reader.arguments_since(call.sent)
         if more:
-            self._sent[i] = sent + more
-            add_arguments(out, i, more)
-
-
-def _common_prefix(a: str, b: str) -> str:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return a[:n]
+            add_arguments(out, call.index, more)
+            call.sent += len(more)

@@ -2,112 +2,149 @@
 
     <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}
 
-the whole answer is the call (the `<|python_tag|>` is optional, and only visible when special tokens are
-kept); several calls are separated by ";". An answer that does not start with "{" has no calls and is all
-content; one that does is calls only (content None), as vLLM's llama3_json parser reads it. A last call
-cut off by max_tokens is dropped and the complete calls before it kept; any other object that is not a
-call {"name", "parameters" or "arguments"} makes the whole answer content.
+a JSON object per call, several separated by ";" (the `<|python_tag|>` is optional, and only visible
+when special tokens are kept). "arguments" is read as "parameters", the keys may come in any order,
+and arguments are the model's own JSON text.
+
+As in vLLM, a call may stand anywhere in the answer: every "{" outside a call starts a candidate
+object, read until it is a call (its name complete and its arguments begun, in a stream) or shown not
+to be one (not JSON, or a complete object that is not a call: then it is content, and the braces
+inside it start nothing). Unlike vLLM, the prose around calls stays content: a stream has sent the
+prose before a call by the time the call shows up. The ";" and whitespace after a call, and a python
+tag right before one, are markup and dropped. A candidate still open at the end of a whole answer is
+a call only when the answer was cut by max_tokens (`cut`).
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from graphcache.api.tool_parsers.base import ToolCallDelta, ToolCallFormat, new_call
-from graphcache.api.tool_parsers.json_calls import JsonCallsStream, call_of, read_partial
+from graphcache.api.tool_parsers.base import (
+    ContentSink,
+    ToolCallDelta,
+    ToolCallFormat,
+    new_call_id,
+    parse_whole,
+    partial_suffix,
+)
+from graphcache.api.tool_parsers.json_calls import Call, Calls
 
-__all__ = ["FORMAT", "PYTHON_TAG", "Llama3JsonStream", "parse_tool_calls", "read_calls"]
+__all__ = ["FORMAT", "PYTHON_TAG", "Llama3JsonStream", "parse_tool_calls"]
 
 PYTHON_TAG = "<|python_tag|>"
-_DECODER = json.JSONDecoder()
-
-
-def _calls_start(text: str) -> int | None:
-    """Where the calls begin ("{" after optional whitespace and python tag), or None: plain content."""
-    rest = text.lstrip()
-    if rest.startswith(PYTHON_TAG):
-        rest = rest[len(PYTHON_TAG) :].lstrip()
-    return len(text) - len(rest) if rest.startswith("{") else None
-
-
-def read_calls(text: str) -> tuple[list[Any], int]:
-    """Call objects separated by ";" (and whitespace): (objects, how many are complete)."""
-    calls: list[Any] = []
-    pos = 0
-    while True:
-        while pos < len(text) and (text[pos].isspace() or text[pos] == ";"):
-            pos += 1
-        if pos >= len(text):
-            return calls, len(calls)
-        try:
-            obj, pos = _DECODER.raw_decode(text, pos)
-        except (json.JSONDecodeError, RecursionError):
-            partial = read_partial(text[pos:])
-            if partial is not None:
-                calls.append(partial)
-            return calls, len(calls) - (partial is not None)
-        calls.append(obj)
-
-
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    start = _calls_start(text)
-    if start is None:
-        return text, []
-    objects, complete = read_calls(text[start:])
-    parsed = [call_of(obj) for obj in objects[:complete]]
-    if not parsed or any(p is None for p in parsed):
-        return text, []
-    return None, [new_call(*p) for p in parsed if p is not None]
+_SEPARATORS = " \t\n\r;"
 
 
 class Llama3JsonStream:
-    """Holds the answer's start until its first visible character says calls ("{") or content."""
+    """Feed text deltas of one choice; get ToolCallDelta's; finish() once at the end."""
 
-    def __init__(self) -> None:
-        self._all = ""  # everything fed: the content while undecided, or if no call comes of it
-        self._mode: str | None = None  # None: undecided; "content"; "calls"
-        self._calls = JsonCallsStream(read_calls)
+    def __init__(self, eager: bool = True) -> None:
+        self._calls = Calls(eager, new_call_id)
+        self._sink = ContentSink()
+        self._buf = ""
+        self._state = "out"  # out | tag (python tag read) | call | sep (after a call) | skip
+        self._glue = ""  # a python tag (and whitespace) before the candidate: content if no call
+        self._call: Call | None = None
 
     @property
     def num_calls(self) -> int:
-        return self._calls.num_calls
+        return self._calls.count
 
     @property
     def called_tools(self) -> bool:
-        return self._calls.called_tools
+        return self._calls.count > 0
 
     def feed(self, text: str) -> ToolCallDelta:
         out = ToolCallDelta()
-        self._all += text
-        if self._mode == "content":
-            out.content = text
-            return out
-        if self._mode == "calls":
-            self._calls.feed_calls(text, out)
-            return out
-        rest = self._all.lstrip()
-        if not rest or (PYTHON_TAG.startswith(rest) and rest != PYTHON_TAG):
-            return out  # nothing visible yet, or maybe the tag
-        start = _calls_start(self._all)
-        if start is None and rest.startswith(PYTHON_TAG) and not rest[len(PYTHON_TAG) :].strip():
-            return out  # the tag, and what follows it not seen yet
-        if start is None:
-            self._mode, out.content = "content", self._all
-        else:
-            self._mode = "calls"
-            self._calls.feed_calls(self._all[start:], out)
+        self._buf += text
+        while self._buf and self._step(out):
+            pass
         return out
 
-    def finish(self) -> ToolCallDelta:
+    def finish(self, cut: bool = False) -> ToolCallDelta:
         out = ToolCallDelta()
-        if self._mode == "calls":
-            self._calls.feed_calls("", out, final=True)
-            if not self._calls.called_tools:
-                out.content = self._all
-        elif self._mode is None:
-            out.content = self._all
+        if self._state in ("out", "sep"):
+            self._sink.add(out, self._buf)
+        elif self._state == "tag":
+            self._sink.add(out, self._glue + self._buf)
+        elif self._state == "call":
+            assert self._call is not None
+            if not self._calls.end(out, self._call, cut):
+                self._reject(out)
+        self._buf, self._state, self._call, self._glue = "", "out", None, ""
+        self._sink.finish(out, self.called_tools)
         return out
+
+    def _step(self, out: ToolCallDelta) -> bool:
+        buf = self._buf
+        if self._state == "out":
+            brace, tag = buf.find("{"), buf.find(PYTHON_TAG)
+            if brace < 0 and tag < 0:
+                keep = len(buf) - partial_suffix(buf, PYTHON_TAG)
+                self._sink.add(out, buf[:keep])
+                self._buf = buf[keep:]
+                return False
+            if tag >= 0 and (brace < 0 or tag < brace):
+                self._sink.add(out, buf[:tag])
+                self._buf, self._glue, self._state = buf[tag + len(PYTHON_TAG) :], PYTHON_TAG, "tag"
+            else:
+                self._sink.add(out, buf[:brace])
+                self._buf, self._glue, self._call, self._state = buf[brace:], "", Call(), "call"
+        elif self._state == "tag":
+            rest = buf.lstrip()
+            self._glue += buf[: len(buf) - len(rest)]
+            self._buf = rest
+            if not rest:
+                return False
+            if rest[0] == "{":
+                self._call, self._state = Call(), "call"
+            else:
+                self._sink.add(out, self._glue)
+                self._glue, self._state = "", "out"
+        elif self._state == "call":
+            call = self._call
+            assert call is not None
+            self._buf = buf[call.reader.feed(buf) :]
+            self._calls.advance(out, call)
+            if call.reader.broken:
+                if call.index is None:
+                    self._reject(out)
+                else:  # a stream already announced it: what follows its broken JSON is dropped
+                    self._state = "skip"
+            elif call.reader.done:
+                if self._calls.close(out, call):
+                    self._call, self._glue, self._state = None, "", "sep"
+                else:
+                    self._reject(out)
+            else:
+                return False
+        elif self._state == "sep":
+            rest = buf.lstrip(_SEPARATORS)
+            self._buf = rest
+            if not rest or PYTHON_TAG.startswith(rest):
+                return False
+            if rest[0] == "{":
+                self._call, self._state = Call(), "call"
+            elif rest.startswith(PYTHON_TAG):
+                self._buf, self._glue, self._state = rest[len(PYTHON_TAG) :], PYTHON_TAG, "tag"
+            else:
+                self._state = "out"
+        else:
+            self._buf = ""
+            return False
+        return True
+
+    def _reject(self, out: ToolCallDelta) -> None:
+        """The candidate is no call: its text is content. A complete object goes whole (its inner
+        braces start nothing); JSON that broke goes up to where it broke, and reading goes on there."""
+        assert self._call is not None
+        self._sink.add(out, self._glue + self._call.reader.text)
+        self._glue, self._call, self._state = "", None, "out"
+
+
+def parse_tool_calls(text: str, cut: bool = False) -> tuple[str | None, list[dict[str, Any]]]:
+    """A whole answer -> (content, OpenAI tool_calls). No calls: (text, [])."""
+    return parse_whole(Llama3JsonStream(eager=False), text, cut)
 
 
 FORMAT = ToolCallFormat(
