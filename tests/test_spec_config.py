@@ -181,6 +181,16 @@ def test_text_that_is_no_json_object_exits_2_naming_the_setting(monkeypatch, cap
     assert "speculative_config: a JSON list, not an object" in capsys.readouterr().err
 
 
+def test_serve_refuses_a_bad_config_before_loading_anything(capsys):
+    # The settings floor only knows the text is one JSON object; the keys are checked before the port.
+    code = main(
+        ["serve", "--port", "0", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}']
+    )
+    assert code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("graphcache: speculative_config.num_speculative_tokens: 0 is out of range"), line
+
+
 def test_the_flag_is_documented(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])

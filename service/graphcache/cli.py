@@ -350,9 +350,21 @@ def _preflight(settings: Settings) -> socket.socket:
     local = local_model_dir(settings)
     if local is not None:
         check_model_dir(local, settings.engine.max_model_len)
+    check_speculative_config(settings)
     if settings.model.tensor_parallel_size > 1:
         check_tensor_parallel(settings)
     return bind_port(settings.http.host, settings.http.port)
+
+
+def check_speculative_config(settings: Settings) -> None:
+    """--speculative-config's keys, checked before anything loads (the setting itself only knows it is one
+    JSON object: the settings floor cannot import the engine). Raises StartupError."""
+    from graphcache.engine.spec.config import SpeculativeConfigError, parse_speculative_config
+
+    try:
+        parse_speculative_config(settings.engine.speculative_config)
+    except SpeculativeConfigError as e:
+        raise StartupError(f"{e} (--speculative-config, GRAPHCACHE_SPECULATIVE_CONFIG)") from None
 
 
 def check_tensor_parallel(settings: Settings) -> None:
