@@ -1,4 +1,4 @@
-"""Large answers rendered off the event loop, in pieces (issue 35, item 5).
+"""Large answers rendered off the event loop, in pieces.
 
 json.dumps is one C call that holds the interpreter lock from the first byte to the last: a 100 MB
 answer holds it for seconds, and moving the call to a worker thread does not help the event loop, which

@@ -1,4 +1,4 @@
-"""The size of an answer, bounded before it is built (issue 35, item 5).
+"""The size of an answer, bounded before it is built.
 
 A 1 MB request can ask for an answer hundreds of times its size: 110 prompts x `prompt_logprobs` 20 with
 `echo` on /v1/completions built a 413 MB JSON body, raised the server's memory by 3.0 GB and held the

@@ -1,4 +1,4 @@
-"""Speculative decoding's building blocks (issue 37): what does not depend on the step seam.
+"""Speculative decoding's building blocks: what does not depend on the step seam.
 
     config.py     --speculative-config (GRAPHCACHE_SPECULATIVE_CONFIG) -> SpeculativeConfig, as vLLM reads it
     proposer.py   the proposer contract: host proposers (token lists) and the seam a model proposer will fill
