@@ -67,7 +67,6 @@ WHEEL_MODULES = [
     "asgi_correlation_id",
     "prometheus_fastapi_instrumentator",
     "sse_starlette",
-    "partial_json_parser",
     "pytest_asyncio",
     "pytest_timeout",
     "anyio",

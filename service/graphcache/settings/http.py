@@ -107,9 +107,10 @@ class HttpSettings(SettingsSection):
     )
     reasoning_parser: ReasoningParserName = Field(
         "none",
-        description="Split a chat answer's <think>...</think> into reasoning_content: deepseek_r1 (the "
-        "template opens <think>, so text before </think> is reasoning) or qwen3 (reasoning only inside "
-        "<think>...</think>); none keeps all text in content.",
+        description="Split a chat answer's <think>...</think> into reasoning (and reasoning_content): "
+        "deepseek_r1 (the template opens <think>, so text before </think> is reasoning) or qwen3 (as vLLM's: "
+        "with thinking on, the answer starts inside the reasoning, whether the prompt or the model wrote "
+        "<think>; thinking off, as enable_thinking false sets it, is all content); none keeps all text in content.",
     )
 
     chat_template: Annotated[str | None, BlankIsUnset] = Field(
