@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the 
 
 import torch  # noqa: E402
 from graphcache.config import Settings  # noqa: E402
-from graphcache.engine.batch import StepBatch, StepSeq  # noqa: E402
+from graphcache.engine.plan import StepPlan, StepSeq  # noqa: E402
 from graphcache.engine.worker.capture_sizes import host_bound_buckets  # noqa: E402
 from graphcache.engine.worker.runner import ModelRunner  # noqa: E402
 from graphcache.graphs.descriptor import BatchDescriptor, mixed_buckets  # noqa: E402
@@ -136,7 +136,7 @@ def mixed_batch(num_tokens: int, block_size: int, seed: int, lim: Limits) -> lis
     return seqs
 
 
-def step_ms(runner: ModelRunner, batch: StepBatch, steps: int) -> tuple[float, str]:
+def step_ms(runner: ModelRunner, batch: StepPlan, steps: int) -> tuple[float, str]:
     """Median GPU ms of runner.execute(batch) (CUDA events: idle gaps while the host launches count;
     wall time on the CPU), after two untimed steps (the first captures); the mode of the last step."""
     times, mode = [], ""
@@ -184,8 +184,8 @@ def run_shape(shape: str, model: Path, sizes: list[int], steps: int, block_size:
     rows = []
     batches = {
         n: (
-            StepBatch(mixed_batch(n, block_size, n, lim)),
-            StepBatch(mixed_batch(n // 2 + 1, block_size, n + 1, lim)),
+            StepPlan.standalone(mixed_batch(n, block_size, n, lim)),
+            StepPlan.standalone(mixed_batch(n // 2 + 1, block_size, n + 1, lim)),
         )
         for n in sizes
     }
@@ -196,7 +196,7 @@ def run_shape(shape: str, model: Path, sizes: list[int], steps: int, block_size:
             ms, got = step_ms(runner, full_batch, steps)
             row = next((r for r in rows if r["size"] == n), None)
             if row is None:
-                row = {"size": n, "rows": len(full_batch.seqs)}
+                row = {"size": n, "rows": full_batch.num_reqs}
                 rows.append(row)
             row[f"{mode}_ms"], row[f"{mode}_ran"] = ms, got
             if mode != "eager":

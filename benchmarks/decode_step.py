@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the 
 
 import torch  # noqa: E402
 from graphcache.config import Settings  # noqa: E402
-from graphcache.engine.batch import StepBatch, StepSeq  # noqa: E402
+from graphcache.engine.plan import StepPlan, StepSeq  # noqa: E402
 from graphcache.engine.worker.runner import ModelRunner  # noqa: E402
 from graphcache.graphs.descriptor import BatchDescriptor  # noqa: E402
 from graphcache.model.forward_context import forward_context  # noqa: E402
@@ -82,7 +82,7 @@ def fill(runner: ModelRunner, batch: int, ctx: int, vocab: int = 10000) -> list[
         ids = torch.randint(0, min(vocab, 10000), (ctx,), generator=g).tolist()
         seqs.append(StepSeq(ids, 0, table, True))
     for start in range(0, batch, 8):
-        runner.execute(StepBatch(seqs[start : start + 8]))
+        runner.execute(StepPlan.standalone(seqs[start : start + 8]))
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     del bs
@@ -95,7 +95,7 @@ def fill(runner: ModelRunner, batch: int, ctx: int, vocab: int = 10000) -> list[
 def time_steps(runner: ModelRunner, decode: list[StepSeq], steps: int) -> tuple[float, float]:
     """Median wall and GPU ms of one decode step (execute + greedy sample + tolist)."""
     walls, gpus = [], []
-    batch = StepBatch(decode)
+    batch = StepPlan.standalone(decode)
     for i in range(steps + 3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
@@ -154,7 +154,7 @@ def plain_graph_ms(runner: ModelRunner, batch: int, steps: int) -> float:
 def kernel_table(runner: ModelRunner, decode: list[StepSeq], rows: int = 25) -> str:
     from torch.profiler import ProfilerActivity, profile
 
-    batch = StepBatch(decode)
+    batch = StepPlan.standalone(decode)
     runner.execute(batch)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

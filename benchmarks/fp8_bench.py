@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the graphcache package
 
 import torch  # noqa: E402
-from graphcache.engine.batch import StepBatch, StepSeq  # noqa: E402
+from graphcache.engine.plan import StepPlan, StepSeq  # noqa: E402
 from graphcache.model import fp8_gemm  # noqa: E402
 from graphcache.model.fp8_gemm import weight_only_mm  # noqa: E402
 from graphcache.model.fp8_quant import quantize_rows, quantize_weight  # noqa: E402
@@ -59,7 +59,7 @@ def step_ms(runner, decode: list[StepSeq], steps: int) -> float:
     """Median ms of one decode step: GPU time on CUDA, wall time on the CPU."""
     if runner.device.type == "cuda":
         return time_steps(runner, decode, steps)[1]
-    batch, times = StepBatch(decode), []
+    batch, times = StepPlan.standalone(decode), []
     for _ in range(steps):
         t0 = time.perf_counter()
         runner.execute(batch).logits.argmax(-1).tolist()
@@ -77,7 +77,7 @@ def teacher_forced_logits(runner, prompts: list[list[int]]) -> torch.Tensor:
     out, per = [], -(-len(prompts[0]) // runner.block_size)
     for i, ids in enumerate(prompts):
         table = list(range(i * per, (i + 1) * per))
-        result = runner.execute(StepBatch([StepSeq(list(ids), 0, table, True, prompt_logits=True)]))
+        result = runner.execute(StepPlan.standalone([StepSeq(list(ids), 0, table, True, prompt_logits=True)]))
         out.append(result.prompt_logits.to(torch.bfloat16).cpu())
     return torch.cat(out)
 
@@ -90,7 +90,7 @@ def greedy(runner, prompts: list[list[int]], new_tokens: int) -> list[list[int]]
     out = [[] for _ in prompts]
     lengths = [len(p) for p in prompts]
     for _ in range(new_tokens):
-        tokens = runner.execute(StepBatch(seqs)).logits.argmax(-1).tolist()
+        tokens = runner.execute(StepPlan.standalone(seqs)).logits.argmax(-1).tolist()
         for i, t in enumerate(tokens):
             out[i].append(t)
         seqs = [StepSeq([t], lengths[i] + len(out[i]) - 1, tables[i], True) for i, t in enumerate(tokens)]

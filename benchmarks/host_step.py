@@ -7,8 +7,9 @@ With fused kernels the H200's decode step is GPU-short enough that this host wor
 over the tiny CPU model's ModelRunner with async scheduling on (as on CUDA), prefix caching on, N
 streaming requests at --ctx tokens of context; the runner prepares its inputs as usual, but the forward
 pass (graph replay or eager) is skipped and the logits buffer is left as it is (greedy sampling of a
-fixed row). Per phase: EngineCore.phase_seconds, median over --steps decode steps; "inputs" is the part
-of "execute" spent building the batch and preparing the runner's inputs (persistent decode rows: constant).
+fixed row). Per phase: EngineCore.phase_seconds, median over --steps decode steps; "inputs" is the time
+spent building the step plan (part of "schedule") and preparing the runner's inputs (part of "execute";
+persistent decode rows: constant).
 
 --sampling realistic: every request samples as the realistic workload does (temperature 0.8, top_p 0.95,
 every fourth seeded), with the draw kernel stubbed (on the CPU it would be the torch twin's compute): the
@@ -34,13 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the ti
 
 import torch  # noqa: E402
 from graphcache.engine.loop.core import EngineCore  # noqa: E402
-from graphcache.engine.sched.scheduler import SchedulerOutput  # noqa: E402
+from graphcache.engine.sched import scheduler as scheduler_mod  # noqa: E402
 from graphcache.engine.sequence import SamplingParams, Sequence  # noqa: E402
 from graphcache.engine.worker.runner import ModelRunner  # noqa: E402
 from helpers_model import cpu_settings, tiny_checkpoint  # noqa: E402
 
 PHASES = ("schedule", "execute", "sample", "postprocess")
-INPUT_SECONDS = [0.0]  # to_batch + the runner's input preparation (part of "execute")
+INPUT_SECONDS = [0.0]  # the plan (or batch) building + the runner's input preparation
 
 
 def timed(fn):
@@ -55,9 +56,13 @@ def timed(fn):
 
 
 def time_inputs(runner: ModelRunner) -> None:
-    """Count the batch building and input preparation: the part of a step that persistent decode rows
-    made independent of the batch (also works on older commits, which lay steps out in the runner)."""
-    SchedulerOutput.to_batch = timed(SchedulerOutput.to_batch)
+    """Count the plan building and input preparation: the part of a step that persistent decode rows
+    made independent of the batch (also works on older commits, which built a StepBatch and laid steps
+    out in the runner)."""
+    if hasattr(scheduler_mod.Scheduler, "_plan"):
+        scheduler_mod.Scheduler._plan = timed(scheduler_mod.Scheduler._plan)
+    else:
+        scheduler_mod.SchedulerOutput.to_batch = timed(scheduler_mod.SchedulerOutput.to_batch)
     inputs = getattr(runner, "inputs", None)
     if inputs is not None:
         inputs.prepare = timed(inputs.prepare)
@@ -156,8 +161,14 @@ def main() -> int:
     for k, v in per_phase.items():
         m = statistics.median(v)
         print(f"| {k} | {m:.3f} | {m * 1e3 / max(rows, 1):.2f} |")
-    inputs = getattr(core.runner, "inputs", None)
-    rows = inputs.rows if inputs is not None else getattr(core.runner, "persistent_rows", None)
+    table, inputs = getattr(core.runner, "table", None), getattr(core.runner, "inputs", None)
+    rows = (
+        table.rows
+        if table is not None
+        else getattr(inputs, "rows", None)
+        if inputs is not None
+        else getattr(core.runner, "persistent_rows", None)
+    )
     applied = getattr(rows, "num_applied", None)
     if applied is not None:
         print(f"decode steps run from persistent rows: {applied} of {core.num_steps}")

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the graphcache package
 
 import torch  # noqa: E402
-from graphcache.engine.batch import StepBatch, StepSeq  # noqa: E402
+from graphcache.engine.plan import StepPlan, StepSeq  # noqa: E402
 
 from benchmarks.decode_step import fill, make_runner  # noqa: E402
 from benchmarks.model_shapes import add_model_args, resolve_model  # noqa: E402
@@ -43,7 +43,7 @@ ATTENTION = ("attn", "attention", "flash", "fmha", "decode_stage", "unified")
 GEMM_OPS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1)}  # op -> (A, B) input positions
 
 
-def steps(runner, args, vocab: int) -> dict[str, tuple[StepBatch, list[tuple[int, int]]]]:
+def steps(runner, args, vocab: int) -> dict[str, tuple[StepPlan, list[tuple[int, int]]]]:
     """{kind: (batch, [(q tokens, start position) per row])}, built on the KV of `fill`."""
     g = torch.Generator().manual_seed(1)
 
@@ -66,16 +66,16 @@ def steps(runner, args, vocab: int) -> dict[str, tuple[StepBatch, list[tuple[int
         for i in range(args.prefill_seqs)
     ]
     return {
-        "decode": (StepBatch(decode), [(1, args.ctx)] * len(decode)),
+        "decode": (StepPlan.standalone(decode), [(1, args.ctx)] * len(decode)),
         "mixed": (
-            StepBatch(decode[: args.mixed_decodes] + [chunk]),
+            StepPlan.standalone(decode[: args.mixed_decodes] + [chunk]),
             [(1, args.ctx)] * args.mixed_decodes + [(args.chunk, args.ctx)],
         ),
-        "prefill": (StepBatch(prefill), [(args.prefill_len, 0)] * args.prefill_seqs),
+        "prefill": (StepPlan.standalone(prefill), [(args.prefill_len, 0)] * args.prefill_seqs),
     }
 
 
-def profile_step(runner, batch: StepBatch, iters: int, cuda: bool):
+def profile_step(runner, batch: StepPlan, iters: int, cuda: bool):
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):

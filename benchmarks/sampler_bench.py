@@ -52,7 +52,8 @@ from graphcache.engine.sample.logprobs import token_logprobs  # noqa: E402
 from graphcache.engine.sample.nucleus_draw import nucleus_draw  # noqa: E402
 from graphcache.engine.sample.race_draw import race_draw  # noqa: E402
 from graphcache.engine.sample.sampler import Sampler  # noqa: E402
-from graphcache.engine.sequence import SamplingParams, Sequence  # noqa: E402
+from graphcache.engine.sample.state import SamplingState  # noqa: E402
+from graphcache.engine.sequence import SamplingParams  # noqa: E402
 
 CASES = {
     "greedy": lambda i: dict(temperature=0.0),
@@ -91,8 +92,9 @@ def timed(fn, iters: int) -> tuple[float, float]:
     return statistics.median(gpu), statistics.median(host)
 
 
-def seqs_of(make, rows: int) -> list[Sequence]:
-    return [Sequence(f"r{i}", [1, 2, 3], SamplingParams(**make(i))) for i in range(rows)]
+def seqs_of(make, rows: int) -> list[SamplingState]:
+    """The rows as the worker's request table holds them."""
+    return [SamplingState(f"r{i}", SamplingParams(**make(i)), [1, 2, 3]) for i in range(rows)]
 
 
 def by_case(logits, flat, rows: int, iters: int) -> list[dict]:
@@ -148,13 +150,14 @@ def pieces(logits, rows: int, iters: int) -> list[dict]:
     z, _, _, _ = sm.filtered_logits(x, temperature=t, top_k=None, top_p=None)
     thr = thresholds(z, None, p)
     pen = [
-        Sequence(
-            f"r{i}", [1, 2, 3], SamplingParams(temperature=0.8, frequency_penalty=0.5, presence_penalty=0.3)
+        SamplingState(
+            f"r{i}",
+            SamplingParams(temperature=0.8, frequency_penalty=0.5, presence_penalty=0.3),
+            [1, 2, 3],
+            list(range(i, i + 64)),
         )
         for i in range(rows)
     ]
-    for i, s in enumerate(pen):
-        s.output_token_ids.extend(range(i, i + 64))
     tokens = logits.argmax(dim=-1)
     k50 = torch.full((rows,), 50, dtype=torch.int64, device=dev)
     return [

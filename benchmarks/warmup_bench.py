@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the 
 
 import torch  # noqa: E402
 from graphcache.config import Settings  # noqa: E402
-from graphcache.engine.batch import StepBatch, StepSeq  # noqa: E402
+from graphcache.engine.plan import StepPlan, StepSeq  # noqa: E402
 from graphcache.engine.worker.runner import ModelRunner  # noqa: E402
 from graphcache.graphs.descriptor import BatchDescriptor  # noqa: E402
 from graphcache.graphs.pool import pool_bytes  # noqa: E402
@@ -97,7 +97,7 @@ def plain_pool_bytes(runner: ModelRunner, desc: BatchDescriptor) -> int:
     """Pool of one torch.cuda.graph over the same step (the full graph's floor)."""
     pool = torch.cuda.graph_pool_handle()
     g = torch.cuda.CUDAGraph()
-    runner.inputs.point_at_scratch()
+    runner.inputs.point_at_scratch(runner.table)
     with forward_context(AttentionMetadata.empty()):  # as ModelRunner.capture does
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -140,10 +140,10 @@ def greedy_tokens(runner: ModelRunner, batch: int, ctx: int, steps: int) -> list
         )
         for i in range(batch)
     ]
-    out = [runner.execute(StepBatch(seqs)).logits.argmax(-1).tolist()]
+    out = [runner.execute(StepPlan.standalone(seqs)).logits.argmax(-1).tolist()]
     for step in range(steps):
         seqs = [StepSeq([out[-1][i]], ctx + step, s.block_table, True) for i, s in enumerate(seqs)]
-        out.append(runner.execute(StepBatch(seqs)).logits.argmax(-1).tolist())
+        out.append(runner.execute(StepPlan.standalone(seqs)).logits.argmax(-1).tolist())
     return out
 
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import graphcache.model.llama as llama  # noqa: E402
-from graphcache.engine.batch import StepBatch, StepSeq
+from graphcache.engine.plan import StepPlan, StepSeq
 from graphcache.engine.worker.runner import ModelRunner  # noqa: E402
 from helpers_model import Blocks, cpu_settings, prompt_ids, tiny_checkpoint  # noqa: E402
 
@@ -84,7 +84,7 @@ def count(decodes: int, ctx: int, prefills: int, verbose: bool, kernel: str = "s
     blocks = Blocks(runner.block_size)
     tables = [blocks.table(ctx + 1) for _ in range(decodes)]
     for i, table in enumerate(tables):  # fill each context first (uncounted)
-        runner.execute(StepBatch([StepSeq(prompt_ids(ctx, seed=i), 0, table, True)]))
+        runner.execute(StepPlan.standalone([StepSeq(prompt_ids(ctx, seed=i), 0, table, True)]))
     seqs = [StepSeq([7], ctx, table, True) for table in tables]
     seqs += [StepSeq(prompt_ids(20, seed=100 + j), 0, blocks.table(20), True) for j in range(prefills)]
 
@@ -100,7 +100,7 @@ def count(decodes: int, ctx: int, prefills: int, verbose: bool, kernel: str = "s
 
     llama.paged_attention = counted
     try:
-        runner.execute(StepBatch(seqs))
+        runner.execute(StepPlan.standalone(seqs))
     finally:
         llama.paged_attention = original
     if verbose:

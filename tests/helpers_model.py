@@ -106,12 +106,12 @@ def prompt_ids(n: int, seed: int = 0, vocab: int = 500) -> list[int]:
 def run_alone(runner, ids: list[int], table: list[int], chunk: int | None = None) -> list[torch.Tensor]:
     """Feed ids through the runner as one sequence: prefill (optionally in chunks), return the
     logits row of every step ([V] fp32 each)."""
-    from graphcache.engine.batch import StepBatch, StepSeq
+    from graphcache.engine.plan import StepPlan, StepSeq
 
     out, pos, chunk = [], 0, chunk or len(ids)
     while pos < len(ids):
         part = ids[pos : pos + chunk]
-        logits = runner.execute(StepBatch([StepSeq(part, pos, table, need_logits=True)])).logits
+        logits = runner.execute(StepPlan.standalone([StepSeq(part, pos, table, need_logits=True)])).logits
         out.append(logits[0].clone())
         pos += len(part)
     return out

@@ -1,10 +1,13 @@
 """Torch references for the sampling kernels' tests, independent of the kernels: the filtered row z, the
-top-k / top-p threshold by a full sort, the test logits shapes and the race keys."""
+top-k / top-p threshold by a full sort, the test logits shapes and the race keys; and the sampler fed
+Sequences (SequenceSampler)."""
 
 from __future__ import annotations
 
 import torch
 from graphcache.engine.sample import race_draw as rd
+from graphcache.engine.sample.sampler import Sampler
+from graphcache.engine.sample.state import SamplingState
 
 NEG_INF = float("-inf")
 
@@ -67,3 +70,19 @@ def rows_of(name: str, rows: int, vocab: int, seed: int) -> torch.Tensor:
         x[0, 0] = 2.5
         return x
     raise KeyError(name)
+
+
+class SequenceSampler(Sampler):
+    """The sampler, fed the scheduler's Sequences: each call reads them as the worker's rows
+    (SamplingState.of: their outputs so far, and num_generated counting a token still in flight), so a
+    test can append outputs or set num_inflight between calls as the engine would."""
+
+    def sample_device(self, logits, seqs, plain_greedy=None):
+        return super().sample_device(logits, [_state(s) for s in seqs], plain_greedy)
+
+    def processed_logits(self, logits, seqs):
+        return super().processed_logits(logits, [_state(s) for s in seqs])
+
+
+def _state(seq) -> SamplingState:
+    return seq if isinstance(seq, SamplingState) else SamplingState.of(seq)

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from graphcache.engine.batch import StepBatch, StepSeq
+from graphcache.engine.plan import StepPlan, StepSeq
 from graphcache.engine.worker.capture_sizes import host_bound_buckets, resolve_capture_sizes
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes, descriptor_for, mixed_buckets
@@ -87,7 +87,7 @@ def _big_steps(runner):
     ]
     out = []
     for seqs in steps:
-        result = runner.execute(StepBatch(seqs))
+        result = runner.execute(StepPlan.standalone(seqs))
         out.append((result.logits[: len(seqs)].float().clone(), result.mode))
     return out
 
@@ -112,7 +112,7 @@ def test_mixed_bucket_pads_write_only_the_scratch_slot(path):
     blocks = Blocks(runner.block_size, first=3)
     tables = [blocks.table(35), blocks.table(35)]
     result = runner.execute(
-        StepBatch([StepSeq(prompt_ids(35, seed=i), 0, t, True) for i, t in enumerate(tables)])
+        StepPlan.standalone([StepSeq(prompt_ids(35, seed=i), 0, t, True) for i, t in enumerate(tables)])
     )
     assert result.mode == "replay" and BatchDescriptor(96, 8) in runner.cache  # 70 tokens padded to 96
     changed = (storage != before).flatten(3).any(-1)  # [layers, 2, blocks + 1]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graphcache.engine.batch import StepBatch, StepSeq
+from graphcache.engine.plan import StepPlan, StepSeq
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.graphs.descriptor import BatchDescriptor
 from helpers_model import Blocks, cpu_settings, prompt_ids, run_alone, tiny_checkpoint
@@ -29,7 +29,7 @@ def _decode_run(runner: ModelRunner, n: int, steps: int = 3) -> list[torch.Tenso
         run_alone(runner, x, table)
     out = []
     for step in range(steps):
-        batch = StepBatch(
+        batch = StepPlan.standalone(
             [StepSeq([7 + step], len(x) + step, table, True) for x, table in zip(ids, tables, strict=True)]
         )
         result = runner.execute(batch)
@@ -59,7 +59,7 @@ def test_decode_equals_each_sequence_alone(path):
     for x, table in zip(ids, tables, strict=True):
         run_alone(runner, x[:-1], table)
     logits = runner.execute(
-        StepBatch([StepSeq([x[-1]], len(x) - 1, t, True) for x, t in zip(ids, tables, strict=True)])
+        StepPlan.standalone([StepSeq([x[-1]], len(x) - 1, t, True) for x, t in zip(ids, tables, strict=True)])
     )
     for row, x in enumerate(ids):
         alone = ModelRunner(cpu_settings(path))
@@ -87,10 +87,10 @@ def test_decode_rows_change_between_steps(path):
             live.pop(0)  # the first one finished: rows shift up
         tok = int(torch.randint(5, 500, (1,), generator=rng))
         got = runner.execute(
-            StepBatch([StepSeq([tok], s["pos"], s["tables"][id(runner)], True) for s in live])
+            StepPlan.standalone([StepSeq([tok], s["pos"], s["tables"][id(runner)], True) for s in live])
         )
         ref = ref_runner.execute(
-            StepBatch([StepSeq([tok], s["pos"], s["tables"][id(ref_runner)], True) for s in live])
+            StepPlan.standalone([StepSeq([tok], s["pos"], s["tables"][id(ref_runner)], True) for s in live])
         )
         assert (got.logits.float() - ref.logits.float()).abs().max().item() < ATOL, step
         for s in live:
@@ -112,7 +112,7 @@ def test_full_decode_warmup_capture_writes_no_kv(path):
     first = run_alone(runner, ids[:11], table)[-1]
     runner.cache.clear()
     runner.capture([BatchDescriptor(4, 4, True)])
-    step = runner.execute(StepBatch([StepSeq([ids[11]], 11, table, True)])).logits[0].float()
+    step = runner.execute(StepPlan.standalone([StepSeq([ids[11]], 11, table, True)])).logits[0].float()
     fresh = ModelRunner(cpu_settings(path))
     ref = run_alone(fresh, ids, Blocks(fresh.block_size).table(12), chunk=11)
     assert (first - ref[0]).abs().max().item() < ATOL
@@ -122,7 +122,7 @@ def test_full_decode_warmup_capture_writes_no_kv(path):
 def test_decode_position_past_the_table_is_rejected(path):
     runner = ModelRunner(cpu_settings(path))
     with pytest.raises(ValueError, match="needs ceil"):
-        runner.execute(StepBatch([StepSeq([5], 8, [0, 1], True)]))  # position 8 with 2 blocks of 4
+        runner.execute(StepPlan.standalone([StepSeq([5], 8, [0, 1], True)]))  # position 8 with 2 blocks of 4
 
 
 def test_decode_kernel_selection():

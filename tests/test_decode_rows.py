@@ -1,20 +1,17 @@
-"""Persistent decode rows (engine/worker/decode_rows.py): a steady decode step advances the runner's device
-buffers in place instead of laying every row out from the host. Every such step must leave exactly
-the buffers a full layout (InputBatch.full_decode) of the same batch writes, through rows that
-leave, blocks that grow, preemption and admissions in between; and the engine's outputs must equal
-the synchronous engine's, which never takes that path."""
+"""Persistent decode rows (engine/worker/request_table.py's ResidentRows): a steady decode step advances the
+runner's device buffers in place instead of laying every row out from the host. Every such step must leave
+exactly the buffers a layout from the host (InputBatch.prepare's, how "full_decode") of the same plan writes,
+through rows that leave, blocks that grow, preemption and admissions in between; and the engine's outputs
+must equal the synchronous engine's, which never takes that path."""
 
 from __future__ import annotations
 
-import pickle
-
 import pytest
 import torch
-from graphcache.engine.batch import DecodeRows, StepBatch, StepSeq
 from graphcache.engine.loop.core import EngineCore
+from graphcache.engine.plan import NewRequest, StepPlan
 from graphcache.engine.sequence import SamplingParams, Sequence
 from graphcache.engine.worker.runner import ModelRunner
-from graphcache.engine.worker.tp_worker import execute_payload
 from helpers_model import cpu_settings, prompt_ids, tiny_checkpoint
 from test_async_scheduling import drive
 
@@ -34,37 +31,39 @@ def _requests(n: int = 9):
     ]
 
 
-def _layout(runner: ModelRunner, batch: StepBatch, pad: int) -> dict[str, torch.Tensor]:
+def _layout(runner: ModelRunner, plan: StepPlan, pad: int) -> dict[str, torch.Tensor]:
     """The decode buffers the step reads: pads included, block tables up to each row's length."""
-    n = len(batch.rows.keys)
     inputs = runner.inputs
     out = {
         name: getattr(inputs, name).dev[:pad].clone()
         for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "logits_indices")
     }
-    for i, s in enumerate(batch.seqs[:n]):
-        out[f"table{i}"] = inputs.block_tables.dev[i, : len(s.block_table)].clone()
+    for i, table in enumerate(runner.table.block_tables(plan.keys)):
+        out[f"table{i}"] = inputs.block_tables.dev[i, : len(table)].clone()
     return out
 
 
 def _checked_core(settings, counts: dict) -> EngineCore:
     """A core whose runner, after every step it takes from persistent rows, poisons the buffers, lays
-    the same batch out in full and asserts both wrote the same."""
+    the same plan out from the host and asserts both wrote the same (and that the block tables the worker
+    built from the plans are the scheduler's)."""
     runner = ModelRunner(settings)
     inputs = runner.inputs
-    rows, from_rows = inputs.rows, inputs.decode_from_rows
+    advance = inputs._advance
 
-    def apply_then_compare(batch, pad):
-        decode_rows, prev = batch.rows, batch.prev_tokens
+    def apply_then_compare(table, rows, plan, pad, prev):
         before = None if rows.keys is None else list(rows.keys)
-        layout = from_rows(batch, pad)
+        layout = advance(table, rows, plan, pad, prev)
         if layout is None:
             return None
+        running = {seq.key: seq for seq in core.scheduler.running}
+        for key, blocks in zip(plan.keys, table.block_tables(plan.keys), strict=True):
+            assert blocks == running[key].block_table, key
         counts["applied"] += 1
-        counts["gathered"] += decode_rows.keys != before
-        counts["new_rows"] += before is not None and not set(decode_rows.keys) <= set(before)
-        counts["grown"] += bool(decode_rows.grown)
-        got = _layout(runner, batch, pad)
+        counts["gathered"] += plan.keys != before
+        counts["new_rows"] += before is not None and not set(plan.keys) <= set(before)
+        counts["grown"] += bool(plan.grown)
+        got = _layout(runner, plan, pad)
         for buf in (
             inputs.input_ids,
             inputs.positions,
@@ -74,17 +73,19 @@ def _checked_core(settings, counts: dict) -> EngineCore:
             inputs.logits_indices,
         ):
             buf.dev.fill_(POISON)
-        inputs._write_full_decode(
-            batch.seqs, pad, prev
-        )  # the host layout alone: the rows' state stays the path's
-        inputs._host_tables_stale = True  # as the rows path leaves the host row cache
-        want = _layout(runner, batch, pad)
+        # The host layout alone: the rows' state stays the path's.
+        state = (rows.keys, rows._row_of, rows._num_blocks.copy(), rows.arange_rows)
+        inputs._host_tables_stale = True  # as a mixed layout leaves the host row cache
+        inputs._lay_out(table, plan, True, pad, pad, prev)
+        rows.keys, rows._row_of, rows._num_blocks, rows.arange_rows = state
+        want = _layout(runner, plan, pad)
         for name in want:
             assert torch.equal(got[name], want[name]), (name, got[name], want[name])
         return layout
 
-    inputs.decode_from_rows = apply_then_compare
-    return EngineCore(runner, settings)
+    inputs._advance = apply_then_compare
+    core = EngineCore(runner, settings)
+    return core
 
 
 @pytest.mark.slow
@@ -140,43 +141,27 @@ def test_a_request_that_ends_with_its_prefill_leaves_no_stale_pad():
 def test_a_new_sequence_or_unknown_rows_fall_back_to_a_full_layout():
     settings = cpu_settings(tiny_checkpoint("qwen2"), async_scheduling="on")
     runner = ModelRunner(settings)
-    rows, prev = runner.inputs.rows, torch.zeros(2, dtype=torch.int64)
-    assert not rows.applicable(DecodeRows([1, 2], []), 2)  # nothing laid out yet
+    table, prev = runner.table, torch.zeros(2, dtype=torch.int64)
+    rows = table.rows
+    greedy = SamplingParams(temperature=0)
+    table.update(StepPlan([], [], new=tuple(NewRequest(k, f"r{k}", [], [], greedy, [0]) for k in (1, 2, 3))))
+    table.sampled_by_step([1, 2])  # the step in flight samples 1 and 2, not 3
+
+    def steady(keys, grown=()):
+        return StepPlan(keys=keys, starts=[4] * len(keys), grown=grown)
+
+    assert not rows.follows(steady([1, 2]), table, 2)  # nothing laid out yet
     rows.remember([1, 2], [1, 1], 2)
-    assert rows.applicable(DecodeRows([1, 2], []), 2)
-    assert rows.applicable(DecodeRows([2], []), 2)  # a row left
-    assert not rows.applicable(DecodeRows([2, 3], []), 2)  # sequence 3 is new: it needs its StepSeq
-    assert not rows.applicable(DecodeRows([1, 2], []), 1)  # fewer sampled ids than rows
-    fed_known = StepSeq([5], 4, [0, 1], True)  # a row fed a known token, not one in flight
-    assert not rows.apply(DecodeRows([3], []), 1, prev[:1], lambda i: fed_known, lambda: None)
-    assert not rows.apply(DecodeRows([1, 2], [(2, [])]), 2, prev, None, lambda: None)  # a table that shrank
+    assert rows.follows(steady([1, 2]), table, 2)
+    assert rows.follows(steady([2]), table, 2)  # a row left
+    assert not rows.follows(
+        steady([2, 3]), table, 2
+    )  # request 3 is new to the rows and no id is in flight for it
+    assert not rows.follows(steady([1, 2]), table, 1)  # fewer sampled ids than rows
+    fed_known = StepPlan(keys=[1], starts=[4], tokens=[[5]])  # a row fed a known token, not one in flight
+    assert not rows.follows(fed_known, table, 2)
+    table.get(2).block_table = []  # the worker's table of 2 shorter than its device row: they split
+    assert rows.apply(steady([1, 2], grown=((2, []),)), table, prev, lambda: None) is None
     assert rows.keys == [1, 2] and list(rows._num_blocks[:2]) == [1, 1]  # nothing touched
     runner.capture([])  # a capture outside a step rewrites the buffers: the rows are no longer known
     assert rows.keys is None
-
-
-def test_a_rows_batch_builds_its_sequences_only_when_asked_and_pickles_without_them():
-    built = []
-    batch = StepBatch(rows=DecodeRows([4, 5], [(5, [1, 2])]), build=lambda: built.append(1) or [])
-    assert batch.num_tokens == 2 and batch.uniform_decode and not batch.wants_prompt_logits and not built
-    sent = pickle.loads(pickle.dumps(batch))
-    assert sent.rows.keys == [4, 5] and sent.rows.grown == [(5, [1, 2])]
-    with pytest.raises(RuntimeError, match="runner states have split"):
-        _ = sent.seqs
-    assert batch.seqs == [] and built == [1]
-    with pytest.raises(ValueError, match="needs seqs, or rows"):
-        StepBatch()
-
-
-def test_what_a_tensor_parallel_rank_receives_keeps_the_keys():
-    """A mixed step's keys must reach the other ranks: rank 0's runner remembers its decode rows from
-    them, and a later rows-only step would find the other ranks' rows unknown (a split) without them."""
-    mixed = StepBatch([StepSeq([1], 3, [0], True), StepSeq([4, 5], 0, [1], True)], keys=[7, 8])
-    sent, _ = execute_payload(mixed, rows_only=False)
-    assert pickle.loads(pickle.dumps(sent)).keys == [7, 8]
-    decode = StepBatch(
-        rows=DecodeRows([7], []), build=lambda: [], prev_tokens=torch.zeros(1, dtype=torch.int64)
-    )
-    sent, num_prev = execute_payload(decode, rows_only=True)
-    got = pickle.loads(pickle.dumps(sent))
-    assert got.keys == [7] and got.rows.keys == [7] and num_prev == 1 and got.prev_tokens is None

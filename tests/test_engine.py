@@ -1,8 +1,9 @@
 """Engine: the engine thread + asyncio API, with a fake runner (always) and the real one (tiny model, CPU).
 
-The fake runner keeps a token-level "KV cache" addressed by the block tables the engine sends and
-derives each next token from what it reads back, so wrong slices, positions or block tables change
-the output. The real-runner tests need graphcache.engine.worker.runner and graphcache.model.tiny.
+The fake runner keeps a token-level "KV cache" addressed by the block tables the step plans give its
+request table and derives each next token from what it reads back, so wrong slices, positions or block
+tables change the output; it samples with the worker's own sampling stage. The real-runner tests need
+graphcache.engine.worker.runner and graphcache.model.tiny.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import time
 import pytest
 import torch
 from graphcache.config import Settings
-from graphcache.engine.batch import StepResult
 from graphcache.engine.loop.engine import (
     DEAD_MESSAGE,
     MAX_CONSECUTIVE_STEP_FAILURES,
@@ -26,6 +26,8 @@ from graphcache.engine.loop.engine import (
     QueueFull,
     SamplingParams,
 )
+from graphcache.engine.worker.request_table import RequestTable
+from graphcache.engine.worker.sampling import StepSampler
 from graphcache.graphs.cache import WarmupReport
 from graphcache.metrics import Metrics
 from graphcache.model.detokenizer import IncrementalDetokenizer
@@ -89,9 +91,14 @@ class FakeRunner:
         self.cache = FakeCache(self.owner)
         self.step_delay = step_delay
         self.slots: dict[int, int] = {}
-        self.batches = []
+        self.plans = []
+        self.table = RequestTable()  # no device rows: every step is laid out here, from the table
+        self.sampling = StepSampler(self.eos_token_ids, settings.model.seed)
+        self._sampled = None  # the ids the last step sampled (the step in flight's)
 
     def warmup(self, progress=None):
+        if self.device_type == "cuda":  # as ModelRunner.warmup: the sampler's kernels compile here
+            self.sampling.warmup(self.vocab_size, self.dtype, torch.device("cuda"))
         return {"captured": 0}
 
     def capture(self, descriptors, *, pin=True, progress=None):
@@ -107,28 +114,35 @@ class FakeRunner:
     def close(self):
         pass
 
-    def execute(self, batch):
+    def execute(self, plan):
         assert threading.current_thread() is self.owner[0]
-        self.batches.append(batch)
+        self.plans.append(plan)
         if self.step_delay:
             time.sleep(self.step_delay)
+        prev, self._sampled = self._sampled, None
+        table = self.table
+        table.update(plan)
         bs = self.block_size
         rows = []
-        for s in batch.seqs:
-            ids = list(s.token_ids)
-            if s.prev_row is not None:  # async scheduling: the in-flight step's token, as the GPU would
-                ids[-1] = int(batch.prev_tokens[s.prev_row])
-            for i, tok in enumerate(ids):
-                pos = s.start_pos + i
-                self.slots[s.block_table[pos // bs] * bs + pos % bs] = tok
-            if s.need_logits:
-                end = s.start_pos + len(s.token_ids)
-                history = [self.slots[s.block_table[p // bs] * bs + p % bs] for p in range(end)]
+        for i, key in enumerate(plan.keys):
+            fed, start, blocks = plan.fed(i), plan.starts[i], table.get(key).block_table
+            # async scheduling: the in-flight step's token, as the GPU would
+            ids = [int(prev[table.in_flight_row_of(key)])] if fed is None else fed
+            for j, tok in enumerate(ids):
+                pos = start + j
+                self.slots[blocks[pos // bs] * bs + pos % bs] = tok
+            if plan.need_logits is None or plan.need_logits[i]:
+                end = start + len(ids)
+                history = [self.slots[blocks[p // bs] * bs + p % bs] for p in range(end)]
                 nxt = (sum((p + 1) * t for p, t in enumerate(history)) * 31 + end) % (VOCAB - 1)
                 row = torch.zeros(VOCAB)
                 row[nxt] = 10.0
                 rows.append(row)
-        return StepResult(torch.stack(rows) if rows else torch.zeros(0, VOCAB), "eager")
+        logits = torch.stack(rows) if rows else torch.zeros(0, VOCAB)
+        out = self.sampling(plan, table.sampled(plan), logits, "eager")
+        self._sampled = out.sampled
+        table.sampled_by_step(plan.sampled_keys())
+        return out
 
 
 def fake_factory(**kw):
@@ -387,11 +401,11 @@ class RowFailingSampler:
     def __init__(self, inner, bad: str):
         self.inner, self.bad, self.calls = inner, bad, 0
 
-    def sample_device(self, logits, seqs):
+    def sample_device(self, logits, seqs, plain_greedy=None):
         self.calls += 1
         if any(s.request_id == self.bad for s in seqs):
             raise RuntimeError("multinomial: invalid probability distribution")
-        return self.inner.sample_device(logits, seqs)
+        return self.inner.sample_device(logits, seqs, plain_greedy)
 
 
 async def test_a_request_whose_sampling_fails_ends_alone_and_never_kills_the_engine():
@@ -400,7 +414,10 @@ async def test_a_request_whose_sampling_fails_ends_alone_and_never_kills_the_eng
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
         for round_ in range(MAX_CONSECUTIVE_STEP_FAILURES + 2):  # more than the death threshold
             bad = f"bad{round_}"
-            e.core.sampler = RowFailingSampler(e.core.sampler if round_ == 0 else e.core.sampler.inner, bad)
+            sampling = e.core.runner.sampling  # the worker samples
+            sampling.sampler = RowFailingSampler(
+                sampling.sampler if round_ == 0 else sampling.sampler.inner, bad
+            )
             results = await asyncio.wait_for(
                 asyncio.gather(
                     collect(e, f"ok{round_}.a", [1, 2, 3], params),
@@ -427,10 +444,10 @@ async def test_device_fault_while_sampling_still_counts():
     try:
 
         class Broken:
-            def sample_device(self, logits, seqs):
+            def sample_device(self, logits, seqs, plain_greedy=None):
                 raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
 
-        e.core.sampler = Broken()
+        e.core.runner.sampling.sampler = Broken()
         _, _, last = await asyncio.wait_for(collect(e, "r", [1, 2], SamplingParams(max_tokens=4)), 10)
         assert last.finish_reason == "error"
         for _ in range(100):

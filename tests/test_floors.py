@@ -2,10 +2,11 @@
 only graphcache modules of lower floors (or of its own package); no function-level import dodges a
 cycle; and the CPU-only scheduler floor pulls in no torch.
 
-Inside the engine, the stages are floors too: loop > sched | worker | sample > the engine's base
-modules (batch, sequence, errors, stopping). The three middle stages are peers and import none of
-each other, so a sampling helper cannot reach into the scheduler. No module imports another
-module's private (underscore) name."""
+Inside the engine, the stages are floors too: loop > sched | worker > sample > the engine's base
+modules (plan, sequence, errors, stopping). The scheduler and the worker are peers and import none of each
+other: the step plan (plan.py, plain data) is all that crosses between them. The worker samples, so it
+stands above sample/, which reaches into neither. No module imports another module's private (underscore)
+name."""
 
 from __future__ import annotations
 
@@ -70,11 +71,13 @@ def test_no_module_imports_upward_and_no_import_dodges_a_cycle():
     assert not bad, "\n".join(bad)
 
 
-ENGINE_STAGES = {"loop": 2, "sched": 1, "worker": 1, "sample": 1}  # anything else in engine/: the base, 0
+# anything else in engine/: the base, 0. sched and worker are peers (a rank below the other's is not
+# enough: test_no_worker_module_imports_the_scheduler checks the worker's side).
+ENGINE_STAGES = {"loop": 3, "sched": 1, "worker": 2, "sample": 1}
 
 
 def _engine_stage(module: str) -> tuple[str, int] | None:
-    """graphcache.engine.sched.scheduler -> ("sched", 1); graphcache.engine.batch -> ("base", 0)."""
+    """graphcache.engine.sched.scheduler -> ("sched", 1); graphcache.engine.plan -> ("base", 0)."""
     parts = module.split(".")
     if len(parts) < 3 or parts[1] != "engine":
         return None
@@ -101,6 +104,18 @@ def test_engine_stages_import_only_lower_stages():
     assert not bad, "\n".join(bad)
 
 
+def test_no_worker_module_imports_the_scheduler():
+    """The worker knows a step only as its StepPlan: nothing under engine/worker/ imports engine/sched/."""
+    bad = [
+        f"{module} imports {imported}"
+        for module, path in _modules()
+        if module.startswith("graphcache.engine.worker.")
+        for imported, _ in _imports(path)
+        if imported.startswith("graphcache.engine.sched")
+    ]
+    assert not bad, "\n".join(bad)
+
+
 def test_no_module_imports_another_modules_private_name():
     bad = []
     for module, path in _modules():
@@ -121,7 +136,7 @@ def test_no_module_imports_another_modules_private_name():
 
 def test_scheduler_floor_imports_no_torch():
     code = (
-        "import sys, graphcache.engine.sched.scheduler, graphcache.engine.sched.block_manager, graphcache.engine.batch; "
+        "import sys, graphcache.engine.sched.scheduler, graphcache.engine.sched.block_manager, graphcache.engine.plan; "
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

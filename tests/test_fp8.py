@@ -24,8 +24,8 @@ import logging
 import pytest
 import torch
 from graphcache.config import Settings
-from graphcache.engine.batch import StepBatch, StepSeq
 from graphcache.engine.loop.engine import Engine, SamplingParams
+from graphcache.engine.plan import StepPlan, StepSeq
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.metrics import Metrics
 from graphcache.model.config import ModelLoadError
@@ -87,7 +87,7 @@ def prompt_logits(path, ids=PROMPT, **settings) -> torch.Tensor:
     """[len(ids), V] fp32 logits of every position, one eager prefill."""
     runner = ModelRunner(cpu_settings(path, **settings))
     table = Blocks(runner.block_size).table(len(ids))
-    result = runner.execute(StepBatch([StepSeq(list(ids), 0, table, True, prompt_logits=True)]))
+    result = runner.execute(StepPlan.standalone([StepSeq(list(ids), 0, table, True, prompt_logits=True)]))
     return result.prompt_logits.float()
 
 
@@ -473,7 +473,7 @@ TP_PROMPTS = (prompt_ids(7, seed=1), prompt_ids(5, seed=2))
 def _last_logits(runner: ModelRunner) -> torch.Tensor:
     """[2, V] fp32: the last position's logits of two prompts prefilled together."""
     seqs = [StepSeq(list(p), 0, [2 * i, 2 * i + 1], True) for i, p in enumerate(TP_PROMPTS)]
-    return runner.execute(StepBatch(seqs)).logits.float().clone()
+    return runner.execute(StepPlan.standalone(seqs)).logits.float().clone()
 
 
 def _tp_rank(rank: int, world: int, port: int, paths: list[str], out_dir: str) -> None:

@@ -218,8 +218,8 @@ def test_preempted_prefill_records_each_prompt_entry_once(path, async_scheduling
             )
             core.scheduler._preempt(seq, SchedulerOutput())
             core.scheduler.max_num_batched_tokens = 24
-        if core._pending is not None and core._pending.prompt_spans:
-            spans.append([(s.first_entry, len(s.targets)) for s in core._pending.prompt_spans])
+        if core._pending is not None and core._pending.plan.plan.prompt_logits:
+            spans.append([(s.first_entry, len(s.targets)) for s in core._prompt_spans(core._pending.plan)])
 
     core = make_core(path, max_num_batched_tokens=16, async_scheduling=async_scheduling)
     g = run(core, [("p", prompt, params)], between=preempt_after_first_chunk)["p"]
@@ -290,7 +290,7 @@ def test_history_dependent_request_is_not_overlapped():
             core, [("a", [1, 2, 3], params), ("b", [4, 5], SamplingParams(max_tokens=8, temperature=0))]
         )
         assert len(got["a"]["ids"]) == 10
-        return sum(s.prev_row is not None for b in core.runner.batches for s in b.seqs)
+        return sum(p.num_reqs if p.tokens is None else p.tokens.count(None) for p in core.runner.plans)
 
     plain = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     assert placeholders(plain) > 5
@@ -302,17 +302,17 @@ def test_history_dependent_request_is_not_overlapped():
 def test_runner_returns_every_position_for_prompt_logits_seqs(path):
     """A batch mixing a decode, a flagged chunk and an unflagged prefill: prompt_logits holds the
     flagged chunk's logits at each of its positions (HF's), and the usual logits rows are unchanged."""
-    from graphcache.engine.batch import StepBatch, StepSeq
+    from graphcache.engine.plan import StepPlan, StepSeq
     from helpers_model import Blocks
 
     runner = ModelRunner(cpu_settings(path))
     blocks = Blocks(runner.block_size)
     a, b, c = prompt_ids(9, seed=60), prompt_ids(14, seed=61), prompt_ids(6, seed=62)
     ta, tb, tc = blocks.table(len(a)), blocks.table(len(b)), blocks.table(len(c))
-    runner.execute(StepBatch([StepSeq(a[:8], 0, ta, False), StepSeq(b[:5], 0, tb, False)]))
+    runner.execute(StepPlan.standalone([StepSeq(a[:8], 0, ta, False), StepSeq(b[:5], 0, tb, False)]))
 
-    def batch(flag: bool) -> StepBatch:
-        return StepBatch(
+    def batch(flag: bool) -> StepPlan:
+        return StepPlan.standalone(
             [
                 StepSeq(b[5:], 5, tb, True, prompt_logits=flag),
                 StepSeq([a[8]], 8, ta, True),

@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from graphcache.engine.batch import StepBatch, StepSeq
+from graphcache.engine.plan import StepPlan, StepSeq
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.model.loader import ModelConfig, ModelLoadError, load_model, read_config
 from graphcache.model.tiny import make_tiny_model
@@ -57,10 +57,10 @@ def test_decode_steps_match_hf(case):
     path, ids, ref = case
     runner = ModelRunner(cpu_settings(path))
     table = Blocks(runner.block_size).table(len(ids))
-    logits = runner.execute(StepBatch([StepSeq(ids[:17], 0, table, True)])).logits[0]
+    logits = runner.execute(StepPlan.standalone([StepSeq(ids[:17], 0, table, True)])).logits[0]
     diffs = [(logits - ref[16]).abs().max().item()]
     for pos in range(17, len(ids)):
-        logits = runner.execute(StepBatch([StepSeq([ids[pos]], pos, table, True)])).logits[0]
+        logits = runner.execute(StepPlan.standalone([StepSeq([ids[pos]], pos, table, True)])).logits[0]
         diffs.append((logits - ref[pos]).abs().max().item())
     assert max(diffs) < ATOL, diffs
 

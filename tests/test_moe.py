@@ -17,8 +17,8 @@ import json
 import pytest
 import torch
 from graphcache.config import Settings
-from graphcache.engine.batch import StepBatch, StepSeq
 from graphcache.engine.loop.engine import Engine, SamplingParams
+from graphcache.engine.plan import StepPlan, StepSeq
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.metrics import Metrics
 from graphcache.model.config import ModelConfig, ModelLoadError, read_config
@@ -66,10 +66,10 @@ def test_prefill_and_decode_match_hf(case):
     blocks = Blocks(runner.block_size)
     for ids, ref in zip(PROMPTS, refs, strict=True):
         table = blocks.table(len(ids))
-        logits = runner.execute(StepBatch([StepSeq(ids[:17], 0, table, True)])).logits[0]
+        logits = runner.execute(StepPlan.standalone([StepSeq(ids[:17], 0, table, True)])).logits[0]
         diffs = [(logits - ref[16]).abs().max().item()]
         for pos in range(17, len(ids)):
-            logits = runner.execute(StepBatch([StepSeq([ids[pos]], pos, table, True)])).logits[0]
+            logits = runner.execute(StepPlan.standalone([StepSeq([ids[pos]], pos, table, True)])).logits[0]
             diffs.append((logits - ref[pos]).abs().max().item())
         assert ref.abs().max() > 0.5  # real logits, not a vacuous match
         assert max(diffs) < ATOL, diffs
@@ -80,7 +80,7 @@ def test_two_prompts_in_one_step_match_hf(case):
     path, refs = case
     runner = ModelRunner(cpu_settings(path))
     blocks = Blocks(runner.block_size)
-    batch = StepBatch([StepSeq(list(ids), 0, blocks.table(len(ids)), True) for ids in PROMPTS])
+    batch = StepPlan.standalone([StepSeq(list(ids), 0, blocks.table(len(ids)), True) for ids in PROMPTS])
     logits = runner.execute(batch).logits
     for row, ref in zip(logits, refs, strict=True):
         assert (row - ref[-1]).abs().max().item() < ATOL
@@ -138,7 +138,7 @@ def test_tiny_writer_moe_matches_hf(arch):
     ids = PROMPTS[0]
     runner = ModelRunner(cpu_settings(path))
     logits = runner.execute(
-        StepBatch([StepSeq(ids, 0, Blocks(runner.block_size).table(len(ids)), True)])
+        StepPlan.standalone([StepSeq(ids, 0, Blocks(runner.block_size).table(len(ids)), True)])
     ).logits
     assert (logits[0] - hf_logits(path, ids)[-1]).abs().max().item() < ATOL
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 from graphcache.config import Settings
-from graphcache.engine.batch import StepBatch, StepSeq
 from graphcache.engine.loop.core import EngineCore
+from graphcache.engine.plan import StepPlan, StepSeq
 from graphcache.engine.sched.block_manager import BlockManager
 from graphcache.engine.sequence import SamplingParams, Sequence
 from graphcache.engine.worker.runner import ModelRunner
@@ -41,7 +41,9 @@ def test_prefill_after_shared_blocks_equals_the_sequence_computed_alone(path):
     # Two sequences in one step, both continuing after the owner's 4 blocks in their own blocks.
     tails = [prompt_ids(6, seed=3), prompt_ids(2 * bs + 1, seed=4)]
     tables = [shared + blocks.table(len(t)) for t in tails]
-    batch = StepBatch([StepSeq(t, len(prefix), table, True) for t, table in zip(tails, tables, strict=True)])
+    batch = StepPlan.standalone(
+        [StepSeq(t, len(prefix), table, True) for t, table in zip(tails, tables, strict=True)]
+    )
     logits = runner.execute(batch).logits.clone()  # a view of a static buffer: keep a copy
     fresh = ModelRunner(cpu_settings(path))
     for row, tail in enumerate(tails):
@@ -53,7 +55,7 @@ def test_prefill_after_shared_blocks_equals_the_sequence_computed_alone(path):
     other_table = Blocks(bs, first=60).table(len(other))
     run_alone(runner, other, other_table)
     moved = runner.execute(
-        StepBatch([StepSeq(tails[0], len(prefix), other_table + tables[0][4:], True)])
+        StepPlan.standalone([StepSeq(tails[0], len(prefix), other_table + tables[0][4:], True)])
     ).logits
     assert (moved[0] - logits[0]).abs().max().item() > 1e-2
 
@@ -80,9 +82,9 @@ class CountingRunner:
     def __getattr__(self, name):
         return getattr(self.runner, name)
 
-    def execute(self, batch):
-        self.tokens_fed += sum(len(s.token_ids) for s in batch.seqs)
-        return self.runner.execute(batch)
+    def execute(self, plan):
+        self.tokens_fed += plan.num_tokens
+        return self.runner.execute(plan)
 
 
 def drive(core: EngineCore, waves: list[list[tuple[str, list[int], SamplingParams]]]) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from graphcache.config import Settings
-from graphcache.engine.batch import StepBatch, StepSeq
+from graphcache.engine.plan import StepPlan, StepSeq
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.graphs.descriptor import BatchDescriptor
 from helpers_model import Blocks, cpu_settings, prompt_ids, run_alone, tiny_checkpoint
@@ -43,7 +43,7 @@ def test_mixed_batch_equals_each_sequence_alone(path):
     seqs, expected = _histories(runner)
     # Interleave decodes and prefills: the runner reorders internally, rows come back in batch order.
     order = [3, 0, 1, 4, 2]
-    batch = StepBatch([seqs[i] for i in order])
+    batch = StepPlan.standalone([seqs[i] for i in order])
     result = runner.execute(batch)
     logits = result.logits
     assert logits.shape == (5, runner.model_config.vocab_size) and logits.dtype == torch.float32
@@ -55,7 +55,7 @@ def test_mixed_batch_equals_each_sequence_alone(path):
 def test_decode_batch_uses_padded_decode_descriptor(path):
     runner = ModelRunner(cpu_settings(path))
     seqs, expected = _histories(runner, n_decodes=3, prefill_lens=())
-    logits = runner.execute(StepBatch(seqs)).logits  # 3 decodes -> 4:4:decode with one pad request
+    logits = runner.execute(StepPlan.standalone(seqs)).logits  # 3 decodes -> 4:4:decode with one pad request
     assert BatchDescriptor(4, 4, True) in runner.cache
     for row in range(3):
         assert (logits[row] - expected[row]).abs().max().item() < ATOL
@@ -66,7 +66,7 @@ def test_need_logits_rows_come_first_in_batch_order(path):
     seqs, expected = _histories(runner)
     seqs[0].need_logits = False  # e.g. a non-final prefill chunk
     seqs[3].need_logits = False
-    logits = runner.execute(StepBatch(seqs)).logits
+    logits = runner.execute(StepPlan.standalone(seqs)).logits
     assert logits.shape[0] == 3
     for row, i in enumerate([1, 2, 4]):
         assert (logits[row] - expected[i]).abs().max().item() < ATOL
@@ -77,7 +77,7 @@ def test_padding_never_writes_other_kv_blocks(path):
     ids = prompt_ids(5)
     table = [7, 8]
     before = runner.kv_cache.clone()
-    runner.execute(StepBatch([StepSeq(ids, 0, table, True)]))  # 5 tokens padded to 8
+    runner.execute(StepPlan.standalone([StepSeq(ids, 0, table, True)]))  # 5 tokens padded to 8
     changed = (runner.kv_cache != before).flatten(3).any(-1)  # [layers, 2, blocks]
     touched = sorted(set(changed.nonzero()[:, 2].tolist()))
     assert touched == [7, 8]
@@ -87,7 +87,7 @@ def test_oversized_batch_runs_eagerly_with_same_logits(path):
     runner = ModelRunner(cpu_settings(path, capture_sizes=[1, 2, 4, 8], max_capture_size=8))
     ids = prompt_ids(30, seed=3)
     table = Blocks(runner.block_size).table(30)
-    result = runner.execute(StepBatch([StepSeq(ids, 0, table, True)]))
+    result = runner.execute(StepPlan.standalone([StepSeq(ids, 0, table, True)]))
     logits = result.logits
     assert result.mode == "eager"
     small = ModelRunner(cpu_settings(path))
@@ -100,7 +100,7 @@ def test_enforce_eager_never_captures(path):
     report = runner.warmup()
     assert report.captured == [] and len(runner.cache) == 0
     ids = prompt_ids(6)
-    result = runner.execute(StepBatch([StepSeq(ids, 0, Blocks(4).table(6), True)]))
+    result = runner.execute(StepPlan.standalone([StepSeq(ids, 0, Blocks(4).table(6), True)]))
     assert result.mode == "eager" and len(runner.cache) == 0
 
 
@@ -115,7 +115,7 @@ def test_warmup_captures_decode_sizes_and_writes_no_kv(path):
     table = Blocks(runner.block_size).table(12)
     first = run_alone(runner, ids[:11], table)[-1]
     runner.capture([BatchDescriptor(32, 4)])
-    step = runner.execute(StepBatch([StepSeq([ids[11]], 11, table, True)])).logits[0]
+    step = runner.execute(StepPlan.standalone([StepSeq([ids[11]], 11, table, True)])).logits[0]
     fresh = ModelRunner(cpu_settings(path))
     ref = run_alone(fresh, ids, Blocks(fresh.block_size).table(12), chunk=11)
     assert (first - ref[0]).abs().max().item() < ATOL
@@ -137,23 +137,25 @@ def test_default_tiny_model_when_no_model_set(tmp_path):
     assert runner.model_config.architecture == "llama" and runner.dtype == torch.float32
     assert runner.max_model_len == 2048 and runner.num_kv_blocks == 4 * 2048 // 16
     ids = runner.tokenizer.encode("Hello there")
-    logits = runner.execute(StepBatch([StepSeq(ids, 0, list(range(1)), True)])).logits
+    logits = runner.execute(StepPlan.standalone([StepSeq(ids, 0, list(range(1)), True)])).logits
     assert torch.isfinite(logits).all()
 
 
 def test_bad_block_table_is_rejected_with_a_fix(path):
     runner = ModelRunner(cpu_settings(path))
     with pytest.raises(ValueError, match="needs ceil"):
-        runner.execute(StepBatch([StepSeq(prompt_ids(9), 0, [0, 1], True)]))
+        runner.execute(StepPlan.standalone([StepSeq(prompt_ids(9), 0, [0, 1], True)]))
 
 
 def test_graph_debug_addresses_stay_fixed_across_steps(path):
     runner = ModelRunner(cpu_settings(path, graph_debug=True))
     blocks = Blocks(runner.block_size)
     tables = [blocks.table(12) for _ in range(3)]
-    runner.execute(StepBatch([StepSeq(prompt_ids(5, seed=i), 0, tables[i], True) for i in range(3)]))
+    runner.execute(
+        StepPlan.standalone([StepSeq(prompt_ids(5, seed=i), 0, tables[i], True) for i in range(3)])
+    )
     for pos in (5, 6, 7):  # same 4:4:decode descriptor: captured once, then replayed with checks
-        result = runner.execute(StepBatch([StepSeq([9], pos, tables[i], True) for i in range(3)]))
+        result = runner.execute(StepPlan.standalone([StepSeq([9], pos, tables[i], True) for i in range(3)]))
         assert result.mode == "replay"
     assert runner.cache.stats().hits == 2
 
@@ -182,7 +184,9 @@ def test_padded_tokens_write_only_the_scratch_slot(path):
     # failed this test in ~1 run in 5.
     storage[:, :, scratch_block] = 12345.0
     before = storage.clone()
-    result = runner.execute(StepBatch([StepSeq(prompt_ids(5), 0, [7, 8], True)]))  # 5 tokens padded to 8
+    result = runner.execute(
+        StepPlan.standalone([StepSeq(prompt_ids(5), 0, [7, 8], True)])
+    )  # 5 tokens padded to 8
     assert result.mode == "replay"
     changed = (storage != before).flatten(3).any(-1)  # [layers, 2, blocks + 1]
     assert sorted(set(changed.nonzero()[:, 2].tolist())) == [7, 8, scratch_block]
@@ -197,8 +201,10 @@ def test_warmup_and_capture_between_steps_leave_kv_untouched(path):
     runner = ModelRunner(cpu_settings(path))
     blocks = Blocks(runner.block_size)
     tables = [blocks.table(12) for _ in range(3)]
-    runner.execute(StepBatch([StepSeq(prompt_ids(9, seed=i), 0, tables[i], True) for i in range(3)]))
-    runner.execute(StepBatch([StepSeq([11], 9, tables[i], True) for i in range(3)]))
+    runner.execute(
+        StepPlan.standalone([StepSeq(prompt_ids(9, seed=i), 0, tables[i], True) for i in range(3)])
+    )
+    runner.execute(StepPlan.standalone([StepSeq([11], 9, tables[i], True) for i in range(3)]))
     before = runner.kv_cache.clone()
     # Descriptors both already cached by the two steps (4:4:decode, 32:8: a mixed step pads its requests
     # to the token size, capped at max_num_seqs' 8) and new, decode and mixed.
@@ -216,7 +222,7 @@ def test_warmup_and_capture_between_steps_leave_kv_untouched(path):
 # --- the per-layer break stays lean: few torch calls, independent of the batch -------------------------
 
 
-def _aten_ops_per_break(runner, batch: StepBatch) -> list[int]:
+def _aten_ops_per_break(runner, batch: StepPlan) -> list[int]:
     import graphcache.model.llama as llama
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -252,9 +258,9 @@ def test_decode_break_has_a_fixed_small_op_count(path, num_decodes):
     blocks = Blocks(runner.block_size)
     tables = [blocks.table(8 + i) for i in range(num_decodes)]
     for i, t in enumerate(tables):
-        runner.execute(StepBatch([StepSeq(prompt_ids(7 + i, seed=i), 0, t, True)]))
+        runner.execute(StepPlan.standalone([StepSeq(prompt_ids(7 + i, seed=i), 0, t, True)]))
     counts = _aten_ops_per_break(
-        runner, StepBatch([StepSeq([5], 7 + i, t, True) for i, t in enumerate(tables)])
+        runner, StepPlan.standalone([StepSeq([5], 7 + i, t, True) for i, t in enumerate(tables)])
     )
     assert len(counts) == runner.model_config.num_layers
     assert max(counts) <= 10, counts  # gather, view, transpose, unbind, 2 q/out slices, q view, sdpa, copy
@@ -365,7 +371,7 @@ def test_flash_plan_mixed_chunked_and_padded_batch_matches_sdpa(path, flash_runn
             run_alone(flash, ids[:-1], table, chunk=3)  # chunked: context + causal chunks
         flash_seqs.append(StepSeq(s.token_ids, s.start_pos, table, True))
     order = [3, 0, 1, 4, 2]
-    result = flash.execute(StepBatch([flash_seqs[i] for i in order]))
+    result = flash.execute(StepPlan.standalone([flash_seqs[i] for i in order]))
     logits = result.logits
     assert result.mode == "replay"
     for row, i in enumerate(order):
@@ -380,12 +386,14 @@ def test_flash_plan_decode_steps_match_sdpa(path, flash_runner):
     table = Blocks(sdpa.block_size).table(30)
     # clone(): execute's logits are a view of a static buffer, valid until the next step
     ref += [
-        sdpa.execute(StepBatch([StepSeq([ids[p]], p, table, True)])).logits[0].clone() for p in range(20, 30)
+        sdpa.execute(StepPlan.standalone([StepSeq([ids[p]], p, table, True)])).logits[0].clone()
+        for p in range(20, 30)
     ]
     flash = flash_runner()
-    got = [flash.execute(StepBatch([StepSeq(ids[:20], 0, table, True)])).logits[0].clone()]
+    got = [flash.execute(StepPlan.standalone([StepSeq(ids[:20], 0, table, True)])).logits[0].clone()]
     got += [
-        flash.execute(StepBatch([StepSeq([ids[p]], p, table, True)])).logits[0].clone() for p in range(20, 30)
+        flash.execute(StepPlan.standalone([StepSeq([ids[p]], p, table, True)])).logits[0].clone()
+        for p in range(20, 30)
     ]
     for g, r in zip(got, ref, strict=True):
         assert (g - r).abs().max().item() < ATOL

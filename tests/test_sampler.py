@@ -1,9 +1,10 @@
 """Sampler and stop rules: greedy, top-k/top-p filtering, seeded reproducibility, stop ids, stop strings."""
 
 import torch
-from graphcache.engine.sample.sampler import Sampler, probs_from_logits
+from graphcache.engine.sample.sampler import probs_from_logits
 from graphcache.engine.sequence import SamplingParams, Sequence
 from graphcache.engine.stopping import check_stop
+from helpers_sampling import SequenceSampler as Sampler
 from helpers_stopping import feed
 
 

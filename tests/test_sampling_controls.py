@@ -11,9 +11,10 @@ import pytest
 import torch
 from graphcache.engine.errors import InvalidRequest
 from graphcache.engine.sample.controls import needs_history
-from graphcache.engine.sample.sampler import Sampler, probs_from_logits
+from graphcache.engine.sample.sampler import probs_from_logits
 from graphcache.engine.sequence import SamplingParams, Sequence
 from graphcache.engine.stopping import check_stop
+from helpers_sampling import SequenceSampler as Sampler
 from helpers_stopping import feed as feed_tokens
 from helpers_stopping import letters
 

@@ -17,9 +17,10 @@ import pytest
 import torch
 from graphcache.engine.sample import filter_threshold as ft
 from graphcache.engine.sample import race_draw as rd
-from graphcache.engine.sample.sampler import Sampler, probs_from_logits
+from graphcache.engine.sample.sampler import probs_from_logits
 from graphcache.engine.sequence import SamplingParams, Sequence
 from graphcache.model.triton_support import tl, triton
+from helpers_sampling import SequenceSampler as Sampler
 
 NEG_INF = float("-inf")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()

@@ -26,21 +26,36 @@ def seq(rid, n_prompt, max_tokens=8):
 
 
 class FakeKV:
+    """Reads only the step plans, as the worker does: the block tables it holds come from the plans' new
+    requests and grown blocks, and a request it was told to drop is gone."""
+
     def __init__(self, sched):
         self.bs = sched.block_manager.block_size
         self.slots = {}
+        self.tables = {}  # key -> block table, from the plans alone
 
-    def run(self, plan):
-        batch = plan.to_batch()
-        for s, ss in zip(plan.scheduled, batch.seqs, strict=True):
-            for i, tok in enumerate(ss.token_ids):
-                pos = ss.start_pos + i
-                self.slots[ss.block_table[pos // self.bs] * self.bs + pos % self.bs] = tok
-            if ss.need_logits:
-                end = ss.start_pos + len(ss.token_ids)
-                seen = [self.slots[ss.block_table[p // self.bs] * self.bs + p % self.bs] for p in range(end)]
-                assert seen == s.seq.all_token_ids, f"KV readback differs for {s.seq.request_id}"
-        return batch
+    def run(self, out):
+        plan = out.plan
+        if plan is None:  # nothing scheduled
+            return None
+        for key in plan.finished:
+            self.tables.pop(key, None)
+        for new in plan.new:
+            self.tables[new.key] = list(new.block_table)
+        for key, blocks in plan.grown:
+            self.tables[key] += blocks
+        for i, (s, key) in enumerate(zip(out.seqs, plan.keys, strict=True)):
+            assert key == s.key
+            table, start, fed = self.tables[key], plan.starts[i], plan.fed(i)
+            assert fed is not None  # no token in flight: postprocess ran before this step was scheduled
+            for j, tok in enumerate(fed):
+                pos = start + j
+                self.slots[table[pos // self.bs] * self.bs + pos % self.bs] = tok
+            if plan.need_logits is None or plan.need_logits[i]:
+                end = start + len(fed)
+                seen = [self.slots[table[p // self.bs] * self.bs + p % self.bs] for p in range(end)]
+                assert seen == s.all_token_ids, f"KV readback differs for {s.request_id}"
+        return plan
 
 
 def step(sched, kv):
@@ -102,7 +117,7 @@ def test_decodes_first_then_prefill_chunks_in_leftover_budget():
     sched.add(b)
     plan = step(sched, kv)
     assert [(s.seq.request_id, s.num_tokens) for s in plan.scheduled] == [("a", 1), ("b", 15)]
-    assert not plan.to_batch().uniform_decode
+    assert not plan.plan.uniform_decode
 
 
 def test_budgets_respected_with_many_requests():

@@ -10,14 +10,14 @@ import re
 
 import pytest
 import torch
-from graphcache.engine.batch import StepBatch, StepSeq
 from graphcache.engine.errors import InvalidRequest
-from graphcache.engine.sample.sampler import Sampler
+from graphcache.engine.plan import StepPlan, StepSeq
 from graphcache.engine.sample.structured import StructuredOutput, accept, is_done
 from graphcache.engine.sequence import SamplingParams, Sequence, StructuredSpec
 from graphcache.engine.stopping import grammar_failure
 from graphcache.engine.worker.runner import ModelRunner
 from helpers_model import Blocks, cpu_settings, prompt_ids, tiny_checkpoint
+from helpers_sampling import SequenceSampler as Sampler
 
 SCHEMA = {
     "type": "object",
@@ -73,7 +73,7 @@ def generate(
     sampler, eos = Sampler(), set(runner.tokenizer.eos_token_ids)
     feed, pos = prompt, 0
     for _ in range(max_tokens):
-        logits = runner.execute(StepBatch([StepSeq(feed, pos, table, need_logits=True)])).logits[:1]
+        logits = runner.execute(StepPlan.standalone([StepSeq(feed, pos, table, need_logits=True)])).logits[:1]
         pos += len(feed)
         structured.apply(logits, [seq])
         token = int(sampler.sample_device(logits, [seq])[0])
@@ -128,7 +128,9 @@ def test_unconstrained_output_is_not_json(runner, structured):
     """The reference: without the mask the random model does not write valid JSON by itself."""
     seq = Sequence("free", prompt_ids(12), SamplingParams(temperature=1.0, seed=0))
     logits = runner.execute(
-        StepBatch([StepSeq(seq.prompt_token_ids, 0, Blocks(runner.block_size).table(16), need_logits=True)])
+        StepPlan.standalone(
+            [StepSeq(seq.prompt_token_ids, 0, Blocks(runner.block_size).table(16), need_logits=True)]
+        )
     ).logits[:1]
     first = runner.tokenizer.decode([int(Sampler().sample_device(logits, [seq])[0])])
     assert not first.lstrip().startswith("{")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graphcache.engine.batch import StepBatch, StepSeq
+from graphcache.engine.plan import StepPlan, StepSeq
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.model.config import ModelLoadError, read_config
 from graphcache.model.llama import LlamaModel
@@ -19,12 +19,12 @@ TABLES = ([0, 1], [2, 3])  # block_size 4: 8 tokens each
 
 def _steps(runner: ModelRunner) -> list[torch.Tensor]:
     """A prefill of both prompts, then a decode step of both: [2, V] fp32 logits per step."""
-    prefill = StepBatch(
+    prefill = StepPlan.standalone(
         [StepSeq(list(p), 0, t, need_logits=True) for p, t in zip(PROMPTS, TABLES, strict=True)]
     )
     first = runner.execute(prefill).logits.float().clone()
     nxt = first.argmax(-1).tolist()
-    decode = StepBatch(
+    decode = StepPlan.standalone(
         [
             StepSeq([nxt[i]], len(p), t, need_logits=True)
             for i, (p, t) in enumerate(zip(PROMPTS, TABLES, strict=True))

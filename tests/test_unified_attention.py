@@ -320,7 +320,7 @@ def test_cuda_graph_replay_with_new_metadata():
 def _mixed_steps(runner):
     """Three steps through a runner: two fresh chunks; a decode + a chunk over a cached prefix + a
     fresh chunk (one mixed launch); two decodes. Returns the logits of every step ([rows, V] each)."""
-    from graphcache.engine.batch import StepBatch, StepSeq
+    from graphcache.engine.plan import StepPlan, StepSeq
     from helpers_model import Blocks, prompt_ids
 
     a, b, c = prompt_ids(12, seed=1), prompt_ids(14, seed=2), prompt_ids(6, seed=3)
@@ -331,7 +331,7 @@ def _mixed_steps(runner):
         [StepSeq([a[7]], 7, ta, True), StepSeq(b[5:12], 5, tb, True), StepSeq(c[:5], 0, tc, True)],
         [StepSeq([a[8]], 8, ta, True), StepSeq([b[12]], 12, tb, True), StepSeq([c[5]], 5, tc, True)],
     ]
-    return [runner.execute(StepBatch(s)).logits[: len(s)].clone() for s in steps]
+    return [runner.execute(StepPlan.standalone(s)).logits[: len(s)].clone() for s in steps]
 
 
 def test_runner_mixed_steps_match_sdpa(monkeypatch):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graphcache.engine.batch import StepBatch, StepSeq
+from graphcache.engine.plan import StepPlan, StepSeq
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.model import fp8_gemm
 from graphcache.model.fp8_gemm import (
@@ -141,17 +141,17 @@ def test_one_token_decode_with_rotary_in_the_gemm_equals_the_two_kernels(checkpo
     two = ModelRunner(_settings(path, enforce_eager=True, **kw))
     blocks, prompt = Blocks(16), prompt_ids(9, seed=7)
     table = blocks.table(len(prompt) + 8)
-    fold.execute(StepBatch([StepSeq(list(prompt), 0, table, True)]))
+    fold.execute(StepPlan.standalone([StepSeq(list(prompt), 0, table, True)]))
     tokens = [
         *prompt,
-        int(two.execute(StepBatch([StepSeq(list(prompt), 0, table, True)])).logits[0].argmax()),
+        int(two.execute(StepPlan.standalone([StepSeq(list(prompt), 0, table, True)])).logits[0].argmax()),
     ]
     for step in range(5):
         seq = [StepSeq([tokens[-1]], len(tokens) - 1, table, True)]
         monkeypatch.setattr(fp8_gemm, "ROPE_IN_GEMM", True)
-        got = fold.execute(StepBatch(seq)).logits.clone()
+        got = fold.execute(StepPlan.standalone(seq)).logits.clone()
         monkeypatch.setattr(fp8_gemm, "ROPE_IN_GEMM", False)
-        want = two.execute(StepBatch(seq)).logits
+        want = two.execute(StepPlan.standalone(seq)).logits
         assert_replay_close(got, want, f"decode step {step}")
         tokens.append(int(want[0].argmax()))
     assert len(calls) == 5 * len(fold.model.layers)  # the fold ran: once a layer a step, for `fold` only
@@ -224,15 +224,17 @@ def test_fp8_graph_replay_equals_eager(checkpoints, name):
         tables = [blocks.table(len(p) + 8) for p in prompts]
         tokens = [list(p) for p in prompts]
         for i, (p, t) in enumerate(zip(prompts, tables, strict=True)):  # prefills, one at a time on both
-            graph.execute(StepBatch([StepSeq(list(p), 0, t, True)]))
-            tokens[i].append(int(eager.execute(StepBatch([StepSeq(list(p), 0, t, True)])).logits[0].argmax()))
+            graph.execute(StepPlan.standalone([StepSeq(list(p), 0, t, True)]))
+            tokens[i].append(
+                int(eager.execute(StepPlan.standalone([StepSeq(list(p), 0, t, True)])).logits[0].argmax())
+            )
         for step in range(4):
             seqs = [StepSeq([tokens[i][-1]], len(tokens[i]) - 1, tables[i], True) for i in range(num_seqs)]
             graph.out_logits.fill_(float("nan"))
-            result = graph.execute(StepBatch(seqs))
+            result = graph.execute(StepPlan.standalone(seqs))
             assert result.mode == "replay", f"{name}: decode step {step} ran {result.mode}"
             g = result.logits.clone()
-            e = eager.execute(StepBatch(seqs)).logits
+            e = eager.execute(StepPlan.standalone(seqs)).logits
             assert_replay_close(g, e, f"{name}: {num_seqs} seqs, step {step}")
             for i, t in enumerate(e.argmax(-1).tolist()):
                 tokens[i].append(t)

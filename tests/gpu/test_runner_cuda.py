@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graphcache.engine.batch import StepBatch, StepSeq
+from graphcache.engine.plan import StepPlan, StepSeq
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.graphs.descriptor import BatchDescriptor
 from helpers_cuda import assert_replay_close
@@ -43,10 +43,10 @@ def _drive(graph: ModelRunner, eager: ModelRunner, seed: int, num_seqs: int = 20
         nonlocal steps
         seqs = [StepSeq(tokens[i][done[i] :], done[i], tables[i], True) for i in active]
         graph.out_logits.fill_(float("nan"))  # a replay that skipped the LM head would show
-        result = graph.execute(StepBatch(seqs))
+        result = graph.execute(StepPlan.standalone(seqs))
         g = result.logits.clone()
         e = eager.execute(
-            StepBatch([StepSeq(list(s.token_ids), s.start_pos, s.block_table, True) for s in seqs])
+            StepPlan.standalone([StepSeq(list(s.token_ids), s.start_pos, s.block_table, True) for s in seqs])
         ).logits
         assert_replay_close(
             g, e, f"step {steps} ({len(active)} seqs, {sum(len(s.token_ids) for s in seqs)} tokens)"
@@ -115,8 +115,8 @@ def test_admin_warmup_between_steps_keeps_logits(path):
     ids = prompt_ids(30, seed=9)
     table = Blocks(16).table(40)
     for r in (graph, eager):
-        r.execute(StepBatch([StepSeq(ids[:29], 0, table, True)]))
+        r.execute(StepPlan.standalone([StepSeq(ids[:29], 0, table, True)]))
     graph.capture([BatchDescriptor(64, 4), BatchDescriptor(2, 2, True)])
-    g = graph.execute(StepBatch([StepSeq([ids[29]], 29, table, True)])).logits.clone()
-    e = eager.execute(StepBatch([StepSeq([ids[29]], 29, table, True)])).logits
+    g = graph.execute(StepPlan.standalone([StepSeq([ids[29]], 29, table, True)])).logits.clone()
+    e = eager.execute(StepPlan.standalone([StepSeq([ids[29]], 29, table, True)])).logits
     assert_replay_close(g, e, "decode after admin warmup")

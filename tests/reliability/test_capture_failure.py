@@ -156,8 +156,8 @@ class FailOneStep:
     def __init__(self) -> None:
         self.fired = False
 
-    def __call__(self, batch) -> None:
-        if not self.fired and any(len(s.token_ids) > 1 for s in batch.seqs):  # a prefill step
+    def __call__(self, plan) -> None:
+        if not self.fired and not plan.uniform_decode:  # a prefill step
             self.fired = True
             raise RuntimeError("injected step failure at /work/secret/path.py")
 

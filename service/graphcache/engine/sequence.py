@@ -1,8 +1,10 @@
 """Per-request state: what a request asked for, what it has produced, and where its KV lives.
 
-A `Sequence` is owned by the engine thread; nothing else mutates it. The scheduler moves it
-between WAITING and RUNNING, the block manager fills `block_table`, the engine appends sampled
-tokens and Scheduler.postprocess runs the stop rules (stopping.py) that finish it.
+A `Sequence` is the scheduler's state of a request, owned by the engine thread; nothing else mutates
+it. The scheduler moves it between WAITING and RUNNING, the block manager fills `block_table`, the engine
+appends sampled tokens and Scheduler.postprocess runs the stop rules (stopping.py) that finish it. The
+worker never sees it: a step plan (engine/plan.py) carries what the worker needs, and the worker keeps its
+own state of each request (engine/worker/request_table.py; the sampler's, engine/sample/state.py).
 
 Token accounting (the one invariant everything relies on):
   all_token_ids = prompt_token_ids + output_token_ids
@@ -282,13 +284,8 @@ class Sequence:
     cumulative_logprob: float = 0.0  # sum of the sampled tokens' raw logprobs (best_of ranks by it)
     grammar: Any = None  # structured.py's matcher for params.structured (engine thread only)
     compiled_grammar: Any = None  # its compiled grammar, from the submit-time check (copied into grammar)
-    # sampler.py's cache, set on first sampling (params do not change once submitted): the row's token
-    # is the argmax of its raw logits (greedy, no logits controls), so a batch of such rows skips the rest.
-    plain_greedy: bool | None = None
-    steady_controls: bool | None = None  # sampler.py's cache: logits controls that act every step
-    draw_row: Any = None  # sampler.py's cache of the request's static draw parameters
-    # Unique for the process's lifetime (id() is not: a freed object's id comes back): the runner's
-    # persistent decode rows are keyed by it (batch.DecodeRows).
+    # Unique for the process's lifetime (id() is not: a freed object's id comes back): the step plans name
+    # the request by it, and the worker's request table holds its state under it (engine/plan.py).
     key: int = field(default_factory=itertools.count().__next__, init=False, repr=False)
 
     @property

@@ -1,20 +1,22 @@
 """EngineCore: one engine step, with no threads and no asyncio.
 
-`step()` = schedule -> execute (runner: replay or eager) -> sample -> `Scheduler.postprocess`
-(append tokens, check stops, finish and free) -> the RequestOutput deltas to stream. The Engine
-(engine.py) calls it in a loop on its thread and delivers the outputs; tests call it directly.
-nano-vllm's `LLMEngine.step` and vLLM v1's `EngineCore.step` are the models.
+`step()` orders three stages and does none of their work: schedule (`Scheduler.schedule`: the step's
+rows, and its `StepPlan`, plain data) -> execute (`Runner.execute(plan) -> StepOutput`: the worker lays
+the step out, runs the model, samples) -> update (`Scheduler.postprocess`: append tokens, check stops,
+finish and free; then the RequestOutput deltas to stream). The Engine (engine.py) calls it in a loop on
+its thread and delivers the outputs; tests call it directly. nano-vllm's `LLMEngine.step` and vLLM v1's
+`EngineCore.step` are the models.
 
 Failure isolation (failures.py): an exception in a step ends only that step's requests; a request
 whose own sampling fails ends alone; a device fault, or MAX_CONSECUTIVE_STEP_FAILURES failed steps in
 a row, raises `EngineFailure`. The outputs of the requests a step advanced are built by
 RequestOutputs (outputs.py); settings.engine.step_trace records each step's timing (step_trace.py).
 
-Log probabilities (engine/sample/logprobs.py) are computed on the device in the step that produced the
+Log probabilities (engine/sample/logprobs.py) are computed by the worker in the step that produced the
 logits, and reach the host with the sampled tokens: a sampled token's for params.logprobs, and
-for params.prompt_logprobs each prompt token's given the tokens before it (such a step runs
-eagerly and returns the logits of every fed position; chunks accumulate, entries already recorded
-are never recorded again, e.g. after a preemption's recompute).
+for params.prompt_logprobs each prompt token's given the tokens before it (the plan's PromptLogits: such
+a step runs eagerly; chunks accumulate, entries already recorded are never recorded again, e.g. after a
+preemption's recompute). The core records them on the sequences.
 
 Overlap rule (async scheduling): a step whose sampling needs the previous step's tokens on the
 host (penalties, min_tokens, bad words, a grammar: `_needs_host_history`) is not overlapped: the
@@ -27,35 +29,23 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass
 
 from graphcache.config import Settings
-from graphcache.engine.batch import Runner, StepBatch
 from graphcache.engine.errors import InvalidRequest
 from graphcache.engine.loop.failures import (
     MAX_CONSECUTIVE_STEP_FAILURES,
     STEP_FAILED_MESSAGE,
     EngineFailure,
     is_device_failure,
-    sample_isolating_failures,
 )
 from graphcache.engine.loop.outputs import RequestOutputs
 from graphcache.engine.loop.request_check import EngineLimits, RequestChecker
 from graphcache.engine.loop.step_trace import STEP_TRACE_MAX
-from graphcache.engine.sample.controls import needs_history, to_device
+from graphcache.engine.plan import Runner, StepOutput, StepPlan
+from graphcache.engine.sample.controls import needs_history
 from graphcache.engine.sample.grammar_compiler import GrammarLimits
-from graphcache.engine.sample.logprobs import (
-    Logprobs,
-    PromptSpan,
-    flag_prompt_logits,
-    prompt_token_logprobs,
-    record_prompt_logprobs,
-    record_sampled_logprobs,
-    token_logprobs,
-)
-from graphcache.engine.sample.sampler import Sampler
+from graphcache.engine.sample.logprobs import PromptSpan, record_prompt_logprobs, record_sampled_logprobs
 from graphcache.engine.sample.structured import StructuredOutput
 from graphcache.engine.sched.block_manager import BlockManager
 from graphcache.engine.sched.scheduler import Scheduler, SchedulerOutput
@@ -79,20 +69,12 @@ class _InFlight:
     """A launched step whose sampled tokens are not on the host yet."""
 
     plan: SchedulerOutput
-    sample_seqs: list[Sequence]
-    tokens: torch.Tensor  # [n] int64 sampled ids, on the device (feeds placeholders)
-    host: torch.Tensor  # [n] the same on the host (pinned; valid once `ready` is done)
-    ready: torch.cuda.Event | None  # recorded after the copies (CUDA); None on the CPU
-    failed: list[int]  # rows whose sampling failed: their requests end with an error
-    mode: str
+    out: StepOutput  # its ids, logprobs and their host copies (valid once out.ready is done)
+    sample_seqs: list[Sequence]  # the sequences of its sampled rows, in the order of its ids
     launched_at: float
     scheduled_at: float  # perf_counter when schedule() began (the step trace)
     needs_history: bool = False  # a sampled sequence's next sampling reads these tokens on the host
     launch_end: float = 0.0  # perf_counter when _launch returned (the step trace)
-    logprob_rows: list[int] = field(default_factory=list)  # rows of sample_seqs with params.logprobs set
-    sampled_logprobs: Logprobs | None = None  # their tokens' logprobs (host copies, valid once `ready`)
-    prompt_spans: list[PromptSpan] = field(default_factory=list)
-    prompt_logprobs: Logprobs | None = None  # the spans' targets, in span order (host copies)
 
 
 class EngineCore:
@@ -122,22 +104,20 @@ class EngineCore:
             max_model_len=runner.max_model_len,
             eos_token_ids=runner.eos_token_ids,
         )
-        self.sampler = Sampler(default_seed=settings.model.seed, eos_token_ids=runner.eos_token_ids)
         self.requests: dict[str, Sequence] = {}  # unfinished requests, by id
         self.outputs = RequestOutputs(metrics)
-        # Unfinished requests whose sampling reads their history on the host (_needs_host_history),
-        # and those asking for logprobs or prompt logprobs: sets, so a step without any costs nothing per row.
+        # Unfinished requests whose sampling reads their history on the host (_needs_host_history): a set,
+        # so a step without any costs nothing per row.
         self._history_seqs: set[Sequence] = set()
-        self._logprob_seqs: set[Sequence] = set()
-        self._prompt_logprob_seqs: set[Sequence] = set()
         self.num_steps = 0
         self.steps_by_mode: dict[str, int] = {}
         self.consecutive_failures = 0
         mode = settings.engine.async_scheduling
         self.async_scheduling = mode == "on" or (mode == "auto" and runner.device_type == "cuda")
         self._pending: _InFlight | None = None
-        # Host seconds spent per phase of step() (schedule, execute = prepare + launch/replay, sample =
-        # sampling + waiting for the GPU, postprocess = append/stops/outputs): benchmarks read them.
+        # Host seconds spent per phase of step() (schedule, execute = the runner's layout + launch/replay +
+        # sampling launch, sample = waiting for the GPU's ids, postprocess = append/stops/outputs):
+        # benchmarks read them.
         self.phase_seconds = dict.fromkeys(("schedule", "execute", "sample", "postprocess"), 0.0)
         # settings.engine.step_trace: per completed step, (schedule start, launch start, launch end, completion
         # start, tokens on the host, completion end) as perf_counter seconds, then rows scheduled, tokens
@@ -145,8 +125,8 @@ class EngineCore:
         self.step_trace: deque[tuple] | None = (
             deque(maxlen=STEP_TRACE_MAX) if settings.engine.step_trace else None
         )
-        # Test hook: called with each StepBatch before execute; raise to fail the step.
-        self.step_failpoint: Callable[[StepBatch], None] | None = None
+        # Test hook: called with each StepPlan before execute; raise to fail the step.
+        self.step_failpoint: Callable[[StepPlan], None] | None = None
 
     # --- requests ------------------------------------------------------------------------
     def check(self, seq: Sequence, param: str = "max_tokens") -> None:
@@ -170,13 +150,10 @@ class EngineCore:
         if seq.params.structured is not None:
             seq.grammar = self.structured.new_matcher(seq.params.structured, seq.compiled_grammar)
             seq.compiled_grammar = None
+            self.scheduler.grammar_masks = self.structured.masks  # the plans carry the grammar rows' masks
         self.requests[seq.request_id] = seq
         if _needs_host_history(seq.params):
             self._history_seqs.add(seq)
-        if seq.params.logprobs is not None:
-            self._logprob_seqs.add(seq)
-        if seq.params.prompt_logprobs is not None:
-            self._prompt_logprob_seqs.add(seq)
         self.scheduler.add(seq)
 
     @property
@@ -240,67 +217,17 @@ class EngineCore:
         return self._pending is not None or self.scheduler.has_work()
 
     def _launch(self, plan: SchedulerOutput, scheduled_at: float = 0.0) -> _InFlight:
-        """Execute the plan's step and sample it on the device; nothing waits for the GPU."""
-        pending = self._pending
-        # Placeholders: the decodes fed the in-flight step's token take it from its row of pending.tokens.
-        batch = plan.to_batch(pending.sample_seqs if pending is not None else None)
-        if pending is not None:
-            batch.prev_tokens = pending.tokens
-        # A decode-rows batch holds no prompt positions: nothing to flag, and its seqs stay unbuilt.
-        spans = (
-            flag_prompt_logits(plan.scheduled, batch.seqs)
-            if self._prompt_logprob_seqs and batch.rows is None
-            else []
-        )
+        """Execute the plan's step (the worker samples it on the device); nothing waits for the GPU."""
+        step = plan.plan
+        assert step is not None  # schedule() builds it whenever a row is scheduled
         if self.step_failpoint is not None:
-            self.step_failpoint(batch)
+            self.step_failpoint(step)
         t0 = time.perf_counter()
-        result = self.runner.execute(batch)
-        sample_seqs = [s.seq for s in plan.scheduled if s.need_logits]
-        logits = result.logits[: len(sample_seqs)]
-        logprob_rows = (
-            [i for i, seq in enumerate(sample_seqs) if seq.params.logprobs is not None]
-            if self._logprob_seqs
-            else []
-        )
-        if logprob_rows:  # a copy of their rows: the sampler may process logits in place
-            lp_index = to_device(logprob_rows, torch.int64, logits.device)
-            raw = logits.index_select(0, lp_index)  # [m, V]
-        if (
-            self.checker.built_structured is not None
-        ):  # after the raw logprob rows were copied: it masks in place
-            self.structured.apply(logits, sample_seqs)
-        tokens, failed = sample_isolating_failures(self.sampler, logits, sample_seqs)
-        sampled_logprobs = None
-        if logprob_rows:
-            k = max(sample_seqs[i].params.logprobs or 0 for i in logprob_rows)  # each set: logprob_rows
-            sampled_logprobs = token_logprobs(raw, tokens.index_select(0, lp_index), k).to_host()
-        prompt_logprobs = prompt_token_logprobs(result.prompt_logits, spans)
-        host, ready = tokens, None
-        if tokens.is_cuda:  # small asynchronous copies (logprobs queued above); completion waits on the event
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
+        out = self.runner.execute(step)
+        sample_seqs = plan.sampled
         history = self._history_seqs
         needs_history = bool(history) and not history.isdisjoint(sample_seqs)
-        return _InFlight(
-            plan,
-            sample_seqs,
-            tokens,
-            host,
-            ready,
-            failed,
-            result.mode,
-            t0,
-            scheduled_at,
-            needs_history,
-            time.perf_counter(),
-            logprob_rows,
-            sampled_logprobs,
-            spans,
-            prompt_logprobs,
-        )
+        return _InFlight(plan, out, sample_seqs, t0, scheduled_at, needs_history, time.perf_counter())
 
     def _complete_pending(self) -> list[RequestOutput]:
         """Wait for the step in flight (if any), append its tokens, check stops: its outputs."""
@@ -308,31 +235,34 @@ class EngineCore:
         if p is None:
             return []
         t0 = time.perf_counter()
+        result = p.out
         try:
-            if p.ready is not None:
-                p.ready.synchronize()
-            tokens: list[int | None] = p.host.tolist()
+            if result.ready is not None:
+                result.ready.synchronize()
+            tokens: list[int | None] = result.host.tolist()
         except Exception as exc:
             return self._step_failed(p.plan, exc)
-        for i in p.failed:
+        for i in result.failed:
             tokens[i] = None
         t_done = time.perf_counter()
         self.consecutive_failures = 0
         self.num_steps += 1
-        self.steps_by_mode[p.mode] = self.steps_by_mode.get(p.mode, 0) + 1
+        self.steps_by_mode[result.mode] = self.steps_by_mode.get(result.mode, 0) + 1
         now = time.monotonic()
-        lp_seqs = [p.sample_seqs[i] for i in p.logprob_rows]
+        lp_seqs = [p.sample_seqs[i] for i in result.logprob_rows]
         lengths = [seq.num_output_tokens for seq in lp_seqs]
         changed = self.scheduler.postprocess(p.plan, tokens, now)
-        if p.sampled_logprobs is not None:
-            record_sampled_logprobs(lp_seqs, lengths, [tokens[i] for i in p.logprob_rows], p.sampled_logprobs)
-        if p.prompt_logprobs is not None:
-            record_prompt_logprobs(p.prompt_spans, p.prompt_logprobs)
+        if result.logprobs is not None:
+            record_sampled_logprobs(
+                lp_seqs, lengths, [tokens[i] for i in result.logprob_rows], result.logprobs
+            )
+        if result.prompt_logprobs is not None:
+            record_prompt_logprobs(self._prompt_spans(p.plan), result.prompt_logprobs)
         m = self.metrics
         if m is not None:
-            m.steps.labels(p.mode).inc()
-            m.step_seconds.labels(p.mode).observe(t_done - p.launched_at)
-            m.batch_size.observe(len(p.plan.scheduled))
+            m.steps.labels(result.mode).inc()
+            m.step_seconds.labels(result.mode).observe(t_done - p.launched_at)
+            m.batch_size.observe(len(p.plan.seqs))
             m.generation_tokens.inc(len(tokens) - tokens.count(None))
             m.vllm.observe_step(p.plan.num_tokens)
             for seq in changed:
@@ -355,7 +285,7 @@ class EngineCore:
                     t0,
                     t_done,
                     t_end,
-                    len(plan.scheduled),
+                    len(plan.seqs),
                     plan.num_tokens,
                     len(p.sample_seqs),
                     len(sched.waiting),
@@ -364,15 +294,22 @@ class EngineCore:
             )
         return outputs
 
-    def warm_sampler(self) -> None:
-        """Compile the sampler's kernels before the first request (CUDA only; Sampler.warmup)."""
-        vocab, dtype = self.runner.vocab_size, self.runner.dtype
-        if self.runner.device_type == "cuda" and vocab and isinstance(dtype, torch.dtype):
-            self.sampler.warmup(vocab, dtype, torch.device("cuda"))
+    @staticmethod
+    def _prompt_spans(plan: SchedulerOutput) -> list[PromptSpan]:
+        """Where the step's prompt logprobs go: each PromptLogits row's sequence and first entry."""
+        assert plan.plan is not None  # a completed step was launched with its plan
+        return [
+            PromptSpan(plan.seqs[p.row], plan.starts[p.row] + p.offset + 1, p.targets)
+            for p in plan.plan.prompt_logits
+        ]
 
     def _step_failed(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         self.consecutive_failures += 1
-        ids = [s.seq.request_id for s in plan.scheduled]
+        if (
+            plan.plan is not None
+        ):  # the keys it dropped may not have reached the worker: the next plan says them again
+            self.scheduler.dropped.extend(plan.plan.finished)
+        ids = [seq.request_id for seq in plan.seqs]
         log.error(
             "step failed (%d in a row) for requests %s: %s: %s",
             self.consecutive_failures,
@@ -382,10 +319,10 @@ class EngineCore:
             exc_info=exc,
         )
         outputs = []
-        for s in plan.scheduled:
-            if not s.seq.is_finished:
-                self.scheduler.finish(s.seq, "error", STEP_FAILED_MESSAGE)
-                outputs.append(self._output(s.seq))
+        for seq in plan.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "error", STEP_FAILED_MESSAGE)
+                outputs.append(self._output(seq))
         if is_device_failure(exc) or self.consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
             raise EngineFailure(
                 f"{self.consecutive_failures} failed steps in a row, last: {type(exc).__name__}: {exc}",
@@ -399,8 +336,6 @@ class EngineCore:
         if seq.is_finished:
             self.requests.pop(seq.request_id, None)
             self._history_seqs.discard(seq)
-            self._logprob_seqs.discard(seq)
-            self._prompt_logprob_seqs.discard(seq)
         return self.outputs.output(seq)
 
     def stream_outputs(self) -> list[RequestOutput]:

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 
 from graphcache.config import Settings
-from graphcache.engine.batch import Runner
 from graphcache.engine.errors import (
     DEAD_MESSAGE,
     EngineDead,
@@ -56,6 +55,7 @@ from graphcache.engine.loop.messages import (
 )
 from graphcache.engine.loop.request_check import RequestChecker
 from graphcache.engine.loop.step_trace import write_step_trace
+from graphcache.engine.plan import Runner
 from graphcache.engine.sequence import RequestOutput, SamplingParams, StructuredSpec, TokenLogprob
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.engine.worker.tp_runner import TensorParallelRunner
@@ -113,7 +113,7 @@ class Engine(EngineFrontend):
         self._stats_refreshed = 0.0
         self.warmup_report: Any = None
         self.warmup_seconds = 0.0
-        # Test hook, passed to the core: called with each StepBatch before execute; raise to fail it.
+        # Test hook, passed to the core: called with each StepPlan before execute; raise to fail it.
         self.step_failpoint: Callable[[Any], None] | None = None
 
     # --- state -----------------------------------------------------------------------------
@@ -317,8 +317,7 @@ class Engine(EngineFrontend):
 
         self.progress = {"phase": "warmup", "done": 0, "total": None}
         t0 = time.perf_counter()
-        self.warmup_report = runner.warmup(progress=warmup_progress)
-        core.warm_sampler()
+        self.warmup_report = runner.warmup(progress=warmup_progress)  # the sampler's kernels too
         self.warmup_seconds = time.perf_counter() - t0
         bm = core.block_manager
         log.info(

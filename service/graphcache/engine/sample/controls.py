@@ -5,9 +5,10 @@ allowed_token_ids -> bad words -> min_tokens -> logit_bias -> repetition, freque
 penalties. Bans are -inf. Penalties need per-row token counts: built each step by one index_add of
 the rows' token ids into a [rows with penalties, V] tensor (output tokens; prompt tokens too for the
 repetition penalty). A request's static controls (bias, allowed ids, banned ids, stop ids) go to the
-device once and are cached for its lifetime (LogitsControls holds them by Sequence, weakly). A row
-whose controls ban every token falls back to its raw logits (better the model's own choice than
-token 0).
+device once and are cached for its lifetime (on its SamplingState, state.py). A row whose controls ban
+every token falls back to its raw logits (better the model's own choice than token 0).
+
+The rows are the worker's SamplingStates (state.py): params, prompt and output ids, num_generated.
 
 `needs_history(params)`: the row's processing reads tokens it already generated. With async
 scheduling the newest token is still on the device when the next step samples, so such rows must
@@ -16,13 +17,13 @@ not be overlapped.
 
 from __future__ import annotations
 
-import weakref
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
-from graphcache.engine.sequence import SamplingParams, Sequence
+from graphcache.engine.sample.state import SamplingState, has_controls, has_penalty, needs_history
+from graphcache.engine.sequence import SamplingParams
 
 __all__ = [
     "LogitsControls",
@@ -32,42 +33,11 @@ __all__ = [
     "has_controls",
     "has_penalty",
     "needs_history",
-    "num_generated",
     "to_device",
     "token_counts",
 ]
 
 _NEG_INF = float("-inf")
-
-
-def has_penalty(p: SamplingParams) -> bool:
-    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
-
-
-def has_controls(p: SamplingParams) -> bool:
-    """Logits controls that act every step (min_tokens acts only until that many tokens are out)."""
-    return (
-        has_penalty(p) or bool(p.logit_bias) or p.allowed_token_ids is not None or bool(p.bad_words_token_ids)
-    )
-
-
-def needs_history(params: SamplingParams) -> bool:
-    """Does this request's sampling read tokens it already generated (penalties, min_tokens, bad
-    words of more than one token)? Then a step must not sample it before the previous step's token
-    is on the host (no async overlap). Single-token bad words, logit_bias, allowed_token_ids and
-    min_p do not."""
-    return (
-        has_penalty(params)
-        or params.min_tokens > 0
-        or any(len(word) > 1 for word in params.bad_words_token_ids)
-    )
-
-
-def num_generated(seq: Sequence) -> int:
-    """Output tokens before the one being sampled. Scheduling a step counts its token in
-    num_inflight, so a token of an earlier step still in flight is num_inflight - 1 (0 when the
-    sampler is called outside a scheduled step)."""
-    return seq.num_output_tokens + max(seq.num_inflight - 1, 0)
 
 
 class RequestControls:
@@ -101,20 +71,19 @@ class RequestControls:
 
 class LogitsControls:
     """The controls of a batch's rows, applied in place; each request's static controls cached on the
-    device for as long as its Sequence lives."""
+    device for as long as its SamplingState lives (the request's life in the worker)."""
 
     def __init__(self, eos_token_ids: Iterable[int] = ()) -> None:
         self.eos_token_ids = frozenset(eos_token_ids)  # masked with stop_token_ids until min_tokens
-        self._by_seq: weakref.WeakKeyDictionary[Sequence, RequestControls] = weakref.WeakKeyDictionary()
 
-    def of(self, seq: Sequence, vocab: int, device: torch.device) -> RequestControls:
+    def of(self, seq: SamplingState, vocab: int, device: torch.device) -> RequestControls:
         """seq's static controls for this vocabulary on this device (built on first use)."""
-        c = self._by_seq.get(seq)
+        c = seq.controls
         if c is None or c.vocab != vocab or c.device != device:
-            c = self._by_seq[seq] = RequestControls(seq.params, vocab, self.eos_token_ids, device)
+            c = seq.controls = RequestControls(seq.params, vocab, self.eos_token_ids, device)
         return c
 
-    def apply(self, x: torch.Tensor, seqs: list[Sequence], local: list[int]) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, seqs: list[SamplingState], local: list[int]) -> torch.Tensor:
         """x [W, V] fp32 (contiguous, ours) with the controls of seqs[j] applied to x[j] for j in local;
         a row they leave with no finite logit keeps its raw logits. In place unless some row bans."""
         bans = any(
@@ -128,7 +97,9 @@ class LogitsControls:
         # A row with every token banned: its raw logits instead (no distribution to draw from).
         return torch.where(x.amax(dim=-1, keepdim=True) == _NEG_INF, raw, x)
 
-    def _apply_in_place(self, x: torch.Tensor, seqs: list[Sequence], rows: list[int], vocab: int) -> None:
+    def _apply_in_place(
+        self, x: torch.Tensor, seqs: list[SamplingState], rows: list[int], vocab: int
+    ) -> None:
         """Apply seqs[k]'s controls to x[rows[k]] in place (x: [W, V] fp32, contiguous)."""
         dev = x.device
         flat = x.view(-1)
@@ -151,7 +122,7 @@ class LogitsControls:
             for prefix, last in c.bad_words:
                 if len(out) >= len(prefix) and out[len(out) - len(prefix) :] == prefix:
                     word_bans.append(row * vocab + last)
-            if num_generated(seq) < p.min_tokens and c.stop_ids.numel():
+            if seq.num_generated < p.min_tokens and c.stop_ids.numel():
                 ban_rows.append(row)
                 bans.append(c.stop_ids)
             if c.bias_ids.numel():
@@ -174,7 +145,7 @@ class LogitsControls:
             apply_penalties(x, [r for r, _ in penalized], [s for _, s in penalized])
 
 
-def apply_penalties(x: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
+def apply_penalties(x: torch.Tensor, rows: list[int], seqs: list[SamplingState]) -> None:
     """Repetition (prompt + output tokens: logit / p if > 0 else logit * p), then frequency (minus
     penalty * count in the output) and presence (minus penalty once if in the output), on x[rows]
     in place (x: [W, V] fp32; seqs[k] for x[rows[k]])."""
@@ -187,8 +158,10 @@ def apply_penalties(x: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> N
         return to_device(values, torch.float32, dev).view(n, 1)
 
     whole = n == x.shape[0]  # every row (the usual case): in place, no gather
-    idx = None if whole else to_device(rows, torch.int64, dev)
-    sub = x if whole else x.index_select(0, idx)
+    sub = x
+    if not whole:
+        idx = to_device(rows, torch.int64, dev)
+        sub = x.index_select(0, idx)
     # Each penalty only when some row has it: each is a few passes over [n, V].
     if any(s.params.repetition_penalty != 1 for s in seqs):
         prompts = [s.prompt_token_ids if s.params.repetition_penalty != 1 else [] for s in seqs]
@@ -206,7 +179,7 @@ def apply_penalties(x: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> N
         x.index_copy_(0, idx, sub)
 
 
-def token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+def token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """[len(token_lists), vocab] fp32: how often each id occurs in each list (ids outside the
     vocabulary are not counted). One upload and one index_add for the whole batch."""
     lengths = [len(t) for t in token_lists]

@@ -6,14 +6,14 @@ chosen tokens (sampled ones, or prompt tokens for `echo`) one batched pass gives
 logprob, its rank (1 = most likely: 1 + the tokens strictly more likely), and the top k
 alternatives (k = the largest any row asked for; each row is cut to its own k on the host).
 
-The results are copied to the host asynchronously, like the sampled tokens (engine/loop/core.py's
-_InFlight), and read once the step's copy event is done.
+The worker computes them in the step (engine/worker/sampling.py) and copies the results to the host
+asynchronously, like the sampled tokens; the core reads them once the step's copy event is done.
 
 Prompt logprobs (params.prompt_logprobs, for `echo`): entry i = log p(prompt[i] | prompt[:i]) comes
-from the logits at position i - 1, entry 0 is None. A step whose chunk covers positions with no
-entry yet flags its StepSeq (prompt_logits), and the runner returns those positions' logits; chunks
-accumulate into Sequence.prompt_logprobs, and an entry computed twice (a recompute after
-preemption) is recorded once.
+from the logits at position i - 1, entry 0 is None. The scheduler puts a PromptLogits in the step's plan
+for each row whose chunk covers positions with no entry yet, and the worker returns those positions'
+logprobs; chunks accumulate into Sequence.prompt_logprobs, and an entry computed twice (a recompute
+after preemption) is recorded once.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphcache.engine.batch import ScheduledSeq, StepSeq
+from graphcache.engine.plan import StepPlan
 from graphcache.engine.sample.controls import to_device
 from graphcache.engine.sequence import Sequence, TokenLogprob
 
@@ -94,51 +94,35 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> Log
 
 @dataclass
 class PromptSpan:
-    """Prompt logprob entries one sequence's chunk yields: entries first_entry .. + len(targets),
-    entry i = log p(prompt[i] | prompt[:i]), from the logits of fed token `offset` on."""
+    """Prompt logprob entries one sequence's chunk yields (the core's record of a plan's PromptLogits):
+    entries first_entry .. + len(targets), entry i = log p(prompt[i] | prompt[:i])."""
 
     seq: Sequence
-    num_fed: int  # tokens the sequence fed this step (its rows in StepResult.prompt_logits)
-    offset: int  # first fed token whose logits are used
     first_entry: int  # prompt index of the first target
     targets: list[int]  # prompt[first_entry : first_entry + count]
 
 
-def flag_prompt_logits(scheduled: list[ScheduledSeq], step_seqs: list[StepSeq]) -> list[PromptSpan]:
-    """Mark the batch's sequences whose chunk covers prompt positions with no prompt logprob yet
-    (entry i comes from position i - 1); their spans, in batch order."""
-    spans = []
-    for s, step_seq in zip(scheduled, step_seqs, strict=True):
-        seq = s.seq
-        if seq.params.prompt_logprobs is None:
-            continue
-        lo = max(s.start, len(seq.prompt_logprobs) - 1, 0)  # first position still needed
-        hi = min(s.start + s.num_tokens, seq.num_prompt_tokens - 1)  # positions predicting prompt tokens
-        if lo >= hi:
-            continue
-        step_seq.prompt_logits = True
-        spans.append(
-            PromptSpan(seq, s.num_tokens, lo - s.start, lo + 1, seq.prompt_token_ids[lo + 1 : hi + 1])
-        )
-    return spans
-
-
-def prompt_token_logprobs(prompt_logits: torch.Tensor | None, spans: list[PromptSpan]) -> Logprobs | None:
-    """The spans' targets' logprobs from the step's per-position logits, one batched pass."""
+def prompt_token_logprobs(prompt_logits: torch.Tensor | None, plan: StepPlan) -> Logprobs | None:
+    """The plan's PromptLogits targets' logprobs from the step's per-position logits (the fed tokens of
+    those rows, in plan order), one batched pass."""
+    spans = plan.prompt_logits
     if not spans:
         return None
     if prompt_logits is None:
         raise RuntimeError(
-            "the runner returned no StepResult.prompt_logits for a step with prompt_logits "
-            "sequences; the runner must honour StepSeq.prompt_logits"
+            "the runner returned no StepOutput.prompt_logits for a step with PromptLogits rows; "
+            "the runner must return every fed token's logits of those rows"
         )
-    rows, targets, base = [], [], 0
+    rows: list[int] = []
+    targets: list[int] = []
+    base = 0
     for span in spans:
         rows += range(base + span.offset, base + span.offset + len(span.targets))
         targets += span.targets
-        base += span.num_fed
+        fed = plan.fed(span.row)
+        base += 1 if fed is None else len(fed)
     dev = prompt_logits.device
-    k = max(span.seq.params.prompt_logprobs for span in spans)
+    k = max(span.k for span in spans)
     if len(spans) == 1:  # one contiguous run of rows: a view, not a [m, V] copy
         chosen = prompt_logits[rows[0] : rows[-1] + 1]
     else:
@@ -153,7 +137,7 @@ def record_sampled_logprobs(
     postprocess appended the token (lengths: the output lengths before it; a token dropped past a
     finish, or a failed sampling, gets none), so output_logprobs stays aligned with output_token_ids."""
     ids = [t if t is not None else -1 for t in token_ids]
-    entries = logprobs.entries(ids, [seq.params.logprobs for seq in seqs])
+    entries = logprobs.entries(ids, [seq.params.logprobs or 0 for seq in seqs])  # each one's is set
     for seq, length, entry in zip(seqs, lengths, entries, strict=True):
         if seq.num_output_tokens == length + 1:
             seq.output_logprobs.append(entry)
@@ -164,7 +148,7 @@ def record_prompt_logprobs(spans: list[PromptSpan], logprobs: Logprobs) -> None:
     """Host side: append the spans' prompt entries, each index once (a recompute after preemption,
     or a chunk launched before the previous one completed, may compute an entry again)."""
     targets = [t for span in spans for t in span.targets]
-    ks = [span.seq.params.prompt_logprobs for span in spans for _ in span.targets]
+    ks = [span.seq.params.prompt_logprobs or 0 for span in spans for _ in span.targets]  # each one's is set
     entries = logprobs.entries(targets, ks)
     start = 0
     for span in spans:

@@ -31,6 +31,9 @@ min_p, top-k and top-p filters (top_p 1e-300 is 0.0 in float32), a temperature t
 by (below MIN_TEMPERATURE, e.g. 1e-300) is greedy, logits are shifted by their row max before the
 division so nothing overflows, and a row whose logits hold no usable distribution (all -inf, NaN,
 +inf) takes its argmax instead of a draw.
+
+A step's rows are the worker's SamplingStates (state.py: each request's params, the ids its controls read,
+how many tokens it generated, and the sampler's caches of what its params fix).
 """
 
 from __future__ import annotations
@@ -42,11 +45,12 @@ from collections.abc import Iterable
 
 import torch
 
-from graphcache.engine.sample.controls import LogitsControls, has_controls, num_generated, to_device
+from graphcache.engine.sample.controls import LogitsControls, has_controls, to_device
 from graphcache.engine.sample.filter_threshold import thresholds
 from graphcache.engine.sample.nucleus_draw import nucleus_draw, step_keys
 from graphcache.engine.sample.race_draw import mix64, race_draw, to_int64
-from graphcache.engine.sequence import SamplingParams, Sequence
+from graphcache.engine.sample.state import SamplingState
+from graphcache.engine.sequence import SamplingParams
 from graphcache.model.triton_support import HAVE_TRITON
 
 # Temperatures below this are greedy: logits / 1e-300 overflows, and sampling at such a
@@ -77,7 +81,9 @@ class Sampler:
         self.controls = LogitsControls(eos_token_ids)
 
     @staticmethod
-    def _plain_greedy(seq: Sequence) -> bool:
+    def plain_greedy(seq: SamplingState) -> bool:
+        """The row's token is the argmax of its raw logits (greedy, no logits controls): a batch of such rows
+        skips the rest. Cached on the row (its params do not change)."""
         flag = seq.plain_greedy
         if flag is None:
             p = seq.params
@@ -85,13 +91,13 @@ class Sampler:
         return flag
 
     @staticmethod
-    def _needs_processing(seq: Sequence) -> bool:
-        # has_controls cached on the request (a per-row call of it was ~40% of this method's host time)
+    def _needs_processing(seq: SamplingState) -> bool:
+        # has_controls cached on the row (a per-row call of it was ~40% of this method's host time)
         steady = seq.steady_controls
         if steady is None:
             steady = seq.steady_controls = has_controls(seq.params)
         min_tokens = seq.params.min_tokens
-        return steady or (min_tokens > 0 and num_generated(seq) < min_tokens)
+        return steady or (min_tokens > 0 and seq.num_generated < min_tokens)
 
     @torch.inference_mode()
     def warmup(self, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -108,19 +114,24 @@ class Sampler:
             SamplingParams(temperature=0.8, top_k=5, top_p=0.9),
             SamplingParams(temperature=0.8, top_k=5, top_p=0.9, logit_bias={0: 1.0}),
         ):
-            self.sample_device(x[:1], [Sequence("sampler-warmup", [0], params)])
+            self.sample_device(x[:1], [SamplingState("sampler-warmup", params, [0])])
         torch.cuda.synchronize(device)
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    def sample(self, logits: torch.Tensor, seqs: list[SamplingState]) -> list[int]:
         """One token per row of `logits` [len(seqs), V] (row i belongs to seqs[i]), on the host."""
         return self.sample_device(logits, seqs).tolist()
 
     @torch.inference_mode()
-    def sample_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def sample_device(
+        self, logits: torch.Tensor, seqs: list[SamplingState], plain_greedy: bool | None = None
+    ) -> torch.Tensor:
         """Like sample(), as a [len(seqs)] int64 tensor on the logits' device, without waiting for
-        the GPU: host values reach the device through pinned, asynchronous copies."""
+        the GPU: host values reach the device through pinned, asynchronous copies. plain_greedy: whether
+        every row is (the worker's table knows it for a set of rows; None: asked of each row)."""
         assert logits.shape[0] == len(seqs), (logits.shape, len(seqs))
-        if all(map(self._plain_greedy, seqs)):  # one cached flag per row: the common batch costs no more
+        if plain_greedy is None:
+            plain_greedy = all(map(self.plain_greedy, seqs))  # one cached flag per row
+        if plain_greedy:
             # argmax in the model dtype: the same token as over a float copy, without writing [R, V] fp32
             return logits.argmax(dim=-1)
         processed = {i for i, s in enumerate(seqs) if self._needs_processing(s)}
@@ -145,7 +156,7 @@ class Sampler:
         return tokens.index_copy_(0, idx, chosen)
 
     @torch.inference_mode()
-    def processed_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def processed_logits(self, logits: torch.Tensor, seqs: list[SamplingState]) -> torch.Tensor:
         """[len(seqs), V] fp32: each row's logits after its controls (before temperature and the
         top-k/top-p/min_p filters): what a greedy row takes the argmax of."""
         x = logits.float().clone()
@@ -159,7 +170,9 @@ class Sampler:
             rows = self._arange[device] = torch.arange(max(n, 1024), device=device)
         return rows[:n]
 
-    def _draw_nucleus(self, logits: torch.Tensor, rows: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _draw_nucleus(
+        self, logits: torch.Tensor, rows: torch.Tensor, seqs: list[SamplingState]
+    ) -> torch.Tensor:
         """One draw per entry of rows [W] (indices into logits [R, V], any float dtype):
         nucleus_draw.py's rejection sampler, one launch on CUDA, no sync: the host cost of a sampled
         step stays near a greedy one's."""
@@ -168,7 +181,7 @@ class Sampler:
         return nucleus_draw(logits, rows, params, keys, steps, top_k=top_k)
 
     def _draw_tensors(
-        self, seqs: list[Sequence], device: torch.device
+        self, seqs: list[SamplingState], device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(params [W, 4] fp32, keys [W], steps [W] int64) on device: _draw_inputs' buffer in one upload
         (pinned, non_blocking on CUDA), viewed in three parts."""
@@ -179,7 +192,7 @@ class Sampler:
         params = host[: 16 * n].view(torch.float32).view(n, 4)  # temperature, top_p, log(min_p), top_k
         return params, host[16 * n : 24 * n].view(torch.int64), host[24 * n :].view(torch.int64)
 
-    def _draw_inputs(self, seqs: list[Sequence]) -> bytearray:
+    def _draw_inputs(self, seqs: list[SamplingState]) -> bytearray:
         """The per-row draw inputs as bytes, built from bytes cached on each request (only seeded rows are
         written one by one): params [W, 4] fp32, then keys [W] and steps [W] int64, each row's race key
         before nucleus_draw.step_keys mixes it, and its step. Unseeded rows: 64 bits of the Sampler's own
@@ -195,11 +208,11 @@ class Sampler:
         for j, c in enumerate(cached):
             if c[1] is not None:  # seeded: mix64(seed), and the tokens generated so far
                 _INT64.pack_into(buf, 16 * n + 8 * j, c[1])
-                _INT64.pack_into(buf, 24 * n + 8 * j, num_generated(seqs[j]))
+                _INT64.pack_into(buf, 24 * n + 8 * j, seqs[j].num_generated)
         return buf
 
     @staticmethod
-    def _draw_row(seq: Sequence) -> tuple[bytes, int | None, bool]:
+    def _draw_row(seq: SamplingState) -> tuple[bytes, int | None, bool]:
         """A request's static draw parameters, cached on it: (its params row as nucleus_draw takes it,
         4 fp32 bytes-packed: temperature (0 when greedy), top_p, log(min_p) or -inf, top_k (0: off; on
         where 0 < top_k < V; capped at 2^24, where fp32 still holds every integer, far above any
@@ -215,7 +228,7 @@ class Sampler:
         seq.draw_row = (_PARAMS_ROW.pack(temperature, p.top_p, log_min_p, top_k), seed_key, top_k > 0)
         return seq.draw_row
 
-    def _draw(self, x: torch.Tensor, seqs: list[Sequence], local: list[int]) -> torch.Tensor:
+    def _draw(self, x: torch.Tensor, seqs: list[SamplingState], local: list[int]) -> torch.Tensor:
         """One draw per random row: x[local[k]] belongs to seqs[k]; [len(seqs)] int64."""
         dev, vocab = x.device, x.shape[-1]
         if self.nucleus:

@@ -15,10 +15,10 @@ Life of a constrained request (the lead wires these calls; none of them is made 
      invalid; the engine's check() may call it again (a cache hit).
   2. EngineCore.add_request: `seq.grammar = structured.new_matcher(spec)` (a copy of the cached
      compiled matcher: cheap).
-  3. EngineCore._launch, after runner.execute and BEFORE sampling, on the need_logits rows:
-     `structured.apply(result.logits[:len(sample_seqs)], sample_seqs)`: every row whose seq has a
-     grammar gets its disallowed ids set to -inf, in place (raw logprobs, if requested, must be
-     taken before this call).
+  3. Scheduler.schedule, building the step's plan: `structured.masks(sampled seqs)` (the scheduler's
+     grammar_masks hook) fills a bitmask of the ids each grammar row may sample next, on the host, and
+     the plan carries it (StepPlan.grammar); the worker, after taking the raw logprob rows and BEFORE
+     sampling, sets the other ids to -inf in those rows (`apply_grammar_mask`, in place).
   4. Scheduler.postprocess, right after a token is appended: `accept(seq, token)` (False: the token
      broke the grammar: finish "error"); when the stop rules found no reason,
      `is_done(seq)` -> finish "stop" (the grammar is complete: nothing but EOS could follow).
@@ -45,19 +45,23 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
+from graphcache.engine.plan import GrammarMask
+from graphcache.engine.sample.controls import to_device
 from graphcache.engine.sample.grammar_cache import GrammarCache
 from graphcache.engine.sample.grammar_compiler import GrammarLimits
 from graphcache.engine.sequence import Sequence
 from graphcache.engine.stopping import grammar_accepts, grammar_done
 
-__all__ = ["StructuredOutput", "accept", "is_done"]
+__all__ = ["StructuredOutput", "accept", "apply_grammar_mask", "is_done"]
 
 
 class StructuredOutput(GrammarCache):
-    """The grammar cache plus masking: apply() sets the ids a sequence's grammar does not allow next to
-    -inf in its logits row. One per engine; the engine thread masks while API threads check()."""
+    """The grammar cache plus masking: masks() says which ids each grammar row may sample next, as data the
+    scheduler puts in the step's plan; apply_grammar_mask() sets the others to -inf in the worker. One per
+    engine; the engine thread masks while API threads check()."""
 
     def __init__(
         self,
@@ -68,19 +72,17 @@ class StructuredOutput(GrammarCache):
         metrics: Any = None,
     ) -> None:
         super().__init__(tokenizer, vocab_size, cache_size, limits, metrics)
-        self._shifts: dict[torch.device, torch.Tensor] = {}
 
     # --- masking ---------------------------------------------------------------------------
-    def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Mask logits [R, V] in place (row i belongs to seqs[i]): in each row whose seq has a grammar,
-        ids the grammar does not allow next become -inf. Masks are filled on the host (all rows in one
-        parallel llguidance call), copied once, and applied by one batched op on logits' device."""
+    def masks(self, seqs: list[Sequence]) -> GrammarMask | None:
+        """The masks of the rows whose seq has a grammar (row i belongs to seqs[i]; None: no such row),
+        filled on the host (all rows in one parallel llguidance call)."""
         rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
         if not rows:
-            return
-        pin = logits.is_cuda
-        bitmask = torch.empty((len(rows), self._words), dtype=torch.int32, pin_memory=pin)  # [G, words]
-        jobs, timed = [], []
+            return None
+        bitmask = np.empty((len(rows), self._words), dtype=np.int32)  # [G, words]
+        jobs: list[tuple[Any, int]] = []
+        timed: list[tuple[Any, int]] = []
         states = [seqs[i].grammar for i in rows]
         for k, state in enumerate(states):
             state.note_error()
@@ -90,25 +92,15 @@ class StructuredOutput(GrammarCache):
         for k, state in enumerate(states):
             if state.failure is not None:
                 # A failed grammar (postprocess ends the request): allow EOS only so the row still samples.
-                bitmask[k].zero_()
+                bitmask[k] = 0
                 for eos in self.eos_token_ids:
-                    bitmask[k, eos // 32] |= _bit(eos % 32)
-        mask = bitmask.to(logits.device, non_blocking=pin)
-        shifts = self._shifts.get(logits.device)
-        if shifts is None:
-            shifts = self._shifts[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
-        vocab = logits.shape[-1]
-        allowed = ((mask.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()  # [G, V]
-        if len(rows) == logits.shape[0]:
-            logits.masked_fill_(~allowed, float("-inf"))
-        else:
-            index = torch.tensor(rows, device=logits.device)
-            logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
+                    bitmask[k, eos // 32] |= np.int32(_bit(eos % 32))
+        return GrammarMask(tuple(rows), bitmask)
 
-    def _compute_masks(self, bitmask: torch.Tensor, jobs: list, timed: list) -> None:
+    def _compute_masks(self, bitmask: np.ndarray, jobs: list, timed: list) -> None:
         """Fill bitmask rows: `jobs` in one parallel call, watched rows one at a time, each timed and charged
         (grammar_matcher.py). A parallel call over the per-token bound puts its rows under watch."""
-        limits, ptr, row_bytes, n = self.limits, bitmask.data_ptr(), self._words * 4, bitmask.shape[0]
+        limits, ptr, row_bytes, n = self.limits, bitmask.ctypes.data, self._words * 4, bitmask.shape[0]
         if jobs:
             start = time.perf_counter()
             self._executor.unsafe_compute_mask_ptr(
@@ -124,11 +116,39 @@ class StructuredOutput(GrammarCache):
         for state, _ in (*jobs, *timed):
             state.note_error()  # a mask past the library's limits: the request ends with why
 
+    def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """masks() then apply_grammar_mask(), in one call (tests and tools)."""
+        mask = self.masks(seqs)
+        if mask is not None:
+            apply_grammar_mask(logits, mask)
+
     def allowed_token_ids(self, seq: Sequence) -> list[int]:
-        """The ids seq's grammar allows next (tests and debugging; apply() is the fast path)."""
+        """The ids seq's grammar allows next (tests and debugging; masks() is the fast path)."""
         logits = torch.zeros(1, self.vocab_size)
         self.apply(logits, [seq])
         return torch.nonzero(logits[0] == 0).flatten().tolist()
+
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> None:
+    """Set the ids mask does not allow to -inf in its rows of logits [R, V], in place: the mask copied
+    once (pinned, asynchronous on CUDA) and applied by one batched op on logits' device."""
+    dev, rows = logits.device, mask.rows
+    bits = torch.from_numpy(mask.bits)
+    if dev.type == "cuda":
+        bits = bits.pin_memory().to(dev, non_blocking=True)
+    shifts = _SHIFTS.get(dev)
+    if shifts is None:
+        shifts = _SHIFTS[dev] = torch.arange(32, dtype=torch.int32, device=dev)
+    vocab = logits.shape[-1]
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()  # [G, V]
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(~allowed, float("-inf"))
+    else:
+        index = to_device(list(rows), torch.int64, dev)
+        logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
 
 
 # Advancing a matcher and asking if it is complete are stop rules the scheduler runs after every token:
@@ -143,5 +163,5 @@ def _bit(position: int) -> int:
 
 
 # Methods too, so the engine holds one object: structured.accept(seq, t) / structured.is_done(seq).
-StructuredOutput.accept = staticmethod(accept)
-StructuredOutput.is_done = staticmethod(is_done)
+StructuredOutput.accept = staticmethod(accept)  # type: ignore[attr-defined]
+StructuredOutput.is_done = staticmethod(is_done)  # type: ignore[attr-defined]

@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
-from graphcache.engine.batch import PLACEHOLDER_TOKEN, DecodeRows, ScheduledSeq, StepBatch, StepSeq
+from graphcache.engine.plan import GrammarMask, NewRequest, PromptLogits, StepPlan
 from graphcache.engine.sched.block_manager import BlockManager, PrefixMatch
 from graphcache.engine.sequence import Sequence, SequenceStatus
 from graphcache.engine.stopping import (
@@ -48,70 +50,57 @@ from graphcache.engine.stopping import (
 )
 
 
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step, as the scheduler picked it (SchedulerOutput.scheduled)."""
+
+    seq: Sequence
+    num_tokens: int  # tokens fed this step
+    need_logits: bool  # the slice reaches the end of the sequence: sample after this step
+    start: int = 0  # position of the first fed token (num_computed_tokens when scheduled)
+
+
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    """One schedule(): the step's rows as the scheduler sees them (row i is seqs[i], columns as in
+    StepPlan), what happened to the queues, and `plan`, the same step as plain data for the worker."""
+
+    seqs: list[Sequence] = field(default_factory=list)  # [R] each row's sequence
+    starts: list[int] = field(default_factory=list)  # [R] its num_computed_tokens when scheduled
+    # [R] the ids each row feeds (None: the token in flight); None until a row feeds known ids (StepPlan's)
+    tokens: list[list[int] | None] | None = None
+    need_logits: list[bool] | None = None  # [R]; None until a row does not sample
+    num_tokens: int = 0  # tokens fed
+    new: list[NewRequest] = field(default_factory=list)  # the rows admitted this step
+    grown: list[tuple[int, list[int]]] = field(default_factory=list)  # (key, blocks appended) of running rows
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)  # finished with error: can never fit
-    grown: list[Sequence] = field(default_factory=list)  # running sequences that got a block this step
-    # Every scheduled sequence feeds one token, the one the step in flight samples for it (async
-    # scheduling's steady decode): the step can go to the runner as persistent-row changes.
-    all_fed_in_flight: bool = True
+    plan: StepPlan | None = None  # set by schedule() when a step runs
 
     @property
     def empty(self) -> bool:
-        return not self.scheduled
+        return not self.seqs
 
     @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+    def sampled(self) -> list[Sequence]:
+        """The rows that sample, in row order (the order of the step's sampled ids)."""
+        if self.need_logits is None:
+            return self.seqs
+        return [s for s, wanted in zip(self.seqs, self.need_logits, strict=True) if wanted]
 
-    def to_batch(self, prev_sampled: list[Sequence] | None = None) -> StepBatch:
-        """The step's batch. prev_sampled (async scheduling): the in-flight step's sampled sequences, in
-        the order of its sampled ids, for the decodes whose input is that step's token.
-
-        A steady decode step (all_fed_in_flight) also comes as DecodeRows, and its per-row StepSeqs are
-        built only if the runner asks for them (batch.seqs): a runner holding the previous step's rows
-        needs just the row keys and the tables that grew."""
-        keys = [s.seq.key for s in self.scheduled]
-        prev_row = _PrevRows(prev_sampled)
-        if self.all_fed_in_flight and prev_sampled is not None and self.scheduled:
-            rows = DecodeRows(keys, [(seq.key, seq.block_table) for seq in self.grown])
-            return StepBatch(
-                rows=rows,
-                build=lambda: [_step_seq(s, prev_row) for s in self.scheduled],
-                build_one=lambda i: _step_seq(self.scheduled[i], prev_row),
+    @cached_property
+    def scheduled(self) -> list[ScheduledSeq]:
+        """The rows as ScheduledSeq records (tests, traces: built on first use, after schedule())."""
+        need, tokens = self.need_logits, self.tokens
+        return [
+            ScheduledSeq(
+                seq,
+                1 if tokens is None or tokens[i] is None else len(tokens[i] or ()),
+                True if need is None else need[i],
+                start,
             )
-        return StepBatch([_step_seq(s, prev_row) for s in self.scheduled], keys=keys)
-
-
-class _PrevRows:
-    """id(sequence) -> its row of the in-flight step's sampled ids; the dict is built on first use."""
-
-    def __init__(self, prev_sampled: list[Sequence] | None) -> None:
-        self._seqs = prev_sampled
-        self._rows: dict[int, int] | None = None
-
-    def __call__(self, seq: Sequence) -> int | None:
-        if self._seqs is None:
-            return None
-        if self._rows is None:
-            self._rows = {id(s): i for i, s in enumerate(self._seqs)}
-        return self._rows[id(seq)]
-
-
-def _step_seq(s: ScheduledSeq, prev_row: _PrevRows) -> StepSeq:
-    seq, start, n = s.seq, s.start, s.num_tokens
-    ids = seq.token_slice(start, start + n)
-    row = None
-    # A decode whose input is the token still being sampled by the step in flight (async
-    # scheduling): a placeholder; the runner takes it from that step's device output.
-    if len(ids) < n:
-        ids = ids + [PLACEHOLDER_TOKEN] * (n - len(ids))
-        row = prev_row(seq)
-    # The block table is passed, not copied: the runner reads it during execute(), before the
-    # engine changes any table again.
-    return StepSeq(ids, start, seq.block_table, s.need_logits, row)
+            for i, (seq, start) in enumerate(zip(self.seqs, self.starts, strict=True))
+        ]
 
 
 class Scheduler:
@@ -137,11 +126,23 @@ class Scheduler:
         self.num_recomputed_tokens = (
             0  # tokens computed again after preemption (vllm:prompt_tokens_recomputed)
         )
+        # Keys of the requests the worker may drop (finished or preempted) since the last plan.
+        self.dropped: list[int] = []
+        # Unfinished requests with a grammar, or asking for prompt logprobs: a step without any looks at
+        # no row for them.
+        self._grammar_seqs: set[Sequence] = set()
+        self._prompt_logprob_seqs: set[Sequence] = set()
+        # The grammar rows' masks (EngineCore sets it to StructuredOutput.masks once it has a grammar).
+        self.grammar_masks: Callable[[list[Sequence]], GrammarMask | None] | None = None
 
     # --- queue management -----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        if seq.grammar is not None:
+            self._grammar_seqs.add(seq)
+        if seq.params.prompt_logprobs is not None:
+            self._prompt_logprob_seqs.add(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -160,7 +161,10 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq, keep_cached=reason != "error")
         seq.grammar = None  # the matcher's memory goes with the request
+        self._grammar_seqs.discard(seq)
+        self._prompt_logprob_seqs.discard(seq)
         seq.finish(reason, error, error_code)
+        self.dropped.append(seq.key)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -172,6 +176,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
+        self.dropped.append(seq.key)  # the worker drops it; it comes back as a NewRequest
 
     def _never_fits(self, seq: Sequence, num_tokens: int) -> bool:
         return self.block_manager.blocks_for(num_tokens) > self.block_manager.num_usable
@@ -231,8 +236,9 @@ class Scheduler:
                         break
                 if seq.status is not SequenceStatus.RUNNING:
                     continue
+                have = len(seq.block_table)
                 bm.allocate(seq, target)
-                out.grown.append(seq)
+                out.grown.append((seq.key, seq.block_table[have:]))
             self._commit(out, seq, n, target, need_logits=target == total)
             scheduled_ids.add(id(seq))
             budget -= n
@@ -272,12 +278,62 @@ class Scheduler:
             bm.take_cached(seq, match.blocks)
             seq.num_computed_tokens = num_cached
             bm.allocate(seq, target)
+            out.new.append(
+                NewRequest(
+                    seq.key,
+                    seq.request_id,
+                    seq.prompt_token_ids,
+                    list(seq.output_token_ids),
+                    seq.params,
+                    list(seq.block_table),
+                )
+            )
             self._commit(out, seq, n, target, need_logits=target == seq.num_tokens)
             scheduled_ids.add(id(seq))
             budget -= n
             if promised is not None and (k := bm.next_key(seq)) is not None:
                 promised.add(k)
+        if out.seqs:
+            out.plan = self._plan(out)
         return out
+
+    def _plan(self, out: SchedulerOutput) -> StepPlan:
+        """The step as data for the worker; takes the keys dropped since the last plan."""
+        finished, self.dropped = tuple(self.dropped), []
+        prompt_logits: tuple[PromptLogits, ...] = ()
+        if self._prompt_logprob_seqs and out.tokens is not None:
+            prompt_logits = self._prompt_logits(out, out.tokens)
+        grammar = None
+        if self._grammar_seqs and self.grammar_masks is not None:
+            grammar = self.grammar_masks(out.sampled)
+        return StepPlan(
+            keys=[seq.key for seq in out.seqs],
+            starts=out.starts,
+            tokens=out.tokens,
+            need_logits=out.need_logits,
+            new=tuple(out.new),
+            grown=tuple(out.grown),
+            finished=finished,
+            prompt_logits=prompt_logits,
+            grammar=grammar,
+        )
+
+    def _prompt_logits(
+        self, out: SchedulerOutput, tokens: list[list[int] | None]
+    ) -> tuple[PromptLogits, ...]:
+        """The rows whose chunk covers prompt positions with no prompt logprob yet (entry i comes from
+        position i - 1; entries already recorded, e.g. before a preemption's recompute, are not asked again)."""
+        spans = []
+        for row, seq in enumerate(out.seqs):
+            k, fed = seq.params.prompt_logprobs, tokens[row]
+            if k is None or fed is None:
+                continue
+            start = out.starts[row]
+            lo = max(start, len(seq.prompt_logprobs) - 1, 0)  # first position still needed
+            hi = min(start + len(fed), seq.num_prompt_tokens - 1)  # positions predicting prompt tokens
+            if lo < hi:
+                spans.append(PromptLogits(row, lo - start, seq.prompt_token_ids[lo + 1 : hi + 1], k))
+        return tuple(spans)
 
     def _uses_prefix_cache(self, seq: Sequence) -> bool:
         # prompt_logprobs needs logits at every prompt position: nothing may be skipped.
@@ -310,9 +366,23 @@ class Scheduler:
         blocks are unregistered (finish -> free(keep_cached=False)) before anything reads them.
         (A step that fails only when its tokens are fetched, after the next one was launched, is a
         device fault: the engine stops serving.)"""
-        out.scheduled.append(ScheduledSeq(seq, n, need_logits, start=seq.num_computed_tokens))
-        if n != 1 or not seq.num_inflight:
-            out.all_fed_in_flight = False
+        start = seq.num_computed_tokens
+        seqs = out.seqs
+        seqs.append(seq)
+        out.starts.append(start)
+        tokens = out.tokens
+        if n == 1 and seq.num_inflight:  # fed the token the step in flight samples for it
+            if tokens is not None:
+                tokens.append(None)
+        else:
+            if tokens is None:
+                tokens = out.tokens = [None] * (len(seqs) - 1)
+            tokens.append(seq.token_slice(start, start + n))
+        if out.need_logits is not None:
+            out.need_logits.append(need_logits)
+        elif not need_logits:
+            out.need_logits = [True] * (len(seqs) - 1) + [False]
+        out.num_tokens += n
         seq.num_computed_tokens = target
         self.block_manager.commit(seq, target)
         if need_logits:
@@ -324,7 +394,7 @@ class Scheduler:
         free. Returns the sequences that got a token or finished, in batch order: the ones with
         something to stream. A sequence that finished meanwhile (abort, or a stop found in the step
         before, with async scheduling) drops its token: nothing is emitted past a finish."""
-        sampled = [s.seq for s in out.scheduled if s.need_logits]
+        sampled = out.sampled
         assert len(tokens) == len(sampled), (len(tokens), len(sampled))
         changed = []
         eos, max_len, finished = self.eos_token_ids, self.max_model_len, SequenceStatus.FINISHED

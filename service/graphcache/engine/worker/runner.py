@@ -1,18 +1,21 @@
-"""The model runner: batch descriptor, the step's input layout, then replay or run eagerly.
+"""The model runner (the worker): a StepPlan in, its StepOutput out; layout, replay or eager run, sampling.
 
-Every step: pick the padded descriptor, let the InputBatch (engine/worker/input_batch.py, the one
-owner of the static input buffers and of what they hold between steps) lay the batch out and plan
-its attention metadata, then let the GraphCache replay (or capture) the graph of the descriptor.
+Every step: apply the plan's changes to the request table (engine/worker/request_table.py: the requests
+this worker holds, and the rows resident on the device), pick the padded descriptor, let the InputBatch
+(engine/worker/input_batch.py, the one owner of the static input buffers) lay the step out and plan
+its attention metadata, then let the GraphCache replay (or capture) the graph of the descriptor, and
+sample the need_logits rows (engine/worker/sampling.py; rank 0 only under tensor parallelism). The
+ids sampled stay on the device: the next plan's rows fed the token in flight read them there.
 The KV write happens inside the graph, indexed by the static
 slot_mapping: padded tokens map to a scratch slot in one extra KV block past the usable ones, and
 between steps every entry maps there, so a warmup/capture outside a step writes no real slot.
 Decode steps pad to the fine capture sizes, mixed steps to those plus a few coarse buckets above them
 (engine/worker/capture_sizes.py); mixed graphs hold the unified attention kernel inside
 (mixed_capture_mode=full, with the triton kernel) or call attention as the eager break. Batches bigger
-than the largest size, and every step with enforce_eager, run the model eagerly on their real sizes. Logits come back from a static buffer, rows in the order
-of the batch's need_logits sequences, valid until the next execute(). A step with a
-`prompt_logits` sequence (prompt logprobs) runs eagerly too, and also returns the logits of every
-token that sequence fed (StepResult.prompt_logits).
+than the largest size, and every step with enforce_eager, run the model eagerly on their real sizes. Logits
+come back from a static buffer, rows in the order of the plan's need_logits rows, valid until the next
+execute(). A step with PromptLogits rows (prompt logprobs) runs eagerly too, and also computes the logits of
+every token those rows fed (StepOutput.prompt_logits).
 
 Captures outside a step (warmup, admin) go through `capture()`, which points every token at the
 scratch slot and runs under an empty attention context itself, so they write no real KV slot.
@@ -20,7 +23,7 @@ The KV cache's size and storage come from engine/worker/kv_cache.py, the descrip
 start from engine/worker/warmup_plan.py.
 Each step's attention metadata, descriptor and runtime mode reach the model through the forward context
 (model/forward_context.py), set around the step. The runner returns the step's mode in its
-StepResult; step metrics are the engine's, graph-cache metrics the GraphCache's.
+StepOutput; step metrics are the engine's, graph-cache metrics the GraphCache's.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ from pathlib import Path
 
 import torch
 
+from graphcache.choices import StepMode
 from graphcache.config import Settings
-from graphcache.engine.batch import StepBatch, StepMode, StepResult
+from graphcache.engine.plan import StepOutput, StepPlan
 from graphcache.engine.worker.capture_sizes import resolve_capture_sizes
 from graphcache.engine.worker.input_batch import InputBatch, StepLayout
 from graphcache.engine.worker.kv_cache import (
@@ -41,6 +45,8 @@ from graphcache.engine.worker.kv_cache import (
     kv_block_bytes,
     num_kv_blocks,
 )
+from graphcache.engine.worker.request_table import RequestTable
+from graphcache.engine.worker.sampling import StepSampler
 from graphcache.engine.worker.warmup_plan import warmup_descriptors
 from graphcache.graphs.cache import GraphCache, WarmupReport
 from graphcache.graphs.descriptor import BatchDescriptor, descriptor_for
@@ -166,6 +172,10 @@ class ModelRunner:
             decode_metadata=self.decode_metadata,
             device=self.device,
         )
+        self.table = RequestTable(self.inputs.resident_rows())
+        # Sampling is rank 0's: the other ranks of a tensor-parallel group run the model on the same plans.
+        self.sampling = StepSampler(self.eos_token_ids, s.model.seed) if tp.rank == 0 else None
+        self._sampled: torch.Tensor | None = None  # the ids the last step sampled (the step in flight)
         # Mixed graphs with attention inside need the unified kernel (its grid fixed by the descriptor).
         self._mixed_in_graph = (
             s.graph_cache.mixed_capture_mode == "full" and self.attention_kernel == "triton"
@@ -356,11 +366,13 @@ class ModelRunner:
         ]
 
     # --- one step ------------------------------------------------------------------------
-    def execute(self, batch: StepBatch) -> StepResult:
-        """Run one step: logits [number of need_logits seqs, V] in the model dtype, batch order (a
-        view of a static buffer, valid until the next call), and how it ran."""
-        num_reqs = len(batch.rows.keys) if batch.rows is not None else len(batch.seqs)
-        num_tokens = batch.num_tokens
+    def execute(self, plan: StepPlan, in_flight: torch.Tensor | None = None) -> StepOutput:
+        """Run one step and sample it (StepOutput.logits: [need_logits rows, V] in the model dtype, plan
+        order, a view of a static buffer valid until the next call). in_flight: the ids the step in flight
+        sampled, for a rank that did not sample them (tensor parallel rank > 0); else this runner's own."""
+        prev = self._sampled if in_flight is None else in_flight
+        self._sampled = None
+        num_reqs, num_tokens = plan.num_reqs, plan.num_tokens
         if num_reqs == 0:
             raise ValueError("empty batch")
         if num_tokens > self.max_tokens or num_reqs > self.max_reqs:
@@ -369,10 +381,10 @@ class ModelRunner:
                 f"({self.max_tokens} / {self.max_reqs}); keep max_num_batched_tokens and "
                 "max_num_seqs in the scheduler equal to the settings"
             )
-        uniform = batch.uniform_decode
+        uniform = plan.uniform_decode
         # Prompt logprobs need logits at every fed position: an eager step on the general layout.
-        prompt_logits = batch.wants_prompt_logits
-        eager = self.settings.graph_cache.enforce_eager or prompt_logits
+        wants_prompt = bool(plan.prompt_logits)
+        eager = self.settings.graph_cache.enforce_eager or wants_prompt
         desc = (
             None
             if eager
@@ -380,36 +392,51 @@ class ModelRunner:
         )
         pad_tokens = desc.num_tokens if desc else num_tokens
         pad_reqs = desc.num_reqs if desc else num_reqs
+        prompt_logits = None
         try:
+            self.table.update(plan)
             layout = self.inputs.prepare(
-                batch,
-                decode=self._decode_path(uniform) and not prompt_logits,
+                self.table,
+                plan,
+                decode=self._decode_path(uniform) and not wants_prompt,
                 pad_tokens=pad_tokens,
                 pad_reqs=pad_reqs,
+                prev_tokens=prev,
             )
-            md, num_logits = layout.metadata, layout.num_logits
+            md = layout.metadata
             with forward_context(md, desc, "eager" if desc is None else self._graph_mode(uniform)):
-                if prompt_logits:
-                    return self._run_with_prompt_logits(layout)
-                if desc is None:
-                    self._run_model(num_tokens, num_reqs)
+                if wants_prompt:
+                    logits, prompt_logits = self._run_with_prompt_logits(layout)
                     mode: StepMode = "eager"
                 else:
-                    mode = self.cache.run(desc, real_tokens=num_tokens)
+                    logits = self.out_logits[: layout.num_logits]
+                    if desc is None:
+                        self._run_model(num_tokens, num_reqs)
+                        mode = "eager"
+                    else:
+                        mode = self.cache.run(desc, real_tokens=num_tokens)
         except BaseException:
-            self.inputs.invalidate()  # the buffers may hold half a step: the next step lays its rows out anew
+            self.inputs.invalidate(self.table)  # the buffers may hold half a step: lay the next one out anew
             raise
-        return StepResult(self.out_logits[:num_logits], mode)
+        if self.sampling is None or not plan.sample:
+            self.table.sampled_by_step(plan.sampled_keys())  # rank > 0: rank 0 sends the ids it samples
+            return StepOutput(mode, logits, prompt_logits=prompt_logits)
+        out = self.sampling(plan, self.table.sampled(plan), logits, mode, prompt_logits)
+        self._sampled = out.sampled
+        self.table.sampled_by_step(plan.sampled_keys())
+        return out
 
-    def takes_rows(self, batch: StepBatch) -> bool:
-        """Whether execute(batch) will run it from its DecodeRows alone, no row new to this runner (the
-        tensor-parallel runner then sends the other ranks only the rows: their runners hold the same rows)."""
-        return self.inputs.takes_rows(batch, decode=self._decode_path(True))
+    def in_flight_ids(self, plan: StepPlan) -> torch.Tensor | None:
+        """The ids sampled by the step in flight that the plan's rows read (None: it has no such row): what
+        the tensor-parallel runner broadcasts to the other ranks."""
+        if plan.tokens is not None and None not in plan.tokens:
+            return None
+        return self._sampled
 
-    def _run_with_prompt_logits(self, layout: StepLayout) -> StepResult:
-        """Eager step that also computes the logits of every token of the prompt_logits seqs: the
-        model's head runs over the usual logits rows plus those token rows (fresh tensors, not the
-        static buffers: their count is up to the whole step's tokens)."""
+    def _run_with_prompt_logits(self, layout: StepLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eager step that also computes the logits of every token of the PromptLogits rows: the model's
+        head runs over the usual logits rows plus those token rows (fresh tensors, not the static
+        buffers: their count is up to the whole step's tokens). (need_logits rows' logits, those rows' logits)."""
         i, num_reqs, num_tokens = self.inputs, layout.num_reqs, layout.num_tokens
         extra = torch.tensor(layout.prompt_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         indices = torch.cat([i.logits_indices.dev[:num_reqs], extra])  # [R + E]
@@ -426,7 +453,7 @@ class ModelRunner:
             indices,
             out,
         )
-        return StepResult(out[: layout.num_logits], "eager", prompt_logits=out[num_reqs:])
+        return out[: layout.num_logits], out[num_reqs:]
 
     # --- captures outside a step (warmup, admin) --------------------------------------------
     def capture(
@@ -448,7 +475,7 @@ class ModelRunner:
                 f"descriptors {too_big} exceed the static buffers ({self.max_tokens} tokens, "
                 f"{self.max_reqs} requests); raise max_num_batched_tokens / max_num_seqs"
             )
-        self.inputs.point_at_scratch()
+        self.inputs.point_at_scratch(self.table)
         with forward_context(AttentionMetadata.empty()):
             return self.cache.warmup(descriptors, pin=pin, progress=progress)
 
@@ -458,10 +485,16 @@ class ModelRunner:
         return [] if self.settings.graph_cache.enforce_eager else list(self._warmup_descs)
 
     def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> WarmupReport:
-        """Capture the settings' warmup descriptors (pinned). enforce_eager: nothing to capture."""
-        if self.settings.graph_cache.enforce_eager:
-            return WarmupReport()
-        return self.capture(self._warmup_descs, pin=True, progress=progress)
+        """Capture the settings' warmup descriptors (pinned; enforce_eager: nothing to capture), and compile
+        the sampler's kernels (CUDA; not in the first sampled step, where a compile stalls every request)."""
+        report = (
+            WarmupReport()
+            if self.settings.graph_cache.enforce_eager
+            else self.capture(self._warmup_descs, pin=True, progress=progress)
+        )
+        if self.sampling is not None and self.device.type == "cuda":
+            self.sampling.warmup(self.vocab_size, self.dtype, self.device)
+        return report
 
     # --- lifetime -------------------------------------------------------------------------
     def watch(self, on_fatal: Callable[[str], None]) -> None:

@@ -15,3 +15,6 @@ class StagingBuffer:
 
     def upload(self, n: int) -> None:
         self.dev[:n].copy_(self.host[:n], non_blocking=True)
+
+    def upload_range(self, lo: int, hi: int) -> None:
+        self.dev[lo:hi].copy_(self.host[lo:hi], non_blocking=True)

@@ -4,9 +4,10 @@ the same steps and the same cache operations, in the same order (docs/TENSOR_PAR
 `TensorParallelRunner.start(settings, metrics)` is the Engine's runner factory at N > 1. It spawns ranks
 1..N-1 (engine/worker/tp_worker.py), joins the group with them, loads rank 0's shard, and waits until every
 worker has loaded its own. Then it is a Runner like ModelRunner, wrapping rank 0's:
-- `execute(batch)` first sends the step to every worker on its pipe (async scheduling's placeholder ids,
-  a device tensor, follow through a broadcast on the model's group: stream-ordered, no host sync), then
-  runs rank 0's shard; the collectives inside the model keep the ranks in lockstep;
+- `execute(plan)` first sends the step's plan to every worker on its pipe (the plan pickles as it is;
+  the ids of the step in flight that its rows read, a device tensor, follow through a broadcast on the
+  model's group: stream-ordered, no host sync), then runs rank 0's shard, which samples; the collectives
+  inside the model keep the ranks in lockstep, and every rank's request table follows the same plans;
 - admin operations that touch the cache (warmup, capture, clear, evict) are sent to every worker, applied
   on rank 0, and the workers' outcomes compared with rank 0's: the same outcome everywhere, or the
   ranks have split and the engine dies (GraphCache's agreement keeps the captures themselves agreed);
@@ -38,12 +39,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from graphcache.config import Settings
-from graphcache.engine.batch import StepBatch, StepResult
+from graphcache.engine.plan import StepOutput, StepPlan
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.engine.worker.tp_worker import (
     COLLECTIVE_TIMEOUT_S,
     build_rank_runner,
-    execute_payload,
     free_port,
     worker_main,
 )
@@ -209,15 +209,15 @@ class TensorParallelRunner:
             on_fatal(self._broken)
 
     # --- steps ---------------------------------------------------------------------------
-    def execute(self, batch: StepBatch) -> StepResult:
+    def execute(self, plan: StepPlan) -> StepOutput:
         if self._broken is not None:
             raise RankLost(self._broken)
-        payload, rows = execute_payload(batch, self.runner.takes_rows(batch))
-        self._send(("execute", payload, rows))
+        in_flight = self.runner.in_flight_ids(plan)
+        self._send(("execute", plan, 0 if in_flight is None else int(in_flight.numel())))
         try:
-            if rows:
-                dist.broadcast(batch.prev_tokens.contiguous(), src=0)
-            return self.runner.execute(batch)
+            if in_flight is not None:
+                dist.broadcast(in_flight.contiguous(), src=0)
+            return self.runner.execute(plan)
         except Exception as exc:
             # The other ranks ran (or wait in) this step's collectives: there is no putting them back in step.
             # A rank that died shows here as a collective error ("connection closed") a moment before its

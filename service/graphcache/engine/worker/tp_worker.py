@@ -5,7 +5,7 @@ the server (HTTP, scheduler, engine; engine/worker/tp_runner.py); it starts rank
 running `worker_main`. Each worker joins the group, loads its shard, says "ready" on its pipe, then
 applies the commands rank 0 sends, in order, to its own ModelRunner:
 
-    ("execute", StepBatch without prev_tokens, placeholder rows)   no reply (the model's collectives
+    ("execute", StepPlan, in-flight ids)                          no reply (the model's collectives
                                                                    keep the ranks in lockstep)
     ("capture", descriptors, pin) / ("warmup",) / ("clear",) / ("evict", descriptor)
                                                                    reply ("ok", summary) | ("error", text)
@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 
 from graphcache.config import Settings
-from graphcache.engine.batch import StepBatch
 from graphcache.engine.worker.runner import ModelRunner, resolve_device
 from graphcache.graphs.cache import GraphCache
 from graphcache.graphs.policy.agreement import GroupAgreement
@@ -49,7 +48,6 @@ __all__ = [
     "COLLECTIVE_TIMEOUT_S",
     "apply_admin",
     "build_rank_runner",
-    "execute_payload",
     "free_port",
     "worker_main",
 ]
@@ -160,12 +158,13 @@ def _serve(runner: ModelRunner, rank: int, conn: Any) -> int:
         if op == "stop":
             return 0
         if op == "execute":
-            batch, rows = args
+            plan, num_in_flight = args
             try:
-                if rows:  # placeholder inputs: the ids rank 0's previous step sampled, from its device
-                    batch.prev_tokens = torch.empty(rows, dtype=torch.int64, device=device)
-                    dist.broadcast(batch.prev_tokens, src=0)
-                runner.execute(batch)
+                in_flight = None
+                if num_in_flight:  # rows fed the token in flight: the ids rank 0's last step sampled
+                    in_flight = torch.empty(num_in_flight, dtype=torch.int64, device=device)
+                    dist.broadcast(in_flight, src=0)
+                runner.execute(plan, in_flight)
             except Exception as exc:
                 log.exception("step failed on rank %d", rank)
                 _send(conn, ("failed", f"a step failed on rank {rank}: {type(exc).__name__}: {exc}"))
@@ -188,13 +187,3 @@ def _send(conn: Any, message: tuple) -> bool:
         return True
     except (OSError, EOFError):
         return False
-
-
-def execute_payload(batch: StepBatch, rows_only: bool) -> tuple[StepBatch, int]:
-    """What crosses the pipe for a step: the batch without its device tensor, and that tensor's rows.
-    rows_only: rank 0's runner takes the step from its DecodeRows, so every rank's does (the same
-    batches built the same rows): the per-row sequences stay unbuilt and unsent. The keys always go:
-    with them every rank remembers the same rows after any step."""
-    prev = batch.prev_tokens
-    payload = StepBatch(None if rows_only else batch.seqs, rows=batch.rows, keys=batch.keys)
-    return payload, 0 if prev is None else int(prev.numel())
