@@ -105,6 +105,7 @@ def _flash_into(
             **paged,
         )
         return
+    assert _FLASH is not None  # a flash kernel is chosen only where torch has one of the two ops
     o = _FLASH(
         q[:num_tokens],
         k,
@@ -209,6 +210,7 @@ def decode_attention(
     [num_blocks, block_size, K, D]. Writes every row of out (padded rows: zeros)."""
     num_reqs = md.seq_lens.shape[0]
     if md.kernel == "triton":
+        assert md.workspace is not None  # the runner allocates it for the triton kernel
         paged_decode_attention(
             q[:num_reqs],
             k_blocks,
@@ -226,6 +228,7 @@ def decode_attention(
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_blocks.shape[2]
     length = md.block_tables.shape[1] * k_blocks.shape[1]
+    assert md.positions is not None  # the runner allocates it for the torch kernel
     flat = md.block_tables.reshape(-1)
     k = k_blocks.index_select(0, flat).view(num_reqs, length, kv_heads, dim).transpose(1, 2)  # [R, K, L, D]
     v = v_blocks.index_select(0, flat).view(num_reqs, length, kv_heads, dim).transpose(1, 2)
@@ -260,6 +263,8 @@ def graph_attention(
             f"attention kernel {md.kernel!r} cannot run inside a graph: mixed_capture_mode=full "
             "needs the triton kernel (the runner falls back to breakable for the others)"
         )
+    # The triton plan (plan_in_graph) sets all three.
+    assert md.cu_seqlens_q is not None and md.seqused_k is not None and md.block_table is not None
     unified_attention(
         q,
         k_blocks,

@@ -30,6 +30,7 @@ under Triton's interpreter and tests/gpu/test_fp8_cuda.py on the GPU.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
@@ -197,7 +198,9 @@ def _fp8_mm_kernel(
 
 
 _KERNEL = None
-_rope_rows = _rope_store = None  # fp8_rope's helpers, jitted with the kernel
+# fp8_rope's helpers, jitted with the kernel (JITFunctions: Any, triton has no types).
+_rope_rows: Any = None
+_rope_store: Any = None
 
 
 def _kernel():
@@ -278,6 +281,7 @@ def _launch_gemm(
     if block is None:  # weight only: sa_ptr is unused, its strides 0
         sa, stride_sa_g, stride_sa_m = scale_w, 0, 0
     else:  # scale_a [T, K / bk]
+        assert scale_a is not None  # block scales come with the activation's scales
         sa, stride_sa_g, stride_sa_m = scale_a, scale_a.stride(1), scale_a.stride(0)
     rows_a_program = 2 * block_n if rope is not None else block_n  # ROPE: two halves of BLOCK_N rows
     use_pdl = block is None and _pdl_on(a.device)

@@ -13,6 +13,7 @@ tests check that).
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import nn
@@ -133,7 +134,8 @@ class Attention(nn.Module):
             raise RuntimeError("KV cache not bound: call LlamaModel.bind_kv_cache() (the runner does)")
         rope = self._rope_in_gemm(positions, slot_mapping, x)
         # [T, (H + 2K) * D]; with rope, q and k come rotated and k, v are already in the cache
-        qkv = self.qkv_proj(x) if rope is None else self.qkv_proj.qkv_rope_forward(x, rope)
+        # (rope is None unless qkv_proj is an Fp8Linear: _rope_in_gemm checked)
+        qkv = self.qkv_proj(x) if rope is None else cast(Fp8Linear, self.qkv_proj).qkv_rope_forward(x, rope)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, K, D]
@@ -154,12 +156,15 @@ class Attention(nn.Module):
         if ctx.mode == "full":
             # Full runtime mode (uniform decode, or a mixed step on the unified kernel): the kernel reads
             # lengths, starts and block tables from static device buffers, so it is recorded inside the graph.
+            assert self.k_blocks is not None and self.v_blocks is not None  # bound with kv_cache
             graph_attention(q, out, self.k_blocks, self.v_blocks, ctx.attention, self.scale)
         else:
             paged_attention(q, k, v, out, self.kv_cache, self.k_blocks, self.v_blocks, self.scale)
         return self.o_proj(out.view(t, self.q_size))  # [T, hidden]
 
-    def _rope_in_gemm(self, positions: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor):
+    def _rope_in_gemm(
+        self, positions: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor
+    ) -> RopeArgs | None:
         """RopeArgs when the FP8 qkv GEMM also rotates and writes the cache (one token, fused ops on, no
         q/k norm between the two), else None. Depends on shapes and flags only: fixed for a captured graph."""
         qkv = self.qkv_proj
@@ -242,7 +247,7 @@ class LlamaModel(nn.Module):
         """Triton kernels for add+RMSNorm, rotary and SiLU*mul (fused_ops.py; CUDA): fewer, larger kernels."""
         for m in self.modules():
             if hasattr(m, "fused"):
-                m.fused = on
+                setattr(m, "fused", on)  # noqa: B010 (Module's __setattr__ types values as Tensor | Module)
 
     def active_decoder_params(self) -> int:
         """The decoder layers' weights one token runs through: all of them for a dense model; of a sparse
@@ -262,7 +267,7 @@ class LlamaModel(nn.Module):
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             if not kv.is_contiguous():
                 raise ValueError("each layer's KV cache must be contiguous (viewed as flat slots)")
-            attn = layer.attn
+            attn = cast(DecoderLayer, layer).attn
             attn.kv_cache = kv.view(2, -1, kv.shape[-2], kv.shape[-1])  # [2, num_slots, K, D]
             attn.k_slots, attn.v_slots = attn.kv_cache.unbind(0)
             attn.k_blocks, attn.v_blocks = kv.unbind(0)
@@ -283,9 +288,11 @@ class LlamaModel(nn.Module):
             h, residual = layer(positions, slot_mapping, h, residual)
         # Only the R rows that need logits go through the final norm and the [hidden, V] head.
         h, _ = self.norm.add_forward(
-            h.index_select(0, logits_indices), residual.index_select(0, logits_indices), self.fused
+            h.index_select(0, logits_indices),
+            cast(torch.Tensor, residual).index_select(0, logits_indices),  # set by the first layer
+            self.fused,
         )  # [R, hidden]
         if self.tp.enabled:
-            self.lm_head.logits_into(h, out_logits)  # [R, V]: all-gather of [R, V / N]
+            cast(ParallelLMHead, self.lm_head).logits_into(h, out_logits)  # [R, V]: all-gather of [R, V / N]
         else:
             torch.mm(h, self.lm_head.weight.t(), out=out_logits)  # [R, V], no [R, V] temporary

@@ -338,7 +338,8 @@ class _Reporter:
     def bar_class(self) -> type:
         """A tqdm class for one snapshot_download call whose bars report here and print nothing (the log
         has the progress)."""
-        from tqdm.std import tqdm
+        # tqdm ships no type information (its stubs, types-tqdm, are not a dependency): tqdm is Any here.
+        from tqdm.std import tqdm  # type: ignore[import-untyped]
 
         reporter = self
         self._calls += 1

@@ -166,7 +166,8 @@ def _unified_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # [BM] sum of exp2
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)  # [BM, DP]
 
-    bt_row = bt_ptr + req.to(tl.int64) * stride_btr
+    # In the JIT `req` is a triton scalar (the loop made `lo` one); mypy sees `lo = 0`, an int.
+    bt_row = bt_ptr + req.to(tl.int64) * stride_btr  # type: ignore[attr-defined]
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
     for start in range(0, kv_end, BLOCK_N):
