@@ -253,7 +253,7 @@ def normalize_chat(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for i, call in enumerate(calls):
                 fn = call.get("function") if isinstance(call, dict) else None
                 args = fn.get("arguments") if isinstance(fn, dict) else None
-                if isinstance(args, str):
+                if isinstance(fn, dict) and isinstance(args, str):  # (a str args implies a dict fn)
                     try:
                         args = json.loads(args) if args.strip() else {}
                     except json.JSONDecodeError:

@@ -10,7 +10,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -217,7 +217,19 @@ class ModelConfig:
         )
 
 
-def _sizes(hf: dict[str, Any]) -> dict[str, int]:
+class _Sizes(TypedDict):
+    """The dimensions `_sizes` reads: ModelConfig's fields of the same names."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def _sizes(hf: dict[str, Any]) -> _Sizes:
     """The model's dimensions from config.json, each an integer within its bound, and consistent: the
     heads split hidden_size (unless head_dim is given), the KV heads split the heads, head_dim is even
     (rotary pairs its halves). Checked before anything is built from them."""
@@ -242,7 +254,7 @@ def _sizes(hf: dict[str, Any]) -> dict[str, int]:
             f"config.json head_dim is {head_dim}, an odd number: rotary embeddings need an even head_dim; "
             f"{FIX_CONFIG}"
         )
-    return dict(
+    return _Sizes(
         vocab_size=int_field(hf, "vocab_size", 1, MAX_VOCAB_SIZE),
         hidden_size=hidden,
         intermediate_size=int_field(hf, "intermediate_size", 1, MAX_INTERMEDIATE_SIZE),

@@ -181,6 +181,7 @@ class TokenTextStream:
         return [i for i in ids if i not in silent and 0 <= i <= max_id]
 
     def add(self, token_ids: list[int]) -> str:
+        new: int | list[int]  # DecodeStream.step takes either
         if len(token_ids) == 1:  # the per-step case: DecodeStream takes an int faster than a list
             new = token_ids[0]
             if new in self._silent or not 0 <= new <= self._max_id:

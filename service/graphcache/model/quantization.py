@@ -27,7 +27,7 @@ import logging
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, Self, TypeVar, cast
 
 import torch
 from torch import nn
@@ -215,16 +215,33 @@ def _block(value: Any) -> tuple[int, int] | None:
 
 
 class _Target(Protocol):
-    """loader.Target, as far as this module reads it (a NamedTuple: _replace makes the scale's target)."""
+    """loader.Target, as far as this module reads it (a NamedTuple: _replace makes the scale's target;
+    its fields are read-only, hence properties here)."""
 
-    name: str
-    offset: int
-    rows: int
-    shard_dim: int | None
-    start: int
-    full: int
+    @property
+    def name(self) -> str: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def shard_dim(self) -> int | None: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def full(self) -> int: ...
 
-    def _replace(self, **kw: Any) -> Any: ...
+    def _replace(
+        self,
+        *,
+        name: str = ...,
+        offset: int = ...,
+        rows: int = ...,
+        shard_dim: int | None = ...,
+        start: int = ...,
+        full: int = ...,
+        broadcast: bool = ...,
+    ) -> Self: ...
 
 
 T = TypeVar("T", bound=_Target)
@@ -299,7 +316,7 @@ def fp8_layers(
             raise _unsupported(
                 f"the parts of one fused layer ({names}) are not all FP8 (quantization_config ignore)"
             )
-        layer = model.get_submodule(module)
+        layer = cast(nn.Linear, model.get_submodule(module))  # _projections keeps nn.Linear modules only
         _check_shapes(module, layer, parts, scheme, device.type == "cuda")
         if not scheme.on_load:
             _swap(model, module, Fp8Linear.like(layer, scheme.block))
@@ -377,7 +394,8 @@ def check_checkpoint_dtype(
 def quantize_on_load(model: nn.Module, layers: list[str]) -> None:
     """--quantization fp8: replace each loaded 16-bit projection by its FP8 quantization (per-row scales)."""
     for module in layers:
-        _swap(model, module, Fp8Linear.quantized(model.get_submodule(module)))
+        # fp8_layers chose them: nn.Linear modules (not yet swapped)
+        _swap(model, module, Fp8Linear.quantized(cast(nn.Linear, model.get_submodule(module))))
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the 16-bit weights' memory goes back to the device (the KV cache is sized on it)
 

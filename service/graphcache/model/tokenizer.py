@@ -24,7 +24,7 @@ import re
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -37,6 +37,9 @@ from graphcache.model.chat_template import (
     render_chat,
 )
 from graphcache.model.detokenizer import IncrementalDetokenizer, TokenTextStream
+
+if TYPE_CHECKING:
+    import jinja2
 
 __all__ = ["MAX_CHARS_PER_TOKEN", "PreparedChat", "Tokenizer"]
 
@@ -84,7 +87,7 @@ class Tokenizer:
         self.bos_token_id = self.token_to_id(self.bos_token)
         self.chat_template, self.chat_template_origin = self._find_chat_template(path, cfg)
         self.eos_token_ids = self._find_eos_ids(path)
-        self._template = None  # compiled lazily: jinja2 is only needed for chat
+        self._template: jinja2.Template | None = None  # compiled lazily: jinja2 is only needed for chat
         # The batch calls release the interpreter lock; encode_batch_fast (tokenizers >= 0.21) skips offsets.
         self._encode_fast = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         # Special tokens (control markers), and a copy of the tokenizer that encodes them as plain text
@@ -182,6 +185,42 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     # --- chat ---
+    @overload
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = ...,
+        tokenize: Literal[False] = ...,
+        *,
+        template: str | None = ...,
+        continue_final_message: bool = ...,
+        **extra: Any,
+    ) -> str: ...
+
+    @overload
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tokenize: Literal[True],
+        *,
+        template: str | None = ...,
+        continue_final_message: bool = ...,
+        **extra: Any,
+    ) -> list[int]: ...
+
+    @overload
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = ...,
+        *,
+        tokenize: Literal[True],
+        template: str | None = ...,
+        continue_final_message: bool = ...,
+        **extra: Any,
+    ) -> list[int]: ...
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
@@ -288,8 +327,11 @@ class Tokenizer:
             originals.append(match.group(0))
             return f"\U000f0000{tag}.{len(originals) - 1}\U000f0001"
 
+        special_re = self._special_re
+        assert special_re is not None  # has_special_text found a special-token string with it
+
         def mask(text: str) -> str:
-            return self._special_re.sub(placeholder, text)
+            return special_re.sub(placeholder, text)
 
         return PreparedChat(_map_strings(messages, mask), _map_strings(tools, mask), tag, originals)
 
