@@ -77,7 +77,7 @@ def estimate(
     per_prompt = f"{many} {seqs}"  # every product below is per sequence, summed over the prompts
     prompt_tokens = sum(len(p.ids) for p in prompts)
     of_prompts = f"{len(prompts)} prompt{'s' if len(prompts) > 1 else ''}"
-    max_tokens_param = body.max_tokens_param if chat else "max_tokens"
+    max_tokens_param = body.max_tokens_param if isinstance(body, ChatCompletionRequest) else "max_tokens"
 
     def generated(p: Prompt) -> int:
         if plan.prompt_only:
@@ -97,6 +97,7 @@ def estimate(
     out: list[Product] = []
     kp = params.prompt_logprobs
     if body.prompt_logprobs is not None:
+        assert kp is not None  # params carry the body's prompt_logprobs (api/sampling.base_params)
         entries = seqs * prompt_tokens * (kp + 1)
         out.append(
             Product(
@@ -108,6 +109,7 @@ def estimate(
         )
     k = body.engine_logprobs
     if not chat and body.echo and k is not None:  # the prompt's logprobs lead each choice's logprobs
+        assert kp is not None  # echo + logprobs ask for the prompt's logprobs (api/sampling.base_params)
         entries = seqs * prompt_tokens * (kp + 2)
         out.append(
             Product(

@@ -155,6 +155,7 @@ class ChatShape(_Shape):
     choice; a choice that called tools and stopped on its own finishes with "tool_calls". A call cut
     off by max_tokens keeps the arguments it had, as its stream sent them, and finishes "length"."""
 
+    body: ChatCompletionRequest  # a chat shape is built for a chat request
     parse_tools = False
     tool_format: ToolCallFormat = tool_call_format("hermes")
     reasoning_parser = "none"

@@ -12,6 +12,9 @@ counted (the error handlers and the body-size middleware call it; nothing else d
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -236,7 +239,7 @@ def _param_of(loc: tuple) -> str | None:
     return out or None
 
 
-def _most_specific(errors: list) -> dict:
+def _most_specific(errors: Sequence[Any]) -> dict:
     """The first error, or, when it is one branch of a union, the deepest error among that field's
     branches: `prompt: [1.5]` fails as a string at `prompt` and as token ids at `prompt[0]`; the
     latter says what to fix."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,7 +168,7 @@ class Run:
             self.engine.abort(self.sub.request_id)
 
 
-async def _settle(tasks: list[asyncio.Future]) -> None:
+async def _settle(tasks: Sequence[asyncio.Future[Any]]) -> None:
     for t in tasks:
         t.cancel()
     with contextlib.suppress(BaseException):
@@ -198,8 +198,8 @@ class FanOut:
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for t in tasks:
-                if t.done() and not t.cancelled() and t.exception() is not None:
-                    raise t.exception()
+                if t.done() and not t.cancelled() and (exc := t.exception()) is not None:
+                    raise exc
             return [t.result() for t in tasks]
         except BaseException:
             await _settle(tasks)
@@ -233,7 +233,7 @@ class FanOut:
 
         return await self._all([finish(run, out) for run, out in zip(self.runs, firsts, strict=True)])
 
-    async def merged(self, firsts: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def merged(self, firsts: list[RequestOutput]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """(sequence index, output) as they come after `firsts`; closing it aborts what still runs."""
         pending: dict[asyncio.Future, int] = {}
         try:

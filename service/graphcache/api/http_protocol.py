@@ -282,7 +282,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     # --- the app: held until the body is in -----------------------------------------------------------
 
-    def _start_asgi_task(self, cycle: RequestResponseCycle, app) -> None:  # type: ignore[override]
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app) -> None:
         # uvicorn starts the app at the end of the head; held here instead while the body is still to
         # come, until 64 KiB are in (uvicorn stops reading there until the app reads). A GET's end
         # follows its head in the same parser call: no wait.

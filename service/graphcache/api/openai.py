@@ -28,8 +28,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, Callable
+from typing import Any, cast
 
 from fastapi import APIRouter, Depends, Request
 from sse_starlette import EventSourceResponse
@@ -49,7 +49,7 @@ from graphcache.api.prompt_encoding import encode_chat, encode_prompt
 from graphcache.api.protocol import ChatCompletionRequest, CompletionRequest
 from graphcache.api.tool_parsers import tool_call_format
 from graphcache.engine.errors import InvalidRequest
-from graphcache.engine.sequence import StructuredSpec
+from graphcache.engine.sequence import StructuredSpec, TokenIds
 
 # encode_chat / encode_prompt live in prompt_encoding.py; re-exported for callers that import them from here.
 __all__ = ["encode_chat", "encode_prompt", "model_card", "router", "template_tools"]
@@ -239,7 +239,7 @@ class OpenAIEventStream(EventSourceResponse):
     generator ever started (closing an unstarted generator runs nothing) or a send failed.
     """
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, events: AsyncGenerator[str, None], on_close: Callable[[], None]) -> None:
         super().__init__(events, headers={"Cache-Control": "no-cache"}, ping=0, sep="\n")
         self.on_close = on_close
 
@@ -249,7 +249,8 @@ class OpenAIEventStream(EventSourceResponse):
         except OSError:  # the connection broke under a send (ASGI 2.4 servers): nobody is left to tell
             pass
         finally:
-            await self.body_iterator.aclose()
+            # body_iterator is `events` (sse-starlette keeps an async iterable as given)
+            await cast("AsyncGenerator[str, None]", self.body_iterator).aclose()
             self.on_close()
 
 
@@ -304,15 +305,15 @@ async def _serve(
     samples = [Sampled(run.sub.prompt_index) for run in fan.runs]
     continuous = shape.body.continuous_usage
 
-    async def events() -> AsyncIterator[str]:
+    async def events() -> AsyncGenerator[str, None]:
         if plan.prompt_only:
             firsts[:] = [sampling.echo_only(out) for out in firsts]
         merged = fan.merged(firsts)
         try:
             for k, out in enumerate(firsts):
                 samples[k].add(out)
-            for chunk in shape.opening(len(samples), usage(samples) if continuous else None):
-                yield _data(chunk)
+            for opening in shape.opening(len(samples), usage(samples) if continuous else None):
+                yield _data(opening)
             for k, out in enumerate(firsts):  # echo's prompt logprobs: built on the response pool
                 data = await answer_json.chunk_data(shape, k, out, usage(samples) if continuous else None)
                 if data is not None:
@@ -377,7 +378,7 @@ async def _completion_prompt(
     return Prompt(kept, echo)
 
 
-def _checked_token_controls(body, vocab: int | None) -> list[int] | None:
+def _checked_token_controls(body, vocab: int | None) -> TokenIds | None:
     """allowed_token_ids deduplicated and range-checked, logit_bias keys range-checked: once per
     request (the engine checks each choice's copy again, so the copies must be small)."""
     token_ids.check_bias_ids(body.logit_bias, vocab)

@@ -17,7 +17,7 @@ api/utility_requests.py.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import Field, field_validator
 
@@ -87,7 +87,7 @@ class CompletionRequest(SamplingFields):
 
     @property
     def prompts(self) -> list[str | list[int]]:
-        return self.prompt  # normalized to a batch by _prompts
+        return cast("list[str | list[int]]", self.prompt)  # normalized to a batch by _prompts
 
     @property
     def max_new_tokens(self) -> int:

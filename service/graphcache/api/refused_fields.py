@@ -18,9 +18,11 @@ def refusing(refused: dict[str, tuple[tuple, str]]):
     """A validator refusing, for each field of `refused`, any value but the accepted defaults."""
 
     def check(cls, value: Any, info: ValidationInfo) -> Any:
-        accepted, why = refused[info.field_name]
+        name = info.field_name
+        assert name is not None  # a field validator's info names its field
+        accepted, why = refused[name]
         if not any(value == a and type(value) is type(a) for a in accepted):
-            raise ValueError(f"{info.field_name} is not supported: {why}; leave it unset")
+            raise ValueError(f"{name} is not supported: {why}; leave it unset")
         return value
 
     return field_validator(*refused)(check)

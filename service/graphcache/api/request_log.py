@@ -20,6 +20,7 @@ import logging
 import re
 import sys
 import time
+from collections.abc import Callable
 
 from asgi_correlation_id import CorrelationIdFilter, CorrelationIdMiddleware, correlation_id
 from pythonjsonlogger.json import JsonFormatter as _LibraryJsonFormatter
@@ -79,7 +80,8 @@ class JsonFormatter(_LibraryJsonFormatter):
     """One JSON object a line: ts (UTC, ms), level, logger, msg, request_id (inside a request), every
     `extra=` field, exc (a traceback). ensure_ascii (the default) escapes \\x85 and \\u2028 as well."""
 
-    converter = time.gmtime
+    # Annotated: bare, mypy would take the function for a method and bind it to self (a builtin is not).
+    converter: Callable[[float | None], time.struct_time] = time.gmtime
     default_time_format = "%Y-%m-%dT%H:%M:%S"
     default_msec_format = "%s.%03dZ"
 

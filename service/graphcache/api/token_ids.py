@@ -42,14 +42,14 @@ def _range_error(param: str, vocab: int) -> APIError:
     )
 
 
-def _in_range(ids: Sequence[int], vocab: int | None) -> bool:
-    return vocab is None or not ids or (min(ids) >= 0 and max(ids) < vocab)
+def _in_range(ids: Sequence[int], vocab: int) -> bool:
+    return not ids or (min(ids) >= 0 and max(ids) < vocab)
 
 
 def unique_token_ids(ids: Sequence[int], vocab: int | None, param: str = "allowed_token_ids") -> TokenIds:
     """`ids` sorted without repeats, each in [0, vocab); at most `vocab` ids by then."""
     unique = sorted(set(ids))
-    if not _in_range(unique, vocab):
+    if vocab is not None and not _in_range(unique, vocab):
         raise _range_error(param, vocab)
     try:
         return TokenIds(unique, vocab, param)
@@ -81,12 +81,12 @@ def check_prompt_ids(
             code="context_length_exceeded",
         )
     out = list(ids)
-    if not _in_range(out, vocab):
+    if vocab is not None and not _in_range(out, vocab):
         raise _range_error(param, vocab)
     return out
 
 
 def check_bias_ids(bias: dict[int, float] | None, vocab: int | None) -> None:
     """logit_bias keys (token ids, parsed by protocol.py) inside the vocabulary."""
-    if bias and not _in_range(list(bias), vocab):
+    if bias and vocab is not None and not _in_range(list(bias), vocab):
         raise _range_error("logit_bias", vocab)
