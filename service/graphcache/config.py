@@ -109,12 +109,15 @@ class Settings(BaseSettings):
     # hide_input_in_errors: a refused admin_token must not be printed by a ValidationError's str().
     model_config = SettingsConfigDict(env_prefix="GRAPHCACHE_", extra="ignore", hide_input_in_errors=True)
 
-    model: ModelSettings = Field(default_factory=ModelSettings)
-    engine: EngineSettings = Field(default_factory=EngineSettings)
-    graph_cache: GraphCacheSettings = Field(default_factory=GraphCacheSettings)
-    grammar: GrammarSettings = Field(default_factory=GrammarSettings)
-    http: HttpSettings = Field(default_factory=HttpSettings)
-    logging: LoggingSettings = Field(default_factory=LoggingSettings)
+    # Every section builds with no arguments, but mypy reads a pydantic model's __init__ through
+    # dataclass_transform, which knows only `Field(default=...)`: the sections' `Field(None, ...)` fields
+    # look required to it, so the section classes do not pass as zero-argument factories.
+    model: ModelSettings = Field(default_factory=ModelSettings)  # type: ignore[arg-type]
+    engine: EngineSettings = Field(default_factory=EngineSettings)  # type: ignore[arg-type]
+    graph_cache: GraphCacheSettings = Field(default_factory=GraphCacheSettings)  # type: ignore[arg-type]
+    grammar: GrammarSettings = Field(default_factory=GrammarSettings)  # type: ignore[arg-type]
+    http: HttpSettings = Field(default_factory=HttpSettings)  # type: ignore[arg-type]
+    logging: LoggingSettings = Field(default_factory=LoggingSettings)  # type: ignore[arg-type]
 
     @classmethod
     def settings_customise_sources(
@@ -147,8 +150,8 @@ class Settings(BaseSettings):
                 )
                 nested[key].update(section)
             elif key in flat:
-                section, field_name, _ = flat[key]
-                nested[section][field_name] = value
+                section_name, field_name, _ = flat[key]
+                nested[section_name][field_name] = value
         return nested
 
     @model_validator(mode="after")

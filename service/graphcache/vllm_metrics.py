@@ -119,7 +119,8 @@ SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 
 def one_two_five(limit: int) -> tuple[int, ...]:
     """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's ladder for token counts)."""
-    out, scale = [], 1
+    out: list[int] = []
+    scale = 1
     while True:
         for m in (1, 2, 5):
             if m * scale > limit:
@@ -233,10 +234,10 @@ class _Mirror(Collector):
                 m.prefix_cache_hits,
             ),
         ):
-            family = CounterMetricFamily(name, doc, labels=LABELS)
+            counter = CounterMetricFamily(name, doc, labels=LABELS)
             for _, value in _samples(source, "_total"):
-                family.add_metric(labels, value)
-            yield family
+                counter.add_metric(labels, value)
+            yield counter
         success = CounterMetricFamily(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -258,6 +259,31 @@ class _Mirror(Collector):
 
 class VllmMetrics:
     """The `vllm:` series of one registry; `Metrics.vllm`. Recording methods run on the engine thread."""
+
+    # The children for the current model_name, set by _bind() (one per key of _histograms and
+    # _counters).
+    ttft: Histogram
+    itl: _CountedChild
+    tpot: _CountedChild
+    request_tpot: Histogram
+    e2e: Histogram
+    queue: Histogram
+    inference: Histogram
+    prefill: Histogram
+    decode: Histogram
+    prompt_len: Histogram
+    generation_len: Histogram
+    max_generation: Histogram
+    max_tokens: Histogram
+    iteration_tokens: Histogram
+    n: Histogram
+    prefill_kv_computed: Histogram
+    prompt_tokens_cached: Counter
+    prompt_tokens_recomputed: Counter
+    external_prefix_cache_queries: Counter
+    external_prefix_cache_hits: Counter
+    mm_cache_queries: Counter
+    mm_cache_hits: Counter
 
     def __init__(self, metrics: Any, registry: CollectorRegistry, model_name: str) -> None:
         # metrics: the owning graphcache.metrics.Metrics (untyped here: metrics.py imports this module)
