@@ -1,11 +1,16 @@
 """Defaults fit the device: CPU defaults on the CPU, the measured GPU defaults on CUDA (batch limits,
-the engine in its own process), and what the user sets always wins (Settings._gpu_defaults)."""
+the engine in its own process), and what the user sets always wins (Settings._gpu_defaults); the README's
+configuration table and `serve --help` give the same defaults per device."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 import torch
 from graphcache import config
+from graphcache.cli import device_defaults, main
 from graphcache.config import GPU_BATCH_DEFAULTS, Settings
 
 
@@ -105,3 +110,67 @@ def test_no_cuda_means_no_gpu_defaults_under_auto(gpu_of, monkeypatch):
     monkeypatch.setattr(config, "gpu_memory_bytes", lambda: None)
     s = Settings(device="auto")
     assert (s.engine.max_num_seqs, s.graph_cache.max_capture_size) == (64, 256)
+
+
+# --------------------------------------------------------------------------- the README says the same
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+DEVICE_DEFAULTS = ("max_num_seqs", "max_num_batched_tokens", "max_capture_size")
+CLAUSE = re.compile(
+    r"(?P<value>\d+) on (?P<where>the CPU|CUDA GPUs under (?P<under>\d+) GiB|GPUs of (?P<over>\d+) GiB or more|CUDA)"
+)
+
+
+def readme_defaults() -> dict[str, str]:
+    """The configuration table's default column by setting, backticks dropped."""
+    rows = {}
+    for line in README.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and re.fullmatch(r"`[A-Z_]+`", cells[0]):
+            rows[cells[0].strip("`").lower()] = cells[1].replace("`", "")
+    return rows
+
+
+def stated(text: str) -> dict[str, int]:
+    """ "64 on the CPU, 256 on CUDA GPUs under 70 GiB, 512 on GPUs of 70 GiB or more" -> the value per device
+    kind: cpu, small (a GPU under the threshold), large; "on CUDA" covers both GPU sizes."""
+    out: dict[str, int] = {}
+    for match in CLAUSE.finditer(text):
+        value, where = int(match["value"]), match["where"]
+        threshold = match["under"] or match["over"]
+        if threshold is not None:
+            assert int(threshold) * 2**30 == config.LARGE_GPU_BYTES, text
+        kinds = {"the CPU": ["cpu"], "CUDA": ["small", "large"]}.get(where) or (
+            ["small"] if match["under"] else ["large"]
+        )
+        out.update(dict.fromkeys(kinds, value))
+    return out
+
+
+def default_of(settings: Settings, name: str) -> int:
+    section = settings.graph_cache if name == "max_capture_size" else settings.engine
+    return getattr(section, name)
+
+
+def test_readme_defaults_per_device_match_help_and_the_code(gpu_of, capsys, monkeypatch):
+    """The README's configuration table, `graphcache serve --help` and Settings agree on the defaults that
+    follow the device: on the CPU, on a GPU under the large-GPU threshold, and on a 70 GiB GPU."""
+    for name in DEVICE_DEFAULTS:
+        monkeypatch.delenv("GRAPHCACHE_" + name.upper(), raising=False)
+    rows = readme_defaults()
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for name in DEVICE_DEFAULTS:
+        assert name in rows, f"README's configuration table has no row for {name.upper()}"
+        assert rows[name] == device_defaults(name), (name, rows[name])
+        assert f"GRAPHCACHE_{name.upper()}; default: {rows[name]}]" in help_text, name
+        values = stated(rows[name])
+        assert set(values) == {"cpu", "small", "large"}, (name, rows[name])
+        assert default_of(Settings(device="cpu"), name) == values["cpu"], name
+        gpu_of(70)  # the threshold itself counts as large
+        assert default_of(Settings(device="cuda"), name) == values["large"], name
+        assert default_of(Settings(device="auto"), name) == values["large"], name
+        gpu_of(48)
+        assert default_of(Settings(device="cuda"), name) == values["small"], name

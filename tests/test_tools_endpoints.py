@@ -88,7 +88,7 @@ async def test_tokenize_prompt_has_vllms_shape_and_the_completions_ids(client, e
     r = await client.post("/tokenize", json={"model": engine.model_name, "prompt": "Once upon a time"})
     assert r.status_code == 200, r.text
     body = r.json()
-    assert set(body) == {"count", "max_model_len", "tokens"}
+    assert set(body) == {"count", "max_model_len", "tokens", "token_strs"} and body["token_strs"] is None
     assert body["tokens"] == engine.tokenizer.encode("Once upon a time")
     assert body["tokens"][0] == engine.tokenizer.bos_token_id, "add_special_tokens defaults to true"
     assert body["count"] == len(body["tokens"]) and body["max_model_len"] == engine.max_model_len
@@ -153,17 +153,144 @@ async def test_tokenize_refuses_oversized_text_before_tokenizing(client, engine,
     [
         ({}, "prompt"),
         ({"prompt": "x", "messages": CHAT}, "messages"),
-        ({"messages": CHAT, "add_special_tokens": True}, "add_special_tokens"),
+        ({"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
+        ({"prompt": "x", "continue_final_message": True}, "continue_final_message"),
         ({"prompt": 5}, "prompt"),
         ({"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+        ({"prompt": "x", "return_token_strs": "yes"}, "return_token_strs"),
         ({"messages": []}, "messages"),
-        ({"prompt": "x", "return_token_strs": True}, "return_token_strs"),
     ],
-    ids=["neither", "both", "chat-add-special", "prompt-type", "flag-type", "no-messages", "token-strs"],
+    ids=[
+        "neither",
+        "both",
+        "continue-with-generation-prompt",
+        "continue-without-messages",
+        "prompt-type",
+        "flag-type",
+        "token-strs-type",
+        "no-messages",
+    ],
 )
 async def test_tokenize_bad_bodies_are_400(client, body, param):
     err = error_of(await client.post("/tokenize", json=body), 400)
     assert err["type"] == "invalid_request_error" and err["param"] == param
+
+
+# vLLM's own /tokenize cases (tests/entrypoints/openai/test_tokenization.py), against transformers' tokenizer
+# of the same model: the ids are `encode(apply_chat_template(...), add_special_tokens)`, token_strs are
+# `convert_ids_to_tokens(ids)`.
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tmp_path_factory, served):
+    transformers = pytest.importorskip("transformers")
+    from graphcache.model.tiny import make_default_model
+
+    path = make_default_model(tmp_path_factory.mktemp("hf") / "tiny")  # the embedded model's tokenizer
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+    tokenizer.chat_template = served[1].state.engine.tokenizer.chat_template
+    return tokenizer
+
+
+VLLM_CONVERSATION = [
+    {"role": "user", "content": "Hi there!"},
+    {"role": "assistant", "content": "Nice to meet you!"},
+    {"role": "user", "content": "Can I ask a question? vllm1"},
+]
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"location": {"type": "string"}}},
+        },
+    }
+]
+
+
+async def test_tokenize_completions_as_vllms_test(client, hf_tokenizer, engine):
+    prompt = "vllm1 This is a test prompt."
+    for add_special in (False, True):
+        r = await client.post(
+            "/tokenize",
+            json={"add_special_tokens": add_special, "model": engine.model_name, "prompt": prompt},
+        )
+        assert r.status_code == 200, r.text
+        body = r.json()
+        tokens = hf_tokenizer.encode(prompt, add_special_tokens=add_special)
+        assert body == {
+            "tokens": tokens,
+            "count": len(tokens),
+            "max_model_len": engine.max_model_len,
+            "token_strs": None,
+        }
+
+
+@pytest.mark.parametrize("with_tools", [False, True], ids=["chat", "chat-with-tools"])
+async def test_tokenize_chat_as_vllms_test(client, hf_tokenizer, engine, with_tools):
+    """Every add_generation_prompt x add_special_tokens x continue_final_message vLLM's test runs (both
+    true of the first and last is a 400, below)."""
+    for add_generation in (False, True):
+        for add_special in (False, True):
+            conversation = [dict(m) for m in VLLM_CONVERSATION]
+            for continue_final in (False, True):
+                if add_generation and continue_final:
+                    continue
+                if continue_final:
+                    conversation.append({"role": "assistant", "content": "Sure,"})
+                extra = {"tools": WEATHER_TOOLS} if with_tools else {}
+                prompt = hf_tokenizer.apply_chat_template(
+                    conversation,
+                    add_generation_prompt=add_generation,
+                    continue_final_message=continue_final,
+                    tokenize=False,
+                    **extra,
+                )
+                tokens = hf_tokenizer.encode(prompt, add_special_tokens=add_special)
+                r = await client.post(
+                    "/tokenize",
+                    json={
+                        "add_generation_prompt": add_generation,
+                        "continue_final_message": continue_final,
+                        "add_special_tokens": add_special,
+                        "messages": conversation,
+                        "model": engine.model_name,
+                        **extra,
+                    },
+                )
+                assert r.status_code == 200, r.text
+                body = r.json()
+                case = (add_generation, add_special, continue_final)
+                assert body["tokens"] == tokens, case
+                assert body["count"] == len(tokens) and body["token_strs"] is None, case
+                if continue_final:  # the prompt stops inside the assistant's message
+                    text = hf_tokenizer.decode(tokens)
+                    assert text.endswith("Sure,"), text[-40:]
+
+
+async def test_tokenize_with_return_token_strs_as_vllms_test(client, hf_tokenizer, engine):
+    prompt = "This is a token_strs test prompt! vllm1"
+    r = await client.post(
+        "/tokenize", json={"prompt": prompt, "model": engine.model_name, "return_token_strs": True}
+    )
+    assert r.status_code == 200, r.text
+    tokens = hf_tokenizer.encode(prompt, add_special_tokens=True)
+    body = r.json()
+    assert body["tokens"] == tokens and body["count"] == len(tokens)
+    assert body["token_strs"] == hf_tokenizer.convert_ids_to_tokens(tokens)
+    chat = (await client.post("/tokenize", json={"messages": CHAT, "return_token_strs": True})).json()
+    assert chat["token_strs"] == hf_tokenizer.convert_ids_to_tokens(chat["tokens"])
+    assert "<|im_start|>" in chat["token_strs"]
+
+
+async def test_chat_completions_and_tokenize_agree_on_continue_final_message(client, engine):
+    """The ids /tokenize gives with continue_final_message are the ones the chat endpoint feeds the engine."""
+    chat = [*VLLM_CONVERSATION, {"role": "assistant", "content": "Sure,"}]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    tokens = (await client.post("/tokenize", json={"messages": chat, **flags})).json()["tokens"]
+    done = await client.post("/v1/chat/completions", json={"messages": chat, "max_tokens": 1, **flags})
+    assert done.status_code == 200, done.text
+    assert done.json()["usage"]["prompt_tokens"] == len(tokens)
 
 
 async def test_tokenizer_endpoints_check_the_model_without_echo(client):

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import difflib
 import errno
 import json
 import logging
@@ -32,17 +34,29 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from graphcache import __version__
-from graphcache.config import Settings
+from graphcache.config import GPU_BATCH_DEFAULTS, LARGE_GPU_BYTES, LARGE_GPU_DEFAULTS, Settings
 from graphcache.model.source import ModelSourceError, model_source
+from graphcache.vllm_flags import (
+    SPELLINGS,
+    VllmFlagRefused,
+    add_vllm_flags,
+    apply_vllm_flags,
+    normalize_argv,
+)
 
 __all__ = [
+    "ServeArgs",
     "StartupError",
     "bind_port",
     "build_parser",
     "check_model_dir",
     "check_tensor_parallel",
+    "device_defaults",
     "local_model_dir",
     "main",
+    "parse_command_line",
+    "serve_args",
+    "serve_parser",
     "settings_from_args",
 ]
 
@@ -92,6 +106,22 @@ def _list_parser(item_type: type, flag: str):
     return parse
 
 
+def device_defaults(name: str) -> str | None:
+    """The default of a setting whose default follows the device, as --help and the README say it ("64 on
+    the CPU, 256 on CUDA GPUs under 70 GiB, 512 on GPUs of 70 GiB or more"); None for the others. From the
+    constants Settings._gpu_defaults applies (max_capture_size's large-GPU value is with the default
+    max_num_seqs)."""
+    gpu, large = GPU_BATCH_DEFAULTS.get(name), LARGE_GPU_DEFAULTS.get(name)
+    if gpu is None and large is None:
+        return None
+    cpu = Settings.flat_fields()[name].get_default(call_default_factory=True)
+    gpu = cpu if gpu is None else gpu
+    if large is None or large == gpu:
+        return f"{cpu} on the CPU, {gpu} on CUDA"
+    gib = LARGE_GPU_BYTES // 2**30
+    return f"{cpu} on the CPU, {gpu} on CUDA GPUs under {gib} GiB, {large} on GPUs of {gib} GiB or more"
+
+
 def _add_setting_flag(group: argparse._ArgumentGroup, name: str, field) -> None:
     flag = "--" + name.replace("_", "-")
     annotation, optional = _unwrap_optional(field.annotation)
@@ -99,15 +129,19 @@ def _add_setting_flag(group: argparse._ArgumentGroup, name: str, field) -> None:
     shown = "***" if name in SECRET_FIELDS and default else default
     if isinstance(shown, list):
         shown = ",".join(map(str, shown)) or '""'
+    shown = device_defaults(name) or shown
     help_text = (field.description or name.replace("_", " ").capitalize()).replace("%", "%%")
     help_text += f" [env {ENV_PREFIX}{name.upper()}; default: {'unset' if shown is None else shown}]"
     kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
+    spelling = SPELLINGS.get(name)  # vLLM's spellings of this flag (vllm_flags.py)
 
     origin = typing.get_origin(annotation)
     if annotation is bool:
         kwargs["action"] = argparse.BooleanOptionalAction
     elif origin is Literal:
         kwargs["choices"] = list(typing.get_args(annotation))
+        if {"on", "off"} <= set(kwargs["choices"]):  # --flag alone is on (as vLLM's bool), --no-flag off
+            kwargs.update(nargs="?", const="on")
     elif origin is list:
         (item_type,) = typing.get_args(annotation)
         kwargs["type"] = _list_parser(item_type, flag)
@@ -122,7 +156,22 @@ def _add_setting_flag(group: argparse._ArgumentGroup, name: str, field) -> None:
             f"cli.py cannot make a flag for setting {name} ({field.annotation}); teach "
             "_add_setting_flag this type"
         )
-    group.add_argument(flag, **kwargs)
+    if spelling is not None:
+        for key in ("type", "nargs", "const"):
+            if getattr(spelling, key) is not None:
+                kwargs[key] = getattr(spelling, key)
+        if kwargs.get("choices"):
+            kwargs["metavar"] = "{" + ",".join(kwargs["choices"]) + "}"
+    group.add_argument(flag, *(spelling.aliases if spelling else ()), **kwargs)
+    if kwargs.get("const") == "on":
+        group.add_argument(
+            "--no-" + flag[2:],
+            dest=name,
+            action="store_const",
+            const="off",
+            default=argparse.SUPPRESS,
+            help=f"The same as {flag} off.",
+        )
 
 
 def _settings_epilog() -> str:
@@ -132,8 +181,16 @@ def _settings_epilog() -> str:
     return "\n".join(lines)
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one line on stderr naming the fix (exit 2), as serve's other
+    refusals, not the usage block."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: {message}; `{self.prog} --help` lists the flags\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="graphcache",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="graphcache: an OpenAI-compatible LLM server with a managed CUDA-graph cache.",
@@ -145,7 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
         version=__version__,
         help="Print the version (of the installed package) and exit.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=OneLineErrorParser
+    )
 
     serve = sub.add_parser(
         "serve",
@@ -165,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     group = serve.add_argument_group("settings")
     for name, field in Settings.flat_fields().items():
         _add_setting_flag(group, name, field)
+    add_vllm_flags(serve, taken=serve._option_string_actions)
 
     tiny = sub.add_parser(
         "make-tiny-model",
@@ -183,11 +243,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def settings_from_args(args: argparse.Namespace) -> Settings:
+@dataclasses.dataclass
+class ServeArgs:
+    """A `serve` command line read: the settings, the warning lines of the vLLM flags it carried (logged at
+    start), and the environment variables those flags set for libraries (huggingface_hub)."""
+
+    settings: Settings
+    warnings: list[str]
+    env: dict[str, str]
+
+
+def serve_args(args: argparse.Namespace) -> ServeArgs:
     """Flags given on the command line override env, which overrides defaults. The positional MODEL is
-    the model setting, like --model; both given and different is a StartupError."""
+    the model setting, like --model; both given and different is a StartupError. vLLM's flags
+    (vllm_flags.py) set settings too; one that cannot be honoured is a StartupError, and one graphcache
+    handles otherwise is a warning line. A vLLM flag and a setting's own flag setting one setting to
+    different values is a StartupError."""
     flat = Settings.flat_fields()
     overrides = {k: v for k, v in vars(args).items() if k in flat}
+    warnings: list[str] = []
+    for name, value in list(overrides.items()):
+        spelling = SPELLINGS.get(name)
+        if spelling is not None and spelling.convert is not None:
+            overrides[name], warning = spelling.convert(value)
+            if warning:
+                warnings.append(f"--{name.replace('_', '-')}: {warning}")
     positional = getattr(args, "model_arg", None)
     if positional is not None:
         flag = overrides.get("model")
@@ -197,7 +277,42 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                 "(MODEL or --model)"
             )
         overrides["model"] = positional
-    return Settings(**overrides)
+    try:
+        applied = apply_vllm_flags(args)
+    except VllmFlagRefused as e:
+        raise StartupError(str(e)) from None
+    for name, value in applied.settings.items():
+        if name in overrides and overrides[name] != value:
+            raise StartupError(
+                f"--{name.replace('_', '-')} and a vLLM flag set {name} to different values; pass one of them"
+            )
+        overrides[name] = value
+    settings = Settings(**overrides)
+    warnings += applied.finish(settings)
+    if settings.engine.gpu_memory_utilization is not None and _on_cuda(settings):
+        warnings.append(GPU_MEMORY_UTILIZATION_PENDING.format(settings.engine.kv_cache_memory_fraction))
+    return ServeArgs(settings, warnings, applied.env)
+
+
+# The KV cache's sizing by gpu_memory_utilization is the engine's (engine/worker/kv_cache.py); until it reads
+# the setting, serve says what sizes the cache instead. On the CPU the setting means nothing, as in vLLM.
+GPU_MEMORY_UTILIZATION_PENDING = (
+    "--gpu-memory-utilization: not applied yet; the KV cache takes kv_cache_memory_fraction ({}) of the GPU "
+    "memory free after the weights (set --kv-cache-memory-fraction instead to size it)"
+)
+
+
+def _on_cuda(settings: Settings) -> bool:
+    if settings.model.device == "cpu":
+        return False
+    from graphcache.config import gpu_memory_bytes  # imports torch: only when the answer matters
+
+    return settings.model.device == "cuda" or gpu_memory_bytes() is not None
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """The settings of a `serve` command line (serve_args without its warnings and environment)."""
+    return serve_args(args).settings
 
 
 def _same_model(a: str, b: str) -> bool:
@@ -378,6 +493,7 @@ def check_tensor_parallel(settings: Settings) -> None:
     size = settings.model.tensor_parallel_size
     local = local_model_dir(settings)
     if local is not None or settings.model.path is None:
+        config: Any  # a ModelConfig, or the embedded model's shape in the fields check_shardable reads
         if local is not None:
             config, where = read_config(local), f"model {str(settings.model.path)!r}"
         else:  # the embedded tiny model, by its shape (not written yet)
@@ -410,7 +526,7 @@ def check_tensor_parallel(settings: Settings) -> None:
 # --------------------------------------------------------------------------- commands
 
 
-def _serve(settings: Settings) -> int:
+def _serve(settings: Settings, warnings: typing.Sequence[str] = ()) -> int:
     try:
         sock = _preflight(settings)
     except StartupError as e:
@@ -427,6 +543,8 @@ def _serve(settings: Settings) -> int:
     from graphcache.api.request_log import setup_logging
 
     setup_logging(settings.logging.log_format, settings.logging.log_level)
+    for line in warnings:  # vLLM flags graphcache handles its own way: one line each
+        log.warning("%s", line)
     log.info("listening on http://%s:%d (bound before loading the model)", settings.http.host, port)
     app = create_app(settings)
 
@@ -507,11 +625,12 @@ def _serve(settings: Settings) -> int:
         log_config=None,
         access_log=False,
         lifespan="on",
-        timeout_graceful_shutdown=http.drain_timeout_s + DRAIN_BACKSTOP_S,
+        # uvicorn takes float seconds (it waits with asyncio's timeouts); its annotations say int.
+        timeout_graceful_shutdown=http.drain_timeout_s + DRAIN_BACKSTOP_S,  # type: ignore[arg-type]
         log_level=settings.logging.log_level.lower(),
         http=protocol,
         h11_max_incomplete_event_size=http.max_header_bytes,
-        timeout_keep_alive=http.header_timeout_s,
+        timeout_keep_alive=http.header_timeout_s,  # type: ignore[arg-type]
         limit_concurrency=http.max_connections,
     )
     server = DrainingServer(config)
@@ -674,12 +793,41 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The `serve` subcommand's parser of build_parser()'s."""
+    (commands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices["serve"]
+
+
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """argv read by the parser, with vLLM's spellings of serve's flags taken (vllm_flags.normalize_argv); an
+    unknown flag is one line naming the closest known one."""
+    serve = serve_parser(parser)
+    if "serve" in argv:
+        at = argv.index("serve") + 1
+        argv = [*argv[:at], *normalize_argv(argv[at:], serve)]
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        flag = next((u for u in unknown if u.startswith("-")), unknown[0])
+        known = serve._option_string_actions if getattr(args, "command", None) == "serve" else {}
+        close = difflib.get_close_matches(flag.partition("=")[0], list(known), n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        which = "flag" if flag.startswith("-") else "argument"
+        prog = serve.prog if known else parser.prog
+        parser.exit(
+            2,
+            f"{prog}: unknown {which} {flag!r}{hint}; `{prog} --help` lists the flags, and docs/API.md the "
+            "vLLM flags it takes\n",
+        )
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, list(sys.argv[1:] if argv is None else argv))
     if args.command == "serve":
         try:
-            settings = settings_from_args(args)
+            read = serve_args(args)
         except StartupError as e:
             print(f"graphcache serve: {e}", file=sys.stderr)
             return 2
@@ -687,11 +835,14 @@ def main(argv: list[str] | None = None) -> int:
             for err in e.errors():
                 # ("http", "admin_token") -> admin_token: the flat name the user set
                 loc = err["loc"][1:] if err["loc"] and err["loc"][0] in Settings.model_fields else err["loc"]
-                where = ".".join(map(str, loc)) or "settings"
+                where = ".".join(map(str, loc))
                 message = err["msg"].removeprefix("Value error, ")  # never err["input"]: it may be a secret
-                print(f"graphcache serve: invalid setting {where}: {message}", file=sys.stderr)
+                what = f"invalid setting {where}" if where else "invalid settings"  # a rule over several
+                print(f"graphcache serve: {what}: {message}", file=sys.stderr)
             return 2
-        return _serve(settings)
+        # Before anything imports huggingface_hub (it reads HF_HUB_CACHE once); the engine process inherits it.
+        os.environ.update(read.env)
+        return _serve(read.settings, read.warnings)
     if args.command == "make-tiny-model":
         return _make_tiny_model(args)
     parser.error(f"unknown command {args.command}")

@@ -10,6 +10,7 @@ constraint) raise InvalidRequest from `_check_common`; single-field checks are p
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, Strict, field_validator, model_validator
@@ -36,6 +37,20 @@ MAX_BAD_WORDS = 128
 MAX_LOGIT_BIAS = 1024
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_SEED = INT64_MAX
+
+
+MAX_KEYS_NAMED = 5
+MAX_KEY_CHARS = 32
+
+
+def _keys(keys: list[str]) -> str:
+    """logit_bias keys as an error names them (after "logit_bias: "): JSON-quoted, each cut to MAX_KEY_CHARS, at
+    most MAX_KEYS_NAMED of them."""
+    shown = [
+        json.dumps(k if len(k) <= MAX_KEY_CHARS else k[:MAX_KEY_CHARS] + "...") for k in keys[:MAX_KEYS_NAMED]
+    ]
+    more = f" and {len(keys) - MAX_KEYS_NAMED} more" if len(keys) > MAX_KEYS_NAMED else ""
+    return f"key{'s' if len(keys) > 1 else ''} {', '.join(shown)}{more}"
 
 
 class StreamOptions(RequestBody):
@@ -134,12 +149,16 @@ class SamplingFields(RequestBody):
             return None
         if len(v) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} token biases are allowed")
+        bad = [key for key in v if not key.isascii() or not key.isdigit()]
+        if bad:  # every offending key is named (bounded: a key may be any length)
+            raise ValueError(
+                f"{_keys(bad)} {'is not a token id' if len(bad) == 1 else 'are not token ids'}; keys are "
+                'token ids written as decimal strings, e.g. {"50256": -100}'
+            )
         out = {}
         for key, bias in v.items():
-            if not key.isascii() or not key.isdigit():  # the key is not echoed
-                raise ValueError('keys must be token ids written as decimal strings, e.g. {"50256": -100}')
             if not -100.0 <= bias <= 100.0:
-                raise ValueError("biases must be in [-100, 100]")
+                raise ValueError(f"the bias of {_keys([key])} is {bias:g}; biases are in [-100, 100]")
             out[int(key)] = bias
         return out
 

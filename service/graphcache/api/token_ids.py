@@ -27,6 +27,8 @@ from graphcache.engine.sequence import TokenIds
 
 __all__ = ["check_bias_ids", "check_prompt_ids", "shared_prompt_ids", "unique_token_ids", "vocab_size"]
 
+MAX_ID_CHARS = 32  # a logit_bias key named in an error is cut here (keys may have any length)
+
 
 def vocab_size(engine) -> int | None:
     """The model's logits width (what the engine checks ids against), or None when not known."""
@@ -87,6 +89,20 @@ def check_prompt_ids(
 
 
 def check_bias_ids(bias: dict[int, float] | None, vocab: int | None) -> None:
-    """logit_bias keys (token ids, parsed by protocol.py) inside the vocabulary."""
-    if bias and vocab is not None and not _in_range(list(bias), vocab):
-        raise _range_error("logit_bias", vocab)
+    """logit_bias keys (token ids, parsed by protocol.py) inside the vocabulary; the keys outside it are
+    named, with the vocabulary's size (as vLLM's 400 names them), each cut to MAX_ID_CHARS digits."""
+    if not bias or vocab is None:
+        return
+    outside = sorted(k for k in bias if not 0 <= k < vocab)
+    if outside:
+        shown = [
+            str(k) if len(str(k)) <= MAX_ID_CHARS else str(k)[:MAX_ID_CHARS] + "..." for k in outside[:5]
+        ]
+        more = f" and {len(outside) - 5} more" if len(outside) > 5 else ""
+        raise APIError(
+            400,
+            f"logit_bias key{'s' if len(outside) > 1 else ''} {', '.join(shown)}{more} "
+            f"{'is not a token id' if len(outside) == 1 else 'are not token ids'} of this model's vocabulary "
+            f"(vocabulary size {vocab}: ids 0 to {vocab - 1}).",
+            param="logit_bias",
+        )

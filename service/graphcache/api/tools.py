@@ -1,8 +1,12 @@
 """Endpoints tools call, with vLLM's request and response shapes.
 
-  * POST /tokenize: `{"prompt", "add_special_tokens"?}` or `{"messages", "add_generation_prompt"?, "tools"?}`
-    -> `{"count", "max_model_len", "tokens"}`; the ids /v1/completions or /v1/chat/completions would
-    feed the engine (same encoders, same size bound before tokenizing, off the event loop).
+  * POST /tokenize: `{"prompt", "add_special_tokens"?}` or `{"messages", "add_generation_prompt"?,
+    "continue_final_message"?, "add_special_tokens"?, "tools"?}`, each with `"return_token_strs"?` ->
+    `{"count", "max_model_len", "tokens", "token_strs"}`; the ids /v1/completions or /v1/chat/completions
+    would feed the engine (same encoders, same size bound before tokenizing, off the event loop).
+    `token_strs` is null unless asked: then each id's vocabulary string, as transformers'
+    convert_ids_to_tokens gives it. add_special_tokens with messages (default false) adds the tokenizer's
+    BOS/EOS on top of what the template wrote, as vLLM does.
   * POST /detokenize: `{"tokens"}` -> `{"prompt"}` (special tokens kept, as vLLM does); ids outside
     the tokenizer's vocabulary, or more ids than max_model_len, are a 400.
   * GET /v1/models/{model_id}: the model object of GET /v1/models, or a 404 `model_not_found`
@@ -37,6 +41,7 @@ guarded = APIRouter(tags=["tools"], dependencies=[Depends(require_api_key)])  # 
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     engine = serving_engine(request)
     check_model(engine, body.model)
+    tokenizer = engine.tokenizer
     if body.messages is not None:
         tokens = await encode_chat(
             request,
@@ -46,11 +51,22 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
             body.template_kwargs,
             template_tools(body.tools),
             chat_template=body.request_template,
+            continue_final_message=body.continue_final_message,
         )
+        if body.add_special_tokens:  # on top of the template's own, as encode(text, True) would add them
+            before, after = tokenizer.special_affixes
+            tokens = [*before, *tokens, *after]
     else:
+        assert body.prompt is not None  # TokenizeRequest holds exactly one of the two forms
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         tokens = await encode_prompt(engine, body.prompt, add_special)
-    return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+    token_strs = await run_input(tokenizer.convert_ids_to_tokens, tokens) if body.return_token_strs else None
+    return {
+        "count": len(tokens),
+        "max_model_len": engine.max_model_len,
+        "tokens": tokens,
+        "token_strs": token_strs,
+    }
 
 
 @guarded.post("/detokenize")

@@ -51,12 +51,16 @@ class WarmupRequest(RequestBody):
 
 class TokenizeRequest(RequestBody):
     """POST /tokenize, vLLM's two forms: `prompt` (+ add_special_tokens) or chat `messages` (+
-    add_generation_prompt), tokenized exactly as /v1/completions and /v1/chat/completions would."""
+    add_generation_prompt, continue_final_message), tokenized exactly as /v1/completions and
+    /v1/chat/completions would; return_token_strs adds each id's vocabulary string."""
 
     model: str | None = Field(None, max_length=512, description="Model id from GET /v1/models.")
     prompt: Text | None = Field(None, description="Text to tokenize (the completions form).")
     add_special_tokens: SBool | None = Field(
-        None, description="Prompt form: add the model's BOS/EOS as /v1/completions does (default true)."
+        None,
+        description="Add the tokenizer's special tokens (BOS, and EOS where it adds one) around the ids: "
+        "prompt form default true (as /v1/completions); messages form default false, true adding them on top "
+        "of what the chat template writes (vLLM's meaning).",
     )
     messages: list[ChatMessage] | None = Field(
         None,
@@ -67,8 +71,14 @@ class TokenizeRequest(RequestBody):
     add_generation_prompt: SBool = Field(
         True, description="Chat form: end with the assistant turn's opening."
     )
-    continue_final_message: SBool = False
-    return_token_strs: SBool = False
+    continue_final_message: SBool = Field(
+        False,
+        description="Chat form: end inside the final message (no end of turn), as /v1/chat/completions; "
+        "needs add_generation_prompt false.",
+    )
+    return_token_strs: SBool = Field(
+        False, description='Also return `token_strs`: each id\'s vocabulary string ("Ġworld"), as vLLM.'
+    )
     chat_template: Text | None = Field(
         None,
         description="Chat form: a jinja chat template for this request (needs trust_request_chat_template).",
@@ -105,19 +115,16 @@ class TokenizeRequest(RequestBody):
                 'give either "prompt" (text) or "messages" (a chat), not both',
                 param="messages" if self.messages is not None else "prompt",
             )
-        if self.messages is not None and self.add_special_tokens:
+        if self.continue_final_message and self.messages is None:
             raise FieldError(
-                "add_special_tokens applies to prompt only: a chat template writes its own special tokens",
-                param="add_special_tokens",
+                "continue_final_message applies to the messages form only; send messages, or drop it",
+                param="continue_final_message",
             )
-        if self.continue_final_message:
+        if self.continue_final_message and self.add_generation_prompt:
             raise FieldError(
-                "continue_final_message is not supported; leave it false", param="continue_final_message"
-            )
-        if self.return_token_strs:
-            raise FieldError(
-                "return_token_strs is not supported; detokenize ids with POST /detokenize",
-                param="return_token_strs",
+                "continue_final_message and add_generation_prompt cannot both be true; "
+                "set add_generation_prompt false",
+                param="continue_final_message",
             )
         if self.tools and self.messages is None:
             raise FieldError(

@@ -19,6 +19,7 @@ only the template's own markers become special tokens.
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import re
 import secrets
@@ -112,6 +113,22 @@ class Tokenizer:
 
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
+        """Each id's string in the vocabulary ("Ġworld", not " world"), as transformers' method of that
+        name; None for an id the vocabulary lacks."""
+        return [self._tok.id_to_token(i) for i in ids]
+
+    @functools.cached_property
+    def special_affixes(self) -> tuple[list[int], list[int]]:
+        """The ids `encode(text, add_special_tokens=True)` puts before and after the text's own (BOS; EOS
+        where the tokenizer adds one): what add_special_tokens adds to ids encoded without it."""
+        plain = self.encode("a", add_special_tokens=False)
+        full = self.encode("a", add_special_tokens=True)
+        for i in range(len(full) - len(plain) + 1):
+            if full[i : i + len(plain)] == plain:
+                return full[:i], full[i + len(plain) :]
+        return [], []  # a post-processor that rewrites the text's own ids: nothing to add around them
 
     def _find_eos_ids(self, path: Path) -> list[int]:
         ids: list[int] = []

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from graphcache.choices import AsyncScheduling
 from graphcache.settings.section import BlankIsUnset, SettingsSection
@@ -21,14 +21,14 @@ class EngineSettings(SettingsSection):
         64,
         ge=1,
         le=4096,
-        description="Requests running at once (decode batch size). "
-        "Default 64 on the CPU, 256 on CUDA, 512 on GPUs of 70 GiB or more (config.py's GPU defaults).",
+        description="Requests running at once (decode batch size); the default follows the device "
+        "(config.py's GPU defaults).",
     )
     max_num_batched_tokens: int = Field(
         1024,
         ge=16,
-        description="Tokens in one step (prefill chunks + decodes). "
-        "Default 1024 on the CPU, 8192 on CUDA (GPU_BATCH_DEFAULTS).",
+        description="Tokens in one step (prefill chunks + decodes); the default follows the device "
+        "(config.py's GPU defaults).",
     )
     max_model_len: int | None = Field(
         None, ge=16, description="Prompt + output tokens; default: the model's."
@@ -37,11 +37,24 @@ class EngineSettings(SettingsSection):
     num_kv_blocks: int | None = Field(
         None,
         ge=2,
-        description="KV blocks; default: from kv_cache_memory_fraction "
-        "on CUDA, enough for max_num_seqs full sequences on CPU.",
+        description="KV blocks (vLLM's --num-gpu-blocks-override); default: from gpu_memory_utilization "
+        "or kv_cache_memory_fraction on CUDA, enough for max_num_seqs full sequences on CPU.",
     )
     kv_cache_memory_fraction: float = Field(
-        0.5, gt=0, lt=1, description="Share of free GPU memory for the KV cache."
+        0.5,
+        gt=0,
+        lt=1,
+        description="Share of the GPU memory free after the weights that the KV cache takes "
+        "(unless gpu_memory_utilization is set).",
+    )
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="vLLM's --gpu-memory-utilization: the share of the GPU's total memory this server may "
+        "use (weights, activations, graph pools and KV cache together); the KV cache gets what is left of it. "
+        "Set instead of kv_cache_memory_fraction, not with it; num_kv_blocks overrides both. "
+        "Unset: kv_cache_memory_fraction sizes the KV cache. No effect on the CPU.",
     )
     enable_prefix_caching: bool = Field(
         True,
@@ -80,6 +93,17 @@ class EngineSettings(SettingsSection):
         "(keys: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, model, "
         "disable_by_batch_size; engine/spec/config.py). Unset: off.",
     )
+
+    @model_validator(mode="after")
+    def _one_kv_budget(self) -> EngineSettings:
+        # Two ways to size the same cache: the one the user set is the one meant, so both is a mistake.
+        if self.gpu_memory_utilization is not None and "kv_cache_memory_fraction" in self.model_fields_set:
+            raise ValueError(
+                "gpu_memory_utilization and kv_cache_memory_fraction both size the KV cache: set one "
+                "(gpu_memory_utilization is vLLM's share of the whole GPU, kv_cache_memory_fraction the "
+                "share of the memory left after the weights)"
+            )
+        return self
 
     @field_validator("speculative_config")
     @classmethod

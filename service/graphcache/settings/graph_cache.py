@@ -43,8 +43,8 @@ class GraphCacheSettings(SettingsSection):
     max_capture_size: int = Field(
         256,
         ge=1,
-        description="Largest capture size; bigger batches run eagerly. Default 256; on GPUs of 70 GiB or "
-        "more, max_num_seqs up to 512 (config.py's GPU defaults).",
+        description="Largest capture size; bigger batches run eagerly. The default follows the device "
+        "(config.py's GPU defaults); on GPUs of 70 GiB or more it is max_num_seqs, up to 512.",
     )
     # --- mixed steps above max_capture_size: coarse buckets (graphs/descriptor.py mixed_buckets,
     # engine/worker/capture_sizes.py for the default rule, benchmarks/big_steps.py for its measurements) ---
