@@ -73,7 +73,8 @@ def check_stop(
             if params.include_stop_str_in_output:
                 seq.output_text += detok.stopped  # cut by the detokenizer, with everything after it
             return "stop"
-    if num_out >= params.max_tokens or len(seq.prompt_token_ids) + num_out >= max_model_len:
+    limit = params.max_tokens  # None: the rest of the context window
+    if (limit is not None and num_out >= limit) or len(seq.prompt_token_ids) + num_out >= max_model_len:
         return "length"
     return None
 

@@ -27,6 +27,7 @@ import multiprocessing
 import signal
 import threading
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import Any
 
 from graphcache.config import Settings
@@ -91,7 +92,7 @@ class EngineClient(EngineFrontend):
         self._tokenizer: Any = None
         self._max_model_len: int | None = None
         self._process: multiprocessing.process.BaseProcess | None = None
-        self._conn = None
+        self._conn: Connection | None = None  # to the child; set by start()
         self._send_lock = threading.Lock()
         self._reader: threading.Thread | None = None
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
@@ -136,8 +137,9 @@ class EngineClient(EngineFrontend):
     def _send(self, message: tuple) -> None:
         try:
             with self._send_lock:
-                self._conn.send(message)
-        except (OSError, ValueError, AttributeError):  # the child is gone: the reader turns us DEAD
+                if self._conn is not None:  # None: never started
+                    self._conn.send(message)
+        except (OSError, ValueError):  # the child is gone: the reader turns us DEAD
             pass
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -219,10 +221,12 @@ class EngineClient(EngineFrontend):
 
     # === the reader thread ==============================================================
     def _read(self) -> None:
+        conn = self._conn
+        assert conn is not None  # started by start(), after the pipe
         try:
             while True:
                 try:
-                    message = self._conn.recv()
+                    message = conn.recv()
                 except (EOFError, OSError):
                     break
                 self._handle(message)

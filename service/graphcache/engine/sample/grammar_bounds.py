@@ -14,6 +14,7 @@ depth of a grammar: the longest chain of rule references (recursion ends a chain
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
 
 __all__ = ["grammar_depth", "json_nesting_depth", "ref_chain_depth"]
@@ -25,6 +26,7 @@ def json_nesting_depth(value: Any) -> int:
     stack = [(value, 1)]
     while stack:
         node, depth = stack.pop()
+        children: Iterable[Any]
         if isinstance(node, dict):
             children = node.values()
         elif isinstance(node, list):

@@ -25,6 +25,8 @@ above LOW_BIT and those bits are filled in (_fill_low).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from graphcache.model.triton_support import HAVE_TRITON, tl, triton
@@ -194,7 +196,7 @@ def _kth_kernel(x_ptr, rows_ptr, stride_x, vocab, k_ptr, out_ptr, BLOCK: tl.cons
 
 
 _HELPERS: dict = {}
-_KERNEL = None
+_KERNEL: Any = None  # the jitted kernel, made on first use (jit_helpers)
 
 
 def jit_helpers() -> dict:
