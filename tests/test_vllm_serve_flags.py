@@ -330,17 +330,6 @@ def test_gpu_memory_utilization_is_a_setting_with_vllms_bounds(monkeypatch, caps
         assert "gpu_memory_utilization" in line
 
 
-def test_gpu_memory_utilization_says_what_sizes_the_cache_on_cuda_until_the_engine_reads_it(monkeypatch):
-    from graphcache import config
-
-    monkeypatch.setattr(config, "gpu_memory_bytes", lambda: 80 * 2**30)
-    r = read("--gpu-memory-utilization", "0.9", "--device", "cuda")
-    assert len(r.warnings) == 1 and "kv_cache_memory_fraction (0.5)" in r.warnings[0]
-    assert read("--gpu-memory-utilization", "0.9", "--device", "cpu").warnings == []  # no meaning on the CPU
-    monkeypatch.setattr(config, "gpu_memory_bytes", lambda: None)
-    assert read("--gpu-memory-utilization", "0.9").warnings == []  # auto without CUDA: the CPU
-
-
 def test_gpu_memory_utilization_and_kv_cache_memory_fraction_are_one_choice(capsys):
     line = refused(capsys, "--gpu-memory-utilization", "0.9", "--kv-cache-memory-fraction", "0.3")
     assert "set one" in line

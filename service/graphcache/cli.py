@@ -289,25 +289,7 @@ def serve_args(args: argparse.Namespace) -> ServeArgs:
         overrides[name] = value
     settings = Settings(**overrides)
     warnings += applied.finish(settings)
-    if settings.engine.gpu_memory_utilization is not None and _on_cuda(settings):
-        warnings.append(GPU_MEMORY_UTILIZATION_PENDING.format(settings.engine.kv_cache_memory_fraction))
     return ServeArgs(settings, warnings, applied.env)
-
-
-# The KV cache's sizing by gpu_memory_utilization is the engine's (engine/worker/kv_cache.py); until it reads
-# the setting, serve says what sizes the cache instead. On the CPU the setting means nothing, as in vLLM.
-GPU_MEMORY_UTILIZATION_PENDING = (
-    "--gpu-memory-utilization: not applied yet; the KV cache takes kv_cache_memory_fraction ({}) of the GPU "
-    "memory free after the weights (set --kv-cache-memory-fraction instead to size it)"
-)
-
-
-def _on_cuda(settings: Settings) -> bool:
-    if settings.model.device == "cpu":
-        return False
-    from graphcache.config import gpu_memory_bytes  # imports torch: only when the answer matters
-
-    return settings.model.device == "cuda" or gpu_memory_bytes() is not None
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

@@ -1,8 +1,10 @@
 """KV cache sizing and allocation: how many blocks fit, agreed over the ranks, and the storage itself.
 
-On CUDA the cache takes kv_cache_memory_fraction of the memory free after the weights; on the CPU it
-holds max_num_seqs full sequences, capped at CPU_KV_CACHE_MAX_BYTES (CPU RAM is shared with
-everything); settings.engine.num_kv_blocks overrides both. Tensor-parallel ranks take the smallest
+On CUDA the cache takes kv_cache_memory_fraction of the memory free after the weights, or, with
+gpu_memory_utilization (vLLM's), what is left of that share of the GPU's total memory once what the server
+took since it started and a reserve for what comes after the cache (graph pools, activations) are counted
+(`utilization_kv_bytes`). On the CPU it holds max_num_seqs full sequences, capped at CPU_KV_CACHE_MAX_BYTES
+(CPU RAM is shared with everything); settings.engine.num_kv_blocks overrides both. Tensor-parallel ranks take the smallest
 count of any rank, since rank 0's block manager hands out blocks for all of them. The storage has one
 block past the usable ones: the scratch block padded tokens write (runner.py).
 """
@@ -17,10 +19,12 @@ from graphcache.model.parallel import TensorParallel
 
 __all__ = [
     "CPU_KV_CACHE_MAX_BYTES",
+    "activation_reserve_bytes",
     "agree_min_blocks",
     "alloc_kv_storage",
     "kv_block_bytes",
     "num_kv_blocks",
+    "utilization_kv_bytes",
 ]
 
 CPU_KV_CACHE_MAX_BYTES = 1 << 30  # default CPU KV cache stops here: CPU RAM is shared with everything
@@ -31,25 +35,68 @@ def kv_block_bytes(config: ModelConfig, block_size: int, num_kv_heads: int, dtyp
     return config.num_layers * 2 * block_size * num_kv_heads * config.head_dim * dtype.itemsize
 
 
+def utilization_kv_bytes(utilization: float, *, total: int, start_free: int, free: int, reserve: int) -> int:
+    """The KV cache's bytes under vLLM's gpu_memory_utilization: the server may hold utilization x total of
+    the GPU; what it took since it started (start_free - free: weights, buffers, kernels' workspaces) and what
+    it allocates after the cache (reserve) come off. Memory other processes held at the start is not
+    counted, as vLLM counts only its own instance (two servers at 0.45 share a GPU)."""
+    return int(utilization * total) - max(start_free - free, 0) - reserve
+
+
+def activation_reserve_bytes(
+    config: ModelConfig, *, max_tokens: int, max_reqs: int, tp_size: int, itemsize: int
+) -> int:
+    """A bound on what one step allocates beyond the KV cache and the weights: the largest layer's
+    intermediates for max_tokens tokens (residual, norm, q/k/v, attention output, the MLP's gate/up, its
+    activation and output; the routed experts' rows for a mixture of experts) in the model dtype, and the
+    sampler's float32 copies of max_reqs rows of logits (three)."""
+    mlp = max(config.intermediate_size, config.num_experts_per_tok * config.moe_intermediate_size) // tp_size
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim // tp_size
+    per_token = (3 * mlp + qkv + 6 * config.hidden_size) * itemsize
+    return max_tokens * per_token + 3 * max_reqs * config.vocab_size * 4
+
+
 def num_kv_blocks(
-    settings: Settings, *, block_bytes: int, max_blocks_per_seq: int, max_model_len: int, device: torch.device
+    settings: Settings,
+    *,
+    block_bytes: int,
+    max_blocks_per_seq: int,
+    max_model_len: int,
+    device: torch.device,
+    start_free: int | None = None,
+    reserve: int = 0,
 ) -> int:
     """This rank's KV block count (settings.engine.num_kv_blocks, or what fits); raises naming the fix
-    when it cannot hold one sequence of max_model_len (max_blocks_per_seq blocks)."""
+    when it cannot hold one sequence of max_model_len (max_blocks_per_seq blocks). start_free: the GPU's free
+    bytes when this process started using it (before the weights), reserve: what it allocates after the
+    cache; both for gpu_memory_utilization."""
     s = settings
     if s.engine.num_kv_blocks is not None:
         return s.engine.num_kv_blocks
     one_seq = max_blocks_per_seq
+    utilization = s.engine.gpu_memory_utilization
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        blocks = int(free * s.engine.kv_cache_memory_fraction) // block_bytes
+        free, total = torch.cuda.mem_get_info(device)
+        if utilization is None:
+            blocks = int(free * s.engine.kv_cache_memory_fraction) // block_bytes
+        else:
+            start = free if start_free is None else start_free
+            if start < utilization * total:
+                raise RuntimeError(
+                    f"gpu_memory_utilization {utilization} asks for {utilization * total / 2**30:.1f} GiB of this "
+                    f"GPU's {total / 2**30:.1f} GiB, but only {start / 2**30:.1f} GiB were free at start (other "
+                    "processes hold the rest); lower --gpu-memory-utilization or free the GPU"
+                )
+            kv = utilization_kv_bytes(utilization, total=total, start_free=start, free=free, reserve=reserve)
+            blocks = max(kv, 0) // block_bytes
     else:
         blocks = min(s.engine.max_num_seqs * one_seq, CPU_KV_CACHE_MAX_BYTES // block_bytes)
     if blocks < one_seq:
+        by_share = utilization is not None and device.type == "cuda"
+        knob = "raise gpu_memory_utilization" if by_share else "raise kv_cache_memory_fraction"
         raise RuntimeError(
             f"KV cache of {blocks} blocks cannot hold one sequence of max_model_len "
-            f"{max_model_len} ({one_seq} blocks); lower max_model_len or raise "
-            "kv_cache_memory_fraction / num_kv_blocks"
+            f"{max_model_len} ({one_seq} blocks); lower max_model_len, {knob}, or set num_kv_blocks"
         )
     return blocks
 

@@ -40,6 +40,7 @@ from graphcache.engine.plan import StepOutput, StepPlan
 from graphcache.engine.worker.capture_sizes import resolve_capture_sizes
 from graphcache.engine.worker.input_batch import InputBatch, StepLayout
 from graphcache.engine.worker.kv_cache import (
+    activation_reserve_bytes,
     agree_min_blocks,
     alloc_kv_storage,
     kv_block_bytes,
@@ -118,6 +119,9 @@ class ModelRunner:
         self.tokenizer = Tokenizer(path)
         self.tokenizer.check_chat_template(s.http.chat_template)
         self.max_model_len = self._max_model_len(read_config(path))
+        # The GPU's free memory before this process put anything on it: gpu_memory_utilization counts what
+        # the server takes from here on (kv_cache.py).
+        self._start_free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
         self.model, self.model_config = load_model(
             path,
             self.dtype,
@@ -275,12 +279,24 @@ class ModelRunner:
     def _alloc_kv_cache(self) -> None:
         """Size the KV cache (engine/worker/kv_cache.py), allocate it and bind it to the model's layers."""
         c = self.model_config
+        s = self.settings
+        # What comes after the cache: the graph pools (the cache evicts past cache_max_bytes) and a step's
+        # activations (only gpu_memory_utilization counts them: kv_cache_memory_fraction leaves the rest free).
+        reserve = s.graph_cache.max_bytes + activation_reserve_bytes(
+            c,
+            max_tokens=self.max_tokens,
+            max_reqs=self.max_reqs,
+            tp_size=self.tp.size,
+            itemsize=self.dtype.itemsize,
+        )
         blocks = num_kv_blocks(
-            self.settings,
+            s,
             block_bytes=kv_block_bytes(c, self.block_size, self.num_kv_heads, self.dtype),
             max_blocks_per_seq=self.max_blocks_per_seq,
             max_model_len=self.max_model_len,
             device=self.device,
+            start_free=self._start_free,
+            reserve=reserve,
         )
         self.num_kv_blocks = agree_min_blocks(blocks, self.tp, self.device)
         self.kv_storage = alloc_kv_storage(
