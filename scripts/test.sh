@@ -9,5 +9,5 @@ cd "$(dirname "$0")/.."
 ./scripts/ci-deploy-deps.sh  # promtool/prometheus (Debian) for the deploy tests
 .venv/bin/ruff check service tests benchmarks scripts
 .venv/bin/ruff format --check service tests benchmarks scripts
-.venv/bin/mypy   # the contract modules ([tool.mypy] in pyproject.toml)
+.venv/bin/mypy   # the whole package ([tool.mypy] in pyproject.toml)
 exec .venv/bin/python -m pytest -q "$@"

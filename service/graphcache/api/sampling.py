@@ -136,7 +136,8 @@ def base_params(
         presence_penalty=field("presence_penalty"),
         frequency_penalty=field("frequency_penalty"),
         repetition_penalty=field("repetition_penalty"),
-        logit_bias=dict(body.logit_bias or {}),
+        # The body's validator made the keys ids already; int() says so to the type checker.
+        logit_bias={int(k): bias for k, bias in (body.logit_bias or {}).items()},
         min_tokens=body.min_tokens,
         min_p=field("min_p"),
         allowed_token_ids=list(body.allowed_token_ids) if body.allowed_token_ids is not None else None,
