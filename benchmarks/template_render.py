@@ -1,4 +1,4 @@
-"""What rendering a chat template in a worker process (api/render_pool.py) adds to a chat's latency.
+"""What rendering a chat template in a worker process (api/server/render_pool.py) adds to a chat's latency.
 
 Prints a table: for each template and chat size, the render in the server's own process (what the
 server did before templates moved out) and the same job through a RenderPool (JSON job out, text back
@@ -15,7 +15,7 @@ import json
 import time
 from pathlib import Path
 
-from graphcache.api.render_pool import RenderPool, encode_job
+from graphcache.api.server.render_pool import RenderPool, encode_job
 from graphcache.model.chat_template import compile_client_template, render_chat, set_text_limit
 from graphcache.model.tiny import CHAT_TEMPLATE as TINY_TEMPLATE
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-from graphcache.api.app import create_app
+from graphcache.api.server.app import create_app
 from graphcache.config import Settings
 from graphcache.engine.loop.engine import Engine
 from graphcache.metrics import Metrics

@@ -150,7 +150,7 @@ def run_stream(parser: str, parts: Sequence[str]) -> tuple[str, list[dict[str, A
     """Feed the parts to a fresh stream parser of the tool_call_parser `parser`: (content, calls as
     {"id", "name", "arguments"} by index). Checks the delta shapes: a call's first entry carries its
     index (the next one), id, type and whole name; later entries only arguments."""
-    from graphcache.api.tool_parsers import tool_call_format
+    from graphcache.api.openai.tool_parsers import tool_call_format
 
     stream = tool_call_format(parser).stream()
     content = ""
@@ -171,7 +171,7 @@ def run_stream(parser: str, parts: Sequence[str]) -> tuple[str, list[dict[str, A
 
 def whole_calls(parser: str, text: str, cut: bool = False) -> tuple[str | None, list[dict[str, Any]]]:
     """The whole-answer parse, its calls as {"id", "name", "arguments"}."""
-    from graphcache.api.tool_parsers import tool_call_format
+    from graphcache.api.openai.tool_parsers import tool_call_format
 
     content, calls = tool_call_format(parser).parse(text, cut=cut)
     for call in calls:

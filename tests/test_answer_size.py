@@ -1,7 +1,7 @@
 """The size of an answer is bounded before it is built, and built off the event loop (issue 35, item 5).
 
-api/answer_size.py estimates a request's answer from its fields and prompt lengths and refuses one over
-MAX_ANSWER_BYTES with a 400 naming the field of its largest product; api/answer_json.py renders an answer
+api/openai/answer_size.py estimates a request's answer from its fields and prompt lengths and refuses one over
+MAX_ANSWER_BYTES with a 400 naming the field of its largest product; api/server/answer_json.py renders an answer
 a choice (and a slice of a long list) at a time, the bytes JSONResponse would write. The served-process
 half (/health while a large answer is built) is tests/reliability/test_big_answers.py.
 """
@@ -14,15 +14,15 @@ import random
 
 import pytest
 import pytest_asyncio
-from graphcache.api import answer_size
-from graphcache.api.answer_json import SLICE, Lazy, render, render_text
-from graphcache.api.answer_size import ENTRY_BYTES, MAX_ANSWER_BYTES, check_answer_size, estimate
-from graphcache.api.choices import ChatShape, CompletionShape, Prompt
-from graphcache.api.errors import APIError
-from graphcache.api.fanout import Sampled
-from graphcache.api.logprobs import TokenText
-from graphcache.api.protocol import ChatCompletionRequest, CompletionRequest
-from graphcache.api.sampling import base_params, plan
+from graphcache.api.openai import answer_size
+from graphcache.api.openai.answer_size import ENTRY_BYTES, MAX_ANSWER_BYTES, check_answer_size, estimate
+from graphcache.api.openai.choices import ChatShape, CompletionShape, Prompt
+from graphcache.api.openai.fanout import Sampled
+from graphcache.api.openai.logprobs import TokenText
+from graphcache.api.openai.protocol import ChatCompletionRequest, CompletionRequest
+from graphcache.api.openai.sampling import base_params, plan
+from graphcache.api.server.answer_json import SLICE, Lazy, render, render_text
+from graphcache.api.server.errors import APIError
 from graphcache.engine.sequence import TokenLogprob
 from helpers_api import serving
 from helpers_model import cpu_settings, tiny_checkpoint

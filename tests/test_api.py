@@ -15,7 +15,7 @@ import httpx
 import pytest
 import pytest_asyncio
 import torch
-from graphcache.api.app import create_app
+from graphcache.api.server.app import create_app
 from graphcache.config import Settings
 from graphcache.engine.loop.engine import DEAD_MESSAGE, Engine, EngineState, SamplingParams
 from graphcache.metrics import Metrics

@@ -21,7 +21,7 @@ import time
 import httpx
 import pytest
 import pytest_asyncio
-from graphcache.api.protocol import DEFAULT_COMPLETION_MAX_TOKENS
+from graphcache.api.openai.protocol import DEFAULT_COMPLETION_MAX_TOKENS
 from graphcache.model.chat_template import MAX_TEMPLATE_MESSAGE_CHARS, ChatTemplateError
 from graphcache.model.tiny import CHAT_TEMPLATE, IM_END, IM_START
 from graphcache.model.tokenizer import MAX_CHARS_PER_TOKEN, Tokenizer

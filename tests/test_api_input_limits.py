@@ -19,10 +19,10 @@ import pytest
 import pytest_asyncio
 from fastapi import FastAPI
 from graphcache import cli
-from graphcache.api.errors import ECHO_CHARS, MAX_MESSAGE_CHARS, APIError, clip
-from graphcache.api.json_limits import MAX_JSON_DEPTH
-from graphcache.api.request_log import RequestContextMiddleware
-from graphcache.api.tool_calls import TOOL_CALL_END, TOOL_CALL_START, parse_tool_calls
+from graphcache.api.openai.json_limits import MAX_JSON_DEPTH
+from graphcache.api.openai.tool_calls import TOOL_CALL_END, TOOL_CALL_START, parse_tool_calls
+from graphcache.api.server.errors import ECHO_CHARS, MAX_MESSAGE_CHARS, APIError, clip
+from graphcache.api.server.request_log import RequestContextMiddleware
 from helpers_api import serving
 from helpers_model import cpu_settings, tiny_checkpoint
 

@@ -1,4 +1,4 @@
-"""GRAPHCACHE_API_KEY (api/auth.py): with keys set, /v1/*, /tokenize and /detokenize want
+"""GRAPHCACHE_API_KEY (api/server/auth.py): with keys set, /v1/*, /tokenize and /detokenize want
 `Authorization: Bearer <key>` (any one of the keys) and answer 401 in OpenAI's shape otherwise;
 probes, /metrics, /ping and /version stay open; /admin/* keeps its own token. Without keys the API is
 open. Settings parsing (env, flag, JSON list, ASCII rule) and the official openai client too.
@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 import pytest_asyncio
-from graphcache.api import auth
-from graphcache.api.app import create_app
+from graphcache.api.server import auth
+from graphcache.api.server.app import create_app
 from graphcache.cli import build_parser, main, settings_from_args
 from graphcache.config import Settings
 from graphcache.engine.loop.engine import Engine, EngineState

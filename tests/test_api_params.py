@@ -17,7 +17,7 @@ import logging
 import openai
 import pytest
 import pytest_asyncio
-from graphcache.api import prompt_encoding, protocol
+from graphcache.api.openai import prompt_encoding, protocol
 from graphcache.config import Settings
 from graphcache.engine.errors import QueueFull
 from graphcache.engine.sequence import SamplingParams, StructuredSpec

@@ -67,4 +67,4 @@ def test_the_map_names_only_modules_that_exist():
 def test_the_map_is_read_as_written():
     # The parser must see folders and their files, or both tests above would pass on an empty map.
     mapped = _mapped_modules()
-    assert {"cli.py", "api/app.py", "engine/loop/core.py", "graphs/cache.py"} <= mapped
+    assert {"cli.py", "api/server/app.py", "engine/loop/core.py", "graphs/cache.py"} <= mapped

@@ -10,8 +10,8 @@ import json
 
 import httpx
 import pytest
-from graphcache.api.app import create_app
-from graphcache.api.errors import _param_of
+from graphcache.api.server.app import create_app
+from graphcache.api.server.errors import _param_of
 from graphcache.config import Settings
 from graphcache.engine.loop.engine import Engine
 from graphcache.metrics import Metrics

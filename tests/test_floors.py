@@ -160,7 +160,7 @@ def test_http_floor_imports_no_torch():
     """With the engine in its own process the API process only does HTTP, tokenizing and detokenizing:
     importing the app must load neither torch nor the model code."""
     code = (
-        "import sys, graphcache.api.app, graphcache.cli; "
+        "import sys, graphcache.api.server.app, graphcache.cli; "
         "print('torch' in sys.modules, any(m.startswith('graphcache.model.') and m not in "
         f"{sorted(HTTP_FLOOR_MODEL_MODULES)!r} for m in sys.modules))"
     )

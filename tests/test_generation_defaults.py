@@ -8,8 +8,8 @@ import json
 import logging
 
 import pytest
-from graphcache.api import sampling
-from graphcache.api.protocol import ChatCompletionRequest, CompletionRequest
+from graphcache.api.openai import sampling
+from graphcache.api.openai.protocol import ChatCompletionRequest, CompletionRequest
 from graphcache.config import Settings
 from graphcache.model.generation_defaults import GenerationConfigError, generation_defaults, read_defaults
 from graphcache.model.tiny import make_default_model

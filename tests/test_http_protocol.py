@@ -1,4 +1,4 @@
-"""api/http_protocol.py against fake transports on the test's event loop: body deadlines, the bound on
+"""api/server/http_protocol.py against fake transports on the test's event loop: body deadlines, the bound on
 slow connections per client, which connection gives way when the table is full, and uvicorn's 503
 counting only connections being answered. Peers have made-up addresses, so each client is distinct.
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from graphcache.api.http_protocol import client_key, guarded_protocol
+from graphcache.api.server.http_protocol import client_key, guarded_protocol
 from uvicorn.config import Config
 from uvicorn.server import ServerState
 

@@ -16,7 +16,7 @@ import time
 
 import httpx
 import pytest
-from graphcache.api.app import create_app
+from graphcache.api.server.app import create_app
 from graphcache.cli import StartupError, build_parser, main, settings_from_args
 from graphcache.config import Settings
 from graphcache.engine.loop import engine as engine_module

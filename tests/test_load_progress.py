@@ -9,7 +9,7 @@ import threading
 
 import httpx
 import torch
-from graphcache.api.app import create_app
+from graphcache.api.server.app import create_app
 from graphcache.config import Settings
 from graphcache.engine.loop.engine import Engine
 from graphcache.metrics import Metrics

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 import pytest_asyncio
-from graphcache.api import token_ids
+from graphcache.api.openai import token_ids
 from graphcache.config import Settings
 from helpers_api import serving
 

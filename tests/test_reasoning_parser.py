@@ -1,4 +1,4 @@
-"""Reasoning parsers (api/reasoning.py): the thinking goes to `reasoning` and `reasoning_content`,
+"""Reasoning parsers (api/openai/reasoning.py): the thinking goes to `reasoning` and `reasoning_content`,
 streamed deltas add up to the whole answer's split at every chunking of the text, qwen3 follows the
 template (thinking on, `<think>` in the prompt or written by the model; thinking off by
 enable_thinking or a prompt that closed it), and through the openai client with Qwen3's real template
@@ -11,7 +11,7 @@ import json
 
 import pytest
 import pytest_asyncio
-from graphcache.api.reasoning import ReasoningStream, split_reasoning
+from graphcache.api.openai.reasoning import ReasoningStream, split_reasoning
 from helpers_parsers import MESSAGES, MODEL, TOOLS, chunkings, client_of, pieces, scripted_app, streamed, use
 
 THOUGHT = "The user wants Paris. <b>not a tag</b> and a < sign."

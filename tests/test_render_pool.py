@@ -1,4 +1,4 @@
-"""Chat templates render in killable worker processes (api/render_pool.py, api/render_worker.py) inside
+"""Chat templates render in killable worker processes (api/server/render_pool.py, api/server/render_worker.py) inside
 a sandbox that refuses size blow-ups (model/chat_template.py): every hostile template input is a
 ChatTemplateError (a 400 upstream), never a crash, a hang or a server-sized allocation."""
 
@@ -9,7 +9,7 @@ import os
 import time
 
 import pytest
-from graphcache.api.render_pool import RenderLimitError, RenderPool, encode_job
+from graphcache.api.server.render_pool import RenderLimitError, RenderPool, encode_job
 from graphcache.model.chat_template import (
     ChatTemplateError,
     InvalidChatTemplate,

@@ -13,8 +13,8 @@ import sys
 import httpx
 import pytest
 from asgi_correlation_id import correlation_id
-from graphcache.api.app import create_app
-from graphcache.api.request_log import (
+from graphcache.api.server.app import create_app
+from graphcache.api.server.request_log import (
     RequestContextMiddleware,
     escape_controls,
     is_safe_request_id,
@@ -213,7 +213,7 @@ async def test_a_4xx_access_line_says_why_at_info_with_the_request_id(captured_l
 
 
 def test_the_4xx_reason_is_clipped_and_anything_else_is_a_dash():
-    from graphcache.api.request_log import MAX_REASON_CHARS, refusal_reason
+    from graphcache.api.server.request_log import MAX_REASON_CHARS, refusal_reason
 
     long_body = json.dumps({"error": {"message": "x" * 10_000, "param": None, "code": "c"}}).encode()
     clipped = refusal_reason(long_body)
@@ -249,8 +249,8 @@ def test_json_logs_drop_uvicorns_colour_copy(captured_logs):
 
 
 def test_an_image_part_is_named_as_openais_but_not_served_here(caplog, monkeypatch):
-    from graphcache.api import body
-    from graphcache.api.protocol import ChatMessage
+    from graphcache.api.openai import body
+    from graphcache.api.openai.protocol import ChatMessage
     from pydantic import ValidationError
 
     monkeypatch.setattr(body, "_unknown_logged", set())

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pickle
 
 import pytest
-from graphcache.api import sampling, token_ids
-from graphcache.api.errors import APIError
+from graphcache.api.openai import sampling, token_ids
+from graphcache.api.server.errors import APIError
 from graphcache.engine.errors import InvalidRequest
 from graphcache.engine.loop.request_check import EngineLimits, RequestChecker
 from graphcache.engine.sequence import SamplingParams, Sequence, TokenIds

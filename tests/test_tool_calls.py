@@ -1,4 +1,4 @@
-"""Hermes tool calls (api/tool_calls.py): complete and streaming parsing agree at every split of
+"""Hermes tool calls (api/openai/tool_calls.py): complete and streaming parsing agree at every split of
 the text, markup never leaks into content, tools/tool_choice are validated, and a tool_choice
 constraint makes the random tiny model write a parseable call of the named function."""
 
@@ -7,7 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from graphcache.api.tool_calls import ToolCallStreamParser, check_tools, parse_tool_calls, tool_choice_spec
+from graphcache.api.openai.tool_calls import (
+    ToolCallStreamParser,
+    check_tools,
+    parse_tool_calls,
+    tool_choice_spec,
+)
 from graphcache.engine.errors import InvalidRequest
 from test_structured import generate
 

@@ -1,4 +1,4 @@
-"""Tool-call parsers per model family (api/tool_parsers/): hermes, llama3_json and mistral read a whole
+"""Tool-call parsers per model family (api/openai/tool_parsers/): hermes, llama3_json and mistral read a whole
 answer and a stream of it into the same content and calls at every chunking of the text; a last call
 cut off by max_tokens keeps the arguments it had, streamed or not, while one the model left open and
 stopped is content in the whole answer (the one place a stream, which cannot take a call back, differs);
@@ -13,8 +13,8 @@ import json
 
 import pytest
 import pytest_asyncio
-from graphcache.api.tool_calls import tool_choice_spec
-from graphcache.api.tool_parsers import tool_call_format
+from graphcache.api.openai.tool_calls import tool_choice_spec
+from graphcache.api.openai.tool_parsers import tool_call_format
 from graphcache.choices import TOOL_CALL_PARSERS
 from helpers_parsers import (
     MESSAGES,

@@ -1,4 +1,4 @@
-"""Endpoints tools call, in vLLM's shapes (api/tools.py): /tokenize, /detokenize, /version, /ping,
+"""Endpoints tools call, in vLLM's shapes (api/openai/tools.py): /tokenize, /detokenize, /version, /ping,
 /v1/models/{id} (through the official openai client too) and `graphcache --version`.
 
 The tokenizer endpoints run on the real Engine with the embedded tiny model on the CPU (one app for
@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 import pytest_asyncio
-from graphcache.api.app import create_app
+from graphcache.api.server.app import create_app
 from graphcache.cli import main
 from graphcache.config import Settings
 from graphcache.engine.loop.engine import DEAD_MESSAGE, Engine

@@ -4,7 +4,7 @@ Each case is one parametrized case of a vLLM test (vllm-project/vllm tests/tool_
 tests/reasoning/, the test named in `source`): the model output it feeds, and what that test expects
 back. vLLM's tests run its parser on tokenizer-sized deltas; here every streamed case is also run at
 every split in two, a character at a time and at random chunkings, and must give the same at each.
-Whole answers and streams use the same graphcache parser (api/tool_parsers/, api/reasoning.py).
+Whole answers and streams use the same graphcache parser (api/openai/tool_parsers/, api/openai/reasoning.py).
 
 A case graphcache answers differently on purpose carries `differs` (the reason); docs/API.md lists
 each such case by its source. test_agreement counts the cases per parser: at least 95% agree.
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from graphcache.api.reasoning import ReasoningStream, split_reasoning
+from graphcache.api.openai.reasoning import ReasoningStream, split_reasoning
 from helpers_parsers import chunkings, run_stream, whole_calls
 
 API_DOC = Path(__file__).parent.parent / "docs" / "API.md"

@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 import torch
-from graphcache.api.app import create_app
+from graphcache.api.server.app import create_app
 from graphcache.config import Settings
 from graphcache.engine.loop.engine import Engine
 from graphcache.graphs.cache import GraphCache

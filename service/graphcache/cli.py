@@ -520,9 +520,9 @@ def _serve(settings: Settings, warnings: typing.Sequence[str] = ()) -> int:
 
     import uvicorn
 
-    from graphcache.api.app import create_app
-    from graphcache.api.http_protocol import guarded_protocol
-    from graphcache.api.request_log import setup_logging
+    from graphcache.api.server.app import create_app
+    from graphcache.api.server.http_protocol import guarded_protocol
+    from graphcache.api.server.request_log import setup_logging
 
     setup_logging(settings.logging.log_format, settings.logging.log_level)
     for line in warnings:  # vLLM flags graphcache handles its own way: one line each
@@ -589,7 +589,7 @@ def _serve(settings: Settings, warnings: typing.Sequence[str] = ()) -> int:
             )
 
     # The HTTP limits uvicorn lacks (head size and timeout, body deadline, slow connections per client,
-    # open connections): api/http_protocol.py.
+    # open connections): api/server/http_protocol.py.
     http = settings.http
     protocol = guarded_protocol(
         http.max_header_bytes,
@@ -699,7 +699,7 @@ class ExitWatchdog:
     """Ends the process at a deadline, whatever its threads are doing.
 
     Python joins worker threads as it exits: asyncio's default executor (asyncio.to_thread: grammar
-    compiles) when the event loop closes, concurrent.futures' pools (api/executors.py: tokenizing,
+    compiles) when the event loop closes, concurrent.futures' pools (api/server/executors.py: tokenizing,
     chat templates) at interpreter exit. Neither can interrupt a thread, so one stuck in a long
     computation keeps a stopped server alive for as long as it runs. Armed when the server stops, a
     daemon thread waits for the earliest deadline armed; past it, it logs which threads still run,

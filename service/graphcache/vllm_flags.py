@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 MAX_SHOWN_CHARS = 80  # a value echoed in a warning or refusal is cut here
-MAX_LOGPROBS = 20  # api/sampling_fields.py's bound (the API floor is not imported here)
+MAX_LOGPROBS = 20  # api/openai/sampling_fields.py's bound (the API floor is not imported here)
 
 
 class VllmFlagRefused(ValueError):

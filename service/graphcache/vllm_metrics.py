@@ -16,7 +16,7 @@ Two kinds of series:
   source (computed / prefix cache / external, the last always 0), cached and recomputed prompt tokens,
   the engine's sleep state (always awake), and the external (KV connector) and multi-modal caches' lookups
   (0: this server has neither). vllm:request_params_n is recorded by the API (the engine sees each
-  choice as its own sequence); api/exposition.py serves the API process's copy.
+  choice as its own sequence); api/server/exposition.py serves the API process's copy.
 
 Per-token latency (inter_token_latency_seconds, and time_per_output_token_seconds, its name before
 vLLM 0.11 that dashboards still query) is recorded once per request with a count: its n-1 gaps between

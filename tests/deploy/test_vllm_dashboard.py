@@ -17,7 +17,7 @@ import httpx
 import pytest
 import yaml
 from fastapi.testclient import TestClient
-from graphcache.api.app import create_app
+from graphcache.api.server.app import create_app
 from graphcache.config import Settings
 from graphcache.metrics import Metrics
 from prometheus_client import generate_latest

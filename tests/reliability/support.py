@@ -329,7 +329,7 @@ class InProcessServer:
         import threading
 
         import uvicorn
-        from graphcache.api.app import create_app
+        from graphcache.api.server.app import create_app
 
         self.app = create_app(self.settings, metrics=self.metrics)
         config = uvicorn.Config(

@@ -3,7 +3,7 @@
 Before the fix, 110 prompts x prompt_logprobs 20 with echo built a 413 MB answer on /v1/completions: the
 server's memory rose by 3.0 GB and /health took up to 13.5 s (7 ms alone), because the answer's JSON
 was rendered by one json.dumps call on the event loop, which holds the interpreter lock throughout. Now
-a request whose answer would be over api/answer_size.py's MAX_ANSWER_BYTES is a 400 before anything
+a request whose answer would be over api/openai/answer_size.py's MAX_ANSWER_BYTES is a 400 before anything
 runs, and an answer under it is built, rendered and freed on the response pool a piece at a time.
 
 Here: an answer of 24 MB (modest for CI; under the bound) is asked for while /health is probed; /health

@@ -14,7 +14,7 @@ import os
 import httpx
 import pytest
 import schemathesis
-from graphcache.api.app import create_app
+from graphcache.api.server.app import create_app
 from graphcache.config import Settings
 from graphcache.metrics import Metrics
 from hypothesis import HealthCheck, given, settings

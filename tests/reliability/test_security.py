@@ -13,8 +13,8 @@ import time
 
 import httpx
 import pytest
-from graphcache.api import admin
-from graphcache.api.app import create_app
+from graphcache.api.server import admin
+from graphcache.api.server.app import create_app
 from graphcache.config import Settings
 from graphcache.metrics import Metrics
 from helpers_api import EngineNotNeeded

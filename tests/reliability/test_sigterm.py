@@ -310,8 +310,8 @@ async def test_sigterm_exits_in_time_while_a_chat_template_renders(server_factor
 # for good: the two joins Python makes on its way out, each held forever.
 STUCK_THREADS_SERVER = """
 import asyncio, sys, threading
-import graphcache.api.app as app_module
-from graphcache.api.executors import run_input
+import graphcache.api.server.app as app_module
+from graphcache.api.server.executors import run_input
 
 create_app = app_module.create_app
 forever = threading.Event()

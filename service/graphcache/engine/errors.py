@@ -1,5 +1,5 @@
 """The engine's refusals and failures, as types: the HTTP floor maps each to one status code
-(api/errors.py), so nothing is decided by matching message text.
+(api/server/errors.py), so nothing is decided by matching message text.
 
 `InvalidRequest` is the only client error: a plain ValueError raised by a bug inside the engine is
 a server error, never a 400.

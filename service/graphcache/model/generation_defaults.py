@@ -50,7 +50,7 @@ def _integer(low: int) -> Any:
 
 
 # generation_config.json key -> (request field, check returning the value or None when out of range).
-# The ranges are the request fields' (api/sampling_fields.py).
+# The ranges are the request fields' (api/openai/sampling_fields.py).
 FIELDS: dict[str, tuple[str, Any]] = {
     "temperature": ("temperature", _number(0.0, 2.0)),
     "top_p": ("top_p", _number(0.0, 1.0, low_open=True)),

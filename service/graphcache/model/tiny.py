@@ -32,7 +32,7 @@ BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, IM_END]  # ids 0..4
 # ChatML; with `tools` (OpenAI tool dicts), tool results and assistant tool calls rendered the way
-# Qwen2.5's template does (Hermes <tool_call> markup: what api/tool_calls.py parses). Plain chats
+# Qwen2.5's template does (Hermes <tool_call> markup: what api/openai/tool_calls.py parses). Plain chats
 # render exactly as plain ChatML.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"

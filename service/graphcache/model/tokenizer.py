@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 __all__ = ["MAX_CHARS_PER_TOKEN", "PreparedChat", "Tokenizer"]
 
 # Text longer than max_model_len * MAX_CHARS_PER_TOKEN characters cannot fit the context window and is
-# refused before it is tokenized (api/openai.py). Real tokenizers average 3-6 characters per token on
+# refused before it is tokenized (api/openai/routes.py). Real tokenizers average 3-6 characters per token on
 # prose and code; 32 leaves room for long runs (whitespace, separator lines) that merge into long tokens,
 # while bounding what a refused request can cost (32 characters per token of context).
 MAX_CHARS_PER_TOKEN = 32

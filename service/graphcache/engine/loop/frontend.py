@@ -67,7 +67,7 @@ class EngineFrontend:
         self._stats: dict[str, Any] = {}
         self.progress: dict[str, Any] | None = None  # while loading: the phase, and warmup n/total
         # Request-field defaults from the model's generation_config.json (--generation-config), set once
-        # loaded: a request that leaves a field out gets its default here (api/sampling.py).
+        # loaded: a request that leaves a field out gets its default here (api/openai/sampling.py).
         self.generation_defaults: dict[str, Any] = {}
 
     # --- what the engine implements --------------------------------------------------------

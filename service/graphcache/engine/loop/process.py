@@ -65,7 +65,7 @@ CHILD_MODULE = "graphcache.engine.loop.process_main"
 def run_engine_child(*args) -> None:
     """The spawned child's entry. It imports the engine (torch, the model code) by name, here in the child:
     an import statement would load them into the API process too, which only does HTTP, tokenizing and
-    detokenizing (tests/test_floors.py checks `graphcache.api.app` loads no torch)."""
+    detokenizing (tests/test_floors.py checks `graphcache.api.server.app` loads no torch)."""
     importlib.import_module(CHILD_MODULE).main(*args)
 
 

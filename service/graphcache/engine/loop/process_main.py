@@ -177,7 +177,7 @@ def main(
     conn: Connection, settings: Settings, setup_logging: Callable[[str, str], None] | None = None
 ) -> None:
     """The spawned process's entry point. setup_logging(log_format, log_level): the API process's own
-    (api/request_log.py), so both processes log alike to the same stream."""
+    (api/server/request_log.py), so both processes log alike to the same stream."""
     # Ctrl-C reaches the whole process group, and systemd's default stop SIGTERMs every process of the
     # service: the API process drains, then stops this one through the pipe. If it dies instead, the
     # pipe closes and this process stops too.

@@ -7,7 +7,7 @@ vocabulary re-derivation; its wheel is abi3 (one build for every Python), comput
 microseconds with an Earley parser over a lazily built lexer (no per-grammar precompile of the
 whole vocabulary), and it accepts JSON schema, regex, Lark and GBNF, plus `%json {schema}` inside a
 Lark rule, which is how tool calls force Hermes markup around schema-checked arguments
-(api/tool_calls.py).
+(api/openai/tool_calls.py).
 
 Life of a constrained request (the lead wires these calls; none of them is made here):
   1. submit (API side, off the event loop: compiling a large schema can take ~100 ms):

@@ -1,4 +1,4 @@
-"""Chat templates render in killable worker processes (api/render_worker.py), never in the server.
+"""Chat templates render in killable worker processes (api/server/render_worker.py), never in the server.
 
 A template is code: jinja's sandbox keeps it from the server's objects, but one expression can hold
 the interpreter for minutes (`7 ** 10000000` is one C call, which no thread or signal interrupts) and
@@ -115,7 +115,7 @@ class RenderPool:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "graphcache.api.render_worker",
+            "graphcache.api.server.render_worker",
             str(self.memory_mb << 20),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,

@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from graphcache.api.executors import run_input
-from graphcache.api.protocol import INT64_MAX, INT64_MIN, ChatCompletionRequest, CompletionRequest
+from graphcache.api.openai.protocol import INT64_MAX, INT64_MIN, ChatCompletionRequest, CompletionRequest
+from graphcache.api.server.executors import run_input
 from graphcache.engine.sequence import RequestOutput, SamplingParams, StructuredSpec, TokenIds
 
 __all__ = [

@@ -18,7 +18,7 @@ The `reasoning_parser` setting picks one:
 For either parser a prompt that ends with `</think>` means the reasoning is over: the answer is
 content (an explicit `<think>...</think>` in it still reasoning).
 
-Tool calls are read from the content only (api/tool_parsers/), after the reasoning is split off.
+Tool calls are read from the content only (api/openai/tool_parsers/), after the reasoning is split off.
 One state machine serves both shapes: `split_reasoning(text)` is a whole answer fed at once, so
 streamed deltas always add up to the non-streamed split. A whole answer's reasoning is "" (not None)
 when the answer entered its reasoning but wrote none, as vLLM's non-streamed parsers give it.
@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from graphcache.api.tool_parsers.base import partial_suffix
+from graphcache.api.openai.tool_parsers.base import partial_suffix
 from graphcache.choices import REASONING_PARSERS
 
 __all__ = [

@@ -22,10 +22,11 @@ from prometheus_fastapi_instrumentator import Instrumentator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from graphcache import __version__
-from graphcache.api import admin, exposition, openai, tools
-from graphcache.api.errors import count_rejection, error_body, install_error_handlers
-from graphcache.api.prompt_encoding import render_pools
-from graphcache.api.request_log import PROBE_PATHS, RequestContextMiddleware, setup_logging
+from graphcache.api.openai import routes, tools
+from graphcache.api.openai.prompt_encoding import render_pools
+from graphcache.api.server import admin, exposition
+from graphcache.api.server.errors import count_rejection, error_body, install_error_handlers
+from graphcache.api.server.request_log import PROBE_PATHS, RequestContextMiddleware, setup_logging
 from graphcache.config import Settings
 from graphcache.engine.errors import DEAD_MESSAGE  # probes: never the exception text
 from graphcache.engine.loop.frontend import EngineState
@@ -160,7 +161,7 @@ def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) 
     app.state.started = int(time.time())
 
     install_error_handlers(app, metrics)
-    app.include_router(openai.router)  # /v1/*: behind the API key when one is set (auth.py)
+    app.include_router(routes.router)  # /v1/*: behind the API key when one is set (auth.py)
     app.include_router(tools.guarded)  # /tokenize, /detokenize, /v1/models/{id}: behind it too
     app.include_router(tools.router)  # /version, /ping: open, like the probes
     app.include_router(admin.router)

@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from graphcache.api.errors import APIError, api_error_for, api_error_for_ended
+from graphcache.api.server.errors import APIError, api_error_for, api_error_for_ended
 from graphcache.engine.errors import EngineDead, EngineNotReady, InvalidRequest, QueueFull
 from graphcache.engine.sequence import RequestOutput, SamplingParams, TokenIds, TokenLogprob
 

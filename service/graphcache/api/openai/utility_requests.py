@@ -1,7 +1,7 @@
 """Request bodies of the endpoints that do not generate: POST /admin/warmup (admin.py), POST /tokenize
 and POST /detokenize (tools.py).
 
-They share the generation bodies' rules (api/body.py: strict numbers, null = default, unknown fields
+They share the generation bodies' rules (api/openai/body.py: strict numbers, null = default, unknown fields
 logged); /tokenize takes the same prompt and chat forms as /v1/completions and /v1/chat/completions.
 """
 
@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from graphcache.api.body import FieldError, RequestBody, SBool, SInt, Text
-from graphcache.api.protocol import ChatMessage, check_template_kwargs
+from graphcache.api.openai.body import FieldError, RequestBody, SBool, SInt, Text
+from graphcache.api.openai.protocol import ChatMessage, check_template_kwargs
 
 __all__ = ["DetokenizeRequest", "TokenizeRequest", "WarmupRequest"]
 

@@ -2,7 +2,7 @@
 
 Text that cannot fit the context window (over max_model_len * MAX_CHARS_PER_TOKEN characters) is
 refused before tokenizing, so an oversized prompt never stalls the event loop or the engine thread.
-Tokenizing runs on the input pool (api/executors.py; the tokenizer releases the interpreter lock). Chat content is
+Tokenizing runs on the input pool (api/server/executors.py; the tokenizer releases the interpreter lock). Chat content is
 encoded so that special-token strings in it stay plain text (`Tokenizer.encode_chat`), unless the
 deployment trusts its clients (settings.http.allow_special_tokens_in_chat); a chat template's
 `raise_exception` is a 400 on "messages". Role "tool" messages, earlier assistant tool_calls and the
@@ -18,11 +18,11 @@ from typing import Any
 
 from fastapi import Request
 
-from graphcache.api.disconnect import ClientGone, unless_disconnected
-from graphcache.api.errors import APIError
-from graphcache.api.executors import run_input
-from graphcache.api.protocol import ChatMessage
-from graphcache.api.render_pool import RenderLimitError, RenderPool, encode_job
+from graphcache.api.openai.protocol import ChatMessage
+from graphcache.api.server.disconnect import ClientGone, unless_disconnected
+from graphcache.api.server.errors import APIError
+from graphcache.api.server.executors import run_input
+from graphcache.api.server.render_pool import RenderLimitError, RenderPool, encode_job
 from graphcache.model.chat_template import (
     DEFAULT_TEXT_LIMIT,
     ChatTemplateError,

@@ -4,10 +4,10 @@
     earlier calls, validated (a 400 naming the field otherwise).
   - `tool_choice_spec(tools, tool_choice, parallel, fmt)`: "required" or a named function become a
     grammar (engine/sample/structured.py) that forces the call markup of the served model's family
-    (`fmt`, api/tool_parsers/), the function name and JSON arguments matching the tool's `parameters`
+    (`fmt`, api/openai/tool_parsers/), the function name and JSON arguments matching the tool's `parameters`
     schema; "auto" and "none" constrain nothing.
 
-Reading calls back out of an answer is the tool parsers' work (api/tool_parsers/, chosen by the
+Reading calls back out of an answer is the tool parsers' work (api/openai/tool_parsers/, chosen by the
 `tool_call_parser` setting); the Hermes parser's names are re-exported here.
 """
 
@@ -17,16 +17,16 @@ import json
 import re
 from typing import Any
 
-from graphcache.api.errors import clip
-from graphcache.api.json_limits import JSONShapeError, check_json_value, parse_json_text
-from graphcache.api.tool_parsers import ToolCallFormat, tool_call_format
-from graphcache.api.tool_parsers.base import ToolCallDelta
-from graphcache.api.tool_parsers.hermes import (
+from graphcache.api.openai.json_limits import JSONShapeError, check_json_value, parse_json_text
+from graphcache.api.openai.tool_parsers import ToolCallFormat, tool_call_format
+from graphcache.api.openai.tool_parsers.base import ToolCallDelta
+from graphcache.api.openai.tool_parsers.hermes import (
     TOOL_CALL_END,
     TOOL_CALL_START,
     ToolCallStreamParser,
     parse_tool_calls,
 )
+from graphcache.api.server.errors import clip
 from graphcache.engine.errors import InvalidRequest
 from graphcache.engine.sequence import StructuredSpec
 

@@ -37,7 +37,7 @@ Text = Annotated[str, AfterValidator(_encodable)]
 
 class FieldError(ValueError):
     """A cross-field rule's failure in a model validator, naming the field to fix: pydantic gives a
-    model validator's error no location, so the 400's `param` comes from here (api/errors.py)."""
+    model validator's error no location, so the 400's `param` comes from here (api/server/errors.py)."""
 
     def __init__(self, message: str, *, param: str) -> None:
         super().__init__(message)

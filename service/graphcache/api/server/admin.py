@@ -18,8 +18,8 @@ import ipaddress
 
 from fastapi import APIRouter, Depends, Query, Request
 
-from graphcache.api.errors import APIError, api_error_for
-from graphcache.api.utility_requests import WarmupRequest
+from graphcache.api.openai.utility_requests import WarmupRequest
+from graphcache.api.server.errors import APIError, api_error_for
 from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes
 from graphcache.graphs.policy.profile import fill_size_gaps, parse_profile
 

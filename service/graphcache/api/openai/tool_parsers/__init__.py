@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from graphcache.api.tool_parsers import hermes, llama3_json, mistral
-from graphcache.api.tool_parsers.base import ToolCallDelta, ToolCallFormat, ToolCallStream
+from graphcache.api.openai.tool_parsers import hermes, llama3_json, mistral
+from graphcache.api.openai.tool_parsers.base import ToolCallDelta, ToolCallFormat, ToolCallStream
 from graphcache.choices import TOOL_CALL_PARSERS
 
 __all__ = ["ToolCallDelta", "ToolCallFormat", "ToolCallStream", "tool_call_format"]

@@ -23,12 +23,12 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from graphcache import __version__
-from graphcache.api.auth import require_api_key
-from graphcache.api.errors import APIError
-from graphcache.api.executors import run_input
-from graphcache.api.openai import check_model, model_card, serving_engine, template_tools
-from graphcache.api.prompt_encoding import encode_chat, encode_prompt
-from graphcache.api.utility_requests import DetokenizeRequest, TokenizeRequest
+from graphcache.api.openai.prompt_encoding import encode_chat, encode_prompt
+from graphcache.api.openai.routes import check_model, model_card, serving_engine, template_tools
+from graphcache.api.openai.utility_requests import DetokenizeRequest, TokenizeRequest
+from graphcache.api.server.auth import require_api_key
+from graphcache.api.server.errors import APIError
+from graphcache.api.server.executors import run_input
 from graphcache.engine.errors import DEAD_MESSAGE  # liveness bodies: never the exception text
 
 __all__ = ["guarded", "router"]

@@ -14,14 +14,14 @@ the engine checks every one of those again, so what reaches it must already be s
 What passes comes back as the engine's TokenIds (engine/sequence.py): immutable, so every choice
 shares the one checked copy, and the engine's per-choice check trusts it instead of walking it again.
 
-The functions are plain and synchronous; openai.py runs them on the input pool (api/executors.py).
+The functions are plain and synchronous; openai.py runs them on the input pool (api/server/executors.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from graphcache.api.errors import APIError
+from graphcache.api.server.errors import APIError
 from graphcache.engine.errors import InvalidRequest
 from graphcache.engine.sequence import TokenIds
 

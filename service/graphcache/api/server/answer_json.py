@@ -2,7 +2,7 @@
 
 json.dumps is one C call that holds the interpreter lock from the first byte to the last: a 100 MB
 answer holds it for seconds, and moving the call to a worker thread does not help the event loop, which
-needs that lock too. So an answer is rendered here, on the response pool (api/executors.py), piece by
+needs that lock too. So an answer is rendered here, on the response pool (api/server/executors.py), piece by
 piece: dicts key by key, `Lazy` arrays item by item (the choices: each one is built, rendered and
 dropped before the next, so the answer's dict tree never exists whole), and lists longer than SLICE
 items in slices of SLICE (prompt_logprobs, logprobs: ~20 KB of JSON each at 20 logprobs). Between
@@ -11,7 +11,7 @@ bytes are those json.dumps would write with the same settings (starlette's JSONR
 answer, json.dumps' defaults for a stream event).
 
 After rendering, the logprobs the sequences held are dropped on the same worker thread: at the answer
-bound (api/answer_size.py) they are millions of objects, whose freeing would otherwise stall the loop.
+bound (api/openai/answer_size.py) they are millions of objects, whose freeing would otherwise stall the loop.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from graphcache.api.executors import run_response
+from graphcache.api.server.executors import run_response
 
 __all__ = ["SLICE", "Lazy", "answer_response", "chunk_data", "render", "render_text"]
 

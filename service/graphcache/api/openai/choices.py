@@ -4,8 +4,8 @@ Both shapes take the same inputs: the sequences' accumulated outputs (fanout.Sam
 delta of sequence k, whose choice index is k (streams never rank: best_of > n is not streamed).
 Honoured presentation fields: echo, logprobs / top_logprobs (logprobs.py), prompt_logprobs,
 return_token_ids, return_tokens_as_token_ids, stream_options (include_usage, continuous_usage_stats),
-and for chats the reasoning split off into `reasoning` and `reasoning_content` (api/reasoning.py,
-with a reasoning_parser) and, with tools, the calls the model made (api/tool_parsers/, the tool_call_parser
+and for chats the reasoning split off into `reasoning` and `reasoning_content` (api/openai/reasoning.py,
+with a reasoning_parser) and, with tools, the calls the model made (api/openai/tool_parsers/, the tool_call_parser
 setting's format), as `tool_calls` and streamed tool_call deltas.
 """
 
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from graphcache.api.answer_json import Lazy, render
-from graphcache.api.fanout import Sampled
-from graphcache.api.logprobs import TokenText, chat_logprobs, completion_logprobs, vllm_prompt_logprobs
-from graphcache.api.protocol import ChatCompletionRequest, CompletionRequest
-from graphcache.api.reasoning import ReasoningStream, split_reasoning
-from graphcache.api.tool_parsers import ToolCallDelta, ToolCallFormat, ToolCallStream, tool_call_format
+from graphcache.api.openai.fanout import Sampled
+from graphcache.api.openai.logprobs import TokenText, chat_logprobs, completion_logprobs, vllm_prompt_logprobs
+from graphcache.api.openai.protocol import ChatCompletionRequest, CompletionRequest
+from graphcache.api.openai.reasoning import ReasoningStream, split_reasoning
+from graphcache.api.openai.tool_parsers import ToolCallDelta, ToolCallFormat, ToolCallStream, tool_call_format
+from graphcache.api.server.answer_json import Lazy, render
 from graphcache.engine.sequence import RequestOutput
 
 __all__ = ["ChatShape", "CompletionShape", "Prompt"]
@@ -76,7 +76,7 @@ class _Shape:
         return self.answer(kept, usage, [self.choice(k, s) for k, s in enumerate(kept)])
 
     def render(self, kept: list[Sampled], usage: dict) -> bytes:
-        """full()'s JSON as JSONResponse writes it, built and rendered a choice at a time (api/answer_json.py):
+        """full()'s JSON as JSONResponse writes it, built and rendered a choice at a time (api/server/answer_json.py):
         on the response pool, never on the event loop."""
         return render(self.answer(kept, usage, Lazy(self.choice(k, s) for k, s in enumerate(kept))))
 

@@ -1,6 +1,6 @@
 """A chat-template rendering process: render jobs in on stdin, results out on stdout.
 
-api/render_pool.py starts a few of these and kills one whose render runs past its time limit, whose
+api/server/render_pool.py starts a few of these and kills one whose render runs past its time limit, whose
 client left, or that died. A template is code from the model directory or, when the operator trusts
 request templates, from the client: jinja's sandbox stops it reaching the server, but not computing for
 minutes or allocating gigabytes. In a process of its own such a template costs at most its time and

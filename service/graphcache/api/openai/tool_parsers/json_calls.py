@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from graphcache.api.tool_parsers.base import ToolCallDelta, add_arguments
-from graphcache.api.tool_parsers.json_scan import CallObject, JsonObjectScanner
+from graphcache.api.openai.tool_parsers.base import ToolCallDelta, add_arguments
+from graphcache.api.openai.tool_parsers.json_scan import CallObject, JsonObjectScanner
 
 __all__ = ["Call", "Calls", "NamedArguments", "Reader"]
 

@@ -1,9 +1,9 @@
 """The fields both generation endpoints share (sampling controls, streaming, limits), as a pydantic base.
 
 CompletionRequest and ChatCompletionRequest (protocol.py) add their prompt form, max_tokens naming
-and logprobs shape. Honoured fields are mapped into SamplingParams by api/sampling.py; the vLLM fields
+and logprobs shape. Honoured fields are mapped into SamplingParams by api/openai/sampling.py; the vLLM fields
 graphcache cannot honour are declared here too (so they are never "unknown") and refused unless at
-their defaults (api/refused_fields.py); the structured-output fields are parsed by api/constraints.py.
+their defaults (api/openai/refused_fields.py); the structured-output fields are parsed by api/openai/constraints.py.
 Checks across fields that need a `param` (best_of >= n, the sequence limit, one structured-output
 constraint) raise InvalidRequest from `_check_common`; single-field checks are pydantic validators (a 400).
 """
@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, Strict, field_validator, model_validator
 
-from graphcache.api import constraints
-from graphcache.api.body import FieldError, RequestBody, SBool, SFloat, SInt, Text
+from graphcache.api.openai import constraints
+from graphcache.api.openai.body import FieldError, RequestBody, SBool, SFloat, SInt, Text
 from graphcache.engine.errors import InvalidRequest
 
 __all__ = [
@@ -110,7 +110,7 @@ class SamplingFields(RequestBody):
         None, max_length=512, description="Written to the server log with the request."
     )
 
-    # Refused unless at their defaults (api/refused_fields.py); declared so they are never "unknown".
+    # Refused unless at their defaults (api/openai/refused_fields.py); declared so they are never "unknown".
     use_beam_search: Any = False
     length_penalty: Any = 1.0
     watermarking: Any = False

@@ -1,18 +1,18 @@
 """Request bodies of the OpenAI-compatible generation endpoints, /v1/completions and /v1/chat/completions.
 
 Nothing is silently ignored. Every field of vLLM's CompletionRequest and ChatCompletionRequest is
-declared, here or in the shared base (api/sampling_fields.py), and either honoured (api/sampling.py
-maps it into SamplingParams or the prompt) or refused: api/refused_fields.py lists the fields whose
+declared, here or in the shared base (api/openai/sampling_fields.py), and either honoured (api/openai/sampling.py
+maps it into SamplingParams or the prompt) or refused: api/openai/refused_fields.py lists the fields whose
 non-default values graphcache cannot honour, each with the reason the 400 gives. A field unknown to
-both OpenAI and vLLM is accepted and logged once per name, as vLLM does (api/body.py).
+both OpenAI and vLLM is accepted and logged once per name, as vLLM does (api/openai/body.py).
 
 `null` means "the default" for every optional field (temperature, top_p, n, stream, penalties, ...).
 Numbers are strict (no "5" for 5, no true for 1): a wrong JSON type is a 400, not a silent conversion.
 Checks across fields that need a `param` (best_of >= n, the sequence limit, one structured-output
-constraint: api/constraints.py) are `check()` methods raising InvalidRequest; checks that need the
+constraint: api/openai/constraints.py) are `check()` methods raising InvalidRequest; checks that need the
 engine are in openai.py (model name), sampling.py (tokenizing) and EngineCore.check (prompt length,
 max_tokens, vocabulary). The bodies of /admin/warmup, /tokenize and /detokenize are in
-api/utility_requests.py.
+api/openai/utility_requests.py.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any, Literal, cast
 
 from pydantic import Field, field_validator
 
-from graphcache.api import tool_calls
-from graphcache.api.body import RequestBody, SBool, SInt, Text
-from graphcache.api.refused_fields import REFUSED_CHAT, REFUSED_COMPLETION, refusing
-from graphcache.api.sampling_fields import (
+from graphcache.api.openai import tool_calls
+from graphcache.api.openai.body import RequestBody, SBool, SInt, Text
+from graphcache.api.openai.refused_fields import REFUSED_CHAT, REFUSED_COMPLETION, refusing
+from graphcache.api.openai.sampling_fields import (
     INT64_MAX,
     INT64_MIN,
     MAX_LOGPROBS,

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from asgi_correlation_id import CorrelationIdFilter, CorrelationIdMiddleware, correlation_id
 from pythonjsonlogger.json import JsonFormatter as _LibraryJsonFormatter
 
-from graphcache.api.errors import clip, error_body
+from graphcache.api.server.errors import clip, error_body
 
 __all__ = [
     "PROBE_PATHS",

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphcache.api.tool_parsers.base import (
+from graphcache.api.openai.tool_parsers.base import (
     ContentSink,
     ToolCallDelta,
     ToolCallFormat,
@@ -32,7 +32,7 @@ from graphcache.api.tool_parsers.base import (
     parse_whole,
     partial_suffix,
 )
-from graphcache.api.tool_parsers.json_calls import Call, Calls
+from graphcache.api.openai.tool_parsers.json_calls import Call, Calls
 
 __all__ = ["FORMAT", "TOOL_CALL_END", "TOOL_CALL_START", "ToolCallStreamParser", "parse_tool_calls"]
 

@@ -11,17 +11,17 @@ naming the field of its largest product, the product, and what to lower.
 
 The estimate is an upper bound: every sequence generates its max_tokens, every top list is full, and the
 bytes per entry are the high end of what was measured (`ENTRY_BYTES`). Answers under the bound are built
-on the response pool, a choice at a time (api/answer_json.py), so the event loop keeps answering.
+on the response pool, a choice at a time (api/server/answer_json.py), so the event loop keeps answering.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from graphcache.api.choices import Prompt
-from graphcache.api.errors import APIError
-from graphcache.api.protocol import ChatCompletionRequest, CompletionRequest
-from graphcache.api.sampling import ChoicePlan
+from graphcache.api.openai.choices import Prompt
+from graphcache.api.openai.protocol import ChatCompletionRequest, CompletionRequest
+from graphcache.api.openai.sampling import ChoicePlan
+from graphcache.api.server.errors import APIError
 from graphcache.engine.sequence import SamplingParams
 
 __all__ = ["ENTRY_BYTES", "MAX_ANSWER_BYTES", "Product", "check_answer_size", "estimate"]
@@ -36,7 +36,7 @@ __all__ = ["ENTRY_BYTES", "MAX_ANSWER_BYTES", "Product", "check_answer_size", "e
 # context (~70 MiB); a 128k context with top_logprobs 20 needs max_completion_tokens (the 400 says how many).
 MAX_ANSWER_BYTES = 128 << 20
 
-# JSON bytes per entry, measured with the shapes of api/choices.py (logprobs at full float precision; token
+# JSON bytes per entry, measured with the shapes of api/openai/choices.py (logprobs at full float precision; token
 # texts of 0-6 characters, and `token_id:<id>` with return_tokens_as_token_ids): the high end of each.
 ENTRY_BYTES = {
     "prompt_logprobs": 92,  # vLLM's {"<id>": {"logprob", "rank", "decoded_token"}}: 76-92 B per entry

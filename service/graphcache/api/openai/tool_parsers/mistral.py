@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from graphcache.api.tool_parsers.base import (
+from graphcache.api.openai.tool_parsers.base import (
     ContentSink,
     ToolCallDelta,
     ToolCallFormat,
@@ -29,7 +29,7 @@ from graphcache.api.tool_parsers.base import (
     parse_whole,
     partial_suffix,
 )
-from graphcache.api.tool_parsers.json_calls import Call, Calls, NamedArguments
+from graphcache.api.openai.tool_parsers.json_calls import Call, Calls, NamedArguments
 
 __all__ = ["ARGS", "FORMAT", "TOOL_CALLS", "MistralStream", "parse_tool_calls"]
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 from fastapi import Request
 
-from graphcache.api.errors import APIError
+from graphcache.api.server.errors import APIError
 
 __all__ = ["key_matches", "require_api_key"]
 

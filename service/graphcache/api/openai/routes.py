@@ -9,7 +9,7 @@ MAX_ANSWER_BYTES, before anything runs), checked against the engine's limits, th
 Chat content is encoded so that special-token strings in it stay plain text (`Tokenizer.encode_chat`);
 a chat template's `raise_exception` is a 400 on "messages". Tools (OpenAI function tools), role "tool"
 messages and earlier assistant tool_calls are rendered by the template; tool_choice "required" or a
-named function becomes a grammar forcing the call markup (api/tool_calls.py), and the answer's text is
+named function becomes a grammar forcing the call markup (api/openai/tool_calls.py), and the answer's text is
 parsed back into `tool_calls` (streams: per-choice deltas, choices.py). An output constraint
 (response_format, guided_*, structured_outputs, a tool_choice grammar) is compiled off the event loop
 before submitting, so an invalid schema, regex or grammar is a 400 naming the field it came in.
@@ -36,18 +36,19 @@ from sse_starlette import EventSourceResponse
 from sse_starlette.sse import AppStatus
 from starlette.responses import Response
 
-from graphcache.api import answer_json, sampling, token_ids, tool_calls
-from graphcache.api.answer_size import check_answer_size
-from graphcache.api.auth import require_api_key
-from graphcache.api.choices import ChatShape, CompletionShape, Prompt
-from graphcache.api.disconnect import ClientGone, unless_disconnected
-from graphcache.api.errors import APIError, api_error_for, error_body
-from graphcache.api.executors import run_input, run_response
-from graphcache.api.fanout import FanOut, Sampled, Sub, best_of, usage
-from graphcache.api.logprobs import TokenText
-from graphcache.api.prompt_encoding import encode_chat, encode_prompt
-from graphcache.api.protocol import ChatCompletionRequest, CompletionRequest
-from graphcache.api.tool_parsers import tool_call_format
+from graphcache.api.openai import sampling, token_ids, tool_calls
+from graphcache.api.openai.answer_size import check_answer_size
+from graphcache.api.openai.choices import ChatShape, CompletionShape, Prompt
+from graphcache.api.openai.fanout import FanOut, Sampled, Sub, best_of, usage
+from graphcache.api.openai.logprobs import TokenText
+from graphcache.api.openai.prompt_encoding import encode_chat, encode_prompt
+from graphcache.api.openai.protocol import ChatCompletionRequest, CompletionRequest
+from graphcache.api.openai.tool_parsers import tool_call_format
+from graphcache.api.server import answer_json
+from graphcache.api.server.auth import require_api_key
+from graphcache.api.server.disconnect import ClientGone, unless_disconnected
+from graphcache.api.server.errors import APIError, api_error_for, error_body
+from graphcache.api.server.executors import run_input, run_response
 from graphcache.engine.errors import InvalidRequest
 from graphcache.engine.sequence import StructuredSpec, TokenIds
 
@@ -78,7 +79,7 @@ def template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] |
 
 def _tool_spec(body: ChatCompletionRequest, tool_call_parser: str = "hermes") -> StructuredSpec | None:
     """The constraint tool_choice puts on the output: "required" or a named function force the call
-    markup (api/tool_calls.py); "auto", "none" or no tools constrain nothing."""
+    markup (api/openai/tool_calls.py); "auto", "none" or no tools constrain nothing."""
     if not body.tools_active:
         return None
     try:
@@ -114,7 +115,7 @@ async def _check_constraint(engine, constraint: tuple[StructuredSpec, str] | Non
     compiled grammar is cached, so the engine's own check at submit is a cache hit."""
     if constraint is None:
         return
-    try:  # grammar compiling's own bounded pool belongs in api/executors.py, beside run_input/run_response
+    try:  # grammar compiling's own bounded pool belongs in api/server/executors.py, beside run_input/run_response
         await asyncio.to_thread(_compile, engine, *constraint)
     except InvalidRequest as e:
         raise api_error_for(e) from None

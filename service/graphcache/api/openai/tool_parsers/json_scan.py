@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 
-from graphcache.api.json_limits import MAX_JSON_DEPTH, JSONShapeError, parse_json_text
+from graphcache.api.openai.json_limits import MAX_JSON_DEPTH, JSONShapeError, parse_json_text
 
 __all__ = ["CallObject", "JsonObjectScanner", "decode_arguments_string"]
 

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible surface: routes, request bodies, sampling, answers, tools, parsers."""
