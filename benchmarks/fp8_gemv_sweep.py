@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     more = {d: v for d, v in plan.items() if d in ("bf16_mm", "dequant")}
     for name, (n, k) in shapes.items():
         results += sweep_shape(name, n, k, [r for r in rows if r != 1], more, cuda)
-    # Triton's interpreter rounds some values to fp8 unlike the GPU (tests/test_fp8.py's rounding slips):
+    # Triton's interpreter rounds some values to fp8 unlike the GPU (tests/model/test_fp8.py's rounding slips):
     # on the CPU the quant designs are held to 15%, elsewhere every design to 5% of its exact product.
     ran = [r for r in results if r["rel_err"] is not None]
     bad = [r for r in ran if not r["rel_err"] < (0.15 if "quant" in r["design"] and not cuda else 0.05)]

@@ -5,7 +5,7 @@
 - a request head past GRAPHCACHE_HTTP_MAX_HEADER_BYTES is a 431;
 - a connection that never finishes its head is closed after GRAPHCACHE_HTTP_HEADER_TIMEOUT_S;
 - past GRAPHCACHE_HTTP_MAX_CONNECTIONS a new connection takes the place of the one that waited longest
-  on its client (issue 35; when all are being answered it is closed: tests/test_http_protocol.py).
+  on its client (issue 35; when all are being answered it is closed: tests/api/test_http_protocol.py).
 """
 
 from __future__ import annotations

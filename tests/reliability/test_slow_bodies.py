@@ -6,7 +6,7 @@
 - a body slower than GRAPHCACHE_HTTP_BODY_TIMEOUT_S is answered 408 and closed within the deadline
   and a margin.
 
-The unit-level behaviour (per-client bound, which connection gives way): tests/test_http_protocol.py.
+The unit-level behaviour (per-client bound, which connection gives way): tests/api/test_http_protocol.py.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ the one-row kernel's loads from streaming W at full speed (BENCHMARKS.md §14). 
 times the designs (§13, §14).
 
 On the CPU the dequantized operands are multiplied in fp32 (`emulated_mm`, and weight_only_mm's own
-fallback: the same sums up to fp32 rounding order); tests/test_fp8.py checks the kernels against it
+fallback: the same sums up to fp32 rounding order); tests/model/test_fp8.py checks the kernels against it
 under Triton's interpreter and tests/gpu/test_fp8_cuda.py on the GPU.
 """
 

@@ -2,7 +2,7 @@
 stores. A q or k head's program takes the dims d and d + D/2 that rotate together (BLOCK_N of each), a v
 head's 2 x BLOCK_N consecutive rows; the epilogue rounds as fused_ops' rotary kernel does and writes k and
 v to the token's cache slot, so the GEMM leaves what the GEMM then fused_ops.rotary_cache_ leave.
-Plain functions here, jitted by fp8_gemm._kernel with the kernel that calls them (tests/test_fp8.py runs
+Plain functions here, jitted by fp8_gemm._kernel with the kernel that calls them (tests/model/test_fp8.py runs
 them under Triton's interpreter, tests/gpu/test_fp8_cuda.py on the GPU).
 """
 

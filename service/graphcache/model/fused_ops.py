@@ -15,7 +15,7 @@ residual sum is rounded to the model dtype before the norm reads it, the normali
 before the weight multiplies it, rotary rounds each product and the sum like `q * cos +
 rotate_half(q) * sin` in bf16, SiLU rounds before the multiply. What differs is only the order of
 the norm's fp32 sum of squares. The CPU path (and the HF-parity tests) use the PyTorch ops; the
-kernels are checked against them (tests/test_fused_ops.py, under TRITON_INTERPRET on the CPU).
+kernels are checked against them (tests/model/test_fused_ops.py, under TRITON_INTERPRET on the CPU).
 
 triton is imported guarded and the kernels are jitted on first use (as in decode_attention.py).
 """

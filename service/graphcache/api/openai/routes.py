@@ -231,7 +231,7 @@ class OpenAIEventStream(EventSourceResponse):
     Each event is `data: <json>\n\n` (sep="\n": sse-starlette's default is "\r\n"), the last one
     `data: [DONE]\n\n`; no `event:`/`id:` lines and no keep-alive comments (ping=0): OpenAI and vLLM
     send none, a stream only starts once its first token is out, so it is never idle for long, and a
-    comment line would break clients that take every non-blank line for `data:` (tests/test_api.py's
+    comment line would break clients that take every non-blank line for `data:` (tests/api/test_api.py's
     sse_events asserts exactly that). It also sends `Connection: keep-alive` (HTTP/1.1's default anyway).
     No Content-Length; Cache-Control no-cache and X-Accel-Buffering no (nginx must not buffer).
     sse-starlette races a receive() listener against the stream, so a client that hangs up aborts

@@ -13,7 +13,7 @@ logit z is at least some value of the row, so each row needs one number: thr, an
 
 Ties at the threshold: every token equal to thr is kept (a sort would keep the first of them in sort
 order, an arbitrary choice; a value cut keeps them all, so no token is dropped for its index). With
-no ties the kept set is exactly the sort's (tests/test_sampling_kernels.py checks it against
+no ties the kept set is exactly the sort's (tests/engine/test_sampling_kernels.py checks it against
 `reference_sort_filter`, the full sort).
 
 How, without a host sync:

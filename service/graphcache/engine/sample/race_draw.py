@@ -34,7 +34,7 @@ Two implementations with the same arithmetic: the torch one (the CPU path and th
 words held in int64 tensors and masked after every multiply) and a Triton kernel (one program per row,
 a loop over vocabulary blocks keeping each lane's best (w, E, index), compared as w_a E_b > w_b E_a so
 no division runs per token; nothing [R, V] in memory), chosen when the logits are on CUDA and triton
-imports. They agree up to the last ulp of exp and log and of the comparison (tests/test_sampling_kernels.py).
+imports. They agree up to the last ulp of exp and log and of the comparison (tests/engine/test_sampling_kernels.py).
 The kernel shares nucleus_draw.py's block and warps, so both compare the same tokens in the same order and
 a row nucleus_draw draws in round 0 gets race_draw's token even at a near tie.
 """

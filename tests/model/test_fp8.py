@@ -536,7 +536,7 @@ def test_fp8_bench_smoke(tmp_path):
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from benchmarks import fp8_bench
 
     out = tmp_path / "fp8.json"

@@ -20,7 +20,7 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOKEN = "integration-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 

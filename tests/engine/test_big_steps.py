@@ -222,7 +222,7 @@ def test_big_steps_benchmark_smoke(tmp_path):
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from benchmarks import big_steps
 
     out = tmp_path / "big_steps.json"

@@ -1,7 +1,7 @@
 """The uniform-decode path: decode attention read from static device buffers, captured inside the
 graph (full mode) or run as the eager break (breakable), against the general kernel (varlen) and
 against each sequence alone. CPU: the eager capture backend and the torch decode kernel; the Triton
-kernel and real CUDA graphs are covered by tests/gpu and tests/test_decode_attention.py."""
+kernel and real CUDA graphs are covered by tests/gpu and tests/model/test_decode_attention.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 to each budget-evicted H). Sizes come from `measure_bytes`, capture costs from an injected clock
 that the fake step advances by its declared cost while it is being captured. Lazy entries get private
 pools (lazy_pool="private"): the policies are compared where evicting one entry frees its bytes (in the
-shared lazy pool only the last one does; tests/test_graph_cache.py covers that)."""
+shared lazy pool only the last one does; tests/graphs/test_graph_cache.py covers that)."""
 
 import json
 

@@ -25,7 +25,7 @@ import pytest
 from graphcache.api.openai.reasoning import ReasoningStream, split_reasoning
 from helpers_parsers import chunkings, run_stream, whole_calls
 
-API_DOC = Path(__file__).parent.parent / "docs" / "API.md"
+API_DOC = Path(__file__).parents[2] / "docs" / "API.md"
 UNCHECKED: Any = ...  # vLLM's test does not look at this
 
 
