@@ -28,6 +28,7 @@ FLOORS = {
     "config": 1,
     "metrics": 1,
     "settings": 0,
+    "vllm_flags": 0,  # cli's vLLM flags, above their table (vllm_flag_table, like every unlisted module: -1)
     "choices": -1,
     "vllm_metrics": -1,
 }
