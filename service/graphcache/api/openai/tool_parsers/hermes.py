@@ -25,47 +25,28 @@ from __future__ import annotations
 from typing import Any
 
 from graphcache.api.openai.tool_parsers.base import (
-    ContentSink,
     ToolCallDelta,
     ToolCallFormat,
     new_call_id,
     parse_whole,
     partial_suffix,
 )
-from graphcache.api.openai.tool_parsers.json_calls import Call, Calls
+from graphcache.api.openai.tool_parsers.json_calls import Call, CallStream
 
 __all__ = ["FORMAT", "TOOL_CALL_END", "TOOL_CALL_START", "ToolCallStreamParser", "parse_tool_calls"]
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 
 
-class ToolCallStreamParser:
+class ToolCallStreamParser(CallStream):
     """Feed text deltas of one choice; get ToolCallDelta's; finish() once at the end. `eager=False`
     decides each call when its object closes (parse_tool_calls)."""
 
     def __init__(self, eager: bool = True) -> None:
-        self._calls = Calls(eager, new_call_id)
-        self._sink = ContentSink()
-        self._buf = ""  # text not consumed yet
+        super().__init__(eager, new_call_id)
         self._state = "out"  # out | block (before its object) | call (in its object) | after
         self._raw = ""  # the open block's markup: "<tool_call>" and the whitespace after it
         self._call: Call | None = None
-
-    @property
-    def num_calls(self) -> int:
-        return self._calls.count
-
-    @property
-    def called_tools(self) -> bool:
-        """True once a call was announced: the choice's finish_reason becomes "tool_calls"."""
-        return self._calls.count > 0
-
-    def feed(self, text: str) -> ToolCallDelta:
-        out = ToolCallDelta()
-        self._buf += text
-        while self._buf and self._step(out):
-            pass
-        return out
 
     def finish(self, cut: bool = False) -> ToolCallDelta:
         """End of the answer: flush held content; a block still open is a call if a stream announced

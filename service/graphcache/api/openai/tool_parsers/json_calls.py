@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from graphcache.api.openai.tool_parsers.base import ToolCallDelta, add_arguments
+from graphcache.api.openai.tool_parsers.base import ContentSink, ToolCallDelta, add_arguments
 from graphcache.api.openai.tool_parsers.json_scan import CallObject, JsonObjectScanner
 
 __all__ = ["Call", "Calls", "NamedArguments", "Reader"]
@@ -134,3 +134,32 @@ class Calls:
         if more:
             add_arguments(out, call.index, more)
             call.sent += len(more)
+
+
+class CallStream:
+    """What the families' stream parsers share: the answer's calls, the content sink, the text not consumed
+    yet, and `feed`, which runs the family's `_step` while it makes progress (returns True)."""
+
+    def __init__(self, eager: bool, new_id: Callable[[], str]) -> None:
+        self._calls = Calls(eager, new_id)
+        self._sink = ContentSink()
+        self._buf = ""  # text not consumed yet
+
+    @property
+    def num_calls(self) -> int:
+        return self._calls.count
+
+    @property
+    def called_tools(self) -> bool:
+        """True once a call was announced: the choice's finish_reason becomes "tool_calls"."""
+        return self._calls.count > 0
+
+    def feed(self, text: str) -> ToolCallDelta:
+        out = ToolCallDelta()
+        self._buf += text
+        while self._buf and self._step(out):
+            pass
+        return out
+
+    def _step(self, out: ToolCallDelta) -> bool:
+        raise NotImplementedError

@@ -20,14 +20,13 @@ from __future__ import annotations
 from typing import Any
 
 from graphcache.api.openai.tool_parsers.base import (
-    ContentSink,
     ToolCallDelta,
     ToolCallFormat,
     new_call_id,
     parse_whole,
     partial_suffix,
 )
-from graphcache.api.openai.tool_parsers.json_calls import Call, Calls
+from graphcache.api.openai.tool_parsers.json_calls import Call, CallStream
 
 __all__ = ["FORMAT", "PYTHON_TAG", "Llama3JsonStream", "parse_tool_calls"]
 
@@ -35,31 +34,14 @@ PYTHON_TAG = "<|python_tag|>"
 _SEPARATORS = " \t\n\r;"
 
 
-class Llama3JsonStream:
+class Llama3JsonStream(CallStream):
     """Feed text deltas of one choice; get ToolCallDelta's; finish() once at the end."""
 
     def __init__(self, eager: bool = True) -> None:
-        self._calls = Calls(eager, new_call_id)
-        self._sink = ContentSink()
-        self._buf = ""
+        super().__init__(eager, new_call_id)
         self._state = "out"  # out | tag (python tag read) | call | sep (after a call) | skip
         self._glue = ""  # a python tag (and whitespace) before the candidate: content if no call
         self._call: Call | None = None
-
-    @property
-    def num_calls(self) -> int:
-        return self._calls.count
-
-    @property
-    def called_tools(self) -> bool:
-        return self._calls.count > 0
-
-    def feed(self, text: str) -> ToolCallDelta:
-        out = ToolCallDelta()
-        self._buf += text
-        while self._buf and self._step(out):
-            pass
-        return out
 
     def finish(self, cut: bool = False) -> ToolCallDelta:
         out = ToolCallDelta()

@@ -22,14 +22,13 @@ import re
 from typing import Any
 
 from graphcache.api.openai.tool_parsers.base import (
-    ContentSink,
     ToolCallDelta,
     ToolCallFormat,
     new_mistral_call_id,
     parse_whole,
     partial_suffix,
 )
-from graphcache.api.openai.tool_parsers.json_calls import Call, Calls, NamedArguments
+from graphcache.api.openai.tool_parsers.json_calls import Call, CallStream, NamedArguments
 
 __all__ = ["ARGS", "FORMAT", "TOOL_CALLS", "MistralStream", "parse_tool_calls"]
 
@@ -44,13 +43,11 @@ def _name_length(text: str) -> int:
     return match.end() if match else 0
 
 
-class MistralStream:
+class MistralStream(CallStream):
     """Feed text deltas of one choice; get ToolCallDelta's; finish() once at the end."""
 
     def __init__(self, eager: bool = True) -> None:
-        self._calls = Calls(eager, new_mistral_call_id)
-        self._sink = ContentSink()
-        self._buf = ""
+        super().__init__(eager, new_mistral_call_id)
         # out: content | marker: after [TOOL_CALLS] | name: a v11 name | list: in "[", before an object
         # | call: in a call object | after_item: after an object in the list | done: dropping to the
         # next marker
@@ -59,21 +56,6 @@ class MistralStream:
         self._in_list = False
         self._list_calls = 0  # calls read from the open list
         self._call: Call | None = None
-
-    @property
-    def num_calls(self) -> int:
-        return self._calls.count
-
-    @property
-    def called_tools(self) -> bool:
-        return self._calls.count > 0
-
-    def feed(self, text: str) -> ToolCallDelta:
-        out = ToolCallDelta()
-        self._buf += text
-        while self._buf and self._step(out):
-            pass
-        return out
 
     def finish(self, cut: bool = False) -> ToolCallDelta:
         out = ToolCallDelta()
