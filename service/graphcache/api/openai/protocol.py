@@ -150,6 +150,16 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
+def request_template(chat_template: str | None, kwargs: dict[str, Any] | None) -> str | None:
+    """A chat's own template: chat_template, or chat_template_kwargs' "chat_template" (vLLM takes both)."""
+    return chat_template or (kwargs or {}).get("chat_template")
+
+
+def template_variables(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """chat_template_kwargs as the template's variables: all but the request's own template."""
+    return {k: v for k, v in (kwargs or {}).items() if k != "chat_template"}
+
+
 def check_template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:
     """chat_template_kwargs: template variable names, none of them one the server sets. "chat_template"
     is the request's template (vLLM's other spelling of the chat_template field); it must be text."""
@@ -204,15 +214,11 @@ class ChatCompletionRequest(SamplingFields):
 
     refuse_non_defaults = refusing(REFUSED_CHAT)
 
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        return check_template_kwargs(v)
+    _template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
 
     @property
     def request_template(self) -> str | None:
-        """The chat's own template: chat_template, or chat_template_kwargs' "chat_template" (vLLM takes both)."""
-        return self.chat_template or (self.chat_template_kwargs or {}).get("chat_template")
+        return request_template(self.chat_template, self.chat_template_kwargs)
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -229,7 +235,7 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def template_kwargs(self) -> dict[str, Any]:
         """Extra variables for the chat template (vLLM passes documents and reasoning_effort the same way)."""
-        extra = {k: v for k, v in (self.chat_template_kwargs or {}).items() if k != "chat_template"}
+        extra = template_variables(self.chat_template_kwargs)
         if self.documents is not None:
             extra.setdefault("documents", self.documents)
         if self.reasoning_effort is not None:

@@ -12,7 +12,12 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from graphcache.api.openai.body import FieldError, RequestBody, SBool, SInt, Text
-from graphcache.api.openai.protocol import ChatMessage, check_template_kwargs
+from graphcache.api.openai.protocol import (
+    ChatMessage,
+    check_template_kwargs,
+    request_template,
+    template_variables,
+)
 
 __all__ = ["DetokenizeRequest", "TokenizeRequest", "WarmupRequest"]
 
@@ -87,19 +92,15 @@ class TokenizeRequest(RequestBody):
         None, description="Chat form: extra variables for the chat template."
     )
 
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        return check_template_kwargs(v)
+    _template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
 
     @property
     def request_template(self) -> str | None:
-        """The chat's own template, as ChatCompletionRequest.request_template."""
-        return self.chat_template or (self.chat_template_kwargs or {}).get("chat_template")
+        return request_template(self.chat_template, self.chat_template_kwargs)
 
     @property
     def template_kwargs(self) -> dict[str, Any]:
-        return {k: v for k, v in (self.chat_template_kwargs or {}).items() if k != "chat_template"}
+        return template_variables(self.chat_template_kwargs)
 
     tools: list[dict[str, Any]] | None = Field(
         None,
