@@ -53,6 +53,7 @@ class StepLayout:
     num_logits: int  # logits rows that matter: the need_logits rows, plan order
     decode_prefix: int  # rows 0..d-1 are decodes of the plan's first d rows, logits rows 0..d-1
     prompt_rows: tuple[int, ...] = ()  # token rows fed by the plan's PromptLogits rows, plan order
+    verify_rows: tuple[int, ...] = ()  # token rows fed by the plan's verify rows, plan.verify order
 
 
 class InputBatch:
@@ -318,6 +319,11 @@ class InputBatch:
             for span in plan.prompt_logits
             for r in range(int(first_row[span.row]), int(first_row[span.row] + fed[span.row]))
         )
+        verify_rows = tuple(
+            r
+            for row, _ in plan.verify
+            for r in range(int(first_row[row]), int(first_row[row] + fed[row]))
+        )
         rows = table.rows
         if decode:
             if rows is not None:
@@ -337,11 +343,11 @@ class InputBatch:
         d = num_decodes
         prefix = d if d and is_decode[:d].all() and need_logits[:d].all() else 0
         if rows is not None:
-            if prefix == 0 or plan.prompt_logits:
+            if prefix == 0 or plan.prompt_logits or plan.verify:
                 rows.invalidate()
             else:
                 rows.remember(keys[:prefix], blocks[:prefix], 0)
-        return StepLayout("mixed", md, num_tokens, n, num_logits, prefix, prompt_rows)
+        return StepLayout("mixed", md, num_tokens, n, num_logits, prefix, prompt_rows, verify_rows)
 
     def _write_tables_cached(self, tables: list[list[int]]) -> None:
         """Row i = tables[i]; a row is rewritten only when its table changed since the last decode layout

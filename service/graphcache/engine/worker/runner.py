@@ -382,8 +382,9 @@ class ModelRunner:
                 "max_num_seqs in the scheduler equal to the settings"
             )
         uniform = plan.uniform_decode
-        # Prompt logprobs need logits at every fed position: an eager step on the general layout.
-        wants_prompt = bool(plan.prompt_logits)
+        # Prompt logprobs and verify rows (speculative decoding) need logits at every fed position of
+        # their rows: an eager step on the general layout.
+        wants_prompt = bool(plan.prompt_logits) or bool(plan.verify)
         eager = self.settings.graph_cache.enforce_eager or wants_prompt
         desc = (
             None
@@ -392,7 +393,7 @@ class ModelRunner:
         )
         pad_tokens = desc.num_tokens if desc else num_tokens
         pad_reqs = desc.num_reqs if desc else num_reqs
-        prompt_logits = None
+        prompt_logits = verify_logits = None
         try:
             self.table.update(plan)
             layout = self.inputs.prepare(
@@ -406,7 +407,7 @@ class ModelRunner:
             md = layout.metadata
             with forward_context(md, desc, "eager" if desc is None else self._graph_mode(uniform)):
                 if wants_prompt:
-                    logits, prompt_logits = self._run_with_prompt_logits(layout)
+                    logits, prompt_logits, verify_logits = self._run_with_prompt_logits(layout)
                     mode: StepMode = "eager"
                 else:
                     logits = self.out_logits[: layout.num_logits]
@@ -421,7 +422,7 @@ class ModelRunner:
         if self.sampling is None or not plan.sample:
             self.table.sampled_by_step(plan.sampled_keys())  # rank > 0: rank 0 sends the ids it samples
             return StepOutput(mode, logits, prompt_logits=prompt_logits)
-        out = self.sampling(plan, self.table.sampled(plan), logits, mode, prompt_logits)
+        out = self.sampling(plan, self.table.sampled(plan), logits, mode, prompt_logits, verify_logits)
         self._sampled = out.sampled
         self.table.sampled_by_step(plan.sampled_keys())
         return out
@@ -433,15 +434,20 @@ class ModelRunner:
             return None
         return self._sampled
 
-    def _run_with_prompt_logits(self, layout: StepLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Eager step that also computes the logits of every token of the PromptLogits rows: the model's
-        head runs over the usual logits rows plus those token rows (fresh tensors, not the static
-        buffers: their count is up to the whole step's tokens). (need_logits rows' logits, those rows' logits)."""
+    def _run_with_prompt_logits(
+        self, layout: StepLayout
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Eager step that also computes the logits of every token of the PromptLogits rows and of the
+        verify rows: the model's head runs over the usual logits rows plus those token rows (fresh tensors,
+        not the static buffers: their count is up to the whole step's tokens). (need_logits rows' logits,
+        the prompt rows' logits or None, the verify rows' logits or None)."""
         i, num_reqs, num_tokens = self.inputs, layout.num_reqs, layout.num_tokens
-        extra = torch.tensor(layout.prompt_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        num_prompt, num_verify = len(layout.prompt_rows), len(layout.verify_rows)
+        rows = list(layout.prompt_rows) + list(layout.verify_rows)
+        extra = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
         indices = torch.cat([i.logits_indices.dev[:num_reqs], extra])  # [R + E]
         out = torch.empty(
-            num_reqs + len(layout.prompt_rows),
+            num_reqs + len(rows),
             self.model_config.vocab_size,
             dtype=self.dtype,
             device=self.device,
@@ -453,7 +459,9 @@ class ModelRunner:
             indices,
             out,
         )
-        return out[: layout.num_logits], out[num_reqs:]
+        prompt = out[num_reqs : num_reqs + num_prompt] if num_prompt else None
+        verify = out[num_reqs + num_prompt :] if num_verify else None
+        return out[: layout.num_logits], prompt, verify
 
     # --- captures outside a step (warmup, admin) --------------------------------------------
     def capture(

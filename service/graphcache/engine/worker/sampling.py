@@ -18,6 +18,7 @@ request's: it raises.
 from __future__ import annotations
 
 import logging
+from itertools import accumulate
 
 import torch
 
@@ -28,6 +29,7 @@ from graphcache.engine.sample.logprobs import prompt_token_logprobs, token_logpr
 from graphcache.engine.sample.sampler import Sampler
 from graphcache.engine.sample.state import SamplingState
 from graphcache.engine.sample.structured import apply_grammar_mask
+from graphcache.engine.spec.rejection import rejection_sample
 from graphcache.engine.worker.request_table import SampledRows
 
 __all__ = ["StepSampler", "is_device_failure", "sample_isolating_failures"]
@@ -62,9 +64,11 @@ class StepSampler:
         logits: torch.Tensor,
         mode: StepMode,
         prompt_logits: torch.Tensor | None = None,
+        verify_logits: torch.Tensor | None = None,
     ) -> StepOutput:
         """logits: [len(rows.states), V] the need_logits rows' logits (processed in place); prompt_logits:
-        every fed token's logits of the plan's PromptLogits rows."""
+        every fed token's logits of the plan's PromptLogits rows; verify_logits: every fed token's logits of
+        the plan's verify rows (plan.verify order)."""
         lp_rows = rows.logprob_rows
         if lp_rows:  # a copy of their rows: the sampler may process logits in place
             lp_index = to_device(lp_rows, torch.int64, logits.device)
@@ -76,13 +80,19 @@ class StepSampler:
         if lp_rows:
             logprobs = token_logprobs(raw, tokens.index_select(0, lp_index), rows.logprob_k).to_host()
         prompt_logprobs = prompt_token_logprobs(prompt_logits, plan)
+        spec_tokens = spec_accepted = None
+        if plan.verify:
+            if verify_logits is None:
+                raise ValueError("a plan with verify rows needs the logits of their fed tokens")
+            spec_tokens, spec_accepted = verify_drafts(plan, verify_logits, tokens)
         host, ready = tokens, None
         if tokens.is_cuda:  # small asynchronous copies (logprobs queued above); the core waits on the event
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
+            host = _to_host(tokens)
+            if spec_tokens is not None:
+                spec_tokens, spec_accepted = _to_host(spec_tokens), _to_host(spec_accepted)
             ready = torch.cuda.Event()
             ready.record()
-        return StepOutput(
+        out = StepOutput(
             mode,
             logits,
             tokens,
@@ -94,6 +104,49 @@ class StepSampler:
             prompt_logprobs,
             prompt_logits,
         )
+        out.spec_tokens, out.spec_accepted = spec_tokens, spec_accepted
+        return out
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+def verify_drafts(
+    plan: StepPlan, verify_logits: torch.Tensor, sampled: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verify rows' emitted tokens, on the device: ([B, K + 1] int64 padded with -1, [B] accepted).
+
+    Verify rows are plain greedy (the scheduler speculates only those): each accepts its drafts while they
+    equal the argmax of the target's logits at their position, then emits the argmax after the accepted
+    run. The bonus (every draft accepted) is the token the sampler already drew from the row's last
+    position, so a row's last token is the plain sampler's own pick."""
+    B = len(plan.verify)
+    K = max(n for _, n in plan.verify)
+    tokens = plan.tokens
+    assert tokens is not None  # verify rows feed known tokens
+    drafts = [0] * (B * K)
+    for b, (row, n) in enumerate(plan.verify):
+        fed = tokens[row]
+        assert fed is not None and len(fed) == n + 1, (row, n, fed)
+        drafts[b * K : b * K + n] = fed[1:]
+    dev = verify_logits.device
+    draft_ids = to_device(drafts, torch.int64, dev).view(B, K)
+    num_drafts = to_device([n for _, n in plan.verify], torch.int64, dev)
+    # The sampled rows of the verify rows: their last fed token's logits row drew the bonus.
+    need = plan.need_logits
+    sampled_index = list(range(len(plan.keys))) if need is None else list(accumulate(need, initial=0))
+    bonus_rows = to_device([sampled_index[row] for row, _ in plan.verify], torch.int64, dev)
+    verified = rejection_sample(
+        draft_token_ids=draft_ids,
+        num_draft_tokens=num_drafts,
+        greedy=torch.ones(B, dtype=torch.bool, device=dev),
+        target_argmax=verify_logits.argmax(dim=-1),
+        bonus_token_ids=sampled.index_select(0, bonus_rows),
+    )
+    return verified.token_ids, verified.num_accepted
 
 
 def sample_isolating_failures(

@@ -1,0 +1,232 @@
+"""Speculative decoding through the engine (CPU, tiny model): n-gram drafts verified in one step.
+
+Greedy outputs with speculation equal those without, token for token (EOS, stop strings, stop tokens and
+max_tokens cutting inside an accepted run among them); rolled-back K/V is never read (poisoned caches);
+the prefix cache never registers a block holding a rejected draft; the spec-decode counters count.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from graphcache.engine.loop.core import EngineCore
+from graphcache.engine.sequence import SamplingParams, Sequence
+from graphcache.engine.worker.runner import ModelRunner
+from graphcache.metrics import Metrics
+from helpers_model import cpu_settings, prompt_ids, tiny_checkpoint
+
+SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+
+
+def drive(core: EngineCore, requests, on_step=None) -> dict:
+    for rid, prompt, params in requests:
+        seq = Sequence(rid, list(prompt), SamplingParams(**vars(params)))
+        core.check(seq)
+        core.add_request(seq)
+    tokens = {rid: [] for rid, _, _ in requests}
+    reasons: dict[str, str | None] = {}
+    texts = {rid: "" for rid, _, _ in requests}
+    for _ in range(10_000):
+        if not core.has_work():
+            break
+        for out in core.step():
+            assert out.request_id not in reasons, f"{out.request_id} emitted after finishing"
+            tokens[out.request_id] += out.token_ids
+            texts[out.request_id] += out.text
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+        if on_step is not None:
+            on_step(core)
+    assert not core.has_work()
+    bm = core.block_manager
+    assert bm.num_free == bm.num_usable, "leaked KV blocks"
+    return {rid: (tokens[rid], reasons.get(rid), texts[rid]) for rid in tokens}
+
+
+def repeating_prompt(i: int) -> list[int]:
+    """A prompt that repeats a short pattern: the n-gram proposer finds drafts, and the tiny random model
+    (greedy) tends to loop over its context, so drafts get accepted."""
+    base = prompt_ids(3 + i % 4, seed=100 + i, vocab=200)
+    return (base * 6)[: 8 + 3 * (i % 5)]
+
+
+def requests(n: int, **params) -> list:
+    out = []
+    for i in range(n):
+        prompt = repeating_prompt(i) if i % 3 else prompt_ids(6 + i % 7, seed=i, vocab=300)
+        kw = dict(max_tokens=10 + (i * 7) % 23, temperature=0.0) | params
+        out.append((f"r{i}", prompt, SamplingParams(**kw)))
+    return out
+
+
+def core_for(path, spec: str | None, metrics: Metrics | None = None, **kw) -> EngineCore:
+    settings = cpu_settings(path, speculative_config=spec, **kw)
+    return EngineCore(ModelRunner(settings), settings, metrics)
+
+
+@pytest.fixture(scope="module")
+def path():
+    return tiny_checkpoint("qwen2")
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_greedy_outputs_equal_without_speculation(path, async_scheduling):
+    reqs = requests(48, ignore_eos=True)
+    want = drive(core_for(path, None, async_scheduling=async_scheduling), reqs)
+    metrics = Metrics()
+    core = core_for(path, SPEC, metrics, async_scheduling=async_scheduling)
+    verify_steps = []
+    core.step_failpoint = lambda plan: verify_steps.append(len(plan.verify)) if plan.verify else None
+    got = drive(core, reqs)
+    assert got == want
+    counts = core.spec_metrics.snapshot()
+    assert verify_steps and counts["drafts"] > 0
+    assert counts["accepted"] > 0, counts  # the repeating prompts get drafts accepted
+    assert counts["draft_tokens"] >= counts["accepted"]
+
+
+def test_eos_and_stop_tokens_cut_inside_an_accepted_run(path):
+    """Each request stops on a token its unspeculated run emits mid-way (as EOS via stop_token_ids, and
+    as the model's own EOS), with max_tokens far away: speculation stops at the same token."""
+    base = requests(24, ignore_eos=True, max_tokens=40)
+    plain = drive(core_for(path, None), base)
+    reqs = []
+    for rid, prompt, params in base:
+        ids = plain[rid][0]
+        stop = ids[len(ids) // 2]
+        reqs.append((rid, prompt, SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[stop])))
+    want = drive(core_for(path, None), reqs)
+    core = core_for(path, SPEC, Metrics())
+    got = drive(core, reqs)
+    assert got == want
+    assert all(reason == "stop" for _, reason, _ in got.values())
+    assert core.spec_metrics.snapshot()["accepted"] > 0
+
+
+def test_max_tokens_and_model_len_cut_runs(path):
+    reqs = [
+        (f"m{i}", repeating_prompt(i), SamplingParams(max_tokens=1 + i, temperature=0.0, ignore_eos=True))
+        for i in range(12)
+    ]
+    want = drive(core_for(path, None, max_model_len=40), reqs)
+    got = drive(core_for(path, SPEC, max_model_len=40), reqs)
+    assert got == want
+    long = [("long", repeating_prompt(1), SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True))]
+    want = drive(core_for(path, None, max_model_len=40), long)
+    got = drive(core_for(path, SPEC, max_model_len=40), long)
+    assert got == want and got["long"][1] == "length"
+
+
+def test_stop_strings_cut_inside_an_accepted_run(path):
+    core = core_for(path, None)
+    tok = core.runner.tokenizer
+    base = requests(16, ignore_eos=True, max_tokens=30)
+    plain = drive(core, base)
+    reqs = []
+    for rid, prompt, params in base:
+        text = plain[rid][2]
+        stop = text[len(text) // 2 : len(text) // 2 + 2] if len(text) > 4 else "zzzz"
+        reqs.append((rid, prompt, SamplingParams(max_tokens=30, temperature=0.0, stop=[stop], ignore_eos=True)))
+    assert tok is not None
+    want = drive(core_for(path, None), reqs)
+    got = drive(core_for(path, SPEC), reqs)
+    assert got == want
+
+
+def test_sampled_and_logprob_rows_decode_alongside(path):
+    """Sampled, penalised and logprob requests run in the same steps as speculating ones, one token a
+    step (seeded: they repeat), while greedy rows speculate."""
+    reqs = requests(12, ignore_eos=True)
+    reqs += [
+        ("s0", repeating_prompt(1), SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)),
+        ("s1", repeating_prompt(2), SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)),
+        (
+            "s2",
+            repeating_prompt(4),
+            SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+        ),
+    ]
+    want = drive(core_for(path, None), reqs)
+    core = core_for(path, SPEC, Metrics())
+    got = drive(core, reqs)
+    assert got == want
+
+
+POISON = 1e4
+
+
+def test_rolled_back_kv_is_never_read(path):
+    """After every step, the K/V slots past each running sequence's valid K/V (where rejected drafts
+    were written) and the free blocks are poisoned with a large finite value (NaN would leak through the
+    masked attention's 0 * NaN even where nothing is read): the outputs do not change, so nothing reads
+    them. The same poison without speculation is the control."""
+    reqs = requests(16, ignore_eos=True)
+    want = drive(core_for(path, None), reqs)
+    core = core_for(path, SPEC, Metrics())
+    bs = core.block_manager.block_size
+    kv = core.runner.kv_cache  # [layers, 2, blocks, bs, K, D]
+    poisoned = [0]
+
+    def poison(core: EngineCore) -> None:
+        held = set()
+        for seq in core.scheduler.running:
+            valid = seq.num_computed_tokens
+            for level, block in enumerate(seq.block_table):
+                held.add(block)
+                lo = max(0, valid - level * bs)
+                if lo < bs:
+                    kv[:, :, block, lo:] = POISON
+                    poisoned[0] += 1
+        free = [b for b in range(kv.shape[2]) if b not in held and core.block_manager._ref[b] == 0]
+        free = [b for b in free if core.block_manager._key[b] is None]  # cached-free blocks stay readable
+        if free:
+            kv[:, :, free] = POISON
+
+    got = drive(core, reqs, on_step=poison)
+    assert got == want
+    assert poisoned[0] > 0 and core.spec_metrics.snapshot()["draft_tokens"] > core.spec_metrics.snapshot()["accepted"]
+    assert (kv == POISON).any()
+
+
+def test_prefix_cache_never_registers_a_rejected_draft(path):
+    """Every registered block's tokens are the tokens of a sequence that holds it or held it: checked
+    after each step against the sequences' known tokens; a second wave reuses the cache and still equals."""
+    reqs = requests(16, ignore_eos=True)
+    want = drive(core_for(path, None), reqs)
+    core = core_for(path, SPEC, Metrics())
+    bm = core.block_manager
+
+    def check(core: EngineCore) -> None:
+        for seq in core.scheduler.running:
+            ids = seq.all_token_ids
+            for level, block in enumerate(seq.block_table):
+                key = bm._key[block]
+                if key is not None:
+                    assert list(key[1]) == ids[level * bm.block_size : (level + 1) * bm.block_size]
+                    assert (level + 1) * bm.block_size <= seq.num_computed_tokens
+
+    assert drive(core, reqs, on_step=check) == want
+    again = [(f"again-{rid}", p, s) for rid, p, s in reqs]
+    got = drive(core, again, on_step=check)
+    assert {rid.removeprefix("again-"): v for rid, v in got.items()} == want
+
+
+def test_disable_by_batch_size_and_structured_rows_do_not_speculate(path):
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 2})
+    core = core_for(path, spec, Metrics())
+    reqs = requests(6, ignore_eos=True)
+    plans = []
+    core.step_failpoint = lambda plan: plans.append(plan)
+    drive(core, reqs)
+    for plan in plans:
+        if plan.verify:
+            assert plan.num_reqs < 2 or len(plan.keys) <= len(core.scheduler.running) + 1
+    assert core.scheduler.may_speculate(Sequence("g", [1], SamplingParams(temperature=0.0)))
+    for params in (
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.0, logprobs=1),
+        SamplingParams(temperature=0.0, presence_penalty=0.5),
+        SamplingParams(temperature=0.0, min_tokens=3),
+    ):
+        assert not core.scheduler.may_speculate(Sequence("x", [1], params)), params
