@@ -40,7 +40,13 @@ async def test_spec_decode_series_on_metrics(tmp_path):
         prompt = list(range(5, 13)) * 4  # a repeating prompt: the n-gram proposer drafts from it
         r = await client.post(
             "/v1/completions",
-            json={"model": _app.state.engine.model_name, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True},
+            json={
+                "model": _app.state.engine.model_name,
+                "prompt": prompt,
+                "max_tokens": 24,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
         )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 24
@@ -55,8 +61,12 @@ async def test_spec_decode_series_on_metrics(tmp_path):
     ):
         assert name in names, name
     drafts = sum(v for k, v in samples.items() if k.startswith("vllm:spec_decode_num_drafts_total"))
-    draft_tokens = sum(v for k, v in samples.items() if k.startswith("vllm:spec_decode_num_draft_tokens_total"))
-    accepted = sum(v for k, v in samples.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_total"))
+    draft_tokens = sum(
+        v for k, v in samples.items() if k.startswith("vllm:spec_decode_num_draft_tokens_total")
+    )
+    accepted = sum(
+        v for k, v in samples.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_total")
+    )
     assert drafts >= 1 and draft_tokens >= drafts and 0 <= accepted <= draft_tokens
     per_pos = [k for k in samples if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total")]
     assert len(per_pos) == SPEC["num_speculative_tokens"]

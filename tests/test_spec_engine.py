@@ -11,12 +11,14 @@ import json
 
 import pytest
 from graphcache.engine.loop.core import EngineCore
-from graphcache.engine.sequence import SamplingParams, Sequence
+from graphcache.engine.sequence import SamplingParams, Sequence, StructuredSpec
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.metrics import Metrics
 from helpers_model import cpu_settings, prompt_ids, tiny_checkpoint
 
-SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+SPEC = json.dumps(
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+)
 
 
 def drive(core: EngineCore, requests, on_step=None) -> dict:
@@ -72,7 +74,7 @@ def path():
 
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
 def test_greedy_outputs_equal_without_speculation(path, async_scheduling):
-    reqs = requests(48, ignore_eos=True)
+    reqs = requests(64, ignore_eos=True)
     want = drive(core_for(path, None, async_scheduling=async_scheduling), reqs)
     metrics = Metrics()
     core = core_for(path, SPEC, metrics, async_scheduling=async_scheduling)
@@ -92,7 +94,7 @@ def test_eos_and_stop_tokens_cut_inside_an_accepted_run(path):
     base = requests(24, ignore_eos=True, max_tokens=40)
     plain = drive(core_for(path, None), base)
     reqs = []
-    for rid, prompt, params in base:
+    for rid, prompt, _params in base:
         ids = plain[rid][0]
         stop = ids[len(ids) // 2]
         reqs.append((rid, prompt, SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[stop])))
@@ -124,23 +126,28 @@ def test_stop_strings_cut_inside_an_accepted_run(path):
     base = requests(16, ignore_eos=True, max_tokens=30)
     plain = drive(core, base)
     reqs = []
-    for rid, prompt, params in base:
+    for rid, prompt, _params in base:
         text = plain[rid][2]
         stop = text[len(text) // 2 : len(text) // 2 + 2] if len(text) > 4 else "zzzz"
-        reqs.append((rid, prompt, SamplingParams(max_tokens=30, temperature=0.0, stop=[stop], ignore_eos=True)))
+        reqs.append(
+            (rid, prompt, SamplingParams(max_tokens=30, temperature=0.0, stop=[stop], ignore_eos=True))
+        )
     assert tok is not None
     want = drive(core_for(path, None), reqs)
     got = drive(core_for(path, SPEC), reqs)
     assert got == want
 
 
-def test_sampled_and_logprob_rows_decode_alongside(path):
-    """Sampled, penalised and logprob requests run in the same steps as speculating ones, one token a
-    step (seeded: they repeat), while greedy rows speculate."""
+def test_logprob_and_penalised_rows_decode_alongside(path):
+    """Logprob and penalised requests (no speculation) run in the same steps as speculating ones, one
+    token a step, with the outputs they have without speculation."""
     reqs = requests(12, ignore_eos=True)
     reqs += [
-        ("s0", repeating_prompt(1), SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)),
-        ("s1", repeating_prompt(2), SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)),
+        (
+            "s1",
+            repeating_prompt(2),
+            SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True),
+        ),
         (
             "s2",
             repeating_prompt(4),
@@ -151,6 +158,26 @@ def test_sampled_and_logprob_rows_decode_alongside(path):
     core = core_for(path, SPEC, Metrics())
     got = drive(core, reqs)
     assert got == want
+
+
+def test_seeded_sampled_rows_speculate_and_repeat(path):
+    """Sampled requests speculate too (rejection sampling); a seeded one gives the same tokens run to
+    run, and each ends at its max_tokens."""
+    reqs = [
+        (
+            f"s{i}",
+            repeating_prompt(i),
+            SamplingParams(max_tokens=16, temperature=0.7, top_k=8, seed=i, ignore_eos=True),
+        )
+        for i in range(6)
+    ]
+    runs = []
+    for _ in range(2):
+        core = core_for(path, SPEC, Metrics())
+        runs.append(drive(core, reqs))
+        assert core.spec_metrics.snapshot()["drafts"] > 0
+    assert runs[0] == runs[1]
+    assert all(len(ids) == 16 and reason == "length" for ids, reason, _ in runs[0].values())
 
 
 POISON = 1e4
@@ -185,7 +212,10 @@ def test_rolled_back_kv_is_never_read(path):
 
     got = drive(core, reqs, on_step=poison)
     assert got == want
-    assert poisoned[0] > 0 and core.spec_metrics.snapshot()["draft_tokens"] > core.spec_metrics.snapshot()["accepted"]
+    assert (
+        poisoned[0] > 0
+        and core.spec_metrics.snapshot()["draft_tokens"] > core.spec_metrics.snapshot()["accepted"]
+    )
     assert (kv == POISON).any()
 
 
@@ -223,10 +253,30 @@ def test_disable_by_batch_size_and_structured_rows_do_not_speculate(path):
         if plan.verify:
             assert plan.num_reqs < 2 or len(plan.keys) <= len(core.scheduler.running) + 1
     assert core.scheduler.may_speculate(Sequence("g", [1], SamplingParams(temperature=0.0)))
+    assert core.scheduler.may_speculate(
+        Sequence("s", [1], SamplingParams(temperature=0.7, top_p=0.9, min_p=0.1))
+    )
     for params in (
-        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.0, structured=StructuredSpec("json")),
+        SamplingParams(temperature=0.7, logit_bias={1: 2.0}),
         SamplingParams(temperature=0.0, logprobs=1),
         SamplingParams(temperature=0.0, presence_penalty=0.5),
         SamplingParams(temperature=0.0, min_tokens=3),
     ):
         assert not core.scheduler.may_speculate(Sequence("x", [1], params)), params
+
+
+def test_block_manager_trim_gives_back_unregistered_blocks_only():
+    from graphcache.engine.sched.block_manager import BlockManager
+
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
+    seq = Sequence("t", list(range(9)), SamplingParams(temperature=0.0))
+    bm.allocate(seq, 16)  # 4 blocks for 9 known tokens + drafts
+    bm.commit(seq, 16)  # only known tokens register: 2 full blocks
+    assert [bm._key[b] is not None for b in seq.block_table] == [True, True, False, False]
+    free = bm.num_free
+    assert bm.trim(seq, 3) == 1 and len(seq.block_table) == 3 and bm.num_free == free + 1
+    with pytest.raises(RuntimeError, match="shared or registered"):
+        bm.trim(seq, 1)
+    bm.free(seq)
+    assert bm.num_free == bm.num_usable

@@ -28,9 +28,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from itertools import accumulate
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 
 from graphcache.config import Settings
 from graphcache.engine.errors import InvalidRequest

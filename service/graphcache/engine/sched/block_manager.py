@@ -264,7 +264,9 @@ class BlockManager:
         dropped = seq.block_table[num_blocks:]
         for block in dropped:
             if self._key[block] is not None or self._ref[block] != 1:
-                raise RuntimeError(f"block {block} of {seq.request_id} is shared or registered; cannot trim it")
+                raise RuntimeError(
+                    f"block {block} of {seq.request_id} is shared or registered; cannot trim it"
+                )
             self._ref[block] = 0
             self._free_plain.append(block)
         del seq.block_table[num_blocks:]

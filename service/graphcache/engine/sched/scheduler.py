@@ -321,12 +321,12 @@ class Scheduler:
 
     # --- speculative decoding ------------------------------------------------------------
     def may_speculate(self, seq: Sequence) -> bool:
-        """Whether `seq` may carry drafts: a plain greedy request (temperature 0, no logits controls, no
-        min_tokens, no logprobs, no structured output). Sampled rows decode one token a step."""
+        """Whether `seq` may carry drafts: greedy or sampled (temperature, top-k, top-p, min-p) with no
+        logits controls (penalties, logit_bias, allowed or bad words), no min_tokens, no logprobs and no
+        structured output; the rest decode one token a step."""
         p = seq.params
         return (
-            not p.temperature >= 1e-5  # the sampler's MIN_TEMPERATURE: greedy
-            and p.min_tokens == 0
+            p.min_tokens == 0
             and p.logprobs is None
             and p.prompt_logprobs is None
             and p.structured is None
@@ -495,7 +495,7 @@ class Scheduler:
             if seq.status is finished:
                 continue
             changed.append(seq)
-            if type(token) is list:
+            if isinstance(token, list):
                 self._append_verified(seq, token, now)
                 continue
             if token is None:

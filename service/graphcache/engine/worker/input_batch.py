@@ -320,9 +320,7 @@ class InputBatch:
             for r in range(int(first_row[span.row]), int(first_row[span.row] + fed[span.row]))
         )
         verify_rows = tuple(
-            r
-            for row, _ in plan.verify
-            for r in range(int(first_row[row]), int(first_row[row] + fed[row]))
+            r for row, _ in plan.verify for r in range(int(first_row[row]), int(first_row[row] + fed[row]))
         )
         rows = table.rows
         if decode:
