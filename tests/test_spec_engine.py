@@ -280,3 +280,41 @@ def test_block_manager_trim_gives_back_unregistered_blocks_only():
         bm.trim(seq, 1)
     bm.free(seq)
     assert bm.num_free == bm.num_usable
+
+
+def test_verify_steps_replay_verify_descriptors(path):
+    """With logits rows to spare (max_num_seqs 32: mixed graphs of up to 32 logits rows), verify steps run
+    as "T:R:verify" descriptors through the graph cache (counted, listed), with the same greedy outputs."""
+    kw = dict(max_num_seqs=32)
+    reqs = requests(24, ignore_eos=True)
+    want = drive(core_for(path, None, **kw), reqs)
+    core = core_for(path, SPEC, Metrics(), **kw)
+    runner = core.runner
+    seen = []
+    run = runner.cache.run
+
+    def counting_run(desc, real_tokens=None):
+        seen.append(desc)
+        return run(desc, real_tokens=real_tokens)
+
+    runner.cache.run = counting_run
+    got = drive(core, reqs)
+    assert got == want
+    verify = [d for d in seen if d.verify]
+    assert verify and all(str(d).endswith(":verify") and d.num_reqs >= 2 for d in verify)
+    stats = runner.cache.stats()
+    assert stats.hits + stats.misses >= len(seen)
+    listed = json.dumps(runner.cache.info())
+    assert ":verify" in listed
+
+
+def test_verify_descriptor_round_trips():
+    from graphcache.graphs.descriptor import BatchDescriptor
+
+    d = BatchDescriptor.parse("16:16:verify")
+    assert d.verify and not d.uniform_decode and str(d) == "16:16:verify"
+    assert d != BatchDescriptor(16, 16) and BatchDescriptor.parse(
+        str(BatchDescriptor(16, 16))
+    ) == BatchDescriptor(16, 16)
+    with pytest.raises(ValueError, match="both decode and verify"):
+        BatchDescriptor(4, 4, True, True)
