@@ -319,3 +319,10 @@ def test_verify_descriptor_round_trips():
     ) == BatchDescriptor(16, 16)
     with pytest.raises(ValueError, match="both decode and verify"):
         BatchDescriptor(4, 4, True, True)
+
+
+def test_two_cores_on_one_registry_share_the_counters(path):
+    metrics = Metrics()
+    first = core_for(path, SPEC, metrics)
+    second = core_for(path, SPEC, metrics)
+    assert first.spec_metrics is second.spec_metrics is metrics.spec_decode

@@ -115,10 +115,17 @@ class EngineCore:
         if self.spec is not None:
             self.scheduler.spec = self.spec
             self.scheduler.proposer = build_proposer(self.spec, runner.max_model_len)
-            if metrics is not None:
-                self.spec_metrics = SpecDecodeMetrics(
-                    metrics.registry, metrics.vllm, self.spec.num_speculative_tokens
-                )
+            if metrics is not None:  # one collector per registry (a second core on it shares the first's)
+                held = metrics.spec_decode
+                if not isinstance(held, SpecDecodeMetrics) or held.num_speculative_tokens != (
+                    self.spec.num_speculative_tokens
+                ):
+                    if isinstance(held, SpecDecodeMetrics):  # another k: its counters start over
+                        metrics.registry.unregister(held)
+                    held = metrics.spec_decode = SpecDecodeMetrics(
+                        metrics.registry, metrics.vllm, self.spec.num_speculative_tokens
+                    )
+                self.spec_metrics = held
         self.requests: dict[str, Sequence] = {}  # unfinished requests, by id
         self.outputs = RequestOutputs(metrics)
         # Unfinished requests whose sampling reads their history on the host (_needs_host_history): a set,
