@@ -326,3 +326,16 @@ def test_two_cores_on_one_registry_share_the_counters(path):
     first = core_for(path, SPEC, metrics)
     second = core_for(path, SPEC, metrics)
     assert first.spec_metrics is second.spec_metrics is metrics.spec_decode
+
+
+def test_verify_descriptors_are_warmed_up(path):
+    """With speculation configured and the default warmup, the runner captures "T:T:verify" descriptors at
+    start (T from 2 to the most logits rows), and a verify step then finds its descriptor there."""
+    core = core_for(path, SPEC, Metrics(), warmup_decode_sizes=None, max_num_seqs=16)
+    runner = core.runner
+    warm = [str(d) for d in runner.warmup_descriptors() if d.verify]
+    assert warm == ["2:2:verify", "4:4:verify", "8:8:verify", "16:16:verify"]
+    runner.warmup()
+    assert all(w in json.dumps(runner.cache.info()) for w in warm)
+    reqs = requests(6, ignore_eos=True)
+    assert drive(core, reqs) == drive(core_for(path, None, warmup_decode_sizes=None, max_num_seqs=16), reqs)
