@@ -12,7 +12,11 @@ import json
 
 import pytest
 from graphcache.engine.loop.core import EngineCore
+from graphcache.engine.sched.block_manager import BlockManager
+from graphcache.engine.sched.scheduler import Scheduler
 from graphcache.engine.sequence import SamplingParams, Sequence, StructuredSpec
+from graphcache.engine.spec.config import parse_speculative_config
+from graphcache.engine.spec.proposer import Proposer
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.metrics import Metrics
 from helpers_model import cpu_settings, prompt_ids, tiny_checkpoint
@@ -339,3 +343,127 @@ def test_verify_descriptors_are_warmed_up(path):
     assert all(w in json.dumps(runner.cache.info()) for w in warm)
     reqs = requests(6, ignore_eos=True)
     assert drive(core, reqs) == drive(core_for(path, None, warmup_decode_sizes=None, max_num_seqs=16), reqs)
+
+
+def record_runs(core: EngineCore) -> dict[str, list[tuple[int, list[int]]]]:
+    """Per request, each verify run appended: (outputs before it, the run)."""
+    runs: dict[str, list[tuple[int, list[int]]]] = {}
+    sched = core.scheduler
+    inner = sched._append_verified
+
+    def wrapped(seq, emitted, now):
+        runs.setdefault(seq.request_id, []).append((len(seq.output_token_ids), list(emitted)))
+        inner(seq, emitted, now)
+
+    sched._append_verified = wrapped
+    return runs
+
+
+def stop_inside_a_run(ids: list[int], runs: list[tuple[int, list[int]]]) -> int | None:
+    """A token whose first occurrence in `ids` is inside a run, not its last token (None: no such)."""
+    for before, run in runs:
+        for j, token in enumerate(run[:-1]):
+            if token not in ids[: before + j]:
+                return token
+    return None
+
+
+@pytest.mark.parametrize("how", ["eos", "stop_token", "max_tokens"])
+def test_eos_stop_tokens_and_max_tokens_end_speculating_requests_as_without(path, how):
+    """The model's EOS (the scheduler's eos ids set to a token the runs emit), a stop token, or max_tokens
+    ends a request: outputs equal those without speculation (the stop is a token first emitted inside a
+    run of the unstopped speculative run where there is one)."""
+    base = requests(32, ignore_eos=True, max_tokens=40)
+    spec = core_for(path, SPEC, Metrics())
+    runs = record_runs(spec)
+    plain = drive(spec, base)
+    reqs, eos = [], set()
+    for i, (rid, prompt, _) in enumerate(base):
+        ids = plain[rid][0]
+        stop = stop_inside_a_run(ids, runs.get(rid, []))
+        stop = ids[5 + i % 7] if stop is None else stop
+        if how == "eos":
+            eos.add(stop)
+            params = SamplingParams(max_tokens=40, temperature=0.0)
+        elif how == "stop_token":
+            params = SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[stop])
+        else:
+            params = SamplingParams(max_tokens=6 + i % 9, temperature=0.0, ignore_eos=True)
+        reqs.append((rid, prompt, params))
+    cores = [core_for(path, None), core_for(path, SPEC, Metrics())]
+    if eos:
+        for c in cores:
+            c.scheduler.eos_token_ids = frozenset(eos)
+    want = drive(cores[0], reqs)
+    got = drive(cores[1], reqs)
+    assert got == want
+    if how == "max_tokens":
+        assert all(reason == "length" for _, reason, _ in got.values())
+        return  # drafts never run past max_tokens: the run ends there rather than being cut
+    assert all(reason == "stop" for _, reason, _ in got.values())
+    # (This tiny model loops on tokens it emitted before, so a stop's first occurrence is seldom inside a
+    # run: test_postprocess_cuts_a_run_at_a_stop_and_rolls_back cuts one by construction.)
+
+
+class FixedProposer(Proposer):
+    num_speculative_tokens = 3
+
+    def __init__(self, drafts: list[int]) -> None:
+        self.drafts = drafts
+
+    def propose(self, requests, max_draft_tokens=None):
+        return [self.drafts[:m] for m in (max_draft_tokens or [3] * len(requests))]
+
+    def remove(self, request_id: str) -> None:
+        pass
+
+
+def spec_scheduler(drafts: list[int]) -> Scheduler:
+    sched = Scheduler(
+        BlockManager(32, 4),
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        eos_token_ids=frozenset({99}),
+    )
+    sched.spec = parse_speculative_config(json.dumps({"method": "ngram", "num_speculative_tokens": 3}))
+    sched.proposer = FixedProposer(drafts)
+    return sched
+
+
+def test_postprocess_cuts_a_run_at_a_stop_and_rolls_back():
+    """A verify run with EOS inside: the outputs end at it, the request finishes and frees every block; the
+    prefix cache holds only blocks of computed, known tokens."""
+    sched = spec_scheduler([8, 99, 10])
+    seq = Sequence("a", [1, 2, 3, 4, 5], SamplingParams(temperature=0.0, max_tokens=20))
+    sched.add(seq)
+    out = sched.schedule()  # the prefill
+    sched.postprocess(out, [7], 0.0)
+    out = sched.schedule()  # the verify row: [7, 8, 99, 10]
+    assert out.plan is not None and out.plan.verify == ((0, 3),) and out.plan.tokens == [[7, 8, 99, 10]]
+    assert seq.num_computed_tokens == 9 and len(seq.block_table) == 3
+    sched.postprocess(out, [[8, 99, 10]], 0.0)  # d0 and d1 accepted, then 10: EOS (99) cuts before 10
+    assert seq.output_token_ids == [7, 8, 99] and seq.finish_reason == "stop"
+    bm = sched.block_manager
+    assert bm.num_free == bm.num_usable
+    for key in bm._cache:  # registered: the prompt's first block only (the second holds uncomputed 99)
+        assert key[1] == (1, 2, 3, 4)
+
+
+def test_postprocess_rolls_back_a_rejection_and_trims_blocks():
+    sched = spec_scheduler([8, 98, 97])
+    seq = Sequence("b", [1, 2, 3, 4, 5], SamplingParams(temperature=0.0, max_tokens=20))
+    sched.add(seq)
+    out = sched.schedule()
+    sched.postprocess(out, [7], 0.0)
+    out = sched.schedule()  # [7, 8, 98, 97]: positions 5..8, 3 blocks
+    assert len(seq.block_table) == 3
+    sched.postprocess(out, [[8, 11]], 0.0)  # d0 accepted, d1 rejected: the correction 11
+    assert seq.output_token_ids == [7, 8, 11] and not seq.is_finished
+    assert seq.num_computed_tokens == 7 == seq.num_tokens - 1  # K/V of 7 and 8 kept; 98, 97 rolled back
+    assert len(seq.block_table) == 2 and sched.trimmed == [(seq.key, 2)]
+    kept = list(seq.block_table)
+    out = sched.schedule()
+    assert out.plan is not None and out.plan.trimmed == ((seq.key, 2),)
+    assert out.plan.tokens == [[11, 8, 98, 97]] and seq.block_table[:2] == kept
+    assert out.plan.grown == ((seq.key, seq.block_table[2:]),)
