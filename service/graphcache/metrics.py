@@ -92,6 +92,9 @@ class Metrics:
         """process_collectors=False: no process_*/python_* series (the engine process's registry: the API
         process exports its own under those names, engine/loop/process.py)."""
         self.registry = r = registry if registry is not None else CollectorRegistry()
+        # engine/spec/metrics.py's SpecDecodeMetrics on this registry, once speculation is configured
+        # (EngineCore registers it; object: this floor does not import the engine)
+        self.spec_decode: object = None
         p = "graphcache_"
         if r is not REGISTRY and process_collectors:  # the global registry has them already
             ProcessCollector(registry=r)

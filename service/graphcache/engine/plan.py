@@ -74,6 +74,13 @@ class StepPlan:
     finished: tuple[int, ...] = ()  # keys the worker drops before this step: finished, or preempted
     prompt_logits: tuple[PromptLogits, ...] = ()  # rows returning every fed token's logits: run eagerly
     grammar: GrammarMask | None = None  # the structured-output rows' masks
+    # Speculative decoding: (row, n) of the verify rows, each feeding [its last token, n drafts] (the drafts
+    # are tokens[row][1:], n >= 1, the row samples). The step returns the logits of every fed position of
+    # those rows and verifies the drafts (StepOutput.spec_tokens). Run eagerly, like prompt_logits.
+    verify: tuple[tuple[int, int], ...] = ()
+    # (key, table length) of held requests whose block table was cut back (the blocks past a rolled-back
+    # speculation went back to the pool): applied before `grown`
+    trimmed: tuple[tuple[int, int], ...] = ()
     sample: bool = True  # False: return the logits without sampling (a hand-built step: tests, benchmarks)
 
     @property
@@ -156,6 +163,11 @@ class StepOutput:
     )
     # [sum of the fed tokens of the prompt_logits rows, V]: each fed token's logits, those rows in plan order
     prompt_logits: Any = None
+    # The plan's verify rows, in plan.verify order (host copies, valid once `ready`): [B, K + 1] int64, row b
+    # emits spec_tokens[b, :spec_accepted[b] + 1] (its accepted drafts, then the correction or the bonus,
+    # which is also its entry of `sampled`); -1 past them. None: the plan had no verify rows.
+    spec_tokens: Any = None
+    spec_accepted: Any = None  # [B] int64: drafts accepted per verify row
 
 
 class Runner(Protocol):

@@ -4,7 +4,9 @@ A capture fixes every tensor shape, so a step can replay a capture only if its b
 padded up to exactly the shapes captured. Two numbers fix those shapes: tokens in the
 step (the width of every activation) and requests (rows of logits). `uniform_decode`
 separates pure-decode batches (one token per request: T == R) from mixed prefill/decode
-ones, because attention metadata is laid out differently for the two.
+ones, because attention metadata is laid out differently for the two. `verify` marks a speculative
+decoding verify step ("T:R:verify"): a mixed layout whose logits rows are every fed token (T <= R), so
+the target scores each draft; it is captured, counted and profiled as a descriptor of its own.
 
 Mixed steps past the fine sizes (prefill chunks next to a full decode batch: ~1,000-8,000 tokens)
 pad to a few coarse buckets (`mixed_buckets`): every size costs a capture and pool memory, and every
@@ -26,6 +28,7 @@ class BatchDescriptor:
     num_tokens: int  # padded token count (graph shape)
     num_reqs: int  # padded request count = rows of logits
     uniform_decode: bool = False  # every request feeds exactly one token
+    verify: bool = False  # a speculative verify step: logits rows = every fed token (mixed layout)
 
     def __post_init__(self) -> None:
         if self.num_tokens < 1 or self.num_reqs < 1:
@@ -40,20 +43,24 @@ class BatchDescriptor:
                 f"a decode descriptor feeds one token per request: tokens ({self.num_tokens}) "
                 f"must equal requests ({self.num_reqs})"
             )
+        if self.verify and self.uniform_decode:
+            raise ValueError(f"descriptor {self.num_tokens}:{self.num_reqs} cannot be both decode and verify")
 
     def __str__(self) -> str:
         base = f"{self.num_tokens}:{self.num_reqs}"
-        return base + ":decode" if self.uniform_decode else base
+        return base + ":decode" if self.uniform_decode else base + ":verify" if self.verify else base
 
     @classmethod
     def parse(cls, text: str) -> BatchDescriptor:
-        """Inverse of str(): "T:R" (mixed) or "T:R:decode"."""
+        """Inverse of str(): "T:R" (mixed), "T:R:decode" or "T:R:verify"."""
         parts = text.strip().split(":")
         try:
             if len(parts) == 2:
                 return cls(int(parts[0]), int(parts[1]), False)
             if len(parts) == 3 and parts[2] == "decode":
                 return cls(int(parts[0]), int(parts[1]), True)
+            if len(parts) == 3 and parts[2] == "verify":
+                return cls(int(parts[0]), int(parts[1]), False, True)
         except ValueError as e:
             raise ValueError(f"bad batch descriptor {text!r}: {e}") from None
         raise ValueError(

@@ -30,6 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 
 from graphcache.config import Settings
 from graphcache.engine.errors import InvalidRequest
@@ -50,6 +51,9 @@ from graphcache.engine.sample.structured import StructuredOutput
 from graphcache.engine.sched.block_manager import BlockManager
 from graphcache.engine.sched.scheduler import Scheduler, SchedulerOutput
 from graphcache.engine.sequence import RequestOutput, SamplingParams, Sequence
+from graphcache.engine.spec.build import build_proposer
+from graphcache.engine.spec.config import parse_speculative_config
+from graphcache.engine.spec.metrics import SpecDecodeMetrics
 from graphcache.metrics import Metrics
 
 __all__ = ["EngineCore"]
@@ -104,6 +108,24 @@ class EngineCore:
             max_model_len=runner.max_model_len,
             eos_token_ids=runner.eos_token_ids,
         )
+        # Speculative decoding (--speculative-config): the scheduler drafts with the proposer, the worker
+        # verifies, postprocess appends the accepted run and rolls back; the vllm:spec_decode_* counters.
+        self.spec = parse_speculative_config(settings.engine.speculative_config)
+        self.spec_metrics: SpecDecodeMetrics | None = None
+        if self.spec is not None:
+            self.scheduler.spec = self.spec
+            self.scheduler.proposer = build_proposer(self.spec, runner.max_model_len)
+            if metrics is not None:  # one collector per registry (a second core on it shares the first's)
+                held = metrics.spec_decode
+                if not isinstance(held, SpecDecodeMetrics) or held.num_speculative_tokens != (
+                    self.spec.num_speculative_tokens
+                ):
+                    if isinstance(held, SpecDecodeMetrics):  # another k: its counters start over
+                        metrics.registry.unregister(held)
+                    held = metrics.spec_decode = SpecDecodeMetrics(
+                        metrics.registry, metrics.vllm, self.spec.num_speculative_tokens
+                    )
+                self.spec_metrics = held
         self.requests: dict[str, Sequence] = {}  # unfinished requests, by id
         self.outputs = RequestOutputs(metrics)
         # Unfinished requests whose sampling reads their history on the host (_needs_host_history): a set,
@@ -227,6 +249,11 @@ class EngineCore:
         sample_seqs = plan.sampled
         history = self._history_seqs
         needs_history = bool(history) and not history.isdisjoint(sample_seqs)
+        sched = self.scheduler
+        if not needs_history and sched.proposer is not None and sched.speculates():
+            # The proposer drafts from a row's tokens on the host: a row that may speculate next step is
+            # not overlapped (async scheduling is off for the steps of speculating requests).
+            needs_history = any(map(sched.may_speculate, sample_seqs))
         return _InFlight(plan, out, sample_seqs, t0, scheduled_at, needs_history, time.perf_counter())
 
     def _complete_pending(self) -> list[RequestOutput]:
@@ -239,11 +266,18 @@ class EngineCore:
         try:
             if result.ready is not None:
                 result.ready.synchronize()
-            tokens: list[int | None] = result.host.tolist()
+            tokens: list = result.host.tolist()
+            verified = None
+            if result.spec_tokens is not None:
+                verified = (result.spec_tokens.tolist(), result.spec_accepted.tolist())
         except Exception as exc:
             return self._step_failed(p.plan, exc)
+        num_generated = len(tokens)
+        if verified is not None:
+            num_generated += self._merge_verified(p.plan, tokens, *verified)
         for i in result.failed:
             tokens[i] = None
+            num_generated -= 1
         t_done = time.perf_counter()
         self.consecutive_failures = 0
         self.num_steps += 1
@@ -263,7 +297,7 @@ class EngineCore:
             m.steps.labels(result.mode).inc()
             m.step_seconds.labels(result.mode).observe(t_done - p.launched_at)
             m.batch_size.observe(len(p.plan.seqs))
-            m.generation_tokens.inc(len(tokens) - tokens.count(None))
+            m.generation_tokens.inc(num_generated)
             m.vllm.observe_step(p.plan.num_tokens)
             for seq in changed:
                 if len(seq.output_token_ids) == 1 and seq.first_token_time == now:
@@ -293,6 +327,23 @@ class EngineCore:
                 )
             )
         return outputs
+
+    def _merge_verified(
+        self, plan: SchedulerOutput, tokens: list, spec_tokens: list[list[int]], accepted: list[int]
+    ) -> int:
+        """Replace each verify row's sampled id by its emitted run (accepted drafts + the last token),
+        observe the spec-decode counters; returns the extra tokens emitted."""
+        step = plan.plan
+        assert step is not None
+        need = step.need_logits
+        sampled_index = list(range(len(step.keys))) if need is None else list(accumulate(need, initial=0))
+        extra = 0
+        for (row, _), run, a in zip(step.verify, spec_tokens, accepted, strict=True):
+            tokens[sampled_index[row]] = run[: a + 1]
+            extra += a
+        if self.spec_metrics is not None:
+            self.spec_metrics.observe([n for _, n in step.verify], accepted)
+        return extra
 
     @staticmethod
     def _prompt_spans(plan: SchedulerOutput) -> list[PromptSpan]:

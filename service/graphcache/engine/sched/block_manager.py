@@ -257,6 +257,21 @@ class BlockManager:
             state.chain.append((existing, self._gen[existing]))
         state.next_end = (len(state.chain) + 1) * bs
 
+    def trim(self, seq: Sequence, num_blocks: int) -> int:
+        """Give back seq's blocks past its first num_blocks (speculative decoding's rollback: blocks that
+        held only rejected drafts). They are never registered: commit() registers only blocks of known
+        tokens, and these hold none. Returns how many went back."""
+        dropped = seq.block_table[num_blocks:]
+        for block in dropped:
+            if self._key[block] is not None or self._ref[block] != 1:
+                raise RuntimeError(
+                    f"block {block} of {seq.request_id} is shared or registered; cannot trim it"
+                )
+            self._ref[block] = 0
+            self._free_plain.append(block)
+        del seq.block_table[num_blocks:]
+        return len(dropped)
+
     def free(self, seq: Sequence, keep_cached: bool = True) -> int:
         """Drop seq's hold on its blocks; returns how many it held. Its computed full blocks are
         registered first (keep_cached), so a finished or preempted sequence leaves its prefix

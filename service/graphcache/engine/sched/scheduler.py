@@ -39,8 +39,11 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from graphcache.engine.plan import GrammarMask, NewRequest, PromptLogits, StepPlan
+from graphcache.engine.sample.state import has_controls
 from graphcache.engine.sched.block_manager import BlockManager, PrefixMatch
 from graphcache.engine.sequence import Sequence, SequenceStatus
+from graphcache.engine.spec.config import SpeculativeConfig
+from graphcache.engine.spec.proposer import Proposer
 from graphcache.engine.stopping import (
     check_stop,
     grammar_accepts,
@@ -75,6 +78,7 @@ class SchedulerOutput:
     grown: list[tuple[int, list[int]]] = field(default_factory=list)  # (key, blocks appended) of running rows
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)  # finished with error: can never fit
+    verify: list[tuple[int, int]] = field(default_factory=list)  # (row, drafts) of the speculating rows
     plan: StepPlan | None = None  # set by schedule() when a step runs
 
     @property
@@ -134,6 +138,11 @@ class Scheduler:
         self._prompt_logprob_seqs: set[Sequence] = set()
         # The grammar rows' masks (EngineCore sets it to StructuredOutput.masks once it has a grammar).
         self.grammar_masks: Callable[[list[Sequence]], GrammarMask | None] | None = None
+        # Speculative decoding (EngineCore sets both when --speculative-config is given): who drafts, and
+        # (key, table length) of the tables cut back since the last plan (rolled-back drafts' blocks).
+        self.spec: SpeculativeConfig | None = None
+        self.proposer: Proposer | None = None
+        self.trimmed: list[tuple[int, int]] = []
 
     # --- queue management -----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -163,6 +172,8 @@ class Scheduler:
         seq.grammar = None  # the matcher's memory goes with the request
         self._grammar_seqs.discard(seq)
         self._prompt_logprob_seqs.discard(seq)
+        if self.proposer is not None:
+            self.proposer.remove(seq.request_id)
         seq.finish(reason, error, error_code)
         self.dropped.append(seq.key)
 
@@ -216,11 +227,20 @@ class Scheduler:
             (decodes if s.num_computed_tokens == total - 1 else prefills).append((s, total))
         bm = self.block_manager
         capacity_per_block = bm.block_size
+        drafts = self._propose(decodes) if self.proposer is not None and decodes else None
         for seq, total in decodes + prefills:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            draft = drafts.get(id(seq)) if drafts else None
+            if draft:  # a verify row: [last token, drafts], cut to the budget left
+                draft = draft[: budget - 1]
+                # drafts never preempt anyone: without the blocks for them, the row decodes plainly
+                if draft and not bm.can_allocate(seq, seq.num_computed_tokens + 1 + len(draft)):
+                    draft = None
+                if draft:
+                    total += len(draft)
             n = min(total - seq.num_computed_tokens, budget)
             target = seq.num_computed_tokens + n
             if target > len(seq.block_table) * capacity_per_block:  # most decodes skip this: room left
@@ -239,7 +259,9 @@ class Scheduler:
                 have = len(seq.block_table)
                 bm.allocate(seq, target)
                 out.grown.append((seq.key, seq.block_table[have:]))
-            self._commit(out, seq, n, target, need_logits=target == total)
+            if draft:
+                out.verify.append((len(out.seqs), len(draft)))
+            self._commit(out, seq, n, target, need_logits=target == total, draft=draft)
             scheduled_ids.add(id(seq))
             budget -= n
 
@@ -297,9 +319,55 @@ class Scheduler:
             out.plan = self._plan(out)
         return out
 
+    # --- speculative decoding ------------------------------------------------------------
+    def may_speculate(self, seq: Sequence) -> bool:
+        """Whether `seq` may carry drafts: greedy or sampled (temperature, top-k, top-p, min-p) with no
+        logits controls (penalties, logit_bias, allowed or bad words), no min_tokens, no logprobs and no
+        structured output; the rest decode one token a step."""
+        p = seq.params
+        return (
+            p.min_tokens == 0
+            and p.logprobs is None
+            and p.prompt_logprobs is None
+            and p.structured is None
+            and seq.grammar is None
+            and not has_controls(p)
+        )
+
+    def speculates(self) -> bool:
+        """Whether a step now may speculate (configured, and under disable_by_batch_size)."""
+        return self.spec is not None and self.proposer is not None and self.spec.speculates(len(self.running))
+
+    def _propose(self, decodes: list[tuple[Sequence, int]]) -> dict[int, list[int]] | None:
+        """Drafts for the decodes that may speculate, by id(seq): rows whose last token is on the host
+        (none in flight), at most k tokens, and never past max_tokens or max_model_len (a row emits up to
+        its drafts + 1 tokens)."""
+        spec, proposer = self.spec, self.proposer
+        if spec is None or proposer is None or not spec.speculates(len(self.running)):
+            return None
+        k, max_len = spec.num_speculative_tokens, self.max_model_len
+        seqs, limits = [], []
+        for seq, total in decodes:
+            if seq.num_inflight or not self.may_speculate(seq):
+                continue
+            room = max_len - total - 1
+            limit = seq.params.max_tokens
+            if limit is not None:
+                room = min(room, limit - len(seq.output_token_ids) - 1)
+            if room > 0:
+                seqs.append(seq)
+                limits.append(min(k, room))
+        if not seqs:
+            return None
+        proposed = proposer.propose(seqs, limits)
+        return {id(seq): d for seq, d in zip(seqs, proposed, strict=True) if d}
+
     def _plan(self, out: SchedulerOutput) -> StepPlan:
         """The step as data for the worker; takes the keys dropped since the last plan."""
         finished, self.dropped = tuple(self.dropped), []
+        gone = set(finished)  # a request dropped meanwhile has no table left to cut
+        trimmed = tuple(t for t in self.trimmed if t[0] not in gone)
+        self.trimmed = []
         prompt_logits: tuple[PromptLogits, ...] = ()
         if self._prompt_logprob_seqs and out.tokens is not None:
             prompt_logits = self._prompt_logits(out, out.tokens)
@@ -316,6 +384,8 @@ class Scheduler:
             finished=finished,
             prompt_logits=prompt_logits,
             grammar=grammar,
+            verify=tuple(out.verify),
+            trimmed=trimmed,
         )
 
     def _prompt_logits(
@@ -353,7 +423,15 @@ class Scheduler:
             seq, max_blocks=(seq.num_tokens - 1) // self.block_manager.block_size
         )
 
-    def _commit(self, out: SchedulerOutput, seq: Sequence, n: int, target: int, need_logits: bool) -> None:
+    def _commit(
+        self,
+        out: SchedulerOutput,
+        seq: Sequence,
+        n: int,
+        target: int,
+        need_logits: bool,
+        draft: list[int] | None = None,
+    ) -> None:
         """Schedule n tokens of seq: their K/V count as computed from now on, and a token to sample
         is now in flight.
 
@@ -365,7 +443,11 @@ class Scheduler:
         first. If the step fails instead, its requests finish with an error and their computed
         blocks are unregistered (finish -> free(keep_cached=False)) before anything reads them.
         (A step that fails only when its tokens are fetched, after the next one was launched, is a
-        device fault: the engine stops serving.)"""
+        device fault: the engine stops serving.)
+
+        draft: a verify row's drafts, fed after its last token (n counts them). Their K/V counts as
+        computed until the step is verified (postprocess rolls back); the prefix cache never registers
+        them, since commit() registers only blocks of tokens known on the host, and drafts are not."""
         start = seq.num_computed_tokens
         seqs = out.seqs
         seqs.append(seq)
@@ -377,7 +459,10 @@ class Scheduler:
         else:
             if tokens is None:
                 tokens = out.tokens = [None] * (len(seqs) - 1)
-            tokens.append(seq.token_slice(start, start + n))
+            if draft:
+                tokens.append(seq.token_slice(start, start + n - len(draft)) + draft)
+            else:
+                tokens.append(seq.token_slice(start, start + n))
         if out.need_logits is not None:
             out.need_logits.append(need_logits)
         elif not need_logits:
@@ -388,12 +473,19 @@ class Scheduler:
         if need_logits:
             seq.num_inflight += 1
 
-    def postprocess(self, out: SchedulerOutput, tokens: list[int | None], now: float) -> list[Sequence]:
+    def postprocess(
+        self, out: SchedulerOutput, tokens: list[int | list[int] | None], now: float
+    ) -> list[Sequence]:
         """The step ran. Append the token sampled for each need_logits sequence (`tokens` in that
         order; None: its sampling failed, it ends with an error), check the stop rules, finish and
         free. Returns the sequences that got a token or finished, in batch order: the ones with
         something to stream. A sequence that finished meanwhile (abort, or a stop found in the step
-        before, with async scheduling) drops its token: nothing is emitted past a finish."""
+        before, with async scheduling) drops its token: nothing is emitted past a finish.
+
+        A verify row's entry is a list: its accepted drafts and the token after them. Its K/V is first
+        rolled back to the tokens whose K/V is valid (its last token and the accepted drafts: the
+        rejected drafts' slots are garbage), then each token is appended through the stop checks like
+        one step each (a stop inside the run cuts it there), and blocks past the sequence go back."""
         sampled = out.sampled
         assert len(tokens) == len(sampled), (len(tokens), len(sampled))
         changed = []
@@ -403,6 +495,9 @@ class Scheduler:
             if seq.status is finished:
                 continue
             changed.append(seq)
+            if isinstance(token, list):
+                self._append_verified(seq, token, now)
+                continue
             if token is None:
                 self.finish(
                     seq,
@@ -425,3 +520,25 @@ class Scheduler:
             if reason is not None:
                 self.finish(seq, reason)
         return changed
+
+    def _append_verified(self, seq: Sequence, emitted: list[int], now: float) -> None:
+        """A verify row's tokens (postprocess): roll back, append through the stop checks, trim."""
+        # Fed: the last token (position L - 1) and n drafts; valid K/V: L - 1 + accepted + 1 positions.
+        seq.num_computed_tokens = seq.num_tokens + len(emitted) - 1
+        eos, max_len = self.eos_token_ids, self.max_model_len
+        for token in emitted:
+            seq.output_token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.last_token_time = now
+            reason = check_stop(seq, token, eos_token_ids=eos, max_model_len=max_len)
+            if reason is not None:
+                # Cut inside the run: what follows the stop was never emitted; the K/V kept is the valid one.
+                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+                self.finish(seq, reason)
+                return
+        bm = self.block_manager
+        keep = bm.blocks_for(seq.num_tokens)
+        if len(seq.block_table) > keep:
+            bm.trim(seq, keep)
+            self.trimmed.append((seq.key, keep))

@@ -53,6 +53,10 @@ class StepLayout:
     num_logits: int  # logits rows that matter: the need_logits rows, plan order
     decode_prefix: int  # rows 0..d-1 are decodes of the plan's first d rows, logits rows 0..d-1
     prompt_rows: tuple[int, ...] = ()  # token rows fed by the plan's PromptLogits rows, plan order
+    verify_rows: tuple[int, ...] = ()  # token rows fed by the plan's verify rows, plan.verify order
+    # all_logits layouts (a verify step replayed from a graph): logits row t is token row t, and the
+    # need_logits rows' logits are these token rows, plan order
+    sample_rows: tuple[int, ...] = ()
 
 
 class InputBatch:
@@ -145,8 +149,10 @@ class InputBatch:
         pad_tokens: int,
         pad_reqs: int,
         prev_tokens: torch.Tensor | None = None,
+        all_logits: bool = False,
     ) -> StepLayout:
-        """Lay the plan's step out (the table holds the plan's requests: RequestTable.update). decode: the
+        """Lay the plan's step out (the table holds the plan's requests: RequestTable.update). all_logits: a
+        logits row per fed token (a verify step's graph: pad_reqs >= the step's tokens). decode: the
         step runs on the decode layout (a uniform decode, decode kernels, no prompt logits); pad_tokens /
         pad_reqs: its padded sizes (the descriptor's, or the real ones); prev_tokens: the ids the step in
         flight samples (None: no step in flight)."""
@@ -154,7 +160,7 @@ class InputBatch:
             layout = self._advance(table, table.rows, plan, pad_reqs, prev_tokens)
             if layout is not None:
                 return layout
-        return self._lay_out(table, plan, decode, pad_tokens, pad_reqs, prev_tokens)
+        return self._lay_out(table, plan, decode, pad_tokens, pad_reqs, prev_tokens, all_logits)
 
     def _advance(
         self,
@@ -203,6 +209,7 @@ class InputBatch:
         pad_tokens: int,
         pad_reqs: int,
         prev_tokens: torch.Tensor | None,
+        all_logits: bool = False,
     ) -> StepLayout:
         """Any step from the host, in numpy passes over the rows' lengths. On the decode layout (a uniform
         decode) row i is plan row i, token i and logits row i, and the general reorderings are skipped."""
@@ -281,6 +288,16 @@ class InputBatch:
             seq_lens = end[order]  # [R] by row
         self.seq_lens.np[:n] = seq_lens
         self._write_pads(num_tokens, pad_tokens, n, pad_reqs, decode=decode)
+        sample_rows: tuple[int, ...] = ()
+        if all_logits:
+            if decode or pad_reqs < num_tokens:
+                raise ValueError(
+                    f"an all-logits layout needs a mixed step of {num_tokens} <= {pad_reqs} rows"
+                )
+            li = self.logits_indices.np
+            sample_rows = tuple(li[:num_logits].tolist())
+            li[:num_tokens] = np.arange(num_tokens)
+            li[num_tokens:pad_reqs] = 0
         if decode:
             uploads = [
                 (self.input_ids, pad_reqs),
@@ -318,6 +335,9 @@ class InputBatch:
             for span in plan.prompt_logits
             for r in range(int(first_row[span.row]), int(first_row[span.row] + fed[span.row]))
         )
+        verify_rows = tuple(
+            r for row, _ in plan.verify for r in range(int(first_row[row]), int(first_row[row] + fed[row]))
+        )
         rows = table.rows
         if decode:
             if rows is not None:
@@ -337,11 +357,13 @@ class InputBatch:
         d = num_decodes
         prefix = d if d and is_decode[:d].all() and need_logits[:d].all() else 0
         if rows is not None:
-            if prefix == 0 or plan.prompt_logits:
+            if prefix == 0 or plan.prompt_logits or plan.verify:
                 rows.invalidate()
             else:
                 rows.remember(keys[:prefix], blocks[:prefix], 0)
-        return StepLayout("mixed", md, num_tokens, n, num_logits, prefix, prompt_rows)
+        return StepLayout(
+            "mixed", md, num_tokens, n, num_logits, prefix, prompt_rows, verify_rows, sample_rows
+        )
 
     def _write_tables_cached(self, tables: list[list[int]]) -> None:
         """Row i = tables[i]; a row is rewritten only when its table changed since the last decode layout

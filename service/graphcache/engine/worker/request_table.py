@@ -103,6 +103,11 @@ class RequestTable:
                 if self.rows is not None:
                     self.rows.forget(new.key)  # its rows (before a preemption) are no longer what it holds
         try:
+            for key, length in plan.trimmed:  # speculation rolled back: a new list, so no cached row matches
+                state = reqs[key]
+                state.block_table = state.block_table[:length]
+            if plan.trimmed and self.rows is not None:
+                self.rows.invalidate()
             for key, blocks in plan.grown:
                 reqs[key].block_table += blocks
         except KeyError as missing:

@@ -398,17 +398,24 @@ class ModelRunner:
                 "max_num_seqs in the scheduler equal to the settings"
             )
         uniform = plan.uniform_decode
-        # Prompt logprobs need logits at every fed position: an eager step on the general layout.
-        wants_prompt = bool(plan.prompt_logits)
-        eager = self.settings.graph_cache.enforce_eager or wants_prompt
+        enforce_eager = self.settings.graph_cache.enforce_eager
+        # A verify step (speculative decoding) replays a verify descriptor when a mixed graph's logits rows
+        # cover every fed token; else, like prompt logprobs, it needs logits at every fed position of its
+        # rows: an eager step on the general layout.
+        verify_desc = None
+        if plan.verify and not plan.prompt_logits and not enforce_eager:
+            verify_desc = self.verify_descriptor(num_tokens, num_reqs)
+        wants_prompt = bool(plan.prompt_logits) or (bool(plan.verify) and verify_desc is None)
+        eager = enforce_eager or wants_prompt
         desc = (
             None
             if eager
-            else descriptor_for(num_tokens, num_reqs, uniform, self.sizes, self.max_reqs, self.mixed_sizes)
+            else verify_desc
+            or descriptor_for(num_tokens, num_reqs, uniform, self.sizes, self.max_reqs, self.mixed_sizes)
         )
         pad_tokens = desc.num_tokens if desc else num_tokens
         pad_reqs = desc.num_reqs if desc else num_reqs
-        prompt_logits = None
+        prompt_logits = verify_logits = None
         try:
             self.table.update(plan)
             layout = self.inputs.prepare(
@@ -418,11 +425,12 @@ class ModelRunner:
                 pad_tokens=pad_tokens,
                 pad_reqs=pad_reqs,
                 prev_tokens=prev,
+                all_logits=verify_desc is not None,
             )
             md = layout.metadata
             with forward_context(md, desc, "eager" if desc is None else self._graph_mode(uniform)):
                 if wants_prompt:
-                    logits, prompt_logits = self._run_with_prompt_logits(layout)
+                    logits, prompt_logits, verify_logits = self._run_with_prompt_logits(layout)
                     mode: StepMode = "eager"
                 else:
                     logits = self.out_logits[: layout.num_logits]
@@ -431,16 +439,36 @@ class ModelRunner:
                         mode = "eager"
                     else:
                         mode = self.cache.run(desc, real_tokens=num_tokens)
+                        if verify_desc is not None:  # logits row t = token row t
+                            logits, verify_logits = self._verify_logits(layout)
         except BaseException:
             self.inputs.invalidate(self.table)  # the buffers may hold half a step: lay the next one out anew
             raise
         if self.sampling is None or not plan.sample:
             self.table.sampled_by_step(plan.sampled_keys())  # rank > 0: rank 0 sends the ids it samples
             return StepOutput(mode, logits, prompt_logits=prompt_logits)
-        out = self.sampling(plan, self.table.sampled(plan), logits, mode, prompt_logits)
+        out = self.sampling(plan, self.table.sampled(plan), logits, mode, prompt_logits, verify_logits)
         self._sampled = out.sampled
         self.table.sampled_by_step(plan.sampled_keys())
         return out
+
+    def verify_descriptor(self, num_tokens: int, num_reqs: int) -> BatchDescriptor | None:
+        """The descriptor a verify step of num_tokens fed tokens over num_reqs rows replays: the mixed one
+        its tokens pad to, marked verify, when its logits rows (R = T, capped at the logits buffer's rows)
+        cover every fed token; None: it runs eagerly."""
+        d = descriptor_for(num_tokens, num_reqs, False, self.sizes, self.max_reqs, self.mixed_sizes)
+        if d is None or d.num_reqs < num_tokens:
+            return None
+        return BatchDescriptor(d.num_tokens, d.num_reqs, False, True)
+
+    def _verify_logits(self, layout: StepLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """A verify graph's logits (every fed token's, in token-row order) -> (the need_logits rows' logits,
+        the verify rows' logits), gathered (fresh tensors: the sampler may process its rows in place)."""
+        every = self.out_logits[: layout.num_tokens]
+        dev = self.device
+        sample = torch.tensor(layout.sample_rows, dtype=torch.int64).to(dev, non_blocking=True)
+        verify = torch.tensor(layout.verify_rows, dtype=torch.int64).to(dev, non_blocking=True)
+        return every.index_select(0, sample), every.index_select(0, verify)
 
     def in_flight_ids(self, plan: StepPlan) -> torch.Tensor | None:
         """The ids sampled by the step in flight that the plan's rows read (None: it has no such row): what
@@ -449,15 +477,20 @@ class ModelRunner:
             return None
         return self._sampled
 
-    def _run_with_prompt_logits(self, layout: StepLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Eager step that also computes the logits of every token of the PromptLogits rows: the model's
-        head runs over the usual logits rows plus those token rows (fresh tensors, not the static
-        buffers: their count is up to the whole step's tokens). (need_logits rows' logits, those rows' logits)."""
+    def _run_with_prompt_logits(
+        self, layout: StepLayout
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Eager step that also computes the logits of every token of the PromptLogits rows and of the
+        verify rows: the model's head runs over the usual logits rows plus those token rows (fresh tensors,
+        not the static buffers: their count is up to the whole step's tokens). (need_logits rows' logits,
+        the prompt rows' logits or None, the verify rows' logits or None)."""
         i, num_reqs, num_tokens = self.inputs, layout.num_reqs, layout.num_tokens
-        extra = torch.tensor(layout.prompt_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        num_prompt, num_verify = len(layout.prompt_rows), len(layout.verify_rows)
+        rows = list(layout.prompt_rows) + list(layout.verify_rows)
+        extra = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
         indices = torch.cat([i.logits_indices.dev[:num_reqs], extra])  # [R + E]
         out = torch.empty(
-            num_reqs + len(layout.prompt_rows),
+            num_reqs + len(rows),
             self.model_config.vocab_size,
             dtype=self.dtype,
             device=self.device,
@@ -469,7 +502,9 @@ class ModelRunner:
             indices,
             out,
         )
-        return out[: layout.num_logits], out[num_reqs:]
+        prompt = out[num_reqs : num_reqs + num_prompt] if num_prompt else None
+        verify = out[num_reqs + num_prompt :] if num_verify else None
+        return out[: layout.num_logits], prompt, verify
 
     # --- captures outside a step (warmup, admin) --------------------------------------------
     def capture(

@@ -1,7 +1,10 @@
 """The descriptors a runner captures at start: from the settings' sizes, or exactly a saved profile's.
 
 Without a profile: the decode capture sizes up to max_num_seqs (or warmup_decode_sizes), the mixed
-buckets above the largest decode size (or warmup_mixed_sizes), then any explicit warmup_descriptors.
+buckets above the largest decode size (or warmup_mixed_sizes), with --speculative-config the verify
+descriptors ("T:T:verify", T a capture size from 2 up to max_num_seqs' padded size and the most tokens a
+verify step feeds; only when warmup_decode_sizes is left to its default), then any explicit
+warmup_descriptors.
 With GRAPHCACHE_WARMUP_PROFILE (GET /admin/cache/profile's output) the file's set alone, each entry
 checked to be a shape a step pads to, so a stale profile fails the start instead of growing the
 static buffers. The runner (runner.py) sizes its buffers to cover whichever set this returns.
@@ -14,6 +17,7 @@ import logging
 from pathlib import Path
 
 from graphcache.config import Settings
+from graphcache.engine.spec.config import parse_speculative_config
 from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes
 from graphcache.graphs.policy.profile import parse_profile
 
@@ -30,6 +34,7 @@ def warmup_descriptors(
     if s.graph_cache.warmup_profile is not None:  # exactly the profile's set
         return load_warmup_profile(s.graph_cache.warmup_profile, sizes, mixed_sizes, s.engine.max_num_seqs)
     decode = s.graph_cache.warmup_decode_sizes
+    default_decode = decode is None
     if decode is None:
         decode = [n for n in sizes if n <= s.engine.max_num_seqs]
     descs = [BatchDescriptor(n, n, True) for n in decode]
@@ -44,6 +49,11 @@ def warmup_descriptors(
         )
     pad_reqs = sizes.pad(s.engine.max_num_seqs) or s.engine.max_num_seqs  # descriptor_for's R cap (max_reqs)
     descs += [BatchDescriptor(n, min(n, pad_reqs), False) for n in mixed]
+    spec = parse_speculative_config(s.engine.speculative_config)
+    if spec is not None and default_decode:
+        # A verify step replays "T:T:verify" while its T fed tokens fit the logits rows (runner.py)
+        most = min(pad_reqs, mixed_sizes.pad(s.engine.max_num_seqs * (spec.num_speculative_tokens + 1)) or pad_reqs)
+        descs += [BatchDescriptor(n, n, False, True) for n in mixed_sizes if 2 <= n <= most]
     descs += [BatchDescriptor.parse(d) for d in s.graph_cache.warmup_descriptors]
     return descs
 

@@ -61,7 +61,8 @@ def fill_size_gaps(profile: dict, sizes: CaptureSizes) -> dict:
     held = {d for d, _ in parsed}
     for decode in (True, False):
         # Only used descriptors say what steps pad to (warmup may hold any shape, e.g. "64:8").
-        used = [d for d, uses in parsed if uses > 0 and d.uniform_decode is decode]
+        # (verify descriptors are filled by nobody: their token sizes follow the drafts, not the ladder)
+        used = [d for d, uses in parsed if uses > 0 and d.uniform_decode is decode and not d.verify]
         if not used:
             continue
         lo, hi = min(d.num_tokens for d in used), max(d.num_tokens for d in used)
