@@ -52,7 +52,9 @@ def warmup_descriptors(
     spec = parse_speculative_config(s.engine.speculative_config)
     if spec is not None and default_decode:
         # A verify step replays "T:T:verify" while its T fed tokens fit the logits rows (runner.py)
-        most = min(pad_reqs, mixed_sizes.pad(s.engine.max_num_seqs * (spec.num_speculative_tokens + 1)) or pad_reqs)
+        most = min(
+            pad_reqs, mixed_sizes.pad(s.engine.max_num_seqs * (spec.num_speculative_tokens + 1)) or pad_reqs
+        )
         descs += [BatchDescriptor(n, n, False, True) for n in mixed_sizes if 2 <= n <= most]
     descs += [BatchDescriptor.parse(d) for d in s.graph_cache.warmup_descriptors]
     return descs
