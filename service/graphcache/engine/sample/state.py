@@ -10,32 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from graphcache.engine.sequence import SamplingParams, Sequence
+# The predicates on params live beside SamplingParams (the scheduler reads them too); re-exported here.
+from graphcache.engine.sequence import SamplingParams, Sequence, has_controls, has_penalty, needs_history
 
 __all__ = ["SamplingState", "has_controls", "has_penalty", "needs_history"]
-
-
-def has_penalty(p: SamplingParams) -> bool:
-    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
-
-
-def has_controls(p: SamplingParams) -> bool:
-    """Logits controls that act every step (min_tokens acts only until that many tokens are out)."""
-    return (
-        has_penalty(p) or bool(p.logit_bias) or p.allowed_token_ids is not None or bool(p.bad_words_token_ids)
-    )
-
-
-def needs_history(params: SamplingParams) -> bool:
-    """Does this request's sampling read tokens it already generated (penalties, min_tokens, bad
-    words of more than one token)? Then a step must not sample it before the previous step's token
-    is on the host (no async overlap). Single-token bad words, logit_bias, allowed_token_ids and
-    min_p do not."""
-    return (
-        has_penalty(params)
-        or params.min_tokens > 0
-        or any(len(word) > 1 for word in params.bad_words_token_ids)
-    )
 
 
 class SamplingState:

@@ -39,9 +39,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from graphcache.engine.plan import GrammarMask, NewRequest, PromptLogits, StepPlan
-from graphcache.engine.sample.state import has_controls
 from graphcache.engine.sched.block_manager import BlockManager, PrefixMatch
-from graphcache.engine.sequence import Sequence, SequenceStatus
+from graphcache.engine.sequence import Sequence, SequenceStatus, has_controls
 from graphcache.engine.spec.config import SpeculativeConfig
 from graphcache.engine.spec.proposer import Proposer
 from graphcache.engine.stopping import (
