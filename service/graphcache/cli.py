@@ -459,9 +459,14 @@ def check_speculative_config(settings: Settings) -> None:
     from graphcache.engine.spec.config import SpeculativeConfigError, parse_speculative_config
 
     try:
-        parse_speculative_config(settings.engine.speculative_config)
+        config = parse_speculative_config(settings.engine.speculative_config)
     except SpeculativeConfigError as e:
         raise StartupError(f"{e} (--speculative-config, GRAPHCACHE_SPECULATIVE_CONFIG)") from None
+    if config is not None and config.method != "ngram":
+        raise StartupError(
+            f"speculative_config.method {config.method!r}: the draft-model proposer is not built yet; use "
+            '"method": "ngram", or leave --speculative-config unset'
+        )
 
 
 def check_tensor_parallel(settings: Settings) -> None:

@@ -191,6 +191,13 @@ def test_serve_refuses_a_bad_config_before_loading_anything(capsys):
     assert line.startswith("graphcache: speculative_config.num_speculative_tokens: 0 is out of range"), line
 
 
+def test_serve_refuses_the_draft_model_method_until_it_is_built(capsys, tmp_path):
+    config = json.dumps({"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2})
+    assert main(["serve", "--port", "0", "--speculative-config", config]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "draft-model proposer is not built yet" in line and '"method": "ngram"' in line, line
+
+
 def test_the_flag_is_documented(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])

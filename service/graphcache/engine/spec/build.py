@@ -10,11 +10,11 @@ __all__ = ["build_proposer"]
 
 
 def build_proposer(config: SpeculativeConfig, max_model_len: int | None = None) -> Proposer:
-    """A host proposer for `config`. method draft_model needs a DeviceProposer (proposer.py), which
-    lands with the verify step: until then it is refused here, with the way out in the message."""
+    """A host proposer for `config`. method draft_model needs a DeviceProposer (proposer.py), not built
+    yet: it is refused here (and by serve's preflight, before anything loads), with the way out."""
     if config.method == "ngram":
         return NgramProposer.from_config(config, max_model_len)
     raise NotImplementedError(
-        f"speculative_config.method {config.method!r}: the draft-model proposer is not built yet "
-        '(issue 37); use "method": "ngram" for now, or leave --speculative-config unset'
+        f"speculative_config.method {config.method!r}: the draft-model proposer is not built yet; "
+        'use "method": "ngram" for now, or leave --speculative-config unset'
     )
