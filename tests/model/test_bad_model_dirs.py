@@ -79,7 +79,8 @@ def broken(
 
 def serve(path: Path, timeout_s: float) -> tuple[int, str, float, int]:
     """`graphcache serve --model path` on a free port: (exit code, stderr, seconds, peak RSS bytes).
-    os.wait4 reports this child's own peak resident memory."""
+    The peak is the child's VmHWM, read while it runs: wait4's ru_maxrss would start from this test
+    process's own size at the fork (a long pytest run holds over a GiB)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRAPHCACHE_")}
     env["OMP_NUM_THREADS"] = "1"
     err_path = path.parent / "stderr.txt"
@@ -93,8 +94,10 @@ def serve(path: Path, timeout_s: float) -> tuple[int, str, float, int]:
             stderr=err,
             env=env,
         )
+        peak = 0
         while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            peak = max(peak, _high_water_mark(proc.pid))
+            pid, status, _usage = os.wait4(proc.pid, os.WNOHANG)
             if pid:
                 proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
                 break
@@ -102,9 +105,21 @@ def serve(path: Path, timeout_s: float) -> tuple[int, str, float, int]:
                 proc.kill()
                 proc.wait()
                 pytest.fail(f"serve {path} still running after {timeout_s}s:\n{err_path.read_text()[-2000:]}")
-            time.sleep(0.1)
+            time.sleep(0.05)
     seconds = time.monotonic() - t0
-    return proc.returncode, err_path.read_text(), seconds, usage.ru_maxrss * 1024
+    return proc.returncode, err_path.read_text(), seconds, peak
+
+
+def _high_water_mark(pid: int) -> int:
+    """A running process's peak resident memory (VmHWM), bytes; 0 once it has exited."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def our_line(stderr: str) -> str:

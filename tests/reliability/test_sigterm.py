@@ -423,7 +423,7 @@ def test_the_watchdog_exits_1_when_the_code_cannot_be_decided():
     assert exits.done.wait(10) and exits.codes[0][0] == 1
 
 
-def test_running_threads_names_each_thread_and_where_it_is():
+def test_running_threads_names_each_thread_and_where_it_is(monkeypatch):
     from graphcache.cli import running_threads
 
     release = threading.Event()
@@ -433,6 +433,9 @@ def test_running_threads_names_each_thread_and_where_it_is():
 
     thread = threading.Thread(target=held_here, name="test-held-thread", daemon=True)
     thread.start()
+    # Only this test's thread beside the caller: a long pytest run holds dozens of pool threads, and the
+    # line names the first few only.
+    monkeypatch.setattr(threading, "enumerate", lambda: [threading.current_thread(), thread])
     try:
         line = running_threads()
     finally:
