@@ -2,11 +2,14 @@
 
 Text that cannot fit the context window (over max_model_len * MAX_CHARS_PER_TOKEN characters) is
 refused before tokenizing, so an oversized prompt never stalls the event loop or the engine thread.
-Tokenizing runs on the input pool (api/server/executors.py; the tokenizer releases the interpreter lock). Chat content is
-encoded so that special-token strings in it stay plain text (`Tokenizer.encode_chat`), unless the
-deployment trusts its clients (settings.http.allow_special_tokens_in_chat); a chat template's
-`raise_exception` is a 400 on "messages". Role "tool" messages, earlier assistant tool_calls and the
-tools themselves are rendered by the template.
+Tokenizing runs on the input pool (api/server/executors.py; the tokenizer releases the interpreter
+lock). A chat's template renders in a killable worker process (api/server/render_pool.py), never in
+the server; a template sent with the request renders only when the operator trusts request templates.
+Chat content is encoded so that special-token strings in it stay plain text (`Tokenizer.prepare_chat`
+masks them before rendering, `encode_rendered` restores them as text), unless the deployment trusts its
+clients (settings.http.allow_special_tokens_in_chat). Every template failure is a 400
+(`chat_template_error`). Role "tool" messages, earlier assistant tool_calls and the tools themselves
+are rendered by the template.
 """
 
 from __future__ import annotations
