@@ -102,7 +102,7 @@ async def new_request_after_sigterm(base_url: str) -> str:
     return f"unexpected {response.status_code}: {response.text[:200]}"
 
 
-# The exit watchdog's line (cli.ExitWatchdog): the stop outlasted its deadline and left threads behind.
+# The exit watchdog's line (exit_watchdog.ExitWatchdog): the stop outlasted its deadline and left threads behind.
 WATCHDOG_LINE = "without waiting for"
 
 
@@ -381,7 +381,7 @@ class Exits:
 
 @pytest.mark.timeout(30)
 def test_the_watchdog_exits_at_its_deadline_with_the_code_of_that_moment(caplog):
-    from graphcache.cli import ExitWatchdog
+    from graphcache.exit_watchdog import ExitWatchdog
 
     exits, state = Exits(), {"code": 7}
     watchdog = ExitWatchdog(lambda: state["code"], exit=exits)
@@ -397,7 +397,7 @@ def test_the_watchdog_exits_at_its_deadline_with_the_code_of_that_moment(caplog)
 
 @pytest.mark.timeout(30)
 def test_arming_again_never_postpones_the_exit_but_may_advance_it():
-    from graphcache.cli import ExitWatchdog
+    from graphcache.exit_watchdog import ExitWatchdog
 
     exits = Exits()
     watchdog = ExitWatchdog(lambda: 0, exit=exits)
@@ -413,7 +413,7 @@ def test_arming_again_never_postpones_the_exit_but_may_advance_it():
 
 @pytest.mark.timeout(30)
 def test_the_watchdog_exits_1_when_the_code_cannot_be_decided():
-    from graphcache.cli import ExitWatchdog
+    from graphcache.exit_watchdog import ExitWatchdog
 
     def broken() -> int:
         raise RuntimeError("no engine")
@@ -424,7 +424,7 @@ def test_the_watchdog_exits_1_when_the_code_cannot_be_decided():
 
 
 def test_running_threads_names_each_thread_and_where_it_is(monkeypatch):
-    from graphcache.cli import running_threads
+    from graphcache.exit_watchdog import running_threads
 
     release = threading.Event()
 
