@@ -14,9 +14,11 @@ phase() {  # name, timeout seconds, command...
   timeout "$t" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
   echo "--- $name rc=$rc"; tail -n "${TAIL:-25}" "$OUT/$name.log"
 }
-old_bench_files() {  # this tree's benchmark files into the old tree (.old), with the old engine's module paths
-  cp benchmarks/offline_throughput.py benchmarks/workloads.py benchmarks/model_shapes.py benchmarks/step_trace.py \
-     .old/benchmarks/ && sed -i -E 's/graphcache\.engine\.(loop|sched|worker|sample)\./graphcache.engine./g' .old/benchmarks/*.py
+old_bench_files() {  # this tree's benchmark files into the old tree (.old); a tree from before the engine's
+  # stage folders (no engine/loop) gets the old module paths
+  cp benchmarks/offline_throughput.py benchmarks/workloads.py benchmarks/model_shapes.py benchmarks/step_trace.py .old/benchmarks/ &&
+    { [ -d .old/service/graphcache/engine/loop ] ||
+      sed -i -E 's/graphcache\.engine\.(loop|sched|worker|sample)\./graphcache.engine./g' .old/benchmarks/*.py; }
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
