@@ -11,7 +11,7 @@ The events, each with a `sequence_number` counting from 0, sent as SSE `event: <
     function call: response.function_call_arguments.delta ..., response.function_call_arguments.done
     response.output_item.done                                  (the whole item)
   response.completed, or response.incomplete (cut by max_output_tokens), with the whole response
-  an `error` event if the request fails after the stream began.
+  if the request fails after the stream began: an `error` event, then response.failed (its `error`).
 An item is open until the model writes another kind (reasoning, then text, then a call: each closes
 the one before) or the answer ends. The chat stream's deltas (api/openai/choices.py's ChatShape) have
 the reasoning split off and the calls parsed already, so a streamed answer's items are the whole

@@ -120,6 +120,7 @@ class ResponseHead:
         output: list[dict[str, Any]],
         usage: dict[str, Any] | None = None,
         incomplete: dict[str, str] | None = None,
+        error: dict[str, str] | None = None,
     ) -> dict[str, Any]:
         body = self.body
         reasoning = body.reasoning or {}
@@ -132,7 +133,7 @@ class ResponseHead:
             "status": status,
             "completed_at": int(time.time()) if status == "completed" else None,
             "background": False,
-            "error": None,
+            "error": error,
             "incomplete_details": incomplete,
             "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,

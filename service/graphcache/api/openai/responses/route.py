@@ -194,7 +194,7 @@ async def _serve(
     reasoning: list[str] = []
 
     def frame(event: dict[str, Any]) -> ServerSentEvent:
-        return ServerSentEvent(data=render_text(event), event=event["type"])
+        return ServerSentEvent(data=render_text(event), event=event["type"], sep="\n")  # as OpenAIEventStream
 
     def fed(out) -> list[dict[str, Any]]:
         sampled.add(out)
@@ -221,9 +221,12 @@ async def _serve(
                 yield frame(event)
             spent = response_usage(usage([sampled]), await _reasoning_tokens(tokenizer, "".join(reasoning)))
             yield frame(events.closing(head.response(status, events.output(status), spent, incomplete)))
-        except APIError as e:  # headers are gone: the error travels as an event, as OpenAI sends it
+        except APIError as e:  # headers are gone: the error travels as events, as OpenAI sends it
             e = _renamed(e)
             yield frame(events.event("error", code=e.code, message=e.message, param=e.param))
+            error = {"code": e.code or e.type, "message": e.message}
+            failed = head.response("failed", events.output("incomplete"), None, None, error)
+            yield frame(events.event("response.failed", response=failed))
         finally:
             await merged.aclose()
             fan.abort()
