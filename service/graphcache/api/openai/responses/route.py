@@ -13,6 +13,7 @@ response id answer 404 saying so.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -49,6 +50,8 @@ from graphcache.api.server.executors import run_input, run_response
 from graphcache.engine.errors import InvalidRequest
 
 __all__ = ["router"]
+
+log = logging.getLogger("graphcache.api")
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])
 
@@ -134,6 +137,8 @@ async def _create(body: ResponsesRequest, request: Request) -> Response:
     check_answer_size(chat, plan, base, prompts, engine.max_model_len)
     rid = body.request_id or new_item_id("resp")
     routes._log_caller(chat, rid)
+    if body.safety_identifier is not None:  # OpenAI's end-user id for abuse tracing, like `user`
+        log.info("request %s: safety_identifier=%r", rid, body.safety_identifier)
     fan = FanOut(
         engine,
         await routes._subs(engine, f"resp-{uuid.uuid4().hex}", prompts, base, plan),
