@@ -181,6 +181,17 @@ async def test_streamed_required_call_through_responses_stream(live):
     assert json.loads(call.arguments)["city"] in ("Paris", "Rome")
 
 
+@on_module_loop
+async def test_a_required_call_cut_by_max_output_tokens_is_left_out(live):
+    """As vLLM's test_max_tokens_with_tool_choice_required: no function_call item, the response incomplete."""
+    oai = client_of(live)
+    r = await oai.responses.create(
+        model=MODEL, input="Weather?", tools=[WEATHER], tool_choice="required", max_output_tokens=10
+    )
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert all(item.type != "function_call" for item in r.output)
+
+
 class Verdict(BaseModel):
     ok: bool
 
@@ -242,9 +253,10 @@ async def test_reasoning_comes_back_as_a_reasoning_item(scripted, stream):
     fields = {"model": MODEL, "input": "Weather?", "reasoning": {"effort": "high"}, "max_output_tokens": 100}
     if stream:
         async with oai.responses.stream(**fields) as s:
-            thought = "".join([e.delta async for e in s if e.type == "response.reasoning_text.delta"])
+            events = [e async for e in s]
             r = await s.get_final_response()
-        assert thought == THOUGHT
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == THOUGHT
+        assert_paired([e.type for e in events])
     else:
         r = await oai.responses.create(**fields)
     assert r.status == "completed" and [item.type for item in r.output] == ["reasoning", "message"]
@@ -252,6 +264,29 @@ async def test_reasoning_comes_back_as_a_reasoning_item(scripted, stream):
     assert r.output_text == ANSWER
     assert 0 < r.usage.output_tokens_details.reasoning_tokens <= r.usage.output_tokens
     assert r.reasoning.effort == "high"
+
+
+def assert_paired(kinds: list[str]) -> None:
+    """vLLM's test_function_calling_with_streaming_types: every done closes the added (or delta) that
+    opened it, and nothing is left open at the end."""
+    opens = {
+        "response.completed": "response.created",
+        "response.output_item.done": "response.output_item.added",
+        "response.output_text.done": "response.output_text.delta",
+        "response.content_part.done": "response.content_part.added",
+        "response.reasoning_text.done": "response.reasoning_text.delta",
+        "response.function_call_arguments.done": "response.function_call_arguments.delta",
+    }
+    stack: list[str] = []
+    for kind in kinds:
+        if kind == "response.created" or kind.endswith("added"):
+            stack.append(kind)
+        elif kind.endswith("delta"):
+            if stack[-1] != kind:
+                stack.append(kind)
+        elif kind.endswith("done") or kind == "response.completed":
+            assert stack.pop() == opens[kind], kinds
+    assert not stack, kinds
 
 
 @on_module_loop
@@ -264,8 +299,7 @@ async def test_a_call_after_text_is_a_message_then_a_function_call(scripted, str
     fields = {"model": MODEL, "input": "Weather?", "tools": [WEATHER], "max_output_tokens": 100}
     if stream:
         async with oai.responses.stream(**fields) as s:
-            async for _ in s:
-                pass
+            assert_paired([e.type async for e in s])
             r = await s.get_final_response()
     else:
         r = await oai.responses.create(**fields)

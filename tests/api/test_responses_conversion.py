@@ -318,6 +318,19 @@ def test_a_whole_answer_as_output_items_in_order():
         "arguments": ARGS,
         "status": "completed",
     }
+    half = {**message, "tool_calls": [*message["tool_calls"], {**message["tool_calls"][0], "id": "call_2"}]}
+    half["tool_calls"][1] = {
+        "id": "call_2",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"ci'},
+    }
+    cut = output_items(half, None, "length")
+    assert [i.get("call_id") for i in cut] == [
+        None,
+        None,
+        "call_1",
+    ]  # the call cut in its arguments is left out
+    assert cut[-1]["status"] == "incomplete"
     cut = output_items({"role": "assistant", "content": "Half"}, None, "length")
     assert cut[0]["status"] == "incomplete"
     assert finish_status("length") == ("incomplete", {"reason": "max_output_tokens"})

@@ -4,12 +4,14 @@ A chat choice's message (api/openai/choices.py: reasoning split off by the reaso
 parsed by the tool-call parser) becomes, in this order: a `reasoning` item (when there was reasoning),
 a `message` item with one `output_text` part (when there was text), and one `function_call` item per
 call. A choice cut by max_output_tokens makes the response "incomplete" with incomplete_details
-{"reason": "max_output_tokens"}, its last item "incomplete". The stream (events.py) builds the same
-items one delta at a time.
+{"reason": "max_output_tokens"}, its last item "incomplete"; a call cut inside its arguments is left
+out, as OpenAI and vLLM leave it (an agent must not run half a call). The stream (events.py) builds the
+same items one delta at a time; there a cut call was announced already and ends "incomplete".
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -80,12 +82,22 @@ def output_items(
     if message.get("content"):
         content = (logprobs or {}).get("content")
         items.append(message_item(new_item_id("msg"), message["content"], content))
-    for call in message.get("tool_calls") or []:
+    calls = message.get("tool_calls") or []
+    if finish_reason == "length" and calls and not _whole_object(calls[-1]["function"]["arguments"]):
+        calls = calls[:-1]  # cut inside its arguments: never hand an agent half a call to run
+    for call in calls:
         fn = call["function"]
         items.append(call_item(new_item_id("fc"), call["id"], fn["name"], fn["arguments"]))
     if items and last != "completed":
         items[-1]["status"] = last
     return items
+
+
+def _whole_object(arguments: str) -> bool:
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False
 
 
 def response_usage(chat_usage: dict[str, Any], reasoning_tokens: int) -> dict[str, Any]:
