@@ -230,7 +230,11 @@ def chat_tool_choice(
                 'tool_choice must be {"type": "allowed_tools", "mode": "auto" | "required", "tools": [...]}',
                 param="tool_choice",
             )
-        names = {t.get("name") for t in allowed if isinstance(t, dict) and t.get("type") == "function"}
+        names = {
+            t["name"]
+            for t in allowed
+            if isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str)
+        }
         kept = [t for t in tools or [] if t["function"]["name"] in names]
         if len(kept) != len(allowed):
             raise InvalidRequest(
@@ -271,9 +275,9 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 def _template_kwargs(body: ResponsesRequest, effort: str | None) -> dict[str, Any] | None:
     """chat_template_kwargs with enable_thinking from reasoning.effort ("none": off; any other: on), as
     vLLM sets it; the client's own chat_template_kwargs win."""
-    own = body.chat_template_kwargs if isinstance(body.chat_template_kwargs, dict) else None
-    if effort is None:
-        return body.chat_template_kwargs
+    own = body.chat_template_kwargs
+    if effort is None or not (own is None or isinstance(own, dict)):
+        return own  # (not an object: the chat request refuses it)
     return {"enable_thinking": effort != "none", **(own or {})}
 
 

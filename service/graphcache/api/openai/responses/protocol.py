@@ -25,7 +25,7 @@ from graphcache.engine.errors import InvalidRequest
 
 __all__ = ["FORWARDED_FIELDS", "MAX_INPUT_ITEMS", "ResponsesRequest"]
 
-MAX_INPUT_ITEMS = 1024  # the chat's own bound on messages
+MAX_INPUT_ITEMS = 1023  # the chat's own bound on messages (1024), less one for the instructions
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's
 
 # vLLM's extra fields of its ResponsesRequest (and the chat fields they share): forwarded to the chat

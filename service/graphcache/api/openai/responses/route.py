@@ -129,6 +129,7 @@ async def _create(body: ResponsesRequest, request: Request) -> Response:
         chat.add_generation_prompt,
         chat.template_kwargs,
         tools,
+        chat_template=chat.request_template,  # chat_template_kwargs' "chat_template", as the chat takes it
         continue_final_message=chat.continue_final_message,
     )
     prompts = [Prompt(ids)]
