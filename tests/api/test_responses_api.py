@@ -444,3 +444,23 @@ async def test_stored_responses_do_not_exist(refusing):
     http, _ = refusing
     for response in (await http.get("/v1/responses/resp_1"), await http.post("/v1/responses/resp_1/cancel")):
         assert response.status_code == 404 and response.json()["error"]["code"] == "response_not_found"
+
+
+@on_module_loop
+async def test_chat_history_reasoning_content_reaches_the_template(scripted):
+    """The same field on /v1/chat/completions: an assistant message's reasoning_content is rendered."""
+    engine, app = scripted
+    tokenizer = app.state.engine.tokenizer
+    tokenizer.chat_template, tokenizer._template = REASONING_TEMPLATE, None
+    engine.script = (["ok"], "stop")
+    await client_of(app).chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello.", "reasoning_content": "Greet back."},
+            {"role": "user", "content": "Again"},
+        ],
+    )
+    assert "<|im_start|>assistant\n<think>Greet back.</think>Hello.<|im_end|>" in tokenizer.decode(
+        engine.prompts[-1], False
+    )
