@@ -7,6 +7,7 @@ prompt the items render to), and every refusal as a 400 naming the field."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -19,6 +20,7 @@ from graphcache.engine.loop.engine import Engine
 from graphcache.metrics import Metrics
 from helpers_api import EngineNotNeeded, serving
 from helpers_parsers import SMALL, client_of, pieces, scripted_app, use
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
 MODEL = "graphcache-tiny"
@@ -234,6 +236,73 @@ async def test_an_invalid_schema_names_text_format(live):
     with pytest.raises(openai.BadRequestError) as info:
         await oai.responses.create(model=MODEL, input="x", text=bad)
     assert info.value.body["param"] == "text.format", info.value.body
+
+
+async def _leave_after_first_chunk(app, body: dict) -> list[dict]:
+    """POST /v1/responses over raw ASGI and hang up after the first body chunk (httpx's ASGITransport
+    cannot disconnect in the middle of a stream)."""
+    payload = json.dumps(body).encode()
+    sent: list[dict] = []
+    got_chunk = asyncio.Event()
+    asked = False
+
+    async def receive():
+        nonlocal asked
+        if not asked:
+            asked = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await got_chunk.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+        if message["type"] == "http.response.body" and message.get("body"):
+            got_chunk.set()
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/responses",
+        "raw_path": b"",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
+        "client": ("127.0.0.1", 5000),
+        "server": ("testserver", 80),
+        "state": {},
+    }
+    await asyncio.wait_for(app(scope, receive, send), 60)
+    return sent
+
+
+@on_module_loop
+async def test_a_client_that_leaves_a_stream_aborts_its_request(live):
+    before = await _aborted(live)
+    body = {"model": MODEL, "input": "A long story", "max_output_tokens": 1000, "stream": True, **ENDLESS}
+    sent = await _leave_after_first_chunk(live, body)
+    assert sent[0]["status"] == 200
+    engine = live.state.engine
+    for _ in range(200):  # the abort travels through the engine inbox; blocks are freed between steps
+        if not engine.stats()["in_flight"]:
+            break
+        await asyncio.sleep(0.02)
+    stats = engine.stats()
+    assert stats["in_flight"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert await _aborted(live) == before + 1
+
+
+async def _aborted(app) -> float:
+    """graphcache_requests_finished_total{reason="abort"} from /metrics."""
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        text = (await http.get("/metrics")).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "graphcache_requests_finished_total" and sample.labels.get("reason") == "abort":
+                return sample.value
+    return 0.0
 
 
 # --------------------------------------------------------------------------- scripted answers
