@@ -67,31 +67,64 @@ def test_decayed_counts_follow_the_latest_drafts():
     assert off_after(gate, 1, K, 0) <= 4 * W
 
 
+def steps_off(gate: AcceptanceGate, key: int) -> int:
+    """Steps until allows() lets the off request draft again (a probe), the gate's clock ticking."""
+    steps = 0
+    while True:
+        gate.tick()
+        steps += 1
+        if gate.allows(key):
+            return steps
+        assert steps < 10_000
+
+
 def test_reprobe_backs_off_and_a_paying_probe_stays_on():
     gate = AcceptanceGate(AcceptanceRule(0.1, judge_drafts=W, reprobe_steps=R))
+    for _ in range(3):
+        gate.tick()
     off_after(gate, 1, K, 0)
     waits = []
-    for _ in range(5):  # each probe fails: the wait doubles up to MAX_BACKOFF x R
-        steps = 1
-        while not gate.allows(1):
-            steps += 1
-        waits.append(steps)
+    for _ in range(5):  # each probe fails: the wait doubles up to MAX_BACKOFF x R, ending on a multiple of R
+        waits.append(steps_off(gate, 1))
+        assert gate.now % R == 0
         assert gate.is_on(1) and off_after(gate, 1, K, 0) == W
-    assert waits == [R, 2 * R, 4 * R, 8 * R, MAX_BACKOFF * R]
+    assert waits[0] == 2 * R - 3  # at least R, to the next multiple of R
+    assert waits[1:] == [2 * R, 4 * R, 8 * R, MAX_BACKOFF * R]
     assert gate.num_probes == 5
     for _ in range(MAX_BACKOFF * R - 1):  # wants() says one step ahead when the probe comes
         assert not gate.wants(1)
+        gate.tick()
         assert not gate.allows(1)
-    assert gate.wants(1) and gate.allows(1)
+    assert gate.wants(1)
+    gate.tick()
+    assert gate.allows(1)
     assert off_after(gate, 1, K, 2) == 101  # the text repeats now: the probe pays, it stays on
     off_after(gate, 1, K, 0)  # and a later turn-off waits R again, not the backed-off wait
-    assert sum(not gate.allows(1) for _ in range(R)) == R - 1
+    assert steps_off(gate, 1) == R
+
+
+def test_empty_proposals_rest_a_request_and_a_draft_resets_the_count():
+    gate = AcceptanceGate(AcceptanceRule(0.1, judge_drafts=W, reprobe_steps=R))
+    for _ in range(W - 1):
+        gate.proposed(1, 0)
+    gate.proposed(1, 2)  # a match: the count starts over
+    for _ in range(W - 1):
+        gate.proposed(1, 0)
+    assert gate.is_on(1)
+    gate.proposed(1, 0)
+    assert not gate.is_on(1) and gate.num_rested == 1 and gate.num_turned_off == 0
+    assert steps_off(gate, 1) == R
+    for _ in range(W):  # the probe finds nothing again: backed off
+        gate.proposed(1, 0)
+    assert steps_off(gate, 1) == 2 * R
 
 
 def test_reprobe_zero_stays_off_and_remove_forgets():
     gate = AcceptanceGate(AcceptanceRule(0.1, judge_drafts=W, reprobe_steps=0))
     off_after(gate, 1, K, 0)
-    assert not any(gate.allows(1) for _ in range(10_000))
+    for _ in range(10_000):
+        gate.tick()
+        assert not gate.allows(1)
     gate.remove(1)
     assert gate.allows(1) and len(gate) == 0
 
@@ -203,7 +236,7 @@ def test_reprobe_turns_a_request_back_on_when_its_text_repeats(path, async_sched
     assert gate is not None and gate.num_turned_off >= 1 and gate.num_probes >= 1
     calls = proposer.calls["a0"]
     assert calls[:W] == list(range(1, W + 1))  # the prefill's token, then one token a wrong draft
-    assert calls[W] > 2 * W  # off: no proposals for R steps
+    assert calls[W] > W + 1  # off: no proposals until the probe
     after = [n for n in calls if n >= 20]
     # on to the end: each draft accepted whole (K, fewer where max_tokens is near), no step without one
     assert after and all(b - a == min(K, 60 - a - 1) + 1 for a, b in zip(after, after[1:], strict=False))

@@ -355,9 +355,10 @@ class Scheduler:
         if spec is None or proposer is None or not spec.speculates(len(self.running)):
             return None
         k, max_len, gate = spec.num_speculative_tokens, self.max_model_len, self.acceptance
+        if gate is not None:
+            gate.tick()
         seqs, limits = [], []
         for seq, total in decodes:
-            # the gate counts every decode step of an off request (its wait), token in flight or not
             if not self.may_speculate(seq) or (gate is not None and not gate.allows(seq.key)):
                 continue
             if seq.num_inflight:
@@ -372,6 +373,9 @@ class Scheduler:
         if not seqs:
             return None
         proposed = proposer.propose(seqs, limits)
+        if gate is not None:
+            for seq, d in zip(seqs, proposed, strict=True):
+                gate.proposed(seq.key, len(d))
         return {id(seq): d for seq, d in zip(seqs, proposed, strict=True) if d}
 
     def _plan(self, out: SchedulerOutput) -> StepPlan:

@@ -18,12 +18,17 @@ The rule, per request (the scheduler owns one gate; rows are keyed by Sequence.k
     writes new text turns off within ~W drafts, where cumulative counts would keep it on for as long as
     it had been copying);
   - off: accepted <= c * draft tokens (so c = 0 never turns a request off);
-  - re-probe: an off request decodes plainly for `reprobe_steps` (R) of its own decode steps, then
-    speculates again with fresh counts and is judged after W drafts again. Text that starts repeating
-    later (a quote, a list, code the answer copies from its prompt) turns it back on. A probe that fails
-    doubles the wait, up to MAX_BACKOFF x R, so a request that never repeats costs at most
-    W*c*k / (MAX_BACKOFF*R) of its steps in probes (W=8, c=0.1, k=4, R=64: 0.6%); a probe that pays
-    resets the wait to R. R = 0: an off request stays off.
+  - re-probe: an off request decodes plainly for R (`reprobe_steps`) steps, then speculates again with
+    fresh counts and is judged after W drafts again. Text that starts repeating later (a quote, a list,
+    code the answer copies from its prompt) turns it back on. A probe that fails doubles the wait, up to
+    MAX_BACKOFF x R, so a request that never repeats costs at most W*c*k / (MAX_BACKOFF*R) of its steps
+    in probes (W=8, c=0.1, k=4, R=64: 0.6%); a probe that pays resets the wait to R. Waits end on a
+    multiple of R of the gate's clock, so many requests' probes fall on the same steps. R = 0: an off
+    request stays off;
+  - rest: W proposals in a row that found nothing (an n-gram proposer on text that does not repeat) put a
+    request off the same way. Its empty proposals cost no verify work, but a request that may draft
+    keeps its steps from overlapping the next under async scheduling (the proposer reads its tokens on
+    the host), which at a large batch costs every row.
 A step-level rule (all speculating rows below the threshold -> a plain decode step) adds nothing under
 this linear model: the step's gain is the sum of its rows' (accepted - c*k), and each row that drafts has
 passed its own test or is still being judged. Whole steps turn off by batch size (disable_by_batch_size).
@@ -70,49 +75,73 @@ class AcceptanceRule:
 
 @dataclass(slots=True)
 class _Row:
-    """One request's measurements since it (re)started speculating, and its off time."""
+    """One request's measurements since it (re)started speculating, and when it may draft again."""
 
     drafts: int = 0  # verify steps in which it carried drafts
     draft_tokens: float = 0.0  # decayed sums
     accepted: float = 0.0
-    off_for: int = -1  # -1: on; else plain decode steps since it turned off
-    wait: int = 0  # steps to stay off before the next probe
+    empty: int = 0  # proposals in a row that found no draft
+    until: int = -1  # -1: on; else the gate's step from which it drafts again (a probe)
+    wait: int = 0  # the wait that put it off (a failed probe doubles it)
     probing: bool = False  # turned back on by a probe, not judged since
 
 
 class AcceptanceGate:
-    """Which requests draft this step, by their measured acceptance (module docstring). Engine thread only."""
+    """Which requests draft this step, by their measured acceptance (module docstring). Engine thread only.
+
+    The scheduler calls tick() once per step that may speculate, allows() once per such step for each
+    request that may speculate, proposed() with each proposal's length, observe() with each verify row's
+    result, and remove() when a request finishes."""
 
     def __init__(self, rule: AcceptanceRule) -> None:
         self.rule = rule
         self._decay = 1.0 - 1.0 / rule.judge_drafts
-        self._rows: dict[int, _Row] = {}  # only requests that drafted: the rest are on with nothing measured
+        self._rows: dict[int, _Row] = {}  # only requests that were proposed for: the rest are on
+        self.now = 0  # the gate's clock: steps that may speculate
         self.num_turned_off = 0  # judgments that turned a request off (tests, logs)
+        self.num_rested = 0  # requests put to rest after judge_drafts proposals in a row found nothing
         self.num_probes = 0  # off requests turned back on to be judged again
 
+    def tick(self) -> None:
+        self.now += 1
+
     def allows(self, key: int) -> bool:
-        """Whether the request may draft in this step. Called once per decode step of each request that
-        may speculate: an off request's wait counts here, and its probe starts when the wait is over."""
+        """Whether the request may draft in this step; an off request whose wait is over starts a probe."""
         row = self._rows.get(key)
-        if row is None or row.off_for < 0:
+        if row is None or row.until < 0:
             return True
-        row.off_for += 1
-        if row.off_for < row.wait:
+        if self.now < row.until:
             return False
-        row.off_for, row.drafts, row.draft_tokens, row.accepted = -1, 0, 0.0, 0.0
+        row.until, row.drafts, row.draft_tokens, row.accepted, row.empty = -1, 0, 0.0, 0.0, 0
         row.probing = True
         self.num_probes += 1
         return True
 
     def wants(self, key: int) -> bool:
-        """Whether the request drafts at its next decode step (allows() without counting): the engine does
-        not overlap a step of such a request, since the proposer reads its tokens on the host."""
+        """Whether the request drafts at the next step (allows() without side effects): the engine does not
+        overlap a step of such a request, since the proposer reads its tokens on the host."""
         row = self._rows.get(key)
-        return row is None or row.off_for < 0 or row.off_for + 1 >= row.wait
+        return row is None or row.until < 0 or self.now + 1 >= row.until
 
     def is_on(self, key: int) -> bool:
         row = self._rows.get(key)
-        return row is None or row.off_for < 0
+        return row is None or row.until < 0
+
+    def proposed(self, key: int, num_tokens: int) -> None:
+        """The proposer's draft for the request this step had `num_tokens` tokens. judge_drafts empty
+        proposals in a row put it to rest like a turn-off: it costs no verify work, but a request that may
+        draft keeps every step it runs in from overlapping the next (async scheduling), and the proposer's
+        host time."""
+        row = self._rows.get(key)
+        if row is None:
+            row = self._rows[key] = _Row()
+        if num_tokens:
+            row.empty = 0
+            return
+        row.empty += 1
+        if row.empty >= self.rule.judge_drafts:
+            self._turn_off(row)
+            self.num_rested += 1
 
     def observe(self, key: int, drafted: int, accepted: int) -> None:
         """One verify step of the request: `drafted` draft tokens scored, `accepted` of them accepted."""
@@ -132,14 +161,20 @@ class AcceptanceGate:
             if row.probing:
                 row.probing, row.wait = False, 0
             return
-        if rule.reprobe_steps == 0:
-            wait = 1 << 62  # never probed again
-        elif row.probing:
-            wait = min(2 * row.wait, MAX_BACKOFF * rule.reprobe_steps)
-        else:
-            wait = rule.reprobe_steps
-        row.off_for, row.wait, row.probing = 0, wait, False
+        self._turn_off(row)
         self.num_turned_off += 1
+
+    def _turn_off(self, row: _Row) -> None:
+        """Off until a probe: R steps, doubled after a failed probe (up to MAX_BACKOFF x R), ending on a
+        multiple of R so that the probes of many requests fall on the same steps (the steps in between
+        overlap, under async scheduling)."""
+        r = self.rule.reprobe_steps
+        if r == 0:
+            row.until = 1 << 62  # never probed again
+        else:
+            row.wait = min(2 * row.wait, MAX_BACKOFF * r) if row.probing and row.wait else r
+            row.until = -(-(self.now + row.wait) // r) * r
+        row.probing, row.empty = False, 0
 
     def remove(self, key: int) -> None:
         """Forget a finished request."""
