@@ -99,7 +99,7 @@ class EngineSettings(SettingsSection):
         description="Speculative decoding's turn-off rule (engine/spec/acceptance.py): what one draft token "
         "costs (verifying it, and drafting it with a draft model), as a share of a plain decode step. A "
         "request whose measured acceptance rate (accepted / draft tokens) is at or below it stops drafting; "
-        "0: never. Unset: 0.1 for ngram, 0.3 for draft_model (docs/DEPLOY.md has the measured costs).",
+        "0: never (the rule is off). Unset: 0.1 for ngram, 0.3 for draft_model (docs/DEPLOY.md has the measured costs).",
     )
     speculative_judge_drafts: int = Field(
         8,

@@ -132,6 +132,8 @@ class AcceptanceGate:
         proposals in a row put it to rest like a turn-off: it costs no verify work, but a request that may
         draft keeps every step it runs in from overlapping the next (async scheduling), and the proposer's
         host time."""
+        if self.rule.token_cost == 0:  # the rule is off
+            return
         row = self._rows.get(key)
         if row is None:
             row = self._rows[key] = _Row()
