@@ -35,10 +35,10 @@ import argparse
 import json
 import random
 import statistics
-from dataclasses import replace
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -56,7 +56,6 @@ from graphcache.metrics import Metrics  # noqa: E402
 
 from benchmarks import offline_throughput  # noqa: E402
 from benchmarks.model_shapes import add_model_args, resolve_model  # noqa: E402
-
 
 # --------------------------------------------------------------------------- the workload
 
@@ -327,7 +326,16 @@ def realistic_ratio(args, model: Path) -> dict:
         if args.realistic_requests:
             argv += ["--realistic-requests", str(args.realistic_requests)]
         if args.smoke:
-            argv += ["--max-num-seqs", "4", "--realistic-requests", "8", "--prompt-cap", "96", "--output-cap", "16"]
+            argv += [
+                "--max-num-seqs",
+                "4",
+                "--realistic-requests",
+                "8",
+                "--prompt-cap",
+                "96",
+                "--output-cap",
+                "16",
+            ]
             argv += ["--max-num-batched-tokens", "256", "--max-capture-size", "8"]
         if spec is not None:
             argv += ["--speculative-config", spec]
@@ -394,16 +402,25 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--block", type=int, default=64, help="the repeated block of each copy prompt")
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens of the runs")
-    ap.add_argument("--lookup-min", type=int, default=1, help="ngram prompt_lookup_min (1: a random model's loops match early)")
+    ap.add_argument(
+        "--lookup-min",
+        type=int,
+        default=1,
+        help="ngram prompt_lookup_min (1: a random model's loops match early)",
+    )
     ap.add_argument("--lookup-max", type=int, default=4, help="ngram prompt_lookup_max")
-    ap.add_argument("--token-cost", type=float, help="settings.engine.speculative_token_cost (default: the server's)")
+    ap.add_argument(
+        "--token-cost", type=float, help="settings.engine.speculative_token_cost (default: the server's)"
+    )
     ap.add_argument("--draft-model", type=Path, help="also run method draft_model with this draft")
     ap.add_argument("--self-draft", action="store_true", help="the target's own checkpoint as the draft")
     ap.add_argument("--ks", default="1,2,4,8", help="verify step times: drafts per row")
     ap.add_argument("--rows", default="1,8", help="verify step times: rows")
     ap.add_argument("--ctx", type=int, default=512, help="verify step times: context of each row")
     ap.add_argument("--step-iters", type=int, default=20)
-    ap.add_argument("--realistic", action="store_true", help="the realistic offline workload, without and with")
+    ap.add_argument(
+        "--realistic", action="store_true", help="the realistic offline workload, without and with"
+    )
     ap.add_argument("--realistic-requests", type=int, default=0, help="0: offline_throughput's default")
     ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
@@ -442,9 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     if "--smoke" in (sys.argv[1:] if argv is None else argv):
         ap.set_defaults(**SMOKE)  # flags given beside --smoke still win
     args = ap.parse_args(argv)
-    if args.smoke:
-        if not (args.model or args.make_model or args.make_qwen05b):
-            args.make_model = f"tiny:{tempfile.mkdtemp(prefix='spec-smoke-')}"
+    if args.smoke and not (args.model or args.make_model or args.make_qwen05b):
+        args.make_model = f"tiny:{tempfile.mkdtemp(prefix='spec-smoke-')}"
     model = resolve_model(args)
     if model is None:
         ap.error("--model DIR (or --make-model SHAPE:DIR, or --smoke) is required")
@@ -460,7 +476,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if streams or ks:
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-        prompts = copy_prompts(max(streams or [1]) * args.rounds, vocab, args.prompt_len, args.block, args.seed)
+        prompts = copy_prompts(
+            max(streams or [1]) * args.rounds, vocab, args.prompt_len, args.block, args.seed
+        )
         print("loading the target (n-gram configured) ...", file=sys.stderr, flush=True)
         core = load_core(settings_for(args, model, ngram_config(args)))
         assert core.scheduler.acceptance is not None
@@ -472,14 +490,19 @@ def main(argv: list[str] | None = None) -> int:
             ngram = run_streams(core, prompts, s, args) | {"proposer": "ngram"}
             ngram["same_tokens"] = ngram["outputs"] == plain["outputs"]
             result["streams"] += [plain, ngram]
-            print(f"  streams {s}: {plain['tokens_per_s']:.0f} / {ngram['tokens_per_s']:.0f} tok/s", file=sys.stderr)
+            print(
+                f"  streams {s}: {plain['tokens_per_s']:.0f} / {ngram['tokens_per_s']:.0f} tok/s",
+                file=sys.stderr,
+            )
         times = step_times(core.runner, rows_list, ks, args.ctx, args.step_iters) if ks else []
         result["step_times"] = times
         core.runner.close()
         del core
         draft_times = None
         if draft is not None:
-            spec = json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": args.k})
+            spec = json.dumps(
+                {"method": "draft_model", "model": str(draft), "num_speculative_tokens": args.k}
+            )
             try:
                 dcore = load_core(settings_for(args, model, spec))
             except Exception as exc:  # noqa: BLE001 - the draft_model proposer may not be in this tree
@@ -489,7 +512,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 plain_by = {r["streams"]: r for r in result["streams"] if r["proposer"] == "none"}
                 for s in streams:
-                    row = run_streams(dcore, prompts, s, args) | {"proposer": "self-draft" if args.self_draft else "draft"}
+                    row = run_streams(dcore, prompts, s, args) | {
+                        "proposer": "self-draft" if args.self_draft else "draft"
+                    }
                     if s in plain_by:
                         row["same_tokens"] = row["outputs"] == plain_by[s]["outputs"]
                     result["streams"].append(row)
@@ -509,7 +534,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.realistic:
         result["realistic"] = realistic_ratio(args, model)
 
-    print(f"\nspeculative decoding, {result['device']} {result.get('gpu', '')}, k={args.k}, greedy, copy prompts")
+    print(
+        f"\nspeculative decoding, {result['device']} {result.get('gpu', '')}, k={args.k}, greedy, copy prompts"
+    )
     if result["streams"]:
         print(streams_table(result["streams"]))
     if result.get("step_times"):

@@ -99,7 +99,10 @@ def test_spec_decode_smoke(tmp_path):
     assert {("none", 1), ("ngram", 1), ("none", 2), ("ngram", 2)} <= set(rows)
     for s in (1, 2):
         ngram = rows[("ngram", s)]
-        assert ngram["same_tokens"] is True and ngram["output_tokens"] == rows[("none", s)]["output_tokens"] == 32 * s
+        assert (
+            ngram["same_tokens"] is True
+            and ngram["output_tokens"] == rows[("none", s)]["output_tokens"] == 32 * s
+        )
         assert 0 <= ngram["acceptance_rate"] <= 1 and ngram["mean_accepted_length"] >= 1
     ngram = rows[("ngram", 2)]
     assert ngram["drafts"] > 0 and ngram["pred_tpot_ms"] > 0 and ngram["verify_step_ms"] > 0

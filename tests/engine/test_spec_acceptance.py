@@ -19,7 +19,6 @@ from graphcache.engine.spec.proposer import Proposer
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.metrics import Metrics
 from helpers_model import cpu_settings, prompt_ids, tiny_checkpoint
-
 from test_spec_engine import drive, requests
 
 K = 3
@@ -197,7 +196,11 @@ def verify_rows(core: EngineCore) -> dict[str, int]:
 
 
 REQS = [
-    (f"a{i}", prompt_ids(6 + i, seed=40 + i, vocab=300), SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    (
+        f"a{i}",
+        prompt_ids(6 + i, seed=40 + i, vocab=300),
+        SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True),
+    )
     for i in range(4)
 ]
 
@@ -264,9 +267,15 @@ def test_ngram_outputs_and_counters_stay_consistent_with_the_rule(path):
 
 
 def test_settings_reach_the_gate(path):
-    core = core_for(path, SPEC, speculative_token_cost=0.02, speculative_judge_drafts=5, speculative_reprobe_steps=9)
+    core = core_for(
+        path, SPEC, speculative_token_cost=0.02, speculative_judge_drafts=5, speculative_reprobe_steps=9
+    )
     assert core.scheduler.acceptance is not None
     assert core.scheduler.acceptance.rule == AcceptanceRule(0.02, 5, 9)
-    default = EngineCore(ModelRunner(cpu_settings(path, speculative_config=SPEC)), cpu_settings(path, speculative_config=SPEC))
-    assert default.scheduler.acceptance is not None and default.scheduler.acceptance.rule == AcceptanceRule(0.1, 8, 64)
+    default = EngineCore(
+        ModelRunner(cpu_settings(path, speculative_config=SPEC)), cpu_settings(path, speculative_config=SPEC)
+    )
+    assert default.scheduler.acceptance is not None and default.scheduler.acceptance.rule == AcceptanceRule(
+        0.1, 8, 64
+    )
     assert core_for(path, None).scheduler.acceptance is None

@@ -514,7 +514,7 @@ class Scheduler:
                 continue
             changed.append(seq)
             if isinstance(token, list):
-                if drafted is not None:  # accepted drafts: the run less its correction or bonus token
+                if drafted is not None and gate is not None:  # accepted: the run less its last token
                     gate.observe(seq.key, drafted[id(seq)], len(token) - 1)
                 self._append_verified(seq, token, now)
                 continue

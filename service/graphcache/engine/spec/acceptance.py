@@ -69,7 +69,11 @@ class AcceptanceRule:
         cls, method: str, token_cost: float | None, judge_drafts: int, reprobe_steps: int
     ) -> AcceptanceRule:
         """The rule of a configured method; token_cost None: DEFAULT_TOKEN_COST of the method."""
-        cost = DEFAULT_TOKEN_COST.get(method, max(DEFAULT_TOKEN_COST.values())) if token_cost is None else token_cost
+        cost = (
+            DEFAULT_TOKEN_COST.get(method, max(DEFAULT_TOKEN_COST.values()))
+            if token_cost is None
+            else token_cost
+        )
         return cls(cost, judge_drafts, reprobe_steps)
 
 
