@@ -123,6 +123,16 @@ for p in ${PHASES:-tests pool capture}; do
     # Offline throughput of the 8B shape, nano workload, graph mode: bf16, then --quantization fp8.
     fp8_offline) for q in auto fp8; do GRAPHCACHE_QUANTIZATION=$q phase fp8_offline_$q 400 python3 benchmarks/offline_throughput.py \
                --make-model llama8b:/tmp/llama8b --modes graph --workload nano --out "$OUT/fp8_offline_$q.json"; done ;;
+    # Speculative decoding (issue 37, benchmarks/spec_decode.py): 1 and 8 streams without and with the n-gram proposer on
+    # copy prompts, one decode and one verify step per k (1,2,4,8) at 1 and 8 rows, TPOT against what they predict.
+    # SPEC_MODEL=qwen05b|llama8b; SPEC_ARGS: more flags (--self-draft, --draft-model DIR, --output-len 128, --k 8).
+    spec) m=${SPEC_MODEL:-qwen05b}; TAIL=${TAIL:-40} phase spec_$m 480 python3 benchmarks/spec_decode.py \
+               --make-model "$m:/tmp/$m" --out "$OUT/spec_$m.json" ${SPEC_ARGS:-} ;;
+    # The realistic offline workload at the defaults, graph mode, without and with n-gram speculation configured:
+    # the throughput ratio (issue 37: >= 0.97). SPEC_MODEL as above; SPEC_REALISTIC_ARGS: --realistic-requests N.
+    spec_realistic) m=${SPEC_MODEL:-qwen05b}; phase spec_realistic_$m 560 python3 benchmarks/spec_decode.py \
+               --make-model "$m:/tmp/$m" --streams none --ks "" --realistic --out "$OUT/spec_realistic_$m.json" \
+               ${SPEC_REALISTIC_ARGS:-} ;;
     *) echo "unknown phase $p" ;;
   esac
 done
