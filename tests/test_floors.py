@@ -148,13 +148,14 @@ def test_scheduler_floor_imports_no_torch():
 
 # The model modules the API process needs, none of them importing torch: the tokenizer with its chat
 # templates and streaming detokenizer, the model setting's classification (served name, CLI preflight)
-# and the generation defaults it applies.
+# and the generation defaults it applies, and whether the model serves embeddings.
 HTTP_FLOOR_MODEL_MODULES = {
     "graphcache.model.tokenizer",
     "graphcache.model.chat_template",
     "graphcache.model.detokenizer",
     "graphcache.model.source",
     "graphcache.model.generation_defaults",
+    "graphcache.model.embedding_config",
 }
 
 

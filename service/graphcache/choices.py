@@ -24,7 +24,9 @@ __all__ = [
     "LAZY_POOLS",
     "LOG_FORMATS",
     "LOG_LEVELS",
+    "POOLING_MODES",
     "QUANTIZATIONS",
+    "RUNNER_KINDS",
     "STEP_MODES",
     "AdmissionRule",
     "AsyncScheduling",
@@ -40,7 +42,9 @@ __all__ = [
     "LazyPool",
     "LogFormat",
     "LogLevel",
+    "PoolingMode",
     "Quantization",
+    "RunnerKind",
     "StepMode",
     "REASONING_PARSERS",
     "TOOL_CALL_PARSERS",
@@ -56,6 +60,8 @@ DecodeKernel = Literal["triton", "torch", "varlen"]  # what decode_attention_bac
 DecodeAttentionBackend = Literal["auto", "triton", "torch", "varlen"]
 FusedOps = Literal["auto", "off"]
 Quantization = Literal["auto", "fp8"]  # auto: as the checkpoint is; fp8: FP8 projections (quantized on load)
+RunnerKind = Literal["auto", "generate", "pooling"]  # vLLM's --runner: text generation, or embeddings
+PoolingMode = Literal["last", "mean", "cls"]  # an embedding: the last token's, the mean, the first token's
 
 # --- engine
 AsyncScheduling = Literal["auto", "on", "off"]
@@ -83,6 +89,8 @@ DECODE_KERNELS: tuple[str, ...] = get_args(DecodeKernel)
 DECODE_ATTENTION_BACKENDS: tuple[str, ...] = get_args(DecodeAttentionBackend)
 FUSED_OPS_MODES: tuple[str, ...] = get_args(FusedOps)
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
+RUNNER_KINDS: tuple[str, ...] = get_args(RunnerKind)
+POOLING_MODES: tuple[str, ...] = get_args(PoolingMode)
 ASYNC_SCHEDULING_MODES: tuple[str, ...] = get_args(AsyncScheduling)
 STEP_MODES: tuple[str, ...] = get_args(StepMode)
 CAPTURE_MODES: tuple[str, ...] = get_args(CaptureMode)

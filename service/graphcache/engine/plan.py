@@ -81,6 +81,9 @@ class StepPlan:
     # (key, table length) of held requests whose block table was cut back (the blocks past a rolled-back
     # speculation went back to the pool): applied before `grown`
     trimmed: tuple[tuple[int, int], ...] = ()
+    # Rows of embedding requests (SamplingParams.pooling): the step keeps their final hidden states (their
+    # mean accumulates across chunks) and, in a row's last chunk, returns its pooled vector. Run eagerly.
+    pooling: tuple[int, ...] = ()
     sample: bool = True  # False: return the logits without sampling (a hand-built step: tests, benchmarks)
 
     @property
@@ -168,6 +171,11 @@ class StepOutput:
     # which is also its entry of `sampled`); -1 past them. None: the plan had no verify rows.
     spec_tokens: Any = None
     spec_accepted: Any = None  # [B] int64: drafts accepted per verify row
+    # The pooling rows that ended their prompt this step (their last chunk), as keys in plan order, and
+    # their vectors: [len(pooled_keys), D] float32 host copy (valid once `ready`), cut and normalized as
+    # each request's PoolingSpec says (D: the hidden size; a row cut to fewer dimensions has zeros after them).
+    pooled_keys: list[int] = field(default_factory=list)
+    pooled: Any = None
 
 
 class Runner(Protocol):

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from graphcache.engine.errors import InvalidRequest
+from graphcache.engine.pooling import PoolingSpec
 from graphcache.metrics import FINISH_REASONS
 
 
@@ -120,9 +121,13 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None = off; k >= 0: each prompt token's logprob + the top k (echo)
     # --- structured output (structured.py): None, or what the output must match ------------
     structured: StructuredSpec | None = None
+    # --- embeddings (pooling.py): set, the request returns its pooled hidden state, not tokens -
+    pooling: PoolingSpec | None = None
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the bad field (the API maps it to 400)."""
+        if self.pooling is not None:
+            self.pooling.validate()
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise InvalidRequest(
                 f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", param="max_tokens"
@@ -262,6 +267,7 @@ class RequestOutput:
     stopped_on_token: bool = False
     # Final output only: the stop string or stop token id that ended it (None for EOS, length, ...).
     stop_reason: int | str | None = None
+    embedding: list[float] | None = None  # final output of a pooling request only: its vector
 
 
 class SequenceStatus(enum.Enum):
@@ -305,6 +311,7 @@ class Sequence:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # params.logprobs: one per output token
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # params.prompt_logprobs
     cumulative_logprob: float = 0.0  # sum of the sampled tokens' raw logprobs (best_of ranks by it)
+    embedding: list[float] | None = None  # a pooling request's vector, set by the step that ends it
     grammar: Any = None  # structured.py's matcher for params.structured (engine thread only)
     compiled_grammar: Any = None  # its compiled grammar, from the submit-time check (copied into grammar)
     # Unique for the process's lifetime (id() is not: a freed object's id comes back): the step plans name

@@ -283,15 +283,27 @@ class LlamaModel(nn.Module):
     ) -> None:
         # input_ids [T] int64, positions [T] int64, slot_mapping [T] int64 (KV slot per token),
         # logits_indices [R] int64 (token row per logits row), out_logits [R, V] model dtype, written in place.
+        h, residual = self.decode_layers(input_ids, positions, slot_mapping)
+        # Only the R rows that need logits go through the final norm and the [hidden, V] head.
+        self.head_into(self.final_norm(h, residual, logits_indices), out_logits)
+
+    def decode_layers(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embedding and every decoder layer (the KV writes included): (h, residual), [T, hidden] each,
+        before the final norm (which adds them)."""
         h, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         for layer in self.layers:
             h, residual = layer(positions, slot_mapping, h, residual)
-        # Only the R rows that need logits go through the final norm and the [hidden, V] head.
-        h, _ = self.norm.add_forward(
-            h.index_select(0, logits_indices),
-            cast(torch.Tensor, residual).index_select(0, logits_indices),  # set by the first layer
-            self.fused,
-        )  # [R, hidden]
+        return h, cast(torch.Tensor, residual)  # set by the first layer
+
+    def final_norm(self, h: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The final hidden states of the token rows `rows` ([N] int64): norm(h + residual), [N, hidden]."""
+        out, _ = self.norm.add_forward(h.index_select(0, rows), residual.index_select(0, rows), self.fused)
+        return out
+
+    def head_into(self, h: torch.Tensor, out_logits: torch.Tensor) -> None:
+        """The LM head of final hidden states h [R, hidden] into out_logits [R, V] (in place)."""
         if self.tp.enabled:
             cast(ParallelLMHead, self.lm_head).logits_into(h, out_logits)  # [R, V]: all-gather of [R, V / N]
         else:

@@ -14,6 +14,7 @@ from graphcache.choices import (
     Dtype,
     FusedOps,
     Quantization,
+    RunnerKind,
 )
 from graphcache.settings.section import BlankIsUnset, PathText, SettingsSection
 
@@ -44,6 +45,13 @@ class ModelSettings(SettingsSection):
         description="Sampling defaults for requests that leave a field out: auto = the model's "
         "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), vllm = "
         "none (the API's own defaults), or a directory holding a generation_config.json (docs/API.md).",
+    )
+    runner: RunnerKind = Field(
+        "auto",
+        description="What the model serves, as vLLM's --runner: generate = text (/v1/completions, chat), pooling "
+        "= embeddings (/v1/embeddings; vLLM's --convert embed and --task embed mean the same); auto = pooling "
+        "for an embedding checkpoint (sentence-transformers' modules.json with a Pooling module, an "
+        "architecture *Model / *ForEmbedding, or a name with Embedding in it), else generate.",
     )
     dtype: Dtype = Field("auto", description="auto = bfloat16 on CUDA, float32 on CPU.")
     quantization: Quantization = Field(

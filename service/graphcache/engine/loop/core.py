@@ -288,6 +288,8 @@ class EngineCore:
         for i in result.failed:
             tokens[i] = None
             num_generated -= 1
+        if result.pooled_keys:  # embedding requests: their vector is their answer, the row's token is dropped
+            num_generated -= self._record_pooled(p.sample_seqs, result)
         t_done = time.perf_counter()
         self.consecutive_failures = 0
         self.num_steps += 1
@@ -310,7 +312,8 @@ class EngineCore:
             m.generation_tokens.inc(num_generated)
             m.vllm.observe_step(p.plan.num_tokens)
             for seq in changed:
-                if len(seq.output_token_ids) == 1 and seq.first_token_time == now:
+                first = len(seq.output_token_ids) == 1 or seq.embedding is not None  # first token or vector
+                if first and seq.first_token_time == now:
                     m.ttft.observe(now - seq.arrival_time)
                     m.vllm.observe_first_token(now - seq.arrival_time)
                     m.prompt_tokens.inc(seq.num_prompt_tokens)
@@ -354,6 +357,17 @@ class EngineCore:
         if self.spec_metrics is not None:
             self.spec_metrics.observe([n for _, n in step.verify], accepted)
         return extra
+
+    @staticmethod
+    def _record_pooled(sample_seqs: list[Sequence], result: StepOutput) -> int:
+        """Put each pooled vector on its sequence (cut to its dimensions: the rest are zeros); returns
+        how many rows pooled."""
+        by_key = {seq.key: seq for seq in sample_seqs}
+        for key, vector in zip(result.pooled_keys, result.pooled.tolist(), strict=True):
+            seq = by_key[key]
+            spec = seq.params.pooling
+            seq.embedding = vector[: spec.dimensions] if spec is not None and spec.dimensions else vector
+        return len(result.pooled_keys)
 
     @staticmethod
     def _prompt_spans(plan: SchedulerOutput) -> list[PromptSpan]:

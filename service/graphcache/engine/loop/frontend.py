@@ -32,6 +32,7 @@ from graphcache.engine.loop.messages import Handle, consume
 from graphcache.engine.loop.request_check import RequestChecker
 from graphcache.engine.sequence import RequestOutput, SamplingParams, Sequence, TokenIds
 from graphcache.metrics import Metrics
+from graphcache.model.embedding_config import EmbeddingConfig, served_embedding
 from graphcache.model.generation_defaults import generation_defaults
 from graphcache.model.source import served_name
 
@@ -69,6 +70,9 @@ class EngineFrontend:
         # Request-field defaults from the model's generation_config.json (--generation-config), set once
         # loaded: a request that leaves a field out gets its default here (api/openai/sampling.py).
         self.generation_defaults: dict[str, Any] = {}
+        # Set once loaded: how the model's embeddings are made when it is served as an embedding model
+        # (--runner pooling, or detected: model/embedding_config.py); None: it serves text generation.
+        self.embedding: EmbeddingConfig | None = None
 
     # --- what the engine implements --------------------------------------------------------
     @property
@@ -169,6 +173,7 @@ class EngineFrontend:
         """The sampling defaults of --generation-config for the loaded model (its directory): read once
         the model is loaded, before requests are admitted."""
         self.generation_defaults = generation_defaults(self.settings.model.generation_config, model_dir)
+        self.embedding = served_embedding(self.settings, model_dir, self.settings.model.path or "")
 
     def stats(self) -> dict[str, Any]:
         """JSON-able snapshot, refreshed by the step loop (never blocks)."""

@@ -84,4 +84,5 @@ def request_delta(seq: Sequence, finished: bool) -> RequestOutput | None:
         num_cached_tokens=seq.num_cached_tokens,
         stopped_on_token=finished and seq.stopped_on_token,
         stop_reason=seq.stop_reason if finished else None,
+        embedding=seq.embedding if finished else None,
     )

@@ -114,11 +114,27 @@ class RequestChecker:
         if seq.params.structured is not None:  # an invalid schema, regex or grammar is the client's 400
             # Kept on the sequence: the engine thread copies it and never compiles (nor waits for a compile).
             seq.compiled_grammar = self.structured.check(seq.params.structured)
-        seq.params.max_tokens = self.resolve_max_tokens(seq.num_prompt_tokens, seq.params.max_tokens, param)
+        pooling = seq.params.pooling is not None
+        if pooling:  # prefill only: the whole window is its prompt's; its one sampled row is never fed
+            n, limit = seq.num_prompt_tokens, limits.max_model_len
+            if n == 0:
+                raise InvalidRequest("the input is empty; send at least one token", param="input")
+            if n > limit:
+                raise InvalidRequest(
+                    f"This model's maximum context length is {limit} tokens, but the input has {n} tokens; "
+                    "shorten it, or set truncate_prompt_tokens.",
+                    param="input",
+                    code="context_length_exceeded",
+                )
+            seq.params.max_tokens = 1
+        else:
+            seq.params.max_tokens = self.resolve_max_tokens(
+                seq.num_prompt_tokens, seq.params.max_tokens, param
+            )
         vocab = limits.vocab_size
         if vocab is not None and not prompt_checked and any(not 0 <= t < vocab for t in seq.prompt_token_ids):
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        total = seq.num_prompt_tokens + seq.params.max_tokens
+        total = seq.num_prompt_tokens + (0 if pooling else seq.params.max_tokens)
         if limits.blocks_for(total) > limits.num_usable_blocks:
             raise InvalidRequest(
                 f"prompt + {param} = {total} tokens needs more KV cache than the server has "

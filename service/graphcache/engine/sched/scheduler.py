@@ -136,6 +136,7 @@ class Scheduler:
         # no row for them.
         self._grammar_seqs: set[Sequence] = set()
         self._prompt_logprob_seqs: set[Sequence] = set()
+        self._pooling_seqs: set[Sequence] = set()  # unfinished embedding requests (engine/pooling.py)
         # The grammar rows' masks (EngineCore sets it to StructuredOutput.masks once it has a grammar).
         self.grammar_masks: Callable[[list[Sequence]], GrammarMask | None] | None = None
         # Speculative decoding (EngineCore sets both when --speculative-config is given): who drafts, and
@@ -154,6 +155,8 @@ class Scheduler:
             self._grammar_seqs.add(seq)
         if seq.params.prompt_logprobs is not None:
             self._prompt_logprob_seqs.add(seq)
+        if seq.params.pooling is not None:
+            self._pooling_seqs.add(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -174,6 +177,7 @@ class Scheduler:
         seq.grammar = None  # the matcher's memory goes with the request
         self._grammar_seqs.discard(seq)
         self._prompt_logprob_seqs.discard(seq)
+        self._pooling_seqs.discard(seq)
         if self.proposer is not None:
             self.proposer.remove(seq.request_id)
         if self.acceptance is not None:
@@ -387,6 +391,9 @@ class Scheduler:
         prompt_logits: tuple[PromptLogits, ...] = ()
         if self._prompt_logprob_seqs and out.tokens is not None:
             prompt_logits = self._prompt_logits(out, out.tokens)
+        pooling: tuple[int, ...] = ()
+        if self._pooling_seqs:
+            pooling = tuple(row for row, seq in enumerate(out.seqs) if seq.params.pooling is not None)
         grammar = None
         if self._grammar_seqs and self.grammar_masks is not None:
             grammar = self.grammar_masks(out.sampled)
@@ -402,6 +409,7 @@ class Scheduler:
             grammar=grammar,
             verify=tuple(out.verify),
             trimmed=trimmed,
+            pooling=pooling,
         )
 
     def _prompt_logits(
@@ -422,8 +430,14 @@ class Scheduler:
         return tuple(spans)
 
     def _uses_prefix_cache(self, seq: Sequence) -> bool:
-        # prompt_logprobs needs logits at every prompt position: nothing may be skipped.
-        return self.block_manager.enable_prefix_caching and seq.params.prompt_logprobs is None
+        # prompt_logprobs needs logits at every prompt position, mean and cls pooling the hidden state of
+        # every position: nothing may be skipped. Last-token pooling always computes its last token.
+        p = seq.params
+        return (
+            self.block_manager.enable_prefix_caching
+            and p.prompt_logprobs is None
+            and (p.pooling is None or not p.pooling.every_token)
+        )
 
     def _match_prefix(self, seq: Sequence) -> PrefixMatch:
         """The cached full blocks a waiting sequence may take: at most up to the block before the
@@ -525,6 +539,10 @@ class Scheduler:
                     "sampling the next token for this request failed on the server; "
                     "retry the request, or with other sampling parameters",
                 )
+                continue
+            if seq.params.pooling is not None:  # prefill only: its step's pooled vector is its answer
+                seq.first_token_time = seq.last_token_time = now
+                self.finish(seq, "stop")
                 continue
             seq.output_token_ids.append(token)
             if seq.first_token_time is None:

@@ -57,6 +57,8 @@ class StepLayout:
     # all_logits layouts (a verify step replayed from a graph): logits row t is token row t, and the
     # need_logits rows' logits are these token rows, plan order
     sample_rows: tuple[int, ...] = ()
+    # (first token row, tokens fed) of each of the plan's pooling rows, plan.pooling order
+    pool_rows: tuple[tuple[int, int], ...] = ()
 
 
 class InputBatch:
@@ -338,11 +340,14 @@ class InputBatch:
         verify_rows = tuple(
             r for row, _ in plan.verify for r in range(int(first_row[row]), int(first_row[row] + fed[row]))
         )
+        pool_rows = tuple((int(first_row[row]), int(fed[row])) for row in plan.pooling)
         rows = table.rows
         if decode:
             if rows is not None:
                 rows.remember(keys, self._table_lens[:n], pad_reqs)
-            return StepLayout("full_decode", self._decode_metadata(pad_reqs), n, n, n, n, prompt_rows)
+            return StepLayout(
+                "full_decode", self._decode_metadata(pad_reqs), n, n, n, n, prompt_rows, pool_rows=pool_rows
+            )
         md = self._planner.plan(
             num_real_tokens=num_tokens,
             num_decodes=num_decodes,
@@ -357,12 +362,12 @@ class InputBatch:
         d = num_decodes
         prefix = d if d and is_decode[:d].all() and need_logits[:d].all() else 0
         if rows is not None:
-            if prefix == 0 or plan.prompt_logits or plan.verify:
+            if prefix == 0 or plan.prompt_logits or plan.verify or plan.pooling:
                 rows.invalidate()
             else:
                 rows.remember(keys[:prefix], blocks[:prefix], 0)
         return StepLayout(
-            "mixed", md, num_tokens, n, num_logits, prefix, prompt_rows, verify_rows, sample_rows
+            "mixed", md, num_tokens, n, num_logits, prefix, prompt_rows, verify_rows, sample_rows, pool_rows
         )
 
     def _write_tables_cached(self, tables: list[list[int]]) -> None:

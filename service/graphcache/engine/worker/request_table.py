@@ -45,13 +45,18 @@ __all__ = ["RequestState", "RequestTable", "ResidentRows", "SampledRows"]
 class RequestState:
     """One request the worker holds."""
 
-    __slots__ = ("block_table", "key", "sampling", "source")
+    __slots__ = ("block_table", "key", "pool_count", "pool_sum", "sampling", "source")
 
     def __init__(self, new: NewRequest) -> None:
         self.key = new.key
         self.source = new  # the NewRequest it came from
         self.block_table = list(new.block_table)  # ours: later plans append the blocks it gets
         self.sampling = SamplingState(new.request_id, new.params, new.prompt_ids, list(new.output_ids))
+        # A pooling request's chunks so far (engine/worker/pooler.py): [hidden] float32 on the device (the
+        # sum of its rows' final hidden states for mean pooling, the first row's for cls) and the rows summed.
+        # A preempted request comes back as a new state and pools its recomputed prompt from the start.
+        self.pool_sum: torch.Tensor | None = None
+        self.pool_count = 0
 
 
 @dataclass(frozen=True, slots=True)

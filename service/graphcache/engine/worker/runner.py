@@ -15,7 +15,10 @@ Decode steps pad to the fine capture sizes, mixed steps to those plus a few coar
 than the largest size, and every step with enforce_eager, run the model eagerly on their real sizes. Logits
 come back from a static buffer, rows in the order of the plan's need_logits rows, valid until the next
 execute(). A step with PromptLogits rows (prompt logprobs) runs eagerly too, and also computes the logits of
-every token those rows fed (StepOutput.prompt_logits).
+every token those rows fed (StepOutput.prompt_logits). So does a step with pooling rows (embedding
+requests: engine/worker/pooler.py), which keeps the final hidden states they pool: a captured graph's
+only outputs are the logits rows, and an embedding request is prefill only, where a replay saves the
+launches of one step against its prompt's compute (graphs pay off in decode, which it never reaches).
 
 Captures outside a step (warmup, admin) go through `capture()`, which points every token at the
 scratch slot and runs under an empty attention context itself, so they write no real KV slot.
@@ -46,6 +49,7 @@ from graphcache.engine.worker.kv_cache import (
     kv_block_bytes,
     num_kv_blocks,
 )
+from graphcache.engine.worker.pooler import PoolRows, pool_rows, pool_vectors
 from graphcache.engine.worker.request_table import RequestTable
 from graphcache.engine.worker.sampling import StepSampler
 from graphcache.engine.worker.warmup_plan import warmup_descriptors
@@ -406,6 +410,8 @@ class ModelRunner:
         if plan.verify and not plan.prompt_logits and not enforce_eager:
             verify_desc = self.verify_descriptor(num_tokens, num_reqs)
         wants_prompt = bool(plan.prompt_logits) or (bool(plan.verify) and verify_desc is None)
+        pooling = bool(plan.pooling)
+        wants_prompt = wants_prompt or pooling  # the same eager path, keeping the pooled rows' hidden states
         eager = enforce_eager or wants_prompt
         desc = (
             None
@@ -416,6 +422,8 @@ class ModelRunner:
         pad_tokens = desc.num_tokens if desc else num_tokens
         pad_reqs = desc.num_reqs if desc else num_reqs
         prompt_logits = verify_logits = None
+        pooled_keys: list[int] = []
+        pooled = None
         try:
             self.table.update(plan)
             layout = self.inputs.prepare(
@@ -430,7 +438,11 @@ class ModelRunner:
             md = layout.metadata
             with forward_context(md, desc, "eager" if desc is None else self._graph_mode(uniform)):
                 if wants_prompt:
-                    logits, prompt_logits, verify_logits = self._run_with_prompt_logits(layout)
+                    pool = pool_rows(plan, layout.pool_rows, self.table) if pooling else None
+                    logits, prompt_logits, verify_logits, hidden = self._run_with_prompt_logits(layout, pool)
+                    if pool is not None and hidden is not None and pool.segments:
+                        with torch.inference_mode():
+                            pooled_keys, pooled = pool_vectors(hidden, pool)
                     mode: StepMode = "eager"
                 else:
                     logits = self.out_logits[: layout.num_logits]
@@ -444,10 +456,16 @@ class ModelRunner:
         except BaseException:
             self.inputs.invalidate(self.table)  # the buffers may hold half a step: lay the next one out anew
             raise
+        if pooled is not None and pooled.is_cuda:  # queued before the sampler records the step's event
+            host = torch.empty(pooled.shape, dtype=pooled.dtype, pin_memory=True)
+            pooled = host.copy_(pooled, non_blocking=True)
         if self.sampling is None or not plan.sample:
             self.table.sampled_by_step(plan.sampled_keys())  # rank > 0: rank 0 sends the ids it samples
-            return StepOutput(mode, logits, prompt_logits=prompt_logits)
+            return StepOutput(
+                mode, logits, prompt_logits=prompt_logits, pooled_keys=pooled_keys, pooled=pooled
+            )
         out = self.sampling(plan, self.table.sampled(plan), logits, mode, prompt_logits, verify_logits)
+        out.pooled_keys, out.pooled = pooled_keys, pooled
         self._sampled = out.sampled
         self.table.sampled_by_step(plan.sampled_keys())
         return out
@@ -478,12 +496,13 @@ class ModelRunner:
         return self._sampled
 
     def _run_with_prompt_logits(
-        self, layout: StepLayout
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        self, layout: StepLayout, pool: PoolRows | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """Eager step that also computes the logits of every token of the PromptLogits rows and of the
         verify rows: the model's head runs over the usual logits rows plus those token rows (fresh tensors,
-        not the static buffers: their count is up to the whole step's tokens). (need_logits rows' logits,
-        the prompt rows' logits or None, the verify rows' logits or None)."""
+        not the static buffers: their count is up to the whole step's tokens); and the final hidden states
+        of pool's token rows. (need_logits rows' logits, the prompt rows' logits or None, the verify rows'
+        logits or None, [len(pool.token_rows), hidden] final hidden states or None)."""
         i, num_reqs, num_tokens = self.inputs, layout.num_reqs, layout.num_tokens
         num_prompt, num_verify = len(layout.prompt_rows), len(layout.verify_rows)
         rows = list(layout.prompt_rows) + list(layout.verify_rows)
@@ -495,16 +514,18 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
-        self.model(
-            i.input_ids.dev[:num_tokens],
-            i.positions.dev[:num_tokens],
-            i.slot_mapping.dev[:num_tokens],
-            indices,
-            out,
-        )
+        hidden = None
+        with torch.inference_mode():
+            h, residual = self.model.decode_layers(
+                i.input_ids.dev[:num_tokens], i.positions.dev[:num_tokens], i.slot_mapping.dev[:num_tokens]
+            )  # [T, hidden] each
+            self.model.head_into(self.model.final_norm(h, residual, indices), out)
+            if pool is not None and pool.segments:
+                kept = torch.tensor(pool.token_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+                hidden = self.model.final_norm(h, residual, kept)  # [E, hidden]
         prompt = out[num_reqs : num_reqs + num_prompt] if num_prompt else None
         verify = out[num_reqs + num_prompt :] if num_verify else None
-        return out[: layout.num_logits], prompt, verify
+        return out[: layout.num_logits], prompt, verify, hidden
 
     # --- captures outside a step (warmup, admin) --------------------------------------------
     def capture(
