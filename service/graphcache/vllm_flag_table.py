@@ -164,6 +164,18 @@ def _false(value: Any) -> bool:
     return value is False
 
 
+def _runner_of(value: Any, runners: dict[str, str | None], flag: str) -> Effect:
+    """--task / --convert as the runner setting they imply (vLLM's --runner; None: nothing to set)."""
+    word = str(value).strip().lower()
+    if word not in runners:
+        raise VllmFlagRefused(
+            f"{flag} {shown(value)}: graphcache serves text generation and embeddings only; use "
+            f"{' or '.join(f'{flag} {w}' for w in runners)}"
+        )
+    runner = runners[word]
+    return Effect(settings={} if runner is None else {"runner": runner})
+
+
 def _setting(name: str, parse: Callable[[str], Any]) -> Callable[[Any], Effect]:
     return lambda value: Effect(settings={name: parse(value)})
 
@@ -412,22 +424,15 @@ FLAGS: tuple[VllmFlag, ...] = (
     ),
     _v(
         "--task",
-        apply=ok_if(
-            _in("auto", "generate"), refuse("graphcache serves text generation only; use --task generate")
+        apply=lambda value: _runner_of(
+            value, {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling"}, "--task"
         ),
-        help="auto/generate as vLLM; other tasks refused",
-    ),
-    _v(
-        "--runner",
-        apply=ok_if(
-            _in("auto", "generate"), refuse("graphcache serves text generation only; use --runner generate")
-        ),
-        help="auto/generate as vLLM; others refused",
+        help="the legacy --runner: generate, embed (= --runner pooling); other tasks refused",
     ),
     _v(
         "--convert",
-        apply=ok_if(_in("auto", "none"), refuse("graphcache serves text generation only; drop --convert")),
-        help="auto/none as vLLM; others refused",
+        apply=lambda value: _runner_of(value, {"auto": None, "none": None, "embed": "pooling"}, "--convert"),
+        help="embed = --runner pooling (a decoder served for embeddings); auto/none as vLLM; others refused",
     ),
     _v(
         "--max-seq-len-to-capture",

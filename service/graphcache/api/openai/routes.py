@@ -136,6 +136,20 @@ def serving_engine(request: Request):
     return engine
 
 
+def generating_engine(request: Request, endpoint: str):
+    """serving_engine for a generation endpoint: an embedding model answers it with a 400 naming the flag (vLLM
+    answers that the model does not support the API)."""
+    engine = serving_engine(request)
+    if getattr(engine, "embedding", None) is not None:
+        raise APIError(
+            400,
+            f"The model '{engine.model_name}' is served as an embedding model and answers /v1/embeddings, not "
+            f"{endpoint}; serve a generation model, or this checkpoint with --runner generate.",
+            param="model",
+        )
+    return engine
+
+
 def check_model(engine, name: str | None) -> str:
     """The served model's name; another name is a 404 `model_not_found`, as OpenAI and vLLM answer."""
     if name is not None and name != engine.model_name:  # the caller's name is not echoed back
@@ -413,7 +427,7 @@ async def _base_params(engine, body, structured: StructuredSpec | None, num_prom
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     _checked(body)
-    engine = serving_engine(request)
+    engine = generating_engine(request, "/v1/completions")
     model = check_model(engine, body.model)
     constraint = _constraint(body)
     await _check_constraint(engine, constraint)
@@ -446,7 +460,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     tools = template_tools(body.tools)
     api_settings = request.app.state.settings.http
     constraint = _constraint(body, _tool_spec(body, api_settings.tool_call_parser))
-    engine = serving_engine(request)
+    engine = generating_engine(request, "/v1/chat/completions")
     model = check_model(engine, body.model)
     await _check_constraint(engine, constraint)
     structured = constraint[0] if constraint else None
