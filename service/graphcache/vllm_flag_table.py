@@ -425,7 +425,9 @@ FLAGS: tuple[VllmFlag, ...] = (
     _v(
         "--task",
         apply=lambda value: _runner_of(
-            value, {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling"}, "--task"
+            value,
+            {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling"},
+            "--task",
         ),
         help="the legacy --runner: generate, embed (= --runner pooling); other tasks refused",
     ),

@@ -33,9 +33,12 @@ class EmbeddingRequest(RequestBody):
     )
     user: str | None = Field(None, max_length=256, description="The end user's id (logged).")
     truncate_prompt_tokens: SInt | None = Field(
-        None, description="Keep each input's last k tokens (-1: max_model_len) instead of refusing a long one."
+        None,
+        description="Keep each input's last k tokens (-1: max_model_len) instead of refusing a long one.",
     )
-    normalize: SBool | None = Field(None, description="L2-normalize the vectors; default: as the checkpoint says.")
+    normalize: SBool | None = Field(
+        None, description="L2-normalize the vectors; default: as the checkpoint says."
+    )
     add_special_tokens: SBool = Field(True, description="Add the model's special tokens to a text input.")
     request_id: str | None = Field(None, max_length=256, description="Names the response's id.")
 
@@ -47,7 +50,9 @@ class EmbeddingRequest(RequestBody):
         if not v or any(len(p) == 0 for p in batch):
             raise ValueError("input must not be empty (nor any input of a batch)")
         if len(batch) > MAX_EMBEDDING_INPUTS:
-            raise ValueError(f"input holds {len(batch)} inputs; send at most {MAX_EMBEDDING_INPUTS} a request")
+            raise ValueError(
+                f"input holds {len(batch)} inputs; send at most {MAX_EMBEDDING_INPUTS} a request"
+            )
         return batch
 
     @field_validator("dimensions")

@@ -120,7 +120,8 @@ def _answer(rid: str, model: str, vectors: list[list[float]], prompt_tokens: int
         "created": int(time.time()),
         "model": model,
         "data": [
-            {"object": "embedding", "index": i, "embedding": _vector(v, encoding)} for i, v in enumerate(vectors)
+            {"object": "embedding", "index": i, "embedding": _vector(v, encoding)}
+            for i, v in enumerate(vectors)
         ],
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
     }
@@ -158,7 +159,9 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     vectors = []
     for out in outs:
         if out.embedding is None:  # an engine that ended it without a vector: a server fault, said as one
-            raise APIError(500, "The engine returned no embedding for an input; the server log has the details.")
+            raise APIError(
+                500, "The engine returned no embedding for an input; the server log has the details."
+            )
         vectors.append(out.embedding)
     prompt_tokens = sum(out.prompt_tokens for out in outs)
     return await run_response(_answer, rid, model, vectors, prompt_tokens, body.encoding_format)
