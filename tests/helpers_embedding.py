@@ -25,17 +25,25 @@ _ST_FLAGS = {
 
 
 def embedding_checkpoint(
-    pooling: str | None = "last", *, normalize: bool = True, matryoshka: bool = False
+    pooling: str | None = "last",
+    *,
+    normalize: bool = True,
+    matryoshka: bool = False,
+    base_model: bool = False,
 ) -> Path:
     """A copy of the tiny qwen3 checkpoint as an embedding model: with sentence-transformers pooling files for
-    `pooling` (last, mean, cls), or none (None: detected by its name); cached for the process."""
-    key = (pooling, normalize, matryoshka)
+    `pooling` (last, mean, cls), or none (None: detected by its name); cached for the process. base_model: saved
+    as sentence-transformers saves Qwen3-Embedding 4B/8B: architecture Qwen3Model, tensor names without
+    "model.", no lm_head.weight."""
+    key = (pooling, normalize, matryoshka, base_model)
     if key in _MADE:
         return _MADE[key]
-    base = tiny_checkpoint("qwen3")
+    base = tiny_checkpoint("qwen3", tie_word_embeddings=False) if base_model else tiny_checkpoint("qwen3")
     root = Path(tempfile.mkdtemp(prefix="graphcache-embed-"))
     dest = root / ("tiny-Qwen3-Embedding" if pooling is None else f"tiny-st-{pooling}")
     shutil.copytree(base, dest)
+    if base_model:
+        _as_base_model(dest)
     if matryoshka:
         config = json.loads((dest / "config.json").read_text())
         config["matryoshka_dimensions"] = [16, 32, 64]
@@ -60,6 +68,17 @@ def embedding_checkpoint(
         (dest / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **flags}))
     _MADE[key] = dest
     return dest
+
+
+def _as_base_model(dest: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    for file in dest.glob("*.safetensors"):
+        tensors = load_file(file)
+        save_file({k.removeprefix("model."): v for k, v in tensors.items() if k != "lm_head.weight"}, file)
+    config = json.loads((dest / "config.json").read_text())
+    config["architectures"] = ["Qwen3Model"]
+    (dest / "config.json").write_text(json.dumps(config))
 
 
 _HF: dict[Path, object] = {}

@@ -76,6 +76,17 @@ def test_batch_of_lengths_and_a_chunked_prompt_equal_hf(pooling, async_schedulin
         assert abs(torch.tensor(seqs[rid].embedding).norm().item() - 1) < 1e-5
 
 
+def test_a_base_model_checkpoint_without_lm_head():
+    """Saved as sentence-transformers saves Qwen3-Embedding 4B/8B (Qwen3Model, no "model." prefix, no LM head):
+    it loads, and its vectors equal transformers'."""
+    path = embedding_checkpoint("last", base_model=True)
+    prompts = {f"r{n}": prompt_ids(n, seed=n) for n in (3, 20, 70)}
+    core = make_core(path, max_num_batched_tokens=32)
+    seqs = embed(core, prompts, PoolingSpec("last"))
+    for rid, ids in prompts.items():
+        assert_close(seqs[rid].embedding, hf_embedding(path, ids, "last"))
+
+
 def test_unnormalized_and_cut_vectors():
     path = embedding_checkpoint("mean", matryoshka=True)
     ids = prompt_ids(30, seed=3)

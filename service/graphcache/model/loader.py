@@ -273,6 +273,27 @@ def check_checkpoint(
         )
 
 
+def _base_model_naming(files: list[Path], targets: dict[str, Target]) -> tuple[dict[str, Target], bool]:
+    """The targets as the checkpoint names them, and whether it has no LM head. sentence-transformers saves the
+    base model (Qwen3-Embedding, 4B and 8B): tensor names without "model." and no lm_head.weight. Such a
+    checkpoint serves embeddings; its missing head is tied to the embeddings, so a step's throwaway sample
+    of a pooling row has weights to read (its logits are never a generation's)."""
+    names: set[str] = set()
+    for file in files:
+        with _open(file) as f:
+            names.update(f.keys())  # noqa: SIM118 (safe_open is not a dict)
+    if "model.embed_tokens.weight" not in names and "embed_tokens.weight" in names:
+        targets = {hf.removeprefix("model."): t for hf, t in targets.items()}
+    headless = "lm_head.weight" in targets and "lm_head.weight" not in names
+    if headless:
+        targets = {hf: t for hf, t in targets.items() if hf != "lm_head.weight"}
+        log.warning(
+            "the checkpoint has no lm_head.weight (a base model, as embedding checkpoints are saved): the head is "
+            "tied to the embeddings; serve it for embeddings (--runner pooling), not for text"
+        )
+    return targets, headless
+
+
 def _load_file(
     file: Path,
     targets: dict[str, Target],
@@ -339,6 +360,7 @@ def load_model(
     fp8 = fp8_layers(model, targets, scheme, dtype, device) if scheme is not None else []
     if scheme is not None:
         targets |= scale_targets(targets, fp8, scheme)
+    targets, headless = _base_model_naming(files, targets)
     # The checkpoint against config.json, from the safetensors headers: a mismatch, a missing tensor or
     # a truncated file is refused before the model's memory is allocated.
     check_checkpoint(path, files, targets, dict(model.named_parameters()), scheme)
@@ -362,7 +384,7 @@ def load_model(
         )
     if scheme is not None and scheme.on_load:
         quantize_on_load(model, fp8)
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings or headless:
         model.tie_weights()
     model.init_rotary(device)
     model.eval()
