@@ -242,3 +242,19 @@ async def test_runner_pooling_serves_a_generation_checkpoint_as_embeddings(tmp_p
         resp = await client.post("/v1/embeddings", json={"input": TEXTS[0]})
         assert resp.status_code == 200, resp.text
         close(resp.json()["data"][0]["embedding"], ref(app, path, TEXTS[0], "last"))
+
+
+async def test_the_engine_process_serves_embeddings(tmp_path):
+    """With the step loop in a child process, the API process learns the model kind from the directory the
+    engine loaded (its ready message), and the vectors cross the pipe."""
+    from graphcache.engine.loop.process import EngineClient
+    from graphcache.metrics import Metrics
+
+    path = embedding_checkpoint("last")
+    settings = Settings(model=path, cache_dir=tmp_path, engine_process=True, **SMALL)
+    async with serving(settings, EngineClient(settings, Metrics())) as (client, app):
+        oai = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client)
+        got = await oai.embeddings.create(model=app.state.engine.model_name, input=TEXTS)
+        for d, text in zip(got.data, TEXTS, strict=True):
+            close(d.embedding, ref(app, path, text, "last"))
+        assert (await post_json(client, "/v1/completions", {"prompt": "hi"})).status_code == 400
