@@ -173,7 +173,8 @@ class EngineCore:
         tokenizer = self.runner.tokenizer
         # A stream without stop strings needs no text here: its consumer detokenizes (Engine._stream,
         # off the step loop, several tokens per call when it falls behind); its outputs carry ids only.
-        if tokenizer is not None and not (seq.stream and not seq.params.stop):
+        # An embedding request (params.pooling) has no text at all.
+        if tokenizer is not None and seq.params.pooling is None and not (seq.stream and not seq.params.stop):
             seq.detokenizer = tokenizer.detokenizer(
                 seq.prompt_token_ids, seq.params.stop, seq.params.skip_special_tokens
             )

@@ -407,7 +407,7 @@ class ModelRunner:
         # cover every fed token; else, like prompt logprobs, it needs logits at every fed position of its
         # rows: an eager step on the general layout.
         verify_desc = None
-        if plan.verify and not plan.prompt_logits and not enforce_eager:
+        if plan.verify and not plan.prompt_logits and not plan.pooling and not enforce_eager:
             verify_desc = self.verify_descriptor(num_tokens, num_reqs)
         wants_prompt = bool(plan.prompt_logits) or (bool(plan.verify) and verify_desc is None)
         pooling = bool(plan.pooling)
