@@ -173,3 +173,47 @@ def test_checkpoint_detection():
 
     assert embedding_config(tiny_checkpoint("qwen3")) is None
     assert embedding_config(tiny_checkpoint("qwen3"), "pooling").pooling == "last"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.asyncio
+async def test_tensor_parallel_embeddings_equal_hf(tmp_path):
+    """tensor_parallel_size=2 on the CPU (gloo): every rank pools its copy of the final hidden states (they are
+    whole after the layers' all-reduce); rank 0's vectors come back, equal to transformers'."""
+    import asyncio
+
+    from graphcache.config import Settings
+    from graphcache.engine.loop.engine import Engine
+
+    path = embedding_checkpoint("mean")
+    settings = Settings(
+        model=path,
+        device="cpu",
+        dtype="float32",
+        tensor_parallel_size=2,
+        cache_dir=str(tmp_path),
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        num_kv_blocks=64,
+        block_size=16,
+        capture_sizes=[1, 2, 4, 8],
+        max_capture_size=8,
+        warmup_decode_sizes=[],
+    )
+    engine = Engine(settings)
+    engine.start()
+    try:
+        assert engine.wait_ready(300), engine.error
+        prompts = [prompt_ids(n, seed=n) for n in (4, 30, 130)]  # the last chunked by 64
+
+        async def one(i: int, ids: list[int]):
+            params = SamplingParams(temperature=0, pooling=PoolingSpec("mean"))
+            return [out async for out in engine.generate(f"e{i}", ids, params, stream=False)][-1]
+
+        outs = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
+        for out, ids in zip(outs, prompts, strict=True):
+            assert out.finish_reason == "stop", out.error
+            assert_close(out.embedding, hf_embedding(path, ids, "mean"))
+    finally:
+        engine.shutdown()

@@ -59,7 +59,7 @@ from graphcache.engine.plan import Runner
 from graphcache.engine.sequence import RequestOutput, SamplingParams, StructuredSpec, TokenLogprob
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.engine.worker.tp_runner import TensorParallelRunner
-from graphcache.graphs.cache import warmup_order
+from graphcache.graphs.cache import WarmupReport, warmup_order
 from graphcache.graphs.descriptor import BatchDescriptor
 from graphcache.metrics import Metrics
 from graphcache.model.source import fetch_hub_model, model_source
@@ -317,7 +317,18 @@ class Engine(EngineFrontend):
 
         self.progress = {"phase": "warmup", "done": 0, "total": None}
         t0 = time.perf_counter()
-        self.warmup_report = runner.warmup(progress=warmup_progress)  # the sampler's kernels too
+        if self.embedding is not None:
+            # Embedding requests are prefill only and run eagerly: the graphs of decode steps would never run.
+            e = self.embedding
+            log.info(
+                "serving embeddings: %s pooling, normalize %s (%s); no warmup captures",
+                e.pooling,
+                e.normalize,
+                e.source,
+            )
+            self.warmup_report = WarmupReport()
+        else:
+            self.warmup_report = runner.warmup(progress=warmup_progress)  # the sampler's kernels too
         self.warmup_seconds = time.perf_counter() - t0
         bm = core.block_manager
         log.info(
