@@ -23,3 +23,15 @@ def test_vllm_flags_refuse_other_tasks(capsys):
         assert main(["serve", *argv]) == 2
         line = capsys.readouterr().err.strip()
         assert argv[0] in line and "embed" in line
+
+
+def test_pooler_config_is_vllms_json(capsys):
+    def model(*argv):
+        return serve_args(parse_command_line(build_parser(), ["serve", *argv])).settings.model
+
+    given = '{"pooling_type": "MEAN", "normalize": false}'
+    assert model("--pooler-config", given).pooler_config == given
+    assert model("--override-pooler-config", given).pooler_config == given
+    for bad in ("{", '{"pooling_type": "MAX"}', '{"softmax": true}', '{"normalize": "yes"}'):
+        assert main(["serve", "--pooler-config", bad]) == 2
+        assert "pooler_config" in capsys.readouterr().err

@@ -432,6 +432,11 @@ FLAGS: tuple[VllmFlag, ...] = (
         help="the legacy --runner: generate, embed (= --runner pooling); other tasks refused",
     ),
     _v(
+        "--override-pooler-config",
+        apply=_setting("pooler_config", str),
+        help="the legacy --pooler-config: pooling_type LAST/MEAN/CLS, normalize",
+    ),
+    _v(
         "--convert",
         apply=lambda value: _runner_of(value, {"auto": None, "none": None, "embed": "pooling"}, "--convert"),
         help="embed = --runner pooling (a decoder served for embeddings); auto/none as vLLM; others refused",

@@ -233,15 +233,19 @@ async def test_a_generation_model_refuses_embeddings_and_generates_beside_them(t
             assert answer.choices[0].text == alone.choices[0].text
 
 
-async def test_runner_pooling_serves_a_generation_checkpoint_as_embeddings(tmp_path):
-    """--runner pooling (vLLM's --convert embed) on a plain Qwen3 checkpoint: last token, normalized."""
+async def test_runner_pooling_serves_a_generation_checkpoint_with_its_pooler_config(tmp_path):
+    """--runner pooling (vLLM's --convert embed) on a plain Qwen3 checkpoint, with --pooler-config choosing
+    mean pooling without normalization (the default, last token normalized, runs in
+    tests/reliability/test_embeddings_server.py)."""
     from helpers_model import tiny_checkpoint
 
     path = tiny_checkpoint("qwen3")
-    async with serving(Settings(model=path, runner="pooling", cache_dir=tmp_path, **SMALL)) as (client, app):
+    pooler = '{"pooling_type": "MEAN", "normalize": false}'
+    settings = Settings(model=path, runner="pooling", pooler_config=pooler, cache_dir=tmp_path, **SMALL)
+    async with serving(settings) as (client, app):
         resp = await client.post("/v1/embeddings", json={"input": TEXTS[0]})
         assert resp.status_code == 200, resp.text
-        close(resp.json()["data"][0]["embedding"], ref(app, path, TEXTS[0], "last"))
+        close(resp.json()["data"][0]["embedding"], ref(app, path, TEXTS[0], "mean", normalize=False))
 
 
 async def test_the_engine_process_serves_embeddings(tmp_path):

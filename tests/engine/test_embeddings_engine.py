@@ -171,6 +171,13 @@ def test_checkpoint_detection():
     assert matryoshka.matryoshka and matryoshka.matryoshka_dimensions == (16, 32, 64)
     from helpers_model import tiny_checkpoint
 
+    overridden = embedding_config(
+        embedding_checkpoint("last"), pooler_config={"pooling_type": "MEAN", "normalize": False}
+    )
+    assert (
+        overridden.pooling == "mean" and not overridden.normalize and overridden.source == "--pooler-config"
+    )
+
     assert embedding_config(tiny_checkpoint("qwen3")) is None
     assert embedding_config(tiny_checkpoint("qwen3"), "pooling").pooling == "last"
 

@@ -34,6 +34,7 @@ _ST_UNSUPPORTED = (
     "pooling_mode_mean_sqrt_len_tokens",
     "pooling_mode_weightedmean_tokens",
 )
+_POOLER_TYPES: dict[str, PoolingMode] = {"LAST": "last", "MEAN": "mean", "CLS": "cls"}  # vLLM's names
 _EMBEDDING_NAME = re.compile(r"embed", re.IGNORECASE)
 MAX_META_BYTES = 1 << 20  # modules.json and a pooling config are a few hundred bytes
 
@@ -107,11 +108,15 @@ def _matryoshka(hf: dict[str, Any]) -> tuple[bool, tuple[int, ...]]:
 
 
 def embedding_config(
-    model_dir: str | Path | None, runner: RunnerKind = "auto", name: str = ""
+    model_dir: str | Path | None,
+    runner: RunnerKind = "auto",
+    name: str = "",
+    pooler_config: dict[str, Any] | None = None,
 ) -> EmbeddingConfig | None:
     """The checkpoint's embedding config when it is served as an embedding model, else None (text generation).
     runner "pooling" serves any supported checkpoint so (default: last token, normalized), "generate" never;
-    name: the served model's name or hub id (a name with Embedding in it is one, under auto)."""
+    name: the served model's name or hub id (a name with Embedding in it is one, under auto). pooler_config:
+    vLLM's --pooler-config (pooling_type, normalize; checked by the settings), over what the checkpoint says."""
     if runner == "generate" or model_dir is None:
         return None
     path = Path(model_dir)
@@ -130,12 +135,16 @@ def embedding_config(
     if runner == "auto" and not detected:
         return None
     matryoshka, dims = _matryoshka(hf)
-    if st is not None:
-        mode, normalize, source = st
-        return EmbeddingConfig(mode, normalize, matryoshka, dims, source)
-    return EmbeddingConfig("last", True, matryoshka, dims, "default (last token, normalized)")
+    mode, normalize, source = st if st is not None else ("last", True, "default (last token, normalized)")
+    if pooler_config:
+        kind = pooler_config.get("pooling_type")
+        mode = _POOLER_TYPES[str(kind).upper()] if kind is not None else mode
+        normalize = bool(pooler_config.get("normalize", normalize))
+        source = "--pooler-config"
+    return EmbeddingConfig(mode, normalize, matryoshka, dims, source)
 
 
 def served_embedding(settings: Any, model_dir: str | Path | None, name: str = "") -> EmbeddingConfig | None:
-    """embedding_config for the settings' runner (settings.model.runner)."""
-    return embedding_config(model_dir, settings.model.runner, name)
+    """embedding_config for the settings' runner and pooler_config (settings.model)."""
+    pooler = settings.model.pooler_config
+    return embedding_config(model_dir, settings.model.runner, name, json.loads(pooler) if pooler else None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -18,7 +19,9 @@ from graphcache.choices import (
 )
 from graphcache.settings.section import BlankIsUnset, PathText, SettingsSection
 
-__all__ = ["ModelSettings"]
+__all__ = ["POOLER_TYPES", "ModelSettings"]
+
+POOLER_TYPES = ("LAST", "MEAN", "CLS")  # vLLM's pooling_type names graphcache serves (choices.PoolingMode)
 
 
 class ModelSettings(SettingsSection):
@@ -52,6 +55,12 @@ class ModelSettings(SettingsSection):
         "= embeddings (/v1/embeddings; vLLM's --convert embed and --task embed mean the same); auto = pooling "
         "for an embedding checkpoint (sentence-transformers' modules.json with a Pooling module, an "
         "architecture *Model / *ForEmbedding, or a name with Embedding in it), else generate.",
+    )
+    pooler_config: Annotated[str | None, BlankIsUnset] = Field(
+        None,
+        description='vLLM\'s --pooler-config for an embedding model: JSON {"pooling_type": "LAST" | "MEAN" | "CLS", '
+        '"normalize": true | false}, over what the checkpoint says (sentence-transformers files, else LAST, '
+        "normalized).",
     )
     dtype: Dtype = Field("auto", description="auto = bfloat16 on CUDA, float32 on CPU.")
     quantization: Quantization = Field(
@@ -88,6 +97,31 @@ class ModelSettings(SettingsSection):
         description="auto = on CUDA, one Triton kernel each for residual add + RMSNorm, rotary and "
         "SiLU*mul (a decode step is mostly tiny kernels); off = the PyTorch ops (A/B runs).",
     )
+
+    @field_validator("pooler_config")
+    @classmethod
+    def _pooler_config(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        try:
+            config = json.loads(v)
+        except ValueError as e:
+            raise ValueError(f"pooler_config is not JSON ({e})") from None
+        if not isinstance(config, dict):
+            raise ValueError('pooler_config must be a JSON object, e.g. {"pooling_type": "MEAN"}')
+        unknown = sorted(set(config) - {"pooling_type", "normalize"})
+        if unknown:
+            raise ValueError(
+                f"pooler_config keys {unknown} are not served; give pooling_type and/or normalize"
+            )
+        kind = config.get("pooling_type")
+        if kind is not None and str(kind).upper() not in POOLER_TYPES:
+            raise ValueError(
+                f"pooler_config pooling_type must be one of {', '.join(POOLER_TYPES)}, got {kind!r}"
+            )
+        if not isinstance(config.get("normalize", True), bool):
+            raise ValueError("pooler_config normalize must be true or false")
+        return v
 
     @field_validator("generation_config")
     @classmethod

@@ -31,7 +31,7 @@ class EmbeddingRequest(RequestBody):
     dimensions: SInt | None = Field(
         None, description="Keep the first n values (Matryoshka models only), normalized after the cut."
     )
-    user: str | None = Field(None, max_length=256, description="The end user's id (logged).")
+    user: str | None = Field(None, max_length=512, description="Written to the server log with the request.")
     truncate_prompt_tokens: SInt | None = Field(
         None,
         description="Keep each input's last k tokens (-1: max_model_len) instead of refusing a long one.",
@@ -40,7 +40,9 @@ class EmbeddingRequest(RequestBody):
         None, description="L2-normalize the vectors; default: as the checkpoint says."
     )
     add_special_tokens: SBool = Field(True, description="Add the model's special tokens to a text input.")
-    request_id: str | None = Field(None, max_length=256, description="Names the response's id.")
+    request_id: str | None = Field(
+        None, min_length=1, max_length=128, description="The response's id suffix."
+    )
 
     @field_validator("input")
     @classmethod
