@@ -144,6 +144,7 @@ async def test_generation_endpoints_refuse_an_embedding_model(served):
     for path, body in (
         ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/responses", {"input": "hi"}),
     ):
         err = assert_error(await post_json(client, path, body), 400, param="model")
         assert "/v1/embeddings" in err["message"] and "--runner generate" in err["message"]

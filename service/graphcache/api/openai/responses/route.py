@@ -119,7 +119,7 @@ async def _create(body: ResponsesRequest, request: Request) -> Response:
     tools = routes.template_tools(chat.tools)
     http = request.app.state.settings.http
     constraint = routes._constraint(chat, routes._tool_spec(chat, http.tool_call_parser))
-    engine = routes.serving_engine(request)
+    engine = routes.generating_engine(request, "/v1/responses")
     model = routes.check_model(engine, chat.model)
     await routes._check_constraint(engine, constraint)
     ids = await encode_chat(
