@@ -220,7 +220,14 @@ class Engine(EngineFrontend):
         return await fut
 
     async def clear_graphs(self) -> dict:
-        return await self._call(lambda: self._admin_result(self._loaded_core.runner.cache.clear()))
+        return await self._call(lambda: self._admin_result(self._clear_graphs()))
+
+    def _clear_graphs(self) -> Any:
+        """Clear the target's graph cache, and the draft model's (its report under "draft")."""
+        report = self._loaded_core.runner.cache.clear()
+        if self._draft is None:
+            return report
+        return {**jsonable(report), "draft": jsonable(self._draft.runner.cache.clear())}
 
     async def cache_profile(self, min_uses: int = 1) -> dict:
         """The hot set of descriptors (GraphCache.profile): what a restart can warm up."""

@@ -66,6 +66,7 @@ class _Held:
     held: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     known: bool = False  # the draft runner holds it (a NewRequest went out)
+    sent: int = 0  # blocks[:sent] are in the draft runner's table
     synced: int = 0  # context tokens already compared: context[:synced] == held[:synced]
 
 
@@ -78,7 +79,6 @@ class _Row:
     start: int  # position of feed[0] (= tokens the draft's cache keeps)
     feed: list[int]  # context ids past the kept prefix (at least the last one)
     limit: int  # drafts wanted (1..k)
-    new_blocks: list[int]
 
 
 class DraftModelProposer(Proposer):
@@ -95,6 +95,7 @@ class DraftModelProposer(Proposer):
         self._next_key = 0
         self.num_steps = 0  # draft steps run (extend and decode), for tests and logs
         self.num_no_room = 0  # rows that got no draft for want of a free KV block
+        self.num_failures = 0  # proposes whose draft steps raised (those rows decoded plainly)
 
     @classmethod
     def load(
@@ -134,13 +135,23 @@ class DraftModelProposer(Proposer):
             row = self._row(i, req, limit)
             if row is not None:
                 rows.append(row)
+        # one step holds every row's last chunk: rows past the draft's buffers get no draft this time
+        rows = rows[: min(self.runner.max_tokens, self.runner.max_reqs)]
         if not rows:
             return drafts
         try:
             ids = self._draft(rows)
-        except BaseException:
-            self._forget_all()  # its cache may hold half a step: every request starts over
-            raise
+        except Exception:
+            # The target serves on without drafts this step (a device fault fails its own next step,
+            # where the engine handles it); the draft's cache may hold half a step: every request
+            # starts over.
+            self._forget_all()
+            self.num_failures += 1
+            if self.num_failures == 1 or self.num_failures % 1000 == 0:
+                log.exception(
+                    "draft model step failed (%d so far); these rows decode plainly", self.num_failures
+                )
+            return drafts
         for row, got in zip(rows, ids, strict=True):
             cut = next((j for j, t in enumerate(got) if t >= self.target_vocab_size), len(got))
             drafts[row.index] = got[:cut]
@@ -200,9 +211,8 @@ class DraftModelProposer(Proposer):
         if need > len(self._free):
             self.num_no_room += 1
             return None
-        new_blocks = [self._free.pop() for _ in range(max(need, 0))]
-        state.blocks += new_blocks
-        return _Row(index, state, p, feed, limit, new_blocks)
+        state.blocks += [self._free.pop() for _ in range(max(need, 0))]
+        return _Row(index, state, p, feed, limit)
 
     def _draft(self, rows: list[_Row]) -> list[list[int]]:
         """Run the extend step(s) and the decode steps of `rows`; each row's drafts (up to its limit)."""
@@ -213,9 +223,13 @@ class DraftModelProposer(Proposer):
             for r in rows
             if not r.state.known
         )
-        grown = tuple((r.state.key, r.new_blocks) for r in rows if r.state.known and r.new_blocks)
+        grown = tuple(
+            (r.state.key, r.state.blocks[r.state.sent :])
+            for r in rows
+            if r.state.known and r.state.sent < len(r.state.blocks)
+        )
         for r in rows:
-            r.state.known = True
+            r.state.known, r.state.sent = True, len(r.state.blocks)
         dropped, self._dropped = tuple(self._dropped), []
         # The final extend step feeds every row's last chunk (each row samples there: the decode steps
         # after it read those ids on the device); what does not fit goes in chunks before it.
