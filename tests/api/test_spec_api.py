@@ -112,3 +112,6 @@ async def test_draft_model_served_through_the_api(tmp_path):
     descriptors = {e["descriptor"] for e in cache["draft"]["entries"]}
     assert {"1:1:decode", "2:2:decode"} <= descriptors, descriptors
     assert any(e["hits"] > 0 for e in cache["draft"]["entries"])
+    proposer = cache["draft"]["proposer"]
+    assert proposer["steps"] > 0 and proposer["requests"] == 0 and proposer["failures"] == 0, proposer
+    assert proposer["kv_blocks_free"] == proposer["kv_blocks"]

@@ -362,3 +362,38 @@ def test_a_failed_draft_step_costs_only_that_steps_drafts(path, small):
     assert drive(core, reqs) == want
     assert proposer.num_failures == 2
     assert core.spec_metrics.snapshot()["accepted"] > 0
+
+
+class _Req:
+    """What a proposer reads of a request (spec/proposer.py DraftRequest)."""
+
+    def __init__(self, rid: str, prompt: list[int]) -> None:
+        self.request_id, self.prompt_token_ids, self.output_token_ids = rid, prompt, []
+
+
+def test_catching_up_past_the_token_budget_chunks_and_drafts_the_same(path, small):
+    """Contexts longer than the draft's step budget are fed in chunks before a final step that holds every
+    row's last chunk: the drafts equal those of a draft whose budget holds everything at once, round after
+    round (each round appends the first draft and a token the draft did not propose, so the next round
+    keeps a common prefix and rolls the rest back)."""
+
+    def proposer(**kw) -> DraftModelProposer:
+        settings = cpu_settings(path, speculative_config=spec(small), **kw)
+        built = build_draft_proposer(settings, ModelRunner(settings))
+        assert built is not None
+        return built
+
+    tight = proposer(max_num_batched_tokens=16, capture_sizes=[1, 2, 4, 8], max_capture_size=8)
+    roomy = proposer()
+    assert tight.runner.max_tokens == 16 and roomy.runner.max_tokens >= 256
+    reqs = {
+        name: [_Req(f"q{i}", prompt_ids(9 + 2 * i, seed=60 + i, vocab=300)) for i in range(8)]
+        for name in "ab"
+    }
+    for round_ in range(4):
+        got, want = tight.propose(reqs["a"]), roomy.propose(reqs["b"])
+        assert got == want, round_
+        assert all(len(d) == K for d in got)
+        for a, b, d in zip(reqs["a"], reqs["b"], want, strict=True):
+            a.output_token_ids = b.output_token_ids = [*b.output_token_ids, d[0], (d[1] + 1) % 300]
+    assert tight.num_steps > roomy.num_steps  # the first round took several extend steps

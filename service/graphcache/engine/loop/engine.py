@@ -240,7 +240,7 @@ class Engine(EngineFrontend):
         """The target's graph cache, and the draft model's under "draft" (speculative decoding)."""
         info = self._loaded_core.runner.cache.info()
         if self._draft is not None:
-            info["draft"] = self._draft.runner.cache.info()
+            info["draft"] = self._draft.info()
         return info
 
     def _admin_result(self, report: Any) -> dict:

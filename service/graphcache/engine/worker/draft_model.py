@@ -178,6 +178,22 @@ class DraftModelProposer(Proposer):
         """Capture the draft's warmup descriptors (the settings' decode sizes: its k - 1 decode steps)."""
         return self.runner.warmup()
 
+    def info(self) -> dict[str, Any]:
+        """The draft model's state for /admin/cache ("draft"): its graph cache, and what it holds and did."""
+        return {
+            **self.runner.cache.info(),
+            "proposer": {
+                "model": str(self.runner.model_path),
+                "num_speculative_tokens": self.num_speculative_tokens,
+                "requests": self.held_requests,
+                "kv_blocks": self.runner.num_kv_blocks,
+                "kv_blocks_free": self.num_free_blocks,
+                "steps": self.num_steps,
+                "rows_without_room": self.num_no_room,
+                "failures": self.num_failures,
+            },
+        }
+
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
