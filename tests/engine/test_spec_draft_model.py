@@ -397,3 +397,12 @@ def test_catching_up_past_the_token_budget_chunks_and_drafts_the_same(path, smal
         for a, b, d in zip(reqs["a"], reqs["b"], want, strict=True):
             a.output_token_ids = b.output_token_ids = [*b.output_token_ids, d[0], (d[1] + 1) % 300]
     assert tight.num_steps > roomy.num_steps  # the first round took several extend steps
+
+
+def test_a_draft_bigger_than_the_target_loads_with_a_warning(path, unrelated, caplog):
+    settings = cpu_settings(path, speculative_config=spec(unrelated))
+    with caplog.at_level("WARNING", logger="graphcache.engine.worker.draft_model"):
+        proposer = build_draft_proposer(settings, ModelRunner(settings))
+    assert proposer is not None
+    assert weight_elements(unrelated) > weight_elements(path)
+    assert any("speculation is unlikely to pay" in r.getMessage() for r in caplog.records)

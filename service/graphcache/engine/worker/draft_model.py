@@ -394,7 +394,7 @@ def build_draft_proposer(settings: Settings, target: Runner) -> DraftModelPropos
     target_size, draft_size = weight_elements(Path(str(target.model_path))), weight_elements(Path(spec.model))
     if draft_size > target_size:
         log.warning(
-            "draft model %s has %d weights, the target %d: drafting costs about as much as decoding, so "
+            "draft model %s has %d weights, the target %d: drafting costs as much as decoding or more, so "
             "speculation is unlikely to pay; pick a smaller draft of the same family",
             spec.model,
             draft_size,
@@ -404,7 +404,7 @@ def build_draft_proposer(settings: Settings, target: Runner) -> DraftModelPropos
         settings,
         spec,
         target_tokenizer=target.tokenizer,
-        target_vocab_size=target.vocab_size or 0,
+        target_vocab_size=target.vocab_size if target.vocab_size is not None else 1 << 62,  # None: unchecked
         num_kv_blocks=target.num_kv_blocks,
         max_model_len=target.max_model_len,
     )
