@@ -103,6 +103,9 @@ async def test_draft_model_served_through_the_api(tmp_path):
             cache = (await client.get("/admin/cache", headers=admin)).json()
             cleared = (await client.post("/admin/clear", headers=admin)).json()
             assert "draft" in cleared, cleared
+            after_clear = (await client.get("/admin/cache", headers=admin)).json()["draft"]["entries"]
+            assert (await client.post("/admin/warmup", headers=admin)).status_code == 200
+            rewarmed = (await client.get("/admin/cache", headers=admin)).json()["draft"]["entries"]
     assert answers[0] == answers[1]
     drafts = sum(v for k, v in samples.items() if k.startswith("vllm:spec_decode_num_draft_tokens_total"))
     accepted = sum(
@@ -112,6 +115,10 @@ async def test_draft_model_served_through_the_api(tmp_path):
     descriptors = {e["descriptor"] for e in cache["draft"]["entries"]}
     assert {"1:1:decode", "2:2:decode"} <= descriptors, descriptors
     assert any(e["hits"] > 0 for e in cache["draft"]["entries"])
+    assert (
+        after_clear == []
+    )  # /admin/clear drops the draft's graphs too, the configured warmup brings them back
+    assert {"1:1:decode", "2:2:decode"} <= {e["descriptor"] for e in rewarmed}
     proposer = cache["draft"]["proposer"]
     assert proposer["steps"] > 0 and proposer["requests"] == 0 and proposer["failures"] == 0, proposer
     assert proposer["kv_blocks_free"] == proposer["kv_blocks"]

@@ -314,6 +314,7 @@ class Engine(EngineFrontend):
             core = EngineCore(runner, settings, self.metrics, proposer=self._draft)
             self._set_generation_defaults(str(runner.model_path))
         except BaseException:
+            self._draft = None
             runner.close()
             raise
         if self.generation_defaults:
@@ -416,6 +417,8 @@ class Engine(EngineFrontend):
             try:
                 descs = core.runner.warmup_descriptors() if cmd.descriptors is None else cmd.descriptors
                 cmd.todo = deque(warmup_order(descs))
+                if cmd.descriptors is None and self._draft is not None:
+                    self._draft.warmup()  # the draft's configured warmup too, at once (a small model's)
             except Exception as exc:  # admin errors go back to the caller, the engine keeps serving
                 log.exception("admin warmup failed")
                 self._resolve(cmd, exc=exc)
