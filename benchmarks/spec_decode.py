@@ -54,6 +54,11 @@ from graphcache.engine.spec.build import build_proposer  # noqa: E402
 from graphcache.engine.worker.runner import ModelRunner  # noqa: E402
 from graphcache.metrics import Metrics  # noqa: E402
 
+try:  # the draft-model proposer; an older tree (gpu_check's baseline copy) has none
+    from graphcache.engine.worker.draft_model import build_draft_proposer  # noqa: E402
+except ImportError:
+    build_draft_proposer = None  # type: ignore[assignment]
+
 from benchmarks import offline_throughput  # noqa: E402
 from benchmarks.model_shapes import add_model_args, resolve_model  # noqa: E402
 
@@ -111,7 +116,11 @@ def load_core(settings: Settings) -> EngineCore:
     runner = ModelRunner(settings)
     try:
         runner.warmup()
-        return EngineCore(runner, settings, Metrics())
+        # method draft_model: the engine builds the draft beside the runner and warms its graphs too
+        draft = build_draft_proposer(settings, runner) if build_draft_proposer is not None else None
+        if draft is not None:
+            draft.warmup()
+        return EngineCore(runner, settings, Metrics(), proposer=draft)
     except BaseException:
         runner.close()
         raise

@@ -459,10 +459,35 @@ def check_speculative_config(settings: Settings) -> None:
         config = parse_speculative_config(settings.engine.speculative_config)
     except SpeculativeConfigError as e:
         raise StartupError(f"{e} (--speculative-config, GRAPHCACHE_SPECULATIVE_CONFIG)") from None
-    if config is not None and config.method != "ngram":
+    if config is None or config.method != "draft_model" or config.model is None:
+        return
+    if settings.model.tensor_parallel_size > 1:
         raise StartupError(
-            f"speculative_config.method {config.method!r}: the draft-model proposer is not built yet; use "
-            '"method": "ngram", or leave --speculative-config unset'
+            'speculative_config.method "draft_model" runs with tensor_parallel_size 1 only (the draft model '
+            "would need its own sharded ranks); set --tensor-parallel-size 1 or use method ngram"
+        )
+    draft = model_source(config.model).local  # a hub id is fetched (and checked) by the engine
+    if draft is not None:
+        check_model_dir(draft, settings.engine.max_model_len)
+        check_draft_tokenizer(local_model_dir(settings), draft)
+
+
+def check_draft_tokenizer(target: Path | None, draft: Path) -> None:
+    """A local draft's tokenizer maps tokens to the target's ids (a local target's; the embedded model and
+    a hub target are checked by the engine at load). Raises StartupError."""
+    if target is None:
+        return
+    from graphcache.model.tokenizer import Tokenizer
+
+    try:
+        same = Tokenizer(target).vocabulary() == Tokenizer(draft).vocabulary()
+    except (OSError, ValueError, RuntimeError) as e:  # a tokenizer that does not load: the engine says why
+        log.debug("draft tokenizer check skipped: %s", e)
+        return
+    if not same:
+        raise StartupError(
+            f"speculative_config.model {str(draft)!r}: its tokenizer differs from the target's; name a draft "
+            "model of the target's family with the same tokenizer, or use method ngram"
         )
 
 

@@ -70,3 +70,55 @@ async def test_spec_decode_series_on_metrics(tmp_path):
     assert drafts >= 1 and draft_tokens >= drafts and 0 <= accepted <= draft_tokens
     per_pos = [k for k in samples if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total")]
     assert len(per_pos) == SPEC["num_speculative_tokens"]
+
+
+async def test_draft_model_served_through_the_api(tmp_path):
+    """--speculative-config draft_model end to end: completions equal the unspeculated server's (greedy),
+    the spec-decode series count the self-draft's drafts as all accepted, and /admin/cache shows the
+    draft's own graph cache with its warmed decode descriptors."""
+    model = tiny_checkpoint("qwen2")
+    base = dict(
+        cache_dir=tmp_path,
+        model=model,
+        device="cpu",
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        capture_sizes=[1, 2, 4, 8, 16],
+        warmup_decode_sizes=[1, 2],
+        admin_token="t0ken",
+    )
+    body = {"prompt": [5, 9, 14, 3, 7, 22], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    answers = []
+    draft = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}
+    for spec in (None, json.dumps(draft)):
+        settings = Settings(**base, speculative_config=spec)
+        async with serving(settings, Engine(settings, Metrics())) as (client, app):
+            r = await client.post("/v1/completions", json={"model": app.state.engine.model_name, **body})
+            assert r.status_code == 200, r.text
+            answers.append(r.json()["choices"][0]["text"])
+            if spec is None:
+                continue
+            samples = scrape((await client.get("/metrics")).text)
+            admin = {"Authorization": "Bearer t0ken"}
+            cache = (await client.get("/admin/cache", headers=admin)).json()
+            cleared = (await client.post("/admin/clear", headers=admin)).json()
+            assert "draft" in cleared, cleared
+            after_clear = (await client.get("/admin/cache", headers=admin)).json()["draft"]["entries"]
+            assert (await client.post("/admin/warmup", headers=admin)).status_code == 200
+            rewarmed = (await client.get("/admin/cache", headers=admin)).json()["draft"]["entries"]
+    assert answers[0] == answers[1]
+    drafts = sum(v for k, v in samples.items() if k.startswith("vllm:spec_decode_num_draft_tokens_total"))
+    accepted = sum(
+        v for k, v in samples.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_total")
+    )
+    assert drafts > 0 and accepted == drafts  # the target's own checkpoint drafts its own picks
+    descriptors = {e["descriptor"] for e in cache["draft"]["entries"]}
+    assert {"1:1:decode", "2:2:decode"} <= descriptors, descriptors
+    assert any(e["hits"] > 0 for e in cache["draft"]["entries"])
+    assert (
+        after_clear == []
+    )  # /admin/clear drops the draft's graphs too, the configured warmup brings them back
+    assert {"1:1:decode", "2:2:decode"} <= {e["descriptor"] for e in rewarmed}
+    proposer = cache["draft"]["proposer"]
+    assert proposer["steps"] > 0 and proposer["requests"] == 0 and proposer["failures"] == 0, proposer
+    assert proposer["kv_blocks_free"] == proposer["kv_blocks"]

@@ -191,11 +191,30 @@ def test_serve_refuses_a_bad_config_before_loading_anything(capsys):
     assert line.startswith("graphcache: speculative_config.num_speculative_tokens: 0 is out of range"), line
 
 
-def test_serve_refuses_the_draft_model_method_until_it_is_built(capsys, tmp_path):
+def test_serve_refuses_a_draft_model_that_is_not_a_model(capsys, tmp_path):
     config = json.dumps({"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2})
     assert main(["serve", "--port", "0", "--speculative-config", config]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert "draft-model proposer is not built yet" in line and '"method": "ngram"' in line, line
+    assert "has no config.json" in line and str(tmp_path) in line, line
+
+
+def test_preflight_checks_a_local_draft_model():
+    """A local draft of the target's tokenizer passes; another tokenizer, and tensor parallelism, are
+    refused in one line naming the way out (before the port is bound or anything loads)."""
+    from graphcache.cli import StartupError, check_speculative_config
+    from helpers_model import tiny_checkpoint
+
+    target, draft = tiny_checkpoint("qwen2"), tiny_checkpoint("qwen2", seed=3, hidden=32, layers=1)
+
+    def settings(draft_dir, **kw) -> Settings:
+        config = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 2}
+        return Settings(model=target, speculative_config=json.dumps(config), **kw)
+
+    check_speculative_config(settings(draft))
+    with pytest.raises(StartupError, match="tokenizer differs from the target's.*or use method ngram"):
+        check_speculative_config(settings(tiny_checkpoint("qwen2", vocab_size=512)))
+    with pytest.raises(StartupError, match="tensor_parallel_size 1 only.*--tensor-parallel-size 1"):
+        check_speculative_config(settings(draft, tensor_parallel_size=2))
 
 
 def test_the_flag_is_documented(capsys):
@@ -214,6 +233,6 @@ def test_build_proposer_follows_the_method():
         2,
         4096,
     )
-    with pytest.raises(NotImplementedError, match='"method": "ngram"'):
+    with pytest.raises(NotImplementedError, match="build_draft_proposer"):
         build_proposer(spec(method="draft_model", model="org/draft", num_speculative_tokens=3))
     assert MAX_SPECULATIVE_TOKENS == 32  # the bound the refusals above quote

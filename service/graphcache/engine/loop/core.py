@@ -55,6 +55,7 @@ from graphcache.engine.spec.acceptance import AcceptanceGate, AcceptanceRule
 from graphcache.engine.spec.build import build_proposer
 from graphcache.engine.spec.config import parse_speculative_config
 from graphcache.engine.spec.metrics import SpecDecodeMetrics
+from graphcache.engine.spec.proposer import Proposer
 from graphcache.metrics import Metrics
 
 __all__ = ["EngineCore"]
@@ -83,7 +84,16 @@ class _InFlight:
 
 
 class EngineCore:
-    def __init__(self, runner: Runner, settings: Settings, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        runner: Runner,
+        settings: Settings,
+        metrics: Metrics | None = None,
+        *,
+        proposer: Proposer | None = None,
+    ) -> None:
+        """proposer: the drafts' source when --speculative-config names one the engine builds beside the
+        runner (a draft model: engine/worker/draft_model.py); None: build_proposer's (n-gram)."""
         self.runner = runner
         self.settings = settings
         self.metrics = metrics
@@ -115,7 +125,7 @@ class EngineCore:
         self.spec_metrics: SpecDecodeMetrics | None = None
         if self.spec is not None:
             self.scheduler.spec = self.spec
-            self.scheduler.proposer = build_proposer(self.spec, runner.max_model_len)
+            self.scheduler.proposer = proposer or build_proposer(self.spec, runner.max_model_len)
             eng = settings.engine  # the turn-off rule by measured acceptance (engine/spec/acceptance.py)
             self.scheduler.acceptance = AcceptanceGate(
                 AcceptanceRule.for_method(

@@ -57,6 +57,7 @@ from graphcache.engine.loop.request_check import RequestChecker
 from graphcache.engine.loop.step_trace import write_step_trace
 from graphcache.engine.plan import Runner
 from graphcache.engine.sequence import RequestOutput, SamplingParams, StructuredSpec, TokenLogprob
+from graphcache.engine.worker.draft_model import DraftModelProposer, build_draft_proposer, fetch_draft_model
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.engine.worker.tp_runner import TensorParallelRunner
 from graphcache.graphs.cache import WarmupReport, warmup_order
@@ -106,6 +107,7 @@ class Engine(EngineFrontend):
         self._thread: threading.Thread | None = None
         self._core: EngineCore | None = None  # engine thread: set at load, dropped at exit
         self._tokenizer: Any = None  # kept after the runner is released
+        self._draft: DraftModelProposer | None = None  # the draft model (speculative decoding), engine thread
         self._max_model_len: int | None = None
         self._outbox: list[tuple[Handle, RequestOutput]] = []  # routed, not yet delivered
         self._warmups: deque[WarmupJob] = deque()  # admin warmups in progress, oldest first
@@ -218,14 +220,28 @@ class Engine(EngineFrontend):
         return await fut
 
     async def clear_graphs(self) -> dict:
-        return await self._call(lambda: self._admin_result(self._loaded_core.runner.cache.clear()))
+        return await self._call(lambda: self._admin_result(self._clear_graphs()))
+
+    def _clear_graphs(self) -> Any:
+        """Clear the target's graph cache, and the draft model's (its report under "draft")."""
+        report = self._loaded_core.runner.cache.clear()
+        if self._draft is None:
+            return report
+        return {**jsonable(report), "draft": jsonable(self._draft.runner.cache.clear())}
 
     async def cache_profile(self, min_uses: int = 1) -> dict:
         """The hot set of descriptors (GraphCache.profile): what a restart can warm up."""
         return await self._call(lambda: jsonable(self._loaded_core.runner.cache.profile(min_uses)))
 
     async def cache_info(self) -> dict:
-        return await self._call(lambda: jsonable(self._loaded_core.runner.cache.info()))
+        return await self._call(lambda: jsonable(self._cache_info()))
+
+    def _cache_info(self) -> dict:
+        """The target's graph cache, and the draft model's under "draft" (speculative decoding)."""
+        info = self._loaded_core.runner.cache.info()
+        if self._draft is not None:
+            info["draft"] = self._draft.info()
+        return info
 
     def _admin_result(self, report: Any) -> dict:
         self._refresh_stats(force=True)
@@ -276,7 +292,9 @@ class Engine(EngineFrontend):
         return self.settings.updated(model=str(folder), served_model_name=self.model_name)
 
     def _load(self) -> None:
-        settings = self._fetched_settings()
+        settings = fetch_draft_model(
+            self._fetched_settings(), lambda report: setattr(self, "progress", report)
+        )
         self.progress = {"phase": "loading model"}
         log.info("loading model %s", settings.model.path or "(the embedded tiny model)")
         from graphcache.model.loader import reporting_shards  # torch: the engine thread has it anyway
@@ -292,9 +310,11 @@ class Engine(EngineFrontend):
         with reporting_shards(shard_progress):
             runner = self._runner_factory(settings, self.metrics)
         try:
-            core = EngineCore(runner, settings, self.metrics)
+            self._draft = build_draft_proposer(settings, runner)  # speculative decoding's draft model
+            core = EngineCore(runner, settings, self.metrics, proposer=self._draft)
             self._set_generation_defaults(str(runner.model_path))
         except BaseException:
+            self._draft = None
             runner.close()
             raise
         if self.generation_defaults:
@@ -329,6 +349,8 @@ class Engine(EngineFrontend):
             self.warmup_report = WarmupReport()
         else:
             self.warmup_report = runner.warmup(progress=warmup_progress)  # the sampler's kernels too
+        if self._draft is not None:
+            self._draft.warmup()  # the draft's own graphs (its report is its cache's: /admin/cache "draft")
         self.warmup_seconds = time.perf_counter() - t0
         bm = core.block_manager
         log.info(
@@ -406,6 +428,8 @@ class Engine(EngineFrontend):
             try:
                 descs = core.runner.warmup_descriptors() if cmd.descriptors is None else cmd.descriptors
                 cmd.todo = deque(warmup_order(descs))
+                if cmd.descriptors is None and self._draft is not None:
+                    self._draft.warmup()  # the draft's configured warmup too, at once (a small model's)
             except Exception as exc:  # admin errors go back to the caller, the engine keeps serving
                 log.exception("admin warmup failed")
                 self._resolve(cmd, exc=exc)
@@ -558,6 +582,7 @@ class Engine(EngineFrontend):
         """Drop the core and runner (weights, KV cache, graph pools) on the thread that owns them, so
         a process can start another engine (benchmarks, tests) without holding two KV caches."""
         core, self._core = self._core, None
+        self._draft = None
         if core is None:
             return
         if core.step_trace is not None:

@@ -196,6 +196,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
         self.dropped.append(seq.key)  # the worker drops it; it comes back as a NewRequest
+        if self.proposer is not None:  # a draft model's cache frees its blocks (it rebuilds on resume)
+            self.proposer.remove(seq.request_id)
 
     def _never_fits(self, seq: Sequence, num_tokens: int) -> bool:
         return self.block_manager.blocks_for(num_tokens) > self.block_manager.num_usable

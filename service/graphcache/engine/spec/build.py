@@ -10,11 +10,13 @@ __all__ = ["build_proposer"]
 
 
 def build_proposer(config: SpeculativeConfig, max_model_len: int | None = None) -> Proposer:
-    """A host proposer for `config`. method draft_model needs a DeviceProposer (proposer.py), not built
-    yet: it is refused here (and by serve's preflight, before anything loads), with the way out."""
+    """The proposer for `config` that needs nothing but the config (n-gram). method draft_model loads a
+    model beside the target's: the engine builds it (engine/worker/draft_model.py: build_draft_proposer)
+    and hands it to EngineCore; reaching here with it is a wiring mistake, named as such."""
     if config.method == "ngram":
         return NgramProposer.from_config(config, max_model_len)
     raise NotImplementedError(
-        f"speculative_config.method {config.method!r}: the draft-model proposer is not built yet; "
-        'use "method": "ngram" for now, or leave --speculative-config unset'
+        f"speculative_config.method {config.method!r}: the draft-model proposer is built beside the model "
+        "runner (engine/worker/draft_model.py build_draft_proposer) and passed as EngineCore(..., "
+        "proposer=...); the Engine does this, a hand-built EngineCore must too"
     )

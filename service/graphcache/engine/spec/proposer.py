@@ -2,11 +2,13 @@
 
 Two kinds, because they need different things from the engine:
 
-- **Host proposers** (`Proposer`; n-gram now, suffix trees later) read each request's token ids and
-  return token lists. They run on the host, off the device's critical path (between steps, or while the
-  device runs the previous one), and keep whatever per-request state they like, keyed by request id.
+- **Host proposers** (`Proposer`; n-gram, the draft model, suffix trees later) read each request's token
+  ids and return token lists, and keep whatever per-request state they like, keyed by request id. The
+  n-gram one runs on the host; the draft model (engine/worker/draft_model.py) runs its own model with its
+  own KV cache on the engine thread inside `propose`, catching up on the accepted tokens by itself (the
+  longest common prefix with what its cache holds), so the engine hands it nothing after a verify step.
 
-- **Device proposers** (`DeviceProposer`; the draft model next, an EAGLE / MTP head later) run a model
+- **Device proposers** (`DeviceProposer`; an EAGLE / MTP head later) run a model
   with its own paged KV cache, and an EAGLE head also reads the target's hidden states. Not built yet:
   `DraftStepInputs` says what the engine must hand one after each verify step, so the worker integration
   is written once against it. Their drafts stay on the device (`DeviceDrafts`): the verify step takes

@@ -65,11 +65,13 @@ def num_kv_blocks(
     device: torch.device,
     start_free: int | None = None,
     reserve: int = 0,
+    late_bytes: int = 0,
 ) -> int:
     """This rank's KV block count (settings.engine.num_kv_blocks, or what fits); raises naming the fix
     when it cannot hold one sequence of max_model_len (max_blocks_per_seq blocks). start_free: the GPU's free
     bytes when this process started using it (before the weights), reserve: what it allocates after the
-    cache; both for gpu_memory_utilization."""
+    cache; both for gpu_memory_utilization. late_bytes: what else loads after the cache on CUDA (a draft
+    model's weights, activations and graphs: engine/worker/draft_memory.py), counted by either rule."""
     s = settings
     if s.engine.num_kv_blocks is not None:
         return s.engine.num_kv_blocks
@@ -78,7 +80,7 @@ def num_kv_blocks(
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         if utilization is None:
-            blocks = int(free * s.engine.kv_cache_memory_fraction) // block_bytes
+            blocks = int(max(free - late_bytes, 0) * s.engine.kv_cache_memory_fraction) // block_bytes
         else:
             start = free if start_free is None else start_free
             if start < utilization * total:
@@ -87,7 +89,9 @@ def num_kv_blocks(
                     f"GPU's {total / 2**30:.1f} GiB, but only {start / 2**30:.1f} GiB were free at start (other "
                     "processes hold the rest); lower --gpu-memory-utilization or free the GPU"
                 )
-            kv = utilization_kv_bytes(utilization, total=total, start_free=start, free=free, reserve=reserve)
+            kv = utilization_kv_bytes(
+                utilization, total=total, start_free=start, free=free, reserve=reserve + late_bytes
+            )
             blocks = max(kv, 0) // block_bytes
     else:
         blocks = min(s.engine.max_num_seqs * one_seq, CPU_KV_CACHE_MAX_BYTES // block_bytes)

@@ -41,6 +41,7 @@ from graphcache.choices import StepMode
 from graphcache.config import Settings
 from graphcache.engine.plan import StepOutput, StepPlan
 from graphcache.engine.worker.capture_sizes import resolve_capture_sizes
+from graphcache.engine.worker.draft_memory import draft_footprint
 from graphcache.engine.worker.input_batch import InputBatch, StepLayout
 from graphcache.engine.worker.kv_cache import (
     activation_reserve_bytes,
@@ -293,14 +294,25 @@ class ModelRunner:
             tp_size=self.tp.size,
             itemsize=self.dtype.itemsize,
         )
+        block_bytes = kv_block_bytes(c, self.block_size, self.num_kv_heads, self.dtype)
+        # A draft model (speculative decoding) loads after this cache with a cache of as many blocks.
+        draft = draft_footprint(
+            s,
+            block_size=self.block_size,
+            dtype=self.dtype,
+            max_tokens=self.max_tokens,
+            max_reqs=self.max_reqs,
+            max_model_len=self.max_model_len,
+        )
         blocks = num_kv_blocks(
             s,
-            block_bytes=kv_block_bytes(c, self.block_size, self.num_kv_heads, self.dtype),
+            block_bytes=block_bytes + (draft.block_bytes if draft else 0),
             max_blocks_per_seq=self.max_blocks_per_seq,
             max_model_len=self.max_model_len,
             device=self.device,
             start_free=self._start_free,
             reserve=reserve,
+            late_bytes=draft.fixed_bytes if draft else 0,
         )
         self.num_kv_blocks = agree_min_blocks(blocks, self.tp, self.device)
         self.kv_storage = alloc_kv_storage(
