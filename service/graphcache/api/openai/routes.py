@@ -39,7 +39,7 @@ from starlette.responses import Response
 from graphcache.api.openai import sampling, token_ids, tool_calls
 from graphcache.api.openai.answer_size import check_answer_size
 from graphcache.api.openai.choices import ChatShape, CompletionShape, Prompt
-from graphcache.api.openai.fanout import FanOut, Sampled, Sub, best_of, usage
+from graphcache.api.openai.fanout import FanOut, Sampled, Sub, best_of, prompt_usage, usage
 from graphcache.api.openai.logprobs import TokenText
 from graphcache.api.openai.prompt_encoding import encode_chat, encode_prompt
 from graphcache.api.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -311,11 +311,12 @@ async def _serve(
             firsts[:] = [sampling.echo_only(out) for out in firsts]
         merged = fan.merged(firsts)
         try:
-            for k, out in enumerate(firsts):
-                samples[k].add(out)
-            for opening in shape.opening(len(samples), usage(samples) if continuous else None):
+            # Continuous usage grows chunk by chunk: the role chunks count the prompts only, each
+            # first chunk adds its own tokens.
+            for opening in shape.opening(len(samples), prompt_usage(samples, firsts) if continuous else None):
                 yield _data(opening)
             for k, out in enumerate(firsts):  # echo's prompt logprobs: built on the response pool
+                samples[k].add(out)
                 data = await answer_json.chunk_data(shape, k, out, usage(samples) if continuous else None)
                 if data is not None:
                     yield data
@@ -370,11 +371,13 @@ async def _completion_prompt(
             token_ids.check_prompt_ids, kept, token_ids.vocab_size(engine), engine.max_model_len, param
         )
     echo = ""
-    if body.echo:  # the prompt as sent; a token-id or truncated prompt as its decoding
+    if body.echo:  # the prompt as sent; a truncated text prompt as its decoding (the BOS the server added
+        # left out), a token-id prompt with its special tokens kept: they are the client's (vLLM's echo)
+        text_prompt = isinstance(prompt, str)
         echo = (
             prompt
-            if isinstance(prompt, str) and kept is ids
-            else await run_input(engine.tokenizer.decode, kept)
+            if text_prompt and kept is ids
+            else await run_input(engine.tokenizer.decode, kept, text_prompt)
         )
     return Prompt(kept, echo)
 

@@ -55,7 +55,9 @@ def _keys(keys: list[str]) -> str:
 
 class StreamOptions(RequestBody):
     include_usage: SBool = False
-    continuous_usage_stats: SBool = Field(False, description="Every chunk carries the usage so far.")
+    continuous_usage_stats: SBool = Field(
+        False, description="With include_usage: every chunk carries the usage so far."
+    )
 
 
 class SamplingFields(RequestBody):
@@ -188,7 +190,8 @@ class SamplingFields(RequestBody):
 
     @property
     def continuous_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        """Usage on every chunk: continuous_usage_stats counts only together with include_usage (as vLLM)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     @property
     def num_samples(self) -> int:
