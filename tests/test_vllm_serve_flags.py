@@ -385,3 +385,27 @@ def test_normalize_argv_leaves_values_alone():
         "--enforce-eager",
     ]
     assert isinstance(serve, argparse.ArgumentParser)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--structured-outputs-config", '{"disable_any_whitespace": true}'],
+        ["--guided-decoding-backend", "xgrammar:disable-any-whitespace"],
+        ["--guided-decoding-backend", "guidance:disable-any-whitespace,no-fallback"],
+    ],
+    ids=lambda a: " ".join(a),
+)
+def test_vllms_disable_any_whitespace_makes_json_compact(argv):
+    assert read(*argv).settings.http.json_disable_any_whitespace is True
+
+
+def test_structured_outputs_config_without_the_option_changes_nothing_and_warns():
+    r = read("--structured-outputs-config", '{"backend": "xgrammar"}')
+    assert r.settings.http.json_disable_any_whitespace is False
+    assert len(r.warnings) == 1 and "llguidance" in r.warnings[0]
+    assert read("--structured-outputs-config", '{"disable_any_whitespace": true}').warnings == []
+
+
+def test_structured_outputs_config_must_be_a_json_object(capsys):
+    assert "JSON object" in refused(capsys, "--structured-outputs-config", "[1]")

@@ -36,10 +36,12 @@ class StructuredSpec:
 
     kind: "json" (any JSON object), "json_schema" (value: the schema as a JSON string), "regex"
     (value: the pattern), "choice" (value: a tuple of allowed strings), "grammar" (value: a
-    Lark/EBNF grammar), "structural_tag" is not supported."""
+    Lark/EBNF grammar), "structural_tag" is not supported. compact: JSON without whitespace outside
+    strings (vLLM's disable_any_whitespace; json and json_schema kinds only)."""
 
     kind: str
     value: Any = None
+    compact: bool = False
 
 
 class TokenIds(tuple):

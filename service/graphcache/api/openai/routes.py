@@ -36,7 +36,7 @@ from sse_starlette import EventSourceResponse
 from sse_starlette.sse import AppStatus
 from starlette.responses import Response
 
-from graphcache.api.openai import sampling, token_ids, tool_calls
+from graphcache.api.openai import constraints, sampling, token_ids, tool_calls
 from graphcache.api.openai.answer_size import check_answer_size
 from graphcache.api.openai.choices import ChatShape, CompletionShape, Prompt
 from graphcache.api.openai.fanout import FanOut, Sampled, Sub, best_of, prompt_usage, usage
@@ -90,16 +90,24 @@ def _tool_spec(body: ChatCompletionRequest, tool_call_parser: str = "hermes") ->
         raise api_error_for(e) from None
 
 
-def _constraint(body, tool_spec: StructuredSpec | None = None) -> tuple[StructuredSpec, str] | None:
+def _constraint(
+    body, compact_default: bool, tool_spec: StructuredSpec | None = None
+) -> tuple[StructuredSpec, str] | None:
     """The output constraint and the field the client set it with (a tool_choice's grammar holds the
-    tools' parameter schemas: "tools"). The body's check() already refused two constraints at once."""
+    tools' parameter schemas: "tools"). The body's check() already refused two constraints at once.
+    JSON is compact as the request's disable_any_whitespace says, else as the server's default."""
     if tool_spec is not None:
         return tool_spec, "tools"
     try:
         found = body.structured_constraints()
+        own = constraints.disable_any_whitespace(body.structured_outputs)
     except InvalidRequest as e:
         raise api_error_for(e) from None
-    return (StructuredSpec(found[0][1], found[0][2]), found[0][0]) if found else None
+    if not found:
+        return None
+    param, kind, value = found[0]
+    compact = (compact_default if own is None else own) and kind in constraints.JSON_KINDS
+    return StructuredSpec(kind, value, compact), param
 
 
 def _compile(engine, spec: StructuredSpec, param: str) -> None:
@@ -373,12 +381,10 @@ async def _completion_prompt(
     echo = ""
     if body.echo:  # the prompt as sent; a truncated text prompt as its decoding (the BOS the server added
         # left out), a token-id prompt with its special tokens kept: they are the client's (vLLM's echo)
-        text_prompt = isinstance(prompt, str)
-        echo = (
-            prompt
-            if text_prompt and kept is ids
-            else await run_input(engine.tokenizer.decode, kept, text_prompt)
-        )
+        if isinstance(prompt, str) and kept is ids:
+            echo = prompt
+        else:
+            echo = await run_input(engine.tokenizer.decode, kept, isinstance(prompt, str))
     return Prompt(kept, echo)
 
 
@@ -418,7 +424,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     _checked(body)
     engine = serving_engine(request)
     model = check_model(engine, body.model)
-    constraint = _constraint(body)
+    constraint = _constraint(body, request.app.state.settings.http.json_disable_any_whitespace)
     await _check_constraint(engine, constraint)
     structured = constraint[0] if constraint else None
     batch = len(body.prompts) > 1
@@ -448,7 +454,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     _checked(body)
     tools = template_tools(body.tools)
     api_settings = request.app.state.settings.http
-    constraint = _constraint(body, _tool_spec(body, api_settings.tool_call_parser))
+    compact = request.app.state.settings.http.json_disable_any_whitespace
+    constraint = _constraint(body, compact, _tool_spec(body, api_settings.tool_call_parser))
     engine = serving_engine(request)
     model = check_model(engine, body.model)
     await _check_constraint(engine, constraint)
