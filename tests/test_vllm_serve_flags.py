@@ -264,7 +264,7 @@ REFUSED = [
     (["--lora-modules", "sql=/adapters/sql"], "merge_and_unload"),
     (["--ssl-keyfile", "/k.pem", "--ssl-certfile", "/c.pem"], "terminate TLS"),
     (["--uds", "/tmp/s"], "--host and --port"),
-    (["--scheduling-policy", "priority"], "fcfs"),
+    (["--scheduling-policy", "lifo"], "priority"),
     (["--cpu-offload-gb", "4"], "--quantization fp8"),
     (["--load-format", "pt"], "safetensors"),
     (["--rope-scaling", '{"rope_type": "yarn"}'], "config.json"),
@@ -409,3 +409,9 @@ def test_structured_outputs_config_without_the_option_changes_nothing_and_warns(
 
 def test_structured_outputs_config_must_be_a_json_object(capsys):
     assert "JSON object" in refused(capsys, "--structured-outputs-config", "[1]")
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_scheduling_policy_is_vllms(policy):
+    r = read("--scheduling-policy", policy)
+    assert r.settings.engine.scheduling_policy == policy and r.warnings == []

@@ -25,9 +25,11 @@ __all__ = [
     "LOG_FORMATS",
     "LOG_LEVELS",
     "QUANTIZATIONS",
+    "SCHEDULING_POLICIES",
     "STEP_MODES",
     "AdmissionRule",
     "AsyncScheduling",
+    "SchedulingPolicy",
     "AttentionBackend",
     "CaptureMode",
     "CaptureWarmup",
@@ -59,6 +61,8 @@ Quantization = Literal["auto", "fp8"]  # auto: as the checkpoint is; fp8: FP8 pr
 
 # --- engine
 AsyncScheduling = Literal["auto", "on", "off"]
+# vLLM's --scheduling-policy: first come, first served; or by the request's priority (lower first).
+SchedulingPolicy = Literal["fcfs", "priority"]
 StepMode = Literal["replay", "eager"]  # how a step ran: a graph replay (or capture), or eagerly
 
 # --- graph cache
@@ -84,6 +88,7 @@ DECODE_ATTENTION_BACKENDS: tuple[str, ...] = get_args(DecodeAttentionBackend)
 FUSED_OPS_MODES: tuple[str, ...] = get_args(FusedOps)
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 ASYNC_SCHEDULING_MODES: tuple[str, ...] = get_args(AsyncScheduling)
+SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
 STEP_MODES: tuple[str, ...] = get_args(StepMode)
 CAPTURE_MODES: tuple[str, ...] = get_args(CaptureMode)
 ADMISSION_RULES: tuple[str, ...] = get_args(AdmissionRule)

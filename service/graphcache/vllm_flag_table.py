@@ -697,14 +697,6 @@ FLAGS: tuple[VllmFlag, ...] = (
     _v("--max-num-partial-prefills", apply=PREFILL_POLICY, help="ignored (warning)"),
     _v("--max-long-partial-prefills", apply=PREFILL_POLICY, help="ignored (warning)"),
     _v("--long-prefill-token-threshold", apply=PREFILL_POLICY, help="ignored (warning)"),
-    _v(
-        "--scheduling-policy",
-        apply=ok_if(
-            _in("fcfs"),
-            refuse("priority scheduling is not implemented yet; use --scheduling-policy fcfs"),
-        ),
-        help="fcfs as vLLM; priority refused",
-    ),
     _v("--scheduler-cls", apply=CUSTOM_CODE, help="refused: no custom classes are loaded"),
     _v(
         "--num-scheduler-steps",

@@ -402,7 +402,11 @@ COMPLETION_CASES = {
     "guided_grammar": ('root ::= "yes" | "no"', {}, structured("grammar", 'root ::= "yes" | "no"')),
     "guided_decoding_backend": ("outlines", {}, REFUSED),
     "guided_whitespace_pattern": (r"\s*", {}, REFUSED),
-    "priority": (1, {}, REFUSED),
+    "priority": (
+        0,
+        {},
+        p(priority=0),
+    ),  # other values need --scheduling-policy priority (test_vllm_chat_parity)
     "logits_processors": (["my.module.Processor"], {}, REFUSED),
     "return_tokens_as_token_ids": (True, {"logprobs": 0}, _as_ids),
     "return_token_ids": (True, {}, _token_ids),

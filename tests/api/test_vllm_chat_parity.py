@@ -263,3 +263,45 @@ async def test_echo_of_a_text_prompt_is_the_text_as_sent(served):
     oai, _, _ = served
     r = await oai.completions.create(model=MODEL, prompt="Once upon", max_tokens=1, temperature=0, echo=True)
     assert r.choices[0].text.startswith("Once upon") and "<|bos|>" not in r.choices[0].text
+
+
+# --------------------------------------------------------------------------- priority
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_priority_under_fcfs_is_a_400_naming_the_fix(served, path):
+    """vLLM refuses a non-zero priority when priority scheduling is off; 0 is the default and passes."""
+    _, client, _ = served
+    body = (
+        {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    r = await client.post(path, json={**body, "max_tokens": 2, "priority": 3})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "priority" and "--scheduling-policy priority" in err["message"]
+    ok = await client.post(path, json={**body, "max_tokens": 2, "priority": 0})
+    assert ok.status_code == 200, ok.text
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def by_priority(tmp_path_factory):
+    settings = Settings(cache_dir=tmp_path_factory.mktemp("cache"), scheduling_policy="priority", **SMALL)
+    async with serving(settings) as (client, app):
+        yield client, app
+
+
+@pytest.mark.parametrize("priority", [-3, 0, 7])
+async def test_priority_scheduling_takes_the_field(by_priority, priority):
+    client, app = by_priority
+    r = await client.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "priority": priority, "ignore_eos": True}
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+    assert app.state.engine.core.scheduler.policy == "priority"
+
+
+async def test_priority_must_be_an_integer(by_priority):
+    client, _ = by_priority
+    r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "priority": "high"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"

@@ -122,6 +122,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None = off; k >= 0: each prompt token's logprob + the top k (echo)
     # --- structured output (structured.py): None, or what the output must match ------------
     structured: StructuredSpec | None = None
+    # --- scheduling: lower runs first under the priority policy (vLLM's `priority`); fcfs ignores it
+    priority: int = 0
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the bad field (the API maps it to 400)."""

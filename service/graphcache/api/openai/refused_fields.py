@@ -44,7 +44,6 @@ _REFUSED_COMMON: dict[str, tuple[tuple, str]] = {
     "guided_decoding_backend": ((), "the server has one structured-output backend"),
     "guided_whitespace_pattern": ((), "the JSON grammar's whitespace rule is fixed"),
     "structural_tag": ((), "structural tags are not supported; use guided_json / response_format"),
-    "priority": ((0,), "requests are scheduled first come, first served (no priorities)"),
     "cache_salt": ((), "the prefix cache is not salted per request"),
     "kv_transfer_params": ((), _NO_DISAGG),
     "ec_transfer_params": ((), _NO_DISAGG),

@@ -193,12 +193,20 @@ def model_card(request: Request) -> dict:
     }
 
 
-def _checked(body: CompletionRequest | ChatCompletionRequest) -> None:
-    """The body's cross-field rules, before the engine is looked at."""
+def _checked(body: CompletionRequest | ChatCompletionRequest, request: Request) -> None:
+    """The body's cross-field rules, before the engine is looked at; a priority only where the server
+    schedules by it (vLLM refuses it under fcfs as well)."""
     try:
         body.check()
     except InvalidRequest as e:
         raise api_error_for(e) from None
+    if body.priority != 0 and request.app.state.settings.engine.scheduling_policy != "priority":
+        raise APIError(
+            400,
+            f"priority {body.priority} needs priority scheduling, and this server schedules first come, "
+            "first served: leave priority at 0, or start the server with --scheduling-policy priority",
+            param="priority",
+        )
 
 
 def _ids(prefix: str, body) -> tuple[str, str]:
@@ -421,7 +429,7 @@ async def _base_params(engine, body, structured: StructuredSpec | None, num_prom
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    _checked(body)
+    _checked(body, request)
     engine = serving_engine(request)
     model = check_model(engine, body.model)
     constraint = _constraint(body, request.app.state.settings.http.json_disable_any_whitespace)
@@ -451,7 +459,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    _checked(body)
+    _checked(body, request)
     tools = template_tools(body.tools)
     api_settings = request.app.state.settings.http
     compact = request.app.state.settings.http.json_disable_any_whitespace

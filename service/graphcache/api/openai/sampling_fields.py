@@ -111,6 +111,12 @@ class SamplingFields(RequestBody):
     session_id: str | None = Field(
         None, max_length=512, description="Written to the server log with the request."
     )
+    priority: SInt = Field(
+        0,
+        ge=INT64_MIN,
+        le=INT64_MAX,
+        description="With --scheduling-policy priority: lower runs first (ties by arrival); else only 0.",
+    )
 
     # Refused unless at their defaults (api/openai/refused_fields.py); declared so they are never "unknown".
     use_beam_search: Any = False
@@ -121,7 +127,6 @@ class SamplingFields(RequestBody):
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
     structural_tag: Any = None
-    priority: Any = 0
     cache_salt: Any = None
     kv_transfer_params: Any = None
     ec_transfer_params: Any = None
