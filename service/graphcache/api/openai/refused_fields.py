@@ -28,13 +28,10 @@ def refusing(refused: dict[str, tuple[tuple, str]]):
     return field_validator(*refused)(check)
 
 
-_NO_BEAM = "beam search is not implemented (sample several choices with n / best_of)"
 _NO_DISAGG = "no disaggregated (KV / encoder-cache transfer) serving"
 _RENDER_ONLY = "it applies to vLLM's /render endpoints only, which this server does not have"
 # Both endpoints: field -> (accepted values, why anything else is refused).
 _REFUSED_COMMON: dict[str, tuple[tuple, str]] = {
-    "use_beam_search": ((False,), _NO_BEAM),
-    "length_penalty": ((1.0, 1), "it only weighs beam search, which is not implemented"),
     "watermarking": ((False,), "no output watermarking"),
     "spaces_between_special_tokens": (
         (True,),

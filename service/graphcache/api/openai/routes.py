@@ -36,7 +36,7 @@ from sse_starlette import EventSourceResponse
 from sse_starlette.sse import AppStatus
 from starlette.responses import Response
 
-from graphcache.api.openai import constraints, sampling, token_ids, tool_calls
+from graphcache.api.openai import beam_search, constraints, sampling, token_ids, tool_calls
 from graphcache.api.openai.answer_size import check_answer_size
 from graphcache.api.openai.choices import ChatShape, CompletionShape, Prompt
 from graphcache.api.openai.fanout import FanOut, Sampled, Sub, best_of, prompt_usage, usage
@@ -198,6 +198,7 @@ def _checked(body: CompletionRequest | ChatCompletionRequest, request: Request) 
     schedules by it (vLLM refuses it under fcfs as well)."""
     try:
         body.check()
+        beam_search.check(body)
     except InvalidRequest as e:
         raise api_error_for(e) from None
     if body.priority != 0 and request.app.state.settings.engine.scheduling_policy != "priority":
@@ -454,6 +455,10 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         prompts,
         TokenText(engine.tokenizer, body.return_tokens_as_token_ids),
     )
+    if body.use_beam_search:
+        return await beam_search.answer(
+            request, engine, body, shape, prompts, [body.max_tokens] * len(prompts)
+        )
     return await _serve(request, fan, plan, shape, body.stream)
 
 
@@ -504,4 +509,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     shape.parse_tools = body.tools_active
     shape.tool_format = tool_call_format(api_settings.tool_call_parser)
     shape.reasoning_parser = api_settings.reasoning_parser
+    if body.use_beam_search:
+        limit = body.max_new_tokens or _room(engine, len(ids)) or 1
+        return await beam_search.answer(request, engine, body, shape, prompts, [limit])
     return await _serve(request, fan, plan, shape, body.stream)

@@ -118,9 +118,14 @@ class SamplingFields(RequestBody):
         description="With --scheduling-policy priority: lower runs first (ties by arrival); else only 0.",
     )
 
+    use_beam_search: SBool = Field(
+        False, description="Beam search (api/openai/beam_search.py): n beams, ranked, answered whole."
+    )
+    length_penalty: SFloat = Field(
+        1.0, description="Beam search: score = cumulative logprob / length ** this."
+    )
+
     # Refused unless at their defaults (api/openai/refused_fields.py); declared so they are never "unknown".
-    use_beam_search: Any = False
-    length_penalty: Any = 1.0
     watermarking: Any = False
     spaces_between_special_tokens: Any = True
     logprob_token_ids: Any = None
