@@ -103,6 +103,8 @@ def engine_settings(args, enforce_eager: bool) -> Settings:
         max_model_len=args.max_model_len,
         max_queue=max(args.num_seqs, 2048),
         **{k: v for k, v in limits.items() if v is not None},
+        # only when given: the old tree's Settings (realistic_old) has no such field
+        **({"speculative_config": args.speculative_config} if args.speculative_config else {}),
     )
 
 
@@ -332,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-capture-size", type=int, help="default: the server's for the device")
+    ap.add_argument(
+        "--speculative-config", help="the engine modes' --speculative-config JSON (benchmarks/spec_decode.py)"
+    )
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--hf-cache", default="static", choices=["static", "dynamic"])
     ap.add_argument(

@@ -14,9 +14,11 @@ phase() {  # name, timeout seconds, command...
   timeout "$t" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
   echo "--- $name rc=$rc"; tail -n "${TAIL:-25}" "$OUT/$name.log"
 }
-old_bench_files() {  # this tree's benchmark files into the old tree (.old), with the old engine's module paths
-  cp benchmarks/offline_throughput.py benchmarks/workloads.py benchmarks/model_shapes.py benchmarks/step_trace.py \
-     .old/benchmarks/ && sed -i -E 's/graphcache\.engine\.(loop|sched|worker|sample)\./graphcache.engine./g' .old/benchmarks/*.py
+old_bench_files() {  # this tree's benchmark files into the old tree (.old); a tree from before the engine's
+  # stage folders (no engine/loop) gets the old module paths
+  cp benchmarks/offline_throughput.py benchmarks/workloads.py benchmarks/model_shapes.py benchmarks/step_trace.py .old/benchmarks/ &&
+    { [ -d .old/service/graphcache/engine/loop ] ||
+      sed -i -E 's/graphcache\.engine\.(loop|sched|worker|sample)\./graphcache.engine./g' .old/benchmarks/*.py; }
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
@@ -121,6 +123,16 @@ for p in ${PHASES:-tests pool capture}; do
     # Offline throughput of the 8B shape, nano workload, graph mode: bf16, then --quantization fp8.
     fp8_offline) for q in auto fp8; do GRAPHCACHE_QUANTIZATION=$q phase fp8_offline_$q 400 python3 benchmarks/offline_throughput.py \
                --make-model llama8b:/tmp/llama8b --modes graph --workload nano --out "$OUT/fp8_offline_$q.json"; done ;;
+    # Speculative decoding (issue 37, benchmarks/spec_decode.py): 1 and 8 streams without and with the n-gram proposer on
+    # copy prompts, one decode and one verify step per k (1,2,4,8) at 1 and 8 rows, TPOT against what they predict.
+    # SPEC_MODEL=qwen05b|llama8b; SPEC_ARGS: more flags (--self-draft, --draft-model DIR, --output-len 128, --k 8).
+    spec) m=${SPEC_MODEL:-qwen05b}; TAIL=${TAIL:-40} phase spec_$m 480 python3 benchmarks/spec_decode.py \
+               --make-model "$m:/tmp/$m" --out "$OUT/spec_$m.json" ${SPEC_ARGS:-} ;;
+    # The realistic offline workload at the defaults, graph mode, without and with n-gram speculation configured:
+    # the throughput ratio (issue 37: >= 0.97). SPEC_MODEL as above; SPEC_REALISTIC_ARGS: --realistic-requests N.
+    spec_realistic) m=${SPEC_MODEL:-qwen05b}; phase spec_realistic_$m 560 python3 benchmarks/spec_decode.py \
+               --make-model "$m:/tmp/$m" --streams none --ks "" --realistic --out "$OUT/spec_realistic_$m.json" \
+               ${SPEC_REALISTIC_ARGS:-} ;;
     *) echo "unknown phase $p" ;;
   esac
 done

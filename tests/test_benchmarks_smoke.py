@@ -14,7 +14,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import fp8_gemv_sweep, kernel_table, offline_throughput, open_loop, workloads  # noqa: E402
+from benchmarks import (  # noqa: E402
+    fp8_gemv_sweep,
+    kernel_table,
+    offline_throughput,
+    open_loop,
+    spec_decode,
+    workloads,
+)
 
 
 def test_realistic_workload_shape():
@@ -77,6 +84,32 @@ def test_open_loop_smoke(tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     assert row["errors"] == 0 and row["requests"] == 6
     assert row["ttft_ms_p50"] > 0 and row["itl_ms_p50"] >= 0 and row["output_tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_spec_decode_smoke(tmp_path):
+    """Streams without and with the n-gram proposer (the turn-off rule off: c = 0, so the tiny model's loops
+    are drafted), step times per k, the draft-model rows (run, or skipped with the reason where this tree has
+    no draft-model proposer) and the realistic ratio."""
+    out = tmp_path / "spec.json"
+    argv = ["--smoke", "--token-cost", "0", "--self-draft", "--realistic", "--out", str(out)]
+    assert spec_decode.main(argv) == 0
+    result = json.loads(out.read_text())
+    rows = {(r["proposer"], r["streams"]): r for r in result["streams"]}
+    assert {("none", 1), ("ngram", 1), ("none", 2), ("ngram", 2)} <= set(rows)
+    for s in (1, 2):
+        ngram = rows[("ngram", s)]
+        assert (
+            ngram["same_tokens"] is True
+            and ngram["output_tokens"] == rows[("none", s)]["output_tokens"] == 32 * s
+        )
+        assert 0 <= ngram["acceptance_rate"] <= 1 and ngram["mean_accepted_length"] >= 1
+    ngram = rows[("ngram", 2)]
+    assert ngram["drafts"] > 0 and ngram["pred_tpot_ms"] > 0 and ngram["verify_step_ms"] > 0
+    assert [t["rows"] for t in result["step_times"]] == [1, 2]
+    assert all(set(t["verify_ms"]) == {"1", "2", "4"} and t["decode_ms"] > 0 for t in result["step_times"])
+    assert ("self-draft", 1) in rows or any("draft_model" in n for n in result["notes"])
+    assert result["realistic"]["ratio"] > 0
 
 
 @pytest.mark.slow

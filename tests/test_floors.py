@@ -28,8 +28,8 @@ FLOORS = {
     "config": 1,
     "metrics": 1,
     "settings": 0,
-    "vllm_flags": 0,
-    "exit_watchdog": 0,  # cli's stop watchdog: imports nothing of the package  # cli's vLLM flags, above their table (vllm_flag_table, like every unlisted module: -1)
+    "vllm_flags": 0,  # cli's vLLM flags, above their table (vllm_flag_table, like every unlisted module: -1)
+    "exit_watchdog": 0,  # cli's stop watchdog: imports nothing of the package
     "choices": -1,
     "vllm_metrics": -1,
 }

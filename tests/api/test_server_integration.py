@@ -191,6 +191,25 @@ def test_openai_client_sees_errors(client):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
 
 
+def test_responses_api_with_openai_client(client):
+    """/v1/responses on the real server: a whole response, and a stream through responses.stream."""
+    r = client.responses.create(
+        model="graphcache-tiny",
+        instructions="Be brief.",
+        input="Hello",
+        max_output_tokens=4,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.object == "response" and r.status == "incomplete" and r.output_text
+    assert r.usage.output_tokens == 4 and r.incomplete_details.reason == "max_output_tokens"
+    with client.responses.stream(
+        model="graphcache-tiny", input="Hello", max_output_tokens=4, extra_body={"ignore_eos": True}
+    ) as stream:
+        events = list(stream)
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == text != ""
+
+
 def test_admin_warmup_clear_and_metrics_agree(server):
     base = server[1]
     assert httpx.get(f"{base}/admin/cache").status_code == 401

@@ -129,6 +129,8 @@ def stack(tmp_path_factory):
         GRAPHCACHE_MAX_NUM_SEQS="8",
         GRAPHCACHE_MAX_CAPTURE_SIZE="8",
         GRAPHCACHE_LOG_LEVEL="warning",
+        # speculation on, so the vllm:spec_decode_* series the dashboard's panels query exist
+        GRAPHCACHE_SPECULATIVE_CONFIG='{"method": "ngram", "num_speculative_tokens": 2}',
     )
     log = tmp / "server.log"
     with log.open("w") as out:

@@ -19,6 +19,7 @@ import yaml
 from fastapi.testclient import TestClient
 from graphcache.api.server.app import create_app
 from graphcache.config import Settings
+from graphcache.engine.spec.metrics import SpecDecodeMetrics
 from graphcache.metrics import Metrics
 from prometheus_client import generate_latest
 
@@ -112,8 +113,16 @@ def test_dashboard_queries_parse_as_promql(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def speculating_metrics() -> Metrics:
+    """The server's registry as an engine with --speculative-config leaves it (the vllm:spec_decode_*
+    series exist only then, as in vLLM)."""
+    metrics = Metrics()
+    metrics.spec_decode = SpecDecodeMetrics(metrics.registry, metrics.vllm, num_speculative_tokens=2)
+    return metrics
+
+
 def test_every_vllm_family_is_on_the_dashboard():
-    exposed = exposed_sample_names(generate_latest(Metrics().registry).decode())
+    exposed = exposed_sample_names(generate_latest(speculating_metrics().registry).decode())
     families = {
         re.sub(r"_(total|bucket|sum|count|created)$", "", n) for n in exposed if n.startswith("vllm:")
     }
@@ -134,7 +143,7 @@ def test_dashboard_metrics_exist_on_an_app():
         alive = ready = True
         model_name = "stub"
 
-    metrics = Metrics()
+    metrics = speculating_metrics()  # the spec_decode series: as a server with --speculative-config has them
     metrics.vllm.set_cache_config(block_size=16, num_gpu_blocks=8, cache_dtype="float32")
     client = TestClient(
         create_app(Settings(), engine=Stub(), metrics=metrics)
@@ -142,6 +151,58 @@ def test_dashboard_metrics_exist_on_an_app():
     assert client.get("/no-such-path").status_code == 404  # measured, as handler "none"
     exposed = exposed_sample_names(client.get("/metrics").text)
     assert queried_names() - exposed == set()
+
+
+def test_speculative_decoding_panels_compute_vllms_ratios(tmp_path):
+    """The panel's queries, evaluated by promtool over counters growing as one step of SpecDecodeMetrics'
+    test does every 15 s (4 drafts, 9 draft tokens, 5 accepted; per position 3, 1, 1): acceptance rate 5/9,
+    per position 3/4, 1/4, 1/4, mean accepted length 1 + 5/4 (vLLM's, the bonus token included), mean
+    draft length 9/4."""
+    queries = {
+        title: [e for t, e in exprs() if t == title]
+        for title in ("Draft acceptance rate", "Mean accepted length")
+    }
+    (rate, per_pos), (length, drafted) = queries.values()
+    base = 'model_name="m", engine="0"'
+    series = [
+        (f"vllm:spec_decode_num_drafts_total{{{base}}}", 4),
+        (f"vllm:spec_decode_num_draft_tokens_total{{{base}}}", 9),
+        (f"vllm:spec_decode_num_accepted_tokens_total{{{base}}}", 5),
+    ] + [
+        (f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{base}, position="{p}"}}', n)
+        for p, n in enumerate((3, 1, 1))
+    ]
+
+    def case(expr: str, samples: list[tuple[str, float]]) -> dict:
+        return {
+            "expr": grafana_to_promql(expr),
+            "eval_time": "5m",
+            "exp_samples": [{"labels": labels, "value": value} for labels, value in samples],
+        }
+
+    test = {
+        "rule_files": [],
+        "evaluation_interval": "15s",
+        "tests": [
+            {
+                "interval": "15s",
+                "input_series": [{"series": name, "values": f"0+{step}x40"} for name, step in series],
+                "promql_expr_test": [
+                    case(rate, [('{model_name="m"}', 5 / 9)]),
+                    case(
+                        per_pos,
+                        [(f'{{model_name="m", position="{p}"}}', n / 4) for p, n in enumerate((3, 1, 1))],
+                    ),
+                    case(length, [('{model_name="m"}', 1 + 5 / 4)]),
+                    case(drafted, [('{model_name="m"}', 9 / 4)]),
+                ],
+            }
+        ],
+    }
+    f = tmp_path / "spec_panels_test.yml"
+    f.write_text(yaml.safe_dump(test))
+    proc = promtool("test", "rules", str(f))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 # --- live: a graphcache server scraped by Prometheus ------------------------------------------------

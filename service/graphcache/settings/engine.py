@@ -98,6 +98,26 @@ class EngineSettings(SettingsSection):
         "(keys: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, model, "
         "disable_by_batch_size; engine/spec/config.py). Unset: off.",
     )
+    speculative_token_cost: float | None = Field(
+        None,
+        ge=0,
+        description="Speculative decoding's turn-off rule (engine/spec/acceptance.py): what one draft token "
+        "costs (verifying it, and drafting it with a draft model), as a share of a plain decode step. A "
+        "request whose measured acceptance rate (accepted / draft tokens) is at or below it stops drafting; "
+        "0: never (the rule is off). Unset: 0.1 for ngram, 0.3 for draft_model (docs/DEPLOY.md has the measured costs).",
+    )
+    speculative_judge_drafts: int = Field(
+        8,
+        ge=1,
+        description="Speculative decoding: verify steps with drafts before a request's acceptance is judged "
+        "(its judgment follows about this many of its latest drafts).",
+    )
+    speculative_reprobe_steps: int = Field(
+        64,
+        ge=0,
+        description="Speculative decoding: decode steps a request turned off by its acceptance waits before "
+        "it drafts again to be judged anew (doubling after each failed probe, up to 8x); 0: it stays off.",
+    )
 
     @model_validator(mode="after")
     def _one_kv_budget(self) -> EngineSettings:

@@ -50,13 +50,15 @@ def _chat_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             entry["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
             entry["tool_calls"] = m.tool_calls
+        if m.reasoning_content is not None:
+            entry["reasoning_content"] = m.reasoning_content
         chat.append(entry)
     return chat
 
 
 def _client_chars(chat: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
     """Characters of client text the template renders: contents, earlier tool calls, tool definitions."""
-    chars = sum(len(m["content"]) for m in chat)
+    chars = sum(len(m["content"]) + len(m.get("reasoning_content", "")) for m in chat)
     structured = [m["tool_calls"] for m in chat if "tool_calls" in m] + ([tools] if tools else [])
     return chars + (len(json.dumps(structured, ensure_ascii=False)) if structured else 0)
 

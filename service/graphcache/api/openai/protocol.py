@@ -126,6 +126,9 @@ class ChatMessage(RequestBody):
     name: Text | None = Field(None, max_length=512, description="Passed to the chat template.")
     tool_call_id: Text | None = Field(None, max_length=512, description='The call a "tool" message answers.')
     tool_calls: list[dict[str, Any]] | None = Field(None, description="An assistant message's earlier calls.")
+    reasoning_content: Text | None = Field(
+        None, description="An assistant message's earlier reasoning, for templates that render it (Qwen3)."
+    )
 
     @field_validator("tool_calls")
     @classmethod

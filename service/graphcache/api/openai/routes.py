@@ -91,7 +91,7 @@ def _tool_spec(body: ChatCompletionRequest, tool_call_parser: str = "hermes") ->
 
 
 def _constraint(
-    body, compact_default: bool, tool_spec: StructuredSpec | None = None
+    body, tool_spec: StructuredSpec | None = None, compact_default: bool = False
 ) -> tuple[StructuredSpec, str] | None:
     """The output constraint and the field the client set it with (a tool_choice's grammar holds the
     tools' parameter schemas: "tools"). The body's check() already refused two constraints at once.
@@ -193,7 +193,7 @@ def model_card(request: Request) -> dict:
     }
 
 
-def _checked(body: CompletionRequest | ChatCompletionRequest, request: Request) -> None:
+def _checked(body: CompletionRequest | ChatCompletionRequest, request: Request | None = None) -> None:
     """The body's cross-field rules, before the engine is looked at; a priority only where the server
     schedules by it (vLLM refuses it under fcfs as well)."""
     try:
@@ -201,7 +201,8 @@ def _checked(body: CompletionRequest | ChatCompletionRequest, request: Request) 
         beam_search.check(body)
     except InvalidRequest as e:
         raise api_error_for(e) from None
-    if body.priority != 0 and request.app.state.settings.engine.scheduling_policy != "priority":
+    policy = request.app.state.settings.engine.scheduling_policy if request is not None else "fcfs"
+    if body.priority != 0 and policy != "priority":
         raise APIError(
             400,
             f"priority {body.priority} needs priority scheduling, and this server schedules first come, "
@@ -433,7 +434,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     _checked(body, request)
     engine = serving_engine(request)
     model = check_model(engine, body.model)
-    constraint = _constraint(body, request.app.state.settings.http.json_disable_any_whitespace)
+    constraint = _constraint(
+        body, compact_default=request.app.state.settings.http.json_disable_any_whitespace
+    )
     await _check_constraint(engine, constraint)
     structured = constraint[0] if constraint else None
     batch = len(body.prompts) > 1
@@ -468,7 +471,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     tools = template_tools(body.tools)
     api_settings = request.app.state.settings.http
     compact = request.app.state.settings.http.json_disable_any_whitespace
-    constraint = _constraint(body, compact, _tool_spec(body, api_settings.tool_call_parser))
+    constraint = _constraint(body, _tool_spec(body, api_settings.tool_call_parser), compact)
     engine = serving_engine(request)
     model = check_model(engine, body.model)
     await _check_constraint(engine, constraint)

@@ -51,6 +51,7 @@ from graphcache.engine.sample.structured import StructuredOutput
 from graphcache.engine.sched.block_manager import BlockManager
 from graphcache.engine.sched.scheduler import Scheduler, SchedulerOutput
 from graphcache.engine.sequence import RequestOutput, SamplingParams, Sequence
+from graphcache.engine.spec.acceptance import AcceptanceGate, AcceptanceRule
 from graphcache.engine.spec.build import build_proposer
 from graphcache.engine.spec.config import parse_speculative_config
 from graphcache.engine.spec.metrics import SpecDecodeMetrics
@@ -116,6 +117,15 @@ class EngineCore:
         if self.spec is not None:
             self.scheduler.spec = self.spec
             self.scheduler.proposer = build_proposer(self.spec, runner.max_model_len)
+            eng = settings.engine  # the turn-off rule by measured acceptance (engine/spec/acceptance.py)
+            self.scheduler.acceptance = AcceptanceGate(
+                AcceptanceRule.for_method(
+                    self.spec.method,
+                    eng.speculative_token_cost,
+                    eng.speculative_judge_drafts,
+                    eng.speculative_reprobe_steps,
+                )
+            )
             if metrics is not None:  # one collector per registry (a second core on it shares the first's)
                 held = metrics.spec_decode
                 if not isinstance(held, SpecDecodeMetrics) or held.num_speculative_tokens != (
@@ -254,7 +264,7 @@ class EngineCore:
         if not needs_history and sched.proposer is not None and sched.speculates():
             # The proposer drafts from a row's tokens on the host: a row that may speculate next step is
             # not overlapped (async scheduling is off for the steps of speculating requests).
-            needs_history = any(map(sched.may_speculate, sample_seqs))
+            needs_history = any(map(sched.drafts_next, sample_seqs))
         return _InFlight(plan, out, sample_seqs, t0, scheduled_at, needs_history, time.perf_counter())
 
     def _complete_pending(self) -> list[RequestOutput]:

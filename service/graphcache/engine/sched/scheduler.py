@@ -48,6 +48,7 @@ from graphcache.choices import SchedulingPolicy
 from graphcache.engine.plan import GrammarMask, NewRequest, PromptLogits, StepPlan
 from graphcache.engine.sched.block_manager import BlockManager, PrefixMatch
 from graphcache.engine.sequence import Sequence, SequenceStatus, has_controls
+from graphcache.engine.spec.acceptance import AcceptanceGate
 from graphcache.engine.spec.config import SpeculativeConfig
 from graphcache.engine.spec.proposer import Proposer
 from graphcache.engine.stopping import (
@@ -151,6 +152,8 @@ class Scheduler:
         self.spec: SpeculativeConfig | None = None
         self.proposer: Proposer | None = None
         self.trimmed: list[tuple[int, int]] = []
+        # Which requests still draft, by their measured acceptance (engine/spec/acceptance.py); None: all may.
+        self.acceptance: AcceptanceGate | None = None
 
     # --- queue management -----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -199,6 +202,8 @@ class Scheduler:
         self._prompt_logprob_seqs.discard(seq)
         if self.proposer is not None:
             self.proposer.remove(seq.request_id)
+        if self.acceptance is not None:
+            self.acceptance.remove(seq.key)
         seq.finish(reason, error, error_code)
         self.dropped.append(seq.key)
 
@@ -362,6 +367,11 @@ class Scheduler:
             and not has_controls(p)
         )
 
+    def drafts_next(self, seq: Sequence) -> bool:
+        """Whether `seq` drafts at its next decode step: it may speculate and its acceptance keeps it on."""
+        gate = self.acceptance
+        return self.may_speculate(seq) and (gate is None or gate.wants(seq.key))
+
     def speculates(self) -> bool:
         """Whether a step now may speculate (configured, and under disable_by_batch_size)."""
         return self.spec is not None and self.proposer is not None and self.spec.speculates(len(self.running))
@@ -373,10 +383,14 @@ class Scheduler:
         spec, proposer = self.spec, self.proposer
         if spec is None or proposer is None or not spec.speculates(len(self.running)):
             return None
-        k, max_len = spec.num_speculative_tokens, self.max_model_len
+        k, max_len, gate = spec.num_speculative_tokens, self.max_model_len, self.acceptance
+        if gate is not None:
+            gate.tick()
         seqs, limits = [], []
         for seq, total in decodes:
-            if seq.num_inflight or not self.may_speculate(seq):
+            if not self.may_speculate(seq) or (gate is not None and not gate.allows(seq.key)):
+                continue
+            if seq.num_inflight:
                 continue
             room = max_len - total - 1
             limit = seq.params.max_tokens
@@ -388,6 +402,9 @@ class Scheduler:
         if not seqs:
             return None
         proposed = proposer.propose(seqs, limits)
+        if gate is not None:
+            for seq, d in zip(seqs, proposed, strict=True):
+                gate.proposed(seq.key, len(d))
         return {id(seq): d for seq, d in zip(seqs, proposed, strict=True) if d}
 
     def _plan(self, out: SchedulerOutput) -> StepPlan:
@@ -518,12 +535,16 @@ class Scheduler:
         assert len(tokens) == len(sampled), (len(tokens), len(sampled))
         changed = []
         eos, max_len, finished = self.eos_token_ids, self.max_model_len, SequenceStatus.FINISHED
+        gate = self.acceptance
+        drafted = {id(out.seqs[row]): n for row, n in out.verify} if gate is not None and out.verify else None
         for seq, token in zip(sampled, tokens, strict=True):
             seq.num_inflight -= 1
             if seq.status is finished:
                 continue
             changed.append(seq)
             if isinstance(token, list):
+                if drafted is not None and gate is not None:  # accepted: the run less its last token
+                    gate.observe(seq.key, drafted[id(seq)], len(token) - 1)
                 self._append_verified(seq, token, now)
                 continue
             if token is None:
