@@ -95,10 +95,14 @@ async def search(
     length_penalty: float,
     ignore_eos: bool,
     max_tokens_param: str = "max_tokens",
+    priority: int = 0,
 ) -> list[Beam]:
-    """The `width` best beams after `prompt_ids`, best first (each at most max_tokens tokens)."""
+    """The `width` best beams after `prompt_ids`, best first (each at most max_tokens tokens); every step's
+    requests carry the request's scheduling `priority`."""
     eos = frozenset(() if ignore_eos else engine.tokenizer.eos_token_ids)
-    step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2 * width)
+    step = SamplingParams(
+        max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2 * width, priority=priority
+    )
     live, ended = [Beam()], []
     for _ in range(max_tokens):
         base = f"beam-{uuid.uuid4().hex}"
@@ -160,6 +164,7 @@ async def answer(
                 float(body.length_penalty),
                 body.ignore_eos,
                 getattr(body, "max_tokens_param", "max_tokens"),
+                body.priority,
             )
             out += [_as_sampled(engine, b, p, len(prompt.ids), body.skip_special_tokens) for b in beams]
         return out
