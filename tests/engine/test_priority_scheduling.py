@@ -7,6 +7,7 @@ The plans are checked by test_scheduler.py's FakeKV (every fed slice read back t
 
 from __future__ import annotations
 
+import pytest
 from graphcache.engine.sched.block_manager import BlockManager
 from graphcache.engine.sched.scheduler import Scheduler
 from graphcache.engine.sequence import SamplingParams, Sequence
@@ -130,3 +131,49 @@ def test_a_preempted_request_goes_back_to_its_rank():
     while sched.has_work():
         step(sched, kv)
     assert all(s.num_output_tokens == s.params.max_tokens for s in running + later)
+
+
+# --------------------------------------------------------------------------- through the engine
+
+
+async def _finish_order(policy: str) -> list[str]:
+    """Which of three queued requests (priorities 5, 0, -5, in that arrival order) finish first, behind a
+    slow request that holds the engine's only running slot."""
+    import asyncio
+
+    from test_engine import collect, fake_factory, start_engine
+
+    e = start_engine(fake_factory(step_delay=0.01), max_num_seqs=1, scheduling_policy=policy)
+    done: list[str] = []
+
+    async def one(rid: str, priority: int) -> None:
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, priority=priority)
+        await collect(e, rid, [4, 5, 6], params)
+        done.append(rid)
+
+    try:
+        blocker = e.generate(
+            "blocker", [1, 2, 3], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        )
+        first = await blocker.__anext__()  # running: it holds the only slot
+        assert not first.finished
+        waiting = [
+            asyncio.ensure_future(one(rid, p))
+            for rid, p in (("background", 5), ("normal", 0), ("urgent", -5))
+        ]
+        async for _ in blocker:
+            pass
+        await asyncio.wait_for(asyncio.gather(*waiting), 30)
+    finally:
+        e.shutdown()
+    return done
+
+
+@pytest.mark.asyncio
+async def test_the_engine_admits_waiting_requests_by_priority():
+    assert await _finish_order("priority") == ["urgent", "normal", "background"]
+
+
+@pytest.mark.asyncio
+async def test_the_engine_under_fcfs_keeps_arrival_order():
+    assert await _finish_order("fcfs") == ["background", "normal", "urgent"]
