@@ -264,7 +264,7 @@ REFUSED = [
     (["--lora-modules", "sql=/adapters/sql"], "merge_and_unload"),
     (["--ssl-keyfile", "/k.pem", "--ssl-certfile", "/c.pem"], "terminate TLS"),
     (["--uds", "/tmp/s"], "--host and --port"),
-    (["--scheduling-policy", "priority"], "fcfs"),
+    (["--scheduling-policy", "lifo"], "priority"),
     (["--cpu-offload-gb", "4"], "--quantization fp8"),
     (["--load-format", "pt"], "safetensors"),
     (["--rope-scaling", '{"rope_type": "yarn"}'], "config.json"),
@@ -385,3 +385,33 @@ def test_normalize_argv_leaves_values_alone():
         "--enforce-eager",
     ]
     assert isinstance(serve, argparse.ArgumentParser)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--structured-outputs-config", '{"disable_any_whitespace": true}'],
+        ["--guided-decoding-backend", "xgrammar:disable-any-whitespace"],
+        ["--guided-decoding-backend", "guidance:disable-any-whitespace,no-fallback"],
+    ],
+    ids=lambda a: " ".join(a),
+)
+def test_vllms_disable_any_whitespace_makes_json_compact(argv):
+    assert read(*argv).settings.http.json_disable_any_whitespace is True
+
+
+def test_structured_outputs_config_without_the_option_changes_nothing_and_warns():
+    r = read("--structured-outputs-config", '{"backend": "xgrammar"}')
+    assert r.settings.http.json_disable_any_whitespace is False
+    assert len(r.warnings) == 1 and "llguidance" in r.warnings[0]
+    assert read("--structured-outputs-config", '{"disable_any_whitespace": true}').warnings == []
+
+
+def test_structured_outputs_config_must_be_a_json_object(capsys):
+    assert "JSON object" in refused(capsys, "--structured-outputs-config", "[1]")
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_scheduling_policy_is_vllms(policy):
+    r = read("--scheduling-policy", policy)
+    assert r.settings.engine.scheduling_policy == policy and r.warnings == []

@@ -27,9 +27,11 @@ __all__ = [
     "POOLING_MODES",
     "QUANTIZATIONS",
     "RUNNER_KINDS",
+    "SCHEDULING_POLICIES",
     "STEP_MODES",
     "AdmissionRule",
     "AsyncScheduling",
+    "SchedulingPolicy",
     "AttentionBackend",
     "CaptureMode",
     "CaptureWarmup",
@@ -65,6 +67,8 @@ PoolingMode = Literal["last", "mean", "cls"]  # an embedding: the last token's, 
 
 # --- engine
 AsyncScheduling = Literal["auto", "on", "off"]
+# vLLM's --scheduling-policy: first come, first served; or by the request's priority (lower first).
+SchedulingPolicy = Literal["fcfs", "priority"]
 StepMode = Literal["replay", "eager"]  # how a step ran: a graph replay (or capture), or eagerly
 
 # --- graph cache
@@ -92,6 +96,7 @@ QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 RUNNER_KINDS: tuple[str, ...] = get_args(RunnerKind)
 POOLING_MODES: tuple[str, ...] = get_args(PoolingMode)
 ASYNC_SCHEDULING_MODES: tuple[str, ...] = get_args(AsyncScheduling)
+SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
 STEP_MODES: tuple[str, ...] = get_args(StepMode)
 CAPTURE_MODES: tuple[str, ...] = get_args(CaptureMode)
 ADMISSION_RULES: tuple[str, ...] = get_args(AdmissionRule)

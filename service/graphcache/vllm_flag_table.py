@@ -324,6 +324,29 @@ LORA = refuse(
 STRUCTURED = warn(
     "structured output is compiled by llguidance, with its limits set by the --grammar-* flags; ignored"
 )
+COMPACT_JSON = "json_disable_any_whitespace"
+
+
+def _guided_backend(value: str) -> Effect:
+    """vLLM's older `--guided-decoding-backend NAME[:OPTION,...]`: the disable-any-whitespace option maps
+    onto compact JSON; the backend itself is llguidance whatever NAME says (warning)."""
+    options = value.partition(":")[2].split(",")
+    compact = {COMPACT_JSON: True} if "disable-any-whitespace" in options else {}
+    return Effect(settings=compact, warning=STRUCTURED(value).warning)
+
+
+def _structured_config(value: str) -> Effect:
+    """vLLM's `--structured-outputs-config JSON`: disable_any_whitespace maps onto compact JSON; the other
+    keys (backend, ...) are llguidance's business here (warning)."""
+    config = _json(value, 'a JSON object such as {"disable_any_whitespace": true}')
+    if not isinstance(config, dict):
+        raise VllmFlagRefused('pass a JSON object such as {"disable_any_whitespace": true}')
+    compact = config.get("disable_any_whitespace")
+    settings = {COMPACT_JSON: compact} if isinstance(compact, bool) else {}
+    rest = set(config) - {"disable_any_whitespace"}
+    return Effect(settings=settings, warning=STRUCTURED(value).warning if rest or not settings else None)
+
+
 CONFIG_JSON = refuse(
     "graphcache reads the model's config.json as it is; edit config.json (or a copy of the model directory) "
     "instead"
@@ -686,14 +709,6 @@ FLAGS: tuple[VllmFlag, ...] = (
     _v("--max-num-partial-prefills", apply=PREFILL_POLICY, help="ignored (warning)"),
     _v("--max-long-partial-prefills", apply=PREFILL_POLICY, help="ignored (warning)"),
     _v("--long-prefill-token-threshold", apply=PREFILL_POLICY, help="ignored (warning)"),
-    _v(
-        "--scheduling-policy",
-        apply=ok_if(
-            _in("fcfs"),
-            refuse("priority scheduling is not implemented yet; use --scheduling-policy fcfs"),
-        ),
-        help="fcfs as vLLM; priority refused",
-    ),
     _v("--scheduler-cls", apply=CUSTOM_CODE, help="refused: no custom classes are loaded"),
     _v(
         "--num-scheduler-steps",
@@ -738,8 +753,16 @@ FLAGS: tuple[VllmFlag, ...] = (
     _v("--disable-mm-preprocessor-cache", kind="bool", apply=ok, help="accepted (text-only)"),
     _v("--media-io-kwargs", apply=TEXT_ONLY, help="ignored: text-only (warning)"),
     _v("--allowed-local-media-path", apply=TEXT_ONLY, help="ignored: text-only (warning)"),
-    _v("--guided-decoding-backend", apply=STRUCTURED, help="llguidance (warning)"),
-    _v("--structured-outputs-config", apply=STRUCTURED, help="llguidance (warning)"),
+    _v(
+        "--guided-decoding-backend",
+        apply=_guided_backend,
+        help="llguidance (warning); :disable-any-whitespace = --json-disable-any-whitespace",
+    ),
+    _v(
+        "--structured-outputs-config",
+        apply=_structured_config,
+        help="llguidance; disable_any_whitespace = --json-disable-any-whitespace, other keys ignored (warning)",
+    ),
     _v("--enable-reasoning", kind="bool", apply=ok, help="accepted: --reasoning-parser turns reasoning on"),
     _v("--reasoning-parser-plugin", apply=CUSTOM_CODE, help="refused: no plugins are loaded"),
     _v("--tool-parser-plugin", apply=CUSTOM_CODE, help="refused: no plugins are loaded"),

@@ -288,7 +288,8 @@ async def test_completion_rejects_bad_input(client, body, param):
 
 BAD_CHATS = [
     {"messages": []},
-    {"messages": [{"role": "wizard", "content": "x"}]},
+    {"messages": [{"role": "", "content": "x"}]},
+    {"messages": [{"role": "w" * 65, "content": "x"}]},
     {"messages": "hello"},
     {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
     {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9},

@@ -293,6 +293,11 @@ def _completion_logprobs(rec, body, tok):
     assert all(len(t) >= 1 for t in lp["top_logprobs"]) and lp["text_offset"][0] == 0
 
 
+def _beams(rec, body, tok):
+    """Beam search (api/openai/beam_search.py): one-token requests with 2 x width logprobs, n beams back."""
+    assert rec.params.max_tokens == 1 and rec.params.logprobs == 4 and len(body["choices"]) == 2
+
+
 def _echo(rec, body, tok):
     assert body["choices"][0]["text"].startswith(TEXT)
 
@@ -374,9 +379,9 @@ COMPLETION_CASES = {
     "user": ("user-42", {}, _ok),
     "session_id": ("session-1", {}, _ok),
     "request_id": ("my-id", {}, _request_id),
-    "use_beam_search": (True, {}, REFUSED),
+    "use_beam_search": (True, {"n": 2}, _beams),
     "watermarking": (True, {}, REFUSED),
-    "length_penalty": (0.5, {}, REFUSED),
+    "length_penalty": (0.5, {"use_beam_search": True}, p(max_tokens=1, logprobs=2)),  # one-token beam steps
     "stop_token_ids": ([9], {}, p(stop_token_ids=[9])),
     "include_stop_str_in_output": (True, {}, p(include_stop_str_in_output=True)),
     "ignore_eos": (False, {}, p(ignore_eos=False)),
@@ -402,7 +407,11 @@ COMPLETION_CASES = {
     "guided_grammar": ('root ::= "yes" | "no"', {}, structured("grammar", 'root ::= "yes" | "no"')),
     "guided_decoding_backend": ("outlines", {}, REFUSED),
     "guided_whitespace_pattern": (r"\s*", {}, REFUSED),
-    "priority": (1, {}, REFUSED),
+    "priority": (
+        0,
+        {},
+        p(priority=0),
+    ),  # other values need --scheduling-policy priority (test_vllm_chat_parity)
     "logits_processors": (["my.module.Processor"], {}, REFUSED),
     "return_tokens_as_token_ids": (True, {"logprobs": 0}, _as_ids),
     "return_token_ids": (True, {}, _token_ids),

@@ -71,6 +71,17 @@ async def test_float_and_base64_equal_hf(served):
         assert a.embedding == pytest.approx(b.embedding, abs=1e-7)
 
 
+async def test_invocations_answers_an_embedding_body_as_the_embeddings_route(served):
+    _, client, app, _ = served
+    body = {"model": app.state.engine.model_name, "input": TEXTS[:2], "encoding_format": "float"}
+    direct, routed = (
+        await client.post("/v1/embeddings", json=body),
+        await client.post("/invocations", json=body),
+    )
+    assert direct.status_code == routed.status_code == 200, routed.text
+    assert [d["embedding"] for d in routed.json()["data"]] == [d["embedding"] for d in direct.json()["data"]]
+
+
 async def test_base64_is_little_endian_float32(served):
     _, client, app, path = served
     resp = await client.post("/v1/embeddings", json={"input": TEXTS[0], "encoding_format": "base64"})

@@ -261,6 +261,35 @@ async def test_admin_warmup_accepts_a_profile_and_rejects_bad_ones(cache_dir):
                 assert r.json()["error"]["param"] == param, (body, r.json())
 
 
+@pytest.mark.asyncio
+async def test_admin_warmup_takes_an_exported_profile_posted_bare(cache_dir):
+    """GET /admin/cache/profile's output posted as it is is that profile, never the configured warmup
+    silently in its place; a bare profile's errors name the profile."""
+    async with running(Settings(cache_dir=cache_dir, **SMALL)) as client:
+        assert (await client.post("/admin/clear", headers=AUTH)).status_code == 200
+        profile = {
+            "version": 1,
+            "descriptors": [{"descriptor": "16:2", "uses": 3}, {"descriptor": "4:4:decode"}],
+        }
+        r = await client.post("/admin/warmup", headers=AUTH, json=profile)
+        assert r.status_code == 200, r.text
+        assert set(r.json()["captured"]) == {"16:2", "4:4:decode"}
+        assert held(await info(client)) == {"16:2", "4:4:decode"}  # not the configured "1:1:decode"
+
+        exported = (
+            await client.get("/admin/cache/profile", headers=AUTH, params={"fill_gaps": False})
+        ).json()
+        assert (await client.post("/admin/clear", headers=AUTH)).status_code == 200
+        r = await client.post("/admin/warmup", headers=AUTH, json=exported)
+        assert r.status_code == 200, r.text
+        assert held(await info(client)) == {item["descriptor"] for item in exported["descriptors"]}
+
+        for bare in ({"version": 2, "descriptors": []}, {"descriptors": [{"descriptor": "3:3"}]}):
+            r = await client.post("/admin/warmup", headers=AUTH, json=bare)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"].startswith("profile"), r.json()
+
+
 @pytest.mark.parametrize(
     ("content", "expect"),
     [

@@ -248,7 +248,7 @@ WRONG_CHAT = [
     {"messages": "hi"},
     {"messages": []},
     {"messages": [{"role": 5, "content": "hi"}]},
-    {"messages": [{"role": "wizard", "content": "hi"}]},
+    {"messages": [{"role": "", "content": "hi"}]},
     {"messages": [{"content": "hi"}]},
     {"messages": [{"role": "user", "content": 5}]},
     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "http://x"}]}]},

@@ -37,10 +37,12 @@ class StructuredSpec:
 
     kind: "json" (any JSON object), "json_schema" (value: the schema as a JSON string), "regex"
     (value: the pattern), "choice" (value: a tuple of allowed strings), "grammar" (value: a
-    Lark/EBNF grammar), "structural_tag" is not supported."""
+    Lark/EBNF grammar), "structural_tag" is not supported. compact: JSON without whitespace outside
+    strings (vLLM's disable_any_whitespace; json and json_schema kinds only)."""
 
     kind: str
     value: Any = None
+    compact: bool = False
 
 
 class TokenIds(tuple):
@@ -123,6 +125,8 @@ class SamplingParams:
     structured: StructuredSpec | None = None
     # --- embeddings (pooling.py): set, the request returns its pooled hidden state, not tokens -
     pooling: PoolingSpec | None = None
+    # --- scheduling: lower runs first under the priority policy (vLLM's `priority`); fcfs ignores it
+    priority: int = 0
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the bad field (the API maps it to 400)."""

@@ -8,7 +8,7 @@ from typing import Annotated
 
 from pydantic import Field, field_validator, model_validator
 
-from graphcache.choices import AsyncScheduling
+from graphcache.choices import AsyncScheduling, SchedulingPolicy
 from graphcache.settings.section import BlankIsUnset, SettingsSection
 
 __all__ = ["EngineSettings"]
@@ -62,6 +62,11 @@ class EngineSettings(SettingsSection):
         "caching): a new request computes only what is not cached. Off: every prompt is computed in full.",
     )
     max_queue: int = Field(1024, ge=1, description="Waiting requests before new ones get 429.")
+    scheduling_policy: SchedulingPolicy = Field(
+        "fcfs",
+        description="fcfs: first come, first served. priority: by the request's `priority` (lower first, "
+        "ties by arrival), and a preemption evicts the lowest-priority running request (vLLM's meaning).",
+    )
     engine_process: bool = Field(
         False,
         description="Run the engine's step loop in a child process (HTTP, tokenizing and detokenizing stay "

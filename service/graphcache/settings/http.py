@@ -99,6 +99,12 @@ class HttpSettings(SettingsSection):
         description="Encode special-token strings inside chat message content as control tokens. Off: "
         "content is always plain text, so a user cannot open a fake system turn (set only for trusted clients).",
     )
+    json_disable_any_whitespace: bool = Field(
+        False,
+        description="JSON output (response_format, guided_json, structured_outputs json) without whitespace "
+        "outside strings, unless a request's structured_outputs.disable_any_whitespace says otherwise (vLLM's "
+        "option): a weak model cannot spend its tokens on runs of blanks.",
+    )
     tool_call_parser: ToolCallParserName = Field(
         "hermes",
         description='How chat answers are read back into tool_calls (and what tool_choice "required" or a '

@@ -54,7 +54,7 @@ class _Shape:
 
     def _chunk(self, choice: dict, usage: dict | None) -> dict:
         chunk = {**self.base, "choices": [choice]}
-        if self.body.include_usage or self.body.continuous_usage:
+        if self.body.include_usage:
             chunk["usage"] = usage if self.body.continuous_usage else None
         return chunk
 

@@ -6,6 +6,10 @@ most one of them may be set. Each becomes (param, kind, value): `param` is the f
 (for the 400 and the compile error), kind/value as engine/sequence.py's StructuredSpec
 (json | json_schema | regex | choice | grammar). A JSON schema travels as JSON text. Compiling the
 constraint (is the regex valid, is the schema supported) is engine/sample/structured.py's.
+
+`structured_outputs.disable_any_whitespace` (vLLM's option) asks for compact JSON: no whitespace outside
+strings, whichever field set the JSON constraint (vLLM applies it to response_format's too); absent, the
+server's json_disable_any_whitespace setting decides.
 """
 
 from __future__ import annotations
@@ -15,7 +19,12 @@ from typing import Any
 
 from graphcache.engine.errors import InvalidRequest
 
-__all__ = ["structured_constraints"]
+__all__ = ["JSON_KINDS", "disable_any_whitespace", "structured_constraints"]
+
+# The constraint kinds whose output is JSON: compact applies to them only.
+JSON_KINDS = ("json", "json_schema")
+# structured_outputs keys that set options of the constraint rather than being one.
+_OPTIONS = ("disable_any_whitespace",)
 
 
 def structured_constraints(
@@ -92,16 +101,28 @@ _STRUCTURED_KINDS = {
 }
 
 
+def disable_any_whitespace(structured_outputs: dict[str, Any] | None) -> bool | None:
+    """The request's own choice of compact JSON (structured_outputs.disable_any_whitespace), None if unset."""
+    value = (structured_outputs or {}).get("disable_any_whitespace")
+    if value is not None and not isinstance(value, bool):
+        raise InvalidRequest(
+            "disable_any_whitespace must be true or false", param="structured_outputs.disable_any_whitespace"
+        )
+    return value
+
+
 def _structured_outputs(so: dict[str, Any]) -> list[tuple[str, str, Any]]:
-    """vLLM's `structured_outputs` object: json | regex | choice | grammar | json_object."""
+    """vLLM's `structured_outputs` object: json | regex | choice | grammar | json_object, and the
+    disable_any_whitespace option (disable_any_whitespace() reads it)."""
     found = []
+    disable_any_whitespace(so)
     for key, value in so.items():
         param = f"structured_outputs.{key}" if key.isidentifier() else "structured_outputs"
-        if value is None or value is False:
+        if value is None or value is False or key in _OPTIONS:
             continue
         if key not in _STRUCTURED_KINDS:
             raise InvalidRequest(
-                f"structured_outputs supports {', '.join(_STRUCTURED_KINDS)} only", param=param
+                f"structured_outputs supports {', '.join([*_STRUCTURED_KINDS, *_OPTIONS])} only", param=param
             )
         kind = _STRUCTURED_KINDS[key]
         if kind == "json_schema":

@@ -21,7 +21,7 @@ from graphcache.api.server.errors import APIError, api_error_for, api_error_for_
 from graphcache.engine.errors import EngineDead, EngineNotReady, InvalidRequest, QueueFull
 from graphcache.engine.sequence import RequestOutput, SamplingParams, TokenIds, TokenLogprob
 
-__all__ = ["FanOut", "Run", "Sampled", "Sub", "best_of", "usage"]
+__all__ = ["FanOut", "Run", "Sampled", "Sub", "best_of", "prompt_usage", "usage"]
 
 
 @dataclass
@@ -99,6 +99,16 @@ def usage(samples: list[Sampled]) -> dict:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
     }
+
+
+def prompt_usage(samples: list[Sampled], firsts: Sequence[RequestOutput]) -> dict:
+    """The usage before anything is generated (a stream's role chunks): the prompts of `samples`, whose
+    sizes and cache hits `firsts` (each sequence's first output) report; completion_tokens 0."""
+    heads = [
+        Sampled(s.prompt_index, prompt_tokens=out.prompt_tokens, num_cached_tokens=out.num_cached_tokens)
+        for s, out in zip(samples, firsts, strict=True)
+    ]
+    return usage(heads)
 
 
 class Run:

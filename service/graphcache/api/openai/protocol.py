@@ -110,8 +110,18 @@ class TextPart(RequestBody):
     text: Text
 
 
+# A custom role (vLLM passes any role through to the chat template, which decides what it means): a
+# short name, so it cannot carry a second message's worth of text past the content bounds.
+MAX_ROLE_CHARS = 64
+
+
 class ChatMessage(RequestBody):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Text = Field(
+        ...,
+        min_length=1,
+        max_length=MAX_ROLE_CHARS,
+        description='"system", "developer", "user", "assistant", "tool", or a custom role the chat template renders.',
+    )
     content: Text | list[TextPart] | None = None
     name: Text | None = Field(None, max_length=512, description="Passed to the chat template.")
     tool_call_id: Text | None = Field(None, max_length=512, description='The call a "tool" message answers.')

@@ -28,13 +28,10 @@ def refusing(refused: dict[str, tuple[tuple, str]]):
     return field_validator(*refused)(check)
 
 
-_NO_BEAM = "beam search is not implemented (sample several choices with n / best_of)"
 _NO_DISAGG = "no disaggregated (KV / encoder-cache transfer) serving"
 _RENDER_ONLY = "it applies to vLLM's /render endpoints only, which this server does not have"
 # Both endpoints: field -> (accepted values, why anything else is refused).
 _REFUSED_COMMON: dict[str, tuple[tuple, str]] = {
-    "use_beam_search": ((False,), _NO_BEAM),
-    "length_penalty": ((1.0, 1), "it only weighs beam search, which is not implemented"),
     "watermarking": ((False,), "no output watermarking"),
     "spaces_between_special_tokens": (
         (True,),
@@ -44,7 +41,6 @@ _REFUSED_COMMON: dict[str, tuple[tuple, str]] = {
     "guided_decoding_backend": ((), "the server has one structured-output backend"),
     "guided_whitespace_pattern": ((), "the JSON grammar's whitespace rule is fixed"),
     "structural_tag": ((), "structural tags are not supported; use guided_json / response_format"),
-    "priority": ((0,), "requests are scheduled first come, first served (no priorities)"),
     "cache_salt": ((), "the prefix cache is not salted per request"),
     "kv_transfer_params": ((), _NO_DISAGG),
     "ec_transfer_params": ((), _NO_DISAGG),

@@ -36,10 +36,10 @@ from sse_starlette import EventSourceResponse
 from sse_starlette.sse import AppStatus
 from starlette.responses import Response
 
-from graphcache.api.openai import sampling, token_ids, tool_calls
+from graphcache.api.openai import beam_search, constraints, sampling, token_ids, tool_calls
 from graphcache.api.openai.answer_size import check_answer_size
 from graphcache.api.openai.choices import ChatShape, CompletionShape, Prompt
-from graphcache.api.openai.fanout import FanOut, Sampled, Sub, best_of, usage
+from graphcache.api.openai.fanout import FanOut, Sampled, Sub, best_of, prompt_usage, usage
 from graphcache.api.openai.logprobs import TokenText
 from graphcache.api.openai.prompt_encoding import encode_chat, encode_prompt
 from graphcache.api.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -90,16 +90,24 @@ def _tool_spec(body: ChatCompletionRequest, tool_call_parser: str = "hermes") ->
         raise api_error_for(e) from None
 
 
-def _constraint(body, tool_spec: StructuredSpec | None = None) -> tuple[StructuredSpec, str] | None:
+def _constraint(
+    body, tool_spec: StructuredSpec | None = None, compact_default: bool = False
+) -> tuple[StructuredSpec, str] | None:
     """The output constraint and the field the client set it with (a tool_choice's grammar holds the
-    tools' parameter schemas: "tools"). The body's check() already refused two constraints at once."""
+    tools' parameter schemas: "tools"). The body's check() already refused two constraints at once.
+    JSON is compact as the request's disable_any_whitespace says, else as the server's default."""
     if tool_spec is not None:
         return tool_spec, "tools"
     try:
         found = body.structured_constraints()
+        own = constraints.disable_any_whitespace(body.structured_outputs)
     except InvalidRequest as e:
         raise api_error_for(e) from None
-    return (StructuredSpec(found[0][1], found[0][2]), found[0][0]) if found else None
+    if not found:
+        return None
+    param, kind, value = found[0]
+    compact = (compact_default if own is None else own) and kind in constraints.JSON_KINDS
+    return StructuredSpec(kind, value, compact), param
 
 
 def _compile(engine, spec: StructuredSpec, param: str) -> None:
@@ -199,12 +207,22 @@ def model_card(request: Request) -> dict:
     }
 
 
-def _checked(body: CompletionRequest | ChatCompletionRequest) -> None:
-    """The body's cross-field rules, before the engine is looked at."""
+def _checked(body: CompletionRequest | ChatCompletionRequest, request: Request | None = None) -> None:
+    """The body's cross-field rules, before the engine is looked at; a priority only where the server
+    schedules by it (vLLM refuses it under fcfs as well)."""
     try:
         body.check()
+        beam_search.check(body)
     except InvalidRequest as e:
         raise api_error_for(e) from None
+    policy = request.app.state.settings.engine.scheduling_policy if request is not None else "fcfs"
+    if body.priority != 0 and policy != "priority":
+        raise APIError(
+            400,
+            f"priority {body.priority} needs priority scheduling, and this server schedules first come, "
+            "first served: leave priority at 0, or start the server with --scheduling-policy priority",
+            param="priority",
+        )
 
 
 def _ids(prefix: str, body) -> tuple[str, str]:
@@ -325,11 +343,12 @@ async def _serve(
             firsts[:] = [sampling.echo_only(out) for out in firsts]
         merged = fan.merged(firsts)
         try:
-            for k, out in enumerate(firsts):
-                samples[k].add(out)
-            for opening in shape.opening(len(samples), usage(samples) if continuous else None):
+            # Continuous usage grows chunk by chunk: the role chunks count the prompts only, each
+            # first chunk adds its own tokens.
+            for opening in shape.opening(len(samples), prompt_usage(samples, firsts) if continuous else None):
                 yield _data(opening)
             for k, out in enumerate(firsts):  # echo's prompt logprobs: built on the response pool
+                samples[k].add(out)
                 data = await answer_json.chunk_data(shape, k, out, usage(samples) if continuous else None)
                 if data is not None:
                     yield data
@@ -384,12 +403,12 @@ async def _completion_prompt(
             token_ids.check_prompt_ids, kept, token_ids.vocab_size(engine), engine.max_model_len, param
         )
     echo = ""
-    if body.echo:  # the prompt as sent; a token-id or truncated prompt as its decoding
-        echo = (
-            prompt
-            if isinstance(prompt, str) and kept is ids
-            else await run_input(engine.tokenizer.decode, kept)
-        )
+    if body.echo:  # the prompt as sent; a truncated text prompt as its decoding (the BOS the server added
+        # left out), a token-id prompt with its special tokens kept: they are the client's (vLLM's echo)
+        if isinstance(prompt, str) and kept is ids:
+            echo = prompt
+        else:
+            echo = await run_input(engine.tokenizer.decode, kept, isinstance(prompt, str))
     return Prompt(kept, echo)
 
 
@@ -426,10 +445,12 @@ async def _base_params(engine, body, structured: StructuredSpec | None, num_prom
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    _checked(body)
+    _checked(body, request)
     engine = generating_engine(request, "/v1/completions")
     model = check_model(engine, body.model)
-    constraint = _constraint(body)
+    constraint = _constraint(
+        body, compact_default=request.app.state.settings.http.json_disable_any_whitespace
+    )
     await _check_constraint(engine, constraint)
     structured = constraint[0] if constraint else None
     batch = len(body.prompts) > 1
@@ -451,15 +472,20 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         prompts,
         TokenText(engine.tokenizer, body.return_tokens_as_token_ids),
     )
+    if body.use_beam_search:
+        return await beam_search.answer(
+            request, engine, body, shape, prompts, [body.max_tokens] * len(prompts)
+        )
     return await _serve(request, fan, plan, shape, body.stream)
 
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    _checked(body)
+    _checked(body, request)
     tools = template_tools(body.tools)
     api_settings = request.app.state.settings.http
-    constraint = _constraint(body, _tool_spec(body, api_settings.tool_call_parser))
+    compact = request.app.state.settings.http.json_disable_any_whitespace
+    constraint = _constraint(body, _tool_spec(body, api_settings.tool_call_parser), compact)
     engine = generating_engine(request, "/v1/chat/completions")
     model = check_model(engine, body.model)
     await _check_constraint(engine, constraint)
@@ -500,4 +526,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     shape.parse_tools = body.tools_active
     shape.tool_format = tool_call_format(api_settings.tool_call_parser)
     shape.reasoning_parser = api_settings.reasoning_parser
+    if body.use_beam_search:
+        limit = body.max_new_tokens or _room(engine, len(ids)) or 1
+        return await beam_search.answer(request, engine, body, shape, prompts, [limit])
     return await _serve(request, fan, plan, shape, body.stream)

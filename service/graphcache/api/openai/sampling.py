@@ -147,6 +147,7 @@ def base_params(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         structured=structured,
+        priority=body.priority,
     )
 
 

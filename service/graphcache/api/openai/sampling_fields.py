@@ -55,7 +55,9 @@ def _keys(keys: list[str]) -> str:
 
 class StreamOptions(RequestBody):
     include_usage: SBool = False
-    continuous_usage_stats: SBool = Field(False, description="Every chunk carries the usage so far.")
+    continuous_usage_stats: SBool = Field(
+        False, description="With include_usage: every chunk carries the usage so far."
+    )
 
 
 class SamplingFields(RequestBody):
@@ -109,17 +111,27 @@ class SamplingFields(RequestBody):
     session_id: str | None = Field(
         None, max_length=512, description="Written to the server log with the request."
     )
+    priority: SInt = Field(
+        0,
+        ge=INT64_MIN,
+        le=INT64_MAX,
+        description="With --scheduling-policy priority: lower runs first (ties by arrival); else only 0.",
+    )
+
+    use_beam_search: SBool = Field(
+        False, description="Beam search (api/openai/beam_search.py): n beams, ranked, answered whole."
+    )
+    length_penalty: SFloat = Field(
+        1.0, description="Beam search: score = cumulative logprob / length ** this."
+    )
 
     # Refused unless at their defaults (api/openai/refused_fields.py); declared so they are never "unknown".
-    use_beam_search: Any = False
-    length_penalty: Any = 1.0
     watermarking: Any = False
     spaces_between_special_tokens: Any = True
     logprob_token_ids: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
     structural_tag: Any = None
-    priority: Any = 0
     cache_salt: Any = None
     kv_transfer_params: Any = None
     ec_transfer_params: Any = None
@@ -188,7 +200,8 @@ class SamplingFields(RequestBody):
 
     @property
     def continuous_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        """Usage on every chunk: continuous_usage_stats counts only together with include_usage (as vLLM)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     @property
     def num_samples(self) -> int:

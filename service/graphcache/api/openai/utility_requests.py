@@ -24,7 +24,8 @@ __all__ = ["DetokenizeRequest", "TokenizeRequest", "WarmupRequest"]
 
 class WarmupRequest(RequestBody):
     """POST /admin/warmup: uniform-decode sizes and/or descriptors "T:R" / "T:R:decode", or a profile
-    (GET /admin/cache/profile's output), or nothing (no body, {}): the configured warmup again."""
+    (GET /admin/cache/profile's output, under "profile" or posted bare), or nothing (no body, {}): the
+    configured warmup again."""
 
     sizes: list[SInt] = Field(
         default_factory=list,
@@ -41,6 +42,19 @@ class WarmupRequest(RequestBody):
         description='A profile as GET /admin/cache/profile exports it: {"version": 1, "descriptors": '
         '[{"descriptor": "T:R[:decode]", ...}]}; its descriptors are captured.',
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_profile(cls, data: Any) -> Any:
+        """An exported profile posted as it is ({"version": 1, "descriptors": [{"descriptor": ...}]}, what
+        GET /admin/cache/profile returns) is taken as {"profile": <it>}: the configured warmup in its place
+        would be a silent wrong action. Recognised by its "version" or by descriptors that are objects."""
+        if not isinstance(data, dict) or "profile" in data or "sizes" in data:
+            return data
+        items = data.get("descriptors")
+        if "version" in data or (isinstance(items, list) and any(isinstance(i, dict) for i in items)):
+            return {"profile": data}
+        return data
 
     @model_validator(mode="after")
     def _one_form(self):

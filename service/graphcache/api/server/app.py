@@ -22,7 +22,7 @@ from prometheus_fastapi_instrumentator import Instrumentator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from graphcache import __version__
-from graphcache.api.openai import embeddings, routes, tools
+from graphcache.api.openai import embeddings, invocations, routes, tools
 from graphcache.api.openai.prompt_encoding import render_pools
 from graphcache.api.openai.responses import route as responses_route
 from graphcache.api.server import admin, exposition
@@ -165,6 +165,7 @@ def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) 
     app.include_router(routes.router)  # /v1/*: behind the API key when one is set (auth.py)
     app.include_router(responses_route.router)  # /v1/responses: behind it too
     app.include_router(embeddings.router)  # /v1/embeddings: behind it too
+    app.include_router(invocations.router)  # /invocations: by the body's shape, behind the key too
     app.include_router(tools.guarded)  # /tokenize, /detokenize, /v1/models/{id}: behind it too
     app.include_router(tools.router)  # /version, /ping: open, like the probes
     app.include_router(admin.router)

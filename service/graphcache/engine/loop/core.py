@@ -118,6 +118,7 @@ class EngineCore:
             max_num_batched_tokens=settings.engine.max_num_batched_tokens,
             max_model_len=runner.max_model_len,
             eos_token_ids=runner.eos_token_ids,
+            policy=settings.engine.scheduling_policy,
         )
         # Speculative decoding (--speculative-config): the scheduler drafts with the proposer, the worker
         # verifies, postprocess appends the accepted run and rolls back; the vllm:spec_decode_* counters.

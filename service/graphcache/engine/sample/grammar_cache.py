@@ -53,12 +53,16 @@ def grammar_source(spec: StructuredSpec, param: str, max_depth: int = GrammarLim
     Converting a schema recurses in native code: call this on a compile thread."""
     llg = _llguidance()
     kind, value = spec.kind, spec.value
+    # compact: no whitespace between JSON tokens (strings keep theirs); over the schema's own x-guidance.
+    options = {"whitespace_flexible": False} if spec.compact else None
     if kind == "json":
         # Any JSON object; a schema given with kind "json" (vLLM's guided_json) constrains it further.
         schema = '{"type": "object"}' if value is None else _schema_text(value, param, max_depth)
-        return llg.LLMatcher.grammar_from_json_schema(schema)
+        return llg.LLMatcher.grammar_from_json_schema(schema, overrides=options)
     if kind == "json_schema":
-        return llg.LLMatcher.grammar_from_json_schema(_schema_text(value, param, max_depth))
+        return llg.LLMatcher.grammar_from_json_schema(
+            _schema_text(value, param, max_depth), overrides=options
+        )
     if kind == "regex":
         if not isinstance(value, str) or not value:
             raise InvalidRequest("a regex constraint needs a non-empty pattern string", param=param)
@@ -167,7 +171,7 @@ def _cache_key(spec: StructuredSpec) -> tuple:
         value = json.dumps(value)
     elif isinstance(value, list):
         value = tuple(value)
-    return spec.kind, value
+    return spec.kind, value, spec.compact
 
 
 @dataclass

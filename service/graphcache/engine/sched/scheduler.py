@@ -11,6 +11,11 @@ scheduled this step is preempted by recompute: its blocks are freed, its outputs
 to the front of the waiting queue to re-prefill prompt + outputs later (vLLM's RECOMPUTE mode).
 No admissions happen in a step that preempted (that would just thrash).
 
+Priority policy (vLLM's --scheduling-policy priority): the waiting queue is ordered by (priority,
+arrival), lower first, a preempted sequence going back to its place in that order; running sequences
+are scheduled in the same order, and a preemption evicts the unscheduled running sequence with the
+highest (priority, arrival): the lowest priority, latest arrival. Admission never preempts (as vLLM's).
+
 Deadlock guard: a sequence that cannot fit even in an otherwise empty cache is finished with an
 error instead of being preempted and re-admitted forever.
 
@@ -32,12 +37,14 @@ Prefix caching (block_manager.py; on when the block manager has it on):
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from graphcache.choices import SchedulingPolicy
 from graphcache.engine.plan import GrammarMask, NewRequest, PromptLogits, StepPlan
 from graphcache.engine.sched.block_manager import BlockManager, PrefixMatch
 from graphcache.engine.sequence import Sequence, SequenceStatus, has_controls
@@ -116,6 +123,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: frozenset[int] = frozenset(),
+        policy: SchedulingPolicy = "fcfs",
     ) -> None:
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token per sequence)")
@@ -124,7 +132,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.waiting: deque[Sequence] = deque()
+        self.policy = policy
+        self.waiting: deque[Sequence] = deque()  # fcfs: arrival order; priority: _rank order
         self.running: list[Sequence] = []  # admission order: the last one is the newest
         self.num_preemptions = 0
         self.num_recomputed_tokens = (
@@ -150,13 +159,30 @@ class Scheduler:
     # --- queue management -----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue(seq, front=False)
         if seq.grammar is not None:
             self._grammar_seqs.add(seq)
         if seq.params.prompt_logprobs is not None:
             self._prompt_logprob_seqs.add(seq)
         if seq.params.pooling is not None:
             self._pooling_seqs.add(seq)
+
+    def _enqueue(self, seq: Sequence, front: bool) -> None:
+        """Into the waiting queue: fcfs at the back (new) or the front (preempted); priority at its rank."""
+        if self.policy == "priority":
+            self.waiting.insert(bisect.bisect_right(self.waiting, _rank(seq), key=_rank), seq)
+        elif front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _victim(self, scheduled_ids: set[int]) -> Sequence | None:
+        """The running sequence a preemption evicts, among those not scheduled this step: fcfs the newest,
+        priority the highest (priority, arrival)."""
+        candidates = (s for s in reversed(self.running) if id(s) not in scheduled_ids)
+        if self.policy == "priority":
+            return max(candidates, key=_rank, default=None)
+        return next(candidates, None)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -193,7 +219,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
         out.preempted.append(seq)
         self.dropped.append(seq.key)  # the worker drops it; it comes back as a NewRequest
         if self.proposer is not None:  # a draft model's cache frees its blocks (it rebuilds on resume)
@@ -238,7 +264,10 @@ class Scheduler:
         bm = self.block_manager
         capacity_per_block = bm.block_size
         drafts = self._propose(decodes) if self.proposer is not None and decodes else None
-        for seq, total in decodes + prefills:
+        rows = decodes + prefills
+        if self.policy == "priority":  # the highest priorities get the budget and the blocks first
+            rows.sort(key=lambda row: _rank(row[0]))
+        for seq, total in rows:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
@@ -255,7 +284,7 @@ class Scheduler:
             target = seq.num_computed_tokens + n
             if target > len(seq.block_table) * capacity_per_block:  # most decodes skip this: room left
                 while not bm.can_allocate(seq, target):
-                    victim = next((s for s in reversed(self.running) if id(s) not in scheduled_ids), None)
+                    victim = self._victim(scheduled_ids)
                     assert victim is not None  # seq itself is running and not scheduled yet
                     if victim is seq and len(self.running) == 1:
                         # Alone in the cache and still no room: it never fits. Fail, don't spin.
@@ -275,7 +304,7 @@ class Scheduler:
             scheduled_ids.add(id(seq))
             budget -= n
 
-        # 2. Waiting: admit FCFS into what is left, unless this step had to preempt.
+        # 2. Waiting: admit in queue order (fcfs or priority) into what is left, unless this step had to preempt.
         promised: set | None = None  # next full-block keys of running sequences (built on first need)
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -294,7 +323,7 @@ class Scheduler:
             n = min(seq.num_tokens - num_cached, budget)
             target = num_cached + n
             if not bm.can_admit(match.blocks, target):
-                break  # FCFS: nobody jumps the queue; blocks come back as others finish
+                break  # nobody jumps the queue (its order); blocks come back as others finish
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             first_admission = seq.first_scheduled_time is None
@@ -582,3 +611,8 @@ class Scheduler:
         if len(seq.block_table) > keep:
             bm.trim(seq, keep)
             self.trimmed.append((seq.key, keep))
+
+
+def _rank(seq: Sequence) -> tuple[int, float]:
+    """A sequence's place under the priority policy: lower priority value first, then earlier arrival."""
+    return seq.params.priority, seq.arrival_time

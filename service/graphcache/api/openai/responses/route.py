@@ -115,10 +115,12 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 
 async def _create(body: ResponsesRequest, request: Request) -> Response:
     chat = _chat_request(body)
-    routes._checked(chat)
+    routes._checked(chat, request)
     tools = routes.template_tools(chat.tools)
     http = request.app.state.settings.http
-    constraint = routes._constraint(chat, routes._tool_spec(chat, http.tool_call_parser))
+    constraint = routes._constraint(
+        chat, routes._tool_spec(chat, http.tool_call_parser), http.json_disable_any_whitespace
+    )
     engine = routes.generating_engine(request, "/v1/responses")
     model = routes.check_model(engine, chat.model)
     await routes._check_constraint(engine, constraint)
