@@ -347,6 +347,7 @@ class Engine(EngineFrontend):
             self._stream_due()
             if self._warmups:
                 self._warmup_slice()
+            core.flush_kv_events()  # an abort between steps registers what it computed: tell it now
             # Also after commands alone: an abort that empties the engine must show in the gauges.
             self._update_gauges()
             self._refresh_stats()
@@ -551,6 +552,7 @@ class Engine(EngineFrontend):
             return
         if core.step_trace is not None:
             write_step_trace(self.settings.engine.step_trace, core.step_trace)
+        core.close()
         try:
             core.runner.close()  # tensor parallel: stop the worker ranks
         except Exception:  # noqa: BLE001 - the engine is exiting either way
