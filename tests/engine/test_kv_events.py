@@ -25,14 +25,14 @@ from graphcache.kv_events.recorder import KVEventRecorder
 from helpers_model import cpu_settings, prompt_ids, tiny_checkpoint
 
 
-# --- vLLM's message shapes, as its example subscriber declares them (not the package's own) -------
+# --- vLLM's message shapes (vllm/distributed/kv_events.py, v0.28), not the package's own -------------
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 
@@ -43,11 +43,19 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[int | bytes]
     medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -236,6 +244,10 @@ def test_the_stream_matches_the_block_managers_stores_evictions_and_clear(path):
     assert index.blocks == {}
     stored = [ev for _, p in replayed for ev in DECODER.decode(p).events if isinstance(ev, BlockStored)]
     assert all(ev.block_size == 4 and ev.medium == "GPU" and ev.lora_id is None for ev in stored)
+    assert all(ev.group_idx == 0 for ev in stored)
+    # Events are tagged maps inside an array batch, as vLLM's router requires.
+    raw = msgspec.msgpack.decode(replayed[0][1])
+    assert isinstance(raw, list) and isinstance(raw[1][0], dict) and raw[1][0]["type"] == "BlockStored"
 
 
 def test_the_same_prefix_has_the_same_hashes_on_two_replicas():

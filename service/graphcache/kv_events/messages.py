@@ -1,10 +1,10 @@
-"""The wire shapes of vLLM's KV cache events (vllm/distributed/kv_events.py), encoded as vLLM encodes them.
+"""The wire shapes of vLLM's KV cache events (vllm/distributed/kv_events.py, v0.28), encoded as vLLM encodes them.
 
-msgspec structs, array_like: a batch is the msgpack array [ts, [events...]] (+ data_parallel_rank when
-set), each event the array [tag, fields...] whose tag is its class name. Trailing fields at their default
-are left out (omit_defaults), so a BlockStored is [tag, hashes, parent, token ids, block size, lora id,
-medium] as every vLLM consumer reads it. Block hashes are unsigned 64-bit ints (vLLM's default
-ExternalBlockHash form; the router takes ints or bytes).
+msgspec structs, msgpack. A batch is array_like: [ts, [events...], data_parallel_rank]. Each event is a
+tagged map: {"type": "BlockStored", "block_hashes": [...], ...}, its fields at their default left out
+(omit_defaults), as vLLM's publisher sends them and vLLM's router decodes them (it refuses events in the
+older array form: "KV event must be a tagged map"). Block hashes are unsigned 64-bit ints (vLLM's
+default ExternalBlockHash form; the router takes ints or bytes). group_idx is 0: one KV cache group.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """The base of the three events; the tag is the class name."""
 
 
@@ -34,9 +34,12 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
-    lora_name: str | None = None
+    lora_name: str | None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -44,6 +47,8 @@ class BlockRemoved(KVCacheEvent):
 
     block_hashes: list[int]
     medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):

@@ -70,7 +70,9 @@ class KVEventRecorder:
             last.token_ids.extend(token_ids)
             return
         self._pending.append(
-            BlockStored([h], parent_hash, list(token_ids), self.block_size, None, MEDIUM_GPU)
+            BlockStored(
+                [h], parent_hash, list(token_ids), self.block_size, None, MEDIUM_GPU, None, group_idx=0
+            )
         )
 
     def removed(self, identity: Identity) -> None:
@@ -81,7 +83,7 @@ class KVEventRecorder:
         if isinstance(last, BlockRemoved):
             last.block_hashes.append(h)
         else:
-            self._pending.append(BlockRemoved([h], MEDIUM_GPU))
+            self._pending.append(BlockRemoved([h], MEDIUM_GPU, group_idx=0))
 
     def cleared(self) -> None:
         """Nothing is findable any more."""
