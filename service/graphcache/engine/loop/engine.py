@@ -220,6 +220,16 @@ class Engine(EngineFrontend):
     async def clear_graphs(self) -> dict:
         return await self._call(lambda: self._admin_result(self._loaded_core.runner.cache.clear()))
 
+    async def reset_prefix_cache(self) -> dict:
+        """Forget the cached prefixes nobody holds; the KV cache events say so at once."""
+        return await self._call(self._reset_prefix_cache)
+
+    def _reset_prefix_cache(self) -> dict:
+        core = self._loaded_core
+        dropped = core.block_manager.reset_prefix_cache()
+        core.flush_kv_events()
+        return {"dropped_blocks": dropped}
+
     async def cache_profile(self, min_uses: int = 1) -> dict:
         """The hot set of descriptors (GraphCache.profile): what a restart can warm up."""
         return await self._call(lambda: jsonable(self._loaded_core.runner.cache.profile(min_uses)))
