@@ -10,9 +10,9 @@ p95; streamed requests), throughput and errors.
 
 CPU (the embedded tiny model, CI's size):
     python benchmarks/router_bench.py --policies round_robin cache_aware kv_aware
-GPU (two replicas sharing one H200, half the KV each):
-    python benchmarks/router_bench.py --replicas 2 --model /tmp/qwen05b --device cuda \
-        --replica-setting gpu_memory_utilization=0.4 --kv-blocks 0 --requests 2000 --concurrency 32
+GPU (two replicas sharing one H200, half the KV each; scripts/gpu_check.sh phase `router`):
+    python benchmarks/router_bench.py --replicas 2 --make-qwen05b /tmp/qwen05b --device cuda --kv-blocks 0 \
+        --replica-setting gpu_memory_utilization=0.4 --requests 2000 --concurrency 32
 
 Library (tests/deploy/test_router.py): Replica, Router, Workload, run_policy.
 """
@@ -24,6 +24,7 @@ import concurrent.futures as cf
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -37,9 +38,19 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+
+
+def router_binary() -> str:
+    """vllm-router beside this Python (a venv), else on PATH (a --target install's bin/)."""
+    local = Path(sys.executable).parent / "vllm-router"
+    found = str(local) if local.exists() else shutil.which("vllm-router")
+    if found is None:
+        raise SystemExit("vllm-router not found: pip install vllm-router==0.1.17")
+    return found
+
+
 CORPUS = REPO / "service" / "graphcache" / "model" / "data" / "corpus.txt"
-MODEL_NAME = "graphcache-tiny"
+MODEL_NAME = "bench"  # every replica serves its model under this name (the router's --kv-event-model)
 
 
 def free_port() -> int:
@@ -85,6 +96,7 @@ class Replica:
         self.settings = {
             "host": "127.0.0.1",
             "log_level": "warning",
+            "served_model_name": MODEL_NAME,
             **settings,
             "kv_events_config": json.dumps(events),
         }
@@ -154,7 +166,7 @@ class Router:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"router-{policy}-{self.port}.log"
         self.args = [
-            str(BIN / "vllm-router"),
+            router_binary(),
             *("--host", "127.0.0.1", "--port", str(self.port), "--policy", policy),
             *("--worker-urls", *[r.url for r in replicas]),
             *("--health-check-interval-secs", "1", "--health-failure-threshold", "2"),
@@ -349,7 +361,10 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--systems", type=int, default=24)
     ap.add_argument("--system-words", type=int, default=110)
-    ap.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
+    sys.path.insert(0, str(REPO))  # benchmarks/ is a folder of scripts, not an installed package
+    from benchmarks.model_shapes import add_model_args, resolve_model
+
+    add_model_args(ap)  # --model DIR, --make-qwen05b DIR (default: the embedded tiny model)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--kv-blocks", type=int, default=200, help="KV blocks per replica; 0: sized from memory")
     ap.add_argument("--replica-setting", action="append", default=[], help="NAME=VALUE, a graphcache setting")
@@ -361,8 +376,9 @@ def main() -> None:
         settings["num_kv_blocks"] = args.kv_blocks
     else:
         settings.pop("num_kv_blocks")
-    if args.model:
-        settings["model"] = args.model
+    model = resolve_model(args)
+    if model is not None:
+        settings["model"] = str(model)
     for item in args.replica_setting:
         key, _, value = item.partition("=")
         settings[key] = value
