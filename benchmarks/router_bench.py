@@ -239,11 +239,23 @@ class Outcome:
     ttft_s: float | None = None
 
 
-def send(url: str, prompt: list[int], max_tokens: int, timeout_s: float = 60) -> Outcome:
-    """One streamed completion; its status and time to first token. Never raises, never hangs."""
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+def send(url: str, prompt: list[int], max_tokens: int, timeout_s: float = 60, stream: bool = True) -> Outcome:
+    """One completion (streamed: with its time to first token). Never raises, never hangs: a client-side
+    failure is the error's name, a stream that ends without [DONE] is "truncated"."""
+    body = {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    }
     t0 = time.perf_counter()
     try:
+        if not stream:
+            resp = httpx.post(url + "/v1/completions", json=body, timeout=timeout_s)
+            if resp.status_code == 200:
+                resp.json()["choices"][0]["text"]  # a whole answer, or the KeyError/ValueError below names it
+            return Outcome(resp.status_code)
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout_s) as resp:
             if resp.status_code != 200:
                 resp.read()
@@ -255,7 +267,7 @@ def send(url: str, prompt: list[int], max_tokens: int, timeout_s: float = 60) ->
                     ttft = time.perf_counter() - t0
                 done = done or line == "data: [DONE]"
             return Outcome(200 if done else "truncated", ttft)
-    except httpx.HTTPError as e:
+    except (httpx.HTTPError, ValueError, KeyError) as e:
         return Outcome(type(e).__name__)
 
 
