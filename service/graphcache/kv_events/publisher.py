@@ -94,6 +94,13 @@ class ZmqEventPublisher:
             self._queue.put_nowait(batch)
         except queue.Full:
             self.dropped += 1
+            if self.dropped & (self.dropped - 1) == 0:  # 1, 2, 4, 8, ...: said, without a line per batch
+                log.warning(
+                    "KV events: %d batches dropped so far (the publisher's queue of %d is full); "
+                    "subscribers replay the gap, or raise max_queue_size in --kv-events-config",
+                    self.dropped,
+                    self.config.max_queue_size,
+                )
 
     def close(self) -> None:
         """Send what is queued (at most SHUTDOWN_TIMEOUT_S), then stop the thread and close the sockets."""
