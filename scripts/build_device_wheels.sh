@@ -14,7 +14,9 @@ pkgs=(fastapi starlette uvicorn pydantic pydantic_core pydantic-settings annotat
       python-dotenv pytest-asyncio opentelemetry-api httptools
       annotated-doc click anyio uvloop pytest-timeout
       llguidance python-json-logger asgi-correlation-id prometheus-fastapi-instrumentator sse-starlette
-      httpx httpcore h11 certifi idna)   # httpx: the served and open-loop benchmark clients
+      httpx httpcore h11 certifi idna   # httpx: the served and open-loop benchmark clients
+      pyzmq msgspec   # KV cache events (kv_events/)
+      vllm-router setproctitle orjson aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl)  # benchmarks/router_bench.py
 # Not in the test venv: the comparison library capture_bench.py times against, and py-spy (served_throughput.py --py-spy-dir).
 extra=(breakable-cuda-graphs==0.1.0 py-spy==0.4.3)
 rm -rf .whl && mkdir -p .whl

@@ -67,6 +67,10 @@ for p in ${PHASES:-tests pool capture}; do
                --out "$OUT/server_check.json" --log "$OUT/server.log" ;;
     prefix)  phase prefix 420 python3 benchmarks/prefix_burst.py --make-qwen05b /tmp/qwen05b \
                --out "$OUT/prefix_burst.json" ${PREFIX_ARGS:-} ;;
+    router)  phase router 540 python3 benchmarks/router_bench.py --replicas 2 --make-qwen05b /tmp/qwen05b --device cuda \
+               --kv-blocks 0 --replica-setting gpu_memory_utilization=0.4 --replica-setting max_num_seqs=64 \
+               --replica-setting max_num_batched_tokens=4096 --requests "${ROUTER_REQUESTS:-2000}" --concurrency 32 \
+               --system-words 400 --log-dir "$OUT/router" --out "$OUT/router.json" ${ROUTER_ARGS:-} ;;
     soak)    phase soak $(( ${SOAK_DURATION:-300} + 280 )) python3 benchmarks/soak.py --make-qwen05b /tmp/qwen05b \
                --duration "${SOAK_DURATION:-300}" --out "$OUT/soak.json" --log-dir "$OUT" ${SOAK_ARGS:-} ;;
     # Realistic offline traffic (lognormal lengths, sampling, 2x max_num_seqs requests) next to nano's, graph and eager, steps by kind.

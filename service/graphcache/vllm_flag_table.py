@@ -977,9 +977,6 @@ FLAGS: tuple[VllmFlag, ...] = (
         apply=refuse("KV transfer (disaggregated prefill) is not supported; drop the flag"),
         help="refused",
     ),
-    _v(
-        "--kv-events-config", apply=refuse("KV cache events are not published; drop the flag"), help="refused"
-    ),
     _v("--additional-config", apply=warn("no platform plugins read it; ignored"), help="ignored (warning)"),
     _v(
         "--config",

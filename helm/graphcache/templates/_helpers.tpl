@@ -109,3 +109,21 @@ app.kubernetes.io/component: inference
 {{- .Values.model.hub.repoId }}
 {{- end }}
 {{- end }}
+
+{{/* The router's own labels: never the replicas' selector labels, so the graphcache Service and the
+router's service discovery never select router pods. */}}
+{{- define "graphcache.routerSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "graphcache.name" . }}-router
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "graphcache.routerLabels" -}}
+helm.sh/chart: {{ include "graphcache.chart" . }}
+{{ include "graphcache.routerSelectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/component: router
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}

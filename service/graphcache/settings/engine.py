@@ -9,6 +9,7 @@ from typing import Annotated
 from pydantic import Field, field_validator, model_validator
 
 from graphcache.choices import AsyncScheduling, SchedulingPolicy
+from graphcache.kv_events.config import parse_kv_events_config
 from graphcache.settings.section import BlankIsUnset, SettingsSection
 
 __all__ = ["EngineSettings"]
@@ -119,6 +120,14 @@ class EngineSettings(SettingsSection):
         "it drafts again to be judged anew (doubling after each failed probe, up to 8x); 0: it stays off.",
     )
 
+    kv_events_config: Annotated[str | None, BlankIsUnset] = Field(
+        None,
+        description="KV cache events for a KV-aware router, as vLLM's --kv-events-config: one JSON object, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}\' (keys: enable_kv_cache_events, publisher, endpoint, '
+        "replay_endpoint, buffer_steps, hwm, max_queue_size, topic; kv_events/config.py). Unset: off.",
+    )
+
     @model_validator(mode="after")
     def _one_kv_budget(self) -> EngineSettings:
         # Two ways to size the same cache: the one the user set is the one meant, so both is a mistake.
@@ -129,6 +138,12 @@ class EngineSettings(SettingsSection):
                 "share of the memory left after the weights)"
             )
         return self
+
+    @field_validator("kv_events_config")
+    @classmethod
+    def _kv_events_json(cls, v: str | None) -> str | None:
+        parse_kv_events_config(v)  # ValueError names the key and the fix
+        return v
 
     @field_validator("speculative_config")
     @classmethod

@@ -1,4 +1,4 @@
-"""Admin endpoints over the graph cache: inspect, export the traffic profile, warm up, clear.
+"""Admin endpoints over the graph cache: inspect, export the traffic profile, warm up, clear; reset the prefix cache.
 
 All are commands on the engine's inbox, run on the engine thread between steps, so
 requests in flight keep going. Auth (the README states the choice):
@@ -169,3 +169,10 @@ async def warmup(request: Request, body: WarmupRequest | None = None) -> dict:
 async def clear(request: Request) -> dict:
     """Drop every captured graph (pinned ones too) and give their pool memory back."""
     return await _ready_engine(request).clear_graphs()
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> dict:
+    """Forget every cached prefix no running request holds (vLLM's /reset_prefix_cache). A KV-aware router
+    hears it from the KV cache events: AllBlocksCleared, or the blocks removed while requests hold some."""
+    return await _ready_engine(request).reset_prefix_cache()

@@ -56,6 +56,9 @@ from graphcache.engine.spec.build import build_proposer
 from graphcache.engine.spec.config import parse_speculative_config
 from graphcache.engine.spec.metrics import SpecDecodeMetrics
 from graphcache.engine.spec.proposer import Proposer
+from graphcache.kv_events.config import parse_kv_events_config
+from graphcache.kv_events.publisher import make_publisher
+from graphcache.kv_events.recorder import KVEventRecorder
 from graphcache.metrics import Metrics
 
 __all__ = ["EngineCore"]
@@ -102,6 +105,10 @@ class EngineCore:
             runner.block_size,
             enable_prefix_caching=settings.engine.enable_prefix_caching,
         )
+        # --kv-events-config: the block manager's stores and evictions, published after each step.
+        self.kv_events = make_publisher(parse_kv_events_config(settings.engine.kv_events_config))
+        if self.kv_events is not None:
+            self.block_manager.events = KVEventRecorder(runner.block_size, self.kv_events.publish)
         self._prefix_counted = (0, 0)  # block-manager lookup counters already added to the metrics
         self._recomputed_counted = 0  # scheduler.num_recomputed_tokens already added to the metrics
         bm = self.block_manager  # the limits never change after load: one snapshot checks every request
@@ -255,7 +262,18 @@ class EngineCore:
         self._pending = launched
         if not self.async_scheduling:
             outputs += self._complete_pending()
+        self.flush_kv_events()
         return [o for o in outputs if o is not None]
+
+    def flush_kv_events(self) -> None:
+        """Publish the KV cache events since the last flush (after a step; between steps for aborts)."""
+        if self.block_manager.events is not None:
+            self.block_manager.events.flush()
+
+    def close(self) -> None:
+        """Stop publishing KV cache events (what is queued is sent first, briefly)."""
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def has_work(self) -> bool:
         return self._pending is not None or self.scheduler.has_work()

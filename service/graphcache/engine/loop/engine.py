@@ -229,6 +229,16 @@ class Engine(EngineFrontend):
             return report
         return {**jsonable(report), "draft": jsonable(self._draft.runner.cache.clear())}
 
+    async def reset_prefix_cache(self) -> dict:
+        """Forget the cached prefixes nobody holds; the KV cache events say so at once."""
+        return await self._call(self._reset_prefix_cache)
+
+    def _reset_prefix_cache(self) -> dict:
+        core = self._loaded_core
+        dropped = core.block_manager.reset_prefix_cache()
+        core.flush_kv_events()
+        return {"dropped_blocks": dropped}
+
     async def cache_profile(self, min_uses: int = 1) -> dict:
         """The hot set of descriptors (GraphCache.profile): what a restart can warm up."""
         return await self._call(lambda: jsonable(self._loaded_core.runner.cache.profile(min_uses)))
@@ -380,6 +390,7 @@ class Engine(EngineFrontend):
             self._stream_due()
             if self._warmups:
                 self._warmup_slice()
+            core.flush_kv_events()  # an abort between steps registers what it computed: tell it now
             # Also after commands alone: an abort that empties the engine must show in the gauges.
             self._update_gauges()
             self._refresh_stats()
@@ -587,6 +598,7 @@ class Engine(EngineFrontend):
             return
         if core.step_trace is not None:
             write_step_trace(self.settings.engine.step_trace, core.step_trace)
+        core.close()
         try:
             core.runner.close()  # tensor parallel: stop the worker ranks
         except Exception:  # noqa: BLE001 - the engine is exiting either way

@@ -209,6 +209,9 @@ class EngineClient(EngineFrontend):
     async def clear_graphs(self) -> dict:
         return await self._call("clear_graphs")
 
+    async def reset_prefix_cache(self) -> dict:
+        return await self._call("reset_prefix_cache")
+
     async def cache_profile(self, min_uses: int = 1) -> dict:
         return await self._call("cache_profile", min_uses)
 

@@ -26,6 +26,10 @@ Prefix caching (automatic, vLLM's APC; on unless `enable_prefix_caching=False`):
 - `prefix_cache_queries` / `prefix_cache_hits`: tokens looked up at admission / tokens found
   (plain ints; the metrics layer turns them into counters).
 
+KV cache events (`events`, --kv-events-config): when set, every block that becomes findable, stops
+being findable, or a reset that leaves nothing cached is told to the recorder (kv_events/recorder.py),
+which the engine publishes after each step in vLLM's shapes for a KV-aware router.
+
 Without prefix caching: nothing is registered or looked up, free blocks are reused FIFO, and no
 block is shared between sequences.
 """
@@ -36,6 +40,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from graphcache.engine.sequence import Sequence
+from graphcache.kv_events.recorder import KVEventRecorder
 
 # (block id, generation) of a registered block; None stands for "before the first block".
 BlockIdentity = tuple[int, int]
@@ -83,6 +88,7 @@ class BlockManager:
         self.step = 0  # advanced by the scheduler each schedule()
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens found in the cache
+        self.events: KVEventRecorder | None = None  # told of stores, removals and clears (KV cache events)
 
     # --- capacity -------------------------------------------------------------------------
     @property
@@ -210,6 +216,8 @@ class BlockManager:
         if key is not None:
             del self._cache[key]
             self._key[block] = None
+            if self.events is not None:
+                self.events.removed((block, self._gen[block]))
             self._gen[block] += 1  # identities naming this incarnation (its children's keys) go stale
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
@@ -254,6 +262,8 @@ class BlockManager:
                 self._key[block] = key
                 self._registered_step[block] = self.step
                 existing = block
+                if self.events is not None:
+                    self.events.stored((block, self._gen[block]), key[0], key[1])
             state.chain.append((existing, self._gen[existing]))
         state.next_end = (len(state.chain) + 1) * bs
 
@@ -306,4 +316,6 @@ class BlockManager:
             block, _ = self._free_cached.popitem(last=False)
             self._unregister(block)
             self._free_plain.append(block)
+        if self.events is not None and not self._cache:
+            self.events.cleared()
         return n
