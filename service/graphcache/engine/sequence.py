@@ -120,6 +120,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None = off; k >= 0: each prompt token's logprob + the top k (echo)
     # --- structured output (structured.py): None, or what the output must match ------------
     structured: StructuredSpec | None = None
+    # --- the LoRA adapter the request runs through (its name; None: the base model) -------
+    lora_name: str | None = None
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the bad field (the API maps it to 400)."""

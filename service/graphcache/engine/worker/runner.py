@@ -39,6 +39,7 @@ from graphcache.config import Settings
 from graphcache.engine.plan import StepOutput, StepPlan
 from graphcache.engine.worker.capture_sizes import resolve_capture_sizes
 from graphcache.engine.worker.input_batch import InputBatch, StepLayout
+from graphcache.engine.worker.lora_slots import LoraSlots, build_lora_slots
 from graphcache.engine.worker.kv_cache import (
     activation_reserve_bytes,
     agree_min_blocks,
@@ -147,6 +148,13 @@ class ModelRunner:
         )
         self._warmup_descs = warmup_descriptors(s, self.sizes, self.mixed_sizes)
         self._alloc_buffers()
+        # Before the KV cache: the adapters' slot buffers are part of what the model takes from the GPU.
+        self.lora: LoraSlots | None = None
+        if s.lora.enable_lora:
+            self.lora = build_lora_slots(
+                s, self.model, c, max_tokens=self.max_tokens, dtype=self.dtype, device=self.device,
+                graphs=self.backend == "cuda", tp_size=tp.size,
+            )  # fmt: skip
         self._alloc_kv_cache()
         self.attention_kernel = select_attention_kernel(
             self.device, self.dtype, c.head_dim, self.block_size, s.model.attention_backend
@@ -418,6 +426,9 @@ class ModelRunner:
         prompt_logits = verify_logits = None
         try:
             self.table.update(plan)
+            if self.lora is not None:
+                self.lora.update(plan)
+                self.lora.prepare(plan, pad_tokens)
             layout = self.inputs.prepare(
                 self.table,
                 plan,
