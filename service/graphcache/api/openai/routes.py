@@ -53,7 +53,7 @@ from graphcache.engine.errors import InvalidRequest
 from graphcache.engine.sequence import StructuredSpec, TokenIds
 
 # encode_chat / encode_prompt live in prompt_encoding.py; re-exported for callers that import them from here.
-__all__ = ["encode_chat", "encode_prompt", "model_card", "router", "template_tools"]
+__all__ = ["encode_chat", "encode_prompt", "model_card", "model_cards", "router", "template_tools"]
 
 log = logging.getLogger("graphcache.api")
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])
@@ -137,7 +137,11 @@ def serving_engine(request: Request):
 
 
 def check_model(engine, name: str | None) -> str:
-    """The served model's name; another name is a 404 `model_not_found`, as OpenAI and vLLM answer."""
+    """The served model's name, or a LoRA adapter's (--enable-lora); another name is a 404
+    `model_not_found`, as OpenAI and vLLM answer."""
+    adapters = engine.lora_modules
+    if adapters is not None and name is not None and name in adapters:
+        return name
     if name is not None and name != engine.model_name:  # the caller's name is not echoed back
         raise APIError(
             404,
@@ -149,26 +153,38 @@ def check_model(engine, name: str | None) -> str:
     return engine.model_name
 
 
-def model_card(request: Request) -> dict:
-    """The served model as OpenAI's model object (an entry of GET /v1/models)."""
+def model_cards(request: Request) -> list[dict]:
+    """GET /v1/models' entries: the served model, then its LoRA adapters (--enable-lora)."""
+    engine = request.app.state.engine
+    cards = [model_card(request)]
+    if engine.lora_modules is not None:
+        for adapter in engine.lora_modules.all():
+            parent = adapter.base_model_name or engine.model_name
+            cards.append(model_card(request, adapter.name, adapter.path, parent))
+    return cards
+
+
+def model_card(request: Request, model_id: str | None = None, root: str | None = None, parent=None) -> dict:
+    """The served model (or an adapter of it: its id, path and base model) as OpenAI's model object."""
     engine = request.app.state.engine
     created = request.app.state.started
+    model_id = model_id or engine.model_name
     return {
-        "id": engine.model_name,
+        "id": model_id,
         "object": "model",
         "created": created,
         "owned_by": "graphcache",
         # vLLM's card: root is the checkpoint served (the model id where no path is configured), parent
-        # the base model of an adapter (none: no LoRA here), permission one open ModelPermission.
-        "root": str(request.app.state.settings.model.path or engine.model_name),
-        "parent": None,
+        # the base model of an adapter (None for the base model), permission one open ModelPermission.
+        "root": root or str(request.app.state.settings.model.path or engine.model_name),
+        "parent": parent,
         "max_model_len": engine.max_model_len if engine.ready else None,
         # The sampling defaults a request gets for the fields it leaves out (--generation-config: the
         # model's generation_config.json by default); {} = the API's own; null until the model is loaded.
         "generation_defaults": dict(engine.generation_defaults) if engine.ready else None,
         "permission": [
             {
-                "id": f"modelperm-{engine.model_name}",
+                "id": f"modelperm-{model_id}",
                 "object": "model_permission",
                 "created": created,
                 "allow_create_engine": False,
@@ -351,7 +367,7 @@ def _observe_n(request: Request, n: int, num_prompts: int) -> None:
 
 @router.get("/models")
 async def models(request: Request) -> dict:
-    return {"object": "list", "data": [model_card(request)]}
+    return {"object": "list", "data": model_cards(request)}
 
 
 async def _completion_prompt(
@@ -399,15 +415,19 @@ def _room(engine, num_prompt_tokens: int) -> int | None:
     return window - num_prompt_tokens
 
 
-async def _base_params(engine, body, structured: StructuredSpec | None, num_prompt_tokens: int | None = None):
+async def _base_params(
+    engine, body, structured: StructuredSpec | None, model: str, num_prompt_tokens: int | None = None
+):
     """The SamplingParams every choice shares, its token-id controls checked off the event loop, the
-    model's generation defaults filling the fields the request left out."""
+    model's generation defaults filling the fields the request left out; `model` an adapter's name runs
+    it through that LoRA adapter."""
     allowed = await run_input(_checked_token_controls, body, token_ids.vocab_size(engine))
     bad_words = await sampling.bad_words_token_ids(engine.tokenizer, body.bad_words)
     defaults = engine.generation_defaults
     room = _room(engine, num_prompt_tokens) if num_prompt_tokens is not None and defaults else None
     base = sampling.base_params(body, bad_words, structured, defaults, room)
-    return dataclasses.replace(base, allowed_token_ids=allowed)
+    lora = None if model == engine.model_name else model
+    return dataclasses.replace(base, allowed_token_ids=allowed, lora_name=lora)
 
 
 @router.post("/completions")
@@ -420,7 +440,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     structured = constraint[0] if constraint else None
     batch = len(body.prompts) > 1
     prompts = [await _completion_prompt(engine, body, i, p, batch) for i, p in enumerate(body.prompts)]
-    base = await _base_params(engine, body, structured)
+    base = await _base_params(engine, body, structured, model)
     plan = sampling.plan(body)
     check_answer_size(body, plan, base, prompts, engine.max_model_len)
     rid, engine_rid = _ids("cmpl", body)
@@ -465,7 +485,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     )
     last = body.messages[-1]
     prompts = [Prompt(ids, last.text() if body.echo and last.role == "assistant" else "")]
-    base = await _base_params(engine, body, structured, len(ids))
+    base = await _base_params(engine, body, structured, model, len(ids))
     plan = sampling.plan(body)
     check_answer_size(body, plan, base, prompts, engine.max_model_len)
     rid, engine_rid = _ids("chatcmpl", body)

@@ -108,6 +108,8 @@ class EngineCore:
             max_model_len=runner.max_model_len,
             eos_token_ids=runner.eos_token_ids,
         )
+        if settings.lora.enable_lora:
+            self.scheduler.max_loras = settings.lora.max_loras
         # Speculative decoding (--speculative-config): the scheduler drafts with the proposer, the worker
         # verifies, postprocess appends the accepted run and rolls back; the vllm:spec_decode_* counters.
         self.spec = parse_speculative_config(settings.engine.speculative_config)

@@ -1,0 +1,107 @@
+"""LoRA adapters through the HTTP API on the CPU (--enable-lora): a request picks an adapter by its `model`
+name (the openai client too), GET /v1/models lists the adapters with their base model as parent, an
+unknown name is a 404, and concurrent requests mixing adapters and the base model each generate what a
+server of that adapter merged into the weights generates (greedy)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+import pytest_asyncio
+from graphcache.config import Settings
+from helpers_api import serving
+from helpers_lora import peft_adapter
+from helpers_model import tiny_checkpoint
+
+pytest.importorskip("peft")
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+SMALL = {
+    "device": "cpu",
+    "dtype": "float32",
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 64,
+    "warmup_decode_sizes": [],
+    "warmup_mixed_sizes": [],
+    "capture_sizes": [1, 2, 4, 8, 16, 32, 64],
+}
+PROMPTS = ["Once upon a time", "The quick brown fox", "In the beginning"]
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def adapters(base):
+    return {
+        "sql": peft_adapter(base, r=8, alpha=16, seed=21, magnitude=0.2),
+        "chat": peft_adapter(base, r=4, alpha=4, targets=("q_proj", "v_proj", "down_proj"), seed=22, magnitude=0.3),
+    }
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served(base, adapters):
+    modules = [f"{name}={adapter}" for name, (adapter, _) in adapters.items()]
+    settings = Settings(model=base, served_model_name="base", enable_lora=True, lora_modules=modules, max_loras=2, **SMALL)
+    async with serving(settings) as pair:
+        yield pair
+
+
+async def _greedy(client: httpx.AsyncClient, model: str, prompt: str) -> str:
+    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    r = await client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == model
+    return r.json()["choices"][0]["text"]
+
+
+async def _reference(path, prompts) -> list[str]:
+    async with serving(Settings(model=path, served_model_name="ref", **SMALL)) as (client, _):
+        return [await _greedy(client, "ref", p) for p in prompts]
+
+
+async def test_models_lists_adapters_with_the_base_as_parent(served, adapters):
+    client, _ = served
+    cards = {c["id"]: c for c in (await client.get("/v1/models")).json()["data"]}
+    assert set(cards) == {"base", "sql", "chat"}
+    assert cards["base"]["parent"] is None
+    assert cards["sql"]["parent"] == "base" and cards["sql"]["root"] == str(adapters["sql"][0])
+    one = await client.get("/v1/models/chat")
+    assert one.status_code == 200 and one.json()["parent"] == "base"
+
+
+async def test_unknown_model_is_a_404_model_not_found(served):
+    client, _ = served
+    r = await client.post("/v1/completions", json={"model": "nope", "prompt": "hi", "max_tokens": 1})
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "model_not_found" and "nope" not in r.text
+
+
+async def test_mixed_concurrent_requests_each_equal_their_merged_model(served, adapters, base):
+    client, _ = served
+    jobs = [(model, p) for p in PROMPTS for model in ("base", "sql", "chat")]
+    got = await asyncio.gather(*(_greedy(client, m, p) for m, p in jobs))
+    expected = {
+        "base": await _reference(base, PROMPTS),
+        "sql": await _reference(adapters["sql"][1], PROMPTS),
+        "chat": await _reference(adapters["chat"][1], PROMPTS),
+    }
+    for (model, prompt), text in zip(jobs, got, strict=True):
+        assert text == expected[model][PROMPTS.index(prompt)], (model, prompt)
+    assert expected["sql"] != expected["base"]  # the adapter changes what is generated
+
+
+async def test_the_openai_client_selects_an_adapter_by_name(served):
+    client, app = served
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
+    async with openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0) as oai:
+        out = await oai.completions.create(model="sql", prompt=PROMPTS[0], max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        assert out.model == "sql"
+        assert out.choices[0].text == await _greedy(client, "sql", PROMPTS[0])
+        models = [m.id async for m in oai.models.list()]
+        assert models == ["base", "sql", "chat"]
