@@ -18,7 +18,12 @@ from safetensors.torch import save_file
 
 _ROOT: Path | None = None
 _MADE: dict[str, tuple[Path, Path]] = {}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+)
 
 
 def _root() -> Path:
@@ -49,7 +54,9 @@ def peft_adapter(
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora, lora_dropout=0.0)
+    config = LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora, lora_dropout=0.0
+    )
     peft_model = get_peft_model(model, config)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():

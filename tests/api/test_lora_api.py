@@ -40,14 +40,18 @@ def base():
 def adapters(base):
     return {
         "sql": peft_adapter(base, r=8, alpha=16, seed=21, magnitude=0.2),
-        "chat": peft_adapter(base, r=4, alpha=4, targets=("q_proj", "v_proj", "down_proj"), seed=22, magnitude=0.3),
+        "chat": peft_adapter(
+            base, r=4, alpha=4, targets=("q_proj", "v_proj", "down_proj"), seed=22, magnitude=0.3
+        ),
     }
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(base, adapters):
     modules = [f"{name}={adapter}" for name, (adapter, _) in adapters.items()]
-    settings = Settings(model=base, served_model_name="base", enable_lora=True, lora_modules=modules, max_loras=2, **SMALL)
+    settings = Settings(
+        model=base, served_model_name="base", enable_lora=True, lora_modules=modules, max_loras=2, **SMALL
+    )
     async with serving(settings) as pair:
         yield pair
 
@@ -99,8 +103,12 @@ async def test_mixed_concurrent_requests_each_equal_their_merged_model(served, a
 async def test_the_openai_client_selects_an_adapter_by_name(served):
     client, app = served
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
-    async with openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0) as oai:
-        out = await oai.completions.create(model="sql", prompt=PROMPTS[0], max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    async with openai.AsyncOpenAI(
+        base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0
+    ) as oai:
+        out = await oai.completions.create(
+            model="sql", prompt=PROMPTS[0], max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        )
         assert out.model == "sql"
         assert out.choices[0].text == await _greedy(client, "sql", PROMPTS[0])
         models = [m.id async for m in oai.models.list()]

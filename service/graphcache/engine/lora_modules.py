@@ -28,9 +28,13 @@ class LoraModules:
         """ValueError when the name is the base model's or already taken."""
         with self._lock:
             if module.name in self._reserved:
-                raise ValueError(f"adapter name {module.name!r} is the served model's name; pick another name")
+                raise ValueError(
+                    f"adapter name {module.name!r} is the served model's name; pick another name"
+                )
             if module.name in self._modules:
-                raise ValueError(f"an adapter named {module.name!r} is already loaded; unload it first or pick another name")
+                raise ValueError(
+                    f"an adapter named {module.name!r} is already loaded; unload it first or pick another name"
+                )
             self._modules[module.name] = module
 
     def remove(self, name: str) -> LoraModule | None:

@@ -205,7 +205,9 @@ class MLP(nn.Module):
         if isinstance(self.gate_up_proj, Fp8Linear):  # decode sizes: the activation in the GEMM's epilogue
             return self.down_proj(self.gate_up_proj.silu_mul_forward(x, self.inter))
         if self.lora_gate_up is None or self.lora_down is None:
-            return self.down_proj(silu_mul(self.gate_up_proj(x), self.inter, self.fused))  # via [T, 2I] -> [T, I]
+            return self.down_proj(
+                silu_mul(self.gate_up_proj(x), self.inter, self.fused)
+            )  # via [T, 2I] -> [T, I]
         gate_up = self.gate_up_proj(x)  # [T, 2I]
         self.lora_gate_up.add_(gate_up, x)
         h = silu_mul(gate_up, self.inter, self.fused)  # [T, I]

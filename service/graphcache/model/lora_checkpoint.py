@@ -125,7 +125,9 @@ def _read_config(name: str, path: Path) -> dict:
     try:
         config = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise LoraLoadError(f"adapter {name!r}: {file} is not readable JSON ({e}); save the adapter again") from None
+        raise LoraLoadError(
+            f"adapter {name!r}: {file} is not readable JSON ({e}); save the adapter again"
+        ) from None
     if not isinstance(config, dict):
         raise LoraLoadError(f"adapter {name!r}: {file} is not a JSON object; save the adapter again")
     return config
@@ -137,7 +139,9 @@ def _check_config(name: str, config: dict, max_rank: int) -> tuple[int, float]:
     if peft_type != "LORA":
         raise LoraLoadError(f"adapter {name!r} is a {peft_type} adapter; only LoRA adapters are served")
     if config.get("use_dora"):
-        raise LoraLoadError(f"adapter {name!r} is DoRA (use_dora); merge it into the base weights and serve that")
+        raise LoraLoadError(
+            f"adapter {name!r} is DoRA (use_dora); merge it into the base weights and serve that"
+        )
     if config.get("bias", "none") not in ("none", None):
         raise LoraLoadError(
             f"adapter {name!r} trains biases (bias={config['bias']!r}); retrain with bias='none' or merge it"
@@ -148,7 +152,9 @@ def _check_config(name: str, config: dict, max_rank: int) -> tuple[int, float]:
             "down projections is served: merge the adapter into the base weights and serve that"
         )
     if config.get("fan_in_fan_out"):
-        raise LoraLoadError(f"adapter {name!r} has fan_in_fan_out (GPT-2 Conv1D layers); not a Llama-family adapter")
+        raise LoraLoadError(
+            f"adapter {name!r} has fan_in_fan_out (GPT-2 Conv1D layers); not a Llama-family adapter"
+        )
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise LoraLoadError(
             f"adapter {name!r} has per-module ranks or alphas (rank_pattern / alpha_pattern); retrain with one "
@@ -158,7 +164,9 @@ def _check_config(name: str, config: dict, max_rank: int) -> tuple[int, float]:
     if not isinstance(r, int) or r < 1 or not isinstance(alpha, int | float):
         raise LoraLoadError(f"adapter {name!r}: adapter_config.json needs an integer r >= 1 and a lora_alpha")
     if r > max_rank:
-        raise LoraLoadError(f"adapter {name!r} has rank {r}, more than --max-lora-rank {max_rank}; raise --max-lora-rank to {r}")
+        raise LoraLoadError(
+            f"adapter {name!r} has rank {r}, more than --max-lora-rank {max_rank}; raise --max-lora-rank to {r}"
+        )
     scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
     return r, float(scale)
 
@@ -169,13 +177,19 @@ def read_lora(name: str, path: Path, config: ModelConfig, max_rank: int) -> Lora
     rank, scale = _check_config(name, adapter_config, max_rank)
     file = path / WEIGHTS_FILE
     if not file.is_file():
-        hint = " (found adapter_model.bin: convert it to safetensors)" if (path / "adapter_model.bin").is_file() else ""
-        raise LoraLoadError(f"adapter {name!r}: {file} is missing{hint}; save the adapter with safe_serialization")
+        hint = (
+            " (found adapter_model.bin: convert it to safetensors)"
+            if (path / "adapter_model.bin").is_file()
+            else ""
+        )
+        raise LoraLoadError(
+            f"adapter {name!r}: {file} is missing{hint}; save the adapter with safe_serialization"
+        )
     shapes = projection_shapes(config)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
         with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 m = _TENSOR.match(key)
                 if m is None:
                     raise LoraLoadError(
@@ -188,7 +202,9 @@ def read_lora(name: str, path: Path, config: ModelConfig, max_rank: int) -> Lora
     except LoraLoadError:
         raise
     except Exception as e:  # noqa: BLE001 - a broken file of any kind is one line
-        raise LoraLoadError(f"adapter {name!r}: {file} is unreadable ({type(e).__name__}: {e}); save it again") from None
+        raise LoraLoadError(
+            f"adapter {name!r}: {file} is unreadable ({type(e).__name__}: {e}); save it again"
+        ) from None
     if not halves:
         raise LoraLoadError(f"adapter {name!r}: {file} holds no LoRA tensors; save the adapter again")
     weights = LoraWeights(name, path, rank, scale)
@@ -196,7 +212,9 @@ def read_lora(name: str, path: Path, config: ModelConfig, max_rank: int) -> Lora
     for (layer, module), ab in sorted(halves.items()):
         where = f"layers.{layer}.{module}"
         if set(ab) != {"A", "B"}:
-            raise LoraLoadError(f"adapter {name!r}: {where} has lora_{next(iter(ab))} but not its pair; save it again")
+            raise LoraLoadError(
+                f"adapter {name!r}: {where} has lora_{next(iter(ab))} but not its pair; save it again"
+            )
         if layer >= config.num_layers:
             raise LoraLoadError(
                 f"adapter {name!r}: {where} is past the base model's {config.num_layers} layers: it was trained "
@@ -210,7 +228,13 @@ def read_lora(name: str, path: Path, config: ModelConfig, max_rank: int) -> Lora
             )
         a, b = ab["A"], ab["B"]
         fan_in, fan_out = shapes[module]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or b.shape[0] != fan_out or a.shape[0] != b.shape[1]:
+        if (
+            a.dim() != 2
+            or b.dim() != 2
+            or a.shape[1] != fan_in
+            or b.shape[0] != fan_out
+            or a.shape[0] != b.shape[1]
+        ):
             raise LoraLoadError(
                 f"adapter {name!r}: {where} is lora_A {list(a.shape)} / lora_B {list(b.shape)}, but the base "
                 f"model's {module} is {fan_in} -> {fan_out}: it was trained for {base}; serve it with that model"
@@ -220,5 +244,7 @@ def read_lora(name: str, path: Path, config: ModelConfig, max_rank: int) -> Lora
                 f"adapter {name!r}: {where} has rank {a.shape[0]}, more than --max-lora-rank {max_rank}; raise "
                 f"--max-lora-rank to {a.shape[0]}"
             )
-        weights.pieces.setdefault((layer, proj), []).append(LoraPiece(piece, a.contiguous(), (b * scale).contiguous()))
+        weights.pieces.setdefault((layer, proj), []).append(
+            LoraPiece(piece, a.contiguous(), (b * scale).contiguous())
+        )
     return weights

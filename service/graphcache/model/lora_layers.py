@@ -53,7 +53,9 @@ def lora_add_reference(
     y.add_(delta * (index >= 0).unsqueeze(1).to(delta.dtype))
 
 
-def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, index: torch.Tensor, kernels: bool) -> None:
+def lora_add(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, index: torch.Tensor, kernels: bool
+) -> None:
     if kernels:
         from graphcache.model.lora_kernels import lora_shrink_expand
 
@@ -121,7 +123,13 @@ def attach_lora(
 
     def stack(in_features: int, slices: list[tuple[int, int]]) -> LoraStack:
         return LoraStack(
-            index, slots=slots, rank=rank, in_features=in_features, out_slices=slices, dtype=dtype, device=device
+            index,
+            slots=slots,
+            rank=rank,
+            in_features=in_features,
+            out_slices=slices,
+            dtype=dtype,
+            device=device,
         )
 
     for i, module in enumerate(llama.layers):

@@ -40,19 +40,27 @@ def parse_lora_module(text: str) -> LoraModule:
         try:
             spec = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"lora module {text[:80]!r} is not JSON ({e.msg}); pass name=path or a JSON object") from None
+            raise ValueError(
+                f"lora module {text[:80]!r} is not JSON ({e.msg}); pass name=path or a JSON object"
+            ) from None
         if not isinstance(spec, dict) or not isinstance(spec.get("path"), str) or not spec["path"]:
-            raise ValueError('a JSON lora module needs "name" and "path", e.g. {"name": "sql", "path": "/adapters/sql"}')
+            raise ValueError(
+                'a JSON lora module needs "name" and "path", e.g. {"name": "sql", "path": "/adapters/sql"}'
+            )
         unknown = set(spec) - {"name", "path", "base_model_name"}
         if unknown:
-            raise ValueError(f"lora module keys are name, path and base_model_name; unknown: {sorted(unknown)}")
+            raise ValueError(
+                f"lora module keys are name, path and base_model_name; unknown: {sorted(unknown)}"
+            )
         base = spec.get("base_model_name")
         if base is not None and not isinstance(base, str):
             raise ValueError("base_model_name of a lora module must be a string")
         return LoraModule(check_lora_name(spec.get("name"), "lora module name"), spec["path"], base)
     name, sep, path = text.partition("=")
     if not sep or not path.strip():
-        raise ValueError(f"lora module {text[:80]!r} is not name=path (e.g. sql=/adapters/sql) nor a JSON object")
+        raise ValueError(
+            f"lora module {text[:80]!r} is not name=path (e.g. sql=/adapters/sql) nor a JSON object"
+        )
     return LoraModule(check_lora_name(name.strip(), "lora module name"), path.strip())
 
 
@@ -67,7 +75,9 @@ def _module_list(v: object) -> object:
             try:
                 v = json.loads(text)
             except json.JSONDecodeError:
-                raise ValueError("lora_modules is a JSON list, name=path entries or one JSON object") from None
+                raise ValueError(
+                    "lora_modules is a JSON list, name=path entries or one JSON object"
+                ) from None
         else:
             return [item.strip() for item in text.split(",") if item.strip()]
     if isinstance(v, list | tuple):
@@ -113,7 +123,9 @@ class LoraSettings(SettingsSection):
         names = [parse_lora_module(text).name for text in v]  # ValueError naming the form
         dup = {n for n in names if names.count(n) > 1}
         if dup:
-            raise ValueError(f"lora_modules names {sorted(dup)} more than once; give each adapter its own name")
+            raise ValueError(
+                f"lora_modules names {sorted(dup)} more than once; give each adapter its own name"
+            )
         return v
 
     @model_validator(mode="after")

@@ -28,9 +28,9 @@ from graphcache.engine.errors import (
     InvalidRequest,
     QueueFull,
 )
-from graphcache.engine.lora_modules import LoraModules
 from graphcache.engine.loop.messages import Handle, consume
 from graphcache.engine.loop.request_check import RequestChecker
+from graphcache.engine.lora_modules import LoraModules
 from graphcache.engine.sequence import RequestOutput, SamplingParams, Sequence, TokenIds
 from graphcache.metrics import Metrics
 from graphcache.model.generation_defaults import generation_defaults

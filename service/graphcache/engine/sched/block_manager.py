@@ -183,7 +183,10 @@ class BlockManager:
         level, bs = len(state.chain), self.block_size
         if seq.num_tokens < (level + 1) * bs:  # cheap exit for decodes: no full block of known tokens
             return None
-        return (state.chain[-1] if level else self._root(seq), tuple(seq.token_slice(level * bs, (level + 1) * bs)))
+        return (
+            state.chain[-1] if level else self._root(seq),
+            tuple(seq.token_slice(level * bs, (level + 1) * bs)),
+        )
 
     def is_cached(self, key: BlockKey) -> bool:
         return key in self._cache

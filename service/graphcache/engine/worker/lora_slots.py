@@ -30,6 +30,7 @@ from graphcache.engine.plan import StepPlan
 from graphcache.engine.worker.staging import StagingBuffer
 from graphcache.model.config import ModelConfig
 from graphcache.model.lora_checkpoint import LoraWeights, read_lora, resolve_lora_dir
+from graphcache.model.lora_kernels import HAVE_TRITON as HAVE_LORA_KERNELS
 from graphcache.model.lora_layers import LoraIndex, LoraStack, attach_lora
 from graphcache.model.source import served_name
 
@@ -58,7 +59,9 @@ class LoraSlots:
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # adapter -> slot, least recently used first
         self.cpu: OrderedDict[str, LoraWeights] = OrderedDict()  # read adapters, least recently used first
         self.adapter_of: dict[int, str] = {}  # request key -> its adapter (held requests with one)
-        self._last: tuple[list[int], list[int], int] | None = None  # (keys, slots, pad) of the index as written
+        self._last: tuple[list[int], list[int], int] | None = (
+            None  # (keys, slots, pad) of the index as written
+        )
         self._uploaded = torch.cuda.Event() if staging.dev.device.type == "cuda" else None
         self.load_seconds: list[float] = []  # each slot write's seconds (metrics read and clear)
         for module in modules.all():
@@ -72,7 +75,9 @@ class LoraSlots:
             self.cpu.move_to_end(module.name)
             return weights
         t0 = time.perf_counter()
-        weights = read_lora(module.name, resolve_lora_dir(module.name, module.path), self.config, self.max_rank)
+        weights = read_lora(
+            module.name, resolve_lora_dir(module.name, module.path), self.config, self.max_rank
+        )
         self.cpu[module.name] = weights
         while len(self.cpu) > self.max_cpu_loras:
             self.cpu.popitem(last=False)
@@ -137,7 +142,13 @@ class LoraSlots:
         slots = [-1 if n is None else self.slot_of[n] for n in names]
         self.index.active = bool(wanted)
         last = self._last
-        if last is not None and last[0] == keys and last[1] == slots and last[2] >= pad_tokens and plan.tokens is None:
+        if (
+            last is not None
+            and last[0] == keys
+            and last[1] == slots
+            and last[2] >= pad_tokens
+            and plan.tokens is None
+        ):
             return  # a steady decode of the same rows: the index holds it
         tokens = plan.tokens
         fed = [1] * len(keys) if tokens is None else [1 if t is None else len(t) for t in tokens]
@@ -226,7 +237,10 @@ def build_lora_slots(
     staging.np[:] = -1
     staging.dev.fill_(-1)
     index = LoraIndex(staging.dev, host_skip=not graphs)
-    stacks = attach_lora(model, index, slots=lora.max_loras, rank=lora.max_lora_rank, dtype=dtype, device=device)
+    index.use_kernels = device.type == "cuda" and HAVE_LORA_KERNELS  # else the torch reference
+    stacks = attach_lora(
+        model, index, slots=lora.max_loras, rank=lora.max_lora_rank, dtype=dtype, device=device
+    )
     path = settings.model.path
     base = settings.model.served_model_name or (served_name(path) if path else "graphcache-tiny")
     modules = LoraModules(lora.lora_modules, reserved=(base,))

@@ -39,7 +39,6 @@ from graphcache.config import Settings
 from graphcache.engine.plan import StepOutput, StepPlan
 from graphcache.engine.worker.capture_sizes import resolve_capture_sizes
 from graphcache.engine.worker.input_batch import InputBatch, StepLayout
-from graphcache.engine.worker.lora_slots import LoraSlots, build_lora_slots
 from graphcache.engine.worker.kv_cache import (
     activation_reserve_bytes,
     agree_min_blocks,
@@ -47,6 +46,7 @@ from graphcache.engine.worker.kv_cache import (
     kv_block_bytes,
     num_kv_blocks,
 )
+from graphcache.engine.worker.lora_slots import LoraSlots, build_lora_slots
 from graphcache.engine.worker.request_table import RequestTable
 from graphcache.engine.worker.sampling import StepSampler
 from graphcache.engine.worker.warmup_plan import warmup_descriptors
