@@ -113,3 +113,57 @@ async def test_the_openai_client_selects_an_adapter_by_name(served):
         assert out.choices[0].text == await _greedy(client, "sql", PROMPTS[0])
         models = [m.id async for m in oai.models.list()]
         assert models == ["base", "sql", "chat"]
+
+
+ADMIN = {"Authorization": "Bearer admin-secret"}
+
+
+async def test_runtime_load_and_unload_under_traffic(base, adapters, tmp_path):
+    settings = Settings(
+        model=base,
+        served_model_name="base",
+        enable_lora=True,
+        allow_runtime_lora_updating=True,
+        admin_token="admin-secret",
+        max_loras=1,
+        **SMALL,
+    )
+    sql_dir, sql_merged = adapters["sql"]
+    expected = await _reference(sql_merged, PROMPTS[:1])
+    async with serving(settings) as (client, app):
+        load = {"lora_name": "sql", "lora_path": str(sql_dir)}
+        assert (await client.post("/v1/load_lora_adapter", json=load)).status_code == 401  # admin token
+        r = await client.post("/v1/load_lora_adapter", json=load, headers=ADMIN)
+        assert r.status_code == 200 and r.text == "Success: LoRA adapter 'sql' added successfully."
+        again = await client.post("/v1/load_lora_adapter", json=load, headers=ADMIN)
+        assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+        assert "sql" in [c["id"] for c in (await client.get("/v1/models")).json()["data"]]
+        # requests running with it while it is unloaded finish with it
+        running = [asyncio.create_task(_greedy(client, "sql", PROMPTS[0])) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        r = await client.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}, headers=ADMIN)
+        assert r.status_code == 200 and r.text == "Success: LoRA adapter 'sql' removed successfully."
+        assert [await t for t in running] == expected * 3
+        gone = await client.post("/v1/completions", json={"model": "sql", "prompt": "hi", "max_tokens": 1})
+        assert gone.status_code == 404
+        missing = await client.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}, headers=ADMIN)
+        assert missing.status_code == 404 and "cannot be found" in missing.json()["error"]["message"]
+        # loaded again (another adapter under the same name): its own outputs, not the old KV's
+        chat_dir, chat_merged = adapters["chat"]
+        r = await client.post(
+            "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(chat_dir)}, headers=ADMIN
+        )
+        assert r.status_code == 200
+        assert await _greedy(client, "sql", PROMPTS[0]) == (await _reference(chat_merged, PROMPTS[:1]))[0]
+        bad = await client.post(
+            "/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path)}, headers=ADMIN
+        )
+        assert bad.status_code == 400 and "adapter_config.json is missing" in bad.json()["error"]["message"]
+        assert "bad" not in [c["id"] for c in (await client.get("/v1/models")).json()["data"]]
+
+
+async def test_runtime_updates_are_off_unless_allowed(served):
+    client, _ = served
+    r = await client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x"})
+    # no admin token configured: admin is off (403 naming the token) before anything else
+    assert r.status_code in (403, 404)

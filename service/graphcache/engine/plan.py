@@ -204,6 +204,8 @@ class Runner(Protocol):
     def model_path(self) -> object: ...  # the checkpoint directory; str() names it (/v1/models' root)
     @property
     def cache(self) -> Any: ...  # the GraphCache (admin: capture, clear, info, stats, profile)
+    @property
+    def lora(self) -> Any: ...  # engine/worker/lora_slots.py's LoraSlots (--enable-lora), else None
 
     def execute(self, plan: StepPlan) -> StepOutput: ...
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -112,9 +113,11 @@ class LoraSettings(SettingsSection):
         "default: max_loras. At least max_loras.",
     )
     allow_runtime_lora_updating: bool = Field(
-        False,
+        default_factory=lambda: (
+            os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
+        ),
         description="Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with the admin token), as "
-        "vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=True.",
+        "vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (which also turns it on).",
     )
 
     @field_validator("lora_modules")

@@ -40,6 +40,7 @@ from graphcache.engine.errors import (
 from graphcache.engine.loop.core import EngineCore
 from graphcache.engine.loop.failures import MAX_CONSECUTIVE_STEP_FAILURES, EngineFailure
 from graphcache.engine.loop.frontend import EngineFrontend, EngineState
+from graphcache.engine.loop.lora_admin import load_adapter, unload_adapter
 from graphcache.engine.loop.messages import (
     Abort,
     AbortAll,
@@ -55,6 +56,7 @@ from graphcache.engine.loop.messages import (
 )
 from graphcache.engine.loop.request_check import RequestChecker
 from graphcache.engine.loop.step_trace import write_step_trace
+from graphcache.engine.lora_modules import LoraModule
 from graphcache.engine.plan import Runner
 from graphcache.engine.sequence import RequestOutput, SamplingParams, StructuredSpec, TokenLogprob
 from graphcache.engine.worker.runner import ModelRunner
@@ -219,6 +221,14 @@ class Engine(EngineFrontend):
 
     async def clear_graphs(self) -> dict:
         return await self._call(lambda: self._admin_result(self._loaded_core.runner.cache.clear()))
+
+    async def load_lora_adapter(self, name: str, path: str) -> tuple[int, str]:
+        """Read, check and register a LoRA adapter on the engine thread (engine/loop/lora_admin.py)."""
+        module = LoraModule(name, path)
+        return await self._call(lambda: load_adapter(self._loaded_core, module))
+
+    async def unload_lora_adapter(self, name: str) -> tuple[int, str]:
+        return await self._call(lambda: unload_adapter(self._loaded_core, name))
 
     async def cache_profile(self, min_uses: int = 1) -> dict:
         """The hot set of descriptors (GraphCache.profile): what a restart can warm up."""

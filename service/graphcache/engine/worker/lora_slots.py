@@ -58,6 +58,7 @@ class LoraSlots:
         self.slot_names: list[str | None] = [None] * max_loras  # slot -> adapter in it
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # adapter -> slot, least recently used first
         self.cpu: OrderedDict[str, LoraWeights] = OrderedDict()  # read adapters, least recently used first
+        self.retired: dict[str, LoraWeights] = {}  # unloaded while requests still named them
         self.adapter_of: dict[int, str] = {}  # request key -> its adapter (held requests with one)
         self._last: tuple[list[int], list[int], int] | None = (
             None  # (keys, slots, pad) of the index as written
@@ -89,13 +90,12 @@ class LoraSlots:
         return weights
 
     def add(self, module: LoraModule) -> None:
-        """A runtime load: read and check it first, then make the name known."""
-        if module.name in self.adapter_of.values():
-            raise ValueError(
-                f"requests still run with the adapter {module.name!r} unloaded before; retry once they finish"
-            )
+        """A runtime load: read and check it first, then make the name known. The engine refuses it while
+        requests of an adapter unloaded under that name remain (engine/loop/lora_admin.py); keys of
+        finished ones may still be listed here until the next plan drops them, and never run again."""
         self._free(module.name)  # a slot may still hold an unloaded adapter of that name
         self.cpu.pop(module.name, None)
+        self.retired.pop(module.name, None)
         self.read(module)
         try:
             self.modules.add(module)
@@ -103,12 +103,18 @@ class LoraSlots:
             self.cpu.pop(module.name, None)
             raise
 
-    def remove(self, name: str) -> bool:
-        """A runtime unload: requests already running with it finish with it (its slot stays until then)."""
-        if self.modules.remove(name) is None:
+    def remove(self, name: str, in_use: bool = False) -> bool:
+        """A runtime unload. in_use: requests admitted or waiting with it finish with it, so its weights
+        stay (retired) until a load of that name replaces them."""
+        module = self.modules.remove(name)
+        if module is None:
             return False
+        if in_use:
+            self.retired[name] = self.cpu.get(name) or read_lora(
+                name, resolve_lora_dir(name, module.path), self.config, self.max_rank
+            )
+        self.cpu.pop(name, None)
         if name not in self.adapter_of.values():
-            self.cpu.pop(name, None)
             self._free(name)
         return True
 
@@ -170,10 +176,10 @@ class LoraSlots:
             self.slot_of.move_to_end(name)
             return slot
         module = self.modules.get(name)
-        if module is None:  # unloaded while its requests run: they finish with it, read again
-            weights = self.cpu.get(name)
+        if module is None:  # unloaded while its requests ran or waited: they finish with it
+            weights = self.retired.get(name)
             if weights is None:
-                raise RuntimeError(f"LoRA adapter {name!r} is neither known nor read; a request names it")
+                raise RuntimeError(f"LoRA adapter {name!r} is neither known nor retired; a request names it")
         else:
             weights = self.read(module)
         free = [s for s, held in enumerate(self.slot_names) if held is None]

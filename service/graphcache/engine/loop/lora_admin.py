@@ -1,0 +1,54 @@
+"""Runtime LoRA loads and unloads (POST /v1/load_lora_adapter, /v1/unload_lora_adapter), run on the engine
+thread between steps: the worker reads and checks the adapter before its name is known anywhere, so a bad
+one is refused whole and no request can name it half-loaded.
+
+An unload takes the name away at once (no new request may name it); requests already admitted or waiting
+with it finish with it (the worker keeps its weights for them), and its prefix-cache blocks are never
+matched again. A load of a name whose requests are still in the engine waits for them (refused, retry).
+"""
+
+from __future__ import annotations
+
+from graphcache.engine.loop.core import EngineCore
+from graphcache.engine.lora_modules import LoraModule
+
+__all__ = ["load_adapter", "unload_adapter"]
+
+
+def _users(core: EngineCore, name: str) -> int:
+    sched = core.scheduler
+    return sum(1 for s in (*sched.waiting, *sched.running) if s.params.lora_name == name)
+
+
+NOT_SERVED = (400, "LoRA adapters are not served: start the server with --enable-lora")
+
+
+def load_adapter(core: EngineCore, module: LoraModule) -> tuple[int, str]:
+    """(HTTP status, vLLM's answer): 200, or 400 naming the fix (LoRA off, the name taken or still in use,
+    a bad checkpoint)."""
+    lora = core.runner.lora
+    if lora is None:
+        return NOT_SERVED
+    if module.name in lora.modules:
+        return 400, f"The lora adapter '{module.name}' has already been loaded."
+    if _users(core, module.name):
+        return 400, (
+            f"requests still run with the adapter '{module.name}' unloaded before; retry once they finish"
+        )
+    try:
+        lora.add(module)
+    except ValueError as e:  # LoraLoadError (the checkpoint, one line naming the fix) or the name
+        return 400, str(e)
+    core.block_manager.forget_adapter(module.name)
+    return 200, f"Success: LoRA adapter '{module.name}' added successfully."
+
+
+def unload_adapter(core: EngineCore, name: str) -> tuple[int, str]:
+    """(HTTP status, vLLM's answer): 200, or 404 when no adapter of that name is loaded."""
+    lora = core.runner.lora
+    if lora is None:
+        return NOT_SERVED
+    if not lora.remove(name, in_use=_users(core, name) > 0):
+        return 404, f"The lora adapter '{name}' cannot be found."
+    core.block_manager.forget_adapter(name)
+    return 200, f"Success: LoRA adapter '{name}' removed successfully."
