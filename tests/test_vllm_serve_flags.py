@@ -260,8 +260,6 @@ REFUSED = [
     (["--pipeline-parallel-size", "2"], "--tensor-parallel-size"),
     (["-pp", "4"], "--tensor-parallel-size"),
     (["--data-parallel-size", "2"], "load balancer"),
-    (["--enable-lora"], "merge_and_unload"),
-    (["--lora-modules", "sql=/adapters/sql"], "merge_and_unload"),
     (["--ssl-keyfile", "/k.pem", "--ssl-certfile", "/c.pem"], "terminate TLS"),
     (["--uds", "/tmp/s"], "--host and --port"),
     (["--scheduling-policy", "priority"], "fcfs"),

@@ -167,3 +167,22 @@ async def test_runtime_updates_are_off_unless_allowed(served):
     r = await client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x"})
     # no admin token configured: admin is off (403 naming the token) before anything else
     assert r.status_code in (403, 404)
+
+
+async def test_metrics_show_the_adapters_slots_and_load_times(served):
+    client, _ = served
+    await _greedy(client, "chat", PROMPTS[0])
+    text = (await client.get("/metrics")).text
+    info = [line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{")]
+    assert len(info) == 1, info
+    assert (
+        'max_lora="2"' in info[0]
+        and "running_lora_adapters=" in info[0]
+        and "waiting_lora_adapters=" in info[0]
+    )
+    assert float(info[0].rsplit(" ", 1)[1]) > 1e9  # the wall time of the last change, as vLLM
+    assert "graphcache_lora_slots 2.0" in text
+    in_use = next(line for line in text.splitlines() if line.startswith("graphcache_lora_slots_in_use "))
+    assert 1 <= float(in_use.split()[1]) <= 2
+    count = next(line for line in text.splitlines() if line.startswith("graphcache_lora_load_seconds_count"))
+    assert float(count.split()[1]) >= 1

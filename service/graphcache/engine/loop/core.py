@@ -410,6 +410,10 @@ class EngineCore:
             self.metrics.requests_running.set(len(self.scheduler.running))
             self.metrics.requests_waiting.set(len(self.scheduler.waiting))
             self.metrics.kv_usage.set(self.block_manager.usage)
+            if self.settings.lora.enable_lora:
+                from graphcache.engine.loop.lora_admin import record_lora_gauges  # imports this module
+
+                record_lora_gauges(self, self.metrics)
             if not self.metrics.vllm.cache_config:  # vllm:cache_config_info: the KV cache's shape, once
                 bm = self.block_manager
                 self.metrics.vllm.set_cache_config(

@@ -1,4 +1,5 @@
-"""Runtime LoRA loads and unloads (POST /v1/load_lora_adapter, /v1/unload_lora_adapter), run on the engine
+"""LoRA on the engine thread: the gauges of each update (vllm:lora_requests_info, slots in use, slot load
+times), and runtime loads and unloads (POST /v1/load_lora_adapter, /v1/unload_lora_adapter), run on the engine
 thread between steps: the worker reads and checks the adapter before its name is known anywhere, so a bad
 one is refused whole and no request can name it half-loaded.
 
@@ -11,8 +12,9 @@ from __future__ import annotations
 
 from graphcache.engine.loop.core import EngineCore
 from graphcache.engine.lora_modules import LoraModule
+from graphcache.metrics import Metrics
 
-__all__ = ["load_adapter", "unload_adapter"]
+__all__ = ["load_adapter", "record_lora_gauges", "unload_adapter"]
 
 
 def _users(core: EngineCore, name: str) -> int:
@@ -52,3 +54,19 @@ def unload_adapter(core: EngineCore, name: str) -> tuple[int, str]:
         return 404, f"The lora adapter '{name}' cannot be found."
     core.block_manager.forget_adapter(name)
     return 200, f"Success: LoRA adapter '{name}' removed successfully."
+
+
+def record_lora_gauges(core: EngineCore, metrics: Metrics) -> None:
+    """Slots, slot load times and vllm:lora_requests_info from the worker and the scheduler's queues."""
+    lora = core.runner.lora
+    if lora is None:
+        return
+    metrics.lora_slots.set(len(lora.slot_names))
+    metrics.lora_slots_in_use.set(lora.slots_in_use())
+    for seconds in lora.load_seconds:
+        metrics.lora_load_seconds.observe(seconds)
+    lora.load_seconds.clear()
+    sched = core.scheduler
+    running = {s.params.lora_name for s in sched.running if s.params.lora_name is not None}
+    waiting = {s.params.lora_name for s in sched.waiting if s.params.lora_name is not None}
+    metrics.vllm.set_lora_info(len(lora.slot_names), list(running), list(waiting))
