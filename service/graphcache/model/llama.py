@@ -13,7 +13,7 @@ tests check that).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from graphcache.model.forward_context import current_forward_context
 from graphcache.model.fp8_linear import Fp8Linear
 from graphcache.model.fp8_rope import RopeArgs
 from graphcache.model.fused_ops import add_rmsnorm, rotary_cache_, silu_mul
+from graphcache.model.lora_layers import LoraStack
 from graphcache.model.moe import SparseMoE
 from graphcache.model.parallel import (
     ParallelLMHead,
@@ -33,9 +34,6 @@ from graphcache.model.parallel import (
     column_linear,
     row_linear,
 )
-
-if TYPE_CHECKING:
-    from graphcache.model.lora_layers import LoraStack
 
 
 class RMSNorm(nn.Module):
@@ -129,7 +127,7 @@ class Attention(nn.Module):
         self.v_slots: torch.Tensor | None = None
         self.k_blocks: torch.Tensor | None = None  # [num_blocks, block_size, K, D] (paged kernels)
         self.v_blocks: torch.Tensor | None = None
-        # LoRA adapters of qkv_proj and o_proj (model/lora_layers.py attach_lora); None: not served
+        # LoRA adapters of qkv_proj and o_proj (engine/worker/lora_slots.py attach_lora); None: not served
         self.lora_qkv: LoraStack | None = None
         self.lora_o: LoraStack | None = None
 
@@ -197,7 +195,7 @@ class MLP(nn.Module):
         self.gate_up_proj = column_linear(config.hidden_size, 2 * self.inter, False, tp)  # rows [gate | up]
         self.down_proj = row_linear(self.inter, config.hidden_size, False, tp)  # all-reduce at tp > 1
         self.fused = False
-        # LoRA adapters of gate_up_proj and down_proj (model/lora_layers.py attach_lora); None: not served
+        # LoRA adapters of gate_up_proj and down_proj (engine/worker/lora_slots.py attach_lora); None: not served
         self.lora_gate_up: LoraStack | None = None
         self.lora_down: LoraStack | None = None
 

@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 
 from graphcache.model.config import ModelConfig
+from graphcache.model.source import REPO_ID, hub_error_message
 
 __all__ = ["LORA_TARGETS", "LoraLoadError", "LoraPiece", "LoraWeights", "read_lora", "resolve_lora_dir"]
 
@@ -101,8 +102,6 @@ def resolve_lora_dir(name: str, spec: str) -> Path:
     path = Path(spec).expanduser()
     if path.is_dir():
         return path
-    from graphcache.model.source import REPO_ID, hub_error_message
-
     if path.exists() or not REPO_ID.match(spec) or spec.startswith(("/", ".", "~")):
         raise LoraLoadError(
             f"adapter {name!r}: {spec!r} is not a directory; pass the directory PEFT saved "

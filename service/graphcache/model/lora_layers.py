@@ -21,14 +21,12 @@ whose slot is -1 (a graph cannot read a host flag at replay). docs/API.md (LoRA)
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
-from torch import nn
 
 from graphcache.model.lora_checkpoint import LoraPiece
+from graphcache.model.lora_kernels import lora_shrink_expand
 
-__all__ = ["LoraIndex", "LoraStack", "attach_lora", "lora_add", "lora_add_reference"]
+__all__ = ["LoraIndex", "LoraStack", "lora_add", "lora_add_reference"]
 
 
 class LoraIndex:
@@ -57,8 +55,6 @@ def lora_add(
     y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, index: torch.Tensor, kernels: bool
 ) -> None:
     if kernels:
-        from graphcache.model.lora_kernels import lora_shrink_expand
-
         lora_shrink_expand(y, x, a, b, index)
     else:
         lora_add_reference(y, x, a, b, index)
@@ -109,38 +105,3 @@ class LoraStack:
     @property
     def nbytes(self) -> int:
         return self.a.nbytes + self.b.nbytes
-
-
-def attach_lora(
-    model: nn.Module, index: LoraIndex, *, slots: int, rank: int, dtype: torch.dtype, device: torch.device
-) -> dict[tuple[int, str], LoraStack]:
-    """Give every decoder layer's projections their LoraStack (a sparse MLP gets none); (layer, projection)
-    -> stack, projection in qkv, o, gate_up, down."""
-    from graphcache.model.llama import MLP, DecoderLayer, LlamaModel
-
-    llama = cast(LlamaModel, model)
-    stacks: dict[tuple[int, str], LoraStack] = {}
-
-    def stack(in_features: int, slices: list[tuple[int, int]]) -> LoraStack:
-        return LoraStack(
-            index,
-            slots=slots,
-            rank=rank,
-            in_features=in_features,
-            out_slices=slices,
-            dtype=dtype,
-            device=device,
-        )
-
-    for i, module in enumerate(llama.layers):
-        layer = cast(DecoderLayer, module)
-        attn = layer.attn
-        hidden = llama.config.hidden_size
-        q, kv = attn.q_size, attn.kv_size
-        attn.lora_qkv = stacks[(i, "qkv")] = stack(hidden, [(0, q), (q, kv), (q + kv, kv)])
-        attn.lora_o = stacks[(i, "o")] = stack(q, [(0, hidden)])
-        if isinstance(layer.mlp, MLP):
-            inter = layer.mlp.inter
-            layer.mlp.lora_gate_up = stacks[(i, "gate_up")] = stack(hidden, [(0, inter), (inter, inter)])
-            layer.mlp.lora_down = stacks[(i, "down")] = stack(inter, [(0, hidden)])
-    return stacks

@@ -40,6 +40,7 @@ from graphcache.engine.loop.failures import (
     EngineFailure,
     is_device_failure,
 )
+from graphcache.engine.loop.lora_admin import record_lora_gauges
 from graphcache.engine.loop.outputs import RequestOutputs
 from graphcache.engine.loop.request_check import EngineLimits, RequestChecker
 from graphcache.engine.loop.step_trace import STEP_TRACE_MAX
@@ -411,9 +412,7 @@ class EngineCore:
             self.metrics.requests_waiting.set(len(self.scheduler.waiting))
             self.metrics.kv_usage.set(self.block_manager.usage)
             if self.settings.lora.enable_lora:
-                from graphcache.engine.loop.lora_admin import record_lora_gauges  # imports this module
-
-                record_lora_gauges(self, self.metrics)
+                record_lora_gauges(self.runner.lora, self.scheduler, self.metrics)
             if not self.metrics.vllm.cache_config:  # vllm:cache_config_info: the KV cache's shape, once
                 bm = self.block_manager
                 self.metrics.vllm.set_cache_config(

@@ -225,10 +225,12 @@ class Engine(EngineFrontend):
     async def load_lora_adapter(self, name: str, path: str) -> tuple[int, str]:
         """Read, check and register a LoRA adapter on the engine thread (engine/loop/lora_admin.py)."""
         module = LoraModule(name, path)
-        return await self._call(lambda: load_adapter(self._loaded_core, module))
+        core = self._loaded_core
+        return await self._call(lambda: load_adapter(core.runner.lora, core.scheduler, module))
 
     async def unload_lora_adapter(self, name: str) -> tuple[int, str]:
-        return await self._call(lambda: unload_adapter(self._loaded_core, name))
+        core = self._loaded_core
+        return await self._call(lambda: unload_adapter(core.runner.lora, core.scheduler, name))
 
     async def cache_profile(self, min_uses: int = 1) -> dict:
         """The hot set of descriptors (GraphCache.profile): what a restart can warm up."""

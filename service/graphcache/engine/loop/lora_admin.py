@@ -10,30 +10,29 @@ matched again. A load of a name whose requests are still in the engine waits for
 
 from __future__ import annotations
 
-from graphcache.engine.loop.core import EngineCore
 from graphcache.engine.lora_modules import LoraModule
+from graphcache.engine.sched.scheduler import Scheduler
+from graphcache.engine.worker.lora_slots import LoraSlots
 from graphcache.metrics import Metrics
 
 __all__ = ["load_adapter", "record_lora_gauges", "unload_adapter"]
 
 
-def _users(core: EngineCore, name: str) -> int:
-    sched = core.scheduler
+def _users(sched: Scheduler, name: str) -> int:
     return sum(1 for s in (*sched.waiting, *sched.running) if s.params.lora_name == name)
 
 
 NOT_SERVED = (400, "LoRA adapters are not served: start the server with --enable-lora")
 
 
-def load_adapter(core: EngineCore, module: LoraModule) -> tuple[int, str]:
+def load_adapter(lora: LoraSlots | None, sched: Scheduler, module: LoraModule) -> tuple[int, str]:
     """(HTTP status, vLLM's answer): 200, or 400 naming the fix (LoRA off, the name taken or still in use,
     a bad checkpoint)."""
-    lora = core.runner.lora
     if lora is None:
         return NOT_SERVED
     if module.name in lora.modules:
         return 400, f"The lora adapter '{module.name}' has already been loaded."
-    if _users(core, module.name):
+    if _users(sched, module.name):
         return 400, (
             f"requests still run with the adapter '{module.name}' unloaded before; retry once they finish"
         )
@@ -41,24 +40,22 @@ def load_adapter(core: EngineCore, module: LoraModule) -> tuple[int, str]:
         lora.add(module)
     except ValueError as e:  # LoraLoadError (the checkpoint, one line naming the fix) or the name
         return 400, str(e)
-    core.block_manager.forget_adapter(module.name)
+    sched.block_manager.forget_adapter(module.name)
     return 200, f"Success: LoRA adapter '{module.name}' added successfully."
 
 
-def unload_adapter(core: EngineCore, name: str) -> tuple[int, str]:
+def unload_adapter(lora: LoraSlots | None, sched: Scheduler, name: str) -> tuple[int, str]:
     """(HTTP status, vLLM's answer): 200, or 404 when no adapter of that name is loaded."""
-    lora = core.runner.lora
     if lora is None:
         return NOT_SERVED
-    if not lora.remove(name, in_use=_users(core, name) > 0):
+    if not lora.remove(name, in_use=_users(sched, name) > 0):
         return 404, f"The lora adapter '{name}' cannot be found."
-    core.block_manager.forget_adapter(name)
+    sched.block_manager.forget_adapter(name)
     return 200, f"Success: LoRA adapter '{name}' removed successfully."
 
 
-def record_lora_gauges(core: EngineCore, metrics: Metrics) -> None:
+def record_lora_gauges(lora: LoraSlots | None, sched: Scheduler, metrics: Metrics) -> None:
     """Slots, slot load times and vllm:lora_requests_info from the worker and the scheduler's queues."""
-    lora = core.runner.lora
     if lora is None:
         return
     metrics.lora_slots.set(len(lora.slot_names))
@@ -66,7 +63,6 @@ def record_lora_gauges(core: EngineCore, metrics: Metrics) -> None:
     for seconds in lora.load_seconds:
         metrics.lora_load_seconds.observe(seconds)
     lora.load_seconds.clear()
-    sched = core.scheduler
     running = {s.params.lora_name for s in sched.running if s.params.lora_name is not None}
     waiting = {s.params.lora_name for s in sched.waiting if s.params.lora_name is not None}
     metrics.vllm.set_lora_info(len(lora.slot_names), list(running), list(waiting))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from typing import cast
 
 import numpy as np
 import torch
@@ -28,13 +29,15 @@ from graphcache.config import Settings
 from graphcache.engine.lora_modules import LoraModule, LoraModules
 from graphcache.engine.plan import StepPlan
 from graphcache.engine.worker.staging import StagingBuffer
-from graphcache.model.config import ModelConfig
+from graphcache.model.config import ModelConfig, ModelLoadError
+from graphcache.model.fp8_linear import Fp8Linear
+from graphcache.model.llama import MLP, DecoderLayer, LlamaModel
 from graphcache.model.lora_checkpoint import LoraWeights, read_lora, resolve_lora_dir
 from graphcache.model.lora_kernels import HAVE_TRITON as HAVE_LORA_KERNELS
-from graphcache.model.lora_layers import LoraIndex, LoraStack, attach_lora
+from graphcache.model.lora_layers import LoraIndex, LoraStack
 from graphcache.model.source import served_name
 
-__all__ = ["LoraSlots", "build_lora_slots"]
+__all__ = ["LoraSlots", "attach_lora", "build_lora_slots"]
 
 log = logging.getLogger(__name__)
 
@@ -225,9 +228,6 @@ def build_lora_slots(
 ) -> LoraSlots:
     """The model's slot buffers attached, and every --lora-modules adapter read and checked (LoraLoadError
     naming the fix). graphs: steps replay captured CUDA graphs (no host-side skip of the LoRA layers)."""
-    from graphcache.model.config import ModelLoadError
-    from graphcache.model.fp8_linear import Fp8Linear
-
     lora = settings.lora
     if tp_size > 1:
         raise ModelLoadError(
@@ -265,3 +265,42 @@ def build_lora_slots(
         lora.max_loras, lora.max_lora_rank, sum(st.nbytes for st in stacks.values()) / 2**20, len(modules),
     )  # fmt: skip
     return slots
+
+
+def attach_lora(
+    model: torch.nn.Module,
+    index: LoraIndex,
+    *,
+    slots: int,
+    rank: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> dict[tuple[int, str], LoraStack]:
+    """Give every decoder layer's projections their LoraStack (a sparse MLP gets none); (layer, projection)
+    -> stack, projection in qkv, o, gate_up, down."""
+    llama = cast(LlamaModel, model)
+    stacks: dict[tuple[int, str], LoraStack] = {}
+
+    def stack(in_features: int, slices: list[tuple[int, int]]) -> LoraStack:
+        return LoraStack(
+            index,
+            slots=slots,
+            rank=rank,
+            in_features=in_features,
+            out_slices=slices,
+            dtype=dtype,
+            device=device,
+        )
+
+    for i, module in enumerate(llama.layers):
+        layer = cast(DecoderLayer, module)
+        attn = layer.attn
+        hidden = llama.config.hidden_size
+        q, kv = attn.q_size, attn.kv_size
+        attn.lora_qkv = stacks[(i, "qkv")] = stack(hidden, [(0, q), (q, kv), (q + kv, kv)])
+        attn.lora_o = stacks[(i, "o")] = stack(q, [(0, hidden)])
+        if isinstance(layer.mlp, MLP):
+            inter = layer.mlp.inter
+            layer.mlp.lora_gate_up = stacks[(i, "gate_up")] = stack(hidden, [(0, inter), (inter, inter)])
+            layer.mlp.lora_down = stacks[(i, "down")] = stack(inter, [(0, hidden)])
+    return stacks
