@@ -226,7 +226,14 @@ class Engine(EngineFrontend):
         """Read, check and register a LoRA adapter on the engine thread (engine/loop/lora_admin.py)."""
         module = LoraModule(name, path)
         core = self._loaded_core
-        return await self._call(lambda: load_adapter(core.runner.lora, core.scheduler, module))
+        lora = core.runner.lora
+        weights = None
+        if lora is not None:  # read and checked off the engine thread: the batch never waits on the disk
+            try:
+                weights = await asyncio.to_thread(lora.read_checked, module)
+            except ValueError as e:
+                return 400, str(e)
+        return await self._call(lambda: load_adapter(lora, core.scheduler, module, weights))
 
     async def unload_lora_adapter(self, name: str) -> tuple[int, str]:
         core = self._loaded_core

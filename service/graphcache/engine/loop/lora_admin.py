@@ -14,6 +14,7 @@ from graphcache.engine.lora_modules import LoraModule
 from graphcache.engine.sched.scheduler import Scheduler
 from graphcache.engine.worker.lora_slots import LoraSlots
 from graphcache.metrics import Metrics
+from graphcache.model.lora_checkpoint import LoraWeights
 
 __all__ = ["load_adapter", "record_lora_gauges", "unload_adapter"]
 
@@ -25,9 +26,11 @@ def _users(sched: Scheduler, name: str) -> int:
 NOT_SERVED = (400, "LoRA adapters are not served: start the server with --enable-lora")
 
 
-def load_adapter(lora: LoraSlots | None, sched: Scheduler, module: LoraModule) -> tuple[int, str]:
+def load_adapter(
+    lora: LoraSlots | None, sched: Scheduler, module: LoraModule, weights: LoraWeights | None = None
+) -> tuple[int, str]:
     """(HTTP status, vLLM's answer): 200, or 400 naming the fix (LoRA off, the name taken or still in use,
-    a bad checkpoint)."""
+    a bad checkpoint). weights: the adapter already read and checked off the engine thread (else read here)."""
     if lora is None:
         return NOT_SERVED
     if module.name in lora.modules:
@@ -37,7 +40,7 @@ def load_adapter(lora: LoraSlots | None, sched: Scheduler, module: LoraModule) -
             f"requests still run with the adapter '{module.name}' unloaded before; retry once they finish"
         )
     try:
-        lora.add(module)
+        lora.add(module, weights)
     except ValueError as e:  # LoraLoadError (the checkpoint, one line naming the fix) or the name
         return 400, str(e)
     sched.block_manager.forget_adapter(module.name)

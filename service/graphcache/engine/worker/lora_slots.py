@@ -92,14 +92,24 @@ class LoraSlots:
         )  # fmt: skip
         return weights
 
-    def add(self, module: LoraModule) -> None:
+    def read_checked(self, module: LoraModule) -> LoraWeights:
+        """Read and check an adapter without touching this object's state: safe off the engine thread (a
+        runtime load reads there, so the running batch never waits on the disk or the hub)."""
+        return read_lora(module.name, resolve_lora_dir(module.name, module.path), self.config, self.max_rank)
+
+    def add(self, module: LoraModule, weights: LoraWeights | None = None) -> None:
         """A runtime load: read and check it first, then make the name known. The engine refuses it while
         requests of an adapter unloaded under that name remain (engine/loop/lora_admin.py); keys of
         finished ones may still be listed here until the next plan drops them, and never run again."""
         self._free(module.name)  # a slot may still hold an unloaded adapter of that name
         self.cpu.pop(module.name, None)
         self.retired.pop(module.name, None)
-        self.read(module)
+        if weights is None:
+            self.read(module)
+        else:
+            self.cpu[module.name] = weights
+            while len(self.cpu) > self.max_cpu_loras:
+                self.cpu.popitem(last=False)
         try:
             self.modules.add(module)
         except ValueError:
