@@ -186,3 +186,35 @@ async def test_metrics_show_the_adapters_slots_and_load_times(served):
     assert 1 <= float(in_use.split()[1]) <= 2
     count = next(line for line in text.splitlines() if line.startswith("graphcache_lora_load_seconds_count"))
     assert float(count.split()[1]) >= 1
+
+
+async def test_adapters_through_the_engine_process(base, adapters):
+    """--engine-process: the runtime load and unload cross the pipe; adapters from the start and loaded
+    ones generate what their merged models do."""
+    from graphcache.engine.loop.process import EngineClient
+    from graphcache.metrics import Metrics
+
+    sql_dir, sql_merged = adapters["sql"]
+    chat_dir, chat_merged = adapters["chat"]
+    settings = Settings(
+        model=base,
+        served_model_name="base",
+        enable_lora=True,
+        lora_modules=[f"sql={sql_dir}"],
+        allow_runtime_lora_updating=True,
+        admin_token="admin-secret",
+        max_loras=2,
+        engine_process=True,
+        **SMALL,
+    )
+    async with serving(settings, EngineClient(settings, Metrics())) as (client, _):
+        load = {"lora_name": "chat", "lora_path": str(chat_dir)}
+        r = await client.post("/v1/load_lora_adapter", json=load, headers=ADMIN)
+        assert r.status_code == 200, r.text
+        got = [await _greedy(client, m, PROMPTS[0]) for m in ("sql", "chat")]
+        r = await client.post("/v1/unload_lora_adapter", json={"lora_name": "chat"}, headers=ADMIN)
+        assert r.status_code == 200, r.text
+        assert (
+            await client.post("/v1/unload_lora_adapter", json={"lora_name": "chat"}, headers=ADMIN)
+        ).status_code == 404
+    assert got == [(await _reference(path, PROMPTS[:1]))[0] for path in (sql_merged, chat_merged)]
