@@ -26,14 +26,15 @@ def adapters(base):
     a = peft_adapter(base, r=8, alpha=16, seed=1)
     b = peft_adapter(base, r=4, alpha=8, targets=("q_proj", "v_proj", "down_proj"), seed=2, rslora=True)
     c = peft_adapter(base, r=16, alpha=8, targets=("k_proj", "o_proj", "gate_proj", "up_proj"), seed=3)
-    return {"a": a, "b": b, "c": c}
+    d = peft_adapter(base, r=2, alpha=32, targets=("v_proj", "o_proj", "up_proj"), seed=4)
+    return {"a": a, "b": b, "c": c, "d": d}
 
 
 def _lora_runner(base, adapters, **overrides):
     settings = dict(
         enable_lora=True,
         lora_modules=[f"{name}={adapter}" for name, (adapter, _) in adapters.items()],
-        max_loras=3,
+        max_loras=4,
         max_lora_rank=16,
     )
     settings.update(overrides)
@@ -70,7 +71,7 @@ def test_mixed_adapters_and_base_match_merged_weights(base, adapters, enforce_ea
         ("c", prompt_ids(10, seed=4), 0),  # prefills
         ("a", prompt_ids(6, seed=5), 0),
         (None, prompt_ids(5, seed=6), 0),
-        ("b", prompt_ids(8, seed=7), 0),
+        ("d", prompt_ids(6, seed=9), 5),
     ]
     out = runner.execute(_mixed_batch(runner, rows))
     assert out.mode == ("eager" if enforce_eager else "replay")
@@ -85,7 +86,7 @@ def test_mixed_adapters_and_base_match_merged_weights(base, adapters, enforce_ea
 
 
 def test_slots_are_reused_least_recently_used_first(base, adapters):
-    runner = _lora_runner(base, adapters, max_loras=2)
+    runner = _lora_runner(base, adapters, max_loras=2, max_cpu_loras=2)
     lora = runner.lora
     assert lora is not None
     ids = prompt_ids(6, seed=9)
@@ -140,3 +141,21 @@ def test_cuda_graph_replay_of_mixed_adapters_matches_merged_weights(base, adapte
             ref = refs[name]
             expected = run_alone(ref, ids, Blocks(ref.block_size).table(len(ids)), chunk=9)[-1]
             assert_replay_close(out.logits[row : row + 1], expected[None], f"{mix} row {row}")
+
+
+def test_logits_equal_the_unmerged_peft_model(base, adapters):
+    """The independent reference: transformers running the PEFT model itself (adapter unmerged)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    runner = _lora_runner(base, adapters)
+    for name in ("a", "b"):
+        ids = prompt_ids(13, seed=30)
+        blocks = Blocks(runner.block_size)
+        got = run_alone_lora(runner, ids, blocks.table(len(ids)), name)
+        hf = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapters[name][0]
+        )
+        with torch.no_grad():
+            expected = hf(torch.tensor([ids])).logits[0, -1].float()
+        assert (got - expected).abs().max().item() < ATOL, name
