@@ -19,6 +19,8 @@ token; prefill: every row is a prompt chunk; mixed: both) with their mean ms (st
   python benchmarks/offline_throughput.py --make-model llama8b:/tmp/llama8b --modes graph,eager \
       --workload nano,realistic --out bench.json
   python benchmarks/offline_throughput.py --smoke                 # tiny model on the CPU, a few requests
+  python benchmarks/offline_throughput.py --make-model llama8b:/tmp/llama8b --modes graph --workload realistic \
+      --loras 4 --lora-rank 16                       # four rank-16 adapters over the requests (issue 38)
 
 Output tokens/s counts requested output tokens. HF `generate` runs fixed-size batches (left
 padded, --hf-batch-size) to the longest output of each batch; its table row counts only the
@@ -105,11 +107,27 @@ def engine_settings(args, enforce_eager: bool) -> Settings:
         **{k: v for k, v in limits.items() if v is not None},
         # only when given: the old tree's Settings (realistic_old) has no such field
         **({"speculative_config": args.speculative_config} if args.speculative_config else {}),
+        **lora_settings(args),
+    )
+
+
+def lora_settings(args) -> dict:
+    """--loras N: N random adapters of --lora-rank (benchmarks/lora_adapters.py), every request through one
+    of them in turn; none (and no LoRA setting, so older trees run this file) without it."""
+    if not getattr(args, "loras", 0):
+        return {}
+    if getattr(args, "lora_modules", None) is None:
+        from benchmarks.lora_adapters import write_random_adapters
+
+        out = Path(tempfile.mkdtemp(prefix="bench-loras-"))
+        args.lora_modules = write_random_adapters(args.model, out, args.loras, args.lora_rank)
+    return dict(
+        enable_lora=True, lora_modules=args.lora_modules, max_loras=args.loras, max_lora_rank=args.lora_rank
     )
 
 
 async def _run_engine(
-    engine: Engine, requests: list[workloads.Request], kinds: list[str], offset: int
+    engine: Engine, requests: list[workloads.Request], kinds: list[str], offset: int, loras: int = 0
 ) -> dict:
     """One workload, all at once; kinds[k] is the kind of step trace record offset + k."""
     warm = engine.generate("warm", requests[0].prompt[:16], SamplingParams(max_tokens=8, ignore_eos=True))
@@ -125,6 +143,7 @@ async def _run_engine(
             top_k=r.top_k,
             seed=r.seed,
             ignore_eos=True,
+            **({"lora_name": f"lora{i % loras}"} if loras else {}),
         )
         n = 0
         # stream=False: one output per request, so the benchmark measures the engine, not 256
@@ -160,11 +179,13 @@ async def _run_engine(
     }  # fresh, from the engine thread
 
 
-async def _run_all(engine: Engine, runs: dict[str, list[workloads.Request]], kinds: list[str], offset: int):
+async def _run_all(
+    engine: Engine, runs: dict[str, list[workloads.Request]], kinds: list[str], offset: int, loras: int = 0
+):
     out = {}
     for name, requests in runs.items():
         stats0 = engine.stats().get("steps_by_mode") or {}
-        out[name] = await _run_engine(engine, requests, kinds, offset)
+        out[name] = await _run_engine(engine, requests, kinds, offset, loras)
         out[name]["steps_by_mode"] = {
             k: v - stats0.get(k, 0) for k, v in (out[name]["stats"].get("steps_by_mode") or {}).items()
         }
@@ -196,13 +217,16 @@ def bench_engine(args, mode: str, runs: dict[str, list[workloads.Request]]) -> l
     kinds = step_trace.record_step_kinds(engine.core)
     rows = []
     try:
-        for name, row in asyncio.run(_run_all(engine, runs, kinds, offset)).items():
+        for name, row in asyncio.run(
+            _run_all(engine, runs, kinds, offset, getattr(args, "loras", 0))
+        ).items():
             cache_info, stats = row.pop("cache_info"), row.pop("stats")
             cache = cache_info.get("stats", {})
             rows.append(
                 {
                     "mode": mode,
                     "workload": name,
+                    "loras": getattr(args, "loras", 0),
                     **row,
                     "load_and_warmup_s": ready_s,
                     "warmup_s": getattr(report, "seconds", 0.0),
@@ -345,6 +369,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a CPU-sized run: the tiny model (written to a temp dir "
         "unless --model/--make-model), 6 nano and 8 realistic requests with short caps, eager",
     )
+    ap.add_argument(
+        "--loras",
+        type=int,
+        default=0,
+        help="serve N random LoRA adapters (--enable-lora --max-loras N) and spread the requests over them",
+    )
+    ap.add_argument("--lora-rank", type=int, default=16, help="rank of the --loras adapters")
     ap.add_argument("--out", type=Path, help="write results as JSON here")
     return ap
 

@@ -23,6 +23,7 @@ class EngineNotNeeded:
     max_model_len = 64
     metrics = None
     generation_defaults: dict = {}  # read by GET /v1/models, never written
+    lora_modules = None  # read by GET /v1/models and the model check: no adapters
 
     def __getattr__(self, name):
         raise AssertionError(f"the engine was reached ({name}) for a request that should be refused")

@@ -169,7 +169,7 @@ def test_download_dir_and_hf_token_reach_huggingface_hub_and_the_token_is_never_
     assert r.env == {"HF_HUB_CACHE": "/models/hf", "HF_TOKEN": "hf_sekrit"}
     assert "hf_sekrit" not in " ".join(r.warnings)
     assert read("--hf-token").env == {}  # alone: the stored login, which huggingface_hub uses anyway
-    line = refused(capsys, "--hf-token", "hf_sekrit", "--enable-lora")
+    line = refused(capsys, "--hf-token", "hf_sekrit", "--pipeline-parallel-size", "2")
     assert "hf_sekrit" not in line
 
 
@@ -239,7 +239,7 @@ WARNED = [
     (["--max-num-partial-prefills", "2"], "chunks prompts"),
     (["--guided-decoding-backend", "xgrammar"], "llguidance"),
     (["--limit-mm-per-prompt", '{"image": 0}'], "text-only"),
-    (["--max-loras", "4"], "no LoRA"),
+    (["--lora-dtype", "float16"], "model's dtype"),
     (["--enable-expert-parallel"], "tensor parallelism"),
     (["--max-logprobs", "5"], str(MAX_LOGPROBS)),
     (["--override-generation-config", '{"temperature": 0.5}'], "--generation-config DIR"),
@@ -260,8 +260,6 @@ REFUSED = [
     (["--pipeline-parallel-size", "2"], "--tensor-parallel-size"),
     (["-pp", "4"], "--tensor-parallel-size"),
     (["--data-parallel-size", "2"], "load balancer"),
-    (["--enable-lora"], "merge_and_unload"),
-    (["--lora-modules", "sql=/adapters/sql"], "merge_and_unload"),
     (["--ssl-keyfile", "/k.pem", "--ssl-certfile", "/c.pem"], "terminate TLS"),
     (["--uds", "/tmp/s"], "--host and --port"),
     (["--scheduling-policy", "lifo"], "priority"),
@@ -415,3 +413,28 @@ def test_structured_outputs_config_must_be_a_json_object(capsys):
 def test_scheduling_policy_is_vllms(policy):
     r = read("--scheduling-policy", policy)
     assert r.settings.engine.scheduling_policy == policy and r.warnings == []
+
+
+def test_vllm_lora_flags_map_onto_the_lora_settings():
+    r = read(
+        "--enable-lora",
+        "--lora-modules",
+        "sql=/adapters/sql",
+        '{"name": "chat", "path": "org/chat-lora", "base_model_name": "base"}',
+        "--max-loras",
+        "4",
+        "--max-lora-rank",
+        "32",
+        "--max-cpu-loras",
+        "8",
+    )
+    lora = r.settings.lora
+    assert lora.enable_lora and (lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras) == (4, 32, 8)
+    assert lora.lora_modules[0] == "sql=/adapters/sql" and '"chat"' in lora.lora_modules[1]
+    assert r.warnings == []
+
+
+def test_lora_modules_without_enable_lora_or_malformed_are_refused_in_one_line(capsys):
+    assert "--enable-lora" in refused(capsys, "--lora-modules", "sql=/adapters/sql")
+    assert "name=path" in refused(capsys, "--enable-lora", "--lora-modules", "just-a-path")
+    assert "max_loras" in refused(capsys, "--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2")

@@ -29,6 +29,7 @@ from graphcache.settings.grammar import GrammarSettings
 from graphcache.settings.graph_cache import GraphCacheSettings
 from graphcache.settings.http import HttpSettings
 from graphcache.settings.log import LoggingSettings
+from graphcache.settings.lora import LoraSettings
 from graphcache.settings.model import ModelSettings
 from graphcache.settings.section import SettingsSection
 
@@ -60,6 +61,7 @@ SECTIONS: dict[str, type[SettingsSection]] = {
     "grammar": GrammarSettings,
     "http": HttpSettings,
     "logging": LoggingSettings,
+    "lora": LoraSettings,
 }
 
 
@@ -118,6 +120,7 @@ class Settings(BaseSettings):
     grammar: GrammarSettings = Field(default_factory=GrammarSettings)  # type: ignore[arg-type]
     http: HttpSettings = Field(default_factory=HttpSettings)  # type: ignore[arg-type]
     logging: LoggingSettings = Field(default_factory=LoggingSettings)  # type: ignore[arg-type]
+    lora: LoraSettings = Field(default_factory=LoraSettings)  # type: ignore[arg-type]
 
     @classmethod
     def settings_customise_sources(

@@ -241,6 +241,18 @@ class Metrics:
         for reason in ("queue_full", "invalid", "draining"):
             self.requests_rejected.labels(reason)
 
+        # --- LoRA adapters (--enable-lora; engine/worker/lora_slots.py) ---
+        self.lora_slots = Gauge(p + "lora_slots", "GPU adapter slots (--max-loras; 0: LoRA off)", registry=r)
+        self.lora_slots_in_use = Gauge(
+            p + "lora_slots_in_use", "GPU adapter slots holding an adapter", registry=r
+        )
+        self.lora_load_seconds = Histogram(
+            p + "lora_load_seconds",
+            "Seconds to write an adapter into a GPU slot (host side, between steps)",
+            buckets=CAPTURE_BUCKETS,
+            registry=r,
+        )
+
         # --- vLLM's names, on the same registry ---
         self.vllm = VllmMetrics(self, r, model_name)
 

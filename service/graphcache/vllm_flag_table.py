@@ -316,11 +316,9 @@ TLS = refuse(
     "such as nginx) and drop the --ssl-* flags"
 )
 TEXT_ONLY = warn("graphcache serves text-only models; multimodal settings have nothing to act on (ignored)")
-NO_LORA = warn("no LoRA adapters are served (--enable-lora is refused); ignored")
-LORA = refuse(
-    "LoRA adapters are not served yet; merge the adapter into the base weights (peft's merge_and_unload) "
-    "and serve the merged model"
-)
+LORA_DTYPE = warn("adapters run in the model's dtype (their weights are cast on load); ignored")
+NO_EXTRA_VOCAB = warn("adapters add no tokens to the vocabulary; ignored")
+LORA_TP = warn("adapters are served at tensor_parallel_size 1 only; ignored")
 STRUCTURED = warn(
     "structured output is compiled by llguidance, with its limits set by the --grammar-* flags; ignored"
 )
@@ -739,14 +737,10 @@ FLAGS: tuple[VllmFlag, ...] = (
         "capture settings; the rest is ignored (warning)",
     ),
     # --- LoRA, multimodal, structured output
-    _v("--enable-lora", kind="bool", apply=ok_if(_false, LORA), help="refused: LoRA is not served yet"),
-    _v("--lora-modules", kind="list", apply=LORA, help="refused: LoRA is not served yet"),
-    _v("--max-loras", apply=NO_LORA, help="ignored (warning)"),
-    _v("--max-lora-rank", apply=NO_LORA, help="ignored (warning)"),
-    _v("--max-cpu-loras", apply=NO_LORA, help="ignored (warning)"),
-    _v("--lora-dtype", apply=NO_LORA, help="ignored (warning)"),
-    _v("--lora-extra-vocab-size", apply=NO_LORA, help="ignored (warning)"),
-    _v("--fully-sharded-loras", kind="bool", apply=ok_if(_false, NO_LORA), help="ignored (warning)"),
+    # --enable-lora, --lora-modules, --max-loras, --max-lora-rank, --max-cpu-loras: graphcache's own settings
+    _v("--lora-dtype", apply=ok_if(_in("auto"), LORA_DTYPE), help="auto accepted; others ignored (warning)"),
+    _v("--lora-extra-vocab-size", apply=ok_if(_zero, NO_EXTRA_VOCAB), help="ignored (warning)"),
+    _v("--fully-sharded-loras", kind="bool", apply=ok_if(_false, LORA_TP), help="ignored (warning)"),
     _v("--limit-mm-per-prompt", apply=TEXT_ONLY, help="ignored: text-only (warning)"),
     _v("--mm-processor-kwargs", apply=TEXT_ONLY, help="ignored: text-only (warning)"),
     _v("--mm-processor-cache-gb", apply=TEXT_ONLY, help="ignored: text-only (warning)"),

@@ -10,7 +10,7 @@ vLLM deployment commonly sets is in FLAGS (vllm_flag_table.py), with what graphc
     works; `--disable-log-requests`: no prompt is ever logged);
   * accepted with one warning line saying what graphcache does instead (`--swap-space`: preemption recomputes);
   * refused with one line naming why and the fix, where ignoring it would serve something else than asked
-    (`--enable-lora`, `--pipeline-parallel-size 2`, `--ssl-keyfile`).
+    (`--pipeline-parallel-size 2`, `--ssl-keyfile`).
 
 `normalize_argv` first turns spellings vLLM's parser takes and argparse does not into ours: `--max_model_len`
 (underscores) and bools given a value (`--enforce-eager=true`, `--enable-prefix-caching false`). docs/API.md
@@ -120,6 +120,8 @@ SPELLINGS: dict[str, Spelling] = {
     "max_num_batched_tokens": Spelling(type=_argparse_int),
     "async_scheduling": Spelling(type=_on_off, nargs="?", const="on"),
     "served_model_name": Spelling(nargs="+", convert=_served_names),
+    # vLLM's `--lora-modules a=/x b=/y` and its JSON objects (commas inside): one module per value
+    "lora_modules": Spelling(type=str, nargs="+"),
 }
 
 

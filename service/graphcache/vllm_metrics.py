@@ -28,6 +28,7 @@ would cost ~1 ms a step at batch 256 on the engine thread.
 from __future__ import annotations
 
 import threading
+import time
 from bisect import bisect_left
 from collections.abc import Iterator
 from typing import Any
@@ -38,6 +39,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 ENGINE = "0"  # the `engine` label: vLLM numbers engine cores; graphcache has one
+LORA_LABELS = ("max_lora", "waiting_lora_adapters", "running_lora_adapters")  # vllm:lora_requests_info's
 LABELS = ("model_name", "engine")
 
 # vLLM's buckets.
@@ -255,6 +257,14 @@ class _Mirror(Collector):
             )
             info.add_metric([*config.values(), ENGINE], 1)
             yield info
+        lora = self.view.lora_info
+        if lora is not None:
+            labels_now, stamp = lora
+            family = GaugeMetricFamily(
+                "vllm:lora_requests_info", "Running stats on lora requests.", labels=list(LORA_LABELS)
+            )
+            family.add_metric(list(labels_now), stamp)
+            yield family
 
 
 class VllmMetrics:
@@ -292,6 +302,8 @@ class VllmMetrics:
         self.cache_config: dict[
             str, str
         ] = {}  # vllm:cache_config_info labels; empty until the KV cache exists
+        # vllm:lora_requests_info's (labels, when they last changed); None: LoRA off
+        self.lora_info: tuple[tuple[str, str, str], float] | None = None
         r = registry
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
@@ -451,6 +463,13 @@ class VllmMetrics:
     def set_cache_config(self, **labels: Any) -> None:
         """vllm:cache_config_info's labels (block_size, num_gpu_blocks, ...)."""
         self.cache_config = {k: str(v) for k, v in labels.items()}
+
+    def set_lora_info(self, max_lora: int, running: list[str], waiting: list[str]) -> None:
+        """vllm:lora_requests_info, as vLLM: one sample whose labels are the slots and the adapters of the
+        running and the waiting requests (comma-separated, sorted), valued the wall time they last changed."""
+        labels = (str(max_lora), ",".join(sorted(waiting)), ",".join(sorted(running)))
+        if self.lora_info is None or self.lora_info[0] != labels:
+            self.lora_info = (labels, time.time())
 
     # --- recording (engine thread) ---------------------------------------------------------------------
     def observe_step(self, num_tokens: int) -> None:

@@ -138,6 +138,7 @@ class _EngineThatExplodes:
     max_model_len = 64
     metrics = None
     error = None
+    lora_modules = None
     tokenizer = _ExplodingTokenizer()
 
 

@@ -144,7 +144,10 @@ def test_a_long_vllm_deployment_line_starts_with_one_warning_per_flag_handled_ot
 
 @pytest.mark.parametrize(
     "argv, says",
-    [(["--pipeline-parallel-size", "2"], "--tensor-parallel-size"), (["--enable-lora"], "merge_and_unload")],
+    [
+        (["--pipeline-parallel-size", "2"], "--tensor-parallel-size"),
+        (["--ssl-keyfile", "/k.pem"], "terminate TLS"),
+    ],
 )
 def test_a_vllm_flag_graphcache_cannot_honour_stops_the_start_in_one_line(argv, says):
     out = subprocess.run(

@@ -12,7 +12,7 @@ executes it: `Runner.execute(plan) -> StepOutput` is the whole contract.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from graphcache.choices import StepMode
@@ -127,7 +127,14 @@ class StepPlan:
             tokens=[list(s.token_ids) for s in seqs],
             need_logits=[s.need_logits for s in seqs],
             new=tuple(
-                NewRequest(k, f"standalone{-k}", [], [], greedy, list(s.block_table))
+                NewRequest(
+                    k,
+                    f"standalone{-k}",
+                    [],
+                    [],
+                    greedy if s.lora_name is None else replace(greedy, lora_name=s.lora_name),
+                    list(s.block_table),
+                )
                 for k, s in zip(keys, seqs, strict=True)
             ),
             prompt_logits=tuple(PromptLogits(i, 0, [], 0) for i, s in enumerate(seqs) if s.prompt_logits),
@@ -144,6 +151,7 @@ class StepSeq:
     block_table: list[int]  # KV blocks covering at least start_pos + len(token_ids) tokens
     need_logits: bool = True  # its logits row is returned (False: a non-final prefill chunk)
     prompt_logits: bool = False  # also return the logits of every fed token (StepOutput.prompt_logits)
+    lora_name: str | None = None  # the LoRA adapter the row runs through (None: the base model)
 
 
 @dataclass
@@ -204,6 +212,8 @@ class Runner(Protocol):
     def model_path(self) -> object: ...  # the checkpoint directory; str() names it (/v1/models' root)
     @property
     def cache(self) -> Any: ...  # the GraphCache (admin: capture, clear, info, stats, profile)
+    @property
+    def lora(self) -> Any: ...  # engine/worker/lora_slots.py's LoraSlots (--enable-lora), else None
 
     def execute(self, plan: StepPlan) -> StepOutput: ...
 

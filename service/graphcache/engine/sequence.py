@@ -127,6 +127,8 @@ class SamplingParams:
     pooling: PoolingSpec | None = None
     # --- scheduling: lower runs first under the priority policy (vLLM's `priority`); fcfs ignores it
     priority: int = 0
+    # --- the LoRA adapter the request runs through (its name; None: the base model) -------
+    lora_name: str | None = None
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the bad field (the API maps it to 400)."""

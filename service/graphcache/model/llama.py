@@ -24,6 +24,7 @@ from graphcache.model.forward_context import current_forward_context
 from graphcache.model.fp8_linear import Fp8Linear
 from graphcache.model.fp8_rope import RopeArgs
 from graphcache.model.fused_ops import add_rmsnorm, rotary_cache_, silu_mul
+from graphcache.model.lora_layers import LoraStack
 from graphcache.model.moe import SparseMoE
 from graphcache.model.parallel import (
     ParallelLMHead,
@@ -126,6 +127,9 @@ class Attention(nn.Module):
         self.v_slots: torch.Tensor | None = None
         self.k_blocks: torch.Tensor | None = None  # [num_blocks, block_size, K, D] (paged kernels)
         self.v_blocks: torch.Tensor | None = None
+        # LoRA adapters of qkv_proj and o_proj (engine/worker/lora_slots.py attach_lora); None: not served
+        self.lora_qkv: LoraStack | None = None
+        self.lora_o: LoraStack | None = None
 
     def forward(self, positions: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # positions [T], slot_mapping [T] (cache slot of each token; padded tokens: a scratch slot), x [T, hidden]
@@ -136,6 +140,8 @@ class Attention(nn.Module):
         # [T, (H + 2K) * D]; with rope, q and k come rotated and k, v are already in the cache
         # (rope is None unless qkv_proj is an Fp8Linear: _rope_in_gemm checked)
         qkv = self.qkv_proj(x) if rope is None else cast(Fp8Linear, self.qkv_proj).qkv_rope_forward(x, rope)
+        if self.lora_qkv is not None:  # never with rope in the GEMM: LoRA is refused with FP8 (the runner)
+            self.lora_qkv.add_(qkv, x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, K, D]
@@ -160,7 +166,11 @@ class Attention(nn.Module):
             graph_attention(q, out, self.k_blocks, self.v_blocks, ctx.attention, self.scale)
         else:
             paged_attention(q, k, v, out, self.kv_cache, self.k_blocks, self.v_blocks, self.scale)
-        return self.o_proj(out.view(t, self.q_size))  # [T, hidden]
+        attended = out.view(t, self.q_size)  # [T, H * D]
+        y = self.o_proj(attended)  # [T, hidden]
+        if self.lora_o is not None:
+            self.lora_o.add_(y, attended)
+        return y
 
     def _rope_in_gemm(
         self, positions: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor
@@ -185,11 +195,23 @@ class MLP(nn.Module):
         self.gate_up_proj = column_linear(config.hidden_size, 2 * self.inter, False, tp)  # rows [gate | up]
         self.down_proj = row_linear(self.inter, config.hidden_size, False, tp)  # all-reduce at tp > 1
         self.fused = False
+        # LoRA adapters of gate_up_proj and down_proj (engine/worker/lora_slots.py attach_lora); None: not served
+        self.lora_gate_up: LoraStack | None = None
+        self.lora_down: LoraStack | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         if isinstance(self.gate_up_proj, Fp8Linear):  # decode sizes: the activation in the GEMM's epilogue
             return self.down_proj(self.gate_up_proj.silu_mul_forward(x, self.inter))
-        return self.down_proj(silu_mul(self.gate_up_proj(x), self.inter, self.fused))  # via [T, 2I] -> [T, I]
+        if self.lora_gate_up is None or self.lora_down is None:
+            return self.down_proj(
+                silu_mul(self.gate_up_proj(x), self.inter, self.fused)
+            )  # via [T, 2I] -> [T, I]
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        self.lora_gate_up.add_(gate_up, x)
+        h = silu_mul(gate_up, self.inter, self.fused)  # [T, I]
+        y = self.down_proj(h)  # [T, hidden]
+        self.lora_down.add_(y, h)
+        return y
 
 
 class DecoderLayer(nn.Module):

@@ -53,7 +53,22 @@ from graphcache.engine.errors import InvalidRequest
 from graphcache.engine.sequence import StructuredSpec, TokenIds
 
 # encode_chat / encode_prompt live in prompt_encoding.py; re-exported for callers that import them from here.
-__all__ = ["encode_chat", "encode_prompt", "model_card", "router", "template_tools"]
+__all__ = [
+    "check_body",
+    "check_constraint",
+    "encode_chat",
+    "encode_prompt",
+    "forced_tool_spec",
+    "log_caller",
+    "model_card",
+    "model_cards",
+    "observe_n",
+    "output_constraint",
+    "request_params",
+    "router",
+    "sub_requests",
+    "template_tools",
+]
 
 log = logging.getLogger("graphcache.api")
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])
@@ -77,7 +92,7 @@ def template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] |
     return out
 
 
-def _tool_spec(body: ChatCompletionRequest, tool_call_parser: str = "hermes") -> StructuredSpec | None:
+def forced_tool_spec(body: ChatCompletionRequest, tool_call_parser: str = "hermes") -> StructuredSpec | None:
     """The constraint tool_choice puts on the output: "required" or a named function force the call
     markup (api/openai/tool_calls.py); "auto", "none" or no tools constrain nothing."""
     if not body.tools_active:
@@ -90,7 +105,7 @@ def _tool_spec(body: ChatCompletionRequest, tool_call_parser: str = "hermes") ->
         raise api_error_for(e) from None
 
 
-def _constraint(
+def output_constraint(
     body, tool_spec: StructuredSpec | None = None, compact_default: bool = False
 ) -> tuple[StructuredSpec, str] | None:
     """The output constraint and the field the client set it with (a tool_choice's grammar holds the
@@ -117,7 +132,7 @@ def _compile(engine, spec: StructuredSpec, param: str) -> None:
     checker.structured.check(spec, param)  # the compiler is built once, under the checker's lock
 
 
-async def _check_constraint(engine, constraint: tuple[StructuredSpec, str] | None) -> None:
+async def check_constraint(engine, constraint: tuple[StructuredSpec, str] | None) -> None:
     """Compile the constraint off the event loop (a large schema takes ~100 ms; the compiler's first
     build ~1 s): an invalid schema, regex or grammar is a 400 naming the field the client used. The
     compiled grammar is cached, so the engine's own check at submit is a cache hit."""
@@ -159,7 +174,11 @@ def generating_engine(request: Request, endpoint: str):
 
 
 def check_model(engine, name: str | None) -> str:
-    """The served model's name; another name is a 404 `model_not_found`, as OpenAI and vLLM answer."""
+    """The served model's name, or a LoRA adapter's (--enable-lora); another name is a 404
+    `model_not_found`, as OpenAI and vLLM answer."""
+    adapters = engine.lora_modules
+    if adapters is not None and name is not None and name in adapters:
+        return name
     if name is not None and name != engine.model_name:  # the caller's name is not echoed back
         raise APIError(
             404,
@@ -171,26 +190,38 @@ def check_model(engine, name: str | None) -> str:
     return engine.model_name
 
 
-def model_card(request: Request) -> dict:
-    """The served model as OpenAI's model object (an entry of GET /v1/models)."""
+def model_cards(request: Request) -> list[dict]:
+    """GET /v1/models' entries: the served model, then its LoRA adapters (--enable-lora)."""
+    engine = request.app.state.engine
+    cards = [model_card(request)]
+    if engine.lora_modules is not None:
+        for adapter in engine.lora_modules.all():
+            parent = adapter.base_model_name or engine.model_name
+            cards.append(model_card(request, adapter.name, adapter.path, parent))
+    return cards
+
+
+def model_card(request: Request, model_id: str | None = None, root: str | None = None, parent=None) -> dict:
+    """The served model (or an adapter of it: its id, path and base model) as OpenAI's model object."""
     engine = request.app.state.engine
     created = request.app.state.started
+    model_id = model_id or engine.model_name
     return {
-        "id": engine.model_name,
+        "id": model_id,
         "object": "model",
         "created": created,
         "owned_by": "graphcache",
         # vLLM's card: root is the checkpoint served (the model id where no path is configured), parent
-        # the base model of an adapter (none: no LoRA here), permission one open ModelPermission.
-        "root": str(request.app.state.settings.model.path or engine.model_name),
-        "parent": None,
+        # the base model of an adapter (None for the base model), permission one open ModelPermission.
+        "root": root or str(request.app.state.settings.model.path or engine.model_name),
+        "parent": parent,
         "max_model_len": engine.max_model_len if engine.ready else None,
         # The sampling defaults a request gets for the fields it leaves out (--generation-config: the
         # model's generation_config.json by default); {} = the API's own; null until the model is loaded.
         "generation_defaults": dict(engine.generation_defaults) if engine.ready else None,
         "permission": [
             {
-                "id": f"modelperm-{engine.model_name}",
+                "id": f"modelperm-{model_id}",
                 "object": "model_permission",
                 "created": created,
                 "allow_create_engine": False,
@@ -207,7 +238,7 @@ def model_card(request: Request) -> dict:
     }
 
 
-def _checked(body: CompletionRequest | ChatCompletionRequest, request: Request | None = None) -> None:
+def check_body(body: CompletionRequest | ChatCompletionRequest, request: Request | None = None) -> None:
     """The body's cross-field rules, before the engine is looked at; a priority only where the server
     schedules by it (vLLM refuses it under fcfs as well)."""
     try:
@@ -232,12 +263,14 @@ def _ids(prefix: str, body) -> tuple[str, str]:
     return (f"{prefix}-{body.request_id}" if body.request_id else engine_rid), engine_rid
 
 
-def _log_caller(body, rid: str) -> None:
+def log_caller(body, rid: str) -> None:
     if body.user is not None or body.session_id is not None:  # OpenAI's end-user id: kept for abuse tracing
         log.info("request %s: user=%r session_id=%r", rid, body.user, body.session_id)
 
 
-async def _subs(engine, engine_rid: str, prompts: list[Prompt], base, plan: sampling.ChoicePlan) -> list[Sub]:
+async def sub_requests(
+    engine, engine_rid: str, prompts: list[Prompt], base, plan: sampling.ChoicePlan
+) -> list[Sub]:
     """One engine request per (prompt, sample), sequence k = prompt * samples + i, id `<rid>-<k>`. Each
     prompt's ids are checked once, off the event loop, and shared by its samples (token_ids.py)."""
     vocab = token_ids.vocab_size(engine)
@@ -317,7 +350,7 @@ async def _serve(
     except BaseException:
         fan.abort()
         raise
-    _observe_n(request, plan.n, len(fan.runs) // plan.samples)  # admitted: one per prompt, as vLLM counts
+    observe_n(request, plan.n, len(fan.runs) // plan.samples)  # admitted: one per prompt, as vLLM counts
 
     if not stream:
         try:
@@ -371,7 +404,7 @@ async def _serve(
     return OpenAIEventStream(events(), on_close=fan.abort)
 
 
-def _observe_n(request: Request, n: int, num_prompts: int) -> None:
+def observe_n(request: Request, n: int, num_prompts: int) -> None:
     """vllm:request_params_n, once per prompt (vLLM serves each prompt of a batch as its own request)."""
     metrics = getattr(request.app.state, "metrics", None)
     if metrics is not None:
@@ -384,7 +417,7 @@ def _observe_n(request: Request, n: int, num_prompts: int) -> None:
 
 @router.get("/models")
 async def models(request: Request) -> dict:
-    return {"object": "list", "data": [model_card(request)]}
+    return {"object": "list", "data": model_cards(request)}
 
 
 async def _completion_prompt(
@@ -432,37 +465,41 @@ def _room(engine, num_prompt_tokens: int) -> int | None:
     return window - num_prompt_tokens
 
 
-async def _base_params(engine, body, structured: StructuredSpec | None, num_prompt_tokens: int | None = None):
+async def request_params(
+    engine, body, structured: StructuredSpec | None, model: str, num_prompt_tokens: int | None = None
+):
     """The SamplingParams every choice shares, its token-id controls checked off the event loop, the
-    model's generation defaults filling the fields the request left out."""
+    model's generation defaults filling the fields the request left out; `model` an adapter's name runs
+    it through that LoRA adapter."""
     allowed = await run_input(_checked_token_controls, body, token_ids.vocab_size(engine))
     bad_words = await sampling.bad_words_token_ids(engine.tokenizer, body.bad_words)
     defaults = engine.generation_defaults
     room = _room(engine, num_prompt_tokens) if num_prompt_tokens is not None and defaults else None
     base = sampling.base_params(body, bad_words, structured, defaults, room)
-    return dataclasses.replace(base, allowed_token_ids=allowed)
+    lora = None if model == engine.model_name else model
+    return dataclasses.replace(base, allowed_token_ids=allowed, lora_name=lora)
 
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    _checked(body, request)
+    check_body(body, request)
     engine = generating_engine(request, "/v1/completions")
     model = check_model(engine, body.model)
-    constraint = _constraint(
+    constraint = output_constraint(
         body, compact_default=request.app.state.settings.http.json_disable_any_whitespace
     )
-    await _check_constraint(engine, constraint)
+    await check_constraint(engine, constraint)
     structured = constraint[0] if constraint else None
     batch = len(body.prompts) > 1
     prompts = [await _completion_prompt(engine, body, i, p, batch) for i, p in enumerate(body.prompts)]
-    base = await _base_params(engine, body, structured)
+    base = await request_params(engine, body, structured, model)
     plan = sampling.plan(body)
     check_answer_size(body, plan, base, prompts, engine.max_model_len)
     rid, engine_rid = _ids("cmpl", body)
-    _log_caller(body, rid)
+    log_caller(body, rid)
     fan = FanOut(
         engine,
-        await _subs(engine, engine_rid, prompts, base, plan),
+        await sub_requests(engine, engine_rid, prompts, base, plan),
         body.stream,
         constraint_param=constraint[1] if constraint else None,
     )
@@ -481,14 +518,14 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    _checked(body, request)
+    check_body(body, request)
     tools = template_tools(body.tools)
     api_settings = request.app.state.settings.http
     compact = request.app.state.settings.http.json_disable_any_whitespace
-    constraint = _constraint(body, _tool_spec(body, api_settings.tool_call_parser), compact)
+    constraint = output_constraint(body, forced_tool_spec(body, api_settings.tool_call_parser), compact)
     engine = generating_engine(request, "/v1/chat/completions")
     model = check_model(engine, body.model)
-    await _check_constraint(engine, constraint)
+    await check_constraint(engine, constraint)
     structured = constraint[0] if constraint else None
     ids = await encode_chat(
         request,
@@ -505,14 +542,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     )
     last = body.messages[-1]
     prompts = [Prompt(ids, last.text() if body.echo and last.role == "assistant" else "")]
-    base = await _base_params(engine, body, structured, len(ids))
+    base = await request_params(engine, body, structured, model, len(ids))
     plan = sampling.plan(body)
     check_answer_size(body, plan, base, prompts, engine.max_model_len)
     rid, engine_rid = _ids("chatcmpl", body)
-    _log_caller(body, rid)
+    log_caller(body, rid)
     fan = FanOut(
         engine,
-        await _subs(engine, engine_rid, prompts, base, plan),
+        await sub_requests(engine, engine_rid, prompts, base, plan),
         body.stream,
         body.max_tokens_param,
         constraint[1] if constraint else None,

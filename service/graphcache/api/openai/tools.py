@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 
 from graphcache import __version__
 from graphcache.api.openai.prompt_encoding import encode_chat, encode_prompt
-from graphcache.api.openai.routes import check_model, model_card, serving_engine, template_tools
+from graphcache.api.openai.routes import check_model, model_card, model_cards, serving_engine, template_tools
 from graphcache.api.openai.utility_requests import DetokenizeRequest, TokenizeRequest
 from graphcache.api.server.auth import require_api_key
 from graphcache.api.server.errors import APIError
@@ -97,11 +97,12 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
 @guarded.get("/v1/models/{model_id:path}", tags=["openai"])
 async def retrieve_model(model_id: str, request: Request) -> dict:
     """One model by id (the path may hold slashes, as Hugging Face names do)."""
-    card = model_card(request)
-    if model_id != card["id"]:  # the caller's id is not echoed back
+    cards = {card["id"]: card for card in model_cards(request)}
+    card = cards.get(model_id)
+    if card is None:  # the caller's id is not echoed back
         raise APIError(
             404,
-            f"The model does not exist; this server serves '{card['id']}' (GET /v1/models).",
+            f"The model does not exist; this server serves '{model_card(request)['id']}' (GET /v1/models).",
             type="invalid_request_error",
             code="model_not_found",
         )

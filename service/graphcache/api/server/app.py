@@ -25,7 +25,7 @@ from graphcache import __version__
 from graphcache.api.openai import embeddings, invocations, routes, tools
 from graphcache.api.openai.prompt_encoding import render_pools
 from graphcache.api.openai.responses import route as responses_route
-from graphcache.api.server import admin, exposition
+from graphcache.api.server import admin, exposition, lora_admin
 from graphcache.api.server.errors import count_rejection, error_body, install_error_handlers
 from graphcache.api.server.request_log import PROBE_PATHS, RequestContextMiddleware, setup_logging
 from graphcache.config import Settings
@@ -169,6 +169,7 @@ def create_app(settings: Settings, engine=None, metrics: Metrics | None = None) 
     app.include_router(tools.guarded)  # /tokenize, /detokenize, /v1/models/{id}: behind it too
     app.include_router(tools.router)  # /version, /ping: open, like the probes
     app.include_router(admin.router)
+    app.include_router(lora_admin.router)  # /v1/load_lora_adapter, /v1/unload_lora_adapter: admin token
     app.include_router(exposition.router)
 
     @app.get("/health", tags=["probes"])

@@ -40,6 +40,7 @@ from graphcache.engine.loop.failures import (
     EngineFailure,
     is_device_failure,
 )
+from graphcache.engine.loop.lora_admin import record_lora_gauges
 from graphcache.engine.loop.outputs import RequestOutputs
 from graphcache.engine.loop.request_check import EngineLimits, RequestChecker
 from graphcache.engine.loop.step_trace import STEP_TRACE_MAX
@@ -127,6 +128,8 @@ class EngineCore:
             eos_token_ids=runner.eos_token_ids,
             policy=settings.engine.scheduling_policy,
         )
+        if settings.lora.enable_lora:
+            self.scheduler.max_loras = settings.lora.max_loras
         # Speculative decoding (--speculative-config): the scheduler drafts with the proposer, the worker
         # verifies, postprocess appends the accepted run and rolls back; the vllm:spec_decode_* counters.
         self.spec = parse_speculative_config(settings.engine.speculative_config)
@@ -462,6 +465,8 @@ class EngineCore:
             self.metrics.requests_running.set(len(self.scheduler.running))
             self.metrics.requests_waiting.set(len(self.scheduler.waiting))
             self.metrics.kv_usage.set(self.block_manager.usage)
+            if self.settings.lora.enable_lora:
+                record_lora_gauges(self.runner.lora, self.scheduler, self.metrics)
             if not self.metrics.vllm.cache_config:  # vllm:cache_config_info: the KV cache's shape, once
                 bm = self.block_manager
                 self.metrics.vllm.set_cache_config(

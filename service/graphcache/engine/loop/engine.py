@@ -40,6 +40,7 @@ from graphcache.engine.errors import (
 from graphcache.engine.loop.core import EngineCore
 from graphcache.engine.loop.failures import MAX_CONSECUTIVE_STEP_FAILURES, EngineFailure
 from graphcache.engine.loop.frontend import EngineFrontend, EngineState
+from graphcache.engine.loop.lora_admin import load_adapter, unload_adapter
 from graphcache.engine.loop.messages import (
     Abort,
     AbortAll,
@@ -55,6 +56,7 @@ from graphcache.engine.loop.messages import (
 )
 from graphcache.engine.loop.request_check import RequestChecker
 from graphcache.engine.loop.step_trace import write_step_trace
+from graphcache.engine.lora_modules import LoraModule
 from graphcache.engine.plan import Runner
 from graphcache.engine.sequence import RequestOutput, SamplingParams, StructuredSpec, TokenLogprob
 from graphcache.engine.worker.draft_model import DraftModelProposer, build_draft_proposer, fetch_draft_model
@@ -238,6 +240,23 @@ class Engine(EngineFrontend):
         dropped = core.block_manager.reset_prefix_cache()
         core.flush_kv_events()
         return {"dropped_blocks": dropped}
+
+    async def load_lora_adapter(self, name: str, path: str) -> tuple[int, str]:
+        """Read, check and register a LoRA adapter on the engine thread (engine/loop/lora_admin.py)."""
+        module = LoraModule(name, path)
+        core = self._loaded_core
+        lora = core.runner.lora
+        weights = None
+        if lora is not None:  # read and checked off the engine thread: the batch never waits on the disk
+            try:
+                weights = await asyncio.to_thread(lora.read_checked, module)
+            except ValueError as e:
+                return 400, str(e)
+        return await self._call(lambda: load_adapter(lora, core.scheduler, module, weights))
+
+    async def unload_lora_adapter(self, name: str) -> tuple[int, str]:
+        core = self._loaded_core
+        return await self._call(lambda: unload_adapter(core.runner.lora, core.scheduler, name))
 
     async def cache_profile(self, min_uses: int = 1) -> dict:
         """The hot set of descriptors (GraphCache.profile): what a restart can warm up."""

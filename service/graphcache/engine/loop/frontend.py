@@ -30,6 +30,7 @@ from graphcache.engine.errors import (
 )
 from graphcache.engine.loop.messages import Handle, consume
 from graphcache.engine.loop.request_check import RequestChecker
+from graphcache.engine.lora_modules import LoraModules
 from graphcache.engine.sequence import RequestOutput, SamplingParams, Sequence, TokenIds
 from graphcache.metrics import Metrics
 from graphcache.model.embedding_config import EmbeddingConfig, served_embedding
@@ -54,6 +55,12 @@ class EngineFrontend:
         self.settings = settings
         self.metrics = metrics
         self._model_name: str | None = None
+        # --enable-lora: the adapters a request may name (runtime loads add to it once the engine read them)
+        self.lora_modules = (
+            LoraModules(settings.lora.lora_modules, reserved=(self.model_name,))
+            if settings.lora.enable_lora
+            else None
+        )
         if (
             metrics is not None
         ):  # the vllm: series' model_name label, also for engines built outside create_app

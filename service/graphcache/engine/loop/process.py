@@ -212,6 +212,14 @@ class EngineClient(EngineFrontend):
     async def reset_prefix_cache(self) -> dict:
         return await self._call("reset_prefix_cache")
 
+    async def load_lora_adapter(self, name: str, path: str) -> tuple[int, str]:
+        status, message = await self._call("load_lora_adapter", name, path)
+        return status, message
+
+    async def unload_lora_adapter(self, name: str) -> tuple[int, str]:
+        status, message = await self._call("unload_lora_adapter", name)
+        return status, message
+
     async def cache_profile(self, min_uses: int = 1) -> dict:
         return await self._call("cache_profile", min_uses)
 

@@ -42,7 +42,15 @@ log = logging.getLogger("graphcache.engine")
 SNAPSHOT_INTERVAL_S = 0.25
 STATE_POLL_S = 0.02  # how soon a state change (ready, dead) or a load progress step is pushed
 # The Engine coroutines the API process may call by name.
-ADMIN_CALLS = ("warmup", "clear_graphs", "cache_profile", "cache_info", "reset_prefix_cache")
+ADMIN_CALLS = (
+    "warmup",
+    "clear_graphs",
+    "cache_profile",
+    "cache_info",
+    "load_lora_adapter",
+    "unload_lora_adapter",
+    "reset_prefix_cache",
+)
 
 
 class PipeSink:

@@ -89,6 +89,8 @@ class BlockManager:
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens found in the cache
         self.events: KVEventRecorder | None = None  # told of stores, removals and clears (KV cache events)
+        self._adapter_roots: dict[str, BlockIdentity] = {}  # LoRA adapter -> the root of its chains
+        self._num_roots = 0
 
     # --- capacity -------------------------------------------------------------------------
     @property
@@ -140,6 +142,23 @@ class BlockManager:
         bs = self.block_size
         return tuple(token_ids[level * bs : (level + 1) * bs])
 
+    def _root(self, seq: Sequence) -> BlockIdentity | None:
+        """The parent of a sequence's first block: None for the base model; a LoRA adapter's KV differs
+        from the base model's for the same tokens, so its chains start at a root of their own, (-n, 0),
+        which no registered block's identity (block id >= 0) can equal."""
+        name = seq.params.lora_name
+        if name is None:
+            return None
+        root = self._adapter_roots.get(name)
+        if root is None:
+            self._num_roots += 1
+            root = self._adapter_roots[name] = (-self._num_roots, 0)
+        return root
+
+    def forget_adapter(self, name: str) -> None:
+        """The adapter was unloaded: a later adapter of that name must not find its cached blocks."""
+        self._adapter_roots.pop(name, None)
+
     def match_prefix(self, seq: Sequence, max_blocks: int) -> PrefixMatch:
         """The longest run of cached full blocks equal to the start of seq.all_token_ids, at most
         `max_blocks`. Blocks registered in the current step are not matched (the step that writes
@@ -148,7 +167,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return match
         ids = seq.all_token_ids
-        parent: BlockIdentity | None = None
+        parent: BlockIdentity | None = self._root(seq)
         num_full = len(ids) // self.block_size
         for level in range(min(num_full, max_blocks)):  # past max_blocks this sequence computes anyway
             key = (parent, self._block_tokens(ids, level))
@@ -170,7 +189,10 @@ class BlockManager:
         level, bs = len(state.chain), self.block_size
         if seq.num_tokens < (level + 1) * bs:  # cheap exit for decodes: no full block of known tokens
             return None
-        return (state.chain[-1] if level else None, tuple(seq.token_slice(level * bs, (level + 1) * bs)))
+        return (
+            state.chain[-1] if level else self._root(seq),
+            tuple(seq.token_slice(level * bs, (level + 1) * bs)),
+        )
 
     def is_cached(self, key: BlockKey) -> bool:
         return key in self._cache
@@ -254,7 +276,7 @@ class BlockManager:
             return
         ids = seq.all_token_ids
         for level in range(len(state.chain), num_full):
-            key = (state.chain[-1] if level else None, self._block_tokens(ids, level))
+            key = (state.chain[-1] if level else self._root(seq), self._block_tokens(ids, level))
             existing = self._cache.get(key)
             if existing is None:
                 block = seq.block_table[level]

@@ -47,6 +47,7 @@ from functools import cached_property
 from graphcache.choices import SchedulingPolicy
 from graphcache.engine.plan import GrammarMask, NewRequest, PromptLogits, StepPlan
 from graphcache.engine.sched.block_manager import BlockManager, PrefixMatch
+from graphcache.engine.sched.lora_gate import LoraGate
 from graphcache.engine.sequence import Sequence, SequenceStatus, has_controls
 from graphcache.engine.spec.acceptance import AcceptanceGate
 from graphcache.engine.spec.config import SpeculativeConfig
@@ -155,6 +156,8 @@ class Scheduler:
         self.trimmed: list[tuple[int, int]] = []
         # Which requests still draft, by their measured acceptance (engine/spec/acceptance.py); None: all may.
         self.acceptance: AcceptanceGate | None = None
+        # --enable-lora (EngineCore sets it): at most this many distinct adapters among the running requests
+        self.max_loras: int | None = None
 
     # --- queue management -----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -306,8 +309,14 @@ class Scheduler:
 
         # 2. Waiting: admit in queue order (fcfs or priority) into what is left, unless this step had to preempt.
         promised: set | None = None  # next full-block keys of running sequences (built on first need)
+        # --max-loras: requests whose adapter gets no GPU slot wait, in order, at the front (lora_gate.py)
+        lora = LoraGate(self.running, self.max_loras) if self.max_loras is not None else None
+        lora_waits: list[Sequence] = []
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if lora is not None and not lora.admits(seq):
+                lora_waits.append(self.waiting.popleft())
+                continue
             if seq.num_inflight:
                 break  # preempted with a token in flight: it re-prefills once that token has landed
             if self._never_fits(seq, seq.num_tokens):
@@ -325,6 +334,8 @@ class Scheduler:
             if not bm.can_admit(match.blocks, target):
                 break  # nobody jumps the queue (its order); blocks come back as others finish
             self.waiting.popleft()
+            if lora is not None:
+                lora.admitted(seq)
             seq.status = SequenceStatus.RUNNING
             first_admission = seq.first_scheduled_time is None
             if first_admission:
@@ -354,6 +365,8 @@ class Scheduler:
             budget -= n
             if promised is not None and (k := bm.next_key(seq)) is not None:
                 promised.add(k)
+        if lora_waits:
+            self.waiting.extendleft(reversed(lora_waits))
         if out.seqs:
             out.plan = self._plan(out)
         return out

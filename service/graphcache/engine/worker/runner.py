@@ -50,6 +50,7 @@ from graphcache.engine.worker.kv_cache import (
     kv_block_bytes,
     num_kv_blocks,
 )
+from graphcache.engine.worker.lora_slots import LoraSlots, build_lora_slots
 from graphcache.engine.worker.pooler import PoolRows, pool_rows, pool_vectors
 from graphcache.engine.worker.request_table import RequestTable
 from graphcache.engine.worker.sampling import StepSampler
@@ -152,6 +153,13 @@ class ModelRunner:
         )
         self._warmup_descs = warmup_descriptors(s, self.sizes, self.mixed_sizes)
         self._alloc_buffers()
+        # Before the KV cache: the adapters' slot buffers are part of what the model takes from the GPU.
+        self.lora: LoraSlots | None = None
+        if s.lora.enable_lora:
+            self.lora = build_lora_slots(
+                s, self.model, c, max_tokens=self.max_tokens, dtype=self.dtype, device=self.device,
+                graphs=self.backend == "cuda", tp_size=tp.size,
+            )  # fmt: skip
         self._alloc_kv_cache()
         self.attention_kernel = select_attention_kernel(
             self.device, self.dtype, c.head_dim, self.block_size, s.model.attention_backend
@@ -438,6 +446,9 @@ class ModelRunner:
         pooled = None
         try:
             self.table.update(plan)
+            if self.lora is not None:
+                self.lora.update(plan)
+                self.lora.prepare(plan, pad_tokens)
             layout = self.inputs.prepare(
                 self.table,
                 plan,

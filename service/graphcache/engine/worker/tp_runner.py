@@ -151,6 +151,7 @@ class TensorParallelRunner:
         self.device_type, self.dtype = runner.device_type, runner.dtype
         self.metrics = metrics
         self.cache = _AgreedCache(self)
+        self.lora = None  # adapters are served at tensor_parallel_size 1 only (lora_slots.py refuses)
         self._workers = workers
         self._broken: str | None = None  # why this runner cannot run another step
         self._on_fatal: Callable[[str], None] | None = None

@@ -115,15 +115,15 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 
 async def _create(body: ResponsesRequest, request: Request) -> Response:
     chat = _chat_request(body)
-    routes._checked(chat, request)
+    routes.check_body(chat, request)
     tools = routes.template_tools(chat.tools)
     http = request.app.state.settings.http
-    constraint = routes._constraint(
-        chat, routes._tool_spec(chat, http.tool_call_parser), http.json_disable_any_whitespace
+    constraint = routes.output_constraint(
+        chat, routes.forced_tool_spec(chat, http.tool_call_parser), http.json_disable_any_whitespace
     )
     engine = routes.generating_engine(request, "/v1/responses")
     model = routes.check_model(engine, chat.model)
-    await routes._check_constraint(engine, constraint)
+    await routes.check_constraint(engine, constraint)
     ids = await encode_chat(
         request,
         engine,
@@ -135,16 +135,16 @@ async def _create(body: ResponsesRequest, request: Request) -> Response:
         continue_final_message=chat.continue_final_message,
     )
     prompts = [Prompt(ids)]
-    base = await routes._base_params(engine, chat, constraint[0] if constraint else None, len(ids))
+    base = await routes.request_params(engine, chat, constraint[0] if constraint else None, model, len(ids))
     plan = sampling.plan(chat)
     check_answer_size(chat, plan, base, prompts, engine.max_model_len)
     rid = body.request_id or new_item_id("resp")
-    routes._log_caller(chat, rid)
+    routes.log_caller(chat, rid)
     if body.safety_identifier is not None:  # OpenAI's end-user id for abuse tracing, like `user`
         log.info("request %s: safety_identifier=%r", rid, body.safety_identifier)
     fan = FanOut(
         engine,
-        await routes._subs(engine, f"resp-{uuid.uuid4().hex}", prompts, base, plan),
+        await routes.sub_requests(engine, f"resp-{uuid.uuid4().hex}", prompts, base, plan),
         chat.stream,
         "max_output_tokens",
         _responses_param(constraint[1]) if constraint else None,
@@ -183,7 +183,7 @@ async def _serve(
     except BaseException:
         fan.abort()
         raise
-    routes._observe_n(request, 1, 1)
+    routes.observe_n(request, 1, 1)
     tokenizer = shape.text_of.tokenizer
 
     if not stream:
