@@ -68,6 +68,20 @@ def test_disable_by_batch_size_turns_speculation_off_from_that_many_running():
     assert spec(**config.as_dict()) == config  # as_dict reads back as the same config
 
 
+def test_without_disable_by_batch_size_steps_speculate_while_verify_rows_fit_the_verify_graphs():
+    config = spec(method="ngram", num_speculative_tokens=4)
+    limit = config.verify_batch_limit(512)  # 512-token verify graphs hold 102 rows of 5 tokens
+    assert limit == 103 and [config.speculates(n, limit) for n in (1, 102, 103, 512)] == [
+        True,
+        True,
+        False,
+        False,
+    ]
+    assert config.verify_batch_limit(None) is None and config.speculates(10_000, None)  # no verify graphs
+    own = spec(method="ngram", num_speculative_tokens=4, disable_by_batch_size=300)
+    assert own.speculates(200, limit) and not own.speculates(300, limit)  # the config's own bound wins
+
+
 @pytest.mark.parametrize(
     ("raw", "field", "fix"),
     [

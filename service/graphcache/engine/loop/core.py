@@ -137,6 +137,16 @@ class EngineCore:
         if self.spec is not None:
             self.scheduler.spec = self.spec
             self.scheduler.proposer = proposer or build_proposer(self.spec, runner.max_model_len)
+            if runner.device_type == "cuda":  # whole steps: verify rows must fit the verify graphs
+                verify = [d.num_tokens for d in runner.warmup_descriptors() if d.verify]
+                limit = self.spec.verify_batch_limit(max(verify, default=None))
+                self.scheduler.spec_batch_limit = limit
+                if limit is not None and self.spec.disable_by_batch_size is None:
+                    log.info(
+                        "speculative decoding: off in steps of %d or more running requests (their verify rows "
+                        "outgrow the verify graphs); disable_by_batch_size sets another bound",
+                        limit,
+                    )
             eng = settings.engine  # the turn-off rule by measured acceptance (engine/spec/acceptance.py)
             self.scheduler.acceptance = AcceptanceGate(
                 AcceptanceRule.for_method(

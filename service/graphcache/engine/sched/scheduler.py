@@ -156,6 +156,8 @@ class Scheduler:
         self.trimmed: list[tuple[int, int]] = []
         # Which requests still draft, by their measured acceptance (engine/spec/acceptance.py); None: all may.
         self.acceptance: AcceptanceGate | None = None
+        # disable_by_batch_size when the config sets none (EngineCore: SpeculativeConfig.verify_batch_limit)
+        self.spec_batch_limit: int | None = None
         # --enable-lora (EngineCore sets it): at most this many distinct adapters among the running requests
         self.max_loras: int | None = None
 
@@ -392,15 +394,21 @@ class Scheduler:
         return self.may_speculate(seq) and (gate is None or gate.wants(seq.key))
 
     def speculates(self) -> bool:
-        """Whether a step now may speculate (configured, and under disable_by_batch_size)."""
-        return self.spec is not None and self.proposer is not None and self.spec.speculates(len(self.running))
+        """Whether a step now may speculate (configured, and under disable_by_batch_size or, unset, under
+        spec_batch_limit)."""
+        spec = self.spec
+        return (
+            spec is not None
+            and self.proposer is not None
+            and spec.speculates(len(self.running), self.spec_batch_limit)
+        )
 
     def _propose(self, decodes: list[tuple[Sequence, int]]) -> dict[int, list[int]] | None:
         """Drafts for the decodes that may speculate, by id(seq): rows whose last token is on the host
         (none in flight), at most k tokens, and never past max_tokens or max_model_len (a row emits up to
         its drafts + 1 tokens)."""
         spec, proposer = self.spec, self.proposer
-        if spec is None or proposer is None or not spec.speculates(len(self.running)):
+        if spec is None or proposer is None or not self.speculates():
             return None
         k, max_len, gate = spec.num_speculative_tokens, self.max_model_len, self.acceptance
         if gate is not None:

@@ -112,9 +112,22 @@ class SpeculativeConfig:
     model: str | None = None
     disable_by_batch_size: int | None = None
 
-    def speculates(self, num_running: int) -> bool:
-        """Whether a step running `num_running` requests speculates (disable_by_batch_size, as vLLM)."""
-        return self.disable_by_batch_size is None or num_running < self.disable_by_batch_size
+    def speculates(self, num_running: int, default_limit: int | None = None) -> bool:
+        """Whether a step running `num_running` requests speculates: under disable_by_batch_size (as vLLM),
+        or when the config sets none, under `default_limit` (verify_batch_limit's; None: no limit)."""
+        limit = self.disable_by_batch_size if self.disable_by_batch_size is not None else default_limit
+        return limit is None or num_running < limit
+
+    def verify_batch_limit(self, verify_graph_tokens: int | None) -> int | None:
+        """The default disable_by_batch_size on CUDA: speculate only while every running request's verify
+        row (k + 1 tokens) fits the largest captured verify graph. A bigger verify step runs eagerly as a
+        mixed step, which on the H200 made the realistic 0.5B workload 0.55x as fast as without speculation
+        (34.7 ms steps of ~2,100 tokens against 3.6 ms decode steps, BENCHMARKS.md); past that size a step is
+        compute-bound anyway, where verifying k more tokens a row costs about k more decode steps' work.
+        None (no verify graphs, e.g. eager or the CPU): no limit."""
+        if verify_graph_tokens is None:
+            return None
+        return verify_graph_tokens // (self.num_speculative_tokens + 1) + 1  # speculates below it
 
     def as_dict(self) -> dict[str, Any]:
         """The config as JSON-ready values, the unset keys left out (for /admin and logs)."""
