@@ -33,7 +33,6 @@ from graphcache.api.openai.routes import check_model, serving_engine
 from graphcache.api.openai.sampling import truncate_prompt
 from graphcache.api.openai.token_ids import vocab_size
 from graphcache.api.server.auth import require_api_key
-from graphcache.api.server.disconnect import ClientGone, unless_disconnected
 from graphcache.api.server.errors import APIError, api_error_for
 from graphcache.api.server.executors import run_input, run_response
 from graphcache.engine.errors import InvalidRequest
@@ -148,14 +147,9 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     if body.user is not None:
         log.info("request %s: user=%r", rid, body.user)
     fan = FanOut(engine, subs, stream=False, max_tokens_param="input")
-    try:
-        outs = await unless_disconnected(request.receive, fan.start())  # stream=False: each one is final
-    except ClientGone:
-        fan.abort()
+    outs = await fan.start_for(request.receive)  # stream=False: each one is final
+    if outs is None:
         return Response(status_code=499)  # nobody reads it; keeps the access log honest
-    except BaseException:
-        fan.abort()
-        raise
     vectors = []
     for out in outs:
         if out.embedding is None:  # an engine that ended it without a vector: a server fault, said as one

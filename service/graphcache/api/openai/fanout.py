@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from graphcache.api.server.disconnect import ClientGone, unless_disconnected
 from graphcache.api.server.errors import APIError, api_error_for, api_error_for_ended
 from graphcache.engine.errors import EngineDead, EngineNotReady, InvalidRequest, QueueFull
 from graphcache.engine.sequence import RequestOutput, SamplingParams, TokenIds, TokenLogprob
@@ -242,6 +243,27 @@ class FanOut:
             return sampled
 
         return await self._all([finish(run, out) for run, out in zip(self.runs, firsts, strict=True)])
+
+    async def start_for(self, receive) -> list[RequestOutput] | None:
+        """start() on behalf of the client behind `receive`: None if it left first. Either way, and on any
+        failure, nothing is left running that nobody will read."""
+        try:
+            return await unless_disconnected(receive, self.start())
+        except ClientGone:
+            self.abort()
+            return None
+        except BaseException:
+            self.abort()
+            raise
+
+    async def collect_for(self, receive, firsts: list[RequestOutput]) -> list[Sampled] | None:
+        """collect() on behalf of the client behind `receive`: None if it left first; all aborted after."""
+        try:
+            return await unless_disconnected(receive, self.collect(firsts))
+        except ClientGone:
+            return None
+        finally:
+            self.abort()
 
     async def merged(self, firsts: list[RequestOutput]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """(sequence index, output) as they come after `firsts`; closing it aborts what still runs."""

@@ -46,7 +46,6 @@ from graphcache.api.openai.protocol import ChatCompletionRequest, CompletionRequ
 from graphcache.api.openai.tool_parsers import tool_call_format
 from graphcache.api.server import answer_json
 from graphcache.api.server.auth import require_api_key
-from graphcache.api.server.disconnect import ClientGone, unless_disconnected
 from graphcache.api.server.errors import APIError, api_error_for, error_body
 from graphcache.api.server.executors import run_input, run_response
 from graphcache.engine.errors import InvalidRequest
@@ -342,23 +341,15 @@ async def _serve(
     request: Request, fan: FanOut, plan: sampling.ChoicePlan, shape: CompletionShape | ChatShape, stream: bool
 ) -> Response:
     receive = request.receive
-    try:
-        firsts = await unless_disconnected(receive, fan.start())
-    except ClientGone:
-        fan.abort()
+    firsts = await fan.start_for(receive)
+    if firsts is None:
         return Response(status_code=499)  # nobody reads it; keeps the access log honest
-    except BaseException:
-        fan.abort()
-        raise
     observe_n(request, plan.n, len(fan.runs) // plan.samples)  # admitted: one per prompt, as vLLM counts
 
     if not stream:
-        try:
-            samples = await unless_disconnected(receive, fan.collect(firsts))
-        except ClientGone:
+        samples = await fan.collect_for(receive, firsts)
+        if samples is None:
             return Response(status_code=499)
-        finally:
-            fan.abort()
         if plan.prompt_only:
             samples = [_echo_only_sample(s) for s in samples]
         kept = best_of(samples, plan.n) if plan.ranks else samples

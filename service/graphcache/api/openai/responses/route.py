@@ -44,7 +44,6 @@ from graphcache.api.openai.responses.protocol import ResponsesRequest
 from graphcache.api.openai.tool_parsers import tool_call_format
 from graphcache.api.server.answer_json import render, render_text
 from graphcache.api.server.auth import require_api_key
-from graphcache.api.server.disconnect import ClientGone, unless_disconnected
 from graphcache.api.server.errors import APIError, api_error_for
 from graphcache.api.server.executors import run_input, run_response
 from graphcache.engine.errors import InvalidRequest
@@ -175,24 +174,16 @@ async def _serve(
     request: Request, fan: FanOut, shape: ChatShape, head: ResponseHead, stream: bool
 ) -> Response:
     receive = request.receive
-    try:
-        firsts = await unless_disconnected(receive, fan.start())
-    except ClientGone:
-        fan.abort()
-        return Response(status_code=499)
-    except BaseException:
-        fan.abort()
-        raise
+    firsts = await fan.start_for(receive)
+    if firsts is None:
+        return Response(status_code=499)  # nobody reads it; keeps the access log honest
     routes.observe_n(request, 1, 1)
     tokenizer = shape.text_of.tokenizer
 
     if not stream:
-        try:
-            samples = await unless_disconnected(receive, fan.collect(firsts))
-        except ClientGone:
+        samples = await fan.collect_for(receive, firsts)
+        if samples is None:
             return Response(status_code=499)
-        finally:
-            fan.abort()
         answer, thought = await run_response(_whole, shape, head, samples[0])
         answer["usage"] = response_usage(usage(samples), await _reasoning_tokens(tokenizer, thought))
         return Response(await run_response(render, answer), media_type="application/json")
