@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from graphcache.api.openai.tool_parsers.base import ContentSink, ToolCallDelta, add_arguments
-from graphcache.api.openai.tool_parsers.json_scan import CallObject, JsonObjectScanner
+from graphcache.api.openai.tool_parsers.json_scan import CallObject, ScannedObject
 
 __all__ = ["Call", "Calls", "NamedArguments", "Reader"]
 
@@ -40,28 +40,13 @@ class Reader(Protocol):
     def ready(self) -> bool: ...
 
 
-class NamedArguments:
+class NamedArguments(ScannedObject):
     """Mistral's v11 layout, `name{...}`: the name is read before the arguments object, which this
     reads."""
 
     def __init__(self, name: str) -> None:
-        self.scan = JsonObjectScanner()
+        super().__init__()
         self._name = name
-
-    def feed(self, piece: str) -> int:
-        return self.scan.feed(piece)
-
-    @property
-    def text(self) -> str:
-        return self.scan.text
-
-    @property
-    def done(self) -> bool:
-        return self.scan.done
-
-    @property
-    def broken(self) -> bool:
-        return self.scan.error
 
     def name(self) -> str | None:
         return self._name

@@ -15,7 +15,7 @@ import re
 
 from graphcache.api.openai.json_limits import MAX_JSON_DEPTH, JSONShapeError, parse_json_text
 
-__all__ = ["CallObject", "JsonObjectScanner", "decode_arguments_string"]
+__all__ = ["CallObject", "JsonObjectScanner", "ScannedObject", "decode_arguments_string"]
 
 _WS = " \t\n\r"
 _STRING_STOP = re.compile(r'["\\\x00-\x1f]')  # what ends a run of plain string characters
@@ -195,14 +195,12 @@ def decode_arguments_string(raw: str) -> str | None:
     return text if isinstance(value, dict) else None
 
 
-class CallObject:
-    """A call object {"name": ..., "arguments" (or "parameters"): {...}} read as it arrives, in any key
-    order. Its name counts once its string is closed; its arguments are the model's own text of the
-    arguments object (a JSON string holding the object is read as that object's text)."""
+class ScannedObject:
+    """A JSON object read a piece at a time by its JsonObjectScanner: what every call reader over one
+    object answers the same way (its text so far, and whether it is complete or broken)."""
 
     def __init__(self) -> None:
         self.scan = JsonObjectScanner()
-        self._string_args: str | None = None
 
     def feed(self, piece: str) -> int:
         return self.scan.feed(piece)
@@ -218,6 +216,16 @@ class CallObject:
     @property
     def broken(self) -> bool:
         return self.scan.error
+
+
+class CallObject(ScannedObject):
+    """A call object {"name": ..., "arguments" (or "parameters"): {...}} read as it arrives, in any key
+    order. Its name counts once its string is closed; its arguments are the model's own text of the
+    arguments object (a JSON string holding the object is read as that object's text)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._string_args: str | None = None
 
     def name(self) -> str | None:
         span = self.scan.members.get("name")
