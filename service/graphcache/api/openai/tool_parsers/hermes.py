@@ -87,22 +87,14 @@ class ToolCallStreamParser(CallStream):
             else:
                 self._reject(out)
         elif self._state == "call":
-            call = self._call
-            assert call is not None
-            self._buf = buf[call.reader.feed(buf) :]
-            self._calls.advance(out, call)
-            if call.reader.broken:
-                if call.index is None:
-                    self._reject(out)
-                else:  # a stream already announced it: the call ends where its JSON broke
-                    self._state = "after"
-            elif call.reader.done:
-                if self._calls.close(out, call):
-                    self._state = "after"
-                else:
-                    self._reject(out)
-            else:
+            assert self._call is not None
+            state = self._read_open_call(out, self._call)
+            if state == "refused":
+                self._reject(out)
+            elif state == "open":
                 return False
+            else:  # closed, or cut (a stream already announced it: the call ends where its JSON broke)
+                self._state = "after"
         else:  # after a call's object: skip to the block's end, or to the next block
             end, start = buf.find(TOOL_CALL_END), buf.find(TOOL_CALL_START)
             if start >= 0 and (end < 0 or start < end):

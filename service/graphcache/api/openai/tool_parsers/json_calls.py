@@ -11,12 +11,15 @@ adds up to exactly the whole answer's arguments.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Literal, Protocol
 
 from graphcache.api.openai.tool_parsers.base import ContentSink, ToolCallDelta, add_arguments
 from graphcache.api.openai.tool_parsers.json_scan import CallObject, ScannedObject
 
-__all__ = ["Call", "Calls", "NamedArguments", "Reader"]
+__all__ = ["Call", "CallState", "Calls", "NamedArguments", "Reader"]
+
+
+CallState = Literal["open", "closed", "cut", "refused"]  # CallStream._read_open_call's answer
 
 
 class Reader(Protocol):
@@ -129,6 +132,18 @@ class CallStream:
         self._calls = Calls(eager, new_id)
         self._sink = ContentSink()
         self._buf = ""  # text not consumed yet
+
+    def _read_open_call(self, out: ToolCallDelta, call: Call) -> CallState:
+        """Feed the open call the text not consumed yet (its rest stays unconsumed) and say where it stands:
+        open (more text wanted), closed (a call: its arguments are sent), cut (its JSON broke after a stream
+        announced it: the call ends there) or refused (not a call: the family gives its text back)."""
+        self._buf = self._buf[call.reader.feed(self._buf) :]
+        self._calls.advance(out, call)
+        if call.reader.broken:
+            return "refused" if call.index is None else "cut"
+        if call.reader.done:
+            return "closed" if self._calls.close(out, call) else "refused"
+        return "open"
 
     @property
     def num_calls(self) -> int:

@@ -84,20 +84,14 @@ class Llama3JsonStream(CallStream):
                 self._sink.add(out, self._glue)
                 self._glue, self._state = "", "out"
         elif self._state == "call":
-            call = self._call
-            assert call is not None
-            self._buf = buf[call.reader.feed(buf) :]
-            self._calls.advance(out, call)
-            if call.reader.broken:
-                if call.index is None:
-                    self._reject(out)
-                else:  # a stream already announced it: what follows its broken JSON is dropped
-                    self._state = "skip"
-            elif call.reader.done:
-                if self._calls.close(out, call):
-                    self._call, self._glue, self._state = None, "", "sep"
-                else:
-                    self._reject(out)
+            assert self._call is not None
+            state = self._read_open_call(out, self._call)
+            if state == "refused":
+                self._reject(out)
+            elif state == "cut":  # a stream already announced it: what follows its broken JSON is dropped
+                self._state = "skip"
+            elif state == "closed":
+                self._call, self._glue, self._state = None, "", "sep"
             else:
                 return False
         elif self._state == "sep":

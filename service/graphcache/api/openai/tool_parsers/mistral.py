@@ -149,22 +149,16 @@ class MistralStream(CallStream):
         return True
 
     def _read_call(self, out: ToolCallDelta) -> bool:
-        call = self._call
-        assert call is not None
-        self._buf = self._buf[call.reader.feed(self._buf) :]
-        self._calls.advance(out, call)
-        if call.reader.broken:
-            if call.index is None:
-                self._reject(out)
-            else:  # a stream already announced it: the call ends where its JSON broke
-                self._call, self._state = None, "done"
-        elif call.reader.done:
-            if self._calls.close(out, call):
-                self._call, self._pending = None, ""
-                self._list_calls += self._in_list
-                self._state = "after_item" if self._in_list else "done"
-            else:
-                self._reject(out)
+        assert self._call is not None
+        state = self._read_open_call(out, self._call)
+        if state == "refused":
+            self._reject(out)
+        elif state == "cut":  # a stream already announced it: the call ends where its JSON broke
+            self._call, self._state = None, "done"
+        elif state == "closed":
+            self._call, self._pending = None, ""
+            self._list_calls += self._in_list
+            self._state = "after_item" if self._in_list else "done"
         else:
             return False
         return True
