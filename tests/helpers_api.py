@@ -13,6 +13,15 @@ from graphcache.config import Settings
 from graphcache.engine.loop.engine import Engine
 from graphcache.metrics import Metrics
 
+# A small served engine on the CPU, the settings the API test modules start from.
+SMALL_SERVER: dict[str, Any] = {
+    "device": "cpu",
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 128,
+    "warmup_decode_sizes": [],
+    "capture_sizes": [1, 2, 4, 8, 16],
+}
+
 
 class EngineNotNeeded:
     """Stands in for the engine where validation, routing or an auth gate must answer first: any

@@ -21,16 +21,12 @@ from graphcache.api.openai import prompt_encoding, protocol
 from graphcache.config import Settings
 from graphcache.engine.errors import QueueFull
 from graphcache.engine.sequence import SamplingParams, StructuredSpec
-from helpers_api import serving
+from helpers_api import SMALL_SERVER, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 SMALL = {
-    "device": "cpu",
-    "max_num_seqs": 8,
-    "max_num_batched_tokens": 128,
-    "warmup_decode_sizes": [],
-    "capture_sizes": [1, 2, 4, 8, 16],
+    **SMALL_SERVER,
     "drain_timeout_s": 2.0,
     "trust_request_chat_template": True,  # the chat_template field reaches the template, as vLLM's flag lets it
 }

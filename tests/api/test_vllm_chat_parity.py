@@ -15,16 +15,12 @@ import openai
 import pytest
 import pytest_asyncio
 from graphcache.config import Settings
-from helpers_api import serving
+from helpers_api import SMALL_SERVER, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 SMALL = {
-    "device": "cpu",
-    "max_num_seqs": 8,
-    "max_num_batched_tokens": 128,
-    "warmup_decode_sizes": [],
-    "capture_sizes": [1, 2, 4, 8, 16],
+    **SMALL_SERVER,
     "drain_timeout_s": 2.0,
 }
 MODEL = "graphcache-tiny"

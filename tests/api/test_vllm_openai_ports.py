@@ -19,17 +19,10 @@ import openai
 import pytest
 import pytest_asyncio
 from graphcache.config import Settings
-from helpers_api import serving
+from helpers_api import SMALL_SERVER, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-SMALL = {
-    "device": "cpu",
-    "max_num_seqs": 8,
-    "max_num_batched_tokens": 128,
-    "warmup_decode_sizes": [],
-    "capture_sizes": [1, 2, 4, 8, 16],
-}
 MODEL = "graphcache-tiny"
 PROMPT = "Hello, my name is"
 CHAT = [
@@ -40,7 +33,7 @@ CHAT = [
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(tmp_path_factory):
-    async with serving(Settings(cache_dir=tmp_path_factory.mktemp("cache"), **SMALL)) as (client, app):
+    async with serving(Settings(cache_dir=tmp_path_factory.mktemp("cache"), **SMALL_SERVER)) as (client, app):
         yield openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client), app
 
 
