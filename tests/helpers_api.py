@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -51,3 +52,48 @@ async def serving(
         transport = httpx.ASGITransport(app=app, client=(client_addr, 4321))
         async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60) as client:
             yield client, app
+
+
+async def drive_then_disconnect(app, body: dict, after: str, path: str = "/v1/completions") -> list[dict]:
+    """POST `body` to `path` over raw ASGI and hang up `after`: "http.response.start" (the headers),
+    "http.response.body" (the first body chunk) or "in_flight" (once the engine works on it, before any
+    answer byte). Returns the messages sent. httpx's ASGITransport cannot disconnect mid-stream."""
+    payload = json.dumps(body).encode()
+    sent: list[dict] = []
+    got_chunk = asyncio.Event()
+    request_done = False
+
+    async def receive():
+        nonlocal request_done
+        if not request_done:
+            request_done = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        if after == "in_flight":  # leave once the engine works on it, before any answer byte
+            while not app.state.engine.stats()["in_flight"]:
+                await asyncio.sleep(0.005)
+        else:
+            await got_chunk.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+        if message["type"] == after and (after == "http.response.start" or message.get("body")):
+            got_chunk.set()
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": b"",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
+        "client": ("127.0.0.1", 5000),
+        "server": ("testserver", 80),
+        "state": {},
+    }
+    await asyncio.wait_for(app(scope, receive, send), 60)
+    return sent

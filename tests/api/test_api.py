@@ -19,7 +19,7 @@ from graphcache.api.server.app import create_app
 from graphcache.config import Settings
 from graphcache.engine.loop.engine import DEAD_MESSAGE, Engine, EngineState, SamplingParams
 from graphcache.metrics import Metrics
-from helpers_api import serving
+from helpers_api import drive_then_disconnect, serving
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -406,49 +406,6 @@ async def test_draining_is_503(client, app):
         engine._set_state(EngineState.READY)
 
 
-async def _drive_then_disconnect(app, body: dict, after: str) -> list[dict]:
-    """Speak ASGI directly: httpx's ASGITransport cannot disconnect in the middle of a stream."""
-    payload = json.dumps(body).encode()
-    sent: list[dict] = []
-    got_chunk = asyncio.Event()
-    request_done = False
-
-    async def receive():
-        nonlocal request_done
-        if not request_done:
-            request_done = True
-            return {"type": "http.request", "body": payload, "more_body": False}
-        if after == "in_flight":  # leave once the engine works on it, before any answer byte
-            while not app.state.engine.stats()["in_flight"]:
-                await asyncio.sleep(0.005)
-        else:
-            await got_chunk.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message):
-        sent.append(message)
-        if message["type"] == after and (after == "http.response.start" or message.get("body")):
-            got_chunk.set()
-
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.4"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": body.pop("_path", "/v1/completions"),
-        "raw_path": b"",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
-        "client": ("127.0.0.1", 5000),
-        "server": ("testserver", 80),
-        "state": {},
-    }
-    await asyncio.wait_for(app(scope, receive, send), 60)
-    return sent
-
-
 @pytest.mark.parametrize(
     ("stream", "leave_after"),
     [
@@ -461,7 +418,7 @@ async def test_client_disconnect_aborts_and_frees_blocks(client, app, stream, le
     engine = app.state.engine
     before = scrape((await client.get("/metrics")).text)["graphcache_requests_finished_total{reason=abort}"]
     body = {"prompt": "tell me a long story", "max_tokens": 100, "ignore_eos": True, "stream": stream}
-    sent = await _drive_then_disconnect(app, body, leave_after)
+    sent = await drive_then_disconnect(app, body, leave_after)
     assert sent[0]["status"] == (200 if stream else 499)
     for _ in range(200):  # the abort travels through the engine inbox; blocks are freed between steps
         if not engine.stats()["in_flight"]:

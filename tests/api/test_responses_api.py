@@ -18,7 +18,7 @@ from graphcache.api.server.app import create_app
 from graphcache.config import Settings
 from graphcache.engine.loop.engine import Engine
 from graphcache.metrics import Metrics
-from helpers_api import EngineNotNeeded, serving
+from helpers_api import EngineNotNeeded, drive_then_disconnect, serving
 from helpers_parsers import SMALL, client_of, pieces, scripted_app, use
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
@@ -238,51 +238,11 @@ async def test_an_invalid_schema_names_text_format(live):
     assert info.value.body["param"] == "text.format", info.value.body
 
 
-async def _leave_after_first_chunk(app, body: dict) -> list[dict]:
-    """POST /v1/responses over raw ASGI and hang up after the first body chunk (httpx's ASGITransport
-    cannot disconnect in the middle of a stream)."""
-    payload = json.dumps(body).encode()
-    sent: list[dict] = []
-    got_chunk = asyncio.Event()
-    asked = False
-
-    async def receive():
-        nonlocal asked
-        if not asked:
-            asked = True
-            return {"type": "http.request", "body": payload, "more_body": False}
-        await got_chunk.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message):
-        sent.append(message)
-        if message["type"] == "http.response.body" and message.get("body"):
-            got_chunk.set()
-
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.4"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/responses",
-        "raw_path": b"",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
-        "client": ("127.0.0.1", 5000),
-        "server": ("testserver", 80),
-        "state": {},
-    }
-    await asyncio.wait_for(app(scope, receive, send), 60)
-    return sent
-
-
 @on_module_loop
 async def test_a_client_that_leaves_a_stream_aborts_its_request(live):
     before = await _aborted(live)
     body = {"model": MODEL, "input": "A long story", "max_output_tokens": 1000, "stream": True, **ENDLESS}
-    sent = await _leave_after_first_chunk(live, body)
+    sent = await drive_then_disconnect(live, body, "http.response.body", "/v1/responses")
     assert sent[0]["status"] == 200
     engine = live.state.engine
     for _ in range(200):  # the abort travels through the engine inbox; blocks are freed between steps
