@@ -19,6 +19,7 @@ import ipaddress
 from fastapi import APIRouter, Depends, Query, Request
 
 from graphcache.api.openai.utility_requests import WarmupRequest
+from graphcache.api.server.auth import bearer_token
 from graphcache.api.server.errors import APIError, api_error_for
 from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes
 from graphcache.graphs.policy.profile import fill_size_gaps, parse_profile
@@ -48,13 +49,8 @@ def require_admin(request: Request) -> None:
             "local clients.",
             code="admin_disabled",
         )
-    # Bytes as received: Starlette decodes header values as Latin-1, so encoding back gives the wire
-    # bytes exactly. The configured token is ASCII (Settings refuses others), so a client's UTF-8 and
-    # Latin-1 spellings of a non-ASCII token are both simply wrong, never one accepted and one not.
-    header = request.headers.get("authorization", "").encode("latin-1")
-    scheme, _, given = header.partition(b" ")
-    given = given.strip()
-    if scheme.lower() != b"bearer" or not given:
+    given = bearer_token(request)
+    if given is None:
         raise APIError(
             401,
             "Admin endpoints need 'Authorization: Bearer <token>' (GRAPHCACHE_ADMIN_TOKEN).",

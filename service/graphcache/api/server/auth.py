@@ -24,7 +24,7 @@ from fastapi import Request
 
 from graphcache.api.server.errors import APIError
 
-__all__ = ["key_matches", "require_api_key"]
+__all__ = ["bearer_token", "key_matches", "require_api_key"]
 
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
@@ -42,14 +42,22 @@ def key_matches(given: bytes, keys: Iterable[str]) -> bool:
     return matched
 
 
+def bearer_token(request: Request) -> bytes | None:
+    """The credential of an 'Authorization: Bearer <credential>' header, as bytes received; None without
+    one. Starlette decodes header values as Latin-1, so encoding back gives the wire bytes exactly: a
+    configured credential is ASCII (Settings refuses others), so a client's UTF-8 and Latin-1 spellings of
+    a non-ASCII one are both simply wrong, never one accepted and one not."""
+    scheme, _, given = request.headers.get("authorization", "").encode("latin-1").partition(b" ")
+    given = given.strip()
+    return given if scheme.lower() == b"bearer" and given else None
+
+
 def require_api_key(request: Request) -> None:
     keys = request.app.state.settings.http.api_key
     if not keys:
         return
-    header = request.headers.get("authorization", "").encode("latin-1")
-    scheme, _, given = header.partition(b" ")
-    given = given.strip()
-    if scheme.lower() != b"bearer" or not given:
+    given = bearer_token(request)
+    if given is None:
         raise APIError(
             401,
             "You did not provide an API key: send 'Authorization: Bearer <key>' with a key of "
