@@ -86,20 +86,29 @@ def _descriptors(body: WarmupRequest, settings) -> list[BatchDescriptor]:
     allowed = f"capture sizes {list(sizes)} (requests up to {max_reqs})"
     # Messages name the item by its index, never by its value: what the caller sent is not echoed.
     out: list[BatchDescriptor] = []
+
+    def padded(d: BatchDescriptor, param: str, named: str) -> BatchDescriptor:
+        if d.num_tokens not in sizes.sizes or d.num_reqs not in sizes.sizes or d.num_reqs > max_reqs:
+            raise APIError(
+                400,
+                f"{named} has sizes the server never pads to; tokens and requests must each be one of "
+                f"the {allowed}.",
+                param=param,
+            )
+        return d
+
     if body.profile is not None:
         try:
             descs = parse_profile(body.profile)
         except ValueError as e:  # names the part (descriptors[i]...), never echoes the value
             raise APIError(400, f"profile: {e}.", param="profile") from None
-        for i, d in enumerate(descs):
-            if d.num_tokens not in sizes.sizes or d.num_reqs not in sizes.sizes or d.num_reqs > max_reqs:
-                raise APIError(
-                    400,
-                    f"profile descriptors[{i}] has sizes the server never pads to; tokens and "
-                    f"requests must each be one of the {allowed}.",
-                    param=f"profile.descriptors[{i}]",
-                )
-        return sorted(set(descs), reverse=True)
+        return sorted(
+            {
+                padded(d, f"profile.descriptors[{i}]", f"profile descriptors[{i}]")
+                for i, d in enumerate(descs)
+            },
+            reverse=True,
+        )
     for i, s in enumerate(body.sizes):
         if s not in sizes.sizes or s > max_reqs:
             raise APIError(
@@ -118,14 +127,7 @@ def _descriptors(body: WarmupRequest, settings) -> list[BatchDescriptor]:
                 f'"TOKENS:REQS:decode", e.g. "64:8" or "8:8:decode".',
                 param=f"descriptors[{i}]",
             ) from None
-        if d.num_tokens not in sizes.sizes or d.num_reqs not in sizes.sizes or d.num_reqs > max_reqs:
-            raise APIError(
-                400,
-                f"descriptors[{i}] has sizes the server never pads to; tokens and "
-                f"requests must each be one of the {allowed}.",
-                param=f"descriptors[{i}]",
-            )
-        out.append(d)
+        out.append(padded(d, f"descriptors[{i}]", f"descriptors[{i}]"))
     return sorted(set(out), reverse=True)
 
 
