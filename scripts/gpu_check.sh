@@ -16,7 +16,8 @@ phase() {  # name, timeout seconds, command...
 }
 old_bench_files() {  # this tree's benchmark files into the old tree (.old); a tree from before the engine's
   # stage folders (no engine/loop) gets the old module paths
-  cp benchmarks/offline_throughput.py benchmarks/workloads.py benchmarks/model_shapes.py benchmarks/step_trace.py .old/benchmarks/ &&
+  cp benchmarks/offline_throughput.py benchmarks/workloads.py benchmarks/model_shapes.py benchmarks/step_trace.py \
+    benchmarks/roofline.py .old/benchmarks/ &&
     { [ -d .old/service/graphcache/engine/loop ] ||
       sed -i -E 's/graphcache\.engine\.(loop|sched|worker|sample)\./graphcache.engine./g' .old/benchmarks/*.py; }
 }
