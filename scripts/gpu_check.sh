@@ -141,7 +141,7 @@ for p in ${PHASES:-tests pool capture}; do
     # random rank-16 adapters: the realistic workload (512 requests) without adapters and mixed over them, one stream
     # with and without, a fifth adapter loaded at runtime under load (step times around it); a PASS/FAIL table.
     # LORA_MODEL=llama8b|qwen05b; LORA_ARGS: more flags (--realistic-requests 1024, --repeats 1).
-    lora) m=${LORA_MODEL:-llama8b}; TAIL=${TAIL:-45} phase lora_$m 540 python3 benchmarks/lora_bench.py \
+    lora) m=${LORA_MODEL:-llama8b}; TAIL=${TAIL:-50} phase lora_$m 540 python3 benchmarks/lora_bench.py \
                --make-model "$m:/tmp/$m" --out "$OUT/lora_$m.json" ${LORA_ARGS:-} ;;
     *) echo "unknown phase $p" ;;
   esac
