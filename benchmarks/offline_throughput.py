@@ -46,6 +46,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -140,9 +141,13 @@ async def _run_engine(
     offset: int,
     loras: int = 0,
     roof: roofline.Roofline | None = None,
+    lora_names: Sequence[str | None] | None = None,
 ) -> dict:
     """One workload, all at once; kinds[k] is the kind of step trace record offset + k; roof: the steps'
-    roofline (roofline_steps)."""
+    roofline (roofline_steps). Request i runs through adapter lora{i % loras}, or lora_names[i] when
+    given (None: the base model)."""
+    if lora_names is None:
+        lora_names = [f"lora{i % loras}" if loras else None for i in range(len(requests))]
     warm = engine.generate("warm", requests[0].prompt[:16], SamplingParams(max_tokens=8, ignore_eos=True))
     async for _ in warm:
         pass
@@ -156,7 +161,7 @@ async def _run_engine(
             top_k=r.top_k,
             seed=r.seed,
             ignore_eos=True,
-            **({"lora_name": f"lora{i % loras}"} if loras else {}),
+            **({"lora_name": lora_names[i]} if lora_names[i] is not None else {}),
         )
         n = 0
         # stream=False: one output per request, so the benchmark measures the engine, not 256
@@ -222,6 +227,27 @@ def _updated(settings: Settings, **flat) -> Settings:
     return settings.model_copy(update=flat)
 
 
+def start_engine(settings: Settings) -> tuple[Engine, float]:
+    """An engine of `settings`, loaded and warmed up, and the seconds that took; RuntimeError if it failed."""
+    engine = Engine(settings, Metrics())
+    t0 = time.perf_counter()
+    engine.start()
+    if not engine.wait_ready(1800):
+        error = engine.error
+        engine.shutdown()
+        raise RuntimeError(f"engine failed: {error}")
+    return engine, time.perf_counter() - t0
+
+
+def stop_engine(engine: Engine) -> None:
+    """Shut the engine down (its thread releases the device); the caller drops its last reference to it, so
+    the next engine of the process finds the GPU memory free."""
+    engine.shutdown()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def bench_engine(args, mode: str, runs: dict[str, list[workloads.Request]]) -> list[dict]:
     """One engine (one model load) in `mode`, each workload of `runs` in turn: a row per workload."""
     settings = engine_settings(args, enforce_eager=mode == "eager")
@@ -229,12 +255,7 @@ def bench_engine(args, mode: str, runs: dict[str, list[workloads.Request]]) -> l
     settings = _updated(settings, step_trace=Path(tempfile.gettempdir()) / f"offline_steps_{mode}.jsonl")
     if mode == "graph-noprefix":  # the same graph engine with automatic prefix caching off
         settings = _updated(settings, enable_prefix_caching=False)
-    engine = Engine(settings, Metrics())
-    t0 = time.perf_counter()
-    engine.start()
-    if not engine.wait_ready(1800):
-        raise RuntimeError(f"engine failed: {engine.error}")
-    ready_s = time.perf_counter() - t0
+    engine, ready_s = start_engine(settings)
     report = engine.warmup_report
     offset = len(engine.core.step_trace)  # records before the kinds are recorded (none when idle)
     kinds = step_trace.record_step_kinds(engine.core)
@@ -263,11 +284,9 @@ def bench_engine(args, mode: str, runs: dict[str, list[workloads.Request]]) -> l
                 }
             )
     finally:
-        engine.shutdown()
+        stop_engine(engine)
         del engine
         gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
     return rows
 
 

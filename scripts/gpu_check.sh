@@ -138,6 +138,12 @@ for p in ${PHASES:-tests pool capture}; do
     spec_realistic) m=${SPEC_MODEL:-qwen05b}; phase spec_realistic_$m 560 python3 benchmarks/spec_decode.py \
                --make-model "$m:/tmp/$m" --streams none --ks "" --realistic --out "$OUT/spec_realistic_$m.json" \
                ${SPEC_REALISTIC_ARGS:-} ;;
+    # LoRA (issue 38, benchmarks/lora_bench.py): an engine without --enable-lora, then one with --max-loras 4 and four
+    # random rank-16 adapters: the realistic workload (512 requests) without adapters and mixed over them, one stream
+    # with and without, a fifth adapter loaded at runtime under load (step times around it); a PASS/FAIL table.
+    # LORA_MODEL=llama8b|qwen05b; LORA_ARGS: more flags (--realistic-requests 1024, --repeats 1).
+    lora) m=${LORA_MODEL:-llama8b}; TAIL=${TAIL:-50} phase lora_$m 540 python3 benchmarks/lora_bench.py \
+               --make-model "$m:/tmp/$m" --out "$OUT/lora_$m.json" ${LORA_ARGS:-} ;;
     *) echo "unknown phase $p" ;;
   esac
 done
