@@ -21,6 +21,8 @@ one that fails prints its reason and the table goes on):
   cudnn_varlen    aten._cudnn_attention_forward on packed [T, H, D] with cumulative lengths (cuDNN's
                   ragged layout), K/V [T, K, D] (native GQA), else repeated to H heads (_rep)
   fa2_varlen      aten._flash_attention_forward on packed [T, H, D] / [T, K, D] (the engine's "flash")
+  engine_<k>      model/prefill_attention.py's dense_prefill_attention as the engine runs it with
+                  prefill_attention=<k> (cudnn, flash, sdpa), q/k/v strided views of one qkv output
 Every candidate's time includes writing the packed [T, H, D] output the engine reads (a copy where the
 kernel returns another layout). Dense candidates need equal lengths; the packed ones (unified, varlen,
 cudnn_varlen, fa2_varlen, flex_packed) take any mix, as a real prefill step has.
@@ -48,6 +50,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "service"))
+from graphcache.model.prefill_attention import dense_prefill_attention, plan_dense_suffix  # noqa: E402
 from graphcache.model.unified_attention import UnifiedConfig, choose_config, unified_attention  # noqa: E402
 
 SHAPES = {"llama-3-8b": (32, 8, 128), "qwen2.5-0.5b": (14, 2, 64)}  # (H, K, D)
@@ -223,6 +226,22 @@ def cand_cudnn_varlen(c: Case, gqa: bool) -> Callable[[], None]:
     return run
 
 
+def cand_engine(c: Case, kernel: str) -> Callable[[], None]:
+    """model/prefill_attention.py as the engine runs it with prefill_attention=<kernel>: q/k/v strided
+    views of one fused [T, (H + 2K) * D] projection output, as llama.Attention splits them."""
+    qkv = torch.cat([c.q.view(c.T, -1), c.k.view(c.T, -1), c.v.view(c.T, -1)], dim=1)
+    q, k, v = qkv.split([c.H * c.D, c.K * c.D, c.K * c.D], dim=-1)
+    q, k, v = q.view(c.T, c.H, c.D), k.view(c.T, c.K, c.D), v.view(c.T, c.K, c.D)
+    starts = [i * c.S for i in range(c.B + 1)]
+    plan = plan_dense_suffix(kernel, starts, [c.S] * c.B, c.cu)
+    assert plan is not None and plan.first_req == 0
+
+    def run() -> None:
+        dense_prefill_attention(q, k, v, c.out, plan, c.scale)
+
+    return run
+
+
 def cand_fa2_varlen(c: Case) -> Callable[[], None]:
     op = torch.ops.aten._flash_attention_forward
 
@@ -253,6 +272,9 @@ CANDIDATES: dict[str, Callable[[Case], Callable[[], None]]] = {
     "cudnn_varlen": lambda c: cand_cudnn_varlen(c, True),
     "cudnn_varlen_rep": lambda c: cand_cudnn_varlen(c, False),
     "fa2_varlen": cand_fa2_varlen,
+    "engine_cudnn": lambda c: cand_engine(c, "cudnn"),
+    "engine_flash": lambda c: cand_engine(c, "flash"),
+    "engine_sdpa": lambda c: cand_engine(c, "sdpa"),
 }
 PACKED = {
     "unified",
@@ -262,6 +284,9 @@ PACKED = {
     "cudnn_varlen",
     "cudnn_varlen_rep",
     "fa2_varlen",
+    "engine_cudnn",
+    "engine_flash",
+    "engine_sdpa",
 }
 
 
