@@ -21,6 +21,9 @@ one that fails prints its reason and the table goes on):
   cudnn_varlen    aten._cudnn_attention_forward on packed [T, H, D] with cumulative lengths (cuDNN's
                   ragged layout), K/V [T, K, D] (native GQA), else repeated to H heads (_rep)
   fa2_varlen      aten._flash_attention_forward on packed [T, H, D] / [T, K, D] (the engine's "flash")
+  fa4_varlen      flash_attn.cute's flash_attn_varlen_func (flash-attn-4, sm90 forward kernel) where it
+                  imports: not in the device image, and its nvidia-cutlass-dsl-libs-cu12/cu13 wheel (92 MB)
+                  is over what one device call carries (64 MiB), so it normally fails "not installed"
   engine_<k>      model/prefill_attention.py's dense_prefill_attention as the engine runs it with
                   prefill_attention=<k> (cudnn, flash, sdpa), q/k/v strided views of one qkv output
 Every candidate's time includes writing the packed [T, H, D] output the engine reads (a copy where the
@@ -242,6 +245,20 @@ def cand_engine(c: Case, kernel: str) -> Callable[[], None]:
     return run
 
 
+def cand_fa4_varlen(c: Case) -> Callable[[], None]:
+    """FlashAttention 4 (flash-attn-4, CuTe DSL; it has a Hopper forward kernel), where installed."""
+    from flash_attn.cute.interface import flash_attn_varlen_func  # ImportError: not on this machine
+
+    def run() -> None:
+        res = flash_attn_varlen_func(
+            c.q, c.k, c.v, cu_seqlens_q=c.cu, cu_seqlens_k=c.cu, max_seqlen_q=c.S, max_seqlen_k=c.S,
+            softmax_scale=c.scale, causal=True,
+        )  # fmt: skip
+        c.out.copy_(res[0] if isinstance(res, tuple) else res)
+
+    return run
+
+
 def cand_fa2_varlen(c: Case) -> Callable[[], None]:
     op = torch.ops.aten._flash_attention_forward
 
@@ -272,6 +289,7 @@ CANDIDATES: dict[str, Callable[[Case], Callable[[], None]]] = {
     "cudnn_varlen": lambda c: cand_cudnn_varlen(c, True),
     "cudnn_varlen_rep": lambda c: cand_cudnn_varlen(c, False),
     "fa2_varlen": cand_fa2_varlen,
+    "fa4_varlen": cand_fa4_varlen,
     "engine_cudnn": lambda c: cand_engine(c, "cudnn"),
     "engine_flash": lambda c: cand_engine(c, "flash"),
     "engine_sdpa": lambda c: cand_engine(c, "sdpa"),
@@ -284,6 +302,7 @@ PACKED = {
     "cudnn_varlen",
     "cudnn_varlen_rep",
     "fa2_varlen",
+    "fa4_varlen",
     "engine_cudnn",
     "engine_flash",
     "engine_sdpa",
@@ -360,17 +379,21 @@ def main() -> None:
     )
     print("FLOPs: causal, 4 * S^2/2 * H * D per sequence; time: CUDA events, median; err: max abs vs fp32")
     results = []
-    for shape in args.shapes.split(","):
-        for batch in args.batches.split(","):
-            seqs, seq_len = BATCHES[batch]
-            c = Case(SHAPES[shape], seqs, seq_len, args.block_size)
-            ref = c.reference(args.check)
-            for name in names:
-                row = {"shape": shape, "batch": batch, **measure(c, name, ref, args)}
-                results.append(row)
-                print(_line(row), flush=True)
-            del c, ref
-            torch.cuda.empty_cache()
+    # FlexAttention compiles once per shape (tens of seconds): it goes last, so a run cut short by
+    # --budget-s still has every other candidate of every case.
+    slow = [n for n in names if n.startswith("flex")]
+    for group in ([n for n in names if n not in slow], slow):
+        for shape in args.shapes.split(",") if group else ():
+            for batch in args.batches.split(","):
+                seqs, seq_len = BATCHES[batch]
+                c = Case(SHAPES[shape], seqs, seq_len, args.block_size)
+                ref = c.reference(args.check)
+                for name in group:
+                    row = {"shape": shape, "batch": batch, **measure(c, name, ref, args)}
+                    results.append(row)
+                    print(_line(row), flush=True)
+                del c, ref
+                torch.cuda.empty_cache()
     print()
     print_matrix(results, args.shapes.split(","), args.batches.split(","), names)
     print("best correct candidate per case (varlen = takes packed sequences of any lengths):")
