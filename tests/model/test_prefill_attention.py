@@ -141,18 +141,24 @@ def test_cuda_dense_kernels_match_reference(kernel, shape):
     assert (out[40:].float() - ref).abs().max().item() < 2e-2
 
 
+@pytest.mark.parametrize("mode", [{"enforce_eager": True}, {"mixed_capture_mode": "breakable"}])
 @pytest.mark.parametrize("setting", ["cudnn", "flash"])
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_runner_dense_prefill_matches_unified(setting):
-    """bf16 runners with graphs on (breakable mixed captures: the dense kernel runs in the eager break):
-    logits with prefill_attention=cudnn / flash within 3% of max |logit| of the unified-only runner's."""
+def test_cuda_runner_dense_prefill_matches_unified(monkeypatch, setting, mode):
+    """bf16 runners, eager or with breakable mixed graphs (the dense kernel runs in the eager break; "full"
+    mixed graphs keep attention inside and never split): logits with prefill_attention=cudnn / flash within
+    3% of max |logit| of the unified-only runner's, and the dense kernel ran."""
+    import graphcache.model.attention as attention_mod
     from graphcache.engine.worker.runner import ModelRunner
     from helpers_model import cpu_settings, tiny_checkpoint
 
     path = tiny_checkpoint(
         "qwen2", hidden=256, layers=4, heads=8, kv_heads=2, intermediate=512, tie_word_embeddings=False
     )
+    calls = []
+    real = attention_mod.dense_prefill_attention
+    monkeypatch.setattr(attention_mod, "dense_prefill_attention", lambda *a: calls.append(a[4]) or real(*a))
     got = {}
     for value in ("unified", setting):
         runner = ModelRunner(
@@ -164,10 +170,12 @@ def test_cuda_runner_dense_prefill_matches_unified(setting):
                 attention_backend="triton",
                 decode_attention_backend="varlen",
                 prefill_attention=value,
+                **mode,
             )
         )
         assert runner._planner.prefill_kernel == ("" if value == "unified" else setting)
         got[value] = _mixed_steps(runner)
+    assert calls and all(p.kernel == setting for p in calls)
     for dense, unified in zip(got[setting], got["unified"], strict=True):
         dense, unified = dense.float(), unified.float()
         assert torch.isfinite(dense).all()

@@ -128,7 +128,9 @@ def dense_prefill_attention(
         return
     if plan.kernel == "cudnn":
         out[rows].copy_(
-            _cudnn_varlen(qs.contiguous(), ks.contiguous(), vs.contiguous(), plan, scale).view(n, heads, dim)
+            _cudnn_varlen(qs.contiguous(), ks.contiguous(), vs.contiguous(), plan, scale).reshape(
+                n, heads, dim
+            )
         )
         return
     for i, length in enumerate(plan.lens):  # "sdpa": one request at a time
