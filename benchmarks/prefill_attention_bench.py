@@ -12,6 +12,9 @@ one that fails prints its reason and the table goes on):
                   block tables, query_start_loc / seq_lens / tables as the runner uploads them,
                   choose_config(G, D, max query len) as the planner picks it
   unified_m128    the same kernel with BLOCK_M 128, BLOCK_N 64, 8 warps, 3 stages (a bigger prefill tile)
+  triton_dense    model/prefill_triton.py (the engine's prefill_attention=triton): FlashAttention-layout
+                  tiles over packed [T, H, D] / [T, K, D], BLOCK_M 128, BLOCK_N 64, 8 warps, 3 stages;
+                  _n128: BLOCK_N 128, 2 stages; _m64: BLOCK_M 64, 4 warps
   sdpa_<b>_gqa    torch SDPA under sdpa_kernel([<b>]) on [B, H, S, D] views, K/V [B, K, S, D], enable_gqa
   sdpa_<b>_rep    the same with K/V repeat_interleave'd to H heads (the copy is timed: the engine pays it)
                   for <b> in cudnn, flash, efficient
@@ -25,7 +28,7 @@ one that fails prints its reason and the table goes on):
                   imports: not in the device image, and its nvidia-cutlass-dsl-libs-cu12/cu13 wheel (92 MB)
                   is over what one device call carries (64 MiB), so it normally fails "not installed"
   engine_<k>      model/prefill_attention.py's dense_prefill_attention as the engine runs it with
-                  prefill_attention=<k> (cudnn, flash, sdpa), q/k/v strided views of one qkv output
+                  prefill_attention=<k> (triton, cudnn, flash, sdpa), q/k/v strided views of one qkv output
 Every candidate's time includes writing the packed [T, H, D] output the engine reads (a copy where the
 kernel returns another layout). Dense candidates need equal lengths; the packed ones (unified, varlen,
 cudnn_varlen, fa2_varlen, flex_packed) take any mix, as a real prefill step has.
@@ -54,6 +57,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "service"))
 from graphcache.model.prefill_attention import dense_prefill_attention, plan_dense_suffix  # noqa: E402
+from graphcache.model.prefill_triton import DenseConfig, dense_causal_attention  # noqa: E402
 from graphcache.model.unified_attention import UnifiedConfig, choose_config, unified_attention  # noqa: E402
 
 SHAPES = {"llama-3-8b": (32, 8, 128), "qwen2.5-0.5b": (14, 2, 64)}  # (H, K, D)
@@ -119,6 +123,13 @@ def cand_unified(c: Case, config: UnifiedConfig | None) -> Callable[[], None]:
 
     def run() -> None:
         unified_attention(c.q, c.k_blocks, c.v_blocks, c.out, c.cu, c.seq_lens, c.tables, c.scale, c.B, cfg)
+
+    return run
+
+
+def cand_triton_dense(c: Case, config: DenseConfig | None) -> Callable[[], None]:
+    def run() -> None:
+        dense_causal_attention(c.q, c.k, c.v, c.out, c.cu, c.B, c.scale, config)
 
     return run
 
@@ -277,6 +288,13 @@ CANDIDATES: dict[str, Callable[[Case], Callable[[], None]]] = {
     "unified_m128": lambda c: cand_unified(
         c, UnifiedConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     ),
+    "triton_dense": lambda c: cand_triton_dense(c, None),
+    "triton_dense_n128": lambda c: cand_triton_dense(
+        c, DenseConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
+    ),
+    "triton_dense_m64": lambda c: cand_triton_dense(
+        c, DenseConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+    ),
     "sdpa_cudnn_gqa": lambda c: cand_sdpa(c, "cudnn", True),
     "sdpa_cudnn_rep": lambda c: cand_sdpa(c, "cudnn", False),
     "sdpa_flash_gqa": lambda c: cand_sdpa(c, "flash", True),
@@ -290,6 +308,7 @@ CANDIDATES: dict[str, Callable[[Case], Callable[[], None]]] = {
     "cudnn_varlen_rep": lambda c: cand_cudnn_varlen(c, False),
     "fa2_varlen": cand_fa2_varlen,
     "fa4_varlen": cand_fa4_varlen,
+    "engine_triton": lambda c: cand_engine(c, "triton"),
     "engine_cudnn": lambda c: cand_engine(c, "cudnn"),
     "engine_flash": lambda c: cand_engine(c, "flash"),
     "engine_sdpa": lambda c: cand_engine(c, "sdpa"),
@@ -297,12 +316,16 @@ CANDIDATES: dict[str, Callable[[Case], Callable[[], None]]] = {
 PACKED = {
     "unified",
     "unified_m128",
+    "triton_dense",
+    "triton_dense_n128",
+    "triton_dense_m64",
     "flex_packed",
     "varlen",
     "cudnn_varlen",
     "cudnn_varlen_rep",
     "fa2_varlen",
     "fa4_varlen",
+    "engine_triton",
     "engine_cudnn",
     "engine_flash",
     "engine_sdpa",

@@ -2,7 +2,7 @@
 requests it takes, that the SDPA fallback computes causal attention, and that a runner on the triton
 kernel (Triton's interpreter on the CPU) gives the unified-only runner's logits with it on, over mixed
 steps of decode rows, chunks with and without a cached prefix, and pure prefills. The CUDA kernels
-(cudnn, flash) are checked against a float reference and the unified runner by the cuda-marked tests."""
+(triton, cudnn, flash) are checked against a float reference and the unified runner by the cuda-marked tests."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_select_prefill_kernel():
     f32 = torch.float32
     assert select_prefill_kernel("unified", CPU, f32, 64, "triton") == ""
     assert select_prefill_kernel("cudnn", CPU, f32, 64, "sdpa") == ""  # only the triton kernel splits
-    for setting in ("cudnn", "flash", "sdpa"):
+    for setting in ("triton", "cudnn", "flash", "sdpa"):
         assert select_prefill_kernel(setting, CPU, f32, 64, "triton") == "sdpa"  # the CPU fallback
     with pytest.raises(ValueError, match="use one of"):
         select_prefill_kernel("flex", CPU, f32, 64, "triton")
@@ -93,6 +93,15 @@ def test_sdpa_fallback_matches_reference():
     assert (out[6:] - ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("shape", [(8, 2, 32), (6, 3, 24)])
+def test_triton_kernel_matches_reference(shape):
+    """model/prefill_triton.py (interpreted on the CPU), GQA 4 and 2, a head_dim that is no power of two,
+    lengths off the 128 / 64 tiles: the float reference, and nothing written outside the dense rows."""
+    out, ref = _dense_case("triton", "cuda" if torch.cuda.is_available() else "cpu", torch.float32, *shape)
+    assert out[:6].isnan().all()
+    assert (out[6:] - ref).abs().max().item() < 1e-4
+
+
 @pytest.mark.parametrize("setting", ["sdpa", "cudnn"])
 def test_runner_with_dense_prefill_matches_unified(monkeypatch, setting):
     """Runner on the triton kernel, GQA 4: logits with prefill_attention on (the CPU runs it as SDPA)
@@ -127,7 +136,7 @@ def test_runner_with_dense_prefill_matches_unified(monkeypatch, setting):
 # ---------------------------------------------------------------------------------------------- CUDA
 
 
-@pytest.mark.parametrize("kernel", ["cudnn", "flash", "sdpa"])
+@pytest.mark.parametrize("kernel", ["triton", "cudnn", "flash", "sdpa"])
 @pytest.mark.parametrize("shape", [(32, 8, 128), (14, 2, 64)])
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -142,12 +151,12 @@ def test_cuda_dense_kernels_match_reference(kernel, shape):
 
 
 @pytest.mark.parametrize("mode", [{"enforce_eager": True}, {"mixed_capture_mode": "breakable"}])
-@pytest.mark.parametrize("setting", ["cudnn", "flash"])
+@pytest.mark.parametrize("setting", ["triton", "cudnn", "flash"])
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_runner_dense_prefill_matches_unified(monkeypatch, setting, mode):
     """bf16 runners, eager or with breakable mixed graphs (the dense kernel runs in the eager break; "full"
-    mixed graphs keep attention inside and never split): logits with prefill_attention=cudnn / flash within
+    mixed graphs keep attention inside and never split): logits with prefill_attention=triton / cudnn / flash within
     3% of max |logit| of the unified-only runner's, and the dense kernel ran."""
     import graphcache.model.attention as attention_mod
     from graphcache.engine.worker.runner import ModelRunner

@@ -17,6 +17,8 @@ over the rest, both writing into the same `out`. A fresh prompt before a cached 
 unified kernel: correct, just not faster.
 
 Kernels ("dense kernel", picked once by `select_prefill_kernel`):
+- "triton": model/prefill_triton.py, FlashAttention-layout tiles of one head over the packed rows, GQA
+  by indexing (nothing copied), off-diagonal tiles unmasked;
 - "cudnn": cuDNN attention over the packed [T, H, D] rows with cumulative lengths (aten's
   _cudnn_attention_forward, the op behind torch's varlen_attn on cuDNN), K/V at their own head count
   where cuDNN takes GQA, else repeated to H heads;
@@ -35,6 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from graphcache.choices import PREFILL_ATTENTION_MODES
+from graphcache.model.prefill_triton import dense_causal_attention
+from graphcache.model.triton_support import HAVE_TRITON
 
 __all__ = ["DensePrefill", "dense_prefill_attention", "plan_dense_suffix", "select_prefill_kernel"]
 
@@ -48,7 +52,7 @@ _cudnn_gqa = {"ok": True}
 class DensePrefill:
     """The dense part of a step: requests [first_req, R), token rows [start, end), all fresh prompts."""
 
-    kernel: str  # "cudnn" | "flash" | "sdpa"
+    kernel: str  # "triton" | "cudnn" | "flash" | "sdpa"
     first_req: int
     start: int
     end: int
@@ -69,6 +73,12 @@ def select_prefill_kernel(
         return ""
     if device.type != "cuda" or setting == "sdpa":
         return "sdpa"
+    if setting == "triton":
+        if not (HAVE_TRITON and head_dim % 8 == 0 and head_dim <= 256):
+            raise RuntimeError(
+                "prefill_attention=triton needs triton and head_dim % 8 == 0 (<= 256); use unified or sdpa"
+            )
+        return setting
     half = dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
     if setting == "cudnn" and not (half and _CUDNN is not None):
         raise RuntimeError(
@@ -118,6 +128,9 @@ def dense_prefill_attention(
     rows = slice(plan.start, plan.end)
     qs, ks, vs = q[rows], k[rows], v[rows]  # [n, H, D], [n, K, D]
     n, heads, dim = qs.shape
+    if plan.kernel == "triton":
+        dense_causal_attention(qs, ks, vs, out[rows], plan.cu, len(plan.lens), scale)
+        return
     if plan.kernel == "flash":
         assert _FLASH is not None  # select_prefill_kernel checked
         o = _FLASH(
