@@ -402,10 +402,12 @@ def main() -> None:
     )
     print("FLOPs: causal, 4 * S^2/2 * H * D per sequence; time: CUDA events, median; err: max abs vs fp32")
     results = []
-    # FlexAttention compiles once per shape (tens of seconds): it goes last, so a run cut short by
-    # --budget-s still has every other candidate of every case.
-    slow = [n for n in names if n.startswith("flex")]
-    for group in ([n for n in names if n not in slow], slow):
+    # The library kernels and the unified one first; then this repo's new Triton kernel (a fault there
+    # would poison the CUDA context for whatever runs after it); FlexAttention last, as it compiles once
+    # per shape (tens of seconds) and a run cut short by --budget-s should keep every other row.
+    ours = [n for n in names if "triton" in n]
+    flex = [n for n in names if n.startswith("flex")]
+    for group in ([n for n in names if n not in ours and n not in flex], ours, flex):
         for shape in args.shapes.split(",") if group else ():
             for batch in args.batches.split(","):
                 seqs, seq_len = BATCHES[batch]
