@@ -19,7 +19,9 @@ have their own, `select_decode_kernel`):
   launch per layer over ALL requests of the step, decode rows and chunks alike (causal, bottom-right
   aligned), reading K/V in place through the block tables (no gather) with the query heads of each
   KV head packed into one tile, writing straight into `out`. Its plan is a few views of buffers the
-  runner already uploaded.
+  runner already uploaded. With settings.model.prefill_attention other than "unified", the step's
+  trailing fresh prompts go to a dense kernel instead (model/prefill_attention.py) and this launch
+  covers the requests before them.
 - "flash_paged" (CUDA, fp16/bf16, block_size a multiple of 256, FlashAttention's paged-KV page
   size): FlashAttention varlen over ALL requests of the step at once, decode and prefill alike
   (causal, bottom-right aligned), reading the paged cache through the block tables and writing
