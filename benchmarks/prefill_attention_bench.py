@@ -33,6 +33,10 @@ Every candidate's time includes writing the packed [T, H, D] output the engine r
 kernel returns another layout). Dense candidates need equal lengths; the packed ones (unified, varlen,
 cudnn_varlen, fa2_varlen, flex_packed) take any mix, as a real prefill step has.
 
+Then the issue's mixed step (200 decode rows at contexts 100-1,500 + three fresh 416-token chunks), one
+layer call: the unified kernel over every row (today) against split_<k>, what prefill_attention=<k> does
+(the unified kernel over the decodes, the dense kernel over the chunks); printed first and again at the end.
+
 FLOPs counted: causal, 4 * S^2 / 2 * H * D per sequence of S tokens (QK^T and PV, 2 FLOPs a MAC, half
 the square). Time: CUDA events around each call, --iters calls after --warmup, the median. err: max abs
 difference against an fp32 reference (torch math over upcast q/k/v) on the first --check sequences.
@@ -58,7 +62,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "service"))
 from graphcache.model.prefill_attention import dense_prefill_attention, plan_dense_suffix  # noqa: E402
 from graphcache.model.prefill_triton import DenseConfig, dense_causal_attention  # noqa: E402
-from graphcache.model.unified_attention import UnifiedConfig, choose_config, unified_attention  # noqa: E402
+from graphcache.model.unified_attention import (  # noqa: E402
+    UnifiedConfig,
+    choose_config,
+    reference_unified_attention,
+    unified_attention,
+)
 
 SHAPES = {"llama-3-8b": (32, 8, 128), "qwen2.5-0.5b": (14, 2, 64)}  # (H, K, D)
 BATCHES = {"8x1024": (8, 1024), "4x2048": (4, 2048), "1x4096": (1, 4096), "32x256": (32, 256)}
@@ -332,6 +341,88 @@ PACKED = {
 }
 
 
+def mixed_step(
+    heads: tuple[int, int, int], block_size: int, args, decodes: int = 200, chunk: int = 416
+) -> list[dict]:
+    """The issue's mixed step: 200 decode rows at contexts 100-1,500 plus three fresh 416-token prompt
+    chunks (1,448 tokens), as the engine lays it out (decodes first). Times the unified kernel over every
+    row (today) against the split the prefill_attention setting makes: the unified kernel over the
+    decodes, a dense kernel over the chunks. err: max abs against the fp32 reference over every row."""
+    num_heads, num_kv_heads, dim = heads
+    group = num_heads // num_kv_heads
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q_lens = [1] * decodes + [chunk] * 3
+    seq_lens = [100 + (i * 137) % 1400 for i in range(decodes)] + [chunk] * 3
+    per = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(per) + 1
+    ids = (torch.randperm(num_blocks - 1, device="cuda", generator=gen) + 1).tolist()
+    tables = torch.zeros((len(per), max(per)), dtype=torch.int64)
+    nxt = 0
+    for r, nb in enumerate(per):
+        tables[r, :nb] = torch.tensor(ids[nxt : nxt + nb])
+        nxt += nb
+    tables = tables.to("cuda")
+    kv = torch.randn(
+        (2, num_blocks * block_size, num_kv_heads, dim), generator=gen, device="cuda", dtype=DTYPE
+    )
+    kb = kv[0].view(num_blocks, block_size, num_kv_heads, dim)
+    vb = kv[1].view(num_blocks, block_size, num_kv_heads, dim)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    t = starts[-1]
+    # This step's k/v rows: each row's own position in its request's context, read back from the cache.
+    slot_of = []
+    for r, (n, s) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        pos = torch.arange(s - n, s, device="cuda")
+        slot_of.append(tables[r, pos // block_size] * block_size + pos % block_size)
+    slots = torch.cat(slot_of)  # [T]
+    k, v = kv[0][slots], kv[1][slots]  # [T, K, D]
+    q = torch.randn((t, num_heads, dim), generator=gen, device="cuda", dtype=DTYPE)
+    out = torch.empty_like(q)
+    cu = torch.tensor(starts, device="cuda", dtype=torch.int32)
+    lens = torch.tensor(seq_lens, device="cuda")
+    scale = dim**-0.5
+    ref = reference_unified_attention(q, kb, vb, cu, lens, tables, scale, len(q_lens))
+
+    def unified_all() -> None:
+        unified_attention(
+            q, kb, vb, out, cu, lens, tables, scale, len(q_lens), choose_config(group, dim, chunk)
+        )
+
+    def split(kernel: str) -> Callable[[], None]:
+        plan = plan_dense_suffix(kernel, starts, seq_lens, cu)
+        assert plan is not None and plan.first_req == decodes
+        head_cfg = choose_config(group, dim, 1)
+
+        def run() -> None:
+            unified_attention(
+                q[: plan.start], kb, vb, out[: plan.start], cu, lens, tables, scale, decodes, head_cfg
+            )
+            dense_prefill_attention(q, k, v, out, plan, scale)
+
+        return run
+
+    rows = []
+    factories: dict[str, Callable[[], Callable[[], None]]] = {"unified": lambda: unified_all}
+    for kn in ("triton", "cudnn", "flash"):
+        factories[f"split_{kn}"] = lambda kn=kn: split(kn)
+    for name, factory in factories.items():
+        row: dict = {"candidate": name}
+        try:
+            run = factory()
+            out.fill_(float("nan"))
+            run()
+            torch.cuda.synchronize()
+            row["max_abs_err"] = (out.float() - ref).abs().max().item()
+            row["ms"] = time_ms(run, args.warmup, args.iters)
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        torch.cuda.synchronize()
+        rows.append(row)
+    return rows
+
+
 def time_ms(run: Callable[[], None], warmup: int, iters: int) -> float:
     for _ in range(warmup):
         run()
@@ -393,6 +484,7 @@ def main() -> None:
         default=260,
         help="seconds after which candidates left are skipped (the table still prints)",
     )
+    ap.add_argument("--no-mixed", dest="mixed", action="store_false", help="skip the mixed-step split table")
     ap.add_argument("--verbose", action="store_true", help="print each failure's traceback")
     args = ap.parse_args()
     args.stop_at = time.monotonic() + args.budget_s
@@ -402,6 +494,13 @@ def main() -> None:
     )
     print("FLOPs: causal, 4 * S^2/2 * H * D per sequence; time: CUDA events, median; err: max abs vs fp32")
     results = []
+    # The mixed step first: a few seconds, and what the engine setting would change on a real step.
+    mixed = []
+    for shape in args.shapes.split(",") if args.mixed else ():
+        for row in mixed_step(SHAPES[shape], args.block_size, args):
+            mixed.append({"shape": shape, "batch": "mixed", **row})
+    print_mixed(mixed)
+    results.extend(mixed)
     # The library kernels and the unified one first; then this repo's new Triton kernel (a fault there
     # would poison the CUDA context for whatever runs after it); FlexAttention last, as it compiles once
     # per shape (tens of seconds) and a run cut short by --budget-s should keep every other row.
@@ -421,6 +520,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
     print()
     print_matrix(results, args.shapes.split(","), args.batches.split(","), names)
+    print_mixed(mixed)
     print("best correct candidate per case (varlen = takes packed sequences of any lengths):")
     for shape in args.shapes.split(","):
         for batch in args.batches.split(","):
@@ -439,6 +539,18 @@ def main() -> None:
                 )
     if args.out:
         Path(args.out).write_text(json.dumps({"torch": torch.__version__, "rows": results}, indent=1))
+
+
+def print_mixed(rows: list[dict]) -> None:
+    if rows:
+        print("mixed step: 200 decodes (contexts 100-1,500) + 3 fresh 416-token chunks, one layer call:")
+    for row in rows:
+        if "error" in row:
+            print(f"  {row['shape']:<13} {row['candidate']:<14} FAILED {row['error']}")
+        else:
+            print(
+                f"  {row['shape']:<13} {row['candidate']:<14} {row['ms']:8.3f} ms  err {row['max_abs_err']:.2e}"
+            )
 
 
 def print_matrix(results: list[dict], shapes: list[str], batches: list[str], names: list[str]) -> None:
