@@ -481,7 +481,7 @@ def main() -> None:
     ap.add_argument(
         "--budget-s",
         type=float,
-        default=260,
+        default=220,
         help="seconds after which candidates left are skipped (the table still prints)",
     )
     ap.add_argument("--no-mixed", dest="mixed", action="store_false", help="skip the mixed-step split table")
@@ -517,6 +517,9 @@ def main() -> None:
                     results.append(row)
                     print(_line(row), flush=True)
                 del c, ref
+                save(
+                    args.out, results
+                )  # after every case: a run killed by its timeout keeps what it measured
                 torch.cuda.empty_cache()
     print()
     print_matrix(results, args.shapes.split(","), args.batches.split(","), names)
@@ -538,7 +541,12 @@ def main() -> None:
                     f"({hit} {TARGET_TFLOPS:.0f}{speedup})"
                 )
     if args.out:
-        Path(args.out).write_text(json.dumps({"torch": torch.__version__, "rows": results}, indent=1))
+        save(args.out, results)
+
+
+def save(path: str, results: list[dict]) -> None:
+    if path:
+        Path(path).write_text(json.dumps({"torch": torch.__version__, "rows": results}, indent=1))
 
 
 def print_mixed(rows: list[dict]) -> None:
