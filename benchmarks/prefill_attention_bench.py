@@ -40,7 +40,12 @@ layer call: the unified kernel over every row (today) against split_<k>, what pr
 FLOPs counted: causal, 4 * S^2 / 2 * H * D per sequence of S tokens (QK^T and PV, 2 FLOPs a MAC, half
 the square). Time: CUDA events around each call, --iters calls after --warmup, the median. err: max abs
 difference against an fp32 reference (torch math over upcast q/k/v) on the first --check sequences.
-"target" is 450 TFLOP/s (issue 41). JSON of every row to --out (the gpu_check phase writes $OUT).
+"target" is 450 TFLOP/s (issue 41).
+
+The two numbers, 8B at 8 x 1,024 (one layer call): 68.7 GFLOP, so 0.087 ms at the 790 TFLOP/s measured
+for bf16 matrix work and 0.153 ms at the 450 target; the fewest bytes (q, k, v read, out written) are 168 MB,
+0.035 ms at 4.8 TB/s: compute-bound. By this count the issue's 28.3 ms for the unified kernel over a whole
+8 x 1,024 prefill step (32 layers, 0.88 ms a call) is about 78 TFLOP/s, not 235: the "unified" row settles it. JSON of every row to --out (the gpu_check phase writes $OUT).
 """
 
 from __future__ import annotations
