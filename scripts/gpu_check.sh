@@ -33,6 +33,9 @@ for p in ${PHASES:-tests pool capture}; do
     sampler) phase sampler 120 python3 benchmarks/sampler_bench.py --out "$OUT/sampler.json" ${SAMPLER_ARGS:-} ;;
     kernels) phase kernels 200 python3 benchmarks/decode_attention_bench.py ;;
     mixed_attn) phase mixed_attn 300 python3 benchmarks/mixed_attention_bench.py ${MIXED_ATTN_ARGS:-} ;;
+    # Dense prefill kernels (cuDNN / flash / efficient SDPA, FlexAttention, varlen) against the unified kernel (issue 41).
+    prefill_attn) TAIL=${TAIL:-90} phase prefill_attn 300 python3 benchmarks/prefill_attention_bench.py \
+               --out "$OUT/prefill_attn.json" ${PREFILL_ATTN_ARGS:-} ;;
     decode_step) phase decode_step 400 python3 benchmarks/decode_step.py --make-qwen05b /tmp/qwen05b \
                --modes "${DECODE_MODES:-full,breakable,varlen,eager}" --out "$OUT/decode_step.json" ;;
     offline_old) (cd .old && phase offline_old 400 python3 benchmarks/offline_throughput.py \
