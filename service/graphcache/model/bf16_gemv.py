@@ -1,0 +1,247 @@
+"""Small-batch 16-bit GEMMs in Triton: y [M, N] = x [M, K] @ W [N, K]^T for M = 1..64 rows (decode steps).
+
+At these row counts a GEMM is bound by reading W once (N * K * 2 bytes over ~4.8 TB/s on the H200), and
+cuBLAS runs them as GEMVs at ~73% of that (BENCHMARKS.md §13: qkv 3.2 TB/s, o 2.6). Every design here reads
+each W tile once for all of a program's rows (the M tile), and narrow N tiles give every SM its share of W:
+
+  fma  (M tile of 1, 2, 4 or 8 rows) no tensor cores: each thread multiplies its 8 consecutive K values of W
+       (one 16-byte load) by the rows of x and adds the 8 products up before they go into an fp32 accumulator
+       [BLOCK_M, BLOCK_N, BLOCK_K / 8], summed across threads once after the loop (no cross-warp reduction in
+       the loop). The FP8 one-row kernel's design (fp8_gemm.py, BENCHMARKS.md §14 and §17) on 16-bit W.
+  dot  (M tile of 16, 32 or 64 rows) W as the MMA's A operand: [BLOCK_N, BLOCK_K] tiles of W times x^T
+       [BLOCK_K, BLOCK_M] on the tensor cores, fp32 accumulators [BLOCK_N, BLOCK_M]; x's padding rows cost
+       nothing but MMA work, which is far from the bound at these sizes.
+
+The K loop has no mask (all full tiles); a K that is not a multiple of BLOCK_K gets one masked tail tile after
+it (Qwen2.5-0.5B's K = 896). The last N tile's rows and the M tile's padding rows are clamped to the last
+real row instead of masked, so the loads stay unmasked 16-byte vectors; only the stores are masked.
+`small_silu_mul` is the gate_up GEMM with silu(gate) * up on its accumulators ([gate | up] weight, [M, I] out:
+the [M, 2I] product is never written, one launch less a layer).
+
+Tiles per (M bucket, N, K): TILES, from benchmarks/bf16_gemv_sweep.py on the H200 (which also prints the
+table to paste); DEFAULT_TILES per bucket for other shapes. No split-K: it needs a zeroed fp32 buffer or a
+second pass, and the narrow N tiles already fill the grid (N = 4096 at BLOCK_N 2: 2,048 programs).
+
+Graph-capturable: no host sync, one allocation (the output); M is not specialized on, so a new row count in
+a bucket compiles nothing (`precompile` compiles every bucket before any capture). On the CPU, for other
+dtypes, non-contiguous x or more than MAX_ROWS rows, `small_mm` is x @ W.T (torch), the same function.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from graphcache.model.triton_support import HAVE_TRITON, tl, triton
+
+__all__ = [
+    "BUCKETS",
+    "DEFAULT_TILES",
+    "MAX_ROWS",
+    "TILES",
+    "Tile",
+    "bucket_of",
+    "precompile",
+    "runs_kernel",
+    "small_mm",
+    "small_silu_mul",
+    "tile_for",
+]
+
+MAX_ROWS = 64  # past this the GEMM is no longer bound by W alone: cuBLAS's large tiles win
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a step's rows round up to one of these (one compiled tile each)
+
+
+class Tile(NamedTuple):
+    """One launch setting: design "fma" (block_m 1..8) or "dot" (block_m 16..64), the M, N and K tiles."""
+
+    design: str
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+# Per M bucket, for shapes TILES does not name. fma: BLOCK_K = 8 x 32 x warps, every warp along K, so each
+# thread's 8 K values of W and of x share one register layout (fp8_gemm's ONE_ROW note). dot: BLOCK_N 16 for
+# the grid (N = 4096: 256 programs), K tiles deep enough to keep several loads in flight per SM.
+DEFAULT_TILES: dict[int, Tile] = {
+    1: Tile("fma", 1, 2, 1024, 4, 2),
+    2: Tile("fma", 2, 2, 1024, 4, 2),
+    4: Tile("fma", 4, 2, 1024, 4, 2),
+    8: Tile("dot", 16, 16, 256, 4, 4),
+    16: Tile("dot", 16, 16, 256, 4, 4),
+    32: Tile("dot", 32, 32, 256, 4, 4),
+    64: Tile("dot", 64, 64, 128, 4, 4),
+}
+
+# (bucket, N, K) -> Tile for the served shapes, measured: benchmarks/bf16_gemv_sweep.py prints this table.
+# Empty until the H200 sweep has run (DEFAULT_TILES serve every shape meanwhile).
+TILES: dict[tuple[int, int, int], Tile] = {}
+
+
+def bucket_of(rows: int) -> int:
+    """The M bucket of a step of `rows` rows (1 <= rows <= MAX_ROWS): the next power of two."""
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"the small GEMM takes 1 to {MAX_ROWS} rows, got {rows}")
+    return next(b for b in BUCKETS if b >= rows)
+
+
+def tile_for(rows: int, n: int, k: int) -> Tile:
+    b = bucket_of(rows)
+    return TILES.get((b, n, k), DEFAULT_TILES[b])
+
+
+def runs_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the Triton kernel takes x [M, K] and w [N, K]: CUDA, both bf16 or both fp16, contiguous rows of
+    16-byte aligned length, 1..MAX_ROWS rows. Otherwise small_mm is torch's x @ w.T."""
+    sixteen = x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
+    rows = x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS
+    layout = rows and x.stride(1) == 1 and w.stride(1) == 1 and x.shape[1] % 8 == 0 and w.stride(0) % 8 == 0
+    return HAVE_TRITON and x.is_cuda and sixteen and layout
+
+
+def _small_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    DOT: tl.constexpr,
+    GATED: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # x [M, K], w [N, K] (GATED: [2N, K] = [gate | up]), y [M, N]; all K-contiguous. Program (pid_n, pid_m)
+    # writes y[pid_m * BLOCK_M :, pid_n * BLOCK_N :] (BLOCK_M x BLOCK_N, masked at the edges).
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_m = tl.minimum(offs_m, M - 1)  # clamped, not masked: the padding rows re-read the last row
+    rows_n = tl.minimum(offs_n, N - 1)
+    offs_k = tl.max_contiguous(tl.arange(0, BLOCK_K), 8)
+    up_rows = N * stride_wn  # GATED: the up half starts N rows down
+    full_tiles = K // BLOCK_K
+    if DOT:
+        w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+        x_ptrs = x_ptr + rows_m[None, :] * stride_xm + offs_k[:, None]  # [BLOCK_K, BLOCK_M] = x^T
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for _ in range(0, full_tiles):
+            xt = tl.load(x_ptrs)
+            acc = tl.dot(tl.load(w_ptrs), xt, acc)
+            if GATED:
+                acc_u = tl.dot(tl.load(w_ptrs + up_rows), xt, acc_u)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        if not EVEN_K:  # the one partial K tile
+            k_mask = offs_k < K - full_tiles * BLOCK_K
+            xt = tl.load(x_ptrs, mask=k_mask[:, None], other=0.0)
+            acc = tl.dot(tl.load(w_ptrs, mask=k_mask[None, :], other=0.0), xt, acc)
+            if GATED:
+                acc_u = tl.dot(tl.load(w_ptrs + up_rows, mask=k_mask[None, :], other=0.0), xt, acc_u)
+        out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+        out_u = tl.trans(acc_u)
+    else:
+        # W and x in one layout: each thread's 8 consecutive K values (16 bytes) of W and of every x row.
+        w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+        x_ptrs = x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+        acc3_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+        for j in range(0, full_tiles + (0 if EVEN_K else 1)):
+            if EVEN_K:
+                x = tl.load(x_ptrs).to(tl.float32)
+                w = tl.load(w_ptrs).to(tl.float32)
+            else:
+                k_mask = offs_k < K - j * BLOCK_K
+                x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
+                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
+            prod = w[None, :, :] * x[:, None, :]  # [BLOCK_M, BLOCK_N, BLOCK_K]
+            acc3 += tl.sum(tl.reshape(prod, (BLOCK_M, BLOCK_N, BLOCK_K // 8, 8)), axis=3)
+            if GATED:
+                if EVEN_K:
+                    wu = tl.load(w_ptrs + up_rows).to(tl.float32)
+                else:
+                    wu = tl.load(w_ptrs + up_rows, mask=k_mask[None, :], other=0.0).to(tl.float32)
+                prod_u = wu[None, :, :] * x[:, None, :]
+                acc3_u += tl.sum(tl.reshape(prod_u, (BLOCK_M, BLOCK_N, BLOCK_K // 8, 8)), axis=3)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        out = tl.sum(acc3, axis=2)  # [BLOCK_M, BLOCK_N]
+        out_u = tl.sum(acc3_u, axis=2)
+    if GATED:  # fused_ops.silu_mul's roundings: each factor to y's dtype first
+        g = out.to(y_ptr.dtype.element_ty).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32)
+        out = act * out_u.to(y_ptr.dtype.element_ty).to(tl.float32)
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+_KERNEL = None
+
+
+def _kernel():
+    global _KERNEL
+    if _KERNEL is None:
+        # The rows vary per step: not specialized on (Triton would make M = 1 a constant), so a new row count
+        # inside a bucket never compiles, nor compiles inside a graph capture.
+        _KERNEL = triton.jit(_small_gemm_kernel, do_not_specialize=["M"])
+    return _KERNEL
+
+
+def launch(x: torch.Tensor, w: torch.Tensor, tile: Tile, gated: bool = False) -> torch.Tensor:
+    """The kernel at an explicit tile (the sweep's entry; small_mm picks the tile). x [M, K], w [N, K]
+    (gated: [2N, K]) -> [M, N]."""
+    m, k = x.shape
+    n = w.shape[0] // 2 if gated else w.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m))
+    _kernel()[grid](
+        x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+        DOT=tile.design == "dot", GATED=gated, EVEN_K=k % tile.block_k == 0,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.warps, num_stages=tile.stages,
+    )  # fmt: skip
+    return out
+
+
+def small_mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T (+ bias [N]) -> [M, N] in x's dtype: the kernel where runs_kernel holds, else
+    F.linear (the CPU path, and the reference)."""
+    if not runs_kernel(x, w):
+        return F.linear(x, w, bias)
+    y = launch(x, w, tile_for(x.shape[0], w.shape[0], x.shape[1]))
+    return y if bias is None else y + bias
+
+
+def small_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for w [2I, K] = [gate | up] -> [M, I], each factor rounded to x's dtype
+    (fused_ops.silu_mul's roundings). One kernel where runs_kernel holds, else torch."""
+    inter = w.shape[0] // 2
+    if not runs_kernel(x, w):
+        g, u = F.linear(x, w).split(inter, dim=-1)
+        return F.silu(g) * u
+    return launch(x, w, tile_for(x.shape[0], inter, x.shape[1]), gated=True)
+
+
+def precompile(weights: list[tuple[torch.Tensor, bool]]) -> int:
+    """Runs every bucket's tile once on each (weight [N, K], gated) so that Triton compiles before any graph
+    capture (a compile inside a capture fails). Returns the launches made (0 where the kernel does not run)."""
+    runs = 0
+    for w, gated in weights:
+        for b in BUCKETS:
+            x = torch.ones((b, w.shape[1]), dtype=w.dtype, device=w.device)
+            if runs_kernel(x, w):
+                small_silu_mul(x, w) if gated else small_mm(x, w)
+                runs += 1
+    return runs
