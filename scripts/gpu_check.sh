@@ -122,6 +122,10 @@ for p in ${PHASES:-tests pool capture}; do
     # Decode-sized FP8 GEMM designs (fp8 dot with x quantized inside, W dequantized to bf16, FMA, split K) per 8B shape.
     fp8_sweep) TAIL=${TAIL:-60} phase fp8_sweep 300 python3 benchmarks/fp8_gemv_sweep.py --out "$OUT/fp8_sweep.json" \
                ${FP8_SWEEP_ARGS:-} ;;
+    # Small-batch bf16 GEMMs (M = 1..64): cuBLAS against model/bf16_gemv.py's tiles per 8B and 0.5B shape, the best tile
+    # per (M bucket, N, K) as a TILES table (issue 41). BF16_SWEEP_ARGS: --rows 1,16 / --shapes 8b.qkv,8b.o.
+    bf16_sweep) TAIL=${TAIL:-80} phase bf16_sweep 300 python3 benchmarks/bf16_gemv_sweep.py --out "$OUT/bf16_sweep.json" \
+               ${BF16_SWEEP_ARGS:-} ;;
     # The FP8 GPU tests alone (kernels vs the CPU emulation, graph replay vs eager).
     tests_fp8) phase tests_fp8 300 python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu/test_fp8_cuda.py -rs ;;
     # Offline throughput of the 8B shape, nano workload, graph mode: bf16, then --quantization fp8.
