@@ -133,7 +133,7 @@ def sweep_shape(name: str, n: int, k: int, rows, cuda: bool, bandwidth: float) -
                 plain = best(out, name, m, "kernel")
                 tile = Tile(*plain["tile"]) if plain else bf16_gemv.DEFAULT_TILES[bf16_gemv.bucket_of(m)]
 
-            def call(i, design=design, tile=tile):
+            def call(i, design=design, tile=tile, x=x, ws=ws):
                 if design == "cublas":
                     return torch.mm(x, ws[i].t())
                 if design == "cublas_gated":
@@ -155,9 +155,6 @@ def sweep_shape(name: str, n: int, k: int, rows, cuda: bool, bandwidth: float) -
             row["pct_bw"] = 100 * row["gb_s"] / bandwidth
             out.append(row)
             print(json.dumps(row), flush=True)
-    del ws
-    if cuda:
-        torch.cuda.empty_cache()
     return out
 
 
@@ -226,10 +223,15 @@ def main(argv: list[str] | None = None) -> int:
         shapes = {s: SHAPES[s] for s in args.shapes.split(",")}
     if cuda:
         props = torch.cuda.get_device_properties(0)
-        print(f"{props.name}: {props.multi_processor_count} SMs, L2 {props.L2_cache_size / 2**20:.0f} MiB", flush=True)
+        print(
+            f"{props.name}: {props.multi_processor_count} SMs, L2 {props.L2_cache_size / 2**20:.0f} MiB",
+            flush=True,
+        )
     results: list[dict] = []
     for name, (n, k) in shapes.items():
         results += sweep_shape(name, n, k, rows, cuda, args.bandwidth)
+        if cuda:  # the shape's weight copies are gone with its call: give their memory back
+            torch.cuda.empty_cache()
     bad = [r for r in results if r["rel_err"] is not None and not r["rel_err"] < 1e-2]
     failed = [r for r in results if r["rel_err"] is None]
     table = report(results, shapes, rows, args.bandwidth) if cuda else {}

@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
@@ -43,10 +44,12 @@ __all__ = [
     "TILES",
     "Tile",
     "bucket_of",
+    "linear",
     "precompile",
     "runs_kernel",
     "small_mm",
     "small_silu_mul",
+    "takes",
     "tile_for",
 ]
 
@@ -199,12 +202,15 @@ def _kernel():
     return _KERNEL
 
 
-def launch(x: torch.Tensor, w: torch.Tensor, tile: Tile, gated: bool = False) -> torch.Tensor:
+def launch(
+    x: torch.Tensor, w: torch.Tensor, tile: Tile, gated: bool = False, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """The kernel at an explicit tile (the sweep's entry; small_mm picks the tile). x [M, K], w [N, K]
-    (gated: [2N, K]) -> [M, N]."""
+    (gated: [2N, K]) -> [M, N], into out where given (x's dtype, unit column stride)."""
     m, k = x.shape
     n = w.shape[0] // 2 if gated else w.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m))
     _kernel()[grid](
         x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
@@ -215,13 +221,31 @@ def launch(x: torch.Tensor, w: torch.Tensor, tile: Tile, gated: bool = False) ->
     return out
 
 
-def small_mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ w [N, K].T (+ bias [N]) -> [M, N] in x's dtype: the kernel where runs_kernel holds, else
-    F.linear (the CPU path, and the reference)."""
-    if not runs_kernel(x, w):
-        return F.linear(x, w, bias)
-    y = launch(x, w, tile_for(x.shape[0], w.shape[0], x.shape[1]))
+def small_mm(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T (+ bias [N]) -> [M, N] in x's dtype (into out where given, bias None): the kernel
+    where runs_kernel holds, else torch (the CPU path, and the reference)."""
+    if out is not None and bias is not None:
+        raise ValueError("small_mm writes into out only without a bias")
+    if not runs_kernel(x, w) or (out is not None and (out.dtype != x.dtype or out.stride(1) != 1)):
+        return F.linear(x, w, bias) if out is None else torch.mm(x, w.t(), out=out)
+    y = launch(x, w, tile_for(x.shape[0], w.shape[0], x.shape[1]), out=out)
     return y if bias is None else y + bias
+
+
+def takes(layer: nn.Module, x: torch.Tensor, on: bool) -> bool:
+    """Whether `linear` runs the kernel: on, a plain nn.Linear (not FP8, not tensor-parallel) the kernel takes.
+    Depends on shapes, dtypes and flags only, so it is fixed for a captured graph (its row count is static)."""
+    return on and type(layer) is nn.Linear and runs_kernel(x, layer.weight)
+
+
+def linear(layer: nn.Module, x: torch.Tensor, on: bool) -> torch.Tensor:
+    """layer(x) [M, N], through small_mm where `takes` holds."""
+    if takes(layer, x, on):
+        assert isinstance(layer, nn.Linear)  # takes checked it
+        return small_mm(x, layer.weight, layer.bias)
+    return layer(x)
 
 
 def small_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
