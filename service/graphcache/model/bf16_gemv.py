@@ -5,9 +5,9 @@ cuBLAS runs them as GEMVs at ~73% of that (BENCHMARKS.md §13: qkv 3.2 TB/s, o 2
 each W tile once for all of a program's rows (the M tile), and narrow N tiles give every SM its share of W:
 
   fma  (M tile of 1, 2, 4 or 8 rows) no tensor cores: each thread multiplies its 8 consecutive K values of W
-       (one 16-byte load) by the rows of x and adds the 8 products up before they go into an fp32 accumulator
-       [BLOCK_M, BLOCK_N, BLOCK_K / 8], summed across threads once after the loop (no cross-warp reduction in
-       the loop). The FP8 one-row kernel's design (fp8_gemm.py, BENCHMARKS.md §14 and §17) on 16-bit W.
+       (one 16-byte load) by each x row's and adds the 8 products up before they go into that row's fp32
+       accumulator [BLOCK_N, BLOCK_K / 8], summed across threads once after the loop (no cross-warp reduction
+       in the loop). The FP8 one-row kernel's design (fp8_gemm.py, BENCHMARKS.md §14 and §17) on 16-bit W.
   dot  (M tile of 16, 32 or 64 rows) W as the MMA's A operand: [BLOCK_N, BLOCK_K] tiles of W times x^T
        [BLOCK_K, BLOCK_M] on the tensor cores, fp32 accumulators [BLOCK_N, BLOCK_M]; x's padding rows cost
        nothing but MMA work, which is far from the bound at these sizes.
@@ -29,7 +29,7 @@ dtypes, non-contiguous x or more than MAX_ROWS rows, `small_mm` is x @ W.T (torc
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -128,15 +128,17 @@ def _small_gemm_kernel(
     # writes y[pid_m * BLOCK_M :, pid_n * BLOCK_N :] (BLOCK_M x BLOCK_N, masked at the edges).
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m0 = pid_m * BLOCK_M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_m = tl.minimum(offs_m, M - 1)  # clamped, not masked: the padding rows re-read the last row
-    rows_n = tl.minimum(offs_n, N - 1)
+    n_mask = offs_n < N
+    rows_n = tl.minimum(offs_n, N - 1)  # clamped, not masked: the last tile's extra rows re-read row N - 1
     offs_k = tl.max_contiguous(tl.arange(0, BLOCK_K), 8)
     up_rows = N * stride_wn  # GATED: the up half starts N rows down
     full_tiles = K // BLOCK_K
+    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     if DOT:
-        w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        rows_m = tl.minimum(offs_m, M - 1)  # the padding rows re-read row M - 1
         x_ptrs = x_ptr + rows_m[None, :] * stride_xm + offs_k[:, None]  # [BLOCK_K, BLOCK_M] = x^T
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -153,49 +155,112 @@ def _small_gemm_kernel(
             acc = tl.dot(tl.load(w_ptrs, mask=k_mask[None, :], other=0.0), xt, acc)
             if GATED:
                 acc_u = tl.dot(tl.load(w_ptrs + up_rows, mask=k_mask[None, :], other=0.0), xt, acc_u)
-        out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
-        out_u = tl.trans(acc_u)
+        y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]  # [BLOCK_N, BLOCK_M] = y^T
+        _store(y_ptrs, acc, acc_u, (offs_m[None, :] < M) & n_mask[:, None], GATED)
     else:
-        # W and x in one layout: each thread's 8 consecutive K values (16 bytes) of W and of every x row.
-        w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
-        x_ptrs = x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-        acc3_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+        # One accumulator [BLOCK_N, BLOCK_K / 8] per row of x (up to 8, each used only where BLOCK_M has
+        # it): each thread's 8 consecutive K values of W (one 16-byte load) and of the x row share one
+        # register layout, so the products' sum over those 8 stays in the thread, and the sum across threads
+        # happens once after the loop. A 3-D [BLOCK_M, BLOCK_N, BLOCK_K] product put shuffles, shared-memory
+        # stores and barriers inside the K loop (SASS of Triton 3.6 for sm_90).
+        x0 = x_ptr + offs_k[None, :] + tl.minimum(m0, M - 1) * stride_xm  # [1, BLOCK_K]
+        x1 = x_ptr + offs_k[None, :] + tl.minimum(m0 + 1, M - 1) * stride_xm
+        x2 = x_ptr + offs_k[None, :] + tl.minimum(m0 + 2, M - 1) * stride_xm
+        x3 = x_ptr + offs_k[None, :] + tl.minimum(m0 + 3, M - 1) * stride_xm
+        x4 = x_ptr + offs_k[None, :] + tl.minimum(m0 + 4, M - 1) * stride_xm
+        x5 = x_ptr + offs_k[None, :] + tl.minimum(m0 + 5, M - 1) * stride_xm
+        x6 = x_ptr + offs_k[None, :] + tl.minimum(m0 + 6, M - 1) * stride_xm
+        x7 = x_ptr + offs_k[None, :] + tl.minimum(m0 + 7, M - 1) * stride_xm
+        a0 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+        a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
+        u0, u1, u2, u3, u4, u5, u6, u7 = a0, a0, a0, a0, a0, a0, a0, a0
+        k_mask = offs_k[None, :] < K  # read only where not EVEN_K: no mask on a full tile's loads
         for j in range(0, full_tiles + (0 if EVEN_K else 1)):
             if EVEN_K:
-                x = tl.load(x_ptrs).to(tl.float32)
-                w = tl.load(w_ptrs).to(tl.float32)
+                w = tl.load(w_ptrs).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+                wu = tl.load(w_ptrs + up_rows).to(tl.float32) if GATED else w
             else:
-                k_mask = offs_k < K - j * BLOCK_K
-                x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
-                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
-            prod = w[None, :, :] * x[:, None, :]  # [BLOCK_M, BLOCK_N, BLOCK_K]
-            acc3 += tl.sum(tl.reshape(prod, (BLOCK_M, BLOCK_N, BLOCK_K // 8, 8)), axis=3)
-            if GATED:
-                if EVEN_K:
-                    wu = tl.load(w_ptrs + up_rows).to(tl.float32)
-                else:
-                    wu = tl.load(w_ptrs + up_rows, mask=k_mask[None, :], other=0.0).to(tl.float32)
-                prod_u = wu[None, :, :] * x[:, None, :]
-                acc3_u += tl.sum(tl.reshape(prod_u, (BLOCK_M, BLOCK_N, BLOCK_K // 8, 8)), axis=3)
+                k_mask = offs_k[None, :] < K - j * BLOCK_K
+                w = tl.load(w_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+                wu = tl.load(w_ptrs + up_rows, mask=k_mask, other=0.0).to(tl.float32) if GATED else w
+            a0, u0 = _fma_row(a0, u0, w, wu, x0, k_mask, EVEN_K, GATED, BLOCK_N, BLOCK_K)
+            if BLOCK_M > 1:
+                a1, u1 = _fma_row(a1, u1, w, wu, x1, k_mask, EVEN_K, GATED, BLOCK_N, BLOCK_K)
+            if BLOCK_M > 2:
+                a2, u2 = _fma_row(a2, u2, w, wu, x2, k_mask, EVEN_K, GATED, BLOCK_N, BLOCK_K)
+                a3, u3 = _fma_row(a3, u3, w, wu, x3, k_mask, EVEN_K, GATED, BLOCK_N, BLOCK_K)
+            if BLOCK_M > 4:
+                a4, u4 = _fma_row(a4, u4, w, wu, x4, k_mask, EVEN_K, GATED, BLOCK_N, BLOCK_K)
+                a5, u5 = _fma_row(a5, u5, w, wu, x5, k_mask, EVEN_K, GATED, BLOCK_N, BLOCK_K)
+                a6, u6 = _fma_row(a6, u6, w, wu, x6, k_mask, EVEN_K, GATED, BLOCK_N, BLOCK_K)
+                a7, u7 = _fma_row(a7, u7, w, wu, x7, k_mask, EVEN_K, GATED, BLOCK_N, BLOCK_K)
             w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
-        out = tl.sum(acc3, axis=2)  # [BLOCK_M, BLOCK_N]
-        out_u = tl.sum(acc3_u, axis=2)
-    if GATED:  # fused_ops.silu_mul's roundings: each factor to y's dtype first
-        g = out.to(y_ptr.dtype.element_ty).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32)
-        out = act * out_u.to(y_ptr.dtype.element_ty).to(tl.float32)
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+            x0 += BLOCK_K
+            x1 += BLOCK_K
+            x2 += BLOCK_K
+            x3 += BLOCK_K
+            x4 += BLOCK_K
+            x5 += BLOCK_K
+            x6 += BLOCK_K
+            x7 += BLOCK_K
+        y0 = y_ptr + offs_n + m0 * stride_ym  # [BLOCK_N], row m0
+        _store_row(y0, 0, a0, u0, n_mask, m0, M, stride_ym, GATED)
+        if BLOCK_M > 1:
+            _store_row(y0, 1, a1, u1, n_mask, m0, M, stride_ym, GATED)
+        if BLOCK_M > 2:
+            _store_row(y0, 2, a2, u2, n_mask, m0, M, stride_ym, GATED)
+            _store_row(y0, 3, a3, u3, n_mask, m0, M, stride_ym, GATED)
+        if BLOCK_M > 4:
+            _store_row(y0, 4, a4, u4, n_mask, m0, M, stride_ym, GATED)
+            _store_row(y0, 5, a5, u5, n_mask, m0, M, stride_ym, GATED)
+            _store_row(y0, 6, a6, u6, n_mask, m0, M, stride_ym, GATED)
+            _store_row(y0, 7, a7, u7, n_mask, m0, M, stride_ym, GATED)
+
+
+def fma_row(
+    acc, acc_u, w, wu, x_ptrs, k_mask, EVEN_K: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One x row's products with the W tile(s) [BLOCK_N, BLOCK_K], each thread's 8 along K summed first:
+    (acc, acc_u) [BLOCK_N, BLOCK_K / 8] updated."""
+    if EVEN_K:
+        x = tl.load(x_ptrs).to(tl.float32)  # [1, BLOCK_K]
+    else:
+        x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+    acc += tl.sum(tl.reshape(w * x, (BLOCK_N, BLOCK_K // 8, 8)), axis=2)
+    if GATED:
+        acc_u += tl.sum(tl.reshape(wu * x, (BLOCK_N, BLOCK_K // 8, 8)), axis=2)
+    return acc, acc_u
+
+
+def store(y_ptrs, out, out_u, mask, GATED: tl.constexpr):
+    """out (GATED: silu(out) * out_u, each factor rounded to y's dtype first as fused_ops.silu_mul does) into y."""
+    if GATED:
+        g = out.to(y_ptrs.dtype.element_ty).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(y_ptrs.dtype.element_ty).to(tl.float32)
+        out = act * out_u.to(y_ptrs.dtype.element_ty).to(tl.float32)
+    tl.store(y_ptrs, out.to(y_ptrs.dtype.element_ty), mask=mask)
+
+
+def store_row(y0, i: tl.constexpr, acc, acc_u, n_mask, m0, M, stride_ym, GATED: tl.constexpr):
+    """Row m0 + i of y (if it is one of the M) from an fma accumulator pair [BLOCK_N, BLOCK_K / 8]."""
+    row_ok = (n_mask.to(tl.int32) * 0 + m0 + i) < M  # a [BLOCK_N] mask (the interpreter wants a tensor)
+    _store(y0 + i * stride_ym, tl.sum(acc, axis=1), tl.sum(acc_u, axis=1), n_mask & row_ok, GATED)
 
 
 _KERNEL = None
+# The kernel's helpers, jitted with it (JITFunctions: Any, triton has no types).
+_fma_row: Any = None
+_store: Any = None
+_store_row: Any = None
 
 
 def _kernel():
-    global _KERNEL
+    global _KERNEL, _fma_row, _store, _store_row
     if _KERNEL is None:
+        _fma_row = triton.jit(fma_row)  # the kernel finds its helpers as this module's globals
+        _store = triton.jit(store)
+        _store_row = triton.jit(store_row)
         # The rows vary per step: not specialized on (Triton would make M = 1 a constant), so a new row count
         # inside a bucket never compiles, nor compiles inside a graph capture.
         _KERNEL = triton.jit(_small_gemm_kernel, do_not_specialize=["M"])
@@ -207,6 +272,8 @@ def launch(
 ) -> torch.Tensor:
     """The kernel at an explicit tile (the sweep's entry; small_mm picks the tile). x [M, K], w [N, K]
     (gated: [2N, K]) -> [M, N], into out where given (x's dtype, unit column stride)."""
+    if tile.design == "fma" and tile.block_m not in (1, 2, 4, 8):
+        raise ValueError(f"the fma design holds 1, 2, 4 or 8 rows a program, not {tile.block_m}")
     m, k = x.shape
     n = w.shape[0] // 2 if gated else w.shape[0]
     if out is None:
