@@ -92,9 +92,10 @@ for p in ${PHASES:-tests pool capture}; do
                --make-model llama8b:/tmp/llama8b --modes "${REALISTIC_MODES:-graph,eager}" \
                --workload "${REALISTIC8_WORKLOADS:-nano,realistic}" --out "$OUT/realistic_llama8b${REALISTIC8_TAG:-}.json" \
                ${REALISTIC8_ARGS:-} ;;
-    # One decode step, wall vs GPU, at the Llama-3-8B shape.
+    # One decode step, wall vs GPU, at the Llama-3-8B shape. DECODE_ARGS: more flags, e.g. "--batches 1,16,64 --small-gemm off,on"
+    # (settings.engine.bf16_small_gemm off, then on: the bf16 decode GEMMs of 1-64 rows through model/bf16_gemv.py).
     decode_step_llama8b) phase decode_step_llama8b 500 python3 benchmarks/decode_step.py --make-model llama8b:/tmp/llama8b \
-               --modes "${DECODE_MODES:-full,eager}" --out "$OUT/decode_step_llama8b.json" ;;
+               --modes "${DECODE_MODES:-full,eager}" --out "$OUT/decode_step_llama8b.json" ${DECODE_ARGS:-} ;;
     # Poisson arrivals per rate against the served engine: TTFT/TPOT/ITL p50/p99, goodput; OPEN_LOOP_MODEL=qwen05b|llama8b.
     open_loop) m=${OPEN_LOOP_MODEL:-qwen05b}; phase open_loop_$m 590 python3 benchmarks/open_loop.py --make-model "$m:/tmp/$m" \
                --rates "${OPEN_LOOP_RATES:-2,8,32,inf}" --out "$OUT/open_loop_$m.json" --log "$OUT/open_loop_${m}_server.log" \
