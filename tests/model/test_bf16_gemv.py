@@ -54,6 +54,8 @@ def test_measured_tiles_override_the_defaults(monkeypatch):
     assert bf16_gemv.tile_for(11, 4096, 4096) == tile
     assert bf16_gemv.tile_for(11, 4096, 14336) == DEFAULT_TILES[16]
     assert bf16_gemv.tile_for(1, 4096, 4096) == DEFAULT_TILES[1]
+    monkeypatch.setitem(bf16_gemv.TILES, (64, 4096, 4096), None)  # cuBLAS measured faster there
+    assert bf16_gemv.tile_for(40, 4096, 4096) is None
 
 
 def test_cpu_calls_take_the_torch_path_and_compute_the_same_function():

@@ -81,9 +81,11 @@ DEFAULT_TILES: dict[int, Tile] = {
     64: Tile("dot", 64, 64, 128, 4, 4),
 }
 
-# (bucket, N, K) -> Tile for the served shapes, measured: benchmarks/bf16_gemv_sweep.py prints this table.
-# Empty until the H200 sweep has run (DEFAULT_TILES serve every shape meanwhile).
-TILES: dict[tuple[int, int, int], Tile] = {}
+# (bucket, N, K) -> Tile for the served shapes, measured: benchmarks/bf16_gemv_sweep.py prints this table
+# (N: the weight's rows, gate_up's [gate | up] both). None: cuBLAS measured faster than every tile there, so
+# small_mm is torch's product at that bucket and shape. Empty until the H200 sweep has run (DEFAULT_TILES
+# serve every shape meanwhile).
+TILES: dict[tuple[int, int, int], Tile | None] = {}
 
 
 def bucket_of(rows: int) -> int:
@@ -93,7 +95,8 @@ def bucket_of(rows: int) -> int:
     return next(b for b in BUCKETS if b >= rows)
 
 
-def tile_for(rows: int, n: int, k: int) -> Tile:
+def tile_for(rows: int, n: int, k: int) -> Tile | None:
+    """The tile of `rows` rows of a weight [n, k]; None: torch's product (TILES says cuBLAS is faster there)."""
     b = bucket_of(rows)
     return TILES.get((b, n, k), DEFAULT_TILES[b])
 
@@ -295,9 +298,10 @@ def small_mm(
     where runs_kernel holds, else torch (the CPU path, and the reference)."""
     if out is not None and bias is not None:
         raise ValueError("small_mm writes into out only without a bias")
-    if not runs_kernel(x, w) or (out is not None and (out.dtype != x.dtype or out.stride(1) != 1)):
+    tile = tile_for(x.shape[0], w.shape[0], x.shape[1]) if runs_kernel(x, w) else None
+    if tile is None or (out is not None and (out.dtype != x.dtype or out.stride(1) != 1)):
         return F.linear(x, w, bias) if out is None else torch.mm(x, w.t(), out=out)
-    y = launch(x, w, tile_for(x.shape[0], w.shape[0], x.shape[1]), out=out)
+    y = launch(x, w, tile, out=out)
     return y if bias is None else y + bias
 
 
@@ -318,11 +322,11 @@ def linear(layer: nn.Module, x: torch.Tensor, on: bool) -> torch.Tensor:
 def small_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) for w [2I, K] = [gate | up] -> [M, I], each factor rounded to x's dtype
     (fused_ops.silu_mul's roundings). One kernel where runs_kernel holds, else torch."""
-    inter = w.shape[0] // 2
-    if not runs_kernel(x, w):
-        g, u = F.linear(x, w).split(inter, dim=-1)
+    tile = tile_for(x.shape[0], w.shape[0], x.shape[1]) if runs_kernel(x, w) else None
+    if tile is None:
+        g, u = F.linear(x, w).split(w.shape[0] // 2, dim=-1)
         return F.silu(g) * u
-    return launch(x, w, tile_for(x.shape[0], inter, x.shape[1]), gated=True)
+    return launch(x, w, tile, gated=True)
 
 
 def precompile(weights: list[tuple[torch.Tensor, bool]]) -> int:
