@@ -13,8 +13,10 @@ as in a captured decode step). Every variant's output is checked against the fp3
 1e-2 in bf16) before it is timed. gate_up also runs gated (silu(gate) * up in the epilogue, [M, I] out)
 against cuBLAS + torch's silu * up.
 
-Prints, per shape and M: cuBLAS, the best tile, both in us, GB/s and % of the bandwidth; per M, the 8B layer's
-four GEMMs summed (what a decode step runs 32 times); then the TILES table for model/bf16_gemv.py.
+Prints, per shape and M: cuBLAS, the best tile, both in us, GB/s and % of the bandwidth, and the best tile with
+programmatic dependent launch (pdl: in a graph of back-to-back GEMMs each launches while the one before drains;
+bf16_gemv.PDL); per M, the 8B layer's four GEMMs summed (what a decode step runs 32 times); then the TILES table
+for model/bf16_gemv.py.
 """
 
 from __future__ import annotations
@@ -129,8 +131,12 @@ def sweep_shape(name: str, n: int, k: int, rows, cuda: bool, bandwidth: float) -
         ref_gated = F.silu(g) * u
         variants: list[tuple[str, Tile | None]] = [("cublas", None)]
         variants += [("kernel", t) for t in candidates(bf16_gemv.bucket_of(m))]
-        for design, tile in variants + ([("cublas_gated", None), ("gated", None)] if gated_too else []):
-            if design == "gated":  # at the best plain tile of this M (each gated tile is one more compile)
+        more = [("pdl", None)] + ([("cublas_gated", None), ("gated", None)] if gated_too else [])
+        for design, tile in variants + more:
+            if design in (
+                "gated",
+                "pdl",
+            ):  # at the best plain tile of this M (each such tile: one more compile)
                 plain = best(out, name, m, "kernel")
                 tile = Tile(*plain["tile"]) if plain else bf16_gemv.DEFAULT_TILES[bf16_gemv.bucket_of(m)]
 
@@ -140,7 +146,7 @@ def sweep_shape(name: str, n: int, k: int, rows, cuda: bool, bandwidth: float) -
                 if design == "cublas_gated":
                     h = torch.mm(x, ws[i].t())
                     return F.silu(h[:, : n // 2]) * h[:, n // 2 :]
-                return bf16_gemv.launch(x, ws[i], tile, gated=design == "gated")
+                return bf16_gemv.launch(x, ws[i], tile, gated=design == "gated", pdl=design == "pdl")
 
             gated = design in ("gated", "cublas_gated")
             out_n = n // 2 if gated else n
@@ -168,7 +174,7 @@ def best(results: list[dict], shape: str, m: int, design: str) -> dict | None:
 def report(results: list[dict], shapes: dict, rows, bandwidth: float) -> dict:
     print(f"\nbandwidth bound {bandwidth:.0f} GB/s; us, GB/s, % of it; x = cuBLAS us / kernel us")
     print(f"{'shape':<13} {'M':>3} {'cuBLAS us':>9} {'GB/s':>6} {'%':>4}   {'kernel us':>9} {'GB/s':>6} {'%':>4} "
-          f"{'x':>5}  best tile")  # fmt: skip
+          f"{'x':>5} {'pdl us':>7}  best tile")  # fmt: skip
     table: dict[tuple[int, int, int], Tile | None] = {}
     for name in shapes:
         for m in rows:
@@ -182,8 +188,10 @@ def report(results: list[dict], shapes: dict, rows, bandwidth: float) -> dict:
                 cu = f"{c['us']:9.1f} {c['gb_s']:6.0f} {c['pct_bw']:4.0f}" if c else f"{'-':>21}"
                 speed = c["us"] / b["us"] if c else 0.0
                 label = name + (" (gated)" if mine == "gated" else "")
-                print(f"{label:<13} {m:>3} {cu}   {b['us']:9.1f} {b['gb_s']:6.0f} {b['pct_bw']:4.0f} {speed:5.2f}  "
-                      f"{tuple(b['tile'])}")  # fmt: skip
+                p = best(results, name, m, "pdl") if mine == "kernel" else None
+                pdl = f"{p['us']:7.1f}" if p else f"{'':>7}"
+                print(f"{label:<13} {m:>3} {cu}   {b['us']:9.1f} {b['gb_s']:6.0f} {b['pct_bw']:4.0f} {speed:5.2f} "
+                      f"{pdl}  {tuple(b['tile'])}")  # fmt: skip
     if all(s in shapes for s in LAYER_8B):
         print("\n8B layer, four GEMMs summed (gate_up plain; gated in brackets against cuBLAS + silu * up):")
         layer_bytes = sum(SHAPES[s][0] * SHAPES[s][1] * 2 for s in LAYER_8B)
@@ -204,7 +212,9 @@ def report(results: list[dict], shapes: dict, rows, bandwidth: float) -> dict:
             def pct(us: float) -> str:
                 return f"{us:6.1f} us ({100 * layer_bytes / us / 1e3 / bandwidth:4.1f}%)"
 
-            print(f"  M={m:>2}: cuBLAS {pct(cu_us)}, kernel {pct(kr_us)}, faster of the two per GEMM (TILES) "
+            pd = [best(results, s, m, "pdl") for s in LAYER_8B]
+            pdl = f", kernel with PDL {pct(sum(r['us'] for r in pd))}" if None not in pd else ""  # type: ignore[index]
+            print(f"  M={m:>2}: cuBLAS {pct(cu_us)}, kernel {pct(kr_us)}{pdl}, faster of the two per GEMM (TILES) "
                   f"{pct(mix_us)}{gated}")  # fmt: skip
     print("\nTILES = {  # (bucket, N, K): Tile, paste into model/bf16_gemv.py")
     for (bucket, n, k), t in sorted(table.items()):

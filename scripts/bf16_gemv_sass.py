@@ -47,6 +47,7 @@ def compile_tile(t: Tile, gated: bool = False, even_k: bool = True):
         DOT=t.design == "dot",
         GATED=gated,
         EVEN_K=even_k,
+        USE_PDL=False,
         BLOCK_M=t.block_m,
         BLOCK_N=t.block_n,
         BLOCK_K=t.block_k,

@@ -136,7 +136,7 @@ def test_bf16_gemv_sweep_smoke(tmp_path):
     out = tmp_path / "sweep.json"
     assert bf16_gemv_sweep.main(["--smoke", "--out", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
-    assert {r["design"] for r in results} == {"cublas", "kernel", "cublas_gated", "gated"}
+    assert {r["design"] for r in results} == {"cublas", "kernel", "pdl", "cublas_gated", "gated"}
     assert all(r["rel_err"] is not None and r["rel_err"] < 1e-2 for r in results)
 
 

@@ -10,6 +10,7 @@ Run: pytest -m cuda tests/gpu/test_bf16_gemv_cuda.py
   rounded to bf16 before the product, as fused_ops.silu_mul does).
 - A CUDA graph holding small_mm and small_silu_mul, replayed on two different inputs copied into its static
   buffer, equals the eager calls on those inputs (bit for bit: the same kernel and tile).
+- With programmatic dependent launch (bf16_gemv.PDL) a chain of GEMMs in a graph equals the chain without it.
 - A runner with settings.engine.bf16_small_gemm: its graph replays of decode steps of 1, 3 and 20 rows equal the
   plain runner's eager logits within tests/helpers_cuda.py's bf16 tolerance.
 """
@@ -122,6 +123,30 @@ def test_graph_replay_on_two_inputs_equals_eager(m):
         torch.cuda.synchronize()
         assert torch.equal(y, bf16_gemv.small_mm(x, w)) and torch.equal(yg, bf16_gemv.small_silu_mul(xg, wg))
         close(y, x.float() @ w.float().t())
+
+
+def test_chained_gemms_with_programmatic_dependent_launch_read_what_the_one_before_wrote(monkeypatch):
+    """With bf16_gemv.PDL each kernel starts while the one before drains and waits for its writes: a chain
+    o -> o -> o of 1 and 16 rows, captured in a graph and replayed, equals the chain without PDL."""
+    w = weight(*SHAPES["8b.o"])
+    for m in (1, 16):
+        x = torch.randn(m, w.shape[1], device="cuda").bfloat16()
+
+        def chain(x=x):  # W [N, K] / sqrt(K): each GEMM keeps x's scale, so 3 deep stays far from 0
+            return bf16_gemv.small_mm(bf16_gemv.small_mm(bf16_gemv.small_mm(x, w), w), w)
+
+        monkeypatch.setattr(bf16_gemv, "PDL", False)
+        want = chain()
+        monkeypatch.setattr(bf16_gemv, "PDL", True)
+        chain()  # compiled before the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = chain()
+        got.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
 
 
 def test_runner_with_the_small_gemm_replays_what_the_plain_runner_computes():

@@ -29,6 +29,7 @@ dtypes, non-contiguous x or more than MAX_ROWS rows, `small_mm` is x @ W.T (torc
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -86,6 +87,10 @@ DEFAULT_TILES: dict[int, Tile] = {
 # small_mm is torch's product at that bucket and shape. Empty until the H200 sweep has run (DEFAULT_TILES
 # serve every shape meanwhile).
 TILES: dict[tuple[int, int, int], Tile | None] = {}
+# Programmatic dependent launch (the kernel is launched while the one before it drains and waits in
+# griddepcontrol.wait for its writes; sm_90+): off until the sweep's pdl rows have measured it on the H200 (the
+# FP8 decode kernel gained 0.1-0.25 ms a step at 8B from it, BENCHMARKS.md §15). True / False: benchmarks' A/B.
+PDL = False
 
 
 def bucket_of(rows: int) -> int:
@@ -123,6 +128,7 @@ def _small_gemm_kernel(
     DOT: tl.constexpr,
     GATED: tl.constexpr,
     EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -131,6 +137,9 @@ def _small_gemm_kernel(
     # writes y[pid_m * BLOCK_M :, pid_n * BLOCK_N :] (BLOCK_M x BLOCK_N, masked at the edges).
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    if USE_PDL:  # launched before the previous kernel ended: wait for its writes (x), let the next one in
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     m0 = pid_m * BLOCK_M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -271,10 +280,15 @@ def _kernel():
 
 
 def launch(
-    x: torch.Tensor, w: torch.Tensor, tile: Tile, gated: bool = False, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    tile: Tile,
+    gated: bool = False,
+    out: torch.Tensor | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """The kernel at an explicit tile (the sweep's entry; small_mm picks the tile). x [M, K], w [N, K]
-    (gated: [2N, K]) -> [M, N], into out where given (x's dtype, unit column stride)."""
+    (gated: [2N, K]) -> [M, N], into out where given (x's dtype, unit column stride). pdl: None = PDL."""
     if tile.design == "fma" and tile.block_m not in (1, 2, 4, 8):
         raise ValueError(f"the fma design holds 1, 2, 4 or 8 rows a program, not {tile.block_m}")
     m, k = x.shape
@@ -282,13 +296,19 @@ def launch(
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m))
+    use_pdl = (PDL if pdl is None else pdl) and _has_pdl(x.device)
     _kernel()[grid](
         x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-        DOT=tile.design == "dot", GATED=gated, EVEN_K=k % tile.block_k == 0,
+        DOT=tile.design == "dot", GATED=gated, EVEN_K=k % tile.block_k == 0, USE_PDL=use_pdl, launch_pdl=use_pdl,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         num_warps=tile.warps, num_stages=tile.stages,
     )  # fmt: skip
     return out
+
+
+@functools.cache
+def _has_pdl(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def small_mm(
