@@ -79,14 +79,14 @@ def test_small_silu_mul_equals_silu_mul_of_the_product(shape, m):
 
 @pytest.mark.parametrize("tile", list(dict.fromkeys(t for b in BUCKETS for t in candidates(b))), ids=str)
 def test_every_sweep_tile_is_right_at_ragged_edges(tile):
-    """N not a multiple of any BLOCK_N, K with a partial tile (4096 + 96), rows 1, one short of the tile, the
-    tile, and one more (two M tiles)."""
-    n, k = 1000, 4192
-    w = weight(2 * n, k)
+    """N odd (997: a ragged last tile at every BLOCK_N), K with a partial tile (4096 + 96), rows 1, one short of
+    the tile, the tile, and one more (two M tiles)."""
+    n, k = 997, 4192
+    w = weight(2 * n, k)  # gated: [gate | up], 997 rows each; plain: its first 997 rows
     for m in sorted({1, max(1, tile.block_m - 1), tile.block_m, tile.block_m + 1}):
         x = torch.randn(m, k, device="cuda").bfloat16()
         poison_allocator()
-        close(bf16_gemv.launch(x, w, tile), x.float() @ w.float().t())
+        close(bf16_gemv.launch(x, w[:n], tile), x.float() @ w[:n].float().t())
         g, u = (x.float() @ w.float().t()).split(n, dim=-1)
         close(bf16_gemv.launch(x, w, tile, gated=True), F.silu(g) * u, rtol=2e-2)
 
