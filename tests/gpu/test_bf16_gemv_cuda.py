@@ -28,6 +28,7 @@ from graphcache.engine.plan import StepPlan, StepSeq
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.model import bf16_gemv
 from graphcache.model.bf16_gemv import BUCKETS
+from graphcache.model.fused_ops import silu_mul
 from helpers_cuda import assert_replay_close, poison_allocator
 from helpers_model import Blocks, cuda_settings, prompt_ids, tiny_checkpoint
 
@@ -89,6 +90,16 @@ def test_every_sweep_tile_is_right_at_ragged_edges(tile):
         close(bf16_gemv.launch(x, w[:n], tile), x.float() @ w[:n].float().t())
         g, u = (x.float() @ w.float().t()).split(n, dim=-1)
         close(bf16_gemv.launch(x, w, tile, gated=True), F.silu(g) * u, rtol=2e-2)
+
+
+def test_a_bucket_measured_slower_than_cublas_runs_torch(monkeypatch):
+    """TILES None (the sweep found cuBLAS faster there): torch's product, and silu_mul's own kernel after it."""
+    n, k = SHAPES["05b.gate_up"]
+    w = weight(n, k)
+    x = torch.randn(3, k, device="cuda").bfloat16()
+    monkeypatch.setitem(bf16_gemv.TILES, (4, n, k), None)
+    assert torch.equal(bf16_gemv.small_mm(x, w), F.linear(x, w))
+    assert torch.equal(bf16_gemv.small_silu_mul(x, w), silu_mul(F.linear(x, w), n // 2, fused=True))
 
 
 def test_into_a_strided_logits_buffer():

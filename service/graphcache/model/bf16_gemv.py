@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphcache.model.fused_ops import silu_mul
 from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
 __all__ = [
@@ -341,11 +342,12 @@ def linear(layer: nn.Module, x: torch.Tensor, on: bool) -> torch.Tensor:
 
 def small_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) for w [2I, K] = [gate | up] -> [M, I], each factor rounded to x's dtype
-    (fused_ops.silu_mul's roundings). One kernel where runs_kernel holds, else torch."""
-    tile = tile_for(x.shape[0], w.shape[0], x.shape[1]) if runs_kernel(x, w) else None
+    (fused_ops.silu_mul's roundings). One kernel where a tile takes it; else torch's product, then silu_mul
+    (its Triton kernel on the kernel path, where TILES names cuBLAS)."""
+    kernel = runs_kernel(x, w)
+    tile = tile_for(x.shape[0], w.shape[0], x.shape[1]) if kernel else None
     if tile is None:
-        g, u = F.linear(x, w).split(w.shape[0] // 2, dim=-1)
-        return F.silu(g) * u
+        return silu_mul(F.linear(x, w), w.shape[0] // 2, fused=kernel)
     return launch(x, w, tile, gated=True)
 
 
