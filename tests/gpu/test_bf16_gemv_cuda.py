@@ -46,6 +46,13 @@ def weight(n: int, k: int) -> torch.Tensor:
     return (torch.randn(n, k, device="cuda") / k**0.5).bfloat16()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _free_weights():
+    yield
+    weight.cache_clear()  # ~2 GB of weights (the 8B LM head alone is 1 GB): not held into the next test file
+    torch.cuda.empty_cache()
+
+
 def close(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-2) -> None:
     assert torch.isfinite(got).all(), "non-finite output: an element was not written"
     torch.testing.assert_close(got.float(), want, rtol=rtol, atol=rtol * want.abs().max().item())
