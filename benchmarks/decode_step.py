@@ -11,6 +11,8 @@ Modes: full (uniform decode captured as one CUDA graph, decode attention inside 
 over a gathered context as the eager break), eager (no graphs). `plain` is one torch.cuda.graph over
 the model forward of the same step, captured by hand: the floor a full capture should match (<= 1.01x).
 With --profile R a torch.profiler kernel table of one full-mode step at batch R is printed too.
+--small-gemm off,on runs every mode without and with settings.engine.bf16_small_gemm (model/bf16_gemv.py's
+kernel for the GEMMs of 1-64 rows), one after the other in this process (the `gemm` column).
 
   python benchmarks/decode_step.py --make-model qwen05b:/tmp/qwen05b --batches 1,64,256 --ctx 512
   python benchmarks/decode_step.py --make-model llama8b:/tmp/llama8b --batches 1,64,256 --ctx 512
@@ -172,18 +174,20 @@ def main() -> int:
     ap.add_argument("--modes", default="full,breakable,varlen,eager")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--profile", type=int, default=256, help="kernel table at this batch (0 = none)")
+    ap.add_argument("--small-gemm", default="off", help="off, on or off,on: settings.engine.bf16_small_gemm")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     model = resolve_model(args)
     batches = [int(b) for b in args.batches.split(",")]
     rows, tables = [], {}
-    for mode in args.modes.split(","):
-        runner = make_runner(model, mode, max(batches), args.ctx)
+    for mode, small in [(m, g) for g in args.small_gemm.split(",") for m in args.modes.split(",")]:
+        runner = make_runner(model, mode, max(batches), args.ctx, bf16_small_gemm=small == "on")
         for b in batches:
             decode = fill(runner, b, args.ctx)
             wall, gpu = time_steps(runner, decode, args.steps)
             row = {
                 "mode": mode,
+                "small_gemm": small,
                 "batch": b,
                 "wall_ms": wall,
                 "gpu_ms": gpu,
@@ -197,13 +201,13 @@ def main() -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
             if mode in ("full", "varlen") and b == args.profile:
-                tables[mode] = kernel_table(runner, decode)
+                tables[mode if small == "off" else f"{mode}, small gemm"] = kernel_table(runner, decode)
         del runner
         torch.cuda.empty_cache()
     for mode, table in tables.items():
         print(f"\n=== kernel table, {mode}, batch {args.profile}, ctx {args.ctx} (5 steps)\n{table}")
     print(
-        f"\n{'mode':<10} {'batch':>5} {'wall ms':>8} {'gpu ms':>8} {'wall/gpu':>8} {'replay':>8} {'plain':>8} "
+        f"\n{'mode':<10} {'gemm':>4} {'batch':>5} {'wall ms':>8} {'gpu ms':>8} {'wall/gpu':>8} {'replay':>8} {'plain':>8} "
         f"{'rep/plain':>9} attention"
     )
     for r in rows:
@@ -211,7 +215,7 @@ def main() -> int:
         plain = f"{r['plain_graph_ms']:8.3f}" if "plain_graph_ms" in r else f"{'':>8}"
         ratio = f"{r['replay_ms'] / r['plain_graph_ms']:9.3f}" if "plain_graph_ms" in r else f"{'':>9}"
         print(
-            f"{r['mode']:<10} {r['batch']:>5} {r['wall_ms']:8.3f} {r['gpu_ms']:8.3f} {r['wall_over_gpu']:8.2f} "
+            f"{r['mode']:<10} {r['small_gemm']:>4} {r['batch']:>5} {r['wall_ms']:8.3f} {r['gpu_ms']:8.3f} {r['wall_over_gpu']:8.2f} "
             f"{replay} {plain} {ratio} {r['attention']}"
         )
     if args.out:

@@ -96,9 +96,10 @@ for p in ${PHASES:-tests pool capture}; do
                --make-model llama8b:/tmp/llama8b --modes "${REALISTIC_MODES:-graph,eager}" \
                --workload "${REALISTIC8_WORKLOADS:-nano,realistic}" --out "$OUT/realistic_llama8b${REALISTIC8_TAG:-}.json" \
                ${REALISTIC8_ARGS:-} ;;
-    # One decode step, wall vs GPU, at the Llama-3-8B shape.
+    # One decode step, wall vs GPU, at the Llama-3-8B shape. DECODE_ARGS: more flags, e.g. "--batches 1,16,64 --small-gemm off,on"
+    # (settings.engine.bf16_small_gemm off, then on: the bf16 decode GEMMs of 1-64 rows through model/bf16_gemv.py).
     decode_step_llama8b) phase decode_step_llama8b 500 python3 benchmarks/decode_step.py --make-model llama8b:/tmp/llama8b \
-               --modes "${DECODE_MODES:-full,eager}" --out "$OUT/decode_step_llama8b.json" ;;
+               --modes "${DECODE_MODES:-full,eager}" --out "$OUT/decode_step_llama8b.json" ${DECODE_ARGS:-} ;;
     # Poisson arrivals per rate against the served engine: TTFT/TPOT/ITL p50/p99, goodput; OPEN_LOOP_MODEL=qwen05b|llama8b.
     open_loop) m=${OPEN_LOOP_MODEL:-qwen05b}; phase open_loop_$m 590 python3 benchmarks/open_loop.py --make-model "$m:/tmp/$m" \
                --rates "${OPEN_LOOP_RATES:-2,8,32,inf}" --out "$OUT/open_loop_$m.json" --log "$OUT/open_loop_${m}_server.log" \
@@ -126,6 +127,10 @@ for p in ${PHASES:-tests pool capture}; do
     # Decode-sized FP8 GEMM designs (fp8 dot with x quantized inside, W dequantized to bf16, FMA, split K) per 8B shape.
     fp8_sweep) TAIL=${TAIL:-60} phase fp8_sweep 300 python3 benchmarks/fp8_gemv_sweep.py --out "$OUT/fp8_sweep.json" \
                ${FP8_SWEEP_ARGS:-} ;;
+    # Small-batch bf16 GEMMs (M = 1..64): cuBLAS against model/bf16_gemv.py's tiles per 8B and 0.5B shape, the best tile
+    # per (M bucket, N, K) as a TILES table (issue 41). BF16_SWEEP_ARGS: --rows 1,16 / --shapes 8b.qkv,8b.o.
+    bf16_sweep) TAIL=${TAIL:-80} phase bf16_sweep 300 python3 benchmarks/bf16_gemv_sweep.py --out "$OUT/bf16_sweep.json" \
+               ${BF16_SWEEP_ARGS:-} ;;
     # The FP8 GPU tests alone (kernels vs the CPU emulation, graph replay vs eager).
     tests_fp8) phase tests_fp8 300 python3 -m pytest -q -m cuda -p no:cacheprovider tests/gpu/test_fp8_cuda.py -rs ;;
     # Offline throughput of the 8B shape, nano workload, graph mode: bf16, then --quantization fp8.

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import (  # noqa: E402
+    bf16_gemv_sweep,
     fp8_gemv_sweep,
     kernel_table,
     offline_throughput,
@@ -140,6 +141,16 @@ def test_kernel_table_takes_fp8(tmp_path):
     assert (
         kernel_table.main(["--smoke", "--kinds", "decode", "--quantization", "fp8", "--out", str(out)]) == 0
     )
+
+
+def test_bf16_gemv_sweep_smoke(tmp_path):
+    """Every candidate tile of the small bf16 GEMM sweep in Triton's interpreter, checked against the fp32
+    product (exit 0), gate_up gated too."""
+    out = tmp_path / "sweep.json"
+    assert bf16_gemv_sweep.main(["--smoke", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert {r["design"] for r in results} == {"cublas", "kernel", "pdl", "cublas_gated", "gated"}
+    assert all(r["rel_err"] is not None and r["rel_err"] < 1e-2 for r in results)
 
 
 def test_fp8_gemv_sweep_smoke(tmp_path):

@@ -18,6 +18,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from graphcache.model import bf16_gemv
 from graphcache.model.attention import graph_attention, paged_attention
 from graphcache.model.config import ModelConfig
 from graphcache.model.forward_context import current_forward_context
@@ -120,6 +121,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary = rotary
         self.fused = False  # fused_ops kernels (LlamaModel.use_fused_ops)
+        self.small_gemm = False  # bf16_gemv at 1-64 rows (LlamaModel.use_small_gemm)
         # Bound by the runner (bind_kv_cache): [2, num_slots, K, D] = k, v caches as flat slots,
         # plus the k and v halves as views made once here, not per step.
         self.kv_cache: torch.Tensor | None = None
@@ -139,7 +141,10 @@ class Attention(nn.Module):
         rope = self._rope_in_gemm(positions, slot_mapping, x)
         # [T, (H + 2K) * D]; with rope, q and k come rotated and k, v are already in the cache
         # (rope is None unless qkv_proj is an Fp8Linear: _rope_in_gemm checked)
-        qkv = self.qkv_proj(x) if rope is None else cast(Fp8Linear, self.qkv_proj).qkv_rope_forward(x, rope)
+        if rope is None:
+            qkv = bf16_gemv.linear(self.qkv_proj, x, self.small_gemm)
+        else:
+            qkv = cast(Fp8Linear, self.qkv_proj).qkv_rope_forward(x, rope)
         if self.lora_qkv is not None:  # never with rope in the GEMM: LoRA is refused with FP8 (the runner)
             self.lora_qkv.add_(qkv, x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -167,7 +172,7 @@ class Attention(nn.Module):
         else:
             paged_attention(q, k, v, out, self.kv_cache, self.k_blocks, self.v_blocks, self.scale)
         attended = out.view(t, self.q_size)  # [T, H * D]
-        y = self.o_proj(attended)  # [T, hidden]
+        y = bf16_gemv.linear(self.o_proj, attended, self.small_gemm)  # [T, hidden]
         if self.lora_o is not None:
             self.lora_o.add_(y, attended)
         return y
@@ -195,6 +200,7 @@ class MLP(nn.Module):
         self.gate_up_proj = column_linear(config.hidden_size, 2 * self.inter, False, tp)  # rows [gate | up]
         self.down_proj = row_linear(self.inter, config.hidden_size, False, tp)  # all-reduce at tp > 1
         self.fused = False
+        self.small_gemm = False  # bf16_gemv at 1-64 rows (LlamaModel.use_small_gemm)
         # LoRA adapters of gate_up_proj and down_proj (engine/worker/lora_slots.py attach_lora); None: not served
         self.lora_gate_up: LoraStack | None = None
         self.lora_down: LoraStack | None = None
@@ -203,6 +209,9 @@ class MLP(nn.Module):
         if isinstance(self.gate_up_proj, Fp8Linear):  # decode sizes: the activation in the GEMM's epilogue
             return self.down_proj(self.gate_up_proj.silu_mul_forward(x, self.inter))
         if self.lora_gate_up is None or self.lora_down is None:
+            if bf16_gemv.takes(self.gate_up_proj, x, self.small_gemm):  # silu * up in the GEMM's epilogue
+                h = bf16_gemv.small_silu_mul(x, self.gate_up_proj.weight)  # [T, I]
+                return bf16_gemv.linear(self.down_proj, h, self.small_gemm)
             return self.down_proj(
                 silu_mul(self.gate_up_proj(x), self.inter, self.fused)
             )  # via [T, 2I] -> [T, I]
@@ -259,6 +268,7 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fused = False
+        self.small_gemm = False
         self.lm_head = (
             ParallelLMHead(config.vocab_size, config.hidden_size, tp)
             if tp.enabled
@@ -270,6 +280,29 @@ class LlamaModel(nn.Module):
         for m in self.modules():
             if hasattr(m, "fused"):
                 setattr(m, "fused", on)  # noqa: B010 (Module's __setattr__ types values as Tensor | Module)
+
+    def use_small_gemm(self, on: bool) -> int:
+        """bf16_gemv's kernel for the linear layers and the head at 1-64 rows (where it takes them: CUDA, 16-bit,
+        plain nn.Linear); on: compiles its tiles now, before any graph capture. Returns the launches made."""
+        for m in self.modules():
+            if hasattr(m, "small_gemm"):
+                setattr(m, "small_gemm", on)  # noqa: B010 (Module's __setattr__ types values as Tensor | Module)
+        if not on:
+            return 0
+        shapes: dict[tuple[int, int, bool], torch.Tensor] = {}
+        for m in self.modules():
+            if isinstance(m, Attention):
+                layers = [(m.qkv_proj, False), (m.o_proj, False)]
+            elif isinstance(m, MLP):
+                layers = [(m.gate_up_proj, True), (m.down_proj, False)]
+            else:
+                continue
+            for layer, gated in layers:
+                if type(layer) is nn.Linear:
+                    shapes.setdefault((*layer.weight.shape, gated), layer.weight)
+        if type(self.lm_head) is nn.Linear:
+            shapes.setdefault((*self.lm_head.weight.shape, False), self.lm_head.weight)
+        return bf16_gemv.precompile([(w, gated) for (_, _, gated), w in shapes.items()])
 
     def active_decoder_params(self) -> int:
         """The decoder layers' weights one token runs through: all of them for a dense model; of a sparse
@@ -328,5 +361,7 @@ class LlamaModel(nn.Module):
         """The LM head of final hidden states h [R, hidden] into out_logits [R, V] (in place)."""
         if self.tp.enabled:
             cast(ParallelLMHead, self.lm_head).logits_into(h, out_logits)  # [R, V]: all-gather of [R, V / N]
+        elif self.small_gemm and bf16_gemv.runs_kernel(h, self.lm_head.weight):
+            bf16_gemv.small_mm(h, self.lm_head.weight, out=out_logits)
         else:
             torch.mm(h, self.lm_head.weight.t(), out=out_logits)  # [R, V], no [R, V] temporary

@@ -91,6 +91,12 @@ class EngineSettings(SettingsSection):
         description="Schedule and prepare step n+1 while the GPU runs step n (auto = on with CUDA). "
         "Greedy outputs are the same either way; a request that stops at step n wastes one step of work.",
     )
+    bf16_small_gemm: bool = Field(
+        False,
+        description="Decode-sized steps (1-64 rows) of a 16-bit model run their linear layers through "
+        "model/bf16_gemv.py's Triton kernel (W read once for all rows, silu * up in the gate_up GEMM) instead "
+        "of cuBLAS; CUDA, tensor_parallel_size 1. Off until measured on the H200 (benchmarks/bf16_gemv_sweep.py).",
+    )
     speculative_config: Annotated[str | None, BlankIsUnset] = Field(
         None,
         description="Speculative decoding, as vLLM's --speculative-config: one JSON object, e.g. "

@@ -141,6 +141,8 @@ class ModelRunner:
         # One Triton kernel each for add+RMSNorm, rotary and SiLU*mul instead of ~35 small torch kernels a layer.
         self.fused_ops = s.model.fused_ops == "auto" and self.device.type == "cuda" and HAVE_FUSED_TRITON
         self.model.use_fused_ops(self.fused_ops)
+        # Steps of 1-64 rows through bf16_gemv's kernel (16-bit plain layers on CUDA; compiled here, before captures).
+        self.model.use_small_gemm(s.engine.bf16_small_gemm and self.device.type == "cuda")
         # This rank's heads: its KV cache, attention plan and decode kernels see only those.
         self.num_heads, self.num_kv_heads = c.num_heads // tp.size, c.num_kv_heads // tp.size
         self.block_size = s.engine.block_size
