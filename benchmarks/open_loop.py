@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT / "service"))  # the graphcache package
 from benchmarks import workloads  # noqa: E402
 from benchmarks.model_shapes import add_model_args, resolve_model  # noqa: E402
 from benchmarks.open_loop_client import send  # noqa: E402
-from benchmarks.open_loop_server import SERVER_FIGURES, server_histograms, server_quantiles  # noqa: E402
+from benchmarks.open_loop_server import SERVER_COUNTS, SERVER_FIGURES, server_histograms, server_quantiles  # noqa: E402
 from benchmarks.served_throughput import children, cpu_seconds, pct, running_server  # noqa: E402
 
 
@@ -166,6 +166,14 @@ def print_tables(rows: list[dict], args) -> None:
         s = r["server"]
         cells = [f"{s[f'{k}_ms_p50']:.1f} / {s[f'{k}_ms_p99']:.1f}" for k in SERVER_FIGURES]
         print(f"| {r['window']} | " + " | ".join(cells) + " |")
+    counted = (*SERVER_COUNTS, "triton_compiles")
+    print(
+        "\nwhat stalls every request at once, per window: lazy captures, eager vs replayed steps, Triton JIT"
+    )
+    print("| window | " + " | ".join(counted) + " |")
+    print("|---" * (len(counted) + 1) + "|")
+    for r in rows:
+        print(f"| {r['window']} | " + " | ".join(f"{r['server'][k]:g}" for k in counted) + " |")
     print(
         f"\nclient TTFT per {args.slice_seconds:g} s slice of the window by send time (ms, p50 / p99 (requests))"
     )

@@ -15,9 +15,12 @@ first token in it, tpot / itl / prefill of those that finished in it.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import httpx
 
-__all__ = ["SERVER_FIGURES", "server_histograms", "server_quantiles"]
+__all__ = ["SERVER_COUNTS", "SERVER_FIGURES", "server_histograms", "server_quantiles", "triton_compiles"]
 
 SERVER_FIGURES = {
     "ttft": "vllm:time_to_first_token_seconds",
@@ -28,13 +31,44 @@ SERVER_FIGURES = {
 }
 
 
+# What can stall every request at once, counted over a window: lazy graph captures on a miss (inside the
+# step that missed: graphs/policy/admission.py), and the steps run eagerly vs replayed.
+SERVER_COUNTS = {
+    "captures": "graphcache_graph_captures_total",
+    "capture_stall_s": "graphcache_graph_capture_stall_seconds_sum",
+    "captures_deferred": "graphcache_graph_captures_deferred_total",
+    "misses": "graphcache_graph_cache_misses_total",
+    "eager_steps": 'graphcache_steps_total{mode="eager"}',
+    "replay_steps": 'graphcache_steps_total{mode="replay"}',
+    "preemptions": "vllm:num_preemptions_total",
+}
+
+
+def triton_compiles() -> int:
+    """Kernels in Triton's on-disk cache (one directory per compiled specialization): a rise over a window
+    is JIT compiling on the engine thread while serving (the server shares this machine's cache dir)."""
+    root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    try:
+        return sum(1 for p in root.iterdir() if p.is_dir())
+    except OSError:
+        return 0
+
+
 def server_histograms(url: str) -> dict[str, list[tuple[float, float]]]:
-    """{figure: [(upper bound s, cumulative count)]} from GET /metrics, summed over label sets."""
+    """{figure: [(upper bound s, cumulative count)]} from GET /metrics, summed over label sets; "counts":
+    [(i, value of the i-th SERVER_COUNTS)]; "triton": [(0, triton_compiles())]."""
     from prometheus_client.parser import text_string_to_metric_families
 
     wanted = {name: key for key, name in SERVER_FIGURES.items()}
+    count_keys = {name: key for key, name in SERVER_COUNTS.items()}
     out: dict[str, dict[float, float]] = {}
+    counts: dict[str, float] = {}
     for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for x in family.samples:
+            mode = x.labels.get("mode")
+            name = f'{x.name}{{mode="{mode}"}}' if mode is not None else x.name
+            if name in count_keys:
+                counts[count_keys[name]] = counts.get(count_keys[name], 0.0) + x.value
         key = wanted.get(family.name)
         if key is None:
             continue
@@ -43,7 +77,10 @@ def server_histograms(url: str) -> dict[str, list[tuple[float, float]]]:
             if x.name.endswith("_bucket"):
                 le = float(x.labels["le"])
                 buckets[le] = buckets.get(le, 0.0) + x.value
-    return {key: sorted(b.items()) for key, b in out.items()}
+    result = {key: sorted(b.items()) for key, b in out.items()}
+    result["counts"] = [(float(i), counts.get(k, 0.0)) for i, k in enumerate(SERVER_COUNTS)]
+    result["triton"] = [(0.0, float(triton_compiles()))]
+    return result
 
 
 def _quantile(before: list[tuple[float, float]], after: list[tuple[float, float]], q: float) -> float:
@@ -71,4 +108,8 @@ def server_quantiles(before: dict, after: dict) -> dict[str, float]:
         for q in (0.5, 0.99):
             row[f"{key}_ms_p{round(q * 100)}"] = _quantile(b, a, q)
         row[f"{key}_count"] = (a[-1][1] - (b[-1][1] if b else 0.0)) if a else 0.0
+    a, b = after.get("counts", []), before.get("counts", [])
+    for i, key in enumerate(SERVER_COUNTS):
+        row[key] = (a[i][1] if a else 0.0) - (b[i][1] if b else 0.0)
+    row["triton_compiles"] = after.get("triton", [(0, 0)])[0][1] - before.get("triton", [(0, 0)])[0][1]
     return row
