@@ -54,10 +54,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "service"))  # the graphcache package
 
-from benchmarks import workloads  # noqa: E402
+from benchmarks import step_trace, workloads  # noqa: E402
 from benchmarks.model_shapes import add_model_args, resolve_model  # noqa: E402
 from benchmarks.open_loop_client import send  # noqa: E402
-from benchmarks.open_loop_server import SERVER_COUNTS, SERVER_FIGURES, server_histograms, server_quantiles  # noqa: E402
+from benchmarks.open_loop_server import (  # noqa: E402
+    SERVER_COUNTS,
+    SERVER_FIGURES,
+    server_histograms,
+    server_quantiles,
+    trace_window,
+)
 from benchmarks.served_throughput import children, cpu_seconds, pct, running_server  # noqa: E402
 
 
@@ -118,7 +124,9 @@ def window(args, url: str, pid: int, vocab: int, k: int, rate: float, burst: int
         url, extra + reqs, [0.0] * burst + offsets, procs=args.client_procs, logprobs=args.logprobs
     )
     wall = time.perf_counter() - wall0
+    row_span = (t0, t0 + wall)
     row = {"window": label, "rate": rate, "burst": burst, **summarize(results[burst:], t0, args)}
+    row["span"] = row_span
     row["burst_errors"] = sum(not r["ok"] for r in results[:burst])
     row["server"] = server_quantiles(hist0, server_histograms(url))
     row["client_lag_ms_p50"], row["client_lag_ms_p99"] = (
@@ -174,6 +182,26 @@ def print_tables(rows: list[dict], args) -> None:
     print("|---" * (len(counted) + 1) + "|")
     for r in rows:
         print(f"| {r['window']} | " + " | ".join(f"{r['server'][k]:g}" for k in counted) + " |")
+    keys = (
+        "steps",
+        "mixed_per_s",
+        "mixed_ms",
+        "decode_ms",
+        "mixed_share",
+        "longest_ms",
+        "tokens_mixed_mean",
+        "rows_mean",
+        "waiting_max",
+    )
+    print(
+        "\nthe engine's steps per window (step trace; ms completion to completion; mixed = with a prompt chunk)"
+    )
+    print("| window | " + " | ".join(keys) + " |")
+    print("|---" * (len(keys) + 1) + "|")
+    for r in rows:
+        print(
+            f"| {r['window']} | " + " | ".join(f"{r['steps'].get(k, float('nan')):.4g}" for k in keys) + " |"
+        )
     print(
         f"\nclient TTFT per {args.slice_seconds:g} s slice of the window by send time (ms, p50 / p99 (requests))"
     )
@@ -249,7 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     specs = (args.rates or "2,8,32,inf").split(",")
     rows: list[dict] = []
     saturation = None
-    with running_server(model, args.port, args.log, args.max_num_seqs, args.max_model_len) as (proc, url, _):
+    with running_server(model, args.port, args.log, args.max_num_seqs, args.max_model_len) as (
+        proc,
+        url,
+        trace,
+    ):
         warm = workloads.realistic(
             4, vocab, args.seed + 10_000, workloads.RealisticShape(prompt_cap=64, output_cap=8)
         )
@@ -262,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
             if math.isinf(rate):
                 saturation = rows[-1]["req_per_s"]
                 print(f"saturation: {saturation:.2f} req/s", file=sys.stderr, flush=True)
+    records = step_trace.load(trace) if trace.exists() else []  # written as the server stopped
+    for r in rows:
+        r["steps"] = trace_window(records, *r["span"])
     print_tables(rows, args)
     if args.out:
         result = {

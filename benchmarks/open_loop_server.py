@@ -20,7 +20,14 @@ from pathlib import Path
 
 import httpx
 
-__all__ = ["SERVER_COUNTS", "SERVER_FIGURES", "server_histograms", "server_quantiles", "triton_compiles"]
+__all__ = [
+    "SERVER_COUNTS",
+    "SERVER_FIGURES",
+    "server_histograms",
+    "server_quantiles",
+    "trace_window",
+    "triton_compiles",
+]
 
 SERVER_FIGURES = {
     "ttft": "vllm:time_to_first_token_seconds",
@@ -113,3 +120,30 @@ def server_quantiles(before: dict, after: dict) -> dict[str, float]:
         row[key] = (a[i][1] if a else 0.0) - (b[i][1] if b else 0.0)
     row["triton_compiles"] = after.get("triton", [(0, 0)])[0][1] - before.get("triton", [(0, 0)])[0][1]
     return row
+
+
+def trace_window(records: list[dict], t0: float, t1: float) -> dict:
+    """The engine's steps completed in [t0, t1] (its step trace: perf_counter, one clock with the client's):
+    per kind (mixed: a prompt chunk among the rows) the steps a second and the mean period (completion to
+    completion, ms), the share of the window's time in mixed steps, the longest period (a stall: a capture,
+    a JIT compile, a big step) and the waiting queue's max."""
+    steps = [r for r in records if t0 <= r["completed"] <= t1]
+    if len(steps) < 2:
+        return {}
+    span = steps[-1]["completed"] - steps[0]["completed"]
+    pairs = list(zip(steps, steps[1:], strict=False))
+    periods = [(b["completed"] - a["completed"], b["tokens"] > b["rows"]) for a, b in pairs]
+    mixed = [p for p, is_mixed in periods if is_mixed]
+    decode = [p for p, is_mixed in periods if not is_mixed]
+    return {
+        "steps": len(steps),
+        "mixed_per_s": len(mixed) / span,
+        "mixed_ms": sum(mixed) * 1e3 / max(1, len(mixed)),
+        "decode_ms": sum(decode) * 1e3 / max(1, len(decode)),
+        "mixed_share": sum(mixed) / span,
+        "longest_ms": max(p for p, _ in periods) * 1e3,
+        "tokens_mixed_mean": sum(b["tokens"] for _, b in pairs if b["tokens"] > b["rows"])
+        / max(1, len(mixed)),
+        "rows_mean": sum(r["rows"] for r in steps) / len(steps),
+        "waiting_max": max(r["waiting"] for r in steps),
+    }
