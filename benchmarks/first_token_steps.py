@@ -38,6 +38,7 @@ def measure(
     arrivals: int,
     every: int = 1,
     prompt_median: float = 220.0,
+    prompt_sigma: float = 0.9,
     prompt_cap: int = 2048,
     new_max_tokens: int = 4,
     vocab: int = 500,
@@ -67,7 +68,7 @@ def measure(
     k = 0
     while len(to_first) < arrivals:
         if k < arrivals and step % every == 0:
-            length = min(prompt_cap, max(1, round(rng.lognormvariate(math.log(prompt_median), 0.9))))
+            length = min(prompt_cap, max(1, round(rng.lognormvariate(math.log(prompt_median), prompt_sigma))))
             seq = Sequence(f"new{k}", ids(length), SamplingParams(max_tokens=new_max_tokens, ignore_eos=True))
             core.check(seq)
             core.add_request(seq)
