@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import tempfile
 import time
@@ -137,6 +138,17 @@ def window(args, url: str, pid: int, vocab: int, k: int, rate: float, burst: int
     row["api_cpu"] = (cpu_seconds(pid) - cpu0[0]) / wall
     row["children_cpu"] = (sum(cpu_seconds(c) for c in kids) - cpu0[1]) / wall
     return row
+
+
+def warm_mixed_env(max_tokens: int, max_num_seqs: int) -> dict[str, str]:
+    """Server env capturing the mixed descriptors of the fine sizes at start (their rows: min(T, max_num_seqs),
+    graphs/descriptor.py descriptor_for), with the entry budget raised so that the pin share (half of it)
+    holds them and the decode sizes."""
+    from graphcache.settings.graph_cache import default_capture_sizes
+
+    sizes = [t for t in default_capture_sizes(max_tokens) if t >= 8]
+    descs = ",".join(f"{t}:{min(t, max_num_seqs)}" for t in sizes)
+    return {"GRAPHCACHE_WARMUP_DESCRIPTORS": descs, "GRAPHCACHE_CACHE_MAX_ENTRIES": "256"}
 
 
 def parse_rate(spec: str, saturation: float | None) -> float:
@@ -237,6 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--client-procs", type=int, default=1, help="client processes the requests are split over"
     )
+    ap.add_argument(
+        "--warm-mixed",
+        type=int,
+        default=0,
+        metavar="T",
+        help="the server captures a mixed graph of every capture size 8..T at start (GRAPHCACHE_WARMUP_DESCRIPTORS; "
+        "T = its max_capture_size, 512 on an H200) instead of at their second miss while serving",
+    )
     ap.add_argument("--prompt-cap", type=int, default=2048)
     ap.add_argument("--output-cap", type=int, default=1024)
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
@@ -274,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     if model is None:
         raise SystemExit("--model DIR (or --make-model SHAPE:DIR, or --smoke) is required")
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    if args.warm_mixed:
+        os.environ.update(warm_mixed_env(args.warm_mixed, args.max_num_seqs or 512))
     specs = (args.rates or "2,8,32,inf").split(",")
     rows: list[dict] = []
     saturation = None
