@@ -151,6 +151,17 @@ def warm_mixed_env(max_tokens: int, max_num_seqs: int) -> dict[str, str]:
     return {"GRAPHCACHE_WARMUP_DESCRIPTORS": descs, "GRAPHCACHE_CACHE_MAX_ENTRIES": "256"}
 
 
+def write_result(args, model: Path, saturation: float | None, rows: list[dict]) -> None:
+    if args.out:
+        result = {
+            "model": str(model),
+            "saturation_req_per_s": saturation,
+            "duration_s": args.duration,
+            "rows": rows,
+        }
+        args.out.write_text(json.dumps(result, indent=1, default=str))
+
+
 def parse_rate(spec: str, saturation: float | None) -> float:
     spec = spec.strip().lower()
     if spec in ("sat", "inf"):
@@ -312,22 +323,21 @@ def main(argv: list[str] | None = None) -> int:
             rate = parse_rate(spec, saturation)
             bursts = [0] if math.isinf(rate) or not args.burst else [0, args.burst]
             for j, burst in enumerate(bursts):
-                rows.append(window(args, url, proc.pid, vocab, 2 * k + j, rate, burst))
-            if math.isinf(rate):
-                saturation = rows[-1]["req_per_s"]
-                print(f"saturation: {saturation:.2f} req/s", file=sys.stderr, flush=True)
+                rows.append(r := window(args, url, proc.pid, vocab, 2 * k + j, rate, burst))
+                if math.isinf(rate):
+                    saturation = r["req_per_s"]
+                print(
+                    f"window {r['window']}: {r['requests']} requests, {r['errors']} errors, TTFT p50/p99 "
+                    f"{r['ttft_ms_p50']:.0f}/{r['ttft_ms_p99']:.0f} ms (server {r['server']['ttft_ms_p50']:.0f}/"
+                    f"{r['server']['ttft_ms_p99']:.0f}), TPOT p50 {r['tpot_ms_p50']:.2f} ms",
+                    flush=True,
+                )
+                write_result(args, model, saturation, rows)  # so far: a run cut short keeps its windows
     records = step_trace.load(trace) if trace.exists() else []  # written as the server stopped
     for r in rows:
         r["steps"] = trace_window(records, *r["span"])
     print_tables(rows, args)
-    if args.out:
-        result = {
-            "model": str(model),
-            "saturation_req_per_s": saturation,
-            "duration_s": args.duration,
-            "rows": rows,
-        }
-        args.out.write_text(json.dumps(result, indent=1, default=str))
+    write_result(args, model, saturation, rows)
     return 0 if all(r["errors"] == 0 and r["burst_errors"] == 0 for r in rows) else 1
 
 
