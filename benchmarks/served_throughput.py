@@ -352,7 +352,8 @@ def running_server(model: Path, port: int, log: Path, max_num_seqs: int = 256, m
     trace_path.unlink(missing_ok=True)
     env = {
         "GRAPHCACHE_MODEL": str(model),
-        "GRAPHCACHE_MAX_NUM_SEQS": str(max_num_seqs),
+        # max_num_seqs 0: the server's own default (512 on an H200, config.py's LARGE_GPU_DEFAULTS)
+        **({"GRAPHCACHE_MAX_NUM_SEQS": str(max_num_seqs)} if max_num_seqs else {}),
         "GRAPHCACHE_MAX_NUM_BATCHED_TOKENS": "8192",
         "GRAPHCACHE_MAX_MODEL_LEN": str(max_model_len),
         "GRAPHCACHE_LOG_LEVEL": "warning",

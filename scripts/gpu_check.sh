@@ -101,9 +101,15 @@ for p in ${PHASES:-tests pool capture}; do
     decode_step_llama8b) phase decode_step_llama8b 500 python3 benchmarks/decode_step.py --make-model llama8b:/tmp/llama8b \
                --modes "${DECODE_MODES:-full,eager}" --out "$OUT/decode_step_llama8b.json" ${DECODE_ARGS:-} ;;
     # Poisson arrivals per rate against the served engine: TTFT/TPOT/ITL p50/p99, goodput; OPEN_LOOP_MODEL=qwen05b|llama8b.
-    open_loop) m=${OPEN_LOOP_MODEL:-qwen05b}; phase open_loop_$m 590 python3 benchmarks/open_loop.py --make-model "$m:/tmp/$m" \
+    open_loop) m=${OPEN_LOOP_MODEL:-qwen05b}; TAIL=${TAIL:-45} phase open_loop_$m 590 python3 benchmarks/open_loop.py --make-model "$m:/tmp/$m" \
                --rates "${OPEN_LOOP_RATES:-2,8,32,inf}" --out "$OUT/open_loop_$m.json" --log "$OUT/open_loop_${m}_server.log" \
                ${OPEN_LOOP_ARGS:-} ;;
+    # Issue 41's TTFT bar (~6 min at 8B): saturation (512 at once), then 60 s windows at 0.5x of it without and after a
+    # burst of 512, at the server's default slots, 4 client processes; server queue/prefill/TTFT, captures, Triton JITs.
+    # GRAPHCACHE_* in the environment reach the server (e.g. GRAPHCACHE_ADMISSION=never: no lazy captures).
+    open_loop_ttft) m=${OPEN_LOOP_MODEL:-llama8b}; TAIL=${TAIL:-45} phase open_loop_ttft_$m 520 python3 benchmarks/open_loop.py \
+               --make-model "$m:/tmp/$m" --rates "${OPEN_LOOP_RATES:-sat,0.5x}" --duration 60 --burst 512 --max-num-seqs 0 \
+               --client-procs 4 --out "$OUT/open_loop_ttft_$m.json" --log "$OUT/open_loop_ttft_${m}_server.log" ${OPEN_LOOP_ARGS:-} ;;
     # Per-kernel CUDA time of a decode, a mixed and a prefill step against its roofline bound, at both shapes.
     # KERNEL_TABLE_ARGS: other step shapes (--decode-rows 1 --kinds decode, --quantization fp8); KERNEL_TABLE_TAG names them.
     kernel_table) for m in ${KERNEL_TABLE_MODELS:-qwen05b llama8b}; do TAIL=${TAIL:-120} phase kernel_table_$m${KERNEL_TABLE_TAG:-} 300 \

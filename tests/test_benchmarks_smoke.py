@@ -84,7 +84,9 @@ def test_open_loop_smoke(tmp_path):
             [
                 "--smoke",
                 "--rates",
-                "inf",
+                "sat,0.5x",
+                "--burst",
+                "2",
                 "--port",
                 str(port),
                 "--log",
@@ -95,9 +97,22 @@ def test_open_loop_smoke(tmp_path):
         )
         == 0
     )
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row["errors"] == 0 and row["requests"] == 6
-    assert row["ttft_ms_p50"] > 0 and row["itl_ms_p50"] >= 0 and row["output_tokens_per_s"] > 0
+    result = json.loads(out.read_text())
+    sat, half, after_burst = result["rows"]
+    assert [r["window"] for r in (sat, after_burst)] == ["sat", f"{half['rate']:.3g} +burst 2"]
+    assert (
+        half["rate"]
+        == pytest.approx(result["saturation_req_per_s"] / 2)
+        == pytest.approx(sat["req_per_s"] / 2)
+    )
+    for row in (sat, half, after_burst):
+        assert row["errors"] == 0 and row["burst_errors"] == 0 and row["requests"] == 6
+        assert row["ttft_ms_p50"] > 0 and row["itl_ms_p50"] >= 0 and row["output_tokens_per_s"] > 0
+        assert sum(s["requests"] for s in row["ttft_slices"]) == 6
+        server = row["server"]
+        # the server's TTFT splits into queue + prefill; every window's requests reached /metrics
+        assert server["ttft_count"] >= 6 and server["queue_count"] >= 6 and server["ttft_ms_p50"] > 0
+        assert row["steps"]["steps"] > 0
 
 
 @pytest.mark.slow

@@ -232,3 +232,24 @@ def test_big_steps_benchmark_smoke(tmp_path):
     for r in result["rows"]:
         assert r["eager_ran"] == "eager" and r["breakable_ran"] == "replay" and r["full_ran"] == "replay"
         assert r["breakable"]["capture_s"] >= 0 and r["full_half_ms"] > 0
+
+
+def test_with_graphs_and_no_bucket_the_largest_size_is_warmed_as_a_mixed_graph():
+    """A large model keeps no mixed bucket above max_capture_size 512 (capture_sizes.py): one mixed graph of
+    the largest capture size is still captured at start, so the mixed step's kernels compile before serving
+    rather than in the first prefill while requests wait. Not without CUDA graphs, nor when the settings name
+    the mixed sizes (warmup_mixed_sizes=[] keeps all of them lazy)."""
+    from graphcache.config import Settings
+    from graphcache.engine.worker.warmup_plan import warmup_descriptors
+    from graphcache.graphs.descriptor import CaptureSizes
+
+    settings = Settings(max_num_seqs=256, max_num_batched_tokens=8192, warmup_decode_sizes=[])
+    sizes = CaptureSizes([8, 16, 256, 512])
+    assert [str(d) for d in warmup_descriptors(settings, sizes, sizes, graphs=True)] == ["512:256"]
+    assert warmup_descriptors(settings, sizes, sizes, graphs=False) == []
+    lazy = Settings(
+        max_num_seqs=256, max_num_batched_tokens=8192, warmup_decode_sizes=[], warmup_mixed_sizes=[]
+    )
+    assert warmup_descriptors(lazy, sizes, sizes, graphs=True) == []
+    with_buckets = CaptureSizes([8, 16, 256, 512, 768])
+    assert [str(d) for d in warmup_descriptors(settings, sizes, with_buckets, graphs=True)] == ["768:256"]

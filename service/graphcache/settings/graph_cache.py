@@ -65,7 +65,8 @@ class GraphCacheSettings(SettingsSection):
     warmup_mixed_sizes: Annotated[list[int] | None, CommaList] = Field(
         None,
         description="Mixed bucket sizes above max_capture_size captured at start (pinned). Default: every "
-        "mixed bucket in use. [] = capture them lazily, on misses.",
+        "mixed bucket in use; with CUDA graphs and none in use, one mixed graph of max_capture_size tokens (its "
+        "capture compiles the mixed step's kernels before serving). [] = capture them lazily, on misses.",
     )
     warmup_decode_sizes: Annotated[list[int] | None, CommaList] = Field(
         None,

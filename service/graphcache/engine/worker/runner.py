@@ -154,7 +154,9 @@ class ModelRunner:
         self.sizes, self.mixed_sizes = resolve_capture_sizes(
             s, graphs=self.backend == "cuda", decoder_params=decoder_params, num_layers=c.num_layers
         )
-        self._warmup_descs = warmup_descriptors(s, self.sizes, self.mixed_sizes)
+        self._warmup_descs = warmup_descriptors(
+            s, self.sizes, self.mixed_sizes, graphs=self.backend == "cuda"
+        )
         self._alloc_buffers()
         # Before the KV cache: the adapters' slot buffers are part of what the model takes from the GPU.
         self.lora: LoraSlots | None = None

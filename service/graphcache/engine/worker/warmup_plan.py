@@ -27,9 +27,10 @@ log = logging.getLogger(__name__)
 
 
 def warmup_descriptors(
-    settings: Settings, sizes: CaptureSizes, mixed_sizes: CaptureSizes
+    settings: Settings, sizes: CaptureSizes, mixed_sizes: CaptureSizes, *, graphs: bool = False
 ) -> list[BatchDescriptor]:
-    """The configured warmup set. sizes: what decode steps pad to; mixed_sizes: what mixed steps pad to."""
+    """The configured warmup set. sizes: what decode steps pad to; mixed_sizes: what mixed steps pad to;
+    graphs: CUDA graphs are captured (the runner's cuda backend)."""
     s = settings
     if s.graph_cache.warmup_profile is not None:  # exactly the profile's set
         return load_warmup_profile(s.graph_cache.warmup_profile, sizes, mixed_sizes, s.engine.max_num_seqs)
@@ -41,7 +42,11 @@ def warmup_descriptors(
     mixed = s.graph_cache.warmup_mixed_sizes
     buckets = [n for n in mixed_sizes if n > sizes.max]
     if mixed is None:
-        mixed = buckets
+        # With no bucket above the decode sizes (a large model keeps none at max_capture_size 512:
+        # capture_sizes.py), still one mixed graph, the largest fine size: its capture compiles the mixed
+        # step's kernels (the unified attention's chunk tiles) before /ready. Else the first prefill while
+        # serving compiles them, up to seconds on a cold Triton cache during which every request waits.
+        mixed = buckets or ([sizes.max] if graphs and len(sizes) else [])
     elif any(n not in buckets for n in mixed):
         raise ValueError(
             f"warmup_mixed_sizes {mixed} must be mixed buckets in use {buckets} (mixed_capture_sizes "
