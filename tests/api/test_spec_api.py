@@ -146,7 +146,12 @@ async def test_verify_and_draft_graphs_on_admin_cache_and_metrics(tmp_path):
     async with serving(settings, engine) as (client, app):
         name = app.state.engine.model_name
         for i in range(3):
-            body = {"prompt": [5 + i, 9, 14, 3, 7, 22], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            body = {
+                "prompt": [5 + i, 9, 14, 3, 7, 22],
+                "max_tokens": 12,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
             r = await client.post("/v1/completions", json={"model": name, **body})
             assert r.status_code == 200, r.text
         cache = (await client.get("/admin/cache", headers={"Authorization": "Bearer t0ken"})).json()
