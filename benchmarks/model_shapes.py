@@ -3,6 +3,9 @@
   qwen05b  Qwen2.5-0.5B (config.json of Qwen/Qwen2.5-0.5B): 24 layers, hidden 896, 14/2 heads, vocab 151936.
   llama8b  Llama-3-8B (config.json of meta-llama/Meta-Llama-3-8B): 32 layers, hidden 4096, 32/8 heads,
            intermediate 14336, vocab 128256, rope theta 500000, 8192 positions; bf16, ~16 GB.
+  llama1b  Llama-3.2-1B (config.json of meta-llama/Llama-3.2-1B): 16 layers, hidden 2048, 32/8 heads of 64,
+           intermediate 8192, vocab 128256, tied; bf16, ~2.5 GB: an unrelated draft for llama8b (the same
+           tokenizer and vocab, other weights: speculation's acceptance near 0).
   qwen3moe Qwen3-30B-A3B's layer (config.json of Qwen/Qwen3-30B-A3B: hidden 2048, 32/4 heads of 128, 128
            experts of 768 rows, top-8, vocab 151936) with 16 of its 48 layers: bf16, ~21 GB, ~10.6B weights
            of which ~1.1B run per token (the expert GEMMs are the real model's, the step a third of it).
@@ -53,6 +56,19 @@ SHAPES = {
         tie_word_embeddings=False,
         model_vocab_size=128256,
     ),
+    "llama1b": dict(
+        arch="llama",
+        hidden=2048,
+        layers=16,
+        heads=32,
+        kv_heads=8,
+        intermediate=8192,
+        head_dim=64,
+        max_positions=8192,
+        rope_theta=500_000.0,
+        tie_word_embeddings=True,
+        model_vocab_size=128256,
+    ),
     "qwen3moe": dict(
         arch="qwen3_moe",
         hidden=2048,
@@ -90,7 +106,7 @@ SHAPES = {
     ),
 }
 # Shapes whose fp32 weights would not fit a quick CPU write: drawn on the GPU in bf16.
-ON_DEVICE = {"llama8b", "qwen3moe", "mixtral"}
+ON_DEVICE = {"llama8b", "llama1b", "qwen3moe", "mixtral"}
 MOE_KEYS = ("experts", "experts_per_tok", "moe_intermediate")  # make_tiny_model's sparse-MLP arguments
 
 
@@ -177,6 +193,14 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
         help=f"write a random checkpoint of SHAPE ({', '.join(SHAPES)}) to DIR and use it if --model is unset",
     )
     ap.add_argument("--make-qwen05b", type=Path, metavar="DIR", help="the same as --make-model qwen05b:DIR")
+
+
+def path_or_make(text: str | None) -> Path | None:
+    """A model directory, or SHAPE:DIR written by make_model first (a name that is not a shape is a path)."""
+    if not text:
+        return None
+    shape, sep, path = text.partition(":")
+    return make_model(shape, Path(path)) if sep and shape in SHAPES else Path(text)
 
 
 def resolve_model(args: argparse.Namespace) -> Path | None:

@@ -15,6 +15,13 @@ submission to the last token (after load, warmup and a short warm request, like 
 "Benchmark: " request). Each engine row also splits its steps by kind (decode: every row feeds one
 token; prefill: every row is a prompt chunk; mixed: both) with their mean ms (step_trace.by_kind).
 
+Each run is set against its H200 roofline (benchmarks/roofline.py, from the model's config, the workload's
+prompt and output lengths and --quantization / GRAPHCACHE_QUANTIZATION): the main table ends with the
+bound's seconds, its output tok/s and the achieved share (bound seconds / measured seconds), and the engine
+rows' steps by kind and decode steps by row count are each set against their own bound
+(step_trace.against_roofline). JSON: bound_s, bound_tok_s, achieved, roofline (the bound's terms) and
+roofline_steps per row.
+
   python benchmarks/offline_throughput.py --make-model qwen05b:/tmp/qwen05b                 # eager, graph, hf
   python benchmarks/offline_throughput.py --make-model llama8b:/tmp/llama8b --modes graph,eager \
       --workload nano,realistic --out bench.json
@@ -26,7 +33,7 @@ Output tokens/s counts requested output tokens. HF `generate` runs fixed-size ba
 padded, --hf-batch-size) to the longest output of each batch; its table row counts only the
 requested tokens (what a user gets), and the JSON also has the raw generated count. HF runs the
 nano workload only (one sampling setting per batch).
-This file, workloads.py, model_shapes.py and step_trace.py use only engine APIs of commit 87f2733,
+This file, workloads.py, model_shapes.py, step_trace.py and roofline.py use only engine APIs of commit 87f2733,
 so they run against that tree too (scripts/gpu_check.sh phase realistic_old copies them there).
 """
 
@@ -39,6 +46,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -49,7 +57,7 @@ from graphcache.config import Settings  # noqa: E402
 from graphcache.engine.loop.engine import Engine, SamplingParams  # noqa: E402
 from graphcache.metrics import Metrics  # noqa: E402
 
-from benchmarks import step_trace, workloads  # noqa: E402
+from benchmarks import roofline, step_trace, workloads  # noqa: E402
 from benchmarks.model_shapes import add_model_args, make_model, resolve_model  # noqa: E402
 
 
@@ -127,9 +135,19 @@ def lora_settings(args) -> dict:
 
 
 async def _run_engine(
-    engine: Engine, requests: list[workloads.Request], kinds: list[str], offset: int, loras: int = 0
+    engine: Engine,
+    requests: list[workloads.Request],
+    kinds: list[str],
+    offset: int,
+    loras: int = 0,
+    roof: roofline.Roofline | None = None,
+    lora_names: Sequence[str | None] | None = None,
 ) -> dict:
-    """One workload, all at once; kinds[k] is the kind of step trace record offset + k."""
+    """One workload, all at once; kinds[k] is the kind of step trace record offset + k; roof: the steps'
+    roofline (roofline_steps). Request i runs through adapter lora{i % loras}, or lora_names[i] when
+    given (None: the base model)."""
+    if lora_names is None:
+        lora_names = [f"lora{i % loras}" if loras else None for i in range(len(requests))]
     warm = engine.generate("warm", requests[0].prompt[:16], SamplingParams(max_tokens=8, ignore_eos=True))
     async for _ in warm:
         pass
@@ -143,7 +161,7 @@ async def _run_engine(
             top_k=r.top_k,
             seed=r.seed,
             ignore_eos=True,
-            **({"lora_name": f"lora{i % loras}"} if loras else {}),
+            **({"lora_name": lora_names[i]} if lora_names[i] is not None else {}),
         )
         n = 0
         # stream=False: one output per request, so the benchmark measures the engine, not 256
@@ -174,18 +192,28 @@ async def _run_engine(
         "phase_ms_per_step": phases,
         "trace": trace,
         "by_kind": step_trace.by_kind(records[offset:], list(kinds), t0),
+        **(
+            {"roofline_steps": step_trace.against_roofline(records[offset:], roof, list(kinds), t0)}
+            if roof is not None
+            else {}
+        ),
         "cache_info": await engine.cache_info(),
         "stats": engine.stats(),
     }  # fresh, from the engine thread
 
 
 async def _run_all(
-    engine: Engine, runs: dict[str, list[workloads.Request]], kinds: list[str], offset: int, loras: int = 0
+    engine: Engine,
+    runs: dict[str, list[workloads.Request]],
+    kinds: list[str],
+    offset: int,
+    loras: int = 0,
+    roof: roofline.Roofline | None = None,
 ):
     out = {}
     for name, requests in runs.items():
         stats0 = engine.stats().get("steps_by_mode") or {}
-        out[name] = await _run_engine(engine, requests, kinds, offset, loras)
+        out[name] = await _run_engine(engine, requests, kinds, offset, loras, roof)
         out[name]["steps_by_mode"] = {
             k: v - stats0.get(k, 0) for k, v in (out[name]["stats"].get("steps_by_mode") or {}).items()
         }
@@ -199,6 +227,27 @@ def _updated(settings: Settings, **flat) -> Settings:
     return settings.model_copy(update=flat)
 
 
+def start_engine(settings: Settings) -> tuple[Engine, float]:
+    """An engine of `settings`, loaded and warmed up, and the seconds that took; RuntimeError if it failed."""
+    engine = Engine(settings, Metrics())
+    t0 = time.perf_counter()
+    engine.start()
+    if not engine.wait_ready(1800):
+        error = engine.error
+        engine.shutdown()
+        raise RuntimeError(f"engine failed: {error}")
+    return engine, time.perf_counter() - t0
+
+
+def stop_engine(engine: Engine) -> None:
+    """Shut the engine down (its thread releases the device); the caller drops its last reference to it, so
+    the next engine of the process finds the GPU memory free."""
+    engine.shutdown()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def bench_engine(args, mode: str, runs: dict[str, list[workloads.Request]]) -> list[dict]:
     """One engine (one model load) in `mode`, each workload of `runs` in turn: a row per workload."""
     settings = engine_settings(args, enforce_eager=mode == "eager")
@@ -206,19 +255,14 @@ def bench_engine(args, mode: str, runs: dict[str, list[workloads.Request]]) -> l
     settings = _updated(settings, step_trace=Path(tempfile.gettempdir()) / f"offline_steps_{mode}.jsonl")
     if mode == "graph-noprefix":  # the same graph engine with automatic prefix caching off
         settings = _updated(settings, enable_prefix_caching=False)
-    engine = Engine(settings, Metrics())
-    t0 = time.perf_counter()
-    engine.start()
-    if not engine.wait_ready(1800):
-        raise RuntimeError(f"engine failed: {engine.error}")
-    ready_s = time.perf_counter() - t0
+    engine, ready_s = start_engine(settings)
     report = engine.warmup_report
     offset = len(engine.core.step_trace)  # records before the kinds are recorded (none when idle)
     kinds = step_trace.record_step_kinds(engine.core)
     rows = []
     try:
         for name, row in asyncio.run(
-            _run_all(engine, runs, kinds, offset, getattr(args, "loras", 0))
+            _run_all(engine, runs, kinds, offset, getattr(args, "loras", 0), getattr(args, "roofline", None))
         ).items():
             cache_info, stats = row.pop("cache_info"), row.pop("stats")
             cache = cache_info.get("stats", {})
@@ -240,11 +284,9 @@ def bench_engine(args, mode: str, runs: dict[str, list[workloads.Request]]) -> l
                 }
             )
     finally:
-        engine.shutdown()
+        stop_engine(engine)
         del engine
         gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
     return rows
 
 
@@ -405,6 +447,32 @@ def apply_smoke(args: argparse.Namespace) -> None:
         args.make_model = f"tiny:{tempfile.mkdtemp(prefix='bench-smoke-')}"
 
 
+def quantization_of(args) -> str:
+    """The engine's quantization setting (GRAPHCACHE_QUANTIZATION): settings.model.quantization, or a flat
+    Settings' (the A-B's older tree), auto when the tree has none."""
+    settings = engine_settings(args, enforce_eager=False)
+    section = getattr(settings, "model", None)
+    return str(getattr(section, "quantization", None) or getattr(settings, "quantization", None) or "auto")
+
+
+def add_bounds(
+    results: list[dict], runs: dict[str, list[workloads.Request]], roof: roofline.Roofline
+) -> None:
+    """Each row's run bound (its workload's requests): bound_s, bound_tok_s, achieved, roofline."""
+    bounds = {
+        name: roof.run_bound((len(r.prompt), r.max_tokens) for r in requests)
+        for name, requests in runs.items()
+    }
+    for r in results:
+        b = bounds[r["workload"]]
+        r.update(
+            bound_s=b.seconds,
+            bound_tok_s=b.tokens_per_s,
+            achieved=b.achieved(r["seconds"]),
+            roofline=b.as_dict(),
+        )
+
+
 def kind_table(rows: list[dict]) -> str:
     """Steps by kind per (mode, workload): count, mean ms and, as launch/wait, the host's launch and its
     wait for the tokens (step_trace.by_kind), markdown. A kind whose launch exceeds its ms is host-bound."""
@@ -440,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = json.loads((args.model / "config.json").read_text())
     runs = build_workloads(args, config["vocab_size"])
+    args.roofline = roofline.for_config(config, quantization_of(args), args.dtype)
     results = []
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         print(f"running {mode} ...", file=sys.stderr, flush=True)
@@ -466,14 +535,27 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
 
+    add_bounds(results, runs, args.roofline)
     print(
         f"\n{'mode':<15}{'workload':<10}{'output tok/s':>14}{'seconds':>10}{'tokens':>10}{'warmup s':>10}"
-        f"{'pool MiB':>10}"
+        f"{'pool MiB':>10}{'bound s':>10}{'bound tok/s':>13}{'share':>8}"
     )
     for r in results:
         print(
             f"{r['mode']:<15}{r['workload']:<10}{r['tokens_per_s']:>14.0f}{r['seconds']:>10.1f}{r['output_tokens']:>10}"
             f"{r['warmup_s']:>10.2f}{r['graph_pool_bytes'] / 2**20:>10.1f}"
+            f"{r['bound_s']:>10.2f}{r['bound_tok_s']:>13.0f}{r['achieved']:>8.1%}"
+        )
+    roof = args.roofline
+    print(
+        f"(bound: H200 roofline, benchmarks/roofline.py: {roof.weight_bytes / 1e9:.2f} GB of weights"
+        f"{' in FP8' if roof.fp8 else ''}, {roof.kv_bytes_per_token} KV bytes a token; share = bound s / seconds; "
+        "prefix-cache hits not counted)"
+    )
+    for name, b in {r["workload"]: r["roofline"] for r in results}.items():
+        print(
+            f"  {name}: GEMMs {b['gemm_s']:.2f} s + KV {b['kv_s']:.2f} s, weight floor {b['weight_floor_s']:.2f} s "
+            f"({b['max_steps']} steps); set by {b['bound_limit']}"
         )
     engine_rows = [r for r in results if "phase_ms_per_step" in r]
     if engine_rows:
@@ -498,6 +580,14 @@ def main(argv: list[str] | None = None) -> int:
     if traced:
         print("\nstep trace (benchmarks/step_trace.py; ms per step):")
         print(step_trace.table(traced))
+    steps_vs_bound = {
+        f"{r['mode']} {r['workload']}": r["roofline_steps"] for r in engine_rows if r.get("roofline_steps")
+    }
+    if steps_vs_bound:
+        print(
+            "\nsteps against their H200 roofline (step_trace.against_roofline; ms = completion to completion):"
+        )
+        print(step_trace.roofline_table(steps_vs_bound))
     for name in dict.fromkeys(r["workload"] for r in results):
         by = {r["mode"]: r for r in results if r["workload"] == name}
         if "graph" in by:
@@ -515,6 +605,14 @@ def main(argv: list[str] | None = None) -> int:
             "output": [args.min_output, args.max_output],
             "seed": args.seed,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "roofline": {
+                "hbm_bytes_per_s": roof.device.hbm_bytes_per_s,
+                "bf16_flops": roof.device.bf16_flops,
+                "fp8_flops": roof.device.fp8_flops,
+                "fp8": roof.fp8,
+                "weight_bytes": roof.weight_bytes,
+                "kv_bytes_per_token": roof.kv_bytes_per_token,
+            },
             "torch": torch.__version__,
         }
         args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2, default=str))

@@ -78,8 +78,18 @@ SERVER_HISTOGRAMS = {
 }
 
 
+# Counters whose increments over a run it reports: the graph cache's replays and misses (its hit ratio),
+# and speculative decoding's drafts (0 without --speculative-config).
+SERVER_COUNTERS = {
+    "graph_hits": "graphcache_graph_cache_hits",
+    "graph_misses": "graphcache_graph_cache_misses",
+    "spec_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "spec_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+}
+
+
 def server_buckets(url: str) -> dict[str, list[tuple[float, float]]]:
-    """{ttft|tpot: [(upper bound s, cumulative count)]} from GET /metrics."""
+    """{ttft|tpot: [(upper bound s, cumulative count)]} and {counter key: [(0, total)]} from GET /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out = {}
@@ -89,6 +99,9 @@ def server_buckets(url: str) -> dict[str, list[tuple[float, float]]]:
                 out[key] = sorted(
                     (float(x.labels["le"]), x.value) for x in family.samples if x.name.endswith("_bucket")
                 )
+        for key, name in SERVER_COUNTERS.items():
+            if family.name == name:
+                out[key] = [(0.0, sum(x.value for x in family.samples if x.name.endswith("_total")))]
     return out
 
 
@@ -128,6 +141,10 @@ def measured(run, pid: int, url: str) -> dict:
             row[f"server_{key}_ms_p{round(q * 100)}"] = bucket_quantile(
                 hist0.get(key, []), hist1.get(key, []), q
             )
+    for key in SERVER_COUNTERS:
+        row[key] = hist1.get(key, [(0.0, 0.0)])[0][1] - hist0.get(key, [(0.0, 0.0)])[0][1]
+    steps = row["graph_hits"] + row["graph_misses"]
+    row["graph_hit_ratio"] = row["graph_hits"] / steps if steps else float("nan")
     return row
 
 
@@ -402,12 +419,17 @@ def main() -> int:
             f"{r['ttft_ms_p99']:>8.0f}{r['tpot_ms_p50']:>10.2f}{r['tpot_ms_p99']:>8.2f}{r['chunks_p50']:>11}"
             f"{r['first_to_last_s_p50']:>11.2f}{r['api_cpu']:>9.2f}{r['children_cpu']:>10.2f}"
         )
-    print("\nserver-side latency (its /metrics histograms, interpolated within buckets; ms):")
-    print("| run | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |\n|---|---|---|---|---|")
+    print("\nserver-side latency (its /metrics histograms, interpolated within buckets; ms) and graph cache:")
+    print(
+        "| run | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | graph hits | misses | hit ratio | draft tokens "
+        "| accepted |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
     for r in rows:
         print(
             f"| {r['run']} | {r['server_ttft_ms_p50']:.0f} | {r['server_ttft_ms_p99']:.0f} | "
-            f"{r['server_tpot_ms_p50']:.2f} | {r['server_tpot_ms_p99']:.2f} |"
+            f"{r['server_tpot_ms_p50']:.2f} | {r['server_tpot_ms_p99']:.2f} | {r['graph_hits']:.0f} | "
+            f"{r['graph_misses']:.0f} | {r['graph_hit_ratio']:.4f} | {r['spec_draft_tokens']:.0f} | "
+            f"{r['spec_accepted_tokens']:.0f} |"
         )
     if trace_path.exists():
         records = step_trace.load(trace_path)

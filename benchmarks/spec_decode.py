@@ -65,7 +65,7 @@ except ImportError:
     build_draft_proposer = None  # type: ignore[assignment]
 
 from benchmarks import offline_throughput  # noqa: E402
-from benchmarks.model_shapes import add_model_args, resolve_model  # noqa: E402
+from benchmarks.model_shapes import add_model_args, path_or_make, resolve_model  # noqa: E402
 from benchmarks.spec_greedy_check import greedy_check, greedy_table  # noqa: E402
 
 # --------------------------------------------------------------------------- the workload
@@ -427,7 +427,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--token-cost", type=float, help="settings.engine.speculative_token_cost (default: the server's)"
     )
-    ap.add_argument("--draft-model", type=Path, help="also run method draft_model with this draft")
+    ap.add_argument(
+        "--draft-model",
+        help="also run method draft_model with this draft: a directory, or SHAPE:DIR to write a random one "
+        "(benchmarks/model_shapes.py; llama1b is an unrelated draft for llama8b)",
+    )
     ap.add_argument("--self-draft", action="store_true", help="the target's own checkpoint as the draft")
     ap.add_argument("--ks", default="1,2,4,8", help="verify step times: drafts per row")
     ap.add_argument("--rows", default="1,8", help="verify step times: rows")
@@ -523,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     streams = [] if args.streams == "none" else [int(s) for s in args.streams.split(",") if s.strip()]
     ks = [int(k) for k in args.ks.split(",") if k.strip()]
     rows_list = [int(r) for r in args.rows.split(",") if r.strip()]
-    draft = model if args.self_draft else args.draft_model
+    draft = model if args.self_draft else path_or_make(args.draft_model)
     result: dict = {"model": str(model), "device": args.device, "k": args.k, "streams": [], "notes": []}
     if torch.cuda.is_available() and args.device == "cuda":
         result["gpu"] = torch.cuda.get_device_name()

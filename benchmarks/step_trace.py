@@ -6,14 +6,25 @@ and *loop* (everything else in the engine loop: intake, streaming, gauges, deliv
 scheduling a step's GPU work overlaps the next step's host work, so a run is GPU-bound when `wait`
 is a large share of the period and host-bound when it is near 0.
 
+Against the roofline (benchmarks/roofline.py, given the model: --model DIR or --shape NAME): steps by kind
+and decode steps by row count, each with its mean ms, its mean bound (one weight read or its GEMM FLOPs at
+peak, whichever is longer, plus its KV read from the record's `context`) and measured / bound.
+
     python benchmarks/step_trace.py served_steps.jsonl [--from T0 --to T1]   (perf_counter seconds)
+    python benchmarks/step_trace.py served_steps.jsonl --shape llama8b [--quantization fp8]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+if not __package__:  # run as a script: the repository root, for `benchmarks.roofline`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.roofline import Roofline  # noqa: E402
 
 
 def load(path: Path) -> list[dict]:
@@ -126,6 +137,113 @@ def by_kind(records: list[dict], kinds: list[str], t0: float | None = None, t1: 
     return out
 
 
+# Decode steps by rows scheduled: (lowest, highest) of each bucket, None for no upper limit.
+DECODE_BUCKETS: tuple[tuple[int, int | None], ...] = (
+    (1, 64),
+    (65, 128),
+    (129, 192),
+    (193, 256),
+    (257, 384),
+    (385, 512),
+    (513, None),
+)
+
+
+def bucket_label(lo: int, hi: int | None) -> str:
+    return f"<={hi}" if lo <= 1 else f">{lo - 1}" if hi is None else f"{lo}-{hi}"
+
+
+def kinds_from_records(records: list[dict]) -> list[str]:
+    """Step kinds from the trace alone: decode when every row feeds one token, else mixed (a record does not
+    say whether any of its rows decode, so a prompt-chunks-only step counts as mixed here; record_step_kinds
+    tells them apart in-process)."""
+    return ["decode" if r["tokens"] == r["rows"] else "mixed" for r in records]
+
+
+def against_roofline(
+    records: list[dict],
+    roof: Roofline,
+    kinds: list[str] | None = None,
+    t0: float | None = None,
+    t1: float | None = None,
+) -> dict:
+    """{"by_kind": {kind: stats}, "decode_buckets": {label: stats}, "kv_known": bool} over the steps scheduled
+    in [t0, t1], stats = {steps, ms, bound_ms, measured_over_bound, rows_mean, tokens_mean}. ms is by_kind's
+    (completion to completion); a step's bound is Roofline.step_bound_s of its tokens, sampled rows and
+    context. kinds: record_step_kinds' list when it lines up with the records, else kinds_from_records.
+    kv_known is False when the records have no context (an older engine's trace): bounds then leave the KV
+    read out."""
+    if kinds is None or len(kinds) != len(records):
+        kinds = kinds_from_records(records)
+    sums: dict[str, dict[str, dict]] = {"by_kind": {}, "decode_buckets": {}}
+    kv_known = True
+    for i in range(1, len(records)):
+        r = records[i]
+        if (t0 is not None and records[i - 1]["scheduled"] < t0) or (t1 is not None and r["scheduled"] > t1):
+            continue
+        context = r.get("context")
+        kv_known = kv_known and context is not None
+        ms = (r["completed"] - records[i - 1]["completed"]) * 1e3
+        bound_ms = roof.step_bound_s(r["tokens"], r["sampled"], context) * 1e3
+        groups = [("by_kind", kinds[i])]
+        if kinds[i] == "decode":
+            label = next(
+                bucket_label(lo, hi)
+                for lo, hi in DECODE_BUCKETS
+                if r["rows"] >= lo and (hi is None or r["rows"] <= hi)
+            )
+            groups.append(("decode_buckets", label))
+        for table_name, key in groups:
+            g = sums[table_name].setdefault(
+                key, {"steps": 0, "ms": 0.0, "bound_ms": 0.0, "rows": 0, "tokens": 0}
+            )
+            g["steps"] += 1
+            g["ms"] += ms
+            g["bound_ms"] += bound_ms
+            g["rows"] += r["rows"]
+            g["tokens"] += r["tokens"]
+    out: dict = {"kv_known": kv_known}
+    order = {"by_kind": KINDS, "decode_buckets": tuple(bucket_label(lo, hi) for lo, hi in DECODE_BUCKETS)}
+    for table_name, groups in sums.items():
+        out[table_name] = {
+            key: {
+                "steps": (n := g["steps"]),
+                "ms": g["ms"] / n,
+                "bound_ms": g["bound_ms"] / n,
+                "measured_over_bound": g["ms"] / g["bound_ms"] if g["bound_ms"] else 0.0,
+                "rows_mean": g["rows"] / n,
+                "tokens_mean": g["tokens"] / n,
+            }
+            for key in order[table_name]
+            if (g := groups.get(key))
+        }
+    return out
+
+
+def roofline_table(rows: dict[str, dict]) -> str:
+    """against_roofline's summaries (one per named run) as two markdown tables: steps by kind, then decode
+    steps by rows."""
+    lines = [
+        "| run | kind | steps | rows | tokens | ms | bound ms | measured/bound |",
+        "|---" * 8 + "|",
+    ]
+    for name, s in rows.items():
+        note = "" if s.get("kv_known", True) else " (no KV in bound)"
+        for kind, k in s.get("by_kind", {}).items():
+            lines.append(
+                f"| {name}{note} | {kind} | {k['steps']} | {k['rows_mean']:.0f} | {k['tokens_mean']:.0f} | "
+                f"{k['ms']:.2f} | {k['bound_ms']:.3f} | {k['measured_over_bound']:.2f} |"
+            )
+    lines += ["", "| run | decode rows | steps | ms | bound ms | measured/bound |", "|---" * 6 + "|"]
+    for name, s in rows.items():
+        for label, b in s.get("decode_buckets", {}).items():
+            lines.append(
+                f"| {name} | {label} | {b['steps']} | {b['ms']:.2f} | {b['bound_ms']:.3f} | "
+                f"{b['measured_over_bound']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
 COLUMNS = (
     "steps",
     "span_s",
@@ -152,14 +270,34 @@ def table(rows: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace", type=Path)
     ap.add_argument("--from", dest="t0", type=float)
     ap.add_argument("--to", dest="t1", type=float)
-    args = ap.parse_args()
-    print(table({args.trace.name: summarize(load(args.trace), args.t0, args.t1)}))
+    ap.add_argument("--model", type=Path, help="the run's model directory (its config.json): roofline tables")
+    ap.add_argument("--shape", help="or a benchmarks/model_shapes.py shape (llama8b, qwen05b, ...)")
+    ap.add_argument("--quantization", default="auto", help="the run's --quantization (fp8: FP8 bound)")
+    args = ap.parse_args(argv)
+    records = load(args.trace)
+    print(table({args.trace.name: summarize(records, args.t0, args.t1)}))
+    roof = _roofline_of(args)
+    if roof is not None:
+        print("\nagainst the H200 roofline (benchmarks/roofline.py; ms per step):")
+        print(roofline_table({args.trace.name: against_roofline(records, roof, None, args.t0, args.t1)}))
     return 0
+
+
+def _roofline_of(args: argparse.Namespace) -> Roofline | None:
+    from benchmarks import roofline
+
+    if args.model is not None:
+        config = json.loads((args.model / "config.json").read_text())
+    elif args.shape is not None:
+        config = roofline.config_of_shape(args.shape)
+    else:
+        return None
+    return roofline.for_config(config, args.quantization)
 
 
 if __name__ == "__main__":

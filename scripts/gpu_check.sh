@@ -16,7 +16,8 @@ phase() {  # name, timeout seconds, command...
 }
 old_bench_files() {  # this tree's benchmark files into the old tree (.old); a tree from before the engine's
   # stage folders (no engine/loop) gets the old module paths
-  cp benchmarks/offline_throughput.py benchmarks/workloads.py benchmarks/model_shapes.py benchmarks/step_trace.py .old/benchmarks/ &&
+  cp benchmarks/offline_throughput.py benchmarks/workloads.py benchmarks/model_shapes.py benchmarks/step_trace.py \
+    benchmarks/roofline.py .old/benchmarks/ &&
     { [ -d .old/service/graphcache/engine/loop ] ||
       sed -i -E 's/graphcache\.engine\.(loop|sched|worker|sample)\./graphcache.engine./g' .old/benchmarks/*.py; }
 }
@@ -32,6 +33,9 @@ for p in ${PHASES:-tests pool capture}; do
     sampler) phase sampler 120 python3 benchmarks/sampler_bench.py --out "$OUT/sampler.json" ${SAMPLER_ARGS:-} ;;
     kernels) phase kernels 200 python3 benchmarks/decode_attention_bench.py ;;
     mixed_attn) phase mixed_attn 300 python3 benchmarks/mixed_attention_bench.py ${MIXED_ATTN_ARGS:-} ;;
+    # Dense prefill kernels (cuDNN / flash / efficient SDPA, FlexAttention, varlen) against the unified kernel (issue 41).
+    prefill_attn) TAIL=${TAIL:-90} phase prefill_attn 300 python3 benchmarks/prefill_attention_bench.py \
+               --out "$OUT/prefill_attn.json" ${PREFILL_ATTN_ARGS:-} ;;
     decode_step) phase decode_step 400 python3 benchmarks/decode_step.py --make-qwen05b /tmp/qwen05b \
                --modes "${DECODE_MODES:-full,breakable,varlen,eager}" --out "$OUT/decode_step.json" ;;
     offline_old) (cd .old && phase offline_old 400 python3 benchmarks/offline_throughput.py \
@@ -137,6 +141,12 @@ for p in ${PHASES:-tests pool capture}; do
     spec_realistic) m=${SPEC_MODEL:-qwen05b}; phase spec_realistic_$m 560 python3 benchmarks/spec_decode.py \
                --make-model "$m:/tmp/$m" --streams none --ks "" --realistic --out "$OUT/spec_realistic_$m.json" \
                ${SPEC_REALISTIC_ARGS:-} ;;
+    # LoRA (issue 38, benchmarks/lora_bench.py): an engine without --enable-lora, then one with --max-loras 4 and four
+    # random rank-16 adapters: the realistic workload (512 requests) without adapters and mixed over them, one stream
+    # with and without, a fifth adapter loaded at runtime under load (step times around it); a PASS/FAIL table.
+    # LORA_MODEL=llama8b|qwen05b; LORA_ARGS: more flags (--realistic-requests 1024, --repeats 1).
+    lora) m=${LORA_MODEL:-llama8b}; TAIL=${TAIL:-50} phase lora_$m 540 python3 benchmarks/lora_bench.py \
+               --make-model "$m:/tmp/$m" --out "$OUT/lora_$m.json" ${LORA_ARGS:-} ;;
     # Greedy equality with speculation (issue 37; benchmarks/spec_decode.py --greedy-check): GREEDY_N (64) greedy requests,
     # 8 at a time, without and with n-gram and the self-draft, per dtype in GREEDY_DTYPES (one a call: float32 = equal
     # expected, bfloat16 = near ties may flip); identical share, first divergence positions, top-2 margins there.

@@ -52,7 +52,7 @@ def test_realistic_workload_shape():
 
 
 @pytest.mark.slow
-def test_offline_realistic_smoke(tmp_path):
+def test_offline_realistic_smoke(tmp_path, capsys):
     out = tmp_path / "offline.json"
     assert offline_throughput.main(["--smoke", "--workload", "nano,realistic", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]
@@ -64,6 +64,19 @@ def test_offline_realistic_smoke(tmp_path):
         kinds["decode"]["steps"] > 0
         and sum(k["steps"] for k in kinds.values()) == realistic["trace"]["steps"] - 1
     )
+    # The run against its H200 roofline (benchmarks/roofline.py), in the JSON and at the end of the table
+    for r in rows:
+        assert r["bound_s"] > 0 and r["achieved"] == pytest.approx(r["bound_s"] / r["seconds"])
+        assert r["bound_tok_s"] == pytest.approx(r["output_tokens"] / r["bound_s"])
+        assert r["roofline"]["output_tokens"] == r["output_tokens"] and not r["roofline"]["fp8"]
+    steps = realistic["roofline_steps"]
+    assert steps["kv_known"] and steps["by_kind"]["decode"]["steps"] == kinds["decode"]["steps"]
+    assert sum(b["steps"] for b in steps["decode_buckets"].values()) == kinds["decode"]["steps"]
+    printed = capsys.readouterr().out
+    header = next(line for line in printed.splitlines() if "output tok/s" in line)
+    old_columns = "mode workload output tok/s seconds tokens warmup s pool MiB"  # what others parse
+    assert " ".join(header.split()) == old_columns + " bound s bound tok/s share"
+    assert "| eager realistic | <=64 |" in printed
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ __all__ = [
     "LOG_FORMATS",
     "LOG_LEVELS",
     "POOLING_MODES",
+    "PREFILL_ATTENTION_MODES",
     "QUANTIZATIONS",
     "RUNNER_KINDS",
     "SCHEDULING_POLICIES",
@@ -45,6 +46,7 @@ __all__ = [
     "LogFormat",
     "LogLevel",
     "PoolingMode",
+    "PrefillAttention",
     "Quantization",
     "RunnerKind",
     "StepMode",
@@ -60,6 +62,8 @@ Device = Literal["auto", "cuda", "cpu"]
 AttentionBackend = Literal["auto", "sdpa", "flash", "flash_paged", "triton"]
 DecodeKernel = Literal["triton", "torch", "varlen"]  # what decode_attention_backend=auto resolves to
 DecodeAttentionBackend = Literal["auto", "triton", "torch", "varlen"]
+# Fresh prompts' attention on the triton kernel: the unified kernel, or a dense varlen kernel (model/prefill_attention.py)
+PrefillAttention = Literal["unified", "triton", "cudnn", "flash", "sdpa"]
 FusedOps = Literal["auto", "off"]
 Quantization = Literal["auto", "fp8"]  # auto: as the checkpoint is; fp8: FP8 projections (quantized on load)
 RunnerKind = Literal["auto", "generate", "pooling"]  # vLLM's --runner: text generation, or embeddings
@@ -91,6 +95,7 @@ DEVICES: tuple[str, ...] = get_args(Device)
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 DECODE_KERNELS: tuple[str, ...] = get_args(DecodeKernel)
 DECODE_ATTENTION_BACKENDS: tuple[str, ...] = get_args(DecodeAttentionBackend)
+PREFILL_ATTENTION_MODES: tuple[str, ...] = get_args(PrefillAttention)
 FUSED_OPS_MODES: tuple[str, ...] = get_args(FusedOps)
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 RUNNER_KINDS: tuple[str, ...] = get_args(RunnerKind)

@@ -697,6 +697,7 @@ async def test_step_trace_records_every_step_and_is_written_at_stop(tmp_path):
         times = [r[k] for k in STEP_TRACE_FIELDS[:6]]
         assert times == sorted(times), r
         assert r["rows"] >= r["sampled"] >= 1 and r["tokens"] >= r["rows"]
+        assert r["context"] >= r["tokens"]  # each row attends to its fed tokens and those before them
     assert sum(r["sampled"] for r in records) == 15  # 3 requests x 5 tokens
 
 

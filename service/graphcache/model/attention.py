@@ -19,7 +19,9 @@ have their own, `select_decode_kernel`):
   launch per layer over ALL requests of the step, decode rows and chunks alike (causal, bottom-right
   aligned), reading K/V in place through the block tables (no gather) with the query heads of each
   KV head packed into one tile, writing straight into `out`. Its plan is a few views of buffers the
-  runner already uploaded.
+  runner already uploaded. With settings.model.prefill_attention other than "unified", the step's
+  trailing fresh prompts go to a dense kernel instead (model/prefill_attention.py) and this launch
+  covers the requests before them.
 - "flash_paged" (CUDA, fp16/bf16, block_size a multiple of 256, FlashAttention's paged-KV page
   size): FlashAttention varlen over ALL requests of the step at once, decode and prefill alike
   (causal, bottom-right aligned), reading the paged cache through the block tables and writing
@@ -51,6 +53,7 @@ from graphcache.graphs.capture import eager_break, is_capturing
 from graphcache.model.attention_metadata import AttentionMetadata, DecodeMetadata, PrefillPlan
 from graphcache.model.decode_attention import HAVE_TRITON, paged_decode_attention
 from graphcache.model.forward_context import current_attention_metadata
+from graphcache.model.prefill_attention import dense_prefill_attention
 from graphcache.model.unified_attention import unified_attention
 
 __all__ = [
@@ -306,19 +309,26 @@ def paged_attention(
         return
     if md.kernel == "triton":
         # All requests in one launch, straight from the pages; rows past cu_seqlens_q[R] (padding)
-        # are neither read nor written.
-        unified_attention(
-            q,
-            k_blocks,
-            v_blocks,
-            out,
-            md.cu_seqlens_q,
-            md.seqused_k,
-            md.block_table,
-            scale,
-            md.num_reqs,
-            md.unified_config,
-        )
+        # are neither read nor written. With a dense part (fresh prompts at the end of the step), the
+        # launch covers the requests and rows before it, and the dense kernel the rest.
+        dense = md.dense
+        unified_reqs = dense.first_req if dense is not None else md.num_reqs
+        if unified_reqs:
+            rows = dense.start if dense is not None else q.shape[0]
+            unified_attention(
+                q[:rows],
+                k_blocks,
+                v_blocks,
+                out[:rows],
+                md.cu_seqlens_q,
+                md.seqused_k,
+                md.block_table,
+                scale,
+                unified_reqs,
+                md.unified_config,
+            )
+        if dense is not None:
+            dense_prefill_attention(q, k, v, out, dense, scale)
         return
     if md.kernel == "flash_paged":
         # All requests at once, straight from the pages. Rows past cu_seqlens_q[-1] (padding) are

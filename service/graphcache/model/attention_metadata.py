@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from graphcache.model.prefill_attention import DensePrefill, plan_dense_suffix
 from graphcache.model.unified_attention import UnifiedConfig, choose_config
 
 __all__ = ["AttentionMetadata", "AttentionPlanner", "DecodeMetadata", "PrefillPlan"]
@@ -81,6 +82,9 @@ class AttentionMetadata:
     seqused_k: torch.Tensor | None = None  # "flash_paged": [R] int32 context lengths; "triton": int64
     num_reqs: int = 0  # "triton": R
     unified_config: UnifiedConfig | None = None  # "triton": the tile shape of this step's launch
+    # "triton": the fresh prompts at the end of the step, run by a dense kernel (model/prefill_attention.py);
+    # the unified launch then covers requests [0, dense.first_req) only. None: every row on the unified kernel.
+    dense: DensePrefill | None = None
     max_q: int = 0
     max_k: int = 0
 
@@ -105,8 +109,12 @@ class AttentionPlanner:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        prefill_kernel: str = "",
     ) -> None:
+        """prefill_kernel: the dense kernel of fresh prompts on the triton kernel ("": none;
+        model/prefill_attention.py select_prefill_kernel)."""
         self.kernel, self.block_size, self.dtype, self.device = kernel, block_size, dtype, device
+        self.prefill_kernel = prefill_kernel
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.max_blocks_per_seq = max_blocks_per_seq
         max_len = max_blocks_per_seq * block_size + _MASK_ALIGN  # decode L may round past the table
@@ -130,7 +138,9 @@ class AttentionPlanner:
         """seq_lens_dev [R] int64, block_tables [R, B] int64 (uploaded); cu_seqlens [2 * (R + 1)] int32
         = (query_start_loc, cumsum of seq_lens with a leading 0), uploaded, needed by the flash kernels."""
         if self.kernel == "triton":
-            return self._plan_triton(num_real_tokens, query_start_loc, seq_lens_dev, block_tables, cu_seqlens)
+            return self._plan_triton(
+                num_real_tokens, query_start_loc, seq_lens, seq_lens_dev, block_tables, cu_seqlens
+            )
         if self.kernel == "flash_paged":
             return self._plan_flash_paged(
                 num_real_tokens, query_start_loc, seq_lens, seq_lens_dev, block_tables, cu_seqlens
@@ -230,11 +240,20 @@ class AttentionPlanner:
             max_k=max(seq_lens),
         )
 
-    def _plan_triton(self, num_real_tokens, query_start_loc, seq_lens_dev, block_tables, cu_seqlens):
-        # Views of what the runner uploaded: no device work at all (no gather metadata).
+    def _plan_triton(
+        self, num_real_tokens, query_start_loc, seq_lens, seq_lens_dev, block_tables, cu_seqlens
+    ):
+        # Views of what the runner uploaded: no device work at all (no gather metadata), except the dense
+        # prefill's rebased lengths when a dense kernel takes the step's trailing fresh prompts.
         num_reqs = len(query_start_loc) - 1
-        max_q = max(end - start for start, end in zip(query_start_loc, query_start_loc[1:], strict=False))
-        config = choose_config(self.num_heads // self.num_kv_heads, self.head_dim, max_q)
+        dense = plan_dense_suffix(self.prefill_kernel, query_start_loc, seq_lens, cu_seqlens)
+        unified_reqs = dense.first_req if dense is not None else num_reqs
+        q_lens = [end - start for start, end in zip(query_start_loc, query_start_loc[1:], strict=False)]
+        max_q = max(q_lens)
+        # The tile shape of the rows the unified launch still runs (decode-sized when only decodes are left).
+        config = choose_config(
+            self.num_heads // self.num_kv_heads, self.head_dim, max(q_lens[:unified_reqs], default=1)
+        )
         return AttentionMetadata(
             num_real_tokens=num_real_tokens,
             kernel="triton",
@@ -244,6 +263,7 @@ class AttentionPlanner:
             num_reqs=num_reqs,
             unified_config=config,
             max_q=max_q,
+            dense=dense,
         )
 
     def _plan_flash_paged(

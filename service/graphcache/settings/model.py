@@ -14,6 +14,7 @@ from graphcache.choices import (
     Device,
     Dtype,
     FusedOps,
+    PrefillAttention,
     Quantization,
     RunnerKind,
 )
@@ -91,6 +92,13 @@ class ModelSettings(SettingsSection):
         "auto",
         description="Kernel of uniform-decode steps: auto = triton on CUDA (paged split-KV), torch on CPU; "
         "varlen = the general attention kernel, as for mixed batches.",
+    )
+    prefill_attention: PrefillAttention = Field(
+        "unified",
+        description="Attention of fresh prompt chunks (no cached prefix) on the triton kernel: unified = "
+        "the paged unified kernel, as every other row; triton / cudnn / flash = a dense varlen kernel over "
+        "the step's own rows (model/prefill_triton.py, cuDNN, FlashAttention 2); sdpa = torch SDPA per prompt (the CPU runs sdpa for "
+        "every value but unified). Other attention backends ignore it (model/prefill_attention.py).",
     )
     fused_ops: FusedOps = Field(
         "auto",

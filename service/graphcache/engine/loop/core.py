@@ -184,7 +184,8 @@ class EngineCore:
         self.phase_seconds = dict.fromkeys(("schedule", "execute", "sample", "postprocess"), 0.0)
         # settings.engine.step_trace: per completed step, (schedule start, launch start, launch end, completion
         # start, tokens on the host, completion end) as perf_counter seconds, then rows scheduled, tokens
-        # fed, rows sampled, waiting, running. Bounded: a long-running server keeps the newest.
+        # fed, rows sampled, waiting, running, context (the KV positions the rows attend to: one sum over the
+        # rows' starts). Bounded: a long-running server keeps the newest.
         self.step_trace: deque[tuple] | None = (
             deque(maxlen=STEP_TRACE_MAX) if settings.engine.step_trace else None
         )
@@ -380,6 +381,7 @@ class EngineCore:
                     len(p.sample_seqs),
                     len(sched.waiting),
                     len(sched.running),
+                    sum(plan.starts) + plan.num_tokens,
                 )
             )
         return outputs

@@ -30,6 +30,9 @@ STEP_TRACE_FIELDS = (
     "sampled",
     "waiting",
     "running",
+    # the KV positions the step's rows attend to: sum over rows of start + tokens fed (a decode row at
+    # position s attends to s + 1), so a benchmark can bound the step's KV read (benchmarks/roofline.py)
+    "context",
 )
 
 

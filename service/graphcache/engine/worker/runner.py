@@ -68,6 +68,7 @@ from graphcache.model.fused_ops import HAVE_TRITON as HAVE_FUSED_TRITON
 from graphcache.model.loader import load_model
 from graphcache.model.moe import moe_kernel_variant
 from graphcache.model.parallel import TensorParallel
+from graphcache.model.prefill_attention import select_prefill_kernel
 from graphcache.model.tiny import default_model_dir
 from graphcache.model.tokenizer import Tokenizer
 
@@ -174,6 +175,9 @@ class ModelRunner:
             head_dim=c.head_dim,
             dtype=self.dtype,
             device=self.device,
+            prefill_kernel=select_prefill_kernel(
+                s.model.prefill_attention, self.device, self.dtype, c.head_dim, self.attention_kernel
+            ),
         )
         self.decode_kernel = select_decode_kernel(
             self.device, self.dtype, c.head_dim, self.block_size, s.model.decode_attention_backend
