@@ -78,11 +78,14 @@ SERVER_HISTOGRAMS = {
 }
 
 
-# Counters whose increments over a run it reports: the graph cache's replays and misses (its hit ratio),
-# and speculative decoding's drafts (0 without --speculative-config).
+# Counters whose increments over a run it reports: the graph cache's replays and misses (its hit ratio), the
+# draft model's own graph cache's (0 without a draft model), and speculative decoding's drafts (0 without
+# --speculative-config).
 SERVER_COUNTERS = {
     "graph_hits": "graphcache_graph_cache_hits",
     "graph_misses": "graphcache_graph_cache_misses",
+    "draft_graph_hits": "graphcache_draft_graph_cache_hits",
+    "draft_graph_misses": "graphcache_draft_graph_cache_misses",
     "spec_draft_tokens": "vllm:spec_decode_num_draft_tokens",
     "spec_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
 }
@@ -145,6 +148,8 @@ def measured(run, pid: int, url: str) -> dict:
         row[key] = hist1.get(key, [(0.0, 0.0)])[0][1] - hist0.get(key, [(0.0, 0.0)])[0][1]
     steps = row["graph_hits"] + row["graph_misses"]
     row["graph_hit_ratio"] = row["graph_hits"] / steps if steps else float("nan")
+    steps = row["draft_graph_hits"] + row["draft_graph_misses"]
+    row["draft_graph_hit_ratio"] = row["draft_graph_hits"] / steps if steps else float("nan")
     return row
 
 
@@ -422,14 +427,15 @@ def main() -> int:
         )
     print("\nserver-side latency (its /metrics histograms, interpolated within buckets; ms) and graph cache:")
     print(
-        "| run | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | graph hits | misses | hit ratio | draft tokens "
-        "| accepted |\n|---|---|---|---|---|---|---|---|---|---|"
+        "| run | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | graph hits | misses | hit ratio | draft model's "
+        "hit ratio | draft tokens | accepted |\n|---|---|---|---|---|---|---|---|---|---|---|"
     )
     for r in rows:
         print(
             f"| {r['run']} | {r['server_ttft_ms_p50']:.0f} | {r['server_ttft_ms_p99']:.0f} | "
             f"{r['server_tpot_ms_p50']:.2f} | {r['server_tpot_ms_p99']:.2f} | {r['graph_hits']:.0f} | "
-            f"{r['graph_misses']:.0f} | {r['graph_hit_ratio']:.4f} | {r['spec_draft_tokens']:.0f} | "
+            f"{r['graph_misses']:.0f} | {r['graph_hit_ratio']:.4f} | {r['draft_graph_hit_ratio']:.4f} | "
+            f"{r['spec_draft_tokens']:.0f} | "
             f"{r['spec_accepted_tokens']:.0f} |"
         )
     if trace_path.exists():

@@ -22,11 +22,16 @@ Three parts, each printed as a table (this is a script, not a timed test):
    settings.engine.speculative_token_cost wants (docs/DEPLOY.md). With a draft model: its decode step.
 3. --realistic: benchmarks/offline_throughput.py's realistic workload at the server's defaults, graph
    mode, without and with --speculative-config (n-gram): the throughput ratio (the issue asks >= 0.97).
+4. --greedy-check N (instead of 1-3): N greedy copy-prompt requests without speculation and with each
+   proposer at --dtype: the share with identical tokens, where the others first diverge, and the target's
+   top-2 logit margin there (benchmarks/spec_greedy_check.py). float32: all equal is expected; bfloat16:
+   near ties may flip (docs/API.md, "Speculative decoding").
 
   python benchmarks/spec_decode.py --smoke                                    # tiny model, CPU, seconds
   python benchmarks/spec_decode.py --make-model llama8b:/tmp/llama8b --out spec.json
   python benchmarks/spec_decode.py --make-model qwen05b:/tmp/qwen05b --self-draft
   python benchmarks/spec_decode.py --make-model llama8b:/tmp/llama8b --realistic --streams none
+  python benchmarks/spec_decode.py --make-model llama8b:/tmp/llama8b --greedy-check 64 --dtype float32 --self-draft
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ except ImportError:
 
 from benchmarks import offline_throughput  # noqa: E402
 from benchmarks.model_shapes import add_model_args, path_or_make, resolve_model  # noqa: E402
+from benchmarks.spec_greedy_check import greedy_check, greedy_table  # noqa: E402
 
 # --------------------------------------------------------------------------- the workload
 
@@ -435,6 +441,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--realistic", action="store_true", help="the realistic offline workload, without and with"
     )
     ap.add_argument("--realistic-requests", type=int, default=0, help="0: offline_throughput's default")
+    ap.add_argument(
+        "--greedy-check",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only check greedy equality: N requests without and with each proposer (part 4)",
+    )
+    ap.add_argument("--greedy-streams", type=int, default=8, help="--greedy-check: requests at once")
+    ap.add_argument(
+        "--no-margins", action="store_true", help="--greedy-check: skip the top-2 margin at divergences"
+    )
     ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     ap.add_argument("--max-model-len", type=int, default=4096)
@@ -467,6 +484,34 @@ SMOKE = dict(
 )
 
 
+def run_greedy_check(args, model: Path, draft: Path | None, result: dict) -> int:
+    """Part 4: print the greedy-equality table, write it (and every divergence) as JSON."""
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    prompts = copy_prompts(args.greedy_check, vocab, args.prompt_len, args.block, args.seed)
+    configs = {"ngram": ngram_config(args)}
+    if draft is not None:
+        name = "self-draft" if args.self_draft else "draft"
+        configs[name] = json.dumps(
+            {"method": "draft_model", "model": str(draft), "num_speculative_tokens": args.k}
+        )
+    print(f"greedy check: {len(prompts)} requests, {list(configs)} ...", file=sys.stderr, flush=True)
+    check = greedy_check(
+        lambda spec: load_core(settings_for(args, model, spec)),
+        configs,
+        prompts,
+        args.output_len,
+        args.greedy_streams,
+        margins=not args.no_margins,
+    )
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device == "cuda" else "float32")
+    result.update(greedy_check=check, dtype=dtype)
+    print(f"\n{result['device']} {result.get('gpu', '')}, k={args.k}")
+    print(greedy_table(check, dtype))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     if "--smoke" in (sys.argv[1:] if argv is None else argv):
@@ -486,6 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"model": str(model), "device": args.device, "k": args.k, "streams": [], "notes": []}
     if torch.cuda.is_available() and args.device == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
+    if args.greedy_check:
+        return run_greedy_check(args, model, draft, result)
 
     if streams or ks:
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]

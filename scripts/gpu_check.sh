@@ -158,6 +158,12 @@ for p in ${PHASES:-tests pool capture}; do
     # LORA_MODEL=llama8b|qwen05b; LORA_ARGS: more flags (--realistic-requests 1024, --repeats 1).
     lora) m=${LORA_MODEL:-llama8b}; TAIL=${TAIL:-50} phase lora_$m 540 python3 benchmarks/lora_bench.py \
                --make-model "$m:/tmp/$m" --out "$OUT/lora_$m.json" ${LORA_ARGS:-} ;;
+    # Greedy equality with speculation (issue 37; benchmarks/spec_decode.py --greedy-check): GREEDY_N (64) greedy requests,
+    # 8 at a time, without and with n-gram and the self-draft, per dtype in GREEDY_DTYPES (one a call: float32 = equal
+    # expected, bfloat16 = near ties may flip); identical share, first divergence positions, top-2 margins there.
+    spec_greedy) m=${SPEC_MODEL:-llama8b}; for d in ${GREEDY_DTYPES:-bfloat16}; do TAIL=${TAIL:-12} phase spec_greedy_${m}_$d 560 \
+               python3 benchmarks/spec_decode.py --make-model "$m:/tmp/$m" --greedy-check "${GREEDY_N:-64}" --dtype "$d" \
+               --self-draft --token-cost 0 --output-len 128 --max-num-seqs 16 --out "$OUT/spec_greedy_${m}_$d.json" ${SPEC_GREEDY_ARGS:-}; done ;;
     *) echo "unknown phase $p" ;;
   esac
 done

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,12 @@ from benchmarks import (  # noqa: E402
     open_loop,
     spec_decode,
     workloads,
+)
+from benchmarks.spec_greedy_check import (  # noqa: E402
+    first_divergence,
+    run_greedy,
+    summarize,
+    top2_without_speculation,
 )
 
 
@@ -139,6 +146,46 @@ def test_spec_decode_smoke(tmp_path):
     assert all(set(t["verify_ms"]) == {"1", "2", "4"} and t["decode_ms"] > 0 for t in result["step_times"])
     assert ("self-draft", 1) in rows or any("draft_model" in n for n in result["notes"])
     assert result["realistic"]["ratio"] > 0
+
+
+@pytest.mark.slow
+def test_spec_decode_greedy_check_smoke(tmp_path):
+    """--greedy-check on the CPU (float32): every request's tokens equal without and with each proposer, so
+    no divergence is listed; the table's JSON holds the share, the positions and the margins."""
+    out = tmp_path / "greedy.json"
+    argv = ["--smoke", "--greedy-check", "6", "--greedy-streams", "3", "--token-cost", "0", "--self-draft"]
+    assert spec_decode.main([*argv, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["dtype"] == "float32"
+    check = result["greedy_check"]
+    assert check["requests"] == 6 and set(check["proposers"]) == {"ngram", "self-draft"}
+    for row in check["proposers"].values():
+        assert row["identical"] == 6 and row["identical_share"] == 1.0 and row["divergences"] == []
+    assert check["proposers"]["self-draft"]["acceptance_rate"] == 1.0
+
+
+def test_greedy_check_reports_a_divergence_with_the_targets_top2_margin(tmp_path):
+    """A divergence (made by hand: the speculative output changed at position 3) is found at its position,
+    bucketed, and given the target's top-2 there from the real tiny model: the plain token is its top-1."""
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None and first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+    model = tmp_path / "tiny"
+    args = spec_decode.build_parser().parse_args(["--smoke", "--make-model", f"tiny:{model}"])
+    for key, value in spec_decode.SMOKE.items():
+        setattr(args, key, value)
+    core = spec_decode.load_core(spec_decode.settings_for(args, spec_decode.resolve_model(args), None))
+    try:
+        prompts = spec_decode.copy_prompts(2, 1000, 24, 6, seed=1)
+        plain = run_greedy(core, prompts, 8, 2, "plain")
+        spec = [list(plain[0]), plain[1][:3] + [(plain[1][3] + 1) % 1000] + plain[1][4:]]
+        row = summarize(plain, spec, prompts, partial(top2_without_speculation, core))
+    finally:
+        core.runner.close()
+    assert row["identical"] == 1 and row["first_divergence"]["positions"] == [3]
+    assert row["first_divergence"]["buckets"]["[1,4)"] == 1
+    (d,) = row["divergences"]
+    assert d["request"] == 1 and d["plain"] == plain[1][3] and d["top2"][0][0] == plain[1][3]
+    assert d["margin"] >= 0 and row["margin"]["median"] == d["margin"]
 
 
 @pytest.mark.slow

@@ -79,7 +79,84 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 DEFAULT_MODEL_NAME = "graphcache-tiny"
 
 
-class Metrics:
+class GraphCacheMetrics:
+    """One graph cache's instruments, under a name prefix: the target's `graphcache_graph_*` (Metrics is
+    one) and, beside it, the draft model's `graphcache_draft_graph_*` (speculative decoding), so the
+    target's series keep their names and labels and a draft's captures, hits and pool bytes are their own.
+    `what` starts each help text of the draft's series ("Draft model: ")."""
+
+    def __init__(self, r: CollectorRegistry, p: str, what: str = "") -> None:
+        self.graph_backend = Gauge(
+            p + "graph_backend_info",
+            what + "Capture backend in use (1 for the active one)",
+            ["backend"],
+            registry=r,
+        )
+        self.graph_entries = Gauge(
+            p + "graph_cache_entries", what + "Captured graphs held in the cache", registry=r
+        )
+        self.graph_entries_by_mode = Gauge(
+            p + "graph_cache_entries_by_mode",
+            what + "Captured graphs held, by capture mode (full: one graph with attention "
+            "inside; breakable: graph segments around eager attention)",
+            ["mode"],
+            registry=r,
+        )
+        self.graph_max_entries = Gauge(
+            p + "graph_cache_max_entries", what + "Entry budget of the graph cache", registry=r
+        )
+        self.graph_pool_bytes = Gauge(
+            p + "graph_pool_bytes", what + "Graph-pool bytes held, measured from the allocator", registry=r
+        )
+        self.graph_pool_budget_bytes = Gauge(
+            p + "graph_pool_budget_bytes", what + "Graph-pool byte budget", registry=r
+        )
+        self.graph_hits = Counter(
+            p + "graph_cache_hits", what + "Steps served by replay of a cached capture", registry=r
+        )
+        self.graph_misses = Counter(
+            p + "graph_cache_misses", what + "Steps whose descriptor had no capture", registry=r
+        )
+        self.graph_captures = Counter(p + "graph_captures", what + "Successful captures", registry=r)
+        self.graph_capture_seconds = Histogram(
+            p + "graph_capture_seconds",
+            what + "Wall time of one capture",
+            buckets=CAPTURE_BUCKETS,
+            registry=r,
+        )
+        self.graph_capture_stall_seconds = Histogram(
+            p + "graph_capture_stall_seconds",
+            what + "Lazy captures while serving: how long the step that missed waited",
+            buckets=CAPTURE_BUCKETS,
+            registry=r,
+        )
+        self.graph_captures_deferred = Counter(
+            p + "graph_captures_deferred",
+            what + "Misses served eagerly because lazy captures used their share of "
+            "serving time (captured at a later miss)",
+            registry=r,
+        )
+        self.graph_evictions = Counter(
+            p + "graph_evictions", what + "Captures dropped, by reason", ["reason"], registry=r
+        )
+        self.graph_capture_failures = Counter(
+            p + "graph_capture_failures",
+            what + "Captures refused or failed (then served eagerly), by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.padded_tokens = Counter(
+            p + "padded_tokens", what + "Padding tokens added to reach a capture size", registry=r
+        )
+        for mode in CAPTURE_MODES:
+            self.graph_entries_by_mode.labels(mode)
+        for reason in EVICTION_REASONS:
+            self.graph_evictions.labels(reason)
+        for reason in FAILURE_REASONS:
+            self.graph_capture_failures.labels(reason)
+
+
+class Metrics(GraphCacheMetrics):
     """Every instrument, created on its own registry (tests build many servers in one process)."""
 
     def __init__(
@@ -101,27 +178,8 @@ class Metrics:
             PlatformCollector(registry=r)
             GCCollector(registry=r)
 
-        # --- graph cache ---
-        self.graph_backend = Gauge(
-            p + "graph_backend_info", "Capture backend in use (1 for the active one)", ["backend"], registry=r
-        )
-        self.graph_entries = Gauge(p + "graph_cache_entries", "Captured graphs held in the cache", registry=r)
-        self.graph_entries_by_mode = Gauge(
-            p + "graph_cache_entries_by_mode",
-            "Captured graphs held, by capture mode (full: one graph with attention "
-            "inside; breakable: graph segments around eager attention)",
-            ["mode"],
-            registry=r,
-        )
-        self.graph_max_entries = Gauge(
-            p + "graph_cache_max_entries", "Entry budget of the graph cache", registry=r
-        )
-        self.graph_pool_bytes = Gauge(
-            p + "graph_pool_bytes", "Graph-pool bytes held, measured from the allocator", registry=r
-        )
-        self.graph_pool_budget_bytes = Gauge(
-            p + "graph_pool_budget_bytes", "Graph-pool byte budget", registry=r
-        )
+        # --- graph cache: the target's (GraphCacheMetrics); tensor parallelism's per-rank bytes ---
+        super().__init__(r, p)
         # Tensor parallelism (N > 1 only): each rank's own measurement of the entries held (the cache budgets
         # use the max over ranks); from the agreed decision log, engine/worker/tp_runner.py.
         self.graph_pool_rank_bytes = Gauge(
@@ -130,49 +188,11 @@ class Metrics:
             ["rank"],
             registry=r,
         )
-        self.graph_hits = Counter(
-            p + "graph_cache_hits", "Steps served by replay of a cached capture", registry=r
-        )
-        self.graph_misses = Counter(
-            p + "graph_cache_misses", "Steps whose descriptor had no capture", registry=r
-        )
-        self.graph_captures = Counter(p + "graph_captures", "Successful captures", registry=r)
-        self.graph_capture_seconds = Histogram(
-            p + "graph_capture_seconds", "Wall time of one capture", buckets=CAPTURE_BUCKETS, registry=r
-        )
-        self.graph_capture_stall_seconds = Histogram(
-            p + "graph_capture_stall_seconds",
-            "Lazy captures while serving: how long the step that missed waited",
-            buckets=CAPTURE_BUCKETS,
-            registry=r,
-        )
-        self.graph_captures_deferred = Counter(
-            p + "graph_captures_deferred",
-            "Misses served eagerly because lazy captures used their share of "
-            "serving time (captured at a later miss)",
-            registry=r,
-        )
-        self.graph_evictions = Counter(
-            p + "graph_evictions", "Captures dropped, by reason", ["reason"], registry=r
-        )
-        self.graph_capture_failures = Counter(
-            p + "graph_capture_failures",
-            "Captures refused or failed (then served eagerly), by reason",
-            ["reason"],
-            registry=r,
-        )
-        self.padded_tokens = Counter(
-            p + "padded_tokens", "Padding tokens added to reach a capture size", registry=r
-        )
-        self.steps = Counter(p + "steps", "Model steps, by execution mode", ["mode"], registry=r)
-        for mode in CAPTURE_MODES:
-            self.graph_entries_by_mode.labels(mode)
-        for reason in EVICTION_REASONS:
-            self.graph_evictions.labels(reason)
-        for reason in FAILURE_REASONS:
-            self.graph_capture_failures.labels(reason)
+        # The draft model's graph cache (speculative decoding), once one is built: draft_graph_metrics().
+        self.draft_graph: GraphCacheMetrics | None = None
 
         # --- engine ---
+        self.steps = Counter(p + "steps", "Model steps, by execution mode", ["mode"], registry=r)
         self.grammar_cache_bytes = Gauge(
             p + "grammar_cache_bytes",
             "Estimated bytes of compiled output constraints in the grammar cache (engine/structured.py)",
@@ -255,6 +275,14 @@ class Metrics:
 
         # --- vLLM's names, on the same registry ---
         self.vllm = VllmMetrics(self, r, model_name)
+
+    def draft_graph_metrics(self) -> GraphCacheMetrics:
+        """The draft model's graph-cache series (`graphcache_draft_graph_*`, ...), made on the first call: they
+        exist only where a draft model runs, as vLLM's spec_decode series exist only where speculation is
+        configured; a second draft on this registry shares them."""
+        if self.draft_graph is None:
+            self.draft_graph = GraphCacheMetrics(self.registry, "graphcache_draft_", "Draft model: ")
+        return self.draft_graph
 
     def bind_model(self, model_name: str) -> None:
         """The served model id, for the `model_name` label of the vllm: series (before traffic)."""

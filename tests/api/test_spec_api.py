@@ -122,3 +122,58 @@ async def test_draft_model_served_through_the_api(tmp_path):
     proposer = cache["draft"]["proposer"]
     assert proposer["steps"] > 0 and proposer["requests"] == 0 and proposer["failures"] == 0, proposer
     assert proposer["kv_blocks_free"] == proposer["kv_blocks"]
+
+
+async def test_verify_and_draft_graphs_on_admin_cache_and_metrics(tmp_path):
+    """With a draft model and steps that speculate: /admin/cache lists the target's verify descriptors beside
+    its others and the draft's own descriptors under "draft"; /metrics counts the draft's graph cache in
+    graphcache_draft_graph_* series (hits, captures, entries, pool bytes) while the target's graphcache_graph_*
+    series keep their names and labels and count the target's steps alone."""
+    model = tiny_checkpoint("qwen2")
+    draft = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}
+    settings = Settings(
+        cache_dir=tmp_path,
+        model=model,
+        device="cpu",
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        capture_sizes=[1, 2, 4, 8, 16],
+        warmup_decode_sizes=[1, 2],
+        admin_token="t0ken",
+        speculative_config=json.dumps(draft),
+    )
+    engine = Engine(settings, Metrics())
+    async with serving(settings, engine) as (client, app):
+        name = app.state.engine.model_name
+        for i in range(3):
+            body = {
+                "prompt": [5 + i, 9, 14, 3, 7, 22],
+                "max_tokens": 12,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            r = await client.post("/v1/completions", json={"model": name, **body})
+            assert r.status_code == 200, r.text
+        cache = (await client.get("/admin/cache", headers={"Authorization": "Bearer t0ken"})).json()
+        text = (await client.get("/metrics")).text
+    samples = scrape(text)
+    target = {e["descriptor"]: e for e in cache["entries"]}
+    verify = [d for d in target if d.endswith(":verify")]
+    assert verify and any(target[d]["hits"] > 0 for d in verify), sorted(target)
+    drafts = {e["descriptor"]: e for e in cache["draft"]["entries"]}
+    assert {"1:1:decode", "2:2:decode"} <= drafts.keys() and not any(d.endswith(":verify") for d in drafts)
+
+    # The draft's series: its own graph cache's figures, as /admin/cache reports them.
+    stats = cache["draft"]["stats"]
+    assert samples["graphcache_draft_graph_cache_hits_total"] == stats["hits"] > 0
+    assert samples["graphcache_draft_graph_cache_misses_total"] == stats["misses"]
+    assert samples["graphcache_draft_graph_captures_total"] == stats["captures"] >= 2
+    assert samples["graphcache_draft_graph_cache_entries"] == len(drafts)
+    assert samples["graphcache_draft_graph_pool_bytes"] == cache["draft"]["totals"]["pool_bytes"]
+    assert samples['graphcache_draft_graph_backend_info{backend="eager"}'] == 1
+    for reason in ("entries", "bytes", "clear", "manual"):
+        assert f'graphcache_draft_graph_evictions_total{{reason="{reason}"}}' in samples
+    # The target's series as they were: unlabelled, counting the target's cache only.
+    assert samples["graphcache_graph_cache_hits_total"] == cache["stats"]["hits"] > 0
+    assert samples["graphcache_graph_captures_total"] == cache["stats"]["captures"]
+    assert samples["graphcache_graph_cache_entries"] == len(target)

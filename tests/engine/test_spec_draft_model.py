@@ -406,3 +406,35 @@ def test_a_draft_bigger_than_the_target_loads_with_a_warning(path, unrelated, ca
     assert proposer is not None
     assert weight_elements(unrelated) > weight_elements(path)
     assert any("speculation is unlikely to pay" in r.getMessage() for r in caplog.records)
+
+
+def test_draft_decode_steps_replay_their_warmed_descriptors(path, small):
+    """After the target's and the draft's default warmup, every decode step of the draft (its k - 1 steps per
+    propose) and every verify step of the target find their descriptors in their own caches, none captured
+    while serving (a catch-up extend step's mixed shape may be); the draft's cache counts its own hits."""
+    core = core_for(path, small, warmup_decode_sizes=None, warmup_mixed_sizes=None, max_num_seqs=8)
+    draft = core.scheduler.proposer
+    assert isinstance(draft, DraftModelProposer)
+    core.runner.warmup()
+    draft.warmup()
+    caches = {"target": core.runner.cache, "draft": draft.runner.cache}
+    warm = {name: {e.descriptor for e in c.entries()} for name, c in caches.items()}
+    seen: dict[str, list] = {name: [] for name in caches}
+    for name, cache in caches.items():
+
+        def recording_run(desc, real_tokens=None, _run=cache.run, _seen=seen[name]):
+            _seen.append(desc)
+            return _run(desc, real_tokens=real_tokens)
+
+        cache.run = recording_run
+    drive(core, requests(8, ignore_eos=True))
+    decodes = {str(d) for d in seen["draft"] if d.uniform_decode}
+    verify = {str(d) for d in seen["target"] if d.verify}
+    assert decodes and verify and acceptance(core) > 0
+    assert decodes <= warm["draft"], sorted(decodes - warm["draft"])
+    assert verify <= warm["target"], sorted(verify - warm["target"])
+    for name, cache in caches.items():
+        captured = {e.descriptor for e in cache.entries()} - warm[name]
+        assert not any(d.endswith((":decode", ":verify")) for d in captured), (name, captured)
+    hits = {e.descriptor: e.hits for e in draft.runner.cache.entries()}
+    assert all(hits[d] > 0 for d in decodes) and draft.runner.cache.stats().hits > 0

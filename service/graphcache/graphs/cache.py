@@ -37,7 +37,7 @@ from graphcache.graphs.policy.config import CachePolicyConfig
 from graphcache.graphs.policy.journal import CacheJournal
 from graphcache.graphs.policy.policy import CachePolicy, warmup_order
 from graphcache.graphs.store import GraphStore
-from graphcache.metrics import Metrics
+from graphcache.metrics import GraphCacheMetrics
 
 __all__ = ["CacheStats", "ClearReport", "EntryInfo", "GraphCache", "WarmupReport", "warmup_order"]
 
@@ -53,7 +53,7 @@ class GraphCache:
         backend: Literal["cuda", "eager"],
         config: CachePolicyConfig,
         debug: bool = False,
-        metrics: Metrics | None = None,
+        metrics: GraphCacheMetrics | None = None,
         input_tensors: Callable[[BatchDescriptor], list[torch.Tensor]] | None = None,
         measure_bytes: Callable[[BatchDescriptor, Any], int] | None = None,
         clock: Callable[[], float] = time.perf_counter,

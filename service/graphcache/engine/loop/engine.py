@@ -339,7 +339,7 @@ class Engine(EngineFrontend):
         with reporting_shards(shard_progress):
             runner = self._runner_factory(settings, self.metrics)
         try:
-            self._draft = build_draft_proposer(settings, runner)  # speculative decoding's draft model
+            self._draft = build_draft_proposer(settings, runner, self.metrics)  # speculative decoding's draft
             core = EngineCore(runner, settings, self.metrics, proposer=self._draft)
             self._set_generation_defaults(str(runner.model_path))
         except BaseException:

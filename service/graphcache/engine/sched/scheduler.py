@@ -11,10 +11,8 @@ scheduled this step is preempted by recompute: its blocks are freed, its outputs
 to the front of the waiting queue to re-prefill prompt + outputs later (vLLM's RECOMPUTE mode).
 No admissions happen in a step that preempted (that would just thrash).
 
-Priority policy (vLLM's --scheduling-policy priority): the waiting queue is ordered by (priority,
-arrival), lower first, a preempted sequence going back to its place in that order; running sequences
-are scheduled in the same order, and a preemption evicts the unscheduled running sequence with the
-highest (priority, arrival): the lowest priority, latest arrival. Admission never preempts (as vLLM's).
+Priority policy (vLLM's --scheduling-policy priority): the queues' order and the preemption victim
+follow (priority, arrival) instead of arrival alone (priority.py).
 
 Deadlock guard: a sequence that cannot fit even in an otherwise empty cache is finished with an
 error instead of being preempted and re-admitted forever.
@@ -33,25 +31,25 @@ Prefix caching (block_manager.py; on when the block manager has it on):
   full block has the same key) waits, and FCFS keeps everyone behind it waiting too. It is admitted
   once the block is cached, and takes it then. So n identical prompts submitted together compute
   their shared full blocks once, and each computes only its last partial block.
+
+Speculative decoding (--speculative-config) is the base class's (speculation.py): drafts enter the
+budget loop as longer decode rows, and postprocess hands verify rows' runs back to it.
 """
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from functools import cached_property
 
 from graphcache.choices import SchedulingPolicy
 from graphcache.engine.plan import GrammarMask, NewRequest, PromptLogits, StepPlan
 from graphcache.engine.sched.block_manager import BlockManager, PrefixMatch
 from graphcache.engine.sched.lora_gate import LoraGate
-from graphcache.engine.sequence import Sequence, SequenceStatus, has_controls
-from graphcache.engine.spec.acceptance import AcceptanceGate
-from graphcache.engine.spec.config import SpeculativeConfig
-from graphcache.engine.spec.proposer import Proposer
+from graphcache.engine.sched.output import SchedulerOutput
+from graphcache.engine.sched.priority import enqueue, preemption_victim, rank
+from graphcache.engine.sched.speculation import SpeculativeScheduling
+from graphcache.engine.sequence import Sequence, SequenceStatus
 from graphcache.engine.stopping import (
     check_stop,
     grammar_accepts,
@@ -61,61 +59,7 @@ from graphcache.engine.stopping import (
 )
 
 
-@dataclass(slots=True)
-class ScheduledSeq:
-    """One sequence's share of a step, as the scheduler picked it (SchedulerOutput.scheduled)."""
-
-    seq: Sequence
-    num_tokens: int  # tokens fed this step
-    need_logits: bool  # the slice reaches the end of the sequence: sample after this step
-    start: int = 0  # position of the first fed token (num_computed_tokens when scheduled)
-
-
-@dataclass
-class SchedulerOutput:
-    """One schedule(): the step's rows as the scheduler sees them (row i is seqs[i], columns as in
-    StepPlan), what happened to the queues, and `plan`, the same step as plain data for the worker."""
-
-    seqs: list[Sequence] = field(default_factory=list)  # [R] each row's sequence
-    starts: list[int] = field(default_factory=list)  # [R] its num_computed_tokens when scheduled
-    # [R] the ids each row feeds (None: the token in flight); None until a row feeds known ids (StepPlan's)
-    tokens: list[list[int] | None] | None = None
-    need_logits: list[bool] | None = None  # [R]; None until a row does not sample
-    num_tokens: int = 0  # tokens fed
-    new: list[NewRequest] = field(default_factory=list)  # the rows admitted this step
-    grown: list[tuple[int, list[int]]] = field(default_factory=list)  # (key, blocks appended) of running rows
-    preempted: list[Sequence] = field(default_factory=list)
-    failed: list[Sequence] = field(default_factory=list)  # finished with error: can never fit
-    verify: list[tuple[int, int]] = field(default_factory=list)  # (row, drafts) of the speculating rows
-    plan: StepPlan | None = None  # set by schedule() when a step runs
-
-    @property
-    def empty(self) -> bool:
-        return not self.seqs
-
-    @property
-    def sampled(self) -> list[Sequence]:
-        """The rows that sample, in row order (the order of the step's sampled ids)."""
-        if self.need_logits is None:
-            return self.seqs
-        return [s for s, wanted in zip(self.seqs, self.need_logits, strict=True) if wanted]
-
-    @cached_property
-    def scheduled(self) -> list[ScheduledSeq]:
-        """The rows as ScheduledSeq records (tests, traces: built on first use, after schedule())."""
-        need, tokens = self.need_logits, self.tokens
-        return [
-            ScheduledSeq(
-                seq,
-                1 if tokens is None or tokens[i] is None else len(tokens[i] or ()),
-                True if need is None else need[i],
-                start,
-            )
-            for i, (seq, start) in enumerate(zip(self.seqs, self.starts, strict=True))
-        ]
-
-
-class Scheduler:
+class Scheduler(SpeculativeScheduling):
     def __init__(
         self,
         block_manager: BlockManager,
@@ -128,13 +72,14 @@ class Scheduler:
     ) -> None:
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token per sequence)")
+        super().__init__()  # speculation's state: none until EngineCore configures it
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.policy = policy
-        self.waiting: deque[Sequence] = deque()  # fcfs: arrival order; priority: _rank order
+        self.waiting: deque[Sequence] = deque()  # fcfs: arrival order; priority: rank order
         self.running: list[Sequence] = []  # admission order: the last one is the newest
         self.num_preemptions = 0
         self.num_recomputed_tokens = (
@@ -149,45 +94,19 @@ class Scheduler:
         self._pooling_seqs: set[Sequence] = set()  # unfinished embedding requests (engine/pooling.py)
         # The grammar rows' masks (EngineCore sets it to StructuredOutput.masks once it has a grammar).
         self.grammar_masks: Callable[[list[Sequence]], GrammarMask | None] | None = None
-        # Speculative decoding (EngineCore sets both when --speculative-config is given): who drafts, and
-        # (key, table length) of the tables cut back since the last plan (rolled-back drafts' blocks).
-        self.spec: SpeculativeConfig | None = None
-        self.proposer: Proposer | None = None
-        self.trimmed: list[tuple[int, int]] = []
-        # Which requests still draft, by their measured acceptance (engine/spec/acceptance.py); None: all may.
-        self.acceptance: AcceptanceGate | None = None
-        # disable_by_batch_size when the config sets none (EngineCore: SpeculativeConfig.verify_batch_limit)
-        self.spec_batch_limit: int | None = None
         # --enable-lora (EngineCore sets it): at most this many distinct adapters among the running requests
         self.max_loras: int | None = None
 
     # --- queue management -----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self._enqueue(seq, front=False)
+        enqueue(self.waiting, seq, self.policy, front=False)
         if seq.grammar is not None:
             self._grammar_seqs.add(seq)
         if seq.params.prompt_logprobs is not None:
             self._prompt_logprob_seqs.add(seq)
         if seq.params.pooling is not None:
             self._pooling_seqs.add(seq)
-
-    def _enqueue(self, seq: Sequence, front: bool) -> None:
-        """Into the waiting queue: fcfs at the back (new) or the front (preempted); priority at its rank."""
-        if self.policy == "priority":
-            self.waiting.insert(bisect.bisect_right(self.waiting, _rank(seq), key=_rank), seq)
-        elif front:
-            self.waiting.appendleft(seq)
-        else:
-            self.waiting.append(seq)
-
-    def _victim(self, scheduled_ids: set[int]) -> Sequence | None:
-        """The running sequence a preemption evicts, among those not scheduled this step: fcfs the newest,
-        priority the highest (priority, arrival)."""
-        candidates = (s for s in reversed(self.running) if id(s) not in scheduled_ids)
-        if self.policy == "priority":
-            return max(candidates, key=_rank, default=None)
-        return next(candidates, None)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -209,10 +128,7 @@ class Scheduler:
         self._grammar_seqs.discard(seq)
         self._prompt_logprob_seqs.discard(seq)
         self._pooling_seqs.discard(seq)
-        if self.proposer is not None:
-            self.proposer.remove(seq.request_id)
-        if self.acceptance is not None:
-            self.acceptance.remove(seq.key)
+        self._release_drafts(seq, finished=True)
         seq.finish(reason, error, error_code)
         self.dropped.append(seq.key)
 
@@ -224,11 +140,10 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self._enqueue(seq, front=True)
+        enqueue(self.waiting, seq, self.policy, front=True)
         out.preempted.append(seq)
         self.dropped.append(seq.key)  # the worker drops it; it comes back as a NewRequest
-        if self.proposer is not None:  # a draft model's cache frees its blocks (it rebuilds on resume)
-            self.proposer.remove(seq.request_id)
+        self._release_drafts(seq, finished=False)
 
     def _never_fits(self, seq: Sequence, num_tokens: int) -> bool:
         return self.block_manager.blocks_for(num_tokens) > self.block_manager.num_usable
@@ -271,25 +186,20 @@ class Scheduler:
         drafts = self._propose(decodes) if self.proposer is not None and decodes else None
         rows = decodes + prefills
         if self.policy == "priority":  # the highest priorities get the budget and the blocks first
-            rows.sort(key=lambda row: _rank(row[0]))
+            rows.sort(key=lambda row: rank(row[0]))
         for seq, total in rows:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            draft = drafts.get(id(seq)) if drafts else None
-            if draft:  # a verify row: [last token, drafts], cut to the budget left
-                draft = draft[: budget - 1]
-                # drafts never preempt anyone: without the blocks for them, the row decodes plainly
-                if draft and not bm.can_allocate(seq, seq.num_computed_tokens + 1 + len(draft)):
-                    draft = None
-                if draft:
-                    total += len(draft)
+            draft = self._fit_draft(seq, drafts.get(id(seq)), budget) if drafts else None
+            if draft:  # a verify row: [last token, drafts]
+                total += len(draft)
             n = min(total - seq.num_computed_tokens, budget)
             target = seq.num_computed_tokens + n
             if target > len(seq.block_table) * capacity_per_block:  # most decodes skip this: room left
                 while not bm.can_allocate(seq, target):
-                    victim = self._victim(scheduled_ids)
+                    victim = preemption_victim(self.running, scheduled_ids, self.policy)
                     assert victim is not None  # seq itself is running and not scheduled yet
                     if victim is seq and len(self.running) == 1:
                         # Alone in the cache and still no room: it never fits. Fail, don't spin.
@@ -373,73 +283,10 @@ class Scheduler:
             out.plan = self._plan(out)
         return out
 
-    # --- speculative decoding ------------------------------------------------------------
-    def may_speculate(self, seq: Sequence) -> bool:
-        """Whether `seq` may carry drafts: greedy or sampled (temperature, top-k, top-p, min-p) with no
-        logits controls (penalties, logit_bias, allowed or bad words), no min_tokens, no logprobs and no
-        structured output; the rest decode one token a step."""
-        p = seq.params
-        return (
-            p.min_tokens == 0
-            and p.logprobs is None
-            and p.prompt_logprobs is None
-            and p.structured is None
-            and seq.grammar is None
-            and not has_controls(p)
-        )
-
-    def drafts_next(self, seq: Sequence) -> bool:
-        """Whether `seq` drafts at its next decode step: it may speculate and its acceptance keeps it on."""
-        gate = self.acceptance
-        return self.may_speculate(seq) and (gate is None or gate.wants(seq.key))
-
-    def speculates(self) -> bool:
-        """Whether a step now may speculate (configured, and under disable_by_batch_size or, unset, under
-        spec_batch_limit)."""
-        spec = self.spec
-        return (
-            spec is not None
-            and self.proposer is not None
-            and spec.speculates(len(self.running), self.spec_batch_limit)
-        )
-
-    def _propose(self, decodes: list[tuple[Sequence, int]]) -> dict[int, list[int]] | None:
-        """Drafts for the decodes that may speculate, by id(seq): rows whose last token is on the host
-        (none in flight), at most k tokens, and never past max_tokens or max_model_len (a row emits up to
-        its drafts + 1 tokens)."""
-        spec, proposer = self.spec, self.proposer
-        if spec is None or proposer is None or not self.speculates():
-            return None
-        k, max_len, gate = spec.num_speculative_tokens, self.max_model_len, self.acceptance
-        if gate is not None:
-            gate.tick()
-        seqs, limits = [], []
-        for seq, total in decodes:
-            if not self.may_speculate(seq) or (gate is not None and not gate.allows(seq.key)):
-                continue
-            if seq.num_inflight:
-                continue
-            room = max_len - total - 1
-            limit = seq.params.max_tokens
-            if limit is not None:
-                room = min(room, limit - len(seq.output_token_ids) - 1)
-            if room > 0:
-                seqs.append(seq)
-                limits.append(min(k, room))
-        if not seqs:
-            return None
-        proposed = proposer.propose(seqs, limits)
-        if gate is not None:
-            for seq, d in zip(seqs, proposed, strict=True):
-                gate.proposed(seq.key, len(d))
-        return {id(seq): d for seq, d in zip(seqs, proposed, strict=True) if d}
-
     def _plan(self, out: SchedulerOutput) -> StepPlan:
         """The step as data for the worker; takes the keys dropped since the last plan."""
         finished, self.dropped = tuple(self.dropped), []
-        gone = set(finished)  # a request dropped meanwhile has no table left to cut
-        trimmed = tuple(t for t in self.trimmed if t[0] not in gone)
-        self.trimmed = []
+        trimmed = self._take_trimmed(finished)
         prompt_logits: tuple[PromptLogits, ...] = ()
         if self._prompt_logprob_seqs and out.tokens is not None:
             prompt_logits = self._prompt_logits(out, out.tokens)
@@ -572,16 +419,14 @@ class Scheduler:
         assert len(tokens) == len(sampled), (len(tokens), len(sampled))
         changed = []
         eos, max_len, finished = self.eos_token_ids, self.max_model_len, SequenceStatus.FINISHED
-        gate = self.acceptance
-        drafted = {id(out.seqs[row]): n for row, n in out.verify} if gate is not None and out.verify else None
+        drafted = self._drafted(out.verify, out.seqs)
         for seq, token in zip(sampled, tokens, strict=True):
             seq.num_inflight -= 1
             if seq.status is finished:
                 continue
             changed.append(seq)
-            if isinstance(token, list):
-                if drafted is not None and gate is not None:  # accepted: the run less its last token
-                    gate.observe(seq.key, drafted[id(seq)], len(token) - 1)
+            if isinstance(token, list):  # a verify row's run (speculation.py)
+                self._observe_run(drafted, seq, token)
                 self._append_verified(seq, token, now)
                 continue
             if token is None:
@@ -610,30 +455,3 @@ class Scheduler:
             if reason is not None:
                 self.finish(seq, reason)
         return changed
-
-    def _append_verified(self, seq: Sequence, emitted: list[int], now: float) -> None:
-        """A verify row's tokens (postprocess): roll back, append through the stop checks, trim."""
-        # Fed: the last token (position L - 1) and n drafts; valid K/V: L - 1 + accepted + 1 positions.
-        seq.num_computed_tokens = seq.num_tokens + len(emitted) - 1
-        eos, max_len = self.eos_token_ids, self.max_model_len
-        for token in emitted:
-            seq.output_token_ids.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            seq.last_token_time = now
-            reason = check_stop(seq, token, eos_token_ids=eos, max_model_len=max_len)
-            if reason is not None:
-                # Cut inside the run: what follows the stop was never emitted; the K/V kept is the valid one.
-                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
-                self.finish(seq, reason)
-                return
-        bm = self.block_manager
-        keep = bm.blocks_for(seq.num_tokens)
-        if len(seq.block_table) > keep:
-            bm.trim(seq, keep)
-            self.trimmed.append((seq.key, keep))
-
-
-def _rank(seq: Sequence) -> tuple[int, float]:
-    """A sequence's place under the priority policy: lower priority value first, then earlier arrival."""
-    return seq.params.priority, seq.arrival_time

@@ -45,6 +45,7 @@ from graphcache.engine.spec.proposer import DraftRequest, Proposer
 from graphcache.engine.worker.draft_memory import draft_settings, weight_elements
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.graphs.cache import WarmupReport
+from graphcache.metrics import GraphCacheMetrics, Metrics
 from graphcache.model.source import fetch_hub_model, model_source
 
 __all__ = ["DraftModelProposer", "DraftVocabMismatch", "build_draft_proposer", "fetch_draft_model"]
@@ -107,11 +108,13 @@ class DraftModelProposer(Proposer):
         target_vocab_size: int,
         num_kv_blocks: int,
         max_model_len: int,
+        metrics: GraphCacheMetrics | None = None,
     ) -> DraftModelProposer:
         """Load the draft named by config.model (a local directory: the engine fetched a hub id) beside a
-        target with `num_kv_blocks` blocks and `max_model_len`; refuses a tokenizer other than the target's."""
+        target with `num_kv_blocks` blocks and `max_model_len`; refuses a tokenizer other than the target's.
+        metrics: the series the draft's graph cache records to (the draft's own: Metrics.draft_graph_metrics)."""
         s = draft_settings(settings, config, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len)
-        runner = ModelRunner(s)
+        runner = ModelRunner(s, metrics)
         check_same_vocabulary(target_tokenizer, runner.tokenizer, str(config.model))
         log.info(
             "draft model %s: %d KV blocks, %d speculative tokens per step",
@@ -378,10 +381,12 @@ def fetch_draft_model(settings: Settings, on_progress: Callable[[dict[str, Any]]
     return settings.updated(speculative_config=json.dumps(raw))
 
 
-def build_draft_proposer(settings: Settings, target: Runner) -> DraftModelProposer | None:
-    """The draft-model proposer the settings configure beside `target` (None: no draft model). Raises
-    naming the fix: tensor parallelism (the draft runs in one process), a tokenizer other than the
-    target's."""
+def build_draft_proposer(
+    settings: Settings, target: Runner, metrics: Metrics | None = None
+) -> DraftModelProposer | None:
+    """The draft-model proposer the settings configure beside `target` (None: no draft model); its graph
+    cache records to the `graphcache_draft_graph_*` series of `metrics`. Raises naming the fix: tensor
+    parallelism (the draft runs in one process), a tokenizer other than the target's."""
     spec = parse_speculative_config(settings.engine.speculative_config)
     if spec is None or spec.method != "draft_model":
         return None
@@ -407,4 +412,5 @@ def build_draft_proposer(settings: Settings, target: Runner) -> DraftModelPropos
         target_vocab_size=target.vocab_size if target.vocab_size is not None else 1 << 62,  # None: unchecked
         num_kv_blocks=target.num_kv_blocks,
         max_model_len=target.max_model_len,
+        metrics=None if metrics is None else metrics.draft_graph_metrics(),
     )

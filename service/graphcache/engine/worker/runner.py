@@ -58,7 +58,7 @@ from graphcache.engine.worker.warmup_plan import warmup_descriptors
 from graphcache.graphs.cache import GraphCache, WarmupReport
 from graphcache.graphs.descriptor import BatchDescriptor, descriptor_for
 from graphcache.graphs.policy.config import policy_config_from
-from graphcache.metrics import Metrics
+from graphcache.metrics import GraphCacheMetrics
 from graphcache.model.attention import select_attention_kernel, select_decode_kernel
 from graphcache.model.attention_metadata import AttentionMetadata, AttentionPlanner, DecodeMetadata
 from graphcache.model.config import ModelLoadError, read_config, resolve_dtype
@@ -90,14 +90,15 @@ class ModelRunner:
     def __init__(
         self,
         settings: Settings,
-        metrics: Metrics | None = None,
+        metrics: GraphCacheMetrics | None = None,
         *,
         tp: TensorParallel | None = None,
         graph_cache_factory: Callable[..., GraphCache] = GraphCache,
     ) -> None:
-        """tp: this process's tensor-parallel shard (a rank of a group of settings.model.tensor_parallel_size
-        processes, each running this runner on the same batches: docs/TENSOR_PARALLEL.md). None = the
-        whole model in this process. graph_cache_factory: how the GraphCache is built (a TP rank passes
+        """metrics: the series its graph cache records to (the server's Metrics; a draft model's runner
+        gets Metrics.draft_graph_metrics(), series of its own). tp: this process's tensor-parallel shard (a
+        rank of a group of settings.model.tensor_parallel_size processes, each running this runner on the
+        same batches: docs/TENSOR_PARALLEL.md). None = the whole model in this process. graph_cache_factory: how the GraphCache is built (a TP rank passes
         one that agrees every cache decision with the other ranks)."""
         self.settings = s = settings
         self.tp = tp = tp or TensorParallel.single()

@@ -14,7 +14,7 @@ from graphcache.graphs.descriptor import BatchDescriptor
 from graphcache.graphs.entry import CacheEntry, capture_mode
 from graphcache.graphs.policy.agreement import Decision
 from graphcache.graphs.policy.profile import build_profile
-from graphcache.metrics import Metrics
+from graphcache.metrics import GraphCacheMetrics
 
 __all__ = ["DECISION_LOG_MAX", "CacheJournal"]
 
@@ -23,7 +23,7 @@ DECISION_LOG_MAX = 100_000  # decisions kept (captures, evictions, refusals: nev
 
 
 class CacheJournal:
-    def __init__(self, metrics: Metrics | None) -> None:
+    def __init__(self, metrics: GraphCacheMetrics | None) -> None:
         self.metrics = metrics
         self.stats = CacheStats()
         self.decisions: deque[Decision] = deque(maxlen=DECISION_LOG_MAX)
