@@ -15,11 +15,14 @@ import msgspec
 import pytest
 import zmq
 from graphcache.engine.loop.core import EngineCore
+from graphcache.engine.loop.lora_admin import load_adapter, unload_adapter
+from graphcache.engine.lora_modules import LoraModule
 from graphcache.engine.sched.block_manager import BlockManager
 from graphcache.engine.sequence import SamplingParams, Sequence
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.kv_events.config import KVEventsConfig, parse_kv_events_config
 from graphcache.kv_events.messages import KVEventBatch as OurBatch
+from graphcache.kv_events.messages import encode_batch
 from graphcache.kv_events.publisher import ZmqEventPublisher
 from graphcache.kv_events.recorder import KVEventRecorder
 from helpers_model import cpu_settings, prompt_ids, tiny_checkpoint
@@ -313,3 +316,99 @@ def test_config_defaults_are_vllms():
     off = parse_kv_events_config('{"publisher": "zmq"}')
     assert off is not None and not off.publishes
     assert parse_kv_events_config(None) is None
+
+
+# --- LoRA: the adapter's blocks are its own, and their events name it -------------------------------
+
+
+def _stored(batches: list[OurBatch]) -> list[BlockStored]:
+    """The stored events of our batches, as vLLM's decoder reads them off the wire."""
+    return [
+        ev for b in batches for ev in DECODER.decode(encode_batch(b)).events if isinstance(ev, BlockStored)
+    ]
+
+
+def test_an_adapters_chain_carries_its_id_and_name_and_hashes_apart_from_the_base_models():
+    batches: list[OurBatch] = []
+    bm = BlockManager(32, 4)
+    bm.events = KVEventRecorder(4, batches.append)
+    bm.lora_ids = {"a": 1, "b": 2}.get
+    tokens = list(range(10, 23))  # 3 full blocks
+    for i, lora in enumerate((None, "a", "b")):
+        seq = Sequence(f"s{i}", list(tokens), SamplingParams(max_tokens=1, lora_name=lora))
+        bm.allocate(seq, 13)
+        bm.commit(seq, 13)
+    bm.events.flush()
+    base, a, b = _stored(batches)
+    assert (base.lora_id, base.lora_name) == (None, None)
+    assert (a.lora_id, a.lora_name) == (1, "a") and (b.lora_id, b.lora_name) == (2, "b")
+    for ev in (base, a, b):  # each chain starts at the root; the adapter is in its first hash
+        assert ev.parent_block_hash is None and ev.token_ids == tokens[:12] and len(ev.block_hashes) == 3
+    assert len({h for ev in (base, a, b) for h in ev.block_hashes}) == 9
+    # The two fields are always on the wire (vLLM's router requires them), nil for the base model.
+    raw = msgspec.msgpack.decode(encode_batch(batches[0]))[1]
+    assert [(e["lora_id"], e["lora_name"]) for e in raw] == [(None, None), (1, "a"), (2, "b")]
+
+
+@pytest.fixture(scope="module")
+def adapters(path):
+    pytest.importorskip("peft")
+    from helpers_lora import peft_adapter
+
+    return {
+        "a": peft_adapter(path, r=4, alpha=8, seed=11)[0],
+        "b": peft_adapter(path, r=4, alpha=8, seed=12)[0],
+    }
+
+
+def test_lora_requests_hit_only_their_adapters_blocks_and_their_events_carry_its_id(path, adapters):
+    """Through the real engine: the same prompt through the base model, adapter a, adapter b and a again;
+    each finds only its own model's blocks, and each chain's events name its adapter (a reload of a gets a
+    new id and new hashes)."""
+    settings = cpu_settings(
+        path, async_scheduling="off", kv_events_config=events_config(free_port()),
+        enable_lora=True, lora_modules=[f"{n}={p}" for n, p in adapters.items()], max_loras=2, max_lora_rank=8,
+    )  # fmt: skip
+    core = EngineCore(ModelRunner(settings), settings)
+    batches: list[OurBatch] = []
+    recorder = core.block_manager.events
+    assert isinstance(recorder, KVEventRecorder)
+    recorder._publish = batches.append
+    prompt = prompt_ids(18, seed=500)  # 4 full blocks of 4, then 2 tokens
+
+    def run(lora: str | None) -> tuple[int, list[BlockStored]]:
+        """(prompt tokens found in the prefix cache, the blocks the run stored)."""
+        seq = Sequence(f"r{len(batches)}-{lora}", list(prompt), SamplingParams(max_tokens=2, temperature=0, lora_name=lora))  # fmt: skip
+        core.check(seq)
+        core.add_request(seq)
+        while core.has_work():
+            core.step()
+        core.flush_kv_events()
+        stored = _stored(batches)
+        batches.clear()
+        return seq.num_cached_tokens, stored
+
+    try:
+        modules = core.runner.lora.modules
+        assert (modules.lora_id("a"), modules.lora_id("b")) == (1, 2)  # --lora-modules order, from 1
+        chains: dict[str, list[BlockStored]] = {}
+        cached, chains["base"] = run(None)
+        assert cached == 0 and all((e.lora_id, e.lora_name) == (None, None) for e in chains["base"])
+        for name in ("a", "b"):  # the base model's blocks (and the other adapter's) hold other KV: no hit
+            cached, chains[name] = run(name)
+            assert cached == 0
+            assert all((e.lora_id, e.lora_name) == (modules.lora_id(name), name) for e in chains[name])
+        assert run("a") == (16, [])  # its own 4 blocks; nothing new to announce
+        assert run(None) == (16, [])
+        # Unload and load a again (other weights may be behind the name): a new id, its own blocks.
+        assert unload_adapter(core.runner.lora, core.scheduler, "a")[0] == 200
+        assert load_adapter(core.runner.lora, core.scheduler, LoraModule("a", str(adapters["a"])))[0] == 200
+        assert modules.lora_id("a") == 3
+        cached, chains["a again"] = run("a")
+        assert cached == 0 and all((e.lora_id, e.lora_name) == (3, "a") for e in chains["a again"])
+    finally:
+        core.close()
+    hashes = {name: [h for e in stored for h in e.block_hashes] for name, stored in chains.items()}
+    assert all(len(h) == 4 for h in hashes.values()), hashes  # 18 tokens: 4 full blocks each
+    assert len({h for hs in hashes.values() for h in hs}) == 16  # four chains, no hash shared
+    assert all(stored[0].parent_block_hash is None for stored in chains.values())

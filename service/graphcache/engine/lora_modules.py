@@ -14,13 +14,20 @@ __all__ = ["LoraModule", "LoraModules", "check_lora_name", "parse_lora_module"]
 
 
 class LoraModules:
-    """name -> LoraModule, thread-safe (the API's handlers add and remove at runtime)."""
+    """name -> LoraModule, thread-safe (the API's handlers add and remove at runtime).
+
+    Each add gets the next integer id, from 1 in `--lora-modules` order, then runtime loads (vLLM's
+    lora_int_id, what its KV cache events carry as lora_id). An id is never reused: a name loaded again gets
+    a new one (its KV differs). A removed name keeps its last id, for the requests that still run with it.
+    """
 
     def __init__(self, entries: list[str] | tuple[str, ...] = (), reserved: tuple[str, ...] = ()) -> None:
         """entries: `--lora-modules` as given; reserved: names no adapter may take (the served model's)."""
         self._lock = threading.Lock()
         self._modules: dict[str, LoraModule] = {}
         self._reserved = set(reserved)
+        self._ids: dict[str, int] = {}  # name -> id of its latest load (kept after a remove)
+        self._last_id = 0
         for text in entries:
             self.add(parse_lora_module(text))
 
@@ -36,10 +43,16 @@ class LoraModules:
                     f"an adapter named {module.name!r} is already loaded; unload it first or pick another name"
                 )
             self._modules[module.name] = module
+            self._last_id += 1
+            self._ids[module.name] = self._last_id
 
     def remove(self, name: str) -> LoraModule | None:
         with self._lock:
             return self._modules.pop(name, None)
+
+    def lora_id(self, name: str) -> int | None:
+        """The id of the adapter's latest load (None: never loaded)."""
+        return self._ids.get(name)
 
     def get(self, name: str) -> LoraModule | None:
         return self._modules.get(name)

@@ -130,6 +130,8 @@ class EngineCore:
         )
         if settings.lora.enable_lora:
             self.scheduler.max_loras = settings.lora.max_loras
+            if runner.lora is not None:  # the KV events name an adapter's blocks by its id
+                self.block_manager.lora_ids = runner.lora.modules.lora_id
         # Speculative decoding (--speculative-config): the scheduler drafts with the proposer, the worker
         # verifies, postprocess appends the accepted run and rolls back; the vllm:spec_decode_* counters.
         self.spec = parse_speculative_config(settings.engine.speculative_config)

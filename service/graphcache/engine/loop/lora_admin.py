@@ -4,8 +4,10 @@ thread between steps: the worker reads and checks the adapter before its name is
 one is refused whole and no request can name it half-loaded.
 
 An unload takes the name away at once (no new request may name it); requests already admitted or waiting
-with it finish with it (the worker keeps its weights for them), and its prefix-cache blocks are never
-matched again. A load of a name whose requests are still in the engine waits for them (refused, retry).
+with it finish with it (the worker keeps its weights for them) and may share its prefix-cache blocks (the
+same weights, the same KV). A load of that name starts a prefix cache of its own (the blocks of the one
+before are never matched again); it waits for the requests still in the engine with the name before
+(refused, retry), so no request runs one adapter over the other's KV.
 """
 
 from __future__ import annotations
@@ -53,7 +55,6 @@ def unload_adapter(lora: LoraSlots | None, sched: Scheduler, name: str) -> tuple
         return NOT_SERVED
     if not lora.remove(name, in_use=_users(sched, name) > 0):
         return 404, f"The lora adapter '{name}' cannot be found."
-    sched.block_manager.forget_adapter(name)
     return 200, f"Success: LoRA adapter '{name}' removed successfully."
 
 

@@ -28,7 +28,8 @@ Prefix caching (automatic, vLLM's APC; on unless `enable_prefix_caching=False`):
 
 KV cache events (`events`, --kv-events-config): when set, every block that becomes findable, stops
 being findable, or a reset that leaves nothing cached is told to the recorder (kv_events/recorder.py),
-which the engine publishes after each step in vLLM's shapes for a KV-aware router.
+which the engine publishes after each step in vLLM's shapes for a KV-aware router. A LoRA adapter's
+blocks go with its name and id (`lora_ids`: the server's integer id of an adapter name), as vLLM's do.
 
 Without prefix caching: nothing is registered or looked up, free blocks are reused FIFO, and no
 block is shared between sequences.
@@ -37,10 +38,11 @@ block is shared between sequences.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from graphcache.engine.sequence import Sequence
-from graphcache.kv_events.recorder import KVEventRecorder
+from graphcache.kv_events.recorder import KVEventRecorder, LoraTag
 
 # (block id, generation) of a registered block; None stands for "before the first block".
 BlockIdentity = tuple[int, int]
@@ -90,6 +92,8 @@ class BlockManager:
         self.prefix_cache_hits = 0  # of those, tokens found in the cache
         self.events: KVEventRecorder | None = None  # told of stores, removals and clears (KV cache events)
         self._adapter_roots: dict[str, BlockIdentity] = {}  # LoRA adapter -> the root of its chains
+        self._root_tags: dict[BlockIdentity, LoraTag] = {}  # root -> its adapter, as the events name it
+        self.lora_ids: Callable[[str], int | None] | None = None  # adapter name -> the server's id
         self._num_roots = 0
 
     # --- capacity -------------------------------------------------------------------------
@@ -153,11 +157,14 @@ class BlockManager:
         if root is None:
             self._num_roots += 1
             root = self._adapter_roots[name] = (-self._num_roots, 0)
+            self._root_tags[root] = LoraTag(self.lora_ids(name) if self.lora_ids else None, name)
         return root
 
     def forget_adapter(self, name: str) -> None:
-        """The adapter was unloaded: a later adapter of that name must not find its cached blocks."""
-        self._adapter_roots.pop(name, None)
+        """An adapter of that name was loaded anew: it must not find the blocks of the one before."""
+        root = self._adapter_roots.pop(name, None)
+        if root is not None:
+            del self._root_tags[root]
 
     def match_prefix(self, seq: Sequence, max_blocks: int) -> PrefixMatch:
         """The longest run of cached full blocks equal to the start of seq.all_token_ids, at most
@@ -275,8 +282,9 @@ class BlockManager:
         if num_full <= len(state.chain):
             return
         ids = seq.all_token_ids
+        root = self._root(seq)
         for level in range(len(state.chain), num_full):
-            key = (state.chain[-1] if level else self._root(seq), self._block_tokens(ids, level))
+            key = (state.chain[-1] if level else root, self._block_tokens(ids, level))
             existing = self._cache.get(key)
             if existing is None:
                 block = seq.block_table[level]
@@ -284,8 +292,9 @@ class BlockManager:
                 self._key[block] = key
                 self._registered_step[block] = self.step
                 existing = block
-                if self.events is not None:
-                    self.events.stored((block, self._gen[block]), key[0], key[1])
+                if self.events is not None:  # an adapter's root is no block: its first block starts a chain
+                    lora = None if root is None else self._root_tags[root]
+                    self.events.stored((block, self._gen[block]), key[0] if level else None, key[1], lora)
             state.chain.append((existing, self._gen[existing]))
         state.next_end = (len(state.chain) + 1) * bs
 
