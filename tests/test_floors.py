@@ -1,4 +1,4 @@
-"""The package's floors: cli > api > engine > model > graphs > config/metrics > settings > choices/vllm_metrics. Each module imports
+"""The package's floors: cli > cli_parser > api | preflight > engine > model > graphs > config/metrics > settings > choices/vllm_metrics. Each module imports
 only graphcache modules of lower floors (or of its own package); no function-level import dodges a
 cycle; and the CPU-only scheduler floor pulls in no torch.
 
@@ -19,9 +19,11 @@ import graphcache
 
 PACKAGE = Path(graphcache.__file__).parent
 FLOORS = {
-    "__main__": 7,
-    "cli": 6,
+    "__main__": 8,
+    "cli": 7,
+    "cli_parser": 6,  # serve's flags and the settings they give
     "api": 5,
+    "preflight": 5,  # serve's startup checks (and StartupError, which cli_parser raises too)
     "engine": 4,
     "model": 3,
     "graphs": 2,

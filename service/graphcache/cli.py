@@ -1,44 +1,43 @@
 """The `graphcache` command: serve, make-tiny-model; `graphcache --version` prints the version.
 
-`graphcache serve` flags are generated from the Settings model, one per setting under its flat name
-(Settings.flat_fields()), with the field's description as help, so flags, env vars (GRAPHCACHE_*) and
-defaults never drift. Precedence: flag > env > default. Lists are comma-separated on the command line
-(`--capture-sizes 1,2,4,8`, `--warmup-decode-sizes ""` for none) and in env
-(`GRAPHCACHE_CAPTURE_SIZES=1,2,4,8`; JSON such as '[1,2,4,8]' works there too). `serve MODEL` takes the
-model positionally, as `vllm serve` does: a local directory or a hub id (model/source.py), the same
-setting as --model.
+This module holds the commands: `main` parses the command line (the parser and the settings it gives
+are cli_parser.py's), `serve` checks the settings before anything loads or binds (preflight.py), then
+runs the server until a signal drains it; `make-tiny-model` writes the embedded test model.
+The flags, the startup checks and their errors are re-exported here: `graphcache.cli` is the command
+line's public import path.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
-import difflib
-import errno
-import json
 import logging
 import os
 import signal
-import socket
 import sys
-import types
 import typing
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import ValidationError
 
-from graphcache import __version__
-from graphcache.config import GPU_BATCH_DEFAULTS, LARGE_GPU_BYTES, LARGE_GPU_DEFAULTS, Settings
+from graphcache.cli_parser import (
+    ServeArgs,
+    build_parser,
+    device_defaults,
+    parse_command_line,
+    serve_args,
+    serve_parser,
+    settings_from_args,
+)
+from graphcache.config import Settings
 from graphcache.exit_watchdog import ExitWatchdog, exit_now
-from graphcache.model.source import ModelSourceError, model_source
-from graphcache.vllm_flags import (
-    SPELLINGS,
-    VllmFlagRefused,
-    add_vllm_flags,
-    apply_vllm_flags,
-    normalize_argv,
+from graphcache.preflight import (
+    StartupError,
+    bind_port,
+    check_model_dir,
+    check_tensor_parallel,
+    local_model_dir,
+    run_preflight,
 )
 
 __all__ = [
@@ -57,10 +56,10 @@ __all__ = [
     "settings_from_args",
 ]
 
+
 log = logging.getLogger("graphcache.cli")
 
-ENV_PREFIX = "GRAPHCACHE_"
-SECRET_FIELDS = {"admin_token", "api_key"}
+
 # Past drain_timeout_s the engine fails what is left and handlers answer; uvicorn cuts connections
 # only if that has not happened this much later (engine grace 5 s + slack).
 DRAIN_BACKSTOP_S = 10.0
@@ -77,467 +76,12 @@ EXIT_LOAD_FAILED = 3
 MAX_CAUSE_CHARS = 600
 
 
-# --------------------------------------------------------------------------- flags from Settings
-
-
-def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:
-    """`int | None` -> (int, True); anything else -> (annotation, False)."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if len(args) == 1:
-            return args[0], True
-    return annotation, False
-
-
-def _list_parser(item_type: type, flag: str):
-    def parse(text: str) -> list:
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        try:
-            return [item_type(t) for t in items]
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{flag} takes comma-separated {item_type.__name__} values, e.g. 1,2,4"
-            ) from None
-
-    return parse
-
-
-def device_defaults(name: str) -> str | None:
-    """The default of a setting whose default follows the device, as --help and the README say it ("64 on
-    the CPU, 256 on CUDA GPUs under 70 GiB, 512 on GPUs of 70 GiB or more"); None for the others. From the
-    constants Settings._gpu_defaults applies (max_capture_size's large-GPU value is with the default
-    max_num_seqs)."""
-    gpu, large = GPU_BATCH_DEFAULTS.get(name), LARGE_GPU_DEFAULTS.get(name)
-    if gpu is None and large is None:
-        return None
-    cpu = Settings.flat_fields()[name].get_default(call_default_factory=True)
-    gpu = cpu if gpu is None else gpu
-    if large is None or large == gpu:
-        return f"{cpu} on the CPU, {gpu} on CUDA"
-    gib = LARGE_GPU_BYTES // 2**30
-    return f"{cpu} on the CPU, {gpu} on CUDA GPUs under {gib} GiB, {large} on GPUs of {gib} GiB or more"
-
-
-def _add_setting_flag(group: argparse._ArgumentGroup, name: str, field) -> None:
-    flag = "--" + name.replace("_", "-")
-    annotation, optional = _unwrap_optional(field.annotation)
-    default = field.get_default(call_default_factory=True)
-    shown = "***" if name in SECRET_FIELDS and default else default
-    if isinstance(shown, list):
-        shown = ",".join(map(str, shown)) or '""'
-    shown = device_defaults(name) or shown
-    help_text = (field.description or name.replace("_", " ").capitalize()).replace("%", "%%")
-    help_text += f" [env {ENV_PREFIX}{name.upper()}; default: {'unset' if shown is None else shown}]"
-    kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
-    spelling = SPELLINGS.get(name)  # vLLM's spellings of this flag (vllm_flags.py)
-
-    origin = typing.get_origin(annotation)
-    if annotation is bool:
-        kwargs["action"] = argparse.BooleanOptionalAction
-    elif origin is Literal:
-        kwargs["choices"] = list(typing.get_args(annotation))
-        if {"on", "off"} <= set(kwargs["choices"]):  # --flag alone is on (as vLLM's bool), --no-flag off
-            kwargs.update(nargs="?", const="on")
-    elif origin is list:
-        (item_type,) = typing.get_args(annotation)
-        kwargs["type"] = _list_parser(item_type, flag)
-        kwargs["metavar"] = "A,B,..."
-    elif annotation in (int, float, str):
-        kwargs["type"] = annotation
-    elif annotation is Path:
-        kwargs["type"] = Path
-        kwargs["metavar"] = "PATH"
-    else:  # a new field type: fail loudly in tests rather than silently dropping the flag
-        raise TypeError(
-            f"cli.py cannot make a flag for setting {name} ({field.annotation}); teach "
-            "_add_setting_flag this type"
-        )
-    if spelling is not None:
-        for key in ("type", "nargs", "const"):
-            if getattr(spelling, key) is not None:
-                kwargs[key] = getattr(spelling, key)
-        if kwargs.get("choices"):
-            kwargs["metavar"] = "{" + ",".join(kwargs["choices"]) + "}"
-    group.add_argument(flag, *(spelling.aliases if spelling else ()), **kwargs)
-    if kwargs.get("const") == "on":
-        group.add_argument(
-            "--no-" + flag[2:],
-            dest=name,
-            action="store_const",
-            const="off",
-            default=argparse.SUPPRESS,
-            help=f"The same as {flag} off.",
-        )
-
-
-def _settings_epilog() -> str:
-    lines = ["settings (each is a `serve` flag and a GRAPHCACHE_* env var; flags override env):"]
-    for name, field in Settings.flat_fields().items():
-        lines.append(f"  {ENV_PREFIX + name.upper():<40} {field.description or ''}")
-    return "\n".join(lines)
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse, but a bad command line is one line on stderr naming the fix (exit 2), as serve's other
-    refusals, not the usage block."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        self.exit(2, f"{self.prog}: {message}; `{self.prog} --help` lists the flags\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(
-        prog="graphcache",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="graphcache: an OpenAI-compatible LLM server with a managed CUDA-graph cache.",
-        epilog=_settings_epilog(),
-    )
-    parser.add_argument(
-        "--version",
-        action="version",
-        version=__version__,
-        help="Print the version (of the installed package) and exit.",
-    )
-    sub = parser.add_subparsers(
-        dest="command", required=True, metavar="COMMAND", parser_class=OneLineErrorParser
-    )
-
-    serve = sub.add_parser(
-        "serve",
-        help="Run the HTTP server (OpenAI API, /admin, /metrics, /health, /ready).",
-        description="Run the HTTP server. The port is bound at once; GET /ready turns 200 "
-        "when the model is loaded and the warmup captures are done.",
-    )
-    serve.add_argument(
-        "model_arg",
-        nargs="?",
-        metavar="MODEL",
-        default=None,
-        help="The model, as `vllm serve MODEL` takes it: a Hugging Face model directory, or a hub id "
-        "(org/name, fetched into the Hugging Face cache; see --revision). The same setting as --model "
-        "(GRAPHCACHE_MODEL); unset: the embedded tiny model.",
-    )
-    group = serve.add_argument_group("settings")
-    for name, field in Settings.flat_fields().items():
-        _add_setting_flag(group, name, field)
-    add_vllm_flags(serve, taken=serve._option_string_actions)
-
-    tiny = sub.add_parser(
-        "make-tiny-model",
-        help="Write the embedded tiny model (random weights) to DIR.",
-        description="Write a tiny Hugging Face-style model directory (config.json, "
-        "model.safetensors, tokenizer.json) for tests and demos.",
-    )
-    tiny.add_argument("dir", type=Path, help="Directory to write (created if missing).")
-    tiny.add_argument(
-        "--arch",
-        default="llama",
-        help="Architecture of the tiny model: llama, mistral, qwen2 or qwen3 "
-        "(as graphcache.model.tiny supports). [default: llama]",
-    )
-    tiny.add_argument("--seed", type=int, default=0, help="Seed of the random weights. [default: 0]")
-    return parser
-
-
-@dataclasses.dataclass
-class ServeArgs:
-    """A `serve` command line read: the settings, the warning lines of the vLLM flags it carried (logged at
-    start), and the environment variables those flags set for libraries (huggingface_hub)."""
-
-    settings: Settings
-    warnings: list[str]
-    env: dict[str, str]
-
-
-def serve_args(args: argparse.Namespace) -> ServeArgs:
-    """Flags given on the command line override env, which overrides defaults. The positional MODEL is
-    the model setting, like --model; both given and different is a StartupError. vLLM's flags
-    (vllm_flags.py) set settings too; one that cannot be honoured is a StartupError, and one graphcache
-    handles otherwise is a warning line. A vLLM flag and a setting's own flag setting one setting to
-    different values is a StartupError."""
-    flat = Settings.flat_fields()
-    overrides = {k: v for k, v in vars(args).items() if k in flat}
-    warnings: list[str] = []
-    for name, value in list(overrides.items()):
-        spelling = SPELLINGS.get(name)
-        if spelling is not None and spelling.convert is not None:
-            overrides[name], warning = spelling.convert(value)
-            if warning:
-                warnings.append(f"--{name.replace('_', '-')}: {warning}")
-    positional = getattr(args, "model_arg", None)
-    if positional is not None:
-        flag = overrides.get("model")
-        if flag is not None and not _same_model(flag, positional):
-            raise StartupError(
-                f"MODEL {positional!r} and --model {flag!r} name different models; pass the model once "
-                "(MODEL or --model)"
-            )
-        overrides["model"] = positional
-    try:
-        applied = apply_vllm_flags(args)
-    except VllmFlagRefused as e:
-        raise StartupError(str(e)) from None
-    for name, value in applied.settings.items():
-        if name in overrides and overrides[name] != value:
-            raise StartupError(
-                f"--{name.replace('_', '-')} and a vLLM flag set {name} to different values; pass one of them"
-            )
-        overrides[name] = value
-    settings = Settings(**overrides)
-    warnings += applied.finish(settings)
-    return ServeArgs(settings, warnings, applied.env)
-
-
-def settings_from_args(args: argparse.Namespace) -> Settings:
-    """The settings of a `serve` command line (serve_args without its warnings and environment)."""
-    return serve_args(args).settings
-
-
-def _same_model(a: str, b: str) -> bool:
-    """The same text, or the same existing directory written two ways (./m and m)."""
-    if a == b:
-        return True
-    pa, pb = Path(a).expanduser(), Path(b).expanduser()
-    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
-
-
-# --------------------------------------------------------------------------- startup preflight
-
-
-class StartupError(Exception):
-    """Serve cannot start: the message is one line, "<what is wrong>; <the fix>"."""
-
-
-MODEL_DIR_HINT = (
-    "pass MODEL (--model, GRAPHCACHE_MODEL) a Hugging Face model directory (config.json, "
-    "*.safetensors, tokenizer.json) or a hub id (org/name), or leave it unset to use the embedded tiny model"
-)
-
-
-def check_model_dir(path: Path, max_model_len: int | None = None) -> None:
-    """What would make loading the model at `path` fail, found without loading it: the directory, its
-    config.json (parsed; the architecture supported), the weights files and tokenizer.json present,
-    max_model_len within the model's limit. Raises StartupError. File checks come first and need no
-    torch; only the architecture check imports graphcache.model.config (which imports torch)."""
-    where = str(path)
-    if not path.exists():
-        raise StartupError(f"model directory {where!r} does not exist; {MODEL_DIR_HINT}")
-    if not path.is_dir():
-        raise StartupError(f"model path {where!r} is a file, not a directory; {MODEL_DIR_HINT}")
-    try:
-        names = set(os.listdir(path))
-    except OSError as e:
-        raise StartupError(
-            f"model directory {where!r} is not readable ({e.strerror or e}); fix its "
-            f"permissions (e.g. chmod -R a+rX {where}) or run as a user who can read it"
-        ) from None
-    if "config.json" not in names:
-        raise StartupError(
-            f"model directory {where!r} has no config.json; {MODEL_DIR_HINT} (the directory "
-            "itself, not its parent: e.g. the snapshot directory huggingface-cli downloaded)"
-        )
-    index = path / "model.safetensors.index.json"
-    if index.name in names:
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise StartupError(
-                f"{index} is unreadable or malformed ({type(e).__name__}: {e}); re-download it"
-            ) from None
-        missing = [n for n in shards if not (path / n).is_file()]
-        if missing:
-            raise StartupError(
-                f"{index.name} in {where!r} lists {len(missing)} shard(s) that are missing, "
-                f"e.g. {missing[:3]}; finish the download (re-run huggingface-cli download)"
-            )
-    elif not any(n.endswith(".safetensors") for n in names):
-        bins = sorted(n for n in names if n.endswith(".bin"))
-        fix = (
-            f"convert {bins[:3]} to safetensors"
-            if bins
-            else "download the model's *.safetensors weights into it"
-        )
-        raise StartupError(f"model directory {where!r} has no *.safetensors weights; {fix}")
-    if "tokenizer.json" not in names:
-        raise StartupError(
-            f"model directory {where!r} has no tokenizer.json; graphcache needs the fast "
-            "tokenizer file: download it with the model, or write it with transformers' "
-            f"AutoTokenizer.from_pretrained(...).save_pretrained({where!r})"
-        )
-
-    from graphcache.model.config import ModelLoadError, read_config  # imports torch; loads nothing
-    from graphcache.model.quantization import resolve_quantization
-
-    try:
-        config = read_config(path)
-        resolve_quantization(config)  # an unsupported quantization_config, before anything loads
-    except ModelLoadError as e:
-        raise StartupError(f"model {where!r}: {e}") from None
-    if max_model_len is not None:
-        limit = config.max_position_embeddings
-        if config.sliding_window:
-            limit = min(limit, config.sliding_window)
-        if max_model_len > limit:
-            raise StartupError(
-                f"max_model_len {max_model_len} exceeds the model's limit {limit} "
-                "(max_position_embeddings / sliding_window); lower --max-model-len "
-                "(GRAPHCACHE_MAX_MODEL_LEN) or leave it unset"
-            )
-
-
-def bind_port(host: str, port: int) -> socket.socket:
-    """The listening address, bound now (SO_REUSEADDR, as uvicorn binds), so that a port in use is
-    found before the model loads and the port is ours from the start. Raises StartupError."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise StartupError(
-            f"host {host!r} does not resolve ({e.strerror}); set --host or GRAPHCACHE_HOST "
-            "to an address of this machine, e.g. 127.0.0.1, or 0.0.0.0 for all"
-        ) from None
-    family, _, _, _, address = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-    except OSError as e:
-        sock.close()
-        if e.errno == errno.EADDRINUSE:
-            raise StartupError(
-                f"port {port} on {host} is in use; pick another with --port or GRAPHCACHE_PORT, "
-                "or stop the process that holds it"
-            ) from None
-        if e.errno == errno.EACCES:
-            raise StartupError(
-                f"port {port} on {host} needs privileges to bind; pick a port above 1023 with "
-                "--port or GRAPHCACHE_PORT"
-            ) from None
-        if e.errno == errno.EADDRNOTAVAIL:
-            raise StartupError(
-                f"address {host} is not on this machine; set --host or GRAPHCACHE_HOST to one "
-                "of its addresses, e.g. 127.0.0.1, or 0.0.0.0 for all"
-            ) from None
-        raise StartupError(
-            f"cannot bind {host}:{port} ({e.strerror or e}); check --host and --port"
-        ) from None
-    sock.set_inheritable(True)
-    return sock
-
-
-def local_model_dir(settings: Settings) -> Path | None:
-    """The local model directory the settings name, or None for the embedded tiny model and for a hub id
-    (fetched and checked by the engine at start, so /ready can report the download). A path that does
-    not exist is a StartupError naming it."""
-    if settings.model.path is None:
-        return None
-    try:
-        return model_source(settings.model.path).local
-    except ModelSourceError as e:
-        raise StartupError(str(e)) from None
-
-
-def _preflight(settings: Settings) -> socket.socket:
-    """Everything that would make serve fail and can be found without loading the model, in order:
-    the model directory (when the model is a local directory; the embedded tiny model needs no check, a
-    hub id is fetched by the engine), then the port. Returns the bound socket."""
-    local = local_model_dir(settings)
-    if local is not None:
-        check_model_dir(local, settings.engine.max_model_len)
-    check_speculative_config(settings)
-    if settings.model.tensor_parallel_size > 1:
-        check_tensor_parallel(settings)
-    return bind_port(settings.http.host, settings.http.port)
-
-
-def check_speculative_config(settings: Settings) -> None:
-    """--speculative-config's keys, checked before anything loads (the setting itself only knows it is one
-    JSON object: the settings floor cannot import the engine). Raises StartupError."""
-    from graphcache.engine.spec.config import SpeculativeConfigError, parse_speculative_config
-
-    try:
-        config = parse_speculative_config(settings.engine.speculative_config)
-    except SpeculativeConfigError as e:
-        raise StartupError(f"{e} (--speculative-config, GRAPHCACHE_SPECULATIVE_CONFIG)") from None
-    if config is None or config.method != "draft_model" or config.model is None:
-        return
-    if settings.model.tensor_parallel_size > 1:
-        raise StartupError(
-            'speculative_config.method "draft_model" runs with tensor_parallel_size 1 only (the draft model '
-            "would need its own sharded ranks); set --tensor-parallel-size 1 or use method ngram"
-        )
-    draft = model_source(config.model).local  # a hub id is fetched (and checked) by the engine
-    if draft is not None:
-        check_model_dir(draft, settings.engine.max_model_len)
-        check_draft_tokenizer(local_model_dir(settings), draft)
-
-
-def check_draft_tokenizer(target: Path | None, draft: Path) -> None:
-    """A local draft's tokenizer maps tokens to the target's ids (a local target's; the embedded model and
-    a hub target are checked by the engine at load). Raises StartupError."""
-    if target is None:
-        return
-    from graphcache.model.tokenizer import Tokenizer
-
-    try:
-        same = Tokenizer(target).vocabulary() == Tokenizer(draft).vocabulary()
-    except (OSError, ValueError, RuntimeError) as e:  # a tokenizer that does not load: the engine says why
-        log.debug("draft tokenizer check skipped: %s", e)
-        return
-    if not same:
-        raise StartupError(
-            f"speculative_config.model {str(draft)!r}: its tokenizer differs from the target's; name a draft "
-            "model of the target's family with the same tokenizer, or use method ngram"
-        )
-
-
-def check_tensor_parallel(settings: Settings) -> None:
-    """The model splits tensor_parallel_size ways (whole heads, KV heads and MLP columns per rank), and
-    on CUDA there are that many GPUs (a hub model's split is checked by the engine once it is fetched).
-    Raises StartupError."""
-    from graphcache.model.config import ModelLoadError, read_config
-    from graphcache.model.parallel import check_shardable
-    from graphcache.model.tiny import DEFAULT_SHAPE
-
-    size = settings.model.tensor_parallel_size
-    local = local_model_dir(settings)
-    if local is not None or settings.model.path is None:
-        config: Any  # a ModelConfig, or the embedded model's shape in the fields check_shardable reads
-        if local is not None:
-            config, where = read_config(local), f"model {str(settings.model.path)!r}"
-        else:  # the embedded tiny model, by its shape (not written yet)
-            shape = DEFAULT_SHAPE
-            config = types.SimpleNamespace(
-                num_heads=shape["heads"],
-                num_kv_heads=shape["kv_heads"],
-                intermediate_size=shape["intermediate"],
-            )
-            where = "the embedded tiny model"
-        try:
-            check_shardable(config, size)
-        except ModelLoadError as e:
-            raise StartupError(
-                f"{where}: {e} (--tensor-parallel-size, GRAPHCACHE_TENSOR_PARALLEL_SIZE)"
-            ) from None
-    import torch
-
-    wants_cuda = settings.model.device == "cuda" or (
-        settings.model.device == "auto" and torch.cuda.is_available()
-    )
-    if wants_cuda and torch.cuda.device_count() < size:
-        raise StartupError(
-            f"tensor_parallel_size {size} needs {size} GPUs, torch sees {torch.cuda.device_count()}; "
-            "lower --tensor-parallel-size (GRAPHCACHE_TENSOR_PARALLEL_SIZE) or make more GPUs "
-            "visible (CUDA_VISIBLE_DEVICES)"
-        )
-
-
 # --------------------------------------------------------------------------- commands
 
 
 def _serve(settings: Settings, warnings: typing.Sequence[str] = ()) -> int:
     try:
-        sock = _preflight(settings)
+        sock = run_preflight(settings)
     except StartupError as e:
         print(f"graphcache: {e}", file=sys.stderr)
         return EXIT_REFUSED
@@ -686,35 +230,6 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
         return 2
     print(path)
     return 0
-
-
-def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The `serve` subcommand's parser of build_parser()'s."""
-    (commands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return commands.choices["serve"]
-
-
-def parse_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    """argv read by the parser, with vLLM's spellings of serve's flags taken (vllm_flags.normalize_argv); an
-    unknown flag is one line naming the closest known one."""
-    serve = serve_parser(parser)
-    if "serve" in argv:
-        at = argv.index("serve") + 1
-        argv = [*argv[:at], *normalize_argv(argv[at:], serve)]
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        flag = next((u for u in unknown if u.startswith("-")), unknown[0])
-        known = serve._option_string_actions if getattr(args, "command", None) == "serve" else {}
-        close = difflib.get_close_matches(flag.partition("=")[0], list(known), n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
-        which = "flag" if flag.startswith("-") else "argument"
-        prog = serve.prog if known else parser.prog
-        parser.exit(
-            2,
-            f"{prog}: unknown {which} {flag!r}{hint}; `{prog} --help` lists the flags, and docs/API.md the "
-            "vLLM flags it takes\n",
-        )
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -215,7 +215,7 @@ def test_serve_refuses_a_draft_model_that_is_not_a_model(capsys, tmp_path):
 def test_preflight_checks_a_local_draft_model():
     """A local draft of the target's tokenizer passes; another tokenizer, and tensor parallelism, are
     refused in one line naming the way out (before the port is bound or anything loads)."""
-    from graphcache.cli import StartupError, check_speculative_config
+    from graphcache.preflight import StartupError, check_speculative_config
     from helpers_model import tiny_checkpoint
 
     target, draft = tiny_checkpoint("qwen2"), tiny_checkpoint("qwen2", seed=3, hidden=32, layers=1)

@@ -29,8 +29,8 @@ from starlette.responses import Response
 from graphcache.api.openai.embedding_request import EmbeddingRequest
 from graphcache.api.openai.fanout import FanOut, Sub
 from graphcache.api.openai.prompt_encoding import encode_prompt
-from graphcache.api.openai.routes import check_model, serving_engine
 from graphcache.api.openai.sampling import truncate_prompt
+from graphcache.api.openai.served_model import check_model, serving_engine
 from graphcache.api.openai.token_ids import vocab_size
 from graphcache.api.server.auth import require_api_key
 from graphcache.api.server.errors import APIError, api_error_for

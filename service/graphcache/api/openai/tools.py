@@ -24,7 +24,8 @@ from fastapi.responses import JSONResponse
 
 from graphcache import __version__
 from graphcache.api.openai.prompt_encoding import encode_chat, encode_prompt
-from graphcache.api.openai.routes import check_model, model_card, model_cards, serving_engine, template_tools
+from graphcache.api.openai.request_constraints import template_tools
+from graphcache.api.openai.served_model import check_model, model_card, model_cards, serving_engine
 from graphcache.api.openai.utility_requests import DetokenizeRequest, TokenizeRequest
 from graphcache.api.server.auth import require_api_key
 from graphcache.api.server.errors import APIError

@@ -1,32 +1,21 @@
-"""The model runner (the worker): a StepPlan in, its StepOutput out; layout, replay or eager run, sampling.
+"""The model runner (the worker): a StepPlan in, its StepOutput out; what it builds and holds.
 
-Every step: apply the plan's changes to the request table (engine/worker/request_table.py: the requests
-this worker holds, and the rows resident on the device), pick the padded descriptor, let the InputBatch
-(engine/worker/input_batch.py, the one owner of the static input buffers) lay the step out and plan
-its attention metadata, then let the GraphCache replay (or capture) the graph of the descriptor, and
-sample the need_logits rows (engine/worker/sampling.py; rank 0 only under tensor parallelism). The
-ids sampled stay on the device: the next plan's rows fed the token in flight read them there.
+ModelRunner loads the model and sizes everything static a step runs over: the capture sizes
+(engine/worker/capture_sizes.py), the descriptors captured at start (engine/worker/warmup_plan.py), the
+logits buffer, the KV cache (engine/worker/kv_cache.py), the attention kernels and planner, the InputBatch
+(engine/worker/input_batch.py, the one owner of the static input buffers), the request table, the sampler
+and the GraphCache. Its steps are StepExecution's (engine/worker/step_execution.py: `execute(plan)`), and
+the step function the cache captures is CapturedStep's (engine/worker/captured_step.py).
 The KV write happens inside the graph, indexed by the static
 slot_mapping: padded tokens map to a scratch slot in one extra KV block past the usable ones, and
 between steps every entry maps there, so a warmup/capture outside a step writes no real slot.
 Decode steps pad to the fine capture sizes, mixed steps to those plus a few coarse buckets above them
 (engine/worker/capture_sizes.py); mixed graphs hold the unified attention kernel inside
-(mixed_capture_mode=full, with the triton kernel) or call attention as the eager break. Batches bigger
-than the largest size, and every step with enforce_eager, run the model eagerly on their real sizes. Logits
-come back from a static buffer, rows in the order of the plan's need_logits rows, valid until the next
-execute(). A step with PromptLogits rows (prompt logprobs) runs eagerly too, and also computes the logits of
-every token those rows fed (StepOutput.prompt_logits). So does a step with pooling rows (embedding
-requests: engine/worker/pooler.py), which keeps the final hidden states they pool: a captured graph's
-only outputs are the logits rows, and an embedding request is prefill only, where a replay saves the
-launches of one step against its prompt's compute (graphs pay off in decode, which it never reaches).
+(mixed_capture_mode=full, with the triton kernel) or call attention as the eager break.
 
 Captures outside a step (warmup, admin) go through `capture()`, which points every token at the
 scratch slot and runs under an empty attention context itself, so they write no real KV slot.
-The KV cache's size and storage come from engine/worker/kv_cache.py, the descriptors captured at
-start from engine/worker/warmup_plan.py.
-Each step's attention metadata, descriptor and runtime mode reach the model through the forward context
-(model/forward_context.py), set around the step. The runner returns the step's mode in its
-StepOutput; step metrics are the engine's, graph-cache metrics the GraphCache's.
+Step metrics are the engine's, graph-cache metrics the GraphCache's.
 """
 
 from __future__ import annotations
@@ -37,12 +26,10 @@ from pathlib import Path
 
 import torch
 
-from graphcache.choices import StepMode
 from graphcache.config import Settings
-from graphcache.engine.plan import StepOutput, StepPlan
 from graphcache.engine.worker.capture_sizes import resolve_capture_sizes
 from graphcache.engine.worker.draft_memory import draft_footprint
-from graphcache.engine.worker.input_batch import InputBatch, StepLayout
+from graphcache.engine.worker.input_batch import InputBatch
 from graphcache.engine.worker.kv_cache import (
     activation_reserve_bytes,
     agree_min_blocks,
@@ -51,22 +38,20 @@ from graphcache.engine.worker.kv_cache import (
     num_kv_blocks,
 )
 from graphcache.engine.worker.lora_slots import LoraSlots, build_lora_slots
-from graphcache.engine.worker.pooler import PoolRows, pool_rows, pool_vectors
 from graphcache.engine.worker.request_table import RequestTable
 from graphcache.engine.worker.sampling import StepSampler
+from graphcache.engine.worker.step_execution import StepExecution
 from graphcache.engine.worker.warmup_plan import warmup_descriptors
 from graphcache.graphs.cache import GraphCache, WarmupReport
-from graphcache.graphs.descriptor import BatchDescriptor, descriptor_for
+from graphcache.graphs.descriptor import BatchDescriptor
 from graphcache.graphs.policy.config import policy_config_from
 from graphcache.metrics import GraphCacheMetrics
 from graphcache.model.attention import select_attention_kernel, select_decode_kernel
-from graphcache.model.attention_metadata import AttentionMetadata, AttentionPlanner, DecodeMetadata
+from graphcache.model.attention_metadata import AttentionMetadata, AttentionPlanner
 from graphcache.model.config import ModelLoadError, read_config, resolve_dtype
-from graphcache.model.decode_attention import choose_num_splits, decode_workspace
-from graphcache.model.forward_context import RuntimeMode, current_attention_metadata, forward_context
+from graphcache.model.forward_context import forward_context
 from graphcache.model.fused_ops import HAVE_TRITON as HAVE_FUSED_TRITON
 from graphcache.model.loader import load_model
-from graphcache.model.moe import moe_kernel_variant
 from graphcache.model.parallel import TensorParallel
 from graphcache.model.prefill_attention import select_prefill_kernel
 from graphcache.model.tiny import default_model_dir
@@ -86,7 +71,7 @@ def resolve_device(setting: str) -> torch.device:
     return torch.device(setting)
 
 
-class ModelRunner:
+class ModelRunner(StepExecution):
     def __init__(
         self,
         settings: Settings,
@@ -256,48 +241,6 @@ class ModelRunner:
             self.max_reqs, self.model_config.vocab_size, dtype=self.dtype, device=dev
         )
 
-    def _alloc_decode(self) -> None:
-        """Static state of the decode kernels: the split workspace (triton) or a positions table
-        (torch), and one DecodeMetadata per padded batch size, made on first use."""
-        c = self.model_config
-        self._decode_md: dict[int, DecodeMetadata] = {}
-        self._decode_workspace = None
-        self._decode_positions = None
-        self._decode_in_graph = self.settings.graph_cache.decode_capture_mode == "full"
-        if self.decode_kernel == "triton":
-            splits = max(
-                choose_num_splits(r, self.num_kv_heads, self.max_model_len) for r in [1, *self.sizes]
-            )
-            self._decode_workspace = decode_workspace(
-                self.max_reqs, self.num_heads, c.head_dim, splits, self.device
-            )
-        elif self.decode_kernel == "torch":
-            self._decode_positions = torch.arange(
-                self.max_blocks_per_seq * self.block_size, device=self.device
-            )
-
-    def decode_metadata(self, num_reqs: int) -> DecodeMetadata:
-        """The decode attention metadata of a (padded) batch of num_reqs: static views only."""
-        md = self._decode_md.get(num_reqs)
-        if md is None:
-            splits = 1
-            if self.decode_kernel == "triton":
-                splits = choose_num_splits(num_reqs, self.num_kv_heads, self.max_model_len)
-            md = DecodeMetadata(
-                self.decode_kernel,
-                self._decode_in_graph,
-                self.inputs.block_tables.dev[:num_reqs],
-                self.inputs.seq_lens.dev[:num_reqs],
-                splits,
-                self._decode_workspace,
-                self._decode_positions,
-            )
-            self._decode_md[num_reqs] = md
-        return md
-
-    def _decode_path(self, uniform_decode: bool) -> bool:
-        return uniform_decode and self.decode_kernel != "varlen"
-
     def _alloc_kv_cache(self) -> None:
         """Size the KV cache (engine/worker/kv_cache.py), allocate it and bind it to the model's layers."""
         c = self.model_config
@@ -339,225 +282,6 @@ class ModelRunner:
         self.kv_cache = self.kv_storage[:, :, : self.num_kv_blocks]
         self.scratch_slot = self.num_kv_blocks * self.block_size
         self.model.bind_kv_cache([self.kv_storage[i] for i in range(c.num_layers)])
-
-    # --- the step function the cache captures ---------------------------------------------
-    def _run_model(self, num_tokens: int, num_reqs: int) -> None:
-        i = self.inputs
-        self.model(
-            i.input_ids.dev[:num_tokens],
-            i.positions.dev[:num_tokens],
-            i.slot_mapping.dev[:num_tokens],
-            i.logits_indices.dev[:num_reqs],
-            self.out_logits[:num_reqs],
-        )
-
-    def _step_fn(self, desc: BatchDescriptor) -> None:
-        if desc.num_tokens > self.max_tokens or desc.num_reqs > self.max_reqs:
-            raise ValueError(
-                f"descriptor {desc} exceeds the static buffers ({self.max_tokens} tokens, "
-                f"{self.max_reqs} requests); raise max_num_batched_tokens / max_num_seqs"
-            )
-        md: AttentionMetadata | DecodeMetadata
-        if self._decode_path(desc.uniform_decode):
-            # The decode metadata depends on the descriptor alone, so a capture outside a step (under
-            # the empty context) records the same kernels a step would: full mode puts them in the graph.
-            md = self.decode_metadata(desc.num_reqs)
-        elif self._mixed_in_graph:
-            md = self.mixed_graph_metadata(desc.num_reqs)  # the same: static views over R padded rows
-        else:
-            md = current_attention_metadata()  # the step's (or, in warmup, the empty) mixed layout
-        with forward_context(md, desc, self._graph_mode(desc.uniform_decode)):
-            self._run_model(desc.num_tokens, desc.num_reqs)
-
-    def _graph_mode(self, uniform_decode: bool) -> RuntimeMode:
-        """How a step with a descriptor runs: "full" (attention inside the graph: the decode kernel, or the
-        unified kernel for a mixed step) or "breakable"."""
-        if self._decode_path(uniform_decode):
-            return "full" if self._decode_in_graph else "breakable"
-        return "full" if self._mixed_in_graph else "breakable"
-
-    def mixed_graph_metadata(self, num_reqs: int) -> AttentionMetadata:
-        """The unified kernel's metadata for a mixed graph of num_reqs (padded) requests: static views
-        only, one per size (the InputBatch pads query starts and lengths over those rows)."""
-        md = self._mixed_graph_md.get(num_reqs)
-        if md is None:
-            i = self.inputs
-            md = self._planner.plan_in_graph(
-                num_reqs=num_reqs,
-                query_start_loc=i.cu_seqlens.dev[: num_reqs + 1],
-                seq_lens=i.seq_lens.dev[:num_reqs],
-                block_tables=i.block_tables.dev[:num_reqs],
-            )
-            self._mixed_graph_md[num_reqs] = md
-        return md
-
-    def _kernel_family(self, desc: BatchDescriptor) -> tuple:
-        """What a descriptor's step must set up once (graph cache's capture_warmup=per_kernel): uniform
-        decode compiles the decode kernel once per split-KV count; everything else shares its kernels. A
-        mixture-of-experts model's expert kernels add their tile variant for the step's token count."""
-        moe = moe_kernel_variant(self.model_config, desc.num_tokens)
-        if self._decode_path(desc.uniform_decode):
-            return ("decode", self.decode_metadata(desc.num_reqs).num_splits, *moe)
-        return ("mixed", *moe)
-
-    def _input_tensors(self, desc: BatchDescriptor) -> list[torch.Tensor]:
-        t, r, i = desc.num_tokens, desc.num_reqs, self.inputs
-        return [
-            i.input_ids.dev[:t],
-            i.positions.dev[:t],
-            i.logits_indices.dev[:r],
-            self.out_logits[:r],
-            i.slot_mapping.dev[:t],
-            i.seq_lens.dev,
-            i.block_tables.dev,
-            i.cu_seqlens.dev,
-            self.kv_cache,
-        ]
-
-    # --- one step ------------------------------------------------------------------------
-    def execute(self, plan: StepPlan, in_flight: torch.Tensor | None = None) -> StepOutput:
-        """Run one step and sample it (StepOutput.logits: [need_logits rows, V] in the model dtype, plan
-        order, a view of a static buffer valid until the next call). in_flight: the ids the step in flight
-        sampled, for a rank that did not sample them (tensor parallel rank > 0); else this runner's own."""
-        prev = self._sampled if in_flight is None else in_flight
-        self._sampled = None
-        num_reqs, num_tokens = plan.num_reqs, plan.num_tokens
-        if num_reqs == 0:
-            raise ValueError("empty batch")
-        if num_tokens > self.max_tokens or num_reqs > self.max_reqs:
-            raise ValueError(
-                f"batch of {num_tokens} tokens / {num_reqs} requests exceeds the runner's buffers "
-                f"({self.max_tokens} / {self.max_reqs}); keep max_num_batched_tokens and "
-                "max_num_seqs in the scheduler equal to the settings"
-            )
-        uniform = plan.uniform_decode
-        enforce_eager = self.settings.graph_cache.enforce_eager
-        # A verify step (speculative decoding) replays a verify descriptor when a mixed graph's logits rows
-        # cover every fed token; else, like prompt logprobs, it needs logits at every fed position of its
-        # rows: an eager step on the general layout.
-        verify_desc = None
-        if plan.verify and not plan.prompt_logits and not plan.pooling and not enforce_eager:
-            verify_desc = self.verify_descriptor(num_tokens, num_reqs)
-        wants_prompt = bool(plan.prompt_logits) or (bool(plan.verify) and verify_desc is None)
-        pooling = bool(plan.pooling)
-        wants_prompt = wants_prompt or pooling  # the same eager path, keeping the pooled rows' hidden states
-        eager = enforce_eager or wants_prompt
-        desc = (
-            None
-            if eager
-            else verify_desc
-            or descriptor_for(num_tokens, num_reqs, uniform, self.sizes, self.max_reqs, self.mixed_sizes)
-        )
-        pad_tokens = desc.num_tokens if desc else num_tokens
-        pad_reqs = desc.num_reqs if desc else num_reqs
-        prompt_logits = verify_logits = None
-        pooled_keys: list[int] = []
-        pooled = None
-        try:
-            self.table.update(plan)
-            if self.lora is not None:
-                self.lora.update(plan)
-                self.lora.prepare(plan, pad_tokens)
-            layout = self.inputs.prepare(
-                self.table,
-                plan,
-                decode=self._decode_path(uniform) and not wants_prompt,
-                pad_tokens=pad_tokens,
-                pad_reqs=pad_reqs,
-                prev_tokens=prev,
-                all_logits=verify_desc is not None,
-            )
-            md = layout.metadata
-            with forward_context(md, desc, "eager" if desc is None else self._graph_mode(uniform)):
-                if wants_prompt:
-                    pool = pool_rows(plan, layout.pool_rows, self.table) if pooling else None
-                    logits, prompt_logits, verify_logits, hidden = self._run_with_prompt_logits(layout, pool)
-                    if pool is not None and hidden is not None and pool.segments:
-                        with torch.inference_mode():
-                            pooled_keys, pooled = pool_vectors(hidden, pool)
-                    mode: StepMode = "eager"
-                else:
-                    logits = self.out_logits[: layout.num_logits]
-                    if desc is None:
-                        self._run_model(num_tokens, num_reqs)
-                        mode = "eager"
-                    else:
-                        mode = self.cache.run(desc, real_tokens=num_tokens)
-                        if verify_desc is not None:  # logits row t = token row t
-                            logits, verify_logits = self._verify_logits(layout)
-        except BaseException:
-            self.inputs.invalidate(self.table)  # the buffers may hold half a step: lay the next one out anew
-            raise
-        if pooled is not None and pooled.is_cuda:  # queued before the sampler records the step's event
-            host = torch.empty(pooled.shape, dtype=pooled.dtype, pin_memory=True)
-            pooled = host.copy_(pooled, non_blocking=True)
-        if self.sampling is None or not plan.sample:
-            self.table.sampled_by_step(plan.sampled_keys())  # rank > 0: rank 0 sends the ids it samples
-            return StepOutput(
-                mode, logits, prompt_logits=prompt_logits, pooled_keys=pooled_keys, pooled=pooled
-            )
-        out = self.sampling(plan, self.table.sampled(plan), logits, mode, prompt_logits, verify_logits)
-        out.pooled_keys, out.pooled = pooled_keys, pooled
-        self._sampled = out.sampled
-        self.table.sampled_by_step(plan.sampled_keys())
-        return out
-
-    def verify_descriptor(self, num_tokens: int, num_reqs: int) -> BatchDescriptor | None:
-        """The descriptor a verify step of num_tokens fed tokens over num_reqs rows replays: the mixed one
-        its tokens pad to, marked verify, when its logits rows (R = T, capped at the logits buffer's rows)
-        cover every fed token; None: it runs eagerly."""
-        d = descriptor_for(num_tokens, num_reqs, False, self.sizes, self.max_reqs, self.mixed_sizes)
-        if d is None or d.num_reqs < num_tokens:
-            return None
-        return BatchDescriptor(d.num_tokens, d.num_reqs, False, True)
-
-    def _verify_logits(self, layout: StepLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """A verify graph's logits (every fed token's, in token-row order) -> (the need_logits rows' logits,
-        the verify rows' logits), gathered (fresh tensors: the sampler may process its rows in place)."""
-        every = self.out_logits[: layout.num_tokens]
-        dev = self.device
-        sample = torch.tensor(layout.sample_rows, dtype=torch.int64).to(dev, non_blocking=True)
-        verify = torch.tensor(layout.verify_rows, dtype=torch.int64).to(dev, non_blocking=True)
-        return every.index_select(0, sample), every.index_select(0, verify)
-
-    def in_flight_ids(self, plan: StepPlan) -> torch.Tensor | None:
-        """The ids sampled by the step in flight that the plan's rows read (None: it has no such row): what
-        the tensor-parallel runner broadcasts to the other ranks."""
-        if plan.tokens is not None and None not in plan.tokens:
-            return None
-        return self._sampled
-
-    def _run_with_prompt_logits(
-        self, layout: StepLayout, pool: PoolRows | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """Eager step that also computes the logits of every token of the PromptLogits rows and of the
-        verify rows: the model's head runs over the usual logits rows plus those token rows (fresh tensors,
-        not the static buffers: their count is up to the whole step's tokens); and the final hidden states
-        of pool's token rows. (need_logits rows' logits, the prompt rows' logits or None, the verify rows'
-        logits or None, [len(pool.token_rows), hidden] final hidden states or None)."""
-        i, num_reqs, num_tokens = self.inputs, layout.num_reqs, layout.num_tokens
-        num_prompt, num_verify = len(layout.prompt_rows), len(layout.verify_rows)
-        rows = list(layout.prompt_rows) + list(layout.verify_rows)
-        extra = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        indices = torch.cat([i.logits_indices.dev[:num_reqs], extra])  # [R + E]
-        out = torch.empty(
-            num_reqs + len(rows),
-            self.model_config.vocab_size,
-            dtype=self.dtype,
-            device=self.device,
-        )
-        hidden = None
-        with torch.inference_mode():
-            h, residual = self.model.decode_layers(
-                i.input_ids.dev[:num_tokens], i.positions.dev[:num_tokens], i.slot_mapping.dev[:num_tokens]
-            )  # [T, hidden] each
-            self.model.head_into(self.model.final_norm(h, residual, indices), out)
-            if pool is not None and pool.segments:
-                kept = torch.tensor(pool.token_rows, dtype=torch.int64).to(self.device, non_blocking=True)
-                hidden = self.model.final_norm(h, residual, kept)  # [E, hidden]
-        prompt = out[num_reqs : num_reqs + num_prompt] if num_prompt else None
-        verify = out[num_reqs + num_prompt :] if num_verify else None
-        return out[: layout.num_logits], prompt, verify, hidden
 
     # --- captures outside a step (warmup, admin) --------------------------------------------
     def capture(

@@ -2,7 +2,7 @@
 or its stream of events.
 
 The body (protocol.py) is checked, converted into a chat completion request (conversion.py) and served
-as /v1/chat/completions serves one (api/openai/routes.py: template, tools, output constraint, sampling
+as /v1/chat/completions serves one (api/openai/routes.py and the modules it calls: template, tools, output constraint, sampling
 defaults, size bounds, the engine's first output awaited before a byte is sent, so a refusal is a
 plain 400/429/503), with one sequence (the Responses API has no `n`). Its chat answer, reasoning split
 off and tool calls parsed by the chat shape (api/openai/choices.py), becomes output items (output.py) or
@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from sse_starlette import ServerSentEvent
 from starlette.responses import Response
 
-from graphcache.api.openai import routes, sampling
+from graphcache.api.openai import generation_answer, request_constraints, routes, sampling, served_model
 from graphcache.api.openai.answer_size import check_answer_size
 from graphcache.api.openai.choices import ChatShape, Prompt
 from graphcache.api.openai.fanout import FanOut, Sampled, usage
@@ -115,14 +115,16 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 async def _create(body: ResponsesRequest, request: Request) -> Response:
     chat = _chat_request(body)
     routes.check_body(chat, request)
-    tools = routes.template_tools(chat.tools)
+    tools = request_constraints.template_tools(chat.tools)
     http = request.app.state.settings.http
-    constraint = routes.output_constraint(
-        chat, routes.forced_tool_spec(chat, http.tool_call_parser), http.json_disable_any_whitespace
+    constraint = request_constraints.output_constraint(
+        chat,
+        request_constraints.forced_tool_spec(chat, http.tool_call_parser),
+        http.json_disable_any_whitespace,
     )
-    engine = routes.generating_engine(request, "/v1/responses")
-    model = routes.check_model(engine, chat.model)
-    await routes.check_constraint(engine, constraint)
+    engine = served_model.generating_engine(request, "/v1/responses")
+    model = served_model.check_model(engine, chat.model)
+    await request_constraints.check_constraint(engine, constraint)
     ids = await encode_chat(
         request,
         engine,
@@ -177,7 +179,7 @@ async def _serve(
     firsts = await fan.start_for(receive)
     if firsts is None:
         return Response(status_code=499)  # nobody reads it; keeps the access log honest
-    routes.observe_n(request, 1, 1)
+    generation_answer.observe_n(request, 1, 1)
     tokenizer = shape.text_of.tokenizer
 
     if not stream:
@@ -231,7 +233,7 @@ async def _serve(
             fan.abort()
 
     # OpenAIEventStream frames strings as `data:` lines; a ServerSentEvent adds its `event:` line.
-    return routes.OpenAIEventStream(cast("AsyncGenerator[str, None]", sse()), on_close=fan.abort)
+    return generation_answer.OpenAIEventStream(cast("AsyncGenerator[str, None]", sse()), on_close=fan.abort)
 
 
 def _not_stored(response_id: str) -> APIError:
