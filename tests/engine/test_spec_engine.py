@@ -93,6 +93,24 @@ def test_greedy_outputs_equal_without_speculation(path, async_scheduling):
     assert counts["draft_tokens"] >= counts["accepted"]
 
 
+def test_a_verify_step_is_never_overlapped_when_the_batch_outgrows_speculation(path):
+    """Async scheduling: a step with verify rows whose admissions take the batch past the verify-batch bound
+    (so the next step no longer speculates) is still completed before the next one is planned; planned past
+    a verify row in flight, the next step fed rows nothing and overran the token budget (seen on the H200)."""
+    budget = 24  # admissions a few at a time: the batch crosses the bound while rows are verifying
+    reqs = requests(40, max_tokens=40)
+    want = drive(core_for(path, None, max_num_batched_tokens=budget, max_num_seqs=16), reqs)
+    core = core_for(path, SPEC, max_num_batched_tokens=budget, max_num_seqs=16, async_scheduling="on")
+    core.scheduler.spec_batch_limit = 6
+    plans = []
+    core.step_failpoint = plans.append
+    got = drive(core, reqs)
+    assert got == want
+    assert any(plan.verify for plan in plans)
+    assert max(plan.num_tokens for plan in plans) <= budget
+    assert all(t is None or t for plan in plans for t in (plan.tokens or []))  # every row feeds a token
+
+
 def test_eos_and_stop_tokens_cut_inside_an_accepted_run(path):
     """Each request stops on a token its unspeculated run emits mid-way (as EOS via stop_token_ids, and
     as the model's own EOS), with max_tokens far away: speculation stops at the same token."""

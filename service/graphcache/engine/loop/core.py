@@ -306,7 +306,12 @@ class EngineCore:
         history = self._history_seqs
         needs_history = bool(history) and not history.isdisjoint(sample_seqs)
         sched = self.scheduler
-        if not needs_history and sched.proposer is not None and sched.speculates():
+        if step.verify:
+            # A verify row emits 1..k+1 tokens and its K/V counts its drafts until they are verified: the
+            # next step can be planned only once the run has landed (never overlapped, whatever the batch
+            # size or the acceptance gate now say about the next step).
+            needs_history = True
+        elif not needs_history and sched.proposer is not None and sched.speculates():
             # The proposer drafts from a row's tokens on the host: a row that may speculate next step is
             # not overlapped (async scheduling is off for the steps of speculating requests).
             needs_history = any(map(sched.drafts_next, sample_seqs))
