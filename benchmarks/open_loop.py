@@ -112,6 +112,7 @@ def window(args, url: str, pid: int, vocab: int, k: int, rate: float, burst: int
     """One measured window: (burst requests at once, then) Poisson arrivals at `rate`; the row."""
     shape = workloads.RealisticShape(prompt_cap=args.prompt_cap, output_cap=args.output_cap)
     n = args.num_requests if math.isinf(rate) else max(args.min_requests, math.ceil(rate * args.duration))
+    n = min(n, args.max_requests) if args.max_requests else n
     reqs = workloads.realistic(n, vocab, args.seed + 1 + k, shape)
     offsets = workloads.poisson_arrivals(n, rate, args.seed + k)
     extra = workloads.realistic(burst, vocab, args.seed + 50_000 + k, shape) if burst else []
@@ -252,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a finite rate's window: rate x this many requests",
     )
     ap.add_argument("--min-requests", type=int, default=32, help="... but at least this many")
+    ap.add_argument("--max-requests", type=int, default=0, help="... and at most this many (0: no cap)")
     ap.add_argument(
         "--burst", type=int, default=0, help="also measure each finite rate after N requests at once"
     )
@@ -294,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.smoke:
         args.rates = args.rates or "4,inf"
-        args.num_requests, args.min_requests, args.prompt_cap, args.output_cap = 6, 6, 96, 16
+        args.num_requests, args.min_requests, args.max_requests = 6, 6, 6  # however fast this machine is
+        args.prompt_cap, args.output_cap = 96, 16
         args.max_num_seqs, args.max_model_len = 4, 512
         args.duration = min(args.duration, 2.0)
         args.slice_seconds = min(args.slice_seconds, 1.0)
