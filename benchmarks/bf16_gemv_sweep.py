@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -37,6 +36,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from graphcache.model import bf16_gemv  # noqa: E402
 from graphcache.model.bf16_gemv import Tile  # noqa: E402
+
+from benchmarks.gpu_timing import graph_us  # noqa: E402
 
 SHAPES = {  # name: (N, K) of W [N, K]
     "8b.qkv": (6144, 4096),
@@ -77,30 +78,6 @@ def candidates(bucket: int) -> list[Tile]:
     }[bucket]  # fmt: skip
     default = bf16_gemv.DEFAULT_TILES[bucket]
     return grid if default in grid else [default, *grid]
-
-
-def graph_us(fns: list, calls: int) -> float:
-    """Microseconds per call: median of 5 replays of a CUDA graph holding rounds of fns (one per weight copy)."""
-    reps = max(1, calls // len(fns))
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            for fn in fns:
-                fn()
-    g.replay()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / (reps * len(fns)))
-    g.reset()
-    return statistics.median(times)
 
 
 def l2_bytes() -> int:
@@ -160,7 +137,7 @@ def sweep_shape(name: str, n: int, k: int, rows, cuda: bool, bandwidth: float) -
             try:
                 row["rel_err"] = rel_err(call(0), ref_gated if gated else ref)
                 fns = [lambda i=i: call(i) for i in range(len(ws))]
-                row["us"] = graph_us(fns, calls) if cuda else 0.0
+                row["us"] = graph_us(fns, max(1, calls // len(fns))) if cuda else 0.0
             except Exception as exc:  # noqa: BLE001 - a tile the GPU cannot run (shared memory) is a result too
                 row.update(rel_err=None, us=None, error=f"{type(exc).__name__}: {str(exc)[:160]}")
             row["gb_s"] = nbytes / row["us"] / 1e3 if row.get("us") else 0.0

@@ -42,6 +42,7 @@ from graphcache.model.fp8_quant import quantize_rows, quantize_weight  # noqa: E
 from graphcache.model.tiny import default_model_dir  # noqa: E402
 
 from benchmarks.decode_step import fill, make_runner, time_steps  # noqa: E402
+from benchmarks.gpu_timing import graph_us  # noqa: E402
 from benchmarks.model_shapes import add_model_args, resolve_model  # noqa: E402
 
 GEMM_SHAPES = {
@@ -157,30 +158,6 @@ def run_model(model: Path, quantization: str, args) -> dict:
 
 
 # --- GEMM kernels -------------------------------------------------------------------------------------------
-
-
-def graph_us(fns: list, reps: int = 20) -> float:
-    """Microseconds per call from replays of a CUDA graph holding `reps` rounds of the calls fns[i]()
-    (one per weight copy; no launch gaps counted)."""
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            for fn in fns:
-                fn()
-    g.replay()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / (reps * len(fns)))
-    g.reset()
-    return statistics.median(times)
 
 
 def gemm_row(name: str, ws: list, qs: list, m: int) -> dict:

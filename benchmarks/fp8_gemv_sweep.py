@@ -42,7 +42,8 @@ from graphcache.model import fp8_gemm  # noqa: E402
 from graphcache.model.fp8_quant import MIN_SCALE, quantize_rows  # noqa: E402
 from graphcache.model.triton_support import tl, triton  # noqa: E402
 
-from benchmarks.fp8_bench import graph_us, weight_copies  # noqa: E402
+from benchmarks.fp8_bench import weight_copies  # noqa: E402
+from benchmarks.gpu_timing import graph_us  # noqa: E402
 
 SHAPES = {
     "qkv_proj": (6144, 4096),
