@@ -23,6 +23,7 @@ import httpx
 __all__ = [
     "SERVER_COUNTS",
     "SERVER_FIGURES",
+    "bucket_quantile",
     "server_histograms",
     "server_quantiles",
     "trace_window",
@@ -90,10 +91,9 @@ def server_histograms(url: str) -> dict[str, list[tuple[float, float]]]:
     return result
 
 
-def _quantile(before: list[tuple[float, float]], after: list[tuple[float, float]], q: float) -> float:
-    """Prometheus' histogram_quantile over the window's bucket increments (linear within a bucket), in ms."""
-    if not before:
-        before = [(le, 0.0) for le, _ in after]
+def bucket_quantile(before: list[tuple[float, float]], after: list[tuple[float, float]], q: float) -> float:
+    """Prometheus' histogram_quantile over the window's bucket increments (linear within a bucket), in ms.
+    before and after: [(upper bound s, cumulative count)] with the same bounds."""
     counts = [(le, a - b) for (le, a), (_, b) in zip(after, before, strict=True)]
     if not counts or counts[-1][1] <= 0:
         return float("nan")
@@ -113,7 +113,7 @@ def server_quantiles(before: dict, after: dict) -> dict[str, float]:
     for key in SERVER_FIGURES:
         a, b = after.get(key, []), before.get(key, [])
         for q in (0.5, 0.99):
-            row[f"{key}_ms_p{round(q * 100)}"] = _quantile(b, a, q)
+            row[f"{key}_ms_p{round(q * 100)}"] = bucket_quantile(b or [(le, 0.0) for le, _ in a], a, q)
         row[f"{key}_count"] = (a[-1][1] - (b[-1][1] if b else 0.0)) if a else 0.0
     a, b = after.get("counts", []), before.get("counts", [])
     for i, key in enumerate(SERVER_COUNTS):

@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT / "service"))  # the graphcache package
 
 from benchmarks import step_trace  # noqa: E402
 from benchmarks.model_shapes import add_model_args, resolve_model  # noqa: E402
+from benchmarks.open_loop_server import bucket_quantile  # noqa: E402
 
 
 def workload(*args, **kwargs):
@@ -106,21 +107,6 @@ def server_buckets(url: str) -> dict[str, list[tuple[float, float]]]:
             if family.name == name:
                 out[key] = [(0.0, sum(x.value for x in family.samples if x.name.endswith("_total")))]
     return out
-
-
-def bucket_quantile(before: list[tuple[float, float]], after: list[tuple[float, float]], q: float) -> float:
-    """Prometheus' histogram_quantile over the run's bucket increments (linear within a bucket), in ms."""
-    counts = [(le, a - b) for (le, a), (_, b) in zip(after, before, strict=True)]
-    if not counts or counts[-1][1] <= 0:
-        return float("nan")
-    rank, low, below = q * counts[-1][1], 0.0, 0.0
-    for le, cum in counts:
-        if cum >= rank:
-            if le == float("inf"):
-                return low * 1e3
-            return (low + (le - low) * (rank - below) / max(cum - below, 1e-12)) * 1e3
-        low, below = le, cum
-    return low * 1e3
 
 
 def measured(run, pid: int, url: str) -> dict:
