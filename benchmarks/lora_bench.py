@@ -279,23 +279,12 @@ async def load_under_load(
         engine.lora_modules.add(LoraModule(NEW_ADAPTER, new_path))
         marks["load_call_ms"] = (time.perf_counter() - marks["t_load"]) * 1e3
 
-        async def one(i: int, r: workloads.Request) -> int:
-            params = SamplingParams(
-                max_tokens=r.max_tokens,
-                temperature=r.temperature,
-                top_p=r.top_p,
-                seed=r.seed,
-                ignore_eos=True,
-                lora_name=NEW_ADAPTER,
+        counts = await asyncio.gather(
+            *(
+                offline_throughput.run_request(engine, f"new-{i}", r, NEW_ADAPTER, f"new-adapter request {i}")
+                for i, r in enumerate(extra)
             )
-            n = 0
-            async for out in engine.generate(f"new-{i}", r.prompt, params, stream=False):
-                n += len(out.token_ids)
-                if out.finished and out.finish_reason != "length":
-                    raise RuntimeError(f"new-adapter request {i}: {out.finish_reason}: {out.error}")
-            return n
-
-        counts = await asyncio.gather(*(one(i, r) for i, r in enumerate(extra)))
+        )
         return sum(counts)
 
     row, new_tokens = await asyncio.gather(

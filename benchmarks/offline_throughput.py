@@ -134,6 +134,30 @@ def lora_settings(args) -> dict:
     )
 
 
+async def run_request(
+    engine: Engine, request_id: str, r: workloads.Request, lora_name: str | None, label: str
+) -> int:
+    """One workload request through the engine (through adapter lora_name; None: the base model), to its
+    max_tokens: its output token count. A finish other than "length" raises, naming label."""
+    params = SamplingParams(
+        max_tokens=r.max_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        seed=r.seed,
+        ignore_eos=True,
+        **({"lora_name": lora_name} if lora_name is not None else {}),
+    )
+    n = 0
+    # stream=False: one output per request, so the benchmark measures the engine, not 256
+    # consumer coroutines waking up once per token.
+    async for out in engine.generate(request_id, r.prompt, params, stream=False):
+        n += len(out.token_ids)
+        if out.finished and out.finish_reason != "length":
+            raise RuntimeError(f"{label} finished with {out.finish_reason}: {out.error}")
+    return n
+
+
 async def _run_engine(
     engine: Engine,
     requests: list[workloads.Request],
@@ -153,24 +177,7 @@ async def _run_engine(
         pass
 
     async def one(i: int) -> int:
-        r = requests[i]
-        params = SamplingParams(
-            max_tokens=r.max_tokens,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            seed=r.seed,
-            ignore_eos=True,
-            **({"lora_name": lora_names[i]} if lora_names[i] is not None else {}),
-        )
-        n = 0
-        # stream=False: one output per request, so the benchmark measures the engine, not 256
-        # consumer coroutines waking up once per token.
-        async for out in engine.generate(f"r{i}-{id(requests)}", r.prompt, params, stream=False):
-            n += len(out.token_ids)
-            if out.finished and out.finish_reason != "length":
-                raise RuntimeError(f"request {i} finished with {out.finish_reason}: {out.error}")
-        return n
+        return await run_request(engine, f"r{i}-{id(requests)}", requests[i], lora_names[i], f"request {i}")
 
     core = engine.core
     phases0, steps0 = dict(core.phase_seconds), core.num_steps
