@@ -72,12 +72,9 @@ async def test_spec_decode_series_on_metrics(tmp_path):
     assert len(per_pos) == SPEC["num_speculative_tokens"]
 
 
-async def test_draft_model_served_through_the_api(tmp_path):
-    """--speculative-config draft_model end to end: completions equal the unspeculated server's (greedy),
-    the spec-decode series count the self-draft's drafts as all accepted, and /admin/cache shows the
-    draft's own graph cache with its warmed decode descriptors."""
-    model = tiny_checkpoint("qwen2")
-    base = dict(
+def draft_settings(tmp_path, model, speculative_config: str | None) -> Settings:
+    """The draft-model tests' CPU server (admin token "t0ken"; decode graphs of 1 and 2 rows warmed)."""
+    return Settings(
         cache_dir=tmp_path,
         model=model,
         device="cpu",
@@ -86,12 +83,20 @@ async def test_draft_model_served_through_the_api(tmp_path):
         capture_sizes=[1, 2, 4, 8, 16],
         warmup_decode_sizes=[1, 2],
         admin_token="t0ken",
+        speculative_config=speculative_config,
     )
+
+
+async def test_draft_model_served_through_the_api(tmp_path):
+    """--speculative-config draft_model end to end: completions equal the unspeculated server's (greedy),
+    the spec-decode series count the self-draft's drafts as all accepted, and /admin/cache shows the
+    draft's own graph cache with its warmed decode descriptors."""
+    model = tiny_checkpoint("qwen2")
     body = {"prompt": [5, 9, 14, 3, 7, 22], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
     answers = []
     draft = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}
     for spec in (None, json.dumps(draft)):
-        settings = Settings(**base, speculative_config=spec)
+        settings = draft_settings(tmp_path, model, spec)
         async with serving(settings, Engine(settings, Metrics())) as (client, app):
             r = await client.post("/v1/completions", json={"model": app.state.engine.model_name, **body})
             assert r.status_code == 200, r.text
@@ -131,17 +136,7 @@ async def test_verify_and_draft_graphs_on_admin_cache_and_metrics(tmp_path):
     series keep their names and labels and count the target's steps alone."""
     model = tiny_checkpoint("qwen2")
     draft = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}
-    settings = Settings(
-        cache_dir=tmp_path,
-        model=model,
-        device="cpu",
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        capture_sizes=[1, 2, 4, 8, 16],
-        warmup_decode_sizes=[1, 2],
-        admin_token="t0ken",
-        speculative_config=json.dumps(draft),
-    )
+    settings = draft_settings(tmp_path, model, json.dumps(draft))
     engine = Engine(settings, Metrics())
     async with serving(settings, engine) as (client, app):
         name = app.state.engine.model_name
