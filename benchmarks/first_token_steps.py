@@ -20,7 +20,6 @@ import json
 import math
 import random
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -28,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "service"))  # the graphcache package
 
-from benchmarks.model_shapes import add_model_args, resolve_model  # noqa: E402
+from benchmarks.model_shapes import add_model_args, require_model, smoke_model  # noqa: E402
 
 
 def measure(
@@ -115,11 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.smoke:
         args.prompt_median, args.prompt_cap = 24.0, 96
-        if not (args.model or args.make_model or args.make_qwen05b):
-            args.make_model = f"tiny:{tempfile.mkdtemp(prefix='bench-smoke-')}"
-    model = resolve_model(args)
-    if model is None:
-        raise SystemExit("--model DIR (or --make-model SHAPE:DIR, or --smoke) is required")
+        smoke_model(args)
+    model = require_model(args)
     from graphcache.config import Settings
     from graphcache.engine.loop.core import EngineCore
     from graphcache.engine.worker.runner import ModelRunner

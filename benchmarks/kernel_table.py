@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -37,7 +36,7 @@ import torch  # noqa: E402
 from graphcache.engine.plan import StepPlan, StepSeq  # noqa: E402
 
 from benchmarks.decode_step import fill, make_runner  # noqa: E402
-from benchmarks.model_shapes import add_model_args, resolve_model  # noqa: E402
+from benchmarks.model_shapes import add_model_args, require_model, smoke_model  # noqa: E402
 
 ATTENTION = ("attn", "attention", "flash", "fmha", "decode_stage", "unified")
 GEMM_OPS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1)}  # op -> (A, B) input positions
@@ -207,11 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             64,
         )
         args.iters, device = 1, "cpu"
-        if not (args.model or args.make_model or args.make_qwen05b):
-            args.make_model = f"tiny:{tempfile.mkdtemp(prefix='bench-smoke-')}"
-    model = resolve_model(args)
-    if model is None:
-        raise SystemExit("--model DIR (or --make-model SHAPE:DIR, or --smoke) is required")
+        smoke_model(args)
+    model = require_model(args)
     cfg = json.loads((model / "config.json").read_text())
     cuda = device == "cuda"
     peak, bw = args.peak_tflops * 1e12, args.bandwidth

@@ -27,6 +27,7 @@ import argparse
 import inspect
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 SHAPES = {
@@ -214,3 +215,17 @@ def resolve_model(args: argparse.Namespace) -> Path | None:
         made = make_model(shape, Path(path))
         print(f"model {shape} at {made}", file=sys.stderr)
     return args.model or made
+
+
+def smoke_model(args: argparse.Namespace) -> None:
+    """--smoke without a model named: the tiny model, written to a fresh temp folder."""
+    if not (args.model or args.make_model or args.make_qwen05b):
+        args.make_model = f"tiny:{tempfile.mkdtemp(prefix='bench-smoke-')}"
+
+
+def require_model(args: argparse.Namespace) -> Path:
+    """resolve_model, or exit naming the flags that give a model."""
+    model = resolve_model(args)
+    if model is None:
+        raise SystemExit("--model DIR (or --make-model SHAPE:DIR, or --smoke) is required")
+    return model

@@ -58,7 +58,7 @@ from graphcache.engine.loop.engine import Engine, SamplingParams  # noqa: E402
 from graphcache.metrics import Metrics  # noqa: E402
 
 from benchmarks import roofline, step_trace, workloads  # noqa: E402
-from benchmarks.model_shapes import add_model_args, make_model, resolve_model  # noqa: E402
+from benchmarks.model_shapes import add_model_args, make_model, resolve_model, smoke_model  # noqa: E402
 
 
 def make_qwen05b(out: Path) -> Path:
@@ -450,8 +450,7 @@ SMOKE = dict(
 def apply_smoke(args: argparse.Namespace) -> None:
     for key, value in SMOKE.items():
         setattr(args, key, value)
-    if not (args.model or args.make_model or args.make_qwen05b):
-        args.make_model = f"tiny:{tempfile.mkdtemp(prefix='bench-smoke-')}"
+    smoke_model(args)
 
 
 def quantization_of(args) -> str:

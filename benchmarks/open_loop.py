@@ -47,7 +47,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -56,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "service"))  # the graphcache package
 
 from benchmarks import step_trace, workloads  # noqa: E402
-from benchmarks.model_shapes import add_model_args, resolve_model  # noqa: E402
+from benchmarks.model_shapes import add_model_args, require_model, smoke_model  # noqa: E402
 from benchmarks.open_loop_client import send  # noqa: E402
 from benchmarks.open_loop_server import (  # noqa: E402
     SERVER_COUNTS,
@@ -301,11 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         args.max_num_seqs, args.max_model_len = 4, 512
         args.duration = min(args.duration, 2.0)
         args.slice_seconds = min(args.slice_seconds, 1.0)
-        if not (args.model or args.make_model or args.make_qwen05b):
-            args.make_model = f"tiny:{tempfile.mkdtemp(prefix='bench-smoke-')}"
-    model = resolve_model(args)
-    if model is None:
-        raise SystemExit("--model DIR (or --make-model SHAPE:DIR, or --smoke) is required")
+        smoke_model(args)
+    model = require_model(args)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     if args.warm_mixed:
         os.environ.update(warm_mixed_env(args.warm_mixed, args.max_num_seqs or 512))
