@@ -53,7 +53,7 @@ import torch  # noqa: E402
 from graphcache.config import Settings  # noqa: E402
 from graphcache.engine.loop.core import EngineCore  # noqa: E402
 from graphcache.engine.plan import StepPlan, StepSeq  # noqa: E402
-from graphcache.engine.sequence import SamplingParams, Sequence  # noqa: E402
+from graphcache.engine.sequence import Sequence  # noqa: E402
 from graphcache.engine.spec.acceptance import AcceptanceGate, AcceptanceRule  # noqa: E402
 from graphcache.engine.spec.build import build_proposer  # noqa: E402
 from graphcache.engine.worker.runner import ModelRunner  # noqa: E402
@@ -66,7 +66,7 @@ except ImportError:
 
 from benchmarks import offline_throughput  # noqa: E402
 from benchmarks.model_shapes import add_model_args, path_or_make, resolve_model  # noqa: E402
-from benchmarks.spec_greedy_check import greedy_check, greedy_table  # noqa: E402
+from benchmarks.spec_greedy_check import greedy_check, greedy_table, greedy_wave  # noqa: E402
 
 # --------------------------------------------------------------------------- the workload
 
@@ -180,17 +180,9 @@ def run_streams(core: EngineCore, prompts: list[list[int]], streams: int, args) 
     sync(dev)
     t0 = time.perf_counter()
     for r in range(args.rounds):
-        batch = []
-        for i in range(streams):
-            prompt = prompts[(r * streams + i) % len(prompts)]
-            params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-            seq = Sequence(f"s{streams}-r{r}-{i}-{id(kinds)}", list(prompt), params, stream=False)
-            core.check(seq)
-            core.add_request(seq)
-            batch.append(seq)
-        while core.has_work():
-            core.step()
-        seqs += batch
+        wave = [prompts[(r * streams + i) % len(prompts)] for i in range(streams)]
+        ids = [f"s{streams}-r{r}-{i}-{id(kinds)}" for i in range(streams)]
+        seqs += greedy_wave(core, wave, args.output_len, ids)
     sync(dev)
     elapsed = time.perf_counter() - t0
     core.step_failpoint = None

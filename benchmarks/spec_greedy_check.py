@@ -33,20 +33,30 @@ __all__ = [
 BUCKETS = (1, 4, 16, 64, 256)
 
 
+def greedy_wave(
+    core: EngineCore, prompts: list[list[int]], output_len: int, ids: list[str]
+) -> list[Sequence]:
+    """prompts[i] as request ids[i], all at once, greedy to output_len tokens (EOS ignored), stepped until
+    the core is idle: the finished sequences."""
+    wave = []
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+        seq = Sequence(request_id, list(prompt), params, stream=False)
+        core.check(seq)
+        core.add_request(seq)
+        wave.append(seq)
+    while core.has_work():
+        core.step()
+    return wave
+
+
 def run_greedy(core: EngineCore, prompts: list[list[int]], output_len: int, streams: int, tag: str) -> list:
     """Each prompt's greedy output (output_len tokens, EOS ignored), `streams` requests at a time."""
     outputs: list[list[int]] = []
     for at in range(0, len(prompts), streams):
-        wave = []
-        for i, prompt in enumerate(prompts[at : at + streams]):
-            params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-            seq = Sequence(f"greedy-{tag}-{at + i}", list(prompt), params, stream=False)
-            core.check(seq)
-            core.add_request(seq)
-            wave.append(seq)
-        while core.has_work():
-            core.step()
-        outputs += [list(s.output_token_ids) for s in wave]
+        chunk = prompts[at : at + streams]
+        ids = [f"greedy-{tag}-{at + i}" for i in range(len(chunk))]
+        outputs += [list(s.output_token_ids) for s in greedy_wave(core, chunk, output_len, ids)]
     return outputs
 
 
