@@ -115,3 +115,17 @@ def run_alone(runner, ids: list[int], table: list[int], chunk: int | None = None
         out.append(logits[0].clone())
         pos += len(part)
     return out
+
+
+def recorded_descriptors(cache) -> list:
+    """Every descriptor cache.run (a runner's graph cache) is asked for from now on, in order; the runs
+    themselves are unchanged."""
+    seen: list = []
+    run = cache.run
+
+    def recording_run(desc, real_tokens=None):
+        seen.append(desc)
+        return run(desc, real_tokens=real_tokens)
+
+    cache.run = recording_run
+    return seen

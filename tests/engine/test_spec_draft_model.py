@@ -30,7 +30,7 @@ from graphcache.engine.worker.draft_model import (
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.metrics import Metrics
 from graphcache.model.config import ModelLoadError
-from helpers_model import cpu_settings, prompt_ids, tiny_checkpoint
+from helpers_model import cpu_settings, prompt_ids, recorded_descriptors, tiny_checkpoint
 
 K = 3
 
@@ -419,14 +419,7 @@ def test_draft_decode_steps_replay_their_warmed_descriptors(path, small):
     draft.warmup()
     caches = {"target": core.runner.cache, "draft": draft.runner.cache}
     warm = {name: {e.descriptor for e in c.entries()} for name, c in caches.items()}
-    seen: dict[str, list] = {name: [] for name in caches}
-    for name, cache in caches.items():
-
-        def recording_run(desc, real_tokens=None, _run=cache.run, _seen=seen[name]):
-            _seen.append(desc)
-            return _run(desc, real_tokens=real_tokens)
-
-        cache.run = recording_run
+    seen = {name: recorded_descriptors(cache) for name, cache in caches.items()}
     drive(core, requests(8, ignore_eos=True))
     decodes = {str(d) for d in seen["draft"] if d.uniform_decode}
     verify = {str(d) for d in seen["target"] if d.verify}

@@ -19,7 +19,7 @@ from graphcache.engine.spec.config import parse_speculative_config
 from graphcache.engine.spec.proposer import Proposer
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.metrics import Metrics
-from helpers_model import cpu_settings, prompt_ids, tiny_checkpoint
+from helpers_model import cpu_settings, prompt_ids, recorded_descriptors, tiny_checkpoint
 
 SPEC = json.dumps(
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -313,14 +313,7 @@ def test_verify_steps_replay_verify_descriptors(path):
     want = drive(core_for(path, None, **kw), reqs)
     core = core_for(path, SPEC, Metrics(), **kw)
     runner = core.runner
-    seen = []
-    run = runner.cache.run
-
-    def counting_run(desc, real_tokens=None):
-        seen.append(desc)
-        return run(desc, real_tokens=real_tokens)
-
-    runner.cache.run = counting_run
+    seen = recorded_descriptors(runner.cache)
     got = drive(core, reqs)
     assert got == want
     verify = [d for d in seen if d.verify]
@@ -496,14 +489,7 @@ def test_verify_steps_replay_their_warmed_descriptors(path, streams):
     runner = core.runner
     runner.warmup()
     warm = {e.descriptor for e in runner.cache.entries()}
-    seen = []
-    run = runner.cache.run
-
-    def recording_run(desc, real_tokens=None):
-        seen.append(desc)
-        return run(desc, real_tokens=real_tokens)
-
-    runner.cache.run = recording_run
+    seen = recorded_descriptors(runner.cache)
     reqs = [
         (
             f"c{i}",
