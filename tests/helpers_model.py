@@ -31,6 +31,14 @@ def tiny_checkpoint(arch: str = "llama", **kwargs) -> Path:
     return _MADE[key]
 
 
+def gqa_checkpoint() -> Path:
+    """The GPU tests' tiny Qwen2: qkv bias and GQA (8 query heads over 2 KV heads, head_dim 32) both on the
+    captured path, 4 layers; the untied head keeps logits ~1-5."""
+    return tiny_checkpoint(
+        "qwen2", hidden=256, layers=4, heads=8, kv_heads=2, intermediate=512, tie_word_embeddings=False
+    )
+
+
 def cpu_settings(model: Path, **overrides) -> Settings:
     """Small, fast CPU settings: eager backend, small capture sizes, no warmup unless asked. Every miss
     captures at once and no capture-time budget applies, so which steps replay does not depend on how

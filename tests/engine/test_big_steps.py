@@ -12,7 +12,7 @@ from graphcache.engine.plan import StepPlan, StepSeq
 from graphcache.engine.worker.capture_sizes import host_bound_buckets, resolve_capture_sizes
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes, descriptor_for, mixed_buckets
-from helpers_model import Blocks, cpu_settings, prompt_ids, tiny_checkpoint
+from helpers_model import Blocks, cpu_settings, gqa_checkpoint, prompt_ids, tiny_checkpoint
 
 ATOL = 1e-4
 BUCKETS = [96, 128, 192]  # above cpu_settings' fine sizes (..64), within its 256 batched tokens
@@ -190,9 +190,7 @@ def test_full_mixed_graph_equals_eager_interpreted(monkeypatch):
 def test_cuda_full_mixed_graph_replay_equals_eager(mode):
     """bf16 on CUDA: mixed steps past the fine sizes replay a captured graph (full: the unified kernel
     inside it) and give the eager runner's logits on two different steps, request rows poisoned first."""
-    path = tiny_checkpoint(
-        "qwen2", hidden=256, layers=4, heads=8, kv_heads=2, intermediate=512, tie_word_embeddings=False
-    )
+    path = gqa_checkpoint()
     settings = dict(
         device="cuda",
         dtype="bfloat16",

@@ -15,17 +15,14 @@ from graphcache.engine.plan import StepPlan, StepSeq
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.graphs.descriptor import BatchDescriptor
 from helpers_cuda import assert_replay_close
-from helpers_model import Blocks, cuda_settings, prompt_ids, tiny_checkpoint
+from helpers_model import Blocks, cuda_settings, gqa_checkpoint, prompt_ids
 
 pytestmark = pytest.mark.cuda
 
 
 @pytest.fixture(scope="module")
 def path():
-    # Qwen2 flavour: qkv bias and GQA both on the captured path; untied head keeps logits ~1-5.
-    return tiny_checkpoint(
-        "qwen2", hidden=256, layers=4, heads=8, kv_heads=2, intermediate=512, tie_word_embeddings=False
-    )
+    return gqa_checkpoint()
 
 
 def _drive(graph: ModelRunner, eager: ModelRunner, seed: int, num_seqs: int = 20):

@@ -160,11 +160,9 @@ def test_cuda_runner_dense_prefill_matches_unified(monkeypatch, setting, mode):
     3% of max |logit| of the unified-only runner's, and the dense kernel ran."""
     import graphcache.model.attention as attention_mod
     from graphcache.engine.worker.runner import ModelRunner
-    from helpers_model import cpu_settings, tiny_checkpoint
+    from helpers_model import cpu_settings, gqa_checkpoint
 
-    path = tiny_checkpoint(
-        "qwen2", hidden=256, layers=4, heads=8, kv_heads=2, intermediate=512, tie_word_embeddings=False
-    )
+    path = gqa_checkpoint()
     calls = []
     real = attention_mod.dense_prefill_attention
     monkeypatch.setattr(attention_mod, "dense_prefill_attention", lambda *a: calls.append(a[4]) or real(*a))

@@ -361,11 +361,9 @@ def test_cuda_runner_mixed_steps_match_flash():
     """bf16 runners with graphs on: logits of the triton kernel within 3% of max |logit| of the gather +
     FlashAttention path's on the same mixed steps (bf16 rounding differs between the kernels)."""
     from graphcache.engine.worker.runner import ModelRunner
-    from helpers_model import cpu_settings, tiny_checkpoint
+    from helpers_model import cpu_settings, gqa_checkpoint
 
-    path = tiny_checkpoint(
-        "qwen2", hidden=256, layers=4, heads=8, kv_heads=2, intermediate=512, tie_word_embeddings=False
-    )
+    path = gqa_checkpoint()
     got = {}
     for backend in ("flash", "triton"):
         runner = ModelRunner(
@@ -399,11 +397,9 @@ def test_cuda_engine_greedy_matches_flash(tmp_path):
     from graphcache.config import Settings
     from graphcache.engine.loop.engine import Engine, SamplingParams
     from graphcache.metrics import Metrics
-    from helpers_model import prompt_ids, tiny_checkpoint
+    from helpers_model import gqa_checkpoint, prompt_ids
 
-    path = tiny_checkpoint(
-        "qwen2", hidden=256, layers=4, heads=8, kv_heads=2, intermediate=512, tie_word_embeddings=False
-    )
+    path = gqa_checkpoint()
     prompts = [prompt_ids(20 + 37 * i % 150, seed=i) for i in range(12)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
 
