@@ -37,6 +37,7 @@ from graphcache.engine.worker.runner import ModelRunner  # noqa: E402
 from graphcache.graphs.descriptor import BatchDescriptor  # noqa: E402
 from graphcache.model.forward_context import forward_context  # noqa: E402
 
+from benchmarks.gpu_timing import gpu_median_ms  # noqa: E402
 from benchmarks.model_shapes import add_model_args, resolve_model  # noqa: E402
 
 MODES = {  # mode -> Settings overrides
@@ -112,19 +113,6 @@ def time_steps(runner: ModelRunner, decode: list[StepSeq], steps: int) -> tuple[
             walls.append(wall * 1e3)
             gpus.append(start.elapsed_time(end))
     return statistics.median(walls), statistics.median(gpus)
-
-
-def gpu_median_ms(fn, steps: int) -> float:
-    """Median GPU milliseconds of fn() (CUDA events around each call)."""
-    times = []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def replay_ms(runner: ModelRunner, batch: int, steps: int) -> float:

@@ -1,12 +1,25 @@
-"""Kernel timing inside one CUDA graph, shared by the GEMM benchmarks (fp8_bench, fp8_gemv_sweep,
-bf16_gemv_sweep): a graph holds many rounds of the calls so launch gaps inside it count as in a captured
-decode step, and the time is the median of 5 replays."""
+"""GPU time of a call, shared by the benchmarks: gpu_median_ms puts CUDA events around each call (what one
+eager or replayed step costs); graph_us times kernels inside one CUDA graph holding many rounds of the calls,
+so launch gaps inside it count as in a captured decode step (the GEMM sweeps)."""
 
 from __future__ import annotations
 
 import statistics
 
 import torch
+
+
+def gpu_median_ms(fn, steps: int) -> float:
+    """Median GPU milliseconds of fn() (CUDA events around each call)."""
+    times = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
 
 
 def graph_us(fns: list, reps: int = 20) -> float:

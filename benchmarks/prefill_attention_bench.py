@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import statistics
 import sys
 import time
 import traceback
@@ -64,6 +63,7 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "service"))
 from graphcache.model.prefill_attention import dense_prefill_attention, plan_dense_suffix  # noqa: E402
 from graphcache.model.prefill_triton import DenseConfig, dense_causal_attention  # noqa: E402
@@ -73,6 +73,8 @@ from graphcache.model.unified_attention import (  # noqa: E402
     reference_unified_attention,
     unified_attention,
 )
+
+from benchmarks.gpu_timing import gpu_median_ms  # noqa: E402
 
 SHAPES = {"llama-3-8b": (32, 8, 128), "qwen2.5-0.5b": (14, 2, 64)}  # (H, K, D)
 BATCHES = {"8x1024": (8, 1024), "4x2048": (4, 2048), "1x4096": (1, 4096), "32x256": (32, 256)}
@@ -432,15 +434,7 @@ def time_ms(run: Callable[[], None], warmup: int, iters: int) -> float:
     for _ in range(warmup):
         run()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return gpu_median_ms(run, iters)
 
 
 def measure(c: Case, name: str, ref: torch.Tensor, args) -> dict:
