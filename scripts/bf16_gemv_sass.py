@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -28,8 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 from graphcache.model import bf16_gemv  # noqa: E402
 from graphcache.model.bf16_gemv import Tile  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from sass_tools import compile_sm90, cubin_tool  # noqa: E402
 
 from benchmarks.bf16_gemv_sweep import ROWS, candidates  # noqa: E402
 
@@ -52,24 +49,7 @@ def compile_tile(t: Tile, gated: bool = False, even_k: bool = True):
         BLOCK_N=t.block_n,
         BLOCK_K=t.block_k,
     )
-    names = [*sig, *const]
-    src = ASTSource(
-        fn=bf16_gemv._kernel(),
-        signature=sig | dict.fromkeys(const, "constexpr"),
-        constexprs={(names.index(k),): v for k, v in const.items()},
-        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE},
-    )
-    return triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": t.warps, "num_stages": t.stages}
-    )
-
-
-def _tool(kernel, tool: str, *args: str) -> str:
-    binary = Path(triton.__file__).parent / "backends/nvidia/bin" / tool
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        return subprocess.run([str(binary), *args, f.name], capture_output=True, text=True, check=True).stdout
+    return compile_sm90(bf16_gemv._kernel(), sig, const, DIVISIBLE, t.warps, t.stages)
 
 
 def k_loop(lines: list[str]) -> Counter:
@@ -93,9 +73,9 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 - a tile the compiler refuses is a result too
             print(f"{tuple(t)}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
             continue
-        usage = _tool(kernel, "cuobjdump", "-res-usage")
+        usage = cubin_tool(kernel, "cuobjdump", "-res-usage")
         regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
-        lines = _tool(kernel, "nvdisasm", "-c").splitlines()
+        lines = cubin_tool(kernel, "nvdisasm", "-c").splitlines()
         total = Counter(op.group(1) for s in lines if (op := OPCODE.search(s)))
         loop = k_loop(lines)
         print(

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -24,8 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
 
 import triton  # noqa: E402
 from graphcache.model import fp8_gemm  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from sass_tools import compile_sm90, cubin_tool  # noqa: E402
 
 POINTERS = {"a_ptr": "*bf16", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "sa_ptr": "*fp32", "sb_ptr": "*fp32"}
 ROPE_POINTERS = ("pos_ptr", "cos_ptr", "sin_ptr", "slot_ptr", "kc_ptr", "vc_ptr")
@@ -44,34 +41,15 @@ def compile_one_row(tile=fp8_gemm.ONE_ROW_TILE, gated: bool = False):
         BLOCK_SCALES=False, ONE_ROW=True, GATED=gated, ROPE=False, HEAD_DIM=2, EVEN_K=True, USE_PDL=True,
         GROUP_N=1, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
-    names = [*sig, *const]
-    src = ASTSource(
-        fn=fp8_gemm._kernel(),
-        signature=sig | dict.fromkeys(const, "constexpr"),
-        constexprs={(names.index(k),): v for k, v in const.items()},
-        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE},
-    )
-    return triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
-    )
-
-
-def _cubin_tool(kernel, tool: str, *args: str) -> list[str]:
-    binary = Path(triton.__file__).parent / "backends/nvidia/bin" / tool
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        return subprocess.run(
-            [str(binary), *args, f.name], capture_output=True, text=True, check=True
-        ).stdout.splitlines()
+    return compile_sm90(fp8_gemm._kernel(), sig, const, DIVISIBLE, warps, stages)
 
 
 def sass(kernel) -> list[str]:
-    return _cubin_tool(kernel, "nvdisasm", "-c")
+    return cubin_tool(kernel, "nvdisasm", "-c").splitlines()
 
 
 def registers(kernel) -> int:
-    usage = " ".join(_cubin_tool(kernel, "cuobjdump", "-res-usage"))
+    usage = " ".join(cubin_tool(kernel, "cuobjdump", "-res-usage").splitlines())
     return int(re.search(r"REG:(\d+)", usage).group(1))
 
 
