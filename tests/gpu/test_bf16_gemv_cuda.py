@@ -24,13 +24,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from graphcache.engine.plan import StepPlan, StepSeq
 from graphcache.engine.worker.runner import ModelRunner
 from graphcache.model import bf16_gemv
 from graphcache.model.bf16_gemv import BUCKETS
 from graphcache.model.fused_ops import silu_mul
-from helpers_cuda import assert_replay_close, poison_allocator
-from helpers_model import Blocks, cuda_settings, prompt_ids, tiny_checkpoint
+from helpers_cuda import assert_decode_replays_match, poison_allocator
+from helpers_model import cuda_settings, tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.bf16_gemv_sweep import SHAPES, candidates  # noqa: E402
@@ -176,21 +175,4 @@ def test_runner_with_the_small_gemm_replays_what_the_plain_runner_computes():
     plain = ModelRunner(cuda_settings(path, enforce_eager=True, **kw))
     assert small.model.small_gemm and not plain.model.small_gemm
     for num_seqs in (1, 3, 20):
-        blocks = Blocks(16)
-        prompts = [prompt_ids(6 + i, seed=10 * num_seqs + i) for i in range(num_seqs)]
-        tables = [blocks.table(len(p) + 8) for p in prompts]
-        tokens = [list(p) for p in prompts]
-        for i, (p, t) in enumerate(zip(prompts, tables, strict=True)):
-            small.execute(StepPlan.standalone([StepSeq(list(p), 0, t, True)]))
-            first = plain.execute(StepPlan.standalone([StepSeq(list(p), 0, t, True)])).logits[0]
-            tokens[i].append(int(first.argmax()))
-        for step in range(3):
-            seqs = [StepSeq([tokens[i][-1]], len(tokens[i]) - 1, tables[i], True) for i in range(num_seqs)]
-            small.out_logits.fill_(float("nan"))
-            result = small.execute(StepPlan.standalone(seqs))
-            assert result.mode == "replay", f"decode step {step} ran {result.mode}"
-            got = result.logits.clone()
-            want = plain.execute(StepPlan.standalone(seqs)).logits
-            assert_replay_close(got, want, f"{num_seqs} seqs, step {step}")
-            for i, t in enumerate(want.argmax(-1).tolist()):
-                tokens[i].append(t)
+        assert_decode_replays_match(small, plain, num_seqs, seed=10 * num_seqs, steps=3, what="small gemm")

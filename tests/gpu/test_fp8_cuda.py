@@ -31,7 +31,7 @@ from graphcache.model.fp8_gemm import (
 from graphcache.model.fp8_linear import Fp8Linear, fp8_mm
 from graphcache.model.fp8_quant import FP8, quantize_groups, quantize_rows, quantize_weight
 from graphcache.model.fused_ops import rotary_cache_, silu_mul
-from helpers_cuda import assert_replay_close, poison_allocator
+from helpers_cuda import assert_decode_replays_match, assert_replay_close, poison_allocator
 from helpers_fp8 import bf16_copy, write_fp8_checkpoint
 from helpers_model import Blocks, cuda_settings, prompt_ids, tiny_checkpoint
 
@@ -219,22 +219,4 @@ def test_fp8_graph_replay_equals_eager(checkpoints, name):
     eager = ModelRunner(_settings(path, enforce_eager=True, **kw))
     assert any(isinstance(m, Fp8Linear) for m in graph.model.modules())
     for num_seqs in (1, 3, 20):  # 20 rows: past WEIGHT_ONLY_MAX_ROWS, the _scaled_mm path
-        blocks = Blocks(16)
-        prompts = [prompt_ids(6 + i, seed=100 * num_seqs + i) for i in range(num_seqs)]
-        tables = [blocks.table(len(p) + 8) for p in prompts]
-        tokens = [list(p) for p in prompts]
-        for i, (p, t) in enumerate(zip(prompts, tables, strict=True)):  # prefills, one at a time on both
-            graph.execute(StepPlan.standalone([StepSeq(list(p), 0, t, True)]))
-            tokens[i].append(
-                int(eager.execute(StepPlan.standalone([StepSeq(list(p), 0, t, True)])).logits[0].argmax())
-            )
-        for step in range(4):
-            seqs = [StepSeq([tokens[i][-1]], len(tokens[i]) - 1, tables[i], True) for i in range(num_seqs)]
-            graph.out_logits.fill_(float("nan"))
-            result = graph.execute(StepPlan.standalone(seqs))
-            assert result.mode == "replay", f"{name}: decode step {step} ran {result.mode}"
-            g = result.logits.clone()
-            e = eager.execute(StepPlan.standalone(seqs)).logits
-            assert_replay_close(g, e, f"{name}: {num_seqs} seqs, step {step}")
-            for i, t in enumerate(e.argmax(-1).tolist()):
-                tokens[i].append(t)
+        assert_decode_replays_match(graph, eager, num_seqs, seed=100 * num_seqs, steps=4, what=name)
