@@ -156,6 +156,25 @@ class Sampler:
         return tokens.index_copy_(0, idx, chosen)
 
     @torch.inference_mode()
+    def sample_positions(
+        self, logits: torch.Tensor, seqs: list[SamplingState], offsets: list[int]
+    ) -> torch.Tensor:
+        """One token per row of logits [W, V], as a [W] int64 device tensor: row i is drawn as seqs[i]'s
+        token `offsets[i]` output positions from the one its state counts (num_generated; a verify step's
+        fed positions: engine/spec/match.py), so a seeded row's draw is the one plain decoding makes at
+        that output position. Rows have no logits controls (the scheduler speculates none)."""
+        assert logits.shape[0] == len(seqs) == len(offsets), (logits.shape, len(seqs), len(offsets))
+        if all(map(self.plain_greedy, seqs)):
+            return logits.argmax(dim=-1)
+        rows = self._all_rows(len(seqs), logits.device)
+        if self.nucleus:
+            return self._draw_nucleus(logits, rows, seqs, offsets)
+        tokens = logits.argmax(dim=-1)
+        local = [i for i, s in enumerate(seqs) if not _is_greedy(s.params.temperature)]
+        drawn = self._draw(logits.float(), [seqs[i] for i in local], local, [offsets[i] for i in local])
+        return tokens.index_copy_(0, to_device(local, torch.int64, logits.device), drawn)
+
+    @torch.inference_mode()
     def processed_logits(self, logits: torch.Tensor, seqs: list[SamplingState]) -> torch.Tensor:
         """[len(seqs), V] fp32: each row's logits after its controls (before temperature and the
         top-k/top-p/min_p filters): what a greedy row takes the argmax of."""
@@ -171,35 +190,40 @@ class Sampler:
         return rows[:n]
 
     def _draw_nucleus(
-        self, logits: torch.Tensor, rows: torch.Tensor, seqs: list[SamplingState]
+        self,
+        logits: torch.Tensor,
+        rows: torch.Tensor,
+        seqs: list[SamplingState],
+        offsets: list[int] | None = None,
     ) -> torch.Tensor:
         """One draw per entry of rows [W] (indices into logits [R, V], any float dtype):
         nucleus_draw.py's rejection sampler, one launch on CUDA, no sync: the host cost of a sampled
-        step stays near a greedy one's."""
-        params, keys, steps = self._draw_tensors(seqs, logits.device)
+        step stays near a greedy one's. offsets: sample_positions'."""
+        params, keys, steps = self._draw_tensors(seqs, logits.device, offsets)
         top_k = any(s.draw_row[2] for s in seqs)  # else the kernel skips the lanes' top three and the select
         return nucleus_draw(logits, rows, params, keys, steps, top_k=top_k)
 
     def _draw_tensors(
-        self, seqs: list[SamplingState], device: torch.device
+        self, seqs: list[SamplingState], device: torch.device, offsets: list[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(params [W, 4] fp32, keys [W], steps [W] int64) on device: _draw_inputs' buffer in one upload
         (pinned, non_blocking on CUDA), viewed in three parts."""
         n = len(seqs)
-        host = torch.frombuffer(self._draw_inputs(seqs), dtype=torch.uint8)  # [32 W] bytes
+        host = torch.frombuffer(self._draw_inputs(seqs, offsets), dtype=torch.uint8)  # [32 W] bytes
         if device.type == "cuda":
             host = host.pin_memory().to(device, non_blocking=True)
         params = host[: 16 * n].view(torch.float32).view(n, 4)  # temperature, top_p, log(min_p), top_k
         return params, host[16 * n : 24 * n].view(torch.int64), host[24 * n :].view(torch.int64)
 
-    def _draw_inputs(self, seqs: list[SamplingState]) -> bytearray:
+    def _draw_inputs(self, seqs: list[SamplingState], offsets: list[int] | None = None) -> bytearray:
         """The per-row draw inputs as bytes, built from bytes cached on each request (only seeded rows are
         written one by one): params [W, 4] fp32, then keys [W] and steps [W] int64, each row's race key
         before nucleus_draw.step_keys mixes it, and its step. Unseeded rows: 64 bits of the Sampler's own
         generator (one draw for the batch; settings.model.seed makes a server run repeatable) and step -1
         (the key as it is). Seeded rows: mix64(seed), cached on the request, and the tokens generated so
         far, so a seeded request's tokens depend on nothing but its seed and its own logits (and a step
-        sampled again, e.g. after a preemption, gives the same token)."""
+        sampled again, e.g. after a preemption, gives the same token). offsets: added to seeded rows' steps
+        (sample_positions)."""
         n = len(seqs)
         cached = [s.draw_row or self._draw_row(s) for s in seqs]
         buf = bytearray(b"".join([c[0] for c in cached]))
@@ -208,7 +232,8 @@ class Sampler:
         for j, c in enumerate(cached):
             if c[1] is not None:  # seeded: mix64(seed), and the tokens generated so far
                 _INT64.pack_into(buf, 16 * n + 8 * j, c[1])
-                _INT64.pack_into(buf, 24 * n + 8 * j, seqs[j].num_generated)
+                step = seqs[j].num_generated + (offsets[j] if offsets is not None else 0)
+                _INT64.pack_into(buf, 24 * n + 8 * j, step)
         return buf
 
     @staticmethod
@@ -228,11 +253,18 @@ class Sampler:
         seq.draw_row = (_PARAMS_ROW.pack(temperature, p.top_p, log_min_p, top_k), seed_key, top_k > 0)
         return seq.draw_row
 
-    def _draw(self, x: torch.Tensor, seqs: list[SamplingState], local: list[int]) -> torch.Tensor:
-        """One draw per random row: x[local[k]] belongs to seqs[k]; [len(seqs)] int64."""
+    def _draw(
+        self,
+        x: torch.Tensor,
+        seqs: list[SamplingState],
+        local: list[int],
+        offsets: list[int] | None = None,
+    ) -> torch.Tensor:
+        """One draw per random row: x[local[k]] belongs to seqs[k]; [len(seqs)] int64. offsets:
+        sample_positions'."""
         dev, vocab = x.device, x.shape[-1]
         if self.nucleus:
-            return self._draw_nucleus(x, to_device(local, torch.int64, dev), seqs)
+            return self._draw_nucleus(x, to_device(local, torch.int64, dev), seqs, offsets)
         if len(local) < x.shape[0]:
             x = x.index_select(0, to_device(local, torch.int64, dev))
         # Filters only when some row asks for one (each costs a top-k of the rows and a pass or two).
@@ -249,7 +281,7 @@ class Sampler:
                 else None
             ),
         )
-        _, keys, steps = self._draw_tensors(seqs, dev)
+        _, keys, steps = self._draw_tensors(seqs, dev, offsets)
         drawn = race_draw(z, thr, step_keys(keys, steps))  # [W]
         # A row with no distribution (no finite logit, or +inf) takes its argmax, as greedy would.
         return torch.where(valid, drawn, top)

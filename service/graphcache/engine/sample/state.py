@@ -33,7 +33,6 @@ class SamplingState:
         "plain_greedy",
         "prompt_token_ids",
         "request_id",
-        "spec_generator",
         "steady_controls",
     )
 
@@ -57,9 +56,6 @@ class SamplingState:
         self.steady_controls: bool | None = None
         self.draw_row: Any = None
         self.controls: Any = None
-        self.spec_generator: Any = (
-            None  # a seeded row's torch.Generator for speculative draws (worker/sampling.py)
-        )
 
     @classmethod
     def of(cls, seq: Sequence) -> SamplingState:

@@ -14,8 +14,9 @@ Two kinds, because they need different things from the engine:
   is written once against it. Their drafts stay on the device (`DeviceDrafts`): the verify step takes
   them from there, and rejection.py takes their probabilities when they sample (one-hot when greedy).
 
-Both feed the same verify step and the same rejection_sample; a host proposer's drafts are one-hot
-(deterministic) proposals, which rejection sampling handles exactly (rejection.py).
+Both feed the same verify step. A host proposer's drafts are one-hot (deterministic) proposals: the verify
+step draws every fed position with the plain sampler and keeps the drafts that match (match.py), which is
+rejection sampling's exact equivalent for such proposals; drafts with probabilities take rejection.py.
 
 What the engine owns, whatever the proposer: which requests speculate this step and with how many tokens
 (`max_draft_tokens`: 0 for a row that must not, e.g. structured output, a step over disable_by_batch_size,

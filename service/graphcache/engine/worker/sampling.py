@@ -26,10 +26,10 @@ from graphcache.choices import StepMode
 from graphcache.engine.plan import StepOutput, StepPlan
 from graphcache.engine.sample.controls import to_device
 from graphcache.engine.sample.logprobs import prompt_token_logprobs, token_logprobs
-from graphcache.engine.sample.sampler import MIN_TEMPERATURE, Sampler, probs_from_logits
+from graphcache.engine.sample.sampler import Sampler
 from graphcache.engine.sample.state import SamplingState
 from graphcache.engine.sample.structured import apply_grammar_mask
-from graphcache.engine.spec.rejection import rejection_sample, uniforms
+from graphcache.engine.spec.match import accept_matching, position_offsets
 from graphcache.engine.worker.request_table import SampledRows
 
 __all__ = ["StepSampler", "is_device_failure", "sample_isolating_failures"]
@@ -84,7 +84,7 @@ class StepSampler:
         if plan.verify:
             if verify_logits is None:
                 raise ValueError("a plan with verify rows needs the logits of their fed tokens")
-            spec_tokens, spec_accepted = verify_drafts(plan, verify_logits, tokens, rows.states)
+            spec_tokens, spec_accepted = verify_drafts(self.sampler, plan, verify_logits, rows.states)
         host, ready = tokens, None
         if tokens.is_cuda:  # small asynchronous copies (logprobs queued above); the core waits on the event
             host = _to_host(tokens)
@@ -115,11 +115,13 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 def verify_drafts(
-    plan: StepPlan, verify_logits: torch.Tensor, sampled: torch.Tensor, states: list[SamplingState]
+    sampler: Sampler, plan: StepPlan, verify_logits: torch.Tensor, states: list[SamplingState]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The plan's verify rows' emitted tokens, on the device: ([B, K + 1] int64 padded with -1, [B]
-    accepted). states: the step's sampled rows' states (SampledRows.states). The bonus of a verify row
-    (every draft accepted) is the token the sampler already drew from its last position."""
+    accepted). verify_logits [sum(n_b + 1), V]: each verify row's fed positions' logits, packed in
+    plan.verify order; states: the step's sampled rows' states (SampledRows.states). Every position is
+    drawn with its row's parameters at its output position and the matching drafts are kept
+    (engine/spec/match.py: exact for the one-hot drafts every proposer makes)."""
     tokens = plan.tokens
     assert tokens is not None  # verify rows feed known tokens
     drafts = []
@@ -129,74 +131,18 @@ def verify_drafts(
         drafts.append(fed[1:])
     need = plan.need_logits
     sampled_index = list(range(len(plan.keys))) if need is None else list(accumulate(need, initial=0))
-    index = [sampled_index[row] for row, _ in plan.verify]
-    dev = verify_logits.device
-    bonus = sampled.index_select(0, to_device(index, torch.int64, dev))
-    return verify_rows(drafts, verify_logits, bonus, [states[j] for j in index])
+    return verify_rows(sampler, drafts, verify_logits, [states[sampled_index[row]] for row, _ in plan.verify])
 
 
 def verify_rows(
-    drafts: list[list[int]], logits: torch.Tensor, bonus: torch.Tensor, states: list[SamplingState]
+    sampler: Sampler, drafts: list[list[int]], logits: torch.Tensor, states: list[SamplingState]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify B rows' drafts against the target: rejection.py's rejection_sample with one-hot (host)
-    proposals. logits [sum(n_b + 1), V]: row b's fed positions' logits, packed; bonus [B]: the sampler's
-    draw from each row's last position; states: each row's sampling state.
-
-    Greedy rows accept while a draft equals the argmax of the raw logits (the plain sampler's pick) and
-    then emit the argmax. Sampled rows (temperature, top-k, top-p, min-p; the scheduler speculates no row
-    with logits controls) take the target's distribution as the sampler builds it (`probs_from_logits`:
-    the same filters and kept set as its draw) and are exact by rejection sampling. Their uniforms come
-    from one torch.Generator per seeded request (seeded once with its seed: reproducible run to run), the
-    global generator otherwise. -> ([B, K + 1] int64 padded with -1, [B] int64 accepted)"""
-    B, dev, vocab = len(drafts), logits.device, logits.shape[-1]
-    K = max(1, max(map(len, drafts)))
-    flat = [0] * (B * K)
-    for b, d in enumerate(drafts):
-        flat[b * K : b * K + len(d)] = d
-    draft_ids = to_device(flat, torch.int64, dev).view(B, K)
-    num_drafts = to_device([len(d) for d in drafts], torch.int64, dev)
-    greedy = [not s.params.temperature >= MIN_TEMPERATURE for s in states]
-    target_probs = accept = draw = None
-    if not all(greedy):
-        reps = [len(d) + 1 for d in drafts]
-        params = [s.params for s, r in zip(states, reps, strict=True) for _ in range(r)]  # per target row
-        top_k = [min(max(p.top_k, 0), vocab) for p in params]
-        top_p = [p.top_p for p in params]
-        target_probs = probs_from_logits(
-            logits,
-            temperature=to_device([p.temperature for p in params], torch.float32, dev),
-            top_k=to_device(top_k, torch.int64, dev) if any(0 < k < vocab for k in top_k) else None,
-            top_p=to_device(top_p, torch.float32, dev) if any(p < 1 for p in top_p) else None,
-            min_p=(
-                to_device([p.min_p for p in params], torch.float32, dev)
-                if any(p.min_p > 0 for p in params)
-                else None
-            ),
-        )
-        accept, draw = uniforms([_generator(s, dev) for s in states], K, dev)
-    verified = rejection_sample(
-        draft_token_ids=draft_ids,
-        num_draft_tokens=num_drafts,
-        greedy=to_device(greedy, torch.bool, dev),
-        target_probs=target_probs,
-        target_argmax=logits.argmax(dim=-1),
-        accept_uniforms=accept,
-        draw_uniforms=draw,
-        bonus_token_ids=bonus,
-    )
-    return verified.token_ids, verified.num_accepted
-
-
-def _generator(state: SamplingState, device: torch.device) -> torch.Generator | None:
-    """A seeded sampled row's generator of speculative uniforms (made and seeded on first use)."""
-    seed = state.params.seed
-    if seed is None or not state.params.temperature >= MIN_TEMPERATURE:
-        return None
-    g = state.spec_generator
-    if g is None:
-        g = state.spec_generator = torch.Generator(device=device)
-        g.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
-    return g
+    """B rows' drafts verified: logits [sum(n_b + 1), V] (row b's fed positions, packed), states [B] (each
+    row's, num_generated counting its last fed position's token) -> ([B, K + 1] int64 tokens padded with
+    -1, [B] int64 accepted)."""
+    per_position = [st for st, d in zip(states, drafts, strict=True) for _ in range(len(d) + 1)]
+    sampled = sampler.sample_positions(logits, per_position, position_offsets(drafts))
+    return accept_matching(drafts, sampled)
 
 
 def sample_isolating_failures(
