@@ -41,8 +41,9 @@ def gqa_checkpoint() -> Path:
 
 def cpu_settings(model: Path, **overrides) -> Settings:
     """Small, fast CPU settings: eager backend, small capture sizes, no warmup unless asked. Every miss
-    captures at once and no capture-time budget applies, so which steps replay does not depend on how
-    busy the machine is (the admission and budget tests set their own)."""
+    captures at once and no capture-time budget applies, and speculation's payoff rule (which times
+    steps) is off, so which steps replay or speculate does not depend on how busy the machine is (the
+    admission, budget and payoff tests set their own)."""
     base = dict(
         model=model,
         device="cpu",
@@ -58,6 +59,7 @@ def cpu_settings(model: Path, **overrides) -> Settings:
         max_model_len=256,
         admission="always",
         capture_time_share=1.0,
+        speculative_step_payoff=False,
     )
     base.update(overrides)
     return Settings(**base)

@@ -252,7 +252,9 @@ def test_ngram_outputs_and_counters_stay_consistent_with_the_rule(path):
     outputs equal those without speculation, and the gate saw exactly the counters' verify rows."""
     reqs = requests(24, ignore_eos=True)
     want = drive(core_for(path, None), reqs)
-    core = core_for(path, SPEC, Metrics(), speculative_token_cost=0.9, speculative_judge_drafts=2)
+    core = core_for(  # all 24 running at once: a step with requests still to admit does not speculate
+        path, SPEC, Metrics(), speculative_token_cost=0.9, speculative_judge_drafts=2, max_num_seqs=24
+    )
     observed = []
     gate = core.scheduler.acceptance
     assert gate is not None

@@ -172,7 +172,8 @@ def test_sampled_requests_keep_the_targets_distribution(unrelated):
         (f"s{i}", prompt, SamplingParams(max_tokens=3, temperature=1.0, top_k=3, seed=i, ignore_eos=True))
         for i in range(n)
     ]
-    kw = dict(max_num_seqs=64, num_kv_blocks=1024, capture_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256])
+    # every request admitted in the first step: a step with requests still to admit does not speculate
+    kw = dict(max_num_seqs=n, max_num_batched_tokens=8 * n, num_kv_blocks=4 * n, capture_sizes=[1, 2, 4, 8])
     plain = drive(core_for(unrelated, **kw), reqs)
     core = core_for(unrelated, unrelated, **kw)
     spec_runs = drive(core, reqs)

@@ -113,6 +113,13 @@ class EngineSettings(SettingsSection):
         "request whose measured acceptance rate (accepted / draft tokens) is at or below it stops drafting; "
         "0: never (the rule is off). Unset: 0.1 for ngram, 0.3 for draft_model (docs/DEPLOY.md has the measured costs).",
     )
+    speculative_step_payoff: bool = Field(
+        True,
+        description="Speculative decoding: a step speculates only where steps that speculate have been "
+        "measured on this server to emit more tokens per second than plain steps at the same batch size "
+        "(engine/spec/payoff.py: a few plain steps in a row now and then keep the measure fresh); false: "
+        "every step that may speculate does.",
+    )
     speculative_judge_drafts: int = Field(
         8,
         ge=1,

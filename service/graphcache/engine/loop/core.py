@@ -56,6 +56,7 @@ from graphcache.engine.spec.acceptance import AcceptanceGate, AcceptanceRule
 from graphcache.engine.spec.build import build_proposer
 from graphcache.engine.spec.config import parse_speculative_config
 from graphcache.engine.spec.metrics import SpecDecodeMetrics
+from graphcache.engine.spec.payoff import StepPayoff
 from graphcache.engine.spec.proposer import Proposer
 from graphcache.kv_events.config import parse_kv_events_config
 from graphcache.kv_events.publisher import make_publisher
@@ -72,6 +73,11 @@ def _needs_host_history(params: SamplingParams) -> bool:
     controls, or a grammar whose matcher must have accepted the last token before the next mask): then
     its next step must not be launched before the last one's tokens are appended (no overlap)."""
     return needs_history(params) or params.structured is not None
+
+
+# The payoff rule's step seconds: a wait this long between a completion and the next scheduling is an idle
+# engine (no step leaves the host busy that long between two steps), not the next step's cost.
+IDLE_GAP_S = 0.05
 
 
 @dataclass
@@ -149,7 +155,10 @@ class EngineCore:
                         "outgrow the verify graphs); disable_by_batch_size sets another bound",
                         limit,
                     )
-            eng = settings.engine  # the turn-off rule by measured acceptance (engine/spec/acceptance.py)
+            eng = settings.engine
+            if eng.speculative_step_payoff:  # whole steps by their measured payoff (engine/spec/payoff.py)
+                self.scheduler.payoff = StepPayoff()
+            # the turn-off rule by measured acceptance (engine/spec/acceptance.py)
             self.scheduler.acceptance = AcceptanceGate(
                 AcceptanceRule.for_method(
                     self.spec.method,
@@ -191,6 +200,7 @@ class EngineCore:
         self.step_trace: deque[tuple] | None = (
             deque(maxlen=STEP_TRACE_MAX) if settings.engine.step_trace else None
         )
+        self._last_done = 0.0  # perf_counter of the last step's completion (the payoff rule's clock)
         # Test hook: called with each StepPlan before execute; raise to fail the step.
         self.step_failpoint: Callable[[StepPlan], None] | None = None
 
@@ -311,7 +321,7 @@ class EngineCore:
             # next step can be planned only once the run has landed (never overlapped, whatever the batch
             # size or the acceptance gate now say about the next step).
             needs_history = True
-        elif not needs_history and sched.proposer is not None and sched.speculates():
+        elif not needs_history and sched.proposer is not None and sched.speculates_next(len(sample_seqs)):
             # The proposer drafts from a row's tokens on the host: a row that may speculate next step is
             # not overlapped (async scheduling is off for the steps of speculating requests).
             needs_history = any(map(sched.drafts_next, sample_seqs))
@@ -342,6 +352,7 @@ class EngineCore:
         if result.pooled_keys:  # embedding requests: their vector is their answer, the row's token is dropped
             num_generated -= self._record_pooled(p.sample_seqs, result)
         t_done = time.perf_counter()
+        self._observe_payoff(p, num_generated, t_done)
         self.consecutive_failures = 0
         self.num_steps += 1
         self.steps_by_mode[result.mode] = self.steps_by_mode.get(result.mode, 0) + 1
@@ -392,6 +403,19 @@ class EngineCore:
                 )
             )
         return outputs
+
+    def _observe_payoff(self, p: _InFlight, emitted: int, t_done: float) -> None:
+        """Report a completed step with no prompt chunk to the payoff rule (engine/spec/payoff.py). Its
+        seconds run from the previous completion, so the host's work between a step that does not overlap
+        the next and that next step counts; a gap of IDLE_GAP_S before its scheduling was an idle engine."""
+        payoff, step, last = self.scheduler.payoff, p.plan.plan, self._last_done
+        self._last_done = t_done
+        if payoff is None or step is None:
+            return
+        since = p.scheduled_at if p.scheduled_at - last > IDLE_GAP_S else last
+        rows = step.num_reqs
+        if step.num_tokens == rows + sum(n for _, n in step.verify):  # decode and verify rows only
+            payoff.observe(rows, p.plan.speculated, emitted, t_done - since)
 
     def _merge_verified(
         self, plan: SchedulerOutput, tokens: list, spec_tokens: list[list[int]], accepted: list[int]

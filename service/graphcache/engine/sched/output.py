@@ -41,6 +41,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)  # finished with error: can never fit
     verify: list[tuple[int, int]] = field(default_factory=list)  # (row, drafts) of the speculating rows
+    speculated: bool = False  # the step proposed drafts (engine/spec/payoff.py measures such steps apart)
     plan: StepPlan | None = None  # set by schedule() when a step runs
 
     @property

@@ -183,7 +183,11 @@ class Scheduler(SpeculativeScheduling):
             (decodes if s.num_computed_tokens == total - 1 else prefills).append((s, total))
         bm = self.block_manager
         capacity_per_block = bm.block_size
-        drafts = self._propose(decodes) if self.proposer is not None and decodes else None
+        drafts = None
+        if self.proposer is not None:
+            prompt_work = bool(prefills) or (bool(self.waiting) and len(self.running) < self.max_num_seqs)
+            out.speculated = self._speculating_step(len(decodes), prompt_work)
+            drafts = self._propose(decodes) if out.speculated else None
         rows = decodes + prefills
         if self.policy == "priority":  # the highest priorities get the budget and the blocks first
             rows.sort(key=lambda row: rank(row[0]))

@@ -12,8 +12,11 @@ points, and nothing else of speculation reaches the step:
   - finish() and preemption: `_release_drafts` drops what the proposer (and, on finish, the gate) holds;
   - the plan: `_take_trimmed` hands the worker the tables cut back since the last plan.
 Where the step turns speculation off: by batch size (`speculates`: disable_by_batch_size, else
-spec_batch_limit, the most running requests whose verify rows still fit the verify graphs), per request
-by its sampling parameters (`may_speculate`) and by its measured acceptance (engine/spec/acceptance.py).
+spec_batch_limit, the most running requests whose verify rows still fit the verify graphs); in a step with
+prompt work (a prompt chunk running or a request to admit: verify rows beside a prompt chunk leave the
+verify graphs for the eager prompt-logits path, and the prompt dominates the step anyway); by the measured
+payoff of speculating steps at the batch size (engine/spec/payoff.py); per request by its sampling
+parameters (`may_speculate`) and by its measured acceptance (engine/spec/acceptance.py).
 
 No torch (the scheduler's floor).
 """
@@ -24,6 +27,7 @@ from graphcache.engine.sched.block_manager import BlockManager
 from graphcache.engine.sequence import Sequence, has_controls
 from graphcache.engine.spec.acceptance import AcceptanceGate
 from graphcache.engine.spec.config import SpeculativeConfig
+from graphcache.engine.spec.payoff import StepPayoff
 from graphcache.engine.spec.proposer import Proposer
 from graphcache.engine.stopping import check_stop
 
@@ -50,6 +54,8 @@ class SpeculativeScheduling:
         self.acceptance: AcceptanceGate | None = None
         # disable_by_batch_size when the config sets none (EngineCore: SpeculativeConfig.verify_batch_limit)
         self.spec_batch_limit: int | None = None
+        # Whole steps by their measured payoff at the batch size (engine/spec/payoff.py); None: not judged.
+        self.payoff: StepPayoff | None = None
 
     def finish(
         self, seq: Sequence, reason: str, error: str | None = None, error_code: str | None = None
@@ -86,13 +92,25 @@ class SpeculativeScheduling:
             and spec.speculates(len(self.running), self.spec_batch_limit)
         )
 
+    def speculates_next(self, rows: int) -> bool:
+        """Whether the next step, of about `rows` decode rows, is likely to speculate (the engine core keeps
+        a step whose rows may draft from overlapping the next one only then)."""
+        return self.speculates() and (self.payoff is None or self.payoff.would_speculate(rows))
+
     # --- schedule(): the drafts of a step --------------------------------------------------------
+    def _speculating_step(self, decodes: int, prompt_work: bool) -> bool:
+        """Whether this step proposes drafts for its `decodes` decode rows (the payoff rule counts the
+        decision: ask once per step)."""
+        if not decodes or prompt_work or not self.speculates():
+            return False
+        return self.payoff is None or self.payoff.decide(decodes)
+
     def _propose(self, decodes: list[tuple[Sequence, int]]) -> dict[int, list[int]] | None:
         """Drafts for the decodes that may speculate, by id(seq): rows whose last token is on the host
         (none in flight), at most k tokens, and never past max_tokens or max_model_len (a row emits up to
-        its drafts + 1 tokens)."""
+        its drafts + 1 tokens). The caller checked _speculating_step."""
         spec, proposer = self.spec, self.proposer
-        if spec is None or proposer is None or not self.speculates():
+        if spec is None or proposer is None:
             return None
         k, max_len, gate = spec.num_speculative_tokens, self.max_model_len, self.acceptance
         if gate is not None:
