@@ -1,6 +1,7 @@
-"""A read adapter laid out as its slots (model/lora_image.py): one host buffer, each adapted projection's
+"""A read adapter laid out as its slots (model/lora_image.py): each adapted projection's
 A [P R, in] and B [out, P R] exactly as LoraStack lays a slot out (pieces in their rank rows and output rows,
-zeros elsewhere, the stacks' dtype), and a slot write from it overwrites every byte an earlier adapter left."""
+zeros elsewhere, the stacks' dtype) in a few buffers, and a slot write from it overwrites every byte an earlier
+adapter left."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from graphcache.model import lora_image
 from graphcache.model.lora_checkpoint import LoraPiece, LoraWeights
-from graphcache.model.lora_image import pack_lora
 from graphcache.model.lora_layers import LoraIndex, LoraStack
 
 RANK, SLOTS, HIDDEN, KV, INTER = 8, 2, 12, 4, 20
@@ -68,29 +69,47 @@ FULL = {
 PARTIAL = {(0, "qkv"): [(2, HIDDEN, KV)], (0, "gate_up"): [(1, HIDDEN, INTER)]}  # v and up only, no down
 
 
+@pytest.mark.parametrize("chunk_bytes", [4 << 20, 1024])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_image_is_the_slot_layout_in_one_buffer(dtype):
+def test_image_is_the_slot_layout_in_chunks(dtype, chunk_bytes, monkeypatch):
+    """Every adapted projection's A and B are contiguous views, each projection within one buffer, no two
+    overlapping; buffers of CHUNK_BYTES (here also a chunk smaller than one projection: one buffer each)."""
+    monkeypatch.setattr(lora_image, "CHUNK_BYTES", chunk_bytes)
     stacks = _stacks(dtype)
-    weights = _weights("p", 3, PARTIAL, seed=1)
-    image = pack_lora(weights, stacks, pin=False)
-    assert set(image.slots) == set(PARTIAL) and image.buffer.dtype == dtype and not image.pinned
-    start = image.buffer.data_ptr()
-    end = start + image.nbytes
+    weights = _weights("p", 3, FULL, seed=1)
+    image = lora_image.pack_lora(weights, stacks, pin=False)
+    assert set(image.slots) == set(FULL) and not image.pinned
+    assert all(b.dtype == dtype for b in image.buffers)
+    assert len(image.buffers) == (1 if chunk_bytes > 4096 else len(FULL))
+    spans = []
     for key, (a, b) in image.slots.items():
         assert a.is_contiguous() and b.is_contiguous()
-        assert start <= a.data_ptr() < end and start <= b.data_ptr() < end  # views of the one buffer
+        (buffer,) = [x for x in image.buffers if _within(a, x) and _within(b, x)]
+        spans += [(a.data_ptr(), a.data_ptr() + a.nbytes), (b.data_ptr(), b.data_ptr() + b.nbytes)]
         want_a, want_b = _expected_slot(stacks[key], weights.pieces[key])
         assert torch.equal(a, want_a) and torch.equal(b, want_b)
-    # the buffer is exactly the adapted projections' slots: nothing else, nothing twice
-    assert image.nbytes == sum(stacks[k].a[0].nbytes + stacks[k].b[0].nbytes for k in PARTIAL)
+    spans.sort()
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
+    # off CUDA the buffers are exactly the adapted projections' slots (pinned ones are whole chunks)
+    assert image.nbytes == sum(stacks[k].a[0].nbytes + stacks[k].b[0].nbytes for k in FULL)
+
+
+def _within(view: torch.Tensor, buffer: torch.Tensor) -> bool:
+    start = buffer.data_ptr()
+    return start <= view.data_ptr() and view.data_ptr() + view.nbytes <= start + buffer.nbytes
+
+
+def test_image_leaves_out_projections_the_adapter_does_not_adapt():
+    image = lora_image.pack_lora(_weights("p", 3, PARTIAL, seed=4), _stacks(torch.float32), pin=False)
+    assert set(image.slots) == set(PARTIAL) and image.targets() == ["gate_up", "qkv"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_slot_write_from_the_image_replaces_what_the_slot_held(dtype):
     stacks = _stacks(dtype)
-    full = pack_lora(_weights("f", RANK, FULL, seed=2), stacks, pin=False)
+    full = lora_image.pack_lora(_weights("f", RANK, FULL, seed=2), stacks, pin=False)
     partial_weights = _weights("p", 3, PARTIAL, seed=3)
-    partial = pack_lora(partial_weights, stacks, pin=False)
+    partial = lora_image.pack_lora(partial_weights, stacks, pin=False)
     for key, stack in stacks.items():  # the worker's write (LoraSlots.write): the image, else a clear
         stack.write(1, *full.slots[key])
     before_other = {k: (s.a[0].clone(), s.b[0].clone()) for k, s in stacks.items()}

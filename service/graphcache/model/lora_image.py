@@ -1,17 +1,20 @@
-"""A read adapter laid out as the bytes of its GPU slots, in one host buffer (pinned on CUDA).
+"""A read adapter laid out as the bytes of its GPU slots, in host buffers (pinned on CUDA).
 
 Writing an adapter into a slot happens on the engine thread between steps, so it must cost the running
 batch next to nothing. Prepared here, off the engine thread (model/lora_checkpoint.py read and checked it):
 for every adapted projection the slot's A [P R, in] and B [out, P R] exactly as model/lora_layers.py lays
 them out (pieces in their rank rows and output rows, the rest zero, the scale in B), in the stacks' dtype,
-as views of one contiguous buffer. A slot write is then two contiguous same-dtype copies per adapted
+as contiguous views of a few host buffers. A slot write is then two contiguous same-dtype copies per adapted
 projection: on CUDA from pinned memory, asynchronous host-to-device copies queued on the engine's stream
 before the step's kernels, with no conversion, no temporary and no host wait (a copy from pageable memory
 waits for the stream to drain, and a dtype change or a strided destination adds a device temporary).
 
-The buffer holds the slot's zeros too (a rank below --max-lora-rank, the block-diagonal B of fused
-projections), so it is as large as the adapter's share of one GPU slot: the price of one copy per tensor.
-The caching host allocator keeps a freed buffer for the next adapter of that size.
+The buffers are CHUNK_BYTES each (a projection larger than that gets one of its own): page-locking memory
+takes driver locks that other threads' CUDA calls (the engine's launches) wait on, so one large pinning
+could stall a step while a small one cannot; PyTorch's caching host allocator keeps freed chunks, so the
+next adapter read reuses a dropped one's without pinning anew. They hold the slot's zeros too (a rank
+below --max-lora-rank, the block-diagonal B of fused projections): an adapter costs its share of one GPU
+slot in host memory, the price of one copy per tensor.
 """
 
 from __future__ import annotations
@@ -28,13 +31,16 @@ from graphcache.model.lora_layers import LoraStack
 __all__ = ["LoraImage", "pack_lora"]
 
 
+CHUNK_BYTES = 4 << 20  # a power of two: the caching host allocator rounds every block up to one
+
+
 @dataclass
 class LoraImage:
     name: str
     path: Path
     rank: int
     scale: float
-    buffer: torch.Tensor  # [n] the stacks' dtype, pinned on CUDA: every view below lies in it
+    buffers: list[torch.Tensor]  # [n] each, the stacks' dtype, pinned on CUDA: every view below lies in one
     # (layer, projection) -> (A [P R, in], B [out, P R]) of its slot; projections the adapter leaves out: absent
     slots: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     read_seconds: float = 0.0  # reading and checking the checkpoint
@@ -42,11 +48,11 @@ class LoraImage:
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.nbytes
+        return sum(b.nbytes for b in self.buffers)
 
     @property
     def pinned(self) -> bool:
-        return self.buffer.is_pinned()
+        return all(b.is_pinned() for b in self.buffers)
 
     def targets(self) -> list[str]:
         return sorted({proj for _, proj in self.slots})
@@ -57,17 +63,39 @@ def pack_lora(weights: LoraWeights, stacks: dict[tuple[int, str], LoraStack], *,
     t0 = time.perf_counter()
     keys = [key for key in stacks if weights.pieces.get(key)]
     dtype = next(iter(stacks.values())).a.dtype if stacks else torch.float32
-    sizes = [stacks[key].slot_shapes() for key in keys]
-    total = sum(a[0] * a[1] + b[0] * b[1] for a, b in sizes)
-    buffer = torch.zeros(total, dtype=dtype, pin_memory=pin)
-    image = LoraImage(weights.name, weights.path, weights.rank, weights.scale, buffer)
-    offset = 0
-    for key, (a_shape, b_shape) in zip(keys, sizes, strict=True):
-        n_a, n_b = a_shape[0] * a_shape[1], b_shape[0] * b_shape[1]
-        a = buffer[offset : offset + n_a].view(a_shape)
-        b = buffer[offset + n_a : offset + n_a + n_b].view(b_shape)
-        offset += n_a + n_b
-        stacks[key].lay_out(a, b, weights.pieces[key])
-        image.slots[key] = (a, b)
+    chunk = CHUNK_BYTES // dtype.itemsize
+    image = LoraImage(weights.name, weights.path, weights.rank, weights.scale, [])
+    for group in _chunks(keys, stacks, chunk):
+        need = sum(_numel(stacks[key]) for key in group)
+        buffer = torch.zeros(max(need, chunk) if pin else need, dtype=dtype, pin_memory=pin)
+        image.buffers.append(buffer)
+        offset = 0
+        for key in group:
+            (pr, fan_in), (out, _) = stacks[key].slot_shapes()
+            a = buffer[offset : offset + pr * fan_in].view(pr, fan_in)
+            offset += pr * fan_in
+            b = buffer[offset : offset + out * pr].view(out, pr)
+            offset += out * pr
+            stacks[key].lay_out(a, b, weights.pieces[key])
+            image.slots[key] = (a, b)
     image.pack_seconds = time.perf_counter() - t0
     return image
+
+
+def _numel(stack: LoraStack) -> int:
+    (pr, fan_in), (out, _) = stack.slot_shapes()
+    return pr * fan_in + out * pr
+
+
+def _chunks(keys: list, stacks: dict, chunk: int) -> list[list]:
+    """keys in order, grouped so each group's slots fit `chunk` elements (a larger one alone)."""
+    groups: list[list] = []
+    used = chunk
+    for key in keys:
+        n = _numel(stacks[key])
+        if used + n > chunk:
+            groups.append([])
+            used = 0
+        groups[-1].append(key)
+        used += n
+    return groups
