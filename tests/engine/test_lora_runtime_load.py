@@ -139,3 +139,28 @@ async def test_cuda_runtime_loaded_adapter_replays_as_one_loaded_at_start(base, 
         assert got["again"] == got["first"] != got[None]
     finally:
         engine.shutdown()
+
+
+def test_host_memory_drops_the_adapter_least_recently_used_by_a_step(base, adapter, monkeypatch):
+    """--max-cpu-loras 2 with a and b in slots, a used by every later step: a runtime load drops b from host
+    memory, not a (the longest in its slot), so a needs no read from disk on the engine thread later."""
+    from graphcache.engine.plan import StepPlan, StepSeq
+    from graphcache.engine.worker.runner import ModelRunner
+    from helpers_model import Blocks
+
+    other = peft_adapter(base, r=4, alpha=8, targets=("q_proj", "v_proj"), seed=42)[0]
+    runner = ModelRunner(
+        cpu_settings(base, enable_lora=True, lora_modules=[f"a={adapter}", f"b={other}"], max_loras=2)
+    )
+    lora = runner.lora
+    assert lora is not None and lora.max_cpu_loras == 2
+    ids = prompt_ids(5, seed=7)
+    for name in ("a", "b", "a", "a"):
+        blocks = Blocks(runner.block_size)
+        runner.execute(StepPlan.standalone([StepSeq(ids, 0, blocks.table(len(ids)), lora_name=name)]))
+    reads: list[str] = []
+    real_read = lora_slots.read_lora
+    monkeypatch.setattr(lora_slots, "read_lora", lambda name, *a: reads.append(name) or real_read(name, *a))
+    module = LoraModule("c", str(other))
+    lora.add(module, lora.read_checked(module))
+    assert list(lora.cpu) == ["a", "c"] and reads == ["c"]

@@ -5,9 +5,9 @@
   or for a runtime load off the engine thread (`read_checked`, engine/loop/admin_calls.py), the engine
   thread's command then only registering what was read (`add`): the running batch never waits on the disk.
 - A read adapter is kept as the bytes of its slots (model/lora_image.py: one buffer, pinned on CUDA).
-  Host memory holds at most --max-cpu-loras of them (least recently used dropped first; a dropped one is
-  read again from its directory when a request needs it, on the engine thread: keep --max-cpu-loras at the
-  number of adapters served to avoid that).
+  Host memory holds at most --max-cpu-loras of them (least recently used by a step dropped first; a dropped
+  one is read again from its directory when a request needs it, on the engine thread: keep --max-cpu-loras at
+  the number of adapters served to avoid that).
 - The GPU holds --max-loras slots (model/lora_layers.py). A step's adapters get slots before the step
   runs (`prepare`): one already in a slot keeps it, another takes a free slot or the least recently used
   slot no row of this step needs. The scheduler admits at most --max-loras distinct adapters among the
@@ -196,6 +196,8 @@ class LoraSlots:
         slot = self.slot_of.get(name)
         if slot is not None:
             self.slot_of.move_to_end(name)
+            if name in self.cpu:  # host memory drops the least recently used, not the longest in a slot
+                self.cpu.move_to_end(name)
             return slot
         module = self.modules.get(name)
         if module is None:  # unloaded while its requests ran or waited: they finish with it
