@@ -36,7 +36,7 @@ def adapter(base):
 def _engine(settings) -> Engine:
     engine = Engine(settings, Metrics())
     engine.start()
-    assert engine.wait_ready(120), engine.error
+    assert engine.wait_ready(600), engine.error
     return engine
 
 

@@ -9,10 +9,11 @@ projection: on CUDA from pinned memory, asynchronous host-to-device copies queue
 before the step's kernels, with no conversion, no temporary and no host wait (a copy from pageable memory
 waits for the stream to drain, and a dtype change or a strided destination adds a device temporary).
 
-The buffers are CHUNK_BYTES each (a projection larger than that gets one of its own): page-locking memory
-takes driver locks that other threads' CUDA calls (the engine's launches) wait on, so one large pinning
-could stall a step while a small one cannot; PyTorch's caching host allocator keeps freed chunks, so the
-next adapter read reuses a dropped one's without pinning anew. They hold the slot's zeros too (a rank
+Pinned buffers are CHUNK_BYTES each (a projection larger than that gets one of its own; off CUDA a buffer
+is exactly what it holds): page-locking memory takes driver locks that other threads' CUDA calls (the
+engine's launches) wait on, so one large pinning could stall a step where a small one holds them briefly;
+PyTorch's caching host allocator keeps freed chunks, so the next adapter read reuses a dropped one's
+without pinning anew. They hold the slot's zeros too (a rank
 below --max-lora-rank, the block-diagonal B of fused projections): an adapter costs its share of one GPU
 slot in host memory, the price of one copy per tensor.
 """

@@ -4,7 +4,7 @@
   they become known, so a bad adapter is refused then, in one line, never in the middle of a step: at start,
   or for a runtime load off the engine thread (`read_checked`, engine/loop/admin_calls.py), the engine
   thread's command then only registering what was read (`add`): the running batch never waits on the disk.
-- A read adapter is kept as the bytes of its slots (model/lora_image.py: one buffer, pinned on CUDA).
+- A read adapter is kept as the bytes of its slots (model/lora_image.py: 4 MiB chunks, pinned on CUDA).
   Host memory holds at most --max-cpu-loras of them (least recently used by a step dropped first; a dropped
   one is read again from its directory when a request needs it, on the engine thread: keep --max-cpu-loras at
   the number of adapters served to avoid that).
