@@ -238,12 +238,13 @@ def load_window(
     }
     out["plain_ratio"] = out["max_ms"] / out["median_ms"] if around else None
     write_steps = []
-    for w0, w1 in writes:  # the steps whose host work held each slot write
+    for i, (w0, w1) in enumerate(writes):  # the steps whose host work held each slot write
         for s in steps:
             if s["scheduled"] <= w0 <= s["completed"]:
                 g = [x for x in groups if x["group"] == group_of(s)]
                 write_steps.append(
                     {
+                        "write": i,
                         "write_ms": (w1 - w0) * 1e3,
                         "step_ms": s["ms"],
                         "group": group_of(s),
@@ -403,8 +404,9 @@ async def load_under_load(
     records = step_trace.records_of(engine.core.step_trace)[offset:]
     spans = {name: part["span"] for name, part in parts.items()}
     window = load_window(step_times(records, kinds), marks["t_load"], args.window, writes, spans)
-    for w, ms in zip(window["slot_writes"], gpu_ms(write_events), strict=False):
-        w["gpu_ms"] = ms
+    stream_ms = gpu_ms(write_events)
+    for w in window["slot_writes"]:
+        w["gpu_ms"] = stream_ms[w["write"]]
     load_parts = {name: {k: v for k, v in part.items() if k != "span"} for name, part in parts.items()}
     for name, part in parts.items():
         load_parts[name]["ms"] = (part["span"][1] - part["span"][0]) * 1e3
