@@ -16,6 +16,10 @@ the realistic offline workload (benchmarks/workloads.py, --realistic-requests, d
       adapter is loaded through the engine's runtime path (Engine.load_lora_adapter, then the name listed in
       Engine.lora_modules: what POST /v1/load_lora_adapter calls) and --new-adapter-requests requests name
       it. Its first step writes it into the least recently used slot (lora3's) on the engine thread.
+      The load's parts are timed apart: the read (read and checked, laid out as its slots and pinned: off the
+      engine thread), the engine thread's command (registering it, between steps) and the slot write (host
+      time, and its copies' time on the stream, from CUDA events); the longest steps after the load are
+      listed with their host phases and which of these parts overlapped them.
       The step trace (settings.engine.step_trace) gives each step's time: completion minus the later of
       the previous step's completion and its own schedule (the pipeline's period; an idle gap is not a
       step). Steps are grouped by kind (decode: every row feeds one token; mixed; prefill), rows (power of
@@ -45,6 +49,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -53,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the graphcache package
 
 import torch  # noqa: E402
+from graphcache.engine.loop import admin_calls  # noqa: E402
 from graphcache.engine.loop.engine import Engine, SamplingParams  # noqa: E402
 from graphcache.engine.lora_modules import LoraModule  # noqa: E402
 
@@ -182,9 +188,20 @@ def group_of(step: dict) -> str:
     return f"{step['kind']}:rows<={bucket(step['rows'])}:tokens<={bucket(step['tokens'])}"
 
 
-def load_window(steps: list[dict], t_load: float, window: float, writes: list[tuple[float, float]]) -> dict:
+SLOWEST = 5  # the longest steps after the load, listed
+
+
+def load_window(
+    steps: list[dict],
+    t_load: float,
+    window: float,
+    writes: list[tuple[float, float]],
+    spans: dict[str, tuple[float, float]] | None = None,
+) -> dict:
     """The load's effect on step times (module docstring, 2d): per group of like steps, the longest after
-    the load over the median before it; the worst group; and the plain window median and max."""
+    the load over the median before it; the worst group; the plain window median and max; and the SLOWEST
+    steps after the load against their group's median, each with the named `spans` (perf_counter start, end:
+    the load's parts) and slot writes its time overlapped."""
     t_end = max([t_load + window] + [w[1] + 0.5 for w in writes])
     after = [s for s in steps if t_load <= s["scheduled"] <= t_end]
     before_all = [s for s in steps if s["completed"] < t_load]
@@ -221,12 +238,13 @@ def load_window(steps: list[dict], t_load: float, window: float, writes: list[tu
     }
     out["plain_ratio"] = out["max_ms"] / out["median_ms"] if around else None
     write_steps = []
-    for w0, w1 in writes:  # the steps whose host work held each slot write
+    for i, (w0, w1) in enumerate(writes):  # the steps whose host work held each slot write
         for s in steps:
             if s["scheduled"] <= w0 <= s["completed"]:
                 g = [x for x in groups if x["group"] == group_of(s)]
                 write_steps.append(
                     {
+                        "write": i,
                         "write_ms": (w1 - w0) * 1e3,
                         "step_ms": s["ms"],
                         "group": group_of(s),
@@ -235,22 +253,110 @@ def load_window(steps: list[dict], t_load: float, window: float, writes: list[tu
                 )
                 break
     out["slot_writes"] = write_steps
+    named = dict(spans or {})
+    named.update({f"slot write {i}": w for i, w in enumerate(writes)})
+    medians = {g["group"]: g["median_before_ms"] for g in groups}
+    # by ratio to their group's median; the longest step of all too (its group may have none before)
+    ranked = sorted(
+        (s for s in after if group_of(s) in medians), key=lambda s: -s["ms"] / medians[group_of(s)]
+    )
+    listed = ranked[:SLOWEST]
+    longest = max(after, key=lambda s: s["ms"], default=None)
+    if longest is not None and all(s is not longest for s in listed):
+        listed.append(longest)
+    out["slowest"] = [slow_step(s, t_load, medians.get(group_of(s)), named) for s in listed]
     return out
 
 
-def time_slot_writes(engine: Engine) -> list[tuple[float, float]]:
-    """(start, end) perf_counter of each LoRA slot write from now on (LoraSlots.write, engine thread)."""
+def slow_step(step: dict, t_load: float, median: float | None, spans: dict[str, tuple[float, float]]) -> dict:
+    """One step after the load: when (s after the load call), its group, ms, ratio to the group's median
+    before, its host phases (ms: schedule, launch = the runner's layout + replay, the wait for its tokens;
+    from the step trace when it has them) and the spans that overlap it."""
+    start, end = max(step["scheduled"], step["completed"] - step["ms"] / 1e3), step["completed"]
+    phases = {}
+    if all(k in step for k in ("launch", "launched", "complete", "tokens_on_host")):
+        phases = {
+            "schedule_ms": (step["launch"] - step["scheduled"]) * 1e3,
+            "launch_ms": (step["launched"] - step["launch"]) * 1e3,
+            "wait_ms": (step["tokens_on_host"] - step["complete"]) * 1e3,
+        }
+    return {
+        "after_load_s": step["scheduled"] - t_load,
+        "group": group_of(step),
+        "ms": step["ms"],
+        "ratio": step["ms"] / median if median else None,
+        **phases,
+        "during": [name for name, (a, b) in spans.items() if a < end and b > start],
+    }
+
+
+def time_slot_writes(engine: Engine) -> tuple[list[tuple[float, float]], list]:
+    """(start, end) perf_counter of each LoRA slot write from now on (LoraSlots.write, engine thread), and on
+    CUDA each write's pair of timing events on the engine's stream (gpu_ms: its copies' time there)."""
     lora = engine.core.runner.lora
     writes: list[tuple[float, float]] = []
+    events: list = []
     inner = lora.write
+    cuda = lora.stacks and next(iter(lora.stacks.values())).a.is_cuda
 
-    def timed(slot, weights):
+    def timed(slot, image):
+        pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+        if pair:
+            pair[0].record()
         t = time.perf_counter()
-        inner(slot, weights)
+        inner(slot, image)
         writes.append((t, time.perf_counter()))
+        if pair:
+            pair[1].record()
+        events.append(pair)
 
     lora.write = timed
-    return writes
+    return writes, events
+
+
+def gpu_ms(events: list) -> list[float | None]:
+    out = []
+    for pair in events:
+        if pair is None:
+            out.append(None)
+        else:
+            pair[1].synchronize()
+            out.append(pair[0].elapsed_time(pair[1]))
+    return out
+
+
+def time_load_parts(engine: Engine) -> dict:
+    """The runtime load's parts from now on, filled in as they run: "read" (LoraSlots.read_checked: the
+    checkpoint read and checked, laid out as its slots, pinned; its thread) and "command" (the engine
+    thread's load command, admin_calls.load_adapter; its thread), each with its perf_counter span."""
+    lora = engine.core.runner.lora
+    parts: dict = {}
+    read, command = lora.read_checked, admin_calls.load_adapter
+
+    def timed_read(module):
+        t = time.perf_counter()
+        image = read(module)
+        parts["read"] = {
+            "span": (t, time.perf_counter()),
+            "thread": threading.current_thread().name,
+            "read_ms": image.read_seconds * 1e3,
+            "layout_ms": image.pack_seconds * 1e3,
+            "mib": image.nbytes / 2**20,
+            "pinned": image.pinned,
+        }
+        return image
+
+    def timed_command(*args):
+        t = time.perf_counter()
+        try:
+            return command(*args)
+        finally:
+            parts["command"] = {"span": (t, time.perf_counter()), "thread": threading.current_thread().name}
+
+    lora.read_checked = timed_read
+    admin_calls.load_adapter = timed_command  # the name EngineAdmin.load_lora_adapter calls (restored after)
+    parts["restore"] = lambda: setattr(admin_calls, "load_adapter", command)
+    return parts
 
 
 async def load_under_load(
@@ -265,7 +371,8 @@ async def load_under_load(
         args.seed + 100,
         workloads.RealisticShape(prompt_cap=args.prompt_cap, output_cap=args.output_cap),
     )
-    writes = time_slot_writes(engine)
+    writes, write_events = time_slot_writes(engine)
+    parts = time_load_parts(engine)
     marks: dict = {}
 
     async def load_then_send() -> int:
@@ -287,15 +394,27 @@ async def load_under_load(
         )
         return sum(counts)
 
-    row, new_tokens = await asyncio.gather(
-        offline_throughput._run_engine(engine, requests, kinds, offset, 0, lora_names=names), load_then_send()
-    )
+    try:
+        row, new_tokens = await asyncio.gather(
+            offline_throughput._run_engine(engine, requests, kinds, offset, 0, lora_names=names),
+            load_then_send(),
+        )
+    finally:
+        parts.pop("restore")()
     records = step_trace.records_of(engine.core.step_trace)[offset:]
-    window = load_window(step_times(records, kinds), marks["t_load"], args.window, writes)
+    spans = {name: part["span"] for name, part in parts.items()}
+    window = load_window(step_times(records, kinds), marks["t_load"], args.window, writes, spans)
+    stream_ms = gpu_ms(write_events)
+    for w in window["slot_writes"]:
+        w["gpu_ms"] = stream_ms[w["write"]]
+    load_parts = {name: {k: v for k, v in part.items() if k != "span"} for name, part in parts.items()}
+    for name, part in parts.items():
+        load_parts[name]["ms"] = (part["span"][1] - part["span"][0]) * 1e3
     return {
         **workload_row(row),
         "load_after_s": delay,
         "load_call_ms": marks["load_call_ms"],
+        "load_parts": load_parts,
         "new_adapter_tokens": new_tokens,
         "new_adapter_requests": len(extra),
         **window,
@@ -410,9 +529,16 @@ def report(result: dict) -> str:
                   f"{NEW_ADAPTER} ({d['new_adapter_tokens']} tokens); window median {fmt(d['median_ms'])} ms, max "
                   f"{fmt(d['max_ms'])} ms (all kinds: {fmt(d['plain_ratio'])}x); {d['compared_after']} of "
                   f"{d['steps_after']} steps after the load compared with like steps before"]  # fmt: skip
+        lines += load_part_lines(d)
         for w in d["slot_writes"]:
-            lines.append(f"    slot write {w['write_ms']:.1f} ms (host) in a {w['step_ms']:.1f} ms {w['group']} "
-                         f"step ({fmt(w['ratio'])}x its group's median before)")  # fmt: skip
+            lines.append(f"    slot write {w['write_ms']:.2f} ms (host), {fmt(w.get('gpu_ms'))} ms on the stream, in a "
+                         f"{w['step_ms']:.1f} ms {w['group']} step ({fmt(w['ratio'])}x its group's median before)")  # fmt: skip
+        lines += ["", "| longest steps after the load | s after | group | ms | ratio | schedule ms | launch ms | "
+                  "wait ms | during |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for i, s in enumerate(d.get("slowest", [])):
+            lines.append(f"| {i + 1} | {s['after_load_s']:.2f} | {s['group']} | {s['ms']:.2f} | {fmt(s['ratio'])} | "
+                         f"{fmt(s.get('schedule_ms'))} | {fmt(s.get('launch_ms'))} | {fmt(s.get('wait_ms'))} | "
+                         f"{', '.join(s['during']) or '-'} |")  # fmt: skip
         lines += ["", "| group (kind:rows:tokens) | before | after | median before ms | max after ms | ratio |",
                   "|---|---|---|---|---|---|"]  # fmt: skip
         for g in d["groups"]:
@@ -425,6 +551,21 @@ def report(result: dict) -> str:
     for note in result["notes"]:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def load_part_lines(d: dict) -> list[str]:
+    """2d's load, part by part (time_load_parts): where the read ran, what it cost, the engine thread's share."""
+    parts = d.get("load_parts", {})
+    read, command = parts.get("read"), parts.get("command")
+    lines = []
+    if read:
+        lines.append(f"    read {read['ms']:.1f} ms on thread {read['thread']!r} (checkpoint read and checked "
+                     f"{read['read_ms']:.1f} ms, laid out as its slots {read['layout_ms']:.1f} ms: "
+                     f"{read['mib']:.1f} MiB, {'pinned' if read['pinned'] else 'pageable'})")  # fmt: skip
+    if command:
+        lines.append(f"    load command {command['ms']:.2f} ms on thread {command['thread']!r} (registering it, "
+                     "between steps)")  # fmt: skip
+    return lines
 
 
 def fmt(v, spec: str = ".2f") -> str:

@@ -156,7 +156,7 @@ for p in ${PHASES:-tests pool capture}; do
     # random rank-16 adapters: the realistic workload (512 requests) without adapters and mixed over them, one stream
     # with and without, a fifth adapter loaded at runtime under load (step times around it); a PASS/FAIL table.
     # LORA_MODEL=llama8b|qwen05b; LORA_ARGS: more flags (--realistic-requests 1024, --repeats 1).
-    lora) m=${LORA_MODEL:-llama8b}; TAIL=${TAIL:-50} phase lora_$m 540 python3 benchmarks/lora_bench.py \
+    lora) m=${LORA_MODEL:-llama8b}; TAIL=${TAIL:-70} phase lora_$m 540 python3 benchmarks/lora_bench.py \
                --make-model "$m:/tmp/$m" --out "$OUT/lora_$m.json" ${LORA_ARGS:-} ;;
     # Greedy equality with speculation (issue 37; benchmarks/spec_decode.py --greedy-check): GREEDY_N (64) greedy requests,
     # 8 at a time, without and with n-gram and the self-draft, per dtype in GREEDY_DTYPES (one a call: float32 = equal

@@ -37,6 +37,23 @@ def test_load_window_compares_like_steps():
     assert write["step_ms"] == 45.0 and write["ratio"] == pytest.approx(1.5)
 
 
+def test_slowest_steps_name_the_load_parts_they_overlap():
+    """The longest steps after the load, by ratio to their group's median, each with the spans it overlapped
+    (the read off the engine thread, the engine thread's command, the slot write)."""
+    before = [_step(0.1 * i, "decode", 200, 200, 10.0) for i in range(10)]
+    after = [_step(1.2 + 0.1 * i, "decode", 210, 210, 11.0) for i in range(5)]
+    after[1] = _step(1.3, "decode", 210, 210, 25.0)  # during the read
+    after.append(_step(1.8, "prefill", 8, 4000, 60.0))  # no like step before: listed as the longest
+    spans = {"read": (1.25, 1.31), "command": (1.7, 1.7001)}
+    w = lora_bench.load_window(before + after, t_load=1.15, window=2.0, writes=[(1.801, 1.803)], spans=spans)
+    slowest = w["slowest"]
+    assert slowest[0]["ms"] == 25.0 and slowest[0]["ratio"] == pytest.approx(2.5)
+    assert slowest[0]["during"] == ["read"] and slowest[0]["after_load_s"] == pytest.approx(0.15)
+    assert slowest[-1]["group"].startswith("prefill") and slowest[-1]["ratio"] is None
+    assert slowest[-1]["during"] == ["slot write 0"]
+    assert len(slowest) == lora_bench.SLOWEST + 1
+
+
 def test_step_times_skip_idle_gaps():
     records = [
         {"scheduled": 0.0, "completed": 0.01},
@@ -61,5 +78,9 @@ def test_lora_bench_smoke(tmp_path):
     assert lora["no_adapter"][0]["output_tokens"] == result["base"]["realistic"][0]["output_tokens"] == 8 * 16
     load = lora["runtime_load"]
     assert load["new_adapter_tokens"] == 3 * 16 and len(load["slot_writes"]) == 1
+    # the load's parts: read off the engine thread, the command on it
+    assert load["load_parts"]["read"]["thread"] != "graphcache-engine"
+    assert load["load_parts"]["command"]["thread"] == "graphcache-engine"
+    assert load["slowest"] and all("during" in s for s in load["slowest"])
     assert load["worst"] is not None and load["compared_after"] > 0
     assert result["base"]["stream"]["tpot_ms"] > 0 and lora["stream_adapter"]["runs"][0]["tokens"] == 16

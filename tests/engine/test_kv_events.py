@@ -402,7 +402,9 @@ def test_lora_requests_hit_only_their_adapters_blocks_and_their_events_carry_its
         assert run(None) == (16, [])
         # Unload and load a again (other weights may be behind the name): a new id, its own blocks.
         assert unload_adapter(core.runner.lora, core.scheduler, "a")[0] == 200
-        assert load_adapter(core.runner.lora, core.scheduler, LoraModule("a", str(adapters["a"])))[0] == 200
+        again = LoraModule("a", str(adapters["a"]))
+        image = core.runner.lora.read_checked(again)  # off the engine thread in the engine (admin_calls.py)
+        assert load_adapter(core.runner.lora, core.scheduler, again, image)[0] == 200
         assert modules.lora_id("a") == 3
         cached, chains["a again"] = run("a")
         assert cached == 0 and all((e.lora_id, e.lora_name) == (3, "a") for e in chains["a again"])

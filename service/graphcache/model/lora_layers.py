@@ -81,15 +81,25 @@ class LoraStack:
         self.a = torch.zeros(slots, width, in_features, dtype=dtype, device=device)  # [S, P R, in]
         self.b = torch.zeros(slots, out, width, dtype=dtype, device=device)  # [S, out, P R]
 
-    def write(self, slot: int, pieces: list[LoraPiece]) -> None:
-        """Slot `slot` holds these pieces (absent pieces: zero)."""
-        self.a[slot].zero_()
-        self.b[slot].zero_()
+    def slot_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(A's, B's) shape in one slot: [P R, in], [out, P R]."""
+        a, b = self.a.shape, self.b.shape
+        return (a[1], a[2]), (b[1], b[2])
+
+    def lay_out(self, a: torch.Tensor, b: torch.Tensor, pieces: list[LoraPiece]) -> None:
+        """Write these pieces into a slot-shaped A [P R, in] and B [out, P R] that hold zeros (host tensors of
+        model/lora_image.py; each piece in its own rank rows and output rows, converted to their dtype)."""
         for p in pieces:
             r, row0 = p.a.shape[0], p.piece * self.rank
             first, rows = self.out_slices[p.piece]
-            self.a[slot, row0 : row0 + r].copy_(p.a, non_blocking=True)
-            self.b[slot, first : first + rows, row0 : row0 + r].copy_(p.b, non_blocking=True)
+            a[row0 : row0 + r].copy_(p.a)
+            b[first : first + rows, row0 : row0 + r].copy_(p.b)
+
+    def write(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Slot `slot` holds A [P R, in] and B [out, P R] (laid out by lay_out, the stack's dtype): two
+        contiguous copies, asynchronous on the current stream when a and b are pinned."""
+        self.a[slot].copy_(a, non_blocking=True)
+        self.b[slot].copy_(b, non_blocking=True)
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()

@@ -71,17 +71,19 @@ class EngineAdmin(EngineThread):
         return {"dropped_blocks": dropped}
 
     async def load_lora_adapter(self, name: str, path: str) -> tuple[int, str]:
-        """Read, check and register a LoRA adapter on the engine thread (engine/loop/lora_admin.py)."""
+        """Read, check and lay out a LoRA adapter off the engine thread (a worker thread of the event loop:
+        the batch never waits on the disk, the checks or the pinning), then register it on the engine
+        thread between steps (engine/loop/lora_admin.py)."""
         module = LoraModule(name, path)
         core = self._loaded_core
         lora = core.runner.lora
-        weights = None
-        if lora is not None:  # read and checked off the engine thread: the batch never waits on the disk
+        image = None
+        if lora is not None:
             try:
-                weights = await asyncio.to_thread(lora.read_checked, module)
-            except ValueError as e:
+                image = await asyncio.to_thread(lora.read_checked, module)
+            except ValueError as e:  # LoraLoadError: the checkpoint, one line naming the fix
                 return 400, str(e)
-        return await self._call(lambda: load_adapter(lora, core.scheduler, module, weights))
+        return await self._call(lambda: load_adapter(lora, core.scheduler, module, image))
 
     async def unload_lora_adapter(self, name: str) -> tuple[int, str]:
         core = self._loaded_core

@@ -1,7 +1,9 @@
 """LoRA on the engine thread: the gauges of each update (vllm:lora_requests_info, slots in use, slot load
 times), and runtime loads and unloads (POST /v1/load_lora_adapter, /v1/unload_lora_adapter), run on the engine
-thread between steps: the worker reads and checks the adapter before its name is known anywhere, so a bad
-one is refused whole and no request can name it half-loaded.
+thread between steps. A load's adapter was read, checked and laid out as its slots off the engine thread
+before (engine/loop/admin_calls.py, LoraSlots.read_checked): the command here only registers it, so the
+running batch never waits on the disk, and a bad adapter is refused whole before its name is known anywhere
+(no request can name it half-loaded).
 
 An unload takes the name away at once (no new request may name it); requests already admitted or waiting
 with it finish with it (the worker keeps its weights for them) and may share its prefix-cache blocks (the
@@ -16,7 +18,7 @@ from graphcache.engine.lora_modules import LoraModule
 from graphcache.engine.sched.scheduler import Scheduler
 from graphcache.engine.worker.lora_slots import LoraSlots
 from graphcache.metrics import Metrics
-from graphcache.model.lora_checkpoint import LoraWeights
+from graphcache.model.lora_image import LoraImage
 
 __all__ = ["load_adapter", "record_lora_gauges", "unload_adapter"]
 
@@ -29,11 +31,11 @@ NOT_SERVED = (400, "LoRA adapters are not served: start the server with --enable
 
 
 def load_adapter(
-    lora: LoraSlots | None, sched: Scheduler, module: LoraModule, weights: LoraWeights | None = None
+    lora: LoraSlots | None, sched: Scheduler, module: LoraModule, image: LoraImage | None
 ) -> tuple[int, str]:
-    """(HTTP status, vLLM's answer): 200, or 400 naming the fix (LoRA off, the name taken or still in use,
-    a bad checkpoint). weights: the adapter already read and checked off the engine thread (else read here)."""
-    if lora is None:
+    """(HTTP status, vLLM's answer): 200, or 400 naming the fix (LoRA off, the name taken or still in use).
+    image: the adapter read and checked off the engine thread (None only when LoRA is off)."""
+    if lora is None or image is None:
         return NOT_SERVED
     if module.name in lora.modules:
         return 400, f"The lora adapter '{module.name}' has already been loaded."
@@ -42,8 +44,8 @@ def load_adapter(
             f"requests still run with the adapter '{module.name}' unloaded before; retry once they finish"
         )
     try:
-        lora.add(module, weights)
-    except ValueError as e:  # LoraLoadError (the checkpoint, one line naming the fix) or the name
+        lora.add(module, image)
+    except ValueError as e:  # the name (LoraModules)
         return 400, str(e)
     sched.block_manager.forget_adapter(module.name)
     return 200, f"Success: LoRA adapter '{module.name}' added successfully."

@@ -1,15 +1,19 @@
 """The worker's LoRA adapters: read ones in host memory, --max-loras GPU slots, each row's slot per step.
 
 - Known adapters (`LoraModules`: --lora-modules, and the ones loaded at runtime) are read and checked when
-  they become known (`add`: at start, or the load endpoint's command between steps), so a bad adapter is
-  refused then, in one line, never in the middle of a step.
-- Host memory holds at most --max-cpu-loras read adapters (least recently used dropped first; a dropped one
-  is read again from its directory when a request needs it).
+  they become known, so a bad adapter is refused then, in one line, never in the middle of a step: at start,
+  or for a runtime load off the engine thread (`read_checked`, engine/loop/admin_calls.py), the engine
+  thread's command then only registering what was read (`add`): the running batch never waits on the disk.
+- A read adapter is kept as the bytes of its slots (model/lora_image.py: 4 MiB chunks, pinned on CUDA).
+  Host memory holds at most --max-cpu-loras of them (least recently used by a step dropped first; a dropped
+  one is read again from its directory when a request needs it, on the engine thread: keep --max-cpu-loras at
+  the number of adapters served to avoid that).
 - The GPU holds --max-loras slots (model/lora_layers.py). A step's adapters get slots before the step
   runs (`prepare`): one already in a slot keeps it, another takes a free slot or the least recently used
   slot no row of this step needs. The scheduler admits at most --max-loras distinct adapters among the
   running requests (engine/sched/scheduler.py), so a step never needs more slots than there are. Writing
-  a slot is a few host-to-device copies on the engine thread's stream, ordered before the step's kernels.
+  a slot is two asynchronous host-to-device copies per adapted projection on the engine thread's stream,
+  ordered before the step's kernels (captured graphs read the slots at replay); the host does not wait.
 - Per step the per-token slot index (-1: base) is written into the model's LoraIndex in the token order of
   engine/worker/input_batch.py: rows that feed one token first, then the others, each in plan order
   (the decode layout is that order too).
@@ -32,7 +36,8 @@ from graphcache.engine.worker.staging import StagingBuffer
 from graphcache.model.config import ModelConfig, ModelLoadError
 from graphcache.model.fp8_linear import Fp8Linear
 from graphcache.model.llama import MLP, DecoderLayer, LlamaModel
-from graphcache.model.lora_checkpoint import LoraWeights, read_lora, resolve_lora_dir
+from graphcache.model.lora_checkpoint import read_lora, resolve_lora_dir
+from graphcache.model.lora_image import LoraImage, pack_lora
 from graphcache.model.lora_kernels import HAVE_TRITON as HAVE_LORA_KERNELS
 from graphcache.model.lora_layers import LoraIndex, LoraStack
 from graphcache.model.source import served_name
@@ -60,56 +65,62 @@ class LoraSlots:
         self.max_rank, self.max_cpu_loras = max_rank, max_cpu_loras
         self.slot_names: list[str | None] = [None] * max_loras  # slot -> adapter in it
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # adapter -> slot, least recently used first
-        self.cpu: OrderedDict[str, LoraWeights] = OrderedDict()  # read adapters, least recently used first
-        self.retired: dict[str, LoraWeights] = {}  # unloaded while requests still named them
+        self.cpu: OrderedDict[str, LoraImage] = OrderedDict()  # read adapters, least recently used first
+        self.retired: dict[str, LoraImage] = {}  # unloaded while requests still named them
         self.adapter_of: dict[int, str] = {}  # request key -> its adapter (held requests with one)
         self._last: tuple[list[int], list[int], int] | None = (
             None  # (keys, slots, pad) of the index as written
         )
         self._uploaded = torch.cuda.Event() if staging.dev.device.type == "cuda" else None
+        # read adapters kept in pinned memory on CUDA: slot writes are asynchronous copies
+        self.pin = staging.dev.device.type == "cuda"
         self.load_seconds: list[float] = []  # each slot write's seconds (metrics read and clear)
         for module in modules.all():
             self.read(module)
 
     # --- adapters known ---------------------------------------------------------------------
-    def read(self, module: LoraModule) -> LoraWeights:
-        """Read and check the adapter (LoraLoadError naming the fix) and keep it in host memory."""
-        weights = self.cpu.get(module.name)
-        if weights is not None:
+    def read(self, module: LoraModule) -> LoraImage:
+        """The adapter from host memory, or read and checked (LoraLoadError naming the fix) and kept there."""
+        image = self.cpu.get(module.name)
+        if image is not None:
             self.cpu.move_to_end(module.name)
-            return weights
+            return image
+        image = self.read_checked(module)
+        self._keep(module.name, image)
+        return image
+
+    def read_checked(self, module: LoraModule) -> LoraImage:
+        """Read and check an adapter (LoraLoadError naming the fix) and lay it out as its slots, touching none
+        of this object's state: safe off the engine thread (a runtime load reads there, so the running batch
+        never waits on the disk, the checks or the pinning)."""
         t0 = time.perf_counter()
         weights = read_lora(
             module.name, resolve_lora_dir(module.name, module.path), self.config, self.max_rank
         )
-        self.cpu[module.name] = weights
+        read_s = time.perf_counter() - t0
+        image = pack_lora(weights, self.stacks, pin=self.pin)
+        image.read_seconds = read_s
+        log.info(
+            "LoRA adapter %s: rank %d, scale %g, %s, read in %.3fs and laid out in %.3fs (%.1f MiB%s) from %s",
+            module.name, image.rank, image.scale, "/".join(image.targets()), read_s, image.pack_seconds,
+            image.nbytes / 2**20, ", pinned" if image.pinned else "", image.path,
+        )  # fmt: skip
+        return image
+
+    def _keep(self, name: str, image: LoraImage) -> None:
+        self.cpu[name] = image
         while len(self.cpu) > self.max_cpu_loras:
             self.cpu.popitem(last=False)
-        log.info(
-            "LoRA adapter %s: rank %d, scale %g, %s, read in %.2fs from %s",
-            module.name, weights.rank, weights.scale, "/".join(weights.targets()),
-            time.perf_counter() - t0, weights.path,
-        )  # fmt: skip
-        return weights
 
-    def read_checked(self, module: LoraModule) -> LoraWeights:
-        """Read and check an adapter without touching this object's state: safe off the engine thread (a
-        runtime load reads there, so the running batch never waits on the disk or the hub)."""
-        return read_lora(module.name, resolve_lora_dir(module.name, module.path), self.config, self.max_rank)
-
-    def add(self, module: LoraModule, weights: LoraWeights | None = None) -> None:
-        """A runtime load: read and check it first, then make the name known. The engine refuses it while
-        requests of an adapter unloaded under that name remain (engine/loop/lora_admin.py); keys of
-        finished ones may still be listed here until the next plan drops them, and never run again."""
+    def add(self, module: LoraModule, image: LoraImage) -> None:
+        """A runtime load on the engine thread, of an adapter read and checked before (read_checked, off this
+        thread): make the name known. The engine refuses it while requests of an adapter unloaded under that
+        name remain (engine/loop/lora_admin.py); keys of finished ones may still be listed here until the
+        next plan drops them, and never run again."""
         self._free(module.name)  # a slot may still hold an unloaded adapter of that name
         self.cpu.pop(module.name, None)
         self.retired.pop(module.name, None)
-        if weights is None:
-            self.read(module)
-        else:
-            self.cpu[module.name] = weights
-            while len(self.cpu) > self.max_cpu_loras:
-                self.cpu.popitem(last=False)
+        self._keep(module.name, image)
         try:
             self.modules.add(module)
         except ValueError:
@@ -123,9 +134,7 @@ class LoraSlots:
         if module is None:
             return False
         if in_use:
-            self.retired[name] = self.cpu.get(name) or read_lora(
-                name, resolve_lora_dir(name, module.path), self.config, self.max_rank
-            )
+            self.retired[name] = self.cpu.get(name) or self.read_checked(module)
         self.cpu.pop(name, None)
         if name not in self.adapter_of.values():
             self._free(name)
@@ -187,14 +196,16 @@ class LoraSlots:
         slot = self.slot_of.get(name)
         if slot is not None:
             self.slot_of.move_to_end(name)
+            if name in self.cpu:  # host memory drops the least recently used, not the longest in a slot
+                self.cpu.move_to_end(name)
             return slot
         module = self.modules.get(name)
         if module is None:  # unloaded while its requests ran or waited: they finish with it
-            weights = self.retired.get(name)
-            if weights is None:
+            image = self.retired.get(name)
+            if image is None:
                 raise RuntimeError(f"LoRA adapter {name!r} is neither known nor retired; a request names it")
         else:
-            weights = self.read(module)
+            image = self.read(module)
         free = [s for s, held in enumerate(self.slot_names) if held is None]
         if free:
             slot = free[0]
@@ -207,17 +218,17 @@ class LoraSlots:
                 )
             slot = self.slot_of.pop(idle[0])
         t0 = time.perf_counter()
-        self.write(slot, weights)
+        self.write(slot, image)
         self.slot_names[slot], self.slot_of[name] = name, slot
         self.load_seconds.append(time.perf_counter() - t0)
         self._last = None
         return slot
 
-    def write(self, slot: int, weights: LoraWeights) -> None:
+    def write(self, slot: int, image: LoraImage) -> None:
         for key, stack in self.stacks.items():
-            pieces = weights.pieces.get(key)
-            if pieces:
-                stack.write(slot, pieces)
+            views = image.slots.get(key)
+            if views is not None:
+                stack.write(slot, *views)
             else:
                 stack.clear(slot)
 
