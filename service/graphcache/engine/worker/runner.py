@@ -149,7 +149,7 @@ class ModelRunner(StepExecution):
         if s.lora.enable_lora:
             self.lora = build_lora_slots(
                 s, self.model, c, max_tokens=self.max_tokens, dtype=self.dtype, device=self.device,
-                graphs=self.backend == "cuda", tp_size=tp.size,
+                tp_size=tp.size,
             )  # fmt: skip
         self._alloc_kv_cache()
         self.attention_kernel = select_attention_kernel(
@@ -302,6 +302,12 @@ class ModelRunner(StepExecution):
             raise ValueError(
                 f"descriptors {too_big} exceed the static buffers ({self.max_tokens} tokens, "
                 f"{self.max_reqs} requests); raise max_num_batched_tokens / max_num_seqs"
+            )
+        lora = [str(d) for d in descriptors if d.lora]
+        if lora and self.lora is None:
+            raise ValueError(
+                f"descriptors {lora} are LoRA variants, but this server serves no adapters; drop ':lora' "
+                "or start it with --enable-lora"
             )
         self.inputs.point_at_scratch(self.table)
         with forward_context(AttentionMetadata.empty()):
