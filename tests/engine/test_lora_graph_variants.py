@@ -156,3 +156,47 @@ def test_admin_warmup_sizes_take_both_variants_only_with_lora_on(base):
     with pytest.raises(APIError) as e:
         _descriptors(WarmupRequest(descriptors=["8:8:decode:lora"]), off)
     assert e.value.status == 400 and "LoRA" in e.value.message
+
+
+# --- CUDA: the graphs themselves -----------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+def test_cuda_plain_variant_equals_the_base_runner_and_lora_variant_the_eager_reference(base, adapters):
+    """bf16, graphs on, NaN in the allocator's free memory and in the logits buffer before each step. On two
+    different inputs: a decode step with no adapter row replays the plain variant and gives bit for bit the
+    logits of a runner without --enable-lora replaying the same step; a decode step with adapter rows
+    replays the LoRA variant and matches the --enable-lora runner run eagerly (replay tolerance)."""
+    from helpers_cuda import assert_replay_close, poison_allocator
+    from helpers_model import cuda_settings
+
+    poison_allocator()
+    lora = dict(enable_lora=True, lora_modules=_modules(adapters), max_loras=2, max_lora_rank=16)
+    graphs = ModelRunner(cuda_settings(base, **lora))
+    plain = ModelRunner(cuda_settings(base))
+    eager = ModelRunner(cuda_settings(base, enforce_eager=True, **lora))
+    seen = recorded_descriptors(graphs.cache)
+    for seed in (0, 1):
+        prompts = [prompt_ids(9 + i, seed=100 * seed + i) for i in range(3)]
+        want = None
+        for runner in (plain, graphs):
+            step = _decode_step(runner, [(None, p) for p in prompts], Blocks(runner.block_size))
+            runner.out_logits.fill_(float("nan"))
+            out = runner.execute(step)
+            assert out.mode == "replay", f"seed {seed}: the no-adapter step ran {out.mode}"
+            got = out.logits.clone()
+            assert torch.isfinite(got).all()
+            if want is None:
+                want = got
+        assert seen[-1] == D(4, 4, True), seen[-1]  # 3 rows pad to 4, plain variant
+        assert torch.equal(got, want), f"seed {seed}: {(got.float() - want.float()).abs().max().item()}"
+
+        rows = [("a", prompts[0]), (None, prompts[1]), ("b", prompts[2])]
+        step = _decode_step(graphs, rows, Blocks(graphs.block_size))
+        graphs.out_logits.fill_(float("nan"))
+        out = graphs.execute(step)
+        assert out.mode == "replay" and seen[-1] == D(4, 4, True, lora=True), (out.mode, seen[-1])
+        got = out.logits.clone()
+        reference = eager.execute(_decode_step(eager, rows, Blocks(eager.block_size))).logits
+        assert_replay_close(got, reference, f"seed {seed}, adapters a, -, b")
+        assert not torch.equal(got[0], want[0])  # the adapter changed its row
