@@ -30,6 +30,11 @@ the realistic offline workload (benchmarks/workloads.py, --realistic-requests, d
       it where that window has fewer than 3). The plain median and max over all steps in the window around
       the load are printed too (the issue's words; mixed steps make that ratio large without any stall).
 
+Each engine's capacity (its KV blocks and max_num_seqs: offline_throughput.engine_capacity) is printed
+with a warning when the two differ by more than 2%: then 1 against 2a compares memory, not LoRA's cost. The
+first engine is shut down and its memory given back (offline_throughput.release_device_memory) before the
+second starts.
+
 Throughputs are the best of --repeats runs (each repeat a fresh workload seed, so no run finds another's
 prompts in the prefix cache; 2a and 2b of one repeat share prompts, and an adapter's KV never matches the
 base model's); stream figures are medians over the rounds. The table prints each criterion, the value,
@@ -95,6 +100,7 @@ def engine_args(args: argparse.Namespace, lora_modules: list[str] | None) -> arg
 def start(args: argparse.Namespace, lora_modules: list[str] | None, name: str):
     """(engine, load + warmup seconds, step kinds, trace offset): an engine with the step trace on and its
     schedule wrapped so each step's kind is recorded (step_trace.record_step_kinds)."""
+    offline_throughput.release_device_memory()  # what an earlier engine of this process left cached
     settings = offline_throughput.engine_settings(engine_args(args, lora_modules), enforce_eager=False)
     trace = Path(tempfile.gettempdir()) / f"lora_bench_steps_{name}.jsonl"
     settings = offline_throughput._updated(settings, step_trace=trace)
@@ -456,14 +462,17 @@ async def lora_runs(engine: Engine, args, vocab: int, kinds: list[str], offset: 
 def bench(args, vocab: int, name: str, modules: list[str] | None, new_path: str = "") -> dict:
     """One engine (no --enable-lora when modules is None), its runs, and the engine shut down."""
     engine, ready_s, kinds, offset = start(args, modules, name)
+    capacity = offline_throughput.engine_capacity(engine)
+    print(f"{name} engine: {capacity}", file=sys.stderr, flush=True)
     try:
         if modules is None:
             out = asyncio.run(base_runs(engine, args, vocab, kinds, offset))
         else:
             out = asyncio.run(lora_runs(engine, args, vocab, kinds, offset, new_path))
-        return {"load_and_warmup_s": ready_s, **out}
+        return {"load_and_warmup_s": ready_s, **capacity, **out}
     finally:
         offline_throughput.stop_engine(engine)
+        del engine  # main releases the device memory once this frame is gone
 
 
 # --------------------------------------------------------------------------- the verdicts
@@ -506,6 +515,10 @@ def criteria(base: dict | None, lora: dict | None) -> list[dict]:
 def report(result: dict) -> str:
     base, lora = result.get("base"), result.get("lora")
     lines = [f"LoRA (issue 38) on {result['device']}, model {result['model']}, rank {result['rank']}", ""]
+    engines = {name: result[name] for name in ("base", "lora") if result.get(name)}
+    lines += ["| engine | KV blocks | max_num_seqs |", "|---|---|---|"]
+    lines += [f"| {name} | {e.get('kv_blocks')} | {e.get('max_num_seqs')} |" for name, e in engines.items()]
+    lines.append("")  # a difference past 2% is a note, printed last
     lines += ["| run | tok/s (best) | tok/s (each) | seconds | TPOT ms |", "|---|---|---|---|---|"]
 
     def tps(rows: list[dict]) -> str:
@@ -661,6 +674,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} engine failed", file=sys.stderr)
             traceback.print_exc()
         gc.collect()  # a failed engine's frames (the traceback) may hold its last reference
+        offline_throughput.release_device_memory()
+    engines = {name: result[name] for name in ("base", "lora") if result.get(name)}
+    warning = offline_throughput.capacity_warning(engines)
+    if warning:
+        result["notes"].append(warning)
     result["criteria"] = criteria(result["base"], result["lora"])
     print(report(result))
     if args.out:

@@ -246,13 +246,51 @@ def start_engine(settings: Settings) -> tuple[Engine, float]:
     return engine, time.perf_counter() - t0
 
 
+def engine_capacity(engine: Engine) -> dict:
+    """What bounds the engine's batch: its KV blocks (the runner's, read before shutdown) and max_num_seqs.
+    Two engines a run compares must match here, or their throughputs measure their memory, not their
+    steps. None where this tree's engine does not say (the A-B's older tree)."""
+    runner = getattr(getattr(engine, "core", None), "runner", None)
+    settings = engine.settings
+    section = getattr(settings, "engine", settings)  # a flat Settings in the A-B's older tree
+    return {
+        "kv_blocks": getattr(runner, "num_kv_blocks", None),
+        "max_num_seqs": getattr(section, "max_num_seqs", None),
+    }
+
+
 def stop_engine(engine: Engine) -> None:
-    """Shut the engine down (its thread releases the device); the caller drops its last reference to it, so
-    the next engine of the process finds the GPU memory free."""
+    """Shut the engine down (its thread releases the device). The caller then drops its last reference and
+    calls release_device_memory, so the next engine of the process finds the GPU memory free."""
     engine.shutdown()
+
+
+def release_device_memory() -> None:
+    """Free what a stopped engine's objects still hold and give the caching allocator's unused blocks back to
+    the driver, where the next engine measures free memory. Call it once no reference to the engine is
+    left: empty_cache cannot give back blocks a live tensor holds. gc.unfreeze: an engine freezes the
+    collector's heap once ready (a tree whose engine does not unfreeze it at shutdown keeps its runner's
+    cycles alive otherwise)."""
+    gc.unfreeze()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def capacity_warning(capacities: dict[str, dict]) -> str | None:
+    """A warning line when the engines named here (name -> engine_capacity) differ by more than 2% in KV
+    blocks, or in max_num_seqs: then their comparison measures capacity too."""
+    blocks = {k: c.get("kv_blocks") for k, c in capacities.items() if c.get("kv_blocks")}
+    seqs = {k: c.get("max_num_seqs") for k, c in capacities.items() if c.get("max_num_seqs")}
+    uneven_blocks = len(blocks) > 1 and max(blocks.values()) > 1.02 * min(blocks.values())
+    uneven_seqs = len(set(seqs.values())) > 1
+    if not (uneven_blocks or uneven_seqs):
+        return None
+    each = ", ".join(
+        f"{k}: {c.get('kv_blocks')} KV blocks, max_num_seqs {c.get('max_num_seqs')}"
+        for k, c in capacities.items()
+    )
+    return f"WARNING: the engines compared had different capacity ({each}); their ratios measure memory too"
 
 
 def bench_engine(args, mode: str, runs: dict[str, list[workloads.Request]]) -> list[dict]:
@@ -264,6 +302,7 @@ def bench_engine(args, mode: str, runs: dict[str, list[workloads.Request]]) -> l
         settings = _updated(settings, enable_prefix_caching=False)
     engine, ready_s = start_engine(settings)
     report = engine.warmup_report
+    capacity = engine_capacity(engine)
     offset = len(engine.core.step_trace)  # records before the kinds are recorded (none when idle)
     kinds = step_trace.record_step_kinds(engine.core)
     rows = []
@@ -280,6 +319,7 @@ def bench_engine(args, mode: str, runs: dict[str, list[workloads.Request]]) -> l
                     "loras": getattr(args, "loras", 0),
                     **row,
                     "load_and_warmup_s": ready_s,
+                    **capacity,
                     "warmup_s": getattr(report, "seconds", 0.0),
                     "graphs_warmed": len(getattr(report, "captured", []) or []),
                     "warmup_pool_bytes": getattr(report, "pool_bytes", 0),
@@ -293,7 +333,7 @@ def bench_engine(args, mode: str, runs: dict[str, list[workloads.Request]]) -> l
     finally:
         stop_engine(engine)
         del engine
-        gc.collect()
+        release_device_memory()
     return rows
 
 
@@ -544,14 +584,18 @@ def main(argv: list[str] | None = None) -> int:
     add_bounds(results, runs, args.roofline)
     print(
         f"\n{'mode':<15}{'workload':<10}{'output tok/s':>14}{'seconds':>10}{'tokens':>10}{'warmup s':>10}"
-        f"{'pool MiB':>10}{'bound s':>10}{'bound tok/s':>13}{'share':>8}"
+        f"{'pool MiB':>10}{'KV blocks':>11}{'max seqs':>10}{'bound s':>10}{'bound tok/s':>13}{'share':>8}"
     )
     for r in results:
         print(
             f"{r['mode']:<15}{r['workload']:<10}{r['tokens_per_s']:>14.0f}{r['seconds']:>10.1f}{r['output_tokens']:>10}"
             f"{r['warmup_s']:>10.2f}{r['graph_pool_bytes'] / 2**20:>10.1f}"
+            f"{r.get('kv_blocks') or '':>11}{r.get('max_num_seqs') or '':>10}"
             f"{r['bound_s']:>10.2f}{r['bound_tok_s']:>13.0f}{r['achieved']:>8.1%}"
         )
+    warning = capacity_warning({r["mode"]: r for r in results if "kv_blocks" in r})
+    if warning:
+        print(warning)
     roof = args.roofline
     print(
         f"(bound: H200 roofline, benchmarks/roofline.py: {roof.weight_bytes / 1e9:.2f} GB of weights"

@@ -76,8 +76,28 @@ def test_offline_realistic_smoke(tmp_path, capsys):
     printed = capsys.readouterr().out
     header = next(line for line in printed.splitlines() if "output tok/s" in line)
     old_columns = "mode workload output tok/s seconds tokens warmup s pool MiB"  # what others parse
-    assert " ".join(header.split()) == old_columns + " bound s bound tok/s share"
+    assert " ".join(header.split()) == old_columns + " KV blocks max seqs bound s bound tok/s share"
+    # each engine's capacity, so a run shows when the engines it compares could hold different batches
+    assert all(r["kv_blocks"] > 0 and r["max_num_seqs"] == 4 for r in rows)
+    assert "WARNING" not in printed
     assert "| eager realistic | <=64 |" in printed
+
+
+def test_capacity_warning_names_engines_that_differ():
+    same = {
+        "graph": {"kv_blocks": 1000, "max_num_seqs": 512},
+        "eager": {"kv_blocks": 1015, "max_num_seqs": 512},
+    }
+    assert offline_throughput.capacity_warning(same) is None
+    third = {
+        "base": {"kv_blocks": 3000, "max_num_seqs": 512},
+        "lora": {"kv_blocks": 1000, "max_num_seqs": 512},
+    }
+    warning = offline_throughput.capacity_warning(third)
+    assert warning is not None and "base: 3000 KV blocks" in warning and "lora: 1000 KV blocks" in warning
+    seqs = {"a": {"kv_blocks": 1000, "max_num_seqs": 256}, "b": {"kv_blocks": 1000, "max_num_seqs": 512}}
+    assert offline_throughput.capacity_warning(seqs) is not None
+    assert offline_throughput.capacity_warning({"old": {"kv_blocks": None, "max_num_seqs": None}}) is None
 
 
 @pytest.mark.slow
@@ -146,6 +166,8 @@ def test_spec_decode_smoke(tmp_path):
     assert all(set(t["verify_ms"]) == {"1", "2", "4"} and t["decode_ms"] > 0 for t in result["step_times"])
     assert ("self-draft", 1) in rows or any("draft_model" in n for n in result["notes"])
     assert result["realistic"]["ratio"] > 0
+    capacity = result["realistic"]["capacity"]
+    assert capacity["plain"]["kv_blocks"] == capacity["ngram"]["kv_blocks"] > 0
 
 
 @pytest.mark.slow

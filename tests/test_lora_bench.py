@@ -84,3 +84,6 @@ def test_lora_bench_smoke(tmp_path):
     assert load["slowest"] and all("during" in s for s in load["slowest"])
     assert load["worst"] is not None and load["compared_after"] > 0
     assert result["base"]["stream"]["tpot_ms"] > 0 and lora["stream_adapter"]["runs"][0]["tokens"] == 16
+    # both engines' capacity, equal here (the CPU's KV cache does not depend on free memory)
+    assert result["base"]["kv_blocks"] == lora["kv_blocks"] > 0
+    assert result["base"]["max_num_seqs"] == lora["max_num_seqs"] == 4

@@ -103,3 +103,90 @@ def test_the_activation_reserve_grows_with_the_step():
     large = kv_cache.activation_reserve_bytes(config, max_tokens=8192, max_reqs=8, tp_size=1, itemsize=2)
     split = kv_cache.activation_reserve_bytes(config, max_tokens=8192, max_reqs=8, tp_size=2, itemsize=2)
     assert 0 < small < large and split < large
+
+
+# --- what an earlier engine of the process left behind counts as free -----------------------------------
+
+
+@pytest.fixture
+def cached_allocator(monkeypatch):
+    """A GPU of 80 GiB, 20 free at the driver, 30 more held by the caching allocator unused (what an engine
+    shut down earlier left cached) until empty_cache gives them back; calls are recorded in order."""
+    state = {"cached": 30 * GIB, "calls": []}
+
+    def empty_cache() -> None:
+        state["calls"].append("empty_cache")
+        state["cached"] = 0
+
+    def mem_get_info(device=None) -> tuple[int, int]:
+        state["calls"].append("mem_get_info")
+        return 50 * GIB - state["cached"], 80 * GIB
+
+    monkeypatch.setattr(kv_cache.torch.cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(kv_cache.torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(kv_cache.gc, "collect", lambda *a: state["calls"].append("gc") or 0)
+    return state
+
+
+def test_blocks_the_allocator_holds_unused_count_as_free(cached_allocator):
+    assert blocks(Settings(device="cpu")) == 25 * 1024  # 0.5 x (20 + 30) GiB, not 0.5 x 20
+    assert cached_allocator["calls"] == ["empty_cache", "mem_get_info"]
+
+
+def test_the_start_figure_collects_garbage_first(cached_allocator):
+    assert kv_cache.device_free_bytes(CUDA, collect=True) == (50 * GIB, 80 * GIB)
+    assert cached_allocator["calls"] == ["gc", "empty_cache", "mem_get_info"]
+    s = Settings(device="cpu", gpu_memory_utilization=0.5)
+    # 50 free at the start (with what was cached), nothing taken since: the 40 GiB share less the reserve
+    assert blocks(s, start_free=50 * GIB, reserve=2 * GIB) == (40 - 2) * 1024
+
+
+def test_a_shut_down_engine_leaves_nothing_alive(tmp_path):
+    """The engine freezes the collector's heap once ready (gc.freeze): its shutdown must still free the
+    runner (weights, KV cache, graphs), which reference cycles hold, or the process's next engine sizes its
+    KV cache next to the first one's."""
+    import gc
+    import weakref
+
+    from graphcache.engine.loop.engine import Engine
+    from graphcache.metrics import Metrics
+    from helpers_model import cpu_settings, tiny_checkpoint
+
+    engine = Engine(cpu_settings(tiny_checkpoint("llama"), warmup_decode_sizes=[1, 2]), Metrics())
+    engine.start()
+    try:
+        assert engine.wait_ready(120), engine.error
+        runner = engine.core.runner
+        alive = [weakref.ref(runner), weakref.ref(runner.kv_storage), weakref.ref(runner.cache)]
+        del runner
+    finally:
+        engine.shutdown()
+    gc.collect()
+    assert [r() is None for r in alive] == [True, True, True]
+
+
+@pytest.mark.cuda
+def test_cuda_a_second_engine_in_one_process_gets_the_same_kv_cache():
+    """Two engines one after the other in one process, the KV cache sized from free memory: the second gets
+    the first's block count within 2%. A first engine still holding its cache (15% of the free memory) would
+    cut the second's by 15%, reserved-but-unused blocks by as much; a share this size keeps the tiny model's
+    block count (~16 KiB blocks) in the hundreds of thousands, which the block manager lists quickly."""
+    import gc
+
+    from graphcache.engine.loop.engine import Engine
+    from graphcache.metrics import Metrics
+    from helpers_model import cuda_settings, tiny_checkpoint
+
+    settings = cuda_settings(tiny_checkpoint("llama"), num_kv_blocks=None, kv_cache_memory_fraction=0.15)
+    counts = []
+    for _ in range(2):
+        engine = Engine(settings, Metrics())
+        engine.start()
+        try:
+            assert engine.wait_ready(300), engine.error
+            counts.append(engine.core.runner.num_kv_blocks)
+        finally:
+            engine.shutdown()
+        del engine
+        gc.collect()
+    assert abs(counts[1] - counts[0]) <= 0.02 * counts[0], counts

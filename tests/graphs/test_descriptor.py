@@ -12,7 +12,24 @@ def test_str_parse_round_trip():
     assert str(BatchDescriptor(64, 8)) == "64:8"
 
 
-@pytest.mark.parametrize("bad", ["", "8", "8:x", "8:8:prefill", "0:0", "4:8", "8:4:decode", "a:b:c:d"])
+def test_lora_variants_round_trip_and_order_after_their_plain_shape():
+    variants = [
+        BatchDescriptor(64, 8, lora=True),
+        BatchDescriptor(8, 8, True, lora=True),
+        BatchDescriptor(16, 16, False, True, lora=True),
+    ]
+    assert [str(d) for d in variants] == ["64:8:lora", "8:8:decode:lora", "16:16:verify:lora"]
+    for d in variants:
+        assert BatchDescriptor.parse(str(d)) == d
+        assert d.with_lora(False) != d and d.with_lora(False).with_lora() == d and d.with_lora() is d
+        assert d.with_lora(False) < d  # the same shape: plain first, then its LoRA variant
+    assert BatchDescriptor(8, 8, True, lora=True) < BatchDescriptor(16, 16, True)  # the shape decides first
+    assert len({BatchDescriptor(8, 8, True), BatchDescriptor(8, 8, True, lora=True)}) == 2
+
+
+@pytest.mark.parametrize(
+    "bad", ["", "8", "8:x", "8:8:prefill", "0:0", "4:8", "8:4:decode", "a:b:c:d", "8:8:lora:decode", "lora"]
+)
 def test_parse_rejects_bad_text(bad):
     with pytest.raises(ValueError):
         BatchDescriptor.parse(bad)

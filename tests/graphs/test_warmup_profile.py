@@ -14,6 +14,7 @@ import torch
 from graphcache.api.server.app import create_app
 from graphcache.config import Settings
 from graphcache.engine.loop.engine import Engine
+from graphcache.engine.worker.warmup_plan import load_warmup_profile
 from graphcache.graphs.cache import GraphCache
 from graphcache.graphs.descriptor import BatchDescriptor as D
 from graphcache.graphs.descriptor import CaptureSizes
@@ -142,6 +143,43 @@ def test_fill_size_gaps_adds_the_unmet_sizes_inside_the_used_span():
     assert fill_size_gaps({"version": 1, "descriptors": [item("8:4", 5)]}, sizes)["descriptors"] == [
         item("8:4", 5)
     ]
+
+
+def test_lora_variants_round_trip_through_the_profile_and_fill_their_own_gaps():
+    cache = make_cache()
+    for d, n in [
+        (D(4, 4, True, lora=True), 4),
+        (D(4, 4, True), 3),
+        (D(16, 16, True, lora=True), 2),
+        (D(8, 2, lora=True), 1),
+    ]:
+        for _ in range(n):
+            cache.run(d)
+    prof = cache.profile()
+    assert [p["descriptor"] for p in prof["descriptors"]] == [
+        "4:4:decode:lora",
+        "4:4:decode",
+        "16:16:decode:lora",
+        "8:2:lora",
+    ]
+    assert parse_profile(prof) == [
+        D(4, 4, True, lora=True),
+        D(4, 4, True),
+        D(16, 16, True, lora=True),
+        D(8, 2, lora=True),
+    ]
+    # the LoRA decode span 4..16 is filled in its own kind; the plain decode kind used one size only
+    added = fill_size_gaps(prof, CaptureSizes([1, 2, 4, 8, 16]))["descriptors"][len(prof["descriptors"]) :]
+    assert [p["descriptor"] for p in added] == ["8:8:decode:lora"]
+
+
+def test_a_lora_profile_is_refused_where_lora_is_off(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"version": 1, "descriptors": [{"descriptor": "4:4:decode:lora"}]}))
+    sizes = CaptureSizes([1, 2, 4, 8])
+    assert load_warmup_profile(path, sizes, sizes, 8, lora=True) == [D(4, 4, True, lora=True)]
+    with pytest.raises(ValueError, match=r"descriptors\[0\].*LoRA is off"):
+        load_warmup_profile(path, sizes, sizes, 8)
 
 
 @pytest.mark.parametrize(

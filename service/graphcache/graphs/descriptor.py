@@ -7,6 +7,13 @@ separates pure-decode batches (one token per request: T == R) from mixed prefill
 ones, because attention metadata is laid out differently for the two. `verify` marks a speculative
 decoding verify step ("T:R:verify"): a mixed layout whose logits rows are every fed token (T <= R), so
 the target scores each draft; it is captured, counted and profiled as a descriptor of its own.
+`lora` marks the LoRA variant of a shape (":lora" last, e.g. "8:8:decode:lora"): on an --enable-lora
+engine a step with at least one adapter token replays the variant whose graph records the LoRA kernels,
+and a step with none the plain one, captured with the LoRA layers skipped, so it runs exactly the kernels
+of an engine without LoRA. Recorded LoRA kernels cost even when every token is a base row (two small
+launches per projection that exit early: ~0.6 ms a step at 8B), which is why the variants are two
+descriptors (vLLM's has_lora in its BatchDescriptor, cudagraph_specialize_lora); which adapters the
+rows use stays a graph input, so one LoRA graph serves any mix.
 
 Mixed steps past the fine sizes (prefill chunks next to a full decode batch: ~1,000-8,000 tokens)
 pad to a few coarse buckets (`mixed_buckets`): every size costs a capture and pool memory, and every
@@ -18,7 +25,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = ["BatchDescriptor", "CaptureSizes", "descriptor_for", "mixed_buckets"]
 
@@ -29,6 +36,7 @@ class BatchDescriptor:
     num_reqs: int  # padded request count = rows of logits
     uniform_decode: bool = False  # every request feeds exactly one token
     verify: bool = False  # a speculative verify step: logits rows = every fed token (mixed layout)
+    lora: bool = False  # the LoRA variant: some token of the step has an adapter (LoRA kernels recorded)
 
     def __post_init__(self) -> None:
         if self.num_tokens < 1 or self.num_reqs < 1:
@@ -48,24 +56,32 @@ class BatchDescriptor:
 
     def __str__(self) -> str:
         base = f"{self.num_tokens}:{self.num_reqs}"
-        return base + ":decode" if self.uniform_decode else base + ":verify" if self.verify else base
+        kind = ":decode" if self.uniform_decode else ":verify" if self.verify else ""
+        return base + kind + (":lora" if self.lora else "")
+
+    def with_lora(self, lora: bool = True) -> BatchDescriptor:
+        """The same shape, LoRA variant or not."""
+        return self if self.lora == lora else replace(self, lora=lora)
 
     @classmethod
     def parse(cls, text: str) -> BatchDescriptor:
-        """Inverse of str(): "T:R" (mixed), "T:R:decode" or "T:R:verify"."""
+        """Inverse of str(): "T:R" (mixed), "T:R:decode" or "T:R:verify", each optionally + ":lora"."""
         parts = text.strip().split(":")
+        lora = len(parts) > 2 and parts[-1] == "lora"
+        if lora:
+            parts = parts[:-1]
         try:
             if len(parts) == 2:
-                return cls(int(parts[0]), int(parts[1]), False)
+                return cls(int(parts[0]), int(parts[1]), False, False, lora)
             if len(parts) == 3 and parts[2] == "decode":
-                return cls(int(parts[0]), int(parts[1]), True)
+                return cls(int(parts[0]), int(parts[1]), True, False, lora)
             if len(parts) == 3 and parts[2] == "verify":
-                return cls(int(parts[0]), int(parts[1]), False, True)
+                return cls(int(parts[0]), int(parts[1]), False, True, lora)
         except ValueError as e:
             raise ValueError(f"bad batch descriptor {text!r}: {e}") from None
         raise ValueError(
-            f'bad batch descriptor {text!r}: write "TOKENS:REQS" or "TOKENS:REQS:decode", '
-            'e.g. "64:8" or "8:8:decode"'
+            f'bad batch descriptor {text!r}: write "TOKENS:REQS", "TOKENS:REQS:decode" or '
+            '"TOKENS:REQS:verify", each optionally followed by ":lora", e.g. "64:8" or "8:8:decode:lora"'
         )
 
 

@@ -18,7 +18,7 @@ import torch
 
 from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
-__all__ = ["HAVE_TRITON", "lora_shrink_expand"]
+__all__ = ["HAVE_TRITON", "lora_kernel_variant", "lora_shrink_expand"]
 
 
 def _shrink_kernel(
@@ -109,6 +109,12 @@ def _kernels():
 
 def _block_m(t: int) -> int:
     return 16 if t <= 16 else 32 if t <= 256 else 64
+
+
+def lora_kernel_variant(num_tokens: int) -> tuple[str, int]:
+    """What the kernels compile per step size (their token tile): a capture of a LoRA graph whose variant
+    has not run yet warms it up outside the capture first (the graph cache's kernel families)."""
+    return ("lora", _block_m(num_tokens))
 
 
 def lora_shrink_expand(

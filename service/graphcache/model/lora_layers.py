@@ -14,9 +14,11 @@ serves any mix of adapters and base rows. On CUDA the kernels of model/lora_kern
 reference here (a gather of each token's A and B, two bmm) is the CPU path and what the kernels are tested
 against.
 
-A step with no adapter row: on the eager backend (CPU) the layers skip LoRA altogether (`LoraIndex.active`
-is read on the host each step); inside a captured graph the kernels are recorded and exit early per token
-whose slot is -1 (a graph cannot read a host flag at replay). docs/API.md (LoRA) says what is measured.
+A step with no adapter row skips LoRA altogether: `LoraIndex.active` is read on the host each time the layers
+run. A graph cannot read a host flag at replay, so each captured shape has two variants (graphs/descriptor.py,
+`lora`): the runner sets `active` from the descriptor while it captures, so the plain variant records no LoRA
+kernel (exactly the base model's graph) and the LoRA variant records them; inside the LoRA variant the kernels
+exit early per tile of base tokens (slot -1, as every pad). docs/API.md (LoRA) says what is measured.
 """
 
 from __future__ import annotations
@@ -32,11 +34,11 @@ __all__ = ["LoraIndex", "LoraStack", "lora_add", "lora_add_reference"]
 class LoraIndex:
     """The per-token slot of the step, shared by every LoraStack of a model."""
 
-    def __init__(self, tokens: torch.Tensor, *, host_skip: bool) -> None:
+    def __init__(self, tokens: torch.Tensor) -> None:
         self.tokens = tokens  # [T_max] int64, a static buffer the runner fills (-1 = base)
-        # host_skip: no adapter row this step -> no LoRA work (only where no graph records the layers)
-        self.host_skip = host_skip
-        self.active = False  # some real token of this step has a slot
+        # Some real token of this step has a slot (LoraSlots.prepare); while a graph is captured, whether
+        # the descriptor is the LoRA variant. False: the layers add nothing and launch nothing.
+        self.active = False
         self.use_kernels = False  # model/lora_kernels.py (CUDA with triton)
 
 
@@ -108,7 +110,7 @@ class LoraStack:
     def add_(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """y [T, out] += this step's adapters' deltas of x [T, in]."""
         index = self.index
-        if index.host_skip and not index.active:
+        if not index.active:
             return
         lora_add(y, x, self.a, self.b, index.tokens[: x.shape[0]], index.use_kernels)
 

@@ -35,7 +35,8 @@ class WarmupRequest(RequestBody):
     descriptors: list[str] = Field(
         default_factory=list,
         max_length=512,
-        description='Descriptors to capture: "TOKENS:REQS" or "TOKENS:REQS:decode".',
+        description='Descriptors to capture: "TOKENS:REQS" or "TOKENS:REQS:decode" (":lora" last: the LoRA '
+        "variant, with --enable-lora).",
     )
     profile: dict[str, Any] | None = Field(
         None,

@@ -87,6 +87,8 @@ def _descriptors(body: WarmupRequest, settings) -> list[BatchDescriptor]:
     # Messages name the item by its index, never by its value: what the caller sent is not echoed.
     out: list[BatchDescriptor] = []
 
+    lora = settings.lora.enable_lora
+
     def padded(d: BatchDescriptor, param: str, named: str) -> BatchDescriptor:
         if d.num_tokens not in sizes.sizes or d.num_reqs not in sizes.sizes or d.num_reqs > max_reqs:
             raise APIError(
@@ -94,6 +96,10 @@ def _descriptors(body: WarmupRequest, settings) -> list[BatchDescriptor]:
                 f"{named} has sizes the server never pads to; tokens and requests must each be one of "
                 f"the {allowed}.",
                 param=param,
+            )
+        if d.lora and not lora:
+            raise APIError(
+                400, f"{named} is a LoRA variant (':lora'), but this server serves no adapters.", param=param
             )
         return d
 
@@ -117,6 +123,8 @@ def _descriptors(body: WarmupRequest, settings) -> list[BatchDescriptor]:
                 param=f"sizes[{i}]",
             )
         out.append(BatchDescriptor(s, s, True))
+        if lora:  # steps with an adapter replay the LoRA variant, the others the plain one
+            out.append(BatchDescriptor(s, s, True, lora=True))
     for i, text in enumerate(body.descriptors):
         try:
             d = BatchDescriptor.parse(text[:64])
@@ -124,7 +132,7 @@ def _descriptors(body: WarmupRequest, settings) -> list[BatchDescriptor]:
             raise APIError(
                 400,
                 f'descriptors[{i}] is not a batch descriptor; write "TOKENS:REQS" or '
-                f'"TOKENS:REQS:decode", e.g. "64:8" or "8:8:decode".',
+                f'"TOKENS:REQS:decode" (":lora" last for the LoRA variant), e.g. "64:8" or "8:8:decode".',
                 param=f"descriptors[{i}]",
             ) from None
         out.append(padded(d, f"descriptors[{i}]", f"descriptors[{i}]"))

@@ -262,6 +262,10 @@ class Engine(EngineAdmin):
         except Exception:  # noqa: BLE001 - the engine is exiting either way
             log.exception("closing the runner failed")
         del core
+        # The heap was frozen once the engine was ready (frontend.py: gc.freeze), the runner's reference
+        # cycles with it (the graph cache's step function is a method of the runner): frozen objects are
+        # never collected, so without unfreezing, weights, KV cache and graph pools would outlive the engine.
+        gc.unfreeze()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -158,6 +158,7 @@ class EngineFrontend:
         if first_ready:
             # Loading and warmup leave a large heap that lives as long as the process; frozen, it is out
             # of every later collection, whose full passes otherwise stall requests 0.5-0.9 s on a CPU.
+            # (engine.py unfreezes it when the engine releases the device, so the runner can be collected.)
             gc.freeze()
         if self.metrics is not None:
             self.metrics.ready.set(1 if state is EngineState.READY else 0)

@@ -9,6 +9,9 @@ per padded batch size (static views over the InputBatch's block tables and lengt
 workspace of the triton kernel), and a mixed graph with attention inside (mixed_capture_mode=full, the
 unified triton kernel) one AttentionMetadata per padded request count. Any other step reads the
 metadata of the forward context the runner sets around it (the eager break of a breakable graph).
+On an --enable-lora runner the descriptor's `lora` bit also decides the LoRA layers: the step function sets
+the adapters' host flag from it, so a plain descriptor's capture records none of their kernels (the graph
+of a runner without LoRA) and a LoRA one records them, reading the per-token slot buffer at replay.
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ import torch
 
 from graphcache.config import Settings
 from graphcache.engine.worker.input_batch import InputBatch
+from graphcache.engine.worker.lora_slots import LoraSlots
 from graphcache.graphs.descriptor import BatchDescriptor, CaptureSizes
 from graphcache.model.attention_metadata import AttentionMetadata, AttentionPlanner, DecodeMetadata
 from graphcache.model.config import ModelConfig
 from graphcache.model.decode_attention import choose_num_splits, decode_workspace
 from graphcache.model.forward_context import RuntimeMode, current_attention_metadata, forward_context
 from graphcache.model.llama import LlamaModel
+from graphcache.model.lora_kernels import lora_kernel_variant
 from graphcache.model.moe import moe_kernel_variant
 
 
@@ -35,6 +40,7 @@ class CapturedStep:
     model_config: ModelConfig
     device: torch.device
     inputs: InputBatch
+    lora: LoraSlots | None
     out_logits: torch.Tensor  # [R_max, V] in the model dtype: the LM head writes straight into it
     kv_cache: torch.Tensor  # [layers, 2, blocks, bs, K, D]: the usable blocks
     sizes: CaptureSizes
@@ -119,6 +125,14 @@ class CapturedStep:
             md = self.mixed_graph_metadata(desc.num_reqs)  # the same: static views over R padded rows
         else:
             md = current_attention_metadata()  # the step's (or, in warmup, the empty) mixed layout
+        if self.lora is not None:
+            # What a capture records: a step picks the variant by the same flag (StepExecution), so this
+            # changes nothing there; a capture outside a step gets the descriptor's variant.
+            self.lora.index.active = desc.lora
+        elif desc.lora:
+            raise ValueError(
+                f"descriptor {desc} is a LoRA variant; this runner serves no adapters (--enable-lora)"
+            )
         with forward_context(md, desc, self._graph_mode(desc.uniform_decode)):
             self._run_model(desc.num_tokens, desc.num_reqs)
 
@@ -147,11 +161,13 @@ class CapturedStep:
     def _kernel_family(self, desc: BatchDescriptor) -> tuple:
         """What a descriptor's step must set up once (graph cache's capture_warmup=per_kernel): uniform
         decode compiles the decode kernel once per split-KV count; everything else shares its kernels. A
-        mixture-of-experts model's expert kernels add their tile variant for the step's token count."""
-        moe = moe_kernel_variant(self.model_config, desc.num_tokens)
+        mixture-of-experts model's expert kernels add their tile variant for the step's token count; a LoRA
+        variant adds the adapters' kernels."""
+        t = desc.num_tokens
+        kernels = (*moe_kernel_variant(self.model_config, t), *(lora_kernel_variant(t) if desc.lora else ()))
         if self._decode_path(desc.uniform_decode):
-            return ("decode", self.decode_metadata(desc.num_reqs).num_splits, *moe)
-        return ("mixed", *moe)
+            return ("decode", self.decode_metadata(desc.num_reqs).num_splits, *kernels)
+        return ("mixed", *kernels)
 
     def _input_tensors(self, desc: BatchDescriptor) -> list[torch.Tensor]:
         t, r, i = desc.num_tokens, desc.num_reqs, self.inputs
@@ -165,4 +181,5 @@ class CapturedStep:
             i.block_tables.dev,
             i.cu_seqlens.dev,
             self.kv_cache,
+            *([self.lora.index.tokens] if desc.lora and self.lora is not None else []),
         ]

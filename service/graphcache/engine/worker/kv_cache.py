@@ -7,9 +7,17 @@ took since it started and a reserve for what comes after the cache (graph pools,
 (CPU RAM is shared with everything); settings.engine.num_kv_blocks overrides both. Tensor-parallel ranks take the smallest
 count of any rank, since rank 0's block manager hands out blocks for all of them. The storage has one
 block past the usable ones: the scratch block padded tokens write (runner.py).
+
+Free memory is read at the driver (`torch.cuda.mem_get_info`), where blocks PyTorch's caching allocator holds
+but no tensor uses (what an engine shut down earlier in this process, or the loader's temporaries, left
+cached) count as used. `device_free_bytes` hands those back first, so they count as free: otherwise a second
+engine in one process (benchmarks, tests) sizes its cache from what the first left cached, a fraction of the
+first's.
 """
 
 from __future__ import annotations
+
+import gc
 
 import torch
 
@@ -22,12 +30,25 @@ __all__ = [
     "activation_reserve_bytes",
     "agree_min_blocks",
     "alloc_kv_storage",
+    "device_free_bytes",
     "kv_block_bytes",
     "num_kv_blocks",
     "utilization_kv_bytes",
 ]
 
 CPU_KV_CACHE_MAX_BYTES = 1 << 30  # default CPU KV cache stops here: CPU RAM is shared with everything
+
+
+def device_free_bytes(device: torch.device, *, collect: bool = False) -> tuple[int, int]:
+    """(free, total) bytes of the CUDA device, read after the caching allocator gave back its unused blocks
+    (module docstring). collect: first a garbage collection, so tensors only cycles still reach are freed and
+    their blocks given back too (at start-up, where a collection is cheap). Blocks left partly used stay
+    counted as used: their free parts cannot hold the cache's one large allocation."""
+    if collect:
+        gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return free, total
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, num_kv_heads: int, dtype: torch.dtype) -> int:
@@ -78,7 +99,7 @@ def num_kv_blocks(
     one_seq = max_blocks_per_seq
     utilization = s.engine.gpu_memory_utilization
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
+        free, total = device_free_bytes(device)
         if utilization is None:
             blocks = int(max(free - late_bytes, 0) * s.engine.kv_cache_memory_fraction) // block_bytes
         else:

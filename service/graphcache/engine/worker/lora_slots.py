@@ -244,11 +244,10 @@ def build_lora_slots(
     max_tokens: int,
     dtype: torch.dtype,
     device: torch.device,
-    graphs: bool,
     tp_size: int,
 ) -> LoraSlots:
     """The model's slot buffers attached, and every --lora-modules adapter read and checked (LoraLoadError
-    naming the fix). graphs: steps replay captured CUDA graphs (no host-side skip of the LoRA layers)."""
+    naming the fix)."""
     lora = settings.lora
     if tp_size > 1:
         raise ModelLoadError(
@@ -263,7 +262,7 @@ def build_lora_slots(
     staging = StagingBuffer((max_tokens,), torch.int64, device)
     staging.np[:] = -1
     staging.dev.fill_(-1)
-    index = LoraIndex(staging.dev, host_skip=not graphs)
+    index = LoraIndex(staging.dev)
     index.use_kernels = device.type == "cuda" and HAVE_LORA_KERNELS  # else the torch reference
     stacks = attach_lora(
         model, index, slots=lora.max_loras, rank=lora.max_lora_rank, dtype=dtype, device=device

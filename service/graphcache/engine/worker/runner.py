@@ -34,6 +34,7 @@ from graphcache.engine.worker.kv_cache import (
     activation_reserve_bytes,
     agree_min_blocks,
     alloc_kv_storage,
+    device_free_bytes,
     kv_block_bytes,
     num_kv_blocks,
 )
@@ -112,9 +113,12 @@ class ModelRunner(StepExecution):
         self.tokenizer = Tokenizer(path)
         self.tokenizer.check_chat_template(s.http.chat_template)
         self.max_model_len = self._max_model_len(read_config(path))
-        # The GPU's free memory before this process put anything on it: gpu_memory_utilization counts what
-        # the server takes from here on (kv_cache.py).
-        self._start_free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+        # The GPU's free memory before this runner put anything on it: gpu_memory_utilization counts what
+        # the server takes from here on (kv_cache.py). Read after what an earlier engine of this process left
+        # in the caching allocator is given back, which is free for this one.
+        self._start_free = (
+            device_free_bytes(self.device, collect=True)[0] if self.device.type == "cuda" else None
+        )
         self.model, self.model_config = load_model(
             path,
             self.dtype,
@@ -149,7 +153,7 @@ class ModelRunner(StepExecution):
         if s.lora.enable_lora:
             self.lora = build_lora_slots(
                 s, self.model, c, max_tokens=self.max_tokens, dtype=self.dtype, device=self.device,
-                graphs=self.backend == "cuda", tp_size=tp.size,
+                tp_size=tp.size,
             )  # fmt: skip
         self._alloc_kv_cache()
         self.attention_kernel = select_attention_kernel(
@@ -302,6 +306,12 @@ class ModelRunner(StepExecution):
             raise ValueError(
                 f"descriptors {too_big} exceed the static buffers ({self.max_tokens} tokens, "
                 f"{self.max_reqs} requests); raise max_num_batched_tokens / max_num_seqs"
+            )
+        lora = [str(d) for d in descriptors if d.lora]
+        if lora and self.lora is None:
+            raise ValueError(
+                f"descriptors {lora} are LoRA variants, but this server serves no adapters; drop ':lora' "
+                "or start it with --enable-lora"
             )
         self.inputs.point_at_scratch(self.table)
         with forward_context(AttentionMetadata.empty()):

@@ -14,7 +14,8 @@ rows (embedding requests: engine/worker/pooler.py), which keeps the final hidden
 captured graph's only outputs are the logits rows, and an embedding request is prefill only, where a
 replay saves the launches of one step against its prompt's compute (graphs pay off in decode, which it
 never reaches). A verify step (speculative decoding) replays a verify descriptor when its logits rows
-cover every fed token.
+cover every fed token. On an --enable-lora runner a step with an adapter token replays its descriptor's LoRA
+variant, a step with none the plain one (graphs/descriptor.py: `lora`), as LoraSlots.prepare finds the plan.
 Each step's attention metadata, descriptor and runtime mode reach the model through the forward context
 (model/forward_context.py), set around the step. The step's mode comes back in its StepOutput.
 """
@@ -91,6 +92,8 @@ class StepExecution(CapturedStep):
             if self.lora is not None:
                 self.lora.update(plan)
                 self.lora.prepare(plan, pad_tokens)
+                if desc is not None:  # the LoRA variant only when some row has an adapter
+                    desc = desc.with_lora(self.lora.index.active)
             layout = self.inputs.prepare(
                 self.table,
                 plan,

@@ -35,8 +35,11 @@ log = logging.getLogger(__name__)
 
 
 def warmup_order(descs: list[BatchDescriptor]) -> list[BatchDescriptor]:
-    """Distinct descriptors, largest first: the largest capture sets the pinned pool's high-water mark."""
-    return sorted(set(descs), key=lambda d: (d.num_tokens, d.num_reqs, d.uniform_decode), reverse=True)
+    """Distinct descriptors, largest first: the largest capture sets the pinned pool's high-water mark (a
+    shape's LoRA variant, with the adapters' intermediates, before its plain one)."""
+    return sorted(
+        set(descs), key=lambda d: (d.num_tokens, d.num_reqs, d.uniform_decode, d.verify, d.lora), reverse=True
+    )
 
 
 class CachePolicy:

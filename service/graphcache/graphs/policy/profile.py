@@ -2,7 +2,7 @@
 
 `GraphCache.profile()` exports it (GET /admin/cache/profile); `parse_profile` reads it back for
 GRAPHCACHE_WARMUP_PROFILE and POST /admin/warmup {"profile": ...}. Shape:
-    {"version": 1, "descriptors": [{"descriptor": "T:R[:decode]", "mode": "full" | "breakable" | null,
+    {"version": 1, "descriptors": [{"descriptor": "T:R[:decode|:verify][:lora]", "mode": "full" | "breakable" | null,
                                     "uses": n, "bytes": b, "capture_ms": x}, ...]}   most used first
 and, after them, the gaps `fill_size_gaps` adds ({..., "uses": 0, "filled": true}).
 
@@ -34,7 +34,7 @@ def build_profile(
     first; `captured` holds each one's last capture as (mode, bytes, seconds)."""
     known = set(uses) | (set(captured) if min_uses <= 0 else set())
     hot = [d for d in known if uses.get(d, 0) >= min_uses]
-    hot.sort(key=lambda d: (-uses.get(d, 0), -d.num_tokens, -d.num_reqs, not d.uniform_decode))
+    hot.sort(key=lambda d: (-uses.get(d, 0), -d.num_tokens, -d.num_reqs, not d.uniform_decode, not d.lora))
     out = []
     for d in hot:
         mode, size, seconds = captured.get(d, (None, 0, 0.0))
@@ -51,24 +51,28 @@ def build_profile(
 
 
 def fill_size_gaps(profile: dict, sizes: CaptureSizes) -> dict:
-    """`profile` (build_profile's shape) plus, for decode and for mixed descriptors separately, every
-    capture size between the smallest and the largest token size that traffic used (uses > 0) and no
-    descriptor of that kind holds yet, appended as {"uses": 0, "filled": true}. A mixed descriptor's
-    requests follow descriptor_for's rule, R = min(T, cap), with cap read off the profile itself (the
-    R of any used mixed descriptor with R < T); decode descriptors have R = T."""
+    """`profile` (build_profile's shape) plus, for each kind (decode or mixed, plain or LoRA variant)
+    separately, every capture size between the smallest and the largest token size that traffic used
+    (uses > 0) and no descriptor of that kind holds yet, appended as {"uses": 0, "filled": true}. A mixed
+    descriptor's requests follow descriptor_for's rule, R = min(T, cap), with cap read off the profile
+    itself (the R of any used mixed descriptor with R < T); decode descriptors have R = T."""
     items = list(profile["descriptors"])
     parsed = [(BatchDescriptor.parse(p["descriptor"]), p["uses"]) for p in items]
     held = {d for d, _ in parsed}
-    for decode in (True, False):
+    for decode, lora in ((True, False), (False, False), (True, True), (False, True)):
         # Only used descriptors say what steps pad to (warmup may hold any shape, e.g. "64:8").
         # (verify descriptors are filled by nobody: their token sizes follow the drafts, not the ladder)
-        used = [d for d, uses in parsed if uses > 0 and d.uniform_decode is decode and not d.verify]
+        used = [
+            d
+            for d, uses in parsed
+            if uses > 0 and d.uniform_decode is decode and d.lora is lora and not d.verify
+        ]
         if not used:
             continue
         lo, hi = min(d.num_tokens for d in used), max(d.num_tokens for d in used)
         cap = min((d.num_reqs for d in used if d.num_reqs < d.num_tokens), default=None)
         for t in sizes:
-            desc = BatchDescriptor(t, t if decode or cap is None else min(t, cap), decode)
+            desc = BatchDescriptor(t, t if decode or cap is None else min(t, cap), decode, False, lora)
             if lo < t < hi and desc not in held:
                 items.append(
                     {
@@ -86,7 +90,7 @@ def fill_size_gaps(profile: dict, sizes: CaptureSizes) -> dict:
 def parse_profile(data: Any) -> list[BatchDescriptor]:
     """The descriptors of a profile in `GraphCache.profile()`'s shape, in its order.
 
-    {"version": 1, "descriptors": [{"descriptor": "T:R[:decode]", ...}, ...]}; the other fields of an
+    {"version": 1, "descriptors": [{"descriptor": "T:R[:decode|:verify][:lora]", ...}, ...]}; the other fields of an
     item (mode, uses, bytes, capture_ms) are information only. ValueError names the first bad part
     ("descriptors[3].descriptor") without echoing long input. Whether the server can capture the
     shapes (capture sizes, static buffers) is the caller's check."""
@@ -113,6 +117,7 @@ def parse_profile(data: Any) -> list[BatchDescriptor]:
         except ValueError:
             raise ValueError(
                 f'descriptors[{i}].descriptor is not a batch descriptor; write "TOKENS:REQS" or '
-                '"TOKENS:REQS:decode", e.g. "64:8" or "8:8:decode"'
+                '"TOKENS:REQS:decode" (":verify", and ":lora" last for the LoRA variant), e.g. "64:8" or '
+                '"8:8:decode"'
             ) from None
     return out
