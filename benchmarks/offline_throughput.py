@@ -191,6 +191,7 @@ async def _run_engine(
     # the engine loop itself (inbox, gauges, stats, delivery) and idle time between requests.
     phases = {k: (v - phases0[k]) * 1e3 / steps for k, v in core.phase_seconds.items()}
     return {
+        **speculation_of(core),
         "seconds": elapsed,
         "output_tokens": sum(counts),
         "tokens_per_s": sum(counts) / elapsed,
@@ -207,6 +208,18 @@ async def _run_engine(
         "cache_info": await engine.cache_info(),
         "stats": engine.stats(),
     }  # fresh, from the engine thread
+
+
+def speculation_of(core) -> dict:
+    """With --speculative-config: the spec-decode counters and the payoff rule's buckets (engine/spec/payoff.py)
+    after the run; {} without (or on a tree without them)."""
+    metrics, payoff = getattr(core, "spec_metrics", None), getattr(core.scheduler, "payoff", None)
+    out = {}
+    if metrics is not None:
+        out["spec_counters"] = metrics.snapshot()
+    if payoff is not None:
+        out["spec_payoff"] = payoff.state()
+    return out
 
 
 async def _run_all(

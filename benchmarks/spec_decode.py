@@ -356,6 +356,9 @@ def realistic_ratio(args, model: Path) -> dict:
         "plain_tokens_per_s": rows["plain"]["tokens_per_s"],
         "ngram_tokens_per_s": rows["ngram"]["tokens_per_s"],
         "ratio": ratio,
+        "ngram_counters": rows["ngram"].get("spec_counters"),
+        "ngram_payoff": rows["ngram"].get("spec_payoff"),
+        "by_kind": {name: r.get("by_kind") for name, r in rows.items()},
         # the two engines' capacity (offline_throughput.engine_capacity): unequal, the ratio measures memory
         "capacity": {name: {k: r.get(k) for k in ("kv_blocks", "max_num_seqs")} for name, r in rows.items()},
     }
@@ -608,6 +611,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         for name, c in r["capacity"].items():
             print(f"  {name} engine: {c['kv_blocks']} KV blocks, max_num_seqs {c['max_num_seqs']}")
+        for name, kinds in r["by_kind"].items():
+            for kind, k in (kinds or {}).items():
+                print(
+                    f"  {name} {kind}: {k['steps']} steps x {k['ms']:.2f} ms (launch {k['launch_ms']:.2f}, "
+                    f"wait {k['wait_ms']:.2f}), rows {k['rows_mean']:.0f}, tokens {k['tokens_mean']:.0f}"
+                )
+        print(f"  n-gram counters: {r['ngram_counters']}")
+        for bucket, b in (r["ngram_payoff"] or {}).items():
+            print(f"  payoff rows>={bucket}: {b}")
         warning = offline_throughput.capacity_warning(r["capacity"])
         if warning:
             print(warning)
