@@ -114,6 +114,7 @@ def settings_for(args, model: Path, spec: str | None) -> Settings:
         flat["num_kv_blocks"] = args.num_kv_blocks
     if args.token_cost is not None:
         flat["speculative_token_cost"] = args.token_cost
+    flat["speculative_step_payoff"] = args.step_payoff == "on"
     return Settings(**flat)
 
 
@@ -424,6 +425,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lookup-max", type=int, default=4, help="ngram prompt_lookup_max")
     ap.add_argument(
         "--token-cost", type=float, help="settings.engine.speculative_token_cost (default: the server's)"
+    )
+    ap.add_argument(
+        "--step-payoff",
+        choices=["on", "off"],
+        default="on",
+        help="settings.engine.speculative_step_payoff (off, with --token-cost 0: every step verifies, as the "
+        "issue's TPOT prediction assumes)",
     )
     ap.add_argument(
         "--draft-model",
