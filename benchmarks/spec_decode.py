@@ -501,6 +501,9 @@ def run_greedy_check(args, model: Path, draft: Path | None, result: dict) -> int
             {"method": "draft_model", "model": str(draft), "num_speculative_tokens": args.k}
         )
     print(f"greedy check: {len(prompts)} requests, {list(configs)} ...", file=sys.stderr, flush=True)
+    # Equality is the question, not when speculation pays: every step that can speculate does (the payoff
+    # rule would turn a wave off while its n-gram finds nothing yet, and the check would verify nothing).
+    args.step_payoff = "off"
     check = greedy_check(
         lambda spec: load_core(settings_for(args, model, spec)),
         configs,

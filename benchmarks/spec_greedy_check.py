@@ -13,10 +13,12 @@ float32 no divergence is expected (docs/API.md, "Speculative decoding", what is 
 
 from __future__ import annotations
 
+import gc
 import statistics
 from collections.abc import Callable
 from functools import partial
 
+import torch
 from graphcache.engine.loop.core import EngineCore
 from graphcache.engine.sequence import SamplingParams, Sequence
 
@@ -165,6 +167,10 @@ def greedy_check(
             out["proposers"][name] = row
         finally:
             core.runner.close()
+            del core  # the next config's core sizes its KV cache from the memory this one frees
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     return out
 
 
