@@ -518,6 +518,14 @@ def run_greedy_check(args, model: Path, draft: Path | None, result: dict) -> int
     print(greedy_table(check, dtype))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2, default=str))
+    idle = [name for name, row in check["proposers"].items() if not row.get("draft_tokens")]
+    if idle:  # equal outputs then prove nothing about speculation
+        print(
+            f"NOT A CHECK: {', '.join(idle)} verified no draft token (on CUDA a step speculates only while "
+            "every running row's verify row fits the largest verify graph, max_num_seqs tokens: fewer than "
+            "max_num_seqs / (k + 1) + 1 rows; raise --max-num-seqs or lower --greedy-streams)"
+        )
+        return 1
     return 0
 
 

@@ -163,7 +163,7 @@ for p in ${PHASES:-tests pool capture}; do
     # expected, bfloat16 = near ties may flip); identical share, first divergence positions, top-2 margins there.
     spec_greedy) m=${SPEC_MODEL:-llama8b}; for d in ${GREEDY_DTYPES:-bfloat16}; do TAIL=${TAIL:-12} phase spec_greedy_${m}_$d 560 \
                python3 benchmarks/spec_decode.py --make-model "$m:/tmp/$m" --greedy-check "${GREEDY_N:-64}" --dtype "$d" \
-               --self-draft --token-cost 0 --output-len 128 --max-num-seqs 16 --out "$OUT/spec_greedy_${m}_$d.json" ${SPEC_GREEDY_ARGS:-}; done ;;
+               --self-draft --token-cost 0 --output-len 128 --max-num-seqs 64 --out "$OUT/spec_greedy_${m}_$d.json" ${SPEC_GREEDY_ARGS:-}; done ;;
     *) echo "unknown phase $p" ;;
   esac
 done
