@@ -159,11 +159,14 @@ for p in ${PHASES:-tests pool capture}; do
     lora) m=${LORA_MODEL:-llama8b}; TAIL=${TAIL:-70} phase lora_$m 540 python3 benchmarks/lora_bench.py \
                --make-model "$m:/tmp/$m" --out "$OUT/lora_$m.json" ${LORA_ARGS:-} ;;
     # Greedy equality with speculation (issue 37; benchmarks/spec_decode.py --greedy-check): GREEDY_N (64) greedy requests,
-    # 8 at a time, without and with n-gram and the self-draft, per dtype in GREEDY_DTYPES (one a call: float32 = equal
+    # 8 at a time, without and with n-gram and a draft model, per dtype in GREEDY_DTYPES (one a call: float32 = equal
     # expected, bfloat16 = near ties may flip); identical share, first divergence positions, top-2 margins there.
+    # GREEDY_DRAFT: the draft (default the self-draft; in float32 at 8B two 8B models need 64 GB: use
+    # GREEDY_DRAFT="--draft-model llama1b:/tmp/llama1b" there).
     spec_greedy) m=${SPEC_MODEL:-llama8b}; for d in ${GREEDY_DTYPES:-bfloat16}; do TAIL=${TAIL:-12} phase spec_greedy_${m}_$d 560 \
                python3 benchmarks/spec_decode.py --make-model "$m:/tmp/$m" --greedy-check "${GREEDY_N:-64}" --dtype "$d" \
-               --self-draft --token-cost 0 --output-len 128 --max-num-seqs 64 --out "$OUT/spec_greedy_${m}_$d.json" ${SPEC_GREEDY_ARGS:-}; done ;;
+               ${GREEDY_DRAFT:---self-draft} --token-cost 0 --output-len 128 --max-num-seqs 64 \
+               --out "$OUT/spec_greedy_${m}_$d.json" ${SPEC_GREEDY_ARGS:-}; done ;;
     *) echo "unknown phase $p" ;;
   esac
 done
