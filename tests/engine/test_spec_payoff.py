@@ -60,6 +60,25 @@ def test_a_bucket_where_speculation_loses_turns_off_and_probes_less_and_less():
     assert not payoff.state()[8]["speculates"]
 
 
+def test_a_bucket_within_the_tolerance_stays_on_and_an_off_one_needs_a_win():
+    """Steps whose proposals found nothing cost only the overlap they gave up where the GPU bounds them:
+    within the tolerance the bucket keeps speculating (text that repeats later finds it on)."""
+    payoff = StepPayoff(tolerance=0.05, min_samples=4, probe_steps=4, probe_every=32)
+    d = run(payoff, 100, spec_rate=0.97, plain_rate=1.0, rows=100)  # 97 tokens against 100 a step
+    assert d[8:].count(True) / len(d[8:]) > 0.85 and payoff.state()[96]["speculates"]
+    assert not StepPayoff(tolerance=0.0).state()  # (no bucket before a step)
+    strict = StepPayoff(tolerance=0.0, min_samples=4, probe_steps=4, probe_every=32)
+    run(strict, 100, spec_rate=0.97, plain_rate=1.0, rows=100)
+    assert not strict.state()[96]["speculates"]  # without the tolerance the same rates turn it off
+    off = StepPayoff(tolerance=0.05, min_samples=4, probe_steps=4, probe_every=32, off_wait=8, alpha=1.0)
+    run(off, 40, spec_rate=0.5, plain_rate=1.0, rows=100)
+    assert not off.would_speculate(100)
+    run(off, 200, spec_rate=0.97, plain_rate=1.0, rows=100)  # a probe within the tolerance is no win
+    assert not off.state()[96]["speculates"]
+    run(off, 200, spec_rate=1.2, plain_rate=1.0, rows=100)  # a probe that wins turns it on
+    assert off.state()[96]["speculates"]
+
+
 def test_speculation_comes_back_when_it_pays_again_and_buckets_are_apart():
     payoff = StepPayoff(min_samples=4, probe_steps=4, probe_every=32, off_wait=16, max_wait=64)
     run(payoff, 100, spec_rate=0.5, plain_rate=1.0)  # off at 10 rows

@@ -20,8 +20,13 @@ The policy, per bucket of batch rows (1, 2, 3, 4, 6, 8, 12, ...: the rate per ro
   - a bucket starts speculating; once it has `min_samples` speculating steps it runs `probe_steps` plain
     steps in a row (a run, so the plain steps overlap as they do when speculation is off) to learn the
     plain rate;
-  - with both rates known (exponentially weighted, `alpha`), the bucket speculates while its speculating
-    rate is at least its plain rate;
+  - with both rates known (exponentially weighted, `alpha`), an on bucket turns off once its speculating
+    rate falls below (1 - `tolerance`) x its plain rate, and an off one turns on again once it is at least
+    the plain rate. Why the tolerance: a speculating step whose proposals found nothing costs only the
+    overlap it gave up, 2-4% of a step where the GPU bounds it (the 8B shape's buckets of 1-32 rows on an
+    H100, BENCHMARKS.md §20); without it a bucket judged before its text starts repeating turned off, and
+    probed rarely, while n-gram at one stream then ran 1.22x faster with speculation on. Where the host
+    bounds the step the lost overlap costs far more than the tolerance, and the bucket still turns off;
   - on: every `probe_every` steps of the bucket a plain run refreshes the plain rate (the cost of
     watching: probe_steps / probe_every of the steps, 3% at the defaults);
   - off: after `wait` plain steps a run of speculating steps measures again; a run that still loses
@@ -65,17 +70,22 @@ class StepPayoff:
         self,
         *,
         alpha: float = 0.25,
+        tolerance: float = 0.05,
         min_samples: int = 4,
         probe_steps: int = 4,
         probe_every: int = 128,
         off_wait: int = 64,
         max_wait: int = 1024,
     ) -> None:
-        if not (0 < alpha <= 1 and min_samples >= 1 and probe_steps >= 1 and probe_every > probe_steps):
+        if not (
+            0 < alpha <= 1 and 0 <= tolerance < 1 and min_samples >= 1 and probe_every > probe_steps >= 1
+        ):
             raise ValueError(
-                "StepPayoff needs 0 < alpha <= 1, min_samples >= 1, probe_every > probe_steps >= 1"
+                "StepPayoff needs 0 < alpha <= 1, 0 <= tolerance < 1, min_samples >= 1, "
+                "probe_every > probe_steps >= 1"
             )
-        self.alpha, self.min_samples, self.probe_steps = alpha, min_samples, probe_steps
+        self.alpha, self.tolerance, self.min_samples = alpha, tolerance, min_samples
+        self.probe_steps = probe_steps
         self.probe_every, self.off_wait, self.max_wait = probe_every, off_wait, max_wait
         self.buckets: dict[int, _Bucket] = {}
 
@@ -119,7 +129,7 @@ class StepPayoff:
             b.plain_n += 1
         if b.probe_left or b.spec_n < self.min_samples or b.plain_n < self.min_samples:
             return  # judge between probe runs, once both rates are known
-        wins = b.spec_rate >= b.plain_rate
+        wins = b.spec_rate >= b.plain_rate * (1 - self.tolerance if b.on else 1)
         if b.on and not wins:  # turn off, probe again after the wait
             b.on, b.next_probe = False, b.steps + b.wait
         elif not b.on and wins:
