@@ -110,6 +110,8 @@ def test_open_loop_smoke(tmp_path):
         open_loop.main(
             [
                 "--smoke",
+                "--make-model",  # ids past the tokenizer, as the real shapes: chunks of tokens with no text
+                f"tinywide:{tmp_path / 'model'}",
                 "--rates",
                 "sat,0.5x",
                 "--burst",
