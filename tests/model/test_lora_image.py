@@ -17,7 +17,7 @@ RANK, SLOTS, HIDDEN, KV, INTER = 8, 2, 12, 4, 20
 
 
 def _stacks(dtype: torch.dtype) -> dict[tuple[int, str], LoraStack]:
-    index = LoraIndex(torch.full((4,), -1, dtype=torch.int64), host_skip=True)
+    index = LoraIndex(torch.full((4,), -1, dtype=torch.int64))
 
     def stack(fan_in, slices):
         return LoraStack(
