@@ -190,7 +190,14 @@ def _kernels():
     if _KERNELS is None:
         if not HAVE_TRITON:
             raise RuntimeError("the LoRA kernels need triton (pip install triton)")
-        _KERNELS = (triton.jit(_plan_kernel), triton.jit(_shrink_kernel), triton.jit(_expand_kernel))
+        # The plan's T and tile count are not specialized on (divisibility by 16, == 1), so a new step size
+        # in a BLOCK_M bucket compiles nothing (a compile inside a graph capture fails); the other kernels
+        # take no argument that varies with the step size.
+        _KERNELS = (
+            triton.jit(_plan_kernel, do_not_specialize=["T", "MAX_TILES"]),
+            triton.jit(_shrink_kernel),
+            triton.jit(_expand_kernel),
+        )
     return _KERNELS
 
 
@@ -230,7 +237,9 @@ def lora_plan(index: torch.Tensor, slots: int, ws: LoraWorkspace) -> None:
     plan, _, _ = _kernels()
     t = index.shape[0]
     if not ws.fits(t, slots, 0):
-        raise ValueError(f"LoRA workspace for {ws.max_tokens} tokens / {ws.slots} slots, step has {t} / {slots}")
+        raise ValueError(
+            f"LoRA workspace for {ws.max_tokens} tokens / {ws.slots} slots, step has {t} / {slots}"
+        )
     s_p2 = max(2, triton.next_power_of_2(slots))
     chunk = max(64, min(1024, 4096 // s_p2))
     plan[(1,)](

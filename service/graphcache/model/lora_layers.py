@@ -45,7 +45,11 @@ from graphcache.model.lora_kernels import (
     lora_shrink_expand,
 )
 
-__all__ = ["LoraIndex", "LoraShrunk", "LoraStack", "lora_add", "lora_add_reference"]
+__all__ = ["FORK_SHRINK", "LoraIndex", "LoraShrunk", "LoraStack", "lora_add", "lora_add_reference"]
+
+# While a graph is captured, the shrink runs on the side stream beside the base GEMM (True) or before it on
+# the current stream (False: the A/B of benchmarks/lora_kernel_bench.py; read when a projection runs).
+FORK_SHRINK = True
 
 
 class LoraIndex:
@@ -167,7 +171,7 @@ class LoraStack:
             return None
         if not index.use_kernels:
             return LoraShrunk(self, x, None)  # the reference runs whole in add_to
-        side = index.side if torch.cuda.is_current_stream_capturing() else None
+        side = index.side if FORK_SHRINK and torch.cuda.is_current_stream_capturing() else None
         if side is None:
             self._shrink(x)
             return LoraShrunk(self, x, None)
