@@ -129,7 +129,7 @@ def test_kernels_match_the_reference_under_the_triton_interpreter():
             assert (got - want).abs().max() < 1e-4, (shape, (got - want).abs().max())
             assert not _plan_problems(index, ws, shape[3]), _plan_problems(index, ws, shape[3])
         # fused pieces, ranks below the slots', four slots in use, 16 tokens (one tile a slot)
-        for t, pieces in ((16, (48, 16, 16)), (21, (40, 40)), (70, (64,))):
+        for t, pieces in ((16, (48, 16, 16)), (21, (40, 40)), (70, (64,)), (300, (48, 16, 16)), (290, (64,))):
             y, x, a, b, index = _stacked_case(
                 t, 96, pieces, 5, 16, (16, 8, 4, 12, 16), device="cpu", dtype=torch.float32, seed=t,
                 mix=[0, 1, 2, 3],

@@ -3,45 +3,49 @@
 any mix). Three kernels:
 
 - plan (once a forward, one program): groups the step's tokens by slot into tiles of BLOCK_M tokens of one
-  slot each (tile_slot, tile_count, tile_rows: the tokens of slot 0 in token order, then slot 1's, each slot's
-  last tile partly filled); tiles past the real ones have count 0. Base tokens (-1) are in no tile.
-- shrink: one program a (tile, rank block): x rows of its tile [BLOCK_M, in] (gathered) x A[slot]^T ->
-  the fp32 scratch rows of the tile [BLOCK_M, W] (W = P R, every piece's ranks).
-- expand: one program a (tile, BLOCK_N output columns): scratch rows x B[slot, cols]^T added into y's rows of
-  the tile (gathered). Rows of base tokens are never written.
+  slot (tile_slot, tile_count, tile_rows: slot 0's tokens in token order, then slot 1's, ...; a slot's last
+  tile partly filled). The grid bound is T / BLOCK_M + S tiles; tiles past the real ones have count 0, and
+  base tokens (-1) are in no tile.
+- shrink: one program a (tile, 16 of its rows, rank block): the rows of x (gathered) x A[slot]^T ->
+  the tile's rows of the fp32 scratch [rows, W] (W = P R: every piece's ranks).
+- expand: one program a (tile, BLOCK_N output columns): the tile's scratch rows x B[slot, cols]^T, added
+  into y's rows of the tile (gathered, in fp32, rounded once). Rows of base tokens are never written.
 
-Each output element is one program's dot in a fixed order, so a token's result does not depend on which
-other tokens share the step (only on the step size, which picks the tiles); no atomics. model/lora_layers.py
-launches the shrink on a side stream forked before the base GEMM (inside a graph capture), so only the
-expand is on the critical path; its docstring says how.
+Every output element is one program's dot in a fixed order (no atomics, no split-K), so a token's result
+does not depend on which other tokens share the step, only on the step size (which picks the tiles).
+model/lora_layers.py launches the shrink on a side stream forked before the base GEMM while a graph is
+captured, so the expand is the one kernel a projection adds to the critical path.
 
-Why this shape, in numbers (H100: ~3.3 TB/s HBM, ~700 TFLOP/s bf16 dense, a small kernel in a graph ~2.5 us
-from launch to the next kernel's start; Llama-3-8B: hidden 4096, intermediate 14336, rank 16 x 4 adapters;
-W = 48 for qkv, 32 for gate_up, 16 for o and down):
+Why, in numbers (H100: ~3.3 TB/s HBM, ~700 TFLOP/s bf16, a small kernel in a graph ~2.5 us from its launch
+to the next one's; Llama-3-8B: hidden 4096, intermediate 14336; rank 16, 4 slots: W = 48 for qkv, 32 for
+gate_up, 16 for o and down):
 
-- Large steps (T = 512..8192, 1-4 slots). The kernels this replaced gave every program a tile of any tokens
-  and looped over the slots with masked loads (one dot a slot present), and their shrink split K at every size
-  with the expand re-reading every split for every output tile and slot: at T = 512 x 4 slots the gate_up
-  expand read [16 splits, 64, 32] fp32 a program x 4 slots x 3,584 programs = 1.8 GB from L2, ~2.9 GB a
-  layer, ~90 GB a step (~10 ms at ~9 TB/s: the measured 0.618 of base throughput). Here a tile holds one
-  slot (at most S - 1 partly filled tiles more than T / BLOCK_M), no split-K (T / BLOCK_M tiles fill the GPU
-  at large T), the scratch is read once an output tile: what is left is what the method must move. The shrink
-  reads x once (T x in x 2 bytes) and the expand reads and writes y once (T x out x 4 bytes), against the
-  base GEMM's 2 T in out FLOPs: x is ~5% of the o and down GEMMs' time (700 / 3.3 / 4096), y ~10% of the
-  qkv, o and gate_up GEMMs' (2 x 700 / 3.3 / 4096) and 3% of down's: ~11% of a layer's GEMM time at T = 8192
-  (~0.57 of 5.4 ms a layer), less where y is still in L2 (T x out x 2 bytes under ~40 MB: T <= 512 for
-  gate_up). The MMA work (2 T W out) is under 1% of the base's. Tiles use the tensor cores (BLOCK_M >= 16,
-  tl.dot); the expand's output tiles are 128 columns wide past 64 tokens.
-- Decode (T = 1..16). Latency, not bytes: A and B of one slot are ~1.2 and ~2.7 MB a layer (~126 MB a step:
-  ~38 us at HBM speed), the old two launches a projection cost ~4.8 us each (1.23 ms a step, TPOT 1.196x).
-  Two dependent kernels cost >= 2 x 2.5 us + their loads: 128 projections x ~6.5 us = 0.83 ms (1.13x). One
-  fused kernel needs every A x product before any B x s column: either each program reads all of A (0.13-0.46
-  MB from L2 at ~0.1 TB/s a program: 1.3-4.6 us) or a grid barrier (co-residency bets, ~1 us); ~6 us a
-  projection either way. So the fusion is with the base GEMM's time instead: the shrink depends on x only, so
-  it runs on a side stream beside the base GEMM (qkv 15 us, o 10, gate_up 70, down 35 at T = 1 against the
-  shrink's ~2-6 us: single-program rank blocks of 16 rows, K in 128-column steps) and the expand waits for
-  both: one kernel a projection on the critical path, ~2.5 us + two dependent loads (tile -> B and y rows),
-  ~3.5 us x 128 = 0.45 ms (~1.07x). The plan (one program, ~3 us at T <= 512) is forked with the first shrink.
+- What the kernels replaced gave each program a tile of any tokens and looped over the slots (one masked dot
+  a slot present), and split the shrink's K at every size with the expand re-reading every split for every
+  output tile and slot. At T = 512, 4 slots, the gate_up expand read [16 splits, 64, 32] fp32 x 4 slots in
+  each of its 3,584 programs: 1.8 GB from L2, ~2.9 GB a layer, ~90 GB a step, ~10 ms at ~9 TB/s, the order
+  of the measured loss (5,242 against 8,482 tok/s).
+- Large steps (T = 512..8192). With one-slot tiles and no split-K what is left is what the method must move:
+  x read once by the shrink (T in 2 bytes; A [W, in] comes again from L2 for each 16 rows) and y read and
+  written once by the expand (T out 4 bytes), against the base GEMM's 2 T in out FLOPs: the x read is ~5%
+  of the o and down GEMMs' time (700 / 3.3 / 4096) and ~1-3% of the others', the y read-modify-write ~10%
+  of the qkv, o and gate_up GEMMs' (2 x 700 / 3.3 / 4096) and 3% of down's: ~11% of the layer's GEMM time at
+  T = 8192 (~0.57 of 5.4 ms a layer), less where y is still in L2 from its GEMM (T out 2 bytes under ~40 MB:
+  T <= 512 for gate_up) or where the forked shrink runs on SMs the GEMM leaves idle (a 512-row GEMM's
+  output tiles number about the SMs or fewer). The MMA work (2 T W out) is under 1% of the base's. Tiles feed the
+  tensor cores (16-64 tokens, tl.dot); the expand's output tiles are 128 wide past 16 tokens (gate_up: 224
+  of them a tile).
+- Decode (T = 1..16). Latency, not bytes: one slot's A and B are ~1.2 and ~2.7 MB a layer (~126 MB a step,
+  ~38 us of HBM time), while the old two kernels a projection cost ~4.8 us each (1.23 ms a step: TPOT x1.196).
+  Two dependent kernels cost >= 2 x 2.5 us + their loads: 128 projections x ~6.5 us = 0.83 ms (x1.13). A
+  single fused kernel needs all of A x before any B column: either each program reads all of A (0.13-0.46
+  MB from L2 at ~0.1 TB/s a program: 1.3-4.6 us, so ~6 us a projection again) or a grid barrier (spinning
+  programs that must all be resident, ~1 us; untestable under the interpreter). So the shrink overlaps the
+  base GEMM instead: it depends on x only, runs on the side stream beside the GEMM (qkv ~15 us, o ~10,
+  gate_up ~70, down ~35 at T = 1; the shrink ~2-6 us: W / 16 programs each streaming 16 ranks of A in
+  128-column steps) and the expand waits for both: one kernel a projection on the critical path, ~2.5 us +
+  two dependent loads (the tile's slot and rows, then B's and y's tiles), ~3.5 us x 128 = 0.45 ms a step
+  (x1.07). The plan (one program, ~3 us up to 512 tokens) is forked with the first shrink of the forward.
 """
 
 from __future__ import annotations
@@ -61,11 +65,12 @@ __all__ = [
     "lora_shrink_expand",
 ]
 
-SMALL_T = 64  # at or below: the shrink splits the ranks into 16-row blocks (more programs for few tokens)
+SUB_M = 16  # tokens a shrink program (a tile's rows are spread over BLOCK_M / SUB_M programs)
 
 
 def block_m(num_tokens: int) -> int:
-    """Tokens a tile at this step size."""
+    """Tokens a tile at this step size; every other block size follows from it (one compiled variant of
+    each kernel per BLOCK_M and projection shape)."""
     return 16 if num_tokens <= 16 else 32 if num_tokens <= 256 else 64
 
 
@@ -118,21 +123,23 @@ def _plan_kernel(
 def _shrink_kernel(
     x_ptr, a_ptr, tile_slot_ptr, tile_count_ptr, tile_rows_ptr, out_ptr,
     K, W, stride_xt, stride_as, stride_ar, stride_ot,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, SUB_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):  # fmt: skip
-    # out [tiles x BLOCK_M, W] fp32: row p BLOCK_M + m = the tile's m-th token's A[slot] x (0 past its count)
-    p, pid_r = tl.program_id(0), tl.program_id(1)
+    # out [tiles x BLOCK_M, W] fp32: row p BLOCK_M + m = the tile's m-th token's A[slot] x (0 past its count).
+    # A program: SUB_M rows of tile p (program_id 1), BLOCK_R ranks (program_id 2).
+    p, sub, pid_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     count = tl.load(tile_count_ptr + p)
-    if count > 0:
+    if count > sub * SUB_M:
         slot = tl.load(tile_slot_ptr + p).to(tl.int64)
-        lanes = tl.arange(0, BLOCK_M)
+        lanes = sub * SUB_M + tl.arange(0, SUB_M)
         live = lanes < count
         rows = tl.where(live, tl.load(tile_rows_ptr + p * BLOCK_M + lanes), 0).to(tl.int64)
         offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         offs_k = tl.arange(0, BLOCK_K)
         x_ptrs = x_ptr + rows[:, None] * stride_xt + offs_k[None, :]
         a_ptrs = a_ptr + slot * stride_as + offs_r[:, None] * stride_ar + offs_k[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        acc = tl.zeros((SUB_M, BLOCK_R), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if EVEN_K:
                 xt = tl.load(x_ptrs, mask=live[:, None], other=0.0)
@@ -225,11 +232,11 @@ def _size_edges(max_tokens: int) -> list[int]:
     return sorted({min(max_tokens, edge) for edge in (16, 256, max_tokens)})
 
 
-def lora_kernel_variant(num_tokens: int) -> tuple[str, int, bool]:
-    """What the kernels compile per step size (the token tile, the shrink's rank blocks): a capture of a LoRA
-    graph whose variant has not run yet warms it up outside the capture first (the graph cache's kernel
-    families)."""
-    return ("lora", block_m(num_tokens), num_tokens <= SMALL_T)
+def lora_kernel_variant(num_tokens: int) -> tuple[str, int]:
+    """What the kernels compile per step size (the token tile, which sets every other block size): a capture
+    of a LoRA graph whose variant has not run yet warms it up outside the capture first (the graph cache's
+    kernel families)."""
+    return ("lora", block_m(num_tokens))
 
 
 def lora_plan(index: torch.Tensor, slots: int, ws: LoraWorkspace) -> None:
@@ -270,15 +277,17 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, ws: LoraWorkspace) -> None:
     if x.stride(1) != 1:
         x = x.contiguous()
     bm = block_m(t)
-    # Few tokens: 16-row rank blocks, so a decode's A (W x in) is read by W / 16 programs; else one rank
-    # block a tile, so x is read once.
-    block_r = 16 if t <= SMALL_T else min(128, max(16, triton.next_power_of_2(w)))
-    block_k = 128 if t <= SMALL_T else 64
-    shrink[(max_tiles(t, slots), triton.cdiv(w, block_r))](
+    # A program streams its rows of x and its ranks of A[slot] (K long each) once: 16 rows a program, so a
+    # tile's x is spread over BLOCK_M / 16 programs (A read again by each, from L2); up to 256 tokens 16
+    # ranks too, so a decode's A (W x in, 0.13-0.46 MB) is read by W / 16 programs; past it every rank in one
+    # program, so x is read once (at 8,192 tokens x is 64-235 MB, A 0.13-0.46 MB a slot).
+    block_r = 16 if bm <= 32 else min(128, max(16, triton.next_power_of_2(w)))
+    block_k = 128
+    shrink[(max_tiles(t, slots), bm // SUB_M, triton.cdiv(w, block_r))](
         x, a, ws.tile_slot, ws.tile_count, ws.tile_rows, ws.shrunk,
         k, w, x.stride(0), a.stride(0), a.stride(1), ws.shrunk.stride(0),
-        BLOCK_M=bm, BLOCK_R=block_r, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        num_warps=4, num_stages=4 if t <= SMALL_T else 3,
+        BLOCK_M=bm, SUB_M=SUB_M, BLOCK_R=block_r, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        num_warps=4, num_stages=4 if block_r <= 32 else 3,
     )  # fmt: skip
 
 
@@ -290,7 +299,7 @@ def lora_expand(y: torch.Tensor, b: torch.Tensor, ws: LoraWorkspace) -> None:
     slots, _, w = b.shape
     _checked(ws, t, slots, w)
     block_r = min(64, max(16, triton.next_power_of_2(w)))
-    block_n = 64 if t <= SMALL_T else 128
+    block_n = 64 if block_m(t) == 16 else 128
     expand[(max_tiles(t, slots), triton.cdiv(n, block_n))](
         ws.shrunk, b, ws.tile_slot, ws.tile_count, ws.tile_rows, y,
         n, w, ws.shrunk.stride(0), b.stride(0), b.stride(1), y.stride(0),
