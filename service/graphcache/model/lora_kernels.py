@@ -4,8 +4,8 @@ any mix). Three kernels:
 
 - plan (once a forward, one program): groups the step's tokens by slot into tiles of BLOCK_M tokens of one
   slot (tile_slot, tile_count, tile_rows: slot 0's tokens in token order, then slot 1's, ...; a slot's last
-  tile partly filled). The grid bound is T / BLOCK_M + S tiles; tiles past the real ones have count 0, and
-  base tokens (-1) are in no tile.
+  tile partly filled). The grid bound is min(T, T / BLOCK_M + S) tiles; tiles past the real ones have count
+  0, and base tokens (-1) are in no tile.
 - shrink: one program a (tile, 16 of its rows, rank block): the rows of x (gathered) x A[slot]^T ->
   the tile's rows of the fp32 scratch [rows, W] (W = P R: every piece's ranks).
 - expand: one program a (tile, BLOCK_N output columns): the tile's scratch rows x B[slot, cols]^T, added
@@ -75,9 +75,10 @@ def block_m(num_tokens: int) -> int:
 
 
 def max_tiles(num_tokens: int, slots: int) -> int:
-    """An upper bound of the tiles of any mix over `slots` slots (sum over slots of ceil(count / BLOCK_M)):
-    the kernels' fixed grid; programs past the real tiles find count 0."""
-    return -(-num_tokens // block_m(num_tokens)) + slots
+    """An upper bound of the tiles of any mix over `slots` slots (sum over slots of ceil(count / BLOCK_M):
+    at most one partly filled tile a slot, and a tile holds at least one token): the kernels' fixed grid;
+    programs past the real tiles find count 0. One tile at one token."""
+    return min(num_tokens, -(-num_tokens // block_m(num_tokens)) + slots)
 
 
 def _plan_kernel(
