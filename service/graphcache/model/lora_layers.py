@@ -27,8 +27,9 @@ that forward reads; a stack of an index with no planner plans before its own shr
 A step with no adapter row skips LoRA altogether: `LoraIndex.active` is read on the host each time the layers
 run. A graph cannot read a host flag at replay, so each captured shape has two variants (graphs/descriptor.py,
 `lora`): the runner sets `active` from the descriptor while it captures, so the plain variant records no LoRA
-kernel (exactly the base model's graph) and the LoRA variant records them; inside the LoRA variant the kernels
-exit early per tile of base tokens (slot -1, as every pad). docs/API.md (LoRA) says what is measured.
+kernel (exactly the base model's graph) and the LoRA variant records them; inside the LoRA variant base
+tokens (slot -1, as every pad) are in no tile of the plan, so the kernels do no work for them. docs/API.md
+(LoRA) says what is measured.
 """
 
 from __future__ import annotations
