@@ -162,6 +162,21 @@ def test_kernels_match_the_reference_under_the_triton_interpreter():
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
+def test_a_projection_without_this_steps_plan_is_refused():
+    """The plan is made once a forward by its first projection; a projection of another step size (a plan
+    missing or stale) is refused before any launch, naming the fix."""
+    pytest.importorskip("triton")
+    from graphcache.model.lora_kernels import LoraWorkspace, lora_expand, lora_shrink
+
+    ws = LoraWorkspace(8, 2, 16, torch.device("cpu"))
+    x, a, b = torch.zeros(4, 32), torch.zeros(2, 16, 32), torch.zeros(2, 24, 16)
+    with pytest.raises(RuntimeError, match="plan each forward"):
+        lora_shrink(x, a, ws)
+    ws.planned = 8
+    with pytest.raises(RuntimeError, match="made for 8 tokens, this projection has 4"):
+        lora_expand(torch.zeros(4, 24), b, ws)
+
+
 def _assert_close(got, want, y, index, what):
     assert torch.isfinite(got).all(), what
     assert torch.equal(got[index < 0], y[index < 0]), what  # base rows untouched, bit for bit
