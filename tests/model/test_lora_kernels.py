@@ -128,10 +128,13 @@ def test_kernels_match_the_reference_under_the_triton_interpreter():
             assert torch.equal(got[index < 0], y[index < 0]), shape
             assert (got - want).abs().max() < 1e-4, (shape, (got - want).abs().max())
             assert not _plan_problems(index, ws, shape[3]), _plan_problems(index, ws, shape[3])
-        # fused pieces, ranks below the slots', four slots in use, 16 tokens (one tile a slot)
-        for t, pieces in ((16, (48, 16, 16)), (21, (40, 40)), (70, (64,)), (300, (48, 16, 16)), (290, (64,))):
+        # fused pieces, ranks below the slots', four slots in use; in > 1024: the shrink's K splits
+        for t, pieces, k in (
+            (16, (48, 16, 16), 96), (21, (40, 40), 96), (70, (64,), 96), (300, (48, 16, 16), 96),
+            (290, (64,), 96), (5, (48, 16, 16), 1300), (40, (32, 32), 2100),
+        ):
             y, x, a, b, index = _stacked_case(
-                t, 96, pieces, 5, 16, (16, 8, 4, 12, 16), device="cpu", dtype=torch.float32, seed=t,
+                t, k, pieces, 5, 16, (16, 8, 4, 12, 16), device="cpu", dtype=torch.float32, seed=t,
                 mix=[0, 1, 2, 3],
             )
             want, got = y.clone(), y.clone()
@@ -174,7 +177,7 @@ def test_a_projection_without_this_steps_plan_is_refused():
         lora_shrink(x, a, ws)
     ws.planned = 8
     with pytest.raises(RuntimeError, match="made for 8 tokens, this projection has 4"):
-        lora_expand(torch.zeros(4, 24), b, ws)
+        lora_expand(torch.zeros(4, 24), b, ws, 1)
 
 
 def _assert_close(got, want, y, index, what):
@@ -206,11 +209,11 @@ def test_kernels_match_the_reference_on_cuda(shape, dtype):
 @pytest.mark.parametrize("pieces", [(512,), (384, 128, 128), (640, 640)], ids=["o", "qkv", "gate_up"])
 @pytest.mark.parametrize("slots_used", [1, 4])
 def test_step_sizes_pieces_and_mixes_on_cuda(t, pieces, slots_used):
-    """bf16, 5 slots of rank 16 (ranks 16, 8, 4, 12 in use), tokens over slots_used slots and base tokens,
-    the fifth slot NaN; the scratch poisoned with NaN first."""
+    """bf16, in 1300, 5 slots of rank 16 (ranks 16, 8, 4, 12 in use), tokens over slots_used slots and base
+    tokens, the fifth slot NaN; the scratch poisoned with NaN first."""
     from graphcache.model.lora_kernels import LoraWorkspace, lora_plan, lora_shrink_expand
 
-    k, rank = 384, 16
+    k, rank = 1300, 16  # not a multiple of the K blocks; 2 K splits up to 256 tokens
     y, x, a, b, index = _stacked_case(
         t, k, pieces, 5, rank, (16, 8, 4, 12, 16), device="cuda", dtype=torch.bfloat16,
         seed=t + len(pieces), mix=list(range(slots_used)),

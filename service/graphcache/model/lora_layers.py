@@ -104,8 +104,11 @@ class LoraShrunk:
     """A projection's shrink, launched before its base GEMM (LoraStack.shrink_); add_to(y) adds the deltas
     once the base GEMM has written y."""
 
-    def __init__(self, stack: LoraStack, x: torch.Tensor, side: torch.cuda.Stream | None) -> None:
+    def __init__(
+        self, stack: LoraStack, x: torch.Tensor, side: torch.cuda.Stream | None, splits: int = 1
+    ) -> None:
         self.stack, self.x, self.side = stack, x, side  # side: the stream the shrink was forked onto
+        self.splits = splits  # the shrink's partial sums (lora_kernels.split_k)
 
     def add_to(self, y: torch.Tensor) -> None:
         """y [T, out] += this step's adapters' deltas of the shrink's x, in place."""
@@ -174,20 +177,19 @@ class LoraStack:
             return LoraShrunk(self, x, None)  # the reference runs whole in add_to
         side = index.side if FORK_SHRINK and torch.cuda.is_current_stream_capturing() else None
         if side is None:
-            self._shrink(x)
-            return LoraShrunk(self, x, None)
+            return LoraShrunk(self, x, None, self._shrink(x))
         side.wait_stream(torch.cuda.current_stream())  # x and the previous projection's expand first
         with torch.cuda.stream(side):
-            self._shrink(x)
-        return LoraShrunk(self, x, side)
+            splits = self._shrink(x)
+        return LoraShrunk(self, x, side, splits)
 
-    def _shrink(self, x: torch.Tensor) -> None:
+    def _shrink(self, x: torch.Tensor) -> int:
         index, ws = self.index, self.index.workspace
         if ws is None:
             raise RuntimeError("LoRA kernels without a workspace: make the index's tokens a CUDA tensor")
         if index.planner is None or index.planner is self:
             lora_plan(index.tokens[: x.shape[0]], self.a.shape[0], ws)
-        lora_shrink(x, self.a, ws)
+        return lora_shrink(x, self.a, ws)
 
     def expand_(self, y: torch.Tensor, shrunk: LoraShrunk) -> None:
         index = self.index
@@ -197,7 +199,7 @@ class LoraStack:
         if shrunk.side is not None:
             torch.cuda.current_stream().wait_stream(shrunk.side)  # the shrink's rows
         assert index.workspace is not None  # _shrink checked
-        lora_expand(y, self.b, index.workspace)
+        lora_expand(y, self.b, index.workspace, shrunk.splits)
 
     @property
     def nbytes(self) -> int:
