@@ -168,7 +168,8 @@ class LoraSlots:
         for name in wanted:
             self._slot_for(name, wanted)
         self.index.active = bool(wanted)
-        if not wanted:  # no adapter row: the step runs no LoRA kernel (plain graph variant, or skipped eagerly)
+        # no adapter row: the step runs no LoRA kernel (plain graph variant, or skipped eagerly)
+        if not wanted:
             self._last = None  # so no index is left to read: the next step with adapters writes its own
             return
         slots = [-1 if n is None else self.slot_of[n] for n in names]
