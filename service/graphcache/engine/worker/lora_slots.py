@@ -168,9 +168,8 @@ class LoraSlots:
         for name in wanted:
             self._slot_for(name, wanted)
         self.index.active = bool(wanted)
-        if (
-            not wanted
-        ):  # no adapter row: the step runs no LoRA kernel (plain graph variant, or skipped eagerly)
+        # no adapter row: the step runs no LoRA kernel (plain graph variant, or skipped eagerly)
+        if not wanted:
             self._last = None  # so no index is left to read: the next step with adapters writes its own
             return
         slots = [-1 if n is None else self.slot_of[n] for n in names]
@@ -328,4 +327,6 @@ def attach_lora(
             inter = layer.mlp.inter
             layer.mlp.lora_gate_up = stacks[(i, "gate_up")] = stack(hidden, [(0, inter), (inter, inter)])
             layer.mlp.lora_down = stacks[(i, "down")] = stack(inter, [(0, hidden)])
+    if stacks:
+        index.planner = stacks[(0, "qkv")]  # each forward's first adapted projection plans the step
     return stacks
