@@ -13,6 +13,7 @@
            experts of 14336 rows, top-2, vocab 32000) with 8 of its 32 layers: bf16, ~24 GB, ~11.8B weights of
            which ~3.3B run per token.
   tiny     the embedded default shape (graphcache.model.tiny.DEFAULT_SHAPE): CPU smoke runs.
+  tinywide tiny with 8,192 ids past the tokenizer's 1,024, as the real shapes: most drawn ids have no text.
 
 Every shape comes from graphcache.model.tiny.make_tiny_model (its tokenizer, config and weight names);
 the tokenizer is the embedded byte-level BPE (1024 ids), the embedding and LM head are widened to the
@@ -104,6 +105,18 @@ SHAPES = {
     ),
     "tiny": dict(
         arch="llama", hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384, max_positions=2048
+    ),
+    # tiny with the vocabulary widened past the tokenizer's 1,024 ids, as every real shape here: most ids
+    # the model draws decode to no text (what a served benchmark of a big shape sees)
+    "tinywide": dict(
+        arch="llama",
+        hidden=128,
+        layers=4,
+        heads=4,
+        kv_heads=2,
+        intermediate=384,
+        max_positions=2048,
+        model_vocab_size=8192,
     ),
 }
 # Shapes whose fp32 weights would not fit a quick CPU write: drawn on the GPU in bf16.

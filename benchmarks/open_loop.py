@@ -30,10 +30,9 @@ queue (arrival -> first scheduled) and prefill (first scheduled -> first token),
 TTFT splits into queue + prefill + delivery (client TTFT - server TTFT: HTTP, tokenizing, the way back);
 and the client's TTFT per --slice-seconds slice of the window by send time (p50 / p99), so a drift or a
 warmup transient shows.
-Every request asks for logprobs=0 by default: on a random checkpoint most sampled ids are past the
-tokenizer's 1024 and decode to no text, and the server sends no chunk for a delta without text or
-logprobs, so without them the client would see a request's first token late and ITL not at all
-(--logprobs -1 turns them off; the server then also skips the log_softmax). Chunks are the server's
+The server sends a chunk for every token, its text "" while it has none (on a random checkpoint most
+sampled ids are past the tokenizer's 1024 and decode to nothing), so the client sees each request's first
+token when it is made without asking for logprobs (--logprobs N asks for them). Chunks are the server's
 stream interval apart (settings.engine.stream_interval_ms), so ITL is that interval's granularity.
 
   python benchmarks/open_loop.py --make-model llama8b:/tmp/llama8b --rates sat,0.5x --duration 60 --burst 512
@@ -273,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=50.0)
     ap.add_argument(
-        "--logprobs", type=int, default=0, help="logprobs asked per request (-1: none; see above)"
+        "--logprobs", type=int, default=-1, help="logprobs asked per request (-1: none, as most clients)"
     )
     ap.add_argument(
         "--max-num-seqs", type=int, default=256, help="the server's GRAPHCACHE_MAX_NUM_SEQS (0: its default)"

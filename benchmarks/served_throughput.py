@@ -71,8 +71,8 @@ def children(pid: int) -> list[int]:
 
 
 # The server's own latency histograms (engine clock: arrival -> first token appended; per request, the mean
-# time between its output tokens). The client's TTFT is its first SSE chunk, and on a random checkpoint most
-# ids decode to no text, so chunks come late and few (BENCHMARKS.md §6.5): these are the figures to quote.
+# time between its output tokens), beside the client's (its first SSE chunk: the server streams every
+# token, also one with no text, so on a random checkpoint too the first chunk is the first token's).
 SERVER_HISTOGRAMS = {
     "ttft": "graphcache_time_to_first_token_seconds",
     "tpot": "graphcache_time_per_output_token_seconds",

@@ -15,6 +15,9 @@ Three parts, each printed as a table (this is a script, not a timed test):
    file with repeated structure that an answer copies. A random-weight model does not copy; under greedy
    decoding it tends to loop on its own output, which the n-gram proposer then matches: the acceptance
    printed is what such a model gives, not what a trained model on real text gives.
+   --prime N extends each prompt by the target's own greedy continuation of N tokens (speculation off):
+   a model that falls into a cycle is then already in it when the measured output starts, so the n-gram
+   proposer finds a match from the first step, as the issue's TPOT model (every step verifies) assumes.
 2. Step times. One plain decode step and one verify step of k drafts (k in --ks, default 1,2,4,8) at
    --rows (default 1,8), hand-built StepPlans through the same runner (the verify step replays its
    "T:R:verify" graph where the runner has one, as served): CUDA events on the GPU, perf_counter on the
@@ -66,7 +69,7 @@ except ImportError:
 
 from benchmarks import offline_throughput  # noqa: E402
 from benchmarks.model_shapes import add_model_args, path_or_make, resolve_model  # noqa: E402
-from benchmarks.spec_greedy_check import greedy_check, greedy_table, greedy_wave  # noqa: E402
+from benchmarks.spec_greedy_check import greedy_check, greedy_table, greedy_wave, run_greedy  # noqa: E402
 
 # --------------------------------------------------------------------------- the workload
 
@@ -81,6 +84,15 @@ def copy_prompts(n: int, vocab: int, length: int, block: int, seed: int) -> list
         unit = [rng.randint(0, hi) for _ in range(block)]
         out.append((unit * (length // block + 1))[:length])
     return out
+
+
+def primed(core: EngineCore, prompts: list[list[int]], n: int, streams: int) -> list[list[int]]:
+    """Each prompt followed by the target's own greedy continuation of n tokens, without speculation (the
+    speculation state is left off: run_streams' callers set it per run)."""
+    print(f"priming {len(prompts)} prompts with {n} greedy tokens ...", file=sys.stderr, flush=True)
+    speculation(core, None)
+    outputs = run_greedy(core, prompts, n, streams, "prime")
+    return [p + o for p, o in zip(prompts, outputs, strict=True)]
 
 
 def ngram_config(args) -> str:
@@ -415,6 +427,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--block", type=int, default=64, help="the repeated block of each copy prompt")
     ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument(
+        "--prime",
+        type=int,
+        default=0,
+        help="extend each copy prompt by the target's own greedy continuation of N tokens first (see part 1)",
+    )
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens of the runs")
     ap.add_argument(
         "--lookup-min",
@@ -560,6 +578,9 @@ def main(argv: list[str] | None = None) -> int:
         core = load_core(settings_for(args, model, ngram_config(args)))
         assert core.scheduler.acceptance is not None
         rule = core.scheduler.acceptance.rule
+        if args.prime:
+            prompts = primed(core, prompts, args.prime, max(streams or [1]))
+            result["prime"] = args.prime
         for s in streams:
             speculation(core, None)
             plain = run_streams(core, prompts, s, args) | {"proposer": "none"}
@@ -614,6 +635,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(
         f"\nspeculative decoding, {result['device']} {result.get('gpu', '')}, k={args.k}, greedy, copy prompts"
+        + (f" primed with {args.prime} greedy tokens" if args.prime else "")
     )
     if result["streams"]:
         print(streams_table(result["streams"]))

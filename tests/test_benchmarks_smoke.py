@@ -110,6 +110,8 @@ def test_open_loop_smoke(tmp_path):
         open_loop.main(
             [
                 "--smoke",
+                "--make-model",  # ids past the tokenizer, as the real shapes: chunks of tokens with no text
+                f"tinywide:{tmp_path / 'model'}",
                 "--rates",
                 "sat,0.5x",
                 "--burst",
@@ -194,6 +196,27 @@ def test_spec_decode_greedy_check_smoke(tmp_path):
     for row in check["proposers"].values():
         assert row["identical"] == 6 and row["identical_share"] == 1.0 and row["divergences"] == []
     assert check["proposers"]["self-draft"]["acceptance_rate"] == 1.0
+
+
+def test_prime_extends_each_prompt_by_the_targets_own_greedy_continuation(tmp_path):
+    """--prime: each copy prompt followed by what the target decodes greedily from it (speculation off, so
+    the continuation is the plain model's), and the scheduler left without a proposer."""
+    model = tmp_path / "tiny"
+    args = spec_decode.build_parser().parse_args(["--smoke", "--make-model", f"tiny:{model}"])
+    for key, value in spec_decode.SMOKE.items():
+        setattr(args, key, value)
+    core = spec_decode.load_core(
+        spec_decode.settings_for(args, spec_decode.resolve_model(args), spec_decode.ngram_config(args))
+    )
+    try:
+        prompts = spec_decode.copy_prompts(2, 1000, 24, 6, seed=3)
+        longer = spec_decode.primed(core, prompts, 5, 2)
+        again = run_greedy(core, prompts, 5, 1, "again")
+    finally:
+        core.runner.close()
+    assert core.scheduler.proposer is None
+    assert [p[:24] for p in longer] == prompts and [p[24:] for p in longer] == again
+    assert all(len(p) == 29 for p in longer)
 
 
 def test_greedy_check_reports_a_divergence_with_the_targets_top2_margin(tmp_path):

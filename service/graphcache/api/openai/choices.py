@@ -135,7 +135,10 @@ class CompletionShape(_Shape):
             if self.client_logprobs
             else None
         )
-        if not (text or out.finished or (logprobs and logprobs["tokens"])):
+        # A chunk for every output with tokens, its text "" while the detokenizer holds them (an incomplete
+        # UTF-8 sequence, ids with no text), as vLLM streams: the client sees the first token when it is
+        # made, and return_token_ids loses no id.
+        if not (text or out.finished or out.token_ids or (logprobs and logprobs["tokens"])):
             return None
         choice = {
             "index": k,
@@ -279,7 +282,10 @@ class ChatShape(_Shape):
     def chunk(self, k: int, out: RequestOutput, usage: dict | None) -> dict | None:
         logprobs = self._logprobs(out.token_ids, out.logprobs)
         delta, finish = self._delta(k, out)
-        if not (delta or out.finished or (logprobs and logprobs["content"])):
+        if not delta and out.token_ids and not self.parse_tools and self.reasoning_parser == "none":
+            delta = {"content": ""}  # tokens with no text yet: a chunk all the same, as completions' (above)
+        ids = self.body.return_token_ids and out.token_ids  # withheld by a parser: still sent, not lost
+        if not (delta or out.finished or ids or (logprobs and logprobs["content"])):
             return None
         choice = {
             "index": k,
