@@ -106,19 +106,10 @@ SHAPES = {
     "tiny": dict(
         arch="llama", hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384, max_positions=2048
     ),
-    # tiny with the vocabulary widened past the tokenizer's 1,024 ids, as every real shape here: most ids
-    # the model draws decode to no text (what a served benchmark of a big shape sees)
-    "tinywide": dict(
-        arch="llama",
-        hidden=128,
-        layers=4,
-        heads=4,
-        kv_heads=2,
-        intermediate=384,
-        max_positions=2048,
-        model_vocab_size=8192,
-    ),
 }
+# tiny with the vocabulary widened past the tokenizer's 1,024 ids, as every real shape here: most ids the
+# model draws decode to no text (what a served benchmark of a big shape sees)
+SHAPES["tinywide"] = dict(SHAPES["tiny"], model_vocab_size=8192)
 # Shapes whose fp32 weights would not fit a quick CPU write: drawn on the GPU in bf16.
 ON_DEVICE = {"llama8b", "llama1b", "qwen3moe", "mixtral"}
 MOE_KEYS = ("experts", "experts_per_tok", "moe_intermediate")  # make_tiny_model's sparse-MLP arguments

@@ -147,8 +147,9 @@ def test_open_loop_smoke(tmp_path):
 @pytest.mark.slow
 def test_spec_decode_smoke(tmp_path):
     """Streams without and with the n-gram proposer (both turn-off rules off: c = 0 and no payoff timing, so
-    the tiny model's loops are drafted whatever a busy CPU's step times say), step times per k, the draft-model rows (run, or skipped with the reason where this tree has
-    no draft-model proposer) and the realistic ratio."""
+    the tiny model's loops are drafted whatever a busy CPU's step times say), step times per k, the
+    draft-model rows (run, or skipped with the reason where this tree has no draft-model proposer) and the
+    realistic ratio."""
     out = tmp_path / "spec.json"
     argv = [
         "--smoke",

@@ -35,6 +35,7 @@ async def test_spec_decode_series_on_metrics(tmp_path):
         capture_sizes=[1, 2, 4, 8, 16],
         warmup_decode_sizes=[1, 2],
         speculative_config=json.dumps(SPEC),
+        speculative_step_payoff=False,  # drafts whatever a busy machine's step times say (helpers_model)
     )
     async with serving(settings, Engine(settings, Metrics())) as (client, _app):
         prompt = list(range(5, 13)) * 4  # a repeating prompt: the n-gram proposer drafts from it
@@ -84,6 +85,7 @@ def draft_settings(tmp_path, model, speculative_config: str | None) -> Settings:
         warmup_decode_sizes=[1, 2],
         admin_token="t0ken",
         speculative_config=speculative_config,
+        speculative_step_payoff=False,  # the tests count drafts: no step-time rule may turn them off
     )
 
 

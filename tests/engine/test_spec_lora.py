@@ -1,7 +1,7 @@
 """Speculative decoding on an --enable-lora engine (CPU, tiny qwen2, two PEFT adapters): requests that mix
 adapters and base rows emit the same greedy tokens with n-gram drafts and with a draft model as without
 speculation. The verify step runs each row's adapter over all of its k + 1 positions; the draft model has no
-adapters (vLLM's draft model neither), so an adapter row's drafts are the base draft's, kept only where the
+adapters (vLLM's and SGLang's neither), so an adapter row's drafts are the base draft's, kept only where the
 adapted target agrees."""
 
 from __future__ import annotations
