@@ -158,6 +158,11 @@ for p in ${PHASES:-tests pool capture}; do
     # LORA_MODEL=llama8b|qwen05b; LORA_ARGS: more flags (--realistic-requests 1024, --repeats 1).
     lora) m=${LORA_MODEL:-llama8b}; TAIL=${TAIL:-70} phase lora_$m 540 python3 benchmarks/lora_bench.py \
                --make-model "$m:/tmp/$m" --out "$OUT/lora_$m.json" ${LORA_ARGS:-} ;;
+    # The LoRA kernels alone (issue 38, benchmarks/lora_kernel_bench.py): per 8B projection, T and slot mix, the kernels
+    # before against now (serial, and the shrink forked beside the base GEMM), ms and ratio to the base GEMM in a graph.
+    # LORA_KERNELS_ARGS: a subset (--ts 1,512 --projections qkv,o --iters 10).
+    lora_kernels) TAIL=${TAIL:-60} phase lora_kernels 540 python3 benchmarks/lora_kernel_bench.py \
+               --out "$OUT/lora_kernels.json" ${LORA_KERNELS_ARGS:-} ;;
     # Greedy equality with speculation (issue 37; benchmarks/spec_decode.py --greedy-check): GREEDY_N (64) greedy requests,
     # 8 at a time, without and with n-gram and a draft model, per dtype in GREEDY_DTYPES (one a call: float32 = equal
     # expected, bfloat16 = near ties may flip); identical share, first divergence positions, top-2 margins there.

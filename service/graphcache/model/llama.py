@@ -141,12 +141,15 @@ class Attention(nn.Module):
         rope = self._rope_in_gemm(positions, slot_mapping, x)
         # [T, (H + 2K) * D]; with rope, q and k come rotated and k, v are already in the cache
         # (rope is None unless qkv_proj is an Fp8Linear: _rope_in_gemm checked)
+        # LoRA's shrink before the base GEMM (beside it in a graph), its expand after (never with rope in
+        # the GEMM: LoRA is refused with FP8, the runner)
+        lora = self.lora_qkv.shrink_(x) if self.lora_qkv is not None else None
         if rope is None:
             qkv = bf16_gemv.linear(self.qkv_proj, x, self.small_gemm)
         else:
             qkv = cast(Fp8Linear, self.qkv_proj).qkv_rope_forward(x, rope)
-        if self.lora_qkv is not None:  # never with rope in the GEMM: LoRA is refused with FP8 (the runner)
-            self.lora_qkv.add_(qkv, x)
+        if lora is not None:
+            lora.add_to(qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, K, D]
@@ -172,9 +175,10 @@ class Attention(nn.Module):
         else:
             paged_attention(q, k, v, out, self.kv_cache, self.k_blocks, self.v_blocks, self.scale)
         attended = out.view(t, self.q_size)  # [T, H * D]
+        lora = self.lora_o.shrink_(attended) if self.lora_o is not None else None
         y = bf16_gemv.linear(self.o_proj, attended, self.small_gemm)  # [T, hidden]
-        if self.lora_o is not None:
-            self.lora_o.add_(y, attended)
+        if lora is not None:
+            lora.add_to(y)
         return y
 
     def _rope_in_gemm(
@@ -208,18 +212,23 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         if isinstance(self.gate_up_proj, Fp8Linear):  # decode sizes: the activation in the GEMM's epilogue
             return self.down_proj(self.gate_up_proj.silu_mul_forward(x, self.inter))
-        if self.lora_gate_up is None or self.lora_down is None:
+        lora_gate_up, lora_down = self.lora_gate_up, self.lora_down
+        if lora_gate_up is None or lora_down is None or not lora_gate_up.index.active:  # no adapter row
             if bf16_gemv.takes(self.gate_up_proj, x, self.small_gemm):  # silu * up in the GEMM's epilogue
                 h = bf16_gemv.small_silu_mul(x, self.gate_up_proj.weight)  # [T, I]
                 return bf16_gemv.linear(self.down_proj, h, self.small_gemm)
             return self.down_proj(
                 silu_mul(self.gate_up_proj(x), self.inter, self.fused)
             )  # via [T, 2I] -> [T, I]
-        gate_up = self.gate_up_proj(x)  # [T, 2I]
-        self.lora_gate_up.add_(gate_up, x)
+        lora = lora_gate_up.shrink_(x)  # before the base GEMM (beside it in a graph)
+        gate_up = bf16_gemv.linear(self.gate_up_proj, x, self.small_gemm)  # [T, 2I]
+        if lora is not None:
+            lora.add_to(gate_up)
         h = silu_mul(gate_up, self.inter, self.fused)  # [T, I]
-        y = self.down_proj(h)  # [T, hidden]
-        self.lora_down.add_(y, h)
+        lora = lora_down.shrink_(h)
+        y = bf16_gemv.linear(self.down_proj, h, self.small_gemm)  # [T, hidden]
+        if lora is not None:
+            lora.add_to(y)
         return y
 
 

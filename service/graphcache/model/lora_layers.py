@@ -14,11 +14,22 @@ serves any mix of adapters and base rows. On CUDA the kernels of model/lora_kern
 reference here (a gather of each token's A and B, two bmm) is the CPU path and what the kernels are tested
 against.
 
+A projection calls `shrink_(x)` before its base GEMM and `add_to(y)` on what it returns after it. On CUDA
+the shrink (A x into the index's workspace) depends on x only, so while a graph is captured it is launched on
+the index's side stream, forked from the current stream: in the graph it runs beside the base GEMM, and the
+expand (B (A x) added into y) waits for both; only the expand is on the critical path (lora_kernels.py says
+why, in numbers). Outside a capture (eager steps) both run on the current stream, in order. The workspace is
+shared by every stack: a fork waits for all the work the current stream has queued, so a shrink always starts
+after the previous projection's expand. Each forward's first projection (`LoraIndex.planner`, layer 0's qkv:
+attach_lora) first plans the step (the tokens grouped by slot into tiles), which every later projection of
+that forward reads; a stack of an index with no planner plans before its own shrink.
+
 A step with no adapter row skips LoRA altogether: `LoraIndex.active` is read on the host each time the layers
 run. A graph cannot read a host flag at replay, so each captured shape has two variants (graphs/descriptor.py,
 `lora`): the runner sets `active` from the descriptor while it captures, so the plain variant records no LoRA
-kernel (exactly the base model's graph) and the LoRA variant records them; inside the LoRA variant the kernels
-exit early per tile of base tokens (slot -1, as every pad). docs/API.md (LoRA) says what is measured.
+kernel (exactly the base model's graph) and the LoRA variant records them; inside the LoRA variant base
+tokens (slot -1, as every pad) are in no tile of the plan, so the kernels do no work for them. docs/API.md
+(LoRA) says what is measured.
 """
 
 from __future__ import annotations
@@ -26,13 +37,24 @@ from __future__ import annotations
 import torch
 
 from graphcache.model.lora_checkpoint import LoraPiece
-from graphcache.model.lora_kernels import lora_shrink_expand
+from graphcache.model.lora_kernels import (
+    HAVE_TRITON,
+    LoraWorkspace,
+    lora_expand,
+    lora_plan,
+    lora_shrink,
+    lora_shrink_expand,
+)
 
-__all__ = ["LoraIndex", "LoraStack", "lora_add", "lora_add_reference"]
+__all__ = ["FORK_SHRINK", "LoraIndex", "LoraShrunk", "LoraStack", "lora_add", "lora_add_reference"]
+
+# While a graph is captured, the shrink runs on the side stream beside the base GEMM (True) or before it on
+# the current stream (False: the A/B of benchmarks/lora_kernel_bench.py; read when a projection runs).
+FORK_SHRINK = True
 
 
 class LoraIndex:
-    """The per-token slot of the step, shared by every LoraStack of a model."""
+    """The per-token slot of the step, shared by every LoraStack of a model, and the kernels' workspace."""
 
     def __init__(self, tokens: torch.Tensor) -> None:
         self.tokens = tokens  # [T_max] int64, a static buffer the runner fills (-1 = base)
@@ -40,6 +62,22 @@ class LoraIndex:
         # the descriptor is the LoRA variant. False: the layers add nothing and launch nothing.
         self.active = False
         self.use_kernels = False  # model/lora_kernels.py (CUDA with triton)
+        self.planner: LoraStack | None = None  # plans each forward (the first projection); None: every stack
+        self.workspace: LoraWorkspace | None = None  # CUDA: grown by each stack made (reserve)
+        self.side: torch.cuda.Stream | None = None  # CUDA: where a captured shrink runs beside the base GEMM
+
+    def reserve(self, slots: int, width: int) -> None:
+        """Make the workspace serve a stack of `slots` slots of width `width` (CUDA with triton; done when
+        the stacks are made, before any forward, so the buffers sit outside every graph pool)."""
+        device = self.tokens.device
+        if device.type != "cuda" or not HAVE_TRITON:
+            return
+        ws, t = self.workspace, self.tokens.shape[0]
+        if ws is None or not ws.fits(t, slots, width):
+            slots, width = (slots, width) if ws is None else (max(slots, ws.slots), max(width, ws.width))
+            self.workspace = LoraWorkspace(t, slots, width, device)
+        if self.side is None:
+            self.side = torch.cuda.Stream(device)
 
 
 def lora_add_reference(
@@ -62,6 +100,21 @@ def lora_add(
         lora_add_reference(y, x, a, b, index)
 
 
+class LoraShrunk:
+    """A projection's shrink, launched before its base GEMM (LoraStack.shrink_); add_to(y) adds the deltas
+    once the base GEMM has written y."""
+
+    def __init__(
+        self, stack: LoraStack, x: torch.Tensor, side: torch.cuda.Stream | None, splits: int = 1
+    ) -> None:
+        self.stack, self.x, self.side = stack, x, side  # side: the stream the shrink was forked onto
+        self.splits = splits  # the shrink's partial sums (lora_kernels.split_k)
+
+    def add_to(self, y: torch.Tensor) -> None:
+        """y [T, out] += this step's adapters' deltas of the shrink's x, in place."""
+        self.stack.expand_(y, self)
+
+
 class LoraStack:
     """One projection's adapters for every slot (see the module docstring for the layout)."""
 
@@ -82,6 +135,7 @@ class LoraStack:
         width = rank * len(out_slices)
         self.a = torch.zeros(slots, width, in_features, dtype=dtype, device=device)  # [S, P R, in]
         self.b = torch.zeros(slots, out, width, dtype=dtype, device=device)  # [S, out, P R]
+        index.reserve(slots, width)
 
     def slot_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """(A's, B's) shape in one slot: [P R, in], [out, P R]."""
@@ -108,11 +162,44 @@ class LoraStack:
         self.b[slot].zero_()
 
     def add_(self, y: torch.Tensor, x: torch.Tensor) -> None:
-        """y [T, out] += this step's adapters' deltas of x [T, in]."""
+        """y [T, out] += this step's adapters' deltas of x [T, in] (shrink_, then add_to)."""
+        shrunk = self.shrink_(x)
+        if shrunk is not None:
+            shrunk.add_to(y)
+
+    def shrink_(self, x: torch.Tensor) -> LoraShrunk | None:
+        """Before the base GEMM of x [T, in]: None when the step has no adapter row (nothing to add), else
+        the shrink launched (on CUDA; while a graph is captured, on the side stream)."""
         index = self.index
         if not index.active:
+            return None
+        if not index.use_kernels:
+            return LoraShrunk(self, x, None)  # the reference runs whole in add_to
+        side = index.side if FORK_SHRINK and torch.cuda.is_current_stream_capturing() else None
+        if side is None:
+            return LoraShrunk(self, x, None, self._shrink(x))
+        side.wait_stream(torch.cuda.current_stream())  # x and the previous projection's expand first
+        with torch.cuda.stream(side):
+            splits = self._shrink(x)
+        return LoraShrunk(self, x, side, splits)
+
+    def _shrink(self, x: torch.Tensor) -> int:
+        index, ws = self.index, self.index.workspace
+        if ws is None:
+            raise RuntimeError("LoRA kernels without a workspace: make the index's tokens a CUDA tensor")
+        if index.planner is None or index.planner is self:
+            lora_plan(index.tokens[: x.shape[0]], self.a.shape[0], ws)
+        return lora_shrink(x, self.a, ws)
+
+    def expand_(self, y: torch.Tensor, shrunk: LoraShrunk) -> None:
+        index = self.index
+        if not index.use_kernels:
+            lora_add(y, shrunk.x, self.a, self.b, index.tokens[: y.shape[0]], False)
             return
-        lora_add(y, x, self.a, self.b, index.tokens[: x.shape[0]], index.use_kernels)
+        if shrunk.side is not None:
+            torch.cuda.current_stream().wait_stream(shrunk.side)  # the shrink's rows
+        assert index.workspace is not None  # _shrink checked
+        lora_expand(y, self.b, index.workspace, shrunk.splits)
 
     @property
     def nbytes(self) -> int:

@@ -327,4 +327,6 @@ def attach_lora(
             inter = layer.mlp.inter
             layer.mlp.lora_gate_up = stacks[(i, "gate_up")] = stack(hidden, [(0, inter), (inter, inter)])
             layer.mlp.lora_down = stacks[(i, "down")] = stack(inter, [(0, hidden)])
+    if stacks:
+        index.planner = stacks[(0, "qkv")]  # each forward's first adapted projection plans the step
     return stacks
