@@ -15,9 +15,9 @@ times with CUDA events around each replay; the figure is the median replay over 
 - base: torch.mm(x, W^T) into y (F.linear's GEMM);
 - legacy: base + the old two kernels;
 - serial: base + plan (once a chain, as once a forward) + shrink + expand, all on one stream
-  (lora_layers.FORK_SHRINK = False);
+  (lora_layers.FORK_SHRINK_MAX_TOKENS = 0);
 - fork: the same launched through LoraStack as the model does: the shrink on the side stream beside the base
-  GEMM, the expand after both (FORK_SHRINK = True, the default).
+  GEMM, the expand after both (FORK_SHRINK_MAX_TOKENS above T; the model forks only up to its default, 128).
 
 LoRA ms = (variant - base), and its ratio to base. At the end, per T and mix: the four projections summed
 over 32 layers (what a decode or mixed step of that size pays), and the plan alone. Each variant's output is
@@ -243,12 +243,13 @@ def run_case(proj: str, t: int, mix: int, args) -> dict:
             )
     row["base_ms"] = chain_ms(base, reps, args.iters)
     row["legacy_ms"] = chain_ms(legacy, reps, args.iters)
-    for name, fork in (("serial", False), ("fork", True)):
-        lora_layers.FORK_SHRINK = fork
+    default_max = lora_layers.FORK_SHRINK_MAX_TOKENS
+    for name, fork_max in (("serial", 0), ("fork", t)):
+        lora_layers.FORK_SHRINK_MAX_TOKENS = fork_max
         try:
             row[f"{name}_ms"] = chain_ms(layered, reps, args.iters)
         finally:
-            lora_layers.FORK_SHRINK = True
+            lora_layers.FORK_SHRINK_MAX_TOKENS = default_max
     ws = LoraWorkspace(t, slots, 16, dev)
     row["plan_ms"] = chain_ms(lambda i: lora_plan(index.tokens, slots, ws), 16, args.iters)
     for v in VARIANTS:

@@ -291,7 +291,8 @@ def test_one_graph_serves_two_adapter_mixes():
 @pytest.mark.parametrize("t", [1, 16, 300])
 def test_layers_fork_the_shrink_beside_the_base_gemm_in_a_graph(t):
     """Two stacks as a model chains them (the second's x is the first's output), the first planning for
-    both, each shrink launched before a base GEMM: captured (shrinks on the side stream), the graph replays
+    both, each shrink launched before a base GEMM: captured (shrinks on the side stream up to
+    FORK_SHRINK_MAX_TOKENS, in order on one stream for t = 300), the graph replays
     two mixes like eager (everything on one stream; within 1e-2: cuBLAS may pick another algorithm on the
     capture stream, the LoRA kernels alone replay bit for bit above), and both equal the torch reference."""
     from graphcache.model.lora_layers import LoraIndex, LoraStack

@@ -15,8 +15,9 @@ any mix). Three kernels:
 
 Every output element comes from fixed programs in a fixed order (no atomics), so a token's result does not
 depend on which other tokens share the step, only on the step size (which picks the tiles and splits).
-model/lora_layers.py launches the shrink on a side stream forked before the base GEMM while a graph is
-captured, so the expand is the one kernel a projection adds to the critical path.
+model/lora_layers.py launches the shrink on a side stream forked before the base GEMM while a graph of up to
+128 tokens is captured, so the expand is the one kernel a projection adds to the critical path; above that
+the GEMM fills the SMs and the fork measured slower than running both in order.
 
 Why, in numbers (H100: ~3.3 TB/s HBM, ~700 TFLOP/s bf16, a small kernel in a graph ~2.5 us from its launch
 to the next one's; Llama-3-8B: hidden 4096, intermediate 14336; rank 16, 4 slots: W = 48 for qkv, 32 for
@@ -33,8 +34,8 @@ gate_up, 16 for o and down):
   of the o and down GEMMs' time (700 / 3.3 / 4096) and ~1-3% of the others', the y read-modify-write ~10%
   of the qkv, o and gate_up GEMMs' (2 x 700 / 3.3 / 4096) and 3% of down's: ~11% of the layer's GEMM time at
   T = 8192 (~0.57 of 5.4 ms a layer), less where y is still in L2 from its GEMM (T out 2 bytes under ~40 MB:
-  T <= 512 for gate_up) or where the forked shrink runs on SMs the GEMM leaves idle (a 512-row GEMM's
-  output tiles number about the SMs or fewer). The MMA work (2 T W out) is under 1% of the base's. Tiles
+  T <= 512 for gate_up). Forking the shrink does not help here: at T = 192-512 the 8B step measured 20-50%
+  more LoRA time forked than in order (the GEMM's tiles already fill the SMs). The MMA work (2 T W out) is under 1% of the base's. Tiles
   feed the tensor cores (16-64 tokens, tl.dot); the expand's output tiles are 128 wide past 16 tokens
   (gate_up: 224 of them a tile).
 - Decode (T = 1..16). Latency, not bytes: one slot's A and B are ~1.2 and ~2.7 MB a layer (~126 MB a step,

@@ -18,7 +18,8 @@ A projection calls `shrink_(x)` before its base GEMM and `add_to(y)` on what it 
 the shrink (A x into the index's workspace) depends on x only, so while a graph is captured it is launched on
 the index's side stream, forked from the current stream: in the graph it runs beside the base GEMM, and the
 expand (B (A x) added into y) waits for both; only the expand is on the critical path (lora_kernels.py says
-why, in numbers). Outside a capture (eager steps) both run on the current stream, in order. The workspace is
+why, in numbers). That pays up to `FORK_SHRINK_MAX_TOKENS`; a larger step's GEMM fills the SMs, and both run
+on the current stream, in order, as outside a capture (eager steps). The workspace is
 shared by every stack: a fork waits for all the work the current stream has queued, so a shrink always starts
 after the previous projection's expand. Each forward's first projection (`LoraIndex.planner`, layer 0's qkv:
 attach_lora) first plans the step (the tokens grouped by slot into tiles), which every later projection of
@@ -46,11 +47,15 @@ from graphcache.model.lora_kernels import (
     lora_shrink_expand,
 )
 
-__all__ = ["FORK_SHRINK", "LoraIndex", "LoraShrunk", "LoraStack", "lora_add", "lora_add_reference"]
+__all__ = ["FORK_SHRINK_MAX_TOKENS", "LoraIndex", "LoraShrunk", "LoraStack", "lora_add", "lora_add_reference"]
 
-# While a graph is captured, the shrink runs on the side stream beside the base GEMM (True) or before it on
-# the current stream (False: the A/B of benchmarks/lora_kernel_bench.py; read when a projection runs).
-FORK_SHRINK = True
+# While a graph is captured, a step of at most this many tokens runs the shrink on the side stream beside the
+# base GEMM; a larger one runs it before the GEMM on the current stream. Measured per 32-layer 8B step (H100,
+# rank 16, benchmarks/lora_kernel_bench.py, BENCHMARKS §22): the fork costs 0.55 against 1.10 ms (serial) at
+# T = 1 and 1.41 against 1.80 at T = 128, but 2.71 against 2.09 at 192 and 4.25 against 3.49 at 384, where
+# the base GEMM's tiles fill the SMs and the side stream only contends with it. Read when a projection runs
+# (the benchmark sets it to 0 for its serial variant).
+FORK_SHRINK_MAX_TOKENS = 128
 
 
 class LoraIndex:
@@ -175,7 +180,8 @@ class LoraStack:
             return None
         if not index.use_kernels:
             return LoraShrunk(self, x, None)  # the reference runs whole in add_to
-        side = index.side if FORK_SHRINK and torch.cuda.is_current_stream_capturing() else None
+        forks = x.shape[0] <= FORK_SHRINK_MAX_TOKENS and torch.cuda.is_current_stream_capturing()
+        side = index.side if forks else None
         if side is None:
             return LoraShrunk(self, x, None, self._shrink(x))
         side.wait_stream(torch.cuda.current_stream())  # x and the previous projection's expand first
