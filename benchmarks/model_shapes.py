@@ -3,6 +3,10 @@
   qwen05b  Qwen2.5-0.5B (config.json of Qwen/Qwen2.5-0.5B): 24 layers, hidden 896, 14/2 heads, vocab 151936.
   llama8b  Llama-3-8B (config.json of meta-llama/Meta-Llama-3-8B): 32 layers, hidden 4096, 32/8 heads,
            intermediate 14336, vocab 128256, rope theta 500000, 8192 positions; bf16, ~16 GB.
+  llama8btied  llama8b with the LM head tied to the embedding (15.5 GB): a random model of this init then
+           predicts its own last token at every position (self logit ~2.7x the best other, measured on the
+           CPU layer by layer), so greedy outputs repeat their context, as the tied qwen05b's do: the 8B
+           workload on which every n-gram step has a draft (issue 37's TPOT formula).
   llama1b  Llama-3.2-1B (config.json of meta-llama/Llama-3.2-1B): 16 layers, hidden 2048, 32/8 heads of 64,
            intermediate 8192, vocab 128256, tied; bf16, ~2.5 GB: an unrelated draft for llama8b (the same
            tokenizer and vocab, other weights: speculation's acceptance near 0).
@@ -107,11 +111,12 @@ SHAPES = {
         arch="llama", hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384, max_positions=2048
     ),
 }
+SHAPES["llama8btied"] = dict(SHAPES["llama8b"], tie_word_embeddings=True)
 # tiny with the vocabulary widened past the tokenizer's 1,024 ids, as every real shape here: most ids the
 # model draws decode to no text (what a served benchmark of a big shape sees)
 SHAPES["tinywide"] = dict(SHAPES["tiny"], model_vocab_size=8192)
 # Shapes whose fp32 weights would not fit a quick CPU write: drawn on the GPU in bf16.
-ON_DEVICE = {"llama8b", "llama1b", "qwen3moe", "mixtral"}
+ON_DEVICE = {"llama8b", "llama8btied", "llama1b", "qwen3moe", "mixtral"}
 MOE_KEYS = ("experts", "experts_per_tok", "moe_intermediate")  # make_tiny_model's sparse-MLP arguments
 
 

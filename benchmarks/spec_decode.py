@@ -18,6 +18,8 @@ Three parts, each printed as a table (this is a script, not a timed test):
    --prime N extends each prompt by the target's own greedy continuation of N tokens (speculation off):
    a model that falls into a cycle is then already in it when the measured output starts, so the n-gram
    proposer finds a match from the first step, as the issue's TPOT model (every step verifies) assumes.
+   The untied random llama8b rarely cycles even primed; `llama8btied` (the same shape, head tied to the
+   embedding) repeats its last token from the first step, the 8B workload on which every step can verify.
 2. Step times. One plain decode step and one verify step of k drafts (k in --ks, default 1,2,4,8) at
    --rows (default 1,8), hand-built StepPlans through the same runner (the verify step replays its
    "T:R:verify" graph where the runner has one, as served): CUDA events on the GPU, perf_counter on the
@@ -33,6 +35,7 @@ Three parts, each printed as a table (this is a script, not a timed test):
   python benchmarks/spec_decode.py --smoke                                    # tiny model, CPU, seconds
   python benchmarks/spec_decode.py --make-model llama8b:/tmp/llama8b --out spec.json
   python benchmarks/spec_decode.py --make-model qwen05b:/tmp/qwen05b --self-draft
+  python benchmarks/spec_decode.py --make-model llama8btied:/tmp/llama8btied --streams 1 --ks 4 --rows 1
   python benchmarks/spec_decode.py --make-model llama8b:/tmp/llama8b --realistic --streams none
   python benchmarks/spec_decode.py --make-model llama8b:/tmp/llama8b --greedy-check 64 --dtype float32 --self-draft
 """

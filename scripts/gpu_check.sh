@@ -144,7 +144,7 @@ for p in ${PHASES:-tests pool capture}; do
                --make-model llama8b:/tmp/llama8b --modes graph --workload nano --out "$OUT/fp8_offline_$q.json"; done ;;
     # Speculative decoding (issue 37, benchmarks/spec_decode.py): 1 and 8 streams without and with the n-gram proposer on
     # copy prompts, one decode and one verify step per k (1,2,4,8) at 1 and 8 rows, TPOT against what they predict.
-    # SPEC_MODEL=qwen05b|llama8b; SPEC_ARGS: more flags (--self-draft, --draft-model DIR, --output-len 128, --k 8).
+    # SPEC_MODEL=qwen05b|llama8b|llama8btied (n-gram drafts every step); SPEC_ARGS: more flags (--self-draft, --draft-model DIR, --output-len 128, --k 8).
     spec) m=${SPEC_MODEL:-qwen05b}; TAIL=${TAIL:-40} phase spec_$m 480 python3 benchmarks/spec_decode.py \
                --make-model "$m:/tmp/$m" --out "$OUT/spec_$m.json" ${SPEC_ARGS:-} ;;
     # The realistic offline workload at the defaults, graph mode, without and with n-gram speculation configured:
