@@ -19,9 +19,9 @@ the shrink (A x into the index's workspace) depends on x only, so while a graph 
 the index's side stream, forked from the current stream: in the graph it runs beside the base GEMM, and the
 expand (B (A x) added into y) waits for both; only the expand is on the critical path (lora_kernels.py says
 why, in numbers). That pays up to `FORK_SHRINK_MAX_TOKENS`; a larger step's GEMM fills the SMs, and both run
-on the current stream, in order, as outside a capture (eager steps). The workspace is
-shared by every stack: a fork waits for all the work the current stream has queued, so a shrink always starts
-after the previous projection's expand. Each forward's first projection (`LoraIndex.planner`, layer 0's qkv:
+on the current stream, in order, as outside a capture (eager steps). The workspace is shared by every stack:
+a fork waits for all the work the current stream has queued, so a shrink always starts after the previous
+projection's expand. Each forward's first projection (`LoraIndex.planner`, layer 0's qkv:
 attach_lora) first plans the step (the tokens grouped by slot into tiles), which every later projection of
 that forward reads; a stack of an index with no planner plans before its own shrink.
 
