@@ -34,7 +34,7 @@ gate_up, 16 for o and down):
   of the o and down GEMMs' time (700 / 3.3 / 4096) and ~1-3% of the others', the y read-modify-write ~10%
   of the qkv, o and gate_up GEMMs' (2 x 700 / 3.3 / 4096) and 3% of down's: ~11% of the layer's GEMM time at
   T = 8192 (~0.57 of 5.4 ms a layer), less where y is still in L2 from its GEMM (T out 2 bytes under ~40 MB:
-  T <= 512 for gate_up). Forking the shrink does not help here: at T = 192-512 the 8B step measured 20-50%
+  T <= 512 for gate_up). Forking the shrink does not help here: at T = 192-512 the 8B step measured 4-49%
   more LoRA time forked than in order (the GEMM's tiles already fill the SMs). The MMA work (2 T W out) is under 1% of the base's. Tiles
   feed the tensor cores (16-64 tokens, tl.dot); the expand's output tiles are 128 wide past 16 tokens
   (gate_up: 224 of them a tile).
