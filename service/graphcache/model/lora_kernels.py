@@ -35,9 +35,9 @@ gate_up, 16 for o and down):
   of the qkv, o and gate_up GEMMs' (2 x 700 / 3.3 / 4096) and 3% of down's: ~11% of the layer's GEMM time at
   T = 8192 (~0.57 of 5.4 ms a layer), less where y is still in L2 from its GEMM (T out 2 bytes under ~40 MB:
   T <= 512 for gate_up). Forking the shrink does not help here: at T = 192-512 the 8B step measured 4-49%
-  more LoRA time forked than in order (the GEMM's tiles already fill the SMs). The MMA work (2 T W out) is under 1% of the base's. Tiles
-  feed the tensor cores (16-64 tokens, tl.dot); the expand's output tiles are 128 wide past 16 tokens
-  (gate_up: 224 of them a tile).
+  more LoRA time forked than in order (the GEMM's tiles already fill the SMs). The MMA work (2 T W out) is
+  under 1% of the base's. Tiles feed the tensor cores (16-64 tokens, tl.dot); the expand's output tiles are
+  128 wide past 16 tokens (gate_up: 224 of them a tile).
 - Decode (T = 1..16). Latency, not bytes: one slot's A and B are ~1.2 and ~2.7 MB a layer (~126 MB a step,
   ~38 us of HBM time), while the old two kernels a projection cost ~4.8 us each (1.23 ms a step: TPOT x1.196).
   Two dependent kernels cost >= 2 x 2.5 us + their loads: 128 projections x ~6.5 us = 0.83 ms (x1.13). A
