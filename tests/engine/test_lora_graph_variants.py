@@ -41,15 +41,15 @@ def _modules(adapters) -> list[str]:
 
 @pytest.fixture
 def lora_calls(monkeypatch):
-    """How many times the LoRA layers did work (lora_add), and on how many tokens in all."""
+    """How many times the LoRA layers did work (the CPU path, lora_add_reference)."""
     calls = {"n": 0}
-    real = lora_layers.lora_add
+    real = lora_layers.lora_add_reference
 
-    def counting(y, x, a, b, index, kernels):
+    def counting(y, x, a, b, index):
         calls["n"] += 1
-        real(y, x, a, b, index, kernels)
+        real(y, x, a, b, index)
 
-    monkeypatch.setattr(lora_layers, "lora_add", counting)
+    monkeypatch.setattr(lora_layers, "lora_add_reference", counting)
     return calls
 
 

@@ -44,10 +44,9 @@ from graphcache.model.lora_kernels import (
     lora_expand,
     lora_plan,
     lora_shrink,
-    lora_shrink_expand,
 )
 
-__all__ = ["FORK_SHRINK_MAX_TOKENS", "LoraIndex", "LoraShrunk", "LoraStack", "lora_add", "lora_add_reference"]
+__all__ = ["FORK_SHRINK_MAX_TOKENS", "LoraIndex", "LoraShrunk", "LoraStack", "lora_add_reference"]
 
 # While a graph is captured, a step of at most this many tokens runs the shrink on the side stream beside the
 # base GEMM; a larger one runs it before the GEMM on the current stream. Measured per 32-layer 8B step (H100,
@@ -94,15 +93,6 @@ def lora_add_reference(
     shrunk = torch.bmm(a.index_select(0, slot), x.unsqueeze(2))  # [T, R, 1]
     delta = torch.bmm(b.index_select(0, slot), shrunk).squeeze(2)  # [T, out]
     y.add_(delta * (index >= 0).unsqueeze(1).to(delta.dtype))
-
-
-def lora_add(
-    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, index: torch.Tensor, kernels: bool
-) -> None:
-    if kernels:
-        lora_shrink_expand(y, x, a, b, index)
-    else:
-        lora_add_reference(y, x, a, b, index)
 
 
 class LoraShrunk:
@@ -200,7 +190,7 @@ class LoraStack:
     def expand_(self, y: torch.Tensor, shrunk: LoraShrunk) -> None:
         index = self.index
         if not index.use_kernels:
-            lora_add(y, shrunk.x, self.a, self.b, index.tokens[: y.shape[0]], False)
+            lora_add_reference(y, shrunk.x, self.a, self.b, index.tokens[: y.shape[0]])
             return
         if shrunk.side is not None:
             torch.cuda.current_stream().wait_stream(shrunk.side)  # the shrink's rows
