@@ -17,10 +17,13 @@ times with CUDA events around each replay; the figure is the median replay over 
 - serial: base + plan (once a chain, as once a forward) + shrink + expand, all on one stream
   (lora_layers.FORK_SHRINK_MAX_TOKENS = 0);
 - fork: the same launched through LoraStack as the model does: the shrink on the side stream beside the base
-  GEMM, the expand after both (FORK_SHRINK_MAX_TOKENS above T; the model forks only up to its default, 128).
+  GEMM, the expand after both (FORK_SHRINK_MAX_TOKENS above T; the model forks only up to its default, 128);
+- beside: LoraStack.add_beside_, as o_proj and down_proj do: shrink and expand both on the side stream
+  beside the GEMM, the delta added into a separate [T, out] tensor (the model's residual), joined after.
 
 LoRA ms = (variant - base), and its ratio to base. At the end, per T and mix: the four projections summed
-over 32 layers (what a decode or mixed step of that size pays), and the plan alone. Each variant's output is
+over 32 layers (what a decode or mixed step of that size pays), the model's layout among them (fork for qkv
+and gate_up, beside for o and down, up to 128 tokens; serial above), and the plan alone. Each variant's output is
 checked against the per-slot fp32 reference first. --out writes every row as JSON.
 """
 
@@ -48,7 +51,8 @@ PROJECTIONS = {  # name: (in, pieces' output rows)
     "down": (14336, (4096,)),
 }
 LAYERS = 32
-VARIANTS = ("legacy", "serial", "fork")
+VARIANTS = ("legacy", "serial", "fork", "beside")
+BESIDE = ("o", "down")  # the projections the model runs beside (their output only meets the residual)
 
 # --------------------------------------------------------------------------- the kernels before
 
@@ -231,11 +235,21 @@ def run_case(proj: str, t: int, mix: int, args) -> dict:
         assert lora is not None
         lora.add_to(y)
 
+    residual = torch.randn(t, n, device=dev, dtype=dtype, generator=g)
+
+    def beside(i: int) -> None:
+        joined = stacks[i].add_beside_(x, residual)
+        base(i)
+        if joined is not None:
+            joined.join()
+
     row: dict = {"proj": proj, "t": t, "slots_mixed": mix, "n": n, "k": k, "rank": rank, "reps": reps}
     want = reference(x @ weights[0].t(), x, stacks[0].a, stacks[0].b, index.tokens)
-    for name, fn in (("legacy", legacy), ("serial", layered)):
+    residual0 = residual.clone()
+    for name, fn in (("legacy", legacy), ("serial", layered), ("beside", beside)):
         fn(0)
-        err = (y.float() - want).abs().max().item() / want.abs().max().item()
+        got = y.float() + (residual.float() - residual0.float() if name == "beside" else 0.0)
+        err = (got - want).abs().max().item() / want.abs().max().item()
         row[f"{name}_rel_err"] = err
         if err > 0.02:
             print(
@@ -244,10 +258,10 @@ def run_case(proj: str, t: int, mix: int, args) -> dict:
     row["base_ms"] = chain_ms(base, reps, args.iters)
     row["legacy_ms"] = chain_ms(legacy, reps, args.iters)
     default_max = lora_layers.FORK_SHRINK_MAX_TOKENS
-    for name, fork_max in (("serial", 0), ("fork", t)):
+    for name, fn, fork_max in (("serial", layered, 0), ("fork", layered, t), ("beside", beside, t)):
         lora_layers.FORK_SHRINK_MAX_TOKENS = fork_max
         try:
-            row[f"{name}_ms"] = chain_ms(layered, reps, args.iters)
+            row[f"{name}_ms"] = chain_ms(fn, reps, args.iters)
         finally:
             lora_layers.FORK_SHRINK_MAX_TOKENS = default_max
     ws = LoraWorkspace(t, slots, 16, dev)
@@ -275,8 +289,8 @@ def report(rows: list[dict]) -> list[str]:
         "",
         f"Per step of {LAYERS} layers (the four projections summed x {LAYERS}, + one plan): LoRA ms and "
         "LoRA / base GEMMs",
-        "| T | slots | base GEMMs ms | legacy | serial | fork | plan ms |",
-        "|---|---|---|---|---|---|---|",
+        "| T | slots | base GEMMs ms | legacy | serial | fork | beside | model's layout | plan ms |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for t, mix in sorted({(r["t"], r["slots_mixed"]) for r in rows}):
         group = [r for r in rows if r["t"] == t and r["slots_mixed"] == mix]
@@ -288,8 +302,17 @@ def report(rows: list[dict]) -> list[str]:
         for v in VARIANTS:
             lora = LAYERS * sum(r[f"{v}_lora_ms"] for r in group) + (plan if v != "legacy" else 0.0)
             cells.append(f"{lora:.3f} ({lora / base:.3f})")
+        model = LAYERS * sum(r[f"{_model_variant(r['proj'], t)}_lora_ms"] for r in group) + plan
+        cells.append(f"{model:.3f} ({model / base:.3f})")
         lines.append(f"| {t} | {mix} | {base:.3f} | {' | '.join(cells)} | {plan:.4f} |")
     return lines
+
+
+def _model_variant(proj: str, t: int) -> str:
+    """The variant the model runs for this projection at T tokens in a graph (model/lora_layers.py)."""
+    if t > lora_layers.FORK_SHRINK_MAX_TOKENS:
+        return "serial"
+    return "beside" if proj in BESIDE else "fork"
 
 
 def main() -> None:

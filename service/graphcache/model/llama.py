@@ -133,8 +133,11 @@ class Attention(nn.Module):
         self.lora_qkv: LoraStack | None = None
         self.lora_o: LoraStack | None = None
 
-    def forward(self, positions: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # positions [T], slot_mapping [T] (cache slot of each token; padded tokens: a scratch slot), x [T, hidden]
+    def forward(
+        self, positions: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor, residual: torch.Tensor
+    ) -> torch.Tensor:
+        # positions [T], slot_mapping [T] (cache slot of each token; padded tokens: a scratch slot), x [T, hidden];
+        # residual [T, hidden]: the stream this output is added to at the next norm (o_proj's LoRA adds there)
         t = x.shape[0]
         if self.kv_cache is None:
             raise RuntimeError("KV cache not bound: call LlamaModel.bind_kv_cache() (the runner does)")
@@ -175,10 +178,10 @@ class Attention(nn.Module):
         else:
             paged_attention(q, k, v, out, self.kv_cache, self.k_blocks, self.v_blocks, self.scale)
         attended = out.view(t, self.q_size)  # [T, H * D]
-        lora = self.lora_o.shrink_(attended) if self.lora_o is not None else None
+        beside = self.lora_o.add_beside_(attended, residual) if self.lora_o is not None else None
         y = bf16_gemv.linear(self.o_proj, attended, self.small_gemm)  # [T, hidden]
-        if lora is not None:
-            lora.add_to(y)
+        if beside is not None:
+            beside.join()
         return y
 
     def _rope_in_gemm(
@@ -209,7 +212,9 @@ class MLP(nn.Module):
         self.lora_gate_up: LoraStack | None = None
         self.lora_down: LoraStack | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        """residual [T, hidden]: the stream the output is added to at the next norm (down_proj's LoRA adds
+        there)."""
         if isinstance(self.gate_up_proj, Fp8Linear):  # decode sizes: the activation in the GEMM's epilogue
             return self.down_proj(self.gate_up_proj.silu_mul_forward(x, self.inter))
         lora_gate_up, lora_down = self.lora_gate_up, self.lora_down
@@ -225,10 +230,10 @@ class MLP(nn.Module):
         if lora is not None:
             lora.add_to(gate_up)
         h = silu_mul(gate_up, self.inter, self.fused)  # [T, I]
-        lora = lora_down.shrink_(h)
+        beside = lora_down.add_beside_(h, residual)
         y = bf16_gemv.linear(self.down_proj, h, self.small_gemm)  # [T, hidden]
-        if lora is not None:
-            lora.add_to(y)
+        if beside is not None:
+            beside.join()
         return y
 
 
@@ -251,9 +256,10 @@ class DecoderLayer(nn.Module):
         """x: the previous layer's output (the embeddings for the first, residual None); returns this
         layer's output and the residual stream before it, added at the next norm (one fused kernel)."""
         h, residual = self.input_norm.add_forward(x, residual, self.fused)  # residual = x + residual
-        h = self.attn(positions, slot_mapping, h)
+        h = self.attn(positions, slot_mapping, h, residual)
         h, residual = self.post_attn_norm.add_forward(h, residual, self.fused)
-        return self.mlp(h), residual
+        mlp = self.mlp
+        return (mlp(h, residual) if isinstance(mlp, MLP) else mlp(h)), residual
 
 
 class LlamaModel(nn.Module):

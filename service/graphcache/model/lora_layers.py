@@ -14,14 +14,17 @@ serves any mix of adapters and base rows. On CUDA the kernels of model/lora_kern
 reference here (a gather of each token's A and B, two bmm) is the CPU path and what the kernels are tested
 against.
 
-A projection calls `shrink_(x)` before its base GEMM and `add_to(y)` on what it returns after it. On CUDA
-the shrink (A x into the index's workspace) depends on x only, so while a graph is captured it is launched on
-the index's side stream, forked from the current stream: in the graph it runs beside the base GEMM, and the
-expand (B (A x) added into y) waits for both; only the expand is on the critical path (lora_kernels.py says
-why, in numbers). That pays up to `FORK_SHRINK_MAX_TOKENS`; a larger step's GEMM fills the SMs, and both run
-on the current stream, in order, as outside a capture (eager steps). The workspace is shared by every stack:
-a fork waits for all the work the current stream has queued, so a shrink always starts after the previous
-projection's expand. Each forward's first projection (`LoraIndex.planner`, layer 0's qkv:
+qkv_proj and gate_up_proj call `shrink_(x)` before their base GEMM and `add_to(y)` on what it returns after
+it. On CUDA the shrink (A x into the index's workspace) depends on x only, so while a graph is captured it is
+launched on the index's side stream, forked from the current stream: in the graph it runs beside the base
+GEMM, and the expand (B (A x) added into y) waits for both (lora_kernels.py says why, in numbers). o_proj and
+down_proj call `add_beside_(x, residual)` instead: their output is only ever added to the residual stream at
+the next norm, so their delta can go straight into the residual, which exists before the GEMM. Shrink and
+expand then both run beside the GEMM, and the layer joins the side stream before that norm: none of their
+LoRA kernels is on the critical path. Forking pays up to `FORK_SHRINK_MAX_TOKENS`; a larger step's GEMM
+fills the SMs, and everything runs on the current stream, in order, as outside a capture (eager steps). The
+workspace is shared by every stack: a fork waits for all the work the current stream has queued, and the
+side stream runs its work in order, so a shrink always starts after the previous projection's expand. Each forward's first projection (`LoraIndex.planner`, layer 0's qkv:
 attach_lora) first plans the step (the tokens grouped by slot into tiles), which every later projection of
 that forward reads; a stack of an index with no planner plans before its own shrink.
 
@@ -46,7 +49,14 @@ from graphcache.model.lora_kernels import (
     lora_shrink,
 )
 
-__all__ = ["FORK_SHRINK_MAX_TOKENS", "LoraIndex", "LoraShrunk", "LoraStack", "lora_add_reference"]
+__all__ = [
+    "FORK_SHRINK_MAX_TOKENS",
+    "LoraBeside",
+    "LoraIndex",
+    "LoraShrunk",
+    "LoraStack",
+    "lora_add_reference",
+]
 
 # While a graph is captured, a step of at most this many tokens runs the shrink on the side stream beside the
 # base GEMM; a larger one runs it before the GEMM on the current stream. Measured per 32-layer 8B step (H100,
@@ -110,6 +120,17 @@ class LoraShrunk:
         self.stack.expand_(y, self)
 
 
+class LoraBeside:
+    """A projection's whole LoRA launched on the side stream beside its base GEMM (LoraStack.add_beside_)."""
+
+    def __init__(self, side: torch.cuda.Stream) -> None:
+        self.side = side
+
+    def join(self) -> None:
+        """After the base GEMM is launched: the current stream's next work waits for the delta's add."""
+        torch.cuda.current_stream().wait_stream(self.side)
+
+
 class LoraStack:
     """One projection's adapters for every slot (see the module docstring for the layout)."""
 
@@ -170,14 +191,39 @@ class LoraStack:
             return None
         if not index.use_kernels:
             return LoraShrunk(self, x, None)  # the reference runs whole in add_to
-        forks = x.shape[0] <= FORK_SHRINK_MAX_TOKENS and torch.cuda.is_current_stream_capturing()
-        side = index.side if forks else None
+        side = self._side_for(x)
         if side is None:
             return LoraShrunk(self, x, None, self._shrink(x))
         side.wait_stream(torch.cuda.current_stream())  # x and the previous projection's expand first
         with torch.cuda.stream(side):
             splits = self._shrink(x)
         return LoraShrunk(self, x, side, splits)
+
+    def add_beside_(self, x: torch.Tensor, target: torch.Tensor) -> LoraBeside | None:
+        """Before the base GEMM of x [T, in] whose output is only added to `target` [T, out] downstream
+        (o_proj and down_proj: the residual stream, summed at the next norm): target += this step's
+        adapters' deltas of x, in place. In a captured graph of up to FORK_SHRINK_MAX_TOKENS tokens shrink
+        and expand both run on the side stream, beside the GEMM, and the caller joins after launching the
+        GEMM: no LoRA kernel on the critical path. Elsewhere both run here, in order. None: nothing to join."""
+        index = self.index
+        if not index.active:
+            return None
+        if not index.use_kernels:
+            lora_add_reference(target, x, self.a, self.b, index.tokens[: x.shape[0]])
+            return None
+        side = self._side_for(x)
+        if side is None:
+            self._expand(target, self._shrink(x))
+            return None
+        side.wait_stream(torch.cuda.current_stream())  # x, target and the previous projection's work first
+        with torch.cuda.stream(side):
+            self._expand(target, self._shrink(x))
+        return LoraBeside(side)
+
+    def _side_for(self, x: torch.Tensor) -> torch.cuda.Stream | None:
+        """The side stream when this projection forks (a captured step of at most FORK_SHRINK_MAX_TOKENS)."""
+        forks = x.shape[0] <= FORK_SHRINK_MAX_TOKENS and torch.cuda.is_current_stream_capturing()
+        return self.index.side if forks else None
 
     def _shrink(self, x: torch.Tensor) -> int:
         index, ws = self.index, self.index.workspace
@@ -194,8 +240,11 @@ class LoraStack:
             return
         if shrunk.side is not None:
             torch.cuda.current_stream().wait_stream(shrunk.side)  # the shrink's rows
-        assert index.workspace is not None  # _shrink checked
-        lora_expand(y, self.b, index.workspace, shrunk.splits)
+        self._expand(y, shrunk.splits)
+
+    def _expand(self, y: torch.Tensor, splits: int) -> None:
+        assert self.index.workspace is not None  # _shrink checked
+        lora_expand(y, self.b, self.index.workspace, splits)
 
     @property
     def nbytes(self) -> int:
