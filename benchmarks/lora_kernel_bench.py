@@ -18,12 +18,13 @@ times with CUDA events around each replay; the figure is the median replay over 
   (lora_layers.FORK_SHRINK_MAX_TOKENS = 0);
 - fork: the same launched through LoraStack as the model does: the shrink on the side stream beside the base
   GEMM, the expand after both (FORK_SHRINK_MAX_TOKENS above T; the model forks only up to its default, 128);
-- beside: LoraStack.add_beside_, as o_proj and down_proj do: shrink and expand both on the side stream
-  beside the GEMM, the delta added into a separate [T, out] tensor (the model's residual), joined after.
+- beside: LoraStack.add_beside_, as o_proj, down_proj and gate_up_proj do: shrink and expand both on the
+  side stream beside the GEMM, the delta added into a separate [T, out] tensor (the model's residual; for
+  gate_up a delta buffer zeroed first, which the activation adds), joined after.
 
 LoRA ms = (variant - base), and its ratio to base. At the end, per T and mix: the four projections summed
-over 32 layers (what a decode or mixed step of that size pays), the model's layout among them (fork for qkv
-and gate_up, beside for o and down, up to 128 tokens; serial above), and the plan alone. Each variant's output is
+over 32 layers (what a decode or mixed step of that size pays), the model's layout among them (fork for qkv,
+beside for the others, up to 128 tokens; serial above), and the plan alone. Each variant's output is
 checked against the per-slot fp32 reference first. --out writes every row as JSON.
 """
 
@@ -52,7 +53,7 @@ PROJECTIONS = {  # name: (in, pieces' output rows)
 }
 LAYERS = 32
 VARIANTS = ("legacy", "serial", "fork", "beside")
-BESIDE = ("o", "down")  # the projections the model runs beside (their output only meets the residual)
+BESIDE = ("o", "down", "gate_up")  # what the model runs beside (o, down: into the residual; gate_up: a delta)
 
 # --------------------------------------------------------------------------- the kernels before
 
@@ -236,9 +237,10 @@ def run_case(proj: str, t: int, mix: int, args) -> dict:
         lora.add_to(y)
 
     residual = torch.randn(t, n, device=dev, dtype=dtype, generator=g)
+    zero_first = proj == "gate_up"  # its delta buffer, which the activation adds
 
     def beside(i: int) -> None:
-        joined = stacks[i].add_beside_(x, residual)
+        joined = stacks[i].add_beside_(x, residual, zero_first=zero_first)
         base(i)
         if joined is not None:
             joined.join()
@@ -248,7 +250,8 @@ def run_case(proj: str, t: int, mix: int, args) -> dict:
     residual0 = residual.clone()
     for name, fn in (("legacy", legacy), ("serial", layered), ("beside", beside)):
         fn(0)
-        got = y.float() + (residual.float() - residual0.float() if name == "beside" else 0.0)
+        added = residual.float() - (0.0 if zero_first else residual0.float())
+        got = y.float() + (added if name == "beside" else 0.0)
         err = (got - want).abs().max().item() / want.abs().max().item()
         row[f"{name}_rel_err"] = err
         if err > 0.02:

@@ -119,6 +119,21 @@ def test_silu_mul_matches_torch(dtype):
     torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_adds_a_delta_first(dtype):
+    """gate_up_proj's LoRA delta, added by the activation (model/lora_layers.py add_beside_)."""
+    gen = torch.Generator().manual_seed(4)
+    t, inter = 3, 40 + 3
+    gate_up = (2 * torch.randn(t, 2 * inter, generator=gen)).to(DEVICE, dtype)
+    delta = torch.randn(t, 2 * inter, generator=gen).to(DEVICE, dtype)
+    want = silu_mul(gate_up + delta, inter, fused=False)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    for fused in (False, True):
+        got = silu_mul(gate_up, inter, fused, delta)
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+    assert (silu_mul(gate_up, inter, True) - want).abs().max() > 1e-2  # the delta matters
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: q/k normed per head (contiguous), llama: views
 def test_runner_logits_equal_with_and_without_fused_ops(arch):
     """A whole model through the runner (fp32, a prefill in three chunks, each reading the KV cache of the last):

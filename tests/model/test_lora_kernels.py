@@ -289,12 +289,15 @@ def test_one_graph_serves_two_adapter_mixes():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("t", [1, 16, 300])
-def test_layers_fork_the_shrink_beside_the_base_gemm_in_a_graph(t):
+@pytest.mark.parametrize("second", ["add_to", "residual", "delta"])
+def test_layers_fork_the_shrink_beside_the_base_gemm_in_a_graph(t, second):
     """Two stacks as a model chains them (the second's x is the first's output), the first planning for
     both, each shrink launched before a base GEMM: captured (shrinks on the side stream up to
     FORK_SHRINK_MAX_TOKENS, in order on one stream for t = 300), the graph replays
     two mixes like eager (everything on one stream; within 1e-2: cuBLAS may pick another algorithm on the
-    capture stream, the LoRA kernels alone replay bit for bit above), and both equal the torch reference."""
+    capture stream, the LoRA kernels alone replay bit for bit above), and both equal the torch reference.
+    The second stack adds its delta into y after the GEMM (qkv_proj), or beside the GEMM into a residual
+    (o_proj, down_proj) or a zeroed delta buffer (gate_up_proj), each then summed with y."""
     from graphcache.model.lora_layers import LoraIndex, LoraStack
 
     k, n, slots, rank = 256, 256, 4, 16
@@ -312,15 +315,24 @@ def test_layers_fork_the_shrink_beside_the_base_gemm_in_a_graph(t):
         st.b.copy_(torch.randn(st.b.shape, generator=g) / rank**0.5)
     w = [(torch.randn(n, k, generator=g) / k**0.5).to("cuda", torch.bfloat16) for _ in stacks]
     x = torch.randn(t, k, generator=g).to("cuda", torch.bfloat16)
+    residual = torch.randn(t, n, generator=g).to("cuda", torch.bfloat16)
 
     def forward() -> torch.Tensor:
         h = x
-        for st, weight in zip(stacks, w, strict=True):
-            lora = st.shrink_(h)
-            out = h @ weight.t()  # the base GEMM
-            if lora is not None:
-                lora.add_to(out)
-            h = out
+        for i, (st, weight) in enumerate(zip(stacks, w, strict=True)):
+            if i == 0 or second == "add_to":
+                lora = st.shrink_(h)
+                out = h @ weight.t()  # the base GEMM
+                if lora is not None:
+                    lora.add_to(out)
+                h = out
+                continue
+            target = residual.clone() if second == "residual" else torch.full_like(residual, float("nan"))
+            joined = st.add_beside_(h, target, zero_first=second == "delta")
+            out = h @ weight.t()
+            if joined is not None:
+                joined.join()
+            h = out + target - (residual if second == "residual" else 0)
         return h
 
     def reference() -> torch.Tensor:
@@ -348,3 +360,32 @@ def test_layers_fork_the_shrink_beside_the_base_gemm_in_a_graph(t):
         assert (static_out.float() - eager.float()).abs().max().item() <= 1e-2 * scale, mix
         err = (static_out.float() - want).abs().max().item()
         assert err <= 0.03 * want.abs().max().item(), (mix, err)
+
+
+def test_add_beside_adds_the_delta_into_its_target_on_the_cpu():
+    """The CPU path of add_beside_ (the torch reference, nothing to join): target += delta, or target = delta
+    with zero_first (a poisoned buffer, as the model's gate_up delta is allocated uninitialized)."""
+    from graphcache.model.lora_layers import LoraIndex, LoraStack
+
+    t, k, n, slots, rank = 5, 24, 16, 2, 4
+    index = LoraIndex(torch.tensor([0, -1, 1, 1, -1]))
+    stack = LoraStack(index, slots=slots, rank=rank, in_features=k, out_slices=[(0, n)], dtype=torch.float32,
+                      device=torch.device("cpu"))  # fmt: skip
+    g = torch.Generator().manual_seed(7)
+    stack.a.copy_(torch.randn(stack.a.shape, generator=g))
+    stack.b.copy_(torch.randn(stack.b.shape, generator=g))
+    x, residual = torch.randn(t, k, generator=g), torch.randn(t, n, generator=g)
+    delta = torch.zeros(t, n)
+    lora_add_reference(delta, x, stack.a, stack.b, index.tokens)
+    assert delta[0].abs().sum() > 0 and delta[1].abs().sum() == 0
+
+    target = residual.clone()
+    assert stack.add_beside_(x, target) is None  # inactive: nothing added
+    assert torch.equal(target, residual)
+    index.active = True
+    assert stack.add_beside_(x, target) is None
+    torch.testing.assert_close(target, residual + delta)
+    poisoned = torch.full((t, n), float("nan"))
+    assert stack.add_beside_(x, poisoned, zero_first=True) is None
+    torch.testing.assert_close(poisoned, delta)
+    assert not stack.forks(x)  # no kernels, no capture

@@ -136,12 +136,19 @@ def _rotary_kernel(
         tl.store(vc + half, tl.load(pv + half, mask=mask, other=0.0), mask=mask)
 
 
-def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(
+    gu_ptr, d_ptr, out_ptr, stride_gu, stride_d, stride_o, inter, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr
+):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
     u = tl.load(gu_ptr + row * stride_gu + inter + cols, mask=mask, other=0.0)
+    if HAS_DELTA:  # gate_up + delta, rounded as torch's add
+        dg = tl.load(d_ptr + row * stride_d + cols, mask=mask, other=0.0)
+        du = tl.load(d_ptr + row * stride_d + inter + cols, mask=mask, other=0.0)
+        g = (g.to(tl.float32) + dg.to(tl.float32)).to(g.dtype)
+        u = (u.to(tl.float32) + du.to(tl.float32)).to(u.dtype)
     gf = g.to(tl.float32)
     act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # F.silu, rounded
     tl.store(out_ptr + row * stride_o + cols, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
@@ -273,15 +280,22 @@ def _launch_rotary(q, k, cos, sin, positions, cache) -> None:
     )
 
 
-def silu_mul(gate_up: torch.Tensor, inter: int, fused: bool) -> torch.Tensor:
-    """gate_up [T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
+def silu_mul(
+    gate_up: torch.Tensor, inter: int, fused: bool, delta: torch.Tensor | None = None
+) -> torch.Tensor:
+    """gate_up [T, 2I] (gate | up) -> silu(gate) * up [T, I]; delta [T, 2I] (gate_up_proj's LoRA delta,
+    model/lora_layers.py add_beside_) is added to gate_up first."""
     if not fused:
+        if delta is not None:
+            gate_up = gate_up + delta
         gate, up = gate_up.split(inter, dim=-1)
         return F.silu(gate) * up
     t = gate_up.shape[0]
     out = torch.empty((t, inter), dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, _pow2(inter))
+    d = gate_up if delta is None else delta
     _kernels()[2][(t, triton.cdiv(inter, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4
-    )
+        gate_up, d, out, gate_up.stride(0), d.stride(0), out.stride(0), inter,
+        HAS_DELTA=delta is not None, BLOCK=block, num_warps=4,
+    )  # fmt: skip
     return out

@@ -225,11 +225,19 @@ class MLP(nn.Module):
             return self.down_proj(
                 silu_mul(self.gate_up_proj(x), self.inter, self.fused)
             )  # via [T, 2I] -> [T, I]
-        lora = lora_gate_up.shrink_(x)  # before the base GEMM (beside it in a graph)
-        gate_up = bf16_gemv.linear(self.gate_up_proj, x, self.small_gemm)  # [T, 2I]
-        if lora is not None:
-            lora.add_to(gate_up)
-        h = silu_mul(gate_up, self.inter, self.fused)  # [T, I]
+        if lora_gate_up.forks(x):  # the whole delta beside the GEMM, added by the activation
+            delta = x.new_empty(x.shape[0], 2 * self.inter)  # [T, 2I]
+            beside = lora_gate_up.add_beside_(x, delta, zero_first=True)
+            gate_up = bf16_gemv.linear(self.gate_up_proj, x, self.small_gemm)  # [T, 2I]
+            if beside is not None:
+                beside.join()
+            h = silu_mul(gate_up, self.inter, self.fused, delta)  # [T, I]
+        else:
+            lora = lora_gate_up.shrink_(x)  # before the base GEMM
+            gate_up = bf16_gemv.linear(self.gate_up_proj, x, self.small_gemm)
+            if lora is not None:
+                lora.add_to(gate_up)
+            h = silu_mul(gate_up, self.inter, self.fused)
         beside = lora_down.add_beside_(h, residual)
         y = bf16_gemv.linear(self.down_proj, h, self.small_gemm)  # [T, hidden]
         if beside is not None:

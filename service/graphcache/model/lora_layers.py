@@ -14,17 +14,19 @@ serves any mix of adapters and base rows. On CUDA the kernels of model/lora_kern
 reference here (a gather of each token's A and B, two bmm) is the CPU path and what the kernels are tested
 against.
 
-qkv_proj and gate_up_proj call `shrink_(x)` before their base GEMM and `add_to(y)` on what it returns after
-it. On CUDA the shrink (A x into the index's workspace) depends on x only, so while a graph is captured it is
-launched on the index's side stream, forked from the current stream: in the graph it runs beside the base
-GEMM, and the expand (B (A x) added into y) waits for both (lora_kernels.py says why, in numbers). o_proj and
-down_proj call `add_beside_(x, residual)` instead: their output is only ever added to the residual stream at
-the next norm, so their delta can go straight into the residual, which exists before the GEMM. Shrink and
-expand then both run beside the GEMM, and the layer joins the side stream before that norm: none of their
-LoRA kernels is on the critical path. Forking pays up to `FORK_SHRINK_MAX_TOKENS`; a larger step's GEMM
-fills the SMs, and everything runs on the current stream, in order, as outside a capture (eager steps). The
-workspace is shared by every stack: a fork waits for all the work the current stream has queued, and the
-side stream runs its work in order, so a shrink always starts after the previous projection's expand. Each forward's first projection (`LoraIndex.planner`, layer 0's qkv:
+qkv_proj calls `shrink_(x)` before its base GEMM and `add_to(y)` on what it returns after it. On CUDA the
+shrink (A x into the index's workspace) depends on x only, so while a graph is captured it is launched on the
+index's side stream, forked from the current stream: in the graph it runs beside the base GEMM, and the
+expand (B (A x) added into y) waits for both (lora_kernels.py says why, in numbers). o_proj and down_proj call
+`add_beside_(x, residual)` instead: their output is only ever added to the residual stream at the next norm,
+so their delta can go straight into the residual, which exists before the GEMM. Shrink and expand then both
+run beside the GEMM, and the layer joins the side stream before that norm: none of their LoRA kernels is on
+the critical path. gate_up_proj does the same into a zeroed delta buffer that the activation adds
+(fused_ops.silu_mul) when it forks, and shrink_/add_to otherwise (a [T, 2I] buffer is not worth it where
+nothing overlaps). Forking pays up to `FORK_SHRINK_MAX_TOKENS`; a larger step's GEMM fills the SMs, and
+everything runs on the current stream, in order, as outside a capture (eager steps). The workspace is shared
+by every stack: a fork waits for all the work the current stream has queued, and the side stream runs its
+work in order, so a shrink always starts after the previous projection's expand. Each forward's first projection (`LoraIndex.planner`, layer 0's qkv:
 attach_lora) first plans the step (the tokens grouped by slot into tiles), which every later projection of
 that forward reads; a stack of an index with no planner plans before its own shrink.
 
@@ -199,26 +201,40 @@ class LoraStack:
             splits = self._shrink(x)
         return LoraShrunk(self, x, side, splits)
 
-    def add_beside_(self, x: torch.Tensor, target: torch.Tensor) -> LoraBeside | None:
-        """Before the base GEMM of x [T, in] whose output is only added to `target` [T, out] downstream
-        (o_proj and down_proj: the residual stream, summed at the next norm): target += this step's
-        adapters' deltas of x, in place. In a captured graph of up to FORK_SHRINK_MAX_TOKENS tokens shrink
-        and expand both run on the side stream, beside the GEMM, and the caller joins after launching the
-        GEMM: no LoRA kernel on the critical path. Elsewhere both run here, in order. None: nothing to join."""
+    def add_beside_(
+        self, x: torch.Tensor, target: torch.Tensor, zero_first: bool = False
+    ) -> LoraBeside | None:
+        """Before the base GEMM of x [T, in] whose output only meets `target` [T, out] downstream (o_proj and
+        down_proj: the residual stream, summed at the next norm; gate_up_proj: a delta buffer the activation
+        adds, with zero_first): target += this step's adapters' deltas of x, in place. In a captured graph of
+        up to FORK_SHRINK_MAX_TOKENS tokens (`forks`) shrink and expand both run on the side stream, beside
+        the GEMM, and the caller joins after launching the GEMM: no LoRA kernel on the critical path.
+        Elsewhere both run here, in order. None: nothing to join."""
         index = self.index
         if not index.active:
             return None
         if not index.use_kernels:
+            if zero_first:
+                target.zero_()
             lora_add_reference(target, x, self.a, self.b, index.tokens[: x.shape[0]])
             return None
         side = self._side_for(x)
         if side is None:
+            if zero_first:
+                target.zero_()
             self._expand(target, self._shrink(x))
             return None
         side.wait_stream(torch.cuda.current_stream())  # x, target and the previous projection's work first
         with torch.cuda.stream(side):
+            if zero_first:
+                target.zero_()  # base tokens' rows are never written by the expand
             self._expand(target, self._shrink(x))
         return LoraBeside(side)
+
+    def forks(self, x: torch.Tensor) -> bool:
+        """Whether this step's LoRA of x [T, in] runs on the side stream (kernels, in a captured step of at
+        most FORK_SHRINK_MAX_TOKENS tokens)."""
+        return self.index.active and self.index.use_kernels and self._side_for(x) is not None
 
     def _side_for(self, x: torch.Tensor) -> torch.cuda.Stream | None:
         """The side stream when this projection forks (a captured step of at most FORK_SHRINK_MAX_TOKENS)."""
