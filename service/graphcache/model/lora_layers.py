@@ -26,9 +26,10 @@ the critical path. gate_up_proj does the same into a zeroed delta buffer that th
 nothing overlaps). Forking pays up to `FORK_SHRINK_MAX_TOKENS`; a larger step's GEMM fills the SMs, and
 everything runs on the current stream, in order, as outside a capture (eager steps). The workspace is shared
 by every stack: a fork waits for all the work the current stream has queued, and the side stream runs its
-work in order, so a shrink always starts after the previous projection's expand. Each forward's first projection (`LoraIndex.planner`, layer 0's qkv:
-attach_lora) first plans the step (the tokens grouped by slot into tiles), which every later projection of
-that forward reads; a stack of an index with no planner plans before its own shrink.
+work in order, so a shrink always starts after the previous projection's expand. Each forward's first
+projection (`LoraIndex.planner`, layer 0's qkv: attach_lora) first plans the step (the tokens grouped by slot
+into tiles), which every later projection of that forward reads; a stack of an index with no planner plans
+before its own shrink.
 
 A step with no adapter row skips LoRA altogether: `LoraIndex.active` is read on the host each time the layers
 run. A graph cannot read a host flag at replay, so each captured shape has two variants (graphs/descriptor.py,
@@ -60,8 +61,8 @@ __all__ = [
     "lora_add_reference",
 ]
 
-# While a graph is captured, a step of at most this many tokens runs the shrink on the side stream beside the
-# base GEMM; a larger one runs it before the GEMM on the current stream. Measured per 32-layer 8B step (H100,
+# While a graph is captured, a step of at most this many tokens runs the shrink (and for o, down and gate_up
+# the expand too) on the side stream beside the base GEMM; a larger one runs them on the current stream. Measured per 32-layer 8B step (H100,
 # rank 16, benchmarks/lora_kernel_bench.py, BENCHMARKS §22): the fork costs 0.55 against 1.10 ms (serial) at
 # T = 1 and 1.41 against 1.80 at T = 128, but 2.71 against 2.09 at 192 and 4.25 against 3.49 at 384, where
 # the base GEMM's tiles fill the SMs and the side stream only contends with it. Read when a projection runs
@@ -213,16 +214,14 @@ class LoraStack:
         index = self.index
         if not index.active:
             return None
-        if not index.use_kernels:
-            if zero_first:
-                target.zero_()
-            lora_add_reference(target, x, self.a, self.b, index.tokens[: x.shape[0]])
-            return None
-        side = self._side_for(x)
+        side = self._side_for(x) if index.use_kernels else None
         if side is None:
             if zero_first:
                 target.zero_()
-            self._expand(target, self._shrink(x))
+            if index.use_kernels:
+                self._expand(target, self._shrink(x))
+            else:
+                lora_add_reference(target, x, self.a, self.b, index.tokens[: x.shape[0]])
             return None
         side.wait_stream(torch.cuda.current_stream())  # x, target and the previous projection's work first
         with torch.cuda.stream(side):
