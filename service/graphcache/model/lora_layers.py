@@ -62,11 +62,12 @@ __all__ = [
 ]
 
 # While a graph is captured, a step of at most this many tokens runs the shrink (and for o, down and gate_up
-# the expand too) on the side stream beside the base GEMM; a larger one runs them on the current stream. Measured per 32-layer 8B step (H100,
-# rank 16, benchmarks/lora_kernel_bench.py, BENCHMARKS §22): the fork costs 0.55 against 1.10 ms (serial) at
-# T = 1 and 1.41 against 1.80 at T = 128, but 2.71 against 2.09 at 192 and 4.25 against 3.49 at 384, where
-# the base GEMM's tiles fill the SMs and the side stream only contends with it. Read when a projection runs
-# (the benchmark sets it to 0 for its serial variant).
+# the expand too) on the side stream beside the base GEMM; a larger one runs them on the current stream.
+# Measured LoRA ms per 32-layer 8B step (H100, rank 16, one slot, benchmarks/lora_kernel_bench.py, BENCHMARKS
+# §22-23): in order 1.09, shrinks forked 0.67, this layout 0.26 at T = 1; 1.73 / 1.31 / 1.06 at T = 128; but
+# forked shrinks cost 2.71 against 2.09 in order at 192 and 4.25 against 3.49 at 384, where the base GEMM's
+# tiles fill the SMs and the side stream only contends with it. Read when a projection runs (the benchmark
+# sets it to 0 for its serial variant).
 FORK_SHRINK_MAX_TOKENS = 128
 
 
