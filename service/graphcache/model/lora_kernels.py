@@ -16,8 +16,9 @@ any mix). Three kernels:
 Every output element comes from fixed programs in a fixed order (no atomics), so a token's result does not
 depend on which other tokens share the step, only on the step size (which picks the tiles and splits).
 model/lora_layers.py launches the shrink on a side stream forked before the base GEMM while a graph of up to
-128 tokens is captured, so the expand is the one kernel a projection adds to the critical path; above that
-the GEMM fills the SMs and the fork measured slower than running both in order.
+128 tokens is captured, so for qkv the expand is the one kernel added to the critical path, and for o, down
+and gate_up (whose deltas go into the residual or the activation's input) the expand runs there too and
+nothing is; above 128 tokens the GEMM fills the SMs and the fork measured slower than running in order.
 
 Why, in numbers (H100: ~3.3 TB/s HBM, ~700 TFLOP/s bf16, a small kernel in a graph ~2.5 us from its launch
 to the next one's; Llama-3-8B: hidden 4096, intermediate 14336; rank 16, 4 slots: W = 48 for qkv, 32 for
@@ -47,9 +48,12 @@ gate_up, 16 for o and down):
   base GEMM instead: it depends on x only, runs on the side stream beside the GEMM (qkv ~15 us, o ~10,
   gate_up ~70, down ~35 at T = 1) and the expand waits for both: one kernel a projection on the critical
   path, ~2.5 us + two dependent loads (the tile's slot and rows, then B's, y's and the splits' tiles),
-  ~3.5 us x 128 = 0.45 ms a step (x1.07). The shrink itself is W / 16 x in / 1,024 programs (qkv 12, down
-  14) of 32 KB of A each, ~1.5 us of loads: a lone program streams only ~20 GB/s (a few 16 KB loads in
-  flight), so 16 ranks x 14,336 columns in one program would take ~22 us, past the o GEMM and near down's.
+  ~3.5 us x 128 = 0.45 ms a step (x1.07). Where the delta need not wait for the GEMM's output (o and down
+  add into the residual, gate_up into the activation's input), the expand joins the shrink beside the GEMM:
+  32 expands (qkv's) remain, measured 0.26 ms a step at one slot on the H100 (BENCHMARKS §23). The shrink
+  itself is W / 16 x in / 1,024 programs (qkv 12, down 14) of 32 KB of A each, ~1.5 us of loads: a lone
+  program streams only ~20 GB/s (a few 16 KB loads in flight), so 16 ranks x 14,336 columns in one program
+  would take ~22 us, past the o GEMM and near down's.
   Summing 4-14 splits costs the expand 1-14 KB of L2 loads a program, beside its B tile. The plan (one
   program, ~3 us up to 512 tokens) is forked with the first shrink of the forward.
 """
