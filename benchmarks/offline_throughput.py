@@ -651,6 +651,14 @@ def main(argv: list[str] | None = None) -> int:
             "\nsteps against their H200 roofline (step_trace.against_roofline; ms = completion to completion):"
         )
         print(step_trace.roofline_table(steps_vs_bound))
+        for r in engine_rows:
+            every = (r.get("roofline_steps") or {}).get("all")
+            if every and every["bound_s"]:
+                print(
+                    f"  {r['mode']} {r['workload']}: its steps took {every['seconds']:.2f} s and need "
+                    f"{every['bound_s']:.2f} s at their own bounds; the run's bound ({r['bound_s']:.2f} s) is "
+                    f"{r['bound_s'] / every['bound_s']:.1%} of that, the most a run of these steps can reach"
+                )
     for name in dict.fromkeys(r["workload"] for r in results):
         by = {r["mode"]: r for r in results if r["workload"] == name}
         if "graph" in by:

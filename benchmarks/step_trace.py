@@ -167,15 +167,17 @@ def against_roofline(
     t0: float | None = None,
     t1: float | None = None,
 ) -> dict:
-    """{"by_kind": {kind: stats}, "decode_buckets": {label: stats}, "kv_known": bool} over the steps scheduled
-    in [t0, t1], stats = {steps, ms, bound_ms, measured_over_bound, rows_mean, tokens_mean}. ms is by_kind's
+    """{"by_kind": {kind: stats}, "decode_buckets": {label: stats}, "all": stats, "kv_known": bool} over the
+    steps scheduled in [t0, t1], stats = {steps, ms, bound_ms, measured_over_bound, rows_mean, tokens_mean}
+    ("all": every step, with seconds and bound_s, the sums: what this schedule's steps take and would take
+    each at its own bound, so a run's bound over bound_s is the share its step structure allows). ms is by_kind's
     (completion to completion); a step's bound is Roofline.step_bound_s of its tokens, sampled rows and
     context. kinds: record_step_kinds' list when it lines up with the records, else kinds_from_records.
     kv_known is False when the records have no context (an older engine's trace): bounds then leave the KV
     read out."""
     if kinds is None or len(kinds) != len(records):
         kinds = kinds_from_records(records)
-    sums: dict[str, dict[str, dict]] = {"by_kind": {}, "decode_buckets": {}}
+    sums: dict[str, dict[str, dict]] = {"by_kind": {}, "decode_buckets": {}, "all": {}}
     kv_known = True
     for i in range(1, len(records)):
         r = records[i]
@@ -185,7 +187,7 @@ def against_roofline(
         kv_known = kv_known and context is not None
         ms = (r["completed"] - records[i - 1]["completed"]) * 1e3
         bound_ms = roof.step_bound_s(r["tokens"], r["sampled"], context) * 1e3
-        groups = [("by_kind", kinds[i])]
+        groups = [("by_kind", kinds[i]), ("all", "all")]
         if kinds[i] == "decode":
             label = next(
                 bucket_label(lo, hi)
@@ -203,7 +205,11 @@ def against_roofline(
             g["rows"] += r["rows"]
             g["tokens"] += r["tokens"]
     out: dict = {"kv_known": kv_known}
-    order = {"by_kind": KINDS, "decode_buckets": tuple(bucket_label(lo, hi) for lo, hi in DECODE_BUCKETS)}
+    order = {
+        "by_kind": KINDS,
+        "decode_buckets": tuple(bucket_label(lo, hi) for lo, hi in DECODE_BUCKETS),
+        "all": ("all",),
+    }
     for table_name, groups in sums.items():
         out[table_name] = {
             key: {
@@ -217,6 +223,12 @@ def against_roofline(
             for key in order[table_name]
             if (g := groups.get(key))
         }
+    every = out.pop("all").get("all")
+    if every:
+        every.update(
+            seconds=every["ms"] * every["steps"] / 1e3, bound_s=every["bound_ms"] * every["steps"] / 1e3
+        )
+    out["all"] = every or {}
     return out
 
 
@@ -229,7 +241,8 @@ def roofline_table(rows: dict[str, dict]) -> str:
     ]
     for name, s in rows.items():
         note = "" if s.get("kv_known", True) else " (no KV in bound)"
-        for kind, k in s.get("by_kind", {}).items():
+        every = {"all steps": s["all"]} if s.get("all") else {}
+        for kind, k in {**s.get("by_kind", {}), **every}.items():
             lines.append(
                 f"| {name}{note} | {kind} | {k['steps']} | {k['rows_mean']:.0f} | {k['tokens_mean']:.0f} | "
                 f"{k['ms']:.2f} | {k['bound_ms']:.3f} | {k['measured_over_bound']:.2f} |"

@@ -81,6 +81,8 @@ def test_offline_realistic_smoke(tmp_path, capsys):
     assert all(r["kv_blocks"] > 0 and r["max_num_seqs"] == 4 for r in rows)
     assert "WARNING" not in printed
     assert "| eager realistic | <=64 |" in printed
+    assert steps["all"]["steps"] == sum(k["steps"] for k in steps["by_kind"].values())
+    assert "eager realistic: its steps took" in printed  # the share the run's step structure allows
 
 
 def test_capacity_warning_names_engines_that_differ():

@@ -158,8 +158,13 @@ def test_step_trace_sets_each_kind_and_decode_bucket_against_its_bound():
     assert big["bound_ms"] > roof.weight_read_s * 1e3
     mixed = s["by_kind"]["mixed"]
     assert mixed["tokens_mean"] == 1800 and mixed["ms"] == pytest.approx(50.0)
+    every = s["all"]  # every timed step: what the schedule took and would take at each step's own bound
+    assert every["steps"] == 6 and every["seconds"] == pytest.approx((4 + 6 + 9 + 30 + 50 + 80) / 1e3)
+    kinds_bound_ms = sum(k["bound_ms"] * k["steps"] for k in s["by_kind"].values())
+    assert every["bound_s"] == pytest.approx(kinds_bound_ms / 1e3)
     table = step_trace.roofline_table({"run": s})
     assert "| run | decode | 4 |" in table and "| run | >512 | 1 | 30.00 |" in table
+    assert "| run | all steps | 6 |" in table
 
 
 def test_step_trace_without_kinds_or_context():
