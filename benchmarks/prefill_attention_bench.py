@@ -22,13 +22,14 @@ one that fails prints its reason and the table goes on):
   flex_packed     the same over the packed [1, H, T, D] tokens with a causal + same-sequence mask (varlen)
   varlen          torch.nn.attention.varlen.varlen_attn on packed [T, H, D] (causal), where torch has it
   cudnn_varlen    aten._cudnn_attention_forward on packed [T, H, D] with cumulative lengths (cuDNN's
-                  ragged layout), K/V [T, K, D] (native GQA), else repeated to H heads (_rep)
+                  ragged layout), K/V [T, K, D] (native GQA), else repeated to H heads (_rep); not an
+                  engine choice: 44-48 ms a call on the H100 with torch 2.11 / cuDNN 9.19 (BENCHMARKS.md §25)
   fa2_varlen      aten._flash_attention_forward on packed [T, H, D] / [T, K, D] (the engine's "flash")
   fa4_varlen      flash_attn.cute's flash_attn_varlen_func (flash-attn-4, sm90 forward kernel) where it
                   imports: not in the device image, and its nvidia-cutlass-dsl-libs-cu12/cu13 wheel (92 MB)
                   is over what one device call carries (64 MiB), so it normally fails "not installed"
   engine_<k>      model/prefill_attention.py's dense_prefill_attention as the engine runs it with
-                  prefill_attention=<k> (triton, cudnn, flash, sdpa), q/k/v strided views of one qkv output
+                  prefill_attention=<k> (triton, flash, sdpa), q/k/v strided views of one qkv output
 Every candidate's time includes writing the packed [T, H, D] output the engine reads (a copy where the
 kernel returns another layout). Dense candidates need equal lengths; the packed ones (unified, varlen,
 cudnn_varlen, fa2_varlen, flex_packed) take any mix, as a real prefill step has.
@@ -325,7 +326,6 @@ CANDIDATES: dict[str, Callable[[Case], Callable[[], None]]] = {
     "fa2_varlen": cand_fa2_varlen,
     "fa4_varlen": cand_fa4_varlen,
     "engine_triton": lambda c: cand_engine(c, "triton"),
-    "engine_cudnn": lambda c: cand_engine(c, "cudnn"),
     "engine_flash": lambda c: cand_engine(c, "flash"),
     "engine_sdpa": lambda c: cand_engine(c, "sdpa"),
 }
@@ -342,7 +342,6 @@ PACKED = {
     "fa2_varlen",
     "fa4_varlen",
     "engine_triton",
-    "engine_cudnn",
     "engine_flash",
     "engine_sdpa",
 }
@@ -412,7 +411,7 @@ def mixed_step(
 
     rows = []
     factories: dict[str, Callable[[], Callable[[], None]]] = {"unified": lambda: unified_all}
-    for kn in ("triton", "cudnn", "flash"):
+    for kn in ("triton", "flash"):
         factories[f"split_{kn}"] = lambda kn=kn: split(kn)
     for name, factory in factories.items():
         row: dict = {"candidate": name}

@@ -63,7 +63,7 @@ AttentionBackend = Literal["auto", "sdpa", "flash", "flash_paged", "triton"]
 DecodeKernel = Literal["triton", "torch", "varlen"]  # what decode_attention_backend=auto resolves to
 DecodeAttentionBackend = Literal["auto", "triton", "torch", "varlen"]
 # Fresh prompts' attention on the triton kernel: the unified kernel, or a dense varlen kernel (model/prefill_attention.py)
-PrefillAttention = Literal["unified", "triton", "cudnn", "flash", "sdpa"]
+PrefillAttention = Literal["unified", "triton", "flash", "sdpa"]
 FusedOps = Literal["auto", "off"]
 Quantization = Literal["auto", "fp8"]  # auto: as the checkpoint is; fp8: FP8 projections (quantized on load)
 RunnerKind = Literal["auto", "generate", "pooling"]  # vLLM's --runner: text generation, or embeddings

@@ -2,7 +2,7 @@
 requests it takes, that the SDPA fallback computes causal attention, and that a runner on the triton
 kernel (Triton's interpreter on the CPU) gives the unified-only runner's logits with it on, over mixed
 steps of decode rows, chunks with and without a cached prefix, and pure prefills. The CUDA kernels
-(triton, cudnn, flash) are checked against a float reference and the unified runner by the cuda-marked tests."""
+(triton, flash) are checked against a float reference and the unified runner by the cuda-marked tests."""
 
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ def test_dense_part_is_the_trailing_fresh_requests():
     p = _plan("sdpa", [1, 4, 7, 6], [9, 4, 12, 6])
     assert (p.first_req, p.start, p.lens) == (3, 12, (6,))
     # a pure prefill step is all dense
-    p = _plan("cudnn", [8, 3], [8, 3])
-    assert (p.first_req, p.start, p.end, p.kernel) == (0, 0, 11, "cudnn")
+    p = _plan("flash", [8, 3], [8, 3])
+    assert (p.first_req, p.start, p.end, p.kernel) == (0, 0, 11, "flash")
     assert _plan("sdpa", [1, 7], [10, 12]) is None  # ends with a cached chunk
     assert _plan("", [8, 3], [8, 3]) is None  # setting unified: no dense part
 
@@ -48,11 +48,12 @@ def test_dense_part_is_the_trailing_fresh_requests():
 def test_select_prefill_kernel():
     f32 = torch.float32
     assert select_prefill_kernel("unified", CPU, f32, 64, "triton") == ""
-    assert select_prefill_kernel("cudnn", CPU, f32, 64, "sdpa") == ""  # only the triton kernel splits
-    for setting in ("triton", "cudnn", "flash", "sdpa"):
+    assert select_prefill_kernel("flash", CPU, f32, 64, "sdpa") == ""  # only the triton kernel splits
+    for setting in ("triton", "flash", "sdpa"):
         assert select_prefill_kernel(setting, CPU, f32, 64, "triton") == "sdpa"  # the CPU fallback
-    with pytest.raises(ValueError, match="use one of"):
-        select_prefill_kernel("flex", CPU, f32, 64, "triton")
+    for gone in ("flex", "cudnn"):  # cudnn: measured 100x slower than unified (BENCHMARKS.md §25)
+        with pytest.raises(ValueError, match="use one of"):
+            select_prefill_kernel(gone, CPU, f32, 64, "triton")
 
 
 def _reference(q, k, v, lens, scale):
@@ -102,7 +103,7 @@ def test_triton_kernel_matches_reference(shape):
     assert (out[6:] - ref).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("setting", ["sdpa", "cudnn"])
+@pytest.mark.parametrize("setting", ["sdpa", "flash"])
 def test_runner_with_dense_prefill_matches_unified(monkeypatch, setting):
     """Runner on the triton kernel, GQA 4: logits with prefill_attention on (the CPU runs it as SDPA)
     equal the unified-only runner's on mixed steps, and the dense kernel really ran on steps with
@@ -136,7 +137,7 @@ def test_runner_with_dense_prefill_matches_unified(monkeypatch, setting):
 # ---------------------------------------------------------------------------------------------- CUDA
 
 
-@pytest.mark.parametrize("kernel", ["triton", "cudnn", "flash", "sdpa"])
+@pytest.mark.parametrize("kernel", ["triton", "flash", "sdpa"])
 @pytest.mark.parametrize("shape", [(32, 8, 128), (14, 2, 64)])
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -151,12 +152,12 @@ def test_cuda_dense_kernels_match_reference(kernel, shape):
 
 
 @pytest.mark.parametrize("mode", [{"enforce_eager": True}, {"mixed_capture_mode": "breakable"}])
-@pytest.mark.parametrize("setting", ["triton", "cudnn", "flash"])
+@pytest.mark.parametrize("setting", ["triton", "flash"])
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_runner_dense_prefill_matches_unified(monkeypatch, setting, mode):
     """bf16 runners, eager or with breakable mixed graphs (the dense kernel runs in the eager break; "full"
-    mixed graphs keep attention inside and never split): logits with prefill_attention=triton / cudnn / flash within
+    mixed graphs keep attention inside and never split): logits with prefill_attention=triton / flash within
     3% of max |logit| of the unified-only runner's, and the dense kernel ran."""
     import graphcache.model.attention as attention_mod
     from graphcache.engine.worker.runner import ModelRunner

@@ -19,13 +19,11 @@ unified kernel: correct, just not faster.
 Kernels ("dense kernel", picked once by `select_prefill_kernel`):
 - "triton": model/prefill_triton.py, FlashAttention-layout tiles of one head over the packed rows, GQA
   by indexing (nothing copied), off-diagonal tiles unmasked;
-- "cudnn": cuDNN attention over the packed [T, H, D] rows with cumulative lengths (aten's
-  _cudnn_attention_forward, the op behind torch's varlen_attn on cuDNN), K/V at their own head count
-  where cuDNN takes GQA, else repeated to H heads;
 - "flash": FlashAttention 2 varlen (aten._flash_attention_forward), GQA native;
 - "sdpa": torch SDPA one request at a time (causal, enable_gqa): any device; what the CPU runs for
   every setting other than "unified", so the split itself is tested there.
-Only steps on the "triton" attention kernel split: the flash kernels already are dense varlen kernels,
+No cuDNN choice: its varlen forward (aten._cudnn_attention_forward on packed rows) took 44-48 ms a call
+on the H100 where the unified kernel takes 0.33 (BENCHMARKS.md §25). Only steps on the "triton" attention kernel split: the flash kernels already are dense varlen kernels,
 and the sdpa kernel already runs fresh prompts as plain causal SDPA.
 """
 
@@ -42,17 +40,14 @@ from graphcache.model.triton_support import HAVE_TRITON
 
 __all__ = ["DensePrefill", "dense_prefill_attention", "plan_dense_suffix", "select_prefill_kernel"]
 
-_CUDNN = getattr(torch.ops.aten, "_cudnn_attention_forward", None)
 _FLASH = getattr(torch.ops.aten, "_flash_attention_forward", None)
-# cuDNN takes K/V with fewer heads than q where its frontend supports GQA; learnt on the first call.
-_cudnn_gqa = {"ok": True}
 
 
 @dataclass(frozen=True)
 class DensePrefill:
     """The dense part of a step: requests [first_req, R), token rows [start, end), all fresh prompts."""
 
-    kernel: str  # "triton" | "cudnn" | "flash" | "sdpa"
+    kernel: str  # "triton" | "flash" | "sdpa"
     first_req: int
     start: int
     end: int
@@ -80,15 +75,10 @@ def select_prefill_kernel(
             )
         return setting
     half = dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
-    if setting == "cudnn" and not (half and _CUDNN is not None):
-        raise RuntimeError(
-            "prefill_attention=cudnn needs fp16/bf16, head_dim % 8 == 0 (<= 256) and a torch with "
-            "aten._cudnn_attention_forward; use unified, flash or sdpa"
-        )
     if setting == "flash" and not (half and _FLASH is not None):
         raise RuntimeError(
             "prefill_attention=flash needs fp16/bf16, head_dim % 8 == 0 (<= 256) and a torch with "
-            "aten._flash_attention_forward; use unified, cudnn or sdpa"
+            "aten._flash_attention_forward; use unified, triton or sdpa"
         )
     return setting
 
@@ -127,7 +117,6 @@ def dense_prefill_attention(
     dense request's rows attend causally to its own rows."""
     rows = slice(plan.start, plan.end)
     qs, ks, vs = q[rows], k[rows], v[rows]  # [n, H, D], [n, K, D]
-    n, heads, dim = qs.shape
     if plan.kernel == "triton":
         dense_causal_attention(qs, ks, vs, out[rows], plan.cu, len(plan.lens), scale)
         return
@@ -139,13 +128,6 @@ def dense_prefill_attention(
         )[0]  # fmt: skip
         out[rows].copy_(o)
         return
-    if plan.kernel == "cudnn":
-        out[rows].copy_(
-            _cudnn_varlen(qs.contiguous(), ks.contiguous(), vs.contiguous(), plan, scale).reshape(
-                n, heads, dim
-            )
-        )
-        return
     for i, length in enumerate(plan.lens):  # "sdpa": one request at a time
         s = plan.start + sum(plan.lens[:i])
         qi = q[s : s + length].transpose(0, 1)[None]  # [1, H, n_i, D]
@@ -153,24 +135,3 @@ def dense_prefill_attention(
         vi = v[s : s + length].transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
         out[s : s + length].copy_(o[0].transpose(0, 1))
-
-
-def _cudnn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DensePrefill, scale: float):
-    """cuDNN over packed rows: q [n, H, D], k/v [n, K, D] contiguous -> [n, H, D]."""
-    assert _CUDNN is not None  # select_prefill_kernel checked
-    heads, kv_heads = q.shape[1], k.shape[1]
-
-    def call(kk: torch.Tensor, vv: torch.Tensor) -> torch.Tensor:
-        return _CUDNN(
-            q, kk, vv, None, plan.cu, plan.cu, plan.max_len, plan.max_len, True, 0.0, True, False, scale=scale
-        )[0]
-
-    if kv_heads == heads or _cudnn_gqa["ok"]:
-        try:
-            return call(k, v)
-        except RuntimeError:
-            if kv_heads == heads:
-                raise
-            _cudnn_gqa["ok"] = False  # this cuDNN refuses fewer K/V heads: repeat them from now on
-    group = heads // kv_heads
-    return call(k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1))

@@ -159,7 +159,7 @@ def _kernel():
     if _KERNEL is None:
         if not HAVE_TRITON:
             raise RuntimeError(
-                "dense_causal_attention needs triton; set prefill_attention=unified / cudnn / flash"
+                "dense_causal_attention needs triton; set prefill_attention=unified / flash / sdpa"
             )
         _KERNEL = triton.jit(_dense_kernel, do_not_specialize=["num_reqs"])
     return _KERNEL

@@ -96,8 +96,8 @@ class ModelSettings(SettingsSection):
     prefill_attention: PrefillAttention = Field(
         "unified",
         description="Attention of fresh prompt chunks (no cached prefix) on the triton kernel: unified = "
-        "the paged unified kernel, as every other row; triton / cudnn / flash = a dense varlen kernel over "
-        "the step's own rows (model/prefill_triton.py, cuDNN, FlashAttention 2); sdpa = torch SDPA per prompt (the CPU runs sdpa for "
+        "the paged unified kernel, as every other row; triton / flash = a dense varlen kernel over "
+        "the step's own rows (model/prefill_triton.py, FlashAttention 2); sdpa = torch SDPA per prompt (the CPU runs sdpa for "
         "every value but unified). Other attention backends ignore it (model/prefill_attention.py).",
     )
     fused_ops: FusedOps = Field(
