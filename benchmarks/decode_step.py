@@ -162,7 +162,7 @@ def main() -> int:
     ap.add_argument("--modes", default="full,breakable,varlen,eager")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--profile", type=int, default=256, help="kernel table at this batch (0 = none)")
-    ap.add_argument("--small-gemm", default="off", help="off, on or off,on: settings.engine.bf16_small_gemm")
+    ap.add_argument("--small-gemm", default="on", help="on, off or off,on: settings.engine.bf16_small_gemm")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     model = resolve_model(args)

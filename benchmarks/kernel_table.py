@@ -186,7 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization", default="auto", help="as serve's --quantization (fp8: quantized on load)"
     )
     ap.add_argument(
-        "--bf16-small-gemm", action="store_true", help="settings.engine.bf16_small_gemm on (1-64-row GEMMs)"
+        "--bf16-small-gemm",
+        default="on",
+        choices=["on", "off"],
+        help="settings.engine.bf16_small_gemm (1-64-row GEMMs)",
     )
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, small steps")
     ap.add_argument("--out", type=Path)
@@ -219,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         device=device,
         max_model_len=min(4096, cfg["max_position_embeddings"]),
         quantization=args.quantization,
-        bf16_small_gemm=args.bf16_small_gemm,
+        bf16_small_gemm=args.bf16_small_gemm == "on",
     )
     built = steps(runner, args, cfg["vocab_size"])
     out = {}

@@ -172,7 +172,7 @@ def test_runner_with_the_small_gemm_replays_what_the_plain_runner_computes():
         num_kv_blocks=256, max_model_len=256, capture_sizes=[1, 2, 4, 8, 16, 24, 32], max_capture_size=32
     )
     small = ModelRunner(cuda_settings(path, bf16_small_gemm=True, **kw))
-    plain = ModelRunner(cuda_settings(path, enforce_eager=True, **kw))
+    plain = ModelRunner(cuda_settings(path, enforce_eager=True, bf16_small_gemm=False, **kw))
     assert small.model.small_gemm and not plain.model.small_gemm
     for num_seqs in (1, 3, 20):
         assert_decode_replays_match(small, plain, num_seqs, seed=10 * num_seqs, steps=3, what="small gemm")

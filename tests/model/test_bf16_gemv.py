@@ -52,10 +52,25 @@ def test_measured_tiles_override_the_defaults(monkeypatch):
     tile = Tile("dot", 16, 32, 512, 8, 3)
     monkeypatch.setitem(bf16_gemv.TILES, (16, 4096, 4096), tile)
     assert bf16_gemv.tile_for(11, 4096, 4096) == tile
-    assert bf16_gemv.tile_for(11, 4096, 14336) == DEFAULT_TILES[16]
-    assert bf16_gemv.tile_for(1, 4096, 4096) == DEFAULT_TILES[1]
+    assert bf16_gemv.tile_for(11, 4096, 1024) == DEFAULT_TILES[16]  # a shape the table does not name
+    assert bf16_gemv.tile_for(1, 4096, 1024) == DEFAULT_TILES[1]
     monkeypatch.setitem(bf16_gemv.TILES, (64, 4096, 4096), None)  # cuBLAS measured faster there
     assert bf16_gemv.tile_for(40, 4096, 4096) is None
+
+
+def test_the_measured_table_names_buckets_and_tiles_the_kernel_takes():
+    """TILES (pasted from the sweep): every key a bucket of the served shapes, every tile of its design's
+    row range and covering the bucket's rows (fma: one row a register set, block_m = bucket; dot: >= 16)."""
+    assert bf16_gemv.TILES
+    for (bucket, n, k), tile in bf16_gemv.TILES.items():
+        assert bucket in bf16_gemv.BUCKETS and n % 8 == 0 and k % 8 == 0
+        if tile is None:
+            continue
+        assert tile.design in ("fma", "dot")
+        if tile.design == "fma":
+            assert tile.block_m == bucket <= 8 and tile.block_k == 8 * 32 * tile.warps
+        else:
+            assert tile.block_m >= max(16, bucket)
 
 
 def test_cpu_calls_take_the_torch_path_and_compute_the_same_function():
