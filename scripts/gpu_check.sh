@@ -133,6 +133,10 @@ for p in ${PHASES:-tests pool capture}; do
     # Decode-sized FP8 GEMM designs (fp8 dot with x quantized inside, W dequantized to bf16, FMA, split K) per 8B shape.
     fp8_sweep) TAIL=${TAIL:-60} phase fp8_sweep 300 python3 benchmarks/fp8_gemv_sweep.py --out "$OUT/fp8_sweep.json" \
                ${FP8_SWEEP_ARGS:-} ;;
+    # FP8 GEMMs at 17-512 rows: cuBLASLt's row-scaled _scaled_mm (the engine's path there) against a Triton W8A8
+    # kernel's tiles, per 8B shape and in a layer's sum (issue 41). FP8_MID_ARGS: --rows 64,134.
+    fp8_mid) TAIL=${TAIL:-40} phase fp8_mid 300 python3 benchmarks/fp8_mid_rows_sweep.py --out "$OUT/fp8_mid.json" \
+               ${FP8_MID_ARGS:-} ;;
     # Small-batch bf16 GEMMs (M = 1..64): cuBLAS against model/bf16_gemv.py's tiles per 8B and 0.5B shape, the best tile
     # per (M bucket, N, K) as a TILES table (issue 41). BF16_SWEEP_ARGS: --rows 1,16 / --shapes 8b.qkv,8b.o.
     bf16_sweep) TAIL=${TAIL:-80} phase bf16_sweep 300 python3 benchmarks/bf16_gemv_sweep.py --out "$OUT/bf16_sweep.json" \
