@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import sys
@@ -514,22 +515,39 @@ def quantization_of(args) -> str:
     return str(getattr(section, "quantization", None) or getattr(settings, "quantization", None) or "auto")
 
 
-def add_bounds(
+def own_device_bounds(
     results: list[dict], runs: dict[str, list[workloads.Request]], roof: roofline.Roofline
+) -> str | None:
+    """On a GPU other than the H200 that roofline.py has figures for (the H100 the device tool lends when no
+    H200 comes), each row's bound on that GPU too: own_bound_s, own_achieved. Returns the GPU's label."""
+    named = roofline.device_named(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+    if named is None or named[1] == roof.device:
+        return None
+    label, device = named
+    add_bounds(results, runs, dataclasses.replace(roof, device=device), prefix="own_")
+    for r in results:
+        r["own_device"] = label
+    return label
+
+
+def add_bounds(
+    results: list[dict], runs: dict[str, list[workloads.Request]], roof: roofline.Roofline, prefix: str = ""
 ) -> None:
-    """Each row's run bound (its workload's requests): bound_s, bound_tok_s, achieved, roofline."""
+    """Each row's run bound (its workload's requests): bound_s, bound_tok_s, achieved, roofline (each key
+    after `prefix`)."""
     bounds = {
         name: roof.run_bound((len(r.prompt), r.max_tokens) for r in requests)
         for name, requests in runs.items()
     }
     for r in results:
         b = bounds[r["workload"]]
-        r.update(
+        values = dict(
             bound_s=b.seconds,
             bound_tok_s=b.tokens_per_s,
             achieved=b.achieved(r["seconds"]),
             roofline=b.as_dict(),
         )
+        r.update({prefix + key: v for key, v in values.items()})
 
 
 def kind_table(rows: list[dict]) -> str:
@@ -595,6 +613,7 @@ def main(argv: list[str] | None = None) -> int:
             )
 
     add_bounds(results, runs, args.roofline)
+    own = own_device_bounds(results, runs, args.roofline)
     print(
         f"\n{'mode':<15}{'workload':<10}{'output tok/s':>14}{'seconds':>10}{'tokens':>10}{'warmup s':>10}"
         f"{'pool MiB':>10}{'KV blocks':>11}{'max seqs':>10}{'bound s':>10}{'bound tok/s':>13}{'share':>8}"
@@ -619,6 +638,11 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  {name}: GEMMs {b['gemm_s']:.2f} s + KV {b['kv_s']:.2f} s, weight floor {b['weight_floor_s']:.2f} s "
             f"({b['max_steps']} steps); set by {b['bound_limit']}"
+        )
+    for r in results if own else ():
+        print(
+            f"  {r['mode']} {r['workload']} against this {own}'s own roofline: bound {r['own_bound_s']:.2f} s, "
+            f"share {r['own_achieved']:.1%}"
         )
     engine_rows = [r for r in results if "phase_ms_per_step" in r]
     if engine_rows:

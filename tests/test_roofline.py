@@ -103,6 +103,35 @@ def test_the_8b_shape_reads_its_16_gb():
         roofline.config_of_shape("tiny")
 
 
+def test_an_h100_run_is_also_set_against_the_h100_roofline(monkeypatch):
+    """The same 8B run needs longer on the H100 (KV and weights at 3.35 TB/s; GEMMs at about the same peak),
+    and the offline bench adds that bound (own_*) on an H100, none on an H200 or an unknown GPU."""
+    from benchmarks import offline_throughput, workloads
+
+    assert roofline.device_named("NVIDIA H100 80GB HBM3") == ("H100", roofline.H100)
+    assert roofline.device_named("NVIDIA H200")[1] is roofline.H200
+    assert roofline.device_named("NVIDIA A100-SXM4-80GB") is None
+    h200 = roofline.for_config(roofline.config_of_shape("llama8b"))
+    h100 = roofline.Roofline(h200.shape, device=roofline.H100)
+    lengths = [(220, 198)] * 64
+    a, b = h200.run_bound(lengths), h100.run_bound(lengths)
+    assert b.kv_s == pytest.approx(a.kv_s * 4.8 / 3.35) and b.gemm_s == pytest.approx(a.gemm_s * 990 / 989)
+    runs = {"realistic": [workloads.Request(prompt=[1] * p, max_tokens=n) for p, n in lengths]}
+    torch = offline_throughput.torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name, label in (("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H200", None), ("Tesla T4", None)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, name=name: name)
+        rows = [{"workload": "realistic", "seconds": 20.0}]
+        offline_throughput.add_bounds(rows, runs, h200)
+        assert offline_throughput.own_device_bounds(rows, runs, h200) == label
+        if label:
+            assert rows[0]["own_device"] == "H100" and rows[0]["own_bound_s"] == pytest.approx(b.seconds)
+            assert rows[0]["own_achieved"] == pytest.approx(b.seconds / 20.0)
+            assert rows[0]["own_achieved"] > rows[0]["achieved"]
+        else:
+            assert "own_bound_s" not in rows[0]
+
+
 TIMES = ("scheduled", "launch", "launched", "complete", "tokens_on_host", "completed")
 
 
