@@ -18,8 +18,8 @@ real row instead of masked, so the loads stay unmasked 16-byte vectors; only the
 `small_silu_mul` is the gate_up GEMM with silu(gate) * up on its accumulators ([gate | up] weight, [M, I] out:
 the [M, 2I] product is never written, one launch less a layer).
 
-Tiles per (M bucket, N, K): TILES, from benchmarks/bf16_gemv_sweep.py on the H200 (which also prints the
-table to paste); DEFAULT_TILES per bucket for other shapes. No split-K: it needs a zeroed fp32 buffer or a
+Tiles per (M bucket, N, K): TILES, from benchmarks/bf16_gemv_sweep.py (which also prints the table to paste;
+measured on an H100); DEFAULT_TILES per bucket for other shapes. No split-K: it needs a zeroed fp32 buffer or a
 second pass, and the narrow N tiles already fill the grid (N = 4096 at BLOCK_N 2: 2,048 programs).
 
 Graph-capturable: no host sync, one allocation (the output); M is not specialized on, so a new row count in
@@ -161,8 +161,8 @@ TILES: dict[tuple[int, int, int], Tile | None] = {
     (64, 151936, 896): None,
 }
 # Programmatic dependent launch (the kernel is launched while the one before it drains and waits in
-# griddepcontrol.wait for its writes; sm_90+): off until the sweep's pdl rows have measured it on the H200 (the
-# FP8 decode kernel gained 0.1-0.25 ms a step at 8B from it, BENCHMARKS.md §15). True / False: benchmarks' A/B.
+# griddepcontrol.wait for its writes; sm_90+): off, since the sweep's pdl rows measured it no faster on the H100
+# (the 8B layer at one row 151.5 against 148.9 us, BENCHMARKS.md §25). True / False: benchmarks' A/B.
 PDL = False
 
 

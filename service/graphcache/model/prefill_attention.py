@@ -23,8 +23,12 @@ Kernels ("dense kernel", picked once by `select_prefill_kernel`):
 - "sdpa": torch SDPA one request at a time (causal, enable_gqa): any device; what the CPU runs for
   every setting other than "unified", so the split itself is tested there.
 No cuDNN choice: its varlen forward (aten._cudnn_attention_forward on packed rows) took 44-48 ms a call
-on the H100 where the unified kernel takes 0.33 (BENCHMARKS.md §25). Only steps on the "triton" attention kernel split: the flash kernels already are dense varlen kernels,
-and the sdpa kernel already runs fresh prompts as plain causal SDPA.
+on the H100 where the unified kernel takes 0.33 (BENCHMARKS.md §25). Only steps on the "triton" attention
+kernel split: the flash kernels already are dense varlen kernels, and the sdpa kernel already runs fresh
+prompts as plain causal SDPA.
+
+Off by default: on the H100 the triton dense kernel is 1.23x the unified one on 8 x 1,024 fresh tokens but
+4% on a realistic mixed step, and it moved the 8B realistic run by under 1% (BENCHMARKS.md §25).
 """
 
 from __future__ import annotations
