@@ -37,14 +37,9 @@ from graphcache.model.fp8_quant import quantize_rows  # noqa: E402
 from graphcache.model.triton_support import tl, triton  # noqa: E402
 
 from benchmarks.fp8_bench import weight_copies  # noqa: E402
+from benchmarks.fp8_gemv_sweep import SHAPES  # noqa: E402  (the 8B layer's four GEMMs)
 from benchmarks.gpu_timing import graph_us  # noqa: E402
 
-SHAPES = {
-    "qkv_proj": (6144, 4096),
-    "o_proj": (4096, 4096),
-    "gate_up_proj": (28672, 4096),
-    "down_proj": (4096, 14336),
-}
 ROWS = (32, 64, 134, 256, 512)
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); BLOCK_M is raised to cover M where M is smaller than it.
 TILES = [
