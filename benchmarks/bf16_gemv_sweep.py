@@ -37,6 +37,7 @@ import torch.nn.functional as F  # noqa: E402
 from graphcache.model import bf16_gemv  # noqa: E402
 from graphcache.model.bf16_gemv import Tile  # noqa: E402
 
+from benchmarks import roofline  # noqa: E402
 from benchmarks.gpu_timing import graph_us  # noqa: E402
 
 SHAPES = {  # name: (N, K) of W [N, K]
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         props = torch.cuda.get_device_properties(0)
         if args.bandwidth is None:  # an H100 when the lent H200 did not come: its own bound, not the H200's
-            args.bandwidth = 3350.0 if "H100" in props.name else 4800.0
+            args.bandwidth = roofline.hbm_gb_s(props.name)
         print(
             f"{props.name}: {props.multi_processor_count} SMs, L2 {l2_bytes() / 2**20:.0f} MiB, "
             f"bound {args.bandwidth:.0f} GB/s",

@@ -36,6 +36,7 @@ import torch  # noqa: E402
 from graphcache.model.fp8_quant import quantize_rows  # noqa: E402
 from graphcache.model.triton_support import tl, triton  # noqa: E402
 
+from benchmarks import roofline  # noqa: E402
 from benchmarks.fp8_bench import weight_copies  # noqa: E402
 from benchmarks.fp8_gemv_sweep import SHAPES  # noqa: E402  (the 8B layer's four GEMMs)
 from benchmarks.gpu_timing import graph_us  # noqa: E402
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = SHAPES if cuda else {"tiny": (48, 256)}
     tiles = TILES if cuda else [(16, 16, 128, 4, 1), (32, 32, 128, 4, 1)]
     name = torch.cuda.get_device_name() if cuda else "cpu"
-    bandwidth = args.bandwidth or (3350.0 if "H100" in name else 4800.0)
+    bandwidth = args.bandwidth or roofline.hbm_gb_s(name)
     print(f"{name}: bound {bandwidth:.0f} GB/s", flush=True)
     results = []
     for shape, (n, k) in shapes.items():

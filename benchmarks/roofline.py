@@ -66,6 +66,13 @@ def device_named(name: str) -> tuple[str, Device] | None:
     return None
 
 
+def hbm_gb_s(name: str) -> float:
+    """The HBM bandwidth a GPU's kernels are measured against, GB/s: its own where this file has figures
+    (an H100 when the lent H200 did not come), else the H200's."""
+    named = device_named(name)
+    return (named[1] if named else H200).hbm_bytes_per_s / 1e9
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What a bound needs of a Hugging Face config.json (from_config)."""
