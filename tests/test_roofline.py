@@ -111,7 +111,11 @@ def test_an_h100_run_is_also_set_against_the_h100_roofline(monkeypatch):
     assert roofline.device_named("NVIDIA H100 80GB HBM3") == ("H100", roofline.H100)
     assert roofline.device_named("NVIDIA H200")[1] is roofline.H200
     assert roofline.device_named("NVIDIA A100-SXM4-80GB") is None
-    assert [roofline.hbm_gb_s(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "Tesla T4")] == [3350, 4800, 4800]
+    assert [roofline.hbm_gb_s(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "Tesla T4")] == [
+        3350,
+        4800,
+        4800,
+    ]
     h200 = roofline.for_config(roofline.config_of_shape("llama8b"))
     h100 = roofline.Roofline(h200.shape, device=roofline.H100)
     lengths = [(220, 198)] * 64
