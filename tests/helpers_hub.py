@@ -81,13 +81,17 @@ class FakeHub:
     downloads of the repositories in `repos` (repo id -> model directory), each at COMMIT. Error
     answers as the hub sends them (an X-Error-Code header): `gated` repo ids answer 403 GatedRepo, an
     unknown repo 404 RepoNotFound (401, as the hub answers anonymous callers), a revision other than
-    main or COMMIT 404 RevisionNotFound."""
+    main or COMMIT 404 RevisionNotFound. A file named in `cut_once` has its first download cut off
+    halfway (the connection closes), as a flaky network does; a Range request is answered 206 from the
+    offset asked, as the hub does, so the library's retry resumes."""
 
-    def __init__(self, repos: dict[str, Path], gated: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, repos: dict[str, Path], gated: tuple[str, ...] = (), cut_once: tuple[str, ...] = ()
+    ) -> None:
         import http.server
         import threading
 
-        self.repos, self.gated = repos, set(gated)
+        self.repos, self.gated, self.cut_once = repos, set(gated), set(cut_once)
         self.requests: list[str] = []
         hub = self
 
@@ -148,7 +152,29 @@ class FakeHub:
             return self._send(handler, 404, b"{}", {"X-Error-Code": "EntryNotFound"}, body)
         data = files[name].read_bytes()
         headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{hashlib.sha256(data).hexdigest()}"'}
+        if body and name in self.cut_once:
+            self.cut_once.discard(name)
+            return self._cut_off(handler, data, headers)
+        offset = re.match(r"^bytes=(\d+)-$", handler.headers.get("Range") or "")
+        if body and offset:
+            start = int(offset.group(1))
+            headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+            return self._send(handler, 206, data[start:], headers, body)
         return self._send(handler, 200, data, headers, body)
+
+    @staticmethod
+    def _cut_off(handler, data: bytes, headers: dict[str, str]) -> None:
+        """Announce all of `data`, send half, and close the connection."""
+        import socket
+
+        handler.send_response(200)
+        for key, value in {"Content-Length": str(len(data)), **headers}.items():
+            handler.send_header(key, value)
+        handler.end_headers()
+        handler.wfile.write(data[: len(data) // 2])
+        handler.wfile.flush()
+        handler.close_connection = True
+        handler.connection.shutdown(socket.SHUT_RDWR)
 
     @staticmethod
     def _send(handler, status: int, data: bytes, headers: dict[str, str], body: bool) -> None:

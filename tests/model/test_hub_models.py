@@ -22,7 +22,7 @@ from graphcache.config import Settings
 from graphcache.engine.loop import engine as engine_module
 from graphcache.engine.loop.engine import Engine
 from graphcache.metrics import Metrics
-from graphcache.model.source import ModelSourceError, model_source, served_name
+from graphcache.model.source import ModelSourceError, _Reporter, model_source, served_name
 from graphcache.model.tiny import make_default_model
 from helpers_hub import COMMIT, FakeHub, hub_env, resolve_in_subprocess, write_hub_cache
 
@@ -177,11 +177,13 @@ class socket_closed_port:
 # --------------------------------------------------------------------------- the real library, a hub API
 
 
-def test_download_from_a_hub_writes_the_cache_and_reports_progress(tmp_path, tiny):
+@pytest.mark.parametrize("cut_once", [(), ("tokenizer.json",)], ids=["clean", "a-dropped-connection"])
+def test_download_from_a_hub_writes_the_cache_and_reports_progress(tmp_path, tiny, cut_once):
     hf_home = tmp_path / "hf"
-    with FakeHub({REPO: tiny}) as hub:
+    with FakeHub({REPO: tiny}, cut_once=cut_once) as hub:
         out = resolve_in_subprocess(REPO, pythonpath_env(hub_env(hf_home, HF_ENDPOINT=hub.url)))
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    assert ("Trying to resume download" in out.stderr) == bool(cut_once), out.stderr[-2000:]
     lines = out.stdout.strip().splitlines()
     reports = [json.loads(line.removeprefix("PROGRESS ")) for line in lines if line.startswith("PROGRESS ")]
     folder = lines[-1]
@@ -201,9 +203,28 @@ def test_download_from_a_hub_writes_the_cache_and_reports_progress(tmp_path, tin
     fetched = sum((tiny / name).stat().st_size for name in snapshot_files)
     assert last["files_done"] == last["files_total"] == 5, reports
     assert last["bytes_done"] == last["bytes_total"] == fetched, reports
+    assert all(r["bytes_done"] <= r["bytes_total"] for r in reports), reports
     # What was downloaded is a cache the library reads back offline.
     again = resolve_in_subprocess(REPO, pythonpath_env(hub_env(hf_home, HF_HUB_OFFLINE="1")))
     assert again.returncode == 0 and again.stdout.strip().splitlines()[-1] == folder
+
+
+def test_a_total_the_library_lost_never_reads_below_the_bytes_done():
+    """snapshot_download grows its byte bars' totals by assignment from each download thread: two files
+    starting at once can lose one's size. The reports stay sane, and the last one is exact."""
+    reports: list[dict] = []
+    reporter = _Reporter(REPO, reports.append)
+    bar_class = reporter.bar_class()
+    transfer = bar_class(total=0, unit="B")
+    reconstruct = bar_class(total=0, unit="B")
+    reconstruct.total = transfer.total = 100  # a second file's 50 bytes lost from the total
+    transfer.total = 200  # the transfer bar pads its total past the bytes seen
+    for _ in range(3):
+        reconstruct.update(50)
+        transfer.update(50)
+    reporter.finish()
+    assert all(r["bytes_done"] <= r["bytes_total"] for r in reports), reports
+    assert reports[-1]["bytes_done"] == reports[-1]["bytes_total"] == 150, reports
 
 
 @pytest.mark.parametrize(

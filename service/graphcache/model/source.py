@@ -285,12 +285,14 @@ class _Reporter:
     def _bytes(self) -> tuple[int, int]:
         """(done, total) over the snapshot_download calls. Each call has two byte bars counting the same
         bytes, transfer and reconstruction: the larger done, and the smaller known total (the transfer bar
-        pads its own past the bytes seen so far)."""
+        pads its own past the bytes seen so far), never below done: the library grows a bar's total by
+        assignment from its download threads, so a total seen here can be stale or miss a file's bytes."""
         done = total = 0
         for call in {c for c, _, _ in self._byte_bars.values()}:
             bars = [(d, t) for c, d, t in self._byte_bars.values() if c == call]
-            done += max(d for d, _ in bars)
-            total += min((t for _, t in bars if t > 0), default=0)
+            call_done = max(d for d, _ in bars)
+            done += call_done
+            total += max(call_done, min((t for _, t in bars if t > 0), default=0))
         return done, total
 
     @property
@@ -331,9 +333,12 @@ class _Reporter:
                 self.progress(report)
 
     def finish(self) -> None:
+        """The last report: the download is over, so every byte it was to fetch is done."""
         with self._lock:
             if self.progress is not None:
-                self.progress(self.snapshot())
+                report = self.snapshot()
+                report["bytes_total"] = report["bytes_done"]
+                self.progress(report)
 
     def bar_class(self) -> type:
         """A tqdm class for one snapshot_download call whose bars report here and print nothing (the log
