@@ -183,7 +183,8 @@ def test_download_from_a_hub_writes_the_cache_and_reports_progress(tmp_path, tin
     with FakeHub({REPO: tiny}, cut_once=cut_once) as hub:
         out = resolve_in_subprocess(REPO, pythonpath_env(hub_env(hf_home, HF_ENDPOINT=hub.url)))
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
-    assert ("Trying to resume download" in out.stderr) == bool(cut_once), out.stderr[-2000:]
+    # (a busy machine may retry on its own: only the cut-off run is sure to)
+    assert "Trying to resume download" in out.stderr or not cut_once, out.stderr[-2000:]
     lines = out.stdout.strip().splitlines()
     reports = [json.loads(line.removeprefix("PROGRESS ")) for line in lines if line.startswith("PROGRESS ")]
     folder = lines[-1]
