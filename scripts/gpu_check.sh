@@ -5,8 +5,10 @@
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  >"$OUT/pip.log" 2>&1 || { echo "wheel install failed"; tail "$OUT/pip.log"; exit 1; }
+# Once per machine: several invocations in one call (each with its own settings) share the install.
+[ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1 && touch /tmp/site/.installed; } ||
+  { echo "wheel install failed"; tail "$OUT/pip.log"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD:$PWD/service PATH=/tmp/site/bin:$PATH
 phase() {  # name, timeout seconds, command...
   local name=$1 t=$2; shift 2
