@@ -29,9 +29,9 @@ for p in ${PHASES:-tests pool capture}; do
   case $p in
     # Every file with cuda-marked tests (grep -l "mark.cuda" tests/*.py tests/*/*.py), found afresh each run.
     tests)   phase tests 420 python3 -m pytest -q -m cuda -p no:cacheprovider \
-               $(grep -l "mark.cuda" tests/*.py tests/*/*.py) -rs --durations=15 ${PYTEST_ARGS:-} ;;
+               $(grep -l "mark.cuda" tests/*.py tests/*/*.py) -rfs --durations=15 ${PYTEST_ARGS:-} ;;
     # The cuda tests of the files named in $TEST_FILES only (a quicker check of what a change touched).
-    tests_some) phase tests_some 420 python3 -m pytest -q -m cuda -p no:cacheprovider ${TEST_FILES:?name test files} -rs ;;
+    tests_some) phase tests_some 420 python3 -m pytest -q -m cuda -p no:cacheprovider ${TEST_FILES:?name test files} -rfs ;;
     sampler) phase sampler 120 python3 benchmarks/sampler_bench.py --out "$OUT/sampler.json" ${SAMPLER_ARGS:-} ;;
     kernels) phase kernels 200 python3 benchmarks/decode_attention_bench.py ;;
     mixed_attn) phase mixed_attn 300 python3 benchmarks/mixed_attention_bench.py ${MIXED_ATTN_ARGS:-} ;;
