@@ -530,6 +530,12 @@ def own_device_bounds(
     return label
 
 
+def kv_cache_dtype_of(args) -> str:
+    """The engine's kv_cache_dtype (GRAPHCACHE_KV_CACHE_DTYPE), auto on a tree without the setting."""
+    settings = engine_settings(args, enforce_eager=False)
+    return str(getattr(getattr(settings, "model", None), "kv_cache_dtype", None) or "auto")
+
+
 def add_bounds(
     results: list[dict], runs: dict[str, list[workloads.Request]], roof: roofline.Roofline, prefix: str = ""
 ) -> None:
@@ -585,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = json.loads((args.model / "config.json").read_text())
     runs = build_workloads(args, config["vocab_size"])
-    args.roofline = roofline.for_config(config, quantization_of(args), args.dtype)
+    args.roofline = roofline.for_config(config, quantization_of(args), args.dtype, kv_cache_dtype_of(args))
     results = []
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         print(f"running {mode} ...", file=sys.stderr, flush=True)
@@ -631,7 +637,8 @@ def main(argv: list[str] | None = None) -> int:
     roof = args.roofline
     print(
         f"(bound: H200 roofline, benchmarks/roofline.py: {roof.weight_bytes / 1e9:.2f} GB of weights"
-        f"{' in FP8' if roof.fp8 else ''}, {roof.kv_bytes_per_token} KV bytes a token; share = bound s / seconds; "
+        f"{' in FP8' if roof.fp8 else ''}, {roof.kv_bytes_per_token} KV bytes a token"
+        f"{' (FP8 cache)' if roof.kv_fp8 else ''}; share = bound s / seconds; "
         "prefix-cache hits not counted)"
     )
     for name, b in {r["workload"]: r["roofline"] for r in results}.items():

@@ -15,7 +15,7 @@ The model (every count is a lower bound of what any kernel must do):
   kernel's tiling). KV bytes a token: 2 (K and V) x layers x kv_heads x head_dim x dtype bytes.
 - **FP8** (--quantization fp8, or an FP8 checkpoint): the decoder's linear weights are 1 byte and their
   GEMMs run at the FP8 peak; the embedding and LM head stay 16-bit (the engine's FP8 path keeps them), as
-  does the KV cache.
+  does the KV cache unless it is FP8 itself (kv_cache_dtype fp8: 1 byte a value).
 
 A **step's** bound: max(one weight read, its GEMM FLOPs at peak) + its KV read. GEMMs and attention run one
 after the other, and a GEMM is bound by whichever of its weight read and its FLOPs is longer.
@@ -206,6 +206,7 @@ class Roofline:
     shape: ModelShape
     fp8: bool = False  # FP8 linear weights and GEMMs
     dtype_bytes: int = 2  # the 16-bit dtype of everything else (the KV cache, embedding, LM head)
+    kv_fp8: bool = False  # an FP8 KV cache (kv_cache_dtype fp8): 1 byte a K or V value
     device: Device = H200
 
     @property
@@ -221,7 +222,7 @@ class Roofline:
     @property
     def kv_bytes_per_token(self) -> int:
         s = self.shape
-        return 2 * s.layers * s.kv_heads * s.head_dim * self.dtype_bytes
+        return 2 * s.layers * s.kv_heads * s.head_dim * (1 if self.kv_fp8 else self.dtype_bytes)
 
     def gemm_flops(self, fed_tokens: float, sampled_rows: float) -> float:
         s = self.shape
@@ -281,12 +282,16 @@ def is_fp8(quantization: str | None, config: dict) -> bool:
     return method in ("fp8", "compressed-tensors")
 
 
-def for_config(config: dict, quantization: str | None = None, dtype: str = "auto") -> Roofline:
-    """The H200 roofline of a config.json; dtype auto is bf16 (what CUDA runs), float32 4 bytes."""
+def for_config(
+    config: dict, quantization: str | None = None, dtype: str = "auto", kv_cache_dtype: str = "auto"
+) -> Roofline:
+    """The H200 roofline of a config.json; dtype auto is bf16 (what CUDA runs), float32 4 bytes;
+    kv_cache_dtype fp8 / fp8_e4m3: 1 byte a cached K or V value."""
     return Roofline(
         ModelShape.from_config(config),
         fp8=is_fp8(quantization, config),
         dtype_bytes=4 if dtype == "float32" else 2,
+        kv_fp8=kv_cache_dtype != "auto",
     )
 
 

@@ -97,6 +97,8 @@ def test_the_8b_shape_reads_its_16_gb():
     assert roof.weight_bytes == pytest.approx(16.06e9, rel=1e-3)  # 8.03B parameters in bf16
     assert roof.weight_read_s * 1e3 == pytest.approx(3.346, abs=1e-3)
     assert roof.kv_bytes_per_token == 131072
+    fp8_cache = roofline.for_config(roofline.config_of_shape("llama8b"), kv_cache_dtype="fp8")
+    assert fp8_cache.kv_bytes_per_token == 65536 and fp8_cache.weight_bytes == roof.weight_bytes
     tied = roofline.ModelShape.from_config(roofline.config_of_shape("qwen05b"))
     assert tied.tied and tied.embedding_tables == 1
     with pytest.raises(SystemExit, match="no roofline for shape 'tiny'"):

@@ -226,10 +226,19 @@ def test_flags_graphcache_already_honours_are_accepted_silently(argv):
     assert read(*argv).warnings == []
 
 
+@pytest.mark.parametrize("value", ["auto", "fp8", "fp8_e4m3"])
+def test_kv_cache_dtype_is_the_setting(value, capsys):
+    r = read("--kv-cache-dtype", value)
+    assert r.settings.model.kv_cache_dtype == value and r.warnings == []
+
+
+def test_an_fp8_e5m2_kv_cache_is_refused(capsys):
+    assert "fp8_e4m3" in refused(capsys, "--kv-cache-dtype", "fp8_e5m2")
+
+
 WARNED = [
     (["--trust-remote-code"], "no code from the model repository"),
     (["--swap-space", "4"], "recomputing"),
-    (["--kv-cache-dtype", "fp8"], "model dtype"),
     (["--uvicorn-log-level", "warning"], "--log-level"),
     (["--no-enable-chunked-prefill"], "always chunks"),
     (["--max-seq-len-to-capture", "8192"], "by batch size"),

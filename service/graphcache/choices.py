@@ -21,6 +21,7 @@ __all__ = [
     "DTYPES",
     "EVICTION_POLICIES",
     "FUSED_OPS_MODES",
+    "KV_CACHE_DTYPES",
     "LAZY_POOLS",
     "LOG_FORMATS",
     "LOG_LEVELS",
@@ -38,6 +39,7 @@ __all__ = [
     "CaptureWarmup",
     "DecodeAttentionBackend",
     "DecodeKernel",
+    "KvCacheDtype",
     "Device",
     "Dtype",
     "EvictionPolicy",
@@ -65,6 +67,9 @@ DecodeAttentionBackend = Literal["auto", "triton", "torch", "varlen"]
 # Fresh prompts' attention on the triton kernel: the unified kernel, or a dense varlen kernel (model/prefill_attention.py)
 PrefillAttention = Literal["unified", "triton", "flash", "sdpa"]
 FusedOps = Literal["auto", "off"]
+KvCacheDtype = Literal[
+    "auto", "fp8", "fp8_e4m3"
+]  # auto: the model's dtype; fp8 = fp8_e4m3 (model/kv_dtype.py)
 Quantization = Literal["auto", "fp8"]  # auto: as the checkpoint is; fp8: FP8 projections (quantized on load)
 RunnerKind = Literal["auto", "generate", "pooling"]  # vLLM's --runner: text generation, or embeddings
 PoolingMode = Literal["last", "mean", "cls"]  # an embedding: the last token's, the mean, the first token's
@@ -97,6 +102,7 @@ DECODE_KERNELS: tuple[str, ...] = get_args(DecodeKernel)
 DECODE_ATTENTION_BACKENDS: tuple[str, ...] = get_args(DecodeAttentionBackend)
 PREFILL_ATTENTION_MODES: tuple[str, ...] = get_args(PrefillAttention)
 FUSED_OPS_MODES: tuple[str, ...] = get_args(FusedOps)
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 RUNNER_KINDS: tuple[str, ...] = get_args(RunnerKind)
 POOLING_MODES: tuple[str, ...] = get_args(PoolingMode)

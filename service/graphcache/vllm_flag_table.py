@@ -639,17 +639,6 @@ FLAGS: tuple[VllmFlag, ...] = (
     # --- KV cache and memory
     _v("--num-gpu-blocks-override", apply=_positive_int("num_kv_blocks"), help="num_kv_blocks"),
     _v(
-        "--kv-cache-dtype",
-        apply=ok_if(
-            _in("auto"),
-            warn(
-                "the KV cache is stored in the model dtype (an FP8 KV cache is not implemented), so it holds "
-                "about half the tokens an FP8 one would; ignored"
-            ),
-        ),
-        help="auto as vLLM; fp8: the model dtype (warning)",
-    ),
-    _v(
         "--swap-space",
         apply=ok_if(
             _zero,

@@ -53,6 +53,7 @@ from graphcache.graphs.capture import eager_break, is_capturing
 from graphcache.model.attention_metadata import AttentionMetadata, DecodeMetadata, PrefillPlan
 from graphcache.model.decode_attention import HAVE_TRITON, paged_decode_attention
 from graphcache.model.forward_context import current_attention_metadata
+from graphcache.model.kv_dtype import gather_slots
 from graphcache.model.prefill_attention import dense_prefill_attention
 from graphcache.model.unified_attention import unified_attention
 
@@ -233,8 +234,10 @@ def decode_attention(
     length = md.block_tables.shape[1] * k_blocks.shape[1]
     assert md.positions is not None  # the runner allocates it for the torch kernel
     flat = md.block_tables.reshape(-1)
-    k = k_blocks.index_select(0, flat).view(num_reqs, length, kv_heads, dim).transpose(1, 2)  # [R, K, L, D]
-    v = v_blocks.index_select(0, flat).view(num_reqs, length, kv_heads, dim).transpose(1, 2)
+    k = (
+        gather_slots(k_blocks, 0, flat, q.dtype).view(num_reqs, length, kv_heads, dim).transpose(1, 2)
+    )  # [R, K, L, D]
+    v = gather_slots(v_blocks, 0, flat, q.dtype).view(num_reqs, length, kv_heads, dim).transpose(1, 2)
     seq_lens = md.seq_lens.clamp_min(1)  # padded rows attend to slot 0, then are zeroed
     beyond = md.positions[:length] >= seq_lens[:, None]  # [R, L]
     mask = torch.zeros(beyond.shape, dtype=q.dtype, device=q.device).masked_fill_(beyond, float("-inf"))
@@ -350,7 +353,7 @@ def paged_attention(
         return
     if md.kernel == "flash":
         # All requests at once. Rows past cu_seqlens_q[-1] (padding) are neither read nor written.
-        kc, vc = kv_cache.index_select(1, md.context_slots).unbind(0)  # [total_k, K, D] each
+        kc, vc = gather_slots(kv_cache, 1, md.context_slots, q.dtype).unbind(0)  # [total_k, K, D] each
         _flash_into(
             out, q, kc, vc, md.num_real_tokens, md.cu_seqlens_q, md.cu_seqlens_k, md.max_q, md.max_k, scale
         )
@@ -365,7 +368,7 @@ def _decode_attention(q, out, kv_cache, scale, md: AttentionMetadata) -> None:
     """One query per request, all decodes in one SDPA call over their gathered contexts."""
     nd = md.num_decodes
     kc, vc = (
-        kv_cache.index_select(1, md.decode_slots)  # [2, nd * L, K, D]
+        gather_slots(kv_cache, 1, md.decode_slots, q.dtype)  # [2, nd * L, K, D]
         .view(md.decode_kv_shape)
         .transpose(2, 3)
         .unbind(0)
@@ -387,7 +390,7 @@ def _prefill_attention(p: PrefillPlan, q, k, v, out, kv_cache, scale) -> None:
         o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
     else:
         kc, vc = (
-            kv_cache.index_select(1, p.context_slots).transpose(1, 2)[:, None].unbind(0)
+            gather_slots(kv_cache, 1, p.context_slots, q.dtype).transpose(1, 2)[:, None].unbind(0)
         )  # [1, K, L, D] each
         o = F.scaled_dot_product_attention(qi, kc, vc, attn_mask=p.mask, scale=scale, enable_gqa=True)
     out[p.start : p.end].copy_(o[0].transpose(0, 1))  # [n, H, D]

@@ -173,7 +173,7 @@ def _decode_stage1(
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(
             k_head + blk[:, None] * stride_kb + off[:, None] * stride_ks + d[None, :], mask=kv_mask, other=0.0
-        )  # [BN, DP]
+        ).to(q.dtype)  # [BN, DP]; an FP8 cache's values widened to q's 16 bits (a no-op for a 16-bit one)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GP, BN] fp32, log2
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every tile holds >= 1 valid token
@@ -182,7 +182,7 @@ def _decode_stage1(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             v_head + blk[:, None] * stride_vb + off[:, None] * stride_vs + d[None, :], mask=kv_mask, other=0.0
-        )  # [BN, DP]
+        ).to(q.dtype)  # [BN, DP]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 

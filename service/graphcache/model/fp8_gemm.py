@@ -380,10 +380,12 @@ def weight_only_qkv_rope(
 
 def folds_rope(x: torch.Tensor, w: torch.Tensor, rope: RopeArgs, kernel: bool = True) -> bool:
     """Whether weight_only_qkv_rope takes these operands: one token on the kernel path, w's rows the heads'
-    and the caches and tables in the rotary kernel's layout."""
+    and the caches and tables in the rotary kernel's layout, in x's dtype (an FP8 KV cache takes the GEMM,
+    then fused_ops.rotary_cache_, which rounds to E4M3)."""
     d, kc, vc = rope.head_dim, rope.k_slots, rope.v_slots
     rows = (rope.num_heads + 2 * rope.num_kv_heads) * d
     layout = kc.stride() == vc.stride() and kc.dim() == 3 and kc.stride(2) == 1 and rope.cos.stride(1) == 1
+    layout = layout and kc.dtype == vc.dtype == x.dtype
     halves = d % (2 * ROPE_ONE_ROW_TILE[0]) == 0
     one_token = ROPE_IN_GEMM and x.shape[0] == 1
     return one_token and _runs_kernel(x, kernel) and w.shape[0] == rows and layout and halves

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from graphcache.model.kv_dtype import is_fp8, write_slots_
 from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
 __all__ = ["HAVE_TRITON", "add_rmsnorm", "rotary_", "rotary_cache_", "silu_mul"]
@@ -96,6 +97,7 @@ def _rotary_kernel(
     num_k,
     half,
     WRITE_KV: tl.constexpr,
+    KV_FP8: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -128,12 +130,24 @@ def _rotary_kernel(
     if WRITE_KV:  # the rotated k and v into this token's cache slot ([num_slots, K, D] caches)
         slot = tl.load(slot_ptr + t)
         kc = kc_ptr + slot * stride_cs + h * stride_ch + d
-        tl.store(kc, k1, mask=mask)
-        tl.store(kc + half, k2, mask=mask)
         pv = v_ptr + t * stride_vt + h * stride_vh + d
         vc = vc_ptr + slot * stride_cs + h * stride_ch + d
-        tl.store(vc, tl.load(pv, mask=mask, other=0.0), mask=mask)
-        tl.store(vc + half, tl.load(pv + half, mask=mask, other=0.0), mask=mask)
+        v1 = tl.load(pv, mask=mask, other=0.0)
+        v2 = tl.load(pv + half, mask=mask, other=0.0)
+        if KV_FP8:  # an FP8 cache (model/kv_dtype.py): E4M3 saturated at +-448, as kv_dtype.to_cache rounds
+            tl.store(kc, tl.clamp(k1.to(tl.float32), -448.0, 448.0).to(kc_ptr.dtype.element_ty), mask=mask)
+            tl.store(
+                kc + half, tl.clamp(k2.to(tl.float32), -448.0, 448.0).to(kc_ptr.dtype.element_ty), mask=mask
+            )
+            tl.store(vc, tl.clamp(v1.to(tl.float32), -448.0, 448.0).to(vc_ptr.dtype.element_ty), mask=mask)
+            tl.store(
+                vc + half, tl.clamp(v2.to(tl.float32), -448.0, 448.0).to(vc_ptr.dtype.element_ty), mask=mask
+            )
+        else:
+            tl.store(kc, k1, mask=mask)
+            tl.store(kc + half, k2, mask=mask)
+            tl.store(vc, v1, mask=mask)
+            tl.store(vc + half, v2, mask=mask)
 
 
 def _silu_mul_kernel(
@@ -236,8 +250,8 @@ def rotary_cache_(
     where the ops it replaces are three (rotary and two index_copy_), each a launch of a decode layer."""
     if not fused:
         q, k = rotary_(q, k, cos, sin, positions, False)
-        k_slots.index_copy_(0, slot_mapping, k)
-        v_slots.index_copy_(0, slot_mapping, v)
+        write_slots_(k_slots, slot_mapping, k)  # index_copy_, rounded to an FP8 cache's E4M3
+        write_slots_(v_slots, slot_mapping, v)
         return q, k
     if v.stride(2) != 1 or k_slots.stride() != v_slots.stride() or k_slots.stride(2) != 1:
         raise ValueError("rotary_cache_ needs v's head dimension contiguous and k/v caches of one layout")
@@ -274,6 +288,7 @@ def _launch_rotary(q, k, cos, sin, positions, cache) -> None:
         k.shape[1],
         d // 2,
         WRITE_KV=cache is not None,
+        KV_FP8=is_fp8(kc),
         BLOCK_D=_pow2(d // 2),
         BLOCK_H=_pow2(max(num_q, k.shape[1])),
         num_warps=4,

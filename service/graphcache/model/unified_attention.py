@@ -178,7 +178,7 @@ def _unified_kernel(
         kv_mask = valid[:, None] & d_ok[None, :]
         k = tl.load(
             k_head + blk[:, None] * stride_kb + off[:, None] * stride_ks + d[None, :], mask=kv_mask, other=0.0
-        )  # [BN, DP]
+        ).to(q.dtype)  # [BN, DP]; an FP8 cache's values widened to q's 16 bits (a no-op for a 16-bit one)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BM, BN] fp32, log2
         if start + BLOCK_N > diag:  # only tiles that reach the tile's first row's position need masks
             seen = valid[None, :] & (pos[None, :] <= q_pos[:, None])  # causal, bottom-right
@@ -189,7 +189,7 @@ def _unified_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             v_head + blk[:, None] * stride_vb + off[:, None] * stride_vs + d[None, :], mask=kv_mask, other=0.0
-        )  # [BN, DP]
+        ).to(q.dtype)  # [BN, DP]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 

@@ -14,6 +14,7 @@ from graphcache.choices import (
     Device,
     Dtype,
     FusedOps,
+    KvCacheDtype,
     PrefillAttention,
     Quantization,
     RunnerKind,
@@ -99,6 +100,12 @@ class ModelSettings(SettingsSection):
         "the paged unified kernel, as every other row; triton / flash = a dense varlen kernel over "
         "the step's own rows (model/prefill_triton.py, FlashAttention 2); sdpa = torch SDPA per prompt (the CPU runs sdpa for "
         "every value but unified). Other attention backends ignore it (model/prefill_attention.py).",
+    )
+    kv_cache_dtype: KvCacheDtype = Field(
+        "auto",
+        description="The KV cache's storage, as vLLM's --kv-cache-dtype: auto = the model's dtype; fp8 / fp8_e4m3 "
+        "= FP8 E4M3 with a scale of 1 (half a bf16 cache's bytes: twice the tokens, half the bytes a decode "
+        "step's attention reads). Needs the triton attention (CUDA) or sdpa (model/kv_dtype.py).",
     )
     fused_ops: FusedOps = Field(
         "auto",

@@ -515,5 +515,9 @@ class EngineCore:
                 self.metrics.vllm.set_cache_config(
                     block_size=bm.block_size,
                     num_gpu_blocks=bm.num_blocks,
-                    cache_dtype=str(self.runner.dtype).removeprefix("torch."),
+                    cache_dtype=(
+                        "fp8_e4m3"
+                        if self.settings.model.kv_cache_dtype != "auto"
+                        else str(self.runner.dtype).removeprefix("torch.")
+                    ),
                 )

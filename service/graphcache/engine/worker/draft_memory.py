@@ -70,6 +70,7 @@ def draft_footprint(
     *,
     block_size: int,
     dtype: torch.dtype,
+    kv_dtype: torch.dtype,
     max_tokens: int,
     max_reqs: int,
     max_model_len: int,
@@ -96,7 +97,9 @@ def draft_footprint(
             "a longer context"
         )
     return DraftFootprint(
-        block_bytes=kv_block_bytes(config, block_size, config.num_kv_heads, dtype),
+        block_bytes=kv_block_bytes(
+            config, block_size, config.num_kv_heads, kv_dtype
+        ),  # the target's cache dtype
         weight_bytes=weight_elements(path) * dtype.itemsize,
         reserve_bytes=settings.graph_cache.max_bytes + _activations(config, max_tokens, max_reqs, dtype),
     )

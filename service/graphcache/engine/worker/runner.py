@@ -52,6 +52,7 @@ from graphcache.model.attention_metadata import AttentionMetadata, AttentionPlan
 from graphcache.model.config import ModelLoadError, read_config, resolve_dtype
 from graphcache.model.forward_context import forward_context
 from graphcache.model.fused_ops import HAVE_TRITON as HAVE_FUSED_TRITON
+from graphcache.model.kv_dtype import cache_dtype
 from graphcache.model.loader import load_model
 from graphcache.model.parallel import TensorParallel
 from graphcache.model.prefill_attention import select_prefill_kernel
@@ -155,10 +156,18 @@ class ModelRunner(StepExecution):
                 s, self.model, c, max_tokens=self.max_tokens, dtype=self.dtype, device=self.device,
                 tp_size=tp.size,
             )  # fmt: skip
+        # The cache's dtype: the model's, or FP8 (settings.model.kv_cache_dtype; model/kv_dtype.py).
+        self.kv_dtype = cache_dtype(s.model.kv_cache_dtype, self.dtype)
         self._alloc_kv_cache()
         self.attention_kernel = select_attention_kernel(
             self.device, self.dtype, c.head_dim, self.block_size, s.model.attention_backend
         )
+        if self.kv_dtype != self.dtype and self.attention_kernel in ("flash", "flash_paged"):
+            raise RuntimeError(
+                f"kv_cache_dtype={s.model.kv_cache_dtype} needs the triton attention (CUDA) or sdpa, not "
+                f"{self.attention_kernel} (FlashAttention takes 16-bit K/V); set attention_backend=auto or "
+                "triton, or kv_cache_dtype=auto"
+            )
         self._planner = AttentionPlanner(
             kernel=self.attention_kernel,
             block_size=self.block_size,
@@ -258,12 +267,13 @@ class ModelRunner(StepExecution):
             tp_size=self.tp.size,
             itemsize=self.dtype.itemsize,
         )
-        block_bytes = kv_block_bytes(c, self.block_size, self.num_kv_heads, self.dtype)
+        block_bytes = kv_block_bytes(c, self.block_size, self.num_kv_heads, self.kv_dtype)
         # A draft model (speculative decoding) loads after this cache with a cache of as many blocks.
         draft = draft_footprint(
             s,
             block_size=self.block_size,
             dtype=self.dtype,
+            kv_dtype=self.kv_dtype,
             max_tokens=self.max_tokens,
             max_reqs=self.max_reqs,
             max_model_len=self.max_model_len,
@@ -280,7 +290,7 @@ class ModelRunner(StepExecution):
         )
         self.num_kv_blocks = agree_min_blocks(blocks, self.tp, self.device)
         self.kv_storage = alloc_kv_storage(
-            c, self.num_kv_blocks, self.block_size, self.num_kv_heads, self.dtype, self.device
+            c, self.num_kv_blocks, self.block_size, self.num_kv_heads, self.kv_dtype, self.device
         )  # this rank's KV heads, one scratch block past the usable ones
         # [layers, 2, blocks, bs, K, D]: the usable blocks
         self.kv_cache = self.kv_storage[:, :, : self.num_kv_blocks]
