@@ -310,7 +310,12 @@ def test_the_targets_kv_sizing_counts_the_draft(path, small, monkeypatch):
     proposer = build_draft_proposer(settings, with_draft)
     assert proposer.runner.num_kv_blocks == with_draft.num_kv_blocks  # block for block
     fp = draft_footprint(
-        settings, block_size=4, dtype=torch.float32, kv_dtype=torch.float32, max_tokens=256, max_reqs=8,
+        settings,
+        block_size=4,
+        dtype=torch.float32,
+        kv_dtype=torch.float32,
+        max_tokens=256,
+        max_reqs=8,
         max_model_len=256,
     )
     assert fp is not None and fp.block_bytes == d_block
