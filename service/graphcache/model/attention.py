@@ -367,6 +367,7 @@ def paged_attention(
 def _decode_attention(q, out, kv_cache, scale, md: AttentionMetadata) -> None:
     """One query per request, all decodes in one SDPA call over their gathered contexts."""
     nd = md.num_decodes
+    assert md.decode_slots is not None  # the sdpa plan sets it whenever the step has decodes
     kc, vc = (
         gather_slots(kv_cache, 1, md.decode_slots, q.dtype)  # [2, nd * L, K, D]
         .view(md.decode_kv_shape)
