@@ -67,9 +67,8 @@ DecodeAttentionBackend = Literal["auto", "triton", "torch", "varlen"]
 # Fresh prompts' attention on the triton kernel: the unified kernel, or a dense varlen kernel (model/prefill_attention.py)
 PrefillAttention = Literal["unified", "triton", "flash", "sdpa"]
 FusedOps = Literal["auto", "off"]
-KvCacheDtype = Literal[
-    "auto", "fp8", "fp8_e4m3"
-]  # auto: the model's dtype; fp8 = fp8_e4m3 (model/kv_dtype.py)
+# The KV cache's storage: the model's dtype (auto), or FP8 E4M3 (fp8 = fp8_e4m3; model/kv_dtype.py)
+KvCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
 Quantization = Literal["auto", "fp8"]  # auto: as the checkpoint is; fp8: FP8 projections (quantized on load)
 RunnerKind = Literal["auto", "generate", "pooling"]  # vLLM's --runner: text generation, or embeddings
 PoolingMode = Literal["last", "mean", "cls"]  # an embedding: the last token's, the mean, the first token's

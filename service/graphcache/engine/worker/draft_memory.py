@@ -97,9 +97,8 @@ def draft_footprint(
             "a longer context"
         )
     return DraftFootprint(
-        block_bytes=kv_block_bytes(
-            config, block_size, config.num_kv_heads, kv_dtype
-        ),  # the target's cache dtype
+        # in the target's cache dtype (the draft runner takes the target's kv_cache_dtype)
+        block_bytes=kv_block_bytes(config, block_size, config.num_kv_heads, kv_dtype),
         weight_bytes=weight_elements(path) * dtype.itemsize,
         reserve_bytes=settings.graph_cache.max_bytes + _activations(config, max_tokens, max_reqs, dtype),
     )
