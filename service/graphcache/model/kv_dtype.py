@@ -4,8 +4,9 @@ and half the bytes a decode step's attention reads.
 
 FP8 values are the model's K and V rounded to E4M3 with a scale of 1 (what vLLM stores for a checkpoint
 without calibrated KV scales), saturated at +-448: torch's cast would make an out-of-range value NaN.
-Everything that writes the cache (the rotary + cache-write kernel, its torch fallback, the FP8 one-token
-qkv epilogue) rounds through `to_cache` or the same clamp; everything that reads it (the Triton decode and
+Everything that writes the cache (the rotary + cache-write kernel and its torch fallback; the FP8 one-token
+qkv epilogue, which writes 16 bits, is not used with an FP8 cache: fp8_gemm.folds_rope) rounds through
+`to_cache` or the same clamp; everything that reads it (the Triton decode and
 unified kernels, the torch gathers) widens the values to the model's dtype before any arithmetic. The
 FlashAttention backends take 16-bit K/V only, so FP8 caches need the triton (CUDA) or sdpa attention.
 
