@@ -2,6 +2,9 @@
 
   python benchmarks/fp8_bench.py --make-model llama8b:/tmp/llama8b --out fp8.json
   python benchmarks/fp8_bench.py --smoke        # CPU, the tiny shape: the script runs end to end
+  python benchmarks/fp8_bench.py ... --kv-cache-dtype fp8   # the FP8 run with an FP8 KV cache as well
+                                                            # (decode and greedy read it; the teacher-forced
+                                                            # logits come from one prefill over fresh K/V)
 
 The same bf16 checkpoint is loaded as it is, then with --quantization fp8 (per-channel weight scales,
 per-token activation scales; an FP8 checkpoint of the same weights loads to the same layers):
@@ -132,7 +135,7 @@ def greedy_stats(fp8: list[list[int]], ref: list[list[int]]) -> dict:
     }
 
 
-def run_model(model: Path, quantization: str, args) -> dict:
+def run_model(model: Path, quantization: str, args, kv_cache_dtype: str = "auto") -> dict:
     runner = make_runner(
         model,
         "full" if args.device == "cuda" else "eager",
@@ -141,6 +144,7 @@ def run_model(model: Path, quantization: str, args) -> dict:
         device=args.device,
         max_model_len=args.max_model_len,
         quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
     )
     result: dict = {"quantization": quantization, "decode_ms": {}}
     for b in args.batches:
@@ -238,6 +242,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="no programmatic dependent launch of the weight-only GEMMs (fp8_gemm.PDL off) for this run",
     )
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="the FP8 run's KV cache (auto: the model's dtype; fp8: FP8 E4M3); the bf16 reference keeps its own",
+    )
     ap.add_argument("--smoke", action="store_true", help="CPU, the embedded tiny model, a few steps")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -258,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     fp8_gemm.ROPE_IN_GEMM = not args.no_rope_in_gemm
     if args.no_pdl:
         fp8_gemm.PDL = False
-    ref, fp8 = run_model(model, "auto", args), run_model(model, "fp8", args)
+    ref, fp8 = run_model(model, "auto", args), run_model(model, "fp8", args, args.kv_cache_dtype)
     report = {
         "model": str(model),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
@@ -279,10 +288,12 @@ def main(argv: list[str] | None = None) -> int:
         "one_row_tile": list(fp8_gemm.ONE_ROW_TILE),
         "rope_in_gemm": fp8_gemm.ROPE_IN_GEMM,
         "pdl": fp8_gemm.PDL is not False and args.device == "cuda",
+        "fp8_kv_cache_dtype": args.kv_cache_dtype,
     }
     if not args.no_gemm:
         report["gemm"] = gemm_table()
-    print(f"\n{'batch':>5} {'bf16 ms':>9} {'fp8 ms':>9} {'fp8/bf16':>9}")
+    print(f"\nthe FP8 run's KV cache: {args.kv_cache_dtype}")
+    print(f"{'batch':>5} {'bf16 ms':>9} {'fp8 ms':>9} {'fp8/bf16':>9}")
     for r in report["decode"]:
         print(f"{r['batch']:>5} {r['bf16_ms']:9.3f} {r['fp8_ms']:9.3f} {r['ratio']:9.3f}")
     lg, gr = report["logits"], report["greedy"]

@@ -539,9 +539,11 @@ def test_fp8_bench_smoke(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from benchmarks import fp8_bench
 
-    out = tmp_path / "fp8.json"
-    assert fp8_bench.main(["--smoke", "--out", str(out)]) == 0
-    report = json.loads(out.read_text())
-    assert [r["batch"] for r in report["decode"]] == [1, 4]
-    assert 0 < report["logits"]["rel_error_mean"] < REL_MEAN
-    assert report["greedy"]["sequences"] == 2
+    for kv in ("auto", "fp8"):  # the FP8 run with the model's KV cache, then with an FP8 one
+        out = tmp_path / f"fp8_{kv}.json"
+        assert fp8_bench.main(["--smoke", "--kv-cache-dtype", kv, "--out", str(out)]) == 0
+        report = json.loads(out.read_text())
+        assert report["fp8_kv_cache_dtype"] == kv
+        assert [r["batch"] for r in report["decode"]] == [1, 4]
+        assert 0 < report["logits"]["rel_error_mean"] < REL_MEAN
+        assert report["greedy"]["sequences"] == 2
