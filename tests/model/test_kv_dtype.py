@@ -90,3 +90,23 @@ def test_flash_attention_refuses_an_fp8_cache(monkeypatch):
     monkeypatch.setattr(runner_mod, "select_attention_kernel", lambda *args: "flash_paged")
     with pytest.raises(RuntimeError, match="kv_cache_dtype=fp8 needs the triton attention"):
         ModelRunner(cpu_settings(tiny_checkpoint("qwen2"), kv_cache_dtype="fp8"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton")
+def test_the_attention_kernels_compile_for_sm90_on_an_fp8_cache():
+    """scripts/kv_fp8_sm90.py: the decode and unified kernels at the 8B shape with FP8 E4M3 K/V, compiled for
+    Hopper (sm_90) on this machine without a GPU, so that Triton's lowering of the widening loads fails here,
+    not on the device. A process of its own: these tests run Triton's interpreter (TRITON_INTERPRET)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, str(root / "scripts" / "kv_fp8_sm90.py")], capture_output=True, text=True, env=env
+    )
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert out.stdout.count("widens E4M3") == 2, out.stdout

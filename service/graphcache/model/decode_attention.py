@@ -269,11 +269,11 @@ def paged_decode_attention(
     workspace: torch.Tensor,
     num_splits: int,
 ) -> None:
-    """q [R, H, D]; k_cache, v_cache [num_blocks, block_size, K, D] (q's dtype, D contiguous);
-    block_tables [R_max, B] int32/int64 (row-contiguous; rows >= R ignored); seq_lens [R_max] int32/int64
-    on q's device (context length including the current token; 0 = padded row -> zeros);
-    out [R, H, D] q's dtype, every row written; workspace from decode_workspace(max_reqs >= R, H, D,
-    num_splits). Launches 1 kernel (num_splits == 1) or 2. No host syncs: graph-capturable."""
+    """q [R, H, D]; k_cache, v_cache [num_blocks, block_size, K, D] (q's dtype or FP8 E4M3, widened on
+    load; D contiguous); block_tables [R_max, B] int32/int64 (row-contiguous; rows >= R ignored);
+    seq_lens [R_max] int32/int64 on q's device (context length including the current token; 0 = padded
+    row -> zeros); out [R, H, D] q's dtype, every row written; workspace from decode_workspace(max_reqs
+    >= R, H, D, num_splits). Launches 1 kernel (num_splits == 1) or 2. No host syncs: graph-capturable."""
     num_reqs, num_heads, head_dim = q.shape
     if num_reqs == 0:
         return

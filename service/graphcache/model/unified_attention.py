@@ -232,10 +232,11 @@ def unified_attention(
     max_query_len: int | None = None,
 ) -> None:
     """q, out [T, H, D] (T may include padded rows past query_start_loc[num_reqs]: untouched);
-    k_cache, v_cache [num_blocks, block_size, K, D] in q's dtype; query_start_loc [>= R + 1] int32/int64,
-    seq_lens [>= R] and block_tables [>= R, B] (row-contiguous) on q's device. `config` fixes the tiles
-    (a CUDA graph must keep one); else choose_config from max_query_len (default: a chunked step).
-    One launch; no host syncs: graph-capturable."""
+    k_cache, v_cache [num_blocks, block_size, K, D] in q's dtype or FP8 E4M3 (widened on load;
+    model/kv_dtype.py); query_start_loc [>= R + 1] int32/int64, seq_lens [>= R] and block_tables
+    [>= R, B] (row-contiguous) on q's device. `config` fixes the tiles (a CUDA graph must keep one);
+    else choose_config from max_query_len (default: a chunked step). One launch; no host syncs:
+    graph-capturable."""
     num_tokens, num_heads, head_dim = q.shape
     if num_reqs == 0 or num_tokens == 0:
         return
