@@ -1,7 +1,8 @@
-"""The attention kernels that read an FP8 KV cache (the decode kernel's first stage, the unified kernel at a
-chunked step's tiles), compiled for Hopper (sm_90) on a machine without a GPU, at the 8B shape (32 heads,
-8 KV heads, head dim 128, block 16) with E4M3 K/V: Triton's lowering of their widening loads is checked
-before any device call. Prints one line per kernel; exits non-zero on a compile error.
+"""The kernels that touch an FP8 KV cache, compiled for Hopper (sm_90) on a machine without a GPU, at the 8B
+shape (32 heads, 8 KV heads, head dim 128, block 16) with E4M3 K/V: the rotary + cache-write kernel that
+writes it (saturating stores), the decode kernel's first stage and the unified kernel at a chunked step's
+tiles that read it (widening loads). Triton's lowering of both is checked before any device call. Prints
+one line per kernel; exits non-zero on a compile error or a kernel without E4M3 conversions.
 
     python scripts/kv_fp8_sm90.py
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
 
-from graphcache.model import decode_attention, unified_attention  # noqa: E402
+from graphcache.model import decode_attention, fused_ops, unified_attention  # noqa: E402
 from sass_tools import compile_sm90  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
@@ -50,15 +51,31 @@ def unified_chunked():
     return unified_attention._unified_kernel, sig, const, cfg.num_warps, cfg.num_stages
 
 
+def rotary_cache_write():
+    sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16"}
+    sig |= {"pos_ptr": "*i64", "slot_ptr": "*i64", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}
+    sig |= dict.fromkeys(["stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh"], "i32")
+    sig |= dict.fromkeys(["stride_c", "stride_cs", "stride_ch", "num_q", "num_k", "half"], "i32")
+    const = dict(WRITE_KV=True, KV_FP8=True, BLOCK_D=HEAD_DIM // 2, BLOCK_H=HEADS)
+    return fused_ops._rotary_kernel, sig, const, 4, 3
+
+
+KERNELS = {
+    "rotary + cache write": rotary_cache_write,
+    "decode stage 1": decode_stage1,
+    "unified, chunked tiles": unified_chunked,
+}
+
+
 def main() -> int:
-    for name, build in (("decode stage 1", decode_stage1), ("unified, chunked tiles", unified_chunked)):
+    for name, build in KERNELS.items():
         fn, sig, const, warps, stages = build()
         aligned = [n for n in sig if n.endswith("_ptr") or n.startswith("stride")]
         kernel = compile_sm90(JITFunction(fn), sig, const, aligned, warps, stages)
         if "e4m3" not in kernel.asm["ptx"]:
             print(f"{name}: compiled, but no E4M3 conversion in its PTX", flush=True)
             return 1
-        print(f"{name}: compiled for sm_90, widens E4M3 ({kernel.metadata.shared} bytes of shared memory)")
+        print(f"{name}: compiled for sm_90, converts E4M3 ({kernel.metadata.shared} bytes of shared memory)")
     return 0
 
 
