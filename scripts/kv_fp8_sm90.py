@@ -54,7 +54,9 @@ def unified_chunked():
 def rotary_cache_write():
     sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16"}
     sig |= {"pos_ptr": "*i64", "slot_ptr": "*i64", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}
-    sig |= dict.fromkeys(["stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh"], "i32")
+    sig |= dict.fromkeys(
+        ["stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh"], "i32"
+    )
     sig |= dict.fromkeys(["stride_c", "stride_cs", "stride_ch", "num_q", "num_k", "half"], "i32")
     const = dict(WRITE_KV=True, KV_FP8=True, BLOCK_D=HEAD_DIM // 2, BLOCK_H=HEADS)
     return fused_ops._rotary_kernel, sig, const, 4, 3
