@@ -2,6 +2,8 @@
 
     python benchmarks/decode_attention_bench.py                 # the table below, on the GPU
     python benchmarks/decode_attention_bench.py --rep 200       # longer timing runs
+    python benchmarks/decode_attention_bench.py --kv-cache-dtype fp8 --shapes llama-3-8b --cases 134:700
+                                                                # an FP8 E4M3 cache (flash columns: n/a)
 
 One decode step of ONE layer: every request has one query token and a context of `ctx` tokens
 (current token included) in a paged bf16 cache of block 16 with shuffled block ids. Shapes:
@@ -14,8 +16,9 @@ call, so the K/V really come from HBM):
 - flash:  aten._flash_attention_forward varlen over the gathered context (cu_seqlens, causal,
           bottom-right aligned: for one query token the same as full attention);
 - g+f:    gather then flash, the old path's per-layer cost.
-GB/s counts the bytes that must be read: K and V of every context once (R * ctx * K * D * 2 * 2 B).
-"err" is max |out - reference| / max |reference| against reference_decode_attention (fp32).
+GB/s counts the bytes that must be read: K and V of every context once (R * ctx * K * D * 2 * bytes of the
+cache's dtype). "err" is max |out - reference| / max |reference| against reference_decode_attention (fp32)
+over the values the cache holds (an FP8 cache's, widened).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from graphcache.model.decode_attention import (  # noqa: E402
     paged_decode_attention,
     reference_decode_attention,
 )
+from graphcache.model.kv_dtype import cache_dtype, to_cache  # noqa: E402
 
 SHAPES = {  # name: (H, K, D)
     "qwen2.5-0.5b": (14, 2, 64),
@@ -45,13 +49,14 @@ DTYPE = torch.bfloat16
 _FLASH = getattr(torch.ops.aten, "_flash_attention_forward", None)
 
 
-def make_inputs(num_heads, num_kv_heads, head_dim, num_reqs, ctx, seed=0):
-    """The model's layout: one [2, slots, K, D] cache per layer, pages are views of it. Each request
-    gets ctx tokens in ceil(ctx / block) blocks drawn from a shuffled permutation (plus spare blocks)."""
+def make_inputs(num_heads, num_kv_heads, head_dim, num_reqs, ctx, kv_dtype=DTYPE, seed=0):
+    """The model's layout: one [2, slots, K, D] cache per layer (in kv_dtype), pages are views of it. Each
+    request gets ctx tokens in ceil(ctx / block) blocks drawn from a shuffled permutation (plus spare blocks)."""
     gen = torch.Generator().manual_seed(seed)
     per_req = -(-ctx // BLOCK_SIZE)
     num_blocks = num_reqs * per_req + 16
     kv = torch.randn((2, num_blocks * BLOCK_SIZE, num_kv_heads, head_dim), generator=gen).to("cuda", DTYPE)
+    kv = to_cache(kv, kv_dtype)  # as the cache stores them (E4M3, saturated, for an FP8 cache)
     k_cache = kv[0].view(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
     v_cache = kv[1].view(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
     ids = torch.randperm(num_blocks, generator=gen)[: num_reqs * per_req]
@@ -92,16 +97,27 @@ def main() -> None:
         default=0,
         help="max_model_len for choose_num_splits (default: each case's ctx)",
     )
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16) or fp8 (E4M3; no flash columns)")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="a subset of " + ", ".join(SHAPES))
+    ap.add_argument(
+        "--cases",
+        default=",".join(f"{r}:{c}" for r, c in CASES),
+        help="R:ctx pairs (decode rows : context tokens)",
+    )
     args = ap.parse_args()
+    kv_dtype = cache_dtype(args.kv_cache_dtype, DTYPE)
+    shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
+    cases = [tuple(int(v) for v in case.split(":")) for case in args.cases.split(",")]
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     import triton
 
+    flash = _FLASH is not None and kv_dtype == DTYPE  # FlashAttention takes 16-bit K/V only
     props = torch.cuda.get_device_properties(0)
     num_sms = props.multi_processor_count
     print(
         f"{props.name}, {num_sms} SMs, torch {torch.__version__}, triton {triton.__version__}, "
-        f"{DTYPE}, block {BLOCK_SIZE}, flash varlen: {'yes' if _FLASH is not None else 'n/a'}"
+        f"{DTYPE}, cache {kv_dtype}, block {BLOCK_SIZE}, flash varlen: {'yes' if flash else 'n/a'}"
     )
     cols = (
         "shape",
@@ -120,11 +136,11 @@ def main() -> None:
         "err flash",
     )
     print(("{:>13} {:>4} {:>5} {:>6} {:>7} " + "{:>9} " * 9).format(*cols))
-    for name, (num_heads, num_kv_heads, head_dim) in SHAPES.items():
+    for name, (num_heads, num_kv_heads, head_dim) in shapes.items():
         scale = head_dim**-0.5
-        for num_reqs, ctx in CASES:
+        for num_reqs, ctx in cases:
             q, kv, k_cache, v_cache, tables, seq_lens, slots, cu_q, cu_k = make_inputs(
-                num_heads, num_kv_heads, head_dim, num_reqs, ctx
+                num_heads, num_kv_heads, head_dim, num_reqs, ctx, kv_dtype
             )
             num_splits = choose_num_splits(num_reqs, num_kv_heads, args.max_model_len or ctx, num_sms)
             ws = decode_workspace(num_reqs, num_heads, head_dim, num_splits, "cuda")
@@ -144,14 +160,14 @@ def main() -> None:
                 paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, out, scale, ws, num_splits)
 
             ours()
-            ref = reference_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale)
+            ref = reference_decode_attention(q, k_cache.to(DTYPE), v_cache.to(DTYPE), tables, seq_lens, scale)
             err_ours = rel_err(out, ref)
             mb = num_reqs * ctx * num_kv_heads * head_dim * 2 * kv.element_size() / 1e6
             t_ours = bench(ours, args.rep)
 
             t_gather = t_flash = t_both = float("nan")
             err_flash = float("nan")
-            if _FLASH is not None:
+            if flash:
 
                 def gather(kv=kv, slots=slots):
                     return kv.index_select(1, slots).unbind(0)  # [R * ctx, K, D] each

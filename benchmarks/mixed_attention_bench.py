@@ -5,6 +5,7 @@ decode, the uniform-decode Triton kernel.
     python benchmarks/mixed_attention_bench.py                       # the table, on the GPU
     python benchmarks/mixed_attention_bench.py --block-m 32 --block-n 64 --num-warps 8
     python benchmarks/mixed_attention_bench.py --sweep               # best tile shape per case
+    python benchmarks/mixed_attention_bench.py --kv-cache-dtype fp8  # an FP8 E4M3 cache (no flash columns)
 
 Cases (bf16, paged cache of --block-size with shuffled block ids; decode contexts 512):
   64d+192c    64 decode rows + one 192-token chunk over a 320-token cached prefix (seq_len 512)
@@ -36,6 +37,7 @@ from graphcache.model.decode_attention import (  # noqa: E402
     decode_workspace,
     paged_decode_attention,
 )
+from graphcache.model.kv_dtype import cache_dtype, to_cache  # noqa: E402
 from graphcache.model.unified_attention import (  # noqa: E402
     UnifiedConfig,
     choose_config,
@@ -60,14 +62,15 @@ _FLASH_PAGES = _FLASH is not None and "block_table" in str(_FLASH.default._schem
 class Step:
     """One step's tensors in the model's layout: a [2, slots, K, D] cache whose pages are views."""
 
-    def __init__(self, heads, reqs, block_size, seed=0):
+    def __init__(self, heads, reqs, block_size, kv_dtype=DTYPE, seed=0):
         num_heads, num_kv_heads, head_dim = heads
         gen = torch.Generator().manual_seed(seed)
         per_req = [-(-s // block_size) for _, s in reqs]
         num_blocks = sum(per_req) + 8
-        self.kv = torch.randn((2, num_blocks * block_size, num_kv_heads, head_dim), generator=gen).to(
+        kv = torch.randn((2, num_blocks * block_size, num_kv_heads, head_dim), generator=gen).to(
             "cuda", DTYPE
         )
+        self.kv = to_cache(kv, kv_dtype)  # as the cache stores them (E4M3, saturated, for an FP8 cache)
         self.k_blocks = self.kv[0].view(num_blocks, block_size, num_kv_heads, head_dim)
         self.v_blocks = self.kv[1].view(num_blocks, block_size, num_kv_heads, head_dim)
         ids = torch.randperm(num_blocks, generator=gen)
@@ -105,9 +108,10 @@ class Step:
         self.scale = head_dim**-0.5
         pairs = sum(n * (s - n) + n * (n + 1) // 2 for n, s in reqs)
         self.flops = 4 * num_heads * head_dim * pairs
-        self.bytes = (
-            sum(seq_lens) * num_kv_heads * head_dim * 2 + 2 * self.num_tokens * num_heads * head_dim
-        ) * 2
+        self.bytes = (  # K and V of every context once in the cache's dtype; q read and out written in bf16
+            sum(seq_lens) * num_kv_heads * head_dim * 2 * self.kv.element_size()
+            + 2 * self.num_tokens * num_heads * head_dim * 2
+        )
 
 
 def bench(fn, rep):
@@ -197,7 +201,10 @@ def main() -> None:
     )
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16) or fp8 (E4M3; no flash columns)")
     args = ap.parse_args()
+    kv_dtype = cache_dtype(args.kv_cache_dtype, DTYPE)
+    flash, flash_pages = (_FLASH is not None, _FLASH_PAGES) if kv_dtype == DTYPE else (False, False)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     import triton
@@ -205,7 +212,7 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     print(
         f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}, "
-        f"{DTYPE}, block {args.block_size}, flash varlen: {_FLASH is not None}, flash paged: {_FLASH_PAGES}"
+        f"{DTYPE}, cache {kv_dtype}, block {args.block_size}, flash varlen: {flash}, flash paged: {flash_pages}"
     )
     head = (
         "shape",
@@ -231,7 +238,7 @@ def main() -> None:
         group = heads[0] // heads[1]
         for case in args.cases.split(","):
             reqs = CASES[case]
-            st = Step(heads, reqs, args.block_size)
+            st = Step(heads, reqs, args.block_size, kv_dtype)
             base = choose_config(group, heads[2], st.max_q)
             config = UnifiedConfig(
                 block_m=args.block_m or base.block_m,
@@ -240,14 +247,16 @@ def main() -> None:
                 num_stages=args.num_stages or base.num_stages,
             )
             t_triton = time_triton(st, config, args.rep)
+            k_ref, v_ref = st.k_blocks.to(DTYPE), st.v_blocks.to(DTYPE)  # the values the cache holds
             ref = reference_unified_attention(
-                st.q, st.k_blocks, st.v_blocks, st.cu_q, st.seq_lens, st.tables, st.scale, st.num_reqs
+                st.q, k_ref, v_ref, st.cu_q, st.seq_lens, st.tables, st.scale, st.num_reqs
             )
+            del k_ref, v_ref
             err = rel_err(st.out, ref)
             del ref
             bound = max(st.bytes / HBM_BYTES_PER_S, st.flops / BF16_FLOPS) * 1e3
             t_gather = t_gf = t_paged = t_decode = float("nan")
-            if _FLASH is not None:
+            if flash:
 
                 def gather(st=st):
                     return st.kv.index_select(1, st.slots).unbind(0)  # [sum(L), K, D] each
@@ -257,7 +266,7 @@ def main() -> None:
 
                 gf()
                 t_gather, t_gf = bench(gather, args.rep), bench(gf, args.rep)
-            if _FLASH_PAGES:
+            if flash_pages:
                 pst = Step(heads, reqs, 256)
 
                 def paged(pst=pst):

@@ -33,8 +33,9 @@ for p in ${PHASES:-tests pool capture}; do
     # The cuda tests of the files named in $TEST_FILES only (a quicker check of what a change touched).
     tests_some) phase tests_some 420 python3 -m pytest -q -m cuda -p no:cacheprovider ${TEST_FILES:?name test files} -rfs ;;
     sampler) phase sampler 120 python3 benchmarks/sampler_bench.py --out "$OUT/sampler.json" ${SAMPLER_ARGS:-} ;;
-    kernels) phase kernels 200 python3 benchmarks/decode_attention_bench.py ;;
-    mixed_attn) phase mixed_attn 300 python3 benchmarks/mixed_attention_bench.py ${MIXED_ATTN_ARGS:-} ;;
+    # The attention kernels alone; *_ARGS: --kv-cache-dtype fp8 (an FP8 cache), --shapes, --cases; *_TAG names the run.
+    kernels) phase kernels${DECODE_ATTN_TAG:-} 200 python3 benchmarks/decode_attention_bench.py ${DECODE_ATTN_ARGS:-} ;;
+    mixed_attn) phase mixed_attn${MIXED_ATTN_TAG:-} 300 python3 benchmarks/mixed_attention_bench.py ${MIXED_ATTN_ARGS:-} ;;
     # Dense prefill kernels (cuDNN / flash / efficient SDPA, FlexAttention, varlen) against the unified kernel (issue 41).
     prefill_attn) TAIL=${TAIL:-90} phase prefill_attn 300 python3 benchmarks/prefill_attention_bench.py \
                --out "$OUT/prefill_attn.json" ${PREFILL_ATTN_ARGS:-} ;;
