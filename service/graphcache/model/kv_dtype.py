@@ -6,8 +6,9 @@ FP8 values are the model's K and V rounded to E4M3 with a scale of 1 (what vLLM 
 without calibrated KV scales), saturated at +-448: torch's cast would make an out-of-range value NaN.
 Everything that writes the cache (the rotary + cache-write kernel and its torch fallback; the FP8 one-token
 qkv epilogue, which writes 16 bits, is not used with an FP8 cache: fp8_gemm.folds_rope) rounds through
-`to_cache` or the same clamp; everything that reads it (the Triton decode and
-unified kernels, the torch gathers) widens the values to the model's dtype before any arithmetic. The
+`to_cache` or the same clamp; everything that reads it widens the values before any arithmetic: the torch
+gathers to the model's dtype, the Triton decode and unified kernels to fp16 (with q: one op per two values
+on sm_90, where bf16 takes a second op per value; fp16 holds every E4M3 value exactly). The
 FlashAttention backends take 16-bit K/V only, so FP8 caches need the triton (CUDA) or sdpa attention.
 
 torch has no index_copy_ / index_select for float8 on every device, so the fp8 writes and gathers go

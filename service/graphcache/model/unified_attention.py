@@ -161,6 +161,9 @@ def _unified_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )  # [BM, DP] q dtype
+    # An FP8 cache: the dots in fp16 (decode_attention.py's stage 1 says why).
+    if k_ptr.dtype.element_ty == tl.float8e4nv:
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # [BM] running max (log2)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # [BM] sum of exp2
