@@ -97,7 +97,8 @@ def test_flash_attention_refuses_an_fp8_cache(monkeypatch):
 def test_the_kernels_of_an_fp8_cache_compile_for_sm90():
     """scripts/kv_fp8_sm90.py: the rotary + cache-write, decode and unified kernels at the 8B shape with FP8
     E4M3 K/V, compiled for Hopper (sm_90) on this machine without a GPU, so that Triton's lowering of the
-    saturating stores and widening loads fails here, not on the device. A process of its own: these tests run Triton's interpreter (TRITON_INTERPRET)."""
+    saturating stores and widening loads fails here, not on the device. A process of its own: these tests
+    run Triton's interpreter (TRITON_INTERPRET), under which an offline compile cannot run."""
     import os
     import subprocess
     import sys

@@ -157,7 +157,7 @@ def _decode_stage1(
         other=0.0,
     )  # [GP, DP] q dtype
     # An FP8 cache: the dots in fp16. E4M3 widens to fp16 in one packed op (two values), but to bf16 only through
-    # fp16 and one more op per value, which doubled the kernel's conversions (SASS, sm_90). fp16 holds every E4M3
+    # fp16 and one more op per value, which tripled the kernel's conversions (SASS, sm_90). fp16 holds every E4M3
     # value exactly, every probability more precisely than bf16, and q's bf16 values exactly from 6.1e-5 to
     # 65,504 in magnitude (smaller ones, which add nothing to the dot products, lose bits).
     if k_ptr.dtype.element_ty == tl.float8e4nv:
