@@ -4,6 +4,7 @@
     python benchmarks/decode_attention_bench.py --rep 200       # longer timing runs
     python benchmarks/decode_attention_bench.py --kv-cache-dtype fp8 --shapes llama-3-8b --cases 134:700
                                                                 # an FP8 E4M3 cache (flash columns: n/a)
+    python benchmarks/decode_attention_bench.py --kv-cache-dtype fp8 --block-n 128   # its tile at bf16's bytes
 
 One decode step of ONE layer: every request has one query token and a context of `ctx` tokens
 (current token included) in a paged bf16 cache of block 16 with shuffled block ids. Shapes:
@@ -31,6 +32,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "service"))
+from graphcache.model import decode_attention  # noqa: E402
 from graphcache.model.decode_attention import (  # noqa: E402
     choose_num_splits,
     decode_workspace,
@@ -104,7 +106,15 @@ def main() -> None:
         default=",".join(f"{r}:{c}" for r, c in CASES),
         help="R:ctx pairs (decode rows : context tokens)",
     )
+    ap.add_argument("--block-n", type=int, default=0, help="tokens per K/V tile (decode_attention.BLOCK_N)")
+    ap.add_argument(
+        "--num-stages", type=int, default=0, help="the tile loop's stages (decode_attention.NUM_STAGES)"
+    )
     args = ap.parse_args()
+    if args.block_n:  # e.g. 128 on an FP8 cache: a tile of the bytes a bf16 one holds at 64
+        decode_attention.BLOCK_N = args.block_n
+    if args.num_stages:
+        decode_attention.NUM_STAGES = args.num_stages
     kv_dtype = cache_dtype(args.kv_cache_dtype, DTYPE)
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     cases = [tuple(int(v) for v in case.split(":")) for case in args.cases.split(",")]
@@ -117,7 +127,8 @@ def main() -> None:
     num_sms = props.multi_processor_count
     print(
         f"{props.name}, {num_sms} SMs, torch {torch.__version__}, triton {triton.__version__}, "
-        f"{DTYPE}, cache {kv_dtype}, block {BLOCK_SIZE}, flash varlen: {'yes' if flash else 'n/a'}"
+        f"{DTYPE}, cache {kv_dtype}, block {BLOCK_SIZE}, tile {decode_attention.BLOCK_N} tokens, "
+        f"{decode_attention.NUM_STAGES} stages, flash varlen: {'yes' if flash else 'n/a'}"
     )
     cols = (
         "shape",
