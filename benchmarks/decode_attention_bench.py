@@ -111,8 +111,8 @@ def main() -> None:
         "--num-stages", type=int, default=0, help="the tile loop's stages (decode_attention.NUM_STAGES)"
     )
     args = ap.parse_args()
-    if args.block_n:  # e.g. 128 on an FP8 cache: a tile of the bytes a bf16 one holds at 64
-        decode_attention.BLOCK_N = args.block_n
+    if args.block_n:  # both caches' tile (an FP8 cache's default: FP8_BLOCK_N)
+        decode_attention.BLOCK_N = decode_attention.FP8_BLOCK_N = args.block_n
     if args.num_stages:
         decode_attention.NUM_STAGES = args.num_stages
     kv_dtype = cache_dtype(args.kv_cache_dtype, DTYPE)
@@ -127,7 +127,7 @@ def main() -> None:
     num_sms = props.multi_processor_count
     print(
         f"{props.name}, {num_sms} SMs, torch {torch.__version__}, triton {triton.__version__}, "
-        f"{DTYPE}, cache {kv_dtype}, block {BLOCK_SIZE}, tile {decode_attention.BLOCK_N} tokens, "
+        f"{DTYPE}, cache {kv_dtype}, block {BLOCK_SIZE}, tile {decode_attention._block_n(128, kv_dtype)} tokens (head_dim 128), "
         f"{decode_attention.NUM_STAGES} stages, flash varlen: {'yes' if flash else 'n/a'}"
     )
     cols = (

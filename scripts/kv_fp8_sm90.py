@@ -32,7 +32,7 @@ def decode_stage1():
     sig |= dict.fromkeys(["stride_qr", "stride_qh", *STRIDES, "stride_or", "stride_oh"], "i32")
     # in the kernel's parameter order (compile_sm90 numbers the constexprs by it)
     const = dict(NUM_HEADS=HEADS, GROUP=GROUP, GROUP_PAD=16, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM)
-    const |= dict(BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=64, NUM_SPLITS=splits)
+    const |= dict(BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=decode_attention.FP8_BLOCK_N, NUM_SPLITS=splits)
     const |= dict(REQ_STRIDE=decode_attention._req_stride(HEADS, HEAD_DIM, splits), DIRECT_OUT=False)
     const |= dict(DOT_PRECISION="tf32")
     w, s = decode_attention.NUM_WARPS, decode_attention.NUM_STAGES
