@@ -13,8 +13,16 @@ export PYTHONPATH=/tmp/site:$PWD:$PWD/service PATH=/tmp/site/bin:$PATH
 phase() {  # name, timeout seconds, command...
   local name=$1 t=$2; shift 2
   echo "=== $name ($(date -u +%H:%M:%S))"
+  # The card sampled each second while the phase runs: a run slower than its twin at lower clocks was throttled.
+  nvidia-smi --query-gpu=clocks.sm,temperature.gpu,power.draw --format=csv,noheader,nounits -l 1 \
+    >"$OUT/$name.gpu.csv" 2>/dev/null & local smi=$!
   timeout "$t" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
+  kill "$smi" 2>/dev/null
   echo "--- $name rc=$rc"; tail -n "${TAIL:-25}" "$OUT/$name.log"
+  # Clocks only while busy (over 250 W): an idle card parks its clocks low.
+  awk -F', *' 'NF >= 3 && $3 > 250 { n++; if (!lo || $1 < lo) lo = $1; if ($1 > hi) hi = $1; if ($2 > t) t = $2
+    if ($3 > w) w = $3 } END { if (n) printf "    gpu busy: SM clock %d-%d MHz, up to %d C and %d W (%d s)\n",
+    lo, hi, t, w, n }' "$OUT/$name.gpu.csv"
 }
 old_bench_files() {  # this tree's benchmark files into the old tree (.old); a tree from before the engine's
   # stage folders (no engine/loop) gets the old module paths
