@@ -127,7 +127,8 @@ def main() -> None:
     num_sms = props.multi_processor_count
     print(
         f"{props.name}, {num_sms} SMs, torch {torch.__version__}, triton {triton.__version__}, "
-        f"{DTYPE}, cache {kv_dtype}, block {BLOCK_SIZE}, tile {decode_attention._block_n(128, kv_dtype)} tokens (head_dim 128), "
+        f"{DTYPE}, cache {kv_dtype}, block {BLOCK_SIZE}, "
+        f"tile {decode_attention._block_n(128, kv_dtype)} tokens (head_dim 128), "
         f"{decode_attention.NUM_STAGES} stages, flash varlen: {'yes' if flash else 'n/a'}"
     )
     cols = (
