@@ -54,7 +54,7 @@ from graphcache.model.parallel import TensorParallel
 from helpers_dist import gloo_group, run_ranks
 from helpers_fp8 import bf16_copy, write_fp8_checkpoint
 from helpers_model import Blocks, cpu_settings, prompt_ids, tiny_checkpoint
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 SHAPE = dict(hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384)
 REL_MAX, REL_MEAN, AGREE = 0.2, 0.12, 0.8
@@ -338,6 +338,28 @@ def test_static_and_weight_only_checkpoints_serve_with_per_token_activation_scal
         for path in (static, weight_only, fp8_static):
             assert torch.equal(prompt_logits(path), want), path.name
     assert "input_scale" not in caplog.text  # read by no layer, and not warned about either
+
+
+def test_calibrated_kv_cache_scales_are_named_when_an_fp8_cache_cannot_apply_them(root, bf16, caplog):
+    """A checkpoint with llm-compressor's kv_cache_scheme carries k_scale / v_scale per attention layer. The FP8
+    cache stores K and V with a scale of 1, so it says so (as vLLM warns of its scale 1.0); a 16-bit cache
+    has nothing to scale and stays quiet, as the loader is about these tensors."""
+    path = write_fp8_checkpoint(bf16, root / "kv-scales", strategy="tensor")
+    for file in path.glob("*.safetensors"):
+        tensors = load_file(file)
+        for name in [n for n in tensors if n.endswith("self_attn.k_proj.weight")]:
+            attn = name.removesuffix("k_proj.weight")
+            tensors[attn + "k_scale"], tensors[attn + "v_scale"] = torch.tensor(0.05), torch.tensor(0.04)
+        save_file(tensors, file, {"format": "pt"})
+    loggers = ("graphcache.engine.worker.runner", "graphcache.model.loader")
+    with caplog.at_level(logging.WARNING):
+        ModelRunner(cpu_settings(path))
+    assert not [r for r in caplog.records if r.name in loggers], caplog.text
+    with caplog.at_level(logging.WARNING):
+        ModelRunner(cpu_settings(path, kv_cache_dtype="fp8"))
+    warned = [r.getMessage() for r in caplog.records if r.name == "graphcache.engine.worker.runner"]
+    assert len(warned) == 1 and "KV-cache scales (8 tensors such as model.layers." in warned[0], warned
+    assert "kv_cache_dtype=auto" in warned[0]
 
 
 def test_engine_generates_with_an_fp8_checkpoint(checkpoints, tmp_path):

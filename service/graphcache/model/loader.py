@@ -191,6 +191,17 @@ def _read(f, hf_name: str, target: Target, dest: torch.Tensor) -> torch.Tensor:
     return sl[tuple(index)]
 
 
+def kv_cache_scale_names(path: Path) -> list[str]:
+    """The checkpoint's calibrated KV-cache scales (`*.k_scale`, `*.v_scale`: llm-compressor's kv_cache_scheme,
+    vLLM's FP8 cache scales), read from the shards' headers only. The FP8 cache here stores K and V with a
+    scale of 1 (model/kv_dtype.py); the runner warns when a checkpoint calibrated others."""
+    names: list[str] = []
+    for file in weight_files(path):
+        with _open(file) as f:
+            names += [n for n in f.keys() if n.endswith((".k_scale", ".v_scale"))]  # noqa: SIM118
+    return names
+
+
 def _open(file: Path):
     """safe_open(file), or ModelLoadError: a short file or a bad header fails here, before any data is read."""
     try:

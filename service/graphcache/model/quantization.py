@@ -54,7 +54,8 @@ SUPPORTED_QUANTIZATION = (
     "static FP8 activations, or a bf16/fp16 checkpoint with --quantization fp8"
 )
 # Checkpoint tensors no layer here reads: static activation scales (activations are scaled per token each
-# step) and KV-cache / attention output scales (the KV cache stays in the model dtype).
+# step) and KV-cache / attention output scales (an FP8 KV cache stores K and V with a scale of 1,
+# model/kv_dtype.py; the runner warns when a checkpoint calibrated k_scale / v_scale).
 _UNUSED_SCALES = ("input_scale", "k_scale", "v_scale", "q_scale", "prob_scale", "output_scale")
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 

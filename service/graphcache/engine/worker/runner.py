@@ -53,7 +53,7 @@ from graphcache.model.config import ModelLoadError, read_config, resolve_dtype
 from graphcache.model.forward_context import forward_context
 from graphcache.model.fused_ops import HAVE_TRITON as HAVE_FUSED_TRITON
 from graphcache.model.kv_dtype import cache_dtype
-from graphcache.model.loader import load_model
+from graphcache.model.loader import kv_cache_scale_names, load_model
 from graphcache.model.parallel import TensorParallel
 from graphcache.model.prefill_attention import select_prefill_kernel
 from graphcache.model.tiny import default_model_dir
@@ -158,6 +158,14 @@ class ModelRunner(StepExecution):
             )  # fmt: skip
         # The cache's dtype: the model's, or FP8 (settings.model.kv_cache_dtype; model/kv_dtype.py).
         self.kv_dtype = cache_dtype(s.model.kv_cache_dtype, self.dtype)
+        if self.kv_dtype != self.dtype and (scales := kv_cache_scale_names(path)):
+            log.warning(
+                "the checkpoint calibrated KV-cache scales (%d tensors such as %s) that are not applied: the FP8 "
+                "cache stores K and V with a scale of 1, saturated at +-448 (model/kv_dtype.py); if the model's "
+                "K or V exceed that, serve it with kv_cache_dtype=auto",
+                len(scales),
+                scales[0],
+            )
         self._alloc_kv_cache()
         self.attention_kernel = select_attention_kernel(
             self.device, self.dtype, c.head_dim, self.block_size, s.model.attention_backend
