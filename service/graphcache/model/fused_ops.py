@@ -134,20 +134,14 @@ def _rotary_kernel(
         vc = vc_ptr + slot * stride_cs + h * stride_ch + d
         v1 = tl.load(pv, mask=mask, other=0.0)
         v2 = tl.load(pv + half, mask=mask, other=0.0)
-        if KV_FP8:  # an FP8 cache (model/kv_dtype.py): E4M3 saturated at +-448, as kv_dtype.to_cache rounds
-            tl.store(kc, tl.clamp(k1.to(tl.float32), -448.0, 448.0).to(kc_ptr.dtype.element_ty), mask=mask)
-            tl.store(
-                kc + half, tl.clamp(k2.to(tl.float32), -448.0, 448.0).to(kc_ptr.dtype.element_ty), mask=mask
-            )
-            tl.store(vc, tl.clamp(v1.to(tl.float32), -448.0, 448.0).to(vc_ptr.dtype.element_ty), mask=mask)
-            tl.store(
-                vc + half, tl.clamp(v2.to(tl.float32), -448.0, 448.0).to(vc_ptr.dtype.element_ty), mask=mask
-            )
-        else:
-            tl.store(kc, k1, mask=mask)
-            tl.store(kc + half, k2, mask=mask)
-            tl.store(vc, v1, mask=mask)
-            tl.store(vc + half, v2, mask=mask)
+        if KV_FP8:  # an FP8 cache (model/kv_dtype.py): saturated at +-448 as kv_dtype.to_cache rounds, then
+            # the stores below round to E4M3 (a store casts to its pointer's type)
+            k1, k2 = tl.clamp(k1.to(tl.float32), -448.0, 448.0), tl.clamp(k2.to(tl.float32), -448.0, 448.0)
+            v1, v2 = tl.clamp(v1.to(tl.float32), -448.0, 448.0), tl.clamp(v2.to(tl.float32), -448.0, 448.0)
+        tl.store(kc, k1, mask=mask)
+        tl.store(kc + half, k2, mask=mask)
+        tl.store(vc, v1, mask=mask)
+        tl.store(vc + half, v2, mask=mask)
 
 
 def _silu_mul_kernel(
