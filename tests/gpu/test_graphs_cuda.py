@@ -155,6 +155,34 @@ def test_capture_raising_midway_leaves_next_capture_working():
     w.check_replay(g.replay)
 
 
+@pytest.mark.parametrize("segment", [0, 2])
+def test_an_invalidated_capture_leaves_the_pool_and_the_rng_working(segment):
+    """A call CUDA refuses inside a capture (a device sync here; a Triton kernel's first load is another)
+    invalidates it, and capture_end then fails before it ends the pool's recording or the RNG's capture
+    state. Later captures into the same pool, and random numbers, must work as before."""
+    w = Workload()
+    w.step()
+    pool = torch.cuda.graph_pool_handle()
+    state = {"breaks": 0}
+
+    @eager_break
+    def counted() -> None:
+        state["breaks"] += 1
+
+    def invalidated() -> None:
+        for _ in range(segment):
+            counted()
+        w.step(128)
+        torch.cuda.synchronize()  # not permitted while the stream captures
+
+    with pytest.raises(RuntimeError):
+        capture(invalidated, backend="cuda", pool=pool)
+    assert not is_capturing() and not torch.cuda.is_current_stream_capturing()
+    assert torch.randn(8, device="cuda").isfinite().all()
+    g = capture(w.step, backend="cuda", pool=pool)
+    w.check_replay(g.replay)
+
+
 def test_capture_pool_bytes_match_allocator_and_reserved_delta():
     w = Workload()
     w.step()

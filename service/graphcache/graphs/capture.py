@@ -25,6 +25,7 @@ import gc
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -163,15 +164,20 @@ class _Capture:
     def abort(self) -> None:
         """Leave capture mode and drop every partial graph; never raises."""
         g, self.open_graph = self.open_graph, None
+        end_failed = False
         if g is not None:
             try:
                 g.capture_end()
             except Exception as e:  # e.g. capture invalidated by an OOM or a sync inside it
                 log.warning("ending an aborted capture failed (%s); discarding it", e)
-                # A failed capture_end may skip the allocator's endAllocateToPool, leaving it
-                # routing this stream's allocations into the dead pool. Undo it if still set.
-                with contextlib.suppress(Exception):
-                    torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), self.pool)
+                end_failed = True
+        # A capture_end that failed (at cudaStreamEndCapture) or a capture_begin that failed after
+        # beginAllocateToPool leaves the allocator routing this stream's allocations into the pool, and
+        # the next capture into it fails ("already recording"). Ending a pool that is not recording raises.
+        with contextlib.suppress(Exception):
+            torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), self.pool)
+        if end_failed:
+            _reset_rng_capture_state()
         for seg in self.segments:
             if isinstance(seg, torch.cuda.CUDAGraph):
                 try:
@@ -179,6 +185,21 @@ class _Capture:
                 except Exception as e:
                     log.warning("resetting a partial graph failed: %s", e)
         self.segments.clear()
+
+
+def _reset_rng_capture_state() -> None:
+    """After a capture_end that failed: that call also skipped the CUDA generators' capture epilogue, so
+    they still count themselves as capturing and every later random op raises ("Offset increment outside
+    graph capture"). One empty capture runs the prologue and epilogue again. Never raises."""
+    g = torch.cuda.CUDAGraph()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
+            g.capture_begin(pool=torch.cuda.graph_pool_handle())
+            g.capture_end()
+        g.reset()
+    except Exception as e:
+        log.warning("resetting the CUDA generators after a failed capture failed: %s", e)
 
 
 # --- the capture stream and its cuBLAS workspace ---
