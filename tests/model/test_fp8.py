@@ -39,7 +39,7 @@ from graphcache.model.fp8_gemm import (
     weight_only_qkv_rope,
     weight_only_silu_mul,
 )
-from graphcache.model.fp8_linear import Fp8Linear
+from graphcache.model.fp8_linear import Fp8Linear, fp8_kernel_variant, fp8_layouts
 from graphcache.model.fp8_quant import (
     FP8,
     MIN_SCALE,
@@ -176,6 +176,20 @@ def test_fp8_linear_leaves_decode_sized_inputs_unquantized():
         torch.testing.assert_close(fp8(x), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
         exact = linear(x)
         assert ((fp8(x) - exact).norm() / exact.norm()).item() < 0.05  # W's rounding alone
+
+
+def test_fp8_kernel_variants_split_steps_where_the_kernels_compile_anew():
+    """A capture's warm-up key: one variant per set of step sizes that share every compiled FP8 kernel, so that
+    a capture never meets a kernel that has not run (a Triton load inside a capture invalidates it)."""
+    model = torch.nn.Sequential(Fp8Linear.quantized(torch.nn.Linear(64, 48)))
+    rows = fp8_layouts(model)
+    assert rows == frozenset({None}) and fp8_layouts(torch.nn.Linear(4, 4)) == frozenset()
+    variants = {t: fp8_kernel_variant(rows, t) for t in (1, 2, 16, 17, 512)}
+    assert variants[2] == variants[16] and variants[17] == variants[512]
+    assert len({variants[1], variants[2], variants[17]}) == 3
+    blocks = frozenset({(128, 128)})
+    assert len({fp8_kernel_variant(blocks, t) for t in (1, 16, 17, 64, 65, 4096)}) == 3  # BLOCK_M 16, 64, 128
+    assert fp8_kernel_variant(frozenset(), 7) == ()
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 200, 256), (5, 64, 384), (20, 96, 128)])

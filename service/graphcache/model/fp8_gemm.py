@@ -41,6 +41,7 @@ from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
 __all__ = [
     "WEIGHT_ONLY_MAX_ROWS",
+    "block_m",
     "RopeArgs",
     "folds_rope",
     "weight_only_qkv_rope",
@@ -252,6 +253,11 @@ def _tiles(
     if m <= 64:
         return 64, 64, block_k or 128, 4, 3
     return 128, 128, block_k or 128, 8, 3
+
+
+def block_m(m: int, block_k: int | None) -> int:
+    """The GEMM kernel's BLOCK_M for `m` rows (a constexpr: each value compiles once)."""
+    return _tiles(m, block_k)[0]
 
 
 def _launch_gemm(

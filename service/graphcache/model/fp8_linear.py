@@ -36,7 +36,7 @@ from graphcache.model.fp8_quant import FP8, quantize_groups, quantize_rows, quan
 from graphcache.model.fused_ops import silu_mul
 from graphcache.model.parallel import RowParallelLinear, TensorParallel
 
-__all__ = ["Fp8Linear", "fp8_mm"]
+__all__ = ["Fp8Linear", "fp8_kernel_variant", "fp8_layouts", "fp8_mm"]
 
 
 def fp8_mm(
@@ -151,3 +151,23 @@ class Fp8Linear(nn.Module):
     def extra_repr(self) -> str:
         scales = "per-row scales" if self.block is None else f"{self.block[0]}x{self.block[1]} block scales"
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, {scales}"
+
+
+def fp8_layouts(model: nn.Module) -> frozenset[tuple[int, int] | None]:
+    """The weight layouts of `model`'s Fp8Linear layers: None (per-row scales) and / or (bn, bk) block scales;
+    empty for a 16-bit model."""
+    return frozenset(m.block for m in model.modules() if isinstance(m, Fp8Linear))
+
+
+def fp8_kernel_variant(layouts: frozenset[tuple[int, int] | None], num_tokens: int) -> tuple:
+    """What the FP8 layers' kernels compile per step size (() for a 16-bit model): a graph capture of a step
+    whose variant has not run yet warms it up outside the capture first (a Triton kernel's first load inside
+    a capture invalidates it). Per-row scales: the one-row kernels, the 16-row decode tile, or x quantized
+    (quantize_rows, then fp8_mm); block scales: the GEMM's BLOCK_M."""
+    if not layouts:
+        return ()
+    rows: int | str | None = None
+    if None in layouts:
+        rows = 1 if num_tokens <= 1 else 16 if num_tokens <= fp8_gemm.WEIGHT_ONLY_MAX_ROWS else "a8"
+    blocks = sorted(fp8_gemm.block_m(num_tokens, b[1]) for b in layouts if b is not None)
+    return ("fp8", rows, *blocks)

@@ -26,6 +26,7 @@ from graphcache.model.attention_metadata import AttentionMetadata, AttentionPlan
 from graphcache.model.config import ModelConfig
 from graphcache.model.decode_attention import choose_num_splits, decode_workspace
 from graphcache.model.forward_context import RuntimeMode, current_attention_metadata, forward_context
+from graphcache.model.fp8_linear import fp8_kernel_variant
 from graphcache.model.llama import LlamaModel
 from graphcache.model.lora_kernels import lora_kernel_variant
 from graphcache.model.moe import moe_kernel_variant
@@ -55,6 +56,7 @@ class CapturedStep:
     _planner: AttentionPlanner
     _mixed_in_graph: bool
     _mixed_graph_md: dict[int, AttentionMetadata]
+    fp8_layouts: frozenset[tuple[int, int] | None]  # fp8_linear.fp8_layouts(model): empty for 16-bit weights
 
     # --- the static metadata of uniform decode ---------------------------------------------
     def _alloc_decode(self) -> None:
@@ -161,10 +163,14 @@ class CapturedStep:
     def _kernel_family(self, desc: BatchDescriptor) -> tuple:
         """What a descriptor's step must set up once (graph cache's capture_warmup=per_kernel): uniform
         decode compiles the decode kernel once per split-KV count; everything else shares its kernels. A
-        mixture-of-experts model's expert kernels add their tile variant for the step's token count; a LoRA
-        variant adds the adapters' kernels."""
+        mixture-of-experts model's expert kernels add their tile variant for the step's token count, FP8
+        layers theirs, and a LoRA variant the adapters' kernels."""
         t = desc.num_tokens
-        kernels = (*moe_kernel_variant(self.model_config, t), *(lora_kernel_variant(t) if desc.lora else ()))
+        kernels = (
+            *moe_kernel_variant(self.model_config, t),
+            *fp8_kernel_variant(self.fp8_layouts, t),
+            *(lora_kernel_variant(t) if desc.lora else ()),
+        )
         if self._decode_path(desc.uniform_decode):
             return ("decode", self.decode_metadata(desc.num_reqs).num_splits, *kernels)
         return ("mixed", *kernels)

@@ -51,6 +51,7 @@ from graphcache.model.attention import select_attention_kernel, select_decode_ke
 from graphcache.model.attention_metadata import AttentionMetadata, AttentionPlanner
 from graphcache.model.config import ModelLoadError, read_config, resolve_dtype
 from graphcache.model.forward_context import forward_context
+from graphcache.model.fp8_linear import fp8_layouts
 from graphcache.model.fused_ops import HAVE_TRITON as HAVE_FUSED_TRITON
 from graphcache.model.kv_dtype import cache_dtype
 from graphcache.model.loader import kv_cache_scale_names, load_model
@@ -129,6 +130,7 @@ class ModelRunner(StepExecution):
             quantization=s.model.quantization,
         )
         c = self.model_config
+        self.fp8_layouts = fp8_layouts(self.model)  # what a capture's warm-up key needs of FP8 layers
         # One Triton kernel each for add+RMSNorm, rotary and SiLU*mul instead of ~35 small torch kernels a layer.
         self.fused_ops = s.model.fused_ops == "auto" and self.device.type == "cuda" and HAVE_FUSED_TRITON
         self.model.use_fused_ops(self.fused_ops)
