@@ -191,15 +191,17 @@ def _reset_rng_capture_state() -> None:
     """After a capture_end that failed: that call also skipped the CUDA generators' capture epilogue, so
     they still count themselves as capturing and every later random op raises ("Offset increment outside
     graph capture"). One empty capture runs the prologue and epilogue again. Never raises."""
-    g = torch.cuda.CUDAGraph()
+    g, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
-            g.capture_begin(pool=torch.cuda.graph_pool_handle())
+            g.capture_begin(pool=pool)
             g.capture_end()
         g.reset()
     except Exception as e:
         log.warning("resetting the CUDA generators after a failed capture failed: %s", e)
+        with contextlib.suppress(Exception):  # as in abort: never leave the stream allocating into it
+            torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
 
 
 # --- the capture stream and its cuBLAS workspace ---
