@@ -98,3 +98,47 @@ def test_close_drops_replay():
     g.close()
     g.replay()  # nothing left to run
     assert g.segments == []
+
+
+class _FakeGraph:
+    """torch.cuda.CUDAGraph's capture calls, recorded; capture_end raises while `failing` (an invalidated capture)."""
+
+    calls: list[tuple] = []
+    failing = True
+
+    def capture_begin(self, pool=None, capture_error_mode=None) -> None:
+        self.calls.append(("begin", pool))
+
+    def capture_end(self) -> None:
+        self.calls.append(("end",))
+        if _FakeGraph.failing:
+            _FakeGraph.failing = False  # only the aborted capture's end fails
+            raise RuntimeError("operation failed due to a previous error during capture")
+
+    def reset(self) -> None:
+        self.calls.append(("reset",))
+
+
+@pytest.mark.parametrize("end_fails", [True, False])
+def test_abort_ends_the_pools_recording_and_resets_the_generators_after_a_failed_end(monkeypatch, end_fails):
+    """The control flow of _Capture.abort (the CUDA calls faked; tests/gpu/test_graphs_cuda.py invalidates a real
+    capture): whatever failed, the pool's recording is ended; only after a capture_end that failed (which skips
+    the CUDA generators' epilogue) does one empty capture on a fresh pool run to reset them."""
+    from graphcache.graphs import capture as capture_module
+
+    _FakeGraph.calls, _FakeGraph.failing = [], end_fails
+    ended: list[tuple] = []
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("fresh",))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(
+        torch._C, "_cuda_endAllocateToPool", lambda dev, pool: ended.append(pool), raising=False
+    )
+    active = capture_module._Capture("cuda", pool=("shared",))
+    active.begin_segment()
+    active.abort()
+    assert ended == [("shared",)]
+    reset_capture = [("begin", ("fresh",)), ("end",), ("reset",)]
+    tail = _FakeGraph.calls[2:]  # after the aborted segment's begin and end
+    assert tail[: len(reset_capture)] == (reset_capture if end_fails else [("reset",)])
+    assert active.segments == [] and active.open_graph is None
