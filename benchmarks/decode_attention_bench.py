@@ -110,6 +110,9 @@ def main() -> None:
     ap.add_argument(
         "--num-stages", type=int, default=0, help="the tile loop's stages (decode_attention.NUM_STAGES)"
     )
+    ap.add_argument(
+        "--num-splits", type=int, default=0, help="KV splits of every case (default: choose_num_splits')"
+    )
     args = ap.parse_args()
     if args.block_n:  # both caches' tile (an FP8 cache's default: FP8_BLOCK_N)
         decode_attention.BLOCK_N = decode_attention.FP8_BLOCK_N = args.block_n
@@ -154,7 +157,9 @@ def main() -> None:
             q, kv, k_cache, v_cache, tables, seq_lens, slots, cu_q, cu_k = make_inputs(
                 num_heads, num_kv_heads, head_dim, num_reqs, ctx, kv_dtype
             )
-            num_splits = choose_num_splits(num_reqs, num_kv_heads, args.max_model_len or ctx, num_sms)
+            num_splits = args.num_splits or choose_num_splits(
+                num_reqs, num_kv_heads, args.max_model_len or ctx, num_sms
+            )
             ws = decode_workspace(num_reqs, num_heads, head_dim, num_splits, "cuda")
             out = torch.empty_like(q)
 
