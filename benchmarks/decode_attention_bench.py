@@ -113,11 +113,16 @@ def main() -> None:
     ap.add_argument(
         "--num-splits", type=int, default=0, help="KV splits of every case (default: choose_num_splits')"
     )
+    ap.add_argument(
+        "--num-warps", type=int, default=0, help="both stages' warps (decode_attention.NUM_WARPS)"
+    )
     args = ap.parse_args()
     if args.block_n:  # both caches' tile (an FP8 cache's default: FP8_BLOCK_N)
         decode_attention.BLOCK_N = decode_attention.FP8_BLOCK_N = args.block_n
     if args.num_stages:
         decode_attention.NUM_STAGES = args.num_stages
+    if args.num_warps:
+        decode_attention.NUM_WARPS = args.num_warps
     kv_dtype = cache_dtype(args.kv_cache_dtype, DTYPE)
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     cases = [tuple(int(v) for v in case.split(":")) for case in args.cases.split(",")]
@@ -132,7 +137,7 @@ def main() -> None:
         f"{props.name}, {num_sms} SMs, torch {torch.__version__}, triton {triton.__version__}, "
         f"{DTYPE}, cache {kv_dtype}, block {BLOCK_SIZE}, "
         f"tile {decode_attention._block_n(128, kv_dtype)} tokens (head_dim 128), "
-        f"{decode_attention.NUM_STAGES} stages, flash varlen: {'yes' if flash else 'n/a'}"
+        f"{decode_attention.NUM_STAGES} stages, {decode_attention.NUM_WARPS} warps, flash varlen: {'yes' if flash else 'n/a'}"
     )
     cols = (
         "shape",
