@@ -137,7 +137,8 @@ def main() -> None:
         f"{props.name}, {num_sms} SMs, torch {torch.__version__}, triton {triton.__version__}, "
         f"{DTYPE}, cache {kv_dtype}, block {BLOCK_SIZE}, "
         f"tile {decode_attention._block_n(128, kv_dtype)} tokens (head_dim 128), "
-        f"{decode_attention.NUM_STAGES} stages, {decode_attention.NUM_WARPS} warps, flash varlen: {'yes' if flash else 'n/a'}"
+        f"{decode_attention.NUM_STAGES} stages, {decode_attention.NUM_WARPS} warps, "
+        f"flash varlen: {'yes' if flash else 'n/a'}"
     )
     cols = (
         "shape",
