@@ -362,6 +362,10 @@ async def test_a_streamed_echo_carries_the_prompts_logprobs_in_its_first_chunk(s
     for k, choice in firsts.items():
         streamed, answered = choice["logprobs"], whole[k]["logprobs"]
         assert len(streamed["tokens"]) >= 300
-        for key in ("tokens", "text_offset", "token_logprobs"):
+        for key in ("tokens", "text_offset"):
             assert streamed[key][:300] == answered[key][:300], key
+        # The two requests may share their steps differently, and a batch of another shape sums in another
+        # order: equal up to fp32 rounding (CI saw -36.703148 against -36.703144).
+        assert streamed["token_logprobs"][0] is None is answered["token_logprobs"][0]
+        assert streamed["token_logprobs"][1:300] == pytest.approx(answered["token_logprobs"][1:300], abs=1e-4)
         assert whole[k]["text"].startswith(choice["text"])
