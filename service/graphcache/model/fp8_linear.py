@@ -167,7 +167,8 @@ def fp8_kernel_variant(layouts: frozenset[tuple[int, int] | None], num_tokens: i
     if not layouts:
         return ()
     rows: int | str | None = None
+    # Per-row scales: weight only (the GEMM kernel's BLOCK_M) up to WEIGHT_ONLY_MAX_ROWS, else x quantized.
     if None in layouts:
-        rows = 1 if num_tokens <= 1 else 16 if num_tokens <= fp8_gemm.WEIGHT_ONLY_MAX_ROWS else "a8"
+        rows = fp8_gemm.block_m(num_tokens, None) if num_tokens <= fp8_gemm.WEIGHT_ONLY_MAX_ROWS else "a8"
     blocks = sorted(fp8_gemm.block_m(num_tokens, b[1]) for b in layouts if b is not None)
     return ("fp8", rows, *blocks)
