@@ -171,11 +171,7 @@ class _Capture:
             except Exception as e:  # e.g. capture invalidated by an OOM or a sync inside it
                 log.warning("ending an aborted capture failed (%s); discarding it", e)
                 end_failed = True
-        # A capture_end that failed (at cudaStreamEndCapture) or a capture_begin that failed after
-        # beginAllocateToPool leaves the allocator routing this stream's allocations into the pool, and
-        # the next capture into it fails ("already recording"). Ending a pool that is not recording raises.
-        with contextlib.suppress(Exception):
-            torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), self.pool)
+        _end_pool_recording(self.pool)
         if end_failed:
             _reset_rng_capture_state()
         for seg in self.segments:
@@ -200,8 +196,15 @@ def _reset_rng_capture_state() -> None:
         g.reset()
     except Exception as e:
         log.warning("resetting the CUDA generators after a failed capture failed: %s", e)
-        with contextlib.suppress(Exception):  # as in abort: never leave the stream allocating into it
-            torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
+        _end_pool_recording(pool)
+
+
+def _end_pool_recording(pool: Any) -> None:
+    """A capture_end that failed (at cudaStreamEndCapture) or a capture_begin that failed after
+    beginAllocateToPool leaves the allocator routing this stream's allocations into `pool`, and the next
+    capture into it fails ("already recording"). Ends that; a pool that is not recording raises, ignored."""
+    with contextlib.suppress(Exception):
+        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
 
 
 # --- the capture stream and its cuBLAS workspace ---
