@@ -6,6 +6,7 @@ with NaN, replay, and compare with an eager run of the same step (never test on 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from dataclasses import fields
 
@@ -18,6 +19,7 @@ from graphcache.graphs.capture import (
     capture,
     eager_break,
     is_capturing,
+    pool_accepts_captures,
     release_workspaces,
 )
 from graphcache.graphs.descriptor import BatchDescriptor as D
@@ -156,10 +158,11 @@ def test_capture_raising_midway_leaves_next_capture_working():
 
 
 @pytest.mark.parametrize("segment", [0, 2])
-def test_an_invalidated_capture_leaves_the_pool_and_the_rng_working(segment):
+def test_an_invalidated_capture_spoils_only_its_pool_and_leaves_the_rng_working(segment):
     """A call CUDA refuses inside a capture (a device sync here; a Triton kernel's first load is another)
-    invalidates it, and capture_end then fails before it ends the pool's recording or the RNG's capture
-    state. Later captures into the same pool, and random numbers, must work as before."""
+    invalidates it, and capture_end then fails before it ends the pool's recording (device and pinned host
+    allocator) or the RNG's capture state. The pool is marked spoiled; a capture into it fails cleanly, and
+    one into a fresh pool, and random numbers, work as before."""
     w = Workload()
     w.step()
     pool = torch.cuda.graph_pool_handle()
@@ -179,7 +182,11 @@ def test_an_invalidated_capture_leaves_the_pool_and_the_rng_working(segment):
         capture(invalidated, backend="cuda", pool=pool)
     assert not is_capturing() and not torch.cuda.is_current_stream_capturing()
     assert torch.randn(8, device="cuda").isfinite().all()
-    g = capture(w.step, backend="cuda", pool=pool)
+    assert not pool_accepts_captures(pool)
+    with contextlib.suppress(RuntimeError):  # "already recording" where torch leaves the host pool recording
+        capture(w.step, backend="cuda", pool=pool)
+    assert torch.randn(8, device="cuda").isfinite().all()
+    g = capture(w.step, backend="cuda", pool=torch.cuda.graph_pool_handle())
     w.check_replay(g.replay)
 
 

@@ -101,33 +101,40 @@ def test_close_drops_replay():
 
 
 class _FakeGraph:
-    """torch.cuda.CUDAGraph's capture calls, recorded; capture_end raises while `failing` (an invalidated capture)."""
+    """torch.cuda.CUDAGraph's capture calls, recorded; `fail` names the call that raises, once: "end" (an
+    invalidated capture) or "begin" (a pool that still records)."""
 
     calls: list[tuple] = []
-    failing = True
+    fail = ""
 
     def capture_begin(self, pool=None, capture_error_mode=None) -> None:
         self.calls.append(("begin", pool))
+        if _FakeGraph.fail == "begin":
+            _FakeGraph.fail = ""
+            raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
 
     def capture_end(self) -> None:
         self.calls.append(("end",))
-        if _FakeGraph.failing:
-            _FakeGraph.failing = False  # only the aborted capture's end fails
+        if _FakeGraph.fail == "end":
+            _FakeGraph.fail = ""  # only the aborted capture's end fails
             raise RuntimeError("operation failed due to a previous error during capture")
 
     def reset(self) -> None:
         self.calls.append(("reset",))
 
 
-@pytest.mark.parametrize("end_fails", [True, False])
-def test_abort_ends_the_pools_recording_and_resets_the_generators_after_a_failed_end(monkeypatch, end_fails):
+@pytest.mark.parametrize("fail", ["end", "begin", ""])
+def test_abort_ends_the_pools_recording_and_resets_the_generators_after_a_failed_call(monkeypatch, fail):
     """The control flow of _Capture.abort (the CUDA calls faked; tests/gpu/test_graphs_cuda.py invalidates a real
-    capture): whatever failed, the pool's recording is ended; only after a capture_end that failed (which skips
-    the CUDA generators' epilogue) does one empty capture on a fresh pool run to reset them."""
+    capture): whatever failed, the pool's recording is ended; after a capture_begin or capture_end that failed
+    (either can leave the CUDA generators capturing) one empty capture on a fresh pool runs to reset them; and
+    a failed capture_end (which leaves the host allocator recording) spoils the pool for later captures."""
     from graphcache.graphs import capture as capture_module
 
-    _FakeGraph.calls, _FakeGraph.failing = [], end_fails
+    _FakeGraph.calls, _FakeGraph.fail = [], fail
     ended: list[tuple] = []
+    monkeypatch.setattr(capture_module, "_spoiled_pools", set())
+    monkeypatch.setattr(capture_module, "_spoiled_graphs", [])
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("fresh",))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -135,10 +142,16 @@ def test_abort_ends_the_pools_recording_and_resets_the_generators_after_a_failed
         torch._C, "_cuda_endAllocateToPool", lambda dev, pool: ended.append(pool), raising=False
     )
     active = capture_module._Capture("cuda", pool=("shared",))
-    active.begin_segment()
+    if fail == "begin":
+        with pytest.raises(RuntimeError, match="already recording"):
+            active.begin_segment()
+    else:
+        active.begin_segment()
     active.abort()
     assert ended == [("shared",)]
     reset_capture = [("begin", ("fresh",)), ("end",), ("reset",)]
-    tail = _FakeGraph.calls[2:]  # after the aborted segment's begin and end
-    assert tail[: len(reset_capture)] == (reset_capture if end_fails else [("reset",)])
+    tail = _FakeGraph.calls[2 if fail != "begin" else 1 :]  # after the aborted segment's begin (and end)
+    assert tail[: len(reset_capture)] == (reset_capture if fail else [("reset",)])
     assert active.segments == [] and active.open_graph is None
+    assert capture_module.pool_accepts_captures(("shared",)) == (fail != "end")
+    assert len(capture_module._spoiled_graphs) == (fail == "end")  # kept alive: torch still points at it

@@ -746,3 +746,39 @@ def test_warmed_retry_keeps_a_live_lazy_pool_and_renews_an_empty_ones_handle(mon
     assert cache.run(D(16, 16, True)) == "replay"  # cold capture into a new, empty pool fails: its reset may
     cold, retry = handles  # have released the pool, so the retry takes a new handle
     assert cold != retry and shared(cache, "lazy").handle == retry and cold != fresh
+
+
+def test_a_failed_capture_that_spoils_a_live_shared_pool_moves_its_kind_to_a_fresh_pool(monkeypatch):
+    """A capture_end that fails leaves torch's pinned host allocator recording into the pool (capture.py
+    _spoiled_pools), so that pool takes no capture again: the retry and every later capture of its kind go
+    into a fresh pool, while the old pool's graphs keep replaying and stay counted until they are dropped."""
+    import graphcache.graphs.backend as backend_mod
+
+    spoiled, handles, real = set(), [], backend_mod.capture
+
+    def fake(step, *, backend, pool=None, warmup=False):
+        handles.append(pool)
+        if not warmup and fail_cold:
+            spoiled.add(pool)  # what a real invalidated capture does to its pool
+            raise RuntimeError("operation failed due to a previous error during capture")
+        return real(step, backend=backend, pool=pool, warmup=warmup)
+
+    monkeypatch.setattr(backend_mod, "capture", fake)
+    monkeypatch.setattr(
+        backend_mod.EagerBackend, "accepts_captures", lambda self, handle: handle not in spoiled
+    )
+    fail_cold = False
+    cache, _ = make(warm_key=lambda d: d.num_tokens >= 4)  # two kernel families
+    cache.run(D(4, 4, True))  # family True, warm: the lazy pool's first graph
+    cache.run(D(1, 1, True))  # family False, warm: its second
+    old = shared(cache, "lazy")
+    fail_cold = True
+    handles.clear()
+    assert cache.run(D(8, 8, True)) == "replay"  # family True again: cold, fails, retried warm elsewhere
+    fresh = shared(cache, "lazy")
+    assert fresh is not old and handles == [old.handle, fresh.handle] and fresh.graphs == 1
+    assert cache.store.pools.retired == [old] and old.graphs == 2
+    assert cache.run(D(1, 1, True)) == "replay" and cache.run(D(4, 4, True)) == "replay"
+    cache.evict(D(1, 1, True))
+    cache.evict(D(4, 4, True))  # the old pool's last graph: it leaves the books
+    assert cache.store.pools.retired == [] and shared(cache, "lazy") is fresh

@@ -16,7 +16,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from graphcache.graphs.capture import BreakableGraph, capture
+from graphcache.graphs.capture import BreakableGraph, capture, pool_accepts_captures
 from graphcache.graphs.pool import EagerPool, all_graph_pools_bytes, pool_bytes
 
 __all__ = ["BACKENDS", "CaptureBackend", "CudaBackend", "EagerBackend", "make_backend"]
@@ -34,6 +34,10 @@ class CaptureBackend(Protocol):
 
     def capture(self, step: Callable[[], None], pool: Any, warmup: bool) -> BreakableGraph:
         """Record `step` into `pool` (capture.py's contract; warmup: run it eagerly first)."""
+        ...
+
+    def accepts_captures(self, handle: Any) -> bool:
+        """False once a failed capture left the pool `handle` unusable (capture.py's _spoiled_pools)."""
         ...
 
     def pool_bytes(self, handle: Any) -> int:
@@ -70,6 +74,9 @@ class CudaBackend:
     def capture(self, step: Callable[[], None], pool: Any, warmup: bool) -> BreakableGraph:
         return capture(step, backend="cuda", pool=pool, warmup=warmup)
 
+    def accepts_captures(self, handle: Any) -> bool:
+        return pool_accepts_captures(handle)
+
     def pool_bytes(self, handle: Any) -> int:
         return pool_bytes(handle)
 
@@ -102,6 +109,9 @@ class EagerBackend:
 
     def capture(self, step: Callable[[], None], pool: Any, warmup: bool) -> BreakableGraph:
         return capture(step, backend="eager", pool=pool, warmup=warmup)
+
+    def accepts_captures(self, handle: Any) -> bool:
+        return True
 
     def pool_bytes(self, handle: Any) -> int:
         return 0

@@ -40,6 +40,7 @@ __all__ = [
     "capture_stream",
     "eager_break",
     "is_capturing",
+    "pool_accepts_captures",
     "release_workspaces",
 ]
 
@@ -135,11 +136,16 @@ class _Capture:
         self.backend, self.pool, self.error_mode = backend, pool, error_mode
         self.segments: list[Any] = []  # torch.cuda.CUDAGraph | EagerStep, in replay order
         self.open_graph: torch.cuda.CUDAGraph | None = None
+        self.graph_call_failed = False  # a capture_begin or capture_end raised
 
     def begin_segment(self) -> None:
         g = torch.cuda.CUDAGraph()
         self.segments.append(g)  # appended first so abort() resets it whatever happens next
-        g.capture_begin(pool=self.pool, capture_error_mode=self.error_mode)
+        try:
+            g.capture_begin(pool=self.pool, capture_error_mode=self.error_mode)
+        except BaseException:
+            self.graph_call_failed = True  # capture_begin may have begun the generators' capture
+            raise
         self.open_graph = g
 
     def end_segment(self) -> None:
@@ -164,15 +170,15 @@ class _Capture:
     def abort(self) -> None:
         """Leave capture mode and drop every partial graph; never raises."""
         g, self.open_graph = self.open_graph, None
-        end_failed = False
         if g is not None:
             try:
                 g.capture_end()
             except Exception as e:  # e.g. capture invalidated by an OOM or a sync inside it
                 log.warning("ending an aborted capture failed (%s); discarding it", e)
-                end_failed = True
+                self.graph_call_failed = True
+                _spoil_pool(self.pool, g)
         _end_pool_recording(self.pool)
-        if end_failed:
+        if self.graph_call_failed:
             _reset_rng_capture_state()
         for seg in self.segments:
             if isinstance(seg, torch.cuda.CUDAGraph):
@@ -183,10 +189,32 @@ class _Capture:
         self.segments.clear()
 
 
+# Pools a failed capture_end left recording. torch (2.11) ends a capture's pool routing in the device
+# allocator and in the pinned host allocator only after cudaStreamEndCapture succeeds; the device one
+# _end_pool_recording ends, the host one has no Python call, and every later capture_begin into that
+# pool then fails ("beginAllocateToPool: already recording"). So such a pool takes no capture again:
+# its owner moves to a fresh one (store.py) and keeps the old one's graphs until they go.
+_spoiled_pools: set[Any] = set()
+# The failed captures' graphs, never freed: the host allocator's routing entry keeps a filter that
+# reads its graph's capture id on every pinned allocation, so the graph must outlive the process.
+_spoiled_graphs: list[torch.cuda.CUDAGraph] = []
+
+
+def _spoil_pool(pool: Any, graph: torch.cuda.CUDAGraph) -> None:
+    _spoiled_pools.add(tuple(pool))
+    _spoiled_graphs.append(graph)
+
+
+def pool_accepts_captures(pool: Any) -> bool:
+    """False for a pool a failed capture left recording (see _spoiled_pools): capture into a fresh one."""
+    return tuple(pool) not in _spoiled_pools
+
+
 def _reset_rng_capture_state() -> None:
-    """After a capture_end that failed: that call also skipped the CUDA generators' capture epilogue, so
-    they still count themselves as capturing and every later random op raises ("Offset increment outside
-    graph capture"). One empty capture runs the prologue and epilogue again. Never raises."""
+    """After a capture_begin or capture_end that failed: capture_end skips the CUDA generators' capture
+    epilogue when it fails, and capture_begin may fail after their prologue, so they still count
+    themselves as capturing and every later random op raises ("Offset increment outside graph
+    capture"). One empty capture into a fresh pool runs the prologue and epilogue again. Never raises."""
     g, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
     try:
         with warnings.catch_warnings():

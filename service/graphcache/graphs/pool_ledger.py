@@ -4,7 +4,9 @@ every pool holds (graphs/pool.py measures).
 Pinned entries share one "pinned" pool; lazily admitted (unpinned) entries share one "lazy" pool, or
 get a "private" pool each (evicting one returns exactly its bytes); which kind a capture takes is the
 policy's call. A shared pool's record is made with its first capture and dropped with its last graph;
-its handle is never captured into again (pool.py). Total bytes = pinned pool + lazy pool + every
+its handle is never captured into again (pool.py). A shared pool a failed capture spoiled is retired: its
+kind gets a fresh pool, and the retired one stays counted until its last graph goes. Total bytes = pinned
+pool + lazy pool + retired pools + every
 private pool. A shared entry's bytes are its pool's growth during its capture (0 when the pool had
 room); size hints are each descriptor's own-pool size, measured when it was captured into an empty pool.
 """
@@ -26,6 +28,8 @@ class PoolLedger:
         self.backend = backend
         # The shared pools by kind: each made on its first capture, dropped with its last graph.
         self.shared: dict[str, GraphPool | None] = {"pinned": None, "lazy": None}
+        # Shared pools that take no more captures (store.py _usable), counted until their last graph goes.
+        self.retired: list[GraphPool] = []
         self.size_hints: dict[BatchDescriptor, int] = {}  # measured bytes of past captures (own pool)
 
     def live(self, kind: str) -> GraphPool | None:
@@ -73,6 +77,18 @@ class PoolLedger:
     def forget(self, pool: GraphPool) -> None:
         if self.shared.get(pool.kind) is pool:
             self.shared[pool.kind] = None
+        if pool in self.retired:
+            self.retired.remove(pool)
+
+    def retire(self, pool: GraphPool) -> None:
+        """`pool` takes no more captures: the next capture of its kind gets a fresh pool; its graphs and
+        bytes stay counted here until the last of them is dropped."""
+        if self.shared.get(pool.kind) is pool:
+            self.shared[pool.kind] = None
+            self.retired.append(pool)
+
+    def _held(self) -> list[GraphPool]:
+        return [p for p in list(self.shared.values()) if p is not None] + list(self.retired)
 
     def size_hint(self, desc: BatchDescriptor) -> int:
         """Expected bytes of a capture of `desc`: its own past size, else the largest past
@@ -86,16 +102,15 @@ class PoolLedger:
 
     def total_bytes(self, entries: Iterable[CacheEntry]) -> int:
         """Allocator-measured: the pinned pool, the lazy pool and every private pool."""
-        shared = sum(p.bytes for p in list(self.shared.values()) if p is not None)
+        shared = sum(p.bytes for p in self._held())
         return shared + sum(e.bytes for e in list(entries) if e.pool.kind == "private")
 
     def kind_bytes(self, kind: str) -> int:
-        pool = self.shared.get(kind)
-        return pool.bytes if pool is not None else 0
+        return sum(p.bytes for p in self._held() if p.kind == kind)
 
     def rank_bytes(self, entries: Iterable[CacheEntry], ranks: int) -> list[int]:
         """Each tensor-parallel rank's own measurement of the pools held, in rank order."""
-        pools = [p for p in list(self.shared.values()) if p is not None]
+        pools = self._held()
         pools += [e.pool for e in list(entries) if e.pool.kind == "private"]
         return [
             sum(p.rank_bytes[r] if r < len(p.rank_bytes) else p.bytes for p in pools) for r in range(ranks)

@@ -132,14 +132,15 @@ class GraphStore:
         pool = self.pools.pool_for(kind)
         graph: BreakableGraph | None = None
         try:
-            graph, seconds = self._capture(desc, pool)
+            graph, seconds, pool = self._capture(desc, pool)
             size = int(self.measure_bytes(desc, pool.handle))
         except Exception as e:
             failed, detail = failure_of(e)
+            self._usable(pool)  # the next capture of this kind must not go into a spoiled pool
             return Attempt(desc, pool, graph, failed=failed, detail=detail)
         return Attempt(desc, pool, graph, size, seconds)
 
-    def _capture(self, desc: BatchDescriptor, pool: GraphPool) -> tuple[BreakableGraph, float]:
+    def _capture(self, desc: BatchDescriptor, pool: GraphPool) -> tuple[BreakableGraph, float, GraphPool]:
         key = self.warm_key(desc) if self.warm_key is not None else None
         warm = self.warm_always or key not in self._warmed
         # The step is looked up at each call: on the eager backend the graph re-runs it at every replay.
@@ -157,13 +158,26 @@ class GraphStore:
                 type(e).__name__,
                 e,
             )
-            if pool.graphs == 0:
-                # The failed capture's reset may have released a pool no graph holds: never capture
-                # into a released handle again (pool.py). A shared pool with live graphs stays valid.
-                pool.handle = self.backend.new_pool()
+            pool = self._usable(pool)
             graph = self.backend.capture(step, pool.handle, True)
         self._warmed.add(key)
-        return graph, self.clock() - t0
+        return graph, self.clock() - t0, pool
+
+    def _usable(self, pool: GraphPool) -> GraphPool:
+        """The pool to capture into after a failed capture into `pool`: `pool` itself while it can take
+        captures; else a fresh one of its kind (the ledger keeps the old one's graphs counted)."""
+        if pool.graphs == 0:
+            # The failed capture's reset may have released a pool no graph holds: never capture
+            # into a released handle again (pool.py). A shared pool with live graphs stays valid.
+            pool.handle = self.backend.new_pool()
+            return pool
+        if self.backend.accepts_captures(pool.handle):
+            return pool
+        log.warning(
+            "graph pool %s can take no more captures after a failed one; moving to a fresh one", pool.handle
+        )
+        self.pools.retire(pool)
+        return self.pools.pool_for(pool.kind)
 
     def hold(
         self,
