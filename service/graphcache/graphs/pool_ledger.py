@@ -6,8 +6,9 @@ get a "private" pool each (evicting one returns exactly its bytes); which kind a
 policy's call. A shared pool's record is made with its first capture and dropped with its last graph;
 its handle is never captured into again (pool.py). A shared pool a failed capture spoiled is retired: its
 kind gets a fresh pool, and the retired one stays counted until its last graph goes. Total bytes = pinned
-pool + lazy pool + retired pools + every private pool. A shared entry's bytes are its pool's growth during its capture (0 when the pool had
-room); size hints are each descriptor's own-pool size, measured when it was captured into an empty pool.
+pool + lazy pool + retired pools + every private pool. A shared entry's bytes are its pool's growth during
+its capture (0 when the pool had room); size hints are each descriptor's own-pool size, measured when it
+was captured into an empty pool.
 """
 
 from __future__ import annotations
