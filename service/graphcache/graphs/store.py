@@ -128,40 +128,38 @@ class GraphStore:
     # --- capture ---
     def capture(self, desc: BatchDescriptor, kind: PoolKind) -> Attempt:
         """Capture `desc` into the pool of `kind` (the live shared one, else a fresh one) and measure it.
-        Never raises for a failed capture: the attempt says why (its partial graphs are already dropped)."""
+        Never raises for a failed capture: the attempt says why (its partial graphs are already dropped)
+        and names the pool the last try went into."""
         pool = self.pools.pool_for(kind)
         graph: BreakableGraph | None = None
+        key = self.warm_key(desc) if self.warm_key is not None else None
+        warm = self.warm_always or key not in self._warmed
+        # The step is looked up at each call: on the eager backend the graph re-runs it at every replay.
+        step, t0 = (lambda: self.step_fn(desc)), self.clock()
         try:
-            graph, seconds, pool = self._capture(desc, pool)
+            try:
+                graph = self.backend.capture(step, pool.handle, warm)
+            except Exception as e:
+                if warm or not self.retry_cold:
+                    raise
+                # Something in this step still needed its first eager call (a kernel's lazy setup):
+                # capture.py has dropped the partial graphs; one more try, warmed up.
+                log.info(
+                    "capture of %s without a warm-up run failed (%s: %s); retrying after one",
+                    desc,
+                    type(e).__name__,
+                    e,
+                )
+                pool = self._usable(pool)
+                graph = self.backend.capture(step, pool.handle, True)
+            self._warmed.add(key)
+            seconds = self.clock() - t0
             size = int(self.measure_bytes(desc, pool.handle))
         except Exception as e:
             failed, detail = failure_of(e)
             self._usable(pool)  # the next capture of this kind must not go into a spoiled pool
             return Attempt(desc, pool, graph, failed=failed, detail=detail)
         return Attempt(desc, pool, graph, size, seconds)
-
-    def _capture(self, desc: BatchDescriptor, pool: GraphPool) -> tuple[BreakableGraph, float, GraphPool]:
-        key = self.warm_key(desc) if self.warm_key is not None else None
-        warm = self.warm_always or key not in self._warmed
-        # The step is looked up at each call: on the eager backend the graph re-runs it at every replay.
-        step, t0 = (lambda: self.step_fn(desc)), self.clock()
-        try:
-            graph = self.backend.capture(step, pool.handle, warm)
-        except Exception as e:
-            if warm or not self.retry_cold:
-                raise
-            # Something in this step still needed its first eager call (a kernel's lazy setup):
-            # capture.py has dropped the partial graphs; one more try, warmed up.
-            log.info(
-                "capture of %s without a warm-up run failed (%s: %s); retrying after one",
-                desc,
-                type(e).__name__,
-                e,
-            )
-            pool = self._usable(pool)
-            graph = self.backend.capture(step, pool.handle, True)
-        self._warmed.add(key)
-        return graph, self.clock() - t0, pool
 
     def _usable(self, pool: GraphPool) -> GraphPool:
         """The pool to capture into after a failed capture into `pool`: `pool` itself while it can take
