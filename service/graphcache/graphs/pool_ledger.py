@@ -101,7 +101,7 @@ class PoolLedger:
         return min(self.size_hints.values(), default=0)
 
     def total_bytes(self, entries: Iterable[CacheEntry]) -> int:
-        """Allocator-measured: the pinned pool, the lazy pool and every private pool."""
+        """Allocator-measured: the pinned pool, the lazy pool, the retired pools and every private pool."""
         shared = sum(p.bytes for p in self._held())
         return shared + sum(e.bytes for e in list(entries) if e.pool.kind == "private")
 
