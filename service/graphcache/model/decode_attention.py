@@ -44,6 +44,7 @@ import math
 
 import torch
 
+from graphcache.model.paged_inputs import paged_cache_dims
 from graphcache.model.triton_support import HAVE_TRITON, tl, triton
 
 __all__ = [
@@ -288,21 +289,7 @@ def paged_decode_attention(
     num_reqs, num_heads, head_dim = q.shape
     if num_reqs == 0:
         return
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    if num_heads % num_kv_heads or k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"q {tuple(q.shape)} vs k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)}"
-        )
-    if (
-        q.stride(2) != 1
-        or out.stride(2) != 1
-        or k_cache.stride(3) != 1
-        or v_cache.stride(3) != 1
-        or block_tables.stride(1) != 1
-    ):
-        raise ValueError("q, out, k_cache, v_cache need a contiguous head_dim, block_tables contiguous rows")
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size {block_size} must be a power of two")
+    block_size, num_kv_heads = paged_cache_dims(q, out, k_cache, v_cache, block_tables)
     req_stride = _req_stride(num_heads, head_dim, num_splits)
     if num_splits > 1 and workspace.numel() < num_reqs * req_stride:
         raise ValueError(
