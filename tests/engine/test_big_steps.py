@@ -42,6 +42,33 @@ def test_default_buckets_stop_where_steps_turn_gpu_bound():
     assert host_bound_buckets(ladder, decoder_params=6_980_000_000, num_layers=32) == [384]
 
 
+def test_fp8_per_row_weights_take_every_bucket(path):
+    """W8A8 steps stay host-bound at every size measured (capture_sizes' docstring): at the 8B shape, where
+    bf16 keeps 384 only, they pad to every bucket up to the token limit; without graphs still none."""
+    s = cpu_settings(path, max_num_batched_tokens=2048)
+    params = {"decoder_params": 6_980_000_000, "num_layers": 32}
+    sizes, bf16 = resolve_capture_sizes(s, graphs=True, **params)
+    _, fp8 = resolve_capture_sizes(s, graphs=True, quantized_activations=True, **params)
+    assert [b for b in bf16 if b > sizes.max] == host_bound_buckets(mixed_buckets(sizes.max, 2048), **params)
+    assert [b for b in fp8 if b > sizes.max] == mixed_buckets(sizes.max, 2048)
+    assert fp8.max == 2048
+    _, eager = resolve_capture_sizes(s, graphs=False, quantized_activations=True, **params)
+    assert list(eager) == list(sizes)
+
+
+@pytest.mark.parametrize("quantization", ["auto", "fp8"])
+def test_the_runner_names_per_row_fp8_weights_to_the_rule(path, monkeypatch, quantization):
+    seen = {}
+
+    def recording(*args, **kwargs):
+        seen.update(kwargs)
+        return resolve_capture_sizes(*args, **kwargs)
+
+    monkeypatch.setattr("graphcache.engine.worker.runner.resolve_capture_sizes", recording)
+    ModelRunner(cpu_settings(path, quantization=quantization))
+    assert seen["quantized_activations"] is (quantization == "fp8")
+
+
 def test_resolve_capture_sizes(path):
     s = cpu_settings(path)
     sizes, mixed = resolve_capture_sizes(s, graphs=False, decoder_params=1, num_layers=1)

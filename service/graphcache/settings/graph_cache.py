@@ -54,7 +54,8 @@ class GraphCacheSettings(SettingsSection):
         "max_capture_size or past max_num_batched_tokens are ignored). Default: 384, 512, 768, 1024, 1536, ... "
         "(x1.5 / x1.33 apart) up to max_num_batched_tokens, only with CUDA graphs, and "
         "only the buckets whose padded GEMM time stays below an eager step's launch time at this model's size "
-        "(larger steps are GPU-bound: a graph saves nothing and padding costs). [] = none.",
+        "(larger steps are GPU-bound: a graph saves nothing and padding costs); per-row FP8 weights take every "
+        "bucket (their eager steps stay host-bound). [] = none.",
     )
     mixed_capture_mode: CaptureMode = Field(
         "full",

@@ -12,6 +12,13 @@ layers) this keeps 384..6144; at Llama-3-8B (7.0B, 32 layers) 384 only. The cons
 (bf16 GEMMs at ~40% of peak, the 0.5B eager step's ~13 ms of launches); benchmarks/big_steps.py
 measures both sides at each size, and a deployment that knows better sets mixed_capture_sizes.
 Without a CUDA graph backend there is nothing to save, so no buckets.
+
+FP8 weights with per-row scales (W8A8: x quantized per row, then cuBLASLt's row-scaled GEMM) take every
+bucket. Their GEMMs run at about twice bf16's rate and each linear layer launches two kernels instead of
+one, so their eager mixed steps stay host-bound at every size up to 2,048 tokens at 8B. Measured on two
+H100 hosts, realistic workload: graphs up to 2,048 took the mixed steps from 41.2 to 39.9 ms and from 48.4
+to 40.2 ms (+2.4% and +20% throughput). The same graphs made bf16 8B 1-3% slower on both hosts (BENCHMARKS
+§29, §30).
 """
 
 from __future__ import annotations
@@ -37,16 +44,24 @@ def host_bound_buckets(buckets: list[int], *, decoder_params: int, num_layers: i
 
 
 def resolve_capture_sizes(
-    settings: Settings, *, graphs: bool, decoder_params: int, num_layers: int
+    settings: Settings,
+    *,
+    graphs: bool,
+    decoder_params: int,
+    num_layers: int,
+    quantized_activations: bool = False,
 ) -> tuple[CaptureSizes, CaptureSizes]:
     """(sizes, mixed_sizes): what decode steps pad to, and what mixed steps pad to (sizes plus the
     buckets above them, never past max_num_batched_tokens: no step is bigger). graphs: the runner
     captures real CUDA graphs (the default buckets apply only then); decoder_params: this rank's
-    weights in the decoder layers (the GEMMs every token runs through)."""
+    weights in the decoder layers (the GEMMs every token runs through); quantized_activations: the
+    linear layers quantize x per row before their GEMMs (FP8 per-row weights: every bucket, see above)."""
     sizes = CaptureSizes(settings.graph_cache.resolved_capture_sizes())
     limit = settings.engine.max_num_batched_tokens
     if settings.graph_cache.mixed_capture_sizes is not None:
         buckets = [b for b in settings.graph_cache.mixed_capture_sizes if sizes.max < b <= limit]
+    elif graphs and quantized_activations:
+        buckets = mixed_buckets(sizes.max, limit)
     elif graphs:
         buckets = host_bound_buckets(
             mixed_buckets(sizes.max, limit), decoder_params=decoder_params, num_layers=num_layers

@@ -145,7 +145,11 @@ class ModelRunner(StepExecution):
         self.backend = "cuda" if self.device.type == "cuda" and not s.graph_cache.enforce_eager else "eager"
         decoder_params = self.model.active_decoder_params()
         self.sizes, self.mixed_sizes = resolve_capture_sizes(
-            s, graphs=self.backend == "cuda", decoder_params=decoder_params, num_layers=c.num_layers
+            s,
+            graphs=self.backend == "cuda",
+            decoder_params=decoder_params,
+            num_layers=c.num_layers,
+            quantized_activations=None in self.fp8_layouts,  # per-row FP8 weights: x quantized per row
         )
         self._warmup_descs = warmup_descriptors(
             s, self.sizes, self.mixed_sizes, graphs=self.backend == "cuda"
