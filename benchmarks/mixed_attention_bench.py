@@ -239,7 +239,7 @@ def main() -> None:
         for case in args.cases.split(","):
             reqs = CASES[case]
             st = Step(heads, reqs, args.block_size, kv_dtype)
-            base = choose_config(group, heads[2], st.max_q)
+            base = choose_config(group, heads[2], st.max_q, torch.empty((), dtype=kv_dtype).element_size())
             config = UnifiedConfig(
                 block_m=args.block_m or base.block_m,
                 block_n=args.block_n or base.block_n,

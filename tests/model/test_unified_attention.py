@@ -210,6 +210,11 @@ def test_choose_config():
     assert choose_config(7, 64, 192).block_m == 64
     assert choose_config(32, 128, 1).block_m == 32
     assert choose_config(4, 256, 100).block_n == 32
+    # An FP8 cache: 128-token K/V tiles up to head_dim 128 (half the bytes a token), in decode and chunked steps.
+    assert (
+        choose_config(4, 128, 1, kv_bytes=1).block_n == choose_config(4, 128, 192, kv_bytes=1).block_n == 128
+    )
+    assert choose_config(4, 128, 192).block_n == 64 and choose_config(4, 256, 100, kv_bytes=1).block_n == 32
 
 
 # ---------------------------------------------------------------------------------------------- GPU

@@ -110,10 +110,12 @@ class AttentionPlanner:
         dtype: torch.dtype,
         device: torch.device,
         prefill_kernel: str = "",
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         """prefill_kernel: the dense kernel of fresh prompts on the triton kernel ("": none;
-        model/prefill_attention.py select_prefill_kernel)."""
+        model/prefill_attention.py select_prefill_kernel). kv_dtype: the cache's (default: dtype)."""
         self.kernel, self.block_size, self.dtype, self.device = kernel, block_size, dtype, device
+        self.kv_bytes = (kv_dtype or dtype).itemsize  # the unified kernel's tiles follow it (choose_config)
         self.prefill_kernel = prefill_kernel
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -170,7 +172,7 @@ class AttentionPlanner:
         The tile shape is the chunked one: a fixed graph cannot pick it per step."""
         if self.kernel != "triton":
             raise RuntimeError(f"plan_in_graph needs the triton attention kernel, not {self.kernel!r}")
-        config = choose_config(self.num_heads // self.num_kv_heads, self.head_dim, max_query_len=2)
+        config = choose_config(self.num_heads // self.num_kv_heads, self.head_dim, 2, self.kv_bytes)
         return AttentionMetadata(
             num_real_tokens=0,
             kernel="triton",
@@ -252,7 +254,10 @@ class AttentionPlanner:
         max_q = max(q_lens)
         # The tile shape of the rows the unified launch still runs (decode-sized when only decodes are left).
         config = choose_config(
-            self.num_heads // self.num_kv_heads, self.head_dim, max(q_lens[:unified_reqs], default=1)
+            self.num_heads // self.num_kv_heads,
+            self.head_dim,
+            max(q_lens[:unified_reqs], default=1),
+            self.kv_bytes,
         )
         return AttentionMetadata(
             num_real_tokens=num_real_tokens,

@@ -74,19 +74,23 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
 
-def choose_config(group: int, head_dim: int, max_query_len: int) -> UnifiedConfig:
+def choose_config(group: int, head_dim: int, max_query_len: int, kv_bytes: int = 2) -> UnifiedConfig:
     """The tile shape for a step whose longest request feeds max_query_len tokens (a host int).
     Decode-only steps want the smallest M that holds the G packed heads (16: tl.dot's minimum);
     steps with chunks want a taller M so each K/V tile is reused by more query rows. Not yet tuned
     on the H200: benchmarks/mixed_attention_bench.py overrides every field from its command line.
     What ptxas reports for sm_90a (bf16, compiled offline): these defaults spill nothing (D 64, M 64:
     ~135 registers; D 128, M 64: ~180 with wgmma; D 256, M 32: ~190); D 128 at M 128 needs 8 warps,
-    and fp32 (ieee dots, a correctness path) spills at M 64, D 128."""
+    and fp32 (ieee dots, a correctness path) spills at M 64, D 128. kv_bytes: the cache's element size; an
+    FP8 cache (1) takes 128-token K/V tiles up to D 128: half the bytes a token, so twice the tokens in the
+    same shared memory. At the 8B shape (H100) that is 5-6% faster on decode-only and mixed steps and 2%
+    slower on an 8 x 1,024 prefill (BENCHMARKS §30; its sweep in §28: 7-11% in 3 of 4 steps)."""
     group_rows = max(16, _next_pow2(group))
+    block_n = (128 if kv_bytes == 1 else 64) if head_dim <= 128 else 32
     if max_query_len <= 1:
-        return UnifiedConfig(block_m=group_rows, block_n=64 if head_dim <= 128 else 32)
+        return UnifiedConfig(block_m=group_rows, block_n=block_n)
     block_m = max(group_rows, 64 if head_dim <= 128 else 32)
-    return UnifiedConfig(block_m=block_m, block_n=64 if head_dim <= 128 else 32, num_warps=4)
+    return UnifiedConfig(block_m=block_m, block_n=block_n, num_warps=4)
 
 
 def _unified_kernel(
@@ -246,7 +250,9 @@ def unified_attention(
         return
     block_size, num_kv_heads = paged_cache_dims(q, out, k_cache, v_cache, block_tables)
     group = num_heads // num_kv_heads
-    cfg = config or choose_config(group, head_dim, num_tokens if max_query_len is None else max_query_len)
+    cfg = config or choose_config(
+        group, head_dim, num_tokens if max_query_len is None else max_query_len, k_cache.element_size()
+    )
     if cfg.block_m < group or cfg.block_m < 16 or cfg.block_m & (cfg.block_m - 1):
         raise ValueError(
             f"block_m {cfg.block_m} must be a power of two >= max(16, heads per KV head {group})"

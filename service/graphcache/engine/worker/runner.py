@@ -194,6 +194,7 @@ class ModelRunner(StepExecution):
             prefill_kernel=select_prefill_kernel(
                 s.model.prefill_attention, self.device, self.dtype, c.head_dim, self.attention_kernel
             ),
+            kv_dtype=self.kv_dtype,
         )
         self.decode_kernel = select_decode_kernel(
             self.device, self.dtype, c.head_dim, self.block_size, s.model.decode_attention_backend
