@@ -14,7 +14,7 @@ measures both sides at each size, and a deployment that knows better sets mixed_
 Without a CUDA graph backend there is nothing to save, so no buckets.
 
 FP8 weights with per-row scales (W8A8: x quantized per row, then cuBLASLt's row-scaled GEMM) take every
-bucket. Their GEMMs run at about twice bf16's rate and each linear layer launches two kernels instead of
+bucket. Their GEMMs run at about 1.5x bf16's rate and each linear layer launches two kernels instead of
 one, so their eager mixed steps stay host-bound at every size up to 2,048 tokens at 8B. Measured on two
 H100 hosts, realistic workload: graphs up to 2,048 took the mixed steps from 41.2 to 39.9 ms and from 48.4
 to 40.2 ms (+2.4% and +20% throughput). The same graphs made bf16 8B 1-3% slower on both hosts (BENCHMARKS
