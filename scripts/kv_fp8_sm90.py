@@ -40,7 +40,7 @@ def decode_stage1():
 
 
 def unified_chunked():
-    cfg = unified_attention.choose_config(GROUP, HEAD_DIM, 1024)
+    cfg = unified_attention.choose_config(GROUP, HEAD_DIM, 1024, kv_bytes=1)  # the FP8 cache's tiles
     sig = {"q_ptr": "*bf16", **KV, "out_ptr": "*bf16", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32"}
     sig |= {"bt_ptr": "*i32", "qk_scale": "fp32", "num_reqs": "i32"}
     sig |= dict.fromkeys(["stride_qt", "stride_qh", *STRIDES, "stride_ot", "stride_oh"], "i32")
