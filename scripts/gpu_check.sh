@@ -23,6 +23,10 @@ phase() {  # name, timeout seconds, command...
   awk -F', *' 'NF >= 3 && $3 > 250 { n++; if (!lo || $1 < lo) lo = $1; if ($1 > hi) hi = $1; if ($2 > t) t = $2
     if ($3 > w) w = $3 } END { if (n) printf "    gpu busy: SM clock %d-%d MHz, up to %d C and %d W (%d s)\n",
     lo, hi, t, w, n }' "$OUT/$name.gpu.csv"
+  # At most 8 files come back from the device: every log so far, packed again after each phase, returns even
+  # when a later phase runs the call out of time (the per-second CSV has been summarized above).
+  rm -f "$OUT/$name.gpu.csv"
+  (cd "$OUT" && find . -name '*.log' | tar czf logs.tgz -T - 2>/dev/null)
 }
 old_bench_files() {  # this tree's benchmark files into the old tree (.old); a tree from before the engine's
   # stage folders (no engine/loop) gets the old module paths
