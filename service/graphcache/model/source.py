@@ -118,6 +118,7 @@ def fetch_hub_model(repo_id: str, revision: str | None, progress: DownloadProgre
     from huggingface_hub import snapshot_download  # imported here: the CLI's preflight never needs it
 
     reporter = _Reporter(repo_id, progress)
+    cached_before = _cached_blobs(repo_id)
     t0 = time.monotonic()
     log.info(
         "model %s (revision %s): from the Hugging Face cache, downloading what it lacks",
@@ -155,7 +156,8 @@ def fetch_hub_model(repo_id: str, revision: str | None, progress: DownloadProgre
         raise
     except Exception as exc:  # noqa: BLE001 - every failure of the library becomes one line with a fix
         raise ModelSourceError(hub_error_message(exc, repo_id, revision)) from exc
-    reporter.finish()
+    new_blobs = _cached_blobs(repo_id).items() - cached_before.items()
+    reporter.finish(sum(size for _, size in new_blobs) if new_blobs else None)
     log.info(
         "model %s: ready in %.1fs at %s (%d files fetched, %.1f MB)",
         repo_id,
@@ -277,6 +279,7 @@ class _Reporter:
         self._logged = time.monotonic()
         self._last_files_done = 0
         self._calls = 0
+        self.fetched: int | None = None  # set by finish: the bytes the download added to the cache
 
     @property
     def files_seen(self) -> int:
@@ -297,7 +300,7 @@ class _Reporter:
 
     @property
     def bytes_done(self) -> int:
-        return self._bytes()[0]
+        return self._bytes()[0] if self.fetched is None else self.fetched
 
     def snapshot(self) -> dict[str, Any]:
         files = self._file_bars.values()
@@ -332,12 +335,16 @@ class _Reporter:
             if self.progress is not None:  # under the lock: reports arrive in order, the last is the latest
                 self.progress(report)
 
-    def finish(self) -> None:
-        """The last report: the download is over, so every byte it was to fetch is done."""
+    def finish(self, fetched: int | None = None) -> None:
+        """The last report: the download is over, so every byte it was to fetch is done. fetched: the bytes
+        the cache gained (exact where the bars can be short: the library updates them from its download
+        threads); None: the bars' count."""
         with self._lock:
+            if fetched is not None:
+                self.fetched = fetched
             if self.progress is not None:
                 report = self.snapshot()
-                report["bytes_total"] = report["bytes_done"]
+                report["bytes_done"] = report["bytes_total"] = self.bytes_done
                 self.progress(report)
 
     def bar_class(self) -> type:
@@ -365,6 +372,18 @@ class _Reporter:
                 return shown
 
         return ReportingBar
+
+
+def _cached_blobs(repo_id: str) -> dict[str, int]:
+    """{blob: bytes} of the model repo's finished blobs in the hub cache (snapshot_download's default cache,
+    where fetch_hub_model downloads): the files a download adds show up here."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    blobs = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") / "blobs"
+    if not blobs.is_dir():
+        return {}
+    return {p.name: p.stat().st_size for p in blobs.iterdir() if p.is_file() and p.suffix != ".incomplete"}
 
 
 class _Discard:
